@@ -1,0 +1,59 @@
+"""The contract between the scheduler and the model runner for one engine step.
+
+The scheduler decides, per request, how many new tokens to compute this step and which KV blocks
+hold its history; the runner turns that into tensors, runs one forward pass and samples.
+Both live in one process, so a scheduled entry carries the Request itself: the runner reads its
+token ids, sampling params and output history (for penalties) from it and never mutates it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prefixserve.request import Request
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    # Tokens request.all_token_ids[num_computed_tokens : num_computed_tokens + num_new_tokens]
+    # are computed this step, at positions with the same indices.
+    num_computed_tokens: int
+    num_new_tokens: int
+    # One block-id list per KV-cache group (group order = KVCacheConfig.groups order). Entry i
+    # holds positions [i * block_size, (i + 1) * block_size). Block id 0 is the null block: a
+    # placeholder for blocks a sliding-window group released; its contents are never read.
+    block_ids: tuple[list[int], ...]
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the request's last known token, so a token is sampled."""
+        return self.num_computed_tokens + self.num_new_tokens >= self.request.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    # Requests finished, aborted or preempted since the previous step: the runner drops any
+    # per-request state it keeps for them (e.g. seeded generators of finished ones).
+    finished_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+# One position's logprobs: the chosen token's (token_id, logprob, rank) first, then the top-N
+# (token_id, logprob, rank) in descending order. rank is 1-based.
+PositionLogprobs = list[tuple[int, float, int]]
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    # request_id -> sampled token id, for every scheduled request whose chunk `samples`.
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    # request_id -> logprobs of the sampled token (only when sampling_params.logprobs is set).
+    logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)
+    # request_id -> logprobs of prompt positions 1.. covered by this chunk, in order (only when
+    # sampling_params.prompt_logprobs is set). Prompt position 0 has no logprob (vLLM: None).
+    prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)

@@ -1,0 +1,45 @@
+"""What the engine returns to callers, shaped like vLLM's RequestOutput."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# vLLM's shape: per position, {token_id: Logprob}.
+from prefixserve.batch import PositionLogprobs
+
+
+@dataclass(slots=True)
+class Logprob:
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+SampleLogprobs = list[dict[int, Logprob]]
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+def to_logprob_dict(entry: PositionLogprobs) -> dict[int, Logprob]:
+    """Turn a runner (token_id, logprob, rank) list into vLLM's {token_id: Logprob} dict."""
+    return {token_id: Logprob(logprob, rank) for token_id, logprob, rank in entry}
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: SampleLogprobs | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: PromptLogprobs | None
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    finished: bool = False

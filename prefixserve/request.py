@@ -1,0 +1,149 @@
+"""A request inside the engine: its tokens, its status and its block hashes."""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from prefixserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    # Everything after this is finished.
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH_CAPPED = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {
+            RequestStatus.FINISHED_STOPPED: "stop",
+            RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+            RequestStatus.FINISHED_ABORTED: "abort",
+        }.get(self)
+
+
+@dataclass(frozen=True, slots=True)
+class MultiModalFeature:
+    """A placeholder run of prompt positions filled by one multimodal item."""
+
+    identifier: str  # content hash of the item
+    offset: int  # first prompt position it occupies
+    length: int  # number of positions
+
+
+# A block hasher returns the hashes of the request's blocks that became full since it was last
+# called (see kv_cache.hashing.get_request_block_hasher).
+BlockHasher = Callable[["Request"], list[Any]]
+
+
+class Request:
+    """One sequence being generated. `n > 1` prompts become n Requests sharing a prompt."""
+
+    __slots__ = (
+        "request_id",
+        "prompt_token_ids",
+        "sampling_params",
+        "eos_token_id",
+        "arrival_time",
+        "lora_name",
+        "cache_salt",
+        "mm_features",
+        "prompt_embeds",
+        "all_token_ids",
+        "output_token_ids",
+        "num_computed_tokens",
+        "num_cached_tokens",
+        "num_preemptions",
+        "status",
+        "stop_reason",
+        "block_hashes",
+        "_block_hasher",
+        "max_tokens",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | None = None,
+        block_hasher: BlockHasher | None = None,
+        arrival_time: float | None = None,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        mm_features: list[MultiModalFeature] | None = None,
+        prompt_embeds: Any = None,
+        max_tokens: int | None = None,
+    ) -> None:
+        if not prompt_token_ids:
+            raise ValueError("a request needs at least one prompt token")
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.lora_name = lora_name
+        self.cache_salt = cache_salt
+        self.mm_features = mm_features or []
+        # Any object with len() and slicing whose slices have .tobytes() (e.g. a numpy array of
+        # shape [num_prompt_tokens, hidden]); only its digest enters the block hashes.
+        self.prompt_embeds = prompt_embeds
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 = not yet
+        self.num_preemptions = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        # The effective output cap (sampling max_tokens clipped by the context length).
+        self.max_tokens = sampling_params.max_tokens if max_tokens is None else max_tokens
+        self.block_hashes: list[Any] = []
+        self._block_hasher = block_hasher
+        if block_hasher is not None:
+            self.block_hashes.extend(block_hasher(self))
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def skip_reading_prefix_cache(self) -> bool:
+        return self.sampling_params.skips_prefix_cache_read
+
+    def append_output_token_ids(self, token_ids: int | list[int]) -> None:
+        """Append generated tokens and hash any block they complete."""
+        if isinstance(token_ids, int):
+            token_ids = [token_ids]
+        self.output_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)
+        if self._block_hasher is not None:
+            self.block_hashes.extend(self._block_hasher(self))
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, status={self.status.name})"
+        )
