@@ -1,0 +1,225 @@
+"""Block hashing: hash functions, the NONE_HASH seed, extra keys and the incremental request hasher.
+
+A full block's hash chains its parent's hash, its own token ids and its extra keys:
+
+    block_hash = H(parent_hash || len(tokens) || tokens as little-endian int32 || extra keys)
+
+Everything that enters H is serialized canonically (fixed-width little-endian integers, tagged and
+length-prefixed values), never pickled, so equal inputs give equal hashes on every machine and
+Python version. The first block's parent is NONE_HASH, a per-process seed that is derived from
+PYTHONHASHSEED when it is set (hashes are then reproducible across processes) and random otherwise.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+import sys
+from array import array
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import xxhash
+
+if TYPE_CHECKING:
+    from prefixserve.request import Request
+
+BlockHash = bytes
+HashFn = Callable[[bytes], bytes]
+# Extra keys of one block: a tuple of str / int / bytes / tuples of them, or None.
+ExtraKeys = tuple[Any, ...] | None
+
+# Token ids are serialized as little-endian int32 (every vocabulary fits; 4 bytes keep a 16-token
+# block plus its parent within two SHA-256 compression rounds).
+_TOKEN_TYPECODE = "i"
+assert array(_TOKEN_TYPECODE).itemsize == 4
+_SWAP_BYTES = sys.byteorder != "little"
+_COUNT = struct.Struct("<I")
+_NO_EXTRA = b"\x00"
+_HAS_EXTRA = b"\x01"
+
+
+def _sha256(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+_HASH_FUNCTIONS: dict[str, HashFn] = {
+    "sha256": _sha256,
+    "xxhash": xxhash.xxh3_128_digest,
+}
+
+
+def get_hash_fn(name: str) -> HashFn:
+    """Return the hash function called `name` ("sha256" or "xxhash", i.e. xxh3-128).
+
+    Raises ValueError naming the valid choices for an unknown name.
+    """
+    try:
+        return _HASH_FUNCTIONS[name]
+    except (KeyError, TypeError):
+        valid = ", ".join(sorted(_HASH_FUNCTIONS))
+        raise ValueError(f"unknown prefix-cache hash function {name!r}; valid: {valid}") from None
+
+
+def _resolve(hash_fn: str | HashFn) -> HashFn:
+    return get_hash_fn(hash_fn) if isinstance(hash_fn, str) else hash_fn
+
+
+NONE_HASH: BlockHash = b""
+
+
+def init_none_hash(hash_fn: str | HashFn = "sha256") -> BlockHash:
+    """Set (and return) NONE_HASH, the parent hash of every request's first block.
+
+    Derived from PYTHONHASHSEED when that is set, so separate processes agree on every block hash;
+    random otherwise. Call it before any request is hashed (module import calls it with sha256).
+    """
+    global NONE_HASH
+    seed = os.environ.get("PYTHONHASHSEED")
+    if seed is None or seed == "random":
+        NONE_HASH = os.urandom(32)
+    else:
+        NONE_HASH = _resolve(hash_fn)(b"prefixserve-none-hash:" + seed.encode())
+    return NONE_HASH
+
+
+init_none_hash()
+
+
+# ---------------------------------------------------------------------------- serialization
+
+
+def _encode(value: Any, out: bytearray) -> None:
+    """Append a canonical, unambiguous encoding of `value` to `out`."""
+    if value is None:
+        out += b"N"
+    elif value is True or value is False:
+        out += b"T" if value else b"F"
+    elif isinstance(value, int):
+        raw = value.to_bytes((value.bit_length() + 8) // 8, "little", signed=True)
+        out += b"I" + _COUNT.pack(len(raw)) + raw
+    elif isinstance(value, str):
+        raw = value.encode("utf-8")
+        out += b"S" + _COUNT.pack(len(raw)) + raw
+    elif isinstance(value, bytes | bytearray | memoryview):
+        raw = bytes(value)
+        out += b"B" + _COUNT.pack(len(raw)) + raw
+    elif isinstance(value, tuple | list):
+        out += b"L" + _COUNT.pack(len(value))
+        for item in value:
+            _encode(item, out)
+    else:
+        raise TypeError(f"cannot hash an extra key of type {type(value).__name__}: {value!r}")
+
+
+def encode_extra_keys(extra_keys: ExtraKeys) -> bytes:
+    """Canonical bytes of a block's extra keys (one byte when there are none)."""
+    if extra_keys is None:
+        return _NO_EXTRA
+    out = bytearray(_HAS_EXTRA)
+    _encode(extra_keys, out)
+    return bytes(out)
+
+
+def _pack_tokens(token_ids: Sequence[int]) -> bytes:
+    try:
+        packed = array(_TOKEN_TYPECODE, token_ids)
+    except OverflowError:
+        raise ValueError("token ids must fit in a signed 32-bit integer") from None
+    if _SWAP_BYTES:
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def hash_block_tokens(
+    hash_fn: str | HashFn,
+    parent_block_hash: BlockHash | None,
+    token_ids: Sequence[int],
+    extra_keys: ExtraKeys = None,
+) -> BlockHash:
+    """Hash one block: its parent's hash (NONE_HASH when None), its token ids, its extra keys."""
+    parent = NONE_HASH if parent_block_hash is None else parent_block_hash
+    data = parent + _COUNT.pack(len(token_ids)) + _pack_tokens(token_ids)
+    return _resolve(hash_fn)(data + encode_extra_keys(extra_keys))
+
+
+# ---------------------------------------------------------------------------- extra keys
+
+
+def generate_block_extra_keys(
+    request: Request, start: int, end: int, hash_fn: str | HashFn = "sha256"
+) -> ExtraKeys:
+    """Extra keys of the block covering token positions [start, end) of `request`, or None.
+
+    In order: the LoRA adapter name; `(identifier, offset - start)` for every multimodal item
+    overlapping the block; the cache salt (first block only); a digest of the block's prompt
+    embeddings (only for positions inside the prompt, when the request carries embeddings).
+    """
+    keys: list[Any] = []
+    if request.lora_name is not None:
+        keys.append(request.lora_name)
+    for feature in request.mm_features:
+        if feature.offset < end and feature.offset + feature.length > start:
+            keys.append((feature.identifier, feature.offset - start))
+    if start == 0 and request.cache_salt is not None:
+        keys.append(request.cache_salt)
+    embeds = request.prompt_embeds
+    if embeds is not None:
+        stop = min(end, len(embeds))
+        if start < stop:
+            keys.append(_resolve(hash_fn)(embeds[start:stop].tobytes()))
+    return tuple(keys) if keys else None
+
+
+def _may_have_extra_keys(request: Request) -> bool:
+    return bool(
+        request.lora_name is not None
+        or request.mm_features
+        or request.cache_salt is not None
+        or request.prompt_embeds is not None
+    )
+
+
+# ---------------------------------------------------------------------------- request hasher
+
+
+def get_request_block_hasher(
+    block_size: int, hash_fn: str | HashFn = "sha256"
+) -> Callable[[Request], list[BlockHash]]:
+    """Return the incremental hasher a Request calls on creation and after each append.
+
+    Each call returns the hashes of the blocks that became full since `request.block_hashes` was
+    last extended (the request appends them). Partial trailing blocks are never hashed.
+    """
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+    fn = _resolve(hash_fn)
+    header = _COUNT.pack(block_size)
+    stride = 4 * block_size
+
+    def request_block_hasher(request: Request) -> list[BlockHash]:
+        hashes = request.block_hashes
+        tokens = request.all_token_ids
+        start_block = len(hashes)
+        num_full = len(tokens) // block_size
+        if num_full <= start_block:
+            return []
+        start = start_block * block_size
+        raw = _pack_tokens(tokens[start : num_full * block_size])
+        parent = hashes[-1] if hashes else NONE_HASH
+        new: list[BlockHash] = []
+        append = new.append
+        if not _may_have_extra_keys(request):
+            for offset in range(0, len(raw), stride):
+                parent = fn(parent + header + raw[offset : offset + stride] + _NO_EXTRA)
+                append(parent)
+            return new
+        for i, offset in enumerate(range(0, len(raw), stride)):
+            block_start = start + i * block_size
+            extra = generate_block_extra_keys(request, block_start, block_start + block_size, fn)
+            parent = fn(parent + header + raw[offset : offset + stride] + encode_extra_keys(extra))
+            append(parent)
+        return new
+
+    return request_block_hasher

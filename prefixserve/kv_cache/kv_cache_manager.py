@@ -1,0 +1,259 @@
+"""KVCacheManager: what the scheduler calls to look up, allocate, cache and free KV blocks."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from dataclasses import dataclass
+from functools import partial
+
+from prefixserve.kv_cache.block_pool import BlockPool, KVCacheBlock
+from prefixserve.kv_cache.coordinator import KVCacheCoordinator
+from prefixserve.kv_cache.events import KVCacheEvent
+from prefixserve.kv_cache.hashing import generate_block_extra_keys, get_hash_fn
+from prefixserve.kv_cache.spec import KVCacheConfig
+from prefixserve.request import Request
+
+
+@dataclass(slots=True)
+class KVCacheBlocks:
+    """Blocks of one request, one list per KV-cache group (group order = config.groups order)."""
+
+    blocks: tuple[list[KVCacheBlock], ...]
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        """Block ids per group."""
+        return tuple([block.block_id for block in group] for group in self.blocks)
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in the first group (every group has the same table length)."""
+        return len(self.blocks[0]) if self.blocks else 0
+
+    def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
+        return KVCacheBlocks(tuple(a + b for a, b in zip(self.blocks, other.blocks, strict=True)))
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    """Cumulative prefix-cache lookups since the manager was built.
+
+    A request is counted once per admission (its first successful allocate_slots after a lookup
+    it was allowed to make); `queries` are the tokens it looked up and `hits` the tokens reused.
+    Requests re-admitted after preemption (num_preemptions > 0) are counted apart.
+    """
+
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+    preempted_requests: int = 0
+    preempted_queries: int = 0
+    preempted_hits: int = 0
+    hash_collisions: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        """Hit tokens over queried tokens (fresh requests only); 0 before any query."""
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    """Prefix-cache lookups and block allocation for every request, over all KV-cache groups."""
+
+    def __init__(
+        self,
+        config: KVCacheConfig,
+        enable_caching: bool = True,
+        enable_kv_cache_events: bool = False,
+    ) -> None:
+        self.config = config
+        self.block_size = config.block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(
+            config.num_blocks,
+            enable_caching=enable_caching,
+            enable_kv_cache_events=enable_kv_cache_events,
+            num_groups=len(config.groups),
+        )
+        extra_keys_fn = partial(_extra_keys, hash_fn=get_hash_fn(config.hash_algo))
+        self.coordinator = KVCacheCoordinator(config, self.block_pool, extra_keys_fn)
+        self.num_groups = len(config.groups)
+        self._stats = PrefixCacheStats()
+
+    # ------------------------------------------------------------------ sizes
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks in the free queue (cached or not)."""
+        return self.block_pool.get_num_free_blocks()
+
+    @property
+    def num_total_blocks(self) -> int:
+        """Allocatable blocks (num_blocks - 1: the null block is not counted)."""
+        return self.block_pool.num_total_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of allocatable blocks in use."""
+        return self.block_pool.usage
+
+    def empty_blocks(self) -> KVCacheBlocks:
+        """A KVCacheBlocks with no block in any group."""
+        return KVCacheBlocks(tuple([] for _ in range(self.num_groups)))
+
+    # ------------------------------------------------------------------ lookup
+
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
+        """The longest prefix of the request already cached, as (blocks, num_computed_tokens).
+
+        A hit is a contiguous run of full blocks from the start, agreed on by every group, and
+        never more than request.num_tokens - 1 tokens (the last token is recomputed for its
+        logits). Nothing is returned when caching is off or the request skips reading the cache.
+        No side effects: blocks are touched by allocate_slots.
+        """
+        if not self.enable_caching or request.skip_reading_prefix_cache:
+            return self.empty_blocks(), 0
+        blocks, num_tokens = self.coordinator.find_longest_cache_hit(
+            request.block_hashes, request.num_tokens - 1, request.all_token_ids
+        )
+        return KVCacheBlocks(blocks), num_tokens
+
+    # ------------------------------------------------------------------ allocation
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: KVCacheBlocks | None = None,
+        num_lookahead_tokens: int = 0,
+    ) -> KVCacheBlocks | None:
+        """Make room for `num_new_tokens` (+ lookahead) tokens after the computed ones.
+
+        `num_new_computed_tokens` / `new_computed_blocks` are a new request's cache hit from
+        get_computed_blocks. Slots are made for request.num_computed_tokens +
+        num_new_computed_tokens + num_new_tokens + num_lookahead_tokens tokens. Returns the
+        fresh blocks per group, or None, changing nothing, when the free queue is too short
+        (hit blocks with ref count 0 count as needed, since touching them takes them off it).
+
+        On success: releases the blocks sliding-window groups no longer need, touches the hits,
+        appends them and fresh blocks to the block tables, and caches every block that is full
+        within min(computed + num_new_tokens, request.num_tokens) tokens, so lookahead tokens are
+        never cached and an identical prompt scheduled next in the same step already hits.
+        """
+        if num_new_tokens < 0 or num_new_computed_tokens < 0 or num_lookahead_tokens < 0:
+            raise ValueError(
+                f"token counts must be >= 0, got num_new_tokens={num_new_tokens}, "
+                f"num_new_computed_tokens={num_new_computed_tokens}, "
+                f"num_lookahead_tokens={num_lookahead_tokens}"
+            )
+        coordinator = self.coordinator
+        request_id = request.request_id
+        if new_computed_blocks is None or not self.enable_caching:
+            hits: tuple[list[KVCacheBlock], ...] = tuple([] for _ in range(self.num_groups))
+        else:
+            hits = new_computed_blocks.blocks
+        num_computed = request.num_computed_tokens + num_new_computed_tokens
+        num_slots = num_computed + num_new_tokens + num_lookahead_tokens
+
+        num_needed = coordinator.get_num_blocks_to_allocate(request_id, num_slots, hits)
+        num_available = self.block_pool.get_num_free_blocks()
+        if num_needed > num_available:
+            num_available += coordinator.num_blocks_freed_by_skipping(
+                request_id, request.num_computed_tokens
+            )
+            if num_needed > num_available:
+                return None
+
+        is_admission = not coordinator.has_request(request_id)
+        coordinator.remove_skipped_blocks(request_id, request.num_computed_tokens)
+        if self.enable_caching:
+            for group_hits in hits:
+                self.block_pool.touch(group_hits)
+        coordinator.save_new_computed_blocks(request_id, hits)
+        new_blocks = coordinator.allocate_new_blocks(request_id, num_slots)
+        if self.enable_caching:
+            coordinator.cache_blocks(
+                request, min(num_computed + num_new_tokens, request.num_tokens)
+            )
+            if is_admission and not request.skip_reading_prefix_cache:
+                self._record_lookup(request, num_new_computed_tokens)
+        return KVCacheBlocks(new_blocks)
+
+    def _record_lookup(self, request: Request, num_hit_tokens: int) -> None:
+        stats = self._stats
+        if request.num_preemptions > 0:
+            stats.preempted_requests += 1
+            stats.preempted_queries += request.num_tokens
+            stats.preempted_hits += num_hit_tokens
+        else:
+            stats.requests += 1
+            stats.queries += request.num_tokens
+            stats.hits += num_hit_tokens
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first in each group. Cached blocks stay hittable."""
+        self.coordinator.free(request.request_id)
+
+    # ------------------------------------------------------------------ inspection
+
+    def get_blocks(self, request: Request) -> KVCacheBlocks:
+        """The request's block tables (a copy)."""
+        return KVCacheBlocks(self.coordinator.get_blocks(request.request_id))
+
+    def get_block_ids(self, request: Request) -> tuple[list[int], ...]:
+        """The request's block ids, one list per group; 0 stands for the null block."""
+        return tuple(
+            [block.block_id for block in manager.req_to_blocks.get(request.request_id, ())]
+            for manager in self.coordinator.managers
+        )
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats:
+        """A snapshot of the cumulative prefix-cache stats (they are never reset)."""
+        snapshot = dataclasses.replace(self._stats)
+        snapshot.hash_collisions = self.block_pool.num_hash_collisions
+        return snapshot
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block; False (and nothing changed) while any block is in use."""
+        return self.block_pool.reset_prefix_cache()
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """KV cache events recorded since the last call (empty unless events are enabled)."""
+        return self.block_pool.take_events()
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError naming the first broken invariant of the pool or block tables.
+
+        Checked: the pool's own invariants (free queue links, ref count 0 iff free, free +
+        in use == total, map entries carry their hash); each block's ref count equals the number
+        of block tables holding it; a table's cached prefix carries hashes; nulls only lead.
+        """
+        self.block_pool.check_invariants()
+        holders: Counter[int] = Counter()
+        for manager in self.coordinator.managers:
+            for request_id, blocks in manager.req_to_blocks.items():
+                num_cached = manager.num_cached_block[request_id]
+                assert num_cached <= len(blocks), f"{request_id}: cached past its table"
+                seen_real = False
+                for i, block in enumerate(blocks):
+                    if block.is_null:
+                        assert not seen_real, f"{request_id}: null block after a real block"
+                        continue
+                    seen_real = True
+                    holders[block.block_id] += 1
+                    if self.enable_caching and i < num_cached:
+                        assert block.block_hash is not None, (
+                            f"{request_id}: block {i} ({block!r}) should be cached"
+                        )
+                        assert block.group_id == manager.group_id, (
+                            f"{request_id}: {block!r} cached for another group"
+                        )
+        for block in self.block_pool.blocks[1:]:
+            assert block.ref_cnt == holders[block.block_id], (
+                f"{block!r}: ref count {block.ref_cnt} but {holders[block.block_id]} holders"
+            )
+
+
+def _extra_keys(request: Request, start: int, end: int, hash_fn: object) -> object:
+    return generate_block_extra_keys(request, start, end, hash_fn)  # type: ignore[arg-type]
