@@ -1,0 +1,236 @@
+"""Rules of the BlockPool (prefixserve/kv_cache/block_pool.py)."""
+
+from __future__ import annotations
+
+import pytest
+from kv_cache_helpers import free_ids, make_request
+
+from prefixserve.kv_cache.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
+from prefixserve.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored
+
+
+def cached_pool(num_blocks: int = 9, events: bool = True):
+    """A pool whose blocks 1, 2 are cached for an 8-token request and then freed tail first."""
+    pool = BlockPool(num_blocks, enable_kv_cache_events=events)
+    request = make_request("r", [1, 2, 3, 4, 5, 6, 7, 8])
+    blocks = pool.get_new_blocks(2)
+    pool.cache_full_blocks(request, blocks, 0, 2, 4)
+    pool.free_blocks(reversed(blocks))
+    return pool, request, blocks
+
+
+def test_blocks_are_created_once_with_slots():
+    pool = BlockPool(5)
+    assert [b.block_id for b in pool.blocks] == [0, 1, 2, 3, 4]
+    assert not hasattr(pool.blocks[1], "__dict__")
+    ids = [id(b) for b in pool.blocks]
+    pool.free_blocks(reversed(pool.get_new_blocks(4)))
+    assert [id(b) for b in pool.blocks] == ids
+
+
+def test_null_block_is_never_allocated_or_freed():
+    pool = BlockPool(4)
+    assert pool.null_block is pool.blocks[0] and pool.null_block.is_null
+    assert pool.num_total_blocks == 3 and pool.get_num_free_blocks() == 3
+    assert [b.block_id for b in pool.get_new_blocks(3)] == [1, 2, 3]
+    pool.free_blocks([pool.null_block])
+    pool.touch([pool.null_block])
+    assert pool.get_num_free_blocks() == 0
+    pool.check_invariants()
+
+
+def test_free_queue_popleft_append_remove_are_linked_in_place():
+    blocks = [KVCacheBlock(i) for i in range(5)]
+    queue = FreeKVCacheBlockQueue(blocks)
+    queue.remove(blocks[2])
+    assert queue.block_ids() == [0, 1, 3, 4]
+    assert queue.popleft() is blocks[0]
+    queue.append(blocks[2])
+    queue.append(blocks[0])
+    assert queue.block_ids() == [1, 3, 4, 2, 0]
+    assert [b.block_id for b in queue.popleft_n(2)] == [1, 3]
+    assert queue.num_free_blocks == 3
+    with pytest.raises(ValueError):
+        queue.remove(blocks[1])
+    queue.popleft_n(3)
+    with pytest.raises(ValueError):
+        queue.popleft()
+
+
+def test_get_new_blocks_pops_from_the_head_with_ref_one():
+    pool = BlockPool(6)
+    blocks = pool.get_new_blocks(2)
+    assert [(b.block_id, b.ref_cnt) for b in blocks] == [(1, 1), (2, 1)]
+    assert free_ids(pool) == [3, 4, 5]
+
+
+def test_asking_more_blocks_than_free_is_an_error_not_a_partial_result():
+    pool = BlockPool(4)
+    with pytest.raises(ValueError, match="only 3 are free"):
+        pool.get_new_blocks(4)
+    assert free_ids(pool) == [1, 2, 3]
+
+
+def test_freed_blocks_join_the_tail_in_the_order_given():
+    pool = BlockPool(6)
+    a, b, c = pool.get_new_blocks(3)
+    pool.free_blocks([c, a, b])
+    assert free_ids(pool) == [4, 5, 3, 1, 2]
+
+
+def test_free_drops_one_ref_and_queues_only_at_zero():
+    pool = BlockPool(4)
+    (block,) = pool.get_new_blocks(1)
+    pool.touch([block])
+    pool.free_blocks([block])
+    assert block.ref_cnt == 1 and free_ids(pool) == [2, 3]
+    pool.free_blocks([block])
+    assert block.ref_cnt == 0 and free_ids(pool) == [2, 3, 1]
+
+
+def test_free_does_not_evict():
+    pool, request, blocks = cached_pool()
+    assert free_ids(pool) == [3, 4, 5, 6, 7, 8, 2, 1]
+    assert [b.block_hash for b in blocks] == request.block_hashes
+    assert pool.get_cached_block(request.block_hashes[0], 0, [1, 2, 3, 4]) is blocks[0]
+    assert pool.get_cached_block(request.block_hashes[1], 0, [5, 6, 7, 8]) is blocks[1]
+
+
+def test_eviction_happens_when_a_cached_block_is_popped():
+    pool, request, blocks = cached_pool()
+    pool.take_events()
+    pool.get_new_blocks(6)  # the uncached blocks 3..8: nothing evicted
+    assert pool.take_events() == []
+    (popped,) = pool.get_new_blocks(1)
+    assert popped is blocks[1] and popped.block_hash is None and popped.token_ids is None
+    assert pool.get_cached_block(request.block_hashes[1], 0, [5, 6, 7, 8]) is None
+    assert pool.get_cached_block(request.block_hashes[0], 0, [1, 2, 3, 4]) is blocks[0]
+    assert pool.take_events() == [BlockRemoved(block_hashes=[request.block_hashes[1]], group_idx=0)]
+    pool.check_invariants()
+
+
+def test_touch_takes_a_free_block_off_the_queue_from_anywhere():
+    pool, request, blocks = cached_pool()
+    pool.touch([blocks[1]])
+    assert blocks[1].ref_cnt == 1
+    assert free_ids(pool) == [3, 4, 5, 6, 7, 8, 1]
+    pool.touch([blocks[1]])
+    assert blocks[1].ref_cnt == 2
+    pool.check_invariants()
+
+
+def test_duplicate_blocks_not_deduplicated_lookup_returns_first():
+    pool = BlockPool(6)
+    a = make_request("a", [1, 2, 3, 4])
+    b = make_request("b", [1, 2, 3, 4])
+    (first,) = pool.get_new_blocks(1)
+    (second,) = pool.get_new_blocks(1)
+    pool.cache_full_blocks(a, [first], 0, 1, 4)
+    pool.cache_full_blocks(b, [second], 0, 1, 4)
+    assert first.block_hash == second.block_hash == a.block_hashes[0]
+    assert pool.get_cached_block(a.block_hashes[0], 0, [1, 2, 3, 4]) is first
+    pool.check_invariants()
+    # When the first copy is evicted, the next one inserted takes its place.
+    pool.free_blocks([first, second])
+    pool.get_new_blocks(3)
+    assert pool.get_new_blocks(1) == [first]
+    assert pool.get_cached_block(a.block_hashes[0], 0, [1, 2, 3, 4]) is second
+    pool.check_invariants()
+
+
+def test_cache_full_blocks_skips_already_cached_and_uncached_range():
+    pool, request, blocks = cached_pool()
+    pool.take_events()
+    pool.cache_full_blocks(request, blocks, 0, 2, 4)  # both already carry their hash
+    pool.cache_full_blocks(request, blocks, 2, 2, 4)
+    assert pool.take_events() == []
+    assert len(pool.cached[0]) == 2 and not pool.duplicates[0]
+
+
+def test_block_stored_event_payload():
+    pool = BlockPool(9, enable_kv_cache_events=True)
+    request = make_request("r", list(range(12)), lora_name="lora-x")
+    blocks = pool.get_new_blocks(3)
+    pool.cache_full_blocks(request, blocks, 0, 1, 4)
+    pool.cache_full_blocks(request, blocks, 1, 3, 4, extra_keys_fn=lambda r, s, e: (s, e))
+    assert pool.take_events() == [
+        BlockStored(
+            block_hashes=request.block_hashes[:1],
+            parent_block_hash=None,
+            token_ids=[0, 1, 2, 3],
+            block_size=4,
+            lora_name="lora-x",
+            extra_keys=[None],
+            group_idx=0,
+        ),
+        BlockStored(
+            block_hashes=request.block_hashes[1:3],
+            parent_block_hash=request.block_hashes[0],
+            token_ids=list(range(4, 12)),
+            block_size=4,
+            lora_name="lora-x",
+            extra_keys=[(4, 8), (8, 12)],
+            group_idx=0,
+        ),
+    ]
+    assert pool.take_events() == []
+
+
+def test_events_disabled_records_nothing():
+    pool, _, _ = cached_pool(events=False)
+    pool.get_new_blocks(8)
+    assert pool.take_events() == []
+
+
+def test_reset_fails_while_blocks_in_use():
+    pool, request, blocks = cached_pool()
+    pool.take_events()
+    (held,) = pool.get_new_blocks(1)
+    before = (free_ids(pool), [b.block_hash for b in pool.blocks], dict(pool.cached[0]))
+    assert pool.reset_prefix_cache() is False
+    assert (free_ids(pool), [b.block_hash for b in pool.blocks], dict(pool.cached[0])) == before
+    assert pool.take_events() == []
+    pool.free_blocks([held])
+
+
+def test_reset_forgets_every_hash_and_emits_all_blocks_cleared():
+    pool, request, blocks = cached_pool()
+    pool.take_events()
+    assert pool.reset_prefix_cache() is True
+    assert all(b.block_hash is None for b in pool.blocks)
+    assert pool.cached == [{}]
+    assert pool.get_cached_block(request.block_hashes[0], 0, [1, 2, 3, 4]) is None
+    assert pool.take_events() == [AllBlocksCleared()]
+    pool.check_invariants()
+
+
+def test_hash_collision_is_a_miss():
+    pool = BlockPool(6)
+    a = make_request("a", [1, 2, 3, 4], hash_fn=lambda data: b"same")
+    b = make_request("b", [5, 6, 7, 8], hash_fn=lambda data: b"same")
+    assert a.block_hashes == b.block_hashes
+    (block,) = pool.get_new_blocks(1)
+    pool.cache_full_blocks(a, [block], 0, 1, 4)
+    assert pool.get_cached_block(b"same", 0, [5, 6, 7, 8]) is None
+    assert pool.num_hash_collisions == 1
+    assert pool.get_cached_block(b"same", 0, [1, 2, 3, 4]) is block
+    # A colliding block cached later is found past the first one.
+    (other,) = pool.get_new_blocks(1)
+    pool.cache_full_blocks(b, [other], 0, 1, 4)
+    assert pool.get_cached_block(b"same", 0, [5, 6, 7, 8]) is other
+    assert pool.num_hash_collisions == 1
+    pool.check_invariants()
+
+
+def test_usage_is_fraction_of_allocatable_blocks_in_use():
+    pool = BlockPool(5)
+    assert pool.usage == 0.0
+    pool.get_new_blocks(1)
+    assert pool.usage == 0.25
+
+
+def test_check_invariants_catches_a_wrong_ref_count():
+    pool = BlockPool(4)
+    pool.blocks[2].ref_cnt = 1
+    with pytest.raises(AssertionError, match="free queue with ref count"):
+        pool.check_invariants()
