@@ -1,0 +1,126 @@
+"""Validated configuration records for the engine: cache, scheduler, and the engine as a whole.
+
+Every field a user can set is checked on construction; a bad value raises ValueError naming the
+field, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prefixserve.kv_cache.hashing import get_hash_fn
+
+SUPPORTED_DTYPES = ("bfloat16", "float32")
+# Without num_kv_blocks or kv_cache_memory_gb the pool gets this much memory (or less, when the
+# model's context needs less for max_num_seqs requests).
+DEFAULT_KV_CACHE_MEMORY_GB = 1.0
+
+
+def _invalid(name: str, value: object, allowed: str) -> ValueError:
+    return ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+def _check_positive_int(name: str, value: object, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise _invalid(name, value, "a positive integer" + (" or None" if allow_none else ""))
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    """The KV-cache pool and the prefix cache over it.
+
+    `num_kv_blocks` is the number of allocatable blocks (the null block comes on top); when None
+    the pool is sized from `kv_cache_memory_gb` (or a default budget) by the engine.
+    """
+
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_gb: float | None = None
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "sha256"
+    enable_kv_events: bool = False
+
+    def __post_init__(self) -> None:
+        _check_positive_int("block_size", self.block_size)
+        if self.block_size > 1024:
+            raise _invalid("block_size", self.block_size, "at most 1024")
+        _check_positive_int("num_kv_blocks", self.num_kv_blocks, allow_none=True)
+        if self.kv_cache_memory_gb is not None:
+            if isinstance(self.kv_cache_memory_gb, bool) or not isinstance(
+                self.kv_cache_memory_gb, int | float
+            ) or not self.kv_cache_memory_gb > 0:
+                raise _invalid("kv_cache_memory_gb", self.kv_cache_memory_gb, "a number > 0")
+            if self.num_kv_blocks is not None:
+                raise ValueError(
+                    "give num_kv_blocks or kv_cache_memory_gb, not both "
+                    f"(got num_kv_blocks={self.num_kv_blocks!r}, "
+                    f"kv_cache_memory_gb={self.kv_cache_memory_gb!r})"
+                )
+        try:
+            get_hash_fn(self.prefix_caching_hash_algo)
+        except ValueError as e:
+            raise ValueError(f"prefix_caching_hash_algo: {e}") from None
+        for name in ("enable_prefix_caching", "enable_kv_events"):
+            if not isinstance(getattr(self, name), bool):
+                raise _invalid(name, getattr(self, name), "True or False")
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    """Per-step budgets of the scheduler.
+
+    `max_num_batched_tokens` bounds the tokens computed in one step (prefill chunks plus decode
+    tokens); `max_num_seqs` bounds the running requests; `long_prefill_token_threshold` (0 = off)
+    caps the chunk one request gets in a step so long prompts do not starve the others.
+    """
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 4096
+    long_prefill_token_threshold: int = 0
+
+    def __post_init__(self) -> None:
+        _check_positive_int("max_num_seqs", self.max_num_seqs)
+        _check_positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        if (
+            isinstance(self.long_prefill_token_threshold, bool)
+            or not isinstance(self.long_prefill_token_threshold, int)
+            or self.long_prefill_token_threshold < 0
+        ):
+            raise _invalid(
+                "long_prefill_token_threshold",
+                self.long_prefill_token_threshold,
+                "an integer >= 0 (0 disables it)",
+            )
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Everything LLMEngine needs: which model, in which dtype, and the cache and scheduler.
+
+    `model=None` is the packaged default model. `max_model_len=None` takes the model's own
+    context length; a larger value than the model's is an error raised when the model is loaded.
+    """
+
+    model: str | None = None
+    dtype: str = "bfloat16"
+    max_model_len: int | None = None
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.model is not None and (not isinstance(self.model, str) or not self.model):
+            raise _invalid("model", self.model, "None (the default model) or a path")
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise _invalid("dtype", self.dtype, f"one of {', '.join(SUPPORTED_DTYPES)}")
+        _check_positive_int("max_model_len", self.max_model_len, allow_none=True)
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise _invalid("max_model_len", self.max_model_len, "at least 2")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise _invalid("seed", self.seed, "an integer >= 0")
+        if not isinstance(self.cache, CacheConfig):
+            raise _invalid("cache", self.cache, "a CacheConfig")
+        if not isinstance(self.scheduler, SchedulerConfig):
+            raise _invalid("scheduler", self.scheduler, "a SchedulerConfig")

@@ -1,0 +1,299 @@
+"""The step planner: which requests compute how many tokens this step, over which KV blocks.
+
+There is no prefill phase and no decode phase. Every request has `num_computed_tokens` (tokens whose
+K/V sit in its blocks) and `num_tokens` (prompt plus generated); each step lets the first catch up
+with the second within a token budget. A prefix-cache hit simply starts a new request with
+`num_computed_tokens > 0`; chunked prefill is a request that did not catch up in one step; decoding
+is a request one token behind.
+
+Order inside a step (vLLM v1):
+1. running requests, oldest first: each gets slots for its next tokens; when the pool is full the
+   most recently admitted running request is preempted (blocks freed tail first, keeping their
+   hashes; back to the front of the waiting queue with nothing computed) until the slots fit;
+2. waiting requests in arrival order, unless something was preempted this step: each is looked up
+   in the prefix cache, then gets slots for the rest of its prompt (or a chunk of it); the first
+   one that does not fit stops admission (first come, first served).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from prefixserve.batch import (
+    ModelRunnerOutput,
+    PositionLogprobs,
+    ScheduledRequest,
+    SchedulerOutput,
+)
+from prefixserve.config import SchedulerConfig
+from prefixserve.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from prefixserve.kv_cache.kv_cache_manager import KVCacheManager
+
+
+@dataclass(slots=True)
+class RequestUpdate:
+    """What one step did to one request, as the engine needs it to build outputs."""
+
+    request: Request
+    new_token_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[PositionLogprobs] = field(default_factory=list)
+    # Prompt logprobs for prompt positions first_prompt_logprob_pos, ..., in order.
+    new_prompt_logprobs: list[PositionLogprobs] = field(default_factory=list)
+    first_prompt_logprob_pos: int = 1
+    finished: bool = False
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """Counters since the scheduler was built."""
+
+    num_prompt_tokens: int = 0  # prompt tokens of admitted requests, counted once per request
+    num_computed_prompt_tokens: int = 0  # prompt tokens actually run through the model
+    num_generation_tokens: int = 0
+    num_preemptions: int = 0
+    num_finished_requests: int = 0
+
+
+class Scheduler:
+    """Plans each engine step over a KVCacheManager; owns the waiting and running queues.
+
+    `eos_token_ids` are the model's end-of-sequence ids besides each request's own
+    `eos_token_id`; a request stops on any of them unless its params say `ignore_eos`.
+    """
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        max_model_len: int,
+        eos_token_ids: Iterable[int] = (),
+    ) -> None:
+        self.config = config
+        self.kv_cache_manager = kv_cache_manager
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Finished, aborted or preempted since the last schedule(): the runner drops their state.
+        self.finished_req_ids: set[str] = set()
+        self.stats = SchedulerStats()
+
+    # ----------------------------------------------------------------- queue management
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in the scheduler")
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(
+        self,
+        request_ids: str | Iterable[str],
+        status: RequestStatus,
+        stop_reason: int | str | None = None,
+    ) -> None:
+        """Finish (or abort) requests from outside the step, e.g. on a stop string or an abort.
+
+        Unknown or already finished ids are ignored, so aborting twice is harmless.
+        """
+        assert status.is_finished, status
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            if stop_reason is not None:
+                request.stop_reason = stop_reason
+            self._free_request(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ----------------------------------------------------------------- the step plan
+
+    def schedule(self) -> SchedulerOutput:
+        """Decide this step's work. Allocates KV slots; does not advance `num_computed_tokens`
+        (update_from_output does, once the tokens are computed)."""
+        mgr = self.kv_cache_manager
+        token_budget = self.config.max_num_batched_tokens
+        threshold = self.config.long_prefill_token_threshold
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[Request] = []
+
+        # 1. Running requests, in admission order.
+        req_index = 0
+        while req_index < len(self.running) and token_budget > 0:
+            request = self.running[req_index]
+            num_new_tokens = request.num_tokens - request.num_computed_tokens
+            if 0 < threshold < num_new_tokens:
+                num_new_tokens = threshold
+            num_new_tokens = min(num_new_tokens, token_budget)
+            assert num_new_tokens > 0, request
+
+            while True:
+                new_blocks = mgr.allocate_slots(request, num_new_tokens)
+                if new_blocks is not None:
+                    break
+                # Preempt the most recently admitted request (possibly this one).
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            if new_blocks is None:
+                break  # this request preempted itself: no one after it is left running
+
+            scheduled.append(self._scheduled(request, num_new_tokens))
+            token_budget -= num_new_tokens
+            req_index += 1
+
+        # 2. Waiting requests in arrival order (preempted ones sit at the front).
+        if not preempted:
+            while self.waiting and token_budget > 0:
+                if len(self.running) >= self.config.max_num_seqs:
+                    break
+                request = self.waiting[0]
+                assert request.num_computed_tokens == 0, request
+                computed_blocks, num_computed = mgr.get_computed_blocks(request)
+                num_new_tokens = request.num_tokens - num_computed
+                assert num_new_tokens > 0, (request, num_computed)
+                if 0 < threshold < num_new_tokens:
+                    num_new_tokens = threshold
+                num_new_tokens = min(num_new_tokens, token_budget)
+                new_blocks = mgr.allocate_slots(
+                    request,
+                    num_new_tokens,
+                    num_new_computed_tokens=num_computed,
+                    new_computed_blocks=computed_blocks,
+                )
+                if new_blocks is None:
+                    break  # stays waiting; nobody behind it jumps the queue
+
+                self.waiting.popleft()
+                self.running.append(request)
+                first_scheduling = request.num_cached_tokens < 0
+                if first_scheduling:
+                    request.num_cached_tokens = num_computed
+                    self.stats.num_prompt_tokens += request.num_prompt_tokens
+                request.status = RequestStatus.RUNNING
+                request.num_computed_tokens = num_computed
+                scheduled.append(self._scheduled(request, num_new_tokens))
+                token_budget -= num_new_tokens
+
+        output = SchedulerOutput(scheduled=scheduled, finished_req_ids=self.finished_req_ids)
+        self.finished_req_ids = set()
+        return output
+
+    def _scheduled(self, request: Request, num_new_tokens: int) -> ScheduledRequest:
+        prompt_end = min(request.num_computed_tokens + num_new_tokens, request.num_prompt_tokens)
+        if prompt_end > request.num_computed_tokens:
+            self.stats.num_computed_prompt_tokens += prompt_end - request.num_computed_tokens
+        return ScheduledRequest(
+            request=request,
+            num_computed_tokens=request.num_computed_tokens,
+            num_new_tokens=num_new_tokens,
+            block_ids=self.kv_cache_manager.get_block_ids(request),
+        )
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(request)
+        self.finished_req_ids.add(request.request_id)
+
+    # ----------------------------------------------------------------- applying the results
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[RequestUpdate]:
+        """Advance each scheduled request by the tokens computed, append the sampled token, and
+        finish requests that hit a stop condition (their blocks are freed here).
+
+        Returns one update per scheduled request that is still known (not aborted meanwhile).
+        """
+        updates: list[RequestUpdate] = []
+        for entry in scheduler_output.scheduled:
+            request = entry.request
+            if request.is_finished or self.requests.get(request.request_id) is not request:
+                continue  # aborted between schedule() and now
+            request.num_computed_tokens = entry.num_computed_tokens + entry.num_new_tokens
+            update = RequestUpdate(request=request)
+            prompt_logprobs = runner_output.prompt_logprobs.get(request.request_id)
+            if prompt_logprobs:
+                update.new_prompt_logprobs = prompt_logprobs
+                update.first_prompt_logprob_pos = max(1, entry.num_computed_tokens)
+            token_id = runner_output.sampled_token_ids.get(request.request_id)
+            if token_id is not None:
+                assert entry.samples, entry
+                request.append_output_token_ids(token_id)
+                self.stats.num_generation_tokens += 1
+                update.new_token_ids.append(token_id)
+                logprobs = runner_output.logprobs.get(request.request_id)
+                if logprobs is not None:
+                    update.new_logprobs.append(logprobs)
+                if self._check_stop(request):
+                    self.running.remove(request)
+                    self._free_request(request)
+                    update.finished = True
+            updates.append(update)
+        return updates
+
+    def _check_stop(self, request: Request) -> bool:
+        """Set a finished status when the last sampled token ends the request."""
+        params = request.sampling_params
+        last = request.output_token_ids[-1]
+        if not params.ignore_eos and (
+            last == request.eos_token_id or last in self.eos_token_ids
+        ):
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
+        if params.stop_token_ids and last in params.stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = last
+            return True
+        if (
+            request.max_tokens is not None and request.num_output_tokens >= request.max_tokens
+        ) or request.num_tokens >= self.max_model_len:
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
+    def _free_request(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self.finished_req_ids.add(request.request_id)
+        self.stats.num_finished_requests += 1
+
+    # ----------------------------------------------------------------- cache control
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget every cached block hash. Fails (returns False) while blocks are in use, unless
+        `reset_running_requests` first preempts every running request so nothing is in use."""
+        if reset_running_requests:
+            while self.running:
+                self._preempt(self.running.pop())
+        return self.kv_cache_manager.reset_prefix_cache()
