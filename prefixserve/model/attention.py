@@ -1,0 +1,256 @@
+"""Paged attention on the CPU: K/V live in blocks, each sequence reaches them via its block table.
+
+Per layer the cache is two tensors `[num_blocks, block_size, num_kv_heads, head_dim]` (K and V).
+A step's new K/V are written through a slot mapping (slot = block_id * block_size + offset); then
+each sequence attends over its history `[0, num_computed + num_new)` (for a sliding-window layer
+only the last `sliding_window` positions, so blocks before them may be the null block and are
+never read). Everything that depends only on the batch, not on the layer (gather indices, masks,
+slot mappings), is built once per step per KV-cache group by `build_attention_metadata`.
+
+Two paths:
+- decode batch: the leading run of sequences with one new token each (at least two of them) is
+  padded to a common number of blocks and served by one batched SDPA call with a padding mask;
+- one call per other sequence (prefill chunks, or a lone decode): its blocks are gathered and cut
+  to the exact key range, causal inside the chunk (`is_causal` when the chunk is the whole
+  history, an explicit mask otherwise).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class SequenceSpan:
+    """One sequence of this step: its new tokens and the cache blocks it attends over."""
+
+    # Rows [q_start, q_end) of the flattened batch are its new tokens.
+    q_start: int
+    q_end: int
+    # Blocks to gather (block-table entries from the first one the window reaches) and the key
+    # range inside the gathered positions: [kv_offset, kv_offset + kv_len).
+    block_ids: torch.Tensor
+    kv_offset: int
+    kv_len: int
+    # [num_new, kv_len] bool, True = may attend; None means plain causal (or a single query).
+    mask: torch.Tensor | None
+    is_causal: bool
+
+
+@dataclass(slots=True)
+class DecodeBatch:
+    """Rows [0, num_seqs) of the batch, one new token each, attended in one batched call."""
+
+    num_seqs: int
+    block_table: torch.Tensor  # [num_seqs, max_blocks], short rows padded (masked out)
+    mask: torch.Tensor  # [num_seqs, 1, 1, max_blocks * block_size] bool
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """What every layer of one KV-cache group needs for this step."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    decode: DecodeBatch | None
+    spans: list[SequenceSpan]
+
+
+@dataclass(slots=True)
+class ScheduledSpan:
+    """Runner-side description of one sequence in the flattened batch (group independent)."""
+
+    num_computed_tokens: int
+    num_new_tokens: int
+    block_ids: tuple[list[int], ...]  # one list per KV-cache group
+
+
+def build_attention_metadata(
+    seqs: list[ScheduledSpan], group: int, block_size: int, sliding_window: int | None
+) -> AttentionMetadata:
+    """Slot mapping, decode batch and per-sequence spans of one KV-cache group for this step.
+
+    The sequences are in batch order; their new tokens are contiguous rows of the batch.
+    """
+    slots: list[torch.Tensor] = []
+    pending: list[int] = []  # single-token slots, flushed into `slots` in order
+    num_decode = 0
+    while num_decode < len(seqs) and seqs[num_decode].num_new_tokens == 1:
+        num_decode += 1
+    if num_decode < 2:
+        num_decode = 0
+
+    decode_tables: list[list[int]] = []
+    decode_ranges: list[tuple[int, int]] = []  # absolute key positions [lo, hi)
+    spans: list[SequenceSpan] = []
+    row = 0
+    for i, seq in enumerate(seqs):
+        table = seq.block_ids[group]
+        start, n = seq.num_computed_tokens, seq.num_new_tokens
+        end = start + n
+        if end > len(table) * block_size:
+            raise ValueError(
+                f"block table of {len(table)} blocks cannot hold {end} tokens "
+                f"(block_size {block_size})"
+            )
+        if n == 1:
+            pending.append(table[start // block_size] * block_size + start % block_size)
+        else:
+            if pending:
+                slots.append(torch.tensor(pending, dtype=torch.int64))
+                pending = []
+            pos = torch.arange(start, end)
+            first_block = start // block_size
+            chunk_blocks = torch.tensor(
+                table[first_block : (end - 1) // block_size + 1], dtype=torch.int64
+            )
+            slots.append(
+                chunk_blocks[pos // block_size - first_block] * block_size + pos % block_size
+            )
+
+        # Oldest key position any query of this chunk may see.
+        kv_lo = 0 if sliding_window is None else max(0, start - sliding_window + 1)
+        lo_block = kv_lo // block_size
+        hi_block = (end - 1) // block_size + 1
+        if i < num_decode:
+            decode_tables.append(table[lo_block:hi_block])
+            decode_ranges.append((kv_lo - lo_block * block_size, end - lo_block * block_size))
+        else:
+            blocks = torch.tensor(table[lo_block:hi_block], dtype=torch.int64)
+            kv_offset = kv_lo - lo_block * block_size
+            kv_len = end - kv_lo
+            mask = None
+            is_causal = False
+            if n > 1:
+                if kv_lo == start and (sliding_window is None or n <= sliding_window):
+                    is_causal = True  # the chunk is the whole visible history
+                else:
+                    q_pos = torch.arange(start, end).unsqueeze(1)
+                    k_pos = torch.arange(kv_lo, end).unsqueeze(0)
+                    mask = k_pos <= q_pos
+                    if sliding_window is not None:
+                        mask &= k_pos > q_pos - sliding_window
+            spans.append(SequenceSpan(row, row + n, blocks, kv_offset, kv_len, mask, is_causal))
+        row += n
+    if pending:
+        slots.append(torch.tensor(pending, dtype=torch.int64))
+
+    decode = None
+    if num_decode:
+        max_blocks = max(len(t) for t in decode_tables)
+        # Padding repeats a block of the row's own (masked out), so the null block is never read.
+        table = torch.tensor(
+            [blocks + blocks[:1] * (max_blocks - len(blocks)) for blocks in decode_tables],
+            dtype=torch.int64,
+        )
+        ranges = torch.tensor(decode_ranges, dtype=torch.int64)
+        k_idx = torch.arange(max_blocks * block_size).unsqueeze(0)
+        mask = (k_idx >= ranges[:, :1]) & (k_idx < ranges[:, 1:])
+        decode = DecodeBatch(num_decode, table, mask.view(num_decode, 1, 1, -1))
+    slot_mapping = torch.cat(slots) if slots else torch.zeros(0, dtype=torch.int64)
+    return AttentionMetadata(slot_mapping, decode, spans)
+
+
+def write_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
+    """Store new keys/values `[num_tokens, num_kv_heads, head_dim]` at their slots."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Attention of queries `[num_tokens, num_heads, head_dim]` over the paged cache.
+
+    Returns `[num_tokens, num_heads * head_dim]`. The new tokens' K/V must already be written.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = q.new_empty(num_tokens, num_heads * head_dim)
+
+    decode = meta.decode
+    if decode is not None:
+        b = decode.num_seqs
+        # Query heads of one KV head are adjacent, so [b, kv_heads, group, d] pairs them with
+        # their shared K/V without repeating it.
+        qd = q[:b].view(b, num_kv_heads, group, head_dim)
+        k = k_cache[decode.block_table].view(b, -1, num_kv_heads, head_dim).transpose(1, 2)
+        v = v_cache[decode.block_table].view(b, -1, num_kv_heads, head_dim).transpose(1, 2)
+        o = _attend(qd, k, v, decode.mask, False, scale, softcap)
+        out[:b] = o.reshape(b, num_heads * head_dim)
+
+    for span in meta.spans:
+        n = span.q_end - span.q_start
+        lo, hi = span.kv_offset, span.kv_offset + span.kv_len
+        k = k_cache.index_select(0, span.block_ids).view(-1, num_kv_heads, head_dim)[lo:hi]
+        v = v_cache.index_select(0, span.block_ids).view(-1, num_kv_heads, head_dim)[lo:hi]
+        qs = q[span.q_start : span.q_end]
+        if n == 1:
+            o = _attend(
+                qs.view(1, num_kv_heads, group, head_dim),
+                k.transpose(0, 1).unsqueeze(0),
+                v.transpose(0, 1).unsqueeze(0),
+                None,
+                False,
+                scale,
+                softcap,
+            )
+            out[span.q_start] = o.reshape(-1)
+            continue
+        o = _attend(
+            qs.transpose(0, 1).unsqueeze(0),
+            k.transpose(0, 1).unsqueeze(0),
+            v.transpose(0, 1).unsqueeze(0),
+            span.mask,
+            span.is_causal,
+            scale,
+            softcap,
+            gqa=group > 1,
+        )
+        out[span.q_start : span.q_end] = o[0].transpose(0, 1).reshape(n, num_heads * head_dim)
+    return out
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    is_causal: bool,
+    scale: float,
+    softcap: float | None,
+    gqa: bool = False,
+) -> torch.Tensor:
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=gqa
+        )
+    # SDPA has no logit soft-capping: do it by hand (Gemma 2 style configs).
+    if gqa:
+        rep = q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if is_causal:
+        lq, lk = scores.shape[-2], scores.shape[-1]
+        mask = torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.matmul(probs, v)

@@ -1,0 +1,221 @@
+"""What the model code needs to know about a checkpoint, read from its Hugging Face config.json.
+
+`ModelConfig.from_hf_config` first runs the dict through transformers' own config class for the
+architecture, so fields the file leaves out take the same defaults transformers would use (a
+`save_pretrained` config.json omits values equal to the defaults).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from prefixserve.kv_cache.spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Gemma3ForCausalLM",
+    "Gemma3ForConditionalGeneration",
+)
+SUPPORTED_DTYPES: tuple[str, ...] = ("bfloat16", "float32")
+SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3")
+
+_MODEL_TYPE_TO_ARCH = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "gemma3": "Gemma3ForConditionalGeneration",
+}
+_ARCH_TO_MODEL_TYPE = {arch: mt for mt, arch in _MODEL_TYPE_TO_ARCH.items()}
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """The decoder's shape and the options each family switches on.
+
+    `layer_types[i]` is "full" or "sliding"; layers of one kind form one KV-cache group, in the
+    order of `kv_cache_groups()` ("full" first when both exist), and `layer_to_group[i]` indexes it.
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_model_len: int
+    dtype: str
+    tie_word_embeddings: bool
+    eos_token_ids: list[int]
+    rms_norm_eps: float
+    rope_theta: float
+    layer_types: list[str]
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    rope_scaling: dict[str, Any] | None = None
+    # Gemma 3: the sliding layers' own rope base (their rope is never scaled).
+    rope_local_base_freq: float | None = None
+    hidden_act: str = "silu"
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    # Attention scale is query_pre_attn_scalar ** -0.5 when set, else head_dim ** -0.5.
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    layer_to_group: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(
+                f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r} "
+                "(float16 matmuls are unusably slow on CPU)"
+            )
+        if len(self.layer_types) != self.num_layers:
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers"
+            )
+        for kind in self.layer_types:
+            if kind not in ("full", "sliding"):
+                raise ValueError(f"layer type must be 'full' or 'sliding', got {kind!r}")
+        if "sliding" in self.layer_types and not self.sliding_window:
+            raise ValueError("sliding layers need a positive sliding_window, got None")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
+        kinds = self._group_kinds()
+        self.layer_to_group = [kinds.index(kind) for kind in self.layer_types]
+
+    def _group_kinds(self) -> list[str]:
+        return [kind for kind in ("full", "sliding") if kind in self.layer_types]
+
+    def kv_cache_groups(self) -> list[KVCacheSpec]:
+        """One KV-cache spec per group of layers sharing an attention kind."""
+        return [
+            FullAttentionSpec()
+            if kind == "full"
+            else SlidingWindowSpec(sliding_window=int(self.sliding_window))
+            for kind in self._group_kinds()
+        ]
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    @property
+    def attn_scale(self) -> float:
+        base = self.query_pre_attn_scalar if self.query_pre_attn_scalar else self.head_dim
+        return float(base) ** -0.5
+
+    @property
+    def embed_scale(self) -> float | None:
+        """Gemma multiplies the embeddings by sqrt(hidden_size); the others do not scale them."""
+        return math.sqrt(self.hidden_size) if self.architecture.startswith("Gemma3") else None
+
+    @classmethod
+    def from_hf_config(cls, hf: dict[str, Any], dtype: str) -> ModelConfig:
+        """Build from a config.json dict; unsupported architectures raise ValueError."""
+        archs = hf.get("architectures") or []
+        arch = archs[0] if archs else _MODEL_TYPE_TO_ARCH.get(hf.get("model_type", ""), None)
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported model architecture {arch!r} (model_type "
+                f"{hf.get('model_type')!r}); supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        full = _with_transformers_defaults(hf, arch)
+        if arch == "Gemma3ForConditionalGeneration":
+            text = full["text_config"]
+            text_eos = text.get("eos_token_id")
+            if full.get("eos_token_id") is not None:
+                text_eos = full["eos_token_id"]
+            full = {**text, "eos_token_id": text_eos}
+        is_gemma = arch.startswith("Gemma3")
+
+        rope_scaling = full.get("rope_scaling")
+        if rope_scaling is not None:
+            rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+            if rope_type not in SUPPORTED_ROPE_TYPES:
+                raise ValueError(
+                    f"rope_scaling type {rope_type!r} is not supported; "
+                    f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+                )
+            rope_scaling = {**rope_scaling, "rope_type": rope_type}
+            if rope_type == "default":
+                rope_scaling = None
+
+        num_layers = int(full["num_hidden_layers"])
+        sliding_window = full.get("sliding_window")
+        layer_types = _layer_types(full, arch, num_layers)
+        if "sliding" not in layer_types:
+            sliding_window = None
+
+        num_heads = int(full["num_attention_heads"])
+        head_dim = full.get("head_dim") or full["hidden_size"] // num_heads
+        eos = full.get("eos_token_id")
+        eos_ids = [] if eos is None else [int(eos)] if isinstance(eos, int) else list(eos)
+        return cls(
+            architecture=arch,
+            vocab_size=int(full["vocab_size"]),
+            hidden_size=int(full["hidden_size"]),
+            intermediate_size=int(full["intermediate_size"]),
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=int(full.get("num_key_value_heads") or num_heads),
+            head_dim=int(head_dim),
+            max_model_len=int(full["max_position_embeddings"]),
+            dtype=dtype,
+            tie_word_embeddings=bool(full.get("tie_word_embeddings", is_gemma)),
+            eos_token_ids=eos_ids,
+            bos_token_id=full.get("bos_token_id"),
+            rms_norm_eps=float(full["rms_norm_eps"]),
+            rope_theta=float(full.get("rope_theta", 10000.0)),
+            rope_scaling=rope_scaling,
+            rope_local_base_freq=full.get("rope_local_base_freq") if is_gemma else None,
+            layer_types=layer_types,
+            sliding_window=int(sliding_window) if sliding_window else None,
+            hidden_act=full.get("hidden_activation") or full.get("hidden_act") or "silu",
+            # Qwen2 always has q/k/v biases and never an o_proj bias.
+            qkv_bias=arch == "Qwen2ForCausalLM" or bool(full.get("attention_bias", False)),
+            o_bias=arch != "Qwen2ForCausalLM" and bool(full.get("attention_bias", False)),
+            mlp_bias=bool(full.get("mlp_bias", False)),
+            qk_norm=arch in ("Qwen3ForCausalLM",) or is_gemma,
+            query_pre_attn_scalar=full.get("query_pre_attn_scalar") if is_gemma else None,
+            attn_logit_softcapping=full.get("attn_logit_softcapping"),
+            final_logit_softcapping=full.get("final_logit_softcapping"),
+        )
+
+
+def _with_transformers_defaults(hf: dict[str, Any], arch: str) -> dict[str, Any]:
+    """Fill in what config.json omits with transformers' defaults for the architecture."""
+    from transformers import CONFIG_MAPPING
+
+    model_type = hf.get("model_type") or _ARCH_TO_MODEL_TYPE[arch]
+    if arch == "Gemma3ForCausalLM" and model_type == "gemma3":
+        model_type = "gemma3_text"
+    config_cls = CONFIG_MAPPING[model_type]
+    kwargs = {k: v for k, v in hf.items() if k not in ("model_type", "transformers_version")}
+    return config_cls(**kwargs).to_dict()
+
+
+def _layer_types(full: dict[str, Any], arch: str, num_layers: int) -> list[str]:
+    explicit = full.get("layer_types")
+    if arch == "MistralForCausalLM":
+        return ["sliding" if full.get("sliding_window") else "full"] * num_layers
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not full.get("use_sliding_window"):
+        return ["full"] * num_layers
+    if explicit:
+        return ["sliding" if kind == "sliding_attention" else "full" for kind in explicit]
+    return ["full"] * num_layers

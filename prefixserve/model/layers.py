@@ -1,0 +1,256 @@
+"""Blocks shared by the decoder families: norms, rotary embedding, gated MLP, attention, and the
+weight-loading helpers that map Hugging Face parameter names onto our fused projections."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from prefixserve.model.attention import AttentionMetadata, paged_attention, write_kv
+from prefixserve.model.config import ModelConfig
+
+
+@dataclass(slots=True)
+class ForwardContext:
+    """Everything a forward pass needs besides the token ids: the per-layer K/V caches and the
+    per-KV-cache-group attention metadata of this step."""
+
+    positions: torch.Tensor  # [num_tokens] int64
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer
+    groups: list[AttentionMetadata]  # per KV-cache group
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32. Gemma scales by (1 + weight) and casts after scaling;
+    Llama-style norms cast first and scale by weight (as transformers does for each)."""
+
+    def __init__(self, dim: int, eps: float, offset: bool = False) -> None:
+        super().__init__()
+        self.eps = eps
+        self.offset = offset
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (xf * (1.0 + self.weight.float())).to(x.dtype)
+        return self.weight * xf.to(x.dtype)
+
+
+class RotaryEmbedding:
+    """Neox-style rotary embedding (rotate-half), cos/sin computed for the step's positions."""
+
+    def __init__(self, head_dim: int, base: float, scaling: dict | None = None) -> None:
+        inv_freq = 1.0 / (
+            base
+            ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim)
+        )
+        if scaling is not None:
+            inv_freq = _scale_inv_freq(inv_freq, scaling)
+        self.inv_freq = inv_freq
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """cos and sin `[num_tokens, 1, head_dim // 2]` in `dtype`."""
+        freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)
+        return freqs.cos().to(dtype).unsqueeze(1), freqs.sin().to(dtype).unsqueeze(1)
+
+
+def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    kind = scaling["rope_type"]
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low_freq_factor = float(scaling["low_freq_factor"])
+        high_freq_factor = float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        low_wavelen = old_len / low_freq_factor
+        high_wavelen = old_len / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"unsupported rope_type {kind!r}")
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate `[num_tokens, num_heads, head_dim]` by per-token cos/sin `[num_tokens, 1, d/2]`."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+_ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+}
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)) with gate and up fused into one matmul."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = False) -> None:
+        super().__init__()
+        if act not in _ACTIVATIONS:
+            raise ValueError(
+                f"activation {act!r} is not supported; supported: {list(_ACTIVATIONS)}"
+            )
+        self.intermediate = intermediate
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.act = _ACTIVATIONS[act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        gate, up = gate_up.split(self.intermediate, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class Attention(nn.Module):
+    """Self-attention over the paged KV cache, with fused q/k/v projection, optional per-head
+    q/k norms (Qwen3, Gemma 3) and soft-capping (Gemma 2 style)."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.group = config.layer_to_group[layer_idx]
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.scale = config.attn_scale
+        self.softcap = config.attn_logit_softcapping
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if config.qk_norm:
+            gemma = config.architecture.startswith("Gemma3")
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, offset=gemma)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, offset=gemma)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        k_cache, v_cache = ctx.kv_caches[self.layer_idx]
+        meta = ctx.groups[self.group]
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        out = paged_attention(q, k_cache, v_cache, meta, self.scale, self.softcap)
+        return self.o_proj(out)
+
+
+# Hugging Face names of the projections we fuse: (our parameter, shard index).
+FUSED_SHARDS = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+def load_hf_weights(
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    rename: dict[str, str] | None = None,
+    skip_prefixes: tuple[str, ...] = (),
+) -> set[str]:
+    """Copy Hugging Face-named tensors into `model`, filling fused projections shard by shard.
+
+    `rename` maps leading HF name prefixes to ours. Returns the names of our parameters that were
+    loaded; raises ValueError on unknown names or shape mismatches.
+    """
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded: set[str] = set()
+    for hf_name, tensor in weights:
+        name = hf_name
+        if "rotary_emb.inv_freq" in name or name.startswith(skip_prefixes):
+            continue
+        for old, new in (rename or {}).items():
+            if name.startswith(old):
+                name = new + name[len(old) :]
+                break
+        parts = name.split(".")
+        shard = None
+        if len(parts) >= 2 and parts[-2] in FUSED_SHARDS:
+            fused, shard = FUSED_SHARDS[parts[-2]]
+            parts[-2] = fused
+            name = ".".join(parts)
+        if name not in params:
+            raise ValueError(
+                f"checkpoint tensor {hf_name!r} has no place in {type(model).__name__}"
+            )
+        param = params[name]
+        with torch.no_grad():
+            if shard is None:
+                _check_shape(hf_name, param.shape, tensor.shape)
+                param.copy_(tensor)
+            else:
+                target = _shard_view(model, name, param, shard)
+                _check_shape(hf_name, target.shape, tensor.shape)
+                target.copy_(tensor)
+        loaded.add(f"{name}#{shard}" if shard is not None else name)
+    return loaded
+
+
+def _shard_view(model: nn.Module, name: str, param: torch.Tensor, shard: int) -> torch.Tensor:
+    module = model.get_submodule(name.rsplit(".", 2)[0])
+    if isinstance(module, Attention):
+        sizes = [module.q_size, module.kv_size, module.kv_size]
+    elif isinstance(module, GatedMLP):
+        sizes = [module.intermediate, module.intermediate]
+    else:  # pragma: no cover - FUSED_SHARDS only names the two modules above
+        raise AssertionError(name)
+    start = sum(sizes[:shard])
+    return param.narrow(0, start, sizes[shard])
+
+
+def _check_shape(name: str, want: torch.Size, got: torch.Size) -> None:
+    if tuple(want) != tuple(got):
+        raise ValueError(
+            f"checkpoint tensor {name!r} has shape {tuple(got)}, expected {tuple(want)}"
+        )
+
+
+def check_all_loaded(model: nn.Module, loaded: set[str], optional: tuple[str, ...] = ()) -> None:
+    """Raise ValueError naming the parameters the checkpoint did not provide."""
+    missing = []
+    for name, param in model.named_parameters():
+        if name in optional:
+            continue
+        if name in loaded:
+            continue
+        if name.endswith(("qkv_proj.weight", "qkv_proj.bias")):
+            needed = [f"{name}#{i}" for i in range(3)]
+        elif name.endswith(("gate_up_proj.weight", "gate_up_proj.bias")):
+            needed = [f"{name}#{i}" for i in range(2)]
+        else:
+            needed = [name]
+        if not all(n in loaded for n in needed):
+            missing.append(name)
+        del param
+    if missing:
+        raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:10])}")
