@@ -1,0 +1,207 @@
+"""`prefixserve bench compare`: the chosen engines, one after another, on the same workloads.
+
+For each engine: start its server, send warm-up requests (their own random tokens, sharing no
+prefix with any workload), run each workload, write ``<out>/<workload>/<engine>.json``, stop the
+server. Then, for each workload, a markdown table (``<out>/<workload>.md``) and a figure
+(``<out>/<workload>.png``) are made from every engine result found in ``<out>/<workload>/``, so
+runs of different engines into the same directory add up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import platform
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from prefixserve.bench.client import EndpointConfig, RequestRecord, RunResult, run_workload
+from prefixserve.bench.plots import plot_workload
+from prefixserve.bench.servers import (
+    ENGINES,
+    ServerContext,
+    ServerError,
+    ServerProcess,
+    get_engine,
+)
+from prefixserve.bench.summary import Summary, markdown_table, summarize
+from prefixserve.bench.workloads import (
+    WORKLOAD_NAMES,
+    BenchRequest,
+    Workload,
+    make_warmup,
+    make_workload,
+    token_pool_from_tokenizer,
+)
+
+
+@dataclass(slots=True)
+class CompareConfig:
+    engines: list[str]
+    workloads: list[str]
+    model_dir: Path
+    out_dir: Path
+    gguf_path: Path | None = None
+    concurrency: int | None = 8
+    request_rate: float | None = None
+    seed: int = 0
+    scale: float = 1.0
+    num_warmup: int = 4
+    threads: int = 2
+    port: int = 8765
+    max_model_len: int = 4096
+    kv_cache_gib: float = 2.0
+
+    def __post_init__(self) -> None:
+        for name in self.engines:
+            get_engine(name)
+        bad = [w for w in self.workloads if w.upper() not in WORKLOAD_NAMES]
+        if bad:
+            raise ValueError(f"unknown workload(s) {bad}; choose from {', '.join(WORKLOAD_NAMES)}")
+        self.workloads = [w.upper() for w in self.workloads]
+        if not self.engines:
+            raise ValueError("choose at least one engine")
+
+
+def load_token_pool(model_dir: Path) -> tuple[list[int], Callable[[list[int]], str]]:
+    """The model's round-trip-safe word tokens and a decode function, from its tokenizer.json."""
+    from tokenizers import Tokenizer
+
+    path = model_dir / "tokenizer.json"
+    if not path.exists():
+        raise ValueError(f"{model_dir} has no tokenizer.json; give a Hugging Face model directory")
+    tokenizer = Tokenizer.from_file(str(path))
+
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=False)
+
+    return token_pool_from_tokenizer(tokenizer), decode
+
+
+def result_path(out_dir: Path, workload: str, engine: str) -> Path:
+    return out_dir / workload / f"{engine}.json"
+
+
+def _machine() -> dict[str, Any]:
+    import os
+
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor(),
+        "cpu_count": os.cpu_count(),
+        "python": sys.version.split()[0],
+    }
+
+
+def _write_result(
+    cfg: CompareConfig, workload: Workload, engine: str, server: ServerProcess, run: RunResult
+) -> Summary:
+    summary = summarize(run.records, run.duration)
+    payload = {
+        "engine": engine,
+        "workload": workload.name,
+        "description": workload.description,
+        "seed": cfg.seed,
+        "scale": cfg.scale,
+        "command": server.command,
+        "startup_s": server.startup_s,
+        "machine": _machine(),
+        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "summary": summary.to_dict(),
+        "run": run.to_dict(),
+    }
+    path = result_path(cfg.out_dir, workload.name, engine)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=1))
+    return summary
+
+
+def load_results(out_dir: Path, workload: str) -> list[tuple[str, Summary, list[RequestRecord]]]:
+    """Every engine result of `workload` under `out_dir`, in the engines' registry order."""
+    found: list[tuple[str, Summary, list[RequestRecord]]] = []
+    folder = out_dir / workload
+    if not folder.is_dir():
+        return found
+    order = {name: i for i, name in enumerate(ENGINES)}
+    for path in sorted(folder.glob("*.json"), key=lambda p: (order.get(p.stem, 99), p.stem)):
+        data = json.loads(path.read_text())
+        records = [RequestRecord(**r) for r in data["run"]["records"]]
+        found.append((data["engine"], summarize(records, data["run"]["duration"]), records))
+    return found
+
+
+def report(out_dir: Path, workloads: Sequence[str]) -> str:
+    """Write `<workload>.md` and `<workload>.png` for each workload; return all tables."""
+    parts: list[str] = []
+    for name in workloads:
+        results = load_results(out_dir, name)
+        if not results:
+            continue
+        table = markdown_table([(engine, s) for engine, s, _ in results])
+        (out_dir / f"{name}.md").write_text(table + "\n")
+        plot_workload(name, results, out_dir / f"{name}.png")
+        parts.append(f"### {name}\n\n{table}\n")
+    return "\n".join(parts)
+
+
+def _run(
+    endpoint: EndpointConfig, requests: list[BenchRequest], cfg: CompareConfig, bar: tqdm | None
+) -> RunResult:
+    def tick(_: RequestRecord) -> None:
+        if bar is not None:
+            bar.update(1)
+
+    return asyncio.run(
+        run_workload(
+            requests, endpoint, concurrency=cfg.concurrency, request_rate=cfg.request_rate,
+            seed=cfg.seed, on_done=tick,
+        )
+    )
+
+
+def run_compare(cfg: CompareConfig, progress: bool = True) -> dict[str, str]:
+    """Run every engine on every workload; return {engine: "ok" | error message}."""
+    pool, decode = load_token_pool(cfg.model_dir)
+    workloads = [
+        make_workload(n, pool, seed=cfg.seed, scale=cfg.scale, decode=decode)
+        for n in cfg.workloads
+    ]
+    warmup = make_warmup(pool, n=cfg.num_warmup, seed=cfg.seed)
+    for req in warmup:
+        req.prompt_text = decode(req.prompt_token_ids)
+    total = len(cfg.engines) * sum(len(w.requests) for w in workloads)
+    bar = tqdm(total=total, unit="req", disable=not progress, dynamic_ncols=True)
+    status: dict[str, str] = {}
+    ctx = ServerContext(
+        model_dir=cfg.model_dir, gguf_path=cfg.gguf_path, port=cfg.port, threads=cfg.threads,
+        max_model_len=cfg.max_model_len, kv_cache_gib=cfg.kv_cache_gib,
+    )
+    try:
+        for engine in cfg.engines:
+            spec = get_engine(engine)
+            bar.set_description(f"{engine}: starting")
+            done_before = bar.n
+            try:
+                with ServerProcess(spec, ctx, cfg.out_dir / "logs" / f"{engine}.log") as server:
+                    endpoint = server.endpoint()
+                    bar.set_description(f"{engine}: warm-up")
+                    _run(endpoint, warmup, cfg, None)
+                    for workload in workloads:
+                        bar.set_description(f"{engine}: {workload.name}")
+                        run = _run(endpoint, workload.requests, cfg, bar)
+                        _write_result(cfg, workload, engine, server, run)
+                status[engine] = "ok"
+            except (ServerError, ValueError) as exc:
+                status[engine] = str(exc)
+                bar.write(f"{engine} failed: {exc}")
+                per_engine = sum(len(w.requests) for w in workloads)
+                bar.update(per_engine - (bar.n - done_before))
+    finally:
+        bar.close()
+    return status

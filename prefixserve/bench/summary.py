@@ -1,0 +1,105 @@
+"""Summaries of a run: throughput, latency percentiles and prefix-cache hit rate."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from prefixserve.bench.client import RequestRecord
+
+PERCENTILES = (50, 90, 99)
+
+
+def percentiles(
+    values: Sequence[float], ps: Sequence[int] = PERCENTILES
+) -> dict[int, float | None]:
+    """Linear-interpolated percentiles of `values` (numpy's default); None for an empty list."""
+    if len(values) == 0:
+        return {p: None for p in ps}
+    arr = np.asarray(values, dtype=np.float64)
+    return {p: float(np.percentile(arr, p)) for p in ps}
+
+
+@dataclass(slots=True)
+class Summary:
+    """One engine on one workload. Latencies in milliseconds; rates per second of wall time.
+
+    `hit_rate` is the share of prompt tokens the server reported as cached, over the requests
+    that reported `cached_tokens`; None when no request reported it.
+    """
+
+    num_requests: int
+    num_failed: int
+    duration_s: float
+    requests_per_s: float
+    output_tokens_per_s: float
+    total_prompt_tokens: int
+    total_output_tokens: int
+    ttft_ms: dict[int, float | None]
+    itl_ms: dict[int, float | None]
+    e2e_ms: dict[int, float | None]
+    hit_rate: float | None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        for key in ("ttft_ms", "itl_ms", "e2e_ms"):
+            d[key] = {f"p{p}": v for p, v in d[key].items()}
+        return d
+
+
+def summarize(records: Sequence[RequestRecord], duration_s: float) -> Summary:
+    """Summarize the records of one run that took `duration_s` seconds of wall time.
+
+    Failed requests count in `num_failed` and in nothing else.
+    """
+    if duration_s <= 0:
+        raise ValueError(f"duration_s must be > 0, got {duration_s!r}")
+    ok = [r for r in records if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    reporting = [r for r in ok if r.cached_tokens is not None]
+    reported_prompt = sum(r.prompt_tokens for r in reporting)
+    hit_rate = (
+        sum(r.cached_tokens or 0 for r in reporting) / reported_prompt
+        if reporting and reported_prompt > 0
+        else None
+    )
+    ms = 1000.0
+    return Summary(
+        num_requests=len(records),
+        num_failed=len(records) - len(ok),
+        duration_s=duration_s,
+        requests_per_s=len(ok) / duration_s,
+        output_tokens_per_s=out_tokens / duration_s,
+        total_prompt_tokens=sum(r.prompt_tokens for r in ok),
+        total_output_tokens=out_tokens,
+        ttft_ms=percentiles([r.ttft * ms for r in ok if r.ttft is not None]),
+        itl_ms=percentiles([gap * ms for r in ok for gap in r.itl]),
+        e2e_ms=percentiles([r.e2e * ms for r in ok if r.e2e is not None]),
+        hit_rate=hit_rate,
+    )
+
+
+def _fmt(value: float | None, digits: int = 1) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+TABLE_HEADER = (
+    "| engine | req/s | out tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms "
+    "| hit rate | failed |"
+)
+
+
+def markdown_table(rows: Sequence[tuple[str, Summary]]) -> str:
+    """A markdown table with one row per (engine name, summary)."""
+    lines = [TABLE_HEADER, "|" + "---|" * 9]
+    for name, s in rows:
+        hit = "n/a" if s.hit_rate is None else f"{100 * s.hit_rate:.1f}%"
+        lines.append(
+            f"| {name} | {s.requests_per_s:.2f} | {s.output_tokens_per_s:.1f} "
+            f"| {_fmt(s.ttft_ms[50])} | {_fmt(s.ttft_ms[99])} "
+            f"| {_fmt(s.itl_ms[50])} | {_fmt(s.itl_ms[99])} | {hit} | {s.num_failed} |"
+        )
+    return "\n".join(lines)

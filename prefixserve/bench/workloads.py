@@ -1,0 +1,213 @@
+"""The benchmark workloads W0–W3, generated from a seed.
+
+Every prompt is a list of token ids drawn from a *token pool*: token ids whose text is one
+space-led lowercase word and that the tokenizer encodes back to exactly that id. A prompt made of
+such tokens decodes to text ("`` apple river stone``") that re-encodes to the same ids, so a server
+that only takes text prompts sees the same tokens, and the same shared prefixes, as one that takes
+token ids.
+
+The shapes follow issue 6:
+
+- W0 no sharing (control): 64 requests of random 512-token prompts.
+- W1 shared system prompts: 4 prefixes of 1,024 tokens x 8 requests, each with its own 64-token
+  suffix; 16 output tokens, EOS ignored.
+- W2 multi-turn chat: 8 conversations x 5 turns; each turn's prompt is the whole history plus a new
+  64-token user message; 32 output tokens. A turn is sent only after the previous turn of its
+  conversation has finished. The assistant replies in the history are fixed 32-token texts from
+  the seed, not what the server generated, so every engine sees the same prompts.
+- W3 document QA: 4 documents of 1,500 tokens, 6 questions each, asked round-robin across the
+  documents (d0q0, d1q0, d2q0, d3q0, d0q1, ...), which is the worst order for an LRU cache.
+
+Output lengths not fixed by the issue: W0 16 tokens, W3 32-token questions and 16 output tokens.
+EOS is ignored everywhere so every engine decodes the same number of tokens.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+WORKLOAD_NAMES = ("W0", "W1", "W2", "W3")
+
+_WORD = re.compile(r"^ [a-z]{2,}$")
+
+
+@dataclass(slots=True)
+class BenchRequest:
+    """One request of a workload.
+
+    `after` names the request that must finish before this one is sent (the previous turn of a
+    W2 conversation); `group` names what it shares a prefix with (a W1 system prompt, a W2
+    conversation, a W3 document), or is None.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    prompt_text: str | None = None
+    after: str | None = None
+    group: str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+@dataclass(slots=True)
+class Workload:
+    name: str
+    description: str
+    requests: list[BenchRequest] = field(default_factory=list)
+    seed: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(r.num_prompt_tokens for r in self.requests)
+
+
+def token_pool_from_tokenizer(tokenizer: object, max_tokens: int = 8192) -> list[int]:
+    """Token ids that are one space-led lowercase word and round-trip through `tokenizer`.
+
+    `tokenizer` is a `tokenizers.Tokenizer` (what `Tokenizer.from_file("tokenizer.json")` gives).
+    The first `max_tokens` such ids, in id order, are returned; raises ValueError if the
+    vocabulary has fewer than 256 of them.
+    """
+    vocab: dict[str, int] = tokenizer.get_vocab()  # type: ignore[attr-defined]
+    candidates: list[tuple[int, str]] = []
+    for token_id in sorted(vocab.values()):
+        text = tokenizer.decode([token_id], skip_special_tokens=True)  # type: ignore[attr-defined]
+        if _WORD.match(text):
+            candidates.append((token_id, text))
+    encodings = tokenizer.encode_batch(  # type: ignore[attr-defined]
+        [text for _, text in candidates], add_special_tokens=False
+    )
+    pool = [tid for (tid, _), enc in zip(candidates, encodings, strict=True) if enc.ids == [tid]]
+    if len(pool) < 256:
+        raise ValueError(
+            f"the tokenizer has only {len(pool)} round-trip-safe word tokens; at least 256 needed"
+        )
+    return pool[:max_tokens]
+
+
+class _Gen:
+    """Random token sequences from a pool, all drawn from one seeded generator."""
+
+    def __init__(self, pool: Sequence[int], seed: int) -> None:
+        if len(pool) < 2:
+            raise ValueError(f"the token pool needs at least 2 ids, got {len(pool)}")
+        self.pool = list(pool)
+        self.rng = random.Random(seed)
+
+    def tokens(self, n: int) -> list[int]:
+        return self.rng.choices(self.pool, k=n)
+
+
+def _scaled(n: int, scale: float) -> int:
+    return max(1, round(n * scale))
+
+
+def make_w0(pool: Sequence[int], seed: int = 0, scale: float = 1.0) -> Workload:
+    gen = _Gen(pool, seed)
+    n = _scaled(64, scale)
+    reqs = [BenchRequest(f"W0-{i:03d}", gen.tokens(512), max_tokens=16) for i in range(n)]
+    return Workload("W0", f"no sharing: {n} random 512-token prompts, 16 out", reqs, seed)
+
+
+def make_w1(pool: Sequence[int], seed: int = 0, scale: float = 1.0) -> Workload:
+    gen = _Gen(pool, seed)
+    per_prefix = _scaled(8, scale)
+    prefixes = [gen.tokens(1024) for _ in range(4)]
+    reqs = [
+        BenchRequest(f"W1-p{p}-{i:02d}", prefixes[p] + gen.tokens(64), 16, group=f"p{p}")
+        for p in range(4)
+        for i in range(per_prefix)
+    ]
+    # Requests arrive in a seeded random order, not grouped by prefix.
+    gen.rng.shuffle(reqs)
+    return Workload(
+        "W1", f"shared system prompts: 4 x 1024-token prefixes x {per_prefix}, +64, 16 out",
+        reqs, seed,
+    )
+
+
+def make_w2(pool: Sequence[int], seed: int = 0, scale: float = 1.0) -> Workload:
+    gen = _Gen(pool, seed)
+    num_conv = _scaled(8, scale)
+    turns = 5
+    conversations: list[list[BenchRequest]] = []
+    for c in range(num_conv):
+        history: list[int] = []
+        turns_of_c: list[BenchRequest] = []
+        for t in range(turns):
+            if t > 0:
+                history = history + gen.tokens(32)  # the (fixed) assistant reply of turn t-1
+            history = history + gen.tokens(64)  # the new user message
+            previous = turns_of_c[-1].request_id if turns_of_c else None
+            turns_of_c.append(
+                BenchRequest(f"W2-c{c}-t{t}", list(history), 32, after=previous, group=f"c{c}")
+            )
+        conversations.append(turns_of_c)
+    # Listed turn by turn (c0t0, c1t0, ..., c0t1, ...); `after` holds each turn back anyway.
+    reqs = [conv[t] for t in range(turns) for conv in conversations]
+    return Workload(
+        "W2", f"multi-turn chat: {num_conv} conversations x {turns} turns, +64 per turn, 32 out",
+        reqs, seed,
+    )
+
+
+def make_w3(pool: Sequence[int], seed: int = 0, scale: float = 1.0) -> Workload:
+    gen = _Gen(pool, seed)
+    num_q = _scaled(6, scale)
+    docs = [gen.tokens(1500) for _ in range(4)]
+    reqs = [
+        BenchRequest(f"W3-d{d}-q{q}", docs[d] + gen.tokens(32), 16, group=f"d{d}")
+        for q in range(num_q)
+        for d in range(4)
+    ]
+    return Workload(
+        "W3", f"document QA: 4 x 1500-token documents x {num_q} questions, round-robin, 16 out",
+        reqs, seed,
+    )
+
+
+_MAKERS: dict[str, Callable[[Sequence[int], int, float], Workload]] = {
+    "W0": make_w0,
+    "W1": make_w1,
+    "W2": make_w2,
+    "W3": make_w3,
+}
+
+
+def make_workload(
+    name: str,
+    pool: Sequence[int],
+    seed: int = 0,
+    scale: float = 1.0,
+    decode: Callable[[list[int]], str] | None = None,
+) -> Workload:
+    """Build workload `name` (W0..W3) from `pool` and `seed`.
+
+    `scale` multiplies the number of requests (W0 requests, W1 requests per prefix, W2
+    conversations, W3 questions per document), never the token lengths. With `decode`, each
+    request also carries its prompt as text for servers that only take text.
+    """
+    key = name.upper()
+    if key not in _MAKERS:
+        raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOAD_NAMES)}")
+    if not scale > 0:
+        raise ValueError(f"scale must be > 0, got {scale!r}")
+    # Each workload gets its own stream so W1's prompts do not depend on which others were built.
+    workload = _MAKERS[key](pool, seed * 1000 + WORKLOAD_NAMES.index(key), scale)
+    workload.seed = seed
+    if decode is not None:
+        for req in workload.requests:
+            req.prompt_text = decode(req.prompt_token_ids)
+    return workload
+
+
+def make_warmup(pool: Sequence[int], n: int = 2, seed: int = 0) -> list[BenchRequest]:
+    """`n` short requests that share no prefix with any workload (their own random stream)."""
+    gen = _Gen(pool, 10_000_019 + seed)
+    return [BenchRequest(f"warmup-{i}", gen.tokens(64), max_tokens=4) for i in range(n)]

@@ -1,0 +1,31 @@
+# Shared settings for the peer setup scripts (sourced, not run).
+# Every peer lives in its own virtual environment under $PEERS_DIR so it never touches the
+# project's .venv. Override the location with PREFIXSERVE_PEERS_DIR.
+set -euo pipefail
+
+PEERS_DIR="${PREFIXSERVE_PEERS_DIR:-$HOME/.cache/prefixserve/peers}"
+PYTHON="${PYTHON:-python3.11}"
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+
+log() { printf '[%s] %s\n' "$(date -u +%H:%M:%S)" "$*" >&2; }
+
+# new_venv DIR: create DIR as a fresh venv with an up-to-date pip (idempotent).
+new_venv() {
+    local dir="$1"
+    if [[ ! -x "$dir/bin/python" ]]; then
+        log "creating venv $dir"
+        "$PYTHON" -m venv "$dir"
+    fi
+    "$dir/bin/pip" install -q --upgrade pip
+}
+
+# default_model_dir: the bf16 HF directory of the packaged default model, made on first use
+# by the project's own conversion (prefixserve.model.default_model.ensure_default_model).
+default_model_dir() {
+    if [[ -n "${PREFIXSERVE_MODEL_DIR:-}" ]]; then
+        printf '%s\n' "$PREFIXSERVE_MODEL_DIR"
+        return
+    fi
+    "$REPO_ROOT/.venv/bin/python" -c \
+        'from prefixserve.model.default_model import ensure_default_model as e; print(e())'
+}

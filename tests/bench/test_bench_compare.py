@@ -1,0 +1,144 @@
+"""`bench compare` end to end with stub servers started as subprocesses, plus the engines'
+command lines."""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+from test_bench_workloads import _words
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from prefixserve.bench import servers
+from prefixserve.bench.cli import main as bench_main
+from prefixserve.bench.compare import CompareConfig, load_results, report, run_compare
+from prefixserve.bench.servers import EngineSpec, ServerContext, ServerError, ServerProcess
+
+STUB = Path(__file__).with_name("stub_openai.py")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    """A directory holding only a tokenizer.json: all the harness reads from a model dir."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    words = _words(1, 400)
+    corpus = [" ".join(words[i : i + 20]) for i in range(0, 400, 20)] * 30
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=3000, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    path = tmp_path_factory.mktemp("model")
+    tok.save(str(path / "tokenizer.json"))
+    return path
+
+
+@pytest.fixture
+def stub_engines(monkeypatch):
+    def stub_cmd(ctx: ServerContext) -> list[str]:
+        return [sys.executable, str(STUB), "--port", str(ctx.port)]
+
+    monkeypatch.setitem(servers.ENGINES, "stub", EngineSpec(
+        "stub", stub_cmd, "tokens", extra_body={"ignore_eos": True}, startup_timeout_s=60))
+    monkeypatch.setitem(servers.ENGINES, "stub-text", EngineSpec(
+        "stub-text", stub_cmd, "text", min_tokens_equal_max=True, startup_timeout_s=60))
+    monkeypatch.setitem(servers.ENGINES, "broken", EngineSpec(
+        "broken", lambda ctx: [sys.executable, "-c", "print('boom'); raise SystemExit(3)"],
+        "tokens", startup_timeout_s=60))
+
+
+def test_compare_runs_each_engine_and_writes_results_tables_and_figures(
+    tmp_path, model_dir, stub_engines
+):
+    cfg = CompareConfig(
+        engines=["stub", "broken", "stub-text"], workloads=["w1", "W2"], model_dir=model_dir,
+        out_dir=tmp_path, concurrency=4, scale=0.125, num_warmup=1, port=_free_port(),
+    )
+    status = run_compare(cfg, progress=False)
+    assert status["stub"] == "ok" and status["stub-text"] == "ok"
+    assert "exited with 3" in status["broken"] and "boom" in status["broken"]
+    for workload in ("W1", "W2"):
+        for engine in ("stub", "stub-text"):
+            data = json.loads((tmp_path / workload / f"{engine}.json").read_text())
+            assert data["engine"] == engine and data["summary"]["num_failed"] == 0
+            assert data["summary"]["num_requests"] == len(data["run"]["records"])
+        assert not (tmp_path / workload / "broken.json").exists()
+    assert (tmp_path / "logs" / "stub.log").read_text().startswith("$ ")
+    text = report(tmp_path, ["W1", "W2", "W3"])
+    assert "### W1" in text and "### W3" not in text
+    assert (tmp_path / "W1.md").read_text().count("| stub") == 2
+    png = (tmp_path / "W2.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) < 300_000
+    results = load_results(tmp_path, "W1")
+    assert [name for name, _, _ in results] == ["stub", "stub-text"]
+    # W1 at this scale: 4 requests on 4 different prefixes, so the stub reports no hits
+    assert results[0][1].hit_rate == 0.0
+
+
+def test_bench_cli_report_rebuilds_tables_from_a_results_dir(
+    tmp_path, model_dir, stub_engines, capsys
+):
+    cfg = CompareConfig(engines=["stub"], workloads=["W0"], model_dir=model_dir,
+                        out_dir=tmp_path, scale=0.0625, num_warmup=0, port=_free_port())
+    assert run_compare(cfg, progress=False) == {"stub": "ok"}
+    (tmp_path / "W0.md").unlink(missing_ok=True)
+    assert bench_main(["report", "--out", str(tmp_path), "--workloads", "W0"]) == 0
+    assert "| stub |" in capsys.readouterr().out
+    assert (tmp_path / "W0.md").exists() and (tmp_path / "W0.png").exists()
+
+
+def test_compare_config_names_bad_engines_and_workloads(tmp_path):
+    with pytest.raises(ValueError, match="unknown engine 'tgi'"):
+        CompareConfig(engines=["tgi"], workloads=["W0"], model_dir=tmp_path, out_dir=tmp_path)
+    with pytest.raises(ValueError, match="W7"):
+        CompareConfig(engines=["vllm"], workloads=["W7"], model_dir=tmp_path, out_dir=tmp_path)
+
+
+def _ctx(tmp_path) -> ServerContext:
+    return ServerContext(model_dir=tmp_path / "SmolLM2", gguf_path=tmp_path / "m.gguf",
+                         port=8123, threads=2, max_model_len=4096, kv_cache_gib=4)
+
+
+def test_vllm_serves_the_same_dir_with_prefix_caching_block_32_and_two_threads(tmp_path):
+    spec = servers.get_engine("vllm")
+    cmd = spec.command(_ctx(tmp_path))
+    assert "--enable-prefix-caching" in cmd and "--enable-prompt-tokens-details" in cmd
+    assert cmd[cmd.index("--block-size") + 1] == "32"
+    assert cmd[cmd.index("--model") + 1] == str(tmp_path / "SmolLM2")
+    assert cmd[cmd.index("--dtype") + 1] == "bfloat16"
+    assert spec.env(_ctx(tmp_path))["OMP_NUM_THREADS"] == "2"
+
+
+def test_llama_cpp_keeps_streams_alive_and_ignores_eos_by_min_tokens(tmp_path):
+    spec = servers.get_engine("llama.cpp")
+    cmd = spec.command(_ctx(tmp_path))
+    assert cmd[cmd.index("--interrupt_requests") + 1] == "False"
+    assert cmd[cmd.index("--model") + 1] == str(tmp_path / "m.gguf")
+    assert spec.prompt_format == "text" and spec.min_tokens_equal_max
+    no_gguf = _ctx(tmp_path)
+    no_gguf.gguf_path = None
+    with pytest.raises(ValueError, match="GGUF"):
+        spec.command(no_gguf)
+
+
+def test_prefixserve_nocache_turns_prefix_caching_off(tmp_path):
+    on = servers.get_engine("prefixserve").command(_ctx(tmp_path))
+    off = servers.get_engine("prefixserve-nocache").command(_ctx(tmp_path))
+    assert off == [*on, "--no-enable-prefix-caching"]
+    assert on[on.index("serve") + 1] == str(tmp_path / "SmolLM2")
+    assert on[on.index("--block-size") + 1] == "16"
+
+
+def test_a_missing_peer_install_says_which_script_makes_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("PREFIXSERVE_PEERS_DIR", str(tmp_path / "nowhere"))
+    spec = servers.get_engine("vllm")
+    with pytest.raises(ServerError, match="setup_vllm_cpu.sh"):
+        ServerProcess(spec, _ctx(tmp_path), tmp_path / "v.log").start()
