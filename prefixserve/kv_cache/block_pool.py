@@ -178,7 +178,8 @@ class BlockPool:
     @property
     def usage(self) -> float:
         """Fraction of allocatable blocks in use (ref count > 0)."""
-        return 1.0 - self.free_block_queue.num_free_blocks / (self.num_blocks - 1)
+        total = self.num_blocks - 1
+        return (total - self.free_block_queue.num_free_blocks) / total
 
     # ------------------------------------------------------------------ lookup
 
