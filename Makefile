@@ -22,6 +22,12 @@ test: $(STAMP)
 	$(BIN)/ruff check prefixserve tests benchmarks
 	$(BIN)/python -m pytest -q
 
+# `make serve SERVE_ARGS="--port 9000 --api-key-file keys.txt"` passes flags through.
+SERVE_ARGS ?=
+serve: $(STAMP)
+	$(BIN)/python -m prefixserve.model.default_model
+	$(BIN)/prefixserve serve $(SERVE_ARGS)
+
 lint: $(STAMP)
 	$(BIN)/ruff check prefixserve tests benchmarks
 	$(BIN)/ruff format --check prefixserve tests benchmarks

@@ -1,0 +1,129 @@
+"""API keys, tenants, and the cache-salt namespace each tenant gets.
+
+Prefix-cache timing is a side channel: a client that can hit another client's cached blocks can
+learn from the time to first token whether that client sent a prefix. With API keys configured,
+the server therefore derives the engine's `cache_salt` from the *tenant* the key belongs to plus
+the client's own `cache_salt`, so tenants never share a block whatever they send, and a client's
+salt only subdivides its tenant's namespace.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEFAULT_TENANT = "default"
+MAX_CACHE_SALT_CHARS = 256
+# Versioned so a future change of the derivation cannot collide with salts made by this one.
+_SALT_NAMESPACE = "prefixserve.tenant.v1"
+
+
+def _digest(key: str) -> bytes:
+    # Keys are looked up by digest: a dict probe on the digest leaks nothing about the key's bytes.
+    return hashlib.sha256(key.encode("utf-8")).digest()
+
+
+@dataclass(slots=True)
+class ApiKeys:
+    """Which tenant each API key belongs to. Several keys may share one tenant."""
+
+    _tenant_by_digest: dict[bytes, str] = field(default_factory=dict)
+
+    def add(self, key: str, tenant: str) -> None:
+        if not key or any(c.isspace() for c in key):
+            raise ValueError("an API key must be non-empty and contain no whitespace")
+        if not tenant or any(c.isspace() for c in tenant):
+            raise ValueError(
+                f"a tenant name must be non-empty and contain no whitespace, got {tenant!r}"
+            )
+        digest = _digest(key)
+        if digest in self._tenant_by_digest:
+            raise ValueError(f"the same API key is given twice (tenant {tenant!r})")
+        self._tenant_by_digest[digest] = tenant
+
+    def tenant_for(self, key: str) -> str | None:
+        """The tenant of `key`, or None when the key is unknown."""
+        return self._tenant_by_digest.get(_digest(key))
+
+    @property
+    def tenants(self) -> set[str]:
+        return set(self._tenant_by_digest.values())
+
+    def __len__(self) -> int:
+        return len(self._tenant_by_digest)
+
+    @classmethod
+    def from_options(
+        cls, api_key: str | None = None, api_key_file: str | Path | None = None
+    ) -> ApiKeys | None:
+        """Keys of `--api-key` (tenant "default") and `--api-key-file`; None when neither is set."""
+        if api_key is None and api_key_file is None:
+            return None
+        keys = cls()
+        if api_key is not None:
+            keys.add(api_key, DEFAULT_TENANT)
+        if api_key_file is not None:
+            for key, tenant in read_api_key_file(api_key_file):
+                keys.add(key, tenant)
+        if not keys:
+            raise ValueError(f"--api-key-file {str(api_key_file)!r} holds no keys")
+        return keys
+
+
+def read_api_key_file(path: str | Path) -> list[tuple[str, str]]:
+    """Parse `key tenant` lines; blank lines and lines starting with `#` are skipped."""
+    pairs: list[tuple[str, str]] = []
+    text = Path(path).read_text(encoding="utf-8")
+    for lineno, raw in enumerate(text.splitlines(), start=1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        parts = line.split()
+        if len(parts) != 2:
+            raise ValueError(
+                f"{path}:{lineno}: expected 'KEY TENANT' (two words), got {len(parts)} words"
+            )
+        pairs.append((parts[0], parts[1]))
+    return pairs
+
+
+def parse_bearer(authorization: str | None) -> str | None:
+    """The token of an `Authorization: Bearer <token>` header, or None."""
+    if not authorization:
+        return None
+    scheme, _, token = authorization.strip().partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()
+
+
+def validate_cache_salt(cache_salt: str | None) -> None:
+    """Raise ValueError naming `cache_salt` unless it is None or 1..256 characters."""
+    if cache_salt is None:
+        return
+    if not isinstance(cache_salt, str):
+        raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
+    if not cache_salt:
+        raise ValueError("cache_salt must be a non-empty string (or left out)")
+    if len(cache_salt) > MAX_CACHE_SALT_CHARS:
+        raise ValueError(
+            f"cache_salt must be at most {MAX_CACHE_SALT_CHARS} characters, got {len(cache_salt)}"
+        )
+
+
+def derive_cache_salt(tenant: str | None, client_salt: str | None) -> str | None:
+    """The engine's cache salt for a request of `tenant` carrying the client's `cache_salt`.
+
+    Without tenants (no API keys) the client's salt passes through unchanged, as in vLLM. With a
+    tenant the result is the JSON encoding of (namespace, tenant, client salt): JSON escapes its
+    strings, so distinct pairs always give distinct salts (no "ab"+"c" == "a"+"bc" collision), and
+    every tenant -- including one whose client sends no salt -- gets a salt no other tenant can
+    produce.
+    """
+    if tenant is None:
+        return client_salt
+    return json.dumps(
+        [_SALT_NAMESPACE, tenant, client_salt], ensure_ascii=True, separators=(",", ":")
+    )

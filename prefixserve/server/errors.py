@@ -1,0 +1,187 @@
+"""OpenAI-style errors: every failure leaves as `{"error": {message, type, param, code}}`.
+
+Handlers raise `OpenAIError` for anything a client caused; the exception handlers installed by
+`install_error_handlers` also turn FastAPI's validation errors (bad JSON, wrong types), unknown
+routes and unexpected exceptions into the same body, so a client never sees another shape.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
+
+# Fields a ValueError from SamplingParams or the engine may name in its first words; used to fill
+# `param` when the error comes from below the server.
+KNOWN_PARAMS = (
+    "prompt_logprobs",
+    "prompt",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+    "stop_token_ids",
+    "stop",
+    "logprobs",
+    "top_logprobs",
+    "cache_salt",
+)
+
+
+class OpenAIError(Exception):
+    """An error the client caused (or the server, for 5xx), rendered as an OpenAI error body."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status_code: int = HTTPStatus.BAD_REQUEST,
+        type: str = "invalid_request_error",  # noqa: A002 - the OpenAI field is called "type"
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status_code = int(status_code)
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status_code, headers=headers)
+
+
+def param_from_message(message: str) -> str | None:
+    """The request field a ValueError message names first (`"top_p must be ..."` -> `"top_p"`)."""
+    lowered = message.lower()
+    best: tuple[int, str] | None = None
+    for name in KNOWN_PARAMS:
+        pos = _find_word(lowered, name)
+        if pos >= 0 and (best is None or pos < best[0]):
+            best = (pos, name)
+    return None if best is None else best[1]
+
+
+def _find_word(text: str, word: str) -> int:
+    start = 0
+    while (pos := text.find(word, start)) >= 0:
+        before = text[pos - 1] if pos > 0 else " "
+        end = pos + len(word)
+        after = text[end] if end < len(text) else " "
+        if not (before.isalnum() or before == "_") and not (after.isalnum() or after == "_"):
+            return pos
+        start = pos + 1
+    return -1
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
+    return OpenAIError(message, param=param, code=code)
+
+
+def from_value_error(exc: ValueError) -> OpenAIError:
+    """A ValueError raised by SamplingParams or the engine's validation, as a 400."""
+    message = str(exc)
+    return OpenAIError(message, param=param_from_message(message))
+
+
+# Tags pydantic puts into an error location for the member of a union that failed.
+_UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after"}
+
+
+def _param_from_loc(loc: tuple[Any, ...]) -> str | None:
+    parts: list[str] = []
+    for item in loc[1:] if loc and loc[0] == "body" else loc:
+        if isinstance(item, int):
+            parts.append(f"[{item}]")
+        elif isinstance(item, str) and item.isidentifier() and item not in _UNION_TAGS:
+            parts.append(("." if parts else "") + item)
+        else:
+            break
+    return "".join(parts) or None
+
+
+def validation_error(exc: RequestValidationError) -> OpenAIError:
+    """FastAPI's 422 (bad JSON, wrong types, values out of range) as an OpenAI 400."""
+    errors = exc.errors()
+    if not errors:
+        return OpenAIError("invalid request body")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        detail = first.get("ctx", {}).get("error", "")
+        return OpenAIError(
+            f"the request body is not valid JSON: {detail}".rstrip(": "), code="invalid_json"
+        )
+    if first.get("type") == "model_attributes_type" or tuple(first.get("loc", ())) == ("body",):
+        return OpenAIError("the request body must be a JSON object", code="invalid_body")
+    param = _param_from_loc(tuple(first.get("loc", ())))
+    msg = str(first.get("msg", "invalid value"))
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, ") :]
+    value = first.get("input")
+    shown = "" if param is None or isinstance(value, dict) else f" (got {_short(value)})"
+    message = f"{param}: {msg}{shown}" if param else msg
+    return OpenAIError(message, param=param, code="invalid_value")
+
+
+def _short(value: Any) -> str:
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Route every error the app can raise into the OpenAI error body."""
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        err = OpenAIError(
+            str(exc.detail), status_code=exc.status_code, type="invalid_request_error", code=code
+        )
+        return err.response(headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+        err = OpenAIError(
+            f"internal server error: {type(exc).__name__}",
+            status_code=HTTPStatus.INTERNAL_SERVER_ERROR,
+            type="server_error",
+        )
+        return err.response()

@@ -1,0 +1,146 @@
+"""Prometheus metrics for GET /metrics.
+
+Two sources: the engine's own counters and gauges (`LLMEngine.get_metrics()`, fetched at scrape
+time and exported by a custom collector, so the numbers are the engine's, never a second count),
+and latencies only the server sees (time to first token, inter-token latency, end-to-end time),
+observed per request into histograms. Each app gets its own registry, so several servers (tests)
+can live in one process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+PREFIX = "prefixserve_"
+
+# Engine metric key -> (exported name, help). Counters are cumulative since start.
+ENGINE_COUNTERS = {
+    "prefix_cache_queries": ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),
+    "prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens found in the prefix cache"),
+    "prefix_cache_requests": ("prefix_cache_requests", "Requests that queried the prefix cache"),
+    "prompt_tokens": ("prompt_tokens", "Prompt tokens of requests admitted by the scheduler"),
+    "generation_tokens": ("generation_tokens", "Tokens generated"),
+    "num_preemptions": ("num_preemptions", "Requests preempted to free KV-cache blocks"),
+}
+ENGINE_GAUGES = {
+    "kv_cache_usage": ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1)"),
+    "num_running": ("num_requests_running", "Requests in the running batch"),
+    "num_waiting": ("num_requests_waiting", "Requests waiting to be scheduled"),
+}
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+
+
+class _EngineCollector(Collector):
+    """Exports the latest `LLMEngine.get_metrics()` snapshot handed to `update`."""
+
+    def __init__(self) -> None:
+        self.snapshot: dict[str, Any] = {}
+
+    def collect(self) -> Iterator[Metric]:
+        snapshot = self.snapshot
+        for key, (name, doc) in ENGINE_COUNTERS.items():
+            counter = CounterMetricFamily(PREFIX + name, doc)
+            counter.add_metric([], float(snapshot.get(key, 0)))
+            yield counter
+        for key, (name, doc) in ENGINE_GAUGES.items():
+            gauge = GaugeMetricFamily(PREFIX + name, doc)
+            gauge.add_metric([], float(snapshot.get(key, 0)))
+            yield gauge
+        # Anything else numeric the engine reports, as a gauge under its own name.
+        for key, value in sorted(snapshot.items()):
+            if key in ENGINE_COUNTERS or key in ENGINE_GAUGES:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                continue
+            gauge = GaugeMetricFamily(PREFIX + "engine_" + key, f"engine metric {key}")
+            gauge.add_metric([], float(value))
+            yield gauge
+
+
+class ServerMetrics:
+    """The registry behind /metrics, and the histograms the request handlers observe into."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._engine = _EngineCollector()
+        self.registry.register(self._engine)
+        self.time_to_first_token = Histogram(
+            PREFIX + "time_to_first_token_seconds",
+            "Time from request arrival to its first generated token",
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.inter_token_latency = Histogram(
+            PREFIX + "inter_token_latency_seconds",
+            "Time between two consecutive generated tokens of a request",
+            buckets=ITL_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e_request_latency = Histogram(
+            PREFIX + "e2e_request_latency_seconds",
+            "Time from request arrival to its last token",
+            buckets=E2E_BUCKETS,
+            registry=self.registry,
+        )
+        self.request_success = Counter(
+            PREFIX + "request_success",
+            "Requests that finished, by finish reason (stop, length, abort)",
+            ["finished_reason"],
+            registry=self.registry,
+        )
+        self.request_errors = Counter(
+            PREFIX + "request_errors",
+            "Requests rejected with a 4xx/5xx before they reached the engine, by HTTP status",
+            ["status"],
+            registry=self.registry,
+        )
+        self.cached_prompt_tokens = Counter(
+            PREFIX + "request_cached_prompt_tokens",
+            "Prompt tokens served from the prefix cache, as reported to clients in usage",
+            registry=self.registry,
+        )
+
+    def update_engine(self, snapshot: dict[str, Any]) -> None:
+        self._engine.snapshot = dict(snapshot)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """Observes one request's TTFT, inter-token latencies and end-to-end time."""
+
+    __slots__ = ("metrics", "arrival", "last_token_time", "num_tokens")
+
+    def __init__(self, metrics: ServerMetrics, arrival: float) -> None:
+        self.metrics = metrics
+        self.arrival = arrival
+        self.last_token_time: float | None = None
+        self.num_tokens = 0
+
+    def on_tokens(self, now: float, num_tokens: int) -> None:
+        """`num_tokens` (total over the request's sequences) were seen at `now`."""
+        new = num_tokens - self.num_tokens
+        if new <= 0:
+            return
+        if self.last_token_time is None:
+            self.metrics.time_to_first_token.observe(now - self.arrival)
+        else:
+            gap = (now - self.last_token_time) / new
+            for _ in range(new):
+                self.metrics.inter_token_latency.observe(gap)
+        self.last_token_time = now
+        self.num_tokens = num_tokens
+
+    def on_finish(self, now: float, finish_reasons: list[str | None]) -> None:
+        self.metrics.e2e_request_latency.observe(now - self.arrival)
+        for reason in finish_reasons:
+            self.metrics.request_success.labels(finished_reason=reason or "abort").inc()
