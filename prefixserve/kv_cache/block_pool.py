@@ -9,6 +9,7 @@ Vocabulary:
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
@@ -160,7 +161,10 @@ class BlockPool:
         self.null_block.ref_cnt = 1
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[1:])
         self.cached: list[dict[bytes, KVCacheBlock]] = [{} for _ in range(num_groups)]
-        self.duplicates: list[dict[bytes, list[KVCacheBlock]]] = [{} for _ in range(num_groups)]
+        # Later copies per hash, oldest first, keyed by block id (O(1) removal and promotion).
+        self.duplicates: list[dict[bytes, OrderedDict[int, KVCacheBlock]]] = [
+            {} for _ in range(num_groups)
+        ]
         self.num_hash_collisions = 0
         self.events: list[KVCacheEvent] = []
 
@@ -201,7 +205,8 @@ class BlockPool:
     def _lookup_past_collision(
         self, block_hash: bytes, group_id: int, token_ids: list[int]
     ) -> KVCacheBlock | None:
-        for block in self.duplicates[group_id].get(block_hash, ()):
+        later = self.duplicates[group_id].get(block_hash)
+        for block in later.values() if later else ():
             if block.token_ids == token_ids:
                 return block
         self.num_hash_collisions += 1
@@ -240,7 +245,10 @@ class BlockPool:
             block.group_id = group_id
             block.token_ids = tokens[i * block_size : (i + 1) * block_size]
             if block_hash in cached:
-                self.duplicates[group_id].setdefault(block_hash, []).append(block)
+                later = self.duplicates[group_id].get(block_hash)
+                if later is None:
+                    later = self.duplicates[group_id][block_hash] = OrderedDict()
+                later[block.block_id] = block
             else:
                 cached[block_hash] = block
             stored.append(i)
@@ -272,14 +280,14 @@ class BlockPool:
         if cached.get(block_hash) is block:
             later = duplicates.get(block_hash)
             if later:
-                cached[block_hash] = later.pop(0)
+                cached[block_hash] = later.popitem(last=False)[1]
                 if not later:
                     del duplicates[block_hash]
             else:
                 del cached[block_hash]
         else:
             later = duplicates[block_hash]
-            later.remove(block)
+            del later[block.block_id]
             if not later:
                 del duplicates[block_hash]
         block.block_hash = None
@@ -404,7 +412,7 @@ class BlockPool:
             zip(self.cached, self.duplicates, strict=True)
         ):
             entries = [(h, b) for h, b in cached.items()]
-            entries += [(h, b) for h, blocks in duplicates.items() for b in blocks]
+            entries += [(h, b) for h, later in duplicates.items() for b in later.values()]
             for block_hash, block in entries:
                 assert block.block_hash == block_hash, f"map entry {block_hash.hex()} -> {block!r}"
                 assert block.group_id == group_id, f"{block!r} mapped in group {group_id}"

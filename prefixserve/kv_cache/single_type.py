@@ -128,7 +128,8 @@ class SingleTypeKVCacheManager:
         """Cache every block of the request that is full within its first `num_tokens` tokens."""
         request_id = request.request_id
         num_cached = self.num_cached_block[request_id]
-        num_full = num_tokens // self.block_size
+        # A request without a block hasher (or not yet hashed that far) is cached up to its hashes.
+        num_full = min(num_tokens // self.block_size, len(request.block_hashes))
         if num_full <= num_cached:
             return
         self.block_pool.cache_full_blocks(

@@ -85,7 +85,7 @@ def snapshot(mgr: KVCacheManager, requests=()) -> tuple:
         free_ids(pool),
         [(b.ref_cnt, b.block_hash, b.group_id) for b in pool.blocks],
         [dict(c) for c in pool.cached],
-        [{h: list(v) for h, v in d.items()} for d in pool.duplicates],
+        [{h: list(v.items()) for h, v in d.items()} for d in pool.duplicates],
         [mgr.get_block_ids(r) for r in requests],
         mgr.make_prefix_cache_stats(),
         list(pool.events),

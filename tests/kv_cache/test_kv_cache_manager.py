@@ -15,6 +15,7 @@ from kv_cache_helpers import (
 
 from prefixserve.kv_cache.events import BlockStored
 from prefixserve.kv_cache.kv_cache_manager import KVCacheBlocks
+from prefixserve.request import Request
 from prefixserve.sampling_params import SamplingParams
 
 
@@ -322,3 +323,23 @@ def test_check_invariants_catches_a_ref_count_that_disagrees_with_holders():
     mgr.block_pool.blocks[1].ref_cnt = 2
     with pytest.raises(AssertionError, match="ref count 2 but 1 holders"):
         mgr.check_invariants()
+
+
+def test_request_without_block_hasher_is_allocated_but_not_cached():
+    mgr = make_manager()
+    a = Request("a", list(range(10)), SamplingParams())
+    assert mgr.allocate_slots(a, 10).get_block_ids() == ([1, 2, 3],)
+    assert all(blk.block_hash is None for blk in mgr.block_pool.blocks)
+    mgr.check_invariants()
+
+
+def test_many_duplicates_of_one_prompt_stay_consistent():
+    mgr = make_manager(num_blocks=41)
+    for i in range(30):  # prompt_logprobs requests never read the cache: each caches a copy
+        r = make_request(f"r{i}", list(range(8)), sampling_params=SamplingParams(prompt_logprobs=0))
+        schedule(mgr, r)
+        mgr.free(r)
+        mgr.check_invariants()
+    blocks, num_computed = mgr.get_computed_blocks(make_request("b", list(range(9))))
+    first = mgr.block_pool.cached[0][blocks.blocks[0][0].block_hash]
+    assert num_computed == 8 and blocks.blocks[0][0] is first
