@@ -137,10 +137,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from prefixserve.bench.client import EndpointConfig, run_workload
     from prefixserve.bench.compare import load_token_pool, report
     from prefixserve.bench.summary import summarize
-    from prefixserve.bench.workloads import make_workload
+    from prefixserve.bench.workloads import make_workload, prepend_tokens
 
     model_dir = args.model or _default_model_dir()
-    pool, decode = load_token_pool(model_dir)
+    pool, decode, special_prefix = load_token_pool(model_dir)
     served = args.served_model
     if served is None:
         served = httpx.get(args.base_url.rstrip("/") + "/v1/models", timeout=10).json()["data"][0][
@@ -152,6 +152,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     )
     for name in args.workloads:
         workload = make_workload(name, pool, seed=args.seed, scale=args.scale, decode=decode)
+        prepend_tokens(workload.requests, special_prefix)
         with tqdm(total=len(workload.requests), desc=f"{args.name}: {workload.name}") as bar:
             result = asyncio.run(
                 run_workload(

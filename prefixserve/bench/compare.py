@@ -37,6 +37,7 @@ from prefixserve.bench.workloads import (
     Workload,
     make_warmup,
     make_workload,
+    prepend_tokens,
     token_pool_from_tokenizer,
 )
 
@@ -69,8 +70,12 @@ class CompareConfig:
             raise ValueError("choose at least one engine")
 
 
-def load_token_pool(model_dir: Path) -> tuple[list[int], Callable[[list[int]], str]]:
-    """The model's round-trip-safe word tokens and a decode function, from its tokenizer.json."""
+def load_token_pool(
+    model_dir: Path,
+) -> tuple[list[int], Callable[[list[int]], str], list[int]]:
+    """From the model's tokenizer.json: its round-trip-safe word tokens, a decode function, and
+    the special tokens its tokenizer puts before a text (BOS), which token-id prompts then get
+    too, so that servers given text and servers given ids compute the same tokens."""
     from tokenizers import Tokenizer
 
     path = model_dir / "tokenizer.json"
@@ -81,7 +86,11 @@ def load_token_pool(model_dir: Path) -> tuple[list[int], Callable[[list[int]], s
     def decode(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=False)
 
-    return token_pool_from_tokenizer(tokenizer), decode
+    plain = tokenizer.encode(" the", add_special_tokens=False).ids
+    full = tokenizer.encode(" the").ids
+    cut = len(full) - len(plain)
+    special_prefix = full[:cut] if full[cut:] == plain else []
+    return token_pool_from_tokenizer(tokenizer), decode, special_prefix
 
 
 def result_path(out_dir: Path, workload: str, engine: str) -> Path:
@@ -167,7 +176,7 @@ def _run(
 
 def run_compare(cfg: CompareConfig, progress: bool = True) -> dict[str, str]:
     """Run every engine on every workload; return {engine: "ok" | error message}."""
-    pool, decode = load_token_pool(cfg.model_dir)
+    pool, decode, special_prefix = load_token_pool(cfg.model_dir)
     workloads = [
         make_workload(n, pool, seed=cfg.seed, scale=cfg.scale, decode=decode)
         for n in cfg.workloads
@@ -175,6 +184,8 @@ def run_compare(cfg: CompareConfig, progress: bool = True) -> dict[str, str]:
     warmup = make_warmup(pool, n=cfg.num_warmup, seed=cfg.seed)
     for req in warmup:
         req.prompt_text = decode(req.prompt_token_ids)
+    for reqs in [warmup, *(w.requests for w in workloads)]:
+        prepend_tokens(reqs, special_prefix)
     total = len(cfg.engines) * sum(len(w.requests) for w in workloads)
     bar = tqdm(total=total, unit="req", disable=not progress, dynamic_ncols=True)
     status: dict[str, str] = {}

@@ -207,6 +207,13 @@ def make_workload(
     return workload
 
 
+def prepend_tokens(requests: Sequence[BenchRequest], prefix_ids: Sequence[int]) -> None:
+    """Put `prefix_ids` (the BOS a tokenizer adds to text) before every token-id prompt, so a
+    server given token ids sees what one given the text sees; `prompt_text` is left as is."""
+    for req in requests:
+        req.prompt_token_ids = [*prefix_ids, *req.prompt_token_ids]
+
+
 def make_warmup(pool: Sequence[int], n: int = 2, seed: int = 0) -> list[BenchRequest]:
     """`n` short requests that share no prefix with any workload (their own random stream)."""
     gen = _Gen(pool, 10_000_019 + seed)

@@ -147,3 +147,19 @@ def test_token_pool_refuses_a_vocabulary_without_enough_words():
     tok = Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
     with pytest.raises(ValueError, match="round-trip"):
         token_pool_from_tokenizer(tok)
+
+
+def test_default_model_prompts_round_trip_with_its_bos():
+    from prefixserve.bench.compare import load_token_pool
+    from prefixserve.bench.workloads import prepend_tokens
+    from prefixserve.model.default_model import ensure_default_model
+
+    model_dir = ensure_default_model()
+    pool, decode, special_prefix = load_token_pool(model_dir)
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    w = make_workload("W3", pool, scale=0.2, decode=decode)
+    prepend_tokens(w.requests, special_prefix)
+    for r in w.requests:
+        # what a server that tokenizes the text computes == what a server given the ids computes
+        assert tokenizer.encode(r.prompt_text).ids == r.prompt_token_ids
+        assert r.num_prompt_tokens == len(special_prefix) + 1532
