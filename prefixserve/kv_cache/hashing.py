@@ -2,10 +2,12 @@
 
 A full block's hash chains its parent's hash, its own token ids and its extra keys:
 
-    block_hash = H(parent_hash || len(tokens) || tokens as little-endian int32 || extra keys)
+    block_hash = H(parent_hash || tokens as little-endian int32 [|| 0x01 || extra keys])
 
-Everything that enters H is serialized canonically (fixed-width little-endian integers, tagged and
-length-prefixed values), never pickled, so equal inputs give equal hashes on every machine and
+The extra-keys part is absent when a block has none (the parent and token parts have a fixed length
+for a given hash function and block size, so the two forms cannot be confused). Everything that
+enters H is serialized canonically (fixed-width little-endian integers, tagged and length-prefixed
+values), never pickled, so equal inputs give equal hashes on every machine and
 Python version. The first block's parent is NONE_HASH, a per-process seed that is derived from
 PYTHONHASHSEED when it is set (hashes are then reproducible across processes) and random otherwise.
 """
@@ -36,7 +38,6 @@ _TOKEN_TYPECODE = "i"
 assert array(_TOKEN_TYPECODE).itemsize == 4
 _SWAP_BYTES = sys.byteorder != "little"
 _COUNT = struct.Struct("<I")
-_NO_EXTRA = b"\x00"
 _HAS_EXTRA = b"\x01"
 
 
@@ -114,9 +115,9 @@ def _encode(value: Any, out: bytearray) -> None:
 
 
 def encode_extra_keys(extra_keys: ExtraKeys) -> bytes:
-    """Canonical bytes of a block's extra keys (one byte when there are none)."""
+    """Canonical bytes of a block's extra keys (empty when there are none)."""
     if extra_keys is None:
-        return _NO_EXTRA
+        return b""
     out = bytearray(_HAS_EXTRA)
     _encode(extra_keys, out)
     return bytes(out)
@@ -140,8 +141,7 @@ def hash_block_tokens(
 ) -> BlockHash:
     """Hash one block: its parent's hash (NONE_HASH when None), its token ids, its extra keys."""
     parent = NONE_HASH if parent_block_hash is None else parent_block_hash
-    data = parent + _COUNT.pack(len(token_ids)) + _pack_tokens(token_ids)
-    return _resolve(hash_fn)(data + encode_extra_keys(extra_keys))
+    return _resolve(hash_fn)(parent + _pack_tokens(token_ids) + encode_extra_keys(extra_keys))
 
 
 # ---------------------------------------------------------------------------- extra keys
@@ -195,31 +195,36 @@ def get_request_block_hasher(
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
     fn = _resolve(hash_fn)
-    header = _COUNT.pack(block_size)
+    sha256 = hashlib.sha256 if fn is _sha256 else None
     stride = 4 * block_size
 
     def request_block_hasher(request: Request) -> list[BlockHash]:
         hashes = request.block_hashes
         tokens = request.all_token_ids
         start_block = len(hashes)
-        num_full = len(tokens) // block_size
-        if num_full <= start_block:
+        end_block = len(tokens) // block_size
+        if end_block <= start_block:
             return []
         start = start_block * block_size
-        raw = _pack_tokens(tokens[start : num_full * block_size])
-        parent = hashes[-1] if hashes else NONE_HASH
+        raw = _pack_tokens(tokens[start : end_block * block_size])
+        parent = hashes[-1] if start_block else NONE_HASH
+        offsets = range(0, len(raw), stride)
+        if (
+            request.lora_name is None
+            and not request.mm_features
+            and request.cache_salt is None
+            and request.prompt_embeds is None
+        ):
+            # The hot path: no extra keys, so the input is just parent || tokens.
+            if sha256 is not None:
+                return [parent := sha256(parent + raw[o : o + stride]).digest() for o in offsets]
+            return [parent := fn(parent + raw[o : o + stride]) for o in offsets]
         new: list[BlockHash] = []
-        append = new.append
-        if not _may_have_extra_keys(request):
-            for offset in range(0, len(raw), stride):
-                parent = fn(parent + header + raw[offset : offset + stride] + _NO_EXTRA)
-                append(parent)
-            return new
-        for i, offset in enumerate(range(0, len(raw), stride)):
+        for i, offset in enumerate(offsets):
             block_start = start + i * block_size
             extra = generate_block_extra_keys(request, block_start, block_start + block_size, fn)
-            parent = fn(parent + header + raw[offset : offset + stride] + encode_extra_keys(extra))
-            append(parent)
+            parent = fn(parent + raw[offset : offset + stride] + encode_extra_keys(extra))
+            new.append(parent)
         return new
 
     return request_block_hasher

@@ -256,9 +256,9 @@ def test_cache_salt_isolates_prefixes():
 
 def test_hash_collision_is_a_miss_in_lookups():
     mgr = make_manager()
-    a = make_request("a", list(range(8)), hash_fn=lambda data: data[-5:])  # last token + tag
+    a = make_request("a", list(range(8)), hash_fn=lambda data: data[-4:])  # the last token
     schedule(mgr, a)
-    b = make_request("b", [9, 9, 9, 3, 9, 9, 9, 7, 0], hash_fn=lambda data: data[-5:])
+    b = make_request("b", [9, 9, 9, 3, 9, 9, 9, 7, 0], hash_fn=lambda data: data[-4:])
     assert b.block_hashes == a.block_hashes
     assert mgr.get_computed_blocks(b)[1] == 0
     assert mgr.make_prefix_cache_stats().hash_collisions == 1

@@ -78,12 +78,15 @@ def test_unknown_hash_name_is_a_value_error_listing_valid_names():
 
 def test_serialization_is_canonical_bytes_not_pickle():
     parent = b"\x11" * 32
-    expected_input = parent + struct.pack("<I", 4) + struct.pack("<4i", 1, 2, 3, 70000) + b"\x00"
+    expected_input = parent + struct.pack("<4i", 1, 2, 3, 70000)
     assert hash_block_tokens("sha256", parent, [1, 2, 3, 70000]) == (
         hashlib.sha256(expected_input).digest()
     )
     # Extra keys: tagged, length-prefixed values.
-    assert encode_extra_keys(None) == b"\x00"
+    assert encode_extra_keys(None) == b""
+    assert hash_block_tokens("sha256", parent, [1, 2, 3, 70000], ("a",)) == (
+        hashlib.sha256(expected_input + b"\x01L\x01\x00\x00\x00S\x01\x00\x00\x00a").digest()
+    )
     assert encode_extra_keys(("ab", ("img", -1), 5)) == (
         b"\x01L\x03\x00\x00\x00"
         b"S\x02\x00\x00\x00ab"
