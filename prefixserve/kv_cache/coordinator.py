@@ -35,6 +35,8 @@ class KVCacheCoordinator:
             make_manager(spec, block_pool, config.block_size, group_id, extra_keys_fn)
             for group_id, spec in enumerate(config.groups)
         ]
+        # Groups that release blocks a request no longer needs (sliding window).
+        self.skipping_managers = [m for m in self.managers if m.releases_skipped_blocks]
         # Full-attention groups are searched first: their hit is a prefix, so a shorter limit
         # only truncates it, while the sliding-window groups may need a new search.
         self._search_order = sorted(
@@ -76,24 +78,25 @@ class KVCacheCoordinator:
         return tuple(hits[:num_blocks] for hits in per_group if hits is not None), hit_length
 
     def get_num_blocks_to_allocate(
-        self, request_id: str, num_tokens: int, new_computed_blocks: GroupBlocks
+        self, request_id: str, num_tokens: int, new_computed_blocks: GroupBlocks | None
     ) -> int:
         """Free blocks all groups need for `num_tokens` slots (hits leaving the queue included)."""
-        return sum(
-            manager.get_num_blocks_to_allocate(request_id, num_tokens, new_computed_blocks[g])
-            for g, manager in enumerate(self.managers)
-        )
+        total = 0
+        for g, manager in enumerate(self.managers):
+            hits = new_computed_blocks[g] if new_computed_blocks is not None else ()
+            total += manager.get_num_blocks_to_allocate(request_id, num_tokens, hits)
+        return total
 
     def num_blocks_freed_by_skipping(self, request_id: str, num_computed_tokens: int) -> int:
         """Blocks `remove_skipped_blocks` would return to the free queue, over all groups."""
-        return sum(
-            manager.num_blocks_freed_by_skipping(request_id, num_computed_tokens)
-            for manager in self.managers
-        )
+        total = 0
+        for manager in self.skipping_managers:
+            total += manager.num_blocks_freed_by_skipping(request_id, num_computed_tokens)
+        return total
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """Let each group release the blocks it no longer needs (sliding window)."""
-        for manager in self.managers:
+        for manager in self.skipping_managers:
             manager.remove_skipped_blocks(request_id, num_computed_tokens)
 
     def save_new_computed_blocks(self, request_id: str, new_computed_blocks: GroupBlocks) -> None:
@@ -104,13 +107,16 @@ class KVCacheCoordinator:
     def allocate_new_blocks(self, request_id: str, num_tokens: int) -> GroupBlocks:
         """Grow every group's table to `num_tokens` slots; return the fresh blocks per group."""
         return tuple(
-            manager.allocate_new_blocks(request_id, num_tokens) for manager in self.managers
+            [manager.allocate_new_blocks(request_id, num_tokens) for manager in self.managers]
         )
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Cache the request's blocks that are full within its first `num_tokens` tokens."""
+        num_full = min(num_tokens // self.block_size, len(request.block_hashes))
+        request_id = request.request_id
         for manager in self.managers:
-            manager.cache_blocks(request, num_tokens)
+            if manager.num_cached_block[request_id] < num_full:
+                manager.cache_blocks(request, num_tokens)
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks in every group, each table tail first."""

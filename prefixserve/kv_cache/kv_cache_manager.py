@@ -149,30 +149,30 @@ class KVCacheManager:
             )
         coordinator = self.coordinator
         request_id = request.request_id
-        if new_computed_blocks is None or not self.enable_caching:
-            hits: tuple[list[KVCacheBlock], ...] = tuple([] for _ in range(self.num_groups))
-        else:
+        hits = None
+        if new_computed_blocks is not None and self.enable_caching:
             hits = new_computed_blocks.blocks
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_slots = num_computed + num_new_tokens + num_lookahead_tokens
 
         num_needed = coordinator.get_num_blocks_to_allocate(request_id, num_slots, hits)
-        num_available = self.block_pool.get_num_free_blocks()
-        if num_needed > num_available:
-            num_available += coordinator.num_blocks_freed_by_skipping(
-                request_id, request.num_computed_tokens
-            )
-            if num_needed > num_available:
-                return None
+        num_free = self.block_pool.free_block_queue.num_free_blocks
+        if num_needed > num_free and num_needed > num_free + (
+            coordinator.num_blocks_freed_by_skipping(request_id, request.num_computed_tokens)
+        ):
+            return None
 
         is_admission = not coordinator.has_request(request_id)
-        coordinator.remove_skipped_blocks(request_id, request.num_computed_tokens)
-        if self.enable_caching:
+        if coordinator.skipping_managers:
+            coordinator.remove_skipped_blocks(request_id, request.num_computed_tokens)
+        if hits is not None:
+            touch = self.block_pool.touch
             for group_hits in hits:
-                self.block_pool.touch(group_hits)
-        coordinator.save_new_computed_blocks(request_id, hits)
+                touch(group_hits)
+            coordinator.save_new_computed_blocks(request_id, hits)
         new_blocks = coordinator.allocate_new_blocks(request_id, num_slots)
         if self.enable_caching:
+            # Only tokens known to be in the sequence: lookahead (draft) slots are never cached.
             coordinator.cache_blocks(
                 request, min(num_computed + num_new_tokens, request.num_tokens)
             )

@@ -19,6 +19,9 @@ class SingleTypeKVCacheManager:
     Subclasses decide how a cache hit is searched and which blocks a request no longer needs.
     """
 
+    # Whether remove_skipped_blocks can release anything (lets the coordinator skip the call).
+    releases_skipped_blocks = False
+
     def __init__(
         self,
         spec: KVCacheSpec,
@@ -96,11 +99,14 @@ class SingleTypeKVCacheManager:
     ) -> int:
         """Free blocks needed for `num_tokens` slots, counting hits that leave the free queue."""
         num_required = -(-num_tokens // self.block_size)
-        num_held = len(self.req_to_blocks.get(request_id, ())) + len(new_computed_blocks)
-        num_evictable_hits = sum(
-            1 for block in new_computed_blocks if block.ref_cnt == 0 and not block.is_null
-        )
-        return max(0, num_required - num_held) + num_evictable_hits
+        held = self.req_to_blocks.get(request_id)
+        num_new = num_required - len(new_computed_blocks) - (len(held) if held else 0)
+        if num_new < 0:
+            num_new = 0
+        for block in new_computed_blocks:
+            if block.ref_cnt == 0 and not block.is_null:
+                num_new += 1
+        return num_new
 
     def save_new_computed_blocks(
         self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock]
@@ -181,6 +187,8 @@ class FullAttentionManager(SingleTypeKVCacheManager):
 
 class SlidingWindowManager(SingleTypeKVCacheManager):
     """Sliding window: only the last `sliding_window - 1` tokens before a position are needed."""
+
+    releases_skipped_blocks = True
 
     def __init__(
         self,
