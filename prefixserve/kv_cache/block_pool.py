@@ -235,24 +235,26 @@ class BlockPool:
         hashes = request.block_hashes
         tokens = request.all_token_ids
         cached = self.cached[group_id]
+        events = self.enable_kv_cache_events
         stored: list[int] = []
+        start = num_cached_blocks * block_size
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
-            if block.block_hash is not None or block.is_null:
-                continue
-            block_hash = hashes[i]
-            block.block_hash = block_hash
-            block.group_id = group_id
-            block.token_ids = tokens[i * block_size : (i + 1) * block_size]
-            if block_hash in cached:
-                later = self.duplicates[group_id].get(block_hash)
-                if later is None:
-                    later = self.duplicates[group_id][block_hash] = OrderedDict()
-                later[block.block_id] = block
-            else:
-                cached[block_hash] = block
-            stored.append(i)
-        if self.enable_kv_cache_events and stored:
+            end = start + block_size
+            if block.block_hash is None and not block.is_null:
+                block_hash = hashes[i]
+                block.block_hash = block_hash
+                block.group_id = group_id
+                block.token_ids = tokens[start:end]
+                if cached.setdefault(block_hash, block) is not block:
+                    later = self.duplicates[group_id].get(block_hash)
+                    if later is None:
+                        later = self.duplicates[group_id][block_hash] = OrderedDict()
+                    later[block.block_id] = block
+                if events:
+                    stored.append(i)
+            start = end
+        if stored:
             first = stored[0]
             self.events.append(
                 BlockStored(
@@ -309,11 +311,36 @@ class BlockPool:
             raise ValueError(
                 f"cannot allocate {num_blocks} blocks: only {queue.num_free_blocks} are free"
             )
-        blocks = queue.popleft_n(num_blocks)
-        for block in blocks:
-            if block.block_hash is not None:
-                self._evict(block)
+        # popleft_n with the eviction folded in: one pass, no per-block method calls.
+        head = queue.head
+        block = head.next_free
+        blocks: list[KVCacheBlock] = []
+        append = blocks.append
+        cached_maps = self.cached
+        duplicate_maps = self.duplicates
+        events = self.events if self.enable_kv_cache_events else None
+        for _ in range(num_blocks):
+            nxt = block.next_free
+            block.prev_free = block.next_free = None
+            block_hash = block.block_hash
+            if block_hash is not None:
+                group_id = block.group_id
+                cached = cached_maps[group_id]
+                if cached.get(block_hash) is block and block_hash not in duplicate_maps[group_id]:
+                    # The common eviction: the only cached copy of this hash.
+                    del cached[block_hash]
+                    block.block_hash = block.token_ids = None
+                    block.group_id = -1
+                    if events is not None:
+                        events.append(BlockRemoved(block_hashes=[block_hash], group_idx=group_id))
+                else:
+                    self._evict(block)
             block.ref_cnt = 1
+            append(block)
+            block = nxt
+        head.next_free = block
+        block.prev_free = head
+        queue.num_free_blocks -= num_blocks
         return blocks
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
