@@ -46,6 +46,7 @@ def test_none_hash_random_without_pythonhashseed(monkeypatch, restore_none_hash)
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)
     assert init_none_hash() != init_none_hash()
     assert len(hashing.NONE_HASH) == 32
+    assert len(init_none_hash("xxhash")) == 16
 
 
 def test_block_hashes_reproducible_across_processes_with_pythonhashseed():
