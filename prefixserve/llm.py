@@ -1,0 +1,225 @@
+"""The offline API, shaped like vLLM's `LLM`: batch prompts in, RequestOutputs out."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from prefixserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from prefixserve.engine import LLMEngine
+from prefixserve.outputs import RequestOutput
+from prefixserve.sampling_params import SamplingParams
+
+# A prompt: text, {"prompt": text} or {"prompt_token_ids": [...]}, each dict optionally with
+# "cache_salt".
+PromptType = str | dict[str, Any]
+_PROMPT_KEYS = {"prompt", "prompt_token_ids", "cache_salt"}
+
+
+class LLM:
+    """Generate completions for batches of prompts with one in-process engine.
+
+    `model=None` loads the packaged default model. `num_kv_blocks` fixes the number of
+    allocatable KV blocks; otherwise the pool is sized from `kv_cache_memory_gb` (default about
+    1 GiB). `max_num_seqs` / `max_num_batched_tokens` bound each step;
+    `long_prefill_token_threshold` (0 = off) caps one request's prefill chunk per step.
+    Invalid values raise ValueError.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        dtype: str = "bfloat16",
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory_gb: float | None = None,
+        enable_prefix_caching: bool = True,
+        prefix_caching_hash_algo: str = "sha256",
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 4096,
+        max_model_len: int | None = None,
+        seed: int = 0,
+        enable_kv_events: bool = False,
+        *,
+        long_prefill_token_threshold: int = 0,
+        loaded_model: Any = None,
+    ) -> None:
+        config = EngineConfig(
+            model=model,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            seed=seed,
+            cache=CacheConfig(
+                block_size=block_size,
+                num_kv_blocks=num_kv_blocks,
+                kv_cache_memory_gb=kv_cache_memory_gb,
+                enable_prefix_caching=enable_prefix_caching,
+                prefix_caching_hash_algo=prefix_caching_hash_algo,
+                enable_kv_events=enable_kv_events,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                long_prefill_token_threshold=long_prefill_token_threshold,
+            ),
+        )
+        self.llm_engine = LLMEngine(config, loaded_model=loaded_model)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    # ----------------------------------------------------------------- generation
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Complete every prompt; outputs come back in input order, finished.
+
+        `sampling_params` is one SamplingParams for all prompts or one per prompt (default:
+        SamplingParams()). A bad prompt or parameter raises ValueError before any is run.
+        """
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params_list = self._params_list(sampling_params, len(prompts))
+        parsed = [self._parse_prompt(p, i) for i, p in enumerate(prompts)]
+        return self._run(
+            [(ids, text, salt, params) for (ids, text, salt), params in zip(parsed, params_list,
+                                                                            strict=True)],
+            use_tqdm,
+        )
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (a list of {"role", "content"}
+        messages) or a list of them, and generate a reply for each."""
+        if not isinstance(messages, Sequence) or not messages:
+            raise ValueError(f"messages must be a non-empty list of messages, got {messages!r}")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        params_list = self._params_list(sampling_params, len(conversations))
+        tokenizer = self.llm_engine.tokenizer
+        items = []
+        for conversation, params in zip(conversations, params_list, strict=True):
+            if not isinstance(conversation, list) or not all(
+                isinstance(m, dict) for m in conversation
+            ):
+                raise ValueError(
+                    f"a conversation must be a list of message dicts, got {conversation!r}"
+                )
+            ids = tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt,
+                **(chat_template_kwargs or {}),
+            )
+            text = tokenizer.apply_chat_template_text(
+                conversation, add_generation_prompt=add_generation_prompt,
+                **(chat_template_kwargs or {}),
+            )
+            items.append((ids, text, None, params))
+        return self._run(items, use_tqdm)
+
+    def _run(
+        self,
+        items: list[tuple[list[int], str | None, str | None, SamplingParams]],
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        engine = self.llm_engine
+        order: dict[str, int] = {}
+        try:
+            for ids, text, salt, params in items:
+                request_id = str(next(self._counter))
+                engine.add_request(request_id, ids, params, cache_salt=salt, prompt=text)
+                order[request_id] = len(order)
+        except Exception:
+            engine.abort_request(list(order))
+            raise
+
+        results: list[RequestOutput | None] = [None] * len(items)
+        bar = tqdm(total=len(items), desc="Processed prompts", disable=not use_tqdm)
+        try:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.finished and output.request_id in order:
+                        results[order[output.request_id]] = output
+                        bar.update(1)
+        except BaseException:
+            engine.abort_request(list(order))
+            raise
+        finally:
+            bar.close()
+        assert all(r is not None for r in results)
+        return results  # type: ignore[return-value]
+
+    @staticmethod
+    def _params_list(
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
+    ) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * num_prompts
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * num_prompts
+        params = list(sampling_params)
+        if len(params) != num_prompts:
+            raise ValueError(
+                f"sampling_params must be one SamplingParams or one per prompt: got "
+                f"{len(params)} for {num_prompts} prompts"
+            )
+        for p in params:
+            if not isinstance(p, SamplingParams):
+                raise ValueError(f"sampling_params must hold SamplingParams, got {p!r}")
+        return params
+
+    def _parse_prompt(self, prompt: PromptType, index: int) -> tuple[list[int], str | None,
+                                                                      str | None]:
+        tokenizer = self.llm_engine.tokenizer
+        if isinstance(prompt, str):
+            return tokenizer.encode(prompt), prompt, None
+        if not isinstance(prompt, dict):
+            raise ValueError(
+                f"prompt {index} must be a string or a dict with 'prompt' or 'prompt_token_ids', "
+                f"got {type(prompt).__name__}"
+            )
+        unknown = set(prompt) - _PROMPT_KEYS
+        if unknown:
+            raise ValueError(
+                f"prompt {index} has unknown keys {sorted(unknown)}; allowed: "
+                f"{sorted(_PROMPT_KEYS)}"
+            )
+        salt = prompt.get("cache_salt")
+        if "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, list | tuple):
+                raise ValueError(f"prompt {index}: prompt_token_ids must be a list of ints")
+            return list(ids), prompt.get("prompt"), salt
+        if "prompt" in prompt:
+            if not isinstance(prompt["prompt"], str):
+                raise ValueError(f"prompt {index}: 'prompt' must be a string")
+            return tokenizer.encode(prompt["prompt"]), prompt["prompt"], salt
+        raise ValueError(f"prompt {index} needs 'prompt' or 'prompt_token_ids'")
+
+    # ----------------------------------------------------------------- cache and metrics
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block; False when requests still hold blocks."""
+        return self.llm_engine.reset_prefix_cache()
+
+    def get_metrics(self) -> dict[str, Any]:
+        """Engine counters: prefix_cache_requests / queries / hits, kv_cache_usage, prompt and
+        generation token counts, num_preemptions, ..."""
+        return self.llm_engine.get_metrics()
+
+    def take_kv_events(self) -> list:
+        """KV-cache events since the last call; needs enable_kv_events=True."""
+        return self.llm_engine.take_kv_events()

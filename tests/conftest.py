@@ -1,0 +1,60 @@
+# ---- engine tests (issue 4): the default model, loaded once per dtype for the whole session.
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def default_model_bf16():
+    from prefixserve.model.loader import load_model
+
+    return load_model(None, dtype="bfloat16")
+
+
+@pytest.fixture(scope="session")
+def default_model_fp32():
+    from prefixserve.model.loader import load_model
+
+    return load_model(None, dtype="float32")
+
+
+# ---- model loading (issue 3): the packaged default model, converted once into the cache.
+@pytest.fixture(scope="session")
+def default_model_dir():
+    """The converted SmolLM2-135M-Instruct HF directory (converted on first use)."""
+    from prefixserve.model.default_model import ensure_default_model
+
+    return ensure_default_model()
+
+
+def greedy_generate(loaded, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy decoding through our ModelRunner with a plain argmax loop: one prefill step, then
+    one decode step per token, stopping at an eos id. No scheduler, no engine."""
+    from prefixserve.batch import ScheduledRequest, SchedulerOutput
+    from prefixserve.request import Request
+    from prefixserve.runner import ModelRunner
+    from prefixserve.sampling_params import SamplingParams
+
+    def argmax(logits, requests, generators):
+        return [(int(row.argmax()), None) for row in logits]
+
+    block_size = 16
+    num_blocks = (len(prompt_ids) + max_new_tokens) // block_size + 2
+    runner = ModelRunner(loaded, num_blocks=num_blocks + 1, block_size=block_size, sampler=argmax)
+    block_ids = tuple(
+        list(range(1, num_blocks + 1)) for _ in loaded.config.kv_cache_groups()
+    )
+    request = Request("greedy", prompt_ids, SamplingParams(temperature=0.0))
+    computed, new = 0, len(prompt_ids)
+    for _ in range(max_new_tokens):
+        out = runner.execute(SchedulerOutput([ScheduledRequest(request, computed, new, block_ids)]))
+        token = out.sampled_token_ids["greedy"]
+        request.append_output_token_ids(token)
+        if token in loaded.tokenizer.eos_token_ids:
+            break
+        computed, new = request.num_tokens - 1, 1
+    return request.output_token_ids
+
+
+@pytest.fixture(scope="session")
+def greedy():
+    """`greedy(loaded, prompt_ids, max_new_tokens) -> output ids` (see greedy_generate)."""
+    return greedy_generate
