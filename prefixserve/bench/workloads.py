@@ -214,7 +214,15 @@ def prepend_tokens(requests: Sequence[BenchRequest], prefix_ids: Sequence[int]) 
         req.prompt_token_ids = [*prefix_ids, *req.prompt_token_ids]
 
 
-def make_warmup(pool: Sequence[int], n: int = 2, seed: int = 0) -> list[BenchRequest]:
-    """`n` short requests that share no prefix with any workload (their own random stream)."""
+WARMUP_LENGTHS = (64, 512, 1024, 1536)
+
+
+def make_warmup(pool: Sequence[int], n: int = 4, seed: int = 0) -> list[BenchRequest]:
+    """`n` short-output requests of 64 to 1,536 prompt tokens, so the servers have run (and
+    compiled, for vLLM) the shapes the workloads need; they share no prefix with any workload
+    (their own random stream)."""
     gen = _Gen(pool, 10_000_019 + seed)
-    return [BenchRequest(f"warmup-{i}", gen.tokens(64), max_tokens=4) for i in range(n)]
+    return [
+        BenchRequest(f"warmup-{i}", gen.tokens(WARMUP_LENGTHS[i % len(WARMUP_LENGTHS)]), 4)
+        for i in range(n)
+    ]
