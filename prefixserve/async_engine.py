@@ -86,8 +86,10 @@ class RequestStream:
     """The outputs of one request, as an async iterator of cumulative `RequestOutput`s.
 
     Iteration ends after the output with `finished=True`, or early when the request was aborted.
-    Leaving the iteration before that (break, exception, cancellation) aborts the request, which
-    frees its KV blocks; `abort()` does the same explicitly and is idempotent.
+    An exception or a cancellation inside the iteration aborts the request (freeing its KV
+    blocks) at once; after a `break` the iterator aborts it when it is closed or collected, so
+    call `abort()` (idempotent) to be explicit. A request whose event loop has closed is aborted
+    by the engine thread itself.
     """
 
     def __init__(self, engine: AsyncLLMEngine, request_id: str, stream: _Stream) -> None:
@@ -235,7 +237,7 @@ class AsyncLLMEngine:
             stream = self._streams.pop(request_id, None)
             engine.abort_request([request_id])
             if stream is not None:
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, _ABORTED)
+                self._deliver(request_id, stream, _ABORTED)
 
         self._submit(_Command(abort, None, None))
 
@@ -320,10 +322,10 @@ class AsyncLLMEngine:
             if command.future is None:
                 logger.exception("engine command failed")
             else:
-                command.loop.call_soon_threadsafe(_set_exception, command.future, exc)
+                _resolve(command, _set_exception, exc)
             return
         if command.future is not None:
-            command.loop.call_soon_threadsafe(_set_result, command.future, result)
+            _resolve(command, _set_result, result)
 
     def _step(self) -> None:
         outputs = self.engine.step()
@@ -334,9 +336,17 @@ class AsyncLLMEngine:
                 continue
             if output.finished:
                 del self._streams[output.request_id]
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, _snapshot(output))
+            self._deliver(output.request_id, stream, _snapshot(output))
         if self.collect_kv_events:
             self._drain_kv_events()
+
+    def _deliver(self, request_id: str, stream: _Stream, item: Any) -> None:
+        try:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        except RuntimeError:
+            # The caller's event loop is closed: nobody will read this request, so free it.
+            self._streams.pop(request_id, None)
+            self.engine.abort_request([request_id])
 
     def _drain_kv_events(self) -> None:
         if self.collect_kv_events:
@@ -349,9 +359,12 @@ class AsyncLLMEngine:
             commands, self._pending = self._pending, []
         for command in commands:
             if command.future is not None:
-                command.loop.call_soon_threadsafe(_set_exception, command.future, error)
+                _resolve(command, _set_exception, error)
         for stream in self._streams.values():
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
+            try:
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
+            except RuntimeError:
+                pass  # that caller's event loop is gone
         self._streams.clear()
 
     def _seconds_until_stats_due(self) -> float | None:
@@ -394,6 +407,16 @@ def format_stats(metrics: dict[str, Any], previous: dict[str, Any] | None, elaps
         f"KV cache usage {100.0 * float(metrics.get('kv_cache_usage', 0.0)):.1f}%, "
         f"prefix cache hit rate {hit_rate}"
     )
+
+
+def _resolve(
+    command: _Command, setter: Callable[[asyncio.Future[Any], Any], None], value: Any
+) -> None:
+    assert command.loop is not None and command.future is not None
+    try:
+        command.loop.call_soon_threadsafe(setter, command.future, value)
+    except RuntimeError:
+        pass  # the caller's event loop is closed; nobody awaits the answer
 
 
 def _set_result(future: asyncio.Future[Any], result: Any) -> None:

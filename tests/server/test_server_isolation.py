@@ -101,7 +101,7 @@ def test_tenant_isolation_holds_for_chat_too(server):
         {"Authorization": "Bearer wrong-key"},
         {"Authorization": KEY_ALPHA},
         {"Authorization": "Basic " + KEY_ALPHA},
-        {"Authorization": "Bearer "},
+        {"Authorization": "Bearer"},
     ],
     ids=["missing", "wrong", "no-scheme", "basic", "empty-bearer"],
 )

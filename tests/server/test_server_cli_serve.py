@@ -1,0 +1,77 @@
+"""`prefixserve serve` as a user runs it: a subprocess on a free port, its logs, a request."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_prefixserve_serve_starts_logs_its_setup_and_answers(tmp_path):
+    port = free_port()
+    keys = tmp_path / "keys.txt"
+    keys.write_text("sk-one acme\n")
+    log = tmp_path / "serve.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "prefixserve.cli",
+                "serve",
+                "--port",
+                str(port),
+                "--num-kv-blocks",
+                "64",
+                "--max-model-len",
+                "512",
+                "--block-size",
+                "16",
+                "--api-key-file",
+                str(keys),
+                "--served-model-name",
+                "smol",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None, log.read_text()
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.5)
+        headers = {"Authorization": "Bearer sk-one"}
+        response = httpx.post(
+            f"{url}/v1/completions",
+            headers=headers,
+            json={"model": "smol", "prompt": "Hello", "max_tokens": 3},
+            timeout=120,
+        )
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert httpx.get(f"{url}/v1/models", timeout=30).status_code == 401
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    text = log.read_text()
+    assert "dtype bfloat16" in text
+    assert "block size 16" in text
+    assert "pool 64 blocks = 1024 tokens" in text
+    assert "prefix caching: on" in text
+    assert "1 tenant(s)" in text
