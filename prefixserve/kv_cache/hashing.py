@@ -14,11 +14,10 @@ PYTHONHASHSEED when it is set (hashes are then reproducible across processes) an
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import struct
-import sys
-from array import array
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -32,11 +31,8 @@ HashFn = Callable[[bytes], bytes]
 # Extra keys of one block: a tuple of str / int / bytes / tuples of them, or None.
 ExtraKeys = tuple[Any, ...] | None
 
-# Token ids are serialized as little-endian int32 (every vocabulary fits; 4 bytes keep a 16-token
-# block plus its parent within two SHA-256 compression rounds).
-_TOKEN_TYPECODE = "i"
-assert array(_TOKEN_TYPECODE).itemsize == 4
-_SWAP_BYTES = sys.byteorder != "little"
+# Token ids are serialized as little-endian int32: every vocabulary fits, and 4 bytes keep a
+# 16-token block plus its parent within two SHA-256 compression rounds.
 _COUNT = struct.Struct("<I")
 _HAS_EXTRA = b"\x01"
 
@@ -124,14 +120,17 @@ def encode_extra_keys(extra_keys: ExtraKeys) -> bytes:
     return bytes(out)
 
 
+@functools.lru_cache(maxsize=256)
+def _token_struct(num_tokens: int) -> struct.Struct:
+    return struct.Struct(f"<{num_tokens}i")
+
+
 def _pack_tokens(token_ids: Sequence[int]) -> bytes:
+    """Token ids as little-endian int32 bytes (struct packs ~4x faster than array(list))."""
     try:
-        packed = array(_TOKEN_TYPECODE, token_ids)
-    except OverflowError:
-        raise ValueError("token ids must fit in a signed 32-bit integer") from None
-    if _SWAP_BYTES:
-        packed.byteswap()
-    return packed.tobytes()
+        return _token_struct(len(token_ids)).pack(*token_ids)
+    except struct.error:
+        raise ValueError("token ids must be integers that fit in a signed 32-bit int") from None
 
 
 def hash_block_tokens(
@@ -211,7 +210,6 @@ def get_request_block_hasher(
         start = start_block * block_size
         raw = _pack_tokens(tokens[start : end_block * block_size])
         parent = hashes[-1] if start_block else NONE_HASH
-        offsets = range(0, len(raw), stride)
         if (
             request.lora_name is None
             and not request.mm_features
@@ -219,9 +217,12 @@ def get_request_block_hasher(
             and request.prompt_embeds is None
         ):
             # The hot path: no extra keys, so the input is just parent || tokens.
+            if end_block - start_block == 1:  # decode completed one block
+                return [sha256(parent + raw).digest() if sha256 is not None else fn(parent + raw)]
             if sha256 is not None:
                 return [parent := sha256(parent + chunk).digest() for (chunk,) in split_blocks(raw)]
             return [parent := fn(parent + chunk) for (chunk,) in split_blocks(raw)]
+        offsets = range(0, len(raw), stride)
         new: list[BlockHash] = []
         for i, offset in enumerate(offsets):
             block_start = start + i * block_size

@@ -196,3 +196,8 @@ def test_extra_keys_order_lora_mm_salt_embeds():
     keys = generate_block_extra_keys(request, 0, 4)
     assert keys == ("lora", ("img", 1), "salt", hashlib.sha256(embeds.tobytes()).digest())
     assert request.block_hashes == [hash_block_tokens("sha256", None, [0] * 4, keys)]
+
+
+def test_token_ids_outside_int32_are_a_value_error():
+    with pytest.raises(ValueError, match="32-bit"):
+        hash_block_tokens("sha256", None, [2**31, 0, 0, 0])
