@@ -287,6 +287,16 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     for line in describe_engine(llm_engine, config, served_names):
         logger.info(line)
+    pool_tokens = llm_engine.num_kv_blocks * config.cache.block_size
+    if pool_tokens < llm_engine.max_model_len:
+        logger.warning(
+            "the KV pool holds %d tokens, less than max_model_len %d: requests whose prompt + "
+            "max_tokens need more are refused (a chat request without max_tokens asks for the "
+            "whole context); raise --num-kv-blocks / --kv-cache-memory-gb or lower "
+            "--max-model-len",
+            pool_tokens,
+            llm_engine.max_model_len,
+        )
     if api_keys is None:
         logger.info("auth: none (every client shares one cache namespace; see --api-key-file)")
     else:

@@ -90,11 +90,17 @@ def build_app(
 
     @router.post("/v1/completions")
     async def create_completion(body: p.CompletionRequest, raw: Request) -> Response:
-        return await _serve(state, raw, body, _completion_prompt(state, body), chat=False)
+        arrival = time.monotonic()
+        model = _check_model(state, body.model)
+        prompt = _completion_prompt(state, body)
+        return await _serve(state, raw, body, model, prompt, arrival, chat=False)
 
     @router.post("/v1/chat/completions")
     async def create_chat_completion(body: p.ChatCompletionRequest, raw: Request) -> Response:
-        return await _serve(state, raw, body, _chat_prompt(state, body), chat=True)
+        arrival = time.monotonic()
+        model = _check_model(state, body.model)
+        prompt = _chat_prompt(state, body)
+        return await _serve(state, raw, body, model, prompt, arrival, chat=True)
 
     @router.get("/metrics")
     async def metrics() -> Response:
@@ -247,11 +253,11 @@ async def _serve(
     state: ServerState,
     raw: Request,
     body: p.CompletionRequest | p.ChatCompletionRequest,
+    model: str,
     prompt: tuple[list[int], str | None],
+    arrival: float,
     chat: bool,
 ) -> Response:
-    arrival = time.monotonic()
-    model = _check_model(state, body.model)
     prompt_ids, prompt_text = prompt
     params = _sampling_params(state, body, len(prompt_ids))
     cache_salt = derive_cache_salt(raw.state.tenant, body.cache_salt)

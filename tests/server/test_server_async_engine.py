@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 
 import pytest
@@ -156,3 +157,23 @@ def test_format_stats_reports_interval_throughput_and_hit_rate():
     assert "KV cache usage 25.0%" in line
     assert "prefix cache hit rate 75.0%" in line
     assert "hit rate n/a" in format_stats(now, now, 10.0)
+
+
+def test_a_busy_engine_logs_the_periodic_stats_line(async_engine, tokenizer, caplog):
+    caplog.set_level(logging.INFO, logger="prefixserve.async_engine")
+    previous = async_engine.log_stats_interval_s
+    async_engine.log_stats_interval_s = 0.0  # every step, for this test
+    try:
+
+        async def run():
+            async for _ in async_engine.generate(
+                rid(), tokenizer.encode("Log me"), SamplingParams(max_tokens=3, ignore_eos=True)
+            ):
+                pass
+
+        asyncio.run(run())
+    finally:
+        async_engine.log_stats_interval_s = previous
+    lines = [r.getMessage() for r in caplog.records if "generation throughput" in r.getMessage()]
+    assert lines
+    assert all("KV cache usage" in line and "prefix cache hit rate" in line for line in lines)
