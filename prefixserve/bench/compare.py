@@ -146,16 +146,21 @@ def load_results(out_dir: Path, workload: str) -> list[tuple[str, Summary, list[
 
 
 def report(out_dir: Path, workloads: Sequence[str]) -> str:
-    """Write `<workload>.md` and `<workload>.png` for each workload; return all tables."""
+    """Write `<workload>.md` and `<workload>.png` for each workload, and `summary.json` (every
+    engine's summary per workload); return all tables."""
     parts: list[str] = []
+    summaries: dict[str, dict[str, Any]] = {}
     for name in workloads:
         results = load_results(out_dir, name)
         if not results:
             continue
+        summaries[name] = {engine: s.to_dict() for engine, s, _ in results}
         table = markdown_table([(engine, s) for engine, s, _ in results])
         (out_dir / f"{name}.md").write_text(table + "\n")
         plot_workload(name, results, out_dir / f"{name}.png")
         parts.append(f"### {name}\n\n{table}\n")
+    if summaries:
+        (out_dir / "summary.json").write_text(json.dumps(summaries, indent=1))
     return "\n".join(parts)
 
 

@@ -75,6 +75,8 @@ def test_compare_runs_each_engine_and_writes_results_tables_and_figures(
     text = report(tmp_path, ["W1", "W2", "W3"])
     assert "### W1" in text and "### W3" not in text
     assert (tmp_path / "W1.md").read_text().count("| stub") == 2
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert sorted(summary) == ["W1", "W2"] and sorted(summary["W2"]) == ["stub", "stub-text"]
     png = (tmp_path / "W2.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) < 300_000
     results = load_results(tmp_path, "W1")
