@@ -222,12 +222,12 @@ def main() -> None:
         f"median of {args.repeats} runs, µs per block "
         f"({'wall clock' if args.wall else 'process CPU time'})"
     )
-    print(f"| {'operation':<12} | {'case':<44} | {'µs/block':>8} | {'target':>6} |")
-    print(f"|{'-' * 14}|{'-' * 46}|{'-' * 10}:|{'-' * 7}:|")
+    print(f"| {'operation':<12} | {'case':<50} | {'µs/block':>8} | {'target':>6} |")
+    print(f"|{'-' * 14}|{'-' * 52}|{'-' * 10}:|{'-' * 7}:|")
     for op, case, us in rows:
         target = TARGETS.get(op)
         target_s = f"≤ {target}" if target is not None else ""
-        print(f"| {op:<12} | {case:<44} | {us:>8.3f} | {target_s:>6} |")
+        print(f"| {op:<12} | {case:<50} | {us:>8.3f} | {target_s:>6} |")
 
 
 if __name__ == "__main__":
