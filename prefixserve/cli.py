@@ -245,8 +245,10 @@ def describe_engine(engine: object, config: EngineConfig, served_names: list[str
     num_blocks = getattr(engine, "num_kv_blocks", None)
     model_config = getattr(engine, "model_config", None)
     arch = getattr(model_config, "architecture", "?")
+    path = getattr(getattr(engine, "loaded_model", None), "path", None)
+    source = config.model or "the default model"
     lines = [
-        f"model: {config.model or 'default'} (served as {', '.join(served_names)}; "
+        f"model: {source} (weights {path}; served as {', '.join(served_names)}; "
         f"architecture {arch}), dtype {config.dtype}, "
         f"max_model_len {getattr(engine, 'max_model_len', '?')}",
         f"KV cache: block size {cache.block_size} tokens, pool {num_blocks} blocks = "
