@@ -119,6 +119,7 @@ class FreeKVCacheBlockQueue:
         self.num_free_blocks += 1
 
     def __iter__(self) -> Iterable[KVCacheBlock]:
+        """Free blocks, head (next evicted) first."""
         block = self.head.next_free
         while block is not self.tail:
             yield block
@@ -205,6 +206,7 @@ class BlockPool:
     def _lookup_past_collision(
         self, block_hash: bytes, group_id: int, token_ids: list[int]
     ) -> KVCacheBlock | None:
+        """The first later copy with these token ids; counts a collision when there is none."""
         later = self.duplicates[group_id].get(block_hash)
         for block in later.values() if later else ():
             if block.token_ids == token_ids:

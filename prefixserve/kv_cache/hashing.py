@@ -38,6 +38,7 @@ _HAS_EXTRA = b"\x01"
 
 
 def _sha256(data: bytes) -> bytes:
+    """SHA-256 digest (32 bytes)."""
     return hashlib.sha256(data).digest()
 
 
@@ -60,6 +61,7 @@ def get_hash_fn(name: str) -> HashFn:
 
 
 def _resolve(hash_fn: str | HashFn) -> HashFn:
+    """A hash function given by name or as a callable."""
     return get_hash_fn(hash_fn) if isinstance(hash_fn, str) else hash_fn
 
 
@@ -172,15 +174,6 @@ def generate_block_extra_keys(
     return tuple(keys) if keys else None
 
 
-def _may_have_extra_keys(request: Request) -> bool:
-    return bool(
-        request.lora_name is not None
-        or request.mm_features
-        or request.cache_salt is not None
-        or request.prompt_embeds is not None
-    )
-
-
 # ---------------------------------------------------------------------------- request hasher
 
 
@@ -201,6 +194,7 @@ def get_request_block_hasher(
     split_blocks = struct.Struct(f"{stride}s").iter_unpack
 
     def request_block_hasher(request: Request) -> list[BlockHash]:
+        """Hashes of the request's blocks that became full since block_hashes was extended."""
         hashes = request.block_hashes
         tokens = request.all_token_ids
         start_block = len(hashes)

@@ -75,7 +75,8 @@ class KVCacheManager:
             enable_kv_cache_events=enable_kv_cache_events,
             num_groups=len(config.groups),
         )
-        extra_keys_fn = partial(_extra_keys, hash_fn=get_hash_fn(config.hash_algo))
+        # Extra keys are recomputed only for BlockStored events (the hashes already hold them).
+        extra_keys_fn = partial(generate_block_extra_keys, hash_fn=get_hash_fn(config.hash_algo))
         self.coordinator = KVCacheCoordinator(config, self.block_pool, extra_keys_fn)
         self.num_groups = len(config.groups)
         self._stats = PrefixCacheStats()
@@ -181,6 +182,7 @@ class KVCacheManager:
         return KVCacheBlocks(new_blocks)
 
     def _record_lookup(self, request: Request, num_hit_tokens: int) -> None:
+        """Count one admission's lookup in the prefix-cache stats."""
         stats = self._stats
         if request.num_preemptions > 0:
             stats.preempted_requests += 1
@@ -253,7 +255,3 @@ class KVCacheManager:
             assert block.ref_cnt == holders[block.block_id], (
                 f"{block!r}: ref count {block.ref_cnt} but {holders[block.block_id]} holders"
             )
-
-
-def _extra_keys(request: Request, start: int, end: int, hash_fn: object) -> object:
-    return generate_block_extra_keys(request, start, end, hash_fn)  # type: ignore[arg-type]

@@ -54,6 +54,7 @@ class SingleTypeKVCacheManager:
     def _lookup(
         self, block_hashes: Sequence[bytes], i: int, token_ids: list[int]
     ) -> KVCacheBlock | None:
+        """The cached block for the request's block i (hash and token ids must match)."""
         start = i * self.block_size
         return self.block_pool.get_cached_block(
             block_hashes[i], self.group_id, token_ids[start : start + self.block_size]
