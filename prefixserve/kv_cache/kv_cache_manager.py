@@ -153,6 +153,13 @@ class KVCacheManager:
         hits = None
         if new_computed_blocks is not None and self.enable_caching:
             hits = new_computed_blocks.blocks
+        num_hit_blocks = len(hits[0]) if hits else 0
+        if num_new_computed_tokens != num_hit_blocks * self.block_size:
+            raise ValueError(
+                f"num_new_computed_tokens={num_new_computed_tokens} must equal the tokens of "
+                f"new_computed_blocks ({num_hit_blocks} blocks of {self.block_size}), as returned "
+                "by get_computed_blocks"
+            )
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_slots = num_computed + num_new_tokens + num_lookahead_tokens
 

@@ -343,3 +343,16 @@ def test_many_duplicates_of_one_prompt_stay_consistent():
     blocks, num_computed = mgr.get_computed_blocks(make_request("b", list(range(9))))
     first = mgr.block_pool.cached[0][blocks.blocks[0][0].block_hash]
     assert num_computed == 8 and blocks.blocks[0][0] is first
+
+
+def test_allocate_rejects_computed_tokens_without_their_blocks():
+    mgr = make_manager()
+    a = make_request("a", list(range(10)))
+    schedule(mgr, a)
+    b = make_request("b", list(range(10)))
+    blocks, num_computed = mgr.get_computed_blocks(b)
+    with pytest.raises(ValueError, match="num_new_computed_tokens=4 must equal"):
+        mgr.allocate_slots(b, 6, 4, blocks)
+    with pytest.raises(ValueError, match="num_new_computed_tokens=8 must equal"):
+        mgr.allocate_slots(b, 2, 8)
+    mgr.check_invariants()
