@@ -136,7 +136,7 @@ class ModelConfig:
                 f"{hf.get('model_type')!r}); supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         full = _with_transformers_defaults(hf, arch)
-        if arch == "Gemma3ForConditionalGeneration":
+        if arch == "Gemma3ForConditionalGeneration" and "text_config" in full:
             text = full["text_config"]
             text_eos = text.get("eos_token_id")
             if full.get("eos_token_id") is not None:
