@@ -80,13 +80,17 @@ def evict_block(pool: BlockPool, block: KVCacheBlock) -> None:
 
 
 def snapshot(mgr: KVCacheManager, requests=()) -> tuple:
+    """Everything a call could change, except the hash-collision counter (a diagnostic that a
+    lookup bumps when it meets a colliding hash)."""
     pool = mgr.block_pool
+    stats = mgr.make_prefix_cache_stats()
+    stats.hash_collisions = 0
     return (
         free_ids(pool),
         [(b.ref_cnt, b.block_hash, b.group_id) for b in pool.blocks],
         [dict(c) for c in pool.cached],
         [{h: list(v.items()) for h, v in d.items()} for d in pool.duplicates],
         [mgr.get_block_ids(r) for r in requests],
-        mgr.make_prefix_cache_stats(),
+        stats,
         list(pool.events),
     )
