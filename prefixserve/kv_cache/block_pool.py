@@ -10,7 +10,7 @@ Vocabulary:
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from prefixserve.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
@@ -82,7 +82,7 @@ class FreeKVCacheBlockQueue:
         return block
 
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
-        """Remove and return the first `n` blocks, head first. The caller checks n <= free."""
+        """Remove and return the first `n` blocks, head first (ValueError when fewer are free)."""
         if n > self.num_free_blocks:
             raise ValueError(f"asked for {n} free blocks, only {self.num_free_blocks} free")
         out = []
@@ -118,7 +118,7 @@ class FreeKVCacheBlockQueue:
         tail.prev_free = block
         self.num_free_blocks += 1
 
-    def __iter__(self) -> Iterable[KVCacheBlock]:
+    def __iter__(self) -> Iterator[KVCacheBlock]:
         """Free blocks, head (next evicted) first."""
         block = self.head.next_free
         while block is not self.tail:

@@ -31,8 +31,7 @@ HashFn = Callable[[bytes], bytes]
 # Extra keys of one block: a tuple of str / int / bytes / tuples of them, or None.
 ExtraKeys = tuple[Any, ...] | None
 
-# Token ids are serialized as little-endian int32: every vocabulary fits, and 4 bytes keep a
-# 16-token block plus its parent within two SHA-256 compression rounds.
+# Length prefix of encoded extra-key values and tuples.
 _COUNT = struct.Struct("<I")
 _HAS_EXTRA = b"\x01"
 
@@ -122,8 +121,11 @@ def encode_extra_keys(extra_keys: ExtraKeys) -> bytes:
     return bytes(out)
 
 
+# Token ids are serialized as little-endian int32: every vocabulary fits, and 4 bytes keep a
+# 16-token block plus its parent within two SHA-256 compression rounds.
 @functools.lru_cache(maxsize=256)
 def _token_struct(num_tokens: int) -> struct.Struct:
+    """The compiled struct packing `num_tokens` token ids."""
     return struct.Struct(f"<{num_tokens}i")
 
 
