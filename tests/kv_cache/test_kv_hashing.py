@@ -201,3 +201,12 @@ def test_extra_keys_order_lora_mm_salt_embeds():
 def test_token_ids_outside_int32_are_a_value_error():
     with pytest.raises(ValueError, match="32-bit"):
         hash_block_tokens("sha256", None, [2**31, 0, 0, 0])
+
+
+def test_cache_core_does_not_import_torch():
+    code = (
+        "import sys, prefixserve.kv_cache, prefixserve.kv_cache.kv_cache_manager;"
+        "print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
