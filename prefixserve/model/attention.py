@@ -173,10 +173,14 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     softcap: float | None = None,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of queries `[num_tokens, num_heads, head_dim]` over the paged cache.
 
-    Returns `[num_tokens, num_heads * head_dim]`. The new tokens' K/V must already be written.
+    Returns `[num_tokens, num_heads * head_dim]`. The new tokens' K/V must already be written;
+    `k_new`/`v_new` (the same K/V, `[num_tokens, num_kv_heads, head_dim]`) let a chunk that is
+    its whole visible history skip gathering it back from the cache.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -189,33 +193,33 @@ def paged_attention(
         # Query heads of one KV head are adjacent, so [b, kv_heads, group, d] pairs them with
         # their shared K/V without repeating it.
         qd = q[:b].view(b, num_kv_heads, group, head_dim)
-        k = k_cache[decode.block_table].view(b, -1, num_kv_heads, head_dim).transpose(1, 2)
-        v = v_cache[decode.block_table].view(b, -1, num_kv_heads, head_dim).transpose(1, 2)
-        o = _attend(qd, k, v, decode.mask, False, scale, softcap)
-        out[:b] = o.reshape(b, num_heads * head_dim)
+        k = _gather(k_cache, decode.block_table.view(-1)).view(b, -1, num_kv_heads, head_dim)
+        v = _gather(v_cache, decode.block_table.view(-1)).view(b, -1, num_kv_heads, head_dim)
+        o = _attend(qd, _heads_first(k), _heads_first(v), decode.mask, False, scale, softcap)
+        out[:b] = o.view(b, num_heads * head_dim)
 
     for span in meta.spans:
         n = span.q_end - span.q_start
-        lo, hi = span.kv_offset, span.kv_offset + span.kv_len
-        k = k_cache.index_select(0, span.block_ids).view(-1, num_kv_heads, head_dim)[lo:hi]
-        v = v_cache.index_select(0, span.block_ids).view(-1, num_kv_heads, head_dim)[lo:hi]
+        if span.is_causal and k_new is not None and v_new is not None:
+            k = k_new[span.q_start : span.q_end]
+            v = v_new[span.q_start : span.q_end]
+        else:
+            lo, hi = span.kv_offset, span.kv_offset + span.kv_len
+            k = _gather(k_cache, span.block_ids).view(-1, num_kv_heads, head_dim)[lo:hi]
+            v = _gather(v_cache, span.block_ids).view(-1, num_kv_heads, head_dim)[lo:hi]
+        k = _heads_first(k.unsqueeze(0))
+        v = _heads_first(v.unsqueeze(0))
         qs = q[span.q_start : span.q_end]
         if n == 1:
             o = _attend(
-                qs.view(1, num_kv_heads, group, head_dim),
-                k.transpose(0, 1).unsqueeze(0),
-                v.transpose(0, 1).unsqueeze(0),
-                None,
-                False,
-                scale,
-                softcap,
+                qs.view(1, num_kv_heads, group, head_dim), k, v, None, False, scale, softcap
             )
-            out[span.q_start] = o.reshape(-1)
+            out[span.q_start] = o.view(-1)
             continue
         o = _attend(
             qs.transpose(0, 1).unsqueeze(0),
-            k.transpose(0, 1).unsqueeze(0),
-            v.transpose(0, 1).unsqueeze(0),
+            k,
+            v,
             span.mask,
             span.is_causal,
             scale,
@@ -224,6 +228,17 @@ def paged_attention(
         )
         out[span.q_start : span.q_end] = o[0].transpose(0, 1).reshape(n, num_heads * head_dim)
     return out
+
+
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """Blocks `block_ids` of a layer's cache, `[len(block_ids), block_size, kv_heads, d]`."""
+    return cache.index_select(0, block_ids)
+
+
+def _heads_first(x: torch.Tensor) -> torch.Tensor:
+    """`[b, len, kv_heads, d]` -> contiguous `[b, kv_heads, len, d]` (SDPA on CPU is several times
+    faster on contiguous keys than on the transposed view)."""
+    return x.transpose(1, 2).contiguous()
 
 
 def _attend(

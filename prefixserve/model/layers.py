@@ -36,8 +36,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        xf = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
         if self.offset:
             return (xf * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * xf.to(x.dtype)
@@ -158,7 +157,7 @@ class Attention(nn.Module):
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
         meta = ctx.groups[self.group]
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        out = paged_attention(q, k_cache, v_cache, meta, self.scale, self.softcap)
+        out = paged_attention(q, k_cache, v_cache, meta, self.scale, self.softcap, k, v)
         return self.o_proj(out)
 
 
