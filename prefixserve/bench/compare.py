@@ -105,6 +105,8 @@ def _machine() -> dict[str, Any]:
         "processor": platform.processor(),
         "cpu_count": os.cpu_count(),
         "python": sys.version.split()[0],
+        # other work on the machine skews every number: recorded so a reader can tell
+        "loadavg_1_5_15": list(os.getloadavg()),
     }
 
 
