@@ -119,7 +119,7 @@ def test_reset_with_running_requests_needs_reset_running_requests(server, client
         chunks = client.completions.create(
             model=MODEL_NAME,
             prompt=f"Running {uuid.uuid4().hex}" + PROMPT_TAIL,
-            max_tokens=96,
+            max_tokens=64,
             temperature=0,
             stream=True,
             extra_body={"ignore_eos": True},
