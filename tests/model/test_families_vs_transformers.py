@@ -150,23 +150,23 @@ def test_bfloat16_stays_close_to_fp32_reference(family, tmp_path):
     hf_model, config_json = build_hf_model(family, tmp_path)
     model, config = build_ours(hf_model, config_json, dtype="bfloat16")
     assert next(model.parameters()).dtype == torch.bfloat16
-    prompt = tokens(21, seed=6)
+    prompt = tokens(40, seed=6)  # >= 32 queries: the fp32 attention path
     bs = 4
     caches = [
         (
-            torch.zeros(8, bs, config.num_kv_heads, config.head_dim, dtype=torch.bfloat16),
-            torch.zeros(8, bs, config.num_kv_heads, config.head_dim, dtype=torch.bfloat16),
+            torch.zeros(12, bs, config.num_kv_heads, config.head_dim, dtype=torch.bfloat16),
+            torch.zeros(12, bs, config.num_kv_heads, config.head_dim, dtype=torch.bfloat16),
         )
         for _ in range(config.num_layers)
     ]
     groups = config.kv_cache_groups()
-    spans = [ScheduledSpan(0, 21, tuple([1, 2, 3, 4, 5, 6] for _ in groups))]
+    spans = [ScheduledSpan(0, 40, tuple(list(range(1, 11)) for _ in groups))]
     meta = [
         build_attention_metadata(spans, g, bs, getattr(spec, "sliding_window", None))
         for g, spec in enumerate(groups)
     ]
     with torch.inference_mode():
-        hidden = model(torch.tensor(prompt), ForwardContext(torch.arange(21), caches, meta))
+        hidden = model(torch.tensor(prompt), ForwardContext(torch.arange(40), caches, meta))
         logits = model.compute_logits(hidden)
     ref = reference_logits(hf_model, prompt)
     assert logits.dtype == torch.float32
