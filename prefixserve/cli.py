@@ -333,8 +333,16 @@ def run_serve(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------- bench
 @subcommand("bench", "Serving benchmarks: prefixserve beside vLLM and llama.cpp.")
 def bench_command(parser: argparse.ArgumentParser) -> Runner:
-    from prefixserve.bench.cli import configure
+    try:
+        from prefixserve.bench.cli import configure
+    except ImportError as exc:  # keep `serve` usable when the benchmark's imports are not
+        reason = f"{type(exc).__name__}: {exc}"
 
+        def unavailable(args: argparse.Namespace) -> int:
+            print(f"prefixserve bench is unavailable ({reason})", file=sys.stderr)
+            return 2
+
+        return unavailable
     return configure(parser)
 
 
