@@ -25,6 +25,33 @@ class ForwardContext:
     groups: list[AttentionMetadata]  # per KV-cache group
 
 
+class Linear(nn.Linear):
+    """nn.Linear whose bf16 weight can be pre-packed into oneDNN's blocked layout.
+
+    oneDNN repacks a plain weight on every call; packing once (`pack()`, done by the models'
+    `load_weights`) makes decode-sized matmuls ~25% faster and prefill ones ~5%. The packed copy
+    is taken at `pack()` time: call it again after changing the weight.
+    """
+
+    _packed: torch.Tensor | None = None
+
+    def pack(self) -> None:
+        if self.weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 512)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+def pack_linears(model: nn.Module) -> None:
+    """Pre-pack every `Linear` of `model` (a no-op outside bf16)."""
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.pack()
+
+
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32. Gemma scales by (1 + weight) and casts after scaling;
     Llama-style norms cast first and scale by weight (as transformers does for each)."""
@@ -104,8 +131,8 @@ class GatedMLP(nn.Module):
                 f"activation {act!r} is not supported; supported: {list(_ACTIVATIONS)}"
             )
         self.intermediate = intermediate
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
         self.act = _ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -129,10 +156,10 @@ class Attention(nn.Module):
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.attn_scale
         self.softcap = config.attn_logit_softcapping
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_bias)
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if config.qk_norm:

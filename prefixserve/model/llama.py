@@ -17,10 +17,12 @@ from prefixserve.model.layers import (
     Attention,
     ForwardContext,
     GatedMLP,
+    Linear,
     RMSNorm,
     RotaryEmbedding,
     check_all_loaded,
     load_hf_weights,
+    pack_linears,
 )
 
 
@@ -70,7 +72,7 @@ class LlamaForCausalLM(nn.Module):
             [self._make_layer(config, i) for i in range(config.num_layers)],
             self._make_norm(config),
         )
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
         self.tie_weights()
 
@@ -124,6 +126,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
             loaded.add("lm_head.weight")
         check_all_loaded(self, loaded)
+        pack_linears(self)
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -150,6 +150,7 @@ def test_bfloat16_stays_close_to_fp32_reference(family, tmp_path):
     hf_model, config_json = build_hf_model(family, tmp_path)
     model, config = build_ours(hf_model, config_json, dtype="bfloat16")
     assert next(model.parameters()).dtype == torch.bfloat16
+    assert model.model.layers[0].mlp.gate_up_proj._packed is not None  # the oneDNN-packed path
     prompt = tokens(40, seed=6)  # >= 32 queries: the fp32 attention path
     bs = 4
     caches = [
