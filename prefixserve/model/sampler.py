@@ -11,11 +11,13 @@ The order, per row (vLLM v1's order):
   3. greedy rows (temperature 0, or below 1e-5 as in vLLM) take the argmax;
   4. random rows: divide by temperature, min-p (drop tokens below min_p * the top probability),
      top-k, top-p (keep the smallest set of most likely tokens whose mass reaches top_p; the
-     most likely token always stays), then draw from the renormalized distribution with the
-     request's generator, so a seeded request draws the same tokens whatever else is batched.
-Rows are processed together as tensors; per-row Python work is limited to building the penalty
-inputs and the draw with each row's own generator. A batch of greedy rows without penalties or
-logprobs is a single argmax.
+     most likely token always stays), then draw from the renormalized distribution by inverse
+     CDF with one uniform number from the request's generator, so a seeded request draws the
+     same tokens whatever else is batched.
+Rows are processed together as tensors: penalties touch only the (row, token) entries a request
+has seen; top-k / top-p work on the 256 most likely tokens (a full sort only for a top-p row
+whose nucleus is wider); per-row Python work is building penalty indices and one random number.
+A batch of greedy rows without penalties or logprobs is a single argmax.
 """
 
 from __future__ import annotations
@@ -27,6 +29,13 @@ from prefixserve.request import Request
 
 # Temperatures below this are greedy (dividing by them would overflow to inf / nan).
 _GREEDY_TEMPERATURE = 1e-5
+
+
+def _take(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """t[rows], without a copy when rows are all of t's rows in order."""
+    if len(rows) == t.shape[0] and rows == list(range(len(rows))):
+        return t
+    return t[torch.tensor(rows)]
 
 
 def _needs_penalties(request: Request) -> bool:
@@ -68,7 +77,10 @@ class Sampler:
 
         penalized_rows = [i for i, r in enumerate(requests) if _needs_penalties(r)]
         # Penalties write into the logits: work on a copy, never on the caller's tensor.
-        logits = logits.to(torch.float32, copy=bool(penalized_rows))
+        if penalized_rows:
+            logits = logits.to(torch.float32, copy=True, memory_format=torch.contiguous_format)
+        else:
+            logits = logits.float()
         if penalized_rows:
             _apply_penalties(logits, [requests[i] for i in penalized_rows], penalized_rows)
 
@@ -76,24 +88,23 @@ class Sampler:
         greedy_rows = [i for i, r in enumerate(requests) if _is_greedy(r)]
         random_rows = [i for i, r in enumerate(requests) if not _is_greedy(r)]
         if greedy_rows:
-            index = torch.tensor(greedy_rows)
-            sampled[index] = logits[index].argmax(dim=-1)
+            sampled[torch.tensor(greedy_rows)] = _take(logits, greedy_rows).argmax(dim=-1)
         if random_rows:
-            index = torch.tensor(random_rows)
-            probs = _sampling_probs(logits[index], [requests[i] for i in random_rows])
-            draws = [
-                torch.multinomial(probs[j], 1, generator=generators[i])
-                for j, i in enumerate(random_rows)
-            ]
-            sampled[index] = torch.cat(draws)
+            random_logits = _take(logits, random_rows)
+            groups = _distributions(random_logits, [requests[i] for i in random_rows])
+            for rows, probs, ids in groups:
+                batch_rows = [random_rows[j] for j in rows]
+                picked = _draw(probs, [generators[i] for i in batch_rows])
+                if ids is not None:
+                    picked = ids.gather(1, picked.unsqueeze(1)).squeeze(1)
+                sampled[torch.tensor(batch_rows)] = picked
 
         logprob_rows = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
         logprobs: dict[int, PositionLogprobs] = {}
         if logprob_rows:
-            index = torch.tensor(logprob_rows)
             entries = gather_logprobs(
-                torch.log_softmax(logits[index], dim=-1),
-                sampled[index],
+                torch.log_softmax(_take(logits, logprob_rows), dim=-1),
+                _take(sampled, logprob_rows),
                 [requests[i].sampling_params.logprobs or 0 for i in logprob_rows],
             )
             logprobs = dict(zip(logprob_rows, entries, strict=True))
@@ -106,42 +117,63 @@ class Sampler:
 
 
 def _apply_penalties(logits: torch.Tensor, requests: list[Request], rows: list[int]) -> None:
-    """Repetition, frequency and presence penalties on `logits[rows]`, in place."""
+    """Repetition, then frequency and presence penalties on `logits[rows]`, in place.
+
+    Only the entries of tokens a request has seen are touched (a flat index per (row, token)),
+    so the cost follows the history lengths, not batch x vocabulary.
+    """
     vocab = logits.shape[1]
-    index = torch.tensor(rows)
-    sub = logits[index]
-    params = [r.sampling_params for r in requests]
+    flat_logits = logits.view(-1)
 
-    # Output-token counts, one row per request: a single flat index_add over all rows.
-    out_flat = [j * vocab + t for j, r in enumerate(requests) for t in r.output_token_ids]
-    counts = torch.zeros(len(rows) * vocab, dtype=torch.float32)
-    if out_flat:
-        flat = torch.tensor(out_flat, dtype=torch.int64)
-        counts.index_add_(0, flat, torch.ones(len(out_flat)))
-    counts = counts.view(len(rows), vocab)
+    repeat = [
+        (row, r.sampling_params.repetition_penalty, set(r.all_token_ids))
+        for row, r in zip(rows, requests, strict=True)
+        if r.sampling_params.repetition_penalty != 1.0
+    ]
+    if repeat:
+        index = torch.tensor(
+            [row * vocab + t for row, _, tokens in repeat for t in tokens], dtype=torch.int64
+        )
+        factor = torch.repeat_interleave(
+            torch.tensor([penalty for _, penalty, _ in repeat]),
+            torch.tensor([len(tokens) for _, _, tokens in repeat]),
+        )
+        values = flat_logits[index]
+        flat_logits[index] = torch.where(values > 0, values / factor, values * factor)
 
-    repetition = torch.tensor([p.repetition_penalty for p in params]).unsqueeze(1)
-    if (repetition != 1.0).any():
-        seen_flat = [
-            j * vocab + t
-            for j, r in enumerate(requests)
-            if r.sampling_params.repetition_penalty != 1.0
-            for t in set(r.all_token_ids)
-        ]
-        seen = torch.zeros(len(rows) * vocab, dtype=torch.bool)
-        seen[torch.tensor(seen_flat, dtype=torch.int64)] = True
-        seen = seen.view(len(rows), vocab)
-        penalized = torch.where(sub > 0, sub / repetition, sub * repetition)
-        sub = torch.where(seen, penalized, sub)
+    counted = [
+        (row, r)
+        for row, r in zip(rows, requests, strict=True)
+        if r.output_token_ids
+        and (
+            r.sampling_params.frequency_penalty != 0.0 or r.sampling_params.presence_penalty != 0.0
+        )
+    ]
+    if counted:
+        flat = torch.tensor(
+            [row * vocab + t for row, r in counted for t in r.output_token_ids], dtype=torch.int64
+        )
+        index, counts = torch.unique(flat, return_counts=True)
+        row_of = index // vocab
+        frequency = torch.zeros(logits.shape[0])
+        presence = torch.zeros(logits.shape[0])
+        for row, r in counted:
+            frequency[row] = r.sampling_params.frequency_penalty
+            presence[row] = r.sampling_params.presence_penalty
+        flat_logits[index] -= frequency[row_of] * counts + presence[row_of]
 
-    frequency = torch.tensor([p.frequency_penalty for p in params]).unsqueeze(1)
-    presence = torch.tensor([p.presence_penalty for p in params]).unsqueeze(1)
-    sub = sub - frequency * counts - presence * (counts > 0).float()
-    logits[index] = sub
+
+# Top-k / top-p rows work on this many most likely tokens (or top_k, when larger) instead of
+# sorting the whole vocabulary; a top-p row whose nucleus is not inside them is sorted in full.
+_CANDIDATES = 256
+
+# One group of rows that share a candidate set shape: row i (an index into the batch given to
+# `_distributions`) draws ids[j, c] with probability probs[j, c]; ids None = the whole vocabulary.
+_Group = tuple[list[int], torch.Tensor, torch.Tensor | None]
 
 
-def _sampling_probs(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-    """Temperature, min-p, top-k and top-p on rows of logits -> probabilities to draw from."""
+def _distributions(logits: torch.Tensor, requests: list[Request]) -> list[_Group]:
+    """Temperature, min-p, top-k and top-p on rows of logits -> the distributions to draw from."""
     params = [r.sampling_params for r in requests]
     vocab = logits.shape[1]
     logits = logits / torch.tensor([p.temperature for p in params]).unsqueeze(1)
@@ -152,21 +184,91 @@ def _sampling_probs(logits: torch.Tensor, requests: list[Request]) -> torch.Tens
         threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
         logits = logits.masked_fill(probs < threshold, float("-inf"))
 
-    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params])
-    top_p = torch.tensor([p.top_p for p in params])
-    if (top_k < vocab).any() or (top_p < 1.0).any():
-        sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
-        # top-k: everything below the k-th largest logit goes (ties with it stay).
-        kth = sorted_logits.gather(1, (top_k - 1).unsqueeze(1))
-        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
-        # top-p: drop a token when the mass of the more likely ones already reaches top_p.
-        sorted_probs = torch.softmax(sorted_logits, dim=-1)
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        drop = mass_before >= top_p.unsqueeze(1)
-        drop[:, 0] = False
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(1, sorted_ids, sorted_logits)
-    return torch.softmax(logits, dim=-1)
+    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    top_p = [p.top_p for p in params]
+    plain = [i for i in range(len(params)) if top_k[i] == vocab and top_p[i] >= 1.0]
+    groups: list[_Group] = []
+    if plain:
+        groups.append((plain, torch.softmax(_take(logits, plain), dim=-1), None))
+    plain_set = set(plain)
+    filtered = [i for i in range(len(params)) if i not in plain_set]
+    if not filtered:
+        return groups
+
+    rows = _take(logits, filtered)
+    k_rows = torch.tensor([top_k[i] for i in filtered])
+    p_rows = torch.tensor([top_p[i] for i in filtered])
+    largest_k = max((k for k in k_rows.tolist() if k < vocab), default=0)
+    width = min(vocab, max(_CANDIDATES, largest_k))
+    values, ids = rows.topk(width, dim=-1)  # sorted, most likely first
+    probs = _top_k_top_p(values, rows, k_rows, p_rows)
+    # A top-p-only row whose top `width` tokens hold less than top_p of the mass needs more.
+    short = (k_rows >= vocab) & (probs.isnan().any(dim=-1))
+    keep = (~short).nonzero().flatten().tolist()
+    if keep:
+        groups.append(([filtered[j] for j in keep], _take(probs, keep), _take(ids, keep)))
+    redo = short.nonzero().flatten().tolist()
+    if redo:
+        index = torch.tensor(redo)
+        values, ids = rows[index].sort(dim=-1, descending=True)
+        probs = _top_k_top_p(values, rows[index], k_rows[index], p_rows[index])
+        groups.append(([filtered[j] for j in redo], probs, ids))
+    return groups
+
+
+def _top_k_top_p(
+    values: torch.Tensor, rows: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """Probabilities over the sorted candidate `values` after top-k and top-p.
+
+    Top-p mass is measured against the whole (top-k-limited) distribution of `rows`. A row
+    whose candidates hold less than top_p of the mass with more tokens outside them (only
+    possible without top-k) comes back as NaN: its caller redoes it over the full vocabulary.
+    """
+    width = values.shape[1]
+    position = torch.arange(width).unsqueeze(0)
+    values = values.masked_fill(position >= top_k.unsqueeze(1), float("-inf"))
+    limited = top_k.unsqueeze(1) <= width
+    log_total = torch.where(
+        limited.squeeze(1),
+        torch.logsumexp(values, dim=-1),
+        torch.logsumexp(rows, dim=-1),
+    ).unsqueeze(1)
+    probs = torch.exp(values - log_total)
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+    drop[:, 0] = False
+    probs = probs.masked_fill(drop, 0.0)
+    incomplete = ~limited.squeeze(1) & ~drop.any(dim=-1) & (width < rows.shape[1])
+    incomplete &= probs.sum(dim=-1) < top_p
+    probs[incomplete] = float("nan")
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token index per row by inverse-CDF sampling: a single uniform from the row's own
+    generator, so a seeded row's draws do not depend on its neighbours or the vocabulary size."""
+    uniform = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators])
+    cdf = probs.to(torch.float64).cumsum(dim=-1)
+    target = (uniform * cdf[:, -1]).unsqueeze(1)
+    index = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    overshoot = index >= probs.shape[1]
+    if overshoot.any():  # rounding put the target at the very end: take the last token with mass
+        rows = overshoot.nonzero().flatten()
+        index[rows] = (probs[rows] > 0).cumsum(dim=-1).argmax(dim=-1)
+    return index
+
+
+def sampling_distribution(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """The dense [rows, vocab] distribution random rows draw from (for tests and debugging)."""
+    dense = torch.zeros(logits.shape, dtype=torch.float32)
+    for rows, probs, ids in _distributions(logits.float(), requests):
+        index = torch.tensor(rows)
+        if ids is None:
+            dense[index] = probs
+        else:
+            dense[index] = dense[index].scatter(1, ids, probs)
+    return dense
 
 
 def gather_logprobs(

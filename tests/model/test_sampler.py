@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
-from prefixserve.model.sampler import Sampler, _sampling_probs, compute_prompt_logprobs
+from prefixserve.model.sampler import Sampler, compute_prompt_logprobs, sampling_distribution
 from prefixserve.request import Request
 from prefixserve.sampling_params import SamplingParams
 
@@ -94,7 +94,7 @@ def test_temperature_one_draws_from_the_model_distribution():
 
 def test_temperature_divides_the_logits():
     r = [req(temperature=0.5), req(temperature=2.0)]
-    probs = _sampling_probs(LOGITS[:5].expand(2, -1), r)
+    probs = sampling_distribution(LOGITS[:5].expand(2, -1), r)
     assert torch.allclose(probs[0], torch.softmax(LOGITS[:5] / 0.5, -1))
     assert torch.allclose(probs[1], torch.softmax(LOGITS[:5] / 2.0, -1))
 
@@ -112,7 +112,7 @@ def test_top_k_one_is_greedy():
 
 @pytest.mark.parametrize("top_k", [0, -1, 6, 100])
 def test_top_k_disabled_or_larger_than_vocab_keeps_everything(top_k):
-    probs = _sampling_probs(LOGITS.unsqueeze(0), [req(top_k=top_k)])
+    probs = sampling_distribution(LOGITS.unsqueeze(0), [req(top_k=top_k)])
     assert torch.allclose(probs[0], PROBS)
 
 
@@ -121,7 +121,7 @@ def test_top_k_disabled_or_larger_than_vocab_keeps_everything(top_k):
     [(0.35, {0}), (0.5, {0, 1}), (0.69, {0, 1}), (0.71, {0, 1, 2}), (0.9, {0, 1, 2, 3})],
 )
 def test_top_p_keeps_the_smallest_set_reaching_p(top_p, kept):
-    probs = _sampling_probs(LOGITS.unsqueeze(0), [req(top_p=top_p)])[0]
+    probs = sampling_distribution(LOGITS.unsqueeze(0), [req(top_p=top_p)])[0]
     assert {i for i, p in enumerate(probs.tolist()) if p > 0} == kept
     expected = torch.zeros(6)
     expected[list(kept)] = PROBS[list(kept)] / PROBS[list(kept)].sum()
@@ -134,20 +134,20 @@ def test_top_p_always_keeps_the_most_likely_token():
 
 def test_min_p_drops_tokens_below_a_fraction_of_the_top_probability():
     # min_p 0.5 of the top 0.4 = 0.2: only 0.4 and 0.3 survive.
-    probs = _sampling_probs(LOGITS.unsqueeze(0), [req(min_p=0.5)])[0]
+    probs = sampling_distribution(LOGITS.unsqueeze(0), [req(min_p=0.5)])[0]
     assert {i for i, p in enumerate(probs.tolist()) if p > 0} == {0, 1}
     assert set(draw_many({"temperature": 1.0, "min_p": 0.5})) == {0, 1}
 
 
 def test_top_k_and_top_p_combine():
     # top_k 3 leaves 0.4, 0.3, 0.15 (renormalized 0.47, 0.35, 0.18); top_p 0.8 then drops the last.
-    probs = _sampling_probs(LOGITS.unsqueeze(0), [req(top_k=3, top_p=0.8)])[0]
+    probs = sampling_distribution(LOGITS.unsqueeze(0), [req(top_k=3, top_p=0.8)])[0]
     assert {i for i, p in enumerate(probs.tolist()) if p > 0} == {0, 1}
 
 
 def test_each_row_uses_its_own_parameters():
     rows = [req(temperature=1.0, top_k=1), req(temperature=1.0), req(temperature=0.0)]
-    probs = _sampling_probs(LOGITS.expand(2, -1), rows[:2])
+    probs = sampling_distribution(LOGITS.expand(2, -1), rows[:2])
     assert probs[0].tolist() == [1.0, 0, 0, 0, 0, 0]
     assert torch.allclose(probs[1], PROBS)
 
@@ -294,3 +294,67 @@ def test_compute_prompt_logprobs_scores_each_target():
 def test_compute_prompt_logprobs_needs_one_target_per_row():
     with pytest.raises(ValueError, match="one target id per logits row"):
         compute_prompt_logprobs(torch.zeros(2, 5), [1], 0)
+
+
+def _dense_reference(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Temperature, min-p, top-k, top-p by a full sort, written the plain way."""
+    logits = logits / p.temperature
+    probs = torch.softmax(logits, -1)
+    if p.min_p > 0:
+        logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+    order = logits.argsort(descending=True)
+    keep = torch.zeros_like(logits, dtype=torch.bool)
+    k = p.top_k if 0 < p.top_k < logits.numel() else logits.numel()
+    keep[order[:k]] = True
+    logits = logits.masked_fill(~keep, float("-inf"))
+    probs = torch.softmax(logits, -1)
+    if p.top_p < 1.0:
+        mass = 0.0
+        for token in order.tolist():
+            if mass >= p.top_p:
+                probs[token] = 0.0
+            mass += probs[token].item() if mass < p.top_p else 0.0
+    return probs / probs.sum()
+
+
+CASES = [
+    {"temperature": 1.0},
+    {"temperature": 0.7, "top_k": 5},
+    {"temperature": 1.3, "top_k": 300},  # more than the 256 candidates
+    {"temperature": 0.9, "top_p": 0.8},
+    {"temperature": 5.0, "top_p": 0.95},  # flat: the nucleus is wider than 256 candidates
+    {"temperature": 1.0, "top_k": 40, "top_p": 0.5},
+    {"temperature": 1.0, "min_p": 0.05, "top_p": 0.9},
+]
+
+
+def test_every_filter_combination_matches_a_plain_full_sort_reference():
+    logits = 2.0 * torch.randn(len(CASES), 1000, generator=torch.Generator().manual_seed(5))
+    requests = [req(**case) for case in CASES]
+    ours = sampling_distribution(logits, requests)  # all rows in one batch
+    for row, r in enumerate(requests):
+        expected = _dense_reference(logits[row], r.sampling_params)
+        assert torch.allclose(ours[row], expected, atol=1e-5), CASES[row]
+        assert (ours[row] > 0).sum() == (expected > 0).sum(), CASES[row]
+
+
+def test_flat_distribution_top_p_keeps_the_whole_nucleus():
+    # 1000 equal tokens: top_p 0.5005 keeps 501 of them, far beyond the candidate window.
+    probs = sampling_distribution(torch.zeros(1, 1000), [req(top_p=0.5005)])[0]
+    assert int((probs > 0).sum()) == 501
+    assert math.isclose(probs.sum().item(), 1.0, abs_tol=1e-5)
+
+
+def test_draws_only_tokens_with_mass():
+    logits = torch.full((1, 1000), float("-inf"))
+    logits[0, [3, 500, 999]] = torch.tensor([0.0, 1.0, 2.0])
+    counts = draw_many({"temperature": 1.0}, n=500, logits=logits[0])
+    assert set(counts) <= {3, 500, 999} and len(counts) == 3
+
+
+def test_penalties_work_on_bfloat16_and_non_contiguous_logits():
+    base = torch.tensor([[2.0, 1.9, 0.0], [2.0, 1.9, 0.0]]).t().contiguous().t()  # column-major
+    assert not base.is_contiguous()
+    rows = [req(prompt=[0], temperature=0.0, repetition_penalty=1.2)] * 2
+    assert [t for t, _ in sample(base, rows)] == [1, 1]
+    assert [t for t, _ in sample(base.to(torch.bfloat16), rows)] == [1, 1]
