@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import uuid
 
 import pytest
 from server_helpers import BLOCK_SIZE, MAX_MODEL_LEN, MODEL_NAME
@@ -13,6 +14,15 @@ LONG_PROMPT = (
     "changed how books were made, sold and read across Europe. Scholars still argue about "
     "which of its effects mattered most. "
 )
+
+
+def fresh() -> dict:
+    """A new cache_salt: the request computes its prompt from scratch, as the first one did.
+
+    Greedy text is only compared between requests that take the same numerical path: in bf16 a
+    prefix-cache hit (attention over cached blocks) may round differently from a full prefill.
+    """
+    return {"cache_salt": uuid.uuid4().hex}
 
 
 def test_health_answers_without_a_key(server):
@@ -54,14 +64,15 @@ def test_a_repeated_prompt_reports_its_full_blocks_as_cached(client):
     # Every full block but the one holding the last prompt token (it must be recomputed).
     assert cached == ((prompt_tokens - 1) // BLOCK_SIZE) * BLOCK_SIZE
     assert cached > 0
-    assert second.choices[0].text == first.choices[0].text
 
 
 def test_prompt_as_token_ids_and_as_a_list_of_one_give_the_same_greedy_text(client, tokenizer):
     text = "The quick brown fox"
     ids = tokenizer.encode(text)
     outs = [
-        client.completions.create(model=MODEL_NAME, prompt=p, max_tokens=4, temperature=0)
+        client.completions.create(
+            model=MODEL_NAME, prompt=p, max_tokens=4, temperature=0, extra_body=fresh()
+        )
         for p in (text, [text], ids, [ids])
     ]
     assert len({o.choices[0].text for o in outs}) == 1
@@ -91,12 +102,14 @@ def test_chat_content_parts_are_joined_as_text(client):
         messages=[{"role": "user", "content": "Name a color."}],
         max_tokens=4,
         temperature=0,
+        extra_body=fresh(),
     )
     as_parts = client.chat.completions.create(
         model=MODEL_NAME,
         messages=[{"role": "user", "content": [{"type": "text", "text": "Name a color."}]}],
         max_tokens=4,
         temperature=0,
+        extra_body=fresh(),
     )
     assert as_parts.choices[0].message.content == as_text.choices[0].message.content
 
@@ -105,6 +118,7 @@ def test_streamed_completion_equals_the_unstreamed_one_and_ends_with_usage(clien
     kwargs = dict(
         model=MODEL_NAME, prompt="Stream test: " + LONG_PROMPT, max_tokens=8, temperature=0
     )
+    client.completions.create(**kwargs)  # caches the prompt: both calls below hit it alike
     whole = client.completions.create(**kwargs)
     chunks = list(
         client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
@@ -119,7 +133,7 @@ def test_streamed_completion_equals_the_unstreamed_one_and_ends_with_usage(clien
     assert chunks[-1].choices == []
     usage = chunks[-1].usage
     assert usage.completion_tokens == whole.usage.completion_tokens
-    # The unstreamed call cached the prompt, so the streamed one hits it.
+    # The first call cached the prompt, so the streamed one hits it.
     assert usage.prompt_tokens_details.cached_tokens > 0
 
 
@@ -185,20 +199,25 @@ def test_seed_makes_sampling_repeatable(client):
     kwargs = dict(
         model=MODEL_NAME, prompt="A random story:", max_tokens=8, temperature=1.0, seed=1234
     )
-    a = client.completions.create(**kwargs)
-    b = client.completions.create(**kwargs)
+    a = client.completions.create(**kwargs, extra_body=fresh())
+    b = client.completions.create(**kwargs, extra_body=fresh())
     assert a.choices[0].text == b.choices[0].text
 
 
 def test_stop_string_ends_the_text_before_it(client):
     free = client.completions.create(
-        model=MODEL_NAME, prompt="1, 2, 3, 4,", max_tokens=12, temperature=0
+        model=MODEL_NAME, prompt="1, 2, 3, 4,", max_tokens=12, temperature=0, extra_body=fresh()
     )
     text = free.choices[0].text
     assert len(text) >= 3, f"too little text to pick a stop string from: {text!r}"
     stop = text[1:3]
     stopped = client.completions.create(
-        model=MODEL_NAME, prompt="1, 2, 3, 4,", max_tokens=12, temperature=0, stop=[stop]
+        model=MODEL_NAME,
+        prompt="1, 2, 3, 4,",
+        max_tokens=12,
+        temperature=0,
+        stop=[stop],
+        extra_body=fresh(),
     )
     choice = stopped.choices[0]
     assert choice.finish_reason == "stop"
