@@ -30,11 +30,9 @@ class SequenceSpan:
     # Rows [q_start, q_end) of the flattened batch are its new tokens.
     q_start: int
     q_end: int
-    # Blocks to gather (block-table entries from the first one the window reaches) and the key
-    # range inside the gathered positions: [kv_offset, kv_offset + kv_len).
-    block_ids: torch.Tensor
-    kv_offset: int
-    kv_len: int
+    # Cache slots of the keys it attends to, oldest first (its visible history, this step's
+    # tokens included).
+    kv_slots: torch.Tensor
     # [num_new, kv_len] bool, True = may attend; None means plain causal (or a single query).
     mask: torch.Tensor | None
     is_causal: bool
@@ -119,8 +117,8 @@ def build_attention_metadata(
             decode_ranges.append((kv_lo - lo_block * block_size, end - lo_block * block_size))
         else:
             blocks = torch.tensor(table[lo_block:hi_block], dtype=torch.int64)
-            kv_offset = kv_lo - lo_block * block_size
-            kv_len = end - kv_lo
+            kv_slots = (blocks.unsqueeze(1) * block_size + torch.arange(block_size)).view(-1)
+            kv_slots = kv_slots[kv_lo - lo_block * block_size : end - lo_block * block_size]
             mask = None
             is_causal = False
             if n > 1:
@@ -132,7 +130,7 @@ def build_attention_metadata(
                     mask = k_pos <= q_pos
                     if sliding_window is not None:
                         mask &= k_pos > q_pos - sliding_window
-            spans.append(SequenceSpan(row, row + n, blocks, kv_offset, kv_len, mask, is_causal))
+            spans.append(SequenceSpan(row, row + n, kv_slots, mask, is_causal))
         row += n
     if pending:
         slots.append(torch.tensor(pending, dtype=torch.int64))
@@ -197,8 +195,9 @@ def paged_attention(
         # Query heads of one KV head are adjacent, so [b, kv_heads, group, d] pairs them with
         # their shared K/V without repeating it.
         qd = q[:b].view(b, num_kv_heads, group, head_dim)
-        k = _gather(k_cache, decode.block_table.view(-1)).view(b, -1, num_kv_heads, head_dim)
-        v = _gather(v_cache, decode.block_table.view(-1)).view(b, -1, num_kv_heads, head_dim)
+        blocks = decode.block_table.view(-1)
+        k = k_cache.index_select(0, blocks).view(b, -1, num_kv_heads, head_dim)
+        v = v_cache.index_select(0, blocks).view(b, -1, num_kv_heads, head_dim)
         o = _attend(qd, _heads_first(k), _heads_first(v), decode.mask, False, scale, softcap)
         out[:b] = o.view(b, num_heads * head_dim)
 
@@ -208,9 +207,8 @@ def paged_attention(
             k = k_new[span.q_start : span.q_end]
             v = v_new[span.q_start : span.q_end]
         else:
-            lo, hi = span.kv_offset, span.kv_offset + span.kv_len
-            k = _gather(k_cache, span.block_ids).view(-1, num_kv_heads, head_dim)[lo:hi]
-            v = _gather(v_cache, span.block_ids).view(-1, num_kv_heads, head_dim)[lo:hi]
+            k = k_cache.view(-1, num_kv_heads, head_dim).index_select(0, span.kv_slots)
+            v = v_cache.view(-1, num_kv_heads, head_dim).index_select(0, span.kv_slots)
         k = _heads_first(k.unsqueeze(0))
         v = _heads_first(v.unsqueeze(0))
         qs = q[span.q_start : span.q_end]
@@ -227,11 +225,6 @@ def paged_attention(
         o = _attend(qs, k, v, span.mask, span.is_causal, scale, softcap, gqa=group > 1)
         out[span.q_start : span.q_end] = o[0].transpose(0, 1).reshape(n, num_heads * head_dim)
     return out
-
-
-def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """Blocks `block_ids` of a layer's cache, `[len(block_ids), block_size, kv_heads, d]`."""
-    return cache.index_select(0, block_ids)
 
 
 def _heads_first(x: torch.Tensor) -> torch.Tensor:
