@@ -42,7 +42,8 @@ class RequestUpdate:
     request: Request
     new_token_ids: list[int] = field(default_factory=list)
     new_logprobs: list[PositionLogprobs] = field(default_factory=list)
-    # Prompt logprobs for prompt positions first_prompt_logprob_pos, ..., in order.
+    # Logprobs of prompt tokens first_prompt_logprob_pos, first_prompt_logprob_pos + 1, ...
+    # (a chunk computing positions [c, c + k) scores prompt tokens c + 1 .. c + k).
     new_prompt_logprobs: list[PositionLogprobs] = field(default_factory=list)
     first_prompt_logprob_pos: int = 1
     finished: bool = False
@@ -245,7 +246,7 @@ class Scheduler:
             prompt_logprobs = runner_output.prompt_logprobs.get(request.request_id)
             if prompt_logprobs:
                 update.new_prompt_logprobs = prompt_logprobs
-                update.first_prompt_logprob_pos = max(1, entry.num_computed_tokens)
+                update.first_prompt_logprob_pos = entry.num_computed_tokens + 1
             token_id = runner_output.sampled_token_ids.get(request.request_id)
             if token_id is not None:
                 assert entry.samples, entry

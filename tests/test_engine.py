@@ -8,7 +8,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 
 from prefixserve import LLM, SamplingParams
@@ -142,38 +142,53 @@ def _outputs(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[i
     return [o.outputs[0].token_ids for o in outs]
 
 
-@settings(max_examples=3, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-@given(
-    seed=st.integers(0, 10_000),
-    prefix_len=st.integers(16, 48),
-    suffix_lens=st.lists(st.integers(1, 20), min_size=3, max_size=4),
-    budget=st.sampled_from([7, 16, 33]),
-)
-def test_greedy_outputs_identical_with_caching_on_and_off_in_float32(
-    default_model_fp32, seed, prefix_len, suffix_lens, budget
-):
-    """Caching, eviction, preemption and chunked prefill change which K/V are reused and how the
-    batch is cut, never the greedy tokens (float32)."""
-    prefix = random_tokens(prefix_len, seed)
-    prompts = [prefix + random_tokens(n, seed + 1 + i) for i, n in enumerate(suffix_lens)]
-    prompts.append(list(prompts[0]))  # an exact repeat
-    max_tokens = 6
+def test_greedy_outputs_identical_under_eviction_and_preemption_in_float32(default_model_fp32):
+    # Four 30-token prompts fill an 8-block pool (2 blocks each); at token 32 every request
+    # needs a third block, so the newest ones are preempted, their blocks evicted and reused.
+    prompts = [random_tokens(30, seed=20 + i) for i in range(4)]
+    prompts.append(list(prompts[1]))
     model = default_model_fp32
     reference = _outputs(
         LLM(dtype="float32", loaded_model=model, num_kv_blocks=64, enable_prefix_caching=False),
-        prompts, max_tokens,
+        prompts, 8,
     )
-    # The longest request alone needs ceil((prompt + 6 - 1) / 16) <= 5 blocks; 6 blocks for 5
-    # requests forces preemption and evicts cached blocks.
-    tiny = LLM(dtype="float32", loaded_model=model, num_kv_blocks=6, max_num_batched_tokens=budget)
-    assert _outputs(tiny, prompts, max_tokens) == reference
-    assert tiny.get_metrics()["num_preemptions"] > 0
-    chunked = LLM(dtype="float32", loaded_model=model, num_kv_blocks=64,
-                  max_num_batched_tokens=budget, long_prefill_token_threshold=5)
-    assert _outputs(chunked, prompts, max_tokens) == reference
-    assert _outputs(chunked, prompts, max_tokens) == reference  # now everything hits
-    assert chunked.get_metrics()["prefix_cache_hits"] > 0
+    tiny = LLM(dtype="float32", loaded_model=model, num_kv_blocks=8)
+    assert _outputs(tiny, prompts, 8) == reference
+    metrics = tiny.get_metrics()
+    assert metrics["num_preemptions"] > 0
+    assert metrics["prefix_cache_preempted_hits"] > 0  # resumed requests re-hit their blocks
+
+
+@settings(max_examples=3, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate],
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(
+    seed=st.integers(0, 10_000),
+    prefix_len=st.integers(8, 40),
+    suffix_lens=st.lists(st.integers(1, 20), min_size=2, max_size=3),
+    budget=st.sampled_from([7, 16, 33]),
+    num_kv_blocks=st.integers(4, 8),
+)
+def test_greedy_outputs_identical_with_caching_on_and_off_in_float32(
+    default_model_fp32, seed, prefix_len, suffix_lens, budget, num_kv_blocks
+):
+    """Caching, eviction, preemption and chunked prefill change which K/V are reused and how
+    the batch is cut, never the greedy tokens (float32)."""
+    prefix = random_tokens(prefix_len, seed)
+    prompts = [prefix + random_tokens(n, seed + 1 + i) for i, n in enumerate(suffix_lens)]
+    prompts.append(list(prompts[0]))  # an exact repeat
+    model = default_model_fp32
+    reference = _outputs(
+        LLM(dtype="float32", loaded_model=model, num_kv_blocks=64, enable_prefix_caching=False),
+        prompts, 5,
+    )
+    # The longest request alone needs ceil((60 + 5 - 1) / 16) = 4 blocks.
+    llm = LLM(dtype="float32", loaded_model=model, num_kv_blocks=num_kv_blocks,
+              max_num_batched_tokens=budget, long_prefill_token_threshold=5 if seed % 2 else 0)
+    assert _outputs(llm, prompts, 5) == reference
+    assert _outputs(llm, prompts, 5) == reference  # again, over whatever the pool kept
+    metrics = llm.get_metrics()
+    event(f"preempted: {metrics['num_preemptions'] > 0}")
+    event(f"hit: {metrics['prefix_cache_hits'] > 0}")
 
 
 # ----------------------------------------------------------------------------- lifecycle
