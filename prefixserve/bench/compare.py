@@ -159,7 +159,9 @@ def report(out_dir: Path, workloads: Sequence[str]) -> str:
         summaries[name] = {engine: s.to_dict() for engine, s, _ in results}
         table = markdown_table([(engine, s) for engine, s, _ in results])
         (out_dir / f"{name}.md").write_text(table + "\n")
-        plot_workload(name, results, out_dir / f"{name}.png")
+        first = json.loads(next((out_dir / name).glob("*.json")).read_text())
+        title = f"{name}: {first.get('description', '')}"
+        plot_workload(name, results, out_dir / f"{name}.png", title=title)
         parts.append(f"### {name}\n\n{table}\n")
     if summaries:
         (out_dir / "summary.json").write_text(json.dumps(summaries, indent=1))

@@ -1,4 +1,4 @@
-"""One PNG per workload: throughput, TTFT and ITL percentiles, and the TTFT distribution."""
+"""One PNG per workload: requests/s (with hit rate), TTFT and ITL percentiles, TTFT CDF."""
 
 from __future__ import annotations
 
@@ -42,20 +42,24 @@ def plot_workload(
     """
     names = [name for name, _, _ in results]
     fig, axes = plt.subplots(2, 2, figsize=(9, 6))
-    _bars(axes[0, 0], names, {"req/s": [s.requests_per_s for _, s, _ in results]}, "requests/s")
+    ax = axes[0, 0]
+    _bars(ax, names, {"req/s": [s.requests_per_s for _, s, _ in results]}, "requests/s")
+    for i, (_, s, _) in enumerate(results):
+        label = "hit n/a" if s.hit_rate is None else f"hit {100 * s.hit_rate:.0f}%"
+        ax.annotate(label, (i, s.requests_per_s), ha="center", va="bottom", fontsize=7)
+    ax.margins(y=0.12)
+    # Output tokens/s is requests/s times a fixed output length here: it is in the table only.
     _bars(
-        axes[0, 1], names, {"out tok/s": [s.output_tokens_per_s for _, s, _ in results]},
-        "output tokens/s",
+        axes[0, 1], names,
+        {"TTFT p50": [s.ttft_ms[50] for _, s, _ in results],
+         "TTFT p99": [s.ttft_ms[99] for _, s, _ in results]},
+        "time to first token, ms",
     )
     _bars(
         axes[1, 0], names,
-        {
-            "TTFT p50": [s.ttft_ms[50] for _, s, _ in results],
-            "TTFT p99": [s.ttft_ms[99] for _, s, _ in results],
-            "ITL p50": [s.itl_ms[50] for _, s, _ in results],
-            "ITL p99": [s.itl_ms[99] for _, s, _ in results],
-        },
-        "ms",
+        {"ITL p50": [s.itl_ms[50] for _, s, _ in results],
+         "ITL p99": [s.itl_ms[99] for _, s, _ in results]},
+        "inter-token latency, ms",
     )
     ax = axes[1, 1]
     for name, _, records in results:
