@@ -1,42 +1,42 @@
 """Model speed: our paged-KV model vs transformers' own model on the same weights, same run.
 
-    .venv/bin/python benchmarks/bench_model.py [--repeats 5] [--skip-transformers]
+    .venv/bin/python benchmarks/bench_model.py [--repeats 7] [--skip-transformers]
 
-Measures (bf16, default model unless --model): prefill of one 512-token chunk (tok/s), decode
-at batch 1 and batch 16 (tok/s, total over the batch) on a 128-token context. Each figure is the
-median over --repeats runs (this machine is shared and noisy). Sampling is a plain argmax so
+Measures (bf16, the default model unless --model): prefill of one 512-token chunk (tok/s), and
+decode at batch 1 and batch 16 (tok/s, summed over the batch) on a 128-token context. The two
+engines alternate repeat by repeat and each figure is the median over --repeats runs (this
+machine is shared and noisy). Each figure comes twice: by wall time, and by process CPU time
+divided by the thread count (an estimate of the wall time on an otherwise idle machine; it
+excludes time the threads spent descheduled by other tenants). Sampling is a plain argmax so
 that the figures are the model's; transformers' prefill uses logits_to_keep=1, as its
 `generate` does.
+
+OMP_WAIT_POLICY defaults to PASSIVE here (set before torch is imported): on a CPU shared with
+other busy processes, spinning OpenMP threads make small matmuls up to 50x slower.
 """
 
 from __future__ import annotations
 
-import argparse
-import statistics
-import time
+import os
 
-import torch
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from prefixserve.batch import ScheduledRequest, SchedulerOutput
-from prefixserve.model.loader import load_model
-from prefixserve.request import Request
-from prefixserve.runner import ModelRunner
-from prefixserve.sampling_params import SamplingParams
+import argparse  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+import torch  # noqa: E402
+
+from prefixserve.batch import ScheduledRequest, SchedulerOutput  # noqa: E402
+from prefixserve.model.loader import load_model  # noqa: E402
+from prefixserve.request import Request  # noqa: E402
+from prefixserve.runner import ModelRunner  # noqa: E402
+from prefixserve.sampling_params import SamplingParams  # noqa: E402
 
 
 class ArgmaxSampler:
     def __call__(self, logits, requests, generators):
         return [(int(i), None) for i in logits.argmax(dim=-1).tolist()]
-
-
-def median_rate(fn, tokens: int, repeats: int) -> tuple[float, list[float]]:
-    fn()  # warm-up
-    rates = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        rates.append(tokens / (time.perf_counter() - t0))
-    return statistics.median(rates), rates
 
 
 def random_prompt(n: int, vocab: int, seed: int) -> list[int]:
@@ -45,6 +45,8 @@ def random_prompt(n: int, vocab: int, seed: int) -> list[int]:
 
 
 class Ours:
+    name = "prefixserve"
+
     def __init__(self, loaded, block_size: int = 16, num_blocks: int = 1024) -> None:
         self.bs = block_size
         self.runner = ModelRunner(
@@ -87,10 +89,12 @@ class Ours:
 
 
 class Transformers:
+    name = "transformers"
+
     def __init__(self, path, vocab: int) -> None:
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.bfloat16).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
         self.vocab = vocab
 
     @torch.inference_mode()
@@ -113,48 +117,85 @@ class Transformers:
             self.tok = out.logits[:, -1].argmax(-1, keepdim=True)
 
 
-def run(engine, name: str, args) -> dict[str, float]:
-    res = {}
-    rate, _ = median_rate(lambda: engine.prefill(args.prefill_len), args.prefill_len, args.repeats)
-    res["prefill"] = rate
-    print(f"{name:14s} prefill {args.prefill_len}: {rate:8.1f} tok/s", flush=True)
+def timed(fn) -> tuple[float, float]:
+    """(wall seconds, process CPU seconds / torch threads) of one call."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    fn()
+    cpu = (time.process_time() - c0) / torch.get_num_threads()
+    return time.perf_counter() - t0, cpu
+
+
+Rates = dict[str, dict[str, list[tuple[float, float]]]]
+
+
+def measure(engines: list, args) -> Rates:
+    """(wall, cpu) tok/s samples per engine and metric; engines alternate within each repeat."""
+    rates: Rates = {e.name: {} for e in engines}
+
+    def record(e, metric: str, tokens: int, fn) -> None:
+        wall, cpu = timed(fn)
+        rates[e.name].setdefault(metric, []).append((tokens / wall, tokens / cpu))
+
+    n = args.prefill_len
+    for e in engines:
+        e.prefill(n)  # warm-up
+    for _ in range(args.repeats):
+        for e in engines:
+            record(e, "prefill", n, lambda e=e: e.prefill(n))
     for batch in (1, 16):
-        engine.decode_setup(batch, args.context, args.decode_steps * (args.repeats + 1))
-        rate, _ = median_rate(
-            lambda: engine.decode_steps(args.decode_steps),
-            batch * args.decode_steps,
-            args.repeats,
-        )
-        res[f"decode_b{batch}"] = rate
-        print(f"{name:14s} decode batch {batch:2d}: {rate:8.1f} tok/s", flush=True)
-    return res
+        steps = args.decode_steps
+        for e in engines:
+            e.decode_setup(batch, args.context, steps * (args.repeats + 1))
+            e.decode_steps(steps)  # warm-up
+        for _ in range(args.repeats):
+            for e in engines:
+                record(e, f"decode_b{batch}", batch * steps, lambda e=e, s=steps: e.decode_steps(s))
+    return rates
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="HF dir or .gguf (default: the default model)")
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--prefill-len", type=int, default=512)
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--decode-steps", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--skip-transformers", action="store_true")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     loaded = load_model(args.model, dtype="bfloat16")
-    print(f"model {loaded.path} | torch {torch.__version__} | threads {torch.get_num_threads()}")
-    results = {"prefixserve": run(Ours(loaded), "prefixserve", args)}
+    print(
+        f"model {loaded.path} | torch {torch.__version__} | threads {torch.get_num_threads()} "
+        f"| OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')} | load avg "
+        f"{os.getloadavg()[0]:.1f} | repeats {args.repeats}"
+    )
+    engines: list = [Ours(loaded)]
     if not args.skip_transformers:
-        hf = Transformers(loaded.path, loaded.config.vocab_size)
-        results["transformers"] = run(hf, "transformers", args)
+        engines.append(Transformers(loaded.path, loaded.config.vocab_size))
+    with torch.inference_mode():
+        rates = measure(engines, args)
 
-    print()
-    print(f"| {'engine':14s} | prefill 512 tok/s | decode b1 tok/s | decode b16 tok/s |")
-    print("|----------------|------------------:|----------------:|-----------------:|")
-    for name, r in results.items():
-        print(
-            f"| {name:14s} | {r['prefill']:17.0f} | {r['decode_b1']:15.1f} "
-            f"| {r['decode_b16']:16.1f} |"
-        )
+    print(f"\nload avg after: {os.getloadavg()[0]:.1f}")
+    metrics = ("prefill", "decode_b1", "decode_b16")
+    print(
+        "| engine | clock | prefill 512 (tok/s) | decode batch 1 (tok/s) "
+        "| decode batch 16 (tok/s) |"
+    )
+    print("|---|---|---:|---:|---:|")
+    for name, r in rates.items():
+        for i, clock in enumerate(("wall", "cpu")):
+            cells = []
+            for m in metrics:
+                xs = [sample[i] for sample in r[m]]
+                cells.append(f"{statistics.median(xs):.1f} ({min(xs):.0f}-{max(xs):.0f})")
+            print(f"| {name} | {clock} | " + " | ".join(cells) + " |")
+    print(
+        "median (min-max) over repeats; wall = tokens / wall time; cpu = tokens / (process CPU "
+        "time / threads), what the run would take with the cores to itself"
+    )
 
 
 if __name__ == "__main__":
