@@ -73,6 +73,10 @@ def configure(bench: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
     cmp_.add_argument("--max-model-len", type=int, default=4096)
     cmp_.add_argument("--kv-cache-gib", type=float, default=2.0,
                       help="KV-cache memory given to each engine (GiB)")
+    cmp_.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                      help="tokens per step for prefixserve and vLLM (vLLM's CPU default)")
+    cmp_.add_argument("--max-num-seqs", type=int, default=128,
+                      help="requests per step for prefixserve and vLLM (vLLM's CPU default)")
     cmp_.add_argument("--warmup", type=int, default=4, help="warm-up requests per engine")
     cmp_.add_argument("--figures-dir", type=Path, default=None,
                       help="also copy the PNGs here (e.g. docs/bench)")
@@ -120,6 +124,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         gguf_path=gguf, concurrency=args.concurrency, request_rate=args.request_rate,
         seed=args.seed, scale=args.scale, num_warmup=args.warmup, threads=args.threads,
         port=args.port, max_model_len=args.max_model_len, kv_cache_gib=args.kv_cache_gib,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
     )
     status = run_compare(cfg, progress=not args.no_progress)
     print(report(args.out, cfg.workloads))

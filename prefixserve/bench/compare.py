@@ -58,6 +58,8 @@ class CompareConfig:
     port: int = 8765
     max_model_len: int = 4096
     kv_cache_gib: float = 2.0
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
 
     def __post_init__(self) -> None:
         for name in self.engines:
@@ -201,6 +203,7 @@ def run_compare(cfg: CompareConfig, progress: bool = True) -> dict[str, str]:
     ctx = ServerContext(
         model_dir=cfg.model_dir, gguf_path=cfg.gguf_path, port=cfg.port, threads=cfg.threads,
         max_model_len=cfg.max_model_len, kv_cache_gib=cfg.kv_cache_gib,
+        max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
     )
     try:
         for engine in cfg.engines:

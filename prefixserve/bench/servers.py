@@ -50,6 +50,10 @@ class ServerContext:
     threads: int
     max_model_len: int
     kv_cache_gib: float
+    # Tokens computed per step, and requests per step: vLLM's CPU server defaults, given to both
+    # prefixserve and vLLM so their schedulers plan steps of the same size.
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
 
 
 @dataclass(slots=True)
@@ -76,6 +80,8 @@ def _prefixserve_cmd(caching: bool) -> Callable[[ServerContext], list[str]]:
             "--block-size", str(PREFIXSERVE_BLOCK_SIZE),
             "--max-model-len", str(ctx.max_model_len),
             "--kv-cache-memory-gb", str(ctx.kv_cache_gib),
+            "--max-num-batched-tokens", str(ctx.max_num_batched_tokens),
+            "--max-num-seqs", str(ctx.max_num_seqs),
             "--disable-log-stats",
         ]
         if not caching:
@@ -97,6 +103,8 @@ def _vllm_cmd(ctx: ServerContext) -> list[str]:
         "--enable-prefix-caching",
         "--block-size", str(VLLM_BLOCK_SIZE),
         "--max-model-len", str(ctx.max_model_len),
+        "--max-num-batched-tokens", str(ctx.max_num_batched_tokens),
+        "--max-num-seqs", str(ctx.max_num_seqs),
         "--enable-prompt-tokens-details",
         "--disable-uvicorn-access-log",
     ]

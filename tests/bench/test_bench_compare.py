@@ -139,6 +139,13 @@ def test_prefixserve_nocache_turns_prefix_caching_off(tmp_path):
     assert on[on.index("--block-size") + 1] == "16"
 
 
+def test_prefixserve_and_vllm_plan_steps_of_the_same_size(tmp_path):
+    ours = servers.get_engine("prefixserve").command(_ctx(tmp_path))
+    vllm = servers.get_engine("vllm").command(_ctx(tmp_path))
+    for flag in ("--max-num-batched-tokens", "--max-num-seqs", "--max-model-len"):
+        assert ours[ours.index(flag) + 1] == vllm[vllm.index(flag) + 1]
+
+
 def test_a_missing_peer_install_says_which_script_makes_it(tmp_path, monkeypatch):
     monkeypatch.setenv("PREFIXSERVE_PEERS_DIR", str(tmp_path / "nowhere"))
     spec = servers.get_engine("vllm")
