@@ -187,9 +187,10 @@ def paged_attention(
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    out = q.new_empty(num_tokens, num_heads * head_dim)
-
     decode = meta.decode
+    if decode is None and len(meta.spans) == 1:  # one sequence: its output is the whole output
+        return _attend_span(q, k_cache, v_cache, meta.spans[0], scale, softcap, k_new, v_new)
+    out = q.new_empty(num_tokens, num_heads * head_dim)
     if decode is not None:
         b = decode.num_seqs
         # Query heads of one KV head are adjacent, so [b, kv_heads, group, d] pairs them with
@@ -202,29 +203,44 @@ def paged_attention(
         out[:b] = o.view(b, num_heads * head_dim)
 
     for span in meta.spans:
-        n = span.q_end - span.q_start
-        if span.is_causal and k_new is not None and v_new is not None:
-            k = k_new[span.q_start : span.q_end]
-            v = v_new[span.q_start : span.q_end]
-        else:
-            k = k_cache.view(-1, num_kv_heads, head_dim).index_select(0, span.kv_slots)
-            v = v_cache.view(-1, num_kv_heads, head_dim).index_select(0, span.kv_slots)
-        k = _heads_first(k.unsqueeze(0))
-        v = _heads_first(v.unsqueeze(0))
-        qs = q[span.q_start : span.q_end]
-        if n == 1:
-            o = _attend(
-                qs.view(1, num_kv_heads, group, head_dim), k, v, None, False, scale, softcap
-            )
-            out[span.q_start] = o.view(-1)
-            continue
-        qs = qs.transpose(0, 1).unsqueeze(0)
-        if n >= _UPCAST_MIN_QUERIES and q.dtype == torch.bfloat16:
-            # The CPU flash kernel runs long query blocks ~1.5x faster in fp32 than in bf16.
-            qs, k, v = qs.float(), k.float(), v.float()
-        o = _attend(qs, k, v, span.mask, span.is_causal, scale, softcap, gqa=group > 1)
-        out[span.q_start : span.q_end] = o[0].transpose(0, 1).reshape(n, num_heads * head_dim)
+        out[span.q_start : span.q_end] = _attend_span(
+            q, k_cache, v_cache, span, scale, softcap, k_new, v_new
+        )
     return out
+
+
+def _attend_span(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    span: SequenceSpan,
+    scale: float,
+    softcap: float | None,
+    k_new: torch.Tensor | None,
+    v_new: torch.Tensor | None,
+) -> torch.Tensor:
+    """One sequence's attention output, `[num_new, num_heads * head_dim]`."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    n = span.q_end - span.q_start
+    if span.is_causal and k_new is not None and v_new is not None:
+        k = k_new[span.q_start : span.q_end]
+        v = v_new[span.q_start : span.q_end]
+    else:
+        k = k_cache.view(-1, num_kv_heads, head_dim).index_select(0, span.kv_slots)
+        v = v_cache.view(-1, num_kv_heads, head_dim).index_select(0, span.kv_slots)
+    k = _heads_first(k.unsqueeze(0))
+    v = _heads_first(v.unsqueeze(0))
+    qs = q[span.q_start : span.q_end]
+    if n == 1:
+        qs = qs.view(1, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        return _attend(qs, k, v, None, False, scale, softcap).view(1, num_heads * head_dim)
+    qs = qs.transpose(0, 1).unsqueeze(0)
+    if n >= _UPCAST_MIN_QUERIES and q.dtype == torch.bfloat16:
+        # The CPU flash kernel runs long query blocks ~1.5x faster in fp32 than in bf16.
+        qs, k, v = qs.float(), k.float(), v.float()
+    o = _attend(qs, k, v, span.mask, span.is_causal, scale, softcap, gqa=num_heads > num_kv_heads)
+    return o[0].transpose(0, 1).reshape(n, num_heads * head_dim).to(q.dtype)
 
 
 def _heads_first(x: torch.Tensor) -> torch.Tensor:

@@ -82,9 +82,11 @@ class RotaryEmbedding:
         self.inv_freq = inv_freq
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """cos and sin `[num_tokens, 1, head_dim // 2]` in `dtype`."""
+        """cos and sign-folded sin `[num_tokens, 1, head_dim]` in `dtype` for `apply_rotary`:
+        `[cos, cos]` and `[-sin, sin]` over the two halves of the head."""
         freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)
-        return freqs.cos().to(dtype).unsqueeze(1), freqs.sin().to(dtype).unsqueeze(1)
+        cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
+        return torch.cat((cos, cos), -1).unsqueeze(1), torch.cat((-sin, sin), -1).unsqueeze(1)
 
 
 def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -108,9 +110,11 @@ def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate `[num_tokens, num_heads, head_dim]` by per-token cos/sin `[num_tokens, 1, d/2]`."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    """Rotate `[num_tokens, num_heads, head_dim]` by `RotaryEmbedding.cos_sin` tables.
+
+    x * cos + rotate_half(x) * sin with rotate_half(x) = [-x2, x1]: the sign lives in the sin
+    table, so the half swap is a roll (same roundings as transformers, fewer ops)."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
 _ACTIVATIONS = {
