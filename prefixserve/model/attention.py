@@ -10,9 +10,12 @@ slot mappings), is built once per step per KV-cache group by `build_attention_me
 Two paths:
 - decode batch: the leading run of sequences with one new token each (at least two of them) is
   padded to a common number of blocks and served by one batched SDPA call with a padding mask;
-- one call per other sequence (prefill chunks, or a lone decode): its blocks are gathered and cut
-  to the exact key range, causal inside the chunk (`is_causal` when the chunk is the whole
-  history, an explicit mask otherwise).
+- one call per other sequence (prefill chunks, or a lone decode): the slots of its exact key
+  range are gathered, causal inside the chunk (`is_causal` when the chunk is the whole visible
+  history, which then comes straight from this step's K/V; an explicit mask otherwise).
+K/V are handed to SDPA contiguous and heads-first (several times faster on this CPU than strided
+views), and chunks of 32+ queries attend in fp32 (the CPU flash kernel is faster there than in
+bf16; decode-sized calls are faster in bf16).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import torch.nn.functional as F
 
 @dataclass(slots=True)
 class SequenceSpan:
-    """One sequence of this step: its new tokens and the cache blocks it attends over."""
+    """One sequence of this step: its new tokens and the cache slots it attends over."""
 
     # Rows [q_start, q_end) of the flattened batch are its new tokens.
     q_start: int
