@@ -11,6 +11,7 @@ with prefix caching on and off, then the time to first token of a 1,088-token pr
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import random
 import statistics
@@ -32,15 +33,16 @@ def run_w1(loaded, prompts, enable_prefix_caching: bool, args) -> dict:
         loaded_model=loaded,
     )
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     llm.llm_engine.check_no_leaks()
     prompt_tokens = sum(len(p) for p in prompts)
     cached = sum(o.num_cached_tokens for o in outputs)
     metrics = llm.get_metrics()
     return {
         "wall": wall,
+        "cpu": cpu,
         "prompt_tokens": prompt_tokens,
         "cached": cached,
         "hit_rate": cached / prompt_tokens,
@@ -63,7 +65,10 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=3, help="TTFT repeats (median)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     loaded = load_model(None, dtype=args.dtype)
     pool = token_pool_from_tokenizer(loaded.tokenizer.hf_tokenizer.backend_tokenizer)
@@ -98,13 +103,15 @@ def main() -> None:
     print(f"# prefixserve W1, model default (SmolLM2-135M-Instruct), dtype {args.dtype}, "
           f"block 16, max_num_batched_tokens {args.max_num_batched_tokens}")
     print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"{platform.processor() or platform.machine()}")
+          f"{platform.processor() or platform.machine()}, load average at the end "
+          f"{os.getloadavg()[0]:.1f}")
     print()
-    print("| prefix caching | wall (s) | prompt tokens | cached tokens | hit rate | computed "
-          "prompt tokens | output tokens |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("| prefix caching | wall (s) | process CPU (s) | prompt tokens | cached tokens | "
+          "hit rate | computed prompt tokens | output tokens |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, r in (("on", on), ("off", off)):
-        print(f"| {name} | {r['wall']:.2f} | {r['prompt_tokens']:,} | {r['cached']:,} | "
+        print(f"| {name} | {r['wall']:.2f} | {r['cpu']:.2f} | {r['prompt_tokens']:,} | "
+              f"{r['cached']:,} | "
               f"{r['hit_rate']:.1%} | {r['computed_prompt_tokens']:,} | {r['output_tokens']} |")
     print()
     print(f"speed-up from caching: {off['wall'] / on['wall']:.1f}x; greedy outputs identical "

@@ -287,6 +287,13 @@ class LLMEngine:
         if scheduler_output.scheduled:
             runner_output = self.runner.execute(scheduler_output)
         else:
+            if not self.scheduler.running:
+                # Nothing runs and the head of the queue still does not fit: it never will.
+                head = self.scheduler.waiting[0]
+                raise RuntimeError(
+                    f"request {head.request_id!r} ({head.num_tokens} tokens) cannot get KV "
+                    f"blocks from an idle pool of {self.num_kv_blocks}; raise num_kv_blocks"
+                )
             # Nothing fit this step; keep the ids for the runner's next batch.
             self.scheduler.finished_req_ids |= scheduler_output.finished_req_ids
             runner_output = ModelRunnerOutput()

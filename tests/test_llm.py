@@ -183,6 +183,6 @@ def test_chat_takes_one_or_many_conversations(llm):
     many = llm.chat([conv, conv], params, use_tqdm=False)
     assert len(one) == 1 and len(many) == 2
     assert many[1].num_cached_tokens > 0  # the same template prefix is cached
-    assert one[0].outputs[0].token_ids == many[0].outputs[0].token_ids
+    assert one[0].prompt_token_ids == many[0].prompt_token_ids == many[1].prompt_token_ids
     with pytest.raises(ValueError, match="messages"):
         llm.chat([], params)
