@@ -218,6 +218,7 @@ def run_compare(cfg: CompareConfig, progress: bool = True) -> dict[str, str]:
                     for workload in workloads:
                         bar.set_description(f"{engine}: {workload.name}")
                         run = _run(endpoint, workload.requests, cfg, bar)
+                        server.check_alive()  # a crashed server's "results" are not kept
                         _write_result(cfg, workload, engine, server, run)
                 status[engine] = "ok"
             except (ServerError, ValueError) as exc:

@@ -242,6 +242,15 @@ class ServerProcess:
             f"log {self.log_path}:\n{_log_tail(self.log_path)}"
         )
 
+    def check_alive(self) -> None:
+        """Raise ServerError (with the log tail) if the server has exited."""
+        if self.proc is None or self.proc.poll() is not None:
+            code = None if self.proc is None else self.proc.returncode
+            raise ServerError(
+                f"{self.spec.name} exited with {code} while serving; "
+                f"log {self.log_path}:\n{_log_tail(self.log_path)}"
+            )
+
     def endpoint(self) -> EndpointConfig:
         if self.model_id is None:
             raise ServerError(f"{self.spec.name} is not started")

@@ -47,8 +47,38 @@ fi
 MODEL_DIR="$(default_model_dir)"
 OUT="$PEERS_DIR/gguf/$(basename "$MODEL_DIR")-bf16.gguf"
 if [[ ! -f "$OUT" || "$MODEL_DIR" -nt "$OUT" ]]; then
+    # The default model's tokenizer.json (rebuilt from a GGUF by transformers) is a byte-level
+    # BPE flagged byte_fallback with a Sequence decoder: convert_hf_to_gguf.py then takes it for
+    # a SentencePiece (Llama) vocabulary and writes a GGUF whose tokenizer crashes llama.cpp at
+    # the first request ("unordered_map::at"). The conversion reads a view of the model dir
+    # whose tokenizer.json says what it is: byte-level BPE as in SmolLM2's own tokenizer.json.
+    VIEW="$PEERS_DIR/gguf/$(basename "$MODEL_DIR")-view"
+    rm -rf "$VIEW" && mkdir -p "$VIEW"
+    for f in "$MODEL_DIR"/*; do
+        [[ "$(basename "$f")" == tokenizer.json ]] || ln -s "$f" "$VIEW/"
+    done
+    "$VENV/bin/python" - "$MODEL_DIR/tokenizer.json" "$VIEW/tokenizer.json" <<'PY'
+import json, sys
+tok = json.load(open(sys.argv[1], encoding="utf-8"))
+if tok["model"]["type"] == "BPE" and (tok.get("pre_tokenizer") or {}).get("type") == "ByteLevel":
+    tok["model"]["byte_fallback"] = False
+    tok["decoder"] = {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True,
+                      "use_regex": True}
+    # SmolLM's pre-tokenizer splits digits one by one before the byte-level split; the GGUF
+    # round trip lost that, and convert_hf_to_gguf.py recognises the vocabulary ("smollm") by
+    # how it pre-tokenizes a test text.
+    tok["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+        {"type": "Digits", "individual_digits": True},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
+    ]}
+    # Nor does its tokenizer.json put a BOS (<|im_start|>) before every text. The converter
+    # writes add_bos_token=false for "smollm" whatever we say, so llama.cpp's prompts are one
+    # token shorter than the token-id prompts the other engines get (which carry that BOS).
+    tok["post_processor"] = None
+json.dump(tok, open(sys.argv[2], "w", encoding="utf-8"), ensure_ascii=False)
+PY
     log "converting $MODEL_DIR -> $OUT (bf16)"
-    "$VENV/bin/python" "$CONVERTER" "$MODEL_DIR" --outtype bf16 --outfile "$OUT"
+    "$VENV/bin/python" "$CONVERTER" "$VIEW" --outtype bf16 --outfile "$OUT"
 fi
 log "llama.cpp peer ready ($((SECONDS - start)) s): $OUT"
 printf '%s\n' "$OUT"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -40,7 +41,9 @@ def _prompt_ids(prompt: Any) -> list[int]:
     return [hash(w) & 0xFFFF for w in str(prompt).split()]
 
 
-def make_app(state: StubState, token_delay_s: float = 0.002) -> FastAPI:
+def make_app(
+    state: StubState, token_delay_s: float = 0.002, die_after: int | None = None
+) -> FastAPI:
     app = FastAPI()
 
     @app.get("/v1/models")
@@ -50,6 +53,8 @@ def make_app(state: StubState, token_delay_s: float = 0.002) -> FastAPI:
     @app.post("/v1/completions", response_model=None)
     async def completions(request: Request) -> Any:
         body = await request.json()
+        if die_after is not None and len(state.bodies) >= die_after:
+            os._exit(7)  # a crash mid-run, like a native abort in a real server
         ids = _prompt_ids(body["prompt"])
         if FAIL_TOKEN in ids:
             return JSONResponse({"error": {"message": "bad token"}}, status_code=400)
@@ -126,5 +131,7 @@ class StubServer:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--die-after", type=int, default=None, help="exit at request N+1")
     args = parser.parse_args()
-    uvicorn.run(make_app(StubState()), host="127.0.0.1", port=args.port, log_level="warning")
+    app = make_app(StubState(), die_after=args.die_after)
+    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")

@@ -50,6 +50,9 @@ def stub_engines(monkeypatch):
         "stub", stub_cmd, "tokens", extra_body={"ignore_eos": True}, startup_timeout_s=60))
     monkeypatch.setitem(servers.ENGINES, "stub-text", EngineSpec(
         "stub-text", stub_cmd, "text", min_tokens_equal_max=True, startup_timeout_s=60))
+    monkeypatch.setitem(servers.ENGINES, "dies", EngineSpec(
+        "dies", lambda ctx: [*stub_cmd(ctx), "--die-after", "3"], "tokens",
+        startup_timeout_s=60))
     monkeypatch.setitem(servers.ENGINES, "broken", EngineSpec(
         "broken", lambda ctx: [sys.executable, "-c", "print('boom'); raise SystemExit(3)"],
         "tokens", startup_timeout_s=60))
@@ -83,6 +86,16 @@ def test_compare_runs_each_engine_and_writes_results_tables_and_figures(
     assert [name for name, _, _ in results] == ["stub", "stub-text"]
     # W1 at this scale: 4 requests on 4 different prefixes, so the stub reports no hits
     assert results[0][1].hit_rate == 0.0
+
+
+def test_a_server_that_dies_while_serving_fails_its_engine_and_keeps_no_results(
+    tmp_path, model_dir, stub_engines
+):
+    cfg = CompareConfig(engines=["dies"], workloads=["W0"], model_dir=model_dir,
+                        out_dir=tmp_path, scale=0.125, num_warmup=0, port=_free_port())
+    status = run_compare(cfg, progress=False)
+    assert "exited" in status["dies"] and "while serving" in status["dies"]
+    assert not (tmp_path / "W0" / "dies.json").exists()
 
 
 def test_bench_cli_report_rebuilds_tables_from_a_results_dir(
