@@ -34,8 +34,9 @@ class ScheduledRequest:
 @dataclass(slots=True)
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]
-    # Requests finished, aborted or preempted since the previous step: the runner drops any
-    # per-request state it keeps for them (e.g. seeded generators of finished ones).
+    # Requests finished or aborted since the previous step: the runner drops any per-request
+    # state it keeps for them (seeded generators). Preempted requests are NOT listed: they
+    # resume later and must continue their random stream.
     finished_req_ids: set[str] = field(default_factory=set)
 
     @property

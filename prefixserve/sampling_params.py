@@ -69,6 +69,12 @@ class SamplingParams:
             )
         if any(not isinstance(s, str) or not s for s in self._stop_list):
             raise bad("stop", "non-empty strings")
+        if self.prompt_logprobs is not None and self.skip_reading_prefix_cache is False:
+            # A prefix hit would leave the hit positions without the logits their logprobs need.
+            raise ValueError(
+                "prompt_logprobs needs every prompt position computed; it cannot be combined "
+                "with skip_reading_prefix_cache=False"
+            )
         if self.stop_token_ids is not None and any(
             not isinstance(t, int) or t < 0 for t in self.stop_token_ids
         ):
@@ -84,7 +90,7 @@ class SamplingParams:
 
     @property
     def skips_prefix_cache_read(self) -> bool:
-        """`prompt_logprobs` needs every prompt position's logits, so it skips the read by default."""
+        """prompt_logprobs need every prompt position's logits: skip the read unless told not to."""
         if self.skip_reading_prefix_cache is not None:
             return self.skip_reading_prefix_cache
         return self.prompt_logprobs is not None

@@ -223,8 +223,9 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
+        # Not in finished_req_ids: the runner keeps the request's seeded generator, so a resumed
+        # request continues its random stream instead of replaying it.
         self.waiting.appendleft(request)
-        self.finished_req_ids.add(request.request_id)
 
     # ----------------------------------------------------------------- applying the results
 
