@@ -6,22 +6,28 @@ with prefix caching on and off, then the time to first token of a 1,088-token pr
 1,024-token prefix is cached against one whose prefix is not.
 
     .venv/bin/python benchmarks/bench_prefix_caching.py [--dtype bfloat16] [--repeats 3]
+
+OMP_WAIT_POLICY defaults to PASSIVE (set before torch is imported): on a CPU shared with other
+work, OpenMP's spinning wait makes small matmuls 10-50x slower (see "Model speed").
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import platform
-import random
-import statistics
-import time
 
-import torch
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from prefixserve import LLM, SamplingParams
-from prefixserve.bench.workloads import make_w1, token_pool_from_tokenizer
-from prefixserve.model.loader import load_model
+import argparse  # noqa: E402
+import platform  # noqa: E402
+import random  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+import torch  # noqa: E402
+
+from prefixserve import LLM, SamplingParams  # noqa: E402
+from prefixserve.bench.workloads import make_w1, token_pool_from_tokenizer  # noqa: E402
+from prefixserve.model.loader import load_model  # noqa: E402
 
 
 def run_w1(loaded, prompts, enable_prefix_caching: bool, args) -> dict:
@@ -103,7 +109,8 @@ def main() -> None:
     print(f"# prefixserve W1, model default (SmolLM2-135M-Instruct), dtype {args.dtype}, "
           f"block 16, max_num_batched_tokens {args.max_num_batched_tokens}")
     print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"{platform.processor() or platform.machine()}, load average at the end "
+          f"{platform.processor() or platform.machine()}, "
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, load average at the end "
           f"{os.getloadavg()[0]:.1f}")
     print()
     print("| prefix caching | wall (s) | process CPU (s) | prompt tokens | cached tokens | "

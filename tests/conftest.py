@@ -1,3 +1,10 @@
+"""Shared fixtures. OMP_WAIT_POLICY=PASSIVE is set before anything imports torch: on a CPU shared
+with other work, OpenMP's spinning wait makes small matmuls 10-50x slower (BENCHMARKS.md)."""
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 # ---- engine tests (issue 4): the default model, loaded once per dtype for the whole session.
 import pytest  # noqa: E402
 
