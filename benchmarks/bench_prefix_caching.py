@@ -6,6 +6,10 @@ with prefix caching on and off, then the time to first token of a 1,088-token pr
 1,024-token prefix is cached against one whose prefix is not.
 
     .venv/bin/python benchmarks/bench_prefix_caching.py [--dtype bfloat16] [--repeats 3]
+    .venv/bin/python benchmarks/bench_prefix_caching.py --divergence 20   # bf16 study only
+
+`--divergence N` instead measures how often greedy outputs of N random prompts differ from the
+same prompt run alone with caching off: when cold, on a prefix hit, and batched without caching.
 
 OMP_WAIT_POLICY defaults to PASSIVE (set before torch is imported): on a CPU shared with other
 work, OpenMP's spinning wait makes small matmuls 10-50x slower (see "Model speed").
@@ -65,6 +69,41 @@ def time_to_first_token(llm: LLM, prompt: list[int]) -> tuple[float, int]:
     return time.perf_counter() - start, out.num_cached_tokens
 
 
+def divergence_study(loaded, num_prompts: int, seed: int) -> None:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(1000, 20000) for _ in range(rng.randrange(20, 300))]
+               for _ in range(num_prompts)]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
+    dtype = loaded.config.dtype
+
+    def alone(llm: LLM) -> list:
+        return [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0]
+                for p in prompts]
+
+    off = LLM(dtype=dtype, loaded_model=loaded, enable_prefix_caching=False)
+    reference = alone(off)
+    batched = [o.outputs[0] for o in off.generate([{"prompt_token_ids": p} for p in prompts],
+                                                  params, use_tqdm=False)]
+    on = LLM(dtype=dtype, loaded_model=loaded)
+    cold = alone(on)
+    hit = alone(on)
+    print(f"# greedy divergence from the same prompt alone with caching off, {dtype}, "
+          f"{num_prompts} prompts of 20-300 tokens, 16 tokens")
+    print("| run | outputs that differ | first differing token | reference top1-top2 gap there |")
+    print("|---|---:|---|---|")
+    for name, outs in (("caching on, cold", cold), ("caching on, prefix hit", hit),
+                       ("caching off, all batched", batched)):
+        firsts, gaps = [], []
+        for ref, out in zip(reference, outs, strict=True):
+            a, b = ref.token_ids, out.token_ids
+            if a != b:
+                k = next(i for i in range(len(a)) if a[i] != b[i])
+                top = sorted((lp.logprob for lp in ref.logprobs[k].values()), reverse=True)
+                firsts.append(k)
+                gaps.append(round(top[0] - top[1], 4) if len(top) > 1 else None)
+        print(f"| {name} | {len(firsts)} / {num_prompts} | {firsts} | {gaps} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -72,11 +111,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="TTFT repeats (median)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    parser.add_argument("--divergence", type=int, default=0, metavar="N",
+                        help="only run the greedy-divergence study over N prompts")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
 
     loaded = load_model(None, dtype=args.dtype)
+    if args.divergence:
+        divergence_study(loaded, args.divergence, args.seed)
+        return
     pool = token_pool_from_tokenizer(loaded.tokenizer.hf_tokenizer.backend_tokenizer)
     workload = make_w1(pool, seed=args.seed)
     prompts = [r.prompt_token_ids for r in workload.requests]
