@@ -186,3 +186,21 @@ def test_chat_takes_one_or_many_conversations(llm):
     assert one[0].prompt_token_ids == many[0].prompt_token_ids == many[1].prompt_token_ids
     with pytest.raises(ValueError, match="messages"):
         llm.chat([], params)
+
+
+def test_streamed_text_holds_back_what_could_start_a_stop_string(default_model_bf16):
+    llm = LLM(loaded_model=default_model_bf16, num_kv_blocks=64)
+    engine, tok = llm.llm_engine, llm.get_tokenizer()
+    stop = "@@never@@"  # 9 characters: up to 8 may be the start of it
+    engine.add_request("s", tok.encode("The capital of France is"),
+                       SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, stop=stop))
+    streamed = []
+    while engine.has_unfinished_requests():
+        streamed += [o.outputs[0] for o in engine.step()]
+    assert len(streamed) == 6
+    for c in streamed[:-1]:
+        full = tok.decode(c.token_ids)
+        assert c.text == full[: max(0, len(full) - len(stop) + 1)]
+    assert streamed[-1].text == tok.decode(streamed[-1].token_ids)
+    assert streamed[-1].finish_reason == "length"
+    engine.check_no_leaks()
