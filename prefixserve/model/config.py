@@ -198,8 +198,38 @@ class ModelConfig:
         )
 
 
+# The keys of a Llama config.json for which transformers' LlamaConfig defaults differ from the
+# fallbacks `from_hf_config` uses (for every other key it reads, the two agree: no kv-head count
+# means one per head, silu, untied, rope_theta 10000, no biases, head_dim = hidden / heads, no
+# layer_types or sliding window). save_pretrained writes all of them.
+_LLAMA_KEYS_WITH_OTHER_DEFAULTS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "max_position_embeddings",
+    "rms_norm_eps",
+    "bos_token_id",
+    "eos_token_id",
+)
+
+
+def _complete_llama_config(hf: dict[str, Any], arch: str) -> bool:
+    """A plain Llama config.json that states every value whose default matters: transformers'
+    LlamaConfig would add nothing `from_hf_config` reads, so importing it (~1 s) can be skipped."""
+    return (
+        arch == "LlamaForCausalLM"
+        and hf.get("model_type") == "llama"
+        and hf.get("rope_scaling") is None  # scaled rope: let transformers validate it
+        and all(key in hf for key in _LLAMA_KEYS_WITH_OTHER_DEFAULTS)
+    )
+
+
 def _with_transformers_defaults(hf: dict[str, Any], arch: str) -> dict[str, Any]:
     """Fill in what config.json omits with transformers' defaults for the architecture."""
+    if _complete_llama_config(hf, arch):
+        return dict(hf)
     from transformers import CONFIG_MAPPING
 
     model_type = hf.get("model_type") or _ARCH_TO_MODEL_TYPE[arch]

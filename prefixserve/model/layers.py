@@ -3,8 +3,9 @@ weight-loading helpers that map Hugging Face parameter names onto our fused proj
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,13 @@ class Linear(nn.Linear):
 
     _packed: torch.Tensor | None = None
 
+    def reset_parameters(self) -> None:
+        # On the meta device (create_model) there is nothing to initialize, and the random init's
+        # meta decompositions cost ~0.3 s per model; load_weights fills the weights.
+        if self.weight.is_meta:
+            return
+        super().reset_parameters()
+
     def pack(self) -> None:
         if self.weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
             self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 512)
@@ -50,6 +58,25 @@ def pack_linears(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, Linear):
             module.pack()
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Run torch ops on one intra-op thread inside the block (restored after).
+
+    For loading: its copies and weight reorders are short, memory-bound ops, and on a busy CPU
+    each multi-threaded one waits for a second thread to be scheduled; measured on this 2-core
+    machine under load, load_weights took 2.4 s with two threads and 0.25 s with one.
+    """
+    previous = torch.get_num_threads()
+    if previous == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 class RMSNorm(nn.Module):
@@ -207,11 +234,18 @@ def load_hf_weights(
     weights: Iterable[tuple[str, torch.Tensor]],
     rename: dict[str, str] | None = None,
     skip_prefixes: tuple[str, ...] = (),
+    *,
+    assign: bool = False,
 ) -> set[str]:
     """Copy Hugging Face-named tensors into `model`, filling fused projections shard by shard.
 
     `rename` maps leading HF name prefixes to ours. Returns the names of our parameters that were
     loaded; raises ValueError on unknown names or shape mismatches.
+
+    With `assign=True` an unfused parameter takes the given tensor itself (no copy) when its
+    dtype and shape match: for tensors nobody else holds, such as the loader's memory-mapped
+    safetensors, this skips writing the weights into fresh memory (page faults dominate a load).
+    Fused projections are always copied, shard by shard, into their parameter.
     """
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
@@ -237,13 +271,26 @@ def load_hf_weights(
         with torch.no_grad():
             if shard is None:
                 _check_shape(hf_name, param.shape, tensor.shape)
-                param.copy_(tensor)
+                if assign and _assignable(param, tensor):
+                    param.data = tensor  # ties survive: tied names share this Parameter
+                else:
+                    param.copy_(tensor)
             else:
                 target = _shard_view(model, name, param, shard)
                 _check_shape(hf_name, target.shape, tensor.shape)
                 target.copy_(tensor)
         loaded.add(f"{name}#{shard}" if shard is not None else name)
     return loaded
+
+
+def _assignable(param: torch.Tensor, tensor: torch.Tensor) -> bool:
+    return (
+        tensor.dtype == param.dtype
+        and tensor.device == param.device
+        and tensor.is_contiguous()
+        and not tensor.requires_grad
+        and type(tensor) is torch.Tensor
+    )
 
 
 def _shard_view(model: nn.Module, name: str, param: torch.Tensor, shard: int) -> torch.Tensor:

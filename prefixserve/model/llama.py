@@ -22,6 +22,7 @@ from prefixserve.model.layers import (
     RotaryEmbedding,
     check_all_loaded,
     load_hf_weights,
+    one_thread,
     pack_linears,
 )
 
@@ -48,7 +49,13 @@ class DecoderBody(nn.Module):
 
     def __init__(self, config: ModelConfig, layers: list[nn.Module], norm: RMSNorm) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Given a weight, nn.Embedding skips its random init: on the meta device that init
+        # (normal_) would import torch._dynamo, ~2 s; load_weights fills the weight anyway.
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size,
+            config.hidden_size,
+            _weight=torch.empty(config.vocab_size, config.hidden_size),
+        )
         self.layers = nn.ModuleList(layers)
         self.norm = norm
 
@@ -110,9 +117,13 @@ class LlamaForCausalLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], *, assign: bool = False
+    ) -> None:
         """Load Hugging Face-named tensors. Without `lm_head.weight` the head is tied to the
-        embedding; rotary `inv_freq` buffers are skipped."""
+        embedding; rotary `inv_freq` buffers are skipped. `assign=True` lets unfused parameters
+        take the given tensors without a copy (only for tensors nobody else will modify, e.g.
+        freshly memory-mapped safetensors; see `load_hf_weights`)."""
         tied = self.config.tie_word_embeddings
 
         def wanted() -> Iterable[tuple[str, torch.Tensor]]:
@@ -121,12 +132,15 @@ class LlamaForCausalLM(nn.Module):
                     continue
                 yield name, tensor
 
-        loaded = load_hf_weights(self, wanted(), self.hf_rename, self.hf_skip_prefixes)
-        if not tied and "lm_head.weight" not in loaded:
-            self.lm_head.weight = self.model.embed_tokens.weight
-            loaded.add("lm_head.weight")
-        check_all_loaded(self, loaded)
-        pack_linears(self)
+        with one_thread():
+            loaded = load_hf_weights(
+                self, wanted(), self.hf_rename, self.hf_skip_prefixes, assign=assign
+            )
+            if not tied and "lm_head.weight" not in loaded:
+                self.lm_head.weight = self.model.embed_tokens.weight
+                loaded.add("lm_head.weight")
+            check_all_loaded(self, loaded)
+            pack_linears(self)
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

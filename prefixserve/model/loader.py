@@ -2,9 +2,11 @@
 
 A directory holds config.json and safetensors (one file, or shards listed in
 model.safetensors.index.json); tensors are streamed into `model.load_weights` one at a time,
-cast to the requested dtype. A GGUF file is first converted once, with transformers' GGUF
-support (name mapping, dequantization, tokenizer conversion), into such a directory in the cache;
-later loads read the directory.
+cast to the requested dtype. They are memory maps of the files, which parameters take as they
+are where no fusing or cast is needed, so a later start reads instead of copying.
+A GGUF file is first converted once, with transformers' GGUF support (name mapping,
+dequantization, tokenizer conversion), into such a directory in the cache; later loads read the
+directory.
 """
 
 from __future__ import annotations
@@ -220,7 +222,9 @@ def load_hf_dir(
     except (OSError, ValueError) as exc:
         raise _load_error(model_dir, f"tokenizer files are missing or unreadable ({exc})") from exc
     model = create_model(config)
-    model.load_weights(iter_safetensors_weights(model_dir, dtype))
+    # The tensors are fresh memory maps of the files (copy-on-write), so parameters may take
+    # them as they are: no copy of the unfused weights (the cache dir is replaced atomically).
+    model.load_weights(iter_safetensors_weights(model_dir, dtype), assign=True)
     model.eval()
     return LoadedModel(model=model, tokenizer=tokenizer, config=config, path=model_dir)
 

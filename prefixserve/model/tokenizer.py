@@ -10,10 +10,12 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
-from transformers.utils import logging as hf_logging
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+# transformers is imported where it is used: importing it costs seconds, and importing this
+# module (hence prefixserve.model.loader) should not.
 
 # Chat messages as the OpenAI API and transformers take them: {"role": ..., "content": ...}.
 Message = dict[str, Any]
@@ -45,6 +47,9 @@ class Tokenizer:
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> Tokenizer:
         """Load tokenizer.json / tokenizer_config.json (+ generation_config.json) from a dir."""
+        from transformers.tokenization_utils_fast import PreTrainedTokenizerFast
+        from transformers.utils import logging as hf_logging
+
         model_dir = Path(model_dir)
         # transformers 4.57.3+ warns about a Mistral regex for every local directory; silence it.
         previous = hf_logging.get_verbosity()
@@ -54,6 +59,8 @@ class Tokenizer:
                 # The fast class directly: AutoTokenizer's class lookup costs ~1 s of imports.
                 hf_tokenizer = PreTrainedTokenizerFast.from_pretrained(str(model_dir))
             else:
+                from transformers import AutoTokenizer
+
                 hf_tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         finally:
             hf_logging.set_verbosity(previous)
