@@ -113,3 +113,17 @@ def test_create_model_is_in_the_config_dtype_and_tied():
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert model.kv_cache_groups() == [FullAttentionSpec()]
     assert model.layer_group(1) == 0
+
+
+def test_complete_llama_config_skips_transformers_and_agrees_with_it(
+    default_model_dir, monkeypatch
+):
+    import json
+
+    from prefixserve.model import config as config_module
+
+    hf = json.loads((default_model_dir / "config.json").read_text())
+    assert config_module._complete_llama_config(hf, "LlamaForCausalLM")
+    shortcut = ModelConfig.from_hf_config(hf, "float32")
+    monkeypatch.setattr(config_module, "_complete_llama_config", lambda hf, arch: False)
+    assert ModelConfig.from_hf_config(hf, "float32") == shortcut
