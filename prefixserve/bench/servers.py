@@ -9,7 +9,7 @@ Each engine is an OpenAI-compatible server started from the command line:
   CPU attention needs a multiple of 32), ``OMP_NUM_THREADS`` set like ours so it is not held to
   one thread.
 - ``llama.cpp``: llama-cpp-python's server in its own venv (scripts/peers/setup_llama_cpp.sh) on a
-  bf16 GGUF of the same weights, with its RAM prompt cache on; it takes text prompts only.
+  bf16 GGUF of the same weights; it takes text prompts only.
 """
 
 from __future__ import annotations
@@ -131,8 +131,10 @@ def _llama_cpp_cmd(ctx: ServerContext) -> list[str]:
         "--n_threads", str(ctx.threads), "--n_threads_batch", str(ctx.threads),
         # Its default aborts the running stream whenever a new request arrives.
         "--interrupt_requests", "False",
-        "--cache", "True", "--cache_type", "ram",
-        "--cache_size", str(int(ctx.kv_cache_gib * (1 << 30))),
+        # No `--cache True`: its RAM prompt cache keeps, beside each saved KV state, a copy of
+        # the logits of every position (n_tokens x 49,152 floats: 300 MB for a 1,500-token
+        # prompt) that its size cap does not count; it grew to 20 GB and was OOM-killed. Without
+        # it, llama.cpp still reuses the prefix its context shares with the previous prompt.
     ]
 
 
