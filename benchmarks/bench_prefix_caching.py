@@ -71,28 +71,39 @@ def time_to_first_token(llm: LLM, prompt: list[int]) -> tuple[float, int]:
 
 def divergence_study(loaded, num_prompts: int, seed: int) -> None:
     rng = random.Random(seed)
-    prompts = [[rng.randrange(1000, 20000) for _ in range(rng.randrange(20, 300))]
-               for _ in range(num_prompts)]
+    prompts = [
+        [rng.randrange(1000, 20000) for _ in range(rng.randrange(20, 300))]
+        for _ in range(num_prompts)
+    ]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
     dtype = loaded.config.dtype
 
     def alone(llm: LLM) -> list:
-        return [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0]
-                for p in prompts]
+        return [
+            llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0]
+            for p in prompts
+        ]
 
     off = LLM(dtype=dtype, loaded_model=loaded, enable_prefix_caching=False)
     reference = alone(off)
-    batched = [o.outputs[0] for o in off.generate([{"prompt_token_ids": p} for p in prompts],
-                                                  params, use_tqdm=False)]
+    batched = [
+        o.outputs[0]
+        for o in off.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    ]
     on = LLM(dtype=dtype, loaded_model=loaded)
     cold = alone(on)
     hit = alone(on)
-    print(f"# greedy divergence from the same prompt alone with caching off, {dtype}, "
-          f"{num_prompts} prompts of 20-300 tokens, 16 tokens")
+    print(
+        f"# greedy divergence from the same prompt alone with caching off, {dtype}, "
+        f"{num_prompts} prompts of 20-300 tokens, 16 tokens"
+    )
     print("| run | outputs that differ | first differing token | reference top1-top2 gap there |")
     print("|---|---:|---|---|")
-    for name, outs in (("caching on, cold", cold), ("caching on, prefix hit", hit),
-                       ("caching off, all batched", batched)):
+    for name, outs in (
+        ("caching on, cold", cold),
+        ("caching on, prefix hit", hit),
+        ("caching off, all batched", batched),
+    ):
         firsts, gaps = [], []
         for ref, out in zip(reference, outs, strict=True):
             a, b = ref.token_ids, out.token_ids
@@ -111,8 +122,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="TTFT repeats (median)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
-    parser.add_argument("--divergence", type=int, default=0, metavar="N",
-                        help="only run the greedy-divergence study over N prompts")
+    parser.add_argument(
+        "--divergence",
+        type=int,
+        default=0,
+        metavar="N",
+        help="only run the greedy-divergence study over N prompts",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -128,8 +144,9 @@ def main() -> None:
 
     # Warm up torch's kernels once, outside the timings.
     warm = LLM(dtype=args.dtype, loaded_model=loaded, enable_prefix_caching=False)
-    warm.generate([{"prompt_token_ids": prompts[0][:300]}], SamplingParams(max_tokens=4),
-                  use_tqdm=False)
+    warm.generate(
+        [{"prompt_token_ids": prompts[0][:300]}], SamplingParams(max_tokens=4), use_tqdm=False
+    )
 
     on = run_w1(loaded, prompts, True, args)
     off = run_w1(loaded, prompts, False, args)
@@ -138,8 +155,9 @@ def main() -> None:
     # TTFT: a fresh 1,024-token prefix each repeat; first a cold prompt, then the same prefix
     # with another 64-token suffix.
     rng = random.Random(args.seed + 1)
-    llm = LLM(dtype=args.dtype, loaded_model=loaded,
-              max_num_batched_tokens=args.max_num_batched_tokens)
+    llm = LLM(
+        dtype=args.dtype, loaded_model=loaded, max_num_batched_tokens=args.max_num_batched_tokens
+    )
     cold, hot = [], []
     for _ in range(args.repeats):
         prefix = [rng.choice(pool) for _ in range(1024)]
@@ -150,30 +168,44 @@ def main() -> None:
         hot.append(t_hot)
     llm.llm_engine.check_no_leaks()
 
-    print(f"# prefixserve W1, model default (SmolLM2-135M-Instruct), dtype {args.dtype}, "
-          f"block 16, max_num_batched_tokens {args.max_num_batched_tokens}")
-    print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"{platform.processor() or platform.machine()}, "
-          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, load average at the end "
-          f"{os.getloadavg()[0]:.1f}")
+    print(
+        f"# prefixserve W1, model default (SmolLM2-135M-Instruct), dtype {args.dtype}, "
+        f"block 16, max_num_batched_tokens {args.max_num_batched_tokens}"
+    )
+    print(
+        f"# torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"{platform.processor() or platform.machine()}, "
+        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, load average at the end "
+        f"{os.getloadavg()[0]:.1f}"
+    )
     print()
-    print("| prefix caching | wall (s) | process CPU (s) | prompt tokens | cached tokens | "
-          "hit rate | computed prompt tokens | output tokens |")
+    print(
+        "| prefix caching | wall (s) | process CPU (s) | prompt tokens | cached tokens | "
+        "hit rate | computed prompt tokens | output tokens |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, r in (("on", on), ("off", off)):
-        print(f"| {name} | {r['wall']:.2f} | {r['cpu']:.2f} | {r['prompt_tokens']:,} | "
-              f"{r['cached']:,} | "
-              f"{r['hit_rate']:.1%} | {r['computed_prompt_tokens']:,} | {r['output_tokens']} |")
+        print(
+            f"| {name} | {r['wall']:.2f} | {r['cpu']:.2f} | {r['prompt_tokens']:,} | "
+            f"{r['cached']:,} | "
+            f"{r['hit_rate']:.1%} | {r['computed_prompt_tokens']:,} | {r['output_tokens']} |"
+        )
     print()
-    print(f"speed-up from caching: {off['wall'] / on['wall']:.1f}x; greedy outputs identical "
-          f"on vs off: {same}/{len(prompts)}")
+    print(
+        f"speed-up from caching: {off['wall'] / on['wall']:.1f}x; greedy outputs identical "
+        f"on vs off: {same}/{len(prompts)}"
+    )
     print()
     print("| time to first token, 1,088-token prompt | median (s) | runs (s) |")
     print("|---|---:|---|")
-    print(f"| cold (nothing cached) | {statistics.median(cold):.3f} | "
-          f"{', '.join(f'{t:.3f}' for t in cold)} |")
-    print(f"| 1,024-token prefix cached | {statistics.median(hot):.3f} | "
-          f"{', '.join(f'{t:.3f}' for t in hot)} |")
+    print(
+        f"| cold (nothing cached) | {statistics.median(cold):.3f} | "
+        f"{', '.join(f'{t:.3f}' for t in cold)} |"
+    )
+    print(
+        f"| 1,024-token prefix cached | {statistics.median(hot):.3f} | "
+        f"{', '.join(f'{t:.3f}' for t in hot)} |"
+    )
 
 
 if __name__ == "__main__":

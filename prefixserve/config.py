@@ -48,9 +48,11 @@ class CacheConfig:
             raise _invalid("block_size", self.block_size, "at most 1024")
         _check_positive_int("num_kv_blocks", self.num_kv_blocks, allow_none=True)
         if self.kv_cache_memory_gb is not None:
-            if isinstance(self.kv_cache_memory_gb, bool) or not isinstance(
-                self.kv_cache_memory_gb, int | float
-            ) or not self.kv_cache_memory_gb > 0:
+            if (
+                isinstance(self.kv_cache_memory_gb, bool)
+                or not isinstance(self.kv_cache_memory_gb, int | float)
+                or not self.kv_cache_memory_gb > 0
+            ):
                 raise _invalid("kv_cache_memory_gb", self.kv_cache_memory_gb, "a number > 0")
             if self.num_kv_blocks is not None:
                 raise ValueError(

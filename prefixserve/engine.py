@@ -193,12 +193,13 @@ class LLMEngine:
         if num_prompt == 0:
             raise ValueError("prompt_token_ids must hold at least one token, got an empty prompt")
         for token_id in prompt_token_ids:
-            if isinstance(token_id, bool) or not isinstance(token_id, int) or not (
-                0 <= token_id < self.vocab_size
+            if (
+                isinstance(token_id, bool)
+                or not isinstance(token_id, int)
+                or not (0 <= token_id < self.vocab_size)
             ):
                 raise ValueError(
-                    f"prompt_token_ids must be integers in [0, {self.vocab_size}), "
-                    f"got {token_id!r}"
+                    f"prompt_token_ids must be integers in [0, {self.vocab_size}), got {token_id!r}"
                 )
         if num_prompt >= self.max_model_len:
             raise ValueError(
@@ -215,9 +216,7 @@ class LLMEngine:
                 f"{self.max_model_len - num_prompt}"
             )
         # The last sampled token never gets K/V, so the longest sequence caches this many tokens.
-        needed = _blocks_needed(
-            self.kv_cache_groups, num_prompt + max_tokens - 1, self.block_size
-        )
+        needed = _blocks_needed(self.kv_cache_groups, num_prompt + max_tokens - 1, self.block_size)
         if needed > self.num_kv_blocks:
             raise ValueError(
                 f"the request needs up to {needed} KV blocks ({num_prompt} prompt tokens + "

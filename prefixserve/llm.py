@@ -91,8 +91,10 @@ class LLM:
         params_list = self._params_list(sampling_params, len(prompts))
         parsed = [self._parse_prompt(p, i) for i, p in enumerate(prompts)]
         return self._run(
-            [(ids, text, salt, params) for (ids, text, salt), params in zip(parsed, params_list,
-                                                                            strict=True)],
+            [
+                (ids, text, salt, params)
+                for (ids, text, salt), params in zip(parsed, params_list, strict=True)
+            ],
             use_tqdm,
         )
 
@@ -120,11 +122,13 @@ class LLM:
                     f"a conversation must be a list of message dicts, got {conversation!r}"
                 )
             ids = tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=add_generation_prompt,
+                conversation,
+                add_generation_prompt=add_generation_prompt,
                 **(chat_template_kwargs or {}),
             )
             text = tokenizer.apply_chat_template_text(
-                conversation, add_generation_prompt=add_generation_prompt,
+                conversation,
+                add_generation_prompt=add_generation_prompt,
                 **(chat_template_kwargs or {}),
             )
             items.append((ids, text, None, params))
@@ -181,8 +185,9 @@ class LLM:
                 raise ValueError(f"sampling_params must hold SamplingParams, got {p!r}")
         return params
 
-    def _parse_prompt(self, prompt: PromptType, index: int) -> tuple[list[int], str | None,
-                                                                      str | None]:
+    def _parse_prompt(
+        self, prompt: PromptType, index: int
+    ) -> tuple[list[int], str | None, str | None]:
         tokenizer = self.llm_engine.tokenizer
         if isinstance(prompt, str):
             return tokenizer.encode(prompt), prompt, None

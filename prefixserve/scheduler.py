@@ -268,9 +268,7 @@ class Scheduler:
         """Set a finished status when the last sampled token ends the request."""
         params = request.sampling_params
         last = request.output_token_ids[-1]
-        if not params.ignore_eos and (
-            last == request.eos_token_id or last in self.eos_token_ids
-        ):
+        if not params.ignore_eos and (last == request.eos_token_id or last in self.eos_token_ids):
             request.status = RequestStatus.FINISHED_STOPPED
             return True
         if params.stop_token_ids and last in params.stop_token_ids:

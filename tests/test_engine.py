@@ -89,8 +89,13 @@ def test_cache_salt_isolates_identical_prompts(llm):
     assert a2.num_cached_tokens == 32
     # Submitted together: the salted twin does not ride on the other's blocks either.
     other = random_tokens(40, seed=6)
-    c, d = run(llm, [{"prompt_token_ids": other, "cache_salt": "c"},
-                     {"prompt_token_ids": other, "cache_salt": "d"}])
+    c, d = run(
+        llm,
+        [
+            {"prompt_token_ids": other, "cache_salt": "c"},
+            {"prompt_token_ids": other, "cache_salt": "d"},
+        ],
+    )
     assert (c.num_cached_tokens, d.num_cached_tokens) == (0, 0)
     assert a1.outputs[0].token_ids == b1.outputs[0].token_ids == a2.outputs[0].token_ids
 
@@ -100,8 +105,12 @@ def test_prompt_logprobs_skip_the_cache_read_match_an_uncached_run_and_write_blo
 ):
     prompt = random_tokens(37, seed=7)
     with_logprobs = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=1)
-    cold = LLM(dtype="float32", loaded_model=default_model_fp32, num_kv_blocks=64,
-               enable_prefix_caching=False)
+    cold = LLM(
+        dtype="float32",
+        loaded_model=default_model_fp32,
+        num_kv_blocks=64,
+        enable_prefix_caching=False,
+    )
     [reference] = run(cold, token_prompts(prompt), with_logprobs)
     cold.llm_engine.check_no_leaks()
 
@@ -115,9 +124,7 @@ def test_prompt_logprobs_skip_the_cache_read_match_an_uncached_run_and_write_blo
     ):
         assert prompt[pos] in got
         assert got[prompt[pos]].logprob == want[prompt[pos]].logprob, pos
-        assert {t: lp.logprob for t, lp in got.items()} == {
-            t: lp.logprob for t, lp in want.items()
-        }
+        assert {t: lp.logprob for t, lp in got.items()} == {t: lp.logprob for t, lp in want.items()}
     # Blocks written by the prompt_logprobs request serve a later reader.
     llm.reset_prefix_cache()
     run(llm, token_prompts(prompt), with_logprobs)
@@ -154,7 +161,8 @@ def test_greedy_outputs_identical_under_eviction_and_preemption_in_float32(defau
     model = default_model_fp32
     reference = _outputs(
         LLM(dtype="float32", loaded_model=model, num_kv_blocks=64, enable_prefix_caching=False),
-        prompts, 8,
+        prompts,
+        8,
     )
     tiny = LLM(dtype="float32", loaded_model=model, num_kv_blocks=8)
     assert _outputs(tiny, prompts, 8) == reference
@@ -163,8 +171,12 @@ def test_greedy_outputs_identical_under_eviction_and_preemption_in_float32(defau
     assert metrics["prefix_cache_preempted_hits"] > 0  # resumed requests re-hit their blocks
 
 
-@settings(max_examples=3, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate],
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=3,
+    deadline=None,
+    phases=[Phase.explicit, Phase.reuse, Phase.generate],
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 @given(
     seed=st.integers(0, 10_000),
     prefix_len=st.integers(8, 40),
@@ -183,11 +195,17 @@ def test_greedy_outputs_identical_with_caching_on_and_off_in_float32(
     model = default_model_fp32
     reference = _outputs(
         LLM(dtype="float32", loaded_model=model, num_kv_blocks=64, enable_prefix_caching=False),
-        prompts, 5,
+        prompts,
+        5,
     )
     # The longest request alone needs ceil((60 + 5 - 1) / 16) = 4 blocks.
-    llm = LLM(dtype="float32", loaded_model=model, num_kv_blocks=num_kv_blocks,
-              max_num_batched_tokens=budget, long_prefill_token_threshold=5 if seed % 2 else 0)
+    llm = LLM(
+        dtype="float32",
+        loaded_model=model,
+        num_kv_blocks=num_kv_blocks,
+        max_num_batched_tokens=budget,
+        long_prefill_token_threshold=5 if seed % 2 else 0,
+    )
     assert _outputs(llm, prompts, 5) == reference
     assert _outputs(llm, prompts, 5) == reference  # again, over whatever the pool kept
     metrics = llm.get_metrics()

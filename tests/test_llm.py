@@ -32,7 +32,8 @@ def test_prompt_forms_and_outputs_in_input_order(llm):
     other = random_tokens(9, 1)
     outs = llm.generate(
         [text, {"prompt": text}, {"prompt_token_ids": ids}, {"prompt_token_ids": other}],
-        GREEDY, use_tqdm=False,
+        GREEDY,
+        use_tqdm=False,
     )
     assert all(isinstance(o, RequestOutput) and o.finished for o in outs)
     assert [o.prompt_token_ids for o in outs] == [ids, ids, ids, other]
@@ -71,19 +72,29 @@ def test_invalid_prompts_raise_and_leave_nothing_behind(llm, prompt, params, mat
 
 
 def test_max_tokens_none_runs_to_the_context_length(llm):
-    [out] = llm.generate([{"prompt_token_ids": random_tokens(250, 2)}],
-                         SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True),
-                         use_tqdm=False)
+    [out] = llm.generate(
+        [{"prompt_token_ids": random_tokens(250, 2)}],
+        SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True),
+        use_tqdm=False,
+    )
     assert len(out.outputs[0].token_ids) == 6
     assert out.outputs[0].finish_reason == "length"
 
 
 @pytest.mark.parametrize(
     "kwargs",
-    [dict(block_size=0), dict(dtype="float16"), dict(num_kv_blocks=0),
-     dict(kv_cache_memory_gb=-1.0), dict(max_num_seqs=0), dict(max_num_batched_tokens=0),
-     dict(prefix_caching_hash_algo="md5"), dict(max_model_len=1), dict(seed=-1),
-     dict(num_kv_blocks=8, kv_cache_memory_gb=1.0)],
+    [
+        dict(block_size=0),
+        dict(dtype="float16"),
+        dict(num_kv_blocks=0),
+        dict(kv_cache_memory_gb=-1.0),
+        dict(max_num_seqs=0),
+        dict(max_num_batched_tokens=0),
+        dict(prefix_caching_hash_algo="md5"),
+        dict(max_model_len=1),
+        dict(seed=-1),
+        dict(num_kv_blocks=8, kv_cache_memory_gb=1.0),
+    ],
 )
 def test_invalid_llm_arguments_raise_value_error_naming_them(kwargs):
     # Validation happens before any model is loaded.
@@ -152,8 +163,9 @@ def test_eos_stops_unless_ignored(llm):
     assert out.prompt.startswith("<|im_start|>")
     n = len(c.token_ids)
     assert llm.reset_prefix_cache()  # a bf16 cache hit may change greedy tokens; see BENCHMARKS
-    [ignored] = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=n + 2,
-                                                   ignore_eos=True), use_tqdm=False)
+    [ignored] = llm.chat(
+        messages, SamplingParams(temperature=0.0, max_tokens=n + 2, ignore_eos=True), use_tqdm=False
+    )
     assert ignored.outputs[0].token_ids[:n] == c.token_ids
     assert len(ignored.outputs[0].token_ids) == n + 2
     assert ignored.outputs[0].finish_reason == "length"
@@ -192,8 +204,11 @@ def test_streamed_text_holds_back_what_could_start_a_stop_string(default_model_b
     llm = LLM(loaded_model=default_model_bf16, num_kv_blocks=64)
     engine, tok = llm.llm_engine, llm.get_tokenizer()
     stop = "@@never@@"  # 9 characters: up to 8 may be the start of it
-    engine.add_request("s", tok.encode("The capital of France is"),
-                       SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, stop=stop))
+    engine.add_request(
+        "s",
+        tok.encode("The capital of France is"),
+        SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, stop=stop),
+    )
     streamed = []
     while engine.has_unfinished_requests():
         streamed += [o.outputs[0] for o in engine.step()]

@@ -251,8 +251,10 @@ def _fill_pool_with_three_requests() -> tuple[Scheduler, FakeRunner, list[Reques
     # 7 blocks; three 8-token prompts take 2 blocks each; the first decode token of `a`
     # needs a 3rd block for a, which the single free block covers; b's then preempts c.
     sched, runner = make_scheduler(num_blocks=7)
-    reqs = [make_request(name, [20 + 10 * i + j for j in range(8)], max_tokens=6)
-            for i, name in enumerate("abc")]
+    reqs = [
+        make_request(name, [20 + 10 * i + j for j in range(8)], max_tokens=6)
+        for i, name in enumerate("abc")
+    ]
     for r in reqs:
         sched.add_request(r)
     step(sched, runner)
@@ -359,8 +361,10 @@ def test_ignore_eos_runs_to_max_tokens():
 
 
 def test_stop_token_ids_stop_and_become_the_stop_reason():
-    req = _run_one(make_request("a", [11], max_tokens=9, stop_token_ids=[42]),
-                   lambda h: 42 if len(h) == 3 else 50)
+    req = _run_one(
+        make_request("a", [11], max_tokens=9, stop_token_ids=[42]),
+        lambda h: 42 if len(h) == 3 else 50,
+    )
     assert req.output_token_ids == [50, 50, 42]
     assert req.status == RequestStatus.FINISHED_STOPPED and req.stop_reason == 42
 
@@ -420,8 +424,16 @@ _token = st.integers(10, 14)  # a small alphabet so prompts share blocks often
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     prefixes=st.lists(st.lists(_token, max_size=14), min_size=1, max_size=2),
-    suffixes=st.lists(st.tuples(st.integers(0, 1), st.lists(_token, min_size=1, max_size=9),
-                                st.integers(1, 8), st.integers(0, 6)), min_size=1, max_size=6),
+    suffixes=st.lists(
+        st.tuples(
+            st.integers(0, 1),
+            st.lists(_token, min_size=1, max_size=9),
+            st.integers(1, 8),
+            st.integers(0, 6),
+        ),
+        min_size=1,
+        max_size=6,
+    ),
     num_blocks=st.integers(8, 40),
     budget=st.integers(1, 24),
     threshold=st.sampled_from([0, 0, 3, 7]),
@@ -437,8 +449,10 @@ def test_any_schedule_gives_each_request_the_tokens_it_gets_alone(
     longest = max(len(p) + n for p, n in zip(prompts, max_tokens, strict=True))
     num_blocks = max(num_blocks, -(-longest // BLOCK))
     sched, runner = make_scheduler(num_blocks, max_num_seqs, budget, threshold, enable_caching)
-    requests = [make_request(f"r{i}", p, n) for i, (p, n) in
-                enumerate(zip(prompts, max_tokens, strict=True))]
+    requests = [
+        make_request(f"r{i}", p, n)
+        for i, (p, n) in enumerate(zip(prompts, max_tokens, strict=True))
+    ]
     for step_index in range(2000):
         for req, arrival in zip(requests, arrival_step, strict=True):
             if arrival == step_index:
@@ -452,8 +466,15 @@ def test_any_schedule_gives_each_request_the_tokens_it_gets_alone(
     assert_no_leak(sched)
 
 
-@pytest.mark.parametrize("bad", [dict(max_num_seqs=0), dict(max_num_batched_tokens=-1),
-                                 dict(long_prefill_token_threshold=-2), dict(max_num_seqs=1.5)])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(max_num_seqs=0),
+        dict(max_num_batched_tokens=-1),
+        dict(long_prefill_token_threshold=-2),
+        dict(max_num_seqs=1.5),
+    ],
+)
 def test_invalid_scheduler_config_names_the_field(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         SchedulerConfig(**bad)
