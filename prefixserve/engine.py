@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from prefixserve.batch import ModelRunnerOutput, PositionLogprobs
+from prefixserve.batch import ModelRunnerOutput, PositionLogprobs, SchedulerOutput
 from prefixserve.config import DEFAULT_KV_CACHE_MEMORY_GB, EngineConfig
 from prefixserve.kv_cache.hashing import get_request_block_hasher
 from prefixserve.kv_cache.kv_cache_manager import KVCacheManager
@@ -70,13 +70,21 @@ class _Prompt:
         return all(s.finished for s in self.samples)
 
 
-def _blocks_needed(groups: list[KVCacheSpec], num_tokens: int, block_size: int) -> int:
-    """Blocks a request holding `num_tokens` tokens of K/V may need at once, over all groups."""
+def _blocks_needed(
+    groups: list[KVCacheSpec], num_tokens: int, block_size: int, max_chunk: int
+) -> int:
+    """Blocks a request holding `num_tokens` tokens of K/V may need at once, over all groups,
+    when one step computes at most `max_chunk` of its tokens.
+
+    A sliding-window group holds the window behind the chunk plus the chunk itself: blocks
+    covering `sliding_window - 1 + chunk` positions, one more when they straddle a boundary.
+    """
     full = math.ceil(num_tokens / block_size)
+    chunk = min(max_chunk, num_tokens)
     total = 0
     for spec in groups:
         if isinstance(spec, SlidingWindowSpec):
-            total += min(full, math.ceil(spec.sliding_window / block_size) + 1)
+            total += min(full, math.ceil((spec.sliding_window - 1 + chunk) / block_size) + 1)
         else:
             total += full
     return total
@@ -144,6 +152,12 @@ class LLMEngine:
         self._prompts: dict[str, _Prompt] = {}
         self._sample_of: dict[str, tuple[_Prompt, _Sample]] = {}
 
+    def _max_chunk(self) -> int:
+        """The most tokens one request computes in one step (a prefill or recompute chunk)."""
+        sched = self.config.scheduler
+        threshold = sched.long_prefill_token_threshold or sched.max_num_batched_tokens
+        return min(sched.max_num_batched_tokens, threshold)
+
     def _num_kv_blocks(self) -> int:
         cache = self.config.cache
         if cache.num_kv_blocks is not None:
@@ -160,7 +174,7 @@ class LLMEngine:
         # Default: the memory budget, but no more than every running request at full length.
         budget = int(DEFAULT_KV_CACHE_MEMORY_GB * _GIB) // per_block
         useful = self.config.scheduler.max_num_seqs * _blocks_needed(
-            self.kv_cache_groups, self.max_model_len, cache.block_size
+            self.kv_cache_groups, self.max_model_len, cache.block_size, self._max_chunk()
         )
         return max(1, min(budget, useful))
 
@@ -216,7 +230,9 @@ class LLMEngine:
                 f"{self.max_model_len - num_prompt}"
             )
         # The last sampled token never gets K/V, so the longest sequence caches this many tokens.
-        needed = _blocks_needed(self.kv_cache_groups, num_prompt + max_tokens - 1, self.block_size)
+        needed = _blocks_needed(
+            self.kv_cache_groups, num_prompt + max_tokens - 1, self.block_size, self._max_chunk()
+        )
         if needed > self.num_kv_blocks:
             raise ValueError(
                 f"the request needs up to {needed} KV blocks ({num_prompt} prompt tokens + "
@@ -284,7 +300,11 @@ class LLMEngine:
             return []
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.scheduled:
-            runner_output = self.runner.execute(scheduler_output)
+            try:
+                runner_output = self.runner.execute(scheduler_output)
+            except BaseException:
+                self._discard_failed_step(scheduler_output)
+                raise
         else:
             if not self.scheduler.running:
                 # Nothing runs and the head of the queue still does not fit: it never will.
@@ -317,6 +337,19 @@ class LLMEngine:
                 for sample in entry.samples:
                     del self._sample_of[sample.request.request_id]
         return outputs
+
+    def _discard_failed_step(self, scheduler_output: SchedulerOutput) -> None:
+        """After a forward pass failed: its blocks were cached when allocated but their K/V may
+        never have been written, so forget their hashes, then abort every prompt it scheduled
+        (same-step hitters of those blocks included: they were scheduled too)."""
+        prompt_ids = []
+        for scheduled in scheduler_output.scheduled:
+            request = scheduled.request
+            self.kv_cache_manager.uncache_uncomputed_blocks(request, scheduled.num_computed_tokens)
+            found = self._sample_of.get(request.request_id)
+            if found is not None:
+                prompt_ids.append(found[0].request_id)
+        self.abort_request(dict.fromkeys(prompt_ids))
 
     def _apply_update(self, entry: _Prompt, sample: _Sample, update: RequestUpdate) -> None:
         request = update.request

@@ -300,6 +300,16 @@ class BlockPool:
         if self.enable_kv_cache_events:
             self.events.append(BlockRemoved(block_hashes=[block_hash], group_idx=group_id))
 
+    def uncache_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Forget the hashes of these blocks (held or free) so no lookup can hit them.
+
+        For blocks cached before their K/V was written, when the step that was to write it
+        failed. Ref counts and the free queue are untouched; uncached blocks are skipped.
+        """
+        for block in blocks:
+            if block.block_hash is not None:
+                self._evict(block)
+
     # ------------------------------------------------------------------ ref counting
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:

@@ -204,6 +204,18 @@ class KVCacheManager:
         """Release the request's blocks, tail first in each group. Cached blocks stay hittable."""
         self.coordinator.free(request.request_id)
 
+    def uncache_uncomputed_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Forget the hashes of `request`'s blocks from the one holding token
+        `num_computed_tokens` on, in every group.
+
+        allocate_slots caches blocks before the forward pass writes their K/V; when that pass
+        fails, those blocks hold garbage and must never be hit. Call before freeing the request.
+        """
+        first = num_computed_tokens // self.block_size
+        for manager in self.coordinator.managers:
+            blocks = manager.req_to_blocks.get(request.request_id, ())
+            self.block_pool.uncache_blocks(blocks[first:])
+
     # ------------------------------------------------------------------ inspection
 
     def get_blocks(self, request: Request) -> KVCacheBlocks:

@@ -356,3 +356,17 @@ def test_allocate_rejects_computed_tokens_without_their_blocks():
     with pytest.raises(ValueError, match="num_new_computed_tokens=8 must equal"):
         mgr.allocate_slots(b, 2, 8)
     mgr.check_invariants()
+
+
+def test_uncomputed_blocks_of_a_failed_step_are_never_hit():
+    mgr = make_manager()
+    a = make_request("a", list(range(10)))
+    assert schedule(mgr, a, 4) == 0  # step 1 computes block 0
+    assert mgr.allocate_slots(a, 6) is not None  # step 2 allocates (and caches) block 1 ...
+    assert mgr.get_computed_blocks(make_request("x", list(range(10))))[1] == 8
+    mgr.uncache_uncomputed_blocks(a, 4)  # ... but its forward pass failed
+    mgr.free(a)
+    blocks, n = mgr.get_computed_blocks(make_request("b", list(range(10))))
+    assert (blocks.get_block_ids(), n) == (([1],), 4)  # block 0 was computed: still a hit
+    assert mgr.num_free_blocks == mgr.num_total_blocks
+    mgr.check_invariants()
