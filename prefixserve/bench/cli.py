@@ -36,17 +36,37 @@ def _default_gguf(model_dir: Path) -> Path:
 
 
 def _add_load_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workloads", type=_csv, default=list(WORKLOAD_NAMES),
-                   help="comma-separated subset of W0,W1,W2,W3 (default: all)")
-    p.add_argument("--concurrency", type=int, default=8,
-                   help="requests in flight (closed loop), or the cap with --request-rate")
-    p.add_argument("--request-rate", type=float, default=None,
-                   help="Poisson arrivals at this many requests/s instead of a closed loop")
+    p.add_argument(
+        "--workloads",
+        type=_csv,
+        default=list(WORKLOAD_NAMES),
+        help="comma-separated subset of W0,W1,W2,W3 (default: all)",
+    )
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        default=8,
+        help="requests in flight (closed loop), or the cap with --request-rate",
+    )
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        default=None,
+        help="Poisson arrivals at this many requests/s instead of a closed loop",
+    )
     p.add_argument("--seed", type=int, default=0, help="workload and arrival seed")
-    p.add_argument("--scale", type=float, default=1.0,
-                   help="multiply the number of requests of every workload (not their lengths)")
-    p.add_argument("--model", type=Path, default=None,
-                   help="HF model dir (default: the packaged default model, bf16)")
+    p.add_argument(
+        "--scale",
+        type=float,
+        default=1.0,
+        help="multiply the number of requests of every workload (not their lengths)",
+    )
+    p.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="HF model dir (default: the packaged default model, bf16)",
+    )
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="results directory")
 
 
@@ -63,23 +83,41 @@ def configure(bench: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
     sub = bench.add_subparsers(dest="bench_command", metavar="BENCH_COMMAND", required=True)
 
     cmp_ = sub.add_parser("compare", help="run engines one after another on the same workloads")
-    cmp_.add_argument("--engines", type=_csv, default=["prefixserve", "vllm", "llama.cpp"],
-                      help=f"comma-separated, from: {', '.join(ENGINES)}")
+    cmp_.add_argument(
+        "--engines",
+        type=_csv,
+        default=["prefixserve", "vllm", "llama.cpp"],
+        help=f"comma-separated, from: {', '.join(ENGINES)}",
+    )
     _add_load_args(cmp_)
-    cmp_.add_argument("--gguf", type=Path, default=None,
-                      help="GGUF for llama.cpp (default: what setup_llama_cpp.sh made)")
+    cmp_.add_argument(
+        "--gguf",
+        type=Path,
+        default=None,
+        help="GGUF for llama.cpp (default: what setup_llama_cpp.sh made)",
+    )
     cmp_.add_argument("--threads", type=int, default=2, help="threads per server (OMP_NUM_THREADS)")
     cmp_.add_argument("--port", type=int, default=8765)
     cmp_.add_argument("--max-model-len", type=int, default=4096)
-    cmp_.add_argument("--kv-cache-gib", type=float, default=2.0,
-                      help="KV-cache memory given to each engine (GiB)")
-    cmp_.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                      help="tokens per step for prefixserve and vLLM (vLLM's CPU default)")
-    cmp_.add_argument("--max-num-seqs", type=int, default=128,
-                      help="requests per step for prefixserve and vLLM (vLLM's CPU default)")
+    cmp_.add_argument(
+        "--kv-cache-gib", type=float, default=2.0, help="KV-cache memory given to each engine (GiB)"
+    )
+    cmp_.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="tokens per step for prefixserve and vLLM (vLLM's CPU default)",
+    )
+    cmp_.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=128,
+        help="requests per step for prefixserve and vLLM (vLLM's CPU default)",
+    )
     cmp_.add_argument("--warmup", type=int, default=4, help="warm-up requests per engine")
-    cmp_.add_argument("--figures-dir", type=Path, default=None,
-                      help="also copy the PNGs here (e.g. docs/bench)")
+    cmp_.add_argument(
+        "--figures-dir", type=Path, default=None, help="also copy the PNGs here (e.g. docs/bench)"
+    )
     cmp_.add_argument("--no-progress", action="store_true")
     cmp_.set_defaults(func=_cmd_compare)
 
@@ -120,11 +158,22 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     if gguf is None and "llama.cpp" in args.engines:
         gguf = _default_gguf(model_dir)
     cfg = CompareConfig(
-        engines=args.engines, workloads=args.workloads, model_dir=model_dir, out_dir=args.out,
-        gguf_path=gguf, concurrency=args.concurrency, request_rate=args.request_rate,
-        seed=args.seed, scale=args.scale, num_warmup=args.warmup, threads=args.threads,
-        port=args.port, max_model_len=args.max_model_len, kv_cache_gib=args.kv_cache_gib,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        engines=args.engines,
+        workloads=args.workloads,
+        model_dir=model_dir,
+        out_dir=args.out,
+        gguf_path=gguf,
+        concurrency=args.concurrency,
+        request_rate=args.request_rate,
+        seed=args.seed,
+        scale=args.scale,
+        num_warmup=args.warmup,
+        threads=args.threads,
+        port=args.port,
+        max_model_len=args.max_model_len,
+        kv_cache_gib=args.kv_cache_gib,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
     )
     status = run_compare(cfg, progress=not args.no_progress)
     print(report(args.out, cfg.workloads))
@@ -152,7 +201,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
             "id"
         ]
     endpoint = EndpointConfig(
-        base_url=args.base_url, model=served, prompt_format=args.prompt_format,
+        base_url=args.base_url,
+        model=served,
+        prompt_format=args.prompt_format,
         extra_body={"ignore_eos": True},
     )
     for name in args.workloads:
@@ -161,19 +212,32 @@ def _cmd_run(args: argparse.Namespace) -> int:
         with tqdm(total=len(workload.requests), desc=f"{args.name}: {workload.name}") as bar:
             result = asyncio.run(
                 run_workload(
-                    workload.requests, endpoint, concurrency=args.concurrency,
-                    request_rate=args.request_rate, seed=args.seed,
+                    workload.requests,
+                    endpoint,
+                    concurrency=args.concurrency,
+                    request_rate=args.request_rate,
+                    seed=args.seed,
                     on_done=lambda _: bar.update(1),
                 )
             )
         summary = summarize(result.records, result.duration)
         path = args.out / workload.name / f"{args.name}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({
-            "engine": args.name, "workload": workload.name, "description": workload.description,
-            "seed": args.seed, "scale": args.scale, "base_url": args.base_url,
-            "summary": summary.to_dict(), "run": result.to_dict(),
-        }, indent=1))
+        path.write_text(
+            json.dumps(
+                {
+                    "engine": args.name,
+                    "workload": workload.name,
+                    "description": workload.description,
+                    "seed": args.seed,
+                    "scale": args.scale,
+                    "base_url": args.base_url,
+                    "summary": summary.to_dict(),
+                    "run": result.to_dict(),
+                },
+                indent=1,
+            )
+        )
     print(report(args.out, [w.upper() for w in args.workloads]))
     return 0
 

@@ -124,7 +124,9 @@ async def send_request(
     usage_seen = False
     try:
         async with client.stream(
-            "POST", endpoint.base_url.rstrip("/") + "/v1/completions", json=body,
+            "POST",
+            endpoint.base_url.rstrip("/") + "/v1/completions",
+            json=body,
             timeout=endpoint.timeout_s,
         ) as response:
             if response.status_code != 200:

@@ -179,8 +179,12 @@ def _run(
 
     return asyncio.run(
         run_workload(
-            requests, endpoint, concurrency=cfg.concurrency, request_rate=cfg.request_rate,
-            seed=cfg.seed, on_done=tick,
+            requests,
+            endpoint,
+            concurrency=cfg.concurrency,
+            request_rate=cfg.request_rate,
+            seed=cfg.seed,
+            on_done=tick,
         )
     )
 
@@ -189,8 +193,7 @@ def run_compare(cfg: CompareConfig, progress: bool = True) -> dict[str, str]:
     """Run every engine on every workload; return {engine: "ok" | error message}."""
     pool, decode, special_prefix = load_token_pool(cfg.model_dir)
     workloads = [
-        make_workload(n, pool, seed=cfg.seed, scale=cfg.scale, decode=decode)
-        for n in cfg.workloads
+        make_workload(n, pool, seed=cfg.seed, scale=cfg.scale, decode=decode) for n in cfg.workloads
     ]
     warmup = make_warmup(pool, n=cfg.num_warmup, seed=cfg.seed)
     for req in warmup:
@@ -201,9 +204,14 @@ def run_compare(cfg: CompareConfig, progress: bool = True) -> dict[str, str]:
     bar = tqdm(total=total, unit="req", disable=not progress, dynamic_ncols=True)
     status: dict[str, str] = {}
     ctx = ServerContext(
-        model_dir=cfg.model_dir, gguf_path=cfg.gguf_path, port=cfg.port, threads=cfg.threads,
-        max_model_len=cfg.max_model_len, kv_cache_gib=cfg.kv_cache_gib,
-        max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
+        model_dir=cfg.model_dir,
+        gguf_path=cfg.gguf_path,
+        port=cfg.port,
+        threads=cfg.threads,
+        max_model_len=cfg.max_model_len,
+        kv_cache_gib=cfg.kv_cache_gib,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        max_num_seqs=cfg.max_num_seqs,
     )
     try:
         for engine in cfg.engines:

@@ -50,15 +50,21 @@ def plot_workload(
     ax.margins(y=0.12)
     # Output tokens/s is requests/s times a fixed output length here: it is in the table only.
     _bars(
-        axes[0, 1], names,
-        {"TTFT p50": [s.ttft_ms[50] for _, s, _ in results],
-         "TTFT p99": [s.ttft_ms[99] for _, s, _ in results]},
+        axes[0, 1],
+        names,
+        {
+            "TTFT p50": [s.ttft_ms[50] for _, s, _ in results],
+            "TTFT p99": [s.ttft_ms[99] for _, s, _ in results],
+        },
         "time to first token, ms",
     )
     _bars(
-        axes[1, 0], names,
-        {"ITL p50": [s.itl_ms[50] for _, s, _ in results],
-         "ITL p99": [s.itl_ms[99] for _, s, _ in results]},
+        axes[1, 0],
+        names,
+        {
+            "ITL p50": [s.itl_ms[50] for _, s, _ in results],
+            "ITL p99": [s.itl_ms[99] for _, s, _ in results],
+        },
         "inter-token latency, ms",
     )
     ax = axes[1, 1]

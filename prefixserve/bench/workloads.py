@@ -127,8 +127,10 @@ def make_w1(pool: Sequence[int], seed: int = 0, scale: float = 1.0) -> Workload:
     # Requests arrive in a seeded random order, not grouped by prefix.
     gen.rng.shuffle(reqs)
     return Workload(
-        "W1", f"shared system prompts: 4 x 1024-token prefixes x {per_prefix}, +64, 16 out",
-        reqs, seed,
+        "W1",
+        f"shared system prompts: 4 x 1024-token prefixes x {per_prefix}, +64, 16 out",
+        reqs,
+        seed,
     )
 
 
@@ -152,8 +154,10 @@ def make_w2(pool: Sequence[int], seed: int = 0, scale: float = 1.0) -> Workload:
     # Listed turn by turn (c0t0, c1t0, ..., c0t1, ...); `after` holds each turn back anyway.
     reqs = [conv[t] for t in range(turns) for conv in conversations]
     return Workload(
-        "W2", f"multi-turn chat: {num_conv} conversations x {turns} turns, +64 per turn, 32 out",
-        reqs, seed,
+        "W2",
+        f"multi-turn chat: {num_conv} conversations x {turns} turns, +64 per turn, 32 out",
+        reqs,
+        seed,
     )
 
 
@@ -167,8 +171,10 @@ def make_w3(pool: Sequence[int], seed: int = 0, scale: float = 1.0) -> Workload:
         for d in range(4)
     ]
     return Workload(
-        "W3", f"document QA: 4 x 1500-token documents x {num_q} questions, round-robin, 16 out",
-        reqs, seed,
+        "W3",
+        f"document QA: 4 x 1500-token documents x {num_q} questions, round-robin, 16 out",
+        reqs,
+        seed,
     )
 
 

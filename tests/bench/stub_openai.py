@@ -79,13 +79,18 @@ def make_app(
                 yield b": ping\n\n"
                 for i in range(n):
                     await asyncio.sleep(token_delay_s)
-                    chunk = {"object": "text_completion", "choices": [
-                        {"index": 0, "text": f" w{i}", "finish_reason": None}]}
+                    chunk = {
+                        "object": "text_completion",
+                        "choices": [{"index": 0, "text": f" w{i}", "finish_reason": None}],
+                    }
                     yield f"data: {json.dumps(chunk)}\n\n".encode()
                 if include_usage:
-                    usage = {"prompt_tokens": len(ids), "completion_tokens": n,
-                             "total_tokens": len(ids) + n,
-                             "prompt_tokens_details": {"cached_tokens": cached}}
+                    usage = {
+                        "prompt_tokens": len(ids),
+                        "completion_tokens": n,
+                        "total_tokens": len(ids) + n,
+                        "prompt_tokens_details": {"cached_tokens": cached},
+                    }
                     yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode()
                 yield b"data: [DONE]\n\n"
             finally:

@@ -27,8 +27,9 @@ def _endpoint(stub, **kw) -> EndpointConfig:
 def test_records_ttft_gaps_tokens_and_cached_tokens(stub):
     w = make_workload("W1", POOL, seed=11, scale=0.25)  # 8 requests, 2 per prefix
     done = []
-    result = asyncio.run(run_workload(w.requests, _endpoint(stub), concurrency=1,
-                                      on_done=done.append))
+    result = asyncio.run(
+        run_workload(w.requests, _endpoint(stub), concurrency=1, on_done=done.append)
+    )
     assert [r.request_id for r in result.records] == [r.request_id for r in w.requests]
     assert len(done) == 8
     for rec, req in zip(result.records, w.requests, strict=True):
@@ -52,8 +53,13 @@ def test_records_ttft_gaps_tokens_and_cached_tokens(stub):
 
 def test_body_is_greedy_streaming_with_usage_and_engine_extras():
     req = BenchRequest("r", [5, 6, 7], max_tokens=9, prompt_text=" a b c")
-    ep = EndpointConfig("http://x", "m", prompt_format="text", extra_body={"ignore_eos": True},
-                        min_tokens_equal_max=True)
+    ep = EndpointConfig(
+        "http://x",
+        "m",
+        prompt_format="text",
+        extra_body={"ignore_eos": True},
+        min_tokens_equal_max=True,
+    )
     body = build_body(req, ep)
     assert body["prompt"] == " a b c" and body["max_tokens"] == 9 and body["min_tokens"] == 9
     assert body["stream"] is True and body["temperature"] == 0.0
@@ -98,8 +104,9 @@ def test_a_turn_is_sent_only_after_the_previous_turn_finished(stub):
 
 def test_request_rate_mode_sends_everything(stub):
     w = make_workload("W0", POOL, seed=14, scale=0.0625)  # 4 requests
-    result = asyncio.run(run_workload(w.requests, _endpoint(stub), concurrency=None,
-                                      request_rate=200.0, seed=1))
+    result = asyncio.run(
+        run_workload(w.requests, _endpoint(stub), concurrency=None, request_rate=200.0, seed=1)
+    )
     assert len(result.records) == 4 and all(r.ok for r in result.records)
     assert result.request_rate == 200.0
 

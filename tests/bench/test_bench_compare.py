@@ -34,8 +34,10 @@ def model_dir(tmp_path_factory) -> Path:
     tok.decoder = decoders.ByteLevel()
     words = _words(1, 400)
     corpus = [" ".join(words[i : i + 20]) for i in range(0, 400, 20)] * 30
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(
-        vocab_size=3000, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        corpus,
+        trainers.BpeTrainer(vocab_size=3000, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()),
+    )
     path = tmp_path_factory.mktemp("model")
     tok.save(str(path / "tokenizer.json"))
     return path
@@ -46,24 +48,49 @@ def stub_engines(monkeypatch):
     def stub_cmd(ctx: ServerContext) -> list[str]:
         return [sys.executable, str(STUB), "--port", str(ctx.port)]
 
-    monkeypatch.setitem(servers.ENGINES, "stub", EngineSpec(
-        "stub", stub_cmd, "tokens", extra_body={"ignore_eos": True}, startup_timeout_s=60))
-    monkeypatch.setitem(servers.ENGINES, "stub-text", EngineSpec(
-        "stub-text", stub_cmd, "text", min_tokens_equal_max=True, startup_timeout_s=60))
-    monkeypatch.setitem(servers.ENGINES, "dies", EngineSpec(
-        "dies", lambda ctx: [*stub_cmd(ctx), "--die-after", "3"], "tokens",
-        startup_timeout_s=60))
-    monkeypatch.setitem(servers.ENGINES, "broken", EngineSpec(
-        "broken", lambda ctx: [sys.executable, "-c", "print('boom'); raise SystemExit(3)"],
-        "tokens", startup_timeout_s=60))
+    monkeypatch.setitem(
+        servers.ENGINES,
+        "stub",
+        EngineSpec(
+            "stub", stub_cmd, "tokens", extra_body={"ignore_eos": True}, startup_timeout_s=60
+        ),
+    )
+    monkeypatch.setitem(
+        servers.ENGINES,
+        "stub-text",
+        EngineSpec("stub-text", stub_cmd, "text", min_tokens_equal_max=True, startup_timeout_s=60),
+    )
+    monkeypatch.setitem(
+        servers.ENGINES,
+        "dies",
+        EngineSpec(
+            "dies", lambda ctx: [*stub_cmd(ctx), "--die-after", "3"], "tokens", startup_timeout_s=60
+        ),
+    )
+    monkeypatch.setitem(
+        servers.ENGINES,
+        "broken",
+        EngineSpec(
+            "broken",
+            lambda ctx: [sys.executable, "-c", "print('boom'); raise SystemExit(3)"],
+            "tokens",
+            startup_timeout_s=60,
+        ),
+    )
 
 
 def test_compare_runs_each_engine_and_writes_results_tables_and_figures(
     tmp_path, model_dir, stub_engines
 ):
     cfg = CompareConfig(
-        engines=["stub", "broken", "stub-text"], workloads=["w1", "W2"], model_dir=model_dir,
-        out_dir=tmp_path, concurrency=4, scale=0.125, num_warmup=1, port=_free_port(),
+        engines=["stub", "broken", "stub-text"],
+        workloads=["w1", "W2"],
+        model_dir=model_dir,
+        out_dir=tmp_path,
+        concurrency=4,
+        scale=0.125,
+        num_warmup=1,
+        port=_free_port(),
     )
     status = run_compare(cfg, progress=False)
     assert status["stub"] == "ok" and status["stub-text"] == "ok"
@@ -91,8 +118,15 @@ def test_compare_runs_each_engine_and_writes_results_tables_and_figures(
 def test_a_server_that_dies_while_serving_fails_its_engine_and_keeps_no_results(
     tmp_path, model_dir, stub_engines
 ):
-    cfg = CompareConfig(engines=["dies"], workloads=["W0"], model_dir=model_dir,
-                        out_dir=tmp_path, scale=0.125, num_warmup=0, port=_free_port())
+    cfg = CompareConfig(
+        engines=["dies"],
+        workloads=["W0"],
+        model_dir=model_dir,
+        out_dir=tmp_path,
+        scale=0.125,
+        num_warmup=0,
+        port=_free_port(),
+    )
     status = run_compare(cfg, progress=False)
     assert "exited" in status["dies"] and "while serving" in status["dies"]
     assert not (tmp_path / "W0" / "dies.json").exists()
@@ -101,8 +135,15 @@ def test_a_server_that_dies_while_serving_fails_its_engine_and_keeps_no_results(
 def test_bench_cli_report_rebuilds_tables_from_a_results_dir(
     tmp_path, model_dir, stub_engines, capsys
 ):
-    cfg = CompareConfig(engines=["stub"], workloads=["W0"], model_dir=model_dir,
-                        out_dir=tmp_path, scale=0.0625, num_warmup=0, port=_free_port())
+    cfg = CompareConfig(
+        engines=["stub"],
+        workloads=["W0"],
+        model_dir=model_dir,
+        out_dir=tmp_path,
+        scale=0.0625,
+        num_warmup=0,
+        port=_free_port(),
+    )
     assert run_compare(cfg, progress=False) == {"stub": "ok"}
     (tmp_path / "W0.md").unlink(missing_ok=True)
     assert bench_main(["report", "--out", str(tmp_path), "--workloads", "W0"]) == 0
@@ -118,8 +159,14 @@ def test_compare_config_names_bad_engines_and_workloads(tmp_path):
 
 
 def _ctx(tmp_path) -> ServerContext:
-    return ServerContext(model_dir=tmp_path / "SmolLM2", gguf_path=tmp_path / "m.gguf",
-                         port=8123, threads=2, max_model_len=4096, kv_cache_gib=4)
+    return ServerContext(
+        model_dir=tmp_path / "SmolLM2",
+        gguf_path=tmp_path / "m.gguf",
+        port=8123,
+        threads=2,
+        max_model_len=4096,
+        kv_cache_gib=4,
+    )
 
 
 def test_vllm_serves_the_same_dir_with_prefix_caching_block_32_and_two_threads(tmp_path):

@@ -7,14 +7,25 @@ from prefixserve.bench.summary import markdown_table, percentiles, summarize
 
 
 def _rec(rid, ttft, itl, e2e, prompt, out, cached=None, error=None):
-    return RequestRecord(rid, start=0.0, ttft=ttft, itl=list(itl), e2e=e2e,
-                         prompt_tokens=prompt, output_tokens=out, cached_tokens=cached,
-                         error=error)
+    return RequestRecord(
+        rid,
+        start=0.0,
+        ttft=ttft,
+        itl=list(itl),
+        e2e=e2e,
+        prompt_tokens=prompt,
+        output_tokens=out,
+        cached_tokens=cached,
+        error=error,
+    )
 
 
 def test_percentiles_interpolate_linearly_and_handle_empty():
     assert percentiles(list(range(1, 101)), (50, 90, 99)) == {
-        50: pytest.approx(50.5), 90: pytest.approx(90.1), 99: pytest.approx(99.01)}
+        50: pytest.approx(50.5),
+        90: pytest.approx(90.1),
+        99: pytest.approx(99.01),
+    }
     assert percentiles([7.0]) == {50: 7.0, 90: 7.0, 99: 7.0}
     assert percentiles([]) == {50: None, 90: None, 99: None}
 
@@ -23,18 +34,18 @@ def test_summary_rates_latencies_and_hit_rate():
     records = [
         _rec("a", 0.1, [0.01, 0.03], 0.14, prompt=100, out=3, cached=50),
         _rec("b", 0.3, [0.02], 0.32, prompt=300, out=2, cached=0),
-        _rec("c", 0.2, [], 0.2, prompt=100, out=1),               # no cached_tokens reported
+        _rec("c", 0.2, [], 0.2, prompt=100, out=1),  # no cached_tokens reported
         _rec("d", None, [], None, prompt=100, out=0, error="HTTP 500"),
     ]
     s = summarize(records, duration_s=2.0)
     assert s.num_requests == 4 and s.num_failed == 1
-    assert s.requests_per_s == pytest.approx(1.5)            # 3 ok in 2 s
-    assert s.output_tokens_per_s == pytest.approx(3.0)       # 6 tokens in 2 s
+    assert s.requests_per_s == pytest.approx(1.5)  # 3 ok in 2 s
+    assert s.output_tokens_per_s == pytest.approx(3.0)  # 6 tokens in 2 s
     assert s.total_prompt_tokens == 500
     assert s.ttft_ms[50] == pytest.approx(200.0)
-    assert s.itl_ms[50] == pytest.approx(20.0)               # pooled gaps 10, 20, 30
+    assert s.itl_ms[50] == pytest.approx(20.0)  # pooled gaps 10, 20, 30
     assert s.e2e_ms[99] == pytest.approx(200 + 0.98 * 120)  # sorted 140, 200, 320
-    assert s.hit_rate == pytest.approx(50 / 400)             # only a and b reported
+    assert s.hit_rate == pytest.approx(50 / 400)  # only a and b reported
 
 
 def test_hit_rate_is_none_when_no_server_reports_it():

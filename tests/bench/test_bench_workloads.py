@@ -30,7 +30,8 @@ def bpe_tokenizer() -> Tokenizer:
     words = _words(0, 400)
     corpus = [" ".join(words[i : i + 20]) for i in range(0, 400, 20)] * 30
     trainer = trainers.BpeTrainer(
-        vocab_size=3000, special_tokens=["<|endoftext|>"],
+        vocab_size=3000,
+        special_tokens=["<|endoftext|>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(corpus, trainer)
@@ -127,8 +128,11 @@ def test_bad_workload_arguments_are_named():
 def test_warmup_shares_no_prefix_with_workloads():
     warm = make_warmup(POOL, n=3)
     assert len(warm) == 3
-    starts = {tuple(r.prompt_token_ids[:16]) for n in WORKLOAD_NAMES
-              for r in make_workload(n, POOL).requests}
+    starts = {
+        tuple(r.prompt_token_ids[:16])
+        for n in WORKLOAD_NAMES
+        for r in make_workload(n, POOL).requests
+    }
     assert not starts & {tuple(r.prompt_token_ids[:16]) for r in warm}
 
 
