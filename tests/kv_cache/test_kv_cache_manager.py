@@ -188,7 +188,7 @@ def test_decode_caches_a_block_when_it_fills():
     assert mgr.get_block_ids(a) == ([1, 2, 3],)
 
 
-def test_preempted_request_hits_its_own_blocks_again():
+def test_preempted_request_hits_its_own_blocks_again_and_is_counted_apart():
     mgr = make_manager()
     a = make_request("a", list(range(6)))
     schedule(mgr, a)
