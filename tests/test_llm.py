@@ -44,6 +44,17 @@ def test_prompt_forms_and_outputs_in_input_order(llm):
     assert outs[0].outputs[0].text == llm.get_tokenizer().decode(outs[0].outputs[0].token_ids)
 
 
+def test_text_prompt_tokens_are_the_text_alone_without_a_bos(llm):
+    """The default model's GGUF says add_bos_token = False: a text prompt is its own tokens,
+    the same ones a prompt given as token ids has, and the engine counts exactly those."""
+    tokenizer = llm.get_tokenizer()
+    text = "Hello"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    [out] = llm.generate([text], GREEDY, use_tqdm=False)
+    assert out.prompt_token_ids == ids and ids[0] != tokenizer.bos_token_id
+    assert llm.get_metrics()["prompt_tokens"] == len(ids)
+
+
 def test_one_sampling_params_per_prompt(llm):
     prompts = [{"prompt_token_ids": random_tokens(5, i)} for i in range(3)]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (1, 3, 2)]

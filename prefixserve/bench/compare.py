@@ -76,8 +76,9 @@ def load_token_pool(
     model_dir: Path,
 ) -> tuple[list[int], Callable[[list[int]], str], list[int]]:
     """From the model's tokenizer.json: its round-trip-safe word tokens, a decode function, and
-    the special tokens its tokenizer puts before a text (BOS), which token-id prompts then get
-    too, so that servers given text and servers given ids compute the same tokens."""
+    the special tokens its tokenizer puts before a text (a BOS, if it adds one; the default
+    model adds none), which token-id prompts then get too, so that servers given text and
+    servers given ids compute the same tokens."""
     from tokenizers import Tokenizer
 
     path = model_dir / "tokenizer.json"

@@ -214,7 +214,9 @@ def make_workload(
 
 
 def prepend_tokens(requests: Sequence[BenchRequest], prefix_ids: Sequence[int]) -> None:
-    """Put `prefix_ids` (the BOS a tokenizer adds to text) before every token-id prompt, so a
+    """Put `prefix_ids` (whatever special tokens the tokenizer itself adds before a text, as
+    `compare.load_token_pool` reads them from tokenizer.json: none for the default model, whose
+    GGUF says add_bos_token = False; `<bos>` for Gemma 3) before every token-id prompt, so a
     server given token ids sees what one given the text sees; `prompt_text` is left as is."""
     for req in requests:
         req.prompt_token_ids = [*prefix_ids, *req.prompt_token_ids]

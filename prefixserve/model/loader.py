@@ -6,12 +6,14 @@ cast to the requested dtype. They are memory maps of the files, which parameters
 are where no fusing or cast is needed, so a later start reads instead of copying.
 A GGUF file is first converted once, with transformers' GGUF support (name mapping,
 dequantization, tokenizer conversion), into such a directory in the cache; later loads read the
-directory.
+directory. A converted directory carries `prefixserve_conversion.json` with the conversion's
+format version; one written by an older conversion (or none) is converted again.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -38,6 +40,13 @@ _FP16_NAMES = ("float16", "fp16", "half")
 # Chat-turn end markers: when one of these appears in a model's chat template it ends a reply,
 # so the conversion lists it in generation_config's eos ids beside the tokenizer's eos.
 _END_OF_TURN_TOKENS = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>")
+
+# The format of a converted GGUF directory. Bump it whenever convert_gguf's output changes, so
+# directories converted before are converted again on their next use (ensure_converted).
+# 1 (no marker file): the tokenizer added BOS to every text whatever the GGUF said.
+# 2: the tokenizer adds BOS / EOS to text exactly as tokenizer.ggml.add_{bos,eos}_token say.
+CONVERSION_VERSION = 2
+CONVERSION_MARKER = "prefixserve_conversion.json"
 
 # Gemma 3's chat template (google/gemma-3-*-it tokenizer_config.json, text parts only), for GGUF
 # files that ship without one (the packaged Gemma 3 270M does).
@@ -280,16 +289,22 @@ def convert_gguf(gguf_path: Path, out_dir: Path, chat_template: str | None = Non
         token_id = special.get(role)
         if token_id is not None and token_id < len(tokenizer):
             setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(token_id))
+    # transformers ignores tokenizer.ggml.add_bos_token (SmolLM2 says False, yet came out adding
+    # <|im_start|> to every text); the file's flags decide what is added to a text.
+    adds = set_text_special_tokens(tokenizer, special, gguf_add_special_token_flags(gguf_path))
     if not tokenizer.chat_template and chat_template:
         tokenizer.chat_template = chat_template
     # The template goes into tokenizer_config.json (older readers ignore chat_template.jinja).
     tokenizer.save_pretrained(str(out_dir), save_jinja_files=False)
     # tokenizer.json holds the whole pipeline (incl. BOS insertion); the generic fast class
     # reads it as is, while the converter's class name (LlamaTokenizer even for SmolLM2's GPT-2
-    # BPE) would only draw a class-mismatch warning.
+    # BPE) would only draw a class-mismatch warning. add_{bos,eos}_token say the same as the
+    # post-processor, for readers that rebuild it from them.
     tok_config_path = out_dir / "tokenizer_config.json"
     tok_config = json.loads(tok_config_path.read_text())
     tok_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    tok_config["add_bos_token"] = adds["bos"]
+    tok_config["add_eos_token"] = adds["eos"]
     tok_config_path.write_text(json.dumps(tok_config, indent=2, ensure_ascii=False) + "\n")
 
     eos_ids = [special["eos"]] if special.get("eos") is not None else []
@@ -388,6 +403,72 @@ def parsed_special_token_ids(gguf_path: Path) -> dict[str, int]:
     return ids
 
 
+def gguf_add_special_token_flags(gguf_path: Path) -> dict[str, bool]:
+    """tokenizer.ggml.add_bos_token / add_eos_token as {"bos": ..., "eos": ...} (absent ones
+    are left out)."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(gguf_path)).fields
+    flags: dict[str, bool] = {}
+    for role in ("bos", "eos"):
+        field = fields.get(f"tokenizer.ggml.add_{role}_token")
+        if field is not None:
+            flags[role] = bool(field.contents())
+    return flags
+
+
+def set_text_special_tokens(
+    tokenizer: Any, special: dict[str, int], flags: dict[str, bool]
+) -> dict[str, bool]:
+    """Make `tokenizer` (a fast HF tokenizer) put BOS before and EOS after an encoded text as
+    `flags` say; a role missing from `flags` keeps what the tokenizer already does. Returns
+    what it adds now, {"bos": bool, "eos": bool}.
+
+    The post-processor is replaced only where it disagrees, so one that already agrees (Gemma's
+    BOS, Qwen's byte-level one) is kept as it is.
+    """
+    from tokenizers import processors
+
+    backend = tokenizer.backend_tokenizer
+    probe = "a"
+    plain = backend.encode(probe, add_special_tokens=False).ids
+    full = backend.encode(probe).ids
+    ids = {role: special.get(role) for role in ("bos", "eos")}
+    extra = len(full) > len(plain)
+    current = {
+        "bos": extra and ids["bos"] is not None and full[0] == ids["bos"],
+        "eos": extra and ids["eos"] is not None and full[-1] == ids["eos"],
+    }
+    wanted = {
+        role: bool(flags.get(role, current[role])) and ids[role] is not None for role in current
+    }
+
+    def expected() -> list[int]:
+        return [ids["bos"]] * wanted["bos"] + plain + [ids["eos"]] * wanted["eos"]
+
+    if not flags or full == expected():
+        return wanted
+    tokens = {
+        role: tokenizer.convert_ids_to_tokens(token_id)
+        for role, token_id in ids.items()
+        if wanted[role]
+    }
+
+    def seq(name: str, type_id: int) -> list[str]:
+        before = [f"{tokens['bos']}:{type_id}"] if "bos" in tokens else []
+        after = [f"{tokens['eos']}:{type_id}"] if "eos" in tokens else []
+        return [*before, f"${name}:{type_id}", *after]
+
+    backend.post_processor = processors.TemplateProcessing(
+        single=seq("A", 0),
+        pair=seq("A", 0) + seq("B", 1),
+        special_tokens=[(tokens[role], ids[role]) for role in tokens],
+    )
+    if backend.encode(probe).ids != expected():
+        raise ValueError(f"could not make the tokenizer add {wanted} to a text")
+    return wanted
+
+
 @contextlib.contextmanager
 def file_lock(path: Path) -> Iterator[None]:
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -399,28 +480,67 @@ def file_lock(path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def is_converted(target_dir: Path) -> bool:
+    """Whether `target_dir` holds a complete conversion of the current CONVERSION_VERSION."""
+    if not (target_dir / "config.json").is_file():
+        return False
+    try:
+        marker = json.loads((target_dir / CONVERSION_MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(marker, dict) and marker.get("version") == CONVERSION_VERSION
+
+
+def _exchange_dirs(a: Path, b: Path) -> bool:
+    """Atomically swap two directories (Linux renameat2 RENAME_EXCHANGE); False if unsupported."""
+    import ctypes
+
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):  # fall back to two renames
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
 def ensure_converted(gguf_path: Path, target_dir: Path, chat_template: str | None = None) -> Path:
     """Convert `gguf_path` into `target_dir` unless it is already there; return `target_dir`.
 
     Safe when several processes race: a file lock lets one convert while the others wait, and
     the result is written to a temporary sibling directory and renamed into place, so
     `target_dir` either does not exist or is complete (a crash leaves only a temp dir behind).
+    A directory from an older conversion (no current CONVERSION_MARKER) is converted again and
+    swapped in atomically; processes that already loaded the old one keep their memory maps.
     """
-    if (target_dir / "config.json").is_file():
+    if is_converted(target_dir):
         return target_dir
     with file_lock(target_dir.parent / f".{target_dir.name}.lock"):
-        if (target_dir / "config.json").is_file():  # another process finished meanwhile
+        if is_converted(target_dir):  # another process finished meanwhile
             return target_dir
         tmp = Path(tempfile.mkdtemp(prefix=f".{target_dir.name}.tmp-", dir=target_dir.parent))
         try:
             convert_gguf(gguf_path, tmp, chat_template)
+            marker = {"version": CONVERSION_VERSION, "source": gguf_path.name}
+            (tmp / CONVERSION_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
             tmp.chmod(0o755)  # mkdtemp (and safetensors) make it private
             for file in tmp.iterdir():
                 file.chmod(0o644)
-            os.rename(tmp, target_dir)
-        except BaseException:
+            if not target_dir.exists():
+                os.rename(tmp, target_dir)
+            # An older conversion: swapped with tmp in one step (tmp, removed below, then holds
+            # it), or where that is unsupported, moved aside just before the rename.
+            elif not _exchange_dirs(tmp, target_dir):
+                old = Path(tempfile.mkdtemp(prefix=f".{target_dir.name}.old-", dir=tmp.parent))
+                os.rename(target_dir, old / target_dir.name)
+                os.rename(tmp, target_dir)
+                shutil.rmtree(old, ignore_errors=True)
+        finally:
             shutil.rmtree(tmp, ignore_errors=True)
-            raise
     return target_dir
 
 

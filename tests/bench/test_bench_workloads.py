@@ -153,7 +153,9 @@ def test_token_pool_refuses_a_vocabulary_without_enough_words():
         token_pool_from_tokenizer(tok)
 
 
-def test_default_model_prompts_round_trip_with_its_bos():
+def test_default_model_token_id_prompts_get_what_its_tokenizer_adds_to_text():
+    """Token-id prompts get the special tokens the tokenizer itself adds to a text, read from
+    tokenizer.json: for the default model none (its GGUF says add_bos_token = False)."""
     from prefixserve.bench.compare import load_token_pool
     from prefixserve.bench.workloads import prepend_tokens
     from prefixserve.model.default_model import ensure_default_model
@@ -161,9 +163,26 @@ def test_default_model_prompts_round_trip_with_its_bos():
     model_dir = ensure_default_model()
     pool, decode, special_prefix = load_token_pool(model_dir)
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    assert special_prefix == []
     w = make_workload("W3", pool, scale=0.2, decode=decode)
     prepend_tokens(w.requests, special_prefix)
     for r in w.requests:
         # what a server that tokenizes the text computes == what a server given the ids computes
         assert tokenizer.encode(r.prompt_text).ids == r.prompt_token_ids
-        assert r.num_prompt_tokens == len(special_prefix) + 1532
+        assert r.num_prompt_tokens == 1532
+
+
+def test_load_token_pool_finds_the_bos_a_tokenizer_adds_to_text(tmp_path, bpe_tokenizer):
+    """A tokenizer whose post-processor adds a BOS (as Gemma's does): token-id prompts get it."""
+    from tokenizers import processors
+
+    from prefixserve.bench.compare import load_token_pool
+
+    tok = Tokenizer.from_str(bpe_tokenizer.to_str())
+    bos = tok.token_to_id("<|endoftext|>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|endoftext|>:0 $A:0", special_tokens=[("<|endoftext|>", bos)]
+    )
+    tok.save(str(tmp_path / "tokenizer.json"))
+    _, _, special_prefix = load_token_pool(tmp_path)
+    assert special_prefix == [bos]

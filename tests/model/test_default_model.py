@@ -48,6 +48,36 @@ def test_converted_dir_is_a_bf16_hf_dir_with_chat_template(default_model_dir):
         assert f.get_tensor("model.embed_tokens.weight").dtype.__str__() == "torch.bfloat16"
 
 
+def test_default_model_text_encoding_adds_no_bos_when_gguf_says_so(default_model_dir):
+    """The GGUF says tokenizer.ggml.add_bos_token = False: a raw text is encoded as itself,
+    with no leading <|im_start|> (id 1), and tokenizer_config.json says the same."""
+    from gguf import GGUFReader
+
+    from prefixserve.model.loader import CONVERSION_MARKER, CONVERSION_VERSION
+    from prefixserve.model.tokenizer import Tokenizer
+
+    fields = GGUFReader(str(default_model_gguf())).fields
+    assert bool(fields["tokenizer.ggml.add_bos_token"].contents()) is False
+    tokenizer = Tokenizer.from_pretrained(default_model_dir)
+    ids = tokenizer.encode("Hello")
+    assert ids == tokenizer.encode("Hello", add_special_tokens=False)
+    assert ids[0] != 1 and tokenizer.bos_token_id == 1
+    assert tokenizer.decode(ids, skip_special_tokens=False) == "Hello"
+    tok_config = json.loads((default_model_dir / "tokenizer_config.json").read_text())
+    assert tok_config["add_bos_token"] is False and tok_config["add_eos_token"] is False
+    marker = json.loads((default_model_dir / CONVERSION_MARKER).read_text())
+    assert marker["version"] == CONVERSION_VERSION
+
+
+def test_chat_prompt_starts_with_the_template_s_own_im_start(default_model_dir):
+    """The chat template writes <|im_start|> itself; with no BOS added it appears once."""
+    from prefixserve.model.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_pretrained(default_model_dir)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])
+    assert ids[0] == 1 and ids[1] != 1
+
+
 def test_second_ensure_does_not_convert_again(default_model_dir, monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("converted again")

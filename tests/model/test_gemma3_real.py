@@ -55,6 +55,19 @@ def test_gemma_tokenizer_is_sentencepiece_bpe(gemma_fp32):
     assert tokenizer.decode(tokenizer.encode(text)) == text
 
 
+def test_gemma_text_encoding_adds_bos_as_its_gguf_says(gemma_dir, gemma_fp32):
+    """Unlike SmolLM2's, Gemma 3's GGUF says tokenizer.ggml.add_bos_token = True (and
+    add_eos_token = False): every text starts with <bos> (id 2) and ends without <eos>."""
+    import json
+
+    tokenizer = gemma_fp32.tokenizer
+    ids = tokenizer.encode("Hello")
+    assert ids == [2, *tokenizer.encode("Hello", add_special_tokens=False)]
+    assert ids[-1] not in tokenizer.eos_token_ids
+    tok_config = json.loads((gemma_dir / "tokenizer_config.json").read_text())
+    assert tok_config["add_bos_token"] is True and tok_config["add_eos_token"] is False
+
+
 def test_gemma_chat_template_and_end_of_turn(gemma_fp32):
     tokenizer = gemma_fp32.tokenizer
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])

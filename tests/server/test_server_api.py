@@ -79,6 +79,18 @@ def test_prompt_as_token_ids_and_as_a_list_of_one_give_the_same_greedy_text(clie
     assert {o.usage.prompt_tokens for o in outs} == {len(ids)}
 
 
+def test_text_prompt_tokens_count_the_text_alone_without_a_bos(client, tokenizer):
+    """usage.prompt_tokens of a text prompt is its own token count (the default model's GGUF
+    says add_bos_token = False), the same as for those token ids sent directly."""
+    ids = tokenizer.encode("Hello", add_special_tokens=False)
+    assert tokenizer.encode("Hello") == ids and ids[0] != tokenizer.bos_token_id
+    for prompt in ("Hello", ids):
+        response = client.completions.create(
+            model=MODEL_NAME, prompt=prompt, max_tokens=1, temperature=0, extra_body=fresh()
+        )
+        assert response.usage.prompt_tokens == len(ids)
+
+
 def test_chat_completion_uses_the_chat_template(client, tokenizer):
     messages = [
         {"role": "system", "content": "You are terse."},
