@@ -16,6 +16,7 @@ from prefixserve.batch import ModelRunnerOutput, PositionLogprobs, SchedulerOutp
 from prefixserve.kv_cache.spec import SlidingWindowSpec
 from prefixserve.model.attention import ScheduledSpan, build_attention_metadata
 from prefixserve.model.config import ModelConfig
+from prefixserve.model.kernels import paged_attention_kernel
 from prefixserve.model.layers import ForwardContext
 from prefixserve.request import Request
 
@@ -97,6 +98,8 @@ class ModelRunner:
             )
             for _ in range(config.num_layers)
         ]
+        # The compiled paged-attention kernel (built on first use), or None: PyTorch paths.
+        self.attention_kernel = paged_attention_kernel()
         self.generator = torch.Generator().manual_seed(seed)
         self._seeded_generators: dict[str, torch.Generator] = {}
 
@@ -159,7 +162,7 @@ class ModelRunner:
                     prompt_owners.append((req, last - start))
 
         metadata = [
-            build_attention_metadata(spans, g, self.block_size, window)
+            build_attention_metadata(spans, g, self.block_size, window, self.attention_kernel)
             for g, window in enumerate(self.group_windows)
         ]
         ctx = ForwardContext(

@@ -7,7 +7,11 @@ only the last `sliding_window` positions, so blocks before them may be the null 
 never read). Everything that depends only on the batch, not on the layer (gather indices, masks,
 slot mappings), is built once per step per KV-cache group by `build_attention_metadata`.
 
-Two paths:
+With the compiled kernel (`prefixserve.model.kernels`, passed in as `kernel`), every sequence with
+fewer than `KERNEL_MAX_QUERIES` new tokens (decode rows, short chunks over a cached prefix) is
+served by one kernel call that reads K/V straight from the blocks: no gather, no copies, online
+softmax in fp32. Longer chunks (prefill) use the SDPA path below, whose flash kernel is faster for
+them. Without the kernel, two paths:
 - decode batch: the leading run of sequences with one new token each (at least two of them) is
   padded to a common number of blocks and served by one batched SDPA call with a padding mask;
 - one call per other sequence (prefill chunks, or a lone decode): the slots of its exact key
@@ -20,6 +24,7 @@ bf16; decode-sized calls are faster in bf16).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -51,12 +56,28 @@ class DecodeBatch:
 
 
 @dataclass(slots=True)
+class KernelBatch:
+    """The sequences the compiled kernel serves: `info` rows (q_start, q_end, first position)."""
+
+    fn: Callable[..., None]
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with the null block
+    info: torch.Tensor  # [num_seqs, 3] int64
+    window: int  # 0 = full attention
+    num_rows: int  # how many rows of the batch it writes
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     """What every layer of one KV-cache group needs for this step."""
 
     slot_mapping: torch.Tensor  # [num_tokens] int64
     decode: DecodeBatch | None
     spans: list[SequenceSpan]
+    kernel: KernelBatch | None = None
+
+
+# With the kernel, sequences with fewer new tokens than this go to it; longer chunks to SDPA.
+KERNEL_MAX_QUERIES = 128
 
 
 @dataclass(slots=True)
@@ -69,19 +90,28 @@ class ScheduledSpan:
 
 
 def build_attention_metadata(
-    seqs: list[ScheduledSpan], group: int, block_size: int, sliding_window: int | None
+    seqs: list[ScheduledSpan],
+    group: int,
+    block_size: int,
+    sliding_window: int | None,
+    kernel: Callable[..., None] | None = None,
 ) -> AttentionMetadata:
-    """Slot mapping, decode batch and per-sequence spans of one KV-cache group for this step.
+    """Slot mapping, kernel batch, decode batch and per-sequence spans of one KV-cache group for
+    this step.
 
     The sequences are in batch order; their new tokens are contiguous rows of the batch.
+    `kernel` is the compiled paged-attention function, or None for the pure-PyTorch paths.
     """
     slots: list[torch.Tensor] = []
     pending: list[int] = []  # single-token slots, flushed into `slots` in order
     num_decode = 0
-    while num_decode < len(seqs) and seqs[num_decode].num_new_tokens == 1:
-        num_decode += 1
+    if kernel is None:
+        while num_decode < len(seqs) and seqs[num_decode].num_new_tokens == 1:
+            num_decode += 1
     if num_decode < 2:
         num_decode = 0
+    kernel_tables: list[list[int]] = []
+    kernel_info: list[tuple[int, int, int]] = []
 
     decode_tables: list[list[int]] = []
     decode_ranges: list[tuple[int, int]] = []  # absolute key positions [lo, hi)
@@ -115,7 +145,10 @@ def build_attention_metadata(
         kv_lo = 0 if sliding_window is None else max(0, start - sliding_window + 1)
         lo_block = kv_lo // block_size
         hi_block = (end - 1) // block_size + 1
-        if i < num_decode:
+        if kernel is not None and n < KERNEL_MAX_QUERIES:
+            kernel_tables.append(table[:hi_block])
+            kernel_info.append((row, row + n, start))
+        elif i < num_decode:
             decode_tables.append(table[lo_block:hi_block])
             decode_ranges.append((kv_lo - lo_block * block_size, end - lo_block * block_size))
         else:
@@ -150,8 +183,18 @@ def build_attention_metadata(
         k_idx = torch.arange(max_blocks * block_size).unsqueeze(0)
         mask = (k_idx >= ranges[:, :1]) & (k_idx < ranges[:, 1:])
         decode = DecodeBatch(num_decode, table, mask.view(num_decode, 1, 1, -1))
+    batch = None
+    if kernel_tables:
+        width = max(len(t) for t in kernel_tables)
+        batch = KernelBatch(
+            kernel,
+            torch.tensor([t + [0] * (width - len(t)) for t in kernel_tables], dtype=torch.int32),
+            torch.tensor(kernel_info, dtype=torch.int64),
+            sliding_window or 0,
+            sum(hi - lo for lo, hi, _ in kernel_info),
+        )
     slot_mapping = torch.cat(slots) if slots else torch.zeros(0, dtype=torch.int64)
-    return AttentionMetadata(slot_mapping, decode, spans)
+    return AttentionMetadata(slot_mapping, decode, spans, batch)
 
 
 def write_kv(
@@ -191,9 +234,23 @@ def paged_attention(
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     decode = meta.decode
-    if decode is None and len(meta.spans) == 1:  # one sequence: its output is the whole output
+    batch = meta.kernel
+    if decode is None and batch is None and len(meta.spans) == 1:
+        # One sequence: its output is the whole output.
         return _attend_span(q, k_cache, v_cache, meta.spans[0], scale, softcap, k_new, v_new)
     out = q.new_empty(num_tokens, num_heads * head_dim)
+    if batch is not None:
+        batch.fn(
+            out,
+            q,
+            k_cache,
+            v_cache,
+            batch.block_tables,
+            batch.info,
+            scale,
+            softcap or 0.0,
+            batch.window,
+        )
     if decode is not None:
         b = decode.num_seqs
         # Query heads of one KV head are adjacent, so [b, kv_heads, group, d] pairs them with

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -26,15 +27,37 @@ class ForwardContext:
     groups: list[AttentionMetadata]  # per KV-cache group
 
 
+def _fp32_large_batches() -> bool:
+    """Whether bf16 linears should also keep an fp32 weight for large batches (see Linear).
+
+    On CPUs without AMX, oneDNN's bf16 GEMM runs at ~0.6x the fp32 one once a batch has more
+    than ~64 rows (BENCHMARKS.md, "Model speed"); with AMX bf16 is the faster one.
+    `PREFIXSERVE_FP32_PREFILL=0` turns it off (it costs 4 bytes per weight of memory)."""
+    flag = os.environ.get("PREFIXSERVE_FP32_PREFILL", "").strip().lower()
+    if flag in ("0", "false", "no", "off"):
+        return False
+    if flag in ("1", "true", "yes", "on"):
+        return True
+    return not torch.cpu._is_amx_tile_supported()
+
+
+# Batches with at least this many rows use the fp32 copy (where Linear keeps one).
+FP32_MIN_ROWS = 64
+
+
 class Linear(nn.Linear):
     """nn.Linear whose bf16 weight can be pre-packed into oneDNN's blocked layout.
 
     oneDNN repacks a plain weight on every call; packing once (`pack()`, done by the models'
-    `load_weights`) makes decode-sized matmuls ~25% faster and prefill ones ~5%. The packed copy
-    is taken at `pack()` time: call it again after changing the weight.
+    `load_weights`) makes decode-sized matmuls ~25% faster and prefill ones ~5%. On a CPU without
+    AMX, `pack()` also keeps an fp32 copy of the weight: batches of `FP32_MIN_ROWS` rows or more
+    (prefill) are computed in fp32 from it, 1.4-1.9x faster there than oneDNN's bf16 kernel, and
+    the result is rounded back to bf16. The packed copies are taken at `pack()` time: call it again
+    after changing the weight.
     """
 
     _packed: torch.Tensor | None = None
+    _fp32: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
     def reset_parameters(self) -> None:
         # On the meta device (create_model) there is nothing to initialize, and the random init's
@@ -43,21 +66,28 @@ class Linear(nn.Linear):
             return
         super().reset_parameters()
 
-    def pack(self) -> None:
+    def pack(self, fp32_copy: bool = True) -> None:
+        self._packed = self._fp32 = None
         if self.weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
             self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 512)
+        if self.weight.dtype == torch.bfloat16 and fp32_copy and _fp32_large_batches():
+            bias = None if self.bias is None else self.bias.detach().float()
+            self._fp32 = (self.weight.detach().float(), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._fp32 is not None and x.shape[0] >= FP32_MIN_ROWS:
+            return F.linear(x.float(), *self._fp32).to(x.dtype)
         if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
 
-def pack_linears(model: nn.Module) -> None:
-    """Pre-pack every `Linear` of `model` (a no-op outside bf16)."""
+def pack_linears(model: nn.Module, no_fp32_copy: tuple[nn.Module, ...] = ()) -> None:
+    """Pre-pack every `Linear` of `model` (a no-op outside bf16). Modules in `no_fp32_copy` keep
+    no fp32 copy (the LM head: vocabulary-sized, applied only to the few rows a step samples)."""
     for module in model.modules():
         if isinstance(module, Linear):
-            module.pack()
+            module.pack(fp32_copy=not any(module is m for m in no_fp32_copy))
 
 
 @contextlib.contextmanager

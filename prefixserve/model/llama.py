@@ -140,7 +140,7 @@ class LlamaForCausalLM(nn.Module):
                 self.lm_head.weight = self.model.embed_tokens.weight
                 loaded.add("lm_head.weight")
             check_all_loaded(self, loaded)
-            pack_linears(self)
+            pack_linears(self, no_fp32_copy=(self.lm_head,))
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -1,0 +1,410 @@
+// Paged attention on the CPU, read straight from the block-structured K/V cache.
+//
+// For each sequence s of a step, its queries are rows [q_start, q_end) of `q` at positions
+// pos0, pos0 + 1, ...; a query at position p attends to the keys at positions
+// [max(0, p - window + 1), p] (window 0: [0, p]), found through the sequence's block table
+// (key position j lives in block block_tables[s][j / block_size], slot j % block_size).
+// Softmax is computed online (one pass over the blocks) in fp32 whatever the cache dtype.
+//
+// Work is split over (sequence, KV head, tile of query rows): the K/V block of one KV head is
+// converted to fp32 once per tile and shared by the tile's rows and by the query heads of that
+// KV head (GQA), so a decode step reads each cached K/V element once. Loops are written to be
+// vectorized by the compiler (-O3 -march=native), no intrinsics.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kRowTile = 16;
+
+inline void store(float* dst, float x) { *dst = x; }
+inline void store(c10::BFloat16* dst, float x) { *dst = c10::BFloat16(x); }
+
+// exp(x) for x <= 0 to ~2 ulp: range reduction to [-ln2/2, ln2/2] and a degree-6 polynomial,
+// written so the compiler vectorizes loops over it (std::exp does not vectorize here).
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693145751953125f - n * 1.42860682030941723e-6f;
+  const float p =
+      1.0f +
+      r * (1.0f + r * (0.5f + r * (0.166666672f + r * (0.0416666418f +
+                                                        r * (0.00833336823f + r * 0.00138889f)))));
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// Rows of `n` cache elements to fp32 (contiguous, so the loop vectorizes).
+inline void row_to_float(const float* src, float* dst, int64_t n) {
+  std::memcpy(dst, src, n * sizeof(float));
+}
+inline void row_to_float(const c10::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(bits[i]) << 16;
+}
+
+// Dot product with 16 independent partial sums (vectorizes without reassociating math flags).
+template <int HD>
+inline float dot(const float* a, const float* b, int64_t n) {
+  if constexpr (HD > 0) n = HD;
+  float part[16] = {0.0f};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    for (int t = 0; t < 16; ++t) part[t] += a[i + t] * b[i + t];
+  }
+  for (int t = 0; t < 8; ++t) part[t] += part[t + 8];
+  for (int t = 0; t < 4; ++t) part[t] += part[t + 4];
+  float sum = (part[0] + part[2]) + (part[1] + part[3]);
+  for (; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+inline float sum16(const float* x, int64_t lo, int64_t hi, bool take_max) {
+  float part[16];
+  const float init = take_max ? -std::numeric_limits<float>::infinity() : 0.0f;
+  for (int t = 0; t < 16; ++t) part[t] = init;
+  int64_t j = lo;
+  for (; j + 16 <= hi; j += 16) {
+    for (int t = 0; t < 16; ++t) {
+      part[t] = take_max ? std::max(part[t], x[j + t]) : part[t] + x[j + t];
+    }
+  }
+  for (; j < hi; ++j) part[0] = take_max ? std::max(part[0], x[j]) : part[0] + x[j];
+  float r = part[0];
+  for (int t = 1; t < 16; ++t) r = take_max ? std::max(r, part[t]) : r + part[t];
+  return r;
+}
+
+#if defined(__AVX512F__)
+// r[i] = sum of the 16 lanes of v[i], for 16 vectors at once (transpose-and-add tree).
+inline __m512 reduce16(const __m512* v) {
+  __m512 w[8], x[4];
+  for (int i = 0; i < 8; ++i) {
+    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  }
+  for (int i = 0; i < 4; ++i) {
+    x[i] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  const __m512 y0 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 y1 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(y0, y1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(y0, y1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// exp(x) for x <= 0, 16 lanes: the same reduction and polynomial as exp_nonpositive.
+inline __m512 exp_nonpositive16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723e-6f), r);
+  __m512 p = _mm512_set1_ps(0.00138889f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.00833336823f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.0416666418f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.166666672f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline __mmask16 lanes_below(int64_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1u);
+}
+
+// attend_tile for head_dim HD (a multiple of 16) with AVX-512: 16 scores per reduce16, the
+// exponentials 16 at a time, the accumulator in registers. `s` has 16 floats of slack.
+template <int HD>
+inline void attend_tile_avx512(const float* qv, const float* kt, const float* vt, int64_t lo,
+                               int64_t hi, float softcap, float* s, float& m, float& l,
+                               float* acc) {
+  constexpr int C = HD / 16;
+  __m512 q[C];
+  for (int c = 0; c < C; ++c) q[c] = _mm512_loadu_ps(qv + 16 * c);
+  __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t j0 = lo; j0 < hi; j0 += 16) {
+    const int64_t n = std::min<int64_t>(16, hi - j0);
+    __m512 part[16];
+    for (int t = 0; t < 16; ++t) {
+      __m512 a = _mm512_setzero_ps();
+      if (t < n) {
+        const float* kr = kt + (j0 + t) * HD;
+        for (int c = 0; c < C; ++c) a = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(kr + 16 * c), a);
+      }
+      part[t] = a;
+    }
+    __m512 sc = reduce16(part);
+    if (softcap > 0.0f) {
+      alignas(64) float tmp[16];
+      _mm512_store_ps(tmp, sc);
+      for (int t = 0; t < 16; ++t) tmp[t] = softcap * std::tanh(tmp[t] / softcap);
+      sc = _mm512_load_ps(tmp);
+    }
+    const __mmask16 k = lanes_below(n);
+    _mm512_mask_storeu_ps(s + j0, k, sc);
+    vmax = _mm512_mask_max_ps(vmax, k, vmax, sc);
+  }
+  const float m_new = std::max(m, _mm512_reduce_max_ps(vmax));
+  const float correction = exp_nonpositive(m - m_new);
+  const __m512 mv = _mm512_set1_ps(m_new);
+  __m512 vsum = _mm512_setzero_ps();
+  for (int64_t j0 = lo; j0 < hi; j0 += 16) {
+    const __mmask16 k = lanes_below(hi - j0);
+    const __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j0), mv));
+    _mm512_mask_storeu_ps(s + j0, k, e);
+    vsum = _mm512_mask_add_ps(vsum, k, vsum, e);
+  }
+  l = l * correction + _mm512_reduce_add_ps(vsum);
+  m = m_new;
+  __m512 a[C];
+  const __m512 corr = _mm512_set1_ps(correction);
+  for (int c = 0; c < C; ++c) a[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * c), corr);
+  for (int64_t j = lo; j < hi; ++j) {
+    const __m512 pj = _mm512_set1_ps(s[j]);
+    const float* vr = vt + j * HD;
+    for (int c = 0; c < C; ++c) a[c] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vr + 16 * c), a[c]);
+  }
+  for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + 16 * c, a[c]);
+}
+#endif
+
+// One query vector against key slots [lo, hi) of a converted tile (rows of `head_dim` floats):
+// the online-softmax update of its running max `m`, sum `l` and unnormalized output `acc`.
+// HD > 0 fixes head_dim at compile time (the accumulator then lives in registers).
+template <int HD>
+inline void attend_tile(const float* qv, const float* kt, const float* vt, int64_t head_dim,
+                        int64_t lo, int64_t hi, float softcap, float* s, float& m, float& l,
+                        float* acc) {
+#if defined(__AVX512F__)
+  if constexpr (HD > 0 && HD % 16 == 0) {
+    attend_tile_avx512<HD>(qv, kt, vt, lo, hi, softcap, s, m, l, acc);
+    return;
+  }
+#endif
+  if constexpr (HD > 0) head_dim = HD;
+  for (int64_t j = lo; j < hi; ++j) s[j] = dot<HD>(qv, kt + j * head_dim, head_dim);
+  if (softcap > 0.0f) {
+    for (int64_t j = lo; j < hi; ++j) s[j] = softcap * std::tanh(s[j] / softcap);
+  }
+  const float m_new = std::max(m, sum16(s, lo, hi, true));
+  const float correction = exp_nonpositive(m - m_new);
+  for (int64_t j = lo; j < hi; ++j) s[j] = exp_nonpositive(s[j] - m_new);
+  l = l * correction + sum16(s, lo, hi, false);
+  m = m_new;
+  if constexpr (HD > 0) {
+    float a[HD];
+    for (int d = 0; d < HD; ++d) a[d] = acc[d] * correction;
+    for (int64_t j = lo; j < hi; ++j) {
+      const float pj = s[j];
+      const float* vr = vt + j * HD;
+      for (int d = 0; d < HD; ++d) a[d] += pj * vr[d];
+    }
+    for (int d = 0; d < HD; ++d) acc[d] = a[d];
+  } else {
+    for (int64_t d = 0; d < head_dim; ++d) acc[d] *= correction;
+    for (int64_t j = lo; j < hi; ++j) {
+      const float pj = s[j];
+      const float* vr = vt + j * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) acc[d] += pj * vr[d];
+    }
+  }
+}
+
+// Keys are converted to fp32 a tile of this many slots at a time (whole blocks).
+constexpr int64_t kKeyTile = 128;
+
+template <typename scalar_t, int HD>
+void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
+         const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+         const torch::Tensor& seq_info, double scale_d, double softcap_d, int64_t window) {
+  const int64_t num_seqs = seq_info.size(0);
+  const int64_t num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t q_row_stride = q.stride(0), q_head_stride = q.stride(1);
+  const int64_t out_row_stride = out.stride(0);
+  const int64_t cache_block_stride = k_cache.stride(0), cache_slot_stride = k_cache.stride(1);
+  const int64_t max_blocks = block_tables.size(1);
+  const int64_t tile_blocks = std::max<int64_t>(1, kKeyTile / block_size);
+  const int64_t tile_slots = tile_blocks * block_size;
+  const float scale = static_cast<float>(scale_d);
+  const float softcap = static_cast<float>(softcap_d);
+  const scalar_t* q_ptr = q.data_ptr<scalar_t>();
+  const scalar_t* k_ptr = k_cache.data_ptr<scalar_t>();
+  const scalar_t* v_ptr = v_cache.data_ptr<scalar_t>();
+  scalar_t* out_ptr = out.data_ptr<scalar_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t* info = seq_info.data_ptr<int64_t>();
+
+  // Work items: (sequence, kv head, row tile).
+  std::vector<int64_t> item_seq, item_row;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    for (int64_t r = info[3 * s]; r < info[3 * s + 1]; r += kRowTile) {
+      item_seq.push_back(s);
+      item_row.push_back(r);
+    }
+  }
+  const int64_t num_items = static_cast<int64_t>(item_seq.size()) * num_kv_heads;
+
+  at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
+    const int64_t max_queries = kRowTile * group;
+    std::vector<float> kt(tile_slots * head_dim), vt(tile_slots * head_dim);  // [slot][dim]
+    std::vector<float> qf(max_queries * head_dim), acc(max_queries * head_dim);
+    std::vector<float> m(max_queries), l(max_queries), s(tile_slots + 16);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t t = item / num_kv_heads, kvh = item % num_kv_heads;
+      const int64_t seq = item_seq[t], row0 = item_row[t];
+      const int64_t q_start = info[3 * seq], q_end = info[3 * seq + 1];
+      const int64_t pos0 = info[3 * seq + 2];
+      const int64_t rows = std::min(kRowTile, q_end - row0);
+      const int64_t nq = rows * group;
+      const int32_t* table = tables + seq * max_blocks;
+      // Query vectors in fp32, pre-scaled; index qi = r * group + g.
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t g = 0; g < group; ++g) {
+          const scalar_t* src =
+              q_ptr + (row0 + r) * q_row_stride + (kvh * group + g) * q_head_stride;
+          float* dst = qf.data() + (r * group + g) * head_dim;
+          row_to_float(src, dst, head_dim);
+          for (int64_t d = 0; d < head_dim; ++d) dst[d] *= scale;
+        }
+      }
+      std::fill(acc.begin(), acc.begin() + nq * head_dim, 0.0f);
+      std::fill(m.begin(), m.begin() + nq, -std::numeric_limits<float>::infinity());
+      std::fill(l.begin(), l.begin() + nq, 0.0f);
+
+      const int64_t first_pos = pos0 + (row0 - q_start);  // position of the tile's first query
+      const int64_t last_pos = first_pos + rows - 1;
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
+      for (int64_t b0 = lo / block_size; b0 <= last_pos / block_size; b0 += tile_blocks) {
+        const int64_t kpos0 = b0 * block_size;  // position of the tile's slot 0
+        // Slots of this tile any query of the row tile can see.
+        const int64_t used_lo = std::max<int64_t>(0, lo - kpos0);
+        const int64_t used_hi = std::min<int64_t>(tile_slots, last_pos - kpos0 + 1);
+        for (int64_t j = used_lo; j < used_hi; ++j) {
+          const int64_t block = table[b0 + j / block_size];
+          const int64_t off = block * cache_block_stride + (j % block_size) * cache_slot_stride +
+                              kvh * head_dim;
+          row_to_float(k_ptr + off, kt.data() + j * head_dim, head_dim);
+          row_to_float(v_ptr + off, vt.data() + j * head_dim, head_dim);
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t qpos = first_pos + r;
+          const int64_t vis_lo = window > 0 ? std::max<int64_t>(0, qpos - window + 1) : 0;
+          // Visible slots [j_lo, j_hi) of this tile for this query row.
+          const int64_t j_lo = std::max<int64_t>(0, vis_lo - kpos0);
+          const int64_t j_hi = std::min<int64_t>(tile_slots, qpos - kpos0 + 1);
+          if (j_lo >= j_hi) continue;
+          for (int64_t g = 0; g < group; ++g) {
+            const int64_t qi = r * group + g;
+            attend_tile<HD>(qf.data() + qi * head_dim, kt.data(), vt.data(), head_dim, j_lo, j_hi,
+                            softcap, s.data(), m[qi], l[qi], acc.data() + qi * head_dim);
+          }
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t qi = r * group + g;
+          const float inv = 1.0f / l[qi];
+          scalar_t* dst = out_ptr + (row0 + r) * out_row_stride + (kvh * group + g) * head_dim;
+          const float* a = acc.data() + qi * head_dim;
+          for (int64_t d = 0; d < head_dim; ++d) store(dst + d, a[d] * inv);
+        }
+      }
+    }
+  });
+}
+
+template <typename scalar_t>
+void dispatch(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
+              const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+              const torch::Tensor& seq_info, double scale, double softcap, int64_t window) {
+  switch (q.size(2)) {
+    case 64:
+      return run<scalar_t, 64>(out, q, k_cache, v_cache, block_tables, seq_info, scale, softcap,
+                               window);
+    case 128:
+      return run<scalar_t, 128>(out, q, k_cache, v_cache, block_tables, seq_info, scale, softcap,
+                                window);
+    case 256:
+      return run<scalar_t, 256>(out, q, k_cache, v_cache, block_tables, seq_info, scale, softcap,
+                                window);
+    default:
+      return run<scalar_t, 0>(out, q, k_cache, v_cache, block_tables, seq_info, scale, softcap,
+                              window);
+  }
+}
+
+}  // namespace
+
+// out [T, H * D] (written), q [T, H, D] (last dim contiguous), caches [blocks, block_size,
+// kv_heads, D] contiguous, block_tables [S, max_blocks] int32, seq_info [S, 3] int64 rows
+// (q_start, q_end, position of the first query); softcap 0 = none, window 0 = none.
+void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
+                     torch::Tensor v_cache, torch::Tensor block_tables, torch::Tensor seq_info,
+                     double scale, double softcap, int64_t window) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [T, H, D] with a contiguous last dim");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes(),
+              "caches must be contiguous [blocks, block_size, kv_heads, D] of one shape");
+  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0,
+              "q heads/dim do not match the cache");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == q.size(0) && out.size(1) == q.size(1) * q.size(2) &&
+                  out.stride(1) == 1,
+              "out must be [T, H * D] with a contiguous last dim");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == out.scalar_type() &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
+              "q, caches and out must share a dtype");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && block_tables.is_contiguous() &&
+                  block_tables.dim() == 2,
+              "block_tables must be a contiguous int32 [S, max_blocks]");
+  TORCH_CHECK(seq_info.scalar_type() == torch::kInt64 && seq_info.is_contiguous() &&
+                  seq_info.dim() == 2 && seq_info.size(1) == 3 &&
+                  seq_info.size(0) == block_tables.size(0),
+              "seq_info must be a contiguous int64 [S, 3]");
+  // Every block a query can reach must be in its table and in the cache (no reads out of bounds).
+  const int64_t block_size = k_cache.size(1), num_blocks = k_cache.size(0);
+  const int64_t max_blocks = block_tables.size(1);
+  const int64_t* info = seq_info.data_ptr<int64_t>();
+  for (int64_t s = 0; s < seq_info.size(0); ++s) {
+    const int64_t q_start = info[3 * s], q_end = info[3 * s + 1], pos0 = info[3 * s + 2];
+    TORCH_CHECK(0 <= q_start && q_start < q_end && q_end <= q.size(0) && pos0 >= 0,
+                "seq_info row ", s, " is not a non-empty row range of q");
+    TORCH_CHECK((pos0 + q_end - q_start - 1) / block_size < max_blocks, "sequence ", s,
+                " reaches past its block table");
+  }
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  for (int64_t i = 0; i < block_tables.numel(); ++i) {
+    TORCH_CHECK(0 <= tables[i] && tables[i] < num_blocks, "block id ", tables[i],
+                " is not in the cache");
+  }
+  if (q.scalar_type() == torch::kFloat32) {
+    dispatch<float>(out, q, k_cache, v_cache, block_tables, seq_info, scale, softcap, window);
+  } else if (q.scalar_type() == torch::kBFloat16) {
+    dispatch<c10::BFloat16>(out, q, k_cache, v_cache, block_tables, seq_info, scale, softcap, window);
+  } else {
+    TORCH_CHECK(false, "paged_attention supports float32 and bfloat16, got ", q.scalar_type());
+  }
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention, "paged attention over a block-structured KV cache");
+}

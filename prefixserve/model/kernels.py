@@ -1,0 +1,90 @@
+"""Native CPU kernels, compiled from `csrc/` on first use (a C++ compiler and ninja are needed).
+
+`paged_attention_kernel()` returns the compiled extension's function, or None when it cannot be
+built (no compiler, a failed build: a warning says why) or is turned off with
+`PREFIXSERVE_ATTENTION_KERNEL=0`; callers then use the pure-PyTorch path, which computes the same
+attention. The build (~1 min) is cached per CPU under `$PREFIXSERVE_CACHE_DIR/kernels/` since it
+is compiled with `-march=native`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+_lock = threading.Lock()
+_state: dict[str, Callable[..., None] | None] = {}
+
+
+def kernels_enabled() -> bool:
+    return os.environ.get("PREFIXSERVE_ATTENTION_KERNEL", "1").strip().lower() not in (
+        "0",
+        "false",
+        "no",
+        "off",
+    )
+
+
+def _cpu_tag() -> str:
+    """A short tag of this CPU's model and feature flags (a -march=native build runs only there)."""
+    text = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "model name", "Features")):
+                    text += line
+                    if line.startswith(("flags", "Features")):
+                        break
+    except OSError:
+        pass
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def _build() -> Callable[..., None]:
+    import ninja  # the pip package puts a ninja binary beside it; torch looks on PATH
+    from torch.utils import cpp_extension
+
+    from prefixserve.model.loader import cache_root
+
+    bin_dir = getattr(ninja, "BIN_DIR", None)
+    if bin_dir and bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    build_dir = cache_root() / "kernels" / _cpu_tag()
+    build_dir.mkdir(parents=True, exist_ok=True)
+    module = cpp_extension.load(
+        name="prefixserve_paged_attention",
+        sources=[str(_SOURCE)],
+        extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"],
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(build_dir),
+        verbose=False,
+    )
+    return module.paged_attention
+
+
+def paged_attention_kernel() -> Callable[..., None] | None:
+    """The compiled kernel, built on the first call of the process; None if unavailable."""
+    if not kernels_enabled():
+        return None
+    if "paged_attention" in _state:
+        return _state["paged_attention"]
+    with _lock:
+        if "paged_attention" not in _state:
+            try:
+                _state["paged_attention"] = _build()
+            except Exception as exc:  # no compiler, no ninja, a failed build
+                logger.warning(
+                    "paged attention kernel unavailable (%s: %s); using the PyTorch path",
+                    type(exc).__name__,
+                    exc,
+                )
+                _state["paged_attention"] = None
+    return _state["paged_attention"]

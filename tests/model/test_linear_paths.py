@@ -1,0 +1,76 @@
+"""The bf16 Linear's two fast paths: oneDNN-packed bf16 for small batches, and (on CPUs without
+AMX) an fp32 copy of the weight for batches of FP32_MIN_ROWS rows or more."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from prefixserve.model import layers
+from prefixserve.model.layers import FP32_MIN_ROWS, Linear
+
+
+def make_linear(bias=True):
+    torch.manual_seed(0)
+    lin = Linear(64, 48, bias=bias).to(torch.bfloat16)
+    lin.pack()
+    return lin
+
+
+def test_large_batches_compute_in_fp32_and_round_back_to_bf16(monkeypatch):
+    monkeypatch.setenv("PREFIXSERVE_FP32_PREFILL", "1")
+    lin = make_linear()
+    x = torch.randn(FP32_MIN_ROWS, 64).to(torch.bfloat16)
+    out = lin(x)
+    assert out.dtype == torch.bfloat16
+    want = F.linear(x.float(), lin.weight.float(), lin.bias.float()).to(torch.bfloat16)
+    assert torch.equal(out, want)
+
+
+def test_small_batches_stay_on_the_packed_bf16_path(monkeypatch):
+    monkeypatch.setenv("PREFIXSERVE_FP32_PREFILL", "1")
+    lin = make_linear()
+    calls = []
+    real_linear = layers.F.linear
+
+    def spy(x, *args):
+        calls.append((x.shape[0], x.dtype))
+        return real_linear(x, *args)
+
+    monkeypatch.setattr(layers.F, "linear", spy)
+    small = torch.randn(FP32_MIN_ROWS - 1, 64).to(torch.bfloat16)
+    out = lin(small)
+    torch.testing.assert_close(out, real_linear(small, lin.weight, lin.bias), atol=0.05, rtol=0.02)
+    assert calls == []  # the oneDNN-packed kernel, not F.linear
+    lin(torch.randn(FP32_MIN_ROWS, 64).to(torch.bfloat16))
+    assert calls == [(FP32_MIN_ROWS, torch.float32)]
+
+
+def test_fp32_copy_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("PREFIXSERVE_FP32_PREFILL", "0")
+    lin = make_linear(bias=False)
+    assert lin._fp32 is None
+    x = torch.randn(2 * FP32_MIN_ROWS, 64).to(torch.bfloat16)
+    torch.testing.assert_close(lin(x), F.linear(x, lin.weight), atol=0.05, rtol=0.02)
+
+
+def test_fp32_copy_follows_the_cpu_when_not_forced(monkeypatch):
+    monkeypatch.delenv("PREFIXSERVE_FP32_PREFILL", raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    assert make_linear()._fp32 is None  # AMX: bf16 GEMMs are the fast ones
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert make_linear()._fp32 is not None
+
+
+def test_fp32_linears_are_never_made_for_fp32_weights(monkeypatch):
+    monkeypatch.setenv("PREFIXSERVE_FP32_PREFILL", "1")
+    lin = Linear(8, 8)
+    lin.pack()
+    assert lin._fp32 is None and lin._packed is None
+
+
+def test_lm_head_keeps_no_fp32_copy(default_model_bf16, monkeypatch):
+    model = default_model_bf16.model
+    if not layers._fp32_large_batches():
+        pytest.skip("this CPU computes large bf16 batches in bf16")
+    assert model.lm_head._fp32 is None
+    assert model.model.layers[0].mlp.gate_up_proj._fp32 is not None

@@ -1,0 +1,162 @@
+"""The compiled paged-attention kernel against a plain fp64 softmax-attention reference.
+
+Each case scatters random sequences over shuffled cache blocks (block 0, the null block, filled
+with NaN and never referenced), so a read outside a sequence's own visible slots shows as NaN or
+a wrong value.
+"""
+
+import math
+
+import pytest
+import torch
+
+from prefixserve.model.kernels import paged_attention_kernel
+
+kernel = paged_attention_kernel()
+pytestmark = pytest.mark.skipif(kernel is None, reason="the kernel could not be built here")
+
+
+def reference(q, keys, values, positions, scale, softcap, window):
+    """q [n, H, D]; keys/values [L, KVH, D] of positions 0..L-1; positions of the n queries."""
+    heads, kv_heads = q.shape[1], keys.shape[1]
+    k = keys.double().repeat_interleave(heads // kv_heads, dim=1)
+    v = values.double().repeat_interleave(heads // kv_heads, dim=1)
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for i, p in enumerate(positions):
+        lo = max(0, p - window + 1) if window else 0
+        scores = torch.einsum("hd,lhd->hl", q[i].double(), k[lo : p + 1]) * scale
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        out[i] = torch.einsum("hl,lhd->hd", scores.softmax(-1), v[lo : p + 1])
+    return out.reshape(len(positions), -1)
+
+
+def build_case(seqs, heads, kv_heads, head_dim, block_size, dtype, seed=0):
+    """seqs: list of (num_computed, num_new). Returns the kernel inputs and per-seq truths."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = [c + n for c, n in seqs]
+    need = sum(-(-n // block_size) for n in lengths)
+    num_blocks = need + 5
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    k_cache[0] = float("nan")
+    v_cache[0] = float("nan")
+    free = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
+    tables, info, truths = [], [], []
+    rows = sum(n for _, n in seqs)
+    q = torch.randn(rows, heads, head_dim, generator=g).to(dtype)
+    row = 0
+    for computed, new in seqs:
+        length = computed + new
+        table = [free.pop() for _ in range(-(-length // block_size))]
+        slots = torch.tensor(
+            [table[p // block_size] * block_size + p % block_size for p in range(length)]
+        )
+        keys = k_cache.view(-1, kv_heads, head_dim)[slots]
+        values = v_cache.view(-1, kv_heads, head_dim)[slots]
+        tables.append(table)
+        info.append((row, row + new, computed))
+        truths.append((row, list(range(computed, length)), keys, values))
+        row += new
+    width = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    return q, k_cache, v_cache, block_tables, torch.tensor(info, dtype=torch.int64), truths
+
+
+CASES = {
+    "decode_batch": [(37, 1), (5, 1), (160, 1), (0, 1)],
+    "prefill_whole": [(0, 45)],
+    "chunk_over_cached_prefix": [(64, 33), (17, 3)],
+    "mixed_step": [(100, 1), (31, 1), (0, 20), (48, 40)],
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("window", [0, 24])
+def test_kernel_matches_reference_attention(case, dtype, window):
+    heads, kv_heads, head_dim, block_size = 6, 2, 64, 16
+    q, kc, vc, tables, info, truths = build_case(
+        CASES[case], heads, kv_heads, head_dim, block_size, dtype
+    )
+    out = torch.full((q.shape[0], heads * head_dim), float("nan"), dtype=dtype)
+    scale = 1 / math.sqrt(head_dim)
+    kernel(out, q, kc, vc, tables, info, scale, 0.0, window)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for row, positions, keys, values in truths:
+        want = reference(q[row : row + len(positions)], keys, values, positions, scale, 0, window)
+        got = out[row : row + len(positions)].double()
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+def test_kernel_softcap_and_odd_shapes():
+    """Logit soft-capping, no GQA, a head dim and block size that are not powers of two."""
+    heads, kv_heads, head_dim, block_size = 3, 3, 40, 5
+    q, kc, vc, tables, info, truths = build_case(
+        [(12, 1), (0, 9), (7, 6)], heads, kv_heads, head_dim, block_size, torch.float32, seed=3
+    )
+    out = torch.empty(q.shape[0], heads * head_dim)
+    kernel(out, q * 4, kc, vc, tables, info, 0.125, 5.0, 0)
+    for row, positions, keys, values in truths:
+        want = reference(q[row : row + len(positions)] * 4, keys, values, positions, 0.125, 5.0, 0)
+        torch.testing.assert_close(
+            out[row : row + len(positions)].double(), want, atol=1e-5, rtol=1e-5
+        )
+
+
+def test_kernel_reads_a_strided_query_view():
+    """q may be a view into a fused QKV projection (rows strided, last dim contiguous)."""
+    heads, kv_heads, head_dim, block_size = 4, 2, 32, 16
+    q, kc, vc, tables, info, truths = build_case(
+        [(20, 1), (3, 1)], heads, kv_heads, head_dim, block_size, torch.float32, seed=5
+    )
+    fused = torch.randn(q.shape[0], heads * head_dim * 2)
+    fused[:, : heads * head_dim] = q.reshape(q.shape[0], -1)
+    view = fused[:, : heads * head_dim].view(q.shape[0], heads, head_dim)
+    a = torch.empty(q.shape[0], heads * head_dim)
+    b = torch.empty_like(a)
+    kernel(a, q, kc, vc, tables, info, 0.2, 0.0, 0)
+    kernel(b, view, kc, vc, tables, info, 0.2, 0.0, 0)
+    assert torch.equal(a, b)
+
+
+def test_kernel_rejects_a_block_table_that_is_too_short():
+    q, kc, vc, tables, info, _ = build_case([(40, 1)], 2, 1, 16, 16, torch.float32)
+    out = torch.empty(1, 32)
+    with pytest.raises(RuntimeError, match="past its block table"):
+        kernel(out, q, kc, vc, tables[:, :2], info, 1.0, 0.0, 0)
+
+
+def test_kernel_rejects_a_block_id_outside_the_cache():
+    q, kc, vc, tables, info, _ = build_case([(4, 1)], 2, 1, 16, 16, torch.float32)
+    tables[0, 0] = kc.shape[0]
+    with pytest.raises(RuntimeError, match="not in the cache"):
+        kernel(torch.empty(1, 32), q, kc, vc, tables, info, 1.0, 0.0, 0)
+
+
+@pytest.mark.parametrize("window", [None, 24])
+def test_paged_attention_gives_the_same_output_with_and_without_the_kernel(window):
+    """The model-facing entry point: a mixed step (a decode batch, short chunks over cached
+    prefixes, a long whole-history chunk) through the kernel and through the PyTorch paths."""
+    from prefixserve.model.attention import (
+        KERNEL_MAX_QUERIES,
+        ScheduledSpan,
+        build_attention_metadata,
+        paged_attention,
+    )
+
+    seqs = [(50, 1), (9, 1), (130, 1), (64, 20), (0, KERNEL_MAX_QUERIES + 5)]
+    heads, kv_heads, head_dim, block_size = 6, 2, 64, 16
+    q, kc, vc, tables, info, _ = build_case(
+        seqs, heads, kv_heads, head_dim, block_size, torch.float32
+    )
+    spans = [
+        ScheduledSpan(computed, new, ([b for b in row if b != 0],))
+        for (computed, new), row in zip(seqs, tables.tolist(), strict=True)
+    ]
+    outs = []
+    for fn in (kernel, None):
+        meta = build_attention_metadata(spans, 0, block_size, window, fn)
+        assert (meta.kernel is not None) == (fn is not None)
+        outs.append(paged_attention(q, kc, vc, meta, 0.125))
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
