@@ -27,6 +27,7 @@ test: $(STAMP)
 SERVE_ARGS ?=
 serve: $(STAMP)
 	$(BIN)/python -m prefixserve.model.default_model
+	$(BIN)/python -m prefixserve.model.kernels
 	$(BIN)/prefixserve serve $(SERVE_ARGS)
 
 lint: $(STAMP)

@@ -1,9 +1,11 @@
 """Model speed: our paged-KV model vs transformers' own model on the same weights, same run.
 
-    .venv/bin/python benchmarks/bench_model.py [--repeats 7] [--skip-transformers]
+    .venv/bin/python benchmarks/bench_model.py [--repeats 7] [--skip-transformers] [--baseline]
 
 Measures (bf16, the default model unless --model): prefill of one 512-token chunk (tok/s), and
-decode at batch 1 and batch 16 (tok/s, summed over the batch) on a 128-token context. The two
+decode at batch 1 and batch 16 (tok/s, summed over the batch) on a 128-token context (all three
+settable). `--baseline` adds prefixserve without its CPU fast paths (the compiled attention
+kernel and fp32 GEMMs for prefill) to the same run. The
 engines alternate repeat by repeat and each figure is the median over --repeats runs (this
 machine is shared and noisy). Each figure comes twice: by wall time, and by process CPU time
 divided by the thread count (an estimate of the wall time on an otherwise idle machine; it
@@ -47,7 +49,10 @@ def random_prompt(n: int, vocab: int, seed: int) -> list[int]:
 class Ours:
     name = "prefixserve"
 
-    def __init__(self, loaded, block_size: int = 16, num_blocks: int = 1024) -> None:
+    def __init__(
+        self, loaded, block_size: int = 16, num_blocks: int = 1024, name: str = "prefixserve"
+    ) -> None:
+        self.name = name
         self.bs = block_size
         self.runner = ModelRunner(
             loaded.model, loaded.config, num_blocks, block_size, sampler=ArgmaxSampler()
@@ -142,7 +147,7 @@ def measure(engines: list, args) -> Rates:
     for _ in range(args.repeats):
         for e in engines:
             record(e, "prefill", n, lambda e=e: e.prefill(n))
-    for batch in (1, 16):
+    for batch in args.batches:
         steps = args.decode_steps
         for e in engines:
             e.decode_setup(batch, args.context, steps * (args.repeats + 1))
@@ -162,6 +167,13 @@ def main() -> None:
     ap.add_argument("--decode-steps", type=int, default=16)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--decode-batches", default="1,16", help="comma-separated decode batch sizes")
+    ap.add_argument(
+        "--baseline",
+        action="store_true",
+        help="also run prefixserve without its CPU fast paths (PyTorch attention instead of the "
+        "compiled kernel, bf16 GEMMs for prefill), same run",
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -172,19 +184,30 @@ def main() -> None:
         f"| OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')} | load avg "
         f"{os.getloadavg()[0]:.1f} | repeats {args.repeats}"
     )
-    engines: list = [Ours(loaded)]
+    args.batches = [int(b) for b in args.decode_batches.split(",")]
+    # Enough blocks for the largest decode batch at once (each sequence: context + every step).
+    per_seq = -(-(args.context + args.decode_steps * (args.repeats + 1)) // 16)
+    blocks = 2 + max(max(args.batches) * per_seq, -(-args.prefill_len // 16))
+    engines: list = [Ours(loaded, num_blocks=blocks)]
+    if args.baseline:
+        os.environ["PREFIXSERVE_FP32_PREFILL"] = "0"
+        base = Ours(load_model(args.model, dtype="bfloat16"), num_blocks=blocks, name="baseline")
+        del os.environ["PREFIXSERVE_FP32_PREFILL"]
+        base.runner.attention_kernel = None
+        engines.append(base)
     if not args.skip_transformers:
         engines.append(Transformers(loaded.path, loaded.config.vocab_size))
     with torch.inference_mode():
         rates = measure(engines, args)
 
     print(f"\nload avg after: {os.getloadavg()[0]:.1f}")
-    metrics = ("prefill", "decode_b1", "decode_b16")
+    metrics = ("prefill", *(f"decode_b{b}" for b in args.batches))
     print(
-        "| engine | clock | prefill 512 (tok/s) | decode batch 1 (tok/s) "
-        "| decode batch 16 (tok/s) |"
+        f"| engine | clock | prefill {args.prefill_len} (tok/s) | "
+        + " | ".join(f"decode batch {b}, context {args.context} (tok/s)" for b in args.batches)
+        + " |"
     )
-    print("|---|---|---:|---:|---:|")
+    print("|---|---|" + "---:|" * len(metrics))
     for name, r in rates.items():
         for i, clock in enumerate(("wall", "cpu")):
             cells = []

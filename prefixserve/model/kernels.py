@@ -88,3 +88,12 @@ def paged_attention_kernel() -> Callable[..., None] | None:
                 )
                 _state["paged_attention"] = None
     return _state["paged_attention"]
+
+
+if __name__ == "__main__":  # `python -m prefixserve.model.kernels`: build ahead of first use
+    import time
+
+    start = time.perf_counter()
+    fn = paged_attention_kernel()
+    state = "ready" if fn is not None else "unavailable (the PyTorch path will be used)"
+    print(f"paged attention kernel: {state} ({time.perf_counter() - start:.1f} s)")

@@ -145,7 +145,7 @@ def test_paged_attention_gives_the_same_output_with_and_without_the_kernel(windo
         paged_attention,
     )
 
-    seqs = [(50, 1), (9, 1), (130, 1), (64, 20), (0, KERNEL_MAX_QUERIES + 5)]
+    seqs = [(50, 1), (9, 1), (130, 1), (40, KERNEL_MAX_QUERIES - 1), (64, 20), (0, 140)]
     heads, kv_heads, head_dim, block_size = 6, 2, 64, 16
     q, kc, vc, tables, info, _ = build_case(
         seqs, heads, kv_heads, head_dim, block_size, torch.float32
