@@ -21,7 +21,7 @@ install: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check prefixserve tests benchmarks
-	$(BIN)/python -m pytest -q
+	PREFIXSERVE_REQUIRE_KERNEL=1 $(BIN)/python -m pytest -q
 
 # `make serve SERVE_ARGS="--port 9000 --api-key-file keys.txt"` passes flags through.
 SERVE_ARGS ?=

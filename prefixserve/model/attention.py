@@ -63,7 +63,6 @@ class KernelBatch:
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with the null block
     info: torch.Tensor  # [num_seqs, 3] int64
     window: int  # 0 = full attention
-    num_rows: int  # how many rows of the batch it writes
 
 
 @dataclass(slots=True)
@@ -193,7 +192,6 @@ def build_attention_metadata(
             torch.tensor([t + [0] * (width - len(t)) for t in kernel_tables], dtype=torch.int32),
             torch.tensor(kernel_info, dtype=torch.int64),
             sliding_window or 0,
-            sum(hi - lo for lo, hi, _ in kernel_info),
         )
     slot_mapping = torch.cat(slots) if slots else torch.zeros(0, dtype=torch.int64)
     return AttentionMetadata(slot_mapping, decode, spans, batch)

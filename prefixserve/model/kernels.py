@@ -4,11 +4,12 @@
 built (no compiler, a failed build: a warning says why) or is turned off with
 `PREFIXSERVE_ATTENTION_KERNEL=0`; callers then use the pure-PyTorch path, which computes the same
 attention. The build (~1 min) is cached per CPU under `$PREFIXSERVE_CACHE_DIR/kernels/` since it
-is compiled with `-march=native`.
+is compiled with `-march=native` (and for one torch version and Python ABI).
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -33,9 +34,14 @@ def kernels_enabled() -> bool:
     )
 
 
-def _cpu_tag() -> str:
-    """A short tag of this CPU's model and feature flags (a -march=native build runs only there)."""
-    text = platform.machine()
+def _build_tag() -> str:
+    """A short tag of what a build depends on: this CPU's model and feature flags (it is built
+    with -march=native), torch's version and the Python ABI."""
+    import sys
+
+    import torch
+
+    text = f"{platform.machine()} torch {torch.__version__} {sys.implementation.cache_tag}\n"
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -57,16 +63,31 @@ def _build() -> Callable[..., None]:
     bin_dir = getattr(ninja, "BIN_DIR", None)
     if bin_dir and bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-    build_dir = cache_root() / "kernels" / _cpu_tag()
+    build_dir = cache_root() / "kernels" / _build_tag()
     build_dir.mkdir(parents=True, exist_ok=True)
-    module = cpp_extension.load(
-        name="prefixserve_paged_attention",
-        sources=[str(_SOURCE)],
-        extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"],
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(build_dir),
-        verbose=False,
-    )
+    # torch's own build lock (a `lock` file it polls forever) outlives a killed build and would
+    # hang every later start; an flock dies with its process, so take one around the build and
+    # clear a leftover torch lock while holding it (only this function builds here).
+    with open(build_dir / ".prefixserve.lock", "w") as lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)
+        try:
+            (build_dir / "lock").unlink(missing_ok=True)
+            module = cpp_extension.load(
+                name="prefixserve_paged_attention",
+                sources=[str(_SOURCE)],
+                extra_cflags=[
+                    "-O3",
+                    "-march=native",
+                    "-mprefer-vector-width=512",
+                    "-fopenmp",
+                    "-fno-strict-aliasing",
+                ],
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build_dir),
+                verbose=False,
+            )
+        finally:
+            fcntl.flock(lock_file, fcntl.LOCK_UN)
     return module.paged_attention
 
 

@@ -34,6 +34,7 @@ inline void store(c10::BFloat16* dst, float x) { *dst = c10::BFloat16(x); }
 // exp(x) for x <= 0 to ~2 ulp: range reduction to [-ln2/2, ln2/2] and a degree-6 polynomial,
 // written so the compiler vectorizes loops over it (std::exp does not vectorize here).
 inline float exp_nonpositive(float x) {
+  if (x != x) return x;  // NaN (a corrupted cache slot) propagates to the output
   x = std::max(x, -87.0f);
   const float n = std::floor(x * 1.44269504088896341f + 0.5f);
   const float r = x - n * 0.693145751953125f - n * 1.42860682030941723e-6f;
@@ -111,7 +112,7 @@ inline __m512 reduce16(const __m512* v) {
 
 // exp(x) for x <= 0, 16 lanes: the same reduction and polynomial as exp_nonpositive.
 inline __m512 exp_nonpositive16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);  // NaN in x stays NaN (max returns operand 2)
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
@@ -361,6 +362,10 @@ void dispatch(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k
 void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
                      torch::Tensor v_cache, torch::Tensor block_tables, torch::Tensor seq_info,
                      double scale, double softcap, int64_t window) {
+  TORCH_CHECK(q.device().is_cpu() && out.device().is_cpu() && k_cache.device().is_cpu() &&
+                  v_cache.device().is_cpu() && block_tables.device().is_cpu() &&
+                  seq_info.device().is_cpu(),
+              "paged_attention runs on CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [T, H, D] with a contiguous last dim");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   k_cache.sizes() == v_cache.sizes(),
