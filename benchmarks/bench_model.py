@@ -5,7 +5,7 @@
 Measures (bf16, the default model unless --model): prefill of one 512-token chunk (tok/s), and
 decode at batch 1 and batch 16 (tok/s, summed over the batch) on a 128-token context (all three
 settable). `--baseline` adds prefixserve without its CPU fast paths (the compiled attention
-kernel and fp32 GEMMs for prefill) to the same run. The
+and RMSNorm kernels, fp32 GEMMs for prefill) to the same run. The
 engines alternate repeat by repeat and each figure is the median over --repeats runs (this
 machine is shared and noisy). Each figure comes twice: by wall time, and by process CPU time
 divided by the thread count (an estimate of the wall time on an otherwise idle machine; it
@@ -30,6 +30,8 @@ import time  # noqa: E402
 import torch  # noqa: E402
 
 from prefixserve.batch import ScheduledRequest, SchedulerOutput  # noqa: E402
+from prefixserve.model import layers  # noqa: E402
+from prefixserve.model.kernels import rms_norm_kernel  # noqa: E402
 from prefixserve.model.loader import load_model  # noqa: E402
 from prefixserve.request import Request  # noqa: E402
 from prefixserve.runner import ModelRunner  # noqa: E402
@@ -60,6 +62,12 @@ class Ours:
         self.vocab = loaded.config.vocab_size
         self.next_block = 1
         self.num_blocks = num_blocks
+        self.native = True  # the compiled kernels (attention, RMSNorm); False for --baseline
+
+    def _execute(self, scheduler_output: SchedulerOutput):
+        # The RMSNorm kernel is looked up process-wide; switch it per engine for --baseline.
+        layers._kernels["rms_norm"] = rms_norm_kernel() if self.native else None
+        return self.runner.execute(scheduler_output)
 
     def _blocks(self, n_tokens: int) -> tuple[list[int], ...]:
         count = -(-n_tokens // self.bs)
@@ -72,14 +80,14 @@ class Ours:
     def prefill(self, n: int) -> None:
         req = Request("p", random_prompt(n, self.vocab, 0), SamplingParams(temperature=0))
         entry = ScheduledRequest(req, 0, n, self._blocks(n))
-        self.runner.execute(SchedulerOutput([entry]))
+        self._execute(SchedulerOutput([entry]))
 
     def decode_setup(self, batch: int, context: int, steps: int) -> None:
         self.entries = []
         for i in range(batch):
             req = Request(f"d{i}", random_prompt(context, self.vocab, i + 1), SamplingParams())
             self.entries.append(ScheduledRequest(req, 0, context, self._blocks(context + steps)))
-        out = self.runner.execute(SchedulerOutput(self.entries))
+        out = self._execute(SchedulerOutput(self.entries))
         for e in self.entries:
             e.request.append_output_token_ids(out.sampled_token_ids[e.request.request_id])
             e.num_computed_tokens = context
@@ -87,7 +95,7 @@ class Ours:
 
     def decode_steps(self, steps: int) -> None:
         for _ in range(steps):
-            out = self.runner.execute(SchedulerOutput(self.entries))
+            out = self._execute(SchedulerOutput(self.entries))
             for e in self.entries:
                 e.request.append_output_token_ids(out.sampled_token_ids[e.request.request_id])
                 e.num_computed_tokens += 1
@@ -171,8 +179,8 @@ def main() -> None:
     ap.add_argument(
         "--baseline",
         action="store_true",
-        help="also run prefixserve without its CPU fast paths (PyTorch attention instead of the "
-        "compiled kernel, bf16 GEMMs for prefill), same run",
+        help="also run prefixserve without its CPU fast paths (PyTorch attention and RMSNorm "
+        "instead of the compiled kernels, bf16 GEMMs for prefill), same run",
     )
     args = ap.parse_args()
     if args.threads:
@@ -194,6 +202,7 @@ def main() -> None:
         base = Ours(load_model(args.model, dtype="bfloat16"), num_blocks=blocks, name="baseline")
         del os.environ["PREFIXSERVE_FP32_PREFILL"]
         base.runner.attention_kernel = None
+        base.native = False
         engines.append(base)
     if not args.skip_transformers:
         engines.append(Transformers(loaded.path, loaded.config.vocab_size))

@@ -1,9 +1,9 @@
 """Native CPU kernels, compiled from `csrc/` on first use (a C++ compiler and ninja are needed).
 
-`paged_attention_kernel()` returns the compiled extension's function, or None when it cannot be
-built (no compiler, a failed build: a warning says why) or is turned off with
-`PREFIXSERVE_ATTENTION_KERNEL=0`; callers then use the pure-PyTorch path, which computes the same
-attention. The build (~1 min) is cached per CPU under `$PREFIXSERVE_CACHE_DIR/kernels/` since it
+`paged_attention_kernel()` and `rms_norm_kernel()` return the compiled extension's functions, or
+None when it cannot be built (no compiler, a failed build: a warning says why) or is turned off
+with `PREFIXSERVE_KERNELS=0`; callers then use their pure-PyTorch paths, which compute the same
+thing. The build (~1 min) is cached per CPU under `$PREFIXSERVE_CACHE_DIR/kernels/` since it
 is compiled with `-march=native` (and for one torch version and Python ABI).
 """
 
@@ -17,16 +17,17 @@ import platform
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
 _lock = threading.Lock()
-_state: dict[str, Callable[..., None] | None] = {}
+_state: dict[str, Any] = {}
 
 
 def kernels_enabled() -> bool:
-    return os.environ.get("PREFIXSERVE_ATTENTION_KERNEL", "1").strip().lower() not in (
+    return os.environ.get("PREFIXSERVE_KERNELS", "1").strip().lower() not in (
         "0",
         "false",
         "no",
@@ -54,7 +55,7 @@ def _build_tag() -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
-def _build() -> Callable[..., None]:
+def _build() -> Any:
     import ninja  # the pip package puts a ninja binary beside it; torch looks on PATH
     from torch.utils import cpp_extension
 
@@ -88,33 +89,45 @@ def _build() -> Callable[..., None]:
             )
         finally:
             fcntl.flock(lock_file, fcntl.LOCK_UN)
-    return module.paged_attention
+    return module
 
 
-def paged_attention_kernel() -> Callable[..., None] | None:
-    """The compiled kernel, built on the first call of the process; None if unavailable."""
+def _module() -> Any:
+    """The compiled extension, built on the first call of the process; None if unavailable."""
     if not kernels_enabled():
         return None
-    if "paged_attention" in _state:
-        return _state["paged_attention"]
+    if "module" in _state:
+        return _state["module"]
     with _lock:
-        if "paged_attention" not in _state:
+        if "module" not in _state:
             try:
-                _state["paged_attention"] = _build()
+                _state["module"] = _build()
             except Exception as exc:  # no compiler, no ninja, a failed build
                 logger.warning(
-                    "paged attention kernel unavailable (%s: %s); using the PyTorch path",
+                    "prefixserve's CPU kernels are unavailable (%s: %s); using PyTorch paths",
                     type(exc).__name__,
                     exc,
                 )
-                _state["paged_attention"] = None
-    return _state["paged_attention"]
+                _state["module"] = None
+    return _state["module"]
+
+
+def paged_attention_kernel() -> Callable[..., None] | None:
+    """`paged_attention(out, q, k_cache, v_cache, block_tables, seq_info, scale, softcap,
+    window)`, or None when the kernels are unavailable."""
+    module = _module()
+    return None if module is None else module.paged_attention
+
+
+def rms_norm_kernel() -> Callable[..., None] | None:
+    """`rms_norm(out, x, weight, eps, offset)` over contiguous rows, or None."""
+    module = _module()
+    return None if module is None else module.rms_norm
 
 
 if __name__ == "__main__":  # `python -m prefixserve.model.kernels`: build ahead of first use
     import time
 
     start = time.perf_counter()
-    fn = paged_attention_kernel()
-    state = "ready" if fn is not None else "unavailable (the PyTorch path will be used)"
-    print(f"paged attention kernel: {state} ({time.perf_counter() - start:.1f} s)")
+    state = "ready" if _module() is not None else "unavailable (PyTorch paths will be used)"
+    print(f"prefixserve CPU kernels: {state} ({time.perf_counter() - start:.1f} s)")

@@ -109,9 +109,23 @@ def one_thread() -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
+_kernels: dict[str, object] = {}
+
+
+def _rms_norm_kernel() -> object:
+    """The compiled one-pass RMSNorm (prefixserve.model.kernels), looked up once; None if
+    unavailable. It replaces ~8 PyTorch ops per call (cast, square, mean, rsqrt, casts, scale)."""
+    if "rms_norm" not in _kernels:
+        from prefixserve.model.kernels import rms_norm_kernel
+
+        _kernels["rms_norm"] = rms_norm_kernel()
+    return _kernels["rms_norm"]
+
+
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32. Gemma scales by (1 + weight) and casts after scaling;
-    Llama-style norms cast first and scale by weight (as transformers does for each)."""
+    Llama-style norms cast first and scale by weight (as transformers does for each). Contiguous
+    2-D inputs go through the compiled kernel when it is available (same roundings)."""
 
     def __init__(self, dim: int, eps: float, offset: bool = False) -> None:
         super().__init__()
@@ -120,6 +134,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernel = _rms_norm_kernel()
+        if kernel is not None and x.dim() == 2 and x.is_contiguous():
+            if x.dtype == self.weight.dtype and x.dtype in (torch.bfloat16, torch.float32):
+                out = torch.empty_like(x)
+                kernel(out, x, self.weight, self.eps, self.offset)
+                return out
         xf = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
         if self.offset:
             return (xf * (1.0 + self.weight.float())).to(x.dtype)
@@ -137,13 +157,26 @@ class RotaryEmbedding:
         if scaling is not None:
             inv_freq = _scale_inv_freq(inv_freq, scaling)
         self.inv_freq = inv_freq
+        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """cos and sign-folded sin `[num_tokens, 1, head_dim]` in `dtype` for `apply_rotary`:
-        `[cos, cos]` and `[-sin, sin]` over the two halves of the head."""
-        freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)
-        cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
-        return torch.cat((cos, cos), -1).unsqueeze(1), torch.cat((-sin, sin), -1).unsqueeze(1)
+        `[cos, cos]` and `[-sin, sin]` over the two halves of the head.
+
+        Rows come from a table of every position so far (grown by doubling), computed with the
+        same ops as a per-step computation would be, so the values are identical."""
+        needed = int(positions.max()) + 1 if positions.numel() else 1
+        table = self._tables.get(dtype)
+        if table is None or table[0].shape[0] < needed:
+            size = max(needed, 2 * table[0].shape[0] if table is not None else 1024)
+            freqs = torch.arange(size).float().unsqueeze(1) * self.inv_freq.unsqueeze(0)
+            cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
+            table = (torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1))
+            self._tables[dtype] = table
+        return (
+            table[0].index_select(0, positions).unsqueeze(1),
+            table[1].index_select(0, positions).unsqueeze(1),
+        )
 
 
 def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:

@@ -233,3 +233,26 @@ def test_kernel_propagates_a_nan_key(head_dim):
     out = torch.empty(1, 2 * head_dim)
     kernel(out, q, kc, vc, tables, info, 0.1, 0.0, 0)
     assert out.isnan().all()
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("offset", [False, True])  # Llama-style, Gemma-style
+def test_rms_norm_kernel_matches_the_pytorch_norm(dtype, offset, monkeypatch):
+    from prefixserve.model import layers
+
+    torch.manual_seed(0)
+    norm = layers.RMSNorm(576, 1e-5, offset=offset)
+    with torch.no_grad():
+        norm.weight.normal_()
+    norm = norm.to(dtype)
+    x = (torch.randn(37, 576) * 3).to(dtype)
+    fused = norm(x)
+    monkeypatch.setitem(layers._kernels, "rms_norm", None)  # the PyTorch path
+    plain = norm(x)
+    assert fused.dtype == plain.dtype == dtype
+    tol = 1e-6 if dtype == torch.float32 else 8e-3  # one bf16 rounding step
+    torch.testing.assert_close(fused, plain, atol=tol, rtol=tol)
+    # Non-contiguous and 3-D inputs (q/k norms over heads) take the PyTorch path.
+    monkeypatch.setitem(layers._kernels, "rms_norm", kernels.rms_norm_kernel())
+    torch.testing.assert_close(norm(x.t().contiguous().t()), plain, atol=tol, rtol=tol)
