@@ -256,3 +256,57 @@ def test_rms_norm_kernel_matches_the_pytorch_norm(dtype, offset, monkeypatch):
     # Non-contiguous and 3-D inputs (q/k norms over heads) take the PyTorch path.
     monkeypatch.setitem(layers._kernels, "rms_norm", kernels.rms_norm_kernel())
     torch.testing.assert_close(norm(x.t().contiguous().t()), plain, atol=tol, rtol=tol)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_decode_rows_sharing_a_cached_prefix(dtype):
+    """Decode rows whose block tables start with the same blocks (a prefix-cache hit) are
+    attended as a cascade: the shared blocks once for all of them. Covers groups larger than one
+    work item, a row sharing only part of the prefix, a row whose own position lies inside the
+    shared blocks, rows of other prefixes interleaved in batch order, and a multi-token chunk."""
+    heads, kv_heads, head_dim, bs = 6, 2, 64, 16
+    g = torch.Generator().manual_seed(21)
+    num_blocks = 80
+    kc = torch.randn(num_blocks, bs, kv_heads, head_dim, generator=g).to(dtype)
+    vc = torch.randn(num_blocks, bs, kv_heads, head_dim, generator=g).to(dtype)
+    kc[0] = float("nan")
+    vc[0] = float("nan")
+    free = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
+    prefix_a = [free.pop() for _ in range(10)]  # 160 shared tokens
+    prefix_b = [free.pop() for _ in range(4)]
+    # (table prefix, position of the new token); each row gets its own blocks after the prefix.
+    rows = [
+        (prefix_a, 170),
+        (prefix_b, 70),
+        (prefix_a, 161),
+        (prefix_a, 200),
+        (prefix_a[:3], 60),  # shares 3 blocks, then its own
+        (prefix_a, 165),
+        (prefix_b, 64),
+        (prefix_a, 100),  # its own token is inside block 6 of the shared prefix
+        (prefix_a, 181),
+        (prefix_a, 240),
+    ]
+    tables, info = [], []
+    for i, (prefix, pos) in enumerate(rows):
+        need = pos // bs + 1
+        table = list(prefix[:need]) + [free.pop() for _ in range(need - min(need, len(prefix)))]
+        tables.append(table)
+        info.append((i, i + 1, pos))
+    chunk_table = list(prefix_a) + [free.pop() for _ in range(2)]  # 20 new tokens at 170..189
+    tables.append(chunk_table)
+    info.append((len(rows), len(rows) + 20, 170))
+    q = torch.randn(len(rows) + 20, heads, head_dim, generator=g).to(dtype)
+    width = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    out = torch.full((q.shape[0], heads * head_dim), float("nan"), dtype=dtype)
+    kernel(out, q, kc, vc, block_tables, torch.tensor(info, dtype=torch.int64), 0.125, 0.0, 0)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for table, (lo, hi, pos) in zip(tables, info, strict=True):
+        length = pos + (hi - lo)
+        slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(length)])
+        keys = kc.view(-1, kv_heads, head_dim)[slots]
+        values = vc.view(-1, kv_heads, head_dim)[slots]
+        want = reference(q[lo:hi], keys, values, list(range(pos, length)), 0.125, 0, 0)
+        torch.testing.assert_close(out[lo:hi].double(), want, atol=tol, rtol=tol)

@@ -30,6 +30,9 @@
 namespace {
 
 constexpr int64_t kRowTile = 16;
+// Decode sequences sharing a cached prefix are attended together, this many at most per work
+// item (a cap that keeps several items per KV head for the threads to share).
+constexpr int64_t kCascadeRows = 4;
 
 inline void store(float* dst, float x) { *dst = x; }
 inline void store(c10::BFloat16* dst, float x) { *dst = c10::BFloat16(x); }
@@ -258,58 +261,89 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int64_t* info = seq_info.data_ptr<int64_t>();
 
-  // Work items: (sequence, kv head, row tile).
-  std::vector<int64_t> item_seq, item_row;
+  // Work items (each run once per KV head): a tile of up to kRowTile query rows of one
+  // sequence; or a cascade: up to kCascadeRows single-token sequences whose block tables start
+  // with the same blocks (a shared cached prefix). A cascade converts the shared blocks once for
+  // all its queries, then walks each sequence's own blocks.
+  struct Item {
+    std::vector<int64_t> seqs;  // a cascade's sequences; one sequence otherwise
+    int64_t row0 = 0, rows = 0;  // the row tile (one-sequence items)
+    int64_t shared_blocks = 0;  // leading blocks common to all `seqs` (0: not a cascade)
+  };
+  std::vector<Item> items;
+  auto is_single = [&](int64_t s) { return info[3 * s + 1] - info[3 * s] == 1; };
+  std::vector<int64_t> singles;
   for (int64_t s = 0; s < num_seqs; ++s) {
+    if (window == 0 && is_single(s)) {
+      singles.push_back(s);
+      continue;
+    }
     for (int64_t r = info[3 * s]; r < info[3 * s + 1]; r += kRowTile) {
-      item_seq.push_back(s);
-      item_row.push_back(r);
+      items.push_back(Item{{s}, r, std::min(kRowTile, info[3 * s + 1] - r), 0});
     }
   }
-  const int64_t num_items = static_cast<int64_t>(item_seq.size()) * num_kv_heads;
+  // Group single-token sequences by their first block: those sharing a prefix become adjacent.
+  std::stable_sort(singles.begin(), singles.end(), [&](int64_t a, int64_t b) {
+    return tables[a * max_blocks] < tables[b * max_blocks];
+  });
+  for (size_t i = 0; i < singles.size();) {
+    const int64_t first = singles[i];
+    const int32_t* t0 = tables + first * max_blocks;
+    // Blocks fully visible to a decode query at position p: those before p's own block.
+    int64_t shared = info[3 * first + 2] / block_size;
+    size_t j = i + 1;
+    while (j < singles.size() && static_cast<int64_t>(j - i) < kCascadeRows) {
+      const int64_t s = singles[j];
+      const int32_t* ts = tables + s * max_blocks;
+      int64_t common = 0;
+      const int64_t limit = std::min(shared, info[3 * s + 2] / block_size);
+      while (common < limit && ts[common] == t0[common]) ++common;
+      if (common == 0) break;
+      shared = common;
+      ++j;
+    }
+    if (j - i >= 2) {
+      items.push_back(Item{std::vector<int64_t>(singles.begin() + i, singles.begin() + j), 0, 0,
+                           shared});
+    } else {
+      items.push_back(Item{{first}, info[3 * first], 1, 0});
+      j = i + 1;
+    }
+    i = j;
+  }
+  const int64_t num_items = static_cast<int64_t>(items.size()) * num_kv_heads;
 
   at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
-    const int64_t max_queries = kRowTile * group;
+    const int64_t max_queries = std::max(kRowTile, kCascadeRows) * group;
     std::vector<float> kt(tile_slots * head_dim), vt(tile_slots * head_dim);  // [slot][dim]
     std::vector<float> qf(max_queries * head_dim), acc(max_queries * head_dim);
     std::vector<float> m(max_queries), l(max_queries), s(tile_slots + 16);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t t = item / num_kv_heads, kvh = item % num_kv_heads;
-      const int64_t seq = item_seq[t], row0 = item_row[t];
-      const int64_t q_start = info[3 * seq], q_end = info[3 * seq + 1];
-      const int64_t pos0 = info[3 * seq + 2];
-      const int64_t rows = std::min(kRowTile, q_end - row0);
-      const int64_t nq = rows * group;
-      const int32_t* table = tables + seq * max_blocks;
-      // Query vectors in fp32, pre-scaled; index qi = r * group + g.
-      for (int64_t r = 0; r < rows; ++r) {
-        for (int64_t g = 0; g < group; ++g) {
-          const scalar_t* src =
-              q_ptr + (row0 + r) * q_row_stride + (kvh * group + g) * q_head_stride;
-          float* dst = qf.data() + (r * group + g) * head_dim;
-          row_to_float(src, dst, head_dim);
-          for (int64_t d = 0; d < head_dim; ++d) dst[d] *= scale;
-        }
-      }
-      std::fill(acc.begin(), acc.begin() + nq * head_dim, 0.0f);
-      std::fill(m.begin(), m.begin() + nq, -std::numeric_limits<float>::infinity());
-      std::fill(l.begin(), l.begin() + nq, 0.0f);
 
-      const int64_t first_pos = pos0 + (row0 - q_start);  // position of the tile's first query
+    // Convert slots [lo, hi) of the tile starting at block b0 of `table` into kt/vt.
+    auto load_tile = [&](const int32_t* table, int64_t kvh, int64_t b0, int64_t lo, int64_t hi) {
+      for (int64_t j = lo; j < hi; ++j) {
+        const int64_t block = table[b0 + j / block_size];
+        const int64_t off =
+            block * cache_block_stride + (j % block_size) * cache_slot_stride + kvh * head_dim;
+        row_to_float(k_ptr + off, kt.data() + j * head_dim, head_dim);
+        row_to_float(v_ptr + off, vt.data() + j * head_dim, head_dim);
+      }
+    };
+    // Rows [row0, row0 + rows) of sequence `seq` (query vectors from index e0 * group on)
+    // against its blocks from `start_block` on, each row up to its own position.
+    auto own_blocks = [&](int64_t seq, int64_t row0, int64_t rows, int64_t e0, int64_t kvh,
+                          int64_t start_block) {
+      const int64_t first_pos = info[3 * seq + 2] + (row0 - info[3 * seq]);
       const int64_t last_pos = first_pos + rows - 1;
+      const int32_t* table = tables + seq * max_blocks;
       const int64_t lo = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
-      for (int64_t b0 = lo / block_size; b0 <= last_pos / block_size; b0 += tile_blocks) {
+      const int64_t b_start = std::max(lo / block_size, start_block);
+      for (int64_t b0 = b_start; b0 <= last_pos / block_size; b0 += tile_blocks) {
         const int64_t kpos0 = b0 * block_size;  // position of the tile's slot 0
-        // Slots of this tile any query of the row tile can see.
+        // Slots of this tile any query of the rows can see.
         const int64_t used_lo = std::max<int64_t>(0, lo - kpos0);
         const int64_t used_hi = std::min<int64_t>(tile_slots, last_pos - kpos0 + 1);
-        for (int64_t j = used_lo; j < used_hi; ++j) {
-          const int64_t block = table[b0 + j / block_size];
-          const int64_t off = block * cache_block_stride + (j % block_size) * cache_slot_stride +
-                              kvh * head_dim;
-          row_to_float(k_ptr + off, kt.data() + j * head_dim, head_dim);
-          row_to_float(v_ptr + off, vt.data() + j * head_dim, head_dim);
-        }
+        load_tile(table, kvh, b0, used_lo, used_hi);
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t qpos = first_pos + r;
           const int64_t vis_lo = window > 0 ? std::max<int64_t>(0, qpos - window + 1) : 0;
@@ -318,17 +352,57 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
           const int64_t j_hi = std::min<int64_t>(tile_slots, qpos - kpos0 + 1);
           if (j_lo >= j_hi) continue;
           for (int64_t g = 0; g < group; ++g) {
-            const int64_t qi = r * group + g;
+            const int64_t qi = (e0 + r) * group + g;
             attend_tile<HD>(qf.data() + qi * head_dim, kt.data(), vt.data(), head_dim, j_lo, j_hi,
                             softcap, s.data(), m[qi], l[qi], acc.data() + qi * head_dim);
           }
         }
       }
-      for (int64_t r = 0; r < rows; ++r) {
+    };
+
+    for (int64_t idx = begin; idx < end; ++idx) {
+      const Item& item = items[idx / num_kv_heads];
+      const int64_t kvh = idx % num_kv_heads;
+      const bool cascade = item.shared_blocks > 0;
+      const int64_t entries = cascade ? static_cast<int64_t>(item.seqs.size()) : item.rows;
+      auto row_of = [&](int64_t e) { return cascade ? info[3 * item.seqs[e]] : item.row0 + e; };
+      const int64_t nq = entries * group;
+      // Query vectors in fp32, pre-scaled; index qi = e * group + g.
+      for (int64_t e = 0; e < entries; ++e) {
         for (int64_t g = 0; g < group; ++g) {
-          const int64_t qi = r * group + g;
+          const scalar_t* src = q_ptr + row_of(e) * q_row_stride + (kvh * group + g) * q_head_stride;
+          float* dst = qf.data() + (e * group + g) * head_dim;
+          row_to_float(src, dst, head_dim);
+          for (int64_t d = 0; d < head_dim; ++d) dst[d] *= scale;
+        }
+      }
+      std::fill(acc.begin(), acc.begin() + nq * head_dim, 0.0f);
+      std::fill(m.begin(), m.begin() + nq, -std::numeric_limits<float>::infinity());
+      std::fill(l.begin(), l.begin() + nq, 0.0f);
+
+      if (cascade) {
+        // The shared blocks: every query of the cascade sees all of their slots.
+        const int32_t* table = tables + item.seqs[0] * max_blocks;
+        for (int64_t b0 = 0; b0 < item.shared_blocks; b0 += tile_blocks) {
+          const int64_t slots = (std::min(b0 + tile_blocks, item.shared_blocks) - b0) * block_size;
+          load_tile(table, kvh, b0, 0, slots);
+          for (int64_t qi = 0; qi < nq; ++qi) {
+            attend_tile<HD>(qf.data() + qi * head_dim, kt.data(), vt.data(), head_dim, 0, slots,
+                            softcap, s.data(), m[qi], l[qi], acc.data() + qi * head_dim);
+          }
+        }
+        for (int64_t e = 0; e < entries; ++e) {
+          own_blocks(item.seqs[e], row_of(e), 1, e, kvh, item.shared_blocks);
+        }
+      } else {
+        own_blocks(item.seqs[0], item.row0, item.rows, 0, kvh, 0);
+      }
+
+      for (int64_t e = 0; e < entries; ++e) {
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t qi = e * group + g;
           const float inv = 1.0f / l[qi];
-          scalar_t* dst = out_ptr + (row0 + r) * out_row_stride + (kvh * group + g) * head_dim;
+          scalar_t* dst = out_ptr + row_of(e) * out_row_stride + (kvh * group + g) * head_dim;
           const float* a = acc.data() + qi * head_dim;
           for (int64_t d = 0; d < head_dim; ++d) store(dst + d, a[d] * inv);
         }

@@ -1,0 +1,72 @@
+"""bf16 vs fp32 GEMMs on this CPU, at the default model's linear shapes, by batch rows.
+
+    .venv/bin/python benchmarks/bench_gemm.py [--rows 8,16,32,64,128,256,512,2048]
+
+For each (in, out) shape and row count M: the oneDNN-packed bf16 linear the model uses for small
+batches, against `F.linear` in fp32 from an fp32 copy of the weight (input cast up, output cast
+back to bf16, as `prefixserve.model.layers.Linear` does for batches of FP32_MIN_ROWS rows or
+more). Prints GFLOP/s of each and the ratio; median of 7 repeats of >= 50 ms each.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+# (in_features, out_features) of SmolLM2-135M's fused qkv, o, gate_up and down projections.
+SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]
+
+
+def seconds(fn) -> float:
+    fn()
+    samples = []
+    for _ in range(7):
+        start, n = time.perf_counter(), 0
+        while time.perf_counter() - start < 0.05:
+            fn()
+            n += 1
+        samples.append((time.perf_counter() - start) / n)
+    return statistics.median(samples)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", default="8,16,32,64,128,256,512,2048")
+    args = ap.parse_args()
+    rows = [int(r) for r in args.rows.split(",")]
+    print(
+        f"torch {torch.__version__} | threads {torch.get_num_threads()} | AMX "
+        f"{torch.cpu._is_amx_tile_supported()} | load avg {os.getloadavg()[0]:.1f}"
+    )
+    print("| shape (in x out) | rows | bf16 packed GFLOP/s | fp32 GFLOP/s | fp32 speed-up |")
+    print("|---|---:|---:|---:|---:|")
+    with torch.inference_mode():
+        for k, n in SHAPES:
+            w = torch.randn(n, k).bfloat16()
+            w32 = w.float()
+            packed = torch.ops.mkldnn._reorder_linear_weight(w, 512)
+            for m in rows:
+                x = torch.randn(m, k).bfloat16()
+                t16 = seconds(
+                    lambda x=x, p=packed: torch.ops.mkldnn._linear_pointwise(
+                        x, p, None, "none", [], ""
+                    )
+                )
+                t32 = seconds(lambda x=x, w=w32: F.linear(x.float(), w).to(torch.bfloat16))
+                flops = 2 * m * k * n
+                print(
+                    f"| {k} x {n} | {m} | {flops / t16 / 1e9:.0f} | {flops / t32 / 1e9:.0f} "
+                    f"| {t16 / t32:.2f}x |"
+                )
+
+
+if __name__ == "__main__":
+    main()
