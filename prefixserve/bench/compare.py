@@ -227,7 +227,10 @@ def run_compare(cfg: CompareConfig, progress: bool = True) -> dict[str, str]:
                     for workload in workloads:
                         bar.set_description(f"{engine}: {workload.name}")
                         run = _run(endpoint, workload.requests, cfg, bar)
-                        server.check_alive()  # a crashed server's "results" are not kept
+                        # A crashed server's "results" are not kept. Failed requests may be
+                        # the crash itself: then wait a moment for the process to be gone.
+                        failed = any(r.error for r in run.records)
+                        server.check_alive(grace_s=5.0 if failed else 0.0)
                         _write_result(cfg, workload, engine, server, run)
                 status[engine] = "ok"
             except (ServerError, ValueError) as exc:

@@ -302,8 +302,15 @@ class ServerProcess:
             f"log {self.log_path}:\n{_log_tail(self.log_path)}"
         )
 
-    def check_alive(self) -> None:
-        """Raise ServerError (with the log tail) if the server has exited."""
+    def check_alive(self, grace_s: float = 0.0) -> None:
+        """Raise ServerError (with the log tail) if the server has exited. With `grace_s`, a
+        server that is still running is given that long to finish exiting first (a crash closes
+        its sockets, failing the client's requests, a moment before the process is gone)."""
+        if self.proc is not None and self.proc.poll() is None and grace_s > 0:
+            try:
+                self.proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass
         if self.proc is None or self.proc.poll() is not None:
             code = None if self.proc is None else self.proc.returncode
             raise ServerError(

@@ -31,7 +31,7 @@ namespace {
 
 constexpr int64_t kRowTile = 16;
 // Decode sequences sharing a cached prefix are attended together, this many at most per work
-// item (a cap that keeps several items per KV head for the threads to share).
+// item (a cap that keeps several items per KV head for a batch of 8+ rows on two threads).
 constexpr int64_t kCascadeRows = 4;
 
 inline void store(float* dst, float x) { *dst = x; }
@@ -274,7 +274,8 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
   auto is_single = [&](int64_t s) { return info[3 * s + 1] - info[3 * s] == 1; };
   std::vector<int64_t> singles;
   for (int64_t s = 0; s < num_seqs; ++s) {
-    if (window == 0 && is_single(s)) {
+    // A decode row at position p can share the blocks before p's own block with others.
+    if (window == 0 && is_single(s) && info[3 * s + 2] >= block_size) {
       singles.push_back(s);
       continue;
     }
@@ -282,9 +283,12 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
       items.push_back(Item{{s}, r, std::min(kRowTile, info[3 * s + 1] - r), 0});
     }
   }
-  // Group single-token sequences by their first block: those sharing a prefix become adjacent.
+  // Sort single-token sequences by their fully visible blocks, compared block by block, so that
+  // those sharing the longest prefixes become adjacent.
   std::stable_sort(singles.begin(), singles.end(), [&](int64_t a, int64_t b) {
-    return tables[a * max_blocks] < tables[b * max_blocks];
+    return std::lexicographical_compare(
+        tables + a * max_blocks, tables + a * max_blocks + info[3 * a + 2] / block_size,
+        tables + b * max_blocks, tables + b * max_blocks + info[3 * b + 2] / block_size);
   });
   for (size_t i = 0; i < singles.size();) {
     const int64_t first = singles[i];
@@ -298,7 +302,8 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
       int64_t common = 0;
       const int64_t limit = std::min(shared, info[3 * s + 2] / block_size);
       while (common < limit && ts[common] == t0[common]) ++common;
-      if (common == 0) break;
+      // Start a new group rather than cut the shared part by more than half.
+      if (common == 0 || 2 * common < shared) break;
       shared = common;
       ++j;
     }
