@@ -76,8 +76,8 @@ class AttentionMetadata:
 
 
 # With the kernel, sequences with fewer new tokens than this go to it; longer chunks to SDPA.
-# Measured (BENCHMARKS.md, "Model speed"): over a 1,024-token cached prefix the kernel takes
-# 0.53 ms for 8 queries against SDPA's 0.60, and 0.89 against 0.65 for 16.
+# Measured with benchmarks/bench_attention.py (BENCHMARKS.md, "Model speed"): over a 1,024-token
+# cached prefix the kernel wins 1.7-2.2x at 4-8 queries; the crossover moves between 16 and 32.
 KERNEL_MAX_QUERIES = 12
 
 

@@ -30,9 +30,10 @@ class ForwardContext:
 def _fp32_large_batches() -> bool:
     """Whether bf16 linears should also keep an fp32 weight for large batches (see Linear).
 
-    On CPUs without AMX, oneDNN's bf16 GEMM runs at ~0.6x the fp32 one once a batch has more
-    than ~64 rows (BENCHMARKS.md, "Model speed"); with AMX bf16 is the faster one.
-    `PREFIXSERVE_FP32_PREFILL=0` turns it off (it costs 4 bytes per weight of memory)."""
+    On CPUs without AMX, oneDNN's bf16 GEMM runs at 0.6-0.8x the fp32 one for batches of a few
+    hundred rows and more, and breaks even around 64 (benchmarks/bench_gemm.py, BENCHMARKS.md
+    "Model speed"); with AMX bf16 is the faster one. `PREFIXSERVE_FP32_PREFILL=0` turns it off
+    (it costs 4 bytes per weight of memory)."""
     flag = os.environ.get("PREFIXSERVE_FP32_PREFILL", "").strip().lower()
     if flag in ("0", "false", "no", "off"):
         return False
@@ -51,7 +52,7 @@ class Linear(nn.Linear):
     oneDNN repacks a plain weight on every call; packing once (`pack()`, done by the models'
     `load_weights`) makes decode-sized matmuls ~25% faster and prefill ones ~5%. On a CPU without
     AMX, `pack()` also keeps an fp32 copy of the weight: batches of `FP32_MIN_ROWS` rows or more
-    (prefill) are computed in fp32 from it, 1.4-1.9x faster there than oneDNN's bf16 kernel, and
+    (prefill) are computed in fp32 from it, 1.2-1.7x faster at 512+ rows than oneDNN's bf16, and
     the result is rounded back to bf16. The packed copies are taken at `pack()` time: call it again
     after changing the weight.
     """
