@@ -136,7 +136,6 @@ class LLMEngine:
             enable_kv_cache_events=cache.enable_kv_events,
         )
         eos_ids = set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids)
-        self._eos_token_id = min(eos_ids) if eos_ids else None
         self.scheduler = Scheduler(
             config.scheduler, self.kv_cache_manager, self.max_model_len, eos_token_ids=eos_ids
         )
@@ -254,7 +253,6 @@ class LLMEngine:
                 child_id,
                 prompt_token_ids,
                 child_params,
-                eos_token_id=self._eos_token_id,
                 block_hasher=self._block_hasher,
                 cache_salt=cache_salt,
                 max_tokens=max_tokens,
