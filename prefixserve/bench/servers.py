@@ -70,6 +70,27 @@ class EngineSpec:
     setup_hint: str = ""
 
 
+def _shared_flags(ctx: ServerContext, block_size: int) -> list[str]:
+    """The flags prefixserve and vLLM share (same names): address, served name, block size and
+    the scheduler budgets both engines are given alike."""
+    return [
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(ctx.port),
+        "--served-model-name",
+        ctx.model_dir.name,
+        "--block-size",
+        str(block_size),
+        "--max-model-len",
+        str(ctx.max_model_len),
+        "--max-num-batched-tokens",
+        str(ctx.max_num_batched_tokens),
+        "--max-num-seqs",
+        str(ctx.max_num_seqs),
+    ]
+
+
 def _prefixserve_cmd(caching: bool) -> Callable[[ServerContext], list[str]]:
     def build(ctx: ServerContext) -> list[str]:
         exe = Path(sys.executable).with_name("prefixserve")
@@ -77,22 +98,9 @@ def _prefixserve_cmd(caching: bool) -> Callable[[ServerContext], list[str]]:
             str(exe),
             "serve",
             str(ctx.model_dir),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(ctx.port),
-            "--served-model-name",
-            ctx.model_dir.name,
-            "--block-size",
-            str(PREFIXSERVE_BLOCK_SIZE),
-            "--max-model-len",
-            str(ctx.max_model_len),
+            *_shared_flags(ctx, PREFIXSERVE_BLOCK_SIZE),
             "--kv-cache-memory-gb",
             str(ctx.kv_cache_gib),
-            "--max-num-batched-tokens",
-            str(ctx.max_num_batched_tokens),
-            "--max-num-seqs",
-            str(ctx.max_num_seqs),
             "--disable-log-stats",
         ]
         if not caching:
@@ -111,23 +119,10 @@ def _vllm_cmd(ctx: ServerContext) -> list[str]:
         "vllm.entrypoints.openai.api_server",
         "--model",
         str(ctx.model_dir),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(ctx.port),
-        "--served-model-name",
-        ctx.model_dir.name,
+        *_shared_flags(ctx, VLLM_BLOCK_SIZE),
         "--dtype",
         "bfloat16",
         "--enable-prefix-caching",
-        "--block-size",
-        str(VLLM_BLOCK_SIZE),
-        "--max-model-len",
-        str(ctx.max_model_len),
-        "--max-num-batched-tokens",
-        str(ctx.max_num_batched_tokens),
-        "--max-num-seqs",
-        str(ctx.max_num_seqs),
         "--enable-prompt-tokens-details",
         "--disable-uvicorn-access-log",
     ]

@@ -26,13 +26,19 @@ _lock = threading.Lock()
 _state: dict[str, Any] = {}
 
 
+def env_flag(name: str) -> bool | None:
+    """An on/off environment switch: True for 1/true/yes/on, False for 0/false/no/off, None when
+    unset or anything else (the caller's default)."""
+    value = os.environ.get(name, "").strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    return None
+
+
 def kernels_enabled() -> bool:
-    return os.environ.get("PREFIXSERVE_KERNELS", "1").strip().lower() not in (
-        "0",
-        "false",
-        "no",
-        "off",
-    )
+    return env_flag("PREFIXSERVE_KERNELS") is not False
 
 
 def _build_tag() -> str:

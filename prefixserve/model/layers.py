@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -15,6 +14,7 @@ from torch import nn
 
 from prefixserve.model.attention import AttentionMetadata, paged_attention, write_kv
 from prefixserve.model.config import ModelConfig
+from prefixserve.model.kernels import env_flag, rms_norm_kernel
 
 
 @dataclass(slots=True)
@@ -34,12 +34,8 @@ def _fp32_large_batches() -> bool:
     hundred rows and more, and breaks even around 64 (benchmarks/bench_gemm.py, BENCHMARKS.md
     "Model speed"); with AMX bf16 is the faster one. `PREFIXSERVE_FP32_PREFILL=0` turns it off
     (it costs 4 bytes per weight of memory)."""
-    flag = os.environ.get("PREFIXSERVE_FP32_PREFILL", "").strip().lower()
-    if flag in ("0", "false", "no", "off"):
-        return False
-    if flag in ("1", "true", "yes", "on"):
-        return True
-    return not torch.cpu._is_amx_tile_supported()
+    flag = env_flag("PREFIXSERVE_FP32_PREFILL")
+    return flag if flag is not None else not torch.cpu._is_amx_tile_supported()
 
 
 # Batches with at least this many rows use the fp32 copy (where Linear keeps one).
@@ -117,8 +113,6 @@ def _rms_norm_kernel() -> object:
     """The compiled one-pass RMSNorm (prefixserve.model.kernels), looked up once; None if
     unavailable. It replaces ~8 PyTorch ops per call (cast, square, mean, rsqrt, casts, scale)."""
     if "rms_norm" not in _kernels:
-        from prefixserve.model.kernels import rms_norm_kernel
-
         _kernels["rms_norm"] = rms_norm_kernel()
     return _kernels["rms_norm"]
 

@@ -310,3 +310,22 @@ def test_kernel_decode_rows_sharing_a_cached_prefix(dtype):
         values = vc.view(-1, kv_heads, head_dim)[slots]
         want = reference(q[lo:hi], keys, values, list(range(pos, length)), 0.125, 0, 0)
         torch.testing.assert_close(out[lo:hi].double(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize(
+    "value,want",
+    [
+        ("1", True),
+        (" On ", True),
+        ("yes", True),
+        ("0", False),
+        ("OFF", False),
+        ("", None),
+        ("maybe", None),
+    ],
+)
+def test_env_switches_read_on_off_words_and_leave_the_rest_to_the_default(value, want, monkeypatch):
+    monkeypatch.setenv("PREFIXSERVE_TEST_SWITCH", value)
+    assert kernels.env_flag("PREFIXSERVE_TEST_SWITCH") is want
+    monkeypatch.setenv("PREFIXSERVE_KERNELS", value)
+    assert kernels.kernels_enabled() is (want is not False)

@@ -9,10 +9,11 @@
 // (key position j lives in block block_tables[s][j / block_size], slot j % block_size).
 // Softmax is computed online (one pass over the blocks) in fp32 whatever the cache dtype.
 //
-// Work is split over (sequence, KV head, tile of query rows): the K/V block of one KV head is
-// converted to fp32 once per tile and shared by the tile's rows and by the query heads of that
-// KV head (GQA), so a decode step reads each cached K/V element once. Loops are written to be
-// vectorized by the compiler (-O3 -march=native), no intrinsics.
+// Work is split over KV heads and items (see `run`): a tile of query rows of one sequence, or a
+// cascade of decode rows sharing cached prefix blocks. K/V are converted to fp32 a key tile at a
+// time and shared by the item's rows and by the query heads of that KV head (GQA). With AVX-512
+// and a head dim of 64/128/256 the inner loops are intrinsics (attend_tile_avx512); otherwise
+// portable loops the compiler vectorizes (-O3 -march=native).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -195,7 +196,7 @@ inline void attend_tile_avx512(const float* qv, const float* kt, const float* vt
 
 // One query vector against key slots [lo, hi) of a converted tile (rows of `head_dim` floats):
 // the online-softmax update of its running max `m`, sum `l` and unnormalized output `acc`.
-// HD > 0 fixes head_dim at compile time (the accumulator then lives in registers).
+// HD > 0 fixes head_dim at compile time.
 template <int HD>
 inline void attend_tile(const float* qv, const float* kt, const float* vt, int64_t head_dim,
                         int64_t lo, int64_t hi, float softcap, float* s, float& m, float& l,
@@ -216,22 +217,11 @@ inline void attend_tile(const float* qv, const float* kt, const float* vt, int64
   for (int64_t j = lo; j < hi; ++j) s[j] = exp_nonpositive(s[j] - m_new);
   l = l * correction + sum16(s, lo, hi, false);
   m = m_new;
-  if constexpr (HD > 0) {
-    float a[HD];
-    for (int d = 0; d < HD; ++d) a[d] = acc[d] * correction;
-    for (int64_t j = lo; j < hi; ++j) {
-      const float pj = s[j];
-      const float* vr = vt + j * HD;
-      for (int d = 0; d < HD; ++d) a[d] += pj * vr[d];
-    }
-    for (int d = 0; d < HD; ++d) acc[d] = a[d];
-  } else {
-    for (int64_t d = 0; d < head_dim; ++d) acc[d] *= correction;
-    for (int64_t j = lo; j < hi; ++j) {
-      const float pj = s[j];
-      const float* vr = vt + j * head_dim;
-      for (int64_t d = 0; d < head_dim; ++d) acc[d] += pj * vr[d];
-    }
+  for (int64_t d = 0; d < head_dim; ++d) acc[d] *= correction;
+  for (int64_t j = lo; j < hi; ++j) {
+    const float pj = s[j];
+    const float* vr = vt + j * head_dim;
+    for (int64_t d = 0; d < head_dim; ++d) acc[d] += pj * vr[d];
   }
 }
 
