@@ -1,8 +1,16 @@
-"""`prefixserve bench ...`: argparse setup, registered into prefixserve/cli.py by `register`.
+"""`prefixserve bench ...`: argparse setup, registered into prefixserve/cli.py by `configure`.
 
+    prefixserve bench run --base-url http://127.0.0.1:8000 --workloads W1
     prefixserve bench compare --engines prefixserve,vllm,llama.cpp --workloads W0,W1,W2,W3
-    prefixserve bench run --base-url http://127.0.0.1:8000 --workload W1
     prefixserve bench report --out bench-results
+
+`run` drives one running OpenAI-compatible server with this package's client and workloads;
+`report` rebuilds the tables of a results directory. `compare` (start prefixserve's and its
+peers' servers one after another) and the figures are the comparison harness in
+benchmarks/serving/ of a source checkout: when prefixserve is installed from a checkout
+(editable), `compare` hands it every argument after its name and `run` / `report` draw its
+figures too; from a plain install `compare` says where to run it and `run` / `report` write
+tables only. All of them need the `bench` extra (httpx; matplotlib for the figures).
 
 Also runnable as ``python -m prefixserve.bench ...`` with the same arguments after ``bench``.
 """
@@ -11,34 +19,71 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import json
-import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
-from prefixserve.bench.servers import ENGINES, peers_dir
 from prefixserve.bench.workloads import WORKLOAD_NAMES
 
+# What the `bench` extra installs; a command missing one of them says how to get it.
+EXTRA_MODULES = ("httpx", "matplotlib")
+INSTALL_HINT = "pip install 'prefixserve[bench]' (in a checkout: pip install -e '.[bench]')"
 
-def _csv(value: str) -> list[str]:
+
+class HarnessUnavailable(RuntimeError):
+    """The comparison harness (benchmarks/serving/) is not next to the installed package."""
+
+
+def checkout_root() -> Path | None:
+    """The source checkout prefixserve is imported from (an editable install), if it holds the
+    comparison harness benchmarks/serving/; None for a plain install."""
+    root = Path(__file__).resolve().parents[2]
+    harness = root / "benchmarks" / "serving" / "__init__.py"
+    return root if harness.is_file() and (root / "pyproject.toml").is_file() else None
+
+
+def load_harness(module: str) -> ModuleType:
+    """Import `benchmarks.serving.<module>` from the checkout prefixserve is imported from.
+
+    Raises HarnessUnavailable, saying what to do, when prefixserve is not installed from a
+    checkout."""
+    root = checkout_root()
+    if root is None:
+        raise HarnessUnavailable(
+            "this command starts other engines' servers and draws figures: it is not in the "
+            "installed package but in benchmarks/serving/ of a prefixserve source checkout. "
+            "Clone the repository, install it there with `pip install -e '.[bench]'` (or "
+            "`make install`), and run the command from that install (or `python -m "
+            "benchmarks.serving ...` in the checkout's root)"
+        )
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    mod = importlib.import_module(f"benchmarks.serving.{module}")
+    if not Path(mod.__file__ or "").resolve().is_relative_to(root):
+        raise HarnessUnavailable(f"`benchmarks` is not the checkout's ({mod.__file__})")
+    return mod
+
+
+def csv_list(value: str) -> list[str]:
+    """An argparse type: "a, b,c" -> ["a", "b", "c"]."""
     return [v.strip() for v in value.split(",") if v.strip()]
 
 
-def _default_model_dir() -> Path:
+def default_model_dir() -> Path:
+    """The packaged default model's HF directory (converted on first use)."""
     from prefixserve.model.default_model import ensure_default_model
 
     return Path(ensure_default_model())
 
 
-def _default_gguf(model_dir: Path) -> Path:
-    return peers_dir() / "gguf" / f"{model_dir.name}-bf16.gguf"
-
-
-def _add_load_args(p: argparse.ArgumentParser) -> None:
+def add_load_args(p: argparse.ArgumentParser) -> None:
+    """The workload and load flags shared by `run` and `compare`."""
     p.add_argument(
         "--workloads",
-        type=_csv,
+        type=csv_list,
         default=list(WORKLOAD_NAMES),
         help="comma-separated subset of W0,W1,W2,W3 (default: all)",
     )
@@ -79,46 +124,19 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def configure(bench: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
     """Add compare / run / report to the `bench` parser; return the function that runs them
-    (what prefixserve/cli.py's `@subcommand` hook expects)."""
+    (what prefixserve/cli.py's `@subcommand` hook expects). Imports nothing beyond the
+    workloads' names: `prefixserve serve` builds this parser too."""
     sub = bench.add_subparsers(dest="bench_command", metavar="BENCH_COMMAND", required=True)
 
-    cmp_ = sub.add_parser("compare", help="run engines one after another on the same workloads")
-    cmp_.add_argument(
-        "--engines",
-        type=_csv,
-        default=["prefixserve", "vllm", "llama.cpp"],
-        help=f"comma-separated, from: {', '.join(ENGINES)}",
+    # The harness parses its own flags (and --help): no prefix characters here, so every
+    # argument after `compare`, `--engines ...` included, is collected as it is.
+    cmp_ = sub.add_parser(
+        "compare",
+        help="run engines one after another on the same workloads (from a checkout)",
+        add_help=False,
+        prefix_chars="\0",
     )
-    _add_load_args(cmp_)
-    cmp_.add_argument(
-        "--gguf",
-        type=Path,
-        default=None,
-        help="GGUF for llama.cpp (default: what setup_llama_cpp.sh made)",
-    )
-    cmp_.add_argument("--threads", type=int, default=2, help="threads per server (OMP_NUM_THREADS)")
-    cmp_.add_argument("--port", type=int, default=8765)
-    cmp_.add_argument("--max-model-len", type=int, default=4096)
-    cmp_.add_argument(
-        "--kv-cache-gib", type=float, default=2.0, help="KV-cache memory given to each engine (GiB)"
-    )
-    cmp_.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=2048,
-        help="tokens per step for prefixserve and vLLM (vLLM's CPU default)",
-    )
-    cmp_.add_argument(
-        "--max-num-seqs",
-        type=int,
-        default=128,
-        help="requests per step for prefixserve and vLLM (vLLM's CPU default)",
-    )
-    cmp_.add_argument("--warmup", type=int, default=4, help="warm-up requests per engine")
-    cmp_.add_argument(
-        "--figures-dir", type=Path, default=None, help="also copy the PNGs here (e.g. docs/bench)"
-    )
-    cmp_.add_argument("--no-progress", action="store_true")
+    cmp_.add_argument("argv", nargs=argparse.REMAINDER)
     cmp_.set_defaults(func=_cmd_compare)
 
     run = sub.add_parser("run", help="drive one running OpenAI-compatible server")
@@ -126,62 +144,56 @@ def configure(bench: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
     run.add_argument("--served-model", default=None, help="model name (default: /v1/models)")
     run.add_argument("--prompt-format", choices=["tokens", "text"], default="tokens")
     run.add_argument("--name", default="server", help="engine name in the results")
-    _add_load_args(run)
+    add_load_args(run)
     run.set_defaults(func=_cmd_run)
 
     rep = sub.add_parser("report", help="rebuild tables and figures from a results directory")
     rep.add_argument("--out", type=Path, default=Path("bench-results"))
-    rep.add_argument("--workloads", type=_csv, default=list(WORKLOAD_NAMES))
+    rep.add_argument("--workloads", type=csv_list, default=list(WORKLOAD_NAMES))
     rep.set_defaults(func=_cmd_report)
     return _dispatch
 
 
 def _dispatch(args: argparse.Namespace) -> int:
-    return int(args.func(args))
-
-
-def _copy_figures(out: Path, workloads: list[str], figures_dir: Path | None) -> None:
-    if figures_dir is None:
-        return
-    figures_dir.mkdir(parents=True, exist_ok=True)
-    for name in workloads:
-        png = out / f"{name}.png"
-        if png.exists():
-            shutil.copy(png, figures_dir / f"serving_{name}.png")
+    try:
+        return int(args.func(args))
+    except ModuleNotFoundError as exc:
+        if exc.name not in EXTRA_MODULES:
+            raise
+        print(
+            f"prefixserve bench {args.bench_command}: {exc.name} is not installed "
+            f"(a server install leaves it out); {INSTALL_HINT}",
+            file=sys.stderr,
+        )
+        return 2
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from prefixserve.bench.compare import CompareConfig, report, run_compare
+    try:
+        harness = load_harness("cli")
+    except HarnessUnavailable as exc:
+        print(f"prefixserve bench compare: {exc}", file=sys.stderr)
+        return 2
+    return int(harness.main(args.argv, prog="prefixserve bench compare"))
 
-    model_dir = args.model or _default_model_dir()
-    gguf = args.gguf
-    if gguf is None and "llama.cpp" in args.engines:
-        gguf = _default_gguf(model_dir)
-    cfg = CompareConfig(
-        engines=args.engines,
-        workloads=args.workloads,
-        model_dir=model_dir,
-        out_dir=args.out,
-        gguf_path=gguf,
-        concurrency=args.concurrency,
-        request_rate=args.request_rate,
-        seed=args.seed,
-        scale=args.scale,
-        num_warmup=args.warmup,
-        threads=args.threads,
-        port=args.port,
-        max_model_len=args.max_model_len,
-        kv_cache_gib=args.kv_cache_gib,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-    )
-    status = run_compare(cfg, progress=not args.no_progress)
-    print(report(args.out, cfg.workloads))
-    _copy_figures(args.out, cfg.workloads, args.figures_dir)
-    failed = {k: v for k, v in status.items() if v != "ok"}
-    for engine, why in failed.items():
-        print(f"{engine}: FAILED: {why.splitlines()[0]}", file=sys.stderr)
-    return 1 if failed else 0
+
+def _report(out: Path, workloads: list[str]) -> str:
+    """Write the tables (and summary.json) of every result under `out`, and print them; the
+    figures too where the checkout's harness is there to draw them."""
+    try:
+        compare = load_harness("compare")
+    except HarnessUnavailable:
+        why = "they are drawn by benchmarks/serving/ of a source checkout"
+    except ModuleNotFoundError as exc:
+        if exc.name not in EXTRA_MODULES:
+            raise
+        why = f"{exc.name} is not installed; {INSTALL_HINT}"
+    else:
+        return compare.report(out, workloads)
+    from prefixserve.bench.results import report
+
+    print(f"(no figures: {why})", file=sys.stderr)
+    return report(out, workloads)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -189,11 +201,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from prefixserve.bench.client import EndpointConfig, run_workload
-    from prefixserve.bench.compare import load_token_pool, report
+    from prefixserve.bench.results import result_path
     from prefixserve.bench.summary import summarize
-    from prefixserve.bench.workloads import make_workload, prepend_tokens
+    from prefixserve.bench.workloads import load_token_pool, make_workload, prepend_tokens
 
-    model_dir = args.model or _default_model_dir()
+    model_dir = args.model or default_model_dir()
     pool, decode, special_prefix = load_token_pool(model_dir)
     served = args.served_model
     if served is None:
@@ -221,7 +233,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
                 )
             )
         summary = summarize(result.records, result.duration)
-        path = args.out / workload.name / f"{args.name}.json"
+        path = result_path(args.out, workload.name, args.name)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(
             json.dumps(
@@ -238,14 +250,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
                 indent=1,
             )
         )
-    print(report(args.out, [w.upper() for w in args.workloads]))
+    print(_report(args.out, [w.upper() for w in args.workloads]))
     return 0
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from prefixserve.bench.compare import report
-
-    print(report(args.out, [w.upper() for w in args.workloads]))
+    print(_report(args.out, [w.upper() for w in args.workloads]))
     return 0
 
 

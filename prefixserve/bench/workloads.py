@@ -6,9 +6,9 @@ such tokens decodes to text ("`` apple river stone``") that re-encodes to the sa
 that only takes text prompts sees the same tokens, and the same shared prefixes, as one that takes
 token ids.
 
-The shapes follow issue 6:
+The shapes:
 
-- W0 no sharing (control): 64 requests of random 512-token prompts.
+- W0 no sharing (control): 64 requests of random 512-token prompts; 16 output tokens.
 - W1 shared system prompts: 4 prefixes of 1,024 tokens x 8 requests, each with its own 64-token
   suffix; 16 output tokens, EOS ignored.
 - W2 multi-turn chat: 8 conversations x 5 turns; each turn's prompt is the whole history plus a new
@@ -16,9 +16,9 @@ The shapes follow issue 6:
   conversation has finished. The assistant replies in the history are fixed 32-token texts from
   the seed, not what the server generated, so every engine sees the same prompts.
 - W3 document QA: 4 documents of 1,500 tokens, 6 questions each, asked round-robin across the
-  documents (d0q0, d1q0, d2q0, d3q0, d0q1, ...), which is the worst order for an LRU cache.
+  documents (d0q0, d1q0, d2q0, d3q0, d0q1, ...), which is the worst order for an LRU cache;
+  each question is 32 tokens; 16 output tokens.
 
-Output lengths not fixed by the issue: W0 16 tokens, W3 32-token questions and 16 output tokens.
 EOS is ignored everywhere so every engine decodes the same number of tokens.
 """
 
@@ -28,6 +28,7 @@ import random
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 WORKLOAD_NAMES = ("W0", "W1", "W2", "W3")
 
@@ -89,6 +90,30 @@ def token_pool_from_tokenizer(tokenizer: object, max_tokens: int = 8192) -> list
             f"the tokenizer has only {len(pool)} round-trip-safe word tokens; at least 256 needed"
         )
     return pool[:max_tokens]
+
+
+def load_token_pool(
+    model_dir: Path,
+) -> tuple[list[int], Callable[[list[int]], str], list[int]]:
+    """From the model's tokenizer.json: its round-trip-safe word tokens, a decode function, and
+    the special tokens its tokenizer puts before a text (a BOS, if it adds one; the default
+    model adds none), which token-id prompts then get too, so that servers given text and
+    servers given ids compute the same tokens."""
+    from tokenizers import Tokenizer
+
+    path = model_dir / "tokenizer.json"
+    if not path.exists():
+        raise ValueError(f"{model_dir} has no tokenizer.json; give a Hugging Face model directory")
+    tokenizer = Tokenizer.from_file(str(path))
+
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=False)
+
+    plain = tokenizer.encode(" the", add_special_tokens=False).ids
+    full = tokenizer.encode(" the").ids
+    cut = len(full) - len(plain)
+    special_prefix = full[:cut] if full[cut:] == plain else []
+    return token_pool_from_tokenizer(tokenizer), decode, special_prefix
 
 
 class _Gen:
@@ -215,7 +240,7 @@ def make_workload(
 
 def prepend_tokens(requests: Sequence[BenchRequest], prefix_ids: Sequence[int]) -> None:
     """Put `prefix_ids` (whatever special tokens the tokenizer itself adds before a text, as
-    `compare.load_token_pool` reads them from tokenizer.json: none for the default model, whose
+    `load_token_pool` reads them from tokenizer.json: none for the default model, whose
     GGUF says add_bos_token = False; `<bos>` for Gemma 3) before every token-id prompt, so a
     server given token ids sees what one given the text sees; `prompt_text` is left as is."""
     for req in requests:

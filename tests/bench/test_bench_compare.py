@@ -9,13 +9,16 @@ import sys
 from pathlib import Path
 
 import pytest
+from stub_openai import StubServer
 from test_bench_workloads import _words
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from prefixserve.bench import servers
+from benchmarks.serving import servers
+from benchmarks.serving.compare import CompareConfig, report, run_compare
+from benchmarks.serving.servers import EngineSpec, ServerContext, ServerError, ServerProcess
+from prefixserve.bench import cli as bench_cli
 from prefixserve.bench.cli import main as bench_main
-from prefixserve.bench.compare import CompareConfig, load_results, report, run_compare
-from prefixserve.bench.servers import EngineSpec, ServerContext, ServerError, ServerProcess
+from prefixserve.bench.results import load_results
 
 STUB = Path(__file__).with_name("stub_openai.py")
 
@@ -149,6 +152,27 @@ def test_bench_cli_report_rebuilds_tables_from_a_results_dir(
     assert bench_main(["report", "--out", str(tmp_path), "--workloads", "W0"]) == 0
     assert "| stub |" in capsys.readouterr().out
     assert (tmp_path / "W0.md").exists() and (tmp_path / "W0.png").exists()
+
+
+def test_bench_cli_run_drives_a_running_server_and_draws_figures_from_a_checkout(
+    tmp_path, model_dir, monkeypatch, capsys
+):
+    with StubServer() as stub:
+        argv = ["run", "--base-url", stub.base_url, "--model", str(model_dir), "--name", "stub"]
+        argv += ["--workloads", "w1", "--scale", "0.125", "--concurrency", "2"]
+        assert bench_main([*argv, "--out", str(tmp_path / "checkout")]) == 0
+        # a plain install: no harness next to the package, so tables without figures
+        monkeypatch.setattr(bench_cli, "checkout_root", lambda: None)
+        assert bench_main([*argv, "--out", str(tmp_path / "plain")]) == 0
+    out, err = capsys.readouterr()
+    assert out.count("| stub |") == 2 and "no figures" in err
+    for kind in ("checkout", "plain"):
+        data = json.loads((tmp_path / kind / "W1" / "stub.json").read_text())
+        assert data["engine"] == "stub" and data["summary"]["num_failed"] == 0
+        assert data["summary"]["num_requests"] == 4
+        assert (tmp_path / kind / "W1.md").exists() and (tmp_path / kind / "summary.json").exists()
+    assert (tmp_path / "checkout" / "W1.png").exists()
+    assert not (tmp_path / "plain" / "W1.png").exists()
 
 
 def test_compare_config_names_bad_engines_and_workloads(tmp_path):

@@ -156,8 +156,7 @@ def test_token_pool_refuses_a_vocabulary_without_enough_words():
 def test_default_model_token_id_prompts_get_what_its_tokenizer_adds_to_text():
     """Token-id prompts get the special tokens the tokenizer itself adds to a text, read from
     tokenizer.json: for the default model none (its GGUF says add_bos_token = False)."""
-    from prefixserve.bench.compare import load_token_pool
-    from prefixserve.bench.workloads import prepend_tokens
+    from prefixserve.bench.workloads import load_token_pool, prepend_tokens
     from prefixserve.model.default_model import ensure_default_model
 
     model_dir = ensure_default_model()
@@ -176,7 +175,7 @@ def test_load_token_pool_finds_the_bos_a_tokenizer_adds_to_text(tmp_path, bpe_to
     """A tokenizer whose post-processor adds a BOS (as Gemma's does): token-id prompts get it."""
     from tokenizers import processors
 
-    from prefixserve.bench.compare import load_token_pool
+    from prefixserve.bench.workloads import load_token_pool
 
     tok = Tokenizer.from_str(bpe_tokenizer.to_str())
     bos = tok.token_to_id("<|endoftext|>")

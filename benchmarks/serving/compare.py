@@ -14,31 +14,32 @@ import json
 import platform
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
-from prefixserve.bench.client import EndpointConfig, RequestRecord, RunResult, run_workload
-from prefixserve.bench.plots import plot_workload
-from prefixserve.bench.servers import (
+from benchmarks.serving.plots import plot_workload
+from benchmarks.serving.servers import (
     ENGINES,
     ServerContext,
     ServerError,
     ServerProcess,
     get_engine,
 )
-from prefixserve.bench.summary import Summary, markdown_table, summarize
+from prefixserve.bench import results
+from prefixserve.bench.client import EndpointConfig, RequestRecord, RunResult, run_workload
+from prefixserve.bench.summary import Summary, summarize
 from prefixserve.bench.workloads import (
     WORKLOAD_NAMES,
     BenchRequest,
     Workload,
+    load_token_pool,
     make_warmup,
     make_workload,
     prepend_tokens,
-    token_pool_from_tokenizer,
 )
 
 
@@ -72,34 +73,6 @@ class CompareConfig:
             raise ValueError("choose at least one engine")
 
 
-def load_token_pool(
-    model_dir: Path,
-) -> tuple[list[int], Callable[[list[int]], str], list[int]]:
-    """From the model's tokenizer.json: its round-trip-safe word tokens, a decode function, and
-    the special tokens its tokenizer puts before a text (a BOS, if it adds one; the default
-    model adds none), which token-id prompts then get too, so that servers given text and
-    servers given ids compute the same tokens."""
-    from tokenizers import Tokenizer
-
-    path = model_dir / "tokenizer.json"
-    if not path.exists():
-        raise ValueError(f"{model_dir} has no tokenizer.json; give a Hugging Face model directory")
-    tokenizer = Tokenizer.from_file(str(path))
-
-    def decode(ids: list[int]) -> str:
-        return tokenizer.decode(ids, skip_special_tokens=False)
-
-    plain = tokenizer.encode(" the", add_special_tokens=False).ids
-    full = tokenizer.encode(" the").ids
-    cut = len(full) - len(plain)
-    special_prefix = full[:cut] if full[cut:] == plain else []
-    return token_pool_from_tokenizer(tokenizer), decode, special_prefix
-
-
-def result_path(out_dir: Path, workload: str, engine: str) -> Path:
-    return out_dir / workload / f"{engine}.json"
-
-
 def _machine() -> dict[str, Any]:
     import os
 
@@ -130,45 +103,16 @@ def _write_result(
         "summary": summary.to_dict(),
         "run": run.to_dict(),
     }
-    path = result_path(cfg.out_dir, workload.name, engine)
+    path = results.result_path(cfg.out_dir, workload.name, engine)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=1))
     return summary
 
 
-def load_results(out_dir: Path, workload: str) -> list[tuple[str, Summary, list[RequestRecord]]]:
-    """Every engine result of `workload` under `out_dir`, in the engines' registry order."""
-    found: list[tuple[str, Summary, list[RequestRecord]]] = []
-    folder = out_dir / workload
-    if not folder.is_dir():
-        return found
-    order = {name: i for i, name in enumerate(ENGINES)}
-    for path in sorted(folder.glob("*.json"), key=lambda p: (order.get(p.stem, 99), p.stem)):
-        data = json.loads(path.read_text())
-        records = [RequestRecord(**r) for r in data["run"]["records"]]
-        found.append((data["engine"], summarize(records, data["run"]["duration"]), records))
-    return found
-
-
 def report(out_dir: Path, workloads: Sequence[str]) -> str:
     """Write `<workload>.md` and `<workload>.png` for each workload, and `summary.json` (every
-    engine's summary per workload); return all tables."""
-    parts: list[str] = []
-    summaries: dict[str, dict[str, Any]] = {}
-    for name in workloads:
-        results = load_results(out_dir, name)
-        if not results:
-            continue
-        summaries[name] = {engine: s.to_dict() for engine, s, _ in results}
-        table = markdown_table([(engine, s) for engine, s, _ in results])
-        (out_dir / f"{name}.md").write_text(table + "\n")
-        first = json.loads(next((out_dir / name).glob("*.json")).read_text())
-        title = f"{name}: {first.get('description', '')}"
-        plot_workload(name, results, out_dir / f"{name}.png", title=title)
-        parts.append(f"### {name}\n\n{table}\n")
-    if summaries:
-        (out_dir / "summary.json").write_text(json.dumps(summaries, indent=1))
-    return "\n".join(parts)
+    engine's summary per workload); return all tables. Engines are in the registry's order."""
+    return results.report(out_dir, workloads, order=list(ENGINES), plot=plot_workload)
 
 
 def _run(
