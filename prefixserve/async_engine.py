@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from prefixserve.outputs import CompletionOutput, RequestOutput
@@ -180,13 +181,31 @@ class AsyncLLMEngine:
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.dead_error is None
 
+    # ------------------------------------------------------------------ what the engine serves
+    # Fixed when the engine was built: read-only, and readable outside the step thread.
     @property
     def tokenizer(self) -> Any:
+        """The model's tokenizer (`encode`, `decode`, `apply_chat_template`)."""
         return self.engine.tokenizer
 
     @property
     def model_config(self) -> Any:
         return self.engine.model_config
+
+    @property
+    def model_path(self) -> Path:
+        """The HF directory the weights were loaded from (the converted one for a GGUF file)."""
+        return self.engine.loaded_model.path
+
+    @property
+    def max_model_len(self) -> int:
+        """The context length: the most prompt plus output tokens one request may have."""
+        return int(self.engine.max_model_len)
+
+    @property
+    def num_kv_blocks(self) -> int:
+        """Blocks in the KV-cache pool."""
+        return int(self.engine.num_kv_blocks)
 
     # ------------------------------------------------------------------------------ requests
     async def add_request(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from http import HTTPStatus
 from typing import Any
 
@@ -22,6 +23,7 @@ logger = logging.getLogger(__name__)
 # Fields a ValueError from SamplingParams or the engine may name in its first words; used to fill
 # `param` when the error comes from below the server.
 KNOWN_PARAMS = (
+    "prompt_token_ids",
     "prompt_logprobs",
     "prompt",
     "messages",
@@ -100,14 +102,25 @@ def _find_word(text: str, word: str) -> int:
     return -1
 
 
-def bad_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
-    return OpenAIError(message, param=param, code=code)
+# What the engine calls a request field, as the API calls it.
+_ENGINE_FIELD_NAMES = {"prompt_token_ids": "prompt"}
 
 
-def from_value_error(exc: ValueError) -> OpenAIError:
-    """A ValueError raised by SamplingParams or the engine's validation, as a 400."""
+def from_value_error(exc: ValueError, fields: Mapping[str, str] | None = None) -> OpenAIError:
+    """A ValueError raised by SamplingParams or the engine's validation, as a 400.
+
+    `param` is the field the message names first, in the API's words; `fields` renames it to
+    what the endpoint calls that field (chat sends its prompt as `messages`). The engine names
+    `max_model_len` only when the request does not fit the context, which OpenAI reports with the
+    code `context_length_exceeded`.
+    """
     message = str(exc)
-    return OpenAIError(message, param=param_from_message(message))
+    param = param_from_message(message)
+    param = _ENGINE_FIELD_NAMES.get(param, param) if param is not None else None
+    if param is not None and fields:
+        param = fields.get(param, param)
+    code = "context_length_exceeded" if _find_word(message.lower(), "max_model_len") >= 0 else None
+    return OpenAIError(message, param=param, code=code)
 
 
 # Tags pydantic puts into an error location for the member of a union that failed.
