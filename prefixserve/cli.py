@@ -240,12 +240,14 @@ def default_served_name(model: str | None) -> str:
 
 
 def describe_engine(engine: object, config: EngineConfig, served_names: list[str]) -> list[str]:
-    """The start-up log lines: what runs, in which dtype, and how big the cache is."""
+    """The start-up log lines: what runs, in which dtype, and how big the cache is.
+
+    `engine` is an AsyncLLMEngine; what it does not tell shows as '?'."""
     cache = config.cache
     num_blocks = getattr(engine, "num_kv_blocks", None)
     model_config = getattr(engine, "model_config", None)
     arch = getattr(model_config, "architecture", "?")
-    path = getattr(getattr(engine, "loaded_model", None), "path", None)
+    path = getattr(engine, "model_path", None)
     source = config.model or "the default model"
     lines = [
         f"model: {source} (weights {path}; served as {', '.join(served_names)}; "
@@ -266,7 +268,6 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from prefixserve.async_engine import AsyncLLMEngine
-    from prefixserve.engine import LLMEngine
     from prefixserve.server.app import build_app
     from prefixserve.server.auth import ApiKeys
 
@@ -283,21 +284,25 @@ def run_serve(args: argparse.Namespace) -> int:
     served_names = args.served_model_name or [default_served_name(args.model)]
     logger.info("loading %s ...", args.model or "the default model")
     try:
-        llm_engine = LLMEngine(config)
+        engine = AsyncLLMEngine.from_config(
+            config,
+            log_stats_interval_s=None if args.disable_log_stats else args.log_stats_interval,
+            collect_kv_events=args.kv_events,
+        )
     except ValueError as exc:
         print(f"prefixserve serve: error: {exc}", file=sys.stderr)
         return 2
-    for line in describe_engine(llm_engine, config, served_names):
+    for line in describe_engine(engine, config, served_names):
         logger.info(line)
-    pool_tokens = llm_engine.num_kv_blocks * config.cache.block_size
-    if pool_tokens < llm_engine.max_model_len:
+    pool_tokens = engine.num_kv_blocks * config.cache.block_size
+    if pool_tokens < engine.max_model_len:
         logger.warning(
             "the KV pool holds %d tokens, less than max_model_len %d: requests whose prompt + "
             "max_tokens need more are refused (a chat request without max_tokens asks for the "
             "whole context); raise --num-kv-blocks / --kv-cache-memory-gb or lower "
             "--max-model-len",
             pool_tokens,
-            llm_engine.max_model_len,
+            engine.max_model_len,
         )
     if api_keys is None:
         logger.info("auth: none (every client shares one cache namespace; see --api-key-file)")
@@ -307,11 +312,6 @@ def run_serve(args: argparse.Namespace) -> int:
             len(api_keys),
             len(api_keys.tenants),
         )
-    engine = AsyncLLMEngine(
-        llm_engine,
-        log_stats_interval_s=None if args.disable_log_stats else args.log_stats_interval,
-        collect_kv_events=args.kv_events,
-    )
     app = build_app(engine, served_names, api_keys=api_keys, model_root=args.model)
     engine.start()
     server = uvicorn.Server(
