@@ -7,6 +7,7 @@ import logging
 import uuid
 
 import pytest
+from server_helpers import MAX_MODEL_LEN, NUM_KV_BLOCKS
 
 from prefixserve.async_engine import format_stats
 from prefixserve.sampling_params import SamplingParams
@@ -177,3 +178,10 @@ def test_a_busy_engine_logs_the_periodic_stats_line(async_engine, tokenizer, cap
     lines = [r.getMessage() for r in caplog.records if "generation throughput" in r.getMessage()]
     assert lines
     assert all("KV cache usage" in line and "prefix cache hit rate" in line for line in lines)
+
+
+def test_the_public_properties_tell_what_the_engine_serves(async_engine):
+    assert async_engine.max_model_len == MAX_MODEL_LEN
+    assert async_engine.num_kv_blocks == NUM_KV_BLOCKS
+    assert (async_engine.model_path / "config.json").is_file()
+    assert async_engine.tokenizer.decode(async_engine.tokenizer.encode("Hi there")) == "Hi there"

@@ -6,6 +6,8 @@ import openai
 import pytest
 from server_helpers import MAX_MODEL_LEN, MODEL_NAME
 
+from prefixserve.server.errors import from_value_error
+
 CMPL = "/v1/completions"
 CHAT = "/v1/chat/completions"
 OK_MESSAGES = [{"role": "user", "content": "hi"}]
@@ -153,3 +155,71 @@ def test_the_server_serves_normally_after_bad_requests(client, server):
     response = client.completions.create(model=MODEL_NAME, prompt="Still alive?", max_tokens=3)
     assert response.usage.completion_tokens >= 1
     server.check_no_leaks()
+
+
+# (id, path, json body, param): a request past the context, refused by the engine's check.
+PAST_THE_CONTEXT = [
+    ("prompt", CMPL, cmpl(prompt=[1] * MAX_MODEL_LEN), "prompt"),
+    ("max-tokens", CMPL, cmpl(max_tokens=MAX_MODEL_LEN), "max_tokens"),
+    (
+        "chat-prompt",
+        CHAT,
+        chat(messages=[{"role": "user", "content": "hi " * MAX_MODEL_LEN}]),
+        "messages",
+    ),
+    ("chat-max-tokens", CHAT, chat(max_tokens=MAX_MODEL_LEN), "max_tokens"),
+    (
+        "chat-max-completion-tokens",
+        CHAT,
+        chat(max_completion_tokens=MAX_MODEL_LEN),
+        "max_completion_tokens",
+    ),
+    ("streamed", CMPL, cmpl(prompt=[1] * MAX_MODEL_LEN, stream=True), "prompt"),
+]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [pytest.param(*case[1:], id=case[0]) for case in PAST_THE_CONTEXT],
+)
+def test_a_request_past_the_context_is_context_length_exceeded(server, path, body, param):
+    with server.http() as http:
+        error = assert_openai_error(http.post(path, json=body), 400, param)
+    assert error["code"] == "context_length_exceeded"
+    assert str(MAX_MODEL_LEN) in error["message"]
+
+
+def test_a_token_id_outside_the_vocabulary_is_no_context_error(server):
+    with server.http() as http:
+        error = assert_openai_error(
+            http.post(CMPL, json=cmpl(prompt=[1, 10_000_000])), 400, "prompt"
+        )
+    assert error["code"] is None
+    assert "10000000" in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("message", "fields", "param", "code"),
+    [
+        ("prompt_token_ids must be integers in [0, 10), got 12", None, "prompt", None),
+        ("prompt_token_ids must hold at least one token", {"prompt": "messages"}, "messages", None),
+        (
+            "the prompt has 9 tokens but max_model_len is 8; at most 7",
+            {"prompt": "messages"},
+            "messages",
+            "context_length_exceeded",
+        ),
+        (
+            "max_tokens=9 plus the prompt's 1 tokens exceeds max_model_len=8",
+            {"max_tokens": "max_completion_tokens"},
+            "max_completion_tokens",
+            "context_length_exceeded",
+        ),
+        ("top_p must be in (0, 1], got 0", {"prompt": "messages"}, "top_p", None),
+        ("something else went wrong", {"prompt": "messages"}, None, None),
+    ],
+)
+def test_an_engine_value_error_names_the_endpoint_field(message, fields, param, code):
+    error = from_value_error(ValueError(message), fields)
+    assert (error.status_code, error.param, error.code) == (400, param, code)
+    assert error.message == message
