@@ -8,15 +8,14 @@
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Any
 
-# OpenMP threads that spin while waiting make small matmuls 10-50x slower whenever the cores are
-# shared with anything else; libgomp reads this once, when torch loads. Users may override it.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from prefixserve import settings
 
-from prefixserve.outputs import CompletionOutput, RequestOutput
-from prefixserve.sampling_params import SamplingParams
+settings.default_omp_wait_policy()  # before anything imports torch
+
+from prefixserve.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from prefixserve.sampling_params import SamplingParams  # noqa: E402
 
 if TYPE_CHECKING:
     from prefixserve.llm import LLM

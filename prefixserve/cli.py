@@ -12,12 +12,11 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 
-from prefixserve.config import SUPPORTED_DTYPES, CacheConfig, EngineConfig, SchedulerConfig
+from prefixserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from prefixserve.dtypes import SUPPORTED_DTYPES
+from prefixserve.kv_cache.hashing import HASH_ALGOS
 
 logger = logging.getLogger("prefixserve")
-
-# What kv_cache.hashing.get_hash_fn offers.
-HASH_ALGOS = ("sha256", "xxhash")
 
 Runner = Callable[[argparse.Namespace], int]
 Subcommand = Callable[[argparse.ArgumentParser], Runner]

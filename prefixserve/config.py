@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from prefixserve.dtypes import SUPPORTED_DTYPES
 from prefixserve.kv_cache.hashing import get_hash_fn
 
-SUPPORTED_DTYPES = ("bfloat16", "float32")
 # Without num_kv_blocks or kv_cache_memory_gb the pool gets this much memory (or less, when the
 # model's context needs less for max_num_seqs requests).
 DEFAULT_KV_CACHE_MEMORY_GB = 1.0

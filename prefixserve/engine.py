@@ -140,7 +140,8 @@ class LLMEngine:
             config.scheduler, self.kv_cache_manager, self.max_model_len, eos_token_ids=eos_ids
         )
         self.runner = ModelRunner(
-            loaded_model,
+            loaded_model.model,
+            self.model_config,
             num_blocks=self.num_kv_blocks + 1,
             block_size=cache.block_size,
             seed=config.seed,
@@ -161,7 +162,7 @@ class LLMEngine:
         cache = self.config.cache
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
-        per_block = ModelRunner.kv_cache_bytes_per_block(self.model_config, cache.block_size)
+        per_block = self.model_config.kv_cache_bytes_per_block(cache.block_size)
         if cache.kv_cache_memory_gb is not None:
             num = int(cache.kv_cache_memory_gb * _GIB) // per_block
             if num < 1:

@@ -7,7 +7,7 @@ never mutates a Request: it reads token ids and sampling params and returns a Mo
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -30,45 +30,22 @@ class SamplerLike(Protocol):
     ) -> list[tuple[int, PositionLogprobs | None]]: ...
 
 
-def _bytes_per_block(config: ModelConfig, block_size: int) -> int:
-    elem = torch.empty((), dtype=config.torch_dtype).element_size()
-    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * elem
-
-
-class _BytesPerBlock:
-    """`ModelRunner.kv_cache_bytes_per_block(config, block_size)` before a runner exists (to size
-    the pool from a memory budget), or `runner.kv_cache_bytes_per_block()` for its own shape."""
-
-    def __get__(self, runner: ModelRunner | None, owner: type | None = None) -> Any:
-        if runner is None:
-            return _bytes_per_block
-
-        def bound(config: ModelConfig | None = None, block_size: int | None = None) -> int:
-            return _bytes_per_block(config or runner.config, block_size or runner.block_size)
-
-        return bound
-
-
 class ModelRunner:
     """Runs the model for the scheduler's steps.
 
-    `model` is a model from `prefixserve.model.registry.create_model` (or a LoadedModel, whose
-    `.model` and `.config` are used). `num_blocks` counts the null block 0.
+    `model` is a model from `prefixserve.model.registry.create_model` and `config` its
+    ModelConfig. `num_blocks` counts the null block 0.
     """
-
-    kv_cache_bytes_per_block = _BytesPerBlock()
 
     def __init__(
         self,
-        model: Any,
-        config: ModelConfig | None = None,
-        num_blocks: int | None = None,
+        model: nn.Module,
+        config: ModelConfig,
+        num_blocks: int,
         block_size: int = 16,
         sampler: SamplerLike | None = None,
         seed: int = 0,
     ) -> None:
-        if config is None:  # a LoadedModel
-            model, config = model.model, model.config
         if not isinstance(num_blocks, int) or num_blocks < 2:
             raise ValueError(
                 "num_blocks must be an integer >= 2 (block 0 is the null block), "

@@ -45,7 +45,13 @@ def greedy_generate(loaded, prompt_ids: list[int], max_new_tokens: int) -> list[
 
     block_size = 16
     num_blocks = (len(prompt_ids) + max_new_tokens) // block_size + 2
-    runner = ModelRunner(loaded, num_blocks=num_blocks + 1, block_size=block_size, sampler=argmax)
+    runner = ModelRunner(
+        loaded.model,
+        loaded.config,
+        num_blocks=num_blocks + 1,
+        block_size=block_size,
+        sampler=argmax,
+    )
     block_ids = tuple(list(range(1, num_blocks + 1)) for _ in loaded.config.kv_cache_groups())
     request = Request("greedy", prompt_ids, SamplingParams(temperature=0.0))
     computed, new = 0, len(prompt_ids)

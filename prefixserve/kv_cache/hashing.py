@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
+from prefixserve.settings import python_hash_seed
+
 if TYPE_CHECKING:
     from prefixserve.request import Request
 
@@ -45,6 +47,9 @@ _HASH_FUNCTIONS: dict[str, HashFn] = {
     "sha256": _sha256,
     "xxhash": xxhash.xxh3_128_digest,
 }
+
+
+HASH_ALGOS: tuple[str, ...] = tuple(_HASH_FUNCTIONS)
 
 
 def get_hash_fn(name: str) -> HashFn:
@@ -75,8 +80,8 @@ def init_none_hash(hash_fn: str | HashFn = "sha256") -> BlockHash:
     """
     global NONE_HASH
     fn = _resolve(hash_fn)
-    seed = os.environ.get("PYTHONHASHSEED")
-    if seed is None or seed == "random":
+    seed = python_hash_seed()
+    if seed is None:
         NONE_HASH = fn(os.urandom(32))  # a digest, so it is as long as every other parent
     else:
         NONE_HASH = fn(b"prefixserve-none-hash:" + seed.encode())

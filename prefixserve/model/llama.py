@@ -20,11 +20,10 @@ from prefixserve.model.layers import (
     Linear,
     RMSNorm,
     RotaryEmbedding,
-    check_all_loaded,
-    load_hf_weights,
     one_thread,
     pack_linears,
 )
+from prefixserve.model.weights import check_all_loaded, load_hf_weights
 
 
 class LlamaDecoderLayer(nn.Module):

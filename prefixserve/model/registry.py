@@ -1,26 +1,45 @@
-"""Architecture name -> model class, and building a model ready for `load_weights`."""
+"""The supported architectures, in one table, and building a model ready for `load_weights`.
+
+Each Hugging Face architecture name maps to the transformers `model_type` whose config defaults
+apply to it (`hf_config.py` uses them) and to the class implementing it. Adding a model family
+is a new module beside `llama.py` and one row here.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from prefixserve.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from prefixserve.model.config import ModelConfig
 from prefixserve.model.gemma3 import Gemma3ForCausalLM
 from prefixserve.model.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from prefixserve.model.qwen3 import Qwen3ForCausalLM
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "MODEL_CLASSES", "create_model"]
-
-MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": MistralForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
-    "Gemma3ForCausalLM": Gemma3ForCausalLM,
-    "Gemma3ForConditionalGeneration": Gemma3ForCausalLM,
+# architecture -> (transformers model_type, implementing class)
+_MODELS: dict[str, tuple[str, type[LlamaForCausalLM]]] = {
+    "LlamaForCausalLM": ("llama", LlamaForCausalLM),
+    "MistralForCausalLM": ("mistral", MistralForCausalLM),
+    "Qwen2ForCausalLM": ("qwen2", Qwen2ForCausalLM),
+    "Qwen3ForCausalLM": ("qwen3", Qwen3ForCausalLM),
+    "Gemma3ForCausalLM": ("gemma3_text", Gemma3ForCausalLM),
+    "Gemma3ForConditionalGeneration": ("gemma3", Gemma3ForCausalLM),
 }
-assert set(MODEL_CLASSES) == set(SUPPORTED_ARCHITECTURES)
+
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)
+MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {arch: cls for arch, (_, cls) in _MODELS.items()}
+
+
+def hf_model_type(architecture: str) -> str:
+    """The transformers model_type of a supported architecture (KeyError otherwise)."""
+    return _MODELS[architecture][0]
+
+
+def architecture_of_model_type(model_type: str) -> str | None:
+    """The architecture a config.json without `architectures` means by its model_type."""
+    for arch, (mt, _) in _MODELS.items():
+        if mt == model_type:
+            return arch
+    return None
 
 
 def create_model(config: ModelConfig) -> nn.Module:

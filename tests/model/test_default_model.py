@@ -53,7 +53,7 @@ def test_default_model_text_encoding_adds_no_bos_when_gguf_says_so(default_model
     with no leading <|im_start|> (id 1), and tokenizer_config.json says the same."""
     from gguf import GGUFReader
 
-    from prefixserve.model.loader import CONVERSION_MARKER, CONVERSION_VERSION
+    from prefixserve.model.gguf_convert import CONVERSION_MARKER, CONVERSION_VERSION
     from prefixserve.model.tokenizer import Tokenizer
 
     fields = GGUFReader(str(default_model_gguf())).fields

@@ -7,7 +7,7 @@ import torch
 from tiny_hf_models import VOCAB, assert_close, build_hf_model, build_ours
 
 from prefixserve.batch import ScheduledRequest, SchedulerOutput
-from prefixserve.model.config import ModelConfig
+from prefixserve.model.hf_config import model_config_from_hf
 from prefixserve.model.registry import create_model
 from prefixserve.request import Request
 from prefixserve.runner import ModelRunner
@@ -30,7 +30,7 @@ def last_logits(model, config, prompt: list[int]) -> torch.Tensor:
 
 def test_missing_lm_head_is_tied_to_the_embedding(tmp_path):
     hf_model, config_json = build_hf_model("llama", tmp_path)  # untied
-    config = ModelConfig.from_hf_config(config_json, "float32")
+    config = model_config_from_hf(config_json, "float32")
     model = create_model(config)
     weights = {k: v for k, v in hf_model.state_dict().items() if k != "lm_head.weight"}
     model.load_weights(weights.items())
@@ -49,7 +49,7 @@ def test_tied_checkpoint_with_a_redundant_lm_head_loads(tmp_path):
 
 def test_rotary_inv_freq_buffers_are_skipped(tmp_path):
     hf_model, config_json = build_hf_model("qwen3", tmp_path)
-    model = create_model(ModelConfig.from_hf_config(config_json, "float32"))
+    model = create_model(model_config_from_hf(config_json, "float32"))
     weights = list(hf_model.state_dict().items())
     weights.append(("model.layers.0.self_attn.rotary_emb.inv_freq", torch.zeros(8)))
     model.load_weights(weights)
@@ -57,7 +57,7 @@ def test_rotary_inv_freq_buffers_are_skipped(tmp_path):
 
 def test_missing_weight_is_named(tmp_path):
     hf_model, config_json = build_hf_model("qwen2", tmp_path)
-    model = create_model(ModelConfig.from_hf_config(config_json, "float32"))
+    model = create_model(model_config_from_hf(config_json, "float32"))
     weights = {
         k: v
         for k, v in hf_model.state_dict().items()
@@ -69,7 +69,7 @@ def test_missing_weight_is_named(tmp_path):
 
 def test_unknown_or_misshapen_tensors_are_refused(tmp_path):
     hf_model, config_json = build_hf_model("llama", tmp_path)
-    model = create_model(ModelConfig.from_hf_config(config_json, "float32"))
+    model = create_model(model_config_from_hf(config_json, "float32"))
     with pytest.raises(ValueError, match="model.layers.9.mlp.up_proj.weight"):
         model.load_weights([("model.layers.9.mlp.up_proj.weight", torch.zeros(96, 64))])
     with pytest.raises(ValueError, match=r"shape \(3, 64\)"):
@@ -85,7 +85,7 @@ def test_gemma3_multimodal_checkpoint_names_load_the_text_model(tmp_path):
     weights.append(("multi_modal_projector.mm_input_projection_weight", torch.ones(2)))
     config_json = {**config_json, "architectures": ["Gemma3ForConditionalGeneration"]}
     config_json["model_type"] = "gemma3_text"
-    config = ModelConfig.from_hf_config(config_json, "float32")
+    config = model_config_from_hf(config_json, "float32")
     model = create_model(config)
     model.load_weights(weights)
     prompt = torch.randint(0, VOCAB, (13,)).tolist()

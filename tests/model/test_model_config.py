@@ -1,4 +1,4 @@
-"""ModelConfig.from_hf_config: defaults, KV-cache groups and the errors users can cause."""
+"""model_config_from_hf: defaults, KV-cache groups and the errors users can cause."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import transformers
 
 from prefixserve.kv_cache.spec import FullAttentionSpec, SlidingWindowSpec
-from prefixserve.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
-from prefixserve.model.registry import create_model
+from prefixserve.model.hf_config import model_config_from_hf
+from prefixserve.model.registry import SUPPORTED_ARCHITECTURES, create_model
 
 
 def diff_dict(config: transformers.PretrainedConfig, arch: str) -> dict:
@@ -18,7 +18,7 @@ def diff_dict(config: transformers.PretrainedConfig, arch: str) -> dict:
 
 def test_unsupported_architecture_names_it_and_the_supported_ones():
     with pytest.raises(ValueError) as info:
-        ModelConfig.from_hf_config({"architectures": ["GPT2LMHeadModel"]}, "float32")
+        model_config_from_hf({"architectures": ["GPT2LMHeadModel"]}, "float32")
     message = str(info.value)
     assert "GPT2LMHeadModel" in message
     for arch in SUPPORTED_ARCHITECTURES:
@@ -28,7 +28,7 @@ def test_unsupported_architecture_names_it_and_the_supported_ones():
 def test_float16_is_refused():
     hf = diff_dict(transformers.LlamaConfig(num_hidden_layers=2), "LlamaForCausalLM")
     with pytest.raises(ValueError, match="float16"):
-        ModelConfig.from_hf_config(hf, "float16")
+        model_config_from_hf(hf, "float16")
 
 
 def test_unsupported_rope_scaling_is_refused():
@@ -39,14 +39,14 @@ def test_unsupported_rope_scaling_is_refused():
         "LlamaForCausalLM",
     )
     with pytest.raises(ValueError, match="dynamic"):
-        ModelConfig.from_hf_config(hf, "float32")
+        model_config_from_hf(hf, "float32")
 
 
 def test_llama_is_one_full_attention_group():
     hf = diff_dict(
         transformers.LlamaConfig(num_hidden_layers=3, num_key_value_heads=2), "LlamaForCausalLM"
     )
-    config = ModelConfig.from_hf_config(hf, "bfloat16")
+    config = model_config_from_hf(hf, "bfloat16")
     assert config.kv_cache_groups() == [FullAttentionSpec()]
     assert config.layer_to_group == [0, 0, 0]
     assert config.sliding_window is None
@@ -60,7 +60,7 @@ def test_gemma3_defaults_fill_what_config_json_leaves_out():
         "Gemma3ForCausalLM",
     )
     assert "tie_word_embeddings" not in hf  # equal to the default, so save_pretrained drops it
-    config = ModelConfig.from_hf_config(hf, "bfloat16")
+    config = model_config_from_hf(hf, "bfloat16")
     assert config.tie_word_embeddings is True
     # Default pattern: five sliding layers, then a global one.
     assert config.layer_types == ["sliding"] * 5 + ["full"] + ["sliding"]
@@ -75,7 +75,7 @@ def test_gemma3_conditional_generation_uses_its_text_config():
         text_config={"num_hidden_layers": 2, "hidden_size": 64, "sliding_window": 16}
     ).to_dict()
     hf["architectures"] = ["Gemma3ForConditionalGeneration"]
-    config = ModelConfig.from_hf_config(hf, "float32")
+    config = model_config_from_hf(hf, "float32")
     assert config.architecture == "Gemma3ForConditionalGeneration"
     assert config.num_layers == 2 and config.hidden_size == 64
     assert config.sliding_window == 16
@@ -85,13 +85,13 @@ def test_mistral_without_sliding_window_is_full_attention():
     hf = diff_dict(
         transformers.MistralConfig(num_hidden_layers=2, sliding_window=None), "MistralForCausalLM"
     )
-    assert ModelConfig.from_hf_config(hf, "float32").kv_cache_groups() == [FullAttentionSpec()]
+    assert model_config_from_hf(hf, "float32").kv_cache_groups() == [FullAttentionSpec()]
 
 
 def test_eos_token_ids_are_a_list():
     hf = diff_dict(transformers.Qwen3Config(num_hidden_layers=2), "Qwen3ForCausalLM")
     hf["eos_token_id"] = [5, 7]
-    assert ModelConfig.from_hf_config(hf, "float32").eos_token_ids == [5, 7]
+    assert model_config_from_hf(hf, "float32").eos_token_ids == [5, 7]
 
 
 def test_create_model_is_in_the_config_dtype_and_tied():
@@ -108,7 +108,7 @@ def test_create_model_is_in_the_config_dtype_and_tied():
         ),
         "Qwen3ForCausalLM",
     )
-    model = create_model(ModelConfig.from_hf_config(hf, "bfloat16"))
+    model = create_model(model_config_from_hf(hf, "bfloat16"))
     assert {p.dtype for p in model.parameters()} == {__import__("torch").bfloat16}
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert model.kv_cache_groups() == [FullAttentionSpec()]
@@ -120,10 +120,10 @@ def test_complete_llama_config_skips_transformers_and_agrees_with_it(
 ):
     import json
 
-    from prefixserve.model import config as config_module
+    from prefixserve.model import hf_config as config_module
 
     hf = json.loads((default_model_dir / "config.json").read_text())
     assert config_module._complete_llama_config(hf, "LlamaForCausalLM")
-    shortcut = ModelConfig.from_hf_config(hf, "float32")
+    shortcut = model_config_from_hf(hf, "float32")
     monkeypatch.setattr(config_module, "_complete_llama_config", lambda hf, arch: False)
-    assert ModelConfig.from_hf_config(hf, "float32") == shortcut
+    assert model_config_from_hf(hf, "float32") == shortcut

@@ -81,14 +81,15 @@ def test_seeded_requests_get_their_own_generator_until_finished(llama):
     assert torch.equal(torch.rand(3, generator=seen[2][0]), expected)
 
 
-def test_kv_cache_bytes_per_block_static_and_bound(llama):
+def test_kv_cache_bytes_per_block_is_what_the_runner_allocates(llama):
     hf_model, config_json = llama
     model, config = build_ours(hf_model, config_json)
-    per_block = ModelRunner.kv_cache_bytes_per_block(config, 16)
+    per_block = config.kv_cache_bytes_per_block(16)
     # K and V, 3 layers, 16 slots, 2 KV heads of 16 floats of 4 bytes.
     assert per_block == 2 * 3 * 16 * 2 * 16 * 4
     runner = ModelRunner(model, config, num_blocks=4, block_size=16, sampler=lambda *a: [])
-    assert runner.kv_cache_bytes_per_block() == per_block
+    allocated = sum(k.nbytes + v.nbytes for k, v in runner.kv_caches)
+    assert allocated == 4 * per_block
     k, v = runner.kv_caches[0]
     assert k.shape == (4, 16, 2, 16) and len(runner.kv_caches) == 3
 

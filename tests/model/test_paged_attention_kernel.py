@@ -11,6 +11,7 @@ import os
 import pytest
 import torch
 
+from prefixserve import settings
 from prefixserve.model import kernels
 from prefixserve.model.kernels import paged_attention_kernel
 
@@ -32,9 +33,7 @@ def test_kernel_is_built_where_required():
 def test_a_stale_build_lock_does_not_hang_the_start():
     """A build killed mid-way leaves torch's `lock` file behind; the next start must not wait on
     it forever."""
-    from prefixserve.model.loader import cache_root
-
-    build_dir = cache_root() / "kernels" / kernels._build_tag()
+    build_dir = settings.cache_root() / "kernels" / kernels._build_tag()
     (build_dir / "lock").write_text("")
     assert kernels._build() is not None
     assert not (build_dir / "lock").exists()
@@ -310,22 +309,3 @@ def test_kernel_decode_rows_sharing_a_cached_prefix(dtype):
         values = vc.view(-1, kv_heads, head_dim)[slots]
         want = reference(q[lo:hi], keys, values, list(range(pos, length)), 0.125, 0, 0)
         torch.testing.assert_close(out[lo:hi].double(), want, atol=tol, rtol=tol)
-
-
-@pytest.mark.parametrize(
-    "value,want",
-    [
-        ("1", True),
-        (" On ", True),
-        ("yes", True),
-        ("0", False),
-        ("OFF", False),
-        ("", None),
-        ("maybe", None),
-    ],
-)
-def test_env_switches_read_on_off_words_and_leave_the_rest_to_the_default(value, want, monkeypatch):
-    monkeypatch.setenv("PREFIXSERVE_TEST_SWITCH", value)
-    assert kernels.env_flag("PREFIXSERVE_TEST_SWITCH") is want
-    monkeypatch.setenv("PREFIXSERVE_KERNELS", value)
-    assert kernels.kernels_enabled() is (want is not False)

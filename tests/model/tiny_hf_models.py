@@ -15,6 +15,7 @@ import transformers
 
 from prefixserve.batch import PositionLogprobs, ScheduledRequest, SchedulerOutput
 from prefixserve.model.config import ModelConfig
+from prefixserve.model.hf_config import model_config_from_hf
 from prefixserve.model.registry import create_model
 from prefixserve.request import Request
 from prefixserve.runner import ModelRunner
@@ -72,7 +73,7 @@ def build_hf_model(family: str, tmp_path: Path, seed: int = 0) -> tuple[torch.nn
 
 
 def build_ours(hf_model: torch.nn.Module, config_json: dict, dtype: str = "float32"):
-    config = ModelConfig.from_hf_config(config_json, dtype)
+    config = model_config_from_hf(config_json, dtype)
     model = create_model(config)
     model.load_weights(hf_model.state_dict().items())
     return model, config

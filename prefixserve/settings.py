@@ -1,0 +1,94 @@
+"""Every environment variable prefixserve reads, the cache paths built on them, and a file lock.
+
+This is the only module that touches `os.environ`; the rest of the package asks it. Values are
+read at call time (not import time), so a test or a launcher may change them in-process.
+
+- PREFIXSERVE_CACHE_DIR (`cache_root`): converted models and kernel builds (~/.cache/prefixserve)
+- PREFIXSERVE_KERNELS (`kernels_enabled`): 0/off never builds or uses the native CPU kernels
+- PREFIXSERVE_FP32_PREFILL (`fp32_prefill`): 1/0 forces the fp32 copy of bf16 linears on/off
+- PREFIXSERVE_PEERS_DIR (`peers_dir`): where `scripts/peers/` installed the benchmark peers
+- PYTHONHASHSEED (`python_hash_seed`): seeds NONE_HASH so processes agree on block hashes
+- OMP_WAIT_POLICY (`default_omp_wait_policy`): set to PASSIVE unless the user set it
+- PATH (`prepend_to_path`): ninja's directory goes first for the kernel build
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def env_flag(name: str) -> bool | None:
+    """An on/off environment switch: True for 1/true/yes/on, False for 0/false/no/off, None when
+    unset or anything else (the caller's default)."""
+    value = os.environ.get(name, "").strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    return None
+
+
+def cache_root() -> Path:
+    """Root of converted models and kernel builds: $PREFIXSERVE_CACHE_DIR or
+    ~/.cache/prefixserve."""
+    env = os.environ.get("PREFIXSERVE_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "prefixserve"
+
+
+def kernels_enabled() -> bool:
+    """False only when PREFIXSERVE_KERNELS turns the native kernels off."""
+    return env_flag("PREFIXSERVE_KERNELS") is not False
+
+
+def fp32_prefill() -> bool | None:
+    """PREFIXSERVE_FP32_PREFILL as a switch; None leaves the choice to the CPU (see layers.py)."""
+    return env_flag("PREFIXSERVE_FP32_PREFILL")
+
+
+def peers_dir() -> Path:
+    """Where scripts/peers/ put the benchmark peers' venvs: $PREFIXSERVE_PEERS_DIR or
+    ~/.cache/prefixserve/peers."""
+    env = os.environ.get("PREFIXSERVE_PEERS_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "prefixserve" / "peers"
+
+
+def python_hash_seed() -> str | None:
+    """PYTHONHASHSEED, or None when unset or "random"."""
+    seed = os.environ.get("PYTHONHASHSEED")
+    return None if seed is None or seed == "random" else seed
+
+
+def default_omp_wait_policy() -> None:
+    """Make OpenMP threads sleep rather than spin while they wait, unless the user chose.
+
+    Spinning threads make small matmuls 10-50x slower whenever the cores are shared with anything
+    else; libgomp reads the variable once, when torch loads, so this runs before torch is imported.
+    """
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def prepend_to_path(directory: str) -> None:
+    """Put `directory` first on PATH (once) for the subprocesses this process starts."""
+    path = os.environ.get("PATH", "")
+    if directory not in path.split(os.pathsep):
+        os.environ["PATH"] = directory + os.pathsep + path if path else directory
+
+
+@contextlib.contextmanager
+def file_lock(path: Path) -> Iterator[None]:
+    """An exclusive flock on `path` (created with its parents) between processes; it dies with
+    its process, so a killed holder never leaves it stale."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

@@ -1,0 +1,162 @@
+"""GGUF conversion: once per file and version, atomic under races, tokenizer flags honoured."""
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from prefixserve.model import gguf_convert
+from prefixserve.model.gguf_convert import ensure_converted
+from prefixserve.model.gguf_tokenizer import set_text_special_tokens
+
+# --- the conversion cache -------------------------------------------------------------------------
+
+
+def _fake_convert(calls: list[str], delay: float):
+    def convert(gguf_path, out_dir, chat_template=None):
+        calls.append(str(out_dir))
+        time.sleep(delay)  # widen the race window
+        (out_dir / "model.safetensors").write_bytes(b"weights")
+        (out_dir / "config.json").write_text("{}")
+
+    return convert
+
+
+def test_racing_conversions_convert_once_and_leave_no_temp_dirs(tmp_path, monkeypatch):
+    calls: list[str] = []
+    monkeypatch.setattr(gguf_convert, "convert_gguf", _fake_convert(calls, 0.3))
+    target = tmp_path / "models" / "m"
+    results: list[Path] = []
+    threads = [
+        threading.Thread(target=lambda: results.append(ensure_converted(Path("x.gguf"), target)))
+        for _ in range(3)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [target] * 3
+    assert len(calls) == 1
+    assert sorted(p.name for p in target.iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        gguf_convert.CONVERSION_MARKER,
+    ]
+    assert [p.name for p in target.parent.iterdir() if ".tmp-" in p.name] == []
+
+
+def test_failed_conversion_leaves_nothing_behind(tmp_path, monkeypatch):
+    def broken(gguf_path, out_dir, chat_template=None):
+        (out_dir / "model.safetensors").write_bytes(b"half")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(gguf_convert, "convert_gguf", broken)
+    target = tmp_path / "models" / "m"
+    with pytest.raises(OSError, match="disk full"):
+        ensure_converted(Path("x.gguf"), target)
+    assert not target.exists()
+    assert [p.name for p in target.parent.iterdir() if ".tmp-" in p.name] == []
+
+
+def test_conversion_marker_names_the_current_version(tmp_path, monkeypatch):
+    monkeypatch.setattr(gguf_convert, "convert_gguf", _fake_convert([], 0))
+    target = ensure_converted(Path("x.gguf"), tmp_path / "models" / "m")
+    marker = json.loads((target / gguf_convert.CONVERSION_MARKER).read_text())
+    assert marker == {"version": gguf_convert.CONVERSION_VERSION, "source": "x.gguf"}
+    assert gguf_convert.is_converted(target)
+
+
+@pytest.mark.parametrize("marker", [None, {"version": 1}, "not json"])
+def test_directory_from_an_older_conversion_is_converted_again_in_place(
+    tmp_path, monkeypatch, marker
+):
+    """A directory without the current conversion version (converted before the tokenizer
+    honoured tokenizer.ggml.add_bos_token) is replaced by a fresh conversion at the same path,
+    with nothing left beside it."""
+    target = tmp_path / "models" / "m"
+    target.mkdir(parents=True)
+    (target / "config.json").write_text('{"old": true}')
+    (target / "stale.txt").write_text("from the old conversion")
+    if marker is not None:
+        text = marker if isinstance(marker, str) else json.dumps(marker)
+        (target / gguf_convert.CONVERSION_MARKER).write_text(text)
+    assert not gguf_convert.is_converted(target)
+    calls: list[str] = []
+    monkeypatch.setattr(gguf_convert, "convert_gguf", _fake_convert(calls, 0))
+    assert ensure_converted(Path("x.gguf"), target) == target
+    assert len(calls) == 1
+    assert json.loads((target / "config.json").read_text()) == {}
+    assert not (target / "stale.txt").exists()
+    assert gguf_convert.is_converted(target)
+    assert sorted(p.name for p in target.parent.iterdir()) == [".m.lock", "m"]
+    ensure_converted(Path("x.gguf"), target)  # current now: not converted again
+    assert len(calls) == 1
+
+
+def test_reconversion_without_an_atomic_exchange_falls_back_to_two_renames(tmp_path, monkeypatch):
+    target = tmp_path / "models" / "m"
+    target.mkdir(parents=True)
+    (target / "config.json").write_text('{"old": true}')
+    monkeypatch.setattr(gguf_convert, "_exchange_dirs", lambda a, b: False)
+    monkeypatch.setattr(gguf_convert, "convert_gguf", _fake_convert([], 0))
+    ensure_converted(Path("x.gguf"), target)
+    assert json.loads((target / "config.json").read_text()) == {}
+    assert sorted(p.name for p in target.parent.iterdir()) == [".m.lock", "m"]
+
+
+def _tiny_tokenizer(post_processor=None):
+    """A word-level fast tokenizer with bos (1) and eos (2), optionally adding some."""
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "a": 3, "b": 4}
+    raw = RawTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    if post_processor is not None:
+        raw.post_processor = post_processor
+    return PreTrainedTokenizerFast(
+        tokenizer_object=raw, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+
+
+@pytest.mark.parametrize(
+    ("adds", "flags", "expected_ids", "expected_adds"),
+    [
+        # SmolLM2: transformers adds BOS, the file says add_bos_token = False
+        ("bos", {"bos": False}, [3, 4], {"bos": False, "eos": False}),
+        # Gemma 3: BOS added and the file says so: kept as it is
+        ("bos", {"bos": True, "eos": False}, [1, 3, 4], {"bos": True, "eos": False}),
+        ("none", {"bos": True}, [1, 3, 4], {"bos": True, "eos": False}),
+        ("none", {"bos": True, "eos": True}, [1, 3, 4, 2], {"bos": True, "eos": True}),
+        ("bos", {"eos": True}, [1, 3, 4, 2], {"bos": True, "eos": True}),  # bos kept
+        ("bos", {}, [1, 3, 4], {"bos": True, "eos": False}),  # no flags: nothing changes
+        ("none", {}, [3, 4], {"bos": False, "eos": False}),
+    ],
+)
+def test_text_special_tokens_follow_the_gguf_add_bos_and_add_eos_flags(
+    adds, flags, expected_ids, expected_adds
+):
+    from tokenizers import processors
+
+    post = None
+    if adds == "bos":
+        post = processors.TemplateProcessing(
+            single="<s>:0 $A:0", pair="<s>:0 $A:0 <s>:1 $B:1", special_tokens=[("<s>", 1)]
+        )
+    tokenizer = _tiny_tokenizer(post)
+    special = {"bos": 1, "eos": 2, "unk": 0}
+    assert set_text_special_tokens(tokenizer, special, flags) == expected_adds
+    assert tokenizer.encode("a b") == expected_ids
+    assert tokenizer.encode("a b", add_special_tokens=False) == [3, 4]
+
+
+def test_gguf_cache_dir_depends_on_the_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("PREFIXSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    a.write_bytes(b"1")
+    b.write_bytes(b"22")
+    assert gguf_convert.gguf_cache_dir(a) != gguf_convert.gguf_cache_dir(b)
+    assert gguf_convert.gguf_cache_dir(a).parent == tmp_path / "cache" / "gguf"
