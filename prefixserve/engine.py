@@ -1,93 +1,31 @@
 """The step loop: requests in, one scheduled forward pass per step, RequestOutputs out.
 
-LLMEngine owns the model runner, the KV-cache manager and the scheduler. `add_request` turns a
-prompt into one Request per sample (`n > 1` fans out into n Requests whose prompt blocks are
-shared through the prefix cache); `step` schedules, runs the model, applies the sampled tokens,
-detokenizes them, applies stop strings and returns the outputs of the requests that moved.
+LLMEngine owns the model runner, the KV-cache manager, the scheduler and the output processor.
+`add_request` validates a prompt and turns it into one Request per sample (`n > 1` fans out into
+n Requests whose prompt blocks are shared through the prefix cache); `step` schedules, runs the
+model, applies the sampled tokens in the scheduler and hands the updates to the output processor
+(text, stop strings, logprobs), finishing in the scheduler what a stop string ended.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
-from prefixserve.batch import ModelRunnerOutput, PositionLogprobs, SchedulerOutput
+from prefixserve.batch import ModelRunnerOutput, SchedulerOutput
 from prefixserve.config import DEFAULT_KV_CACHE_MEMORY_GB, EngineConfig
 from prefixserve.kv_cache.hashing import get_request_block_hasher
 from prefixserve.kv_cache.kv_cache_manager import KVCacheManager
-from prefixserve.kv_cache.spec import KVCacheConfig, KVCacheSpec, SlidingWindowSpec
+from prefixserve.kv_cache.sizing import blocks_needed, size_kv_pool
+from prefixserve.kv_cache.spec import KVCacheConfig, KVCacheSpec
 from prefixserve.model.loader import LoadedModel, load_model
-from prefixserve.model.tokenizer import IncrementalDetokenizer
-from prefixserve.outputs import (
-    CompletionOutput,
-    Logprob,
-    PromptLogprobs,
-    RequestOutput,
-    SampleLogprobs,
-)
+from prefixserve.output_processor import OutputProcessor
+from prefixserve.outputs import RequestOutput
 from prefixserve.request import Request, RequestStatus
 from prefixserve.runner import ModelRunner
 from prefixserve.sampling_params import SamplingParams
-from prefixserve.scheduler import RequestUpdate, Scheduler
-
-_GIB = 1 << 30
-
-
-@dataclass(slots=True)
-class _Sample:
-    """One of a prompt's n samples: its Request and what the caller sees of it."""
-
-    index: int
-    request: Request
-    detokenizer: IncrementalDetokenizer
-    stop_buffer: int  # chars held back while a stop string could still be forming
-    text: str = ""
-    logprobs: SampleLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass(slots=True)
-class _Prompt:
-    """One add_request call: a prompt and its samples."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    samples: list[_Sample] = field(default_factory=list)
-    prompt_logprobs: PromptLogprobs | None = None
-
-    @property
-    def finished(self) -> bool:
-        return all(s.finished for s in self.samples)
-
-
-def _blocks_needed(
-    groups: list[KVCacheSpec], num_tokens: int, block_size: int, max_chunk: int
-) -> int:
-    """Blocks a request holding `num_tokens` tokens of K/V may need at once, over all groups,
-    when one step computes at most `max_chunk` of its tokens.
-
-    A sliding-window group holds the window behind the chunk plus the chunk itself: blocks
-    covering `sliding_window - 1 + chunk` positions, one more when they straddle a boundary.
-    """
-    full = math.ceil(num_tokens / block_size)
-    chunk = min(max_chunk, num_tokens)
-    total = 0
-    for spec in groups:
-        if isinstance(spec, SlidingWindowSpec):
-            total += min(full, math.ceil((spec.sliding_window - 1 + chunk) / block_size) + 1)
-        else:
-            total += full
-    return total
+from prefixserve.scheduler import Scheduler
 
 
 class LLMEngine:
@@ -149,8 +87,7 @@ class LLMEngine:
         self._block_hasher = get_request_block_hasher(
             cache.block_size, cache.prefix_caching_hash_algo
         )
-        self._prompts: dict[str, _Prompt] = {}
-        self._sample_of: dict[str, tuple[_Prompt, _Sample]] = {}
+        self.output_processor = OutputProcessor(self.tokenizer)
 
     def _max_chunk(self) -> int:
         """The most tokens one request computes in one step (a prefill or recompute chunk)."""
@@ -160,23 +97,16 @@ class LLMEngine:
 
     def _num_kv_blocks(self) -> int:
         cache = self.config.cache
-        if cache.num_kv_blocks is not None:
-            return cache.num_kv_blocks
-        per_block = self.model_config.kv_cache_bytes_per_block(cache.block_size)
-        if cache.kv_cache_memory_gb is not None:
-            num = int(cache.kv_cache_memory_gb * _GIB) // per_block
-            if num < 1:
-                raise ValueError(
-                    f"kv_cache_memory_gb={cache.kv_cache_memory_gb} holds no KV block "
-                    f"(one block takes {per_block} bytes)"
-                )
-            return num
-        # Default: the memory budget, but no more than every running request at full length.
-        budget = int(DEFAULT_KV_CACHE_MEMORY_GB * _GIB) // per_block
-        useful = self.config.scheduler.max_num_seqs * _blocks_needed(
-            self.kv_cache_groups, self.max_model_len, cache.block_size, self._max_chunk()
+        return size_kv_pool(
+            num_kv_blocks=cache.num_kv_blocks,
+            kv_cache_memory_gb=cache.kv_cache_memory_gb,
+            default_memory_gb=DEFAULT_KV_CACHE_MEMORY_GB,
+            bytes_per_block=self.model_config.kv_cache_bytes_per_block(cache.block_size),
+            max_num_seqs=self.config.scheduler.max_num_seqs,
+            blocks_per_request=blocks_needed(
+                self.kv_cache_groups, self.max_model_len, cache.block_size, self._max_chunk()
+            ),
         )
-        return max(1, min(budget, useful))
 
     # ----------------------------------------------------------------- requests in
 
@@ -196,7 +126,7 @@ class LLMEngine:
         """
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
-        if request_id in self._prompts:
+        if request_id in self.output_processor:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -230,7 +160,7 @@ class LLMEngine:
                 f"{self.max_model_len - num_prompt}"
             )
         # The last sampled token never gets K/V, so the longest sequence caches this many tokens.
-        needed = _blocks_needed(
+        needed = blocks_needed(
             self.kv_cache_groups, num_prompt + max_tokens - 1, self.block_size, self._max_chunk()
         )
         if needed > self.num_kv_blocks:
@@ -240,55 +170,37 @@ class LLMEngine:
                 "raise num_kv_blocks / kv_cache_memory_gb or lower max_tokens"
             )
 
-        entry = _Prompt(request_id, prompt, prompt_token_ids, params)
-        if params.prompt_logprobs is not None:
-            entry.prompt_logprobs = [None]
-        stop_buffer = max((len(s) for s in params.stop_strings), default=1) - 1
+        requests = []
         for index in range(params.n):
             child_id = request_id if params.n == 1 else f"{index}_{request_id}"
             child_params = params
             if params.n > 1:
                 seed = None if params.seed is None else params.seed + index
                 child_params = dataclasses.replace(params, n=1, seed=seed)
-            request = Request(
-                child_id,
-                prompt_token_ids,
-                child_params,
-                block_hasher=self._block_hasher,
-                cache_salt=cache_salt,
-                max_tokens=max_tokens,
+            requests.append(
+                Request(
+                    child_id,
+                    prompt_token_ids,
+                    child_params,
+                    block_hasher=self._block_hasher,
+                    cache_salt=cache_salt,
+                    max_tokens=max_tokens,
+                )
             )
-            sample = _Sample(
-                index=index,
-                request=request,
-                detokenizer=self.tokenizer.incremental_detokenizer(prompt_token_ids),
-                stop_buffer=stop_buffer,
-                logprobs=[] if params.logprobs is not None else None,
-            )
-            entry.samples.append(sample)
-        for sample in entry.samples:
-            if sample.request.request_id in self._sample_of:
-                raise ValueError(f"request_id {request_id!r} collides with a running sample id")
-        self._prompts[request_id] = entry
-        for sample in entry.samples:
-            self._sample_of[sample.request.request_id] = (entry, sample)
-            self.scheduler.add_request(sample.request)
+        self.output_processor.add_prompt(request_id, prompt, prompt_token_ids, params, requests)
+        for request in requests:
+            self.scheduler.add_request(request)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Abort prompts (all their samples) by request_id; unknown ids are ignored."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         for request_id in request_ids:
-            entry = self._prompts.pop(request_id, None)
-            if entry is None:
-                continue
-            for sample in entry.samples:
-                child_id = sample.request.request_id
+            for child_id in self.output_processor.remove_prompt(request_id):
                 self.scheduler.finish_requests(child_id, RequestStatus.FINISHED_ABORTED)
-                del self._sample_of[child_id]
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._prompts)
+        return self.output_processor.has_unfinished()
 
     # ----------------------------------------------------------------- the step
 
@@ -305,37 +217,21 @@ class LLMEngine:
                 self._discard_failed_step(scheduler_output)
                 raise
         else:
-            if not self.scheduler.running:
-                # Nothing runs and the head of the queue still does not fit: it never will.
-                head = self.scheduler.waiting[0]
+            stuck = self.scheduler.stuck_request()
+            if stuck is not None:
                 raise RuntimeError(
-                    f"request {head.request_id!r} ({head.num_tokens} tokens) cannot get KV "
+                    f"request {stuck.request_id!r} ({stuck.num_tokens} tokens) cannot get KV "
                     f"blocks from an idle pool of {self.num_kv_blocks}; raise num_kv_blocks"
                 )
-            # Nothing fit this step; keep the ids for the runner's next batch.
-            self.scheduler.finished_req_ids |= scheduler_output.finished_req_ids
+            self.runner.release(scheduler_output.finished_req_ids)  # no forward pass to take them
             runner_output = ModelRunnerOutput()
         updates = self.scheduler.update_from_output(scheduler_output, runner_output)
-
-        touched: dict[str, _Prompt] = {}
-        for update in updates:
-            found = self._sample_of.get(update.request.request_id)
-            if found is None:
-                continue
-            entry, sample = found
-            self._apply_update(entry, sample, update)
-            if update.new_token_ids or sample.finished:
-                touched[entry.request_id] = entry
-
-        outputs = []
-        for entry in touched.values():
-            finished = entry.finished
-            outputs.append(self._make_output(entry, finished))
-            if finished:
-                del self._prompts[entry.request_id]
-                for sample in entry.samples:
-                    del self._sample_of[sample.request.request_id]
-        return outputs
+        processed = self.output_processor.process_updates(updates)
+        for child_id, stop_string in processed.stopped:
+            self.scheduler.finish_requests(
+                child_id, RequestStatus.FINISHED_STOPPED, stop_reason=stop_string
+            )
+        return processed.outputs
 
     def _discard_failed_step(self, scheduler_output: SchedulerOutput) -> None:
         """After a forward pass failed: its blocks were cached when allocated but their K/V may
@@ -345,99 +241,10 @@ class LLMEngine:
         for scheduled in scheduler_output.scheduled:
             request = scheduled.request
             self.kv_cache_manager.uncache_uncomputed_blocks(request, scheduled.num_computed_tokens)
-            found = self._sample_of.get(request.request_id)
-            if found is not None:
-                prompt_ids.append(found[0].request_id)
+            prompt_id = self.output_processor.prompt_of(request.request_id)
+            if prompt_id is not None:
+                prompt_ids.append(prompt_id)
         self.abort_request(dict.fromkeys(prompt_ids))
-
-    def _apply_update(self, entry: _Prompt, sample: _Sample, update: RequestUpdate) -> None:
-        request = update.request
-        if update.new_prompt_logprobs and sample.index == 0 and entry.prompt_logprobs is not None:
-            self._add_prompt_logprobs(entry, update)
-        if not update.new_token_ids:
-            return
-        if sample.logprobs is not None:
-            for position in update.new_logprobs:
-                sample.logprobs.append(self._logprob_dict(position))
-        sample.detokenizer.add_tokens(update.new_token_ids)
-        full_text = sample.detokenizer.text
-        stop = self._find_stop_string(full_text, sample)
-        if stop is not None:
-            stop_string, cut = stop
-            sample.text = full_text[:cut]
-            sample.finish_reason = "stop"
-            sample.stop_reason = stop_string
-            if not update.finished:
-                self.scheduler.finish_requests(
-                    request.request_id, RequestStatus.FINISHED_STOPPED, stop_reason=stop_string
-                )
-            request.status = RequestStatus.FINISHED_STOPPED
-            request.stop_reason = stop_string
-            return
-        sample.text = full_text
-        if update.finished:
-            sample.finish_reason = request.status.finish_reason
-            sample.stop_reason = request.stop_reason
-
-    @staticmethod
-    def _find_stop_string(text: str, sample: _Sample) -> tuple[str, int] | None:
-        """The earliest stop string in `text` that the new text completed, and where it starts
-        (the output is cut there). `sample.text` is still the text before this step."""
-        stops = sample.request.sampling_params.stop_strings
-        best: tuple[str, int] | None = None
-        for stop in stops:
-            # A stop string completed now ends inside the new text, so starts at most
-            # len(stop) - 1 characters before it.
-            index = text.find(stop, max(0, len(sample.text) - len(stop) + 1))
-            if index != -1 and (best is None or index < best[1]):
-                best = (stop, index)
-        return best
-
-    def _add_prompt_logprobs(self, entry: _Prompt, update: RequestUpdate) -> None:
-        assert entry.prompt_logprobs is not None
-        have = len(entry.prompt_logprobs)  # positions 0 .. have-1 are filled
-        for offset, position in enumerate(update.new_prompt_logprobs):
-            pos = update.first_prompt_logprob_pos + offset
-            if pos < have:
-                continue  # recomputed after a preemption
-            assert pos == have, (pos, have)
-            entry.prompt_logprobs.append(self._logprob_dict(position))
-            have += 1
-
-    def _logprob_dict(self, position: PositionLogprobs) -> dict[int, Logprob]:
-        result: dict[int, Logprob] = {}
-        for token_id, logprob, rank in position:
-            if token_id not in result:
-                result[token_id] = Logprob(logprob, rank, self.tokenizer.decode([token_id]))
-        return result
-
-    def _make_output(self, entry: _Prompt, finished: bool) -> RequestOutput:
-        completions = []
-        for sample in entry.samples:
-            text = sample.text
-            if not sample.finished and sample.stop_buffer:
-                # Hold back what could be the start of a stop string (it would be cut later).
-                text = text[: max(0, len(text) - sample.stop_buffer)]
-            completions.append(
-                CompletionOutput(
-                    index=sample.index,
-                    text=text,
-                    token_ids=list(sample.request.output_token_ids),
-                    logprobs=list(sample.logprobs) if sample.logprobs is not None else None,
-                    finish_reason=sample.finish_reason,
-                    stop_reason=sample.stop_reason,
-                )
-            )
-        first = entry.samples[0].request
-        return RequestOutput(
-            request_id=entry.request_id,
-            prompt=entry.prompt,
-            prompt_token_ids=entry.prompt_token_ids,
-            prompt_logprobs=list(entry.prompt_logprobs) if entry.prompt_logprobs else None,
-            outputs=completions,
-            num_cached_tokens=max(0, first.num_cached_tokens),
-            finished=finished,
-        )
 
     # ----------------------------------------------------------------- cache and metrics
 
@@ -481,17 +288,9 @@ class LLMEngine:
     def check_no_leaks(self) -> None:
         """Raise AssertionError naming what leaked: a request still queued or known to the
         KV-cache manager, or a block not back in the free pool."""
-        assert not self._prompts, f"prompts still in the engine: {sorted(self._prompts)}"
+        unfinished = self.output_processor.prompt_ids()
+        assert not unfinished, f"prompts still in the engine: {unfinished}"
         assert not self.scheduler.requests, (
             f"requests still in the scheduler: {sorted(self.scheduler.requests)}"
         )
-        mgr = self.kv_cache_manager
-        for manager in mgr.coordinator.managers:
-            assert not manager.req_to_blocks, (
-                f"the KV-cache manager still holds block tables of {sorted(manager.req_to_blocks)}"
-            )
-        mgr.check_invariants()
-        assert mgr.num_free_blocks == mgr.num_total_blocks, (
-            f"{mgr.num_total_blocks - mgr.num_free_blocks} of {mgr.num_total_blocks} KV blocks "
-            "are not free with no request running"
-        )
+        self.kv_cache_manager.check_no_leaks()

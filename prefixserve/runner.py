@@ -7,6 +7,7 @@ never mutates a Request: it reads token ids and sampling params and returns a Mo
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Protocol
 
 import torch
@@ -90,11 +91,15 @@ class ModelRunner:
             self._seeded_generators[request.request_id] = gen
         return gen
 
+    def release(self, finished_req_ids: Iterable[str]) -> None:
+        """Drop what the runner keeps for requests that finished (their seeded generators)."""
+        for req_id in finished_req_ids:
+            self._seeded_generators.pop(req_id, None)
+
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """One forward over all scheduled chunks; sample where a chunk reaches its last token."""
-        for req_id in scheduler_output.finished_req_ids:
-            self._seeded_generators.pop(req_id, None)
+        self.release(scheduler_output.finished_req_ids)
         output = ModelRunnerOutput()
         # Single-token chunks first: attention serves them as one batched call.
         scheduled = sorted(scheduler_output.scheduled, key=lambda s: s.num_new_tokens != 1)

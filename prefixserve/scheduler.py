@@ -206,6 +206,13 @@ class Scheduler:
         self.finished_req_ids = set()
         return output
 
+    def stuck_request(self) -> Request | None:
+        """The head of the waiting queue when nothing runs: after a step that scheduled nothing,
+        it could not get blocks from an idle pool, so it never will."""
+        if self.running or not self.waiting:
+            return None
+        return self.waiting[0]
+
     def _scheduled(self, request: Request, num_new_tokens: int) -> ScheduledRequest:
         prompt_end = min(request.num_computed_tokens + num_new_tokens, request.num_prompt_tokens)
         if prompt_end > request.num_computed_tokens:

@@ -5,7 +5,7 @@ import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-# ---- engine tests (issue 4): the default model, loaded once per dtype for the whole session.
+# ---- engine tests: the default model, loaded once per dtype for the whole session.
 import pytest  # noqa: E402
 
 
@@ -23,7 +23,7 @@ def default_model_fp32():
     return load_model(None, dtype="float32")
 
 
-# ---- model loading (issue 3): the packaged default model, converted once into the cache.
+# ---- model loading: the packaged default model, converted once into the cache.
 @pytest.fixture(scope="session")
 def default_model_dir():
     """The converted SmolLM2-135M-Instruct HF directory (converted on first use)."""

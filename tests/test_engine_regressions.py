@@ -76,7 +76,7 @@ def test_a_failed_step_leaves_no_cached_block_without_its_kv(default_model_fp32)
 def test_a_request_that_passes_the_pool_check_can_run_alone_in_that_pool(
     window, block_size, max_chunk, num_tokens
 ):
-    from prefixserve.engine import _blocks_needed
+    from prefixserve.kv_cache.sizing import blocks_needed as _blocks_needed
     from prefixserve.kv_cache.hashing import get_request_block_hasher
     from prefixserve.kv_cache.kv_cache_manager import KVCacheManager
     from prefixserve.kv_cache.spec import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec

@@ -130,3 +130,7 @@ class KVCacheCoordinator:
     def has_request(self, request_id: str) -> bool:
         """Whether the request holds a block table."""
         return request_id in self.managers[0].req_to_blocks
+
+    def request_ids(self) -> set[str]:
+        """Every request holding a block table in some group."""
+        return {request_id for manager in self.managers for request_id in manager.req_to_blocks}

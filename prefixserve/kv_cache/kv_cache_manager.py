@@ -274,3 +274,14 @@ class KVCacheManager:
             assert block.ref_cnt == holders[block.block_id], (
                 f"{block!r}: ref count {block.ref_cnt} but {holders[block.block_id]} holders"
             )
+
+    def check_no_leaks(self) -> None:
+        """With no request running: raise AssertionError naming what leaked, a request still
+        holding a block table or a block not back in the free pool (then check_invariants)."""
+        holders = self.coordinator.request_ids()
+        assert not holders, f"the KV-cache manager still holds block tables of {sorted(holders)}"
+        self.check_invariants()
+        assert self.num_free_blocks == self.num_total_blocks, (
+            f"{self.num_total_blocks - self.num_free_blocks} of {self.num_total_blocks} KV blocks "
+            "are not free with no request running"
+        )
