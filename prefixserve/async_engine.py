@@ -23,8 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from prefixserve.outputs import CompletionOutput, RequestOutput
+from prefixserve.outputs import RequestOutput
+from prefixserve.request_stream import ABORTED, OutputQueue, RequestStream, snapshot
 from prefixserve.sampling_params import SamplingParams
+from prefixserve.stats_log import format_stats
 
 if TYPE_CHECKING:
     from prefixserve.config import EngineConfig
@@ -45,85 +47,6 @@ class _Command:
     fn: Callable[[LLMEngine], Any]
     loop: asyncio.AbstractEventLoop | None
     future: asyncio.Future[Any] | None
-
-
-class _Aborted:
-    """Queue sentinel: the request was aborted before it finished."""
-
-
-_ABORTED = _Aborted()
-
-
-@dataclass(slots=True)
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[RequestOutput | BaseException | _Aborted]
-
-
-def _snapshot(output: RequestOutput) -> RequestOutput:
-    """A copy whose lists the step thread will not mutate while the loop thread reads them."""
-    return RequestOutput(
-        request_id=output.request_id,
-        prompt=output.prompt,
-        prompt_token_ids=output.prompt_token_ids,
-        prompt_logprobs=None if output.prompt_logprobs is None else list(output.prompt_logprobs),
-        outputs=[
-            CompletionOutput(
-                index=c.index,
-                text=c.text,
-                token_ids=list(c.token_ids),
-                logprobs=None if c.logprobs is None else list(c.logprobs),
-                finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason,
-            )
-            for c in output.outputs
-        ],
-        num_cached_tokens=output.num_cached_tokens,
-        finished=output.finished,
-    )
-
-
-class RequestStream:
-    """The outputs of one request, as an async iterator of cumulative `RequestOutput`s.
-
-    Iteration ends after the output with `finished=True`, or early when the request was aborted.
-    An exception or a cancellation inside the iteration aborts the request (freeing its KV
-    blocks) at once; after a `break` the iterator aborts it when it is closed or collected, so
-    call `abort()` (idempotent) to be explicit. A request whose event loop has closed is aborted
-    by the engine thread itself.
-    """
-
-    def __init__(self, engine: AsyncLLMEngine, request_id: str, stream: _Stream) -> None:
-        self.request_id = request_id
-        self._engine = engine
-        self._stream = stream
-        self.finished = False
-        self.aborted = False
-
-    def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        return self._iterate()
-
-    async def _iterate(self) -> AsyncIterator[RequestOutput]:
-        try:
-            while not self.finished and not self.aborted:
-                item = await self._stream.queue.get()
-                if isinstance(item, _Aborted):
-                    self.aborted = True
-                    return
-                if isinstance(item, BaseException):
-                    self.aborted = True
-                    raise item
-                if item.finished:
-                    self.finished = True
-                yield item
-        finally:
-            self.abort()
-
-    def abort(self) -> None:
-        """Abort the request unless it finished; safe to call from any task, any number of times."""
-        if not self.finished and not self.aborted:
-            self.aborted = True
-            self._engine.abort(self.request_id)
 
 
 class AsyncLLMEngine:
@@ -149,7 +72,7 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self.dead_error: BaseException | None = None
         # Owned by the step thread only.
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, OutputQueue] = {}
         self._kv_events: collections.deque[Any] = collections.deque(maxlen=MAX_BUFFERED_KV_EVENTS)
         self._last_log_time = time.monotonic()
         self._last_log_metrics: dict[str, Any] | None = None
@@ -218,7 +141,7 @@ class AsyncLLMEngine:
     ) -> RequestStream:
         """Validate and queue a request; the engine's ValueError (bad input) is raised here."""
         loop = asyncio.get_running_loop()
-        stream = _Stream(loop, asyncio.Queue())
+        stream = OutputQueue(loop, asyncio.Queue())
 
         def add(engine: LLMEngine) -> None:
             if request_id in self._streams:
@@ -234,7 +157,7 @@ class AsyncLLMEngine:
             # The caller went away while the command was queued: make sure it does not run on.
             self.abort(request_id)
             raise
-        return RequestStream(self, request_id, stream)
+        return RequestStream(request_id, stream, self.abort)
 
     async def generate(
         self,
@@ -256,7 +179,7 @@ class AsyncLLMEngine:
             stream = self._streams.pop(request_id, None)
             engine.abort_request([request_id])
             if stream is not None:
-                self._deliver(request_id, stream, _ABORTED)
+                self._deliver(request_id, stream, ABORTED)
 
         self._submit(_Command(abort, None, None))
 
@@ -355,11 +278,11 @@ class AsyncLLMEngine:
                 continue
             if output.finished:
                 del self._streams[output.request_id]
-            self._deliver(output.request_id, stream, _snapshot(output))
+            self._deliver(output.request_id, stream, snapshot(output))
         if self.collect_kv_events:
             self._drain_kv_events()
 
-    def _deliver(self, request_id: str, stream: _Stream, item: Any) -> None:
+    def _deliver(self, request_id: str, stream: OutputQueue, item: Any) -> None:
         try:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
         except RuntimeError:
@@ -405,27 +328,6 @@ class AsyncLLMEngine:
         self._last_log_time = now
         self._last_log_metrics = dict(metrics)
         self._steps_since_log = 0
-
-
-def format_stats(metrics: dict[str, Any], previous: dict[str, Any] | None, elapsed_s: float) -> str:
-    """The periodic log line: throughput over the interval, queue sizes, KV usage, hit rate."""
-    previous = previous or {}
-
-    def delta(key: str) -> float:
-        return float(metrics.get(key, 0)) - float(previous.get(key, 0))
-
-    elapsed_s = max(elapsed_s, 1e-9)
-    queries = delta("prefix_cache_queries")
-    hits = delta("prefix_cache_hits")
-    hit_rate = f"{100.0 * hits / queries:.1f}%" if queries > 0 else "n/a"
-    return (
-        f"prompt throughput {delta('prompt_tokens') / elapsed_s:.1f} tok/s, "
-        f"generation throughput {delta('generation_tokens') / elapsed_s:.1f} tok/s, "
-        f"running {metrics.get('num_running', 0)} reqs, "
-        f"waiting {metrics.get('num_waiting', 0)} reqs, "
-        f"KV cache usage {100.0 * float(metrics.get('kv_cache_usage', 0.0)):.1f}%, "
-        f"prefix cache hit rate {hit_rate}"
-    )
 
 
 def _resolve(

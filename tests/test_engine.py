@@ -8,9 +8,8 @@ Every test ends with `check_no_leaks()`: all blocks back in the free pool, no re
 
 from __future__ import annotations
 
-import random
-
 import pytest
+from helpers import random_tokens
 from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 
@@ -18,11 +17,6 @@ from prefixserve import LLM, SamplingParams
 from prefixserve.kv_cache.events import AllBlocksCleared, BlockStored
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-
-
-def random_tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1000, 20000) for _ in range(n)]
 
 
 def token_prompts(*prompts: list[int], salt: str | None = None) -> list[dict]:
@@ -260,4 +254,52 @@ def test_kv_events_report_stored_blocks_and_clears(default_model_bf16):
     assert llm.take_kv_events() == []
     assert llm.reset_prefix_cache()
     assert any(isinstance(e, AllBlocksCleared) for e in llm.take_kv_events())
+    llm.llm_engine.check_no_leaks()
+
+
+def test_seeded_sampling_is_identical_with_and_without_preemption(default_model_fp32):
+    prompts = [{"prompt_token_ids": random_tokens(30, seed=70 + i)} for i in range(4)]
+    params = [
+        SamplingParams(temperature=1.0, seed=100 + i, max_tokens=24, ignore_eos=True)
+        for i in range(4)
+    ]
+
+    def sample(num_kv_blocks: int) -> tuple[list[list[int]], int]:
+        llm = LLM(dtype="float32", loaded_model=default_model_fp32, num_kv_blocks=num_kv_blocks)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        llm.llm_engine.check_no_leaks()
+        return [o.outputs[0].token_ids for o in outs], llm.get_metrics()["num_preemptions"]
+
+    roomy, roomy_preemptions = sample(200)
+    tight, tight_preemptions = sample(10)
+    assert roomy_preemptions == 0 and tight_preemptions > 0
+    assert tight == roomy
+
+
+def test_a_failed_step_leaves_no_cached_block_without_its_kv(default_model_fp32):
+    llm = LLM(dtype="float32", loaded_model=default_model_fp32, num_kv_blocks=64)
+    prompt = [{"prompt_token_ids": random_tokens(70, seed=5)}]
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    reference = LLM(
+        dtype="float32",
+        loaded_model=default_model_fp32,
+        num_kv_blocks=64,
+        enable_prefix_caching=False,
+    ).generate(prompt, greedy, use_tqdm=False)[0]
+
+    runner = llm.llm_engine.runner
+    execute = runner.execute
+
+    def interrupted(scheduler_output):
+        raise KeyboardInterrupt
+
+    runner.execute = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompt, greedy, use_tqdm=False)
+    runner.execute = execute
+    llm.llm_engine.check_no_leaks()
+
+    again = llm.generate(prompt, greedy, use_tqdm=False)[0]
+    assert again.num_cached_tokens == 0
+    assert again.outputs[0].token_ids == reference.outputs[0].token_ids
     llm.llm_engine.check_no_leaks()

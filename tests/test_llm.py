@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
+from helpers import random_tokens
 
 from prefixserve import LLM, CompletionOutput, RequestOutput, SamplingParams
 
@@ -16,11 +15,6 @@ def llm(default_model_bf16):
     llm = LLM(loaded_model=default_model_bf16, num_kv_blocks=128, max_model_len=256)
     yield llm
     llm.llm_engine.check_no_leaks()
-
-
-def random_tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1000, 20000) for _ in range(n)]
 
 
 # ----------------------------------------------------------------------------- inputs

@@ -28,16 +28,10 @@ from typing import IO, Any
 import httpx
 
 from prefixserve.bench.client import EndpointConfig, PromptFormat
+from prefixserve.settings import peers_dir
 
 PREFIXSERVE_BLOCK_SIZE = 16
 VLLM_BLOCK_SIZE = 32
-
-
-def peers_dir() -> Path:
-    """Where scripts/peers/ put the peers' venvs: $PREFIXSERVE_PEERS_DIR or
-    ~/.cache/prefixserve/peers."""
-    env = os.environ.get("PREFIXSERVE_PEERS_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "prefixserve" / "peers"
 
 
 @dataclass(slots=True)

@@ -23,8 +23,9 @@ from typing import Any, ClassVar, TypeVar
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from prefixserve.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
+from prefixserve.async_engine import AsyncLLMEngine, EngineDeadError
 from prefixserve.outputs import CompletionOutput, Logprob, RequestOutput
+from prefixserve.request_stream import RequestStream
 from prefixserve.sampling_params import SamplingParams
 from prefixserve.server import protocol as p
 from prefixserve.server.auth import ApiKeys, derive_cache_salt

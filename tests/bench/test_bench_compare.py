@@ -4,11 +4,11 @@ command lines."""
 from __future__ import annotations
 
 import json
-import socket
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import free_port
 from stub_openai import StubServer
 from test_bench_workloads import _words
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -21,12 +21,6 @@ from prefixserve.bench.cli import main as bench_main
 from prefixserve.bench.results import load_results
 
 STUB = Path(__file__).with_name("stub_openai.py")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +87,7 @@ def test_compare_runs_each_engine_and_writes_results_tables_and_figures(
         concurrency=4,
         scale=0.125,
         num_warmup=1,
-        port=_free_port(),
+        port=free_port(),
     )
     status = run_compare(cfg, progress=False)
     assert status["stub"] == "ok" and status["stub-text"] == "ok"
@@ -128,7 +122,7 @@ def test_a_server_that_dies_while_serving_fails_its_engine_and_keeps_no_results(
         out_dir=tmp_path,
         scale=0.125,
         num_warmup=0,
-        port=_free_port(),
+        port=free_port(),
     )
     status = run_compare(cfg, progress=False)
     assert "exited" in status["dies"] and "while serving" in status["dies"]
@@ -145,7 +139,7 @@ def test_bench_cli_report_rebuilds_tables_from_a_results_dir(
         out_dir=tmp_path,
         scale=0.0625,
         num_warmup=0,
-        port=_free_port(),
+        port=free_port(),
     )
     assert run_compare(cfg, progress=False) == {"stub": "ok"}
     (tmp_path / "W0.md").unlink(missing_ok=True)

@@ -116,7 +116,9 @@ def test_gemma_logits_match_transformers_past_the_sliding_window(gemma_fp32, gem
     runner = ModelRunner(
         gemma_fp32.model,
         gemma_fp32.config,
-        num_blocks=num_blocks + 1, block_size=block_size, sampler=recorder
+        num_blocks=num_blocks + 1,
+        block_size=block_size,
+        sampler=recorder,
     )
     block_ids = tuple(list(range(1, num_blocks + 1)) for _ in gemma_fp32.config.kv_cache_groups())
     request = Request("g", ids[:prefill_len], SamplingParams(temperature=0.0))

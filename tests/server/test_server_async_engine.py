@@ -9,8 +9,8 @@ import uuid
 import pytest
 from server_helpers import MAX_MODEL_LEN, NUM_KV_BLOCKS
 
-from prefixserve.async_engine import format_stats
 from prefixserve.sampling_params import SamplingParams
+from prefixserve.stats_log import format_stats
 
 
 def rid() -> str:

@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
 
 import httpx
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from helpers import free_port
 
 
 def test_prefixserve_serve_starts_logs_its_setup_and_answers(tmp_path):

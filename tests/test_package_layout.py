@@ -1,0 +1,95 @@
+"""The package's shape: no import cycle (imports inside functions count), small modules."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import prefixserve
+
+PACKAGE = Path(prefixserve.__file__).parent
+MAX_LINES = 400
+# A module may be longer when its docstring says why, in a sentence starting with this.
+LONG_MODULE_REASON = "Longer than 400 lines because"
+
+
+def module_name(root: Path, path: Path) -> str:
+    parts = path.relative_to(root.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(root: Path) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports anywhere in its body (functions included)."""
+    files = {module_name(root, path): path for path in root.rglob("*.py")}
+    graph: dict[str, set[str]] = {name: set() for name in files}
+    for name, path in files.items():
+        is_package = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = name.split(".")[: None if is_package else -1]
+                    base = base[: len(base) - (node.level - 1)]
+                    module = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    module = node.module or ""
+                targets = [f"{module}.{alias.name}" for alias in node.names] + [module]
+            for target in targets:
+                while target and target not in files:
+                    target = target.rpartition(".")[0]
+                if target and target != name:
+                    graph[name].add(target)
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as [a, b, ..., a], or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state and (found := visit(nxt)) is not None:
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (found := visit(start)) is not None:
+            return found
+    return None
+
+
+def test_the_package_has_no_import_cycle_counting_imports_inside_functions():
+    cycle = find_cycle(import_graph(PACKAGE))
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_cycle_check_finds_a_cycle_hidden_in_a_function(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from pkg.b import g\n")
+    (pkg / "b.py").write_text("def g():\n    from pkg import c\n")
+    (pkg / "c.py").write_text("from . import a\n")
+    assert find_cycle(import_graph(pkg)) == ["pkg.a", "pkg.b", "pkg.c", "pkg.a"]
+    (pkg / "c.py").write_text("import json\n")
+    assert find_cycle(import_graph(pkg)) is None
+
+
+def test_no_module_is_over_400_lines_without_a_reason_at_its_top():
+    long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text()
+        if text.count("\n") > MAX_LINES:
+            docstring = ast.get_docstring(ast.parse(text)) or ""
+            if LONG_MODULE_REASON not in docstring:
+                long.append(f"{path.relative_to(PACKAGE)} ({text.count(chr(10))} lines)")
+    assert not long, f"modules over {MAX_LINES} lines with no reason in their docstring: {long}"
