@@ -93,3 +93,12 @@ def test_no_module_is_over_400_lines_without_a_reason_at_its_top():
             if LONG_MODULE_REASON not in docstring:
                 long.append(f"{path.relative_to(PACKAGE)} ({text.count(chr(10))} lines)")
     assert not long, f"modules over {MAX_LINES} lines with no reason in their docstring: {long}"
+
+
+def test_every_module_says_its_job_in_a_docstring():
+    missing = [
+        str(path.relative_to(PACKAGE))
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if not ast.get_docstring(ast.parse(path.read_text()))
+    ]
+    assert not missing, f"modules without a docstring: {missing}"
