@@ -1,9 +1,10 @@
 """Micro-benchmarks of the prefix-cache core: µs per block to hash, allocate+free, look up, touch.
 
-    .venv/bin/python benchmarks/bench_kv_cache.py [--repeats 7] [--block-size 16]
+    .venv/bin/python benchmarks/bench_kv_cache.py [--repeats 7] [--block-size 16] [--only pool,...]
 
 Every figure is the median over `--repeats` runs (the machine is shared and noisy), each run timing
-enough work to last a few milliseconds. Pure Python, no torch.
+enough work to last a few milliseconds. Pure Python, no torch. To compare two checkouts, run this
+script against each in turn with PYTHONPATH=<checkout>, alternating, in one session.
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ from prefixserve.sampling_params import SamplingParams
 # CPU time of this process: on a shared, oversubscribed machine wall time mostly measures the
 # other tenants (--wall switches to it).
 _clock = time.process_time_ns
+
+# --only names, in the order the sections run: hashing, BlockPool alloc+free, the same through
+# KVCacheManager, lookup and touch.
+SECTIONS = ("hash", "pool", "manager", "lookup")
 
 TARGETS = {"hash sha256": 1.0, "hash xxhash": 0.3, "alloc+free": 0.3, "lookup": 0.5}
 
@@ -208,15 +213,28 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--wall", action="store_true", help="time wall clock, not CPU time")
+    parser.add_argument(
+        "--only",
+        default=",".join(SECTIONS),
+        help=f"comma-separated sections to run, of {', '.join(SECTIONS)} (default: all)",
+    )
     args = parser.parse_args()
+    sections = args.only.split(",")
+    unknown = set(sections) - set(SECTIONS)
+    if unknown:
+        parser.error(f"unknown sections {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
     global _clock
     if args.wall:
         _clock = time.perf_counter_ns
     rows = []
-    rows += bench_hashing(args.block_size, args.repeats)
-    rows += bench_alloc_free(args.repeats)
-    rows += bench_manager_round_trip(args.block_size, args.repeats)
-    rows += bench_lookup_and_touch(args.block_size, args.repeats)
+    if "hash" in sections:
+        rows += bench_hashing(args.block_size, args.repeats)
+    if "pool" in sections:
+        rows += bench_alloc_free(args.repeats)
+    if "manager" in sections:
+        rows += bench_manager_round_trip(args.block_size, args.repeats)
+    if "lookup" in sections:
+        rows += bench_lookup_and_touch(args.block_size, args.repeats)
     print(
         f"Python {sys.version.split()[0]}, block_size={args.block_size}, "
         f"median of {args.repeats} runs, µs per block "
