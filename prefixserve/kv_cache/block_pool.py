@@ -1,4 +1,6 @@
-"""KVCacheBlock, the free queue, the hash -> block map and the BlockPool that owns them.
+"""The hash -> block map and the BlockPool that owns it, the blocks and their free queue.
+
+KVCacheBlock and the free queue are in free_queue.py (the queue's links live on the blocks).
 
 Vocabulary:
   free     a block nobody references (ref count 0). It sits in the free queue and, when it was
@@ -14,132 +16,123 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from prefixserve.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from prefixserve.kv_cache.free_queue import FreeKVCacheBlockQueue, KVCacheBlock
 
 if TYPE_CHECKING:
     from prefixserve.request import Request
 
     ExtraKeysFn = Callable[[Request, int, int], object]
 
-
-class KVCacheBlock:
-    """One physical KV block. Created once by the pool; never copied."""
-
-    __slots__ = (
-        "block_id",
-        "ref_cnt",
-        "block_hash",
-        "group_id",
-        "token_ids",
-        "prev_free",
-        "next_free",
-        "is_null",
-    )
-
-    def __init__(self, block_id: int) -> None:
-        self.block_id = block_id
-        self.ref_cnt = 0
-        # Set while cached: the block's hash, its KV-cache group and its token ids (kept to
-        # detect hash collisions).
-        self.block_hash: bytes | None = None
-        self.group_id = -1
-        self.token_ids: list[int] | None = None
-        # Free-queue links; None when the block is not in the queue.
-        self.prev_free: KVCacheBlock | None = None
-        self.next_free: KVCacheBlock | None = None
-        self.is_null = False
-
-    def __repr__(self) -> str:
-        cached = "" if self.block_hash is None else f", hash={self.block_hash[:4].hex()}"
-        return f"KVCacheBlock({self.block_id}, ref={self.ref_cnt}{cached})"
+__all__ = ["BlockHashToBlockMap", "BlockPool", "FreeKVCacheBlockQueue", "KVCacheBlock"]
 
 
-class FreeKVCacheBlockQueue:
-    """Intrusive doubly linked list of free blocks; the head is the next block to evict (LRU).
+class BlockHashToBlockMap:
+    """Block hash -> the cached blocks of one KV-cache group.
 
-    popleft, append and remove are O(1) and allocate nothing: the links live on the blocks.
+    Blocks are keyed by the hash they carry: the pool gives a block its hash, group and token ids,
+    then inserts it; pop unmaps it and clears those three, so a block carries a hash exactly while
+    it is mapped. Both take many blocks per call: the loop over a batch runs here, not one method
+    call per block in the pool.
+
+    Duplicates are not deduplicated: block tables are append-only, so a block computed twice is
+    cached twice under one hash. The first inserted block is the one found; later copies wait
+    behind it, oldest first, and the oldest takes its place when it is popped. `get` also guards
+    against hash collisions: it returns the first inserted block whose token ids are the
+    request's, and counts a collision when the hash is mapped to other token ids only.
     """
 
-    __slots__ = ("head", "tail", "num_free_blocks")
+    __slots__ = ("group_id", "_first", "_later", "num_collisions", "get_one_block")
 
-    def __init__(self, blocks: Sequence[KVCacheBlock]) -> None:
-        self.head = KVCacheBlock(-1)  # sentinels: never in a block table
-        self.tail = KVCacheBlock(-1)
-        self.num_free_blocks = len(blocks)
-        prev = self.head
+    def __init__(self, group_id: int) -> None:
+        self.group_id = group_id
+        self._first: dict[bytes, KVCacheBlock] = {}
+        # Later copies per hash, oldest first, keyed by block id (O(1) removal and promotion).
+        self._later: dict[bytes, OrderedDict[int, KVCacheBlock]] = {}
+        self.num_collisions = 0
+        # The first inserted block of a hash, or None; token ids unchecked. It is the dict's own
+        # get: the all-hit lookup calls it once per block, and a Python method in between made
+        # that lookup about a quarter slower.
+        self.get_one_block: Callable[[bytes], KVCacheBlock | None] = self._first.get
+
+    def __len__(self) -> int:
+        """Hashes mapped (each to one block or more)."""
+        return len(self._first)
+
+    def get(self, block_hash: bytes, token_ids: list[int]) -> KVCacheBlock | None:
+        """The first inserted block with this hash and these token ids, else None."""
+        block = self._first.get(block_hash)
+        if block is None or block.token_ids == token_ids:
+            return block
+        later = self._later.get(block_hash)
+        for block in later.values() if later else ():
+            if block.token_ids == token_ids:
+                return block
+        self.num_collisions += 1
+        return None
+
+    def insert(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Map each block under the hash it carries, behind the blocks already mapped there."""
+        setdefault = self._first.setdefault
         for block in blocks:
-            prev.next_free = block
-            block.prev_free = prev
-            prev = block
-        prev.next_free = self.tail
-        self.tail.prev_free = prev
+            block_hash = block.block_hash
+            if block_hash is not None and setdefault(block_hash, block) is not block:
+                later = self._later.get(block_hash)
+                if later is None:
+                    later = self._later[block_hash] = OrderedDict()
+                later[block.block_id] = block
 
-    def popleft(self) -> KVCacheBlock:
-        """Remove and return the head block (ValueError when empty)."""
-        block = self.head.next_free
-        if block is self.tail or block is None:
-            raise ValueError("no free block to pop")
-        self.remove(block)
-        return block
+    def pop(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Unmap each block of this group and clear its hash, group and token ids.
 
-    def popleft_n(self, n: int) -> list[KVCacheBlock]:
-        """Remove and return the first `n` blocks, head first (ValueError when fewer are free)."""
-        if n > self.num_free_blocks:
-            raise ValueError(f"asked for {n} free blocks, only {self.num_free_blocks} free")
-        out = []
-        append = out.append
-        block = self.head.next_free
-        for _ in range(n):
-            append(block)
-            nxt = block.next_free
-            block.prev_free = block.next_free = None
-            block = nxt
-        self.head.next_free = block
-        block.prev_free = self.head
-        self.num_free_blocks -= n
-        return out
+        Blocks of other groups and uncached blocks (group -1) are skipped.
+        """
+        first = self._first
+        if not first:
+            return  # nothing mapped (later copies only exist behind a first one)
+        group_id = self.group_id
+        later_copies = self._later
+        for block in blocks:
+            if block.group_id != group_id:
+                continue
+            block_hash = block.block_hash
+            if first.get(block_hash) is block:
+                later = later_copies.get(block_hash)
+                if later is None:
+                    del first[block_hash]
+                else:
+                    first[block_hash] = later.popitem(last=False)[1]
+                    if not later:
+                        del later_copies[block_hash]
+            else:
+                later = later_copies[block_hash]
+                del later[block.block_id]
+                if not later:
+                    del later_copies[block_hash]
+            block.block_hash = block.token_ids = None
+            block.group_id = -1
 
-    def remove(self, block: KVCacheBlock) -> None:
-        """Unlink `block` from anywhere in the queue."""
-        prev, nxt = block.prev_free, block.next_free
-        if prev is None or nxt is None:
-            raise ValueError(f"{block!r} is not in the free queue")
-        prev.next_free = nxt
-        nxt.prev_free = prev
-        block.prev_free = block.next_free = None
-        self.num_free_blocks -= 1
+    def clear(self) -> None:
+        """Pop every block (the collision count is cumulative and stays)."""
+        for _, blocks in self.items():
+            for block in blocks:
+                block.block_hash = block.token_ids = None
+                block.group_id = -1
+        self._first.clear()  # in place: get_one_block is bound to this dict
+        self._later.clear()
 
-    def append(self, block: KVCacheBlock) -> None:
-        """Put `block` at the tail (evicted last)."""
-        tail = self.tail
-        last = tail.prev_free
-        last.next_free = block
-        block.prev_free = last
-        block.next_free = tail
-        tail.prev_free = block
-        self.num_free_blocks += 1
-
-    def __iter__(self) -> Iterator[KVCacheBlock]:
-        """Free blocks, head (next evicted) first."""
-        block = self.head.next_free
-        while block is not self.tail:
-            yield block
-            block = block.next_free
-
-    def block_ids(self) -> list[int]:
-        """Free block ids, head (next evicted) first."""
-        return [b.block_id for b in self]
+    def items(self) -> Iterator[tuple[bytes, list[KVCacheBlock]]]:
+        """Each mapped hash with its blocks, first inserted first."""
+        later = self._later
+        for block_hash, block in self._first.items():
+            copies = later.get(block_hash)
+            yield block_hash, [block, *copies.values()] if copies else [block]
 
 
 class BlockPool:
-    """All KV blocks, the free queue (LRU) and the map from (group, hash) to cached blocks.
+    """All KV blocks, the free queue (LRU) and one hash -> block map per KV-cache group.
 
     Block 0 is the null block: a placeholder in block tables (sliding-window groups put it where
     they released a block); it is never allocated, freed, cached or touched.
-
-    Duplicates are not deduplicated: block tables are append-only, so a block computed twice is
-    cached twice. The map keeps the first inserted block in `cached[group][hash]` and later
-    ones in `duplicates[group][hash]`; a lookup returns the first inserted block whose stored
-    token ids equal the request's.
     """
 
     def __init__(
@@ -161,12 +154,8 @@ class BlockPool:
         self.null_block.is_null = True
         self.null_block.ref_cnt = 1
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[1:])
-        self.cached: list[dict[bytes, KVCacheBlock]] = [{} for _ in range(num_groups)]
-        # Later copies per hash, oldest first, keyed by block id (O(1) removal and promotion).
-        self.duplicates: list[dict[bytes, OrderedDict[int, KVCacheBlock]]] = [
-            {} for _ in range(num_groups)
-        ]
-        self.num_hash_collisions = 0
+        # Indexed by group id.
+        self.cached_block_hash_to_block = [BlockHashToBlockMap(g) for g in range(num_groups)]
         self.events: list[KVCacheEvent] = []
 
     # ------------------------------------------------------------------ sizes
@@ -186,6 +175,11 @@ class BlockPool:
         total = self.num_blocks - 1
         return (total - self.free_block_queue.num_free_blocks) / total
 
+    @property
+    def num_hash_collisions(self) -> int:
+        """Lookups that met a cached hash with other token ids only (cumulative)."""
+        return sum(m.num_collisions for m in self.cached_block_hash_to_block)
+
     # ------------------------------------------------------------------ lookup
 
     def get_cached_block(
@@ -196,23 +190,7 @@ class BlockPool:
         A block carrying the hash but other token ids is a collision: it is a miss and counts in
         `num_hash_collisions`.
         """
-        block = self.cached[group_id].get(block_hash)
-        if block is None:
-            return None
-        if block.token_ids == token_ids:
-            return block
-        return self._lookup_past_collision(block_hash, group_id, token_ids)
-
-    def _lookup_past_collision(
-        self, block_hash: bytes, group_id: int, token_ids: list[int]
-    ) -> KVCacheBlock | None:
-        """The first later copy with these token ids; counts a collision when there is none."""
-        later = self.duplicates[group_id].get(block_hash)
-        for block in later.values() if later else ():
-            if block.token_ids == token_ids:
-                return block
-        self.num_hash_collisions += 1
-        return None
+        return self.cached_block_hash_to_block[group_id].get(block_hash, token_ids)
 
     # ------------------------------------------------------------------ caching
 
@@ -236,7 +214,6 @@ class BlockPool:
             return
         hashes = request.block_hashes
         tokens = request.all_token_ids
-        cached = self.cached[group_id]
         events = self.enable_kv_cache_events
         stored: list[int] = []
         start = num_cached_blocks * block_size
@@ -244,18 +221,13 @@ class BlockPool:
             block = blocks[i]
             end = start + block_size
             if block.block_hash is None and not block.is_null:
-                block_hash = hashes[i]
-                block.block_hash = block_hash
+                block.block_hash = hashes[i]
                 block.group_id = group_id
                 block.token_ids = tokens[start:end]
-                if cached.setdefault(block_hash, block) is not block:
-                    later = self.duplicates[group_id].get(block_hash)
-                    if later is None:
-                        later = self.duplicates[group_id][block_hash] = OrderedDict()
-                    later[block.block_id] = block
                 if events:
                     stored.append(i)
             start = end
+        self.cached_block_hash_to_block[group_id].insert(blocks[num_cached_blocks:num_full_blocks])
         if stored:
             first = stored[0]
             self.events.append(
@@ -275,40 +247,24 @@ class BlockPool:
                 )
             )
 
-    def _evict(self, block: KVCacheBlock) -> None:
-        """Drop a cached block's hash and map entry (it is about to get new content)."""
-        block_hash = block.block_hash
-        group_id = block.group_id
-        cached = self.cached[group_id]
-        duplicates = self.duplicates[group_id]
-        if cached.get(block_hash) is block:
-            later = duplicates.get(block_hash)
-            if later:
-                cached[block_hash] = later.popitem(last=False)[1]
-                if not later:
-                    del duplicates[block_hash]
-            else:
-                del cached[block_hash]
-        else:
-            later = duplicates[block_hash]
-            del later[block.block_id]
-            if not later:
-                del duplicates[block_hash]
-        block.block_hash = None
-        block.token_ids = None
-        block.group_id = -1
+    def _evict(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Unmap the cached blocks among `blocks` and clear their hashes; others are skipped."""
         if self.enable_kv_cache_events:
-            self.events.append(BlockRemoved(block_hashes=[block_hash], group_idx=group_id))
+            self.events += [
+                BlockRemoved(block_hashes=[block.block_hash], group_idx=block.group_id)
+                for block in blocks
+                if block.block_hash is not None
+            ]
+        for hash_to_block in self.cached_block_hash_to_block:
+            hash_to_block.pop(blocks)
 
-    def uncache_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
+    def uncache_blocks(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Forget the hashes of these blocks (held or free) so no lookup can hit them.
 
         For blocks cached before their K/V was written, when the step that was to write it
         failed. Ref counts and the free queue are untouched; uncached blocks are skipped.
         """
-        for block in blocks:
-            if block.block_hash is not None:
-                self._evict(block)
+        self._evict(blocks)
 
     # ------------------------------------------------------------------ ref counting
 
@@ -318,41 +274,10 @@ class BlockPool:
         A popped block that is still cached is evicted now. Asking for more blocks than are
         free raises ValueError (never a partial result).
         """
-        queue = self.free_block_queue
-        if num_blocks > queue.num_free_blocks:
-            raise ValueError(
-                f"cannot allocate {num_blocks} blocks: only {queue.num_free_blocks} are free"
-            )
-        # popleft_n with the eviction folded in: one pass, no per-block method calls.
-        head = queue.head
-        block = head.next_free
-        blocks: list[KVCacheBlock] = []
-        append = blocks.append
-        cached_maps = self.cached
-        duplicate_maps = self.duplicates
-        events = self.events if self.enable_kv_cache_events else None
-        for _ in range(num_blocks):
-            nxt = block.next_free
-            block.prev_free = block.next_free = None
-            block_hash = block.block_hash
-            if block_hash is not None:
-                group_id = block.group_id
-                cached = cached_maps[group_id]
-                if cached.get(block_hash) is block and block_hash not in duplicate_maps[group_id]:
-                    # The common eviction: the only cached copy of this hash.
-                    del cached[block_hash]
-                    block.block_hash = block.token_ids = None
-                    block.group_id = -1
-                    if events is not None:
-                        events.append(BlockRemoved(block_hashes=[block_hash], group_idx=group_id))
-                else:
-                    self._evict(block)
+        blocks = self.free_block_queue.popleft_n(num_blocks)
+        for block in blocks:
             block.ref_cnt = 1
-            append(block)
-            block = nxt
-        head.next_free = block
-        block.prev_free = head
-        queue.num_free_blocks -= num_blocks
+        self._evict(blocks)
         return blocks
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -371,21 +296,15 @@ class BlockPool:
         Freeing never evicts: a cached block keeps its hash and can be hit until it is popped.
         Callers pass a request's blocks tail first, so its last block is evicted first.
         """
-        queue = self.free_block_queue
-        tail = queue.tail
-        freed = 0
+        freed: list[KVCacheBlock] = []
+        append = freed.append
         for block in ordered_blocks:
             if block.is_null:
                 continue
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                last = tail.prev_free
-                last.next_free = block
-                block.prev_free = last
-                block.next_free = tail
-                tail.prev_free = block
-                freed += 1
-        queue.num_free_blocks += freed
+                append(block)
+        self.free_block_queue.append_n(freed)
 
     # ------------------------------------------------------------------ reset & events
 
@@ -393,14 +312,8 @@ class BlockPool:
         """Forget every cached hash. Refused (False, nothing changed) while any block is in use."""
         if self.free_block_queue.num_free_blocks != self.num_blocks - 1:
             return False
-        for cached in self.cached:
-            cached.clear()
-        for duplicates in self.duplicates:
-            duplicates.clear()
-        for block in self.blocks:
-            block.block_hash = None
-            block.token_ids = None
-            block.group_id = -1
+        for hash_to_block in self.cached_block_hash_to_block:
+            hash_to_block.clear()
         if self.enable_kv_cache_events:
             self.events.append(AllBlocksCleared())
         return True
@@ -447,19 +360,16 @@ class BlockPool:
             f"free ({len(seen)}) + in use ({in_use}) != total ({self.num_blocks - 1})"
         )
         mapped: set[int] = set()
-        for group_id, (cached, duplicates) in enumerate(
-            zip(self.cached, self.duplicates, strict=True)
-        ):
-            entries = [(h, b) for h, b in cached.items()]
-            entries += [(h, b) for h, later in duplicates.items() for b in later.values()]
-            for block_hash, block in entries:
-                assert block.block_hash == block_hash, f"map entry {block_hash.hex()} -> {block!r}"
-                assert block.group_id == group_id, f"{block!r} mapped in group {group_id}"
-                assert block.block_id not in mapped, f"{block!r} mapped twice"
-                assert block.token_ids is not None, f"cached {block!r} forgot its token ids"
-                mapped.add(block.block_id)
-            for block_hash in duplicates:
-                assert block_hash in cached, "a duplicate entry without a first entry"
+        for group_id, hash_to_block in enumerate(self.cached_block_hash_to_block):
+            for block_hash, blocks in hash_to_block.items():
+                for block in blocks:
+                    assert block.block_hash == block_hash, (
+                        f"map entry {block_hash.hex()} -> {block!r}"
+                    )
+                    assert block.group_id == group_id, f"{block!r} mapped in group {group_id}"
+                    assert block.block_id not in mapped, f"{block!r} mapped twice"
+                    assert block.token_ids is not None, f"cached {block!r} forgot its token ids"
+                    mapped.add(block.block_id)
         for block in self.blocks:
             if block.block_hash is not None:
                 assert block.block_id in mapped, f"{block!r} carries a hash but is not mapped"

@@ -166,19 +166,19 @@ class FullAttentionManager(SingleTypeKVCacheManager):
     ) -> list[KVCacheBlock]:
         """Left to right, stopping at the first miss (hits must be contiguous from the start)."""
         block_size = self.block_size
-        pool = self.block_pool
-        group_id = self.group_id
-        get = pool.cached[group_id].get
+        hash_to_block = self.block_pool.cached_block_hash_to_block[self.group_id]
+        get_one_block = hash_to_block.get_one_block
         hits: list[KVCacheBlock] = []
         append = hits.append
         start = 0
         for block_hash in block_hashes[: max_length // block_size]:
-            block = get(block_hash)
+            block = get_one_block(block_hash)
             if block is None:
                 break
             end = start + block_size
             if block.token_ids != token_ids[start:end]:
-                block = pool._lookup_past_collision(block_hash, group_id, token_ids[start:end])
+                # A collision, or a later copy: the full lookup goes past the first block.
+                block = hash_to_block.get(block_hash, token_ids[start:end])
                 if block is None:
                     break
             append(block)

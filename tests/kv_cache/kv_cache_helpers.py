@@ -75,7 +75,7 @@ def evict_block(pool: BlockPool, block: KVCacheBlock) -> None:
     """Evict one free cached block where it stands, as a pop from the queue would."""
     assert block.ref_cnt == 0 and block.block_hash is not None
     pool.free_block_queue.remove(block)
-    pool._evict(block)
+    pool._evict([block])
     pool.free_block_queue.append(block)
 
 
@@ -88,8 +88,7 @@ def snapshot(mgr: KVCacheManager, requests=()) -> tuple:
     return (
         free_ids(pool),
         [(b.ref_cnt, b.block_hash, b.group_id) for b in pool.blocks],
-        [dict(c) for c in pool.cached],
-        [{h: list(v.items()) for h, v in d.items()} for d in pool.duplicates],
+        [dict(m.items()) for m in pool.cached_block_hash_to_block],
         [mgr.get_block_ids(r) for r in requests],
         stats,
         list(pool.events),

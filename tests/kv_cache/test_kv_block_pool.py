@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 from kv_cache_helpers import free_ids, make_request
 
-from prefixserve.kv_cache.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
+from prefixserve.kv_cache.block_pool import (
+    BlockHashToBlockMap,
+    BlockPool,
+    FreeKVCacheBlockQueue,
+    KVCacheBlock,
+)
 from prefixserve.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored
 
 
@@ -55,6 +60,57 @@ def test_free_queue_popleft_append_remove_are_linked_in_place():
     queue.popleft_n(3)
     with pytest.raises(ValueError):
         queue.popleft()
+
+
+def test_free_queue_append_n_keeps_the_order_given_and_popleft_n_never_pops_part():
+    blocks = [KVCacheBlock(i) for i in range(4)]
+    queue = FreeKVCacheBlockQueue(blocks[:1])
+    queue.append_n(blocks[1:])
+    assert queue.block_ids() == [0, 1, 2, 3] and queue.num_free_blocks == 4
+    with pytest.raises(ValueError, match="only 4 are free"):
+        queue.popleft_n(5)
+    assert queue.block_ids() == [0, 1, 2, 3] and queue.num_free_blocks == 4
+
+
+def cached_block(block_id: int, block_hash: bytes, token_ids: list[int], group_id: int = 0):
+    """A block carrying what the pool sets before inserting it in a map."""
+    block = KVCacheBlock(block_id)
+    block.block_hash, block.token_ids, block.group_id = block_hash, token_ids, group_id
+    return block
+
+
+def test_hash_map_finds_the_first_inserted_copy_and_promotes_the_oldest_when_it_is_popped():
+    a, b, c, d = (cached_block(i, b"h", [1, 2]) for i in range(1, 5))
+    hash_to_block = BlockHashToBlockMap(0)
+    hash_to_block.insert([a, b, c, d])
+    assert hash_to_block.get_one_block(b"h") is a and len(hash_to_block) == 1
+    hash_to_block.pop([c])  # a later copy leaves from the middle of the line
+    hash_to_block.pop([a])
+    assert dict(hash_to_block.items()) == {b"h": [b, d]}
+    hash_to_block.pop([b, d])
+    assert hash_to_block.get_one_block(b"h") is None and len(hash_to_block) == 0
+
+
+def test_hash_map_get_needs_equal_token_ids_and_counts_a_collision_only_when_no_copy_has_them():
+    first, later = cached_block(1, b"h", [1, 2]), cached_block(2, b"h", [3, 4])
+    hash_to_block = BlockHashToBlockMap(0)
+    hash_to_block.insert([first, later])
+    assert hash_to_block.get(b"h", [1, 2]) is first
+    assert hash_to_block.get(b"h", [3, 4]) is later and hash_to_block.num_collisions == 0
+    assert hash_to_block.get(b"h", [5, 6]) is None and hash_to_block.num_collisions == 1
+    assert hash_to_block.get(b"other", [1, 2]) is None and hash_to_block.num_collisions == 1
+
+
+def test_hash_map_pop_clears_what_it_unmaps_and_skips_blocks_it_does_not_map():
+    mine = cached_block(1, b"h", [1], group_id=1)
+    other_group = cached_block(2, b"h", [1], group_id=0)
+    uncached = KVCacheBlock(3)
+    hash_to_block = BlockHashToBlockMap(1)
+    hash_to_block.insert([mine])
+    hash_to_block.pop([other_group, uncached, mine])
+    assert (mine.block_hash, mine.token_ids, mine.group_id) == (None, None, -1)
+    assert (other_group.block_hash, other_group.group_id) == (b"h", 0)
+    assert len(hash_to_block) == 0
 
 
 def test_get_new_blocks_pops_from_the_head_with_ref_one():
@@ -144,7 +200,7 @@ def test_cache_full_blocks_skips_already_cached_and_uncached_range():
     pool.cache_full_blocks(request, blocks, 0, 2, 4)  # both already carry their hash
     pool.cache_full_blocks(request, blocks, 2, 2, 4)
     assert pool.take_events() == []
-    assert len(pool.cached[0]) == 2 and not pool.duplicates[0]
+    assert [len(b) for _, b in pool.cached_block_hash_to_block[0].items()] == [1, 1]
 
 
 def test_block_stored_event_payload():
@@ -186,9 +242,10 @@ def test_reset_fails_while_blocks_in_use():
     pool, request, blocks = cached_pool()
     pool.take_events()
     (held,) = pool.get_new_blocks(1)
-    before = (free_ids(pool), [b.block_hash for b in pool.blocks], dict(pool.cached[0]))
+    mapped = pool.cached_block_hash_to_block[0]
+    before = (free_ids(pool), [b.block_hash for b in pool.blocks], dict(mapped.items()))
     assert pool.reset_prefix_cache() is False
-    assert (free_ids(pool), [b.block_hash for b in pool.blocks], dict(pool.cached[0])) == before
+    assert (free_ids(pool), [b.block_hash for b in pool.blocks], dict(mapped.items())) == before
     assert pool.take_events() == []
     pool.free_blocks([held])
 
@@ -198,7 +255,7 @@ def test_reset_forgets_every_hash_and_emits_all_blocks_cleared():
     pool.take_events()
     assert pool.reset_prefix_cache() is True
     assert all(b.block_hash is None for b in pool.blocks)
-    assert pool.cached == [{}]
+    assert [len(m) for m in pool.cached_block_hash_to_block] == [0]
     assert pool.get_cached_block(request.block_hashes[0], 0, [1, 2, 3, 4]) is None
     assert pool.take_events() == [AllBlocksCleared()]
     pool.check_invariants()

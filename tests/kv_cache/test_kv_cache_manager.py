@@ -341,7 +341,9 @@ def test_many_duplicates_of_one_prompt_stay_consistent():
         mgr.free(r)
         mgr.check_invariants()
     blocks, num_computed = mgr.get_computed_blocks(make_request("b", list(range(9))))
-    first = mgr.block_pool.cached[0][blocks.blocks[0][0].block_hash]
+    first = mgr.block_pool.cached_block_hash_to_block[0].get_one_block(
+        blocks.blocks[0][0].block_hash
+    )
     assert num_computed == 8 and blocks.blocks[0][0] is first
 
 

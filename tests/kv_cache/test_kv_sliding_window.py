@@ -19,7 +19,9 @@ def cached_then_freed(mgr, num_tokens: int):
 
 
 def cached_block(mgr, request, index: int, group: int = 0):
-    return mgr.block_pool.cached[group][request.block_hashes[index]]
+    return mgr.block_pool.cached_block_hash_to_block[group].get_one_block(
+        request.block_hashes[index]
+    )
 
 
 def test_sliding_window_hit_needs_enough_contiguous_blocks_before_its_end():
@@ -112,8 +114,9 @@ def test_groups_are_keyed_separately_in_the_map():
     a = make_request("a", list(range(13)))
     assert mgr.allocate_slots(a, 13).get_block_ids() == ([1, 2, 3, 4], [5, 6, 7, 8])
     pool = mgr.block_pool
-    assert [pool.cached[0][h].block_id for h in a.block_hashes] == [1, 2, 3]
-    assert [pool.cached[1][h].block_id for h in a.block_hashes] == [5, 6, 7]
+    hash_to_block = pool.cached_block_hash_to_block
+    assert [hash_to_block[0].get_one_block(h).block_id for h in a.block_hashes] == [1, 2, 3]
+    assert [hash_to_block[1].get_one_block(h).block_id for h in a.block_hashes] == [5, 6, 7]
     mgr.check_invariants()
 
 

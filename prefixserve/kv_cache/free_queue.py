@@ -1,0 +1,117 @@
+"""KVCacheBlock and the free queue: the blocks nobody references, in eviction (LRU) order.
+
+The queue is intrusive: its links live in the blocks' own slots, which is why the block type is
+defined here. The BlockPool (block_pool.py) owns one queue and goes through these methods only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+
+class KVCacheBlock:
+    """One physical KV block. Created once by the pool; never copied."""
+
+    __slots__ = (
+        "block_id",
+        "ref_cnt",
+        "block_hash",
+        "group_id",
+        "token_ids",
+        "prev_free",
+        "next_free",
+        "is_null",
+    )
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        # Set while cached: the block's hash, its KV-cache group and its token ids (kept to
+        # detect hash collisions).
+        self.block_hash: bytes | None = None
+        self.group_id = -1
+        self.token_ids: list[int] | None = None
+        # Free-queue links; None when the block is not in the queue.
+        self.prev_free: KVCacheBlock | None = None
+        self.next_free: KVCacheBlock | None = None
+        self.is_null = False
+
+    def __repr__(self) -> str:
+        cached = "" if self.block_hash is None else f", hash={self.block_hash[:4].hex()}"
+        return f"KVCacheBlock({self.block_id}, ref={self.ref_cnt}{cached})"
+
+
+class FreeKVCacheBlockQueue:
+    """Intrusive doubly linked list of free blocks; the head is the next block to evict (LRU).
+
+    Every operation is O(1) per block: the links live on the blocks. popleft_n and append_n are
+    the pool's allocation and free paths; popleft and append are their one-block forms.
+    """
+
+    __slots__ = ("head", "tail", "num_free_blocks")
+
+    def __init__(self, blocks: Sequence[KVCacheBlock]) -> None:
+        self.head = KVCacheBlock(-1)  # sentinels: never in a block table
+        self.tail = KVCacheBlock(-1)
+        self.head.next_free = self.tail
+        self.tail.prev_free = self.head
+        self.num_free_blocks = 0
+        self.append_n(blocks)
+
+    def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        """Remove and return the first `n` blocks, head first (ValueError when fewer are free)."""
+        if n > self.num_free_blocks:
+            raise ValueError(f"cannot pop {n} blocks: only {self.num_free_blocks} are free")
+        head = self.head
+        out = [head] * n  # every slot is overwritten: cheaper than n appends
+        block = head.next_free
+        for i in range(n):
+            out[i] = block
+            nxt = block.next_free
+            block.prev_free = block.next_free = None
+            block = nxt
+        head.next_free = block
+        block.prev_free = head
+        self.num_free_blocks -= n
+        return out
+
+    def popleft(self) -> KVCacheBlock:
+        """Remove and return the head block (ValueError when empty)."""
+        return self.popleft_n(1)[0]
+
+    def append_n(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Put `blocks` at the tail in this order (the last one is evicted last)."""
+        tail = self.tail
+        last = tail.prev_free
+        for block in blocks:
+            last.next_free = block
+            block.prev_free = last
+            last = block
+        last.next_free = tail
+        tail.prev_free = last
+        self.num_free_blocks += len(blocks)
+
+    def append(self, block: KVCacheBlock) -> None:
+        """Put `block` at the tail (evicted last)."""
+        self.append_n((block,))
+
+    def remove(self, block: KVCacheBlock) -> None:
+        """Unlink `block` from anywhere in the queue."""
+        prev, nxt = block.prev_free, block.next_free
+        if prev is None or nxt is None:
+            raise ValueError(f"{block!r} is not in the free queue")
+        prev.next_free = nxt
+        nxt.prev_free = prev
+        block.prev_free = block.next_free = None
+        self.num_free_blocks -= 1
+
+    def __iter__(self) -> Iterator[KVCacheBlock]:
+        """Free blocks, head (next evicted) first."""
+        block = self.head.next_free
+        while block is not self.tail:
+            yield block
+            block = block.next_free
+
+    def block_ids(self) -> list[int]:
+        """Free block ids, head (next evicted) first."""
+        return [b.block_id for b in self]
