@@ -71,7 +71,11 @@ class BlockHashToBlockMap:
         return None
 
     def insert(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Map each block under the hash it carries, behind the blocks already mapped there."""
+        """Map each block under the hash it carries, behind the blocks already mapped there.
+
+        Blocks without a hash are skipped and a block already mapped stays where it is, so a
+        caller may pass a range that also holds cache hits and null blocks.
+        """
         setdefault = self._first.setdefault
         for block in blocks:
             block_hash = block.block_hash
@@ -227,6 +231,7 @@ class BlockPool:
                 if events:
                     stored.append(i)
             start = end
+        # The hits and null blocks in the range are left as they are.
         self.cached_block_hash_to_block[group_id].insert(blocks[num_cached_blocks:num_full_blocks])
         if stored:
             first = stored[0]

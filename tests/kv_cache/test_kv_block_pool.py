@@ -83,6 +83,8 @@ def test_hash_map_finds_the_first_inserted_copy_and_promotes_the_oldest_when_it_
     a, b, c, d = (cached_block(i, b"h", [1, 2]) for i in range(1, 5))
     hash_to_block = BlockHashToBlockMap(0)
     hash_to_block.insert([a, b, c, d])
+    hash_to_block.insert([c, a, KVCacheBlock(9)])  # mapped already, or no hash: nothing moves
+    assert dict(hash_to_block.items()) == {b"h": [a, b, c, d]}
     assert hash_to_block.get_one_block(b"h") is a and len(hash_to_block) == 1
     hash_to_block.pop([c])  # a later copy leaves from the middle of the line
     hash_to_block.pop([a])
