@@ -1,10 +1,12 @@
 """The prefix-cache core (pure Python, no torch): which KV blocks a request can reuse.
 
-Read in data-flow order: hashing -> block_pool -> single_type -> coordinator -> kv_cache_manager.
+Read in data-flow order: hashing -> free_queue -> block_pool -> single_type -> coordinator ->
+kv_cache_manager (sizing: how many blocks a request needs and the pool gets).
 """
 
-from prefixserve.kv_cache.block_pool import BlockPool, KVCacheBlock
+from prefixserve.kv_cache.block_pool import BlockPool
 from prefixserve.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from prefixserve.kv_cache.free_queue import KVCacheBlock
 from prefixserve.kv_cache.hashing import get_hash_fn, get_request_block_hasher, init_none_hash
 from prefixserve.kv_cache.kv_cache_manager import KVCacheBlocks, KVCacheManager, PrefixCacheStats
 from prefixserve.kv_cache.spec import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec
