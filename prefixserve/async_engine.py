@@ -1,7 +1,8 @@
 """AsyncLLMEngine: the synchronous LLMEngine driven by a background thread, for asyncio servers.
 
-One thread owns the engine: it is the only code that ever touches it. Everything else talks to
-that thread through a command queue that is drained at the top of each step:
+One thread owns the engine: it is the only code that ever changes or queries its state (the
+read-only properties below expose attributes fixed at construction, such as max_model_len).
+Everything else talks to that thread through a command queue drained at the top of each step:
 
     asyncio handler --(command + future)--> queue --> step thread: run commands, engine.step()
     asyncio handler <--(call_soon_threadsafe)-- per-request asyncio.Queue <-- RequestOutputs

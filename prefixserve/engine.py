@@ -126,8 +126,6 @@ class LLMEngine:
         """
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
-        if request_id in self.output_processor:
-            raise ValueError(f"request_id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):

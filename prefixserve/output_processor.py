@@ -49,7 +49,6 @@ class PromptState:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    params: SamplingParams
     samples: list[SampleState] = field(default_factory=list)
     prompt_logprobs: PromptLogprobs | None = None
 
@@ -92,14 +91,14 @@ class OutputProcessor:
         params: SamplingParams,
         requests: list[Request],
     ) -> None:
-        """Track a prompt whose samples are `requests` (in sample order). Raises ValueError when
-        the id or a sample's id is already tracked."""
+        """Track a prompt whose samples are `requests` (in sample order). The engine's one check
+        of a duplicate id: ValueError when the id or a sample's id is already tracked."""
         if request_id in self._prompts:
             raise ValueError(f"request_id {request_id!r} is already in use")
         for request in requests:
             if request.request_id in self._sample_of:
                 raise ValueError(f"request_id {request_id!r} collides with a running sample id")
-        entry = PromptState(request_id, prompt, prompt_token_ids, params)
+        entry = PromptState(request_id, prompt, prompt_token_ids)
         if params.prompt_logprobs is not None:
             entry.prompt_logprobs = [None]
         stop_buffer = max((len(s) for s in params.stop_strings), default=1) - 1

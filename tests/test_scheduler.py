@@ -478,3 +478,20 @@ def test_any_schedule_gives_each_request_the_tokens_it_gets_alone(
 def test_invalid_scheduler_config_names_the_field(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         SchedulerConfig(**bad)
+
+
+def test_a_request_that_cannot_fit_an_idle_pool_is_reported_stuck():
+    sched, runner = make_scheduler(num_blocks=3)  # 12 slots; the prompt needs 5 blocks
+    sched.add_request(make_request("big", PROMPT))
+    out = step(sched, runner)
+    assert not out.scheduled
+    assert sched.stuck_request().request_id == "big"
+
+
+def test_a_waiting_request_is_not_stuck_while_others_run():
+    sched, runner = make_scheduler(num_blocks=6, max_num_seqs=1)
+    sched.add_request(make_request("run", PROMPT[:8], max_tokens=20))
+    sched.add_request(make_request("wait", PROMPT[:8]))
+    step(sched, runner)
+    assert [r.request_id for r in sched.running] == ["run"]
+    assert sched.stuck_request() is None

@@ -61,7 +61,13 @@ def load_harness(module: str) -> ModuleType:
         )
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
-    mod = importlib.import_module(f"benchmarks.serving.{module}")
+    try:
+        mod = importlib.import_module(f"benchmarks.serving.{module}")
+    except ModuleNotFoundError as exc:  # another top-level `benchmarks` shadows the checkout's
+        if exc.name is None or not exc.name.startswith("benchmarks"):
+            raise  # a missing dependency of the harness: the caller names the extra
+        why = f"cannot import the checkout's benchmarks.serving ({exc})"
+        raise HarnessUnavailable(why) from exc
     if not Path(mod.__file__ or "").resolve().is_relative_to(root):
         raise HarnessUnavailable(f"`benchmarks` is not the checkout's ({mod.__file__})")
     return mod

@@ -40,16 +40,21 @@ _END_OF_TURN_TOKENS = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>")
 CONVERSION_VERSION = 2
 CONVERSION_MARKER = "prefixserve_conversion.json"
 
-# Chat templates for GGUF files that ship without one, named by GGUF architecture. gemma3.jinja is
-# Gemma 3's (google/gemma-3-*-it tokenizer_config.json, text parts only): the packaged Gemma 3
-# 270M carries none.
+# Chat templates for GGUF files that ship without one, by GGUF architecture, in templates/.
+# gemma3.jinja is Gemma 3's (google/gemma-3-*-it tokenizer_config.json, text parts only): the
+# packaged Gemma 3 270M carries none.
 _TEMPLATES_DIR = Path(__file__).parent / "templates"
+_FALLBACK_TEMPLATES = {"gemma3": "gemma3.jinja"}
 
 
 def fallback_chat_template(gguf_architecture: str) -> str | None:
-    """The chat template for a GGUF file of this architecture that carries none, if we have one."""
-    path = _TEMPLATES_DIR / f"{gguf_architecture}.jinja"
-    return path.read_text() if path.is_file() else None
+    """The chat template for a GGUF file of this architecture that carries none; None for an
+    architecture we have none for. A listed template missing from the install is an error (a
+    conversion without it would be cached as complete)."""
+    name = _FALLBACK_TEMPLATES.get(gguf_architecture)
+    if name is None:
+        return None
+    return (_TEMPLATES_DIR / name).read_text(encoding="utf-8")
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path, chat_template: str | None = None) -> None:

@@ -9,7 +9,6 @@ is compiled with `-march=native` (and for one torch version and Python ABI).
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import logging
 import platform
@@ -18,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from prefixserve.settings import cache_root, kernels_enabled, prepend_to_path
+from prefixserve.settings import cache_root, file_lock, kernels_enabled, prepend_to_path
 
 logger = logging.getLogger(__name__)
 
@@ -59,27 +58,22 @@ def _build() -> Any:
     # torch's own build lock (a `lock` file it polls forever) outlives a killed build and would
     # hang every later start; an flock dies with its process, so take one around the build and
     # clear a leftover torch lock while holding it (only this function builds here).
-    with open(build_dir / ".prefixserve.lock", "w") as lock_file:
-        fcntl.flock(lock_file, fcntl.LOCK_EX)
-        try:
-            (build_dir / "lock").unlink(missing_ok=True)
-            module = cpp_extension.load(
-                name="prefixserve_paged_attention",
-                sources=[str(_SOURCE)],
-                extra_cflags=[
-                    "-O3",
-                    "-march=native",
-                    "-mprefer-vector-width=512",
-                    "-fopenmp",
-                    "-fno-strict-aliasing",
-                ],
-                extra_ldflags=["-fopenmp"],
-                build_directory=str(build_dir),
-                verbose=False,
-            )
-        finally:
-            fcntl.flock(lock_file, fcntl.LOCK_UN)
-    return module
+    with file_lock(build_dir / ".prefixserve.lock"):
+        (build_dir / "lock").unlink(missing_ok=True)
+        return cpp_extension.load(
+            name="prefixserve_paged_attention",
+            sources=[str(_SOURCE)],
+            extra_cflags=[
+                "-O3",
+                "-march=native",
+                "-mprefer-vector-width=512",
+                "-fopenmp",
+                "-fno-strict-aliasing",
+            ],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            verbose=False,
+        )
 
 
 def _module() -> Any:

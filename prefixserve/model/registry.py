@@ -2,7 +2,7 @@
 
 Each Hugging Face architecture name maps to the transformers `model_type` whose config defaults
 apply to it (`hf_config.py` uses them) and to the class implementing it. Adding a model family
-is a new module beside `llama.py` and one row here.
+is a new module beside `llama.py`, one row here, and its config quirks in `hf_config.py`.
 """
 
 from __future__ import annotations

@@ -160,3 +160,16 @@ def test_gguf_cache_dir_depends_on_the_file(tmp_path, monkeypatch):
     b.write_bytes(b"22")
     assert gguf_convert.gguf_cache_dir(a) != gguf_convert.gguf_cache_dir(b)
     assert gguf_convert.gguf_cache_dir(a).parent == tmp_path / "cache" / "gguf"
+
+
+def test_gemma3_fallback_chat_template_is_the_packaged_one_and_others_have_none():
+    template = gguf_convert.fallback_chat_template("gemma3")
+    assert template.startswith("{{ bos_token }}")
+    assert "<start_of_turn>" in template and "<end_of_turn>" in template
+    assert gguf_convert.fallback_chat_template("llama") is None
+
+
+def test_a_listed_template_missing_from_the_install_is_an_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(gguf_convert, "_TEMPLATES_DIR", tmp_path)
+    with pytest.raises(FileNotFoundError):
+        gguf_convert.fallback_chat_template("gemma3")

@@ -26,6 +26,16 @@ def test_large_batches_compute_in_fp32_and_round_back_to_bf16(monkeypatch):
     assert torch.equal(out, want)
 
 
+def test_bf16_weights_are_packed_wherever_the_cpu_has_avx512():
+    """The probe must not turn packing off where oneDNN supports it (torch's AVX512 capability
+    means avx512f/bw/vl/dq, what oneDNN's bf16 reorder needs); AVX2-only CPUs refuse it."""
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        pytest.skip("no AVX-512 here: packing may be unavailable")
+    assert layers._bf16_packing_supported()
+    lin = make_linear()
+    assert lin._packed is not None
+
+
 @pytest.mark.skipif(
     not layers._bf16_packing_supported(), reason="oneDNN cannot pack bf16 on this CPU (AVX2 only)"
 )
