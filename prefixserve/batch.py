@@ -58,3 +58,6 @@ class ModelRunnerOutput:
     # request_id -> logprobs of prompt positions 1.. covered by this chunk, in order (only when
     # sampling_params.prompt_logprobs is set). Prompt position 0 has no logprob (vLLM: None).
     prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
+    # request_id -> why it could not be sampled this step (its seed, non-finite logits, a sampler
+    # error on its row). The forward pass itself succeeded; the engine fails only these requests.
+    failed: dict[str, str] = field(default_factory=dict)

@@ -174,7 +174,12 @@ class LLMEngine:
             child_params = params
             if params.n > 1:
                 seed = None if params.seed is None else params.seed + index
-                child_params = dataclasses.replace(params, n=1, seed=seed)
+                # Only sample 0's prompt logprobs are reported: the others neither compute them
+                # nor skip the prefix cache for them.
+                prompt_logprobs = params.prompt_logprobs if index == 0 else None
+                child_params = dataclasses.replace(
+                    params, n=1, seed=seed, prompt_logprobs=prompt_logprobs
+                )
             requests.append(
                 Request(
                     child_id,
@@ -196,6 +201,14 @@ class LLMEngine:
         for request_id in request_ids:
             for child_id in self.output_processor.remove_prompt(request_id):
                 self.scheduler.finish_requests(child_id, RequestStatus.FINISHED_ABORTED)
+        self._release_if_idle()
+
+    def _release_if_idle(self) -> None:
+        """With nothing left to schedule there is no next forward pass to drop the runner's
+        state of finished requests (seeded generators): drop it now."""
+        if not self.scheduler.has_unfinished_requests() and self.scheduler.finished_req_ids:
+            self.runner.release(self.scheduler.finished_req_ids)
+            self.scheduler.finished_req_ids = set()
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished()
@@ -223,13 +236,37 @@ class LLMEngine:
                 )
             self.runner.release(scheduler_output.finished_req_ids)  # no forward pass to take them
             runner_output = ModelRunnerOutput()
+        failed_outputs: list[RequestOutput] = []
+        if runner_output.failed:
+            failed_outputs = self._fail_requests(scheduler_output, runner_output.failed)
         updates = self.scheduler.update_from_output(scheduler_output, runner_output)
         processed = self.output_processor.process_updates(updates)
         for child_id, stop_string in processed.stopped:
             self.scheduler.finish_requests(
                 child_id, RequestStatus.FINISHED_STOPPED, stop_reason=stop_string
             )
+        if processed.failed:
+            self.scheduler.finish_requests(processed.failed, RequestStatus.FINISHED_ABORTED)
+        self._release_if_idle()
+        if failed_outputs:
+            return failed_outputs + processed.outputs
         return processed.outputs
+
+    def _fail_requests(
+        self, scheduler_output: SchedulerOutput, errors: dict[str, str]
+    ) -> list[RequestOutput]:
+        """Requests the runner could not sample (the pass itself worked): uncache the blocks
+        they filled this step (their K/V may be what made the logits non-finite), then finish
+        their prompts with the error; everyone else in the step goes on."""
+        for scheduled in scheduler_output.scheduled:
+            request = scheduled.request
+            if request.request_id in errors:
+                self.kv_cache_manager.uncache_uncomputed_blocks(
+                    request, scheduled.num_computed_tokens
+                )
+        outputs, child_ids = self.output_processor.fail_samples(errors)
+        self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
+        return outputs
 
     def _discard_failed_step(self, scheduler_output: SchedulerOutput) -> None:
         """After a forward pass failed: its blocks were cached when allocated but their K/V may

@@ -51,6 +51,7 @@ class PromptState:
     prompt_token_ids: list[int]
     samples: list[SampleState] = field(default_factory=list)
     prompt_logprobs: PromptLogprobs | None = None
+    error: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -64,6 +65,8 @@ class ProcessedOutputs:
 
     outputs: list[RequestOutput] = field(default_factory=list)
     stopped: list[tuple[str, str]] = field(default_factory=list)
+    # Sample request ids the engine must finish in the scheduler because their prompt failed.
+    failed: list[str] = field(default_factory=list)
 
 
 class OutputProcessor:
@@ -139,7 +142,14 @@ class OutputProcessor:
             if found is None:
                 continue
             entry, sample = found
-            stop = self._apply_update(entry, sample, update)
+            if entry.error is not None:
+                continue
+            try:
+                stop = self._apply_update(entry, sample, update)
+            except Exception as exc:  # noqa: BLE001 - this prompt fails, the others go on
+                result.failed.extend(self._fail(entry, sample, f"detokenizing failed: {exc!r}"))
+                touched[entry.request_id] = entry
+                continue
             if stop is not None:
                 result.stopped.append((sample.request.request_id, stop))
             if update.new_token_ids or sample.finished:
@@ -150,6 +160,32 @@ class OutputProcessor:
             if finished:
                 self.remove_prompt(entry.request_id)
         return result
+
+    def fail_samples(self, errors: dict[str, str]) -> tuple[list[RequestOutput], list[str]]:
+        """Fail the prompts of the samples in `errors` (sample request id -> why): their final
+        outputs (finished, with `error`), and every sample request id the engine must finish in
+        the scheduler. The prompts are forgotten; unknown ids are ignored."""
+        outputs: list[RequestOutput] = []
+        child_ids: list[str] = []
+        for sample_id, message in errors.items():
+            found = self._sample_of.get(sample_id)
+            if found is None:
+                continue  # its prompt failed already (a sibling) or was aborted
+            entry, sample = found
+            child_ids.extend(self._fail(entry, sample, message))
+            outputs.append(self._make_output(entry, True))
+            self.remove_prompt(entry.request_id)
+        return outputs, child_ids
+
+    @staticmethod
+    def _fail(entry: PromptState, sample: SampleState, message: str) -> list[str]:
+        """Mark a prompt failed by one of its samples; returns all its samples' request ids."""
+        entry.error = message
+        sample.finish_reason = "error"
+        for other in entry.samples:
+            if other.finish_reason is None:
+                other.finish_reason = "abort"
+        return [s.request.request_id for s in entry.samples]
 
     def _apply_update(
         self, entry: PromptState, sample: SampleState, update: RequestUpdate
@@ -241,4 +277,5 @@ class OutputProcessor:
             outputs=completions,
             num_cached_tokens=max(0, first.num_cached_tokens),
             finished=finished,
+            error=entry.error,
         )

@@ -30,7 +30,8 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     logprobs: SampleLogprobs | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    # "stop" | "length" | "abort" | "error" (see RequestOutput.error) | None while running
+    finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
 
 
@@ -43,3 +44,7 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0
     finished: bool = False
+    # Set (with finished=True) when this request failed on its own (its seed, non-finite logits,
+    # a sampler or detokenizer error): why. The failed sample's finish_reason is "error", its
+    # unfinished siblings' "abort". Other requests are not affected.
+    error: str | None = None

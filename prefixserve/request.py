@@ -70,6 +70,7 @@ class Request:
         "block_hashes",
         "_block_hasher",
         "max_tokens",
+        "stop_token_ids",
     )
 
     def __init__(
@@ -108,6 +109,8 @@ class Request:
         self.stop_reason: int | str | None = None
         # The effective output cap (sampling max_tokens clipped by the context length).
         self.max_tokens = sampling_params.max_tokens if max_tokens is None else max_tokens
+        # The scheduler checks every sampled token against these: a set, built once.
+        self.stop_token_ids = frozenset(sampling_params.stop_token_ids or ())
         self.block_hashes: list[Any] = []
         self._block_hasher = block_hasher
         if block_hasher is not None:

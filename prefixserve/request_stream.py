@@ -47,6 +47,7 @@ def snapshot(output: RequestOutput) -> RequestOutput:
         ],
         num_cached_tokens=output.num_cached_tokens,
         finished=output.finished,
+        error=output.error,
     )
 
 

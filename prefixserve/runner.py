@@ -7,6 +7,7 @@ never mutates a Request: it reads token ids and sampling params and returns a Mo
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable
 from typing import Protocol
 
@@ -87,7 +88,7 @@ class ModelRunner:
             return self.generator
         gen = self._seeded_generators.get(request.request_id)
         if gen is None:
-            gen = torch.Generator().manual_seed(seed)
+            gen = seeded_generator(seed)
             self._seeded_generators[request.request_id] = gen
         return gen
 
@@ -158,23 +159,107 @@ class ModelRunner:
             return output
         logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.int64)])
 
+        failed = output.failed
         if sample_reqs:
-            generators = [self._generator_for(r) for r in sample_reqs]
-            results = self.sampler(logits[: len(sample_reqs)], sample_reqs, generators)
-            for req, (token_id, logprobs) in zip(sample_reqs, results, strict=True):
-                output.sampled_token_ids[req.request_id] = int(token_id)
-                if logprobs is not None:
-                    output.logprobs[req.request_id] = logprobs
+            sample_logits = logits[: len(sample_reqs)]
+            generators: list[torch.Generator | None] = []
+            for req in sample_reqs:
+                try:
+                    generators.append(self._generator_for(req))
+                except Exception as exc:  # noqa: BLE001 - this request's seed, not the step's
+                    failed[req.request_id] = f"cannot seed the random generator: {exc}"
+                    generators.append(None)
+            if failed or not _all_finite(sample_logits):
+                self._sample_rows(sample_logits, sample_reqs, generators, output)
+            else:
+                try:
+                    results = self.sampler(sample_logits, sample_reqs, generators)
+                except Exception:  # noqa: BLE001 - find the rows that fail, sample the others
+                    self._sample_rows(sample_logits, sample_reqs, generators, output)
+                else:
+                    for req, (token_id, logprobs) in zip(sample_reqs, results, strict=True):
+                        output.sampled_token_ids[req.request_id] = int(token_id)
+                        if logprobs is not None:
+                            output.logprobs[req.request_id] = logprobs
         if prompt_owners:
             compute = getattr(self.sampler, "compute_prompt_logprobs", None)
             if compute is None:
                 from prefixserve.model.sampler import compute_prompt_logprobs as compute
-            offset = len(sample_reqs)
+            offset = 0
+            prompt_logits = logits[len(sample_reqs) :]
             for req, count in prompt_owners:
-                output.prompt_logprobs[req.request_id] = compute(
-                    logits[offset : offset + count],
-                    prompt_targets[offset - len(sample_reqs) : offset - len(sample_reqs) + count],
-                    req.sampling_params.prompt_logprobs,
-                )
+                rows = prompt_logits[offset : offset + count]
+                targets = prompt_targets[offset : offset + count]
                 offset += count
+                if req.request_id in failed:
+                    continue
+                try:
+                    if not _all_finite(rows):
+                        raise ValueError("the model produced non-finite logits (NaN or +inf)")
+                    output.prompt_logprobs[req.request_id] = compute(
+                        rows, targets, req.sampling_params.prompt_logprobs
+                    )
+                except Exception as exc:  # noqa: BLE001 - this request's rows only
+                    failed[req.request_id] = f"prompt logprobs failed: {exc}"
         return output
+
+    def _sample_rows(
+        self,
+        logits: torch.Tensor,
+        requests: list[Request],
+        generators: list[torch.Generator | None],
+        output: ModelRunnerOutput,
+    ) -> None:
+        """Sample row by row, recording in `output.failed` the rows that cannot be sampled
+        (non-finite logits, a sampler error): the slow path of a step where something failed."""
+        for row, (req, gen) in enumerate(zip(requests, generators, strict=True)):
+            if req.request_id in output.failed:
+                continue
+            row_logits = logits[row : row + 1]
+            try:
+                if not _all_finite(row_logits):
+                    raise ValueError("the model produced non-finite logits (NaN or +inf)")
+                ((token_id, logprobs),) = self.sampler(row_logits, [req], [gen])
+            except Exception as exc:  # noqa: BLE001 - this row fails, the others go on
+                output.failed[req.request_id] = f"sampling failed: {exc}"
+                continue
+            output.sampled_token_ids[req.request_id] = int(token_id)
+            if logprobs is not None:
+                output.logprobs[req.request_id] = logprobs
+
+
+def _all_finite(logits: torch.Tensor) -> bool:
+    """No NaN and no +inf (a -inf logit is a token the model rules out, which is fine)."""
+    return bool((logits < float("inf")).all())
+
+
+_MT_STATE_BYTES = 5056  # torch's CPU generator state: the mt19937 words at bytes 24 .. 5016
+_MT_WORDS = 624
+
+
+def seeded_generator(seed: int) -> torch.Generator:
+    """A CPU generator for `seed`, any integer in [0, 2**64).
+
+    torch's `manual_seed` keeps only the low 32 bits, so 1, 2**32 + 1 and 2**33 + 1 would share a
+    stream. A seed below 2**32 is `manual_seed(seed)` (the same streams as before); a larger one
+    fills the whole mt19937 state from a BLAKE2b counter stream of its 8 bytes, so distinct seeds
+    give distinct streams. Same seed, same stream.
+    """
+    if not isinstance(seed, int) or not 0 <= seed < 2**64:
+        raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
+    gen = torch.Generator().manual_seed(seed & 0xFFFFFFFF)
+    if seed < 2**32:
+        return gen
+    state = gen.get_state()
+    words = state[24 : 24 + 8 * _MT_WORDS].view(torch.int64)
+    if state.numel() != _MT_STATE_BYTES or int(words[0]) != seed & 0xFFFFFFFF:
+        raise RuntimeError("unknown torch CPU generator state layout: cannot seed above 2**32")
+    key = seed.to_bytes(8, "little")
+    digest = b"".join(
+        hashlib.blake2b(key + i.to_bytes(4, "little"), digest_size=64).digest()
+        for i in range(_MT_WORDS * 4 // 64)
+    )
+    mixed = torch.frombuffer(bytearray(digest), dtype=torch.int32).to(torch.int64) & 0xFFFFFFFF
+    words.copy_(mixed)  # left stays 1: the first draw regenerates from these words
+    gen.set_state(state)
+    return gen

@@ -278,7 +278,7 @@ class Scheduler:
         if not params.ignore_eos and (last == request.eos_token_id or last in self.eos_token_ids):
             request.status = RequestStatus.FINISHED_STOPPED
             return True
-        if params.stop_token_ids and last in params.stop_token_ids:
+        if last in request.stop_token_ids:
             request.status = RequestStatus.FINISHED_STOPPED
             request.stop_reason = last
             return True

@@ -83,6 +83,8 @@ class Sampler:
             logits = logits.float()
         if penalized_rows:
             _apply_penalties(logits, [requests[i] for i in penalized_rows], penalized_rows)
+            if not bool((_take(logits, penalized_rows) < float("inf")).all()):
+                raise ValueError("the penalties made the logits non-finite (NaN or +inf)")
 
         sampled = torch.empty(len(requests), dtype=torch.int64)
         greedy_rows = [i for i, r in enumerate(requests) if _is_greedy(r)]
@@ -114,6 +116,16 @@ class Sampler:
         self, logits: torch.Tensor, target_ids: list[int], num_top: int
     ) -> list[PositionLogprobs]:
         return compute_prompt_logprobs(logits, target_ids, num_top)
+
+
+# What a logprob of -inf (a token with no probability) is reported as, vLLM's convention.
+MIN_LOGPROB = -9999.0
+
+
+def _finite(values: torch.Tensor) -> torch.Tensor:
+    if bool(values.isnan().any()):
+        raise ValueError("a logprob is NaN (the logits were not finite)")
+    return values.clamp(min=MIN_LOGPROB)
 
 
 def _apply_penalties(logits: torch.Tensor, requests: list[Request], rows: list[int]) -> None:
@@ -276,7 +288,8 @@ def gather_logprobs(
 ) -> list[PositionLogprobs]:
     """Per row: (chosen token, its logprob, its 1-based rank), then the top num_top[row] tokens.
 
-    Rank counts the tokens with a strictly larger logprob, plus one.
+    Rank counts the tokens with a strictly larger logprob, plus one. Every logprob given back
+    is finite (JSON has no infinities): -inf becomes MIN_LOGPROB, as in vLLM; a NaN is an error.
     """
     chosen_lp = logprobs.gather(1, chosen.unsqueeze(1))
     ranks = (logprobs > chosen_lp).sum(dim=-1) + 1
@@ -285,8 +298,8 @@ def gather_logprobs(
     top_ids_list: list[list[int]] = [[] for _ in num_top]
     if max_top:
         top_lp, top_ids = logprobs.topk(max_top, dim=-1)
-        top_lp_list, top_ids_list = top_lp.tolist(), top_ids.tolist()
-    chosen_list, chosen_lp_list = chosen.tolist(), chosen_lp.squeeze(1).tolist()
+        top_lp_list, top_ids_list = _finite(top_lp).tolist(), top_ids.tolist()
+    chosen_list, chosen_lp_list = chosen.tolist(), _finite(chosen_lp).squeeze(1).tolist()
     rank_list = ranks.tolist()
     out: list[PositionLogprobs] = []
     for row, n in enumerate(num_top):
@@ -294,6 +307,16 @@ def gather_logprobs(
         entry.extend((top_ids_list[row][k], top_lp_list[row][k], k + 1) for k in range(n))
         out.append(entry)
     return out
+
+
+# What a logprob of -inf (a token with no probability) is reported as, vLLM's convention.
+MIN_LOGPROB = -9999.0
+
+
+def _finite(values: torch.Tensor) -> torch.Tensor:
+    if bool(values.isnan().any()):
+        raise ValueError("a logprob is NaN (the logits were not finite)")
+    return values.clamp(min=MIN_LOGPROB)
 
 
 def compute_prompt_logprobs(

@@ -358,3 +358,30 @@ def test_penalties_work_on_bfloat16_and_non_contiguous_logits():
     rows = [req(prompt=[0], temperature=0.0, repetition_penalty=1.2)] * 2
     assert [t for t, _ in sample(base, rows)] == [1, 1]
     assert [t for t, _ in sample(base.to(torch.bfloat16), rows)] == [1, 1]
+
+
+def test_every_logprob_given_back_is_finite_minus_inf_becomes_minus_9999():
+    [(token, logprobs)] = sample(LOGITS, [req(temperature=0.0, logprobs=6)])
+    values = [lp for _, lp, _ in logprobs]
+    assert all(math.isfinite(v) for v in values)
+    assert values[-1] == -9999.0  # token 5 has probability 0
+    [entries] = compute_prompt_logprobs(LOGITS.unsqueeze(0), [5], 2)
+    assert entries[0][1] == -9999.0
+
+
+def test_a_nan_logprob_is_an_error_not_a_value():
+    logits = LOGITS.clone()
+    logits[2] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        sample(logits, [req(temperature=0.0, logprobs=2)])
+
+
+def test_penalties_that_overflow_the_logits_are_an_error():
+    logits = torch.tensor([5.0, 1.0, 0.5])
+    with pytest.raises(ValueError, match="non-finite"):
+        sample(logits, [_forced_penalty(req(prompt=(0,)), 1e-38)])
+
+
+def _forced_penalty(request: Request, penalty: float) -> Request:
+    object.__setattr__(request.sampling_params, "repetition_penalty", penalty)
+    return request
