@@ -5,11 +5,16 @@ read-only properties below expose attributes fixed at construction, such as max_
 Everything else talks to that thread through a command queue drained at the top of each step:
 
     asyncio handler --(command + future)--> queue --> step thread: run commands, engine.step()
-    asyncio handler <--(call_soon_threadsafe)-- per-request asyncio.Queue <-- RequestOutputs
+    asyncio handler <--(call_soon_threadsafe)-- per-request OutputQueue <-- RequestOutputs
 
 Adding a request is a command whose future carries the engine's validation error back to the
 handler (so the server can answer 400 before it starts streaming); aborting is fire-and-forget, so
-it can be called from a `finally` of a cancelled task (a client that disconnected).
+it can be called from a `finally` of a cancelled task (a client that disconnected). A request
+whose reader takes no output for `stall_timeout_s` is aborted (StreamStalledError ends its stream).
+
+When the step loop fails (a forward pass raising for everyone, out of memory), the engine is dead:
+every in-flight stream and every queued command gets EngineDeadError, later calls raise it, and
+`on_dead(exc)` is called / `wait_dead()` returns, so the server process can exit.
 """
 
 from __future__ import annotations
@@ -25,9 +30,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from prefixserve.outputs import RequestOutput
-from prefixserve.request_stream import ABORTED, OutputQueue, RequestStream, snapshot
+from prefixserve.request_stream import (
+    ABORTED,
+    OutputQueue,
+    RequestStream,
+    StreamStalledError,
+    snapshot,
+)
 from prefixserve.sampling_params import SamplingParams
-from prefixserve.stats_log import format_stats
+from prefixserve.stats_log import StatsLog
 
 if TYPE_CHECKING:
     from prefixserve.config import EngineConfig
@@ -37,6 +48,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_LOG_STATS_INTERVAL_S = 10.0
 MAX_BUFFERED_KV_EVENTS = 100_000
+DEFAULT_STALL_TIMEOUT_S = 300.0
 
 
 class EngineDeadError(RuntimeError):
@@ -63,21 +75,26 @@ class AsyncLLMEngine:
         *,
         log_stats_interval_s: float | None = DEFAULT_LOG_STATS_INTERVAL_S,
         collect_kv_events: bool = False,
+        stall_timeout_s: float | None = DEFAULT_STALL_TIMEOUT_S,
+        on_dead: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.engine = engine
         self.log_stats_interval_s = log_stats_interval_s
         self.collect_kv_events = collect_kv_events
+        self.stall_timeout_s = stall_timeout_s
+        self.on_dead = on_dead  # called once, on the step thread, after the engine died
         self._cv = threading.Condition()
         self._pending: list[_Command] = []
         self._stopping = False
         self._thread: threading.Thread | None = None
+        # Set under _cv: once set, no command is queued any more.
         self.dead_error: BaseException | None = None
+        self._dead_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[Any]]] = []
+        self._next_stall_check = 0.0
         # Owned by the step thread only.
         self._streams: dict[str, OutputQueue] = {}
         self._kv_events: collections.deque[Any] = collections.deque(maxlen=MAX_BUFFERED_KV_EVENTS)
-        self._last_log_time = time.monotonic()
-        self._last_log_metrics: dict[str, Any] | None = None
-        self._steps_since_log = 0
+        self._stats = StatsLog()
 
     @classmethod
     def from_config(cls, config: EngineConfig, **kwargs: Any) -> AsyncLLMEngine:
@@ -104,6 +121,20 @@ class AsyncLLMEngine:
     @property
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.dead_error is None
+
+    @property
+    def shutdown_requested(self) -> bool:
+        """True after `shutdown()`: a death that was asked for, not a failure."""
+        return self._stopping
+
+    async def wait_dead(self) -> BaseException:
+        """Return (the error) once the step loop has ended, by a failure or by shutdown()."""
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        with self._cv:
+            if self.dead_error is not None:
+                return self.dead_error
+            self._dead_waiters.append((future.get_loop(), future))
+        return await future
 
     # ------------------------------------------------------------------ what the engine serves
     # Fixed when the engine was built: read-only, and readable outside the step thread.
@@ -142,7 +173,7 @@ class AsyncLLMEngine:
     ) -> RequestStream:
         """Validate and queue a request; the engine's ValueError (bad input) is raised here."""
         loop = asyncio.get_running_loop()
-        stream = OutputQueue(loop, asyncio.Queue())
+        stream = OutputQueue(loop)
 
         def add(engine: LLMEngine) -> None:
             if request_id in self._streams:
@@ -221,13 +252,13 @@ class AsyncLLMEngine:
         return await future
 
     def _submit(self, command: _Command) -> None:
-        if self.dead_error is not None:
-            if command.future is None:
+        with self._cv:  # checked under the lock _die takes: a queued command is always answered
+            if self.dead_error is None:
+                self._pending.append(command)
+                self._cv.notify()
                 return
+        if command.future is not None:
             raise EngineDeadError(f"the engine is not running: {self.dead_error!r}")
-        with self._cv:
-            self._pending.append(command)
-            self._cv.notify()
 
     def _run(self) -> None:
         try:
@@ -240,7 +271,7 @@ class AsyncLLMEngine:
                     ):
                         # Idle: sleep until a command comes, or until the stats of the last
                         # busy interval are due.
-                        wait_s = self._seconds_until_stats_due()
+                        wait_s = self._stats.seconds_until_due(self.log_stats_interval_s)
                         if wait_s is not None and wait_s <= 0:
                             break
                         self._cv.wait(wait_s)
@@ -252,7 +283,7 @@ class AsyncLLMEngine:
                     raise EngineDeadError("the engine was shut down")
                 if self.engine.has_unfinished_requests():
                     self._step()
-                self._maybe_log_stats()
+                self._stats.maybe_log(self.log_stats_interval_s, self.engine, logger)
         except BaseException as exc:  # noqa: BLE001 - any failure ends the loop for everyone
             if not isinstance(exc, EngineDeadError):
                 logger.exception("the engine step loop failed")
@@ -272,7 +303,7 @@ class AsyncLLMEngine:
 
     def _step(self) -> None:
         outputs = self.engine.step()
-        self._steps_since_log += 1
+        self._stats.steps += 1
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
@@ -282,10 +313,26 @@ class AsyncLLMEngine:
             self._deliver(output.request_id, stream, snapshot(output))
         if self.collect_kv_events:
             self._drain_kv_events()
+        if self.stall_timeout_s is not None:
+            self._abort_stalled(self.stall_timeout_s)
+
+    def _abort_stalled(self, timeout_s: float) -> None:
+        """Abort the requests whose reader has left an output unread for `timeout_s`."""
+        now = time.monotonic()
+        if now < self._next_stall_check:
+            return
+        self._next_stall_check = now + min(1.0, timeout_s / 2)
+        stalled = [rid for rid, s in self._streams.items() if s.stalled(now, timeout_s)]
+        for request_id in stalled:
+            logger.warning("aborting request %s: its reader stalled", request_id)
+            stream = self._streams.pop(request_id)
+            self.engine.abort_request([request_id])
+            error = StreamStalledError(f"no output was read for {timeout_s} s")
+            self._deliver(request_id, stream, error)
 
     def _deliver(self, request_id: str, stream: OutputQueue, item: Any) -> None:
         try:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+            stream.put(item)
         except RuntimeError:
             # The caller's event loop is closed: nobody will read this request, so free it.
             self._streams.pop(request_id, None)
@@ -296,39 +343,30 @@ class AsyncLLMEngine:
             self._kv_events.extend(self.engine.take_kv_events())
 
     def _die(self, exc: BaseException) -> None:
-        self.dead_error = exc
         error = exc if isinstance(exc, EngineDeadError) else EngineDeadError(repr(exc))
         with self._cv:
+            self.dead_error = exc
             commands, self._pending = self._pending, []
+            waiters, self._dead_waiters = self._dead_waiters, []
         for command in commands:
             if command.future is not None:
                 _resolve(command, _set_exception, error)
         for stream in self._streams.values():
             try:
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
+                stream.put(error)
             except RuntimeError:
                 pass  # that caller's event loop is gone
         self._streams.clear()
-
-    def _seconds_until_stats_due(self) -> float | None:
-        if self.log_stats_interval_s is None or self._steps_since_log == 0:
-            return None
-        return self._last_log_time + self.log_stats_interval_s - time.monotonic()
-
-    def _maybe_log_stats(self) -> None:
-        interval = self.log_stats_interval_s
-        if interval is None:
-            return
-        now = time.monotonic()
-        if now - self._last_log_time < interval:
-            return
-        metrics = self.engine.get_metrics()
-        busy = self._steps_since_log > 0 or self.engine.has_unfinished_requests()
-        if busy:
-            logger.info(format_stats(metrics, self._last_log_metrics, now - self._last_log_time))
-        self._last_log_time = now
-        self._last_log_metrics = dict(metrics)
-        self._steps_since_log = 0
+        for loop, future in waiters:
+            try:
+                loop.call_soon_threadsafe(_set_result, future, exc)
+            except RuntimeError:
+                pass
+        if self.on_dead is not None:
+            try:
+                self.on_dead(exc)
+            except Exception:  # noqa: BLE001 - the engine is dead either way
+                logger.exception("the on_dead callback failed")
 
 
 def _resolve(

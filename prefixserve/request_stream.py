@@ -1,15 +1,18 @@
-"""What a caller of the async engine holds for one request: its queue of outputs, and the
+"""What a caller of the async engine holds for one request: its pending output, and the
 RequestStream that iterates it (and aborts the request when the caller stops listening).
 
-The engine's step thread puts snapshots of each RequestOutput (copies it will not mutate) on the
-queue of the caller's event loop; an `ABORTED` sentinel or an exception ends the stream.
+The engine's step thread puts snapshots of each RequestOutput (copies it will not mutate) in the
+request's OutputQueue; an `ABORTED` sentinel or an exception ends the stream. Outputs are
+cumulative, so the queue holds one: a newer snapshot replaces an unread one, and a slow reader
+costs O(1) memory (vLLM's output collector does the same).
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 
 from prefixserve.outputs import CompletionOutput, RequestOutput
 
@@ -21,10 +24,60 @@ class Aborted:
 ABORTED = Aborted()
 
 
-@dataclass(slots=True)
+class StreamStalledError(RuntimeError):
+    """The request was aborted because its reader took no output for the stall timeout."""
+
+
 class OutputQueue:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[RequestOutput | BaseException | Aborted]
+    """One request's latest unread output, then possibly its end (ABORTED or an exception).
+
+    `put` is called by the engine's step thread, `get` awaited in the caller's event loop.
+    """
+
+    __slots__ = ("loop", "_lock", "_output", "_end", "_ready", "unread_since")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._output: RequestOutput | None = None
+        self._end: BaseException | Aborted | None = None
+        self._ready = asyncio.Event()  # set (in the loop) whenever something may be waiting
+        # When the unread output was put (monotonic seconds); None while the reader keeps up.
+        self.unread_since: float | None = None
+
+    def put(self, item: RequestOutput | BaseException | Aborted) -> None:
+        """Step thread: a newer output replaces the unread one; the first end is kept.
+        Raises RuntimeError when the caller's event loop is closed (nobody will read)."""
+        if self.loop.is_closed():
+            raise RuntimeError("the event loop of this request is closed")
+        with self._lock:
+            wake = self._output is None and self._end is None
+            if isinstance(item, RequestOutput):
+                if self._output is None:
+                    self.unread_since = time.monotonic()
+                self._output = item
+            elif self._end is None:
+                self._end = item
+        if wake:
+            self.loop.call_soon_threadsafe(self._ready.set)
+
+    async def get(self) -> RequestOutput | BaseException | Aborted:
+        """The latest output not read yet, else the end (returned again on every call)."""
+        while True:
+            with self._lock:
+                if self._output is not None:
+                    item, self._output = self._output, None
+                    self.unread_since = None
+                    return item
+                if self._end is not None:
+                    return self._end
+                self._ready.clear()
+            await self._ready.wait()
+
+    def stalled(self, now: float, timeout_s: float) -> bool:
+        """True when an output has waited unread for more than `timeout_s` seconds."""
+        since = self.unread_since
+        return since is not None and now - since > timeout_s
 
 
 def snapshot(output: RequestOutput) -> RequestOutput:
@@ -74,7 +127,7 @@ class RequestStream:
     async def _iterate(self) -> AsyncIterator[RequestOutput]:
         try:
             while not self.finished and not self.aborted:
-                item = await self._stream.queue.get()
+                item = await self._stream.get()
                 if isinstance(item, Aborted):
                     self.aborted = True
                     return

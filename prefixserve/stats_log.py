@@ -1,9 +1,39 @@
 """The engine's periodic log line, vLLM-style: throughput over the interval, queues, KV usage,
-prefix-cache hit rate."""
+prefix-cache hit rate; and when the async engine's step thread logs it (StatsLog)."""
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any
+
+
+class StatsLog:
+    """The step thread's logging state: log every `interval` seconds while busy, and once after
+    the last busy interval; idle intervals log nothing."""
+
+    def __init__(self) -> None:
+        self.last_time = time.monotonic()
+        self.last_metrics: dict[str, Any] | None = None
+        self.steps = 0  # steps since the last line
+
+    def seconds_until_due(self, interval: float | None) -> float | None:
+        if interval is None or self.steps == 0:
+            return None
+        return self.last_time + interval - time.monotonic()
+
+    def maybe_log(self, interval: float | None, engine: Any, logger: logging.Logger) -> None:
+        if interval is None:
+            return
+        now = time.monotonic()
+        if now - self.last_time < interval:
+            return
+        metrics = engine.get_metrics()
+        if self.steps > 0 or engine.has_unfinished_requests():
+            logger.info(format_stats(metrics, self.last_metrics, now - self.last_time))
+        self.last_time = now
+        self.last_metrics = dict(metrics)
+        self.steps = 0
 
 
 def format_stats(metrics: dict[str, Any], previous: dict[str, Any] | None, elapsed_s: float) -> str:
