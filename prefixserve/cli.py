@@ -15,6 +15,11 @@ from collections.abc import Callable, Sequence
 from prefixserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from prefixserve.dtypes import SUPPORTED_DTYPES
 from prefixserve.kv_cache.hashing import HASH_ALGOS
+from prefixserve.server.options import (
+    add_server_limit_arguments,
+    check_limit_arguments,
+    uvicorn_limits,
+)
 
 logger = logging.getLogger("prefixserve")
 
@@ -102,6 +107,7 @@ def serve_command(parser: argparse.ArgumentParser) -> Runner:
         "namespace; a client's cache_salt only subdivides its own tenant's). Combines with "
         "--api-key.",
     )
+    add_server_limit_arguments(server)
     server.add_argument(
         "--disable-log-stats",
         action="store_true",
@@ -276,7 +282,8 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     try:
         config = engine_config_from_args(args)
-        api_keys = ApiKeys.from_options(args.api_key, args.api_key_file)
+        check_limit_arguments(args)
+        api_keys = ApiKeys.from_options(args.api_key, args.api_key_file, args.admin_api_key_file)
     except (ValueError, OSError) as exc:
         print(f"prefixserve serve: error: {exc}", file=sys.stderr)
         return 2
@@ -304,14 +311,29 @@ def run_serve(args: argparse.Namespace) -> int:
             engine.max_model_len,
         )
     if api_keys is None:
-        logger.info("auth: none (every client shares one cache namespace; see --api-key-file)")
+        logger.info(
+            "auth: none (one trusted user: every endpoint open, one cache namespace; see "
+            "--api-key-file and --admin-api-key-file)"
+        )
     else:
         logger.info(
-            "auth: %d API key(s), %d tenant(s), each its own cache namespace",
+            "auth: %d API key(s), %d tenant(s), each its own cache namespace; %d operator key(s)",
             len(api_keys),
             len(api_keys.tenants),
+            api_keys.num_admin_keys,
         )
-    app = build_app(engine, served_names, api_keys=api_keys, model_root=args.model)
+        if not api_keys.num_admin_keys:
+            logger.warning(
+                "no --admin-api-key-file: /kv_events, /reset_prefix_cache, /metrics and the API "
+                "docs are unavailable (403)"
+            )
+    app = build_app(
+        engine,
+        served_names,
+        api_keys=api_keys,
+        model_root=args.model,
+        max_request_body_bytes=args.max_request_body_bytes,
+    )
     engine.start()
     server = uvicorn.Server(
         uvicorn.Config(
@@ -320,6 +342,7 @@ def run_serve(args: argparse.Namespace) -> int:
             port=args.port,
             log_level=args.log_level,
             timeout_graceful_shutdown=5,
+            **uvicorn_limits(args),
         )
     )
     try:

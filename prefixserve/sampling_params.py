@@ -1,11 +1,26 @@
-"""Per-request sampling parameters, shaped like vLLM's `SamplingParams`."""
+"""Per-request sampling parameters, shaped like vLLM's `SamplingParams`.
+
+The bounds below are the one definition of what a request may ask for; the server's protocol
+models (server/protocol.py) import them, so the offline API refuses what the server refuses.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
+MAX_N = 64
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+MAX_TOKEN_ID = 2**31 - 1
+MAX_TOP_K = 2**31 - 1
+# Child i of a request with n > 1 samples with seed + i, which must fit 64 bits.
+MAX_SEED = 2**64 - 1
+TEMPERATURE_RANGE = (0.0, 100.0)
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+PENALTY_RANGE = (-2.0, 2.0)  # presence_penalty, frequency_penalty
 
 
 @dataclass(slots=True)
@@ -32,27 +47,42 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         def bad(name: str, allowed: str) -> ValueError:
-            return ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
+            shown = repr(getattr(self, name))
+            shown = shown if len(shown) <= 80 else shown[:77] + "..."
+            return ValueError(f"{name} must be {allowed}, got {shown}")
 
-        if not isinstance(self.n, int) or self.n < 1 or self.n > 64:
-            raise bad("n", "an integer in [1, 64]")
+        def in_range(name: str, low: float, high: float, *, low_open: bool = False) -> None:
+            value = getattr(self, name)
+            ok = (
+                isinstance(value, int | float)
+                and not isinstance(value, bool)
+                and math.isfinite(value)
+                and (low < value if low_open else low <= value)
+                and value <= high
+            )
+            if not ok:
+                raise bad(name, f"a finite number in {'(' if low_open else '['}{low}, {high}]")
+
+        if not isinstance(self.n, int) or self.n < 1 or self.n > MAX_N:
+            raise bad("n", f"an integer in [1, {MAX_N}]")
         if self.max_tokens is not None and (
             not isinstance(self.max_tokens, int) or self.max_tokens < 1
         ):
             raise bad("max_tokens", "a positive integer or None")
-        if self.temperature < 0:
-            raise bad("temperature", ">= 0")
-        if not 0 < self.top_p <= 1:
-            raise bad("top_p", "in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise bad("top_k", "an integer >= 0 (0 or -1 disables it)")
-        if not 0 <= self.min_p <= 1:
-            raise bad("min_p", "in [0, 1]")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2 <= getattr(self, name) <= 2:
-                raise bad(name, "in [-2, 2]")
-        if self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", "> 0")
+        in_range("temperature", *TEMPERATURE_RANGE)
+        in_range("top_p", 0.0, 1.0, low_open=True)
+        if not isinstance(self.top_k, int) or not -1 <= self.top_k <= MAX_TOP_K:
+            raise bad("top_k", f"an integer in [-1, {MAX_TOP_K}] (0 or -1 disables it)")
+        in_range("min_p", 0.0, 1.0)
+        in_range("presence_penalty", *PENALTY_RANGE)
+        in_range("frequency_penalty", *PENALTY_RANGE)
+        in_range("repetition_penalty", *REPETITION_PENALTY_RANGE)
+        if self.seed is not None and (
+            not isinstance(self.seed, int)
+            or isinstance(self.seed, bool)
+            or not 0 <= self.seed <= MAX_SEED - (self.n - 1)
+        ):
+            raise bad("seed", f"None or an integer in [0, 2**64 - n] (n={self.n})")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
@@ -67,18 +97,28 @@ class SamplingParams:
             raise ValueError(
                 f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(self._stop_list)}"
             )
-        if any(not isinstance(s, str) or not s for s in self._stop_list):
-            raise bad("stop", "non-empty strings")
+        if any(
+            not isinstance(s, str) or not s or len(s) > MAX_STOP_STRING_CHARS
+            for s in self._stop_list
+        ):
+            raise bad("stop", f"non-empty strings of at most {MAX_STOP_STRING_CHARS} characters")
         if self.prompt_logprobs is not None and self.skip_reading_prefix_cache is False:
             # A prefix hit would leave the hit positions without the logits their logprobs need.
             raise ValueError(
                 "prompt_logprobs needs every prompt position computed; it cannot be combined "
                 "with skip_reading_prefix_cache=False"
             )
-        if self.stop_token_ids is not None and any(
-            not isinstance(t, int) or t < 0 for t in self.stop_token_ids
+        if self.stop_token_ids is not None and (
+            len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS
+            or any(
+                not isinstance(t, int) or isinstance(t, bool) or not 0 <= t <= MAX_TOKEN_ID
+                for t in self.stop_token_ids
+            )
         ):
-            raise bad("stop_token_ids", "non-negative integers")
+            raise bad(
+                "stop_token_ids",
+                f"at most {MAX_STOP_TOKEN_IDS} integers in [0, {MAX_TOKEN_ID}]",
+            )
 
     @property
     def stop_strings(self) -> list[str]:

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server: the FastAPI app over an AsyncLLMEngine, its routes and auth.
 
-One request's path: authenticate (API key -> tenant) -> parse and range-check the body
+One request's path: the request guard (guard.py: API key -> tenant or operator, body size) ->
+parse and range-check the body
 (protocol.py) -> the endpoint's handler (serving_completion.py, serving_chat.py) tokenizes it and
 builds SamplingParams -> serving.py derives the engine's cache salt from (tenant, client
 cache_salt), adds it to the engine (which validates it) and streams or collects the
@@ -13,15 +14,26 @@ import dataclasses
 import time
 from typing import Any
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from prefixserve.async_engine import AsyncLLMEngine
 from prefixserve.server import protocol as p
 from prefixserve.server import serving_chat, serving_completion
-from prefixserve.server.auth import ApiKeys, parse_bearer
+from prefixserve.server.auth import ApiKeys
 from prefixserve.server.errors import OpenAIError, install_error_handlers
+from prefixserve.server.guard import RequestGuard
 from prefixserve.server.serving import ServerState
+
+DEFAULT_MAX_REQUEST_BODY_BYTES = 4 << 20
+# Bytes of JSON one prompt token may take in a legal request: a token of up to
+# prompts.MAX_CHARS_PER_TOKEN characters, each escaped as `\uXXXX`, is 192; a token id is at most 8.
+BODY_BYTES_PER_TOKEN = 192
+
+
+def default_max_request_body_bytes(max_model_len: int) -> int:
+    """The body limit when none is given: room for the longest legal prompt, at least 4 MiB."""
+    return max(DEFAULT_MAX_REQUEST_BODY_BYTES, max_model_len * BODY_BYTES_PER_TOKEN)
 
 
 def build_app(
@@ -29,8 +41,14 @@ def build_app(
     served_model_names: list[str],
     api_keys: ApiKeys | None = None,
     model_root: str | None = None,
+    max_request_body_bytes: int | None = None,
 ) -> FastAPI:
-    """The FastAPI app. The caller starts and stops `engine` (see cli.py)."""
+    """The FastAPI app. The caller starts and stops `engine` (see cli.py).
+
+    With `api_keys`, the operator routes (/kv_events, /reset_prefix_cache, /metrics and the API
+    docs) take an operator key only and the others a tenant key only (guard.py); without, every
+    route is open to the one trusted user. `max_request_body_bytes` defaults to
+    `default_max_request_body_bytes(engine.max_model_len)`."""
     if not served_model_names:
         raise ValueError("served_model_names must name at least one model")
     state = ServerState(
@@ -42,6 +60,16 @@ def build_app(
     app = FastAPI(title="prefixserve", summary="OpenAI-compatible LLM server with prefix caching")
     app.state.server = state
     install_error_handlers(app)
+    if max_request_body_bytes is None:
+        max_request_body_bytes = default_max_request_body_bytes(engine.max_model_len)
+    if max_request_body_bytes < 1:
+        raise ValueError(f"max_request_body_bytes must be >= 1, got {max_request_body_bytes}")
+    app.add_middleware(
+        RequestGuard,
+        api_keys=api_keys,
+        max_body_bytes=max_request_body_bytes,
+        metrics=state.metrics,
+    )
 
     @app.get("/health")
     async def health() -> Response:
@@ -50,7 +78,10 @@ def build_app(
             return JSONResponse({"status": "engine not running"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
-    router = APIRouter(dependencies=[Depends(_authenticate)])
+    app.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)
+
+    # The request guard decides who may call each route (guard.OPERATOR_PATHS: operators only).
+    router = app.router
 
     @router.get("/v1/models")
     async def list_models() -> p.ModelList:
@@ -107,26 +138,7 @@ def build_app(
         events = await engine.take_kv_events()
         return JSONResponse({"events": [_event_json(e) for e in events]})
 
-    app.include_router(router)
     return app
-
-
-async def _authenticate(request: Request) -> None:
-    """Resolve the caller's tenant from `Authorization: Bearer <key>` into request.state."""
-    state: ServerState = request.app.state.server
-    request.state.tenant = None
-    if state.api_keys is None:
-        return
-    token = parse_bearer(request.headers.get("authorization"))
-    tenant = None if token is None else state.api_keys.tenant_for(token)
-    if tenant is None:
-        message = (
-            "missing API key: send 'Authorization: Bearer <key>'"
-            if token is None
-            else "invalid API key"
-        )
-        raise OpenAIError(message, status_code=401, code="invalid_api_key")
-    request.state.tenant = tenant
 
 
 def _event_json(event: Any) -> dict[str, Any]:

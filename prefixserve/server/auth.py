@@ -5,6 +5,11 @@ learn from the time to first token whether that client sent a prefix. With API k
 the server therefore derives the engine's `cache_salt` from the *tenant* the key belongs to plus
 the client's own `cache_salt`, so tenants never share a block whatever they send, and a client's
 salt only subdivides its tenant's namespace.
+
+Two roles: a *tenant* key (`--api-key`, `--api-key-file`) may call the inference endpoints; an
+*operator* key (`--admin-api-key-file`, same file format, the second word naming the operator)
+may call the operator endpoints (KV events, cache reset, global metrics) and nothing else. The
+key files have no role column: which file a key is in is its role, and one key cannot be both.
 """
 
 from __future__ import annotations
@@ -30,18 +35,35 @@ class ApiKeys:
     """Which tenant each API key belongs to. Several keys may share one tenant."""
 
     _tenant_by_digest: dict[bytes, str] = field(default_factory=dict)
+    _admin_by_digest: dict[bytes, str] = field(default_factory=dict)
 
     def add(self, key: str, tenant: str) -> None:
+        """Add a tenant key."""
+        self._tenant_by_digest[self._new_digest(key, tenant)] = tenant
+
+    def add_admin(self, key: str, name: str = "admin") -> None:
+        """Add an operator key; `name` only labels it."""
+        self._admin_by_digest[self._new_digest(key, name)] = name
+
+    def _new_digest(self, key: str, owner: str) -> bytes:
         if not key or any(c.isspace() for c in key):
             raise ValueError("an API key must be non-empty and contain no whitespace")
-        if not tenant or any(c.isspace() for c in tenant):
+        if not owner or any(c.isspace() for c in owner):
             raise ValueError(
-                f"a tenant name must be non-empty and contain no whitespace, got {tenant!r}"
+                f"a tenant name must be non-empty and contain no whitespace, got {owner!r}"
             )
         digest = _digest(key)
-        if digest in self._tenant_by_digest:
-            raise ValueError(f"the same API key is given twice (tenant {tenant!r})")
-        self._tenant_by_digest[digest] = tenant
+        if digest in self._tenant_by_digest or digest in self._admin_by_digest:
+            raise ValueError(f"the same API key is given twice (owner {owner!r})")
+        return digest
+
+    def is_admin(self, key: str) -> bool:
+        """Whether `key` is an operator key."""
+        return _digest(key) in self._admin_by_digest
+
+    @property
+    def num_admin_keys(self) -> int:
+        return len(self._admin_by_digest)
 
     def tenant_for(self, key: str) -> str | None:
         """The tenant of `key`, or None when the key is unknown."""
@@ -52,30 +74,44 @@ class ApiKeys:
         return set(self._tenant_by_digest.values())
 
     def __len__(self) -> int:
+        """The number of tenant keys."""
         return len(self._tenant_by_digest)
 
     @classmethod
     def from_options(
-        cls, api_key: str | None = None, api_key_file: str | Path | None = None
+        cls,
+        api_key: str | None = None,
+        api_key_file: str | Path | None = None,
+        admin_api_key_file: str | Path | None = None,
     ) -> ApiKeys | None:
-        """Keys of `--api-key` (tenant "default") and `--api-key-file`; None when neither is set."""
-        if api_key is None and api_key_file is None:
+        """Keys of `--api-key` (tenant "default"), `--api-key-file` and `--admin-api-key-file`;
+        None when none is set (no auth: one trusted user)."""
+        if api_key is None and api_key_file is None and admin_api_key_file is None:
             return None
         keys = cls()
         if api_key is not None:
             keys.add(api_key, DEFAULT_TENANT)
         if api_key_file is not None:
-            for key, tenant in read_api_key_file(api_key_file):
+            pairs = read_api_key_file(api_key_file)
+            if not pairs:
+                raise ValueError(f"--api-key-file {str(api_key_file)!r} holds no keys")
+            for key, tenant in pairs:
                 keys.add(key, tenant)
-        if not keys:
-            raise ValueError(f"--api-key-file {str(api_key_file)!r} holds no keys")
+        if admin_api_key_file is not None:
+            pairs = read_api_key_file(admin_api_key_file)
+            if not pairs:
+                raise ValueError(f"--admin-api-key-file {str(admin_api_key_file)!r} holds no keys")
+            for key, name in pairs:
+                keys.add_admin(key, name)
         return keys
 
 
 def read_api_key_file(path: str | Path) -> list[tuple[str, str]]:
-    """Parse `key tenant` lines; blank lines and lines starting with `#` are skipped."""
+    """Parse `key tenant` lines; blank lines and lines starting with `#` are skipped.
+
+    A UTF-8 byte-order mark (editors on Windows write one) is not part of the first key."""
     pairs: list[tuple[str, str]] = []
-    text = Path(path).read_text(encoding="utf-8")
+    text = Path(path).read_text(encoding="utf-8-sig")
     for lineno, raw in enumerate(text.splitlines(), start=1):
         line = raw.strip()
         if not line or line.startswith("#"):

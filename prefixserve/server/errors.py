@@ -175,19 +175,21 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
-        return exc.response()
+        return _respond(request, exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc).response()
+        return _respond(request, validation_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(
+            exc.status_code
+        )
         err = OpenAIError(
             str(exc.detail), status_code=exc.status_code, type="invalid_request_error", code=code
         )
-        return err.response(headers=getattr(exc, "headers", None))
+        return _respond(request, err, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -197,4 +199,12 @@ def install_error_handlers(app: FastAPI) -> None:
             status_code=HTTPStatus.INTERNAL_SERVER_ERROR,
             type="server_error",
         )
-        return err.response()
+        return _respond(request, err)
+
+
+def _respond(
+    request: Request, err: OpenAIError, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    # The request guard (guard.py) counts the response under this code.
+    request.state.error_code = err.code or err.type
+    return err.response(headers=headers)

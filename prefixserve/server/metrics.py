@@ -98,8 +98,8 @@ class ServerMetrics:
         )
         self.request_errors = Counter(
             PREFIX + "request_errors",
-            "Requests rejected with a 4xx/5xx before they reached the engine, by HTTP status",
-            ["status"],
+            "Responses with a 4xx/5xx status, by status and OpenAI error code",
+            ["status", "code"],
             registry=self.registry,
         )
         self.cached_prompt_tokens = Counter(

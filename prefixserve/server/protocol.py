@@ -13,14 +13,28 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from prefixserve.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS
+from prefixserve.sampling_params import (
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_SEED,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOKEN_ID,
+    MAX_TOP_K,
+    PENALTY_RANGE,
+    REPETITION_PENALTY_RANGE,
+    TEMPERATURE_RANGE,
+)
 from prefixserve.server.auth import validate_cache_salt
 
-MAX_N = 64
+# OpenAI's default for /v1/completions when max_tokens is absent or null.
+DEFAULT_COMPLETION_MAX_TOKENS = 16
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # NaN and infinities (which Python's JSON parser accepts) are refused in every float field.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(_Request):
@@ -37,20 +51,31 @@ class _SamplingFields(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=0)
-    temperature: float | None = Field(None, ge=0.0)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    temperature: float | None = Field(None, ge=TEMPERATURE_RANGE[0], le=TEMPERATURE_RANGE[1])
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(0.0, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])
+    frequency_penalty: float = Field(0.0, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])
     user: str | None = None
     # vLLM extras.
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(None, gt=0.0)
+    repetition_penalty: float | None = Field(
+        None, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1]
+    )
     ignore_eos: bool = False
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     cache_salt: str | None = None
+
+    @field_validator("seed")
+    @classmethod
+    def _check_seed_fits_every_child(cls, value: int | None, info: ValidationInfo) -> int | None:
+        # Child i samples with seed + i; `n` is declared before `seed`, so it is validated.
+        n = info.data.get("n", 1)
+        if value is not None and value + n - 1 > MAX_SEED:
+            raise ValueError(f"seed + n - 1 must be at most 2**64 - 1 (n={n})")
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -58,8 +83,10 @@ class _SamplingFields(_Request):
         stops = [value] if isinstance(value, str) else (value or [])
         if len(stops) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
-        if any(not s for s in stops):
-            raise ValueError("stop strings must be non-empty")
+        if any(not s or len(s) > MAX_STOP_STRING_CHARS for s in stops):
+            raise ValueError(
+                f"stop strings must be non-empty and at most {MAX_STOP_STRING_CHARS} characters"
+            )
         return value
 
     @field_validator("cache_salt")
@@ -71,8 +98,8 @@ class _SamplingFields(_Request):
     @field_validator("stop_token_ids")
     @classmethod
     def _check_stop_token_ids(cls, value: list[int] | None) -> list[int] | None:
-        if value is not None and any(t < 0 for t in value):
-            raise ValueError("stop token ids must be >= 0")
+        if value is not None and any(not 0 <= t <= MAX_TOKEN_ID for t in value):
+            raise ValueError(f"stop token ids must be in [0, {MAX_TOKEN_ID}]")
         return value
 
 
@@ -80,7 +107,8 @@ class CompletionRequest(_SamplingFields):
     """POST /v1/completions. `prompt` is text or token ids, alone or as a list of one."""
 
     prompt: Any
-    max_tokens: int | None = Field(16, ge=1)
+    # Absent or null: 16, as OpenAI and vLLM do (never "to the end of the context").
+    max_tokens: int | None = Field(DEFAULT_COMPLETION_MAX_TOKENS, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
@@ -114,6 +142,11 @@ class CompletionRequest(_SamplingFields):
         raise ValueError(
             "prompt must be a string, a list of token ids, or a list holding one of these"
         )
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _default_max_tokens(cls, value: int | None) -> int:
+        return DEFAULT_COMPLETION_MAX_TOKENS if value is None else value
 
     @field_validator("echo")
     @classmethod

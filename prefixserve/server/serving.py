@@ -17,6 +17,7 @@ import time
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
@@ -48,6 +49,11 @@ class ServerState:
     api_keys: ApiKeys | None = None
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     model_root: str | None = None
+    # Tokenizing and chat-template rendering run here, off the event loop, one at a time (a
+    # tokenizer is not safe to call from several threads at once).
+    tokenizer_executor: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+    )
 
 
 def check_model(state: ServerState, model: str | None) -> str:
@@ -124,6 +130,7 @@ async def generate(
     finally:
         stream.abort()
     if final is None:  # the client is gone; nobody reads this
+        raw.state.error_code = "client_closed"
         return Response(status_code=499)
     return JSONResponse(final)
 

@@ -9,6 +9,7 @@ from fastapi.responses import Response
 from prefixserve.outputs import Logprob, RequestOutput
 from prefixserve.server import protocol as p
 from prefixserve.server.errors import OpenAIError
+from prefixserve.server.prompts import check_prompt_text, off_loop
 from prefixserve.server.serving import (
     Delta,
     ResponseView,
@@ -23,7 +24,7 @@ async def create_chat_completion(
     state: ServerState, body: p.ChatCompletionRequest, raw: Request, arrival: float
 ) -> Response:
     model = check_model(state, body.model)
-    prompt_ids = _prompt(state, body)
+    prompt_ids = await _prompt(state, body)
     # The fields the engine's errors name, as this endpoint calls them.
     fields = {
         "prompt": "messages",
@@ -39,12 +40,16 @@ async def create_chat_completion(
     return await generate(state, raw, body, view, prompt_ids, params, fields=fields)
 
 
-def _prompt(state: ServerState, body: p.ChatCompletionRequest) -> list[int]:
+async def _prompt(state: ServerState, body: p.ChatCompletionRequest) -> list[int]:
     """The messages rendered by the chat template. The engine checks the ids."""
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    check_prompt_text(state, [m["content"] for m in messages], "messages")
     try:
-        ids = state.engine.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=body.add_generation_prompt
+        ids = await off_loop(
+            state,
+            state.engine.tokenizer.apply_chat_template,
+            messages,
+            add_generation_prompt=body.add_generation_prompt,
         )
     except ValueError as exc:
         raise OpenAIError(str(exc), param="messages") from exc

@@ -8,6 +8,7 @@ from fastapi.responses import Response
 from prefixserve.outputs import Logprob, RequestOutput
 from prefixserve.server import protocol as p
 from prefixserve.server.errors import OpenAIError
+from prefixserve.server.prompts import check_prompt_text, off_loop
 from prefixserve.server.serving import (
     Delta,
     ResponseView,
@@ -22,20 +23,21 @@ async def create_completion(
     state: ServerState, body: p.CompletionRequest, raw: Request, arrival: float
 ) -> Response:
     model = check_model(state, body.model)
-    prompt_ids, prompt_text = _prompt(state, body)
+    prompt_ids, prompt_text = await _prompt(state, body)
     params = sampling_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs)
     view = CompletionView(state, model, body, params.logprobs, arrival)
     return await generate(state, raw, body, view, prompt_ids, params, prompt_text=prompt_text)
 
 
-def _prompt(state: ServerState, body: p.CompletionRequest) -> tuple[list[int], str | None]:
+async def _prompt(state: ServerState, body: p.CompletionRequest) -> tuple[list[int], str | None]:
     """The prompt's token ids, and its text when it came as text. The engine checks the ids."""
     prompt = body.prompt
     if isinstance(prompt, str):
         # Checked on the text: a tokenizer that adds a BOS would make "" a one-token prompt.
         if not prompt:
             raise OpenAIError("prompt must not be empty", param="prompt")
-        return state.engine.tokenizer.encode(prompt), prompt
+        check_prompt_text(state, [prompt], "prompt")
+        return await off_loop(state, state.engine.tokenizer.encode, prompt), prompt
     return list(prompt), None
 
 

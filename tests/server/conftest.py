@@ -1,6 +1,6 @@
 """Fixtures of the server tests: one engine on the default model, two live servers over it.
 
-- `server`: API keys for two tenants (`alpha` with two keys, `beta` with one);
+- `server`: API keys for two tenants (`alpha` with two keys, `beta` with one) and an operator key;
 - `open_server`: no keys (the client's cache_salt passes through, as in vLLM).
 Both share the engine, so its metrics and blocks are the same wherever a test looks.
 """
@@ -14,6 +14,7 @@ import openai
 import pytest
 from server_helpers import (
     BLOCK_SIZE,
+    KEY_ADMIN,
     KEY_ALPHA,
     KEY_ALPHA_2,
     KEY_BETA,
@@ -62,6 +63,7 @@ def server(async_engine: AsyncLLMEngine) -> Iterator[LiveServer]:
     keys.add(KEY_ALPHA, "alpha")
     keys.add(KEY_ALPHA_2, "alpha")
     keys.add(KEY_BETA, "beta")
+    keys.add_admin(KEY_ADMIN, "ops")
     yield from _live(async_engine, keys, KEY_ALPHA)
 
 

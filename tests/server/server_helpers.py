@@ -24,6 +24,7 @@ BLOCK_SIZE = 16
 KEY_ALPHA = "sk-alpha-1"
 KEY_ALPHA_2 = "sk-alpha-2"
 KEY_BETA = "sk-beta-1"
+KEY_ADMIN = "sk-operator-1"
 
 
 @dataclass

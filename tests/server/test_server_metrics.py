@@ -1,4 +1,7 @@
-"""GET /metrics moves as requests run; POST /reset_prefix_cache forgets the cache; KV events."""
+"""GET /metrics moves as requests run; POST /reset_prefix_cache forgets the cache; KV events.
+
+All three are operator endpoints: the tests call them with the operator key.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +9,7 @@ import threading
 import uuid
 
 from prometheus_client.parser import text_string_to_metric_families
-from server_helpers import MODEL_NAME
+from server_helpers import KEY_ADMIN, MODEL_NAME
 
 PROMPT_TAIL = (
     " and then the story goes on for a while longer, so that the prompt spans a few blocks "
@@ -16,7 +19,7 @@ PROMPT_TAIL = (
 
 def scrape(server) -> dict[str, float]:
     """Every sample of /metrics by name (+ labels), e.g. 'prefixserve_prompt_tokens_total'."""
-    with server.http() as http:
+    with server.http(KEY_ADMIN) as http:
         response = http.get("/metrics")
     assert response.status_code == 200
     samples = {}
@@ -103,7 +106,7 @@ def test_reset_prefix_cache_forgets_cached_prompts(server, client):
 
     cached()
     assert cached() > 0
-    with server.http() as http:
+    with server.http(KEY_ADMIN) as http:
         response = http.post("/reset_prefix_cache")
     assert response.status_code == 200
     assert response.json() == {"success": True}
@@ -134,7 +137,7 @@ def test_reset_with_running_requests_needs_reset_running_requests(server, client
     thread = threading.Thread(target=stream)
     thread.start()
     assert started.wait(120)
-    with server.http() as http:
+    with server.http(KEY_ADMIN) as http:
         refused = http.post("/reset_prefix_cache")
         forced = http.post("/reset_prefix_cache", json={"reset_running_requests": True})
     thread.join(300)
@@ -148,13 +151,13 @@ def test_reset_with_running_requests_needs_reset_running_requests(server, client
 
 def test_reset_accepts_the_flag_as_a_query_parameter(server):
     server.wait_idle()
-    with server.http() as http:
+    with server.http(KEY_ADMIN) as http:
         response = http.post("/reset_prefix_cache", params={"reset_running_requests": "true"})
     assert response.json() == {"success": True}
 
 
 def test_kv_events_report_stored_blocks(server, client):
-    with server.http() as http:
+    with server.http(KEY_ADMIN) as http:
         http.get("/kv_events")  # drain what earlier tests left
         client.completions.create(
             model=MODEL_NAME, prompt=f"Events {uuid.uuid4().hex}" + PROMPT_TAIL, max_tokens=1

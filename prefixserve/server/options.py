@@ -1,0 +1,86 @@
+"""The server's limit flags of `prefixserve serve`, and what they become in uvicorn's Config.
+
+Every bound a client can push against is a flag with a default: the request body size (checked
+by guard.py before the body is parsed), the idle keep-alive time, the number of connections
+and requests in flight, and the size of an incomplete HTTP event (headers still arriving).
+uvicorn has no timeout on a request's headers or body arriving slowly; the incomplete-event
+size bounds what a slow client can make the server hold, and --limit-concurrency how many.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+DEFAULT_TIMEOUT_KEEP_ALIVE_S = 5
+DEFAULT_LIMIT_CONCURRENCY = 1024
+DEFAULT_H11_MAX_INCOMPLETE_EVENT_SIZE = 64 * 1024
+
+
+def add_server_limit_arguments(group: argparse._ArgumentGroup) -> None:
+    """`--admin-api-key-file` and the limit flags, into the serve command's server group."""
+    group.add_argument(
+        "--admin-api-key-file",
+        default=None,
+        metavar="PATH",
+        help="File of 'KEY NAME' lines (the --api-key-file format): operator keys, the only "
+        "keys accepted by GET /kv_events, POST /reset_prefix_cache, GET /metrics and the API "
+        "docs (/docs, /redoc, /openapi.json), and accepted nowhere else. With tenant keys but "
+        "no operator keys those endpoints answer 403 to everyone. Without any key every "
+        "endpoint is open (one trusted user).",
+    )
+    group.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="Largest request body; a larger one gets a 413 before it is parsed. Default: "
+        "4 MiB, or max_model_len * 192 bytes when that is more (room for the longest legal "
+        "prompt as JSON).",
+    )
+    group.add_argument(
+        "--timeout-keep-alive",
+        type=int,
+        default=DEFAULT_TIMEOUT_KEEP_ALIVE_S,
+        metavar="SECONDS",
+        help="Close an idle keep-alive connection after this many seconds.",
+    )
+    group.add_argument(
+        "--limit-concurrency",
+        type=int,
+        default=DEFAULT_LIMIT_CONCURRENCY,
+        metavar="N",
+        help="Most connections and requests in flight at once; beyond it new requests get a "
+        "503 (0: no limit).",
+    )
+    group.add_argument(
+        "--h11-max-incomplete-event-size",
+        type=int,
+        default=DEFAULT_H11_MAX_INCOMPLETE_EVENT_SIZE,
+        metavar="BYTES",
+        help="Largest request line plus headers a client may send; more closes the connection.",
+    )
+
+
+def check_limit_arguments(args: argparse.Namespace) -> None:
+    """ValueError naming the flag when a limit is not positive."""
+    for flag, value in (
+        ("--max-request-body-bytes", args.max_request_body_bytes),
+        ("--timeout-keep-alive", args.timeout_keep_alive),
+        ("--h11-max-incomplete-event-size", args.h11_max_incomplete_event_size),
+    ):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    if args.limit_concurrency < 0:
+        raise ValueError(f"--limit-concurrency must be >= 0, got {args.limit_concurrency}")
+
+
+def uvicorn_limits(args: argparse.Namespace) -> dict[str, Any]:
+    """uvicorn.Config keyword arguments of the limit flags. The HTTP implementation is pinned to
+    h11, the one that honours the incomplete-event size (httptools, when installed, would not)."""
+    return {
+        "http": "h11",
+        "timeout_keep_alive": args.timeout_keep_alive,
+        "limit_concurrency": args.limit_concurrency or None,
+        "h11_max_incomplete_event_size": args.h11_max_incomplete_event_size,
+    }
