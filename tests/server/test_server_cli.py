@@ -28,6 +28,11 @@ SERVE_FLAGS = [
     "--api-key",
     "--api-key-file",
     "--kv-events",
+    "--admin-api-key-file",
+    "--max-request-body-bytes",
+    "--timeout-keep-alive",
+    "--limit-concurrency",
+    "--h11-max-incomplete-event-size",
 ]
 
 
