@@ -52,12 +52,14 @@ def alone(engine: LLMEngine, prompt: list[int]) -> list[int]:
 def test_a_seed_that_cannot_seed_fails_only_its_request(engine):
     good, bad = random_tokens(20, seed=1), random_tokens(20, seed=2)
     engine.add_request("good", good, GREEDY)
-    engine.add_request("bad", bad, forced(SamplingParams(n=2, max_tokens=4), seed=2**64 - 1))
+    engine.add_request("bad", bad, SamplingParams(n=2, max_tokens=4, seed=2**64 - 2))
+    # Sample 1 has seed 2**64 - 1; one past it is what a seed outside the validation looks like.
+    [child] = [r for r in engine.scheduler.waiting if r.request_id == "1_bad"]
+    forced(child.sampling_params, seed=2**64)
     finals = drain(engine)
     failed = finals["bad"]
     assert failed.finished and "seed" in failed.error
-    reasons = sorted(c.finish_reason for c in failed.outputs)
-    assert reasons in (["abort", "error"], ["error", "error"])
+    assert [c.finish_reason for c in failed.outputs] == ["abort", "error"]
     assert finals["good"].error is None
     assert finals["good"].outputs[0].token_ids == alone(engine, good)
 
@@ -155,3 +157,29 @@ def test_only_sample_0_computes_prompt_logprobs(engine):
     assert len(out.prompt_logprobs) == 40 and out.prompt_logprobs[0] is None
     # Samples 1 and 2 hit sample 0's full blocks: only its 40 tokens plus their tails computed.
     assert engine.get_metrics()["computed_prompt_tokens"] == 40 + 2 * (40 % 16)
+
+
+def test_nan_logits_on_one_row_fail_that_request_and_uncache_its_blocks(engine, monkeypatch):
+    model = engine.runner.model
+    compute_logits = model.compute_logits
+    calls = []
+
+    def poisoned(hidden):
+        logits = compute_logits(hidden)
+        if not calls:  # the first step: rows [good, bad], both prefilling 20 tokens
+            logits[1] = float("nan")
+        calls.append(1)
+        return logits
+
+    monkeypatch.setattr(model, "compute_logits", poisoned)
+    good, bad = random_tokens(20, seed=13), random_tokens(20, seed=14)
+    engine.add_request("good", good, GREEDY)
+    engine.add_request("bad", bad, GREEDY)
+    finals = drain(engine)
+    assert "non-finite" in finals["bad"].error
+    assert finals["good"].error is None and len(finals["good"].outputs[0].token_ids) == 4
+    monkeypatch.undo()
+    assert finals["good"].outputs[0].token_ids == alone(engine, good)
+    # The block the failed request filled was uncached: the same prompt again hits nothing.
+    engine.add_request("again", bad, GREEDY)
+    assert drain(engine)["again"].num_cached_tokens == 0

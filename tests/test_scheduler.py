@@ -495,3 +495,9 @@ def test_a_waiting_request_is_not_stuck_while_others_run():
     step(sched, runner)
     assert [r.request_id for r in sched.running] == ["run"]
     assert sched.stuck_request() is None
+
+
+def test_stop_token_ids_are_a_set_built_once_per_request():
+    request = Request("r", [1, 2, 3], SamplingParams(stop_token_ids=[9, 5, 9]))
+    assert request.stop_token_ids == frozenset({5, 9})
+    assert Request("s", [1], SamplingParams()).stop_token_ids == frozenset()
