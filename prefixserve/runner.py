@@ -211,7 +211,9 @@ class ModelRunner:
         output: ModelRunnerOutput,
     ) -> None:
         """Sample row by row, recording in `output.failed` the rows that cannot be sampled
-        (non-finite logits, a sampler error): the slow path of a step where something failed."""
+        (non-finite logits, a sampler error): the slow path of a step where something failed.
+        The sampler checks its rows before it draws, so a retried row draws what it would have
+        drawn in the batch; only an error raised after the draws shifts seeded streams by one."""
         for row, (req, gen) in enumerate(zip(requests, generators, strict=True)):
             if req.request_id in output.failed:
                 continue

@@ -66,6 +66,7 @@ def test_a_failing_step_fails_every_stream_and_every_queued_command(llm_engine):
             await aengine.add_request(f"r{i}", random_tokens(10, seed=i), LONG) for i in range(2)
         ]
         waiter = asyncio.ensure_future(aengine.wait_dead())
+        await asyncio.sleep(0)  # the waiter registers before the lock is held back below
         # The next command takes the lock only once the engine is dead: it must still be answered.
         aengine._cv = _HoldFirstEnter(threading.current_thread(), died)
         fail.set()
