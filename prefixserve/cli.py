@@ -11,6 +11,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from prefixserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from prefixserve.dtypes import SUPPORTED_DTYPES
@@ -119,6 +120,14 @@ def serve_command(parser: argparse.ArgumentParser) -> Runner:
         default=10.0,
         metavar="SECONDS",
         help="Seconds between two periodic stats lines while the engine is busy.",
+    )
+    server.add_argument(
+        "--stream-stall-timeout",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="Abort a request (freeing its KV blocks) whose output nobody has read for this long "
+        "(a stalled client); 0 turns it off.",
     )
     server.add_argument(
         "--log-level",
@@ -294,6 +303,7 @@ def run_serve(args: argparse.Namespace) -> int:
             config,
             log_stats_interval_s=None if args.disable_log_stats else args.log_stats_interval,
             collect_kv_events=args.kv_events,
+            stall_timeout_s=args.stream_stall_timeout or None,
         )
     except ValueError as exc:
         print(f"prefixserve serve: error: {exc}", file=sys.stderr)
@@ -334,7 +344,6 @@ def run_serve(args: argparse.Namespace) -> int:
         model_root=args.model,
         max_request_body_bytes=args.max_request_body_bytes,
     )
-    engine.start()
     server = uvicorn.Server(
         uvicorn.Config(
             app,
@@ -345,11 +354,34 @@ def run_serve(args: argparse.Namespace) -> int:
             **uvicorn_limits(args),
         )
     )
+    death = EngineDeathWatch(engine, server)
+    engine.on_dead = death.on_dead
+    engine.start()
     try:
         server.run()
     finally:
         engine.shutdown()
-    return 0
+    return 1 if death.error is not None else 0
+
+
+class EngineDeathWatch:
+    """Stops the HTTP server when the engine's step loop dies unasked, so `prefixserve serve`
+    exits non-zero (1) for a supervisor to restart it, instead of answering 503 for good.
+
+    The async engine has already failed every in-flight request and queued command with
+    EngineDeadError (503) when `on_dead` runs; a death from `shutdown()` is no failure."""
+
+    def __init__(self, engine: Any, server: Any) -> None:
+        self.engine = engine
+        self.server = server
+        self.error: BaseException | None = None
+
+    def on_dead(self, exc: BaseException) -> None:
+        if self.engine.shutdown_requested:
+            return
+        self.error = exc
+        logger.error("the engine died (%r); stopping the server to exit with status 1", exc)
+        self.server.should_exit = True
 
 
 # ------------------------------------------------------------------------------------- bench

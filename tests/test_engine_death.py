@@ -99,3 +99,41 @@ def test_shutdown_is_a_death_that_was_asked_for(llm_engine):
 
     assert isinstance(asyncio.run(run()), EngineDeadError)
     assert aengine.shutdown_requested
+
+
+class _FakeServer:
+    should_exit = False
+
+
+def test_the_server_stops_with_status_1_when_the_engine_dies_unasked(llm_engine):
+    from prefixserve.cli import EngineDeathWatch
+
+    aengine = AsyncLLMEngine(llm_engine, log_stats_interval_s=None)
+    server = _FakeServer()
+    watch = EngineDeathWatch(aengine, server)
+    aengine.on_dead = watch.on_dead
+
+    def failing_step():
+        raise RuntimeError("out of memory")
+
+    llm_engine.step = failing_step
+    aengine.start()
+
+    async def run():
+        await aengine.add_request("r", random_tokens(10, seed=1), LONG)
+        return await asyncio.wait_for(aengine.wait_dead(), 60)
+
+    error = asyncio.run(run())
+    assert watch.error is error and server.should_exit
+
+
+def test_a_requested_shutdown_does_not_stop_the_server_as_a_failure(llm_engine):
+    from prefixserve.cli import EngineDeathWatch
+
+    aengine = AsyncLLMEngine(llm_engine, log_stats_interval_s=None)
+    server = _FakeServer()
+    watch = EngineDeathWatch(aengine, server)
+    aengine.on_dead = watch.on_dead
+    aengine.start()
+    aengine.shutdown()
+    assert watch.error is None and not server.should_exit

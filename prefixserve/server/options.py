@@ -73,6 +73,9 @@ def check_limit_arguments(args: argparse.Namespace) -> None:
             raise ValueError(f"{flag} must be >= 1, got {value}")
     if args.limit_concurrency < 0:
         raise ValueError(f"--limit-concurrency must be >= 0, got {args.limit_concurrency}")
+    stall = getattr(args, "stream_stall_timeout", 0.0)
+    if not (stall >= 0 and stall != float("inf")):
+        raise ValueError(f"--stream-stall-timeout must be a number of seconds >= 0, got {stall}")
 
 
 def uvicorn_limits(args: argparse.Namespace) -> dict[str, Any]:

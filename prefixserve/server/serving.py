@@ -139,6 +139,16 @@ def _engine_dead(exc: EngineDeadError) -> OpenAIError:
     return OpenAIError(str(exc), status_code=503, type="server_error")
 
 
+def _request_failed(output: RequestOutput) -> OpenAIError:
+    """A failure of this request alone (the engine went on serving the others)."""
+    return OpenAIError(
+        f"the request failed: {output.error}",
+        status_code=500,
+        type="server_error",
+        code="request_failed",
+    )
+
+
 async def _unless_disconnected(raw: Request, work: Awaitable[T]) -> T | None:
     """Run `work`; cancel it (aborting its request) if the client disconnects first."""
     task = asyncio.ensure_future(work)
@@ -298,6 +308,8 @@ class ResponseView(ABC):
                 final = output
         except EngineDeadError as exc:
             raise _engine_dead(exc) from exc
+        if final is not None and final.error is not None:
+            raise _request_failed(final)
         if final is None or not final.finished:
             raise OpenAIError(
                 "the request was aborted before it finished", status_code=503, type="server_error"
@@ -313,6 +325,9 @@ class ResponseView(ABC):
             for chunk in self.opening_chunks():
                 yield _sse(chunk)
             async for output in stream:
+                if output.error is not None:
+                    yield _sse_error(_request_failed(output))
+                    break
                 self._observe(output)
                 final = output
                 with_prompt_logprobs = output.prompt_logprobs is not None
@@ -330,7 +345,7 @@ class ResponseView(ABC):
             if options.include_usage:
                 yield _sse(self.usage_chunk(self.usage()))
         except EngineDeadError as exc:
-            yield f"data: {json.dumps(_engine_dead(exc).body())}\n\n"
+            yield _sse_error(_engine_dead(exc))
         finally:
             stream.abort()
         yield "data: [DONE]\n\n"
@@ -365,3 +380,7 @@ class ResponseView(ABC):
 
 def _sse(chunk: Chunk) -> str:
     return f"data: {chunk.model_dump_json()}\n\n"
+
+
+def _sse_error(error: OpenAIError) -> str:
+    return f"data: {json.dumps(error.body())}\n\n"

@@ -29,8 +29,11 @@ def test_generate_streams_cumulative_outputs_until_finished(async_engine, tokeni
         ]
 
     outputs = asyncio.run(run())
-    assert [len(o.outputs[0].token_ids) for o in outputs] == [1, 2, 3, 4, 5]
-    assert [o.finished for o in outputs] == [False] * 4 + [True]
+    # A reader slower than the steps sees only the latest cumulative output (one pending output
+    # per request), so outputs may be skipped, never repeated or reordered.
+    lengths = [len(o.outputs[0].token_ids) for o in outputs]
+    assert lengths == sorted(set(lengths)) and lengths[-1] == 5
+    assert [o.finished for o in outputs] == [False] * (len(outputs) - 1) + [True]
     texts = [o.outputs[0].text for o in outputs]
     assert all(b.startswith(a) for a, b in zip(texts, texts[1:], strict=False))
     assert outputs[-1].outputs[0].finish_reason == "length"

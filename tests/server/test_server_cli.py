@@ -32,6 +32,7 @@ SERVE_FLAGS = [
     "--max-request-body-bytes",
     "--timeout-keep-alive",
     "--limit-concurrency",
+    "--stream-stall-timeout",
     "--h11-max-incomplete-event-size",
 ]
 

@@ -223,3 +223,43 @@ def test_an_engine_value_error_names_the_endpoint_field(message, fields, param, 
     error = from_value_error(ValueError(message), fields)
     assert (error.status_code, error.param, error.code) == (400, param, code)
     assert error.message == message
+
+
+class _BrokenDetokenizer:
+    def add_tokens(self, token_ids):
+        raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "bad byte")
+
+
+class _BreakingTokenizer:
+    """The engine's tokenizer, but every new request's detokenizer fails."""
+
+    def __init__(self, real):
+        self.real = real
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def incremental_detokenizer(self, prompt_token_ids):
+        return _BrokenDetokenizer()
+
+
+def test_a_request_that_fails_alone_is_a_500_naming_the_cause_and_the_server_goes_on(server):
+    def install(engine):
+        real = engine.output_processor.tokenizer
+        engine.output_processor.tokenizer = _BreakingTokenizer(real)
+        return real
+
+    real = server.run_in_engine(install)
+    try:
+        with server.http() as http:
+            response = http.post(CMPL, json=cmpl())
+            assert response.status_code == 500
+            error = response.json()["error"]
+            assert error["code"] == "request_failed" and "detokeniz" in error["message"]
+            streamed = http.post(CMPL, json=cmpl(stream=True)).text
+            assert '"code": "request_failed"' in streamed and streamed.endswith("data: [DONE]\n\n")
+    finally:
+        server.run_in_engine(lambda e: setattr(e.output_processor, "tokenizer", real))
+    with server.http() as http:
+        assert http.post(CMPL, json=cmpl()).status_code == 200
+    server.check_no_leaks()
