@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint serve model bench clean
+.PHONY: test soak lint serve model bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -22,6 +22,11 @@ install: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check prefixserve tests benchmarks
 	PREFIXSERVE_REQUIRE_KERNEL=1 $(BIN)/python -m pytest -q
+
+# The server soak test, longer than in `make test`: `make soak SOAK_SECONDS=1800`.
+SOAK_SECONDS ?= 600
+soak: $(STAMP)
+	PREFIXSERVE_SOAK_SECONDS=$(SOAK_SECONDS) $(BIN)/python -m pytest -q tests/server/test_server_soak.py
 
 # `make serve SERVE_ARGS="--port 9000 --api-key-file keys.txt"` passes flags through.
 SERVE_ARGS ?=
