@@ -11,7 +11,6 @@ import argparse
 import logging
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from prefixserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from prefixserve.dtypes import SUPPORTED_DTYPES
@@ -284,6 +283,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from prefixserve.async_engine import AsyncLLMEngine
     from prefixserve.server.app import build_app
     from prefixserve.server.auth import ApiKeys
+    from prefixserve.server.supervision import EngineDeathWatch
 
     logging.basicConfig(
         level=args.log_level.upper(),
@@ -362,26 +362,6 @@ def run_serve(args: argparse.Namespace) -> int:
     finally:
         engine.shutdown()
     return 1 if death.error is not None else 0
-
-
-class EngineDeathWatch:
-    """Stops the HTTP server when the engine's step loop dies unasked, so `prefixserve serve`
-    exits non-zero (1) for a supervisor to restart it, instead of answering 503 for good.
-
-    The async engine has already failed every in-flight request and queued command with
-    EngineDeadError (503) when `on_dead` runs; a death from `shutdown()` is no failure."""
-
-    def __init__(self, engine: Any, server: Any) -> None:
-        self.engine = engine
-        self.server = server
-        self.error: BaseException | None = None
-
-    def on_dead(self, exc: BaseException) -> None:
-        if self.engine.shutdown_requested:
-            return
-        self.error = exc
-        logger.error("the engine died (%r); stopping the server to exit with status 1", exc)
-        self.server.should_exit = True
 
 
 # ------------------------------------------------------------------------------------- bench
