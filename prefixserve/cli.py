@@ -17,6 +17,7 @@ from prefixserve.dtypes import SUPPORTED_DTYPES
 from prefixserve.kv_cache.hashing import HASH_ALGOS
 from prefixserve.server.options import (
     add_server_limit_arguments,
+    admission_from_args,
     check_limit_arguments,
     uvicorn_limits,
 )
@@ -343,6 +344,9 @@ def run_serve(args: argparse.Namespace) -> int:
         api_keys=api_keys,
         model_root=args.model,
         max_request_body_bytes=args.max_request_body_bytes,
+        admission=admission_from_args(
+            args, config.scheduler.max_num_seqs, engine.num_kv_blocks * config.cache.block_size
+        ),
     )
     server = uvicorn.Server(
         uvicorn.Config(

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from prefixserve.async_engine import AsyncLLMEngine
 from prefixserve.server import protocol as p
 from prefixserve.server import serving_chat, serving_completion
+from prefixserve.server.admission import Admission
 from prefixserve.server.auth import ApiKeys
 from prefixserve.server.errors import OpenAIError, install_error_handlers
 from prefixserve.server.guard import RequestGuard
@@ -42,13 +43,15 @@ def build_app(
     api_keys: ApiKeys | None = None,
     model_root: str | None = None,
     max_request_body_bytes: int | None = None,
+    admission: Admission | None = None,
 ) -> FastAPI:
     """The FastAPI app. The caller starts and stops `engine` (see cli.py).
 
     With `api_keys`, the operator routes (/kv_events, /reset_prefix_cache, /metrics and the API
     docs) take an operator key only and the others a tenant key only (guard.py); without, every
     route is open to the one trusted user. `max_request_body_bytes` defaults to
-    `default_max_request_body_bytes(engine.max_model_len)`."""
+    `default_max_request_body_bytes(engine.max_model_len)`; `admission` bounds the requests in
+    flight (admission.py; default: no bound)."""
     if not served_model_names:
         raise ValueError("served_model_names must name at least one model")
     state = ServerState(
@@ -56,6 +59,7 @@ def build_app(
         served_model_names=list(served_model_names),
         api_keys=api_keys,
         model_root=model_root,
+        admission=admission or Admission(),
     )
     app = FastAPI(title="prefixserve", summary="OpenAI-compatible LLM server with prefix caching")
     app.state.server = state

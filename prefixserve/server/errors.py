@@ -57,6 +57,7 @@ class OpenAIError(Exception):
         type: str = "invalid_request_error",  # noqa: A002 - the OpenAI field is called "type"
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -64,6 +65,7 @@ class OpenAIError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        self.headers = headers  # e.g. Retry-After on a 429
 
     def body(self) -> dict[str, Any]:
         return {
@@ -76,6 +78,7 @@ class OpenAIError(Exception):
         }
 
     def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+        headers = {**(self.headers or {}), **(headers or {})} or None
         return JSONResponse(self.body(), status_code=self.status_code, headers=headers)
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from prefixserve.server.admission import Admission
+
 DEFAULT_TIMEOUT_KEEP_ALIVE_S = 5
 DEFAULT_LIMIT_CONCURRENCY = 1024
 DEFAULT_H11_MAX_INCOMPLETE_EVENT_SIZE = 64 * 1024
@@ -54,6 +56,31 @@ def add_server_limit_arguments(group: argparse._ArgumentGroup) -> None:
         "503 (0: no limit).",
     )
     group.add_argument(
+        "--max-requests",
+        type=int,
+        default=None,
+        metavar="N",
+        help="Most requests in the server at once (running or waiting), all tenants; beyond it "
+        "a 429 with Retry-After. Default: 4 * --max-num-seqs (0: no limit).",
+    )
+    group.add_argument(
+        "--max-requests-per-tenant",
+        type=int,
+        default=None,
+        metavar="N",
+        help="Most requests one tenant has in flight; beyond it a 429. Default: --max-num-seqs "
+        "(0: no limit).",
+    )
+    group.add_argument(
+        "--max-tokens-per-tenant",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="Most tokens (n * (prompt + max_tokens) per request) one tenant has in flight; "
+        "beyond it a 429 (a tenant with nothing in flight is always admitted). Default: half the "
+        "KV pool's tokens, so one tenant's flood leaves the other half to the rest (0: no limit).",
+    )
+    group.add_argument(
         "--h11-max-incomplete-event-size",
         type=int,
         default=DEFAULT_H11_MAX_INCOMPLETE_EVENT_SIZE,
@@ -71,6 +98,13 @@ def check_limit_arguments(args: argparse.Namespace) -> None:
     ):
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
+    for flag, value in (
+        ("--max-requests", args.max_requests),
+        ("--max-requests-per-tenant", args.max_requests_per_tenant),
+        ("--max-tokens-per-tenant", args.max_tokens_per_tenant),
+    ):
+        if value is not None and value < 0:
+            raise ValueError(f"{flag} must be >= 0 (0: no limit), got {value}")
     if args.limit_concurrency < 0:
         raise ValueError(f"--limit-concurrency must be >= 0, got {args.limit_concurrency}")
     stall = getattr(args, "stream_stall_timeout", 0.0)
@@ -87,3 +121,19 @@ def uvicorn_limits(args: argparse.Namespace) -> dict[str, Any]:
         "limit_concurrency": args.limit_concurrency or None,
         "h11_max_incomplete_event_size": args.h11_max_incomplete_event_size,
     }
+
+
+def admission_from_args(
+    args: argparse.Namespace, max_num_seqs: int, kv_pool_tokens: int
+) -> Admission:
+    """The admission bounds of the flags, with their defaults; 0 means no bound."""
+
+    def bound(value: int | None, default: int) -> int | None:
+        value = default if value is None else value
+        return value or None
+
+    return Admission(
+        max_requests=bound(args.max_requests, 4 * max_num_seqs),
+        max_requests_per_tenant=bound(args.max_requests_per_tenant, max_num_seqs),
+        max_tokens_per_tenant=bound(args.max_tokens_per_tenant, max(1, kv_pool_tokens // 2)),
+    )

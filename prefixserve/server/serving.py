@@ -23,12 +23,14 @@ from typing import Any, ClassVar, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 
 from prefixserve.async_engine import AsyncLLMEngine, EngineDeadError
 from prefixserve.outputs import CompletionOutput, Logprob, RequestOutput
 from prefixserve.request_stream import RequestStream
 from prefixserve.sampling_params import SamplingParams
 from prefixserve.server import protocol as p
+from prefixserve.server.admission import Admission
 from prefixserve.server.auth import ApiKeys, derive_cache_salt
 from prefixserve.server.errors import OpenAIError, from_value_error
 from prefixserve.server.metrics import RequestTimer, ServerMetrics
@@ -49,6 +51,7 @@ class ServerState:
     api_keys: ApiKeys | None = None
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     model_root: str | None = None
+    admission: Admission = field(default_factory=Admission)
     # Tokenizing and chat-template rendering run here, off the event loop, one at a time (a
     # tokenizer is not safe to call from several threads at once).
     tokenizer_executor: ThreadPoolExecutor = field(
@@ -115,20 +118,29 @@ async def generate(
 ) -> Response:
     """Run one request through the engine and answer it as `view` shapes it."""
     cache_salt = derive_cache_salt(raw.state.tenant, body.cache_salt)
+    max_tokens = params.max_tokens or max(1, state.engine.max_model_len - len(prompt_ids))
+    ticket = state.admission.admit(raw.state.tenant, params.n * (len(prompt_ids) + max_tokens))
     try:
         stream = await state.engine.add_request(
             view.request_id, prompt_ids, params, cache_salt=cache_salt, prompt=prompt_text
         )
     except ValueError as exc:
+        state.admission.release(ticket)
         raise from_value_error(exc, fields) from exc
-    except EngineDeadError as exc:
-        raise _engine_dead(exc) from exc
+    except BaseException as exc:
+        state.admission.release(ticket)
+        if isinstance(exc, EngineDeadError):
+            raise _engine_dead(exc) from exc
+        raise
     if body.stream:
-        return StreamingResponse(view.stream(stream), media_type="text/event-stream")
+        chunks = state.admission.released_after(view.stream(stream), ticket)
+        release = BackgroundTask(state.admission.release, ticket)
+        return StreamingResponse(chunks, media_type="text/event-stream", background=release)
     try:
         final = await _unless_disconnected(raw, view.collect(stream))
     finally:
         stream.abort()
+        state.admission.release(ticket)
     if final is None:  # the client is gone; nobody reads this
         raw.state.error_code = "client_closed"
         return Response(status_code=499)

@@ -33,6 +33,9 @@ SERVE_FLAGS = [
     "--timeout-keep-alive",
     "--limit-concurrency",
     "--stream-stall-timeout",
+    "--max-requests",
+    "--max-requests-per-tenant",
+    "--max-tokens-per-tenant",
     "--h11-max-incomplete-event-size",
 ]
 
