@@ -130,6 +130,8 @@ class LLMEngine:
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError(f"cache_salt must be a non-empty string or None, got {cache_salt!r}")
+        if cache_salt is not None and not _is_unicode_text(cache_salt):
+            raise ValueError("cache_salt must be Unicode text (it holds a lone surrogate)")
         prompt_token_ids = list(prompt_token_ids)
         num_prompt = len(prompt_token_ids)
         if num_prompt == 0:
@@ -329,3 +331,12 @@ class LLMEngine:
             f"requests still in the scheduler: {sorted(self.scheduler.requests)}"
         )
         self.kv_cache_manager.check_no_leaks()
+
+
+def _is_unicode_text(text: str) -> bool:
+    """False for a str that UTF-8 cannot encode (a lone surrogate, which JSON can carry)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

@@ -231,8 +231,11 @@ class ModelRunner:
 
 
 def _all_finite(logits: torch.Tensor) -> bool:
-    """No NaN and no +inf (a -inf logit is a token the model rules out, which is fine)."""
-    return bool((logits < float("inf")).all())
+    """No NaN, no +inf, and no row ruling out every token (all -inf: its softmax is NaN). A -inf
+    logit alone is a token the model rules out, which is fine. Checked before any draw, so a bad
+    row is retried alone without advancing its neighbours' seeded generators."""
+    top = logits.amax(dim=-1)
+    return bool(((top < float("inf")) & (top > float("-inf"))).all())
 
 
 _MT_STATE_BYTES = 5056  # torch's CPU generator state: the mt19937 words at bytes 24 .. 5016

@@ -183,3 +183,19 @@ def test_nan_logits_on_one_row_fail_that_request_and_uncache_its_blocks(engine, 
     # The block the failed request filled was uncached: the same prompt again hits nothing.
     engine.add_request("again", bad, GREEDY)
     assert drain(engine)["again"].num_cached_tokens == 0
+
+
+def test_a_lone_surrogate_cache_salt_is_refused_at_admission(engine):
+    with pytest.raises(ValueError, match="cache_salt"):
+        engine.add_request("s", [1, 2], GREEDY, cache_salt="\ud800")
+    engine.check_no_leaks()
+
+
+def test_a_row_that_rules_out_every_token_counts_as_non_finite():
+    from prefixserve.runner import _all_finite
+
+    ok = torch.tensor([[0.0, float("-inf")], [1.0, 2.0]])
+    assert _all_finite(ok)
+    assert not _all_finite(torch.tensor([[float("-inf"), float("-inf")], [1.0, 2.0]]))
+    assert not _all_finite(torch.tensor([[float("nan"), 0.0]]))
+    assert not _all_finite(torch.tensor([[float("inf"), 0.0]]))

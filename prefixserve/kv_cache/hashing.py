@@ -104,7 +104,9 @@ def _encode(value: Any, out: bytearray) -> None:
         raw = value.to_bytes((value.bit_length() + 8) // 8, "little", signed=True)
         out += b"I" + _COUNT.pack(len(raw)) + raw
     elif isinstance(value, str):
-        raw = value.encode("utf-8")
+        # surrogatepass: a lone surrogate (which JSON can carry) still encodes, injectively,
+        # instead of raising inside a step; valid text encodes exactly as plain UTF-8.
+        raw = value.encode("utf-8", "surrogatepass")
         out += b"S" + _COUNT.pack(len(raw)) + raw
     elif isinstance(value, bytes | bytearray | memoryview):
         raw = bytes(value)

@@ -147,6 +147,10 @@ def validate_cache_salt(cache_salt: str | None) -> None:
         raise ValueError(
             f"cache_salt must be at most {MAX_CACHE_SALT_CHARS} characters, got {len(cache_salt)}"
         )
+    try:
+        cache_salt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("cache_salt must be Unicode text (it holds a lone surrogate)") from None
 
 
 def derive_cache_salt(tenant: str | None, client_salt: str | None) -> str | None:

@@ -211,3 +211,18 @@ def _respond(
     # The request guard (guard.py) counts the response under this code.
     request.state.error_code = err.code or err.type
     return err.response(headers=headers)
+
+
+def engine_stopped() -> OpenAIError:
+    """The 503 of every request once the engine's step loop died. Not the engine's own error
+    text, which may name another request's data (the server's log has it)."""
+    return OpenAIError(
+        "the engine has stopped; the server is restarting", status_code=503, type="server_error"
+    )
+
+
+def request_failed(error: str | None) -> OpenAIError:
+    """A failure of one request alone (the engine served the others on), naming its cause."""
+    return OpenAIError(
+        f"the request failed: {error}", status_code=500, type="server_error", code="request_failed"
+    )

@@ -151,7 +151,12 @@ async def _send_error(
     body = json.dumps(
         {"error": {"message": message, "type": error_type, "param": None, "code": code}}
     ).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    # Connection: close, so a refused client cannot keep the socket by trickling the body.
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"connection", b"close"),
+    ]
     if status == 401:
         headers.append((b"www-authenticate", b"Bearer"))
     await send({"type": "http.response.start", "status": status, "headers": headers})

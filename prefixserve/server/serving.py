@@ -27,12 +27,17 @@ from starlette.background import BackgroundTask
 
 from prefixserve.async_engine import AsyncLLMEngine, EngineDeadError
 from prefixserve.outputs import CompletionOutput, Logprob, RequestOutput
-from prefixserve.request_stream import RequestStream
+from prefixserve.request_stream import RequestStream, StreamStalledError
 from prefixserve.sampling_params import SamplingParams
 from prefixserve.server import protocol as p
 from prefixserve.server.admission import Admission
 from prefixserve.server.auth import ApiKeys, derive_cache_salt
-from prefixserve.server.errors import OpenAIError, from_value_error
+from prefixserve.server.errors import (
+    OpenAIError,
+    engine_stopped,
+    from_value_error,
+    request_failed,
+)
 from prefixserve.server.metrics import RequestTimer, ServerMetrics
 
 T = TypeVar("T")
@@ -130,7 +135,7 @@ async def generate(
     except BaseException as exc:
         state.admission.release(ticket)
         if isinstance(exc, EngineDeadError):
-            raise _engine_dead(exc) from exc
+            raise engine_stopped() from exc
         raise
     if body.stream:
         chunks = state.admission.released_after(view.stream(stream), ticket)
@@ -145,20 +150,6 @@ async def generate(
         raw.state.error_code = "client_closed"
         return Response(status_code=499)
     return JSONResponse(final)
-
-
-def _engine_dead(exc: EngineDeadError) -> OpenAIError:
-    return OpenAIError(str(exc), status_code=503, type="server_error")
-
-
-def _request_failed(output: RequestOutput) -> OpenAIError:
-    """A failure of this request alone (the engine went on serving the others)."""
-    return OpenAIError(
-        f"the request failed: {output.error}",
-        status_code=500,
-        type="server_error",
-        code="request_failed",
-    )
 
 
 async def _unless_disconnected(raw: Request, work: Awaitable[T]) -> T | None:
@@ -319,9 +310,9 @@ class ResponseView(ABC):
                 self._observe(output)
                 final = output
         except EngineDeadError as exc:
-            raise _engine_dead(exc) from exc
+            raise engine_stopped() from exc
         if final is not None and final.error is not None:
-            raise _request_failed(final)
+            raise request_failed(final.error)
         if final is None or not final.finished:
             raise OpenAIError(
                 "the request was aborted before it finished", status_code=503, type="server_error"
@@ -338,8 +329,9 @@ class ResponseView(ABC):
                 yield _sse(chunk)
             async for output in stream:
                 if output.error is not None:
-                    yield _sse_error(_request_failed(output))
-                    break
+                    yield _sse_error(request_failed(output.error))
+                    yield "data: [DONE]\n\n"
+                    return
                 self._observe(output)
                 final = output
                 with_prompt_logprobs = output.prompt_logprobs is not None
@@ -356,8 +348,10 @@ class ResponseView(ABC):
                 self._finish(final)
             if options.include_usage:
                 yield _sse(self.usage_chunk(self.usage()))
-        except EngineDeadError as exc:
-            yield _sse_error(_engine_dead(exc))
+        except EngineDeadError:
+            yield _sse_error(engine_stopped())
+        except StreamStalledError:
+            return  # nobody has read this stream for the stall timeout: nothing more to send
         finally:
             stream.abort()
         yield "data: [DONE]\n\n"

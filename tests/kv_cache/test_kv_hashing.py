@@ -225,3 +225,12 @@ def test_cache_core_imports_no_torch_and_nothing_above_it():
                 assert name.split(".")[0] != "torch", f"{path.name} imports {name}"
                 if name.startswith("prefixserve"):
                     assert name.startswith(allowed), f"{path.name} imports {name}"
+
+
+def test_a_lone_surrogate_extra_key_hashes_instead_of_raising_and_stays_distinct():
+    a = hash_block_tokens("sha256", None, [1, 2, 3, 4], ("\ud800",))
+    b = hash_block_tokens("sha256", None, [1, 2, 3, 4], ("\ud801",))
+    assert a != b
+    assert hash_block_tokens("sha256", None, [1, 2, 3, 4], ("é",)) == hash_block_tokens(
+        "sha256", None, [1, 2, 3, 4], ("é",)
+    )

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 
+import httpx
 import pytest
 from asgi_helpers import ADMIN_KEY, MAX_MODEL_LEN, TENANT_KEY, call, keys, make_app
 
@@ -214,3 +215,10 @@ def test_request_errors_are_counted_by_status_and_code():
         'prefixserve_request_errors_total{code="insufficient_permissions",status="403"} 1.0',
     ):
         assert line in text
+
+
+def test_a_refused_request_closes_its_connection(server):
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        response = http.post("/v1/completions", json={"prompt": "hi"})
+        assert response.status_code == 401
+        assert response.headers["connection"] == "close"
