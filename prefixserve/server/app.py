@@ -84,7 +84,8 @@ def build_app(
 
     app.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)
 
-    # The request guard decides who may call each route (guard.OPERATOR_PATHS: operators only).
+    # The request guard decides who may call each route (guard.TENANT_PATHS: tenants; every
+    # other route but /health: operators only).
     router = app.router
 
     @router.get("/v1/models")

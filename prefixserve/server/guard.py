@@ -25,15 +25,23 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 PUBLIC_PATHS = frozenset({"/health"})
-OPERATOR_PATHS = frozenset(
-    {"/kv_events", "/reset_prefix_cache", "/metrics", "/docs", "/redoc", "/openapi.json"}
-)
 # Where the error handlers leave the OpenAI error code of the response (scope["state"]).
 ERROR_CODE_KEY = "error_code"
 
 
+# What a tenant key may call; every other path but the public ones takes an operator key (deny
+# by default: a route added later is operator-only until it is listed here).
+TENANT_PATHS = frozenset({"/v1/models", "/v1/completions", "/v1/chat/completions"})
+
+
 def _is_operator_path(path: str) -> bool:
-    return path in OPERATOR_PATHS or path.startswith("/docs/")
+    return path not in TENANT_PATHS
+
+
+def _route_path(scope: Scope) -> str:
+    """The path the router matches: without the app's root_path (a mounted or proxied app)."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    return path[len(root) :] or "/" if root and path.startswith(root) else path
 
 
 class RequestGuard:
@@ -57,6 +65,9 @@ class RequestGuard:
         self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket" and self.api_keys is not None:
+            await send({"type": "websocket.close", "code": 1008})  # no route takes a websocket
+            return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -73,7 +84,7 @@ class RequestGuard:
 
     def _authenticate(self, scope: Scope, state: dict[str, Any]) -> tuple[int, str, str] | None:
         state["tenant"] = None
-        path = scope.get("path", "")
+        path = _route_path(scope)
         if self.api_keys is None or path in PUBLIC_PATHS:
             return None
         token = parse_bearer(_header(scope, b"authorization"))

@@ -222,3 +222,17 @@ def test_a_refused_request_closes_its_connection(server):
         response = http.post("/v1/completions", json={"prompt": "hi"})
         assert response.status_code == 401
         assert response.headers["connection"] == "close"
+
+
+def test_a_route_not_listed_for_tenants_is_operator_only(server):
+    with server.http() as http:  # a tenant key
+        for path in ("/metrics/", "/no-such-route", "/docs/oauth2-redirect"):
+            assert http.get(path).status_code == 403, path
+
+
+def test_under_a_root_path_the_guard_checks_the_route_the_router_matches():
+    from prefixserve.server.guard import _route_path
+
+    assert _route_path({"path": "/api/metrics", "root_path": "/api"}) == "/metrics"
+    assert _route_path({"path": "/metrics", "root_path": ""}) == "/metrics"
+    assert _route_path({"path": "/api", "root_path": "/api"}) == "/"
