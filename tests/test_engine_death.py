@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 from helpers import random_tokens
@@ -124,6 +125,10 @@ def test_the_server_stops_with_status_1_when_the_engine_dies_unasked(llm_engine)
         return await asyncio.wait_for(aengine.wait_dead(), 60)
 
     error = asyncio.run(run())
+    # on_dead runs on the step thread after the waiters are woken: wait for it.
+    deadline = time.monotonic() + 60
+    while watch.error is None and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert watch.error is error and server.should_exit
 
 
