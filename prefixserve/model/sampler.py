@@ -309,16 +309,6 @@ def gather_logprobs(
     return out
 
 
-# What a logprob of -inf (a token with no probability) is reported as, vLLM's convention.
-MIN_LOGPROB = -9999.0
-
-
-def _finite(values: torch.Tensor) -> torch.Tensor:
-    if bool(values.isnan().any()):
-        raise ValueError("a logprob is NaN (the logits were not finite)")
-    return values.clamp(min=MIN_LOGPROB)
-
-
 def compute_prompt_logprobs(
     logits: torch.Tensor, target_ids: list[int], num_top: int
 ) -> list[PositionLogprobs]:
