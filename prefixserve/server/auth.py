@@ -48,6 +48,9 @@ class ApiKeys:
     def _new_digest(self, key: str, owner: str) -> bytes:
         if not key or any(c.isspace() for c in key):
             raise ValueError("an API key must be non-empty and contain no whitespace")
+        if not key.isascii():
+            # HTTP headers arrive as latin-1: a non-ASCII key could never match its header.
+            raise ValueError(f"an API key must be ASCII (the key of {owner!r} is not)")
         if not owner or any(c.isspace() for c in owner):
             raise ValueError(
                 f"a tenant name must be non-empty and contain no whitespace, got {owner!r}"

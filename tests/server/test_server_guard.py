@@ -236,3 +236,9 @@ def test_under_a_root_path_the_guard_checks_the_route_the_router_matches():
     assert _route_path({"path": "/api/metrics", "root_path": "/api"}) == "/metrics"
     assert _route_path({"path": "/metrics", "root_path": ""}) == "/metrics"
     assert _route_path({"path": "/api", "root_path": "/api"}) == "/"
+
+
+def test_a_non_ascii_key_is_refused_when_loaded_not_silently_unmatchable():
+    keys = ApiKeys()
+    with pytest.raises(ValueError, match="ASCII"):
+        keys.add("sk-clé", "alpha")
