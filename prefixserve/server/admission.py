@@ -41,7 +41,8 @@ class Admission:
 
     def admit(self, tenant: str | None, tokens: int) -> Ticket:
         if self.max_requests is not None and self.num_requests >= self.max_requests:
-            raise _busy(f"the server holds {self.num_requests} requests, its limit")
+            # No count: how many requests the others have in flight is not a tenant's business.
+            raise _busy("the server is at its limit of requests in flight")
         held = self.requests_of.get(tenant, 0)
         if self.max_requests_per_tenant is not None and held >= self.max_requests_per_tenant:
             raise _busy(f"you have {held} requests in flight, the limit per tenant")

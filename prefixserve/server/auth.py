@@ -94,18 +94,17 @@ class ApiKeys:
         keys = cls()
         if api_key is not None:
             keys.add(api_key, DEFAULT_TENANT)
-        if api_key_file is not None:
-            pairs = read_api_key_file(api_key_file)
+        for flag, path, add in (
+            ("--api-key-file", api_key_file, keys.add),
+            ("--admin-api-key-file", admin_api_key_file, keys.add_admin),
+        ):
+            if path is None:
+                continue
+            pairs = read_api_key_file(path)
             if not pairs:
-                raise ValueError(f"--api-key-file {str(api_key_file)!r} holds no keys")
-            for key, tenant in pairs:
-                keys.add(key, tenant)
-        if admin_api_key_file is not None:
-            pairs = read_api_key_file(admin_api_key_file)
-            if not pairs:
-                raise ValueError(f"--admin-api-key-file {str(admin_api_key_file)!r} holds no keys")
-            for key, name in pairs:
-                keys.add_admin(key, name)
+                raise ValueError(f"{flag} {str(path)!r} holds no keys")
+            for key, owner in pairs:
+                add(key, owner)
         return keys
 
 
