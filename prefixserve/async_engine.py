@@ -170,8 +170,11 @@ class AsyncLLMEngine:
         params: SamplingParams,
         cache_salt: str | None = None,
         prompt: str | None = None,
+        tenant: str | None = None,
     ) -> RequestStream:
-        """Validate and queue a request; the engine's ValueError (bad input) is raised here."""
+        """Validate and queue a request; the engine's ValueError (bad input) is raised here.
+
+        `tenant` is who the request is for (fair scheduling; see `LLMEngine.add_request`)."""
         loop = asyncio.get_running_loop()
         stream = OutputQueue(loop)
 
@@ -179,7 +182,12 @@ class AsyncLLMEngine:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             engine.add_request(
-                request_id, prompt_token_ids, params, cache_salt=cache_salt, prompt=prompt
+                request_id,
+                prompt_token_ids,
+                params,
+                cache_salt=cache_salt,
+                prompt=prompt,
+                tenant=tenant,
             )
             self._streams[request_id] = stream
 
@@ -198,9 +206,12 @@ class AsyncLLMEngine:
         params: SamplingParams,
         cache_salt: str | None = None,
         prompt: str | None = None,
+        tenant: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Add a request and yield its cumulative outputs until it finishes."""
-        stream = await self.add_request(request_id, prompt_token_ids, params, cache_salt, prompt)
+        stream = await self.add_request(
+            request_id, prompt_token_ids, params, cache_salt, prompt, tenant
+        )
         async for output in stream:
             yield output
 

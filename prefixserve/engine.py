@@ -117,8 +117,12 @@ class LLMEngine:
         params: SamplingParams,
         cache_salt: str | None = None,
         prompt: str | None = None,
+        tenant: str | None = None,
     ) -> None:
         """Queue one prompt for `params.n` samples.
+
+        `tenant` names who the request is for: the scheduler shares each step and the waiting
+        queue fairly between tenants (`fair_share.py`). It is not a cache key (`cache_salt` is).
 
         Raises ValueError (naming the field) for a duplicate request_id, an empty prompt, token
         ids outside the vocabulary, a prompt or max_tokens past max_model_len, or a request too
@@ -190,6 +194,7 @@ class LLMEngine:
                     block_hasher=self._block_hasher,
                     cache_salt=cache_salt,
                     max_tokens=max_tokens,
+                    tenant=tenant,
                 )
             )
         self.output_processor.add_prompt(request_id, prompt, prompt_token_ids, params, requests)

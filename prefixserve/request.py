@@ -58,6 +58,7 @@ class Request:
         "arrival_time",
         "lora_name",
         "cache_salt",
+        "tenant",
         "mm_features",
         "prompt_embeds",
         "all_token_ids",
@@ -86,6 +87,7 @@ class Request:
         mm_features: list[MultiModalFeature] | None = None,
         prompt_embeds: Any = None,
         max_tokens: int | None = None,
+        tenant: str | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("a request needs at least one prompt token")
@@ -96,6 +98,8 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.lora_name = lora_name
         self.cache_salt = cache_salt
+        # Who the request is for, for fair scheduling between tenants (None: the one user).
+        self.tenant = tenant
         self.mm_features = mm_features or []
         # Any object with len() and slicing whose slices have .tobytes() (e.g. a numpy array of
         # shape [num_prompt_tokens, hidden]); only its digest enters the block hashes.

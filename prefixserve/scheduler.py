@@ -6,19 +6,27 @@ with the second within a token budget. A prefix-cache hit simply starts a new re
 `num_computed_tokens > 0`; chunked prefill is a request that did not catch up in one step; decoding
 is a request one token behind.
 
-Order inside a step (vLLM v1):
-1. running requests, oldest first: each gets slots for its next tokens; when the pool is full the
-   most recently admitted running request is preempted (blocks freed tail first, keeping their
-   hashes; back to the front of the waiting queue with nothing computed) until the slots fit;
-2. waiting requests in arrival order, unless something was preempted this step: each is looked up
-   in the prefix cache, then gets slots for the rest of its prompt (or a chunk of it); the first
-   one that does not fit stops admission (first come, first served).
+Order inside a step (vLLM v1, with fair shares between tenants):
+1. running requests, oldest first: each gets slots for its next tokens, up to its tenant's share
+   of the step's token budget; when the pool is full the most recently admitted running request of
+   the tenant with the most running requests is preempted (blocks freed tail first, keeping their
+   hashes; back to the front of its tenant's waiting queue with nothing computed) until the slots
+   fit;
+2. waiting requests, tenants in turn and each tenant's in arrival order (`fair_share.WaitingQueue`),
+   unless something was preempted this step: each is looked up in the prefix cache, then gets slots
+   for the rest of its prompt (or a chunk of it, within its tenant's share; once every tenant with
+   waiting requests has used its share, the budget left goes to whoever is next); the first one
+   that does not fit stops admission.
+
+Shares (`fair_share.water_fill`) only apply when more than one tenant has work; with one tenant
+(the offline API, a server without keys) the step is planned exactly as vLLM's FCFS scheduler
+plans it.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -29,6 +37,7 @@ from prefixserve.batch import (
     SchedulerOutput,
 )
 from prefixserve.config import SchedulerConfig
+from prefixserve.fair_share import WaitingQueue, water_fill
 from prefixserve.request import Request, RequestStatus
 
 if TYPE_CHECKING:
@@ -79,7 +88,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue()
         self.running: list[Request] = []
         # Finished, aborted or preempted since the last schedule(): the runner drops their state.
         self.finished_req_ids: set[str] = set()
@@ -138,7 +147,7 @@ class Scheduler:
         (update_from_output does, once the tokens are computed)."""
         mgr = self.kv_cache_manager
         token_budget = self.config.max_num_batched_tokens
-        threshold = self.config.long_prefill_token_threshold
+        shares = self._tenant_shares(token_budget)
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
 
@@ -146,42 +155,52 @@ class Scheduler:
         req_index = 0
         while req_index < len(self.running) and token_budget > 0:
             request = self.running[req_index]
-            num_new_tokens = request.num_tokens - request.num_computed_tokens
-            if 0 < threshold < num_new_tokens:
-                num_new_tokens = threshold
-            num_new_tokens = min(num_new_tokens, token_budget)
+            num_new_tokens = min(self._chunk(request), token_budget)
+            if shares is not None:
+                num_new_tokens = min(num_new_tokens, shares[request.tenant])
+                if num_new_tokens == 0:
+                    req_index += 1  # its tenant's share is spent: it waits for the next step
+                    continue
             assert num_new_tokens > 0, request
 
             while True:
                 new_blocks = mgr.allocate_slots(request, num_new_tokens)
                 if new_blocks is not None:
                     break
-                # Preempt the most recently admitted request (possibly this one).
-                victim = self.running.pop()
+                victim = self._preemption_victim(req_index)
+                self.running.remove(victim)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
                     break
             if new_blocks is None:
-                break  # this request preempted itself: no one after it is left running
+                continue  # this request preempted itself; the next one now sits at req_index
 
             scheduled.append(self._scheduled(request, num_new_tokens))
             token_budget -= num_new_tokens
+            if shares is not None:
+                shares[request.tenant] -= num_new_tokens
             req_index += 1
 
-        # 2. Waiting requests in arrival order (preempted ones sit at the front).
+        # 2. Waiting requests, tenants in turn (preempted ones sit at the front).
         if not preempted:
             while self.waiting and token_budget > 0:
                 if len(self.running) >= self.config.max_num_seqs:
                     break
-                request = self.waiting[0]
+                request = self.waiting.peek(shares)
+                if request is None:
+                    shares = None  # every share is spent: the rest goes to whoever is next
+                    continue
                 assert request.num_computed_tokens == 0, request
                 computed_blocks, num_computed = mgr.get_computed_blocks(request)
                 num_new_tokens = request.num_tokens - num_computed
                 assert num_new_tokens > 0, (request, num_computed)
+                threshold = self.config.long_prefill_token_threshold
                 if 0 < threshold < num_new_tokens:
                     num_new_tokens = threshold
                 num_new_tokens = min(num_new_tokens, token_budget)
+                if shares is not None:
+                    num_new_tokens = min(num_new_tokens, shares[request.tenant])
                 new_blocks = mgr.allocate_slots(
                     request,
                     num_new_tokens,
@@ -191,7 +210,7 @@ class Scheduler:
                 if new_blocks is None:
                     break  # stays waiting; nobody behind it jumps the queue
 
-                self.waiting.popleft()
+                self.waiting.pop(request)
                 self.running.append(request)
                 first_scheduling = request.num_cached_tokens < 0
                 if first_scheduling:
@@ -201,10 +220,51 @@ class Scheduler:
                 request.num_computed_tokens = num_computed
                 scheduled.append(self._scheduled(request, num_new_tokens))
                 token_budget -= num_new_tokens
+                if shares is not None:
+                    shares[request.tenant] -= num_new_tokens
 
         output = SchedulerOutput(scheduled=scheduled, finished_req_ids=self.finished_req_ids)
         self.finished_req_ids = set()
         return output
+
+    def _chunk(self, request: Request) -> int:
+        """The tokens `request` would compute this step with the whole budget to itself."""
+        num_new_tokens = request.num_tokens - request.num_computed_tokens
+        threshold = self.config.long_prefill_token_threshold
+        return threshold if 0 < threshold < num_new_tokens else num_new_tokens
+
+    def _tenant_shares(self, budget: int) -> dict[Hashable, int] | None:
+        """Each tenant's share of this step's tokens, or None when at most one tenant has work.
+
+        A tenant's demand is what its running requests would compute plus, while there is room
+        for more running requests, the prompts at the head of its waiting queue (counted without
+        their cache hits, which are not looked up before admission: a tenant whose hit makes it
+        need less leaves its share to the budget's final round).
+        """
+        demands: Counter[Hashable] = Counter()
+        for request in self.running:
+            demands[request.tenant] += self._chunk(request)
+        free_seqs = self.config.max_num_seqs - len(self.running)
+        if free_seqs > 0:
+            for tenant in self.waiting.tenants():
+                if demands[tenant] >= budget:
+                    continue
+                for request in self.waiting.requests_of(tenant, free_seqs):
+                    demands[tenant] += self._chunk(request)
+                    if demands[tenant] >= budget:
+                        break
+        if len(demands) <= 1:
+            return None
+        return water_fill(demands, budget)
+
+    def _preemption_victim(self, first: int) -> Request:
+        """The request to preempt when `running[first]` finds no free blocks: the most recently
+        admitted of those not yet scheduled this step, from the tenant with the most running
+        requests (with one tenant: the newest running request, as vLLM does)."""
+        candidates = self.running[first:]
+        counts = Counter(request.tenant for request in self.running)
+        tenant = max((r.tenant for r in reversed(candidates)), key=lambda t: counts[t])
+        return next(r for r in reversed(candidates) if r.tenant == tenant)
 
     def stuck_request(self) -> Request | None:
         """The head of the waiting queue when nothing runs: after a step that scheduled nothing,

@@ -430,6 +430,7 @@ _token = st.integers(10, 14)  # a small alphabet so prompts share blocks often
             st.lists(_token, min_size=1, max_size=9),
             st.integers(1, 8),
             st.integers(0, 6),
+            st.sampled_from([None, "a", "b"]),
         ),
         min_size=1,
         max_size=6,
@@ -443,9 +444,9 @@ _token = st.integers(10, 14)  # a small alphabet so prompts share blocks often
 def test_any_schedule_gives_each_request_the_tokens_it_gets_alone(
     prefixes, suffixes, num_blocks, budget, threshold, max_num_seqs, enable_caching
 ):
-    prompts = [prefixes[p % len(prefixes)] + suffix for p, suffix, _, _ in suffixes]
-    max_tokens = [n for _, _, n, _ in suffixes]
-    arrival_step = [a for _, _, _, a in suffixes]
+    prompts = [prefixes[p % len(prefixes)] + suffix for p, suffix, _, _, _ in suffixes]
+    max_tokens = [n for _, _, n, _, _ in suffixes]
+    arrival_step = [a for _, _, _, a, _ in suffixes]
     longest = max(len(p) + n for p, n in zip(prompts, max_tokens, strict=True))
     num_blocks = max(num_blocks, -(-longest // BLOCK))
     sched, runner = make_scheduler(num_blocks, max_num_seqs, budget, threshold, enable_caching)
@@ -453,6 +454,8 @@ def test_any_schedule_gives_each_request_the_tokens_it_gets_alone(
         make_request(f"r{i}", p, n)
         for i, (p, n) in enumerate(zip(prompts, max_tokens, strict=True))
     ]
+    for request, (_, _, _, _, tenant) in zip(requests, suffixes, strict=True):
+        request.tenant = tenant  # fair shares between tenants change the plan, never the tokens
     for step_index in range(2000):
         for req, arrival in zip(requests, arrival_step, strict=True):
             if arrival == step_index:

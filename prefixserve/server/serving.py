@@ -127,7 +127,12 @@ async def generate(
     ticket = state.admission.admit(raw.state.tenant, params.n * (len(prompt_ids) + max_tokens))
     try:
         stream = await state.engine.add_request(
-            view.request_id, prompt_ids, params, cache_salt=cache_salt, prompt=prompt_text
+            view.request_id,
+            prompt_ids,
+            params,
+            cache_salt=cache_salt,
+            prompt=prompt_text,
+            tenant=raw.state.tenant,
         )
     except ValueError as exc:
         state.admission.release(ticket)

@@ -1,0 +1,143 @@
+"""Fair shares between tenants: the waiting queue in per-tenant rounds, and each step's token split.
+
+A tenant is whatever the caller says it is (the server passes the authenticated key's name; the
+offline API passes nothing, so everyone is the one tenant None). With a single tenant both
+structures reduce to what the scheduler did before they existed: one FIFO queue, no caps.
+
+- `WaitingQueue` keeps one FIFO per tenant and offers the tenants' heads in turn (round robin): a
+  tenant that queued a thousand requests gets every other admission while a second tenant has work,
+  instead of making it wait behind all thousand. A preempted request goes back to the front of its
+  tenant's queue, and its tenant to the front of the turn order, so it resumes first, as before.
+- `water_fill` splits a step's token budget: each tenant gets what it asks for up to an equal
+  share, and what the small ones leave is shared by the others (max-min fairness). A tenant's long
+  prefill chunk can then no longer push another tenant's decode out of a step.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict, deque
+from collections.abc import Hashable, Iterator, Mapping
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from prefixserve.request import Request
+
+
+class WaitingQueue:
+    """Requests waiting to be admitted, one FIFO per tenant, tenants taken in turn.
+
+    `peek()` is the request admission should try next; `pop(request)` takes that request out and
+    sends its tenant to the back of the turn order. Iteration lists tenants in turn order and each
+    tenant's requests in arrival order (with one tenant: plain FIFO order).
+    """
+
+    __slots__ = ("_queues", "_len")
+
+    def __init__(self) -> None:
+        # Insertion order of the dict is the turn order.
+        self._queues: OrderedDict[Hashable, deque[Request]] = OrderedDict()
+        self._len = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __bool__(self) -> bool:
+        return self._len > 0
+
+    def __iter__(self) -> Iterator[Request]:
+        for queue in self._queues.values():
+            yield from queue
+
+    def __getitem__(self, index: int) -> Request:
+        """The index-th request in iteration order (0: the one admission tries next)."""
+        if index < 0:
+            index += self._len
+        if not 0 <= index < self._len:
+            raise IndexError("waiting queue index out of range")
+        for queue in self._queues.values():
+            if index < len(queue):
+                return queue[index]
+            index -= len(queue)
+        raise AssertionError("unreachable: lengths disagree")
+
+    def tenants(self) -> list[Hashable]:
+        """Tenants with waiting requests, in turn order."""
+        return list(self._queues)
+
+    def requests_of(self, tenant: Hashable, limit: int) -> Iterator[Request]:
+        """The first `limit` waiting requests of `tenant`, in arrival order."""
+        return itertools.islice(self._queues.get(tenant, ()), limit)
+
+    def append(self, request: Request) -> None:
+        """A new arrival: the back of its tenant's queue (a new tenant's turn comes last)."""
+        queue = self._queues.get(request.tenant)
+        if queue is None:
+            queue = self._queues[request.tenant] = deque()
+        queue.append(request)
+        self._len += 1
+
+    def appendleft(self, request: Request) -> None:
+        """A preempted request: the front of its tenant's queue, and its tenant's turn is next."""
+        queue = self._queues.get(request.tenant)
+        if queue is None:
+            queue = self._queues[request.tenant] = deque()
+        queue.appendleft(request)
+        self._queues.move_to_end(request.tenant, last=False)
+        self._len += 1
+
+    def peek(self, shares: Mapping[Hashable, int] | None = None) -> Request | None:
+        """The head of the first tenant in turn order (with `shares`: the first whose share is
+        not spent), or None."""
+        for tenant, queue in self._queues.items():
+            if shares is None or shares.get(tenant, 0) > 0:
+                return queue[0]
+        return None
+
+    def pop(self, request: Request) -> None:
+        """Take out `request`, the head of its tenant's queue; the tenant's next turn comes last."""
+        queue = self._queues[request.tenant]
+        assert queue[0] is request, (queue[0], request)
+        queue.popleft()
+        self._len -= 1
+        if queue:
+            self._queues.move_to_end(request.tenant)
+        else:
+            del self._queues[request.tenant]
+
+    def remove(self, request: Request) -> None:
+        """Take out any waiting request (an abort). Raises ValueError when it is not here."""
+        queue = self._queues.get(request.tenant)
+        if queue is None:
+            raise ValueError(f"{request!r} is not waiting")
+        queue.remove(request)
+        self._len -= 1
+        if not queue:
+            del self._queues[request.tenant]
+
+
+def water_fill(demands: Mapping[Hashable, int], budget: int) -> dict[Hashable, int]:
+    """Max-min fair split of `budget` tokens: every tenant gets min(its demand, a common level).
+
+    The level is the largest that fits the budget, so tenants asking less than an equal share get
+    all they ask and the rest share what is left equally (integer shares; the remainder of an
+    uneven split goes one token each to the tenants first in `demands`' order). The shares sum to
+    min(budget, sum of demands).
+    """
+    shares = {tenant: 0 for tenant in demands}
+    pending = sorted((d, i, t) for i, (t, d) in enumerate(demands.items()) if d > 0)
+    left = budget
+    while pending and left > 0:
+        level, extra = divmod(left, len(pending))
+        smallest = pending[0][0]
+        if smallest <= level:
+            # Everyone asking at most the equal share is served in full; re-level the rest.
+            while pending and pending[0][0] <= level:
+                demand, _, tenant = pending.pop(0)
+                shares[tenant] = demand
+                left -= demand
+            continue
+        for position, (_, _, tenant) in enumerate(sorted(pending, key=lambda p: p[1])):
+            shares[tenant] = level + (1 if position < extra else 0)
+        left = 0
+    return shares

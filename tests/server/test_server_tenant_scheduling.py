@@ -1,0 +1,45 @@
+"""The server tells the engine which tenant each request is for, so the scheduler can share steps
+and the waiting queue fairly (the rules themselves are pinned in tests/test_fair_share.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefixserve.server.app import build_app
+from prefixserve.server.auth import ApiKeys
+from tests.server.asgi_helpers import FakeEngine, call
+
+
+class RecordingEngine(FakeEngine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tenants: list[Any] = []
+
+    async def add_request(self, request_id: str, prompt_ids: list[int], params: Any, **kw: Any):
+        self.tenants.append(kw.get("tenant"))
+        return await super().add_request(request_id, prompt_ids, params, **kw)
+
+
+def test_each_request_reaches_the_engine_with_its_keys_tenant():
+    keys = ApiKeys()
+    keys.add("sk-a", "alice")
+    keys.add("sk-b", "bob")
+    engine = RecordingEngine()
+    app = build_app(engine, ["m"], api_keys=keys)  # type: ignore[arg-type]
+    for key in ("sk-a", "sk-b"):
+        call(app, "POST", "/v1/completions", key=key, body={"model": "m", "prompt": "hi"})
+    call(
+        app,
+        "POST",
+        "/v1/chat/completions",
+        key="sk-a",
+        body={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+    )
+    assert engine.tenants == ["alice", "bob", "alice"]
+
+
+def test_without_keys_every_request_is_the_one_tenant():
+    engine = RecordingEngine()
+    app = build_app(engine, ["m"])  # type: ignore[arg-type]
+    call(app, "POST", "/v1/completions", body={"model": "m", "prompt": "hi"})
+    assert engine.tenants == [None]
