@@ -12,7 +12,7 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 
-from prefixserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from prefixserve.config import SCHEDULING_POLICIES, CacheConfig, EngineConfig, SchedulerConfig
 from prefixserve.dtypes import SUPPORTED_DTYPES
 from prefixserve.kv_cache.hashing import HASH_ALGOS
 from prefixserve.server.options import (
@@ -220,6 +220,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="Cap on one request's prefill chunk per step, so long prompts do not stall the "
         "others (0: no cap).",
     )
+    sched.add_argument(
+        "--scheduling-policy",
+        choices=SCHEDULING_POLICIES,
+        default="fair",
+        help="fair (default): tenants (API keys) take turns in the waiting queue, share each "
+        "step's token budget max-min fairly, and preemption takes from the tenant with the most "
+        "running requests; fcfs: first come, first served over all tenants (vLLM's default). "
+        "Without keys both plan the same steps.",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -241,6 +250,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             long_prefill_token_threshold=args.long_prefill_token_threshold,
+            scheduling_policy=args.scheduling_policy,
         ),
     )
 
@@ -273,7 +283,8 @@ def describe_engine(engine: object, config: EngineConfig, served_names: list[str
         + (f" (hash {cache.prefix_caching_hash_algo})" if cache.enable_prefix_caching else "")
         + f", KV events {'on' if cache.enable_kv_events else 'off'}",
         f"scheduler: max_num_seqs {config.scheduler.max_num_seqs}, "
-        f"max_num_batched_tokens {config.scheduler.max_num_batched_tokens}",
+        f"max_num_batched_tokens {config.scheduler.max_num_batched_tokens}, "
+        f"policy {config.scheduler.scheduling_policy}",
     ]
     return lines
 

@@ -69,6 +69,9 @@ class CacheConfig:
                 raise _invalid(name, getattr(self, name), "True or False")
 
 
+SCHEDULING_POLICIES = ("fair", "fcfs")
+
+
 @dataclass(slots=True)
 class SchedulerConfig:
     """Per-step budgets of the scheduler.
@@ -76,11 +79,15 @@ class SchedulerConfig:
     `max_num_batched_tokens` bounds the tokens computed in one step (prefill chunks plus decode
     tokens); `max_num_seqs` bounds the running requests; `long_prefill_token_threshold` (0 = off)
     caps the chunk one request gets in a step so long prompts do not starve the others.
+    `scheduling_policy` "fair" shares steps, the waiting queue and preemptions between tenants
+    (`fair_share.py`); "fcfs" is vLLM's first come, first served over all tenants together. With
+    one tenant the two plan the same steps.
     """
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 4096
     long_prefill_token_threshold: int = 0
+    scheduling_policy: str = "fair"
 
     def __post_init__(self) -> None:
         _check_positive_int("max_num_seqs", self.max_num_seqs)
@@ -94,6 +101,10 @@ class SchedulerConfig:
                 "long_prefill_token_threshold",
                 self.long_prefill_token_threshold,
                 "an integer >= 0 (0 disables it)",
+            )
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise _invalid(
+                "scheduling_policy", self.scheduling_policy, f"one of {SCHEDULING_POLICIES}"
             )
 
 

@@ -32,12 +32,17 @@ class WaitingQueue:
     tenant's requests in arrival order (with one tenant: plain FIFO order).
     """
 
-    __slots__ = ("_queues", "_len")
+    __slots__ = ("_queues", "_len", "_per_tenant")
 
-    def __init__(self) -> None:
+    def __init__(self, per_tenant: bool = True) -> None:
         # Insertion order of the dict is the turn order.
         self._queues: OrderedDict[Hashable, deque[Request]] = OrderedDict()
         self._len = 0
+        # False: one FIFO for everyone (first come, first served over all tenants).
+        self._per_tenant = per_tenant
+
+    def _key(self, request: Request) -> Hashable:
+        return request.tenant if self._per_tenant else None
 
     def __len__(self) -> int:
         return self._len
@@ -71,19 +76,13 @@ class WaitingQueue:
 
     def append(self, request: Request) -> None:
         """A new arrival: the back of its tenant's queue (a new tenant's turn comes last)."""
-        queue = self._queues.get(request.tenant)
-        if queue is None:
-            queue = self._queues[request.tenant] = deque()
-        queue.append(request)
+        self._queue_of(request).append(request)
         self._len += 1
 
     def appendleft(self, request: Request) -> None:
         """A preempted request: the front of its tenant's queue, and its tenant's turn is next."""
-        queue = self._queues.get(request.tenant)
-        if queue is None:
-            queue = self._queues[request.tenant] = deque()
-        queue.appendleft(request)
-        self._queues.move_to_end(request.tenant, last=False)
+        self._queue_of(request).appendleft(request)
+        self._queues.move_to_end(self._key(request), last=False)
         self._len += 1
 
     def peek(self, shares: Mapping[Hashable, int] | None = None) -> Request | None:
@@ -96,24 +95,33 @@ class WaitingQueue:
 
     def pop(self, request: Request) -> None:
         """Take out `request`, the head of its tenant's queue; the tenant's next turn comes last."""
-        queue = self._queues[request.tenant]
+        key = self._key(request)
+        queue = self._queues[key]
         assert queue[0] is request, (queue[0], request)
         queue.popleft()
         self._len -= 1
         if queue:
-            self._queues.move_to_end(request.tenant)
+            self._queues.move_to_end(key)
         else:
-            del self._queues[request.tenant]
+            del self._queues[key]
 
     def remove(self, request: Request) -> None:
         """Take out any waiting request (an abort). Raises ValueError when it is not here."""
-        queue = self._queues.get(request.tenant)
+        key = self._key(request)
+        queue = self._queues.get(key)
         if queue is None:
             raise ValueError(f"{request!r} is not waiting")
         queue.remove(request)
         self._len -= 1
         if not queue:
-            del self._queues[request.tenant]
+            del self._queues[key]
+
+    def _queue_of(self, request: Request) -> deque[Request]:
+        key = self._key(request)
+        queue = self._queues.get(key)
+        if queue is None:
+            queue = self._queues[key] = deque()
+        return queue
 
 
 def water_fill(demands: Mapping[Hashable, int], budget: int) -> dict[Hashable, int]:

@@ -88,7 +88,8 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.requests: dict[str, Request] = {}
-        self.waiting = WaitingQueue()
+        self.fair = config.scheduling_policy == "fair"
+        self.waiting = WaitingQueue(per_tenant=self.fair)
         self.running: list[Request] = []
         # Finished, aborted or preempted since the last schedule(): the runner drops their state.
         self.finished_req_ids: set[str] = set()
@@ -147,7 +148,7 @@ class Scheduler:
         (update_from_output does, once the tokens are computed)."""
         mgr = self.kv_cache_manager
         token_budget = self.config.max_num_batched_tokens
-        shares = self._tenant_shares(token_budget)
+        shares = self._tenant_shares(token_budget) if self.fair else None
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
 
@@ -262,6 +263,8 @@ class Scheduler:
         admitted of those not yet scheduled this step, from the tenant with the most running
         requests (with one tenant: the newest running request, as vLLM does)."""
         candidates = self.running[first:]
+        if not self.fair:
+            return candidates[-1]
         counts = Counter(request.tenant for request in self.running)
         tenant = max((r.tenant for r in reversed(candidates)), key=lambda t: counts[t])
         return next(r for r in reversed(candidates) if r.tenant == tenant)

@@ -187,3 +187,20 @@ def test_preemption_takes_from_the_tenant_with_the_most_running_requests():
     assert a1.num_preemptions + a0.num_preemptions == 1
     run_to_completion(sched, runner)
     assert_no_leak(sched)
+
+
+def test_fcfs_policy_admits_in_arrival_order_over_all_tenants():
+    sched, runner = make_scheduler(max_num_seqs=2, scheduling_policy="fcfs")
+    for i in range(6):
+        sched.add_request(_req(f"a{i}", "a"))
+    sched.add_request(_req("b0", "b"))
+    assert set(scheduled_tokens(step(sched, runner))) == {"a0", "a1"}
+    run_to_completion(sched, runner)
+    assert_no_leak(sched)
+
+
+def test_fcfs_policy_splits_no_budget_between_tenants():
+    sched, runner = make_scheduler(max_num_batched_tokens=16, scheduling_policy="fcfs")
+    sched.add_request(_req("a-long", "a", prompt_len=200, max_tokens=2))
+    sched.add_request(_req("b0", "b", prompt_len=4, max_tokens=20))
+    assert scheduled_tokens(step(sched, runner)) == {"a-long": 16}

@@ -90,6 +90,8 @@ def test_flags_build_the_engine_config():
             "--dtype",
             "float32",
             "--kv-events",
+            "--scheduling-policy",
+            "fcfs",
         ]
     )
     config = cli.engine_config_from_args(args)
@@ -104,6 +106,7 @@ def test_flags_build_the_engine_config():
     assert config.cache.enable_kv_events is True
     assert config.scheduler.max_num_seqs == 8
     assert config.scheduler.max_num_batched_tokens == 512
+    assert config.scheduler.scheduling_policy == "fcfs"
 
 
 def test_defaults_are_the_default_model_with_prefix_caching_on():
@@ -111,6 +114,7 @@ def test_defaults_are_the_default_model_with_prefix_caching_on():
     config = cli.engine_config_from_args(args)
     assert config.model is None
     assert config.cache.enable_prefix_caching is True
+    assert config.scheduler.scheduling_policy == "fair"
     assert args.host == "127.0.0.1" and args.port == 8000
     assert cli.default_served_name(None) == "SmolLM2-135M-Instruct"
 
@@ -122,6 +126,7 @@ def test_defaults_are_the_default_model_with_prefix_caching_on():
         ["serve", "--prefix-caching-hash-algo", "md5"],
         ["serve", "--num-kv-blocks", "10", "--kv-cache-memory-gb", "1"],
         ["serve", "--port", "eighty"],
+        ["serve", "--scheduling-policy", "lifo"],
     ],
 )
 def test_argparse_rejects_bad_flags(argv, capsys):
