@@ -186,13 +186,20 @@ def generate_block_extra_keys(
 # ---------------------------------------------------------------------------- request hasher
 
 
+def none_hash_from_secret(secret: bytes, hash_fn: str | HashFn = "sha256") -> BlockHash:
+    """A NONE_HASH derived from a secret (a persistent KV store's seed): stable across the
+    processes that share the secret, unguessable to everyone else."""
+    return _resolve(hash_fn)(b"prefixserve-store-none-hash:" + secret)
+
+
 def get_request_block_hasher(
-    block_size: int, hash_fn: str | HashFn = "sha256"
+    block_size: int, hash_fn: str | HashFn = "sha256", none_hash: BlockHash | None = None
 ) -> Callable[[Request], list[BlockHash]]:
     """Return the incremental hasher a Request calls on creation and after each append.
 
     Each call returns the hashes of the blocks that became full since `request.block_hashes` was
-    last extended (the request appends them). Partial trailing blocks are never hashed.
+    last extended (the request appends them). Partial trailing blocks are never hashed. The first
+    block's parent is `none_hash`, or the process's NONE_HASH (read at each call) when None.
     """
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
@@ -212,7 +219,10 @@ def get_request_block_hasher(
             return []
         start = start_block * block_size
         raw = _pack_tokens(tokens[start : end_block * block_size])
-        parent = hashes[-1] if start_block else NONE_HASH
+        if start_block:
+            parent = hashes[-1]
+        else:
+            parent = NONE_HASH if none_hash is None else none_hash
         if (
             request.lora_name is None
             and not request.mm_features

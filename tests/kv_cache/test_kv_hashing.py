@@ -24,7 +24,8 @@ from prefixserve.kv_cache.hashing import (
     hash_block_tokens,
     init_none_hash,
 )
-from prefixserve.request import MultiModalFeature
+from prefixserve.request import MultiModalFeature, Request
+from prefixserve.sampling_params import SamplingParams
 
 
 @pytest.fixture
@@ -103,6 +104,17 @@ def test_serialization_is_canonical_bytes_not_pickle():
 def test_first_block_parent_is_none_hash():
     request = make_request("r", [1, 2, 3, 4])
     assert request.block_hashes == [hash_block_tokens("sha256", hashing.NONE_HASH, [1, 2, 3, 4])]
+
+
+def test_a_stores_secret_seeds_the_first_block_instead_of_the_process_none_hash():
+    secret_a, secret_b = b"a" * 32, b"b" * 32
+    seed_a = hashing.none_hash_from_secret(secret_a)
+    assert seed_a == hashing.none_hash_from_secret(secret_a) != hashing.NONE_HASH
+    assert seed_a != hashing.none_hash_from_secret(secret_b)
+    hasher = get_request_block_hasher(4, "sha256", none_hash=seed_a)
+    request = Request("r", [1, 2, 3, 4, 5, 6, 7, 8], SamplingParams(), block_hasher=hasher)
+    first = hash_block_tokens("sha256", seed_a, [1, 2, 3, 4])
+    assert request.block_hashes == [first, hash_block_tokens("sha256", first, [5, 6, 7, 8])]
 
 
 def test_hash_chains_parent_hash():
