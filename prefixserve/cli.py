@@ -18,6 +18,7 @@ from prefixserve.kv_cache.hashing import HASH_ALGOS
 from prefixserve.server.options import (
     add_server_limit_arguments,
     admission_from_args,
+    app_limits,
     check_limit_arguments,
     uvicorn_limits,
 )
@@ -91,7 +92,7 @@ def serve_command(parser: argparse.ArgumentParser) -> Runner:
         default=None,
         metavar="NAME",
         help="Model name(s) clients use in the `model` field; the first is reported in "
-        "responses. Default: the MODEL argument, or the default model's name.",
+        "responses. Default: MODEL's last path part, or the default model's name.",
     )
     server.add_argument(
         "--api-key",
@@ -260,7 +261,7 @@ def default_served_name(model: str | None) -> str:
         from prefixserve.model.default_model import DEFAULT_MODEL_NAME
 
         return DEFAULT_MODEL_NAME
-    return model
+    return model.rstrip("/").rsplit("/", 1)[-1] or model
 
 
 def describe_engine(engine: object, config: EngineConfig, served_names: list[str]) -> list[str]:
@@ -353,8 +354,7 @@ def run_serve(args: argparse.Namespace) -> int:
         engine,
         served_names,
         api_keys=api_keys,
-        model_root=args.model,
-        max_request_body_bytes=args.max_request_body_bytes,
+        **app_limits(args),
         admission=admission_from_args(
             args, config.scheduler.max_num_seqs, engine.num_kv_blocks * config.cache.block_size
         ),

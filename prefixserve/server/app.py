@@ -23,7 +23,13 @@ from prefixserve.server import serving_chat, serving_completion
 from prefixserve.server.admission import Admission
 from prefixserve.server.auth import ApiKeys
 from prefixserve.server.errors import OpenAIError, install_error_handlers
-from prefixserve.server.guard import RequestGuard
+from prefixserve.server.guard import (
+    BODIES_IN_FLIGHT,
+    DEFAULT_TIMEOUT_REQUEST_BODY_S,
+    BodyRefused,
+    RequestGuard,
+    render_refusal,
+)
 from prefixserve.server.serving import ServerState
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 << 20
@@ -41,38 +47,50 @@ def build_app(
     engine: AsyncLLMEngine,
     served_model_names: list[str],
     api_keys: ApiKeys | None = None,
-    model_root: str | None = None,
     max_request_body_bytes: int | None = None,
     admission: Admission | None = None,
+    timeout_request_body_s: float | None = DEFAULT_TIMEOUT_REQUEST_BODY_S,
+    max_body_bytes_in_flight: int | None = None,
 ) -> FastAPI:
     """The FastAPI app. The caller starts and stops `engine` (see cli.py).
 
     With `api_keys`, the operator routes (/kv_events, /reset_prefix_cache, /metrics and the API
     docs) take an operator key only and the others a tenant key only (guard.py); without, every
     route is open to the one trusted user. `max_request_body_bytes` defaults to
-    `default_max_request_body_bytes(engine.max_model_len)`; `admission` bounds the requests in
-    flight (admission.py; default: no bound)."""
+    `default_max_request_body_bytes(engine.max_model_len)`; `max_body_bytes_in_flight` (bodies
+    of all requests together) to `BODIES_IN_FLIGHT` times that, 0 for no bound;
+    `timeout_request_body_s` bounds the time a body may take to arrive (None: no bound);
+    `admission` bounds the requests in flight (admission.py; default: no bound). /v1/models
+    names the served model names only, never the weights' path."""
     if not served_model_names:
         raise ValueError("served_model_names must name at least one model")
     state = ServerState(
         engine=engine,
         served_model_names=list(served_model_names),
         api_keys=api_keys,
-        model_root=model_root,
         admission=admission or Admission(),
     )
     app = FastAPI(title="prefixserve", summary="OpenAI-compatible LLM server with prefix caching")
     app.state.server = state
     install_error_handlers(app)
+    app.add_exception_handler(BodyRefused, render_refusal)
     if max_request_body_bytes is None:
         max_request_body_bytes = default_max_request_body_bytes(engine.max_model_len)
     if max_request_body_bytes < 1:
         raise ValueError(f"max_request_body_bytes must be >= 1, got {max_request_body_bytes}")
+    if max_body_bytes_in_flight is None:
+        max_body_bytes_in_flight = BODIES_IN_FLIGHT * max_request_body_bytes
+    if max_body_bytes_in_flight < 0:
+        raise ValueError(f"max_body_bytes_in_flight must be >= 0, got {max_body_bytes_in_flight}")
+    if timeout_request_body_s is not None and not 0 < timeout_request_body_s < float("inf"):
+        raise ValueError(f"timeout_request_body_s must be > 0, got {timeout_request_body_s}")
     app.add_middleware(
         RequestGuard,
         api_keys=api_keys,
         max_body_bytes=max_request_body_bytes,
         metrics=state.metrics,
+        timeout_request_body_s=timeout_request_body_s,
+        max_body_bytes_in_flight=max_body_bytes_in_flight or None,
     )
 
     @app.get("/health")
@@ -92,9 +110,8 @@ def build_app(
     async def list_models() -> p.ModelList:
         return p.ModelList(
             data=[
-                p.ModelCard(
-                    id=name, root=state.model_root or name, max_model_len=engine.max_model_len
-                )
+                # `root` is the served name: the weights' path (--model) is the server's business.
+                p.ModelCard(id=name, root=name, max_model_len=engine.max_model_len)
                 for name in state.served_model_names
             ]
         )

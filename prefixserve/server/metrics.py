@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -100,6 +100,12 @@ class ServerMetrics:
             PREFIX + "request_errors",
             "Responses with a 4xx/5xx status, by status and OpenAI error code",
             ["status", "code"],
+            registry=self.registry,
+        )
+        self.body_bytes_in_flight = Gauge(
+            PREFIX + "request_body_bytes_in_flight",
+            "Bytes of request bodies held by requests still being served (the request guard's "
+            "count against --max-body-bytes-in-flight)",
             registry=self.registry,
         )
         self.cached_prompt_tokens = Counter(

@@ -1,10 +1,11 @@
 """The server's limit flags of `prefixserve serve`, and what they become in uvicorn's Config.
 
-Every bound a client can push against is a flag with a default: the request body size (checked
-by guard.py before the body is parsed), the idle keep-alive time, the number of connections
+Every bound a client can push against is a flag with a default: the request body size and the
+bytes of bodies in flight across connections (checked by guard.py before the body is parsed),
+the time a request's headers may take (slow_clients.py: uvicorn has no such timeout of its own)
+and the time its body may take (guard.py), the idle keep-alive time, the number of connections
 and requests in flight, and the size of an incomplete HTTP event (headers still arriving).
-uvicorn has no timeout on a request's headers or body arriving slowly; the incomplete-event
-size bounds what a slow client can make the server hold, and --limit-concurrency how many.
+Together they bound what a slow or idle client can make the server hold, and for how long.
 """
 
 from __future__ import annotations
@@ -13,6 +14,11 @@ import argparse
 from typing import Any
 
 from prefixserve.server.admission import Admission
+from prefixserve.server.guard import BODIES_IN_FLIGHT, DEFAULT_TIMEOUT_REQUEST_BODY_S
+from prefixserve.server.slow_clients import (
+    DEFAULT_TIMEOUT_REQUEST_HEADERS_S,
+    header_timeout_protocol,
+)
 
 DEFAULT_TIMEOUT_KEEP_ALIVE_S = 5
 DEFAULT_LIMIT_CONCURRENCY = 1024
@@ -39,6 +45,34 @@ def add_server_limit_arguments(group: argparse._ArgumentGroup) -> None:
         help="Largest request body; a larger one gets a 413 before it is parsed. Default: "
         "4 MiB, or max_model_len * 192 bytes when that is more (room for the longest legal "
         "prompt as JSON).",
+    )
+    group.add_argument(
+        "--max-body-bytes-in-flight",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="Most bytes of request bodies held at once by all requests being served (a "
+        "declared Content-Length counts from the start; released when the request's response "
+        "ends); beyond it a 503 with Retry-After, though a request is always admitted when no "
+        f"other body is in flight. Default: {BODIES_IN_FLIGHT} * --max-request-body-bytes "
+        "(0: no limit).",
+    )
+    group.add_argument(
+        "--timeout-request-headers",
+        type=float,
+        default=DEFAULT_TIMEOUT_REQUEST_HEADERS_S,
+        metavar="SECONDS",
+        help="Close a connection whose request line and headers are not complete this many "
+        "seconds after it opened (or after the request's first byte, on a kept-alive "
+        "connection); a partial request gets a 408 first.",
+    )
+    group.add_argument(
+        "--timeout-request-body",
+        type=float,
+        default=DEFAULT_TIMEOUT_REQUEST_BODY_S,
+        metavar="SECONDS",
+        help="Answer 408 and close the connection when a request's body has not fully arrived "
+        "this many seconds after its headers.",
     )
     group.add_argument(
         "--timeout-keep-alive",
@@ -105,6 +139,17 @@ def check_limit_arguments(args: argparse.Namespace) -> None:
     ):
         if value is not None and value < 0:
             raise ValueError(f"{flag} must be >= 0 (0: no limit), got {value}")
+    if args.max_body_bytes_in_flight is not None and args.max_body_bytes_in_flight < 0:
+        raise ValueError(
+            f"--max-body-bytes-in-flight must be >= 0 (0: no limit), got "
+            f"{args.max_body_bytes_in_flight}"
+        )
+    for flag, seconds in (
+        ("--timeout-request-headers", args.timeout_request_headers),
+        ("--timeout-request-body", args.timeout_request_body),
+    ):
+        if not 0 < seconds < float("inf"):
+            raise ValueError(f"{flag} must be a number of seconds > 0, got {seconds}")
     if args.limit_concurrency < 0:
         raise ValueError(f"--limit-concurrency must be >= 0, got {args.limit_concurrency}")
     stall = getattr(args, "stream_stall_timeout", 0.0)
@@ -112,11 +157,21 @@ def check_limit_arguments(args: argparse.Namespace) -> None:
         raise ValueError(f"--stream-stall-timeout must be a number of seconds >= 0, got {stall}")
 
 
+def app_limits(args: argparse.Namespace) -> dict[str, Any]:
+    """app.build_app keyword arguments of the limit flags the request guard enforces."""
+    return {
+        "max_request_body_bytes": args.max_request_body_bytes,
+        "timeout_request_body_s": args.timeout_request_body,
+        "max_body_bytes_in_flight": args.max_body_bytes_in_flight,
+    }
+
+
 def uvicorn_limits(args: argparse.Namespace) -> dict[str, Any]:
     """uvicorn.Config keyword arguments of the limit flags. The HTTP implementation is pinned to
-    h11, the one that honours the incomplete-event size (httptools, when installed, would not)."""
+    h11, the one that honours the incomplete-event size (httptools, when installed, would not),
+    with the header timeout of slow_clients.py."""
     return {
-        "http": "h11",
+        "http": header_timeout_protocol(args.timeout_request_headers),
         "timeout_keep_alive": args.timeout_keep_alive,
         "limit_concurrency": args.limit_concurrency or None,
         "h11_max_incomplete_event_size": args.h11_max_incomplete_event_size,

@@ -80,12 +80,18 @@ class AsgiResult:
     status: int
     body: bytes
     chunks_read: int
+    headers: dict[bytes, bytes] = field(default_factory=dict)
 
     def json(self) -> Any:
         return json.loads(self.body)
 
 
-def call(
+def call(app: Any, method: str, path: str, **kwargs: Any) -> AsgiResult:
+    """One request straight into the ASGI app (`acall`'s arguments), on its own event loop."""
+    return asyncio.run(acall(app, method, path, **kwargs))
+
+
+async def acall(
     app: Any,
     method: str,
     path: str,
@@ -95,15 +101,18 @@ def call(
     chunks: list[bytes] | None = None,
     content_length: bool = True,
     query: str = "",
+    headers: list[tuple[bytes, bytes]] = (),  # type: ignore[assignment]
+    stall: bool = False,
 ) -> AsgiResult:
-    """One request straight into the ASGI app; `chunks` default to the JSON of `body`."""
+    """One request into the ASGI app; `chunks` default to the JSON of `body`. With `stall` the
+    client never sends the body's end: after `chunks`, the next read waits forever."""
     if chunks is None:
         chunks = [] if body is None else [json.dumps(body).encode()]
-    headers = [(b"content-type", b"application/json")]
+    all_headers = [(b"content-type", b"application/json"), *headers]
     if key is not None:
-        headers.append((b"authorization", f"Bearer {key}".encode()))
+        all_headers.append((b"authorization", f"Bearer {key}".encode()))
     if content_length:
-        headers.append((b"content-length", str(sum(map(len, chunks))).encode()))
+        all_headers.append((b"content-length", str(sum(map(len, chunks))).encode()))
     scope = {
         "type": "http",
         "asgi": {"version": "3.0"},
@@ -113,13 +122,13 @@ def call(
         "path": path,
         "raw_path": path.encode(),
         "query_string": query.encode(),
-        "headers": headers,
+        "headers": all_headers,
         "client": ("127.0.0.1", 1),
         "server": ("127.0.0.1", 80),
         "app": app,
     }
     read = 0
-    out: dict[str, Any] = {"body": b""}
+    out: dict[str, Any] = {"body": b"", "headers": {}}
 
     async def receive() -> dict[str, Any]:
         nonlocal read
@@ -128,9 +137,9 @@ def call(
             return {
                 "type": "http.request",
                 "body": chunks[read - 1],
-                "more_body": read < len(chunks),
+                "more_body": stall or read < len(chunks),
             }
-        if read == 0:
+        if read == 0 and not stall:
             read = 1
             return {"type": "http.request", "body": b"", "more_body": False}
         await asyncio.sleep(3600)
@@ -139,8 +148,9 @@ def call(
     async def send(message: dict[str, Any]) -> None:
         if message["type"] == "http.response.start":
             out["status"] = message["status"]
+            out["headers"] = {k.lower(): v for k, v in message.get("headers", ())}
         elif message["type"] == "http.response.body":
             out["body"] += message.get("body", b"")
 
-    asyncio.run(app(scope, receive, send))
-    return AsgiResult(out["status"], out["body"], read)
+    await app(scope, receive, send)
+    return AsgiResult(out["status"], out["body"], read, out["headers"])

@@ -78,13 +78,17 @@ class LiveServer:
         self.run_in_engine(lambda e: e.check_no_leaks())
 
 
-def serve_in_thread(app: Any) -> tuple[uvicorn.Server, threading.Thread, str]:
+def serve_in_thread(app: Any, **config: Any) -> tuple[uvicorn.Server, threading.Thread, str]:
+    """uvicorn serving `app` on a free port in a daemon thread; `config`: more uvicorn.Config
+    arguments."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     server = uvicorn.Server(
-        uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2)
+        uvicorn.Config(
+            app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2, **config
+        )
     )
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

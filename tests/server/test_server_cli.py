@@ -37,6 +37,9 @@ SERVE_FLAGS = [
     "--max-requests-per-tenant",
     "--max-tokens-per-tenant",
     "--h11-max-incomplete-event-size",
+    "--timeout-request-headers",
+    "--timeout-request-body",
+    "--max-body-bytes-in-flight",
 ]
 
 
@@ -161,3 +164,24 @@ def test_a_subcommand_is_one_registered_function(monkeypatch):
 
     assert cli.main(["hello", "--name", "prefix"]) == 0
     assert seen == {"name": "prefix"}
+
+
+def test_the_slow_client_flags_reach_uvicorn_and_are_checked():
+    from prefixserve.server.options import check_limit_arguments, uvicorn_limits
+    from prefixserve.server.slow_clients import HeaderTimeoutH11Protocol
+
+    args = cli.build_parser().parse_args(["serve"])
+    assert (args.timeout_request_headers, args.timeout_request_body) == (10.0, 30.0)
+    limits = uvicorn_limits(
+        cli.build_parser().parse_args(["serve", "--timeout-request-headers", "3"])
+    )
+    assert issubclass(limits["http"], HeaderTimeoutH11Protocol)
+    assert limits["http"].timeout_request_headers_s == 3.0
+    for argv in (
+        ["--timeout-request-headers", "0"],
+        ["--timeout-request-body", "-1"],
+        ["--timeout-request-body", "inf"],
+        ["--max-body-bytes-in-flight", "-1"],
+    ):
+        with pytest.raises(ValueError, match=argv[0]):
+            check_limit_arguments(cli.build_parser().parse_args(["serve", *argv]))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import time
@@ -11,6 +12,9 @@ from helpers import free_port
 
 
 def test_prefixserve_serve_starts_logs_its_setup_and_answers(tmp_path):
+    from prefixserve.model.default_model import ensure_default_model
+
+    model_path = str(ensure_default_model())  # served from a path, which no client may see
     port = free_port()
     keys = tmp_path / "keys.txt"
     keys.write_text("sk-one acme\n")
@@ -22,6 +26,7 @@ def test_prefixserve_serve_starts_logs_its_setup_and_answers(tmp_path):
                 "-m",
                 "prefixserve.cli",
                 "serve",
+                model_path,
                 "--port",
                 str(port),
                 "--num-kv-blocks",
@@ -34,6 +39,8 @@ def test_prefixserve_serve_starts_logs_its_setup_and_answers(tmp_path):
                 str(keys),
                 "--served-model-name",
                 "smol",
+                "--timeout-request-headers",
+                "1",
             ],
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -60,6 +67,15 @@ def test_prefixserve_serve_starts_logs_its_setup_and_answers(tmp_path):
         assert response.status_code == 200, response.text
         assert response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         assert httpx.get(f"{url}/v1/models", timeout=30).status_code == 401
+        models = httpx.get(f"{url}/v1/models", headers=headers, timeout=30)
+        assert [(m["id"], m["root"]) for m in models.json()["data"]] == [("smol", "smol")]
+        assert model_path not in models.text
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Half: ")
+            data = b""
+            while chunk := sock.recv(4096):  # closed after 1 s (the socket's timeout: 10 s)
+                data += chunk
+            assert data.startswith(b"HTTP/1.1 408 "), data
     finally:
         proc.terminate()
         proc.wait(60)
