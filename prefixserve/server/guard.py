@@ -224,7 +224,7 @@ class RequestGuard:
         unless nothing else is in flight."""
         cap = self.max_body_bytes_in_flight
         others = self.body_bytes_in_flight - body.reserved
-        if cap is not None and others > 0 and self.body_bytes_in_flight + nbytes > cap:
+        if nbytes and cap is not None and others > 0 and self.body_bytes_in_flight + nbytes > cap:
             return False
         body.reserved += nbytes
         self.body_bytes_in_flight += nbytes

@@ -160,8 +160,18 @@ def test_a_body_is_held_until_its_app_call_ends_not_only_while_it_arrives():
     assert _in_flight(app) == 0
 
 
-def test_a_lone_body_is_admitted_whatever_the_bound():
+def test_a_lone_body_is_admitted_whatever_the_bound_and_bodiless_requests_always_are():
     app, _ = make_app(keys(), max_request_body_bytes=800, max_body_bytes_in_flight=100)
+
+    async def run():
+        slow = asyncio.create_task(_post(app, 500, stall=True))
+        while _in_flight(app) != 500:
+            await asyncio.sleep(0.01)
+        models = await acall(app, "GET", "/v1/models", key=TENANT_KEY)
+        slow.cancel()
+        return models
+
+    assert asyncio.run(run()).status == 200
     assert asyncio.run(_post(app, 500)).status == 400  # the stand-in engine's refusal
 
 
