@@ -1,4 +1,5 @@
-"""The server's limit flags of `prefixserve serve`, and what they become in uvicorn's Config.
+"""The server's limit flags of `prefixserve serve`, and what they become in build_app's
+arguments (`app_limits`, for guard.py) and uvicorn's Config (`uvicorn_limits`).
 
 Every bound a client can push against is a flag with a default: the request body size and the
 bytes of bodies in flight across connections (checked by guard.py before the body is parsed),
