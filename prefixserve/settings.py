@@ -92,3 +92,8 @@ def file_lock(path: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def kv_store_root() -> Path:
+    """The default directory of the prefix cache's disk tier: <cache_root()>/kv_store."""
+    return cache_root() / "kv_store"

@@ -1,0 +1,172 @@
+"""The on-disk record of one block of one KV-cache group, and its checks.
+
+    fixed header   magic b"PSKVBLK\\0", format version (u32), namespace (16 bytes), group (u32),
+                   hash length (u32), number of tokens (u32), payload length (u64),
+                   expiry (u64 unix nanoseconds, 0 = never)
+    block hash     hash length bytes
+    token ids      number of tokens x int32, little-endian
+    payload        payload length bytes: the block's K/V for the group's layers (opaque here)
+    checksum       xxh3-128 of everything above (16 bytes)
+
+All integers are little-endian. A reader knows the hash and the token ids it asks for, so it knows
+the header's length before reading it and the record's exact length after; anything else (another
+length, magic, version, namespace, hash, group, token ids, or checksum) is a `RecordError`, whose
+`kind` says whether the file is corrupt (damaged or truncated) or foreign (a valid record of
+something else: another namespace, format, or a hash collision).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import stat
+import struct
+
+import xxhash
+
+MAGIC = b"PSKVBLK\x00"
+FORMAT_VERSION = 1
+FIXED = struct.Struct("<8sI16sIIIQQ")
+CHECKSUM_BYTES = 16
+MAX_HASH_BYTES = 64
+MAX_GROUP = 0xFFFF
+NAMESPACE_BYTES = 16
+
+CORRUPT = "corrupt"
+FOREIGN = "foreign"
+
+
+class RecordError(ValueError):
+    """A file that is not the asked-for block: `kind` is CORRUPT or FOREIGN."""
+
+    def __init__(self, kind: str, reason: str) -> None:
+        super().__init__(f"{kind} KV store record: {reason}")
+        self.kind = kind
+
+
+def is_expired(expires_at_ns: int, now_ns: int) -> bool:
+    """Whether an expiry (unix ns, 0 = never) has passed."""
+    return 0 < expires_at_ns <= now_ns
+
+
+@functools.lru_cache(maxsize=64)
+def _tokens_struct(num_tokens: int) -> struct.Struct:
+    return struct.Struct(f"<{num_tokens}i")
+
+
+def pack_tokens(token_ids: object) -> bytes:
+    """Token ids as little-endian int32; ValueError when one is not an int32."""
+    ids = list(token_ids)  # type: ignore[call-overload]
+    try:
+        return _tokens_struct(len(ids)).pack(*ids)
+    except struct.error as exc:
+        raise ValueError(f"token ids must be int32 values: {exc}") from None
+
+
+def header_length(hash_len: int, num_tokens: int) -> int:
+    """Bytes before the payload."""
+    return FIXED.size + hash_len + 4 * num_tokens
+
+
+def record_length(hash_len: int, num_tokens: int, payload_len: int) -> int:
+    """Bytes of the whole file."""
+    return header_length(hash_len, num_tokens) + payload_len + CHECKSUM_BYTES
+
+
+def encode_header(
+    namespace: bytes,
+    block_hash: bytes,
+    group: int,
+    tokens: bytes,
+    payload_len: int,
+    expires_at_ns: int,
+) -> bytes:
+    """The bytes before the payload (`tokens` as `pack_tokens` returns them)."""
+    fixed = FIXED.pack(
+        MAGIC,
+        FORMAT_VERSION,
+        namespace,
+        group,
+        len(block_hash),
+        len(tokens) // 4,
+        payload_len,
+        expires_at_ns,
+    )
+    return fixed + block_hash + tokens
+
+
+def checksum(header: bytes, payload: bytes | memoryview) -> bytes:
+    """xxh3-128 of header + payload."""
+    digest = xxhash.xxh3_128(header)
+    digest.update(payload)
+    return digest.digest()
+
+
+def parse_header(head: bytes, block_hash: bytes, num_tokens: int) -> tuple[int, int]:
+    """(payload length, expiry ns) from the first `header_length` bytes of a file that should
+    hold `block_hash` with `num_tokens` tokens; RecordError when the fixed part says otherwise.
+    The identity fields are checked by `check_identity`, after the checksum."""
+    if len(head) != header_length(len(block_hash), num_tokens):
+        raise RecordError(CORRUPT, f"header truncated ({len(head)} bytes)")
+    magic, version, _, _, hash_len, tokens, payload_len, expires_at_ns = FIXED.unpack_from(head)
+    if magic != MAGIC:
+        raise RecordError(CORRUPT, "bad magic")
+    if version != FORMAT_VERSION:
+        raise RecordError(FOREIGN, f"format version {version}, not {FORMAT_VERSION}")
+    if hash_len != len(block_hash) or tokens != num_tokens:
+        raise RecordError(FOREIGN, f"{hash_len}-byte hash and {tokens} tokens")
+    return payload_len, expires_at_ns
+
+
+def check_identity(
+    head: bytes, namespace: bytes, block_hash: bytes, group: int, tokens: bytes
+) -> None:
+    """RecordError(FOREIGN) unless a checksummed header names exactly this block."""
+    _, _, stored_namespace, stored_group, *_ = FIXED.unpack_from(head)
+    if stored_namespace != namespace:
+        raise RecordError(FOREIGN, "another namespace (model, dtype, block size or layout)")
+    if stored_group != group:
+        raise RecordError(FOREIGN, f"group {stored_group}, not {group}")
+    start = FIXED.size
+    if head[start : start + len(block_hash)] != block_hash:
+        raise RecordError(FOREIGN, "another block hash")
+    if head[start + len(block_hash) :] != tokens:
+        raise RecordError(FOREIGN, "same hash, other token ids (a hash collision)")
+
+
+def read_record(
+    fd: int,
+    st: os.stat_result,
+    namespace: bytes,
+    block_hash: bytes,
+    group: int,
+    tokens: bytes,
+    out: memoryview | None,
+    now_ns: int,
+) -> bytes | None:
+    """Read and verify the record open at `fd` (fstat `st`) as block (`block_hash`, `group`) with
+    `tokens`: its payload (or b"" once it is read into `out`, a byte view of the payload's exact
+    size), None when it has expired. RecordError for anything that is not exactly this block."""
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        raise RecordError(FOREIGN, "not a regular file of this user")
+    num_tokens = len(tokens) // 4
+    head_len = header_length(len(block_hash), num_tokens)
+    head = os.pread(fd, head_len, 0)
+    payload_len, expires_at_ns = parse_header(head, block_hash, num_tokens)
+    if st.st_size != record_length(len(block_hash), num_tokens, payload_len):
+        raise RecordError(CORRUPT, f"length {st.st_size} (truncated?)")
+    if out is not None and out.nbytes != payload_len:
+        raise RecordError(FOREIGN, f"{payload_len}-byte payload, not {out.nbytes}")
+    if out is None:
+        payload: bytes | memoryview = os.pread(fd, payload_len, head_len)
+        got = len(payload)
+    else:
+        payload = out
+        got = os.preadv(fd, [out], head_len) if payload_len else 0
+    tail = os.pread(fd, CHECKSUM_BYTES, head_len + payload_len)
+    if got != payload_len or tail != checksum(head, payload):
+        raise RecordError(CORRUPT, "checksum mismatch")
+    check_identity(head, namespace, block_hash, group, tokens)
+    if is_expired(expires_at_ns, now_ns):
+        return None
+    return b"" if out is not None else payload  # type: ignore[return-value]
