@@ -27,7 +27,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class WriterStats:
-    """Counters since the writer started; `pending_*` is the queue now."""
+    """Counters since the writer started; `pending_*`: what is queued or being written now (what
+    the bounds limit)."""
 
     queued: int = 0  # accepted by submit
     written: int = 0
@@ -95,10 +96,10 @@ class BackgroundWriter:
         payload: bytes | bytearray | memoryview,
         expires_at: float | None = None,
     ) -> bool:
-        """Queue a `store.put`; never blocks. False when the write was dropped (queue full in
-        items or bytes, or the writer closed). The writer keeps references to `token_ids` and
-        `payload` until it is written: the caller must not change them (pass a copy of memory
-        the runner will reuse)."""
+        """Queue a `store.put`; never blocks. False when the write was dropped (the writes queued
+        or in progress would exceed the bound in items or bytes, or the writer is closed). The
+        writer keeps references to `token_ids` and `payload` until it is written: the caller must
+        not change them (pass a copy of memory the runner will reuse)."""
         nbytes = memoryview(payload).nbytes
         with self._cond:
             if self._closed:
