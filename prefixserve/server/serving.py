@@ -55,7 +55,6 @@ class ServerState:
     served_model_names: list[str]
     api_keys: ApiKeys | None = None
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
-    model_root: str | None = None
     admission: Admission = field(default_factory=Admission)
     # Tokenizing and chat-template rendering run here, off the event loop, one at a time (a
     # tokenizer is not safe to call from several threads at once).
