@@ -117,6 +117,8 @@ class AsyncLLMEngine:
             self._cv.notify()
         if self._thread is not None:
             self._thread.join(timeout)
+        if not self.is_running:
+            self.engine.close()  # the disk tier's queued writes reach the disk
 
     @property
     def is_running(self) -> bool:
@@ -168,27 +170,18 @@ class AsyncLLMEngine:
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        cache_salt: str | None = None,
-        prompt: str | None = None,
-        tenant: str | None = None,
+        **options: Any,
     ) -> RequestStream:
-        """Validate and queue a request; the engine's ValueError (bad input) is raised here.
-
-        `tenant` is who the request is for (fair scheduling; see `LLMEngine.add_request`)."""
+        """Validate and queue a request; `options` are `LLMEngine.add_request`'s keywords
+        (cache_salt, prompt, tenant, cache_retention). The engine's ValueError (bad input) is
+        raised here."""
         loop = asyncio.get_running_loop()
         stream = OutputQueue(loop)
 
         def add(engine: LLMEngine) -> None:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
-            engine.add_request(
-                request_id,
-                prompt_token_ids,
-                params,
-                cache_salt=cache_salt,
-                prompt=prompt,
-                tenant=tenant,
-            )
+            engine.add_request(request_id, prompt_token_ids, params, **options)
             self._streams[request_id] = stream
 
         try:
@@ -204,14 +197,10 @@ class AsyncLLMEngine:
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        cache_salt: str | None = None,
-        prompt: str | None = None,
-        tenant: str | None = None,
+        **options: Any,
     ) -> AsyncIterator[RequestOutput]:
-        """Add a request and yield its cumulative outputs until it finishes."""
-        stream = await self.add_request(
-            request_id, prompt_token_ids, params, cache_salt, prompt, tenant
-        )
+        """Add a request (as `add_request`) and yield its cumulative outputs until it finishes."""
+        stream = await self.add_request(request_id, prompt_token_ids, params, **options)
         async for output in stream:
             yield output
 

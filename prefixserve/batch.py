@@ -38,6 +38,9 @@ class SchedulerOutput:
     # state it keeps for them (seeded generators). Preempted requests are NOT listed: they
     # resume later and must continue their random stream.
     finished_req_ids: set[str] = field(default_factory=set)
+    # (block id, payload) of blocks loaded from the disk tier (kv_store/): the runner writes
+    # them into the KV cache before the forward pass; they count as computed tokens.
+    kv_loads: list[tuple[int, bytes]] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from prefixserve.config import SCHEDULING_POLICIES, CacheConfig, EngineConfig, SchedulerConfig
 from prefixserve.dtypes import SUPPORTED_DTYPES
 from prefixserve.kv_cache.hashing import HASH_ALGOS
+from prefixserve.kv_store.options import add_kv_store_arguments, kv_store_config_from_args
 from prefixserve.server.options import (
     add_server_limit_arguments,
     admission_from_args,
@@ -22,6 +23,7 @@ from prefixserve.server.options import (
     check_limit_arguments,
     uvicorn_limits,
 )
+from prefixserve.stats_log import describe_engine
 
 logger = logging.getLogger("prefixserve")
 
@@ -83,6 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 @subcommand("serve", "Serve a model over an OpenAI-compatible HTTP API.")
 def serve_command(parser: argparse.ArgumentParser) -> Runner:
     add_engine_arguments(parser)
+    add_kv_store_arguments(parser)
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="Address to listen on.")
     server.add_argument("--port", type=int, default=8000, help="Port to listen on.")
@@ -253,6 +256,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             long_prefill_token_threshold=args.long_prefill_token_threshold,
             scheduling_policy=args.scheduling_policy,
         ),
+        kv_store=kv_store_config_from_args(args),
     )
 
 
@@ -262,32 +266,6 @@ def default_served_name(model: str | None) -> str:
 
         return DEFAULT_MODEL_NAME
     return model.rstrip("/").rsplit("/", 1)[-1] or model
-
-
-def describe_engine(engine: object, config: EngineConfig, served_names: list[str]) -> list[str]:
-    """The start-up log lines: what runs, in which dtype, and how big the cache is.
-
-    `engine` is an AsyncLLMEngine; what it does not tell shows as '?'."""
-    cache = config.cache
-    num_blocks = getattr(engine, "num_kv_blocks", None)
-    model_config = getattr(engine, "model_config", None)
-    arch = getattr(model_config, "architecture", "?")
-    path = getattr(engine, "model_path", None)
-    source = config.model or "the default model"
-    lines = [
-        f"model: {source} (weights {path}; served as {', '.join(served_names)}; "
-        f"architecture {arch}), dtype {config.dtype}, "
-        f"max_model_len {getattr(engine, 'max_model_len', '?')}",
-        f"KV cache: block size {cache.block_size} tokens, pool {num_blocks} blocks = "
-        f"{num_blocks * cache.block_size if num_blocks else '?'} tokens",
-        f"prefix caching: {'on' if cache.enable_prefix_caching else 'off'}"
-        + (f" (hash {cache.prefix_caching_hash_algo})" if cache.enable_prefix_caching else "")
-        + f", KV events {'on' if cache.enable_kv_events else 'off'}",
-        f"scheduler: max_num_seqs {config.scheduler.max_num_seqs}, "
-        f"max_num_batched_tokens {config.scheduler.max_num_batched_tokens}, "
-        f"policy {config.scheduler.scheduling_policy}",
-    ]
-    return lines
 
 
 def run_serve(args: argparse.Namespace) -> int:

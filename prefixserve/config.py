@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from prefixserve.dtypes import SUPPORTED_DTYPES
 from prefixserve.kv_cache.hashing import get_hash_fn
+from prefixserve.kv_store import KVStoreConfig
 
 # Without num_kv_blocks or kv_cache_memory_gb the pool gets this much memory (or less, when the
 # model's context needs less for max_num_seqs requests).
@@ -122,6 +123,8 @@ class EngineConfig:
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # The prefix cache's disk tier (kv_store/); None or enabled=False: RAM pool only.
+    kv_store: KVStoreConfig | None = None
 
     def __post_init__(self) -> None:
         if self.model is not None and (not isinstance(self.model, str) or not self.model):
@@ -137,3 +140,5 @@ class EngineConfig:
             raise _invalid("cache", self.cache, "a CacheConfig")
         if not isinstance(self.scheduler, SchedulerConfig):
             raise _invalid("scheduler", self.scheduler, "a SchedulerConfig")
+        if self.kv_store is not None and not isinstance(self.kv_store, KVStoreConfig):
+            raise _invalid("kv_store", self.kv_store, "None or a KVStoreConfig")

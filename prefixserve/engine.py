@@ -10,6 +10,8 @@ model, applies the sampled tokens in the scheduler and hands the updates to the 
 from __future__ import annotations
 
 import dataclasses
+import time
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -19,6 +21,9 @@ from prefixserve.kv_cache.hashing import get_request_block_hasher
 from prefixserve.kv_cache.kv_cache_manager import KVCacheManager
 from prefixserve.kv_cache.sizing import blocks_needed, size_kv_pool
 from prefixserve.kv_cache.spec import KVCacheConfig, KVCacheSpec
+from prefixserve.kv_store import RETENTION_SECONDS
+from prefixserve.kv_store.connector import open_engine_kv_store
+from prefixserve.kv_store.worker import kv_layout
 from prefixserve.model.loader import LoadedModel, load_model
 from prefixserve.output_processor import OutputProcessor
 from prefixserve.outputs import RequestOutput
@@ -84,8 +89,15 @@ class LLMEngine:
             block_size=cache.block_size,
             seed=config.seed,
         )
+        self.kv_store, none_hash = open_engine_kv_store(
+            config, loaded_model.path, self.kv_cache_groups, kv_layout(self.runner.kv_caches)
+        )
+        if self.kv_store is not None:
+            self.scheduler.kv_store = self.kv_store
+            # Queued writes reach the disk when the engine is collected or the process exits.
+            weakref.finalize(self, self.kv_store.close)
         self._block_hasher = get_request_block_hasher(
-            cache.block_size, cache.prefix_caching_hash_algo
+            cache.block_size, cache.prefix_caching_hash_algo, none_hash=none_hash
         )
         self.output_processor = OutputProcessor(self.tokenizer)
 
@@ -118,8 +130,13 @@ class LLMEngine:
         cache_salt: str | None = None,
         prompt: str | None = None,
         tenant: str | None = None,
+        cache_retention: str | None = None,
     ) -> None:
         """Queue one prompt for `params.n` samples.
+
+        `cache_retention` is OpenAI's `prompt_cache_retention`: "in_memory" (its blocks are
+        never written to the disk tier) or "24h" (kept there up to 24 hours); None is the
+        store's default.
 
         `tenant` names who the request is for: the scheduler shares each step and the waiting
         queue fairly between tenants (`fair_share.py`). It is not a cache key (`cache_salt` is).
@@ -136,6 +153,11 @@ class LLMEngine:
             raise ValueError(f"cache_salt must be a non-empty string or None, got {cache_salt!r}")
         if cache_salt is not None and not _is_unicode_text(cache_salt):
             raise ValueError("cache_salt must be Unicode text (it holds a lone surrogate)")
+        if cache_retention is not None and cache_retention not in RETENTION_SECONDS:
+            valid = ", ".join(map(repr, RETENTION_SECONDS))
+            raise ValueError(
+                f"prompt_cache_retention must be one of {valid}, got {cache_retention!r}"
+            )
         prompt_token_ids = list(prompt_token_ids)
         num_prompt = len(prompt_token_ids)
         if num_prompt == 0:
@@ -195,6 +217,7 @@ class LLMEngine:
                     cache_salt=cache_salt,
                     max_tokens=max_tokens,
                     tenant=tenant,
+                    cache_retention=cache_retention,
                 )
             )
         self.output_processor.add_prompt(request_id, prompt, prompt_token_ids, params, requests)
@@ -229,11 +252,14 @@ class LLMEngine:
             return []
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.scheduled:
+            started = time.perf_counter()
             try:
                 runner_output = self.runner.execute(scheduler_output)
             except BaseException:
                 self._discard_failed_step(scheduler_output)
                 raise
+            if self.kv_store is not None:
+                self._save_to_store(scheduler_output, runner_output, started)
         else:
             stuck = self.scheduler.stuck_request()
             if stuck is not None:
@@ -259,6 +285,25 @@ class LLMEngine:
             return failed_outputs + processed.outputs
         return processed.outputs
 
+    def _save_to_store(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput, started: float
+    ) -> None:
+        """Write-through to the disk tier: copy out the blocks this step completed (before the
+        next step may reuse them) and queue them on the store's writer."""
+        assert self.kv_store is not None
+        self.kv_store.record_compute(
+            time.perf_counter() - started, scheduler_output.total_num_scheduled_tokens
+        )
+        saves = self.kv_store.blocks_to_save(scheduler_output, runner_output.failed)
+        if saves:
+            payloads = self.runner.gather_blocks([save.block_id for save in saves])
+            self.kv_store.save(saves, payloads)
+
+    def close(self) -> None:
+        """Write what the disk tier's writer holds, then stop it (idempotent)."""
+        if self.kv_store is not None:
+            self.kv_store.close()
+
     def _fail_requests(
         self, scheduler_output: SchedulerOutput, errors: dict[str, str]
     ) -> list[RequestOutput]:
@@ -280,6 +325,9 @@ class LLMEngine:
         never have been written, so forget their hashes, then abort every prompt it scheduled
         (same-step hitters of those blocks included: they were scheduled too)."""
         prompt_ids = []
+        self.kv_cache_manager.uncache_block_ids(
+            block_id for block_id, _ in scheduler_output.kv_loads
+        )
         for scheduled in scheduler_output.scheduled:
             request = scheduled.request
             self.kv_cache_manager.uncache_uncomputed_blocks(request, scheduled.num_computed_tokens)
@@ -314,6 +362,7 @@ class LLMEngine:
             "generation_tokens": sched.num_generation_tokens,
             "num_preemptions": sched.num_preemptions,
             "num_finished_requests": sched.num_finished_requests,
+            **(self.kv_store.metrics() if self.kv_store is not None else {}),
         }
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:

@@ -8,16 +8,17 @@ structures reduce to what the scheduler did before they existed: one FIFO queue,
   tenant that queued a thousand requests gets every other admission while a second tenant has work,
   instead of making it wait behind all thousand. A preempted request goes back to the front of its
   tenant's queue, and its tenant to the front of the turn order, so it resumes first, as before.
-- `water_fill` splits a step's token budget: each tenant gets what it asks for up to an equal
-  share, and what the small ones leave is shared by the others (max-min fairness). A tenant's long
-  prefill chunk can then no longer push another tenant's decode out of a step.
+- `tenant_shares` (`water_fill`) splits a step's token budget: each tenant gets what it asks for
+  up to an equal share, and what the small ones leave is shared by the others (max-min fairness).
+  A tenant's long prefill chunk can then no longer push another tenant's decode out of a step.
+- `preemption_victim` takes from the tenant with the most running requests.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict, deque
-from collections.abc import Hashable, Iterator, Mapping
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -149,3 +150,46 @@ def water_fill(demands: Mapping[Hashable, int], budget: int) -> dict[Hashable, i
             shares[tenant] = level + (1 if position < extra else 0)
         left = 0
     return shares
+
+
+def tenant_shares(
+    running: Sequence[Request],
+    waiting: WaitingQueue,
+    free_seqs: int,
+    budget: int,
+    chunk: Callable[[Request], int],
+) -> dict[Hashable, int] | None:
+    """Each tenant's share of a step's `budget` tokens, or None when at most one tenant has work.
+
+    A tenant's demand is what its running requests would compute (`chunk` of each) plus, while
+    there are `free_seqs` free running slots, the prompts at the head of its waiting queue
+    (counted without their cache hits, which are not looked up before admission: a tenant whose
+    hit makes it need less leaves its share to the budget's final round).
+    """
+    demands: Counter[Hashable] = Counter()
+    for request in running:
+        demands[request.tenant] += chunk(request)
+    if free_seqs > 0:
+        for tenant in waiting.tenants():
+            if demands[tenant] >= budget:
+                continue
+            for request in waiting.requests_of(tenant, free_seqs):
+                demands[tenant] += chunk(request)
+                if demands[tenant] >= budget:
+                    break
+    if len(demands) <= 1:
+        return None
+    return water_fill(demands, budget)
+
+
+def preemption_victim(running: Sequence[Request], first: int, fair: bool) -> Request:
+    """The request to preempt when `running[first]` finds no free blocks: the most recently
+    admitted of those not yet scheduled this step (`running[first:]`); when `fair`, of those the
+    newest of the tenant with the most running requests (with one tenant, or not `fair`: the
+    newest running request, as vLLM does)."""
+    candidates = running[first:]
+    if not fair:
+        return candidates[-1]
+    counts = Counter(request.tenant for request in running)
+    tenant = max((r.tenant for r in reversed(candidates)), key=lambda t: counts[t])
+    return next(r for r in reversed(candidates) if r.tenant == tenant)

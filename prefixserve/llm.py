@@ -8,8 +8,10 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+import prefixserve.settings as settings
 from prefixserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from prefixserve.engine import LLMEngine
+from prefixserve.kv_store import KVStoreConfig, capacity_from_gb
 from prefixserve.outputs import RequestOutput
 from prefixserve.sampling_params import SamplingParams
 
@@ -26,7 +28,10 @@ class LLM:
     allocatable KV blocks; otherwise the pool is sized from `kv_cache_memory_gb` (default about
     1 GiB). `max_num_seqs` / `max_num_batched_tokens` bound each step;
     `long_prefill_token_threshold` (0 = off) caps one request's prefill chunk per step.
-    Invalid values raise ValueError.
+    `enable_kv_store` turns the prefix cache's disk tier on (None: on unless PREFIXSERVE_KV_STORE
+    says 0) at `kv_store_dir` (default: under the cache directory) with `kv_store_gb` GiB (default:
+    a quarter of the free disk, at most 32 GiB); `kv_store_default_retention` applies to prompts
+    generated without a `prompt_cache_retention`. Invalid values raise ValueError.
     """
 
     def __init__(
@@ -46,7 +51,20 @@ class LLM:
         *,
         long_prefill_token_threshold: int = 0,
         loaded_model: Any = None,
+        enable_kv_store: bool | None = None,
+        kv_store_dir: str | None = None,
+        kv_store_gb: float | None = None,
+        kv_store_default_retention: str = "24h",
     ) -> None:
+        if enable_kv_store is None:
+            enable_kv_store = settings.kv_store_default_enabled()
+        kv_store = None
+        if enable_kv_store:
+            kv_store = KVStoreConfig(
+                dir=kv_store_dir,
+                capacity_bytes=None if kv_store_gb is None else capacity_from_gb(kv_store_gb),
+                default_retention=kv_store_default_retention,
+            )
         config = EngineConfig(
             model=model,
             dtype=dtype,
@@ -65,6 +83,7 @@ class LLM:
                 max_num_batched_tokens=max_num_batched_tokens,
                 long_prefill_token_threshold=long_prefill_token_threshold,
             ),
+            kv_store=kv_store,
         )
         self.llm_engine = LLMEngine(config, loaded_model=loaded_model)
         self._counter = itertools.count()
@@ -79,11 +98,14 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        prompt_cache_retention: str | None = None,
     ) -> list[RequestOutput]:
         """Complete every prompt; outputs come back in input order, finished.
 
         `sampling_params` is one SamplingParams for all prompts or one per prompt (default:
-        SamplingParams()). A bad prompt or parameter raises ValueError before any is run.
+        SamplingParams()). `prompt_cache_retention` ("in_memory" or "24h", OpenAI's field)
+        applies to every prompt of the call. A bad prompt or parameter raises ValueError before
+        any is run.
         """
         if isinstance(prompts, str | dict):
             prompts = [prompts]
@@ -96,6 +118,7 @@ class LLM:
                 for (ids, text, salt), params in zip(parsed, params_list, strict=True)
             ],
             use_tqdm,
+            prompt_cache_retention,
         )
 
     def chat(
@@ -138,13 +161,21 @@ class LLM:
         self,
         items: list[tuple[list[int], str | None, str | None, SamplingParams]],
         use_tqdm: bool,
+        cache_retention: str | None = None,
     ) -> list[RequestOutput]:
         engine = self.llm_engine
         order: dict[str, int] = {}
         try:
             for ids, text, salt, params in items:
                 request_id = str(next(self._counter))
-                engine.add_request(request_id, ids, params, cache_salt=salt, prompt=text)
+                engine.add_request(
+                    request_id,
+                    ids,
+                    params,
+                    cache_salt=salt,
+                    prompt=text,
+                    cache_retention=cache_retention,
+                )
                 order[request_id] = len(order)
         except Exception:
             engine.abort_request(list(order))

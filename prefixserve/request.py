@@ -59,6 +59,8 @@ class Request:
         "lora_name",
         "cache_salt",
         "tenant",
+        "cache_retention",
+        "num_disk_cached_tokens",
         "mm_features",
         "prompt_embeds",
         "all_token_ids",
@@ -88,6 +90,7 @@ class Request:
         prompt_embeds: Any = None,
         max_tokens: int | None = None,
         tenant: str | None = None,
+        cache_retention: str | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("a request needs at least one prompt token")
@@ -100,6 +103,11 @@ class Request:
         self.cache_salt = cache_salt
         # Who the request is for, for fair scheduling between tenants (None: the one user).
         self.tenant = tenant
+        # OpenAI's prompt_cache_retention ("in_memory": never written to disk; "24h"), or None
+        # for the engine's default.
+        self.cache_retention = cache_retention
+        # The part of num_cached_tokens loaded from the disk tier at first scheduling.
+        self.num_disk_cached_tokens = 0
         self.mm_features = mm_features or []
         # Any object with len() and slicing whose slices have .tobytes() (e.g. a numpy array of
         # shape [num_prompt_tokens, hidden]); only its digest enters the block hashes.

@@ -8,7 +8,7 @@ never mutates a Request: it reads token ids and sampling params and returns a Mo
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 import torch
@@ -16,6 +16,7 @@ from torch import nn
 
 from prefixserve.batch import ModelRunnerOutput, PositionLogprobs, SchedulerOutput
 from prefixserve.kv_cache.spec import SlidingWindowSpec
+from prefixserve.kv_store.worker import gather_blocks, scatter_blocks
 from prefixserve.model.attention import ScheduledSpan, build_attention_metadata
 from prefixserve.model.config import ModelConfig
 from prefixserve.model.kernels import paged_attention_kernel
@@ -92,6 +93,10 @@ class ModelRunner:
             self._seeded_generators[request.request_id] = gen
         return gen
 
+    def gather_blocks(self, block_ids: Sequence[int]) -> list[memoryview]:
+        """Copies of these blocks' K/V (every layer) for the disk tier (kv_store/worker.py)."""
+        return gather_blocks(self.kv_caches, block_ids)
+
     def release(self, finished_req_ids: Iterable[str]) -> None:
         """Drop what the runner keeps for requests that finished (their seeded generators)."""
         for req_id in finished_req_ids:
@@ -101,6 +106,9 @@ class ModelRunner:
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """One forward over all scheduled chunks; sample where a chunk reaches its last token."""
         self.release(scheduler_output.finished_req_ids)
+        if scheduler_output.kv_loads:
+            block_ids, payloads = zip(*scheduler_output.kv_loads, strict=True)
+            scatter_blocks(self.kv_caches, block_ids, payloads)
         output = ModelRunnerOutput()
         # Single-token chunks first: attention serves them as one batched call.
         scheduled = sorted(scheduler_output.scheduled, key=lambda s: s.num_new_tokens != 1)

@@ -25,7 +25,6 @@ plans it.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -37,11 +36,12 @@ from prefixserve.batch import (
     SchedulerOutput,
 )
 from prefixserve.config import SchedulerConfig
-from prefixserve.fair_share import WaitingQueue, water_fill
+from prefixserve.fair_share import WaitingQueue, preemption_victim, tenant_shares
 from prefixserve.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from prefixserve.kv_cache.kv_cache_manager import KVCacheManager
+    from prefixserve.kv_store.connector import KVStoreConnector
 
 
 @dataclass(slots=True)
@@ -88,6 +88,8 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.requests: dict[str, Request] = {}
+        # The disk tier's load side (kv_store/connector.py), set by the engine when it has one.
+        self.kv_store: KVStoreConnector | None = None
         self.fair = config.scheduling_policy == "fair"
         self.waiting = WaitingQueue(per_tenant=self.fair)
         self.running: list[Request] = []
@@ -151,6 +153,7 @@ class Scheduler:
         shares = self._tenant_shares(token_budget) if self.fair else None
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
+        kv_loads: list[tuple[int, bytes]] = []
 
         # 1. Running requests, in admission order.
         req_index = 0
@@ -168,7 +171,7 @@ class Scheduler:
                 new_blocks = mgr.allocate_slots(request, num_new_tokens)
                 if new_blocks is not None:
                     break
-                victim = self._preemption_victim(req_index)
+                victim = preemption_victim(self.running, req_index, self.fair)
                 self.running.remove(victim)
                 self._preempt(victim)
                 preempted.append(victim)
@@ -194,8 +197,10 @@ class Scheduler:
                     continue
                 assert request.num_computed_tokens == 0, request
                 computed_blocks, num_computed = mgr.get_computed_blocks(request)
-                num_new_tokens = request.num_tokens - num_computed
-                assert num_new_tokens > 0, (request, num_computed)
+                num_on_disk = self.kv_store.match(request, num_computed) if self.kv_store else 0
+                num_loaded = num_on_disk * mgr.block_size
+                num_new_tokens = request.num_tokens - num_computed - num_loaded
+                assert num_new_tokens > 0, (request, num_computed, num_loaded)
                 threshold = self.config.long_prefill_token_threshold
                 if 0 < threshold < num_new_tokens:
                     num_new_tokens = threshold
@@ -204,7 +209,7 @@ class Scheduler:
                     num_new_tokens = min(num_new_tokens, shares[request.tenant])
                 new_blocks = mgr.allocate_slots(
                     request,
-                    num_new_tokens,
+                    num_loaded + num_new_tokens,
                     num_new_computed_tokens=num_computed,
                     new_computed_blocks=computed_blocks,
                 )
@@ -213,20 +218,49 @@ class Scheduler:
 
                 self.waiting.pop(request)
                 self.running.append(request)
+                if num_on_disk:
+                    # Blocks whose read fails are computed instead (their slots are allocated).
+                    loaded = self._load_from_disk(request, num_computed, num_on_disk, kv_loads)
+                    num_new_tokens += num_loaded - loaded
+                    num_loaded = loaded
                 first_scheduling = request.num_cached_tokens < 0
                 if first_scheduling:
-                    request.num_cached_tokens = num_computed
+                    request.num_cached_tokens = num_computed + num_loaded
+                    request.num_disk_cached_tokens = num_loaded
                     self.stats.num_prompt_tokens += request.num_prompt_tokens
                 request.status = RequestStatus.RUNNING
-                request.num_computed_tokens = num_computed
+                request.num_computed_tokens = num_computed + num_loaded
                 scheduled.append(self._scheduled(request, num_new_tokens))
                 token_budget -= num_new_tokens
                 if shares is not None:
                     shares[request.tenant] -= num_new_tokens
 
-        output = SchedulerOutput(scheduled=scheduled, finished_req_ids=self.finished_req_ids)
+        output = SchedulerOutput(
+            scheduled=scheduled, finished_req_ids=self.finished_req_ids, kv_loads=kv_loads
+        )
         self.finished_req_ids = set()
         return output
+
+    def _load_from_disk(
+        self,
+        request: Request,
+        num_computed: int,
+        num_blocks: int,
+        kv_loads: list[tuple[int, bytes]],
+    ) -> int:
+        """Read the request's blocks the disk tier matched after its RAM hit into `kv_loads`
+        (block id, payload); returns the tokens loaded. A block whose read fails, and every one
+        after it, was cached in the pool when its slots were allocated: forget those hashes, the
+        step computes them."""
+        assert self.kv_store is not None
+        first = num_computed // self.kv_cache_manager.block_size
+        payloads = self.kv_store.load(request, first, num_blocks)
+        table = self.kv_cache_manager.get_block_ids(request)[0]
+        kv_loads.extend(zip(table[first : first + len(payloads)], payloads, strict=True))
+        loaded = len(payloads) * self.kv_cache_manager.block_size
+        if len(payloads) < num_blocks:
+            self.kv_cache_manager.uncache_uncomputed_blocks(request, num_computed + loaded)
+        return loaded
 
     def _chunk(self, request: Request) -> int:
         """The tokens `request` would compute this step with the whole budget to itself."""
@@ -235,39 +269,9 @@ class Scheduler:
         return threshold if 0 < threshold < num_new_tokens else num_new_tokens
 
     def _tenant_shares(self, budget: int) -> dict[Hashable, int] | None:
-        """Each tenant's share of this step's tokens, or None when at most one tenant has work.
-
-        A tenant's demand is what its running requests would compute plus, while there is room
-        for more running requests, the prompts at the head of its waiting queue (counted without
-        their cache hits, which are not looked up before admission: a tenant whose hit makes it
-        need less leaves its share to the budget's final round).
-        """
-        demands: Counter[Hashable] = Counter()
-        for request in self.running:
-            demands[request.tenant] += self._chunk(request)
+        """Each tenant's share of this step's tokens (None: at most one tenant has work)."""
         free_seqs = self.config.max_num_seqs - len(self.running)
-        if free_seqs > 0:
-            for tenant in self.waiting.tenants():
-                if demands[tenant] >= budget:
-                    continue
-                for request in self.waiting.requests_of(tenant, free_seqs):
-                    demands[tenant] += self._chunk(request)
-                    if demands[tenant] >= budget:
-                        break
-        if len(demands) <= 1:
-            return None
-        return water_fill(demands, budget)
-
-    def _preemption_victim(self, first: int) -> Request:
-        """The request to preempt when `running[first]` finds no free blocks: the most recently
-        admitted of those not yet scheduled this step, from the tenant with the most running
-        requests (with one tenant: the newest running request, as vLLM does)."""
-        candidates = self.running[first:]
-        if not self.fair:
-            return candidates[-1]
-        counts = Counter(request.tenant for request in self.running)
-        tenant = max((r.tenant for r in reversed(candidates)), key=lambda t: counts[t])
-        return next(r for r in reversed(candidates) if r.tenant == tenant)
+        return tenant_shares(self.running, self.waiting, free_seqs, budget, self._chunk)
 
     def stuck_request(self) -> Request | None:
         """The head of the waiting queue when nothing runs: after a step that scheduled nothing,

@@ -7,6 +7,8 @@ read at call time (not import time), so a test or a launcher may change them in-
 - PREFIXSERVE_KERNELS (`kernels_enabled`): 0/off never builds or uses the native CPU kernels
 - PREFIXSERVE_FP32_PREFILL (`fp32_prefill`): 1/0 forces the fp32 copy of bf16 linears on/off
 - PREFIXSERVE_PEERS_DIR (`peers_dir`): where `scripts/peers/` installed the benchmark peers
+- PREFIXSERVE_KV_STORE (`kv_store_default_enabled`): 0/off turns the disk tier's default off
+  (`prefixserve serve` and `LLM` without an explicit choice; the test suite sets it)
 - PYTHONHASHSEED (`python_hash_seed`): seeds NONE_HASH so processes agree on block hashes
 - OMP_WAIT_POLICY (`default_omp_wait_policy`): set to PASSIVE unless the user set it
 - PATH (`prepend_to_path`): ninja's directory goes first for the kernel build
@@ -92,6 +94,12 @@ def file_lock(path: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def kv_store_default_enabled() -> bool:
+    """Whether the disk tier is on when the caller does not say: unless PREFIXSERVE_KV_STORE
+    turns it off."""
+    return env_flag("PREFIXSERVE_KV_STORE") is not False
 
 
 def kv_store_root() -> Path:

@@ -1,11 +1,14 @@
-"""The engine's periodic log line, vLLM-style: throughput over the interval, queues, KV usage,
-prefix-cache hit rate; and when the async engine's step thread logs it (StatsLog)."""
+"""The engine's log lines: at start-up what runs and how big its cache is (`describe_engine`);
+then periodically, vLLM-style, throughput over the interval, queues, KV usage and the prefix-cache
+hit rate, logged when the async engine's step thread says (StatsLog)."""
 
 from __future__ import annotations
 
 import logging
 import time
 from typing import Any
+
+from prefixserve.config import EngineConfig
 
 
 class StatsLog:
@@ -55,3 +58,29 @@ def format_stats(metrics: dict[str, Any], previous: dict[str, Any] | None, elaps
         f"KV cache usage {100.0 * float(metrics.get('kv_cache_usage', 0.0)):.1f}%, "
         f"prefix cache hit rate {hit_rate}"
     )
+
+
+def describe_engine(engine: object, config: EngineConfig, served_names: list[str]) -> list[str]:
+    """The start-up log lines: what runs, in which dtype, and how big the cache is.
+
+    `engine` is an AsyncLLMEngine; what it does not tell shows as '?'."""
+    cache = config.cache
+    num_blocks = getattr(engine, "num_kv_blocks", None)
+    model_config = getattr(engine, "model_config", None)
+    arch = getattr(model_config, "architecture", "?")
+    path = getattr(engine, "model_path", None)
+    source = config.model or "the default model"
+    lines = [
+        f"model: {source} (weights {path}; served as {', '.join(served_names)}; "
+        f"architecture {arch}), dtype {config.dtype}, "
+        f"max_model_len {getattr(engine, 'max_model_len', '?')}",
+        f"KV cache: block size {cache.block_size} tokens, pool {num_blocks} blocks = "
+        f"{num_blocks * cache.block_size if num_blocks else '?'} tokens",
+        f"prefix caching: {'on' if cache.enable_prefix_caching else 'off'}"
+        + (f" (hash {cache.prefix_caching_hash_algo})" if cache.enable_prefix_caching else "")
+        + f", KV events {'on' if cache.enable_kv_events else 'off'}",
+        f"scheduler: max_num_seqs {config.scheduler.max_num_seqs}, "
+        f"max_num_batched_tokens {config.scheduler.max_num_batched_tokens}, "
+        f"policy {config.scheduler.scheduling_policy}",
+    ]
+    return lines

@@ -4,6 +4,9 @@ with other work, OpenMP's spinning wait makes small matmuls 10-50x slower (BENCH
 import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Engines built without an explicit choice run without the disk tier, so no test hits blocks an
+# earlier test (or run) left in the user's cache; the tier's tests give their own directories.
+os.environ["PREFIXSERVE_KV_STORE"] = "0"
 
 # ---- engine tests: the default model, loaded once per dtype for the whole session.
 import pytest  # noqa: E402

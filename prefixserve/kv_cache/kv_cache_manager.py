@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import partial
 
@@ -215,6 +216,12 @@ class KVCacheManager:
         for manager in self.coordinator.managers:
             blocks = manager.req_to_blocks.get(request.request_id, ())
             self.block_pool.uncache_blocks(blocks[first:])
+
+    def uncache_block_ids(self, block_ids: Iterable[int]) -> None:
+        """Forget the hashes of these blocks (disk-tier loads of a step whose pass failed: the
+        K/V may never have been written into them)."""
+        blocks = self.block_pool.blocks
+        self.block_pool.uncache_blocks([blocks[block_id] for block_id in block_ids])
 
     # ------------------------------------------------------------------ inspection
 

@@ -42,7 +42,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from prefixserve import settings
+import prefixserve.settings as settings
 from prefixserve.kv_store.disk_store import BlockKey, DiskKVStore, DiskStoreStats
 from prefixserve.kv_store.fingerprint import KV_LAYOUT_VERSION, model_fingerprint, store_namespace
 from prefixserve.kv_store.fs import UnsafeStoreError

@@ -1,7 +1,10 @@
 """Pydantic models of the OpenAI-compatible API: what clients send and what the server answers.
 
 Requests take the OpenAI fields plus vLLM's extras (`top_k`, `min_p`, `repetition_penalty`,
-`ignore_eos`, `prompt_logprobs`, `cache_salt`, `stop_token_ids`). Ranges are checked here so a
+`ignore_eos`, `prompt_logprobs`, `cache_salt`, `stop_token_ids`), and OpenAI's prompt-caching
+fields: `prompt_cache_retention` ("in_memory": the prompt's blocks never go to the disk tier;
+"24h": kept there up to 24 hours) and `prompt_cache_key` (a routing hint for a multi-replica
+router; one server accepts it, bounded, and does nothing with it). Ranges are checked here so a
 bad value comes back as a 400 naming the field; SamplingParams checks them again below the server.
 Unknown fields are ignored, as OpenAI clients send fields this server has no use for.
 """
@@ -27,6 +30,8 @@ from prefixserve.sampling_params import (
     TEMPERATURE_RANGE,
 )
 from prefixserve.server.auth import validate_cache_salt
+
+MAX_PROMPT_CACHE_KEY_CHARS = 1024
 
 # OpenAI's default for /v1/completions when max_tokens is absent or null.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -67,6 +72,9 @@ class _SamplingFields(_Request):
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     cache_salt: str | None = None
+    # OpenAI's prompt caching.
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    prompt_cache_key: str | None = Field(None, max_length=MAX_PROMPT_CACHE_KEY_CHARS)
 
     @field_validator("seed")
     @classmethod

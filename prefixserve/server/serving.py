@@ -132,6 +132,7 @@ async def generate(
             cache_salt=cache_salt,
             prompt=prompt_text,
             tenant=raw.state.tenant,
+            cache_retention=body.prompt_cache_retention,
         )
     except ValueError as exc:
         state.admission.release(ticket)

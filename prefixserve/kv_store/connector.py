@@ -1,0 +1,269 @@
+"""The engine's side of the disk tier: what to load at admission, what to save after a step.
+
+Pure Python (no torch): the scheduler and the engine call it, the runner moves the bytes
+(`worker.py`). One KV-cache group of full attention only (models with sliding-window layers run
+without the tier; the engine says so at start-up).
+
+- Load (`match`, then `load`): after the RAM pool's hit, the request's next block hashes are looked
+  up on disk (a stat each: `DiskKVStore.count_prefix`); the scheduler allocates pool blocks for
+  that run as if it were computed this step, and `load` reads the payloads (checksummed, token ids
+  compared). The runner writes them into the blocks before the forward pass. A read that fails
+  (a file evicted or damaged since the stat) ends the run there: the scheduler computes the rest.
+  Never past `num_tokens - 1`: the last token is always computed, for its logits.
+- Whether a load is worth it: the connector keeps the measured seconds per loaded block and the
+  engine reports the seconds per computed token; when loading a block costs more than computing
+  its tokens, nothing is loaded (a slow or remote disk must not make requests slower).
+- Save (`blocks_to_save`, then `save`): write-through. After a step, every block that step
+  completed (all its tokens computed) is written unless its request asked for `in_memory`
+  retention or the store holds it already. Payloads go to the `BackgroundWriter`, which never
+  blocks the step loop: when it falls behind, writes are dropped and counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Container, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from prefixserve.kv_cache.hashing import none_hash_from_secret
+from prefixserve.kv_cache.spec import FullAttentionSpec, KVCacheSpec
+from prefixserve.kv_store import RETENTION_SECONDS
+from prefixserve.kv_store.disk_store import BlockKey, DiskKVStore
+from prefixserve.kv_store.fingerprint import model_fingerprint, store_namespace
+from prefixserve.kv_store.seed import load_or_create_seed
+from prefixserve.kv_store.writer import BackgroundWriter
+
+if TYPE_CHECKING:
+    from prefixserve.batch import SchedulerOutput
+    from prefixserve.config import EngineConfig
+    from prefixserve.request import Request
+
+logger = logging.getLogger(__name__)
+
+GROUP = 0  # the one full-attention KV-cache group the tier serves
+# Exponential moving average weight of a new measurement of load or compute speed.
+_EWMA = 0.2
+
+
+@dataclass(slots=True)
+class KVStoreStats:
+    """What the tier did for this engine, cumulative (the store's and writer's own counters are
+    in `DiskKVStore.stats()` and `BackgroundWriter.stats()`)."""
+
+    hit_tokens: int = 0  # tokens loaded from disk instead of computed
+    loaded_blocks: int = 0
+    load_failures: int = 0  # stat said yes, the read said no (evicted or damaged meanwhile)
+    load_seconds: float = 0.0
+    skipped_slow: int = 0  # admissions that did not load because computing was faster
+    saved_blocks: int = 0  # handed to the writer
+    dropped_saves: int = 0  # the writer was full
+
+
+@dataclass(slots=True)
+class BlockSave:
+    """One block to write: where it sits in the pool and what identifies it on disk."""
+
+    block_id: int
+    key: BlockKey
+    token_ids: list[int]
+    expires_at: float | None
+
+
+@dataclass(slots=True)
+class _Speeds:
+    load_s_per_block: float | None = None
+    compute_s_per_token: float | None = None
+
+
+class KVStoreConnector:
+    """Load and save decisions over one `DiskKVStore` and its `BackgroundWriter`."""
+
+    def __init__(
+        self,
+        store: DiskKVStore,
+        writer: BackgroundWriter,
+        block_size: int,
+        default_retention: str = "24h",
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if default_retention not in RETENTION_SECONDS:
+            raise ValueError(f"unknown prompt cache retention {default_retention!r}")
+        self.store = store
+        self.writer = writer
+        self.block_size = block_size
+        self.default_retention = default_retention
+        self.stats = KVStoreStats()
+        self._speeds = _Speeds()
+        self._clock = clock
+
+    # ------------------------------------------------------------------ load (scheduler side)
+
+    def match(self, request: Request, num_computed_tokens: int) -> int:
+        """Blocks after the first `num_computed_tokens` (a RAM hit, block-aligned) that the disk
+        holds, contiguous from there; 0 when the request may not read the cache or loading is
+        slower than computing."""
+        if request.skip_reading_prefix_cache:
+            return 0
+        bs = self.block_size
+        first = num_computed_tokens // bs
+        last = (request.num_tokens - 1) // bs  # the last token is always computed
+        if last <= first:
+            return 0
+        if not self._loading_pays():
+            self.stats.skipped_slow += 1
+            return 0
+        return self.store.count_prefix(request.block_hashes[first:last], (GROUP,))
+
+    def load(self, request: Request, first_block: int, num_blocks: int) -> list[bytes]:
+        """Read blocks first_block .. first_block + num_blocks - 1 of `request`; stops at the
+        first miss, so the result may be shorter (the caller computes the rest)."""
+        bs = self.block_size
+        payloads: list[bytes] = []
+        start = time.perf_counter()
+        for index in range(first_block, first_block + num_blocks):
+            key = (request.block_hashes[index], GROUP)
+            payload = self.store.get(key, request.all_token_ids[index * bs : (index + 1) * bs])
+            if payload is None:
+                self.stats.load_failures += 1
+                break
+            payloads.append(payload)
+        elapsed = time.perf_counter() - start
+        if payloads:
+            self.stats.loaded_blocks += len(payloads)
+            self.stats.hit_tokens += len(payloads) * bs
+            self.stats.load_seconds += elapsed
+            self._speeds.load_s_per_block = _average(
+                self._speeds.load_s_per_block, elapsed / len(payloads)
+            )
+        return payloads
+
+    def record_compute(self, seconds: float, num_tokens: int) -> None:
+        """A forward pass computed `num_tokens` tokens in `seconds` (the engine reports it)."""
+        if num_tokens >= self.block_size:  # decode-only steps say little about prefill speed
+            self._speeds.compute_s_per_token = _average(
+                self._speeds.compute_s_per_token, seconds / num_tokens
+            )
+
+    def _loading_pays(self) -> bool:
+        load, compute = self._speeds.load_s_per_block, self._speeds.compute_s_per_token
+        if load is None or compute is None:
+            return True  # measure first
+        return load < compute * self.block_size
+
+    # ------------------------------------------------------------------ save (after a step)
+
+    def blocks_to_save(
+        self, scheduler_output: SchedulerOutput, failed: Container[str]
+    ) -> list[BlockSave]:
+        """Blocks the step completed that belong on disk: not of a failed request, not of an
+        `in_memory` request, not on disk already."""
+        bs = self.block_size
+        now = self._clock()
+        saves: list[BlockSave] = []
+        for entry in scheduler_output.scheduled:
+            request = entry.request
+            if request.request_id in failed:
+                continue
+            retention = request.cache_retention or self.default_retention
+            lifetime = RETENTION_SECONDS[retention]
+            if lifetime is None:
+                continue
+            first = entry.num_computed_tokens // bs
+            end = min(
+                (entry.num_computed_tokens + entry.num_new_tokens) // bs, len(request.block_hashes)
+            )
+            table = entry.block_ids[GROUP]
+            for index in range(first, end):
+                key = (request.block_hashes[index], GROUP)
+                if self.store.contains(key):
+                    continue
+                tokens = request.all_token_ids[index * bs : (index + 1) * bs]
+                saves.append(BlockSave(table[index], key, tokens, now + lifetime))
+        return saves
+
+    def save(self, saves: Sequence[BlockSave], payloads: Sequence[memoryview]) -> None:
+        """Hand the gathered payloads of `saves` to the writer (never blocks)."""
+        for save, payload in zip(saves, payloads, strict=True):
+            if self.writer.submit(save.key, save.token_ids, payload, save.expires_at):
+                self.stats.saved_blocks += 1
+            else:
+                self.stats.dropped_saves += 1
+
+    def metrics(self) -> dict[str, int | float]:
+        """The tier's counters, as the engine's metrics name them."""
+        tier, store, writer = self.stats, self.store.stats(), self.writer.stats()
+        return {
+            "kv_store_hit_tokens": tier.hit_tokens,
+            "kv_store_loaded_blocks": tier.loaded_blocks,
+            "kv_store_load_failures": tier.load_failures,
+            "kv_store_load_seconds": tier.load_seconds,
+            "kv_store_saved_blocks": tier.saved_blocks,
+            "kv_store_dropped_writes": writer.dropped,
+            "kv_store_write_errors": writer.errors,
+            "kv_store_bad_files_dropped": store.corrupt_dropped + store.foreign_dropped,
+            "kv_store_bytes_read": store.bytes_read,
+            "kv_store_bytes_written": store.bytes_written,
+            "kv_store_bytes": self.store.total_bytes,
+        }
+
+    def close(self, timeout: float | None = 30.0) -> bool:
+        """Write what is queued (up to `timeout` seconds), then stop the writer."""
+        return self.writer.close(timeout)
+
+
+def _average(previous: float | None, sample: float) -> float:
+    return sample if previous is None else (1 - _EWMA) * previous + _EWMA * sample
+
+
+def open_engine_kv_store(
+    config: EngineConfig,
+    model_dir: str | Path,
+    groups: Sequence[KVCacheSpec],
+    kv_layout: str,
+) -> tuple[KVStoreConnector | None, bytes | None]:
+    """The disk tier `config.kv_store` asks for, opened (created if needed) for this model and
+    cache layout with its writer started, and the hash chain's seed derived from the store's
+    secret (so a restarted process hits what its predecessor stored); (None, None) when the
+    config has no tier or the model cannot use one (logged). Raises ValueError / OSError
+    (UnsafeStoreError for a directory others can reach)."""
+    store_config = config.kv_store
+    if store_config is None or not store_config.enabled:
+        return None, None
+    cache = config.cache
+    if not cache.enable_prefix_caching:
+        logger.info("KV store off: prefix caching is off")
+        return None, None
+    if any(not isinstance(spec, FullAttentionSpec) for spec in groups):
+        logger.warning(
+            "KV store off: it serves full-attention models only (this model has "
+            "sliding-window layers)"
+        )
+        return None, None
+    store_config = store_config.resolved()
+    assert store_config.dir is not None and store_config.capacity_bytes is not None
+    secret = load_or_create_seed(store_config.dir)
+    namespace = store_namespace(
+        model_fingerprint(model_dir),
+        config.dtype,
+        cache.block_size,
+        cache.prefix_caching_hash_algo,
+        kv_layout,
+    )
+    store = DiskKVStore(store_config.dir, namespace, store_config.capacity_bytes)
+    writer = BackgroundWriter(
+        store,
+        max_queue_bytes=store_config.writer_queue_bytes,
+        max_queue_items=store_config.writer_queue_items,
+    )
+    logger.info(
+        "KV store: %s (namespace %s), capacity %.2f GiB, %.2f GiB in use",
+        store.root,
+        namespace,
+        store.capacity_bytes / 2**30,
+        store.total_bytes / 2**30,
+    )
+    connector = KVStoreConnector(store, writer, cache.block_size, store_config.default_retention)
+    return connector, none_hash_from_secret(secret, cache.prefix_caching_hash_algo)
