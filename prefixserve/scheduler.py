@@ -219,10 +219,9 @@ class Scheduler:
                 self.waiting.pop(request)
                 self.running.append(request)
                 if num_on_disk:
-                    # Blocks whose read fails are computed instead (their slots are allocated).
-                    loaded = self._load_from_disk(request, num_computed, num_on_disk, kv_loads)
-                    num_new_tokens += num_loaded - loaded
-                    num_loaded = loaded
+                    # Blocks whose read fails are computed instead, from this chunk on (their
+                    # slots are allocated already).
+                    num_loaded = self._load_from_disk(request, num_computed, num_on_disk, kv_loads)
                 first_scheduling = request.num_cached_tokens < 0
                 if first_scheduling:
                     request.num_cached_tokens = num_computed + num_loaded

@@ -210,12 +210,17 @@ class KVCacheManager:
         `num_computed_tokens` on, in every group.
 
         allocate_slots caches blocks before the forward pass writes their K/V; when that pass
-        fails, those blocks hold garbage and must never be hit. Call before freeing the request.
+        fails, or a disk-tier read meant to fill them fails, those blocks hold garbage and must
+        never be hit. The request's cached count goes back too, so a request that goes on caches
+        them again once they are computed.
         """
         first = num_computed_tokens // self.block_size
         for manager in self.coordinator.managers:
             blocks = manager.req_to_blocks.get(request.request_id, ())
             self.block_pool.uncache_blocks(blocks[first:])
+            # A request that goes on (a failed disk-tier read) caches them again once computed.
+            if manager.num_cached_block.get(request.request_id, 0) > first:
+                manager.num_cached_block[request.request_id] = first
 
     def uncache_block_ids(self, block_ids: Iterable[int]) -> None:
         """Forget the hashes of these blocks (disk-tier loads of a step whose pass failed: the
