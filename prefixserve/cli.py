@@ -233,6 +233,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "running requests; fcfs: first come, first served over all tenants (vLLM's default). "
         "Without keys both plan the same steps.",
     )
+    sched.add_argument(
+        "--fair-chunk-tokens",
+        type=int,
+        default=512,
+        help="With --scheduling-policy fair, the largest prefill chunk of one request while "
+        "several tenants have work (a step lasts as long as its tokens take, and everyone "
+        "waits for it); 0: no cap.",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -255,6 +263,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             max_num_batched_tokens=args.max_num_batched_tokens,
             long_prefill_token_threshold=args.long_prefill_token_threshold,
             scheduling_policy=args.scheduling_policy,
+            fair_chunk_tokens=args.fair_chunk_tokens,
         ),
         kv_store=kv_store_config_from_args(args),
     )

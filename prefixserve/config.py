@@ -82,13 +82,16 @@ class SchedulerConfig:
     caps the chunk one request gets in a step so long prompts do not starve the others.
     `scheduling_policy` "fair" shares steps, the waiting queue and preemptions between tenants
     (`fair_share.py`); "fcfs" is vLLM's first come, first served over all tenants together. With
-    one tenant the two plan the same steps.
+    one tenant the two plan the same steps. `fair_chunk_tokens` (0 = off) caps one request's
+    prefill chunk while several tenants share a step (policy "fair" only): a step's time grows
+    with its tokens, and every tenant with work waits for it.
     """
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 4096
     long_prefill_token_threshold: int = 0
     scheduling_policy: str = "fair"
+    fair_chunk_tokens: int = 512
 
     def __post_init__(self) -> None:
         _check_positive_int("max_num_seqs", self.max_num_seqs)
@@ -103,6 +106,12 @@ class SchedulerConfig:
                 self.long_prefill_token_threshold,
                 "an integer >= 0 (0 disables it)",
             )
+        if (
+            isinstance(self.fair_chunk_tokens, bool)
+            or not isinstance(self.fair_chunk_tokens, int)
+            or self.fair_chunk_tokens < 0
+        ):
+            raise _invalid("fair_chunk_tokens", self.fair_chunk_tokens, "an integer >= 0 (0: off)")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise _invalid(
                 "scheduling_policy", self.scheduling_policy, f"one of {SCHEDULING_POLICIES}"

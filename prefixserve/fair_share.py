@@ -11,7 +11,11 @@ structures reduce to what the scheduler did before they existed: one FIFO queue,
 - `tenant_shares` (`water_fill`) splits a step's token budget: each tenant gets what it asks for
   up to an equal share, and what the small ones leave is shared by the others (max-min fairness).
   A tenant's long prefill chunk can then no longer push another tenant's decode out of a step.
-- `preemption_victim` takes from the tenant with the most running requests.
+- `preemption_victim` takes from the tenant with the most running requests when the pool is
+  full; `slot_preemption_victim` does when the running slots (`max_num_seqs`) are all taken and a
+  waiting tenant has less than an equal share of them, so one tenant's long requests cannot hold
+  every slot while another waits. Preemption is cheap with a prefix cache: the victim's blocks
+  stay cached (freed, hashes kept), so resuming recomputes little beyond its last partial block.
 """
 
 from __future__ import annotations
@@ -80,11 +84,17 @@ class WaitingQueue:
         self._queue_of(request).append(request)
         self._len += 1
 
-    def appendleft(self, request: Request) -> None:
-        """A preempted request: the front of its tenant's queue, and its tenant's turn is next."""
+    def appendleft(self, request: Request, turn_next: bool = True) -> None:
+        """A preempted request: the front of its tenant's queue, and (`turn_next`) its tenant's
+        turn is next; without, a tenant new to the queue takes its turn last."""
         self._queue_of(request).appendleft(request)
-        self._queues.move_to_end(self._key(request), last=False)
+        if turn_next:
+            self._queues.move_to_end(self._key(request), last=False)
         self._len += 1
+
+    def take_turn_next(self, tenant: Hashable) -> None:
+        """Give `tenant` (which has waiting requests) the next turn."""
+        self._queues.move_to_end(tenant, last=False)
 
     def peek(self, shares: Mapping[Hashable, int] | None = None) -> Request | None:
         """The head of the first tenant in turn order (with `shares`: the first whose share is
@@ -193,3 +203,23 @@ def preemption_victim(running: Sequence[Request], first: int, fair: bool) -> Req
     counts = Counter(request.tenant for request in running)
     tenant = max((r.tenant for r in reversed(candidates)), key=lambda t: counts[t])
     return next(r for r in reversed(candidates) if r.tenant == tenant)
+
+
+def slot_preemption_victim(
+    running: Sequence[Request], waiting: WaitingQueue, max_num_seqs: int
+) -> tuple[Request, Hashable] | None:
+    """When every running slot is taken: (the running request to preempt, the waiting tenant
+    that gets its slot). The tenant is the first in turn holding less than an equal share of the
+    slots (max_num_seqs / tenants with work); the request is the newest of the tenant holding
+    the most beyond its share. None when no waiting tenant is short or no one holds extra."""
+    if len(running) < max_num_seqs or not waiting:
+        return None
+    counts = Counter(request.tenant for request in running)
+    tenants = set(counts) | set(waiting.tenants())
+    share = max(1, max_num_seqs // len(tenants))
+    short = next((t for t in waiting.tenants() if counts[t] < share), None)
+    over = [tenant for tenant in counts if counts[tenant] > share]
+    if short is None or not over:
+        return None
+    tenant = max(over, key=lambda t: counts[t])
+    return next(r for r in reversed(running) if r.tenant == tenant), short

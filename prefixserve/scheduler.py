@@ -7,20 +7,21 @@ with the second within a token budget. A prefix-cache hit simply starts a new re
 is a request one token behind.
 
 Order inside a step (vLLM v1, with fair shares between tenants):
+0. (fair) when every running slot is taken and a waiting tenant holds less than an equal share
+   of them, the newest request of the tenant holding the most is preempted (one a step);
 1. running requests, oldest first: each gets slots for its next tokens, up to its tenant's share
    of the step's token budget; when the pool is full the most recently admitted running request of
    the tenant with the most running requests is preempted (blocks freed tail first, keeping their
    hashes; back to the front of its tenant's waiting queue with nothing computed) until the slots
    fit;
 2. waiting requests, tenants in turn and each tenant's in arrival order (`fair_share.WaitingQueue`),
-   unless something was preempted this step: each is looked up in the prefix cache, then gets slots
-   for the rest of its prompt (or a chunk of it, within its tenant's share; once every tenant with
-   waiting requests has used its share, the budget left goes to whoever is next); the first one
-   that does not fit stops admission.
+   unless something was preempted for lack of blocks this step: each is looked up in the prefix
+   cache, then gets slots for the rest of its prompt (or a chunk of it, within its tenant's share;
+   once every tenant with waiting requests has used its share, the budget left goes to whoever is
+   next); the first one that does not fit stops admission.
 
-Shares (`fair_share.water_fill`) only apply when more than one tenant has work; with one tenant
-(the offline API, a server without keys) the step is planned exactly as vLLM's FCFS scheduler
-plans it.
+Shares (and `fair_chunk_tokens`) apply only while several tenants have work; with one tenant
+(the offline API, a server without keys) the step is planned as vLLM's FCFS scheduler plans it.
 """
 
 from __future__ import annotations
@@ -36,7 +37,12 @@ from prefixserve.batch import (
     SchedulerOutput,
 )
 from prefixserve.config import SchedulerConfig
-from prefixserve.fair_share import WaitingQueue, preemption_victim, tenant_shares
+from prefixserve.fair_share import (
+    WaitingQueue,
+    preemption_victim,
+    slot_preemption_victim,
+    tenant_shares,
+)
 from prefixserve.request import Request, RequestStatus
 
 if TYPE_CHECKING:
@@ -150,7 +156,17 @@ class Scheduler:
         (update_from_output does, once the tokens are computed)."""
         mgr = self.kv_cache_manager
         token_budget = self.config.max_num_batched_tokens
-        shares = self._tenant_shares(token_budget) if self.fair else None
+        shares = None
+        if self.fair:
+            # A waiting tenant short of its share of the running slots takes one this step.
+            slot = slot_preemption_victim(self.running, self.waiting, self.config.max_num_seqs)
+            if slot is not None:
+                victim, short_tenant = slot
+                self.running.remove(victim)
+                self._preempt(victim, turn_next=False)
+                self.waiting.take_turn_next(short_tenant)
+            shares = self._tenant_shares(token_budget)
+        contended = shares is not None
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
         kv_loads: list[tuple[int, bytes]] = []
@@ -159,7 +175,7 @@ class Scheduler:
         req_index = 0
         while req_index < len(self.running) and token_budget > 0:
             request = self.running[req_index]
-            num_new_tokens = min(self._chunk(request), token_budget)
+            num_new_tokens = min(self._chunk(request, contended), token_budget)
             if shares is not None:
                 num_new_tokens = min(num_new_tokens, shares[request.tenant])
                 if num_new_tokens == 0:
@@ -201,7 +217,7 @@ class Scheduler:
                 num_loaded = num_on_disk * mgr.block_size
                 num_new_tokens = request.num_tokens - num_computed - num_loaded
                 assert num_new_tokens > 0, (request, num_computed, num_loaded)
-                threshold = self.config.long_prefill_token_threshold
+                threshold = self._threshold(contended)
                 if 0 < threshold < num_new_tokens:
                     num_new_tokens = threshold
                 num_new_tokens = min(num_new_tokens, token_budget)
@@ -261,16 +277,28 @@ class Scheduler:
             self.kv_cache_manager.uncache_uncomputed_blocks(request, num_computed + loaded)
         return loaded
 
-    def _chunk(self, request: Request) -> int:
+    def _chunk(self, request: Request, contended: bool = False) -> int:
         """The tokens `request` would compute this step with the whole budget to itself."""
         num_new_tokens = request.num_tokens - request.num_computed_tokens
-        threshold = self.config.long_prefill_token_threshold
+        threshold = self._threshold(contended)
         return threshold if 0 < threshold < num_new_tokens else num_new_tokens
+
+    def _threshold(self, contended: bool) -> int:
+        """The cap on one request's chunk this step (0: none): `long_prefill_token_threshold`,
+        and `fair_chunk_tokens` while tenants share the step (`contended`), so that no tenant's
+        long prefill makes the step that carries the others' tokens long."""
+        threshold = self.config.long_prefill_token_threshold
+        fair_cap = self.config.fair_chunk_tokens if contended else 0
+        if fair_cap and (not threshold or fair_cap < threshold):
+            return fair_cap
+        return threshold
 
     def _tenant_shares(self, budget: int) -> dict[Hashable, int] | None:
         """Each tenant's share of this step's tokens (None: at most one tenant has work)."""
         free_seqs = self.config.max_num_seqs - len(self.running)
-        return tenant_shares(self.running, self.waiting, free_seqs, budget, self._chunk)
+        return tenant_shares(
+            self.running, self.waiting, free_seqs, budget, lambda r: self._chunk(r, True)
+        )
 
     def stuck_request(self) -> Request | None:
         """The head of the waiting queue when nothing runs: after a step that scheduled nothing,
@@ -290,7 +318,7 @@ class Scheduler:
             block_ids=self.kv_cache_manager.get_block_ids(request),
         )
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, turn_next: bool = True) -> None:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -298,7 +326,7 @@ class Scheduler:
         self.stats.num_preemptions += 1
         # Not in finished_req_ids: the runner keeps the request's seeded generator, so a resumed
         # request continues its random stream instead of replaying it.
-        self.waiting.appendleft(request)
+        self.waiting.appendleft(request, turn_next)
 
     # ----------------------------------------------------------------- applying the results
 

@@ -204,3 +204,46 @@ def test_fcfs_policy_splits_no_budget_between_tenants():
     sched.add_request(_req("a-long", "a", prompt_len=200, max_tokens=2))
     sched.add_request(_req("b0", "b", prompt_len=4, max_tokens=20))
     assert scheduled_tokens(step(sched, runner)) == {"a-long": 16}
+
+
+def test_a_tenant_without_a_running_slot_takes_one_from_the_tenant_holding_them_all():
+    sched, runner = make_scheduler(max_num_seqs=2, max_num_batched_tokens=64)
+    a0, a1 = _req("a0", "a", max_tokens=30), _req("a1", "a", max_tokens=30)
+    sched.add_request(a0)
+    sched.add_request(a1)
+    step(sched, runner)
+    b0 = _req("b0", "b", max_tokens=3)
+    sched.add_request(b0)
+    tokens = scheduled_tokens(step(sched, runner))
+    # a's newest gave its slot to b at once; a0 runs on.
+    assert a1.num_preemptions == 1 and set(tokens) == {"a0", "b0"}
+    for _ in range(5):  # b holds its equal share now: no more preemptions while it runs
+        step(sched, runner)
+    assert a0.num_preemptions == 0 and a1.num_preemptions == 1
+    run_to_completion(sched, runner)
+    assert_no_leak(sched)  # (the tokens of preempted requests: the property test in
+    # test_scheduler.py runs tenants through every schedule against each request run alone)
+
+
+def test_fcfs_policy_never_preempts_for_running_slots():
+    sched, runner = make_scheduler(
+        max_num_seqs=2, max_num_batched_tokens=64, scheduling_policy="fcfs"
+    )
+    a0, a1 = _req("a0", "a", max_tokens=10), _req("a1", "a", max_tokens=10)
+    sched.add_request(a0)
+    sched.add_request(a1)
+    step(sched, runner)
+    sched.add_request(_req("b0", "b", max_tokens=3))
+    assert set(scheduled_tokens(step(sched, runner))) == {"a0", "a1"}
+    assert a1.num_preemptions == 0
+
+
+def test_while_tenants_share_a_step_no_prefill_chunk_exceeds_the_fair_chunk():
+    sched, runner = make_scheduler(max_num_batched_tokens=64, fair_chunk_tokens=8)
+    sched.add_request(_req("a-long", "a", prompt_len=100, max_tokens=2))
+    assert scheduled_tokens(step(sched, runner)) == {"a-long": 64}  # alone: the whole budget
+    sched.add_request(_req("b0", "b", prompt_len=20, max_tokens=30))
+    assert scheduled_tokens(step(sched, runner)) == {"a-long": 8, "b0": 8}
+    assert scheduled_tokens(step(sched, runner)) == {"a-long": 8, "b0": 8}
+    run_to_completion(sched, runner)
+    assert_no_leak(sched)

@@ -67,6 +67,7 @@ def make_scheduler(
     enable_caching: bool = True,
     max_model_len: int = MAX_MODEL_LEN,
     scheduling_policy: str = "fair",
+    fair_chunk_tokens: int = 512,
 ) -> tuple[Scheduler, FakeRunner]:
     mgr = KVCacheManager(
         KVCacheConfig(num_blocks=num_blocks + 1, block_size=BLOCK), enable_caching=enable_caching
@@ -76,6 +77,7 @@ def make_scheduler(
         max_num_batched_tokens=max_num_batched_tokens,
         long_prefill_token_threshold=long_prefill_token_threshold,
         scheduling_policy=scheduling_policy,
+        fair_chunk_tokens=fair_chunk_tokens,
     )
     return Scheduler(config, mgr, max_model_len, eos_token_ids=[EOS]), FakeRunner(num_blocks)
 
@@ -479,6 +481,7 @@ def test_any_schedule_gives_each_request_the_tokens_it_gets_alone(
         dict(long_prefill_token_threshold=-2),
         dict(max_num_seqs=1.5),
         dict(scheduling_policy="lifo"),
+        dict(fair_chunk_tokens=-1),
     ],
 )
 def test_invalid_scheduler_config_names_the_field(bad):

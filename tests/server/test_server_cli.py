@@ -95,6 +95,8 @@ def test_flags_build_the_engine_config():
             "--kv-events",
             "--scheduling-policy",
             "fcfs",
+            "--fair-chunk-tokens",
+            "256",
         ]
     )
     config = cli.engine_config_from_args(args)
@@ -110,6 +112,7 @@ def test_flags_build_the_engine_config():
     assert config.scheduler.max_num_seqs == 8
     assert config.scheduler.max_num_batched_tokens == 512
     assert config.scheduler.scheduling_policy == "fcfs"
+    assert config.scheduler.fair_chunk_tokens == 256
 
 
 def test_defaults_are_the_default_model_with_prefix_caching_on():

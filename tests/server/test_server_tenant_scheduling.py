@@ -14,9 +14,11 @@ class RecordingEngine(FakeEngine):
     def __init__(self) -> None:
         super().__init__()
         self.tenants: list[Any] = []
+        self.kwargs: list[dict[str, Any]] = []
 
     async def add_request(self, request_id: str, prompt_ids: list[int], params: Any, **kw: Any):
         self.tenants.append(kw.get("tenant"))
+        self.kwargs.append(kw)
         return await super().add_request(request_id, prompt_ids, params, **kw)
 
 

@@ -1,0 +1,52 @@
+"""OpenAI's prompt-caching fields: `prompt_cache_retention` reaches the engine (or gets a 400),
+`prompt_cache_key` is accepted within its bound and goes nowhere."""
+
+from __future__ import annotations
+
+import pytest
+
+from prefixserve.server.app import build_app
+from prefixserve.server.protocol import MAX_PROMPT_CACHE_KEY_CHARS
+from tests.server.asgi_helpers import call
+from tests.server.test_server_tenant_scheduling import RecordingEngine
+
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+def _post(app, path: str, **fields):
+    body = {"model": "m", **fields}
+    if path == "/v1/completions":
+        body["prompt"] = "hi"
+    else:
+        body["messages"] = CHAT
+    return call(app, "POST", path, body=body)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("retention", ["in_memory", "24h", None])
+def test_prompt_cache_retention_reaches_the_engine(path, retention):
+    engine = RecordingEngine()
+    app = build_app(engine, ["m"])  # type: ignore[arg-type]
+    fields = {} if retention is None else {"prompt_cache_retention": retention}
+    _post(app, path, **fields)
+    assert engine.kwargs[-1]["cache_retention"] == retention
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("bad", ["forever", "", 24, ["24h"]])
+def test_an_unknown_prompt_cache_retention_is_a_400_naming_the_field(path, bad):
+    engine = RecordingEngine()
+    app = build_app(engine, ["m"])  # type: ignore[arg-type]
+    result = _post(app, path, prompt_cache_retention=bad)
+    assert result.status == 400 and "prompt_cache_retention" in result.body.decode()
+    assert engine.kwargs == []
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_prompt_cache_key_is_accepted_within_its_bound(path):
+    engine = RecordingEngine()
+    app = build_app(engine, ["m"])  # type: ignore[arg-type]
+    _post(app, path, prompt_cache_key="k" * MAX_PROMPT_CACHE_KEY_CHARS)
+    assert len(engine.kwargs) == 1 and "prompt_cache_key" not in engine.kwargs[0]
+    result = _post(app, path, prompt_cache_key="k" * (MAX_PROMPT_CACHE_KEY_CHARS + 1))
+    assert result.status == 400 and "prompt_cache_key" in result.body.decode()
