@@ -19,6 +19,13 @@ The shapes:
   documents (d0q0, d1q0, d2q0, d3q0, d0q1, ...), which is the worst order for an LRU cache;
   each question is 32 tokens; 16 output tokens.
 
+- W4 pressure: 12 documents of 1,500 tokens, one 32-token question each per round, 4 rounds
+  round-robin over the documents; 16 output tokens. Meant for a RAM pool that holds about 4
+  documents: LRU then keeps none of them from one round to the next.
+- W5 popularity: 64 system prompts of 1,024 tokens, 256 requests whose prompt is drawn with
+  Zipf(1.1) popularity, each with its own 64-token suffix; 16 output tokens. Meant for a pool of
+  about 16 of them.
+
 EOS is ignored everywhere so every engine decodes the same number of tokens.
 """
 
@@ -30,7 +37,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-WORKLOAD_NAMES = ("W0", "W1", "W2", "W3")
+WORKLOAD_NAMES = ("W0", "W1", "W2", "W3", "W4", "W5")
+# What `prefixserve bench run` runs unless told: W4 and W5 need a small KV pool to mean anything.
+DEFAULT_WORKLOADS = ("W0", "W1", "W2", "W3")
 
 _WORD = re.compile(r"^ [a-z]{2,}$")
 
@@ -203,11 +212,48 @@ def make_w3(pool: Sequence[int], seed: int = 0, scale: float = 1.0) -> Workload:
     )
 
 
+def make_w4(pool: Sequence[int], seed: int = 0, scale: float = 1.0) -> Workload:
+    gen = _Gen(pool, seed)
+    rounds = _scaled(4, scale)
+    docs = [gen.tokens(1500) for _ in range(12)]
+    reqs = [
+        BenchRequest(f"W4-d{d:02d}-r{r}", docs[d] + gen.tokens(32), 16, group=f"d{d}")
+        for r in range(rounds)
+        for d in range(12)
+    ]
+    return Workload(
+        "W4",
+        f"pressure: 12 x 1500-token documents, {rounds} rounds round-robin, +32, 16 out",
+        reqs,
+        seed,
+    )
+
+
+def make_w5(pool: Sequence[int], seed: int = 0, scale: float = 1.0) -> Workload:
+    gen = _Gen(pool, seed)
+    n = _scaled(256, scale)
+    prompts = [gen.tokens(1024) for _ in range(64)]
+    weights = [1.0 / (rank + 1) ** 1.1 for rank in range(64)]  # Zipf(1.1) over popularity rank
+    picks = gen.rng.choices(range(64), weights=weights, k=n)
+    reqs = [
+        BenchRequest(f"W5-{i:03d}-s{p:02d}", prompts[p] + gen.tokens(64), 16, group=f"s{p}")
+        for i, p in enumerate(picks)
+    ]
+    return Workload(
+        "W5",
+        f"popularity: {n} requests over 64 x 1024-token system prompts, Zipf(1.1), +64, 16 out",
+        reqs,
+        seed,
+    )
+
+
 _MAKERS: dict[str, Callable[[Sequence[int], int, float], Workload]] = {
     "W0": make_w0,
     "W1": make_w1,
     "W2": make_w2,
     "W3": make_w3,
+    "W4": make_w4,
+    "W5": make_w5,
 }
 
 
@@ -218,11 +264,11 @@ def make_workload(
     scale: float = 1.0,
     decode: Callable[[list[int]], str] | None = None,
 ) -> Workload:
-    """Build workload `name` (W0..W3) from `pool` and `seed`.
+    """Build workload `name` (W0..W5) from `pool` and `seed`.
 
     `scale` multiplies the number of requests (W0 requests, W1 requests per prefix, W2
-    conversations, W3 questions per document), never the token lengths. With `decode`, each
-    request also carries its prompt as text for servers that only take text.
+    conversations, W3 questions per document, W4 rounds, W5 requests), never the token lengths.
+    With `decode`, each request also carries its prompt as text for servers that only take text.
     """
     key = name.upper()
     if key not in _MAKERS:

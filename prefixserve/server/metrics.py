@@ -21,7 +21,12 @@ PREFIX = "prefixserve_"
 # Engine metric key -> (exported name, help). Counters are cumulative since start.
 ENGINE_COUNTERS = {
     "prefix_cache_queries": ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),
-    "prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens found in the prefix cache"),
+    "prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens found in the RAM pool"),
+    "kv_store_hit_tokens": ("prefix_cache_disk_hits", "Prompt tokens loaded from the disk tier"),
+    "kv_store_bytes_read": ("kv_store_read_bytes", "Bytes read from the disk tier"),
+    "kv_store_bytes_written": ("kv_store_written_bytes", "Bytes written to the disk tier"),
+    "kv_store_load_seconds": ("kv_store_load_seconds", "Seconds spent loading from the disk tier"),
+    "kv_store_dropped_writes": ("kv_store_dropped_writes", "Writes dropped by a full writer queue"),
     "prefix_cache_requests": ("prefix_cache_requests", "Requests that queried the prefix cache"),
     "prompt_tokens": ("prompt_tokens", "Prompt tokens of requests admitted by the scheduler"),
     "generation_tokens": ("generation_tokens", "Tokens generated"),

@@ -1,0 +1,167 @@
+"""The prefix cache's disk tier under pressure and across a restart, offline (`LLM` API).
+
+W4 (12 documents, 4 rounds round-robin; pool for ~4 documents) and W5 (64 system prompts with
+Zipf(1.1) popularity; pool for ~16) run twice in one process on the same weights: with the RAM
+pool only (LRU, what vLLM's prefix caching does) and with the disk tier on an empty store. Requests
+go in closed-loop batches of `--concurrency`. Prints requests/s, the hit rate split by tier, and
+the store's per-block load time against the time to compute a block.
+
+W6 (restart) runs W1 one request at a time with max_tokens=1 (so each request's time is its time
+to first token): a cold pass on an empty store, then a new engine on the same store (a restart:
+empty RAM pool), then the same engine again (warm RAM). Prints TTFT p50 of each pass.
+
+    .venv/bin/python benchmarks/bench_kv_store.py --workloads W4,W5,W6 [--scale 1.0]
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse  # noqa: E402
+import platform  # noqa: E402
+import statistics  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+
+from prefixserve import LLM, SamplingParams  # noqa: E402
+from prefixserve.bench.workloads import load_token_pool, make_workload  # noqa: E402
+from prefixserve.model.default_model import ensure_default_model  # noqa: E402
+from prefixserve.model.loader import load_model  # noqa: E402
+
+# KV blocks of the RAM pool per workload: W4 ~4 documents (4 x 1,532 tokens), W5 ~16 prompts.
+POOL_BLOCKS = {"W4": 4 * 96 + 16, "W5": 16 * 68 + 16}
+
+
+def _llm(loaded, num_blocks: int | None, store: str | None, args) -> LLM:
+    return LLM(
+        dtype=args.dtype,
+        loaded_model=loaded,
+        num_kv_blocks=num_blocks,
+        max_num_seqs=args.concurrency,
+        enable_kv_store=store is not None,
+        kv_store_dir=store,
+        kv_store_gb=args.store_gb if store is not None else None,
+    )
+
+
+def run_pressure(loaded, workload, num_blocks: int, store: str | None, args) -> dict:
+    llm = _llm(loaded, num_blocks, store, args)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    requests = workload.requests
+    start = time.perf_counter()
+    outputs = []
+    for i in range(0, len(requests), args.concurrency):
+        batch = requests[i : i + args.concurrency]
+        prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in batch]
+        outputs += llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - start
+    llm.llm_engine.close()
+    metrics = llm.llm_engine.get_metrics()
+    prompt_tokens = sum(r.num_prompt_tokens for r in requests)
+    disk = metrics.get("kv_store_hit_tokens", 0)
+    cached = sum(o.num_cached_tokens for o in outputs)
+    loaded_blocks = metrics.get("kv_store_loaded_blocks", 0)
+    return {
+        "req_s": len(requests) / wall,
+        "wall": wall,
+        "hit": cached / prompt_tokens,
+        "ram_hit": (cached - disk) / prompt_tokens,
+        "disk_hit": disk / prompt_tokens,
+        "load_ms_per_block": (
+            1000 * metrics["kv_store_load_seconds"] / loaded_blocks if loaded_blocks else None
+        ),
+        "computed": metrics["computed_prompt_tokens"],
+        "outputs": [list(o.outputs[0].token_ids) for o in outputs],
+    }
+
+
+def run_restart(loaded, workload, args) -> dict:
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    store = tempfile.mkdtemp(prefix="kvstore-w6-")
+
+    def one_pass(llm: LLM) -> list[float]:
+        ttfts = []
+        for r in workload.requests:
+            start = time.perf_counter()
+            llm.generate([{"prompt_token_ids": r.prompt_token_ids}], params, use_tqdm=False)
+            ttfts.append(time.perf_counter() - start)
+        return ttfts
+
+    first = _llm(loaded, None, store, args)
+    cold = one_pass(first)
+    first.llm_engine.close()
+    del first
+    restarted = _llm(loaded, None, store, args)
+    after_restart = one_pass(restarted)
+    hits = restarted.llm_engine.get_metrics()
+    warm = one_pass(restarted)
+    restarted.llm_engine.close()
+    tokens = sum(r.num_prompt_tokens for r in workload.requests)
+    return {
+        "cold": statistics.median(cold),
+        "restart": statistics.median(after_restart),
+        "warm": statistics.median(warm),
+        "restart_disk_hit": hits["kv_store_hit_tokens"] / tokens,
+        "restart_ram_hit": hits["prefix_cache_hits"] / tokens,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", default="W4,W5,W6")
+    parser.add_argument("--scale", type=float, default=1.0, help="multiplies the requests")
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--store-gb", type=float, default=4.0)
+    args = parser.parse_args()
+    cpuinfo = open("/proc/cpuinfo").read()
+    flags = " ".join(f for f in ("avx512f", "avx512_bf16", "amx_bf16", "avx2") if f in cpuinfo)
+    print(f"# {platform.processor() or platform.machine()}, flags: {flags}, dtype {args.dtype}")
+    loaded = load_model(None, dtype=args.dtype)
+    pool, _, special = load_token_pool(ensure_default_model())
+    for name in args.workloads.split(","):
+        if name == "W6":
+            workload = make_workload("W1", pool, scale=args.scale)
+            for r in workload.requests:
+                r.prompt_token_ids = [*special, *r.prompt_token_ids]
+            result = run_restart(loaded, workload, args)
+            print(
+                f"W6 (W1 one at a time, max_tokens=1): TTFT p50 cold {result['cold']:.3f} s, "
+                f"after restart {result['restart']:.3f} s (disk hit "
+                f"{result['restart_disk_hit']:.1%}, RAM hit {result['restart_ram_hit']:.1%}), "
+                f"warm {result['warm']:.3f} s; restart/warm "
+                f"{result['restart'] / result['warm']:.2f}x, restart/cold "
+                f"{result['restart'] / result['cold']:.2f}x",
+                flush=True,
+            )
+            continue
+        workload = make_workload(name, pool, scale=args.scale)
+        for r in workload.requests:
+            r.prompt_token_ids = [*special, *r.prompt_token_ids]
+        blocks = POOL_BLOCKS[name]
+        ram = run_pressure(loaded, workload, blocks, None, args)
+        disk = run_pressure(loaded, workload, blocks, tempfile.mkdtemp(prefix="kvstore-"), args)
+        assert ram["outputs"] == disk["outputs"] or args.dtype != "float32"
+        same = sum(a == b for a, b in zip(ram["outputs"], disk["outputs"], strict=True))
+        for label, r in (("RAM pool only (LRU)", ram), ("RAM + disk tier", disk)):
+            load = r["load_ms_per_block"]
+            print(
+                f"{name} {len(workload.requests)} req, pool {blocks} blocks, {label}: "
+                f"{r['req_s']:.3f} req/s ({r['wall']:.1f} s), hit {r['hit']:.1%} "
+                f"(RAM {r['ram_hit']:.1%}, disk {r['disk_hit']:.1%}), computed prompt tokens "
+                f"{r['computed']}" + (f", load {load:.2f} ms/block" if load else ""),
+                flush=True,
+            )
+        compute_ms_per_block = 1000 * ram["wall"] / max(1, ram["computed"]) * 16
+        print(
+            f"{name}: disk tier / RAM only = {disk['req_s'] / ram['req_s']:.2f}x req/s; "
+            f"outputs identical for {same}/{len(workload.requests)}; "
+            f"RAM-only wall time per computed block ~{compute_ms_per_block:.1f} ms",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
