@@ -207,6 +207,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="Record KV-cache events (blocks stored, evicted, cache cleared), served at "
         "GET /kv_events for KV-aware routers.",
     )
+    parser.add_argument(
+        "--max-pinned-blocks",
+        type=int,
+        default=None,
+        help="Most KV blocks operators may pin with POST /pins (default: a quarter of the pool).",
+    )
     sched = parser.add_argument_group("scheduler")
     sched.add_argument(
         "--max-num-seqs", type=int, default=256, help="Most requests running in one step."
@@ -257,6 +263,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             enable_prefix_caching=args.enable_prefix_caching,
             prefix_caching_hash_algo=args.prefix_caching_hash_algo,
             enable_kv_events=args.kv_events,
+            max_pinned_blocks=args.max_pinned_blocks,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,

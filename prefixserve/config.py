@@ -42,9 +42,17 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: str = "sha256"
     enable_kv_events: bool = False
+    # Most blocks operators may pin (None: a quarter of the pool).
+    max_pinned_blocks: int | None = None
 
     def __post_init__(self) -> None:
         _check_positive_int("block_size", self.block_size)
+        if self.max_pinned_blocks is not None and (
+            isinstance(self.max_pinned_blocks, bool)
+            or not isinstance(self.max_pinned_blocks, int)
+            or self.max_pinned_blocks < 0
+        ):
+            raise _invalid("max_pinned_blocks", self.max_pinned_blocks, "None or an integer >= 0")
         if self.block_size > 1024:
             raise _invalid("block_size", self.block_size, "at most 1024")
         _check_positive_int("num_kv_blocks", self.num_kv_blocks, allow_none=True)

@@ -17,11 +17,11 @@ from typing import Any
 
 from prefixserve.batch import ModelRunnerOutput, SchedulerOutput
 from prefixserve.config import DEFAULT_KV_CACHE_MEMORY_GB, EngineConfig
+from prefixserve.input_checks import check_prompt, check_request_fields, effective_max_tokens
 from prefixserve.kv_cache.hashing import get_request_block_hasher
 from prefixserve.kv_cache.kv_cache_manager import KVCacheManager
 from prefixserve.kv_cache.sizing import blocks_needed, size_kv_pool
 from prefixserve.kv_cache.spec import KVCacheConfig, KVCacheSpec
-from prefixserve.kv_store import RETENTION_SECONDS
 from prefixserve.kv_store.connector import open_engine_kv_store
 from prefixserve.kv_store.worker import kv_layout
 from prefixserve.model.loader import LoadedModel, load_model
@@ -77,6 +77,11 @@ class LLMEngine:
             kv_config,
             enable_caching=cache.enable_prefix_caching,
             enable_kv_cache_events=cache.enable_kv_events,
+            max_pinned_blocks=(
+                self.num_kv_blocks // 4
+                if cache.max_pinned_blocks is None
+                else cache.max_pinned_blocks
+            ),
         )
         eos_ids = set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids)
         self.scheduler = Scheduler(
@@ -145,46 +150,10 @@ class LLMEngine:
         ids outside the vocabulary, a prompt or max_tokens past max_model_len, or a request too
         long for the KV pool.
         """
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise ValueError(f"cache_salt must be a non-empty string or None, got {cache_salt!r}")
-        if cache_salt is not None and not _is_unicode_text(cache_salt):
-            raise ValueError("cache_salt must be Unicode text (it holds a lone surrogate)")
-        if cache_retention is not None and cache_retention not in RETENTION_SECONDS:
-            valid = ", ".join(map(repr, RETENTION_SECONDS))
-            raise ValueError(
-                f"prompt_cache_retention must be one of {valid}, got {cache_retention!r}"
-            )
-        prompt_token_ids = list(prompt_token_ids)
+        check_request_fields(request_id, params, cache_salt, cache_retention)
+        prompt_token_ids = check_prompt(prompt_token_ids, self.vocab_size, self.max_model_len)
         num_prompt = len(prompt_token_ids)
-        if num_prompt == 0:
-            raise ValueError("prompt_token_ids must hold at least one token, got an empty prompt")
-        for token_id in prompt_token_ids:
-            if (
-                isinstance(token_id, bool)
-                or not isinstance(token_id, int)
-                or not (0 <= token_id < self.vocab_size)
-            ):
-                raise ValueError(
-                    f"prompt_token_ids must be integers in [0, {self.vocab_size}), got {token_id!r}"
-                )
-        if num_prompt >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {num_prompt} tokens but max_model_len is {self.max_model_len}; "
-                f"a prompt may have at most {self.max_model_len - 1} tokens"
-            )
-        max_tokens = params.max_tokens
-        if max_tokens is None:
-            max_tokens = self.max_model_len - num_prompt
-        elif num_prompt + max_tokens > self.max_model_len:
-            raise ValueError(
-                f"max_tokens={max_tokens} plus the prompt's {num_prompt} tokens exceeds "
-                f"max_model_len={self.max_model_len}; max_tokens may be at most "
-                f"{self.max_model_len - num_prompt}"
-            )
+        max_tokens = effective_max_tokens(params, num_prompt, self.max_model_len)
         # The last sampled token never gets K/V, so the longest sequence caches this many tokens.
         needed = blocks_needed(
             self.kv_cache_groups, num_prompt + max_tokens - 1, self.block_size, self._max_chunk()
@@ -370,6 +339,23 @@ class LLMEngine:
         blocks, unless `reset_running_requests` preempts them first (they recompute later)."""
         return self.scheduler.reset_prefix_cache(reset_running_requests)
 
+    def pin_prefix(
+        self, pin_id: str, prompt_token_ids: list[int], cache_salt: str | None = None
+    ) -> int:
+        """Keep the cached blocks of this prompt (under `cache_salt`) resident in the pool until
+        `unpin_prefix`; returns the tokens pinned. Run the prompt first so it is cached.
+        ValueError for bad input, nothing cached, a used id or a full pinned capacity."""
+        check_request_fields(pin_id, SamplingParams(), cache_salt, None)
+        ids = check_prompt(prompt_token_ids, self.vocab_size, self.max_model_len)
+        probe = Request(
+            pin_id, ids, SamplingParams(), block_hasher=self._block_hasher, cache_salt=cache_salt
+        )
+        return self.kv_cache_manager.pin_prefix(pin_id, probe)
+
+    def unpin_prefix(self, pin_id: str) -> bool:
+        """Release a pin (its blocks stay cached, evictable again); False when there is none."""
+        return self.kv_cache_manager.pins.unpin(pin_id)
+
     def take_kv_events(self) -> list:
         """KV-cache events since the last call (empty unless enable_kv_events was set)."""
         if not self.config.cache.enable_kv_events:
@@ -385,12 +371,3 @@ class LLMEngine:
             f"requests still in the scheduler: {sorted(self.scheduler.requests)}"
         )
         self.kv_cache_manager.check_no_leaks()
-
-
-def _is_unicode_text(text: str) -> bool:
-    """False for a str that UTF-8 cannot encode (a lone surrogate, which JSON can carry)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True

@@ -12,6 +12,7 @@ from prefixserve.kv_cache.block_pool import BlockPool, KVCacheBlock
 from prefixserve.kv_cache.coordinator import KVCacheCoordinator
 from prefixserve.kv_cache.events import KVCacheEvent
 from prefixserve.kv_cache.hashing import generate_block_extra_keys, get_hash_fn
+from prefixserve.kv_cache.pins import PinnedPrefixes
 from prefixserve.kv_cache.spec import KVCacheConfig
 from prefixserve.request import Request
 
@@ -66,6 +67,7 @@ class KVCacheManager:
         config: KVCacheConfig,
         enable_caching: bool = True,
         enable_kv_cache_events: bool = False,
+        max_pinned_blocks: int = 0,
     ) -> None:
         self.config = config
         self.block_size = config.block_size
@@ -81,6 +83,7 @@ class KVCacheManager:
         self.coordinator = KVCacheCoordinator(config, self.block_pool, extra_keys_fn)
         self.num_groups = len(config.groups)
         self._stats = PrefixCacheStats()
+        self.pins = PinnedPrefixes(self.block_pool, max_pinned_blocks)
 
     # ------------------------------------------------------------------ sizes
 
@@ -247,8 +250,24 @@ class KVCacheManager:
         snapshot.hash_collisions = self.block_pool.num_hash_collisions
         return snapshot
 
+    def pin_prefix(self, pin_id: str, request: Request) -> int:
+        """Keep the cached blocks of `request`'s prompt resident (`pins.py`); returns the tokens
+        pinned (its full blocks that are cached, from the start). ValueError when none is
+        cached, for a used id, or past the pinned capacity."""
+        if not self.enable_caching:
+            raise ValueError("cannot pin a prefix with prefix caching off")
+        groups, num_tokens = self.coordinator.find_longest_cache_hit(
+            request.block_hashes, request.num_tokens, request.all_token_ids
+        )
+        self.pins.pin(pin_id, groups, num_tokens)
+        return num_tokens
+
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached block; False (and nothing changed) while any block is in use."""
+        """Forget every cached block and drop every pin; False (and nothing changed) while a
+        request holds blocks."""
+        if self.coordinator.request_ids():
+            return False
+        self.pins.clear()
         return self.block_pool.reset_prefix_cache()
 
     def take_events(self) -> list[KVCacheEvent]:
@@ -263,7 +282,7 @@ class KVCacheManager:
         of block tables holding it; a table's cached prefix carries hashes; nulls only lead.
         """
         self.block_pool.check_invariants()
-        holders: Counter[int] = Counter()
+        holders: Counter[int] = self.pins.holders()
         for manager in self.coordinator.managers:
             for request_id, blocks in manager.req_to_blocks.items():
                 num_cached = manager.num_cached_block[request_id]
@@ -289,11 +308,12 @@ class KVCacheManager:
 
     def check_no_leaks(self) -> None:
         """With no request running: raise AssertionError naming what leaked, a request still
-        holding a block table or a block not back in the free pool (then check_invariants)."""
+        holding a block table or a block neither free nor pinned (then check_invariants)."""
         holders = self.coordinator.request_ids()
         assert not holders, f"the KV-cache manager still holds block tables of {sorted(holders)}"
         self.check_invariants()
-        assert self.num_free_blocks == self.num_total_blocks, (
-            f"{self.num_total_blocks - self.num_free_blocks} of {self.num_total_blocks} KV blocks "
-            "are not free with no request running"
+        pinned = self.pins.num_blocks
+        assert self.num_free_blocks + pinned == self.num_total_blocks, (
+            f"{self.num_total_blocks - self.num_free_blocks - pinned} of {self.num_total_blocks} "
+            f"KV blocks are neither free nor pinned with no request running"
         )

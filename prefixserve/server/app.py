@@ -31,6 +31,7 @@ from prefixserve.server.guard import (
     render_refusal,
 )
 from prefixserve.server.serving import ServerState
+from prefixserve.server.serving_pins import register_pin_routes
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 << 20
 # Bytes of JSON one prompt token may take in a legal request: a token of up to
@@ -147,6 +148,8 @@ def build_app(
                 reset_running_requests = body.reset_running_requests
         ok = await engine.reset_prefix_cache(reset_running_requests)
         return JSONResponse({"success": bool(ok)})
+
+    register_pin_routes(router, state)
 
     @router.get("/kv_events")
     async def kv_events() -> JSONResponse:

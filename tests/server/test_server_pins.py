@@ -1,0 +1,88 @@
+"""Pinned prefixes over HTTP: operator-only, made in one tenant's namespace (the other tenant never
+hits them), listed, deleted, and bounded by the pinned capacity."""
+
+from __future__ import annotations
+
+from server_helpers import KEY_ADMIN, KEY_ALPHA, KEY_BETA, LiveServer
+
+SYSTEM = "You are a careful assistant for the harbour authority. " * 8
+
+
+def _usage_cached(server: LiveServer, key: str, prompt: str) -> int:
+    with server.http(key) as http:
+        r = http.post(
+            "/v1/completions",
+            json={"model": "test-model", "prompt": prompt, "max_tokens": 1},
+        )
+        assert r.status_code == 200, r.text
+        details = r.json()["usage"].get("prompt_tokens_details") or {}
+        return details.get("cached_tokens", 0)
+
+
+def test_only_an_operator_may_pin(server: LiveServer):
+    for key, status in ((KEY_ALPHA, 403), (None, 401)):
+        with server.http(key) as http:
+            if key is None:
+                http.headers.pop("Authorization", None)
+            assert (
+                http.post("/pins", json={"prompt": SYSTEM, "tenant": "alpha"}).status_code == status
+            )
+            assert http.get("/pins").status_code == status
+            assert http.delete("/pins/x").status_code == status
+
+
+def test_a_pinned_prefix_serves_its_tenant_and_only_its_tenant(server: LiveServer):
+    with server.http(KEY_ADMIN) as http:
+        r = http.post("/pins", json={"prompt": SYSTEM, "tenant": "alpha", "id": "harbour"})
+        assert r.status_code == 200, r.text
+        pinned = r.json()
+        assert pinned["id"] == "harbour" and pinned["num_tokens"] > 0
+        listing = http.get("/pins").json()
+        assert listing["pins"]["harbour"]["num_tokens"] == pinned["num_tokens"]
+        assert 0 < listing["pinned_blocks"] <= listing["capacity_blocks"]
+    try:
+        assert _usage_cached(server, KEY_ALPHA, SYSTEM + " Which berth?") >= pinned["num_tokens"]
+        assert _usage_cached(server, KEY_BETA, SYSTEM + " Which berth?") == 0
+    finally:
+        with server.http(KEY_ADMIN) as http:
+            assert http.delete("/pins/harbour").json() == {"id": "harbour", "deleted": True}
+            assert http.delete("/pins/harbour").status_code == 404
+            assert "harbour" not in http.get("/pins").json()["pins"]
+
+
+def test_a_pin_names_a_known_tenant_and_one_prompt(server: LiveServer):
+    with server.http(KEY_ADMIN) as http:
+        for body, param in (
+            ({"prompt": SYSTEM, "tenant": "nobody"}, "tenant"),
+            ({"prompt": SYSTEM}, "tenant"),
+            ({"tenant": "alpha"}, "prompt"),
+            ({"prompt": "", "tenant": "alpha"}, "prompt"),
+        ):
+            r = http.post("/pins", json=body)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert (
+            http.post("/pins", json={"prompt": SYSTEM, "tenant": "alpha", "x": 1}).status_code
+            == 400
+        )
+
+
+def test_pins_past_the_capacity_are_refused(server: LiveServer):
+    with server.http(KEY_ADMIN) as http:
+        capacity = http.get("/pins").json()["capacity_blocks"]
+        made = []
+        try:
+            for i in range(capacity + 1):
+                r = http.post(
+                    "/pins",
+                    json={"prompt": f"{i} " + "tide tables and berths " * 40, "tenant": "alpha"},
+                )
+                if r.status_code != 200:
+                    assert r.status_code == 400 and r.json()["error"]["code"] == "pin_capacity"
+                    break
+                made.append(r.json()["id"])
+            else:
+                raise AssertionError("the pinned capacity was never reached")
+            assert http.get("/pins").json()["pinned_blocks"] <= capacity
+        finally:
+            for pin_id in made:
+                http.delete(f"/pins/{pin_id}")
