@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter, OrderedDict, deque
-from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Container, Hashable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -46,7 +46,8 @@ class WaitingQueue:
         # False: one FIFO for everyone (first come, first served over all tenants).
         self._per_tenant = per_tenant
 
-    def _key(self, request: Request) -> Hashable:
+    def key(self, request: Request) -> Hashable:
+        """The queue `request` waits in: its tenant's (one queue for all without tenants)."""
         return request.tenant if self._per_tenant else None
 
     def __len__(self) -> int:
@@ -89,24 +90,26 @@ class WaitingQueue:
         turn is next; without, a tenant new to the queue takes its turn last."""
         self._queue_of(request).appendleft(request)
         if turn_next:
-            self._queues.move_to_end(self._key(request), last=False)
+            self._queues.move_to_end(self.key(request), last=False)
         self._len += 1
 
     def take_turn_next(self, tenant: Hashable) -> None:
         """Give `tenant` (which has waiting requests) the next turn."""
         self._queues.move_to_end(tenant, last=False)
 
-    def peek(self, shares: Mapping[Hashable, int] | None = None) -> Request | None:
+    def peek(
+        self, shares: Mapping[Hashable, int] | None = None, skip: Container[Hashable] = ()
+    ) -> Request | None:
         """The head of the first tenant in turn order (with `shares`: the first whose share is
-        not spent), or None."""
+        not spent; never one of the queues in `skip`, named by `key`), or None."""
         for tenant, queue in self._queues.items():
-            if shares is None or shares.get(tenant, 0) > 0:
+            if tenant not in skip and (shares is None or shares.get(tenant, 0) > 0):
                 return queue[0]
         return None
 
     def pop(self, request: Request) -> None:
         """Take out `request`, the head of its tenant's queue; the tenant's next turn comes last."""
-        key = self._key(request)
+        key = self.key(request)
         queue = self._queues[key]
         assert queue[0] is request, (queue[0], request)
         queue.popleft()
@@ -118,7 +121,7 @@ class WaitingQueue:
 
     def remove(self, request: Request) -> None:
         """Take out any waiting request (an abort). Raises ValueError when it is not here."""
-        key = self._key(request)
+        key = self.key(request)
         queue = self._queues.get(key)
         if queue is None:
             raise ValueError(f"{request!r} is not waiting")
@@ -128,7 +131,7 @@ class WaitingQueue:
             del self._queues[key]
 
     def _queue_of(self, request: Request) -> deque[Request]:
-        key = self._key(request)
+        key = self.key(request)
         queue = self._queues.get(key)
         if queue is None:
             queue = self._queues[key] = deque()

@@ -43,6 +43,7 @@ from prefixserve.fair_share import (
     slot_preemption_victim,
     tenant_shares,
 )
+from prefixserve.prefill_dedup import prefill_in_flight, waits_for_prefill
 from prefixserve.request import Request, RequestStatus
 
 if TYPE_CHECKING:
@@ -203,18 +204,27 @@ class Scheduler:
             req_index += 1
 
         # 2. Waiting requests, tenants in turn (preempted ones sit at the front).
+        deferred: set[Hashable] = set()  # queues whose head waits for a running prefill
+        in_flight: set[bytes] | None = None
         if not preempted:
             while self.waiting and token_budget > 0:
                 if len(self.running) >= self.config.max_num_seqs:
                     break
-                request = self.waiting.peek(shares)
+                request = self.waiting.peek(shares, deferred)
                 if request is None:
+                    if shares is None:
+                        break  # only deferred queues are left
                     shares = None  # every share is spent: the rest goes to whoever is next
                     continue
                 assert request.num_computed_tokens == 0, request
                 computed_blocks, num_computed = mgr.get_computed_blocks(request)
                 num_on_disk = self.kv_store.match(request, num_computed) if self.kv_store else 0
                 num_loaded = num_on_disk * mgr.block_size
+                if in_flight is None:
+                    in_flight = prefill_in_flight(self.running, mgr)
+                if waits_for_prefill(request, num_computed + num_loaded, mgr.block_size, in_flight):
+                    deferred.add(self.waiting.key(request))
+                    continue
                 num_new_tokens = request.num_tokens - num_computed - num_loaded
                 assert num_new_tokens > 0, (request, num_computed, num_loaded)
                 threshold = self._threshold(contended)
@@ -234,10 +244,13 @@ class Scheduler:
 
                 self.waiting.pop(request)
                 self.running.append(request)
-                if num_on_disk:
+                in_flight |= prefill_in_flight((request,), mgr)
+                if num_on_disk and self.kv_store is not None:
                     # Blocks whose read fails are computed instead, from this chunk on (their
                     # slots are allocated already).
-                    num_loaded = self._load_from_disk(request, num_computed, num_on_disk, kv_loads)
+                    num_loaded = self.kv_store.load_into_pool(
+                        mgr, request, num_computed, num_on_disk, kv_loads
+                    )
                 first_scheduling = request.num_cached_tokens < 0
                 if first_scheduling:
                     request.num_cached_tokens = num_computed + num_loaded
@@ -255,27 +268,6 @@ class Scheduler:
         )
         self.finished_req_ids = set()
         return output
-
-    def _load_from_disk(
-        self,
-        request: Request,
-        num_computed: int,
-        num_blocks: int,
-        kv_loads: list[tuple[int, bytes]],
-    ) -> int:
-        """Read the request's blocks the disk tier matched after its RAM hit into `kv_loads`
-        (block id, payload); returns the tokens loaded. A block whose read fails, and every one
-        after it, was cached in the pool when its slots were allocated: forget those hashes, the
-        step computes them."""
-        assert self.kv_store is not None
-        first = num_computed // self.kv_cache_manager.block_size
-        payloads = self.kv_store.load(request, first, num_blocks)
-        table = self.kv_cache_manager.get_block_ids(request)[0]
-        kv_loads.extend(zip(table[first : first + len(payloads)], payloads, strict=True))
-        loaded = len(payloads) * self.kv_cache_manager.block_size
-        if len(payloads) < num_blocks:
-            self.kv_cache_manager.uncache_uncomputed_blocks(request, num_computed + loaded)
-        return loaded
 
     def _chunk(self, request: Request, contended: bool = False) -> int:
         """The tokens `request` would compute this step with the whole budget to itself."""

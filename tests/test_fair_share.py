@@ -247,3 +247,21 @@ def test_while_tenants_share_a_step_no_prefill_chunk_exceeds_the_fair_chunk():
     assert scheduled_tokens(step(sched, runner)) == {"a-long": 8, "b0": 8}
     run_to_completion(sched, runner)
     assert_no_leak(sched)
+
+
+def test_a_request_waits_for_the_blocks_a_running_prefill_is_computing():
+    # Prompts of 40 tokens (10 blocks) sharing their first 36, a budget of 8 a step: the first
+    # computes the shared blocks chunk by chunk; the second waits and then hits all of them.
+    sched, runner = make_scheduler(max_num_batched_tokens=8, max_num_seqs=4)
+    shared = list(range(10, 46))
+    first = make_request("first", shared + [60, 61, 62, 63], 2)
+    second = make_request("second", shared + [70, 71, 72, 73], 2)
+    sched.add_request(first)
+    sched.add_request(second)
+    tokens = scheduled_tokens(step(sched, runner))
+    assert tokens == {"first": 8}  # the second's next block is the first's block 2: it waits
+    run_to_completion(sched, runner)
+    assert second.num_cached_tokens == 36
+    # 40 + 4 prompt tokens computed, not 40 + 40 - 8.
+    assert sched.stats.num_computed_prompt_tokens == 44
+    assert_no_leak(sched)

@@ -39,6 +39,7 @@ from prefixserve.kv_store.writer import BackgroundWriter
 if TYPE_CHECKING:
     from prefixserve.batch import SchedulerOutput
     from prefixserve.config import EngineConfig
+    from prefixserve.kv_cache.kv_cache_manager import KVCacheManager
     from prefixserve.request import Request
 
 logger = logging.getLogger(__name__)
@@ -139,6 +140,29 @@ class KVStoreConnector:
                 self._speeds.load_s_per_block, elapsed / len(payloads)
             )
         return payloads
+
+    def load_into_pool(
+        self,
+        kv_cache_manager: KVCacheManager,
+        request: Request,
+        num_computed: int,
+        num_blocks: int,
+        kv_loads: list[tuple[int, bytes]],
+    ) -> int:
+        """After `allocate_slots` made room for them: read the `num_blocks` blocks `match` found
+        after the RAM hit of `num_computed` tokens into `kv_loads` as (block id, payload), for
+        the runner; returns the tokens loaded. A block whose read fails, and every one after it,
+        was cached in the pool when its slots were allocated: those hashes are forgotten (the
+        request's cached count goes back with them), and the scheduler computes them."""
+        bs = self.block_size
+        first = num_computed // bs
+        payloads = self.load(request, first, num_blocks)
+        table = kv_cache_manager.get_block_ids(request)[GROUP]
+        kv_loads.extend(zip(table[first : first + len(payloads)], payloads, strict=True))
+        loaded = len(payloads) * bs
+        if len(payloads) < num_blocks:
+            kv_cache_manager.uncache_uncomputed_blocks(request, num_computed + loaded)
+        return loaded
 
     def record_compute(self, seconds: float, num_tokens: int) -> None:
         """A forward pass computed `num_tokens` tokens in `seconds` (the engine reports it)."""
