@@ -250,9 +250,12 @@ def test_while_tenants_share_a_step_no_prefill_chunk_exceeds_the_fair_chunk():
 
 
 def test_a_request_waits_for_the_blocks_a_running_prefill_is_computing():
-    # Prompts of 40 tokens (10 blocks) sharing their first 36, a budget of 8 a step: the first
-    # computes the shared blocks chunk by chunk; the second waits and then hits all of them.
-    sched, runner = make_scheduler(max_num_batched_tokens=8, max_num_seqs=4)
+    # Prompts of 40 tokens (10 blocks) sharing their first 36, chunks of 8 in a budget of 16:
+    # the first computes the shared blocks chunk by chunk; the second, instead of computing them
+    # too with the budget left, waits and then hits all of them.
+    sched, runner = make_scheduler(
+        max_num_batched_tokens=16, long_prefill_token_threshold=8, max_num_seqs=4
+    )
     shared = list(range(10, 46))
     first = make_request("first", shared + [60, 61, 62, 63], 2)
     second = make_request("second", shared + [70, 71, 72, 73], 2)
