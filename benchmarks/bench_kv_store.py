@@ -6,9 +6,10 @@ pool only (LRU, what vLLM's prefix caching does) and with the disk tier on an em
 go in closed-loop batches of `--concurrency`. Prints requests/s, the hit rate split by tier, and
 the store's per-block load time against the time to compute a block.
 
-W6 (restart) runs W1 one request at a time with max_tokens=1 (so each request's time is its time
-to first token): a cold pass on an empty store, then a new engine on the same store (a restart:
-empty RAM pool), then the same engine again (warm RAM). Prints TTFT p50 of each pass.
+W0-W3 run the same way with the default pool (no pressure): the disk tier should cost nothing
+there. W6 (restart) runs W1 one request at a time with max_tokens=1 (so each request's time is
+its time to first token): a cold pass on an empty store, then a new engine on the same store (a
+restart: empty RAM pool), then the same engine again (warm RAM). Prints TTFT p50 of each pass.
 
     .venv/bin/python benchmarks/bench_kv_store.py --workloads W4,W5,W6 [--scale 1.0]
 """
@@ -46,7 +47,7 @@ def _llm(loaded, num_blocks: int | None, store: str | None, args) -> LLM:
     )
 
 
-def run_pressure(loaded, workload, num_blocks: int, store: str | None, args) -> dict:
+def run_pressure(loaded, workload, num_blocks: int | None, store: str | None, args) -> dict:
     llm = _llm(loaded, num_blocks, store, args)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     requests = workload.requests
@@ -140,7 +141,7 @@ def main() -> None:
         workload = make_workload(name, pool, scale=args.scale)
         for r in workload.requests:
             r.prompt_token_ids = [*special, *r.prompt_token_ids]
-        blocks = POOL_BLOCKS[name]
+        blocks = POOL_BLOCKS.get(name)  # W0-W3: the default pool (no pressure)
         ram = run_pressure(loaded, workload, blocks, None, args)
         disk = run_pressure(loaded, workload, blocks, tempfile.mkdtemp(prefix="kvstore-"), args)
         assert ram["outputs"] == disk["outputs"] or args.dtype != "float32"
@@ -148,7 +149,7 @@ def main() -> None:
         for label, r in (("RAM pool only (LRU)", ram), ("RAM + disk tier", disk)):
             load = r["load_ms_per_block"]
             print(
-                f"{name} {len(workload.requests)} req, pool {blocks} blocks, {label}: "
+                f"{name} {len(workload.requests)} req, pool {blocks or 'default'} blocks, {label}: "
                 f"{r['req_s']:.3f} req/s ({r['wall']:.1f} s), hit {r['hit']:.1%} "
                 f"(RAM {r['ram_hit']:.1%}, disk {r['disk_hit']:.1%}), computed prompt tokens "
                 f"{r['computed']}" + (f", load {load:.2f} ms/block" if load else ""),
