@@ -14,6 +14,7 @@ submitted); `close` flushes, drops what a timeout left and stops the thread.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -153,6 +154,7 @@ class BackgroundWriter:
         self._stats.pending_bytes -= job.nbytes
 
     def _run(self) -> None:
+        _lower_thread_priority()
         while True:
             with self._cond:
                 while not self._queue and not self._closed:
@@ -220,3 +222,12 @@ class BackgroundWriter:
                 type(exc).__name__,
                 exc,
             )
+
+
+def _lower_thread_priority() -> None:
+    """Run this thread at the lowest CPU priority (Linux: nice applies per thread id), so on a
+    machine with as many busy threads as cores the step loop is never the one that waits."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):  # not Linux, or not allowed: run at the normal priority
+        pass
