@@ -79,6 +79,7 @@ class CacheConfig:
 
 
 SCHEDULING_POLICIES = ("fair", "fcfs")
+ADMISSION_ORDERS = ("fcfs", "longest_prefix")
 
 
 @dataclass(slots=True)
@@ -100,6 +101,9 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     scheduling_policy: str = "fair"
     fair_chunk_tokens: int = 512
+    # "fcfs": each tenant's requests in arrival order; "longest_prefix": the longest cached
+    # prefix among its first waiting requests first, with aging (admission_order.py).
+    admission_order: str = "fcfs"
 
     def __post_init__(self) -> None:
         _check_positive_int("max_num_seqs", self.max_num_seqs)
@@ -120,6 +124,8 @@ class SchedulerConfig:
             or self.fair_chunk_tokens < 0
         ):
             raise _invalid("fair_chunk_tokens", self.fair_chunk_tokens, "an integer >= 0 (0: off)")
+        if self.admission_order not in ADMISSION_ORDERS:
+            raise _invalid("admission_order", self.admission_order, f"one of {ADMISSION_ORDERS}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise _invalid(
                 "scheduling_policy", self.scheduling_policy, f"one of {SCHEDULING_POLICIES}"

@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import argparse
 
-from prefixserve.config import SCHEDULING_POLICIES, CacheConfig, EngineConfig, SchedulerConfig
+from prefixserve.config import (
+    ADMISSION_ORDERS,
+    SCHEDULING_POLICIES,
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+)
 from prefixserve.dtypes import SUPPORTED_DTYPES
 from prefixserve.kv_cache.hashing import HASH_ALGOS
 from prefixserve.kv_store.options import kv_store_config_from_args
@@ -109,6 +115,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "Without keys both plan the same steps.",
     )
     sched.add_argument(
+        "--admission-order",
+        choices=ADMISSION_ORDERS,
+        default="fcfs",
+        help="fcfs: each tenant's waiting requests in arrival order; longest_prefix: the one with "
+        "the longest cached prefix among its first 16 first, any request passed over 16 times "
+        "first (aging).",
+    )
+    sched.add_argument(
         "--fair-chunk-tokens",
         type=int,
         default=512,
@@ -140,6 +154,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             long_prefill_token_threshold=args.long_prefill_token_threshold,
             scheduling_policy=args.scheduling_policy,
             fair_chunk_tokens=args.fair_chunk_tokens,
+            admission_order=args.admission_order,
         ),
         kv_store=kv_store_config_from_args(args),
     )

@@ -93,6 +93,12 @@ class WaitingQueue:
             self._queues.move_to_end(self.key(request), last=False)
         self._len += 1
 
+    def promote(self, request: Request) -> None:
+        """Move a waiting request to the head of its tenant's queue."""
+        queue = self._queues[self.key(request)]
+        queue.remove(request)
+        queue.appendleft(request)
+
     def take_turn_next(self, tenant: Hashable) -> None:
         """Give `tenant` (which has waiting requests) the next turn."""
         self._queues.move_to_end(tenant, last=False)

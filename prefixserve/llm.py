@@ -27,7 +27,9 @@ class LLM:
     `model=None` loads the packaged default model. `num_kv_blocks` fixes the number of
     allocatable KV blocks; otherwise the pool is sized from `kv_cache_memory_gb` (default about
     1 GiB). `max_num_seqs` / `max_num_batched_tokens` bound each step;
-    `long_prefill_token_threshold` (0 = off) caps one request's prefill chunk per step.
+    `long_prefill_token_threshold` (0 = off) caps one request's prefill chunk per step;
+    `admission_order` "longest_prefix" admits the waiting request with the longest cached prefix
+    first (with aging; default "fcfs").
     `enable_kv_store` turns the prefix cache's disk tier on (None: on unless PREFIXSERVE_KV_STORE
     says 0) at `kv_store_dir` (default: under the cache directory) with `kv_store_gb` GiB (default:
     a quarter of the free disk, at most 32 GiB); `kv_store_default_retention` applies to prompts
@@ -50,6 +52,7 @@ class LLM:
         enable_kv_events: bool = False,
         *,
         long_prefill_token_threshold: int = 0,
+        admission_order: str = "fcfs",
         loaded_model: Any = None,
         enable_kv_store: bool | None = None,
         kv_store_dir: str | None = None,
@@ -82,6 +85,7 @@ class LLM:
                 max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens,
                 long_prefill_token_threshold=long_prefill_token_threshold,
+                admission_order=admission_order,
             ),
             kv_store=kv_store,
         )

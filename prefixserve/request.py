@@ -61,6 +61,7 @@ class Request:
         "tenant",
         "cache_retention",
         "num_disk_cached_tokens",
+        "num_passed_over",
         "mm_features",
         "prompt_embeds",
         "all_token_ids",
@@ -108,6 +109,8 @@ class Request:
         self.cache_retention = cache_retention
         # The part of num_cached_tokens loaded from the disk tier at first scheduling.
         self.num_disk_cached_tokens = 0
+        # Times cache-aware admission (admission_order.py) admitted a later request before it.
+        self.num_passed_over = 0
         self.mm_features = mm_features or []
         # Any object with len() and slicing whose slices have .tobytes() (e.g. a numpy array of
         # shape [num_prompt_tokens, hidden]); only its digest enters the block hashes.

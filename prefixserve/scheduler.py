@@ -30,6 +30,7 @@ from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from prefixserve.admission_order import promote_longest_prefix
 from prefixserve.batch import (
     ModelRunnerOutput,
     PositionLogprobs,
@@ -216,6 +217,8 @@ class Scheduler:
                         break  # only deferred queues are left
                     shares = None  # every share is spent: the rest goes to whoever is next
                     continue
+                if self.config.admission_order == "longest_prefix":
+                    request = promote_longest_prefix(self.waiting, request, mgr)
                 assert request.num_computed_tokens == 0, request
                 computed_blocks, num_computed = mgr.get_computed_blocks(request)
                 num_on_disk = self.kv_store.match(request, num_computed) if self.kv_store else 0

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from prefixserve.admission_order import promote_longest_prefix
 from prefixserve.fair_share import WaitingQueue, water_fill
 from prefixserve.request import Request, RequestStatus
 from tests.test_scheduler import (
@@ -268,3 +269,44 @@ def test_a_request_waits_for_the_blocks_a_running_prefill_is_computing():
     # 40 + 4 prompt tokens computed, not 40 + 40 - 8.
     assert sched.stats.num_computed_prompt_tokens == 44
     assert_no_leak(sched)
+
+
+def test_promote_moves_a_waiting_request_to_the_head_of_its_tenants_queue():
+    queue = WaitingQueue()
+    a0, a1, b0 = _req("a0", "a"), _req("a1", "a"), _req("b0", "b")
+    for r in (a0, a1, b0):
+        queue.append(r)
+    queue.promote(a1)
+    assert list(queue) == [a1, a0, b0]
+
+
+def test_longest_prefix_admission_takes_the_request_whose_prefix_is_cached_first():
+    for order, first in (("fcfs", "cold"), ("longest_prefix", "warm")):
+        sched, runner = make_scheduler(max_num_seqs=1)
+        sched.config.admission_order = order
+        run_to_completion_of = _req("seed", None, prompt_len=24, max_tokens=1)
+        sched.add_request(run_to_completion_of)
+        run_to_completion(sched, runner)  # its prompt's blocks are cached now
+        cold = _req("cold", None, prompt_len=24)
+        warm = make_request("warm", run_to_completion_of.prompt_token_ids + [5], 4)
+        sched.add_request(cold)
+        sched.add_request(warm)
+        assert list(scheduled_tokens(step(sched, runner))) == [first], order
+        run_to_completion(sched, runner)
+        assert_no_leak(sched)
+
+
+def test_a_request_passed_over_often_enough_is_admitted_first():
+    sched, _ = make_scheduler()
+    mgr = sched.kv_cache_manager
+    queue = WaitingQueue()
+    old, newer = _req("old", None), _req("newer", None)
+    queue.append(old)
+    queue.append(newer)
+    newer.prompt_token_ids = old.prompt_token_ids  # (no hit either way: aging decides alone)
+    old.num_passed_over = 3
+    assert promote_longest_prefix(queue, old, mgr, age_limit=3) is old
+    old.num_passed_over = 0
+    # Equal hits: arrival order stands, nobody is passed over.
+    assert promote_longest_prefix(queue, old, mgr, age_limit=3) is old
+    assert newer.num_passed_over == 0

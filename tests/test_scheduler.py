@@ -444,9 +444,10 @@ _token = st.integers(10, 14)  # a small alphabet so prompts share blocks often
     threshold=st.sampled_from([0, 0, 3, 7]),
     max_num_seqs=st.integers(1, 5),
     enable_caching=st.booleans(),
+    admission_order=st.sampled_from(["fcfs", "longest_prefix"]),
 )
 def test_any_schedule_gives_each_request_the_tokens_it_gets_alone(
-    prefixes, suffixes, num_blocks, budget, threshold, max_num_seqs, enable_caching
+    prefixes, suffixes, num_blocks, budget, threshold, max_num_seqs, enable_caching, admission_order
 ):
     prompts = [prefixes[p % len(prefixes)] + suffix for p, suffix, _, _, _ in suffixes]
     max_tokens = [n for _, _, n, _, _ in suffixes]
@@ -454,6 +455,7 @@ def test_any_schedule_gives_each_request_the_tokens_it_gets_alone(
     longest = max(len(p) + n for p, n in zip(prompts, max_tokens, strict=True))
     num_blocks = max(num_blocks, -(-longest // BLOCK))
     sched, runner = make_scheduler(num_blocks, max_num_seqs, budget, threshold, enable_caching)
+    sched.config.admission_order = admission_order
     requests = [
         make_request(f"r{i}", p, n)
         for i, (p, n) in enumerate(zip(prompts, max_tokens, strict=True))
