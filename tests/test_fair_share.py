@@ -80,11 +80,16 @@ def test_peek_with_shares_skips_tenants_whose_share_is_spent():
     assert queue.peek({"a": 0, "b": 0}) is None
 
 
-def test_remove_takes_out_any_waiting_request_and_refuses_a_stranger():
+def _queued(*requests: Request) -> WaitingQueue:
     queue = WaitingQueue()
+    for request in requests:
+        queue.append(request)
+    return queue
+
+
+def test_remove_takes_out_any_waiting_request_and_refuses_a_stranger():
     a0, a1, b0 = _req("a0", "a"), _req("a1", "a"), _req("b0", "b")
-    for r in (a0, a1, b0):
-        queue.append(r)
+    queue = _queued(a0, a1, b0)
     queue.remove(a1)
     queue.remove(b0)
     assert list(queue) == [a0] and queue.tenants() == ["a"]
@@ -272,10 +277,8 @@ def test_a_request_waits_for_the_blocks_a_running_prefill_is_computing():
 
 
 def test_promote_moves_a_waiting_request_to_the_head_of_its_tenants_queue():
-    queue = WaitingQueue()
     a0, a1, b0 = _req("a0", "a"), _req("a1", "a"), _req("b0", "b")
-    for r in (a0, a1, b0):
-        queue.append(r)
+    queue = _queued(a0, a1, b0)
     queue.promote(a1)
     assert list(queue) == [a1, a0, b0]
 
