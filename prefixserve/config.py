@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from prefixserve.dtypes import SUPPORTED_DTYPES
+from prefixserve.kv_cache.eviction import check_eviction_policy
 from prefixserve.kv_cache.hashing import get_hash_fn
 from prefixserve.kv_store import KVStoreConfig
 
@@ -44,6 +45,8 @@ class CacheConfig:
     enable_kv_events: bool = False
     # Most blocks operators may pin (None: a quarter of the pool).
     max_pinned_blocks: int | None = None
+    # The free queue's eviction policy: "lru", "slru" or "cost" (kv_cache/eviction.py).
+    eviction_policy: str = "lru"
 
     def __post_init__(self) -> None:
         _check_positive_int("block_size", self.block_size)
@@ -73,6 +76,7 @@ class CacheConfig:
             get_hash_fn(self.prefix_caching_hash_algo)
         except ValueError as e:
             raise ValueError(f"prefix_caching_hash_algo: {e}") from None
+        check_eviction_policy(self.eviction_policy)
         for name in ("enable_prefix_caching", "enable_kv_events"):
             if not isinstance(getattr(self, name), bool):
                 raise _invalid(name, getattr(self, name), "True or False")

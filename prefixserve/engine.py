@@ -82,6 +82,7 @@ class LLMEngine:
                 if cache.max_pinned_blocks is None
                 else cache.max_pinned_blocks
             ),
+            eviction_policy=cache.eviction_policy,
         )
         eos_ids = set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids)
         self.scheduler = Scheduler(

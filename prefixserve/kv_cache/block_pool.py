@@ -1,6 +1,7 @@
 """The hash -> block map and the BlockPool that owns it, the blocks and their free queue.
 
-KVCacheBlock and the free queue are in free_queue.py (the queue's links live on the blocks).
+KVCacheBlock and the LRU free queue are in free_queue.py (the queue's links live on the blocks);
+the free queue is an eviction policy picked by name (eviction.py: "lru", "slru", "cost").
 
 Vocabulary:
   free     a block nobody references (ref count 0). It sits in the free queue and, when it was
@@ -16,6 +17,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from prefixserve.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from prefixserve.kv_cache.eviction import DEFAULT_EVICTION_POLICY, make_free_queue
 from prefixserve.kv_cache.free_queue import FreeKVCacheBlockQueue, KVCacheBlock
 
 if TYPE_CHECKING:
@@ -133,10 +135,11 @@ class BlockHashToBlockMap:
 
 
 class BlockPool:
-    """All KV blocks, the free queue (LRU) and one hash -> block map per KV-cache group.
+    """All KV blocks, the free queue and one hash -> block map per KV-cache group.
 
     Block 0 is the null block: a placeholder in block tables (sliding-window groups put it where
-    they released a block); it is never allocated, freed, cached or touched.
+    they released a block); it is never allocated, freed, cached or touched. `eviction_policy`
+    names the free queue's policy (eviction.py; ValueError listing the names for another).
     """
 
     def __init__(
@@ -145,6 +148,7 @@ class BlockPool:
         enable_caching: bool = True,
         enable_kv_cache_events: bool = False,
         num_groups: int = 1,
+        eviction_policy: str = DEFAULT_EVICTION_POLICY,
     ) -> None:
         if num_blocks < 2:
             raise ValueError(
@@ -157,7 +161,10 @@ class BlockPool:
         self.null_block = self.blocks[0]
         self.null_block.is_null = True
         self.null_block.ref_cnt = 1
-        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[1:])
+        self.free_block_queue = make_free_queue(eviction_policy, self.blocks[1:])
+        self.eviction_policy = eviction_policy
+        # The policy wants hit counts and chain depths kept on the blocks (not LRU's case).
+        self._tracks_use = self.free_block_queue.tracks_use
         # Indexed by group id.
         self.cached_block_hash_to_block = [BlockHashToBlockMap(g) for g in range(num_groups)]
         self.events: list[KVCacheEvent] = []
@@ -219,6 +226,7 @@ class BlockPool:
         hashes = request.block_hashes
         tokens = request.all_token_ids
         events = self.enable_kv_cache_events
+        track = self._tracks_use
         stored: list[int] = []
         start = num_cached_blocks * block_size
         for i in range(num_cached_blocks, num_full_blocks):
@@ -230,6 +238,9 @@ class BlockPool:
                 block.token_ids = tokens[start:end]
                 if events:
                     stored.append(i)
+                if track:
+                    block.hits = 0
+                    block.depth = i
             start = end
         # The hits and null blocks in the range are left as they are.
         self.cached_block_hash_to_block[group_id].insert(blocks[num_cached_blocks:num_full_blocks])
@@ -286,8 +297,20 @@ class BlockPool:
         return blocks
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Take a reference on each block (a cache hit); a free block leaves the free queue."""
+        """Take a reference on each block (a cache hit); a free block leaves the free queue.
+
+        Under a policy that tracks use, each reference taken also counts in `block.hits`.
+        """
         queue = self.free_block_queue
+        if self._tracks_use:
+            for block in blocks:
+                if block.is_null:
+                    continue
+                if block.ref_cnt == 0:
+                    queue.remove(block)
+                block.ref_cnt += 1
+                block.hits += 1
+            return
         for block in blocks:
             if block.is_null:
                 continue
@@ -319,6 +342,7 @@ class BlockPool:
             return False
         for hash_to_block in self.cached_block_hash_to_block:
             hash_to_block.clear()
+        self.free_block_queue.reset()
         if self.enable_kv_cache_events:
             self.events.append(AllBlocksCleared())
         return True
@@ -335,19 +359,14 @@ class BlockPool:
         null = self.null_block
         assert null.is_null and null.block_id == 0, "block 0 must be the null block"
         assert null.block_hash is None, "the null block must never be cached"
-        assert null.prev_free is None and null.next_free is None, "null block in the free queue"
         queue = self.free_block_queue
+        assert not queue.holds(null), "null block in the free queue"
         seen: set[int] = set()
-        prev = queue.head
-        block = prev.next_free
-        while block is not queue.tail:
-            assert block is not None, "free queue is broken (dangling link)"
-            assert block.prev_free is prev, f"free queue back link broken at {block!r}"
+        for block in queue.check():  # the policy's own structure first
             assert block.block_id not in seen, f"{block!r} twice in the free queue"
             assert block.ref_cnt == 0, f"{block!r} is in the free queue with ref count > 0"
+            assert queue.holds(block), f"{block!r} is listed but not held by the free queue"
             seen.add(block.block_id)
-            prev, block = block, block.next_free
-        assert queue.tail.prev_free is prev, "free queue tail link broken"
         assert len(seen) == queue.num_free_blocks, (
             f"free queue holds {len(seen)} blocks but counts {queue.num_free_blocks}"
         )
@@ -358,9 +377,7 @@ class BlockPool:
                 assert block.block_id in seen, f"{block!r} has ref count 0 but is not free"
             else:
                 in_use += 1
-                assert block.prev_free is None and block.next_free is None, (
-                    f"{block!r} is in use but linked in the free queue"
-                )
+                assert not queue.holds(block), f"{block!r} is in use but linked in the free queue"
         assert in_use + len(seen) == self.num_blocks - 1, (
             f"free ({len(seen)}) + in use ({in_use}) != total ({self.num_blocks - 1})"
         )

@@ -1,7 +1,9 @@
-"""KVCacheBlock and the free queue: the blocks nobody references, in eviction (LRU) order.
+"""KVCacheBlock and the LRU free queue: the blocks nobody references, in eviction order.
 
 The queue is intrusive: its links live in the blocks' own slots, which is why the block type is
-defined here. The BlockPool (block_pool.py) owns one queue and goes through these methods only.
+defined here. The BlockPool (block_pool.py) owns one queue and goes through these methods only;
+`eviction.py` names the operations every eviction policy has and picks a policy by name. LRU is
+the default; `slru.py` and `cost_aware.py` are the others (SLRU reuses this class per segment).
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ class KVCacheBlock:
         "prev_free",
         "next_free",
         "is_null",
+        "hits",
+        "depth",
+        "evict_key",
     )
 
     def __init__(self, block_id: int) -> None:
@@ -35,6 +40,13 @@ class KVCacheBlock:
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
         self.is_null = False
+        # Kept only under a policy with `tracks_use` (the pool sets them; LRU leaves them alone):
+        # references taken since the block was cached (cache hits and pins), and its position in
+        # the request's chain when it was cached (0: the first block of a prompt).
+        self.hits = 0
+        self.depth = 0
+        # Policy-private: the SLRU segment the block sits in, the cost-aware policy's heap entry.
+        self.evict_key: object = None
 
     def __repr__(self) -> str:
         cached = "" if self.block_hash is None else f", hash={self.block_hash[:4].hex()}"
@@ -49,6 +61,10 @@ class FreeKVCacheBlockQueue:
     """
 
     __slots__ = ("head", "tail", "num_free_blocks")
+
+    name = "lru"
+    # LRU needs neither hit counts nor chain depths: the pool skips that bookkeeping.
+    tracks_use = False
 
     def __init__(self, blocks: Sequence[KVCacheBlock]) -> None:
         self.head = KVCacheBlock(-1)  # sentinels: never in a block table
@@ -115,3 +131,24 @@ class FreeKVCacheBlockQueue:
     def block_ids(self) -> list[int]:
         """Free block ids, head (next evicted) first."""
         return [b.block_id for b in self]
+
+    def holds(self, block: KVCacheBlock) -> bool:
+        """Whether `block` is linked in a queue (this one, or another sharing the link slots)."""
+        return block.prev_free is not None
+
+    def reset(self) -> None:
+        """Every hash was forgotten: LRU keeps its order (nothing depends on the hashes)."""
+
+    def check(self) -> list[KVCacheBlock]:
+        """Walk the links (AssertionError naming a broken one); the free blocks, head first."""
+        out: list[KVCacheBlock] = []
+        prev = self.head
+        block = prev.next_free
+        while block is not self.tail:
+            assert block is not None, "free queue is broken (dangling link)"
+            assert block.prev_free is prev, f"free queue back link broken at {block!r}"
+            assert len(out) <= self.num_free_blocks, "free queue holds more than it counts"
+            out.append(block)
+            prev, block = block, block.next_free
+        assert self.tail.prev_free is prev, "free queue tail link broken"
+        return out

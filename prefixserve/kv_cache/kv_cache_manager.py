@@ -11,6 +11,7 @@ from functools import partial
 from prefixserve.kv_cache.block_pool import BlockPool, KVCacheBlock
 from prefixserve.kv_cache.coordinator import KVCacheCoordinator
 from prefixserve.kv_cache.events import KVCacheEvent
+from prefixserve.kv_cache.eviction import DEFAULT_EVICTION_POLICY
 from prefixserve.kv_cache.hashing import generate_block_extra_keys, get_hash_fn
 from prefixserve.kv_cache.pins import PinnedPrefixes
 from prefixserve.kv_cache.spec import KVCacheConfig
@@ -60,7 +61,11 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    """Prefix-cache lookups and block allocation for every request, over all KV-cache groups."""
+    """Prefix-cache lookups and block allocation for every request, over all KV-cache groups.
+
+    `eviction_policy` names the free queue's policy: "lru" (the default), "slru" or "cost"
+    (`eviction.py`); another name is a ValueError listing them.
+    """
 
     def __init__(
         self,
@@ -68,6 +73,7 @@ class KVCacheManager:
         enable_caching: bool = True,
         enable_kv_cache_events: bool = False,
         max_pinned_blocks: int = 0,
+        eviction_policy: str = DEFAULT_EVICTION_POLICY,
     ) -> None:
         self.config = config
         self.block_size = config.block_size
@@ -77,6 +83,7 @@ class KVCacheManager:
             enable_caching=enable_caching,
             enable_kv_cache_events=enable_kv_cache_events,
             num_groups=len(config.groups),
+            eviction_policy=eviction_policy,
         )
         # Extra keys are recomputed only for BlockStored events (the hashes already hold them).
         extra_keys_fn = partial(generate_block_extra_keys, hash_fn=get_hash_fn(config.hash_algo))

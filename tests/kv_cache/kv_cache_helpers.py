@@ -35,11 +35,19 @@ def make_manager(
     groups=None,
     enable_caching: bool = True,
     events: bool = False,
+    eviction_policy: str = "lru",
+    max_pinned_blocks: int = 0,
 ) -> KVCacheManager:
     config = KVCacheConfig(
         num_blocks=num_blocks, block_size=block_size, groups=groups or [FullAttentionSpec()]
     )
-    return KVCacheManager(config, enable_caching=enable_caching, enable_kv_cache_events=events)
+    return KVCacheManager(
+        config,
+        enable_caching=enable_caching,
+        enable_kv_cache_events=events,
+        eviction_policy=eviction_policy,
+        max_pinned_blocks=max_pinned_blocks,
+    )
 
 
 def schedule(mgr: KVCacheManager, request: Request, num_new_tokens: int | None = None):

@@ -3,6 +3,7 @@
 After every step the manager's invariants must hold (ref counts equal holders, a block is free iff
 its ref count is 0, map entries carry their hash, free + in use = total), and a model of the KV
 contents checks that every hit block really holds the request's tokens at its positions.
+The full-attention and hybrid machines run under every eviction policy (eviction.py).
 """
 
 from __future__ import annotations
@@ -35,10 +36,16 @@ class CacheMachine(RuleBasedStateMachine):
     groups = [FullAttentionSpec()]
     num_blocks = 17
     hash_fn = "sha256"
+    eviction_policy = "lru"
 
     def __init__(self) -> None:
         super().__init__()
-        self.mgr = make_manager(num_blocks=self.num_blocks, groups=self.groups, events=True)
+        self.mgr = make_manager(
+            num_blocks=self.num_blocks,
+            groups=self.groups,
+            events=True,
+            eviction_policy=self.eviction_policy,
+        )
         self.running: list = []
         self.counter = 0
         # (group, block id) -> tokens written at each slot: what the "GPU" holds.
@@ -156,3 +163,17 @@ TestSlidingWindowStateful = SlidingWindowCacheMachine.TestCase
 TestSlidingWindowStateful.settings = _settings
 TestCollidingHashStateful = CollidingHashCacheMachine.TestCase
 TestCollidingHashStateful.settings = _settings
+
+
+def _under_policy(machine: type, policy: str) -> type:
+    """The machine's TestCase with another eviction policy."""
+    test_case = type(f"{machine.__name__}_{policy}", (machine,), {"eviction_policy": policy})
+    test_case = test_case.TestCase
+    test_case.settings = _settings
+    return test_case
+
+
+TestFullAttentionStatefulSLRU = _under_policy(CacheMachine, "slru")
+TestHybridStatefulSLRU = _under_policy(HybridCacheMachine, "slru")
+TestFullAttentionStatefulCost = _under_policy(CacheMachine, "cost")
+TestHybridStatefulCost = _under_policy(HybridCacheMachine, "cost")
