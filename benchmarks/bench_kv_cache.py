@@ -1,6 +1,7 @@
 """Micro-benchmarks of the prefix-cache core: µs per block to hash, allocate+free, look up, touch.
 
     .venv/bin/python benchmarks/bench_kv_cache.py [--repeats 7] [--block-size 16] [--only pool,...]
+        [--eviction-policy lru]
 
 Every figure is the median over `--repeats` runs (the machine is shared and noisy), each run timing
 enough work to last a few milliseconds. Pure Python, no torch. To compare two checkouts, run this
@@ -17,6 +18,7 @@ import sys
 import time
 
 from prefixserve.kv_cache.block_pool import BlockPool
+from prefixserve.kv_cache.eviction import EVICTION_POLICIES
 from prefixserve.kv_cache.hashing import get_request_block_hasher
 from prefixserve.kv_cache.kv_cache_manager import KVCacheManager
 from prefixserve.kv_cache.spec import KVCacheConfig
@@ -26,6 +28,8 @@ from prefixserve.sampling_params import SamplingParams
 # CPU time of this process: on a shared, oversubscribed machine wall time mostly measures the
 # other tenants (--wall switches to it).
 _clock = time.process_time_ns
+# The free queue's policy of every pool built here (--eviction-policy).
+_policy = "lru"
 
 # --only names, in the order the sections run: hashing, BlockPool alloc+free, the same through
 # KVCacheManager, lookup and touch.
@@ -95,7 +99,7 @@ def bench_hashing(block_size: int, repeats: int) -> list[tuple[str, str, float]]
 
 def bench_alloc_free(repeats: int) -> list[tuple[str, str, float]]:
     rows = []
-    pool = BlockPool(100_001)
+    pool = BlockPool(100_001, eviction_policy=_policy)
     for n in (10, 100, 1000):
 
         def round_trip(pool=pool, n=n):
@@ -110,7 +114,7 @@ def bench_alloc_free(repeats: int) -> list[tuple[str, str, float]]:
 
 def cached_manager(num_chain_blocks: int, block_size: int) -> tuple[KVCacheManager, Request]:
     config = KVCacheConfig(num_blocks=num_chain_blocks + 64, block_size=block_size)
-    mgr = KVCacheManager(config)
+    mgr = KVCacheManager(config, eviction_policy=_policy)
     hasher = get_request_block_hasher(block_size, "sha256")
     tokens = random_tokens(num_chain_blocks * block_size + 1, num_chain_blocks)
     writer = Request("w", tokens, SamplingParams(), block_hasher=hasher)
@@ -183,7 +187,7 @@ def bench_manager_round_trip(block_size: int, repeats: int) -> list[tuple[str, s
     hasher = get_request_block_hasher(block_size, "xxhash")
     for caching in (False, True):
         config = KVCacheConfig(num_blocks=100_001, block_size=block_size)
-        mgr = KVCacheManager(config, enable_caching=caching)
+        mgr = KVCacheManager(config, enable_caching=caching, eviction_policy=_policy)
         for n in (10, 100, 1000):
             num_requests = 2 * 100_000 // n if caching else 1
             base = random_tokens(n * block_size, n)
@@ -214,6 +218,12 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--wall", action="store_true", help="time wall clock, not CPU time")
     parser.add_argument(
+        "--eviction-policy",
+        default="lru",
+        choices=EVICTION_POLICIES,
+        help="the free queue's eviction policy (default: lru)",
+    )
+    parser.add_argument(
         "--only",
         default=",".join(SECTIONS),
         help=f"comma-separated sections to run, of {', '.join(SECTIONS)} (default: all)",
@@ -223,9 +233,10 @@ def main() -> None:
     unknown = set(sections) - set(SECTIONS)
     if unknown:
         parser.error(f"unknown sections {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
-    global _clock
+    global _clock, _policy
     if args.wall:
         _clock = time.perf_counter_ns
+    _policy = args.eviction_policy
     rows = []
     if "hash" in sections:
         rows += bench_hashing(args.block_size, args.repeats)
@@ -237,6 +248,7 @@ def main() -> None:
         rows += bench_lookup_and_touch(args.block_size, args.repeats)
     print(
         f"Python {sys.version.split()[0]}, block_size={args.block_size}, "
+        f"eviction policy {_policy}, "
         f"median of {args.repeats} runs, µs per block "
         f"({'wall clock' if args.wall else 'process CPU time'})"
     )

@@ -21,9 +21,11 @@ L + value, the block of least priority is evicted first, and L becomes the prior
 last evicted. A block hit often long ago therefore does not stay forever: every eviction raises
 L, and blocks freed later start from the higher L.
 
-A binary heap of [priority, sequence, block] entries (sequence: FIFO among equal priorities);
-a hit on a free block blanks its entry in place (lazy deletion), and the heap is rebuilt without
-the blanks once they outnumber the live entries: O(log n) per block.
+A binary heap of int keys, priority (in 1/256ths) above a sequence number (FIFO among equal
+priorities), with a dict key -> block beside it: ints compare in C, several times faster than
+tuples. A hit on a free block drops its dict entry and leaves the key in the heap (lazy
+deletion); the heap is rebuilt without the dead keys once they outnumber the live ones. O(log n)
+per block.
 """
 
 from __future__ import annotations
@@ -34,44 +36,50 @@ from heapq import heapify, heappop, heappush
 from prefixserve.kv_cache.free_queue import KVCacheBlock
 
 ATTENTION_DEPTH_BLOCKS = 192.0
-# Blank entries tolerated before a rebuild is considered (so a small heap is not rebuilt often).
-_MIN_BLANKS_TO_REBUILD = 64
+PRIORITY_SCALE = 256  # priorities are kept in 1/256ths of one block's value
+_SEQ_BITS = 40  # a key is priority << _SEQ_BITS | sequence number
+# Dead keys tolerated before a rebuild is considered (so a small heap is not rebuilt often).
+_MIN_DEAD_TO_REBUILD = 64
 
 
 class CostAwareQueue:
-    """Free blocks in a heap by GDSF priority; `block.evict_key` is the block's heap entry."""
+    """Free blocks in a heap by GDSF priority; `block.evict_key` is the block's heap key."""
 
-    __slots__ = ("_heap", "_seq", "inflation", "num_free_blocks", "_blanks")
+    __slots__ = ("_heap", "_blocks", "_seq", "_base", "num_free_blocks")
 
     name = "cost"
     tracks_use = True
 
     def __init__(self, blocks: Sequence[KVCacheBlock]) -> None:
-        self._heap: list[list] = []
+        self._heap: list[int] = []
+        self._blocks: dict[int, KVCacheBlock] = {}  # live key -> block
         self._seq = 0
-        self.inflation = 0.0  # GDSF's L: the priority of the block evicted last
+        self._base = 0  # GDSF's L in 1/256ths: the priority of the block evicted last
         self.num_free_blocks = 0
-        self._blanks = 0
         self.append_n(blocks)
+
+    @property
+    def inflation(self) -> float:
+        """GDSF's L: the priority of the block evicted last."""
+        return self._base / PRIORITY_SCALE
 
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
         """Remove and return the `n` blocks of least priority, least first."""
         if n > self.num_free_blocks:
             raise ValueError(f"cannot pop {n} blocks: only {self.num_free_blocks} are free")
         heap = self._heap
+        take = self._blocks.pop
         out: list[KVCacheBlock] = []
         append = out.append
-        entry = None
+        key = -1
         while len(out) < n:
-            entry = heappop(heap)
-            block = entry[2]
-            if block is None:
-                self._blanks -= 1
-                continue
-            block.evict_key = None
-            append(block)
-        if entry is not None:
-            self.inflation = entry[0]
+            key = heappop(heap)
+            block = take(key, None)
+            if block is not None:
+                block.evict_key = None
+                append(block)
+        if key >= 0:
+            self._base = key >> _SEQ_BITS
         self.num_free_blocks -= n
         return out
 
@@ -82,25 +90,28 @@ class CostAwareQueue:
     def append_n(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Freed blocks, valued as the module docstring says (chains: tail first)."""
         heap = self._heap
-        base = self.inflation
+        live = self._blocks
+        base = self._base
         seq = self._seq
-        inv_depth = 1.0 / ATTENTION_DEPTH_BLOCKS
-        chain_value = 0.0
+        scale = float(PRIORITY_SCALE)
+        depth_scale = scale / ATTENTION_DEPTH_BLOCKS
+        chain_value = 0  # in 1/256ths
         child_depth = -2  # depth of the block freed just before, if it was cached
         count = 0
         for block in blocks:
             if block.block_hash is None:
-                chain_value = 0.0
+                chain_value = 0
                 child_depth = -2
             else:
                 depth = block.depth
-                own = (1 + block.hits) * (1.0 + depth * inv_depth)
+                own = int((1 + block.hits) * (scale + depth * depth_scale))
                 chain_value = own + chain_value if depth == child_depth - 1 else own
                 child_depth = depth
             seq += 1
-            entry = [base + chain_value, seq, block]
-            block.evict_key = entry
-            heappush(heap, entry)
+            key = (base + chain_value) << _SEQ_BITS | seq
+            block.evict_key = key
+            live[key] = block
+            heappush(heap, key)
             count += 1
         self._seq = seq
         self.num_free_blocks += count
@@ -110,54 +121,56 @@ class CostAwareQueue:
         self.append_n((block,))
 
     def remove(self, block: KVCacheBlock) -> None:
-        """Take `block` off the queue (a hit on a free block): its entry is blanked."""
-        entry = block.evict_key
-        if entry is None:
+        """Take `block` off the queue (a hit on a free block); its key stays in the heap, dead."""
+        key = block.evict_key
+        if key is None:
             raise ValueError(f"{block!r} is not in the free queue")
-        entry[2] = None
+        del self._blocks[key]
         block.evict_key = None
         self.num_free_blocks -= 1
-        self._blanks += 1
-        if self._blanks > _MIN_BLANKS_TO_REBUILD and self._blanks > self.num_free_blocks:
-            self._heap = [e for e in self._heap if e[2] is not None]
+        num_dead = len(self._heap) - self.num_free_blocks
+        if num_dead > _MIN_DEAD_TO_REBUILD and num_dead > self.num_free_blocks:
+            self._heap = list(self._blocks)
             heapify(self._heap)
-            self._blanks = 0
-
-    def _live_entries(self) -> list[list]:
-        return sorted(e for e in self._heap if e[2] is not None)
 
     def __iter__(self) -> Iterator[KVCacheBlock]:
-        """Free blocks, next evicted first (sorts the heap: for checks and tests)."""
-        return iter([e[2] for e in self._live_entries()])
+        """Free blocks, next evicted first (sorts the live keys: for checks and tests)."""
+        live = self._blocks
+        return iter([live[key] for key in sorted(live)])
 
     def block_ids(self) -> list[int]:
         """Free block ids, next evicted first."""
         return [b.block_id for b in self]
 
     def holds(self, block: KVCacheBlock) -> bool:
-        """Whether `block` has a live entry in the heap."""
+        """Whether `block` has a live key in the heap."""
         return block.evict_key is not None
+
+    def priority(self, block: KVCacheBlock) -> float:
+        """The priority of a free block (GDSF's L at its freeing + its value)."""
+        return (block.evict_key >> _SEQ_BITS) / PRIORITY_SCALE
 
     def reset(self) -> None:
         """No block is cached any more: every block is worth 0, in its current order."""
         blocks = list(self)
         self._heap = []
-        self._blanks = 0
+        self._blocks = {}
+        self._base = 0
         self.num_free_blocks = 0
-        self.inflation = 0.0
         self.append_n(blocks)
 
     def check(self) -> list[KVCacheBlock]:
-        """The heap order, each live entry its block's own, the blank and live counts."""
+        """The heap order, each live key its block's own, the live count, L below every key."""
         heap = self._heap
         for i in range(1, len(heap)):
-            assert heap[(i - 1) // 2][:2] <= heap[i][:2], f"heap order broken at entry {i}"
-        live = self._live_entries()
-        assert len(heap) - len(live) == self._blanks, "blank heap entries miscounted"
+            assert heap[(i - 1) // 2] <= heap[i], f"heap order broken at entry {i}"
+        live = self._blocks
         assert len(live) == self.num_free_blocks, (
             f"the heap holds {len(live)} blocks but counts {self.num_free_blocks}"
         )
-        for entry in live:
-            assert entry[2].evict_key is entry, f"{entry[2]!r} does not own its heap entry"
-            assert entry[0] >= self.inflation, f"{entry[2]!r} is valued below the inflation L"
-        return [e[2] for e in live]
+        keys = set(heap)
+        for key, block in live.items():
+            assert key in keys, f"{block!r}'s key is not in the heap"
+            assert block.evict_key == key, f"{block!r} does not own its heap key"
+            assert key >> _SEQ_BITS >= self._base, f"{block!r} is valued below the inflation L"
+        return list(self)

@@ -71,27 +71,36 @@ class SegmentedLRUQueue:
 
     def append_n(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Freed blocks to the tail of their segment, in this order; protected stays bounded."""
-        fresh: list[KVCacheBlock] = []
-        reused: list[KVCacheBlock] = []
+        # One pass linking each block at its segment's tail (as FreeKVCacheBlockQueue.append_n).
+        probation, protected = self.probation, self.protected
+        fresh_last = probation.tail.prev_free
+        reused_last = protected.tail.prev_free
+        num_fresh = num_reused = 0
         for block in blocks:
             if block.hits and block.block_hash is not None:
                 block.evict_key = True
-                reused.append(block)
+                reused_last.next_free = block
+                block.prev_free = reused_last
+                reused_last = block
+                num_reused += 1
             else:
                 block.evict_key = False
-                fresh.append(block)
-        if fresh:
-            self.probation.append_n(fresh)
-        if reused:
-            protected = self.protected
-            protected.append_n(reused)
-            excess = protected.num_free_blocks - self.protected_capacity
-            if excess > 0:
-                demoted = protected.popleft_n(excess)
-                for block in demoted:
-                    block.evict_key = False
-                self.probation.append_n(demoted)
-        self.num_free_blocks += len(fresh) + len(reused)
+                fresh_last.next_free = block
+                block.prev_free = fresh_last
+                fresh_last = block
+                num_fresh += 1
+        fresh_last.next_free = probation.tail
+        probation.tail.prev_free = fresh_last
+        reused_last.next_free = protected.tail
+        protected.tail.prev_free = reused_last
+        probation.num_free_blocks += num_fresh
+        protected.num_free_blocks += num_reused
+        self.num_free_blocks += num_fresh + num_reused
+        if num_reused and protected.num_free_blocks > self.protected_capacity:
+            demoted = protected.popleft_n(protected.num_free_blocks - self.protected_capacity)
+            for block in demoted:
+                block.evict_key = False
+            probation.append_n(demoted)
 
     def append(self, block: KVCacheBlock) -> None:
         """Free one block (to the tail of its segment)."""
@@ -99,9 +108,13 @@ class SegmentedLRUQueue:
 
     def remove(self, block: KVCacheBlock) -> None:
         """Take `block` out of whichever segment holds it (a hit on a free block)."""
-        if block.prev_free is None:
+        prev, nxt = block.prev_free, block.next_free
+        if prev is None or nxt is None:
             raise ValueError(f"{block!r} is not in the free queue")
-        (self.protected if block.evict_key else self.probation).remove(block)
+        prev.next_free = nxt
+        nxt.prev_free = prev
+        block.prev_free = block.next_free = None
+        (self.protected if block.evict_key else self.probation).num_free_blocks -= 1
         self.num_free_blocks -= 1
 
     def __iter__(self) -> Iterator[KVCacheBlock]:

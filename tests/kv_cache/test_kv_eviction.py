@@ -221,6 +221,7 @@ def test_cost_ages_priorities_like_gdsf():
     # L has risen to 3: a one-off block freed now (priority 4) ties with the old popular block,
     # which was freed first and goes first. Without ageing it would stay forever.
     queue.append_n([cached(5)])
+    assert [queue.priority(b) for b in queue] == [4.0, 4.0]
     assert queue.block_ids() == [1, 5]
 
 
