@@ -13,6 +13,7 @@ from prefixserve.config import (
     SchedulerConfig,
 )
 from prefixserve.dtypes import SUPPORTED_DTYPES
+from prefixserve.kv_cache.eviction import DEFAULT_EVICTION_POLICY, EVICTION_POLICIES
 from prefixserve.kv_cache.hashing import HASH_ALGOS
 from prefixserve.kv_store.options import kv_store_config_from_args
 
@@ -83,6 +84,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "GET /kv_events for KV-aware routers.",
     )
     parser.add_argument(
+        "--eviction-policy",
+        choices=EVICTION_POLICIES,
+        default=DEFAULT_EVICTION_POLICY,
+        help="Which free cached block the pool reuses first: lru (least recently freed), slru "
+        "(segmented LRU: blocks hit again are protected), cost (reuse x recompute cost, aged).",
+    )
+    parser.add_argument(
         "--max-pinned-blocks",
         type=int,
         default=None,
@@ -147,6 +155,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             prefix_caching_hash_algo=args.prefix_caching_hash_algo,
             enable_kv_events=args.kv_events,
             max_pinned_blocks=args.max_pinned_blocks,
+            eviction_policy=args.eviction_policy,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,

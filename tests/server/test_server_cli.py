@@ -97,6 +97,8 @@ def test_flags_build_the_engine_config():
             "fcfs",
             "--fair-chunk-tokens",
             "256",
+            "--eviction-policy",
+            "slru",
         ]
     )
     config = cli.engine_config_from_args(args)
@@ -113,6 +115,7 @@ def test_flags_build_the_engine_config():
     assert config.scheduler.max_num_batched_tokens == 512
     assert config.scheduler.scheduling_policy == "fcfs"
     assert config.scheduler.fair_chunk_tokens == 256
+    assert config.cache.eviction_policy == "slru"
 
 
 def test_defaults_are_the_default_model_with_prefix_caching_on():
