@@ -86,3 +86,13 @@ def test_pins_past_the_capacity_are_refused(server: LiveServer):
         finally:
             for pin_id in made:
                 http.delete(f"/pins/{pin_id}")
+
+
+def test_a_pin_prompt_longer_than_the_context_is_a_400_and_pins_nothing(server: LiveServer):
+    with server.http(KEY_ADMIN) as http:
+        before = http.get("/pins").json()["pinned_blocks"]
+        r = http.post("/pins", json={"prompt": "harbour " * 2000, "tenant": "alpha"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        r = http.post("/pins", json={"prompt": "x" * 200_000, "tenant": "alpha"})
+        assert r.status_code in (400, 413), r.text  # refused before tokenizing
+        assert http.get("/pins").json()["pinned_blocks"] == before
