@@ -29,7 +29,8 @@ class LLM:
     1 GiB). `max_num_seqs` / `max_num_batched_tokens` bound each step;
     `long_prefill_token_threshold` (0 = off) caps one request's prefill chunk per step;
     `admission_order` "longest_prefix" admits the waiting request with the longest cached prefix
-    first (with aging; default "fcfs").
+    first (with aging; default "fcfs"); `eviction_policy` picks which free cached block the pool
+    reuses first: "lru" (default), "slru" (scan-resistant) or "cost" (recompute cost x reuse).
     `enable_kv_store` turns the prefix cache's disk tier on (None: on unless PREFIXSERVE_KV_STORE
     says 0) at `kv_store_dir` (default: under the cache directory) with `kv_store_gb` GiB (default:
     a quarter of the free disk, at most 32 GiB); `kv_store_default_retention` applies to prompts
@@ -53,6 +54,7 @@ class LLM:
         *,
         long_prefill_token_threshold: int = 0,
         admission_order: str = "fcfs",
+        eviction_policy: str = "lru",
         loaded_model: Any = None,
         enable_kv_store: bool | None = None,
         kv_store_dir: str | None = None,
@@ -80,6 +82,7 @@ class LLM:
                 enable_prefix_caching=enable_prefix_caching,
                 prefix_caching_hash_algo=prefix_caching_hash_algo,
                 enable_kv_events=enable_kv_events,
+                eviction_policy=eviction_policy,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs,

@@ -99,6 +99,8 @@ def test_max_tokens_none_runs_to_the_context_length(llm):
         dict(max_model_len=1),
         dict(seed=-1),
         dict(num_kv_blocks=8, kv_cache_memory_gb=1.0),
+        dict(eviction_policy="lfu"),
+        dict(admission_order="random"),
     ],
 )
 def test_invalid_llm_arguments_raise_value_error_naming_them(kwargs):
@@ -110,6 +112,21 @@ def test_invalid_llm_arguments_raise_value_error_naming_them(kwargs):
 def test_max_model_len_above_the_models_is_refused(default_model_bf16):
     with pytest.raises(ValueError, match="max_model_len"):
         LLM(loaded_model=default_model_bf16, max_model_len=10**6)
+
+
+@pytest.mark.parametrize("policy", ["lru", "slru", "cost"])
+def test_eviction_policy_reaches_the_pool_and_outputs_stay_the_same(default_model_fp32, policy):
+    llm = LLM(
+        loaded_model=default_model_fp32, dtype="float32", num_kv_blocks=24, eviction_policy=policy
+    )
+    pool = llm.llm_engine.scheduler.kv_cache_manager.block_pool
+    assert pool.eviction_policy == policy
+    # Six prompts of 7 blocks in a pool of 24 evict and preempt each other; the policy changes
+    # which blocks are reused, never the greedy output (float32).
+    prompts = [{"prompt_token_ids": random_tokens(100, s)} for s in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    first = [o.outputs[0].token_ids for o in llm.generate(prompts * 2, params, use_tqdm=False)]
+    assert first[:3] == first[3:]
 
 
 def test_request_longer_than_the_pool_is_refused(default_model_bf16):
