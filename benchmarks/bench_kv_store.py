@@ -11,7 +11,10 @@ there. W6 (restart) runs W1 one request at a time with max_tokens=1 (so each req
 its time to first token): a cold pass on an empty store, then a new engine on the same store (a
 restart: empty RAM pool), then the same engine again (warm RAM). Prints TTFT p50 of each pass.
 
-    .venv/bin/python benchmarks/bench_kv_store.py --workloads W4,W5,W6 [--scale 1.0]
+`--json PATH` also writes every request's record (finish time, prompt tokens, tokens hit in RAM
+and on disk; W6: its TTFT per pass), which `benchmarks/plot_kv_store.py` draws.
+
+    .venv/bin/python benchmarks/bench_kv_store.py --workloads W4,W5,W6 [--scale 1.0] [--json F]
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402
+import json  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
@@ -52,11 +56,13 @@ def run_pressure(loaded, workload, num_blocks: int | None, store: str | None, ar
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     requests = workload.requests
     start = time.perf_counter()
-    outputs = []
+    outputs, records = [], []
     for i in range(0, len(requests), args.concurrency):
         batch = requests[i : i + args.concurrency]
         prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in batch]
-        outputs += llm.generate(prompts, params, use_tqdm=False)
+        done = llm.generate(prompts, params, use_tqdm=False)
+        outputs += done
+        records += [_record(o, time.perf_counter() - start) for o in done]
     wall = time.perf_counter() - start
     llm.llm_engine.close()
     metrics = llm.llm_engine.get_metrics()
@@ -75,6 +81,16 @@ def run_pressure(loaded, workload, num_blocks: int | None, store: str | None, ar
         ),
         "computed": metrics["computed_prompt_tokens"],
         "outputs": [list(o.outputs[0].token_ids) for o in outputs],
+        "requests": records,
+    }
+
+
+def _record(output, seconds: float) -> dict:
+    return {
+        "seconds": round(seconds, 4),
+        "prompt_tokens": len(output.prompt_token_ids),
+        "ram_hit_tokens": output.num_cached_tokens - output.num_disk_cached_tokens,
+        "disk_hit_tokens": output.num_disk_cached_tokens,
     }
 
 
@@ -85,14 +101,16 @@ def run_restart(loaded, workload, args) -> dict:
     firsts = {r.group: i for i, r in reversed(list(enumerate(workload.requests)))}
 
     def one_pass(llm: LLM) -> dict:
-        ttfts = []
+        ttfts, records = [], []
         for r in workload.requests:
             start = time.perf_counter()
-            llm.generate([{"prompt_token_ids": r.prompt_token_ids}], params, use_tqdm=False)
+            [out] = llm.generate([{"prompt_token_ids": r.prompt_token_ids}], params, use_tqdm=False)
             ttfts.append(time.perf_counter() - start)
+            records.append(_record(out, ttfts[-1]))
         return {
             "p50": statistics.median(ttfts),
             "first": statistics.mean(ttfts[i] for i in firsts.values()),
+            "requests": records,
         }
 
     first = _llm(loaded, None, store, args)
@@ -130,7 +148,9 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--store-gb", type=float, default=4.0)
+    parser.add_argument("--json", help="write every request's record here")
     args = parser.parse_args()
+    results: dict = {}
     cpuinfo = open("/proc/cpuinfo").read()
     flags = " ".join(f for f in ("avx512f", "avx512_bf16", "amx_bf16", "avx2") if f in cpuinfo)
     print(f"# {platform.processor() or platform.machine()}, flags: {flags}, dtype {args.dtype}")
@@ -142,6 +162,9 @@ def main() -> None:
             for r in workload.requests:
                 r.prompt_token_ids = [*special, *r.prompt_token_ids]
             result = run_restart(loaded, workload, args)
+            results[name] = {
+                p: result[p]["requests"] for p in ("cold", "restart", "warm", "no_cache")
+            }
             for key in ("p50", "first"):
                 label = "TTFT p50" if key == "p50" else "TTFT of each prefix's first request"
                 r = {name: result[name][key] for name in ("cold", "restart", "warm", "no_cache")}
@@ -165,6 +188,7 @@ def main() -> None:
         blocks = POOL_BLOCKS.get(name)  # W0-W3: the default pool (no pressure)
         ram = run_pressure(loaded, workload, blocks, None, args)
         disk = run_pressure(loaded, workload, blocks, tempfile.mkdtemp(prefix="kvstore-"), args)
+        results[name] = {"ram_only": ram["requests"], "ram_and_disk": disk["requests"]}
         assert ram["outputs"] == disk["outputs"] or args.dtype != "float32"
         same = sum(a == b for a, b in zip(ram["outputs"], disk["outputs"], strict=True))
         for label, r in (("RAM pool only (LRU)", ram), ("RAM + disk tier", disk)):
@@ -183,6 +207,11 @@ def main() -> None:
             f"RAM-only wall time per computed block ~{compute_ms_per_block:.1f} ms",
             flush=True,
         )
+
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"cpu_flags": flags, "dtype": args.dtype, "workloads": results}, f)
+        print(f"# per-request records: {args.json}")
 
 
 if __name__ == "__main__":

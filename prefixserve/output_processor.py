@@ -276,6 +276,7 @@ class OutputProcessor:
             prompt_logprobs=list(entry.prompt_logprobs) if entry.prompt_logprobs else None,
             outputs=completions,
             num_cached_tokens=max(0, first.num_cached_tokens),
+            num_disk_cached_tokens=first.num_disk_cached_tokens,
             finished=finished,
             error=entry.error,
         )

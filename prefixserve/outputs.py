@@ -43,6 +43,8 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobs | None
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0
+    # The part of num_cached_tokens loaded from the prefix cache's disk tier (the rest: RAM pool).
+    num_disk_cached_tokens: int = 0
     finished: bool = False
     # Set (with finished=True) when this request failed on its own (its seed, non-finite logits,
     # a sampler or detokenizer error): why. The failed sample's finish_reason is "error", its

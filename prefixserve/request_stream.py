@@ -99,6 +99,7 @@ def snapshot(output: RequestOutput) -> RequestOutput:
             for c in output.outputs
         ],
         num_cached_tokens=output.num_cached_tokens,
+        num_disk_cached_tokens=output.num_disk_cached_tokens,
         finished=output.finished,
         error=output.error,
     )

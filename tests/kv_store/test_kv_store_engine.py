@@ -60,6 +60,9 @@ def test_outputs_are_identical_from_the_pool_the_store_and_a_recompute(
     num_prompt = len(from_disk[0].prompt_token_ids)
     # The first sample loads the prompt's blocks from disk; the second hits them in RAM.
     assert from_disk[0].num_cached_tokens == (num_prompt - 1) // 16 * 16
+    assert from_disk[0].num_disk_cached_tokens == from_disk[0].num_cached_tokens
+    assert from_disk[1].num_disk_cached_tokens == 0 < from_disk[1].num_cached_tokens
+    assert all(o.num_disk_cached_tokens == 0 for o in from_pool)
     assert metrics["kv_store_hit_tokens"] == from_disk[0].num_cached_tokens
     assert recomputed == _tokens(first) == _tokens(from_pool) == _tokens(from_disk)
     restarted.llm_engine.check_no_leaks()
