@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_eviction.py [--policies lru,slru,cost]
         [--workloads W0,W1,W2,W3,W4,W5] [--concurrency 4] [--seed 0] [--pool-blocks W4=784,...]
+        [--admission-orders fcfs,longest_prefix] [--arrival closed|burst]
 
 Drives the real Scheduler and KVCacheManager with a stub runner that "samples" a deterministic
 token per request and step (no model, no K/V), over the token-id traces of
@@ -14,21 +15,32 @@ and answer); W5 16 x 68 + 16 (about 16 of its 64 system prompts). `--pool-blocks
 Note that W4's 4 running requests hold 4 x 97 of its 400 blocks: the pool that leaves about 4
 documents cached beside them is 8 x 96 + 16 = 784.
 
-Prints one row per workload and policy: the prompt-token hit rate of fresh admissions
-(`PrefixCacheStats`: hit tokens over prompt tokens looked up), the prompt tokens actually
-computed (preempted requests recompute), the preemptions and the seconds the run took.
+`--arrival burst` instead adds every request at step 0 (a W2 turn still only once the previous
+turn of its conversation has finished, at the next step) and lets `max_num_seqs = --concurrency`
+bound the running ones, so the waiting queue is long and the admission order
+(`SchedulerConfig.admission_order`, `--admission-orders`; default fcfs only) decides who goes next.
+
+Prints one row per workload, policy and admission order: the prompt-token hit rate of fresh
+admissions (`PrefixCacheStats`: hit tokens over prompt tokens looked up), the prompt tokens
+actually computed (preempted requests recompute), the preemptions; in scheduler steps
+(`schedule()` calls), each request's wait from its arrival to its first scheduled step (0: it ran
+in the step it arrived in) and its completion time (arrival to the step that finished it, that
+step counted), as mean / p99 (nearest rank) / max; the most times a request was passed over by
+longest-prefix admission (its aging bound is 16), the steps of the whole run and its seconds.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import time
 import zlib
 from collections import deque
+from typing import Any
 
 from prefixserve.batch import ModelRunnerOutput, SchedulerOutput
 from prefixserve.bench.workloads import WORKLOAD_NAMES, BenchRequest, make_workload
-from prefixserve.config import SchedulerConfig
+from prefixserve.config import ADMISSION_ORDERS, SchedulerConfig
 from prefixserve.kv_cache.eviction import EVICTION_POLICIES
 from prefixserve.kv_cache.hashing import get_request_block_hasher
 from prefixserve.kv_cache.kv_cache_manager import KVCacheManager
@@ -56,15 +68,43 @@ class StubRunner:
         return result
 
 
+def spread(values: list[int]) -> tuple[float, int, int]:
+    """(mean, p99 by nearest rank, max) of `values`."""
+    ordered = sorted(values)
+    p99 = ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
+    return sum(ordered) / len(ordered), p99, ordered[-1]
+
+
+def longer_than(waits: dict[str, int], fcfs_waits: dict[str, int] | None) -> str:
+    """How many requests wait longer than in the fcfs run of the same workload and policy, and
+    the most extra steps one of them waits ("-" without such a run, or for fcfs itself)."""
+    if fcfs_waits is None or waits is fcfs_waits:
+        return "-"
+    extra = [waits[i] - fcfs_waits[i] for i in waits if waits[i] > fcfs_waits[i]]
+    return f"{len(extra)} / {max(extra, default=0)}"
+
+
 def simulate(
-    requests: list[BenchRequest], policy: str, num_blocks: int, concurrency: int
-) -> dict[str, float]:
-    """Run `requests` closed loop over a pool of `num_blocks` allocatable blocks."""
+    requests: list[BenchRequest],
+    policy: str,
+    num_blocks: int,
+    concurrency: int,
+    admission_order: str = "fcfs",
+    arrival: str = "closed",
+) -> dict[str, Any]:
+    """Run `requests` over a pool of `num_blocks` allocatable blocks: closed loop at
+    `concurrency` in flight, or (`arrival="burst"`) all at once with `concurrency` running."""
+    if arrival not in ("closed", "burst"):
+        raise ValueError(f"arrival must be closed or burst, got {arrival!r}")
+    burst = arrival == "burst"
     manager = KVCacheManager(
         KVCacheConfig(num_blocks=num_blocks + 1, block_size=BLOCK_SIZE, hash_algo="xxhash"),
         eviction_policy=policy,
     )
-    scheduler = Scheduler(SchedulerConfig(), manager, max_model_len=1 << 20)
+    config = SchedulerConfig(admission_order=admission_order)
+    if burst:
+        config = SchedulerConfig(admission_order=admission_order, max_num_seqs=concurrency)
+    scheduler = Scheduler(config, manager, max_model_len=1 << 20)
     runner = StubRunner()
     hasher = get_request_block_hasher(BLOCK_SIZE, "xxhash")
     dependents: dict[str, list[BenchRequest]] = {}
@@ -72,25 +112,48 @@ def simulate(
         if r.after is not None:
             dependents.setdefault(r.after, []).append(r)
     ready = deque(r for r in requests if r.after is None)
-    in_flight = finished = 0
+    in_flight = finished = step = 0
+    added: list[Request] = []
+    arrived: dict[str, int] = {}  # request id -> the step it was added before
+    first: dict[str, int] = {}  # request id -> the step it was first scheduled in
+    done: dict[str, int] = {}  # request id -> the step that finished it
     start = time.perf_counter()
     while finished < len(requests):
-        while ready and in_flight < concurrency:
+        while ready and (burst or in_flight < concurrency):
             r = ready.popleft()
             params = SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True)
-            scheduler.add_request(Request(r.request_id, r.prompt_token_ids, params, None, hasher))
+            request = Request(r.request_id, r.prompt_token_ids, params, None, hasher)
+            scheduler.add_request(request)
+            added.append(request)
+            arrived[r.request_id] = step
             in_flight += 1
         out = scheduler.schedule()
         if not out.scheduled:
             raise RuntimeError(f"{policy}: nothing scheduled with {in_flight} requests in flight")
+        for s in out.scheduled:
+            first.setdefault(s.request.request_id, step)
         for update in scheduler.update_from_output(out, runner.execute(out)):
             if update.finished:
                 in_flight -= 1
                 finished += 1
+                done[update.request.request_id] = step
                 ready.extend(dependents.get(update.request.request_id, ()))
+        step += 1
     manager.check_no_leaks()
     stats = manager.make_prefix_cache_stats()
+    waits = {i: first[i] - arrived[i] for i in arrived}
+    wait = spread(list(waits.values()))
+    completion = spread([done[i] - arrived[i] + 1 for i in arrived])
     return {
+        "waits": waits,
+        "wait_mean": wait[0],
+        "wait_p99": wait[1],
+        "wait_max": wait[2],
+        "done_mean": completion[0],
+        "done_p99": completion[1],
+        "done_max": completion[2],
+        "max_passed_over": max(r.num_passed_over for r in added),
+        "steps": step,
         "hit_rate": stats.hit_rate,
         "computed": scheduler.stats.num_computed_prompt_tokens,
         "prompt": sum(r.num_prompt_tokens for r in requests),
@@ -105,6 +168,17 @@ def main() -> None:
     parser.add_argument("--workloads", default=",".join(WORKLOAD_NAMES))
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--admission-orders",
+        default="fcfs",
+        help="comma-separated SchedulerConfig.admission_order values: fcfs, longest_prefix",
+    )
+    parser.add_argument(
+        "--arrival",
+        choices=("closed", "burst"),
+        default="closed",
+        help="closed: --concurrency in flight; burst: all at step 0, --concurrency running",
+    )
     parser.add_argument(
         "--pool-blocks",
         default="",
@@ -125,24 +199,45 @@ def main() -> None:
         parser.error(f"unknown policy {name!r}; choose from {', '.join(EVICTION_POLICIES)}")
     for name in set(workloads) - set(WORKLOAD_NAMES):
         parser.error(f"unknown workload {name!r}; choose from {', '.join(WORKLOAD_NAMES)}")
+    orders = sorted(args.admission_orders.split(","), key=lambda order: order != "fcfs")
+    for name in set(orders) - set(ADMISSION_ORDERS):
+        parser.error(f"unknown admission order {name!r}; choose from {', '.join(ADMISSION_ORDERS)}")
     print(
-        f"concurrency {args.concurrency}, seed {args.seed}, block size {BLOCK_SIZE}; "
-        "hit rate = hit prompt tokens / prompt tokens of fresh admissions"
+        f"concurrency {args.concurrency}, arrival {args.arrival}, seed {args.seed}, "
+        f"block size {BLOCK_SIZE}; hit rate = hit prompt tokens / prompt tokens of fresh "
+        "admissions; wait (arrival to first scheduled) and done (arrival to finished) in steps"
     )
     print(
-        "| workload | pool (blocks) | policy | hit rate | prompt tokens computed | preempted | s |"
+        "| workload | pool (blocks) | policy | order | hit rate | prompt tokens computed "
+        "| preempted | wait mean / p99 / max | done mean / p99 / max | max passed over "
+        "| waits longer than at fcfs: n / max extra | steps | s |"
     )
-    print("|---|--:|---|--:|--:|--:|--:|")
+    print("|---|--:|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
     for workload_name in workloads:
         requests = make_workload(workload_name, TOKEN_POOL, args.seed).requests
         for policy in policies:
-            r = simulate(requests, policy, pool_blocks[workload_name], args.concurrency)
-            print(
-                f"| {workload_name} | {pool_blocks[workload_name]} | {policy} | "
-                f"{100 * r['hit_rate']:.1f}% | {r['computed']:,} of {r['prompt']:,} | "
-                f"{r['preemptions']} | {r['seconds']:.2f} |",
-                flush=True,
-            )
+            fcfs_waits: dict[str, int] | None = None
+            for order in orders:
+                r = simulate(
+                    requests,
+                    policy,
+                    pool_blocks[workload_name],
+                    args.concurrency,
+                    order,
+                    args.arrival,
+                )
+                print(
+                    f"| {workload_name} | {pool_blocks[workload_name]} | {policy} | {order} | "
+                    f"{100 * r['hit_rate']:.1f}% | {r['computed']:,} of {r['prompt']:,} | "
+                    f"{r['preemptions']} | {r['wait_mean']:.1f} / {r['wait_p99']} / "
+                    f"{r['wait_max']} | {r['done_mean']:.1f} / {r['done_p99']} / "
+                    f"{r['done_max']} | {r['max_passed_over']} | "
+                    f"{longer_than(r['waits'], fcfs_waits)} | {r['steps']} | "
+                    f"{r['seconds']:.2f} |",
+                    flush=True,
+                )
+                if order == "fcfs":
+                    fcfs_waits = r["waits"]
 
 
 if __name__ == "__main__":
