@@ -43,6 +43,14 @@ def build_parser(prog: str = "python -m benchmarks.serving") -> argparse.Argumen
         "--kv-cache-gib", type=float, default=2.0, help="KV-cache memory given to each engine (GiB)"
     )
     cmp_.add_argument(
+        "--kv-pool-tokens",
+        type=int,
+        default=None,
+        help="a KV pool of this many tokens instead of --kv-cache-gib, the same for every engine "
+        "(blocks = tokens / its block size; vLLM: --num-gpu-blocks-override): W4 about 6,400, "
+        "W5 about 17,600",
+    )
+    cmp_.add_argument(
         "--max-num-batched-tokens",
         type=int,
         default=2048,
@@ -97,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
         kv_cache_gib=args.kv_cache_gib,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
+        kv_pool_tokens=args.kv_pool_tokens,
     )
     status = run_compare(cfg, progress=not args.no_progress)
     print(report(args.out, cfg.workloads))

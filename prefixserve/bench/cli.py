@@ -91,8 +91,9 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
         "--workloads",
         type=csv_list,
         default=list(DEFAULT_WORKLOADS),
-        help="comma-separated subset of W0-W5 (default: W0,W1,W2,W3; W4 and W5 want a small "
-        "KV pool on every engine)",
+        help="comma-separated subset of W0-W6 (default: W0,W1,W2,W3; W4 and W5 want a small "
+        "KV pool on every engine: compare's --kv-pool-tokens; W6 restarts the server, so only "
+        "compare runs it)",
     )
     p.add_argument(
         "--concurrency",
@@ -210,8 +211,21 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from prefixserve.bench.client import EndpointConfig, run_workload
     from prefixserve.bench.results import result_path
     from prefixserve.bench.summary import summarize
-    from prefixserve.bench.workloads import load_token_pool, make_workload, prepend_tokens
+    from prefixserve.bench.workloads import (
+        RESTART_WORKLOADS,
+        load_token_pool,
+        make_workload,
+        prepend_tokens,
+    )
 
+    restarts = [w for w in args.workloads if w.upper() in RESTART_WORKLOADS]
+    if restarts:
+        print(
+            f"prefixserve bench run: {', '.join(restarts)} restarts the server between passes; "
+            "run it with `prefixserve bench compare`",
+            file=sys.stderr,
+        )
+        return 2
     model_dir = args.model or default_model_dir()
     pool, decode, special_prefix = load_token_pool(model_dir)
     served = args.served_model

@@ -25,6 +25,10 @@ The shapes:
 - W5 popularity: 64 system prompts of 1,024 tokens, 256 requests whose prompt is drawn with
   Zipf(1.1) popularity, each with its own 64-token suffix; 16 output tokens. Meant for a pool of
   about 16 of them.
+- W6 restart: W1's shape (its own prompts). `prefixserve bench compare` runs it three times per
+  engine: on a fresh server with an empty disk tier (cold), again on the same server (warm),
+  then once more after the server was stopped and started again on the same store (restart).
+  `prefixserve bench run`, which cannot restart the server it is pointed at, refuses it.
 
 EOS is ignored everywhere so every engine decodes the same number of tokens.
 """
@@ -37,7 +41,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-WORKLOAD_NAMES = ("W0", "W1", "W2", "W3", "W4", "W5")
+WORKLOAD_NAMES = ("W0", "W1", "W2", "W3", "W4", "W5", "W6")
+# Run by `bench compare` as cold, warm and after-restart passes, never as one plain run.
+RESTART_WORKLOADS = ("W6",)
 # What `prefixserve bench run` runs unless told: W4 and W5 need a small KV pool to mean anything.
 DEFAULT_WORKLOADS = ("W0", "W1", "W2", "W3")
 
@@ -247,6 +253,13 @@ def make_w5(pool: Sequence[int], seed: int = 0, scale: float = 1.0) -> Workload:
     )
 
 
+def make_w6(pool: Sequence[int], seed: int = 0, scale: float = 1.0) -> Workload:
+    w1 = make_w1(pool, seed, scale)
+    for req in w1.requests:
+        req.request_id = "W6" + req.request_id[2:]
+    return Workload("W6", f"restart (cold, warm, after a restart): {w1.description}", w1.requests)
+
+
 _MAKERS: dict[str, Callable[[Sequence[int], int, float], Workload]] = {
     "W0": make_w0,
     "W1": make_w1,
@@ -254,6 +267,7 @@ _MAKERS: dict[str, Callable[[Sequence[int], int, float], Workload]] = {
     "W3": make_w3,
     "W4": make_w4,
     "W5": make_w5,
+    "W6": make_w6,
 }
 
 
@@ -264,7 +278,7 @@ def make_workload(
     scale: float = 1.0,
     decode: Callable[[list[int]], str] | None = None,
 ) -> Workload:
-    """Build workload `name` (W0..W5) from `pool` and `seed`.
+    """Build workload `name` (W0..W6) from `pool` and `seed`.
 
     `scale` multiplies the number of requests (W0 requests, W1 requests per prefix, W2
     conversations, W3 questions per document, W4 rounds, W5 requests), never the token lengths.

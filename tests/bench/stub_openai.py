@@ -2,7 +2,9 @@
 
 It streams `max_tokens` chunks of one word each, reports usage with
 `prompt_tokens_details.cached_tokens` computed from 16-token blocks it has seen before, and keeps
-a log of what it received so tests can check ordering and concurrency.
+a log of what it received so tests can check ordering and concurrency. With `--store DIR` the
+blocks it has seen outlive the process (one JSON line per block in DIR/blocks.jsonl), like a
+disk tier, so a restarted stub hits what its predecessor saw.
 """
 
 from __future__ import annotations
@@ -32,6 +34,22 @@ class StubState:
     max_in_flight: int = 0
     seen_blocks: set[tuple[int, ...]] = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    store: str | None = None
+
+    def load_store(self) -> None:
+        path = os.path.join(self.store or "", "blocks.jsonl")
+        if self.store is not None and os.path.exists(path):
+            with open(path) as f:
+                self.seen_blocks |= {tuple(json.loads(line)) for line in f}
+
+    def remember(self, block: tuple[int, ...]) -> None:
+        if block in self.seen_blocks:
+            return
+        self.seen_blocks.add(block)
+        if self.store is not None:
+            os.makedirs(self.store, exist_ok=True)
+            with open(os.path.join(self.store, "blocks.jsonl"), "a") as f:
+                f.write(json.dumps(list(block)) + "\n")
 
 
 def _prompt_ids(prompt: Any) -> list[int]:
@@ -66,7 +84,7 @@ def make_app(
                 block = tuple(ids[:end])
                 if block in state.seen_blocks:
                     cached = end
-                state.seen_blocks.add(block)
+                state.remember(block)
         n = int(body.get("max_tokens") or 16)
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
 
@@ -137,6 +155,9 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--die-after", type=int, default=None, help="exit at request N+1")
+    parser.add_argument("--store", default=None, help="keep the seen blocks in this directory")
     args = parser.parse_args()
-    app = make_app(StubState(), die_after=args.die_after)
+    state = StubState(store=args.store)
+    state.load_store()
+    app = make_app(state, die_after=args.die_after)
     uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")

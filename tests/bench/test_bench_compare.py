@@ -14,6 +14,7 @@ from test_bench_workloads import _words
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from benchmarks.serving import servers
+from benchmarks.serving.compare import RESTART_PASSES as PASSES
 from benchmarks.serving.compare import CompareConfig, report, run_compare
 from benchmarks.serving.servers import EngineSpec, ServerContext, ServerError, ServerProcess
 from prefixserve.bench import cli as bench_cli
@@ -51,6 +52,15 @@ def stub_engines(monkeypatch):
         EngineSpec(
             "stub", stub_cmd, "tokens", extra_body={"ignore_eos": True}, startup_timeout_s=60
         ),
+    )
+    def store_cmd(ctx: ServerContext) -> list[str]:
+        assert ctx.kv_store_dir is not None
+        return [*stub_cmd(ctx), "--store", str(ctx.kv_store_dir)]
+
+    monkeypatch.setitem(
+        servers.ENGINES,
+        "stub-store",
+        EngineSpec("stub-store", store_cmd, "tokens", startup_timeout_s=60, uses_store=True),
     )
     monkeypatch.setitem(
         servers.ENGINES,
@@ -210,11 +220,82 @@ def test_llama_cpp_keeps_streams_alive_and_ignores_eos_by_min_tokens(tmp_path):
 
 
 def test_prefixserve_nocache_turns_prefix_caching_off(tmp_path):
-    on = servers.get_engine("prefixserve").command(_ctx(tmp_path))
+    ram = servers.get_engine("prefixserve-ram").command(_ctx(tmp_path))
     off = servers.get_engine("prefixserve-nocache").command(_ctx(tmp_path))
-    assert off == [*on, "--no-enable-prefix-caching"]
-    assert on[on.index("serve") + 1] == str(tmp_path / "SmolLM2")
-    assert on[on.index("--block-size") + 1] == "16"
+    assert ram[-1] == "--no-kv-store" and "--no-enable-prefix-caching" not in ram
+    assert off == [*ram[:-1], "--no-enable-prefix-caching", "--no-kv-store"]
+    assert ram[ram.index("serve") + 1] == str(tmp_path / "SmolLM2")
+    assert ram[ram.index("--block-size") + 1] == "16"
+
+
+def test_prefixserve_keeps_its_disk_tier_where_the_harness_says(tmp_path):
+    ctx = _ctx(tmp_path)
+    ctx.kv_store_dir = tmp_path / "store"
+    cmd = servers.get_engine("prefixserve").command(ctx)
+    assert cmd[cmd.index("--kv-store-dir") + 1] == str(tmp_path / "store")
+    assert "--no-kv-store" not in cmd
+    assert servers.get_engine("prefixserve").uses_store
+    assert not servers.get_engine("prefixserve-ram").uses_store
+
+
+def test_kv_pool_tokens_gives_every_engine_the_same_tokens_in_its_own_blocks(tmp_path):
+    ctx = _ctx(tmp_path)
+    ctx.kv_pool_tokens = 6400
+    ours = servers.get_engine("prefixserve").command(ctx)
+    vllm = servers.get_engine("vllm").command(ctx)
+    assert ours[ours.index("--num-kv-blocks") + 1] == "400" and "--kv-cache-memory-gb" not in ours
+    assert vllm[vllm.index("--num-gpu-blocks-override") + 1] == "200"
+    assert "--num-gpu-blocks-override" not in servers.get_engine("vllm").command(_ctx(tmp_path))
+    with pytest.raises(ValueError, match="kv_pool_tokens"):
+        CompareConfig(
+            engines=["vllm"], workloads=["W4"], model_dir=tmp_path, out_dir=tmp_path,
+            kv_pool_tokens=8,
+        )  # fmt: skip
+
+
+def test_w6_runs_cold_warm_and_after_a_restart_on_the_same_emptied_store(
+    tmp_path, model_dir, stub_engines
+):
+    stale = tmp_path / "kv-store" / "stub-store-W6"
+    stale.mkdir(parents=True)
+    # what an earlier run left: the harness must empty it, or the cold pass would hit
+    cfg = CompareConfig(
+        engines=["stub-store", "stub"],
+        workloads=["W6", "W1"],
+        model_dir=model_dir,
+        out_dir=tmp_path,
+        concurrency=2,
+        scale=0.125,
+        num_warmup=0,
+        port=free_port(),
+    )
+    from prefixserve.bench.workloads import load_token_pool, make_workload
+
+    pool, _, _ = load_token_pool(model_dir)
+    w6 = make_workload("W6", pool, scale=0.125)
+    lines = [json.dumps(r.prompt_token_ids[:end]) for r in w6.requests for end in (16, 32)]
+    (stale / "blocks.jsonl").write_text("\n".join(lines) + "\n")
+    assert run_compare(cfg, progress=False) == {"stub-store": "ok", "stub": "ok"}
+    hits = {name: s.hit_rate for name, s, _ in load_results(tmp_path, "W6")}
+    assert sorted(hits) == sorted(f"{e}@{p}" for e in ("stub", "stub-store") for p in PASSES)
+    # 4 requests on 4 prefixes: nothing to hit on a cold cache; everything but each prompt's
+    # last partial block on the same server; after a restart only what the store kept
+    assert hits["stub-store@cold"] == 0.0 and hits["stub@cold"] == 0.0
+    assert hits["stub-store@warm"] > 0.9 and hits["stub@warm"] > 0.9
+    assert hits["stub-store@restart"] == hits["stub-store@warm"]
+    assert hits["stub@restart"] == 0.0
+    assert (tmp_path / "W1" / "stub-store.json").exists()
+    assert not (tmp_path / "kv-store" / "stub-store-W6").exists()
+    assert not (tmp_path / "kv-store" / "stub-store-main").exists()
+    logs = sorted(p.name for p in (tmp_path / "logs").iterdir())
+    assert "stub-store-W6-1.log" in logs and "stub-store-W6-2.log" in logs
+    assert "W6" in report(tmp_path, ["W6"])
+
+
+def test_bench_run_refuses_the_restart_workload(tmp_path, model_dir, capsys):
+    argv = ["run", "--base-url", "http://127.0.0.1:9", "--model", str(model_dir)]
+    assert bench_main([*argv, "--workloads", "W1,W6", "--out", str(tmp_path)]) == 2
+    assert "bench compare" in capsys.readouterr().err
 
 
 def test_prefixserve_and_vllm_plan_steps_of_the_same_size(tmp_path):
