@@ -35,11 +35,11 @@ from benchmarks.serving.servers import (
     ServerProcess,
     get_engine,
 )
-from prefixserve.bench.workloads import RESTART_WORKLOADS
 from prefixserve.bench import results
 from prefixserve.bench.client import EndpointConfig, RequestRecord, RunResult, run_workload
 from prefixserve.bench.summary import Summary, summarize
 from prefixserve.bench.workloads import (
+    RESTART_WORKLOADS,
     WORKLOAD_NAMES,
     BenchRequest,
     Workload,

@@ -53,6 +53,7 @@ def stub_engines(monkeypatch):
             "stub", stub_cmd, "tokens", extra_body={"ignore_eos": True}, startup_timeout_s=60
         ),
     )
+
     def store_cmd(ctx: ServerContext) -> list[str]:
         assert ctx.kv_store_dir is not None
         return [*stub_cmd(ctx), "--store", str(ctx.kv_store_dir)]
