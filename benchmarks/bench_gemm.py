@@ -2,10 +2,11 @@
 
     .venv/bin/python benchmarks/bench_gemm.py [--rows 8,16,32,64,128,256,512,2048]
 
-For each (in, out) shape and row count M: the oneDNN-packed bf16 linear the model uses for small
-batches, against `F.linear` in fp32 from an fp32 copy of the weight (input cast up, output cast
-back to bf16, as `prefixserve.model.layers.Linear` does for batches of FP32_MIN_ROWS rows or
-more). Prints GFLOP/s of each and the ratio; median of 7 repeats of >= 50 ms each.
+For each (in, out) shape and row count M: the bf16 linear the model uses for small batches
+(oneDNN-packed where this CPU can pack bf16 weights, plain `F.linear` in bf16 elsewhere, as
+`prefixserve.model.layers.Linear` chooses), against `F.linear` in fp32 from an fp32 copy of the
+weight (input cast up, output cast back to bf16, as `Linear` does for batches of its fp32 row
+threshold or more). Prints GFLOP/s of each and the ratio; median of 7 repeats of >= 50 ms each.
 """
 
 from __future__ import annotations
@@ -21,8 +22,11 @@ import time  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from prefixserve.model import layers  # noqa: E402
+
 # (in_features, out_features) of SmolLM2-135M's fused qkv, o, gate_up and down projections.
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]
+LM_HEAD = (576, 49152)
 
 
 def seconds(fn) -> float:
@@ -40,26 +44,42 @@ def seconds(fn) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="8,16,32,64,128,256,512,2048")
+    ap.add_argument(
+        "--lm-head-rows",
+        default="",
+        help="also the LM head's shape (576 x 49152) at these rows, e.g. 1,8,16",
+    )
     args = ap.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
+    packing = layers._bf16_packing_supported()
     print(
         f"torch {torch.__version__} | threads {torch.get_num_threads()} | AMX "
-        f"{torch.cpu._is_amx_tile_supported()} | load avg {os.getloadavg()[0]:.1f}"
+        f"{torch.cpu._is_amx_tile_supported()} | bf16 packing {packing} | load avg "
+        f"{os.getloadavg()[0]:.1f}"
     )
-    print("| shape (in x out) | rows | bf16 packed GFLOP/s | fp32 GFLOP/s | fp32 speed-up |")
+    kind = "packed" if packing else "F.linear"
+    print(f"| shape (in x out) | rows | bf16 {kind} GFLOP/s | fp32 GFLOP/s | fp32 speed-up |")
     print("|---|---:|---:|---:|---:|")
+    cases = [(shape, rows) for shape in SHAPES]
+    if args.lm_head_rows:
+        cases.append((LM_HEAD, [int(r) for r in args.lm_head_rows.split(",")]))
     with torch.inference_mode():
-        for k, n in SHAPES:
+        for (k, n), case_rows in cases:
             w = torch.randn(n, k).bfloat16()
             w32 = w.float()
-            packed = torch.ops.mkldnn._reorder_linear_weight(w, 512)
-            for m in rows:
+            if packing:
+                packed = torch.ops.mkldnn._reorder_linear_weight(w, 512)
+
+                def bf16(x, p=packed):
+                    return torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+            else:
+
+                def bf16(x, w=w):
+                    return F.linear(x, w)
+
+            for m in case_rows:
                 x = torch.randn(m, k).bfloat16()
-                t16 = seconds(
-                    lambda x=x, p=packed: torch.ops.mkldnn._linear_pointwise(
-                        x, p, None, "none", [], ""
-                    )
-                )
+                t16 = seconds(lambda x=x, f=bf16: f(x))
                 t32 = seconds(lambda x=x, w=w32: F.linear(x.float(), w).to(torch.bfloat16))
                 flops = 2 * m * k * n
                 print(

@@ -113,6 +113,11 @@ def _prefixserve_cmd(caching: bool, store: bool) -> Callable[[ServerContext], li
             *_shared_flags(ctx, PREFIXSERVE_BLOCK_SIZE),
             *pool,
             "--disable-log-stats",
+            # The client is one tenant. prefixserve's default caps a tenant at half the KV pool's
+            # tokens in flight (429 beyond it: see bench_tenant_flood.py for what that is for);
+            # vLLM queues whatever comes, so here prefixserve queues too.
+            "--max-tokens-per-tenant",
+            "0",
         ]
         if not caching:
             cmd.append("--no-enable-prefix-caching")

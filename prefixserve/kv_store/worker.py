@@ -11,9 +11,9 @@ in batches of 4-32 blocks, against tens of milliseconds to compute the block's 1
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -58,9 +58,15 @@ def scatter_blocks(
     for payload in payloads:
         if len(payload) != expected:
             raise ValueError(f"a KV payload has {len(payload)} bytes, expected {expected}")
-    raw = np.frombuffer(b"".join(payloads), dtype=np.uint8).copy()
+    # One join and no further copy: index_copy_ only reads its source, so the read-only bytes
+    # are viewed in place. (With a writable copy of the join on top, the copy's page faults
+    # made up half of a 256-block load after a restart: 0.19 s of 0.33 s.)
+    joined = b"".join(payloads)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*not writable.*")
+        raw = torch.frombuffer(joined, dtype=torch.uint8)
     shape = (len(block_ids), len(kv_caches), 2, *k0.shape[1:])
-    stacked = torch.from_numpy(raw).view(k0.dtype).reshape(shape)
+    stacked = raw.view(k0.dtype).reshape(shape)
     index = torch.tensor(block_ids, dtype=torch.long)
     for layer, (k, v) in enumerate(kv_caches):
         k.index_copy_(0, index, stacked[:, layer, 0])

@@ -236,6 +236,8 @@ def test_prefixserve_keeps_its_disk_tier_where_the_harness_says(tmp_path):
     assert cmd[cmd.index("--kv-store-dir") + 1] == str(tmp_path / "store")
     assert "--no-kv-store" not in cmd
     assert servers.get_engine("prefixserve").uses_store
+    # one client is one tenant: queued like vLLM queues, not refused past half the pool
+    assert cmd[cmd.index("--max-tokens-per-tenant") + 1] == "0"
     assert not servers.get_engine("prefixserve-ram").uses_store
 
 
