@@ -101,6 +101,24 @@ class Ours:
                 e.num_computed_tokens += 1
 
 
+class FixedRows(Ours):
+    """prefixserve on the same weights with another fp32 row threshold and the LM head in bf16
+    (`--fp32-rows-baseline`): each of its steps swaps the two in, and back out after."""
+
+    def __init__(self, loaded, rows: int, **kwargs) -> None:
+        super().__init__(loaded, **kwargs)
+        self.rows = rows
+        self.head = loaded.model.lm_head
+
+    def _execute(self, scheduler_output: SchedulerOutput):
+        rows, head_fp32 = layers.FP32_MIN_ROWS, self.head._fp32
+        layers.FP32_MIN_ROWS, self.head._fp32 = self.rows, None
+        try:
+            return super()._execute(scheduler_output)
+        finally:
+            layers.FP32_MIN_ROWS, self.head._fp32 = rows, head_fp32
+
+
 class Transformers:
     name = "transformers"
 
@@ -182,6 +200,15 @@ def main() -> None:
         help="also run prefixserve without its CPU fast paths (PyTorch attention and RMSNorm "
         "instead of the compiled kernels, bf16 GEMMs for prefill), same run",
     )
+    ap.add_argument(
+        "--fp32-rows-baseline",
+        type=int,
+        default=None,
+        metavar="ROWS",
+        help="also run prefixserve with bf16 linears switching to their fp32 copy from ROWS "
+        "rows (not layers.FP32_MIN_ROWS) and an LM head without an fp32 copy, same weights, "
+        "same run: e.g. 64, the threshold before it was chosen per CPU",
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -204,6 +231,10 @@ def main() -> None:
         base.runner.attention_kernel = None
         base.native = False
         engines.append(base)
+    if args.fp32_rows_baseline is not None:
+        engines.append(
+            FixedRows(loaded, args.fp32_rows_baseline, num_blocks=blocks, name="fp32-rows-base")
+        )
     if not args.skip_transformers:
         engines.append(Transformers(loaded.path, loaded.config.vocab_size))
     with torch.inference_mode():

@@ -54,8 +54,37 @@ def _bf16_packing_supported() -> bool:
     return True
 
 
+def _fp32_min_rows() -> int:
+    """Rows from which a bf16 Linear computes from its fp32 copy, per kind of CPU (measured,
+    same run each; BENCHMARKS.md "Model speed"):
+
+    - AVX-512-BF16, no AMX (Intel Xeon): 64. oneDNN's packed bf16 GEMM breaks even with fp32
+      around 64 rows and is 0.6-0.8x of it from a few hundred (benchmarks/bench_gemm.py).
+    - AVX2 only (AMD EPYC without AVX-512; oneDNN cannot pack bf16 there, so bf16 is plain
+      `F.linear`): 16. bf16 tops out at ~15 GFLOP/s at any row count, fp32 reaches 45-60 at 16
+      rows; the whole model's decode (benchmarks/bench_model.py) at batch 8 ran 44.5 tok/s in
+      bf16 against 39.5 from fp32 weights (fp32 streams twice the bytes), at batch 16 44.4
+      against 60.2.
+    - AMX: no fp32 copy is kept (`_fp32_large_batches`)."""
+    return 64 if _bf16_packing_supported() else 16
+
+
 # Batches with at least this many rows use the fp32 copy (where Linear keeps one).
-FP32_MIN_ROWS = 64
+FP32_MIN_ROWS = _fp32_min_rows()
+
+
+# Largest LM head (in elements) that keeps an fp32 copy: 256 MiB of fp32. SmolLM2's 576 x 49,152
+# (113 MB) does; Gemma 3's 640 x 262,144 (671 MB) does not.
+LM_HEAD_FP32_MAX_ELEMENTS = 64 * 1024 * 1024
+
+
+def lm_head_fp32_copy(lm_head: nn.Linear) -> bool:
+    """Whether the LM head keeps an fp32 copy too: only where bf16 is plain `F.linear` (AVX2),
+    where SmolLM2's 576 x 49,152 head ran 1.44x faster in fp32 at 16 rows (0.30x at 1 row: that
+    row count stays bf16), and only up to LM_HEAD_FP32_MAX_ELEMENTS. Elsewhere the
+    vocabulary-sized copy is memory for little: the head is applied only to the sampled rows."""
+    small = lm_head.weight.numel() <= LM_HEAD_FP32_MAX_ELEMENTS
+    return small and _fp32_large_batches() and not _bf16_packing_supported()
 
 
 class Linear(nn.Linear):

@@ -20,6 +20,7 @@ from prefixserve.model.layers import (
     Linear,
     RMSNorm,
     RotaryEmbedding,
+    lm_head_fp32_copy,
     one_thread,
     pack_linears,
 )
@@ -139,7 +140,9 @@ class LlamaForCausalLM(nn.Module):
                 self.lm_head.weight = self.model.embed_tokens.weight
                 loaded.add("lm_head.weight")
             check_all_loaded(self, loaded)
-            pack_linears(self, no_fp32_copy=(self.lm_head,))
+            pack_linears(
+                self, no_fp32_copy=() if lm_head_fp32_copy(self.lm_head) else (self.lm_head,)
+            )
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

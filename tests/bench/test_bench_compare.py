@@ -87,19 +87,24 @@ def stub_engines(monkeypatch):
     )
 
 
+def _config(tmp_path, model_dir, engines, workloads, concurrency, warmup) -> CompareConfig:
+    """A comparison at scale 1/8 on a free port."""
+    return CompareConfig(
+        engines=engines,
+        workloads=workloads,
+        model_dir=model_dir,
+        out_dir=tmp_path,
+        concurrency=concurrency,
+        scale=0.125,
+        num_warmup=warmup,
+        port=free_port(),
+    )
+
+
 def test_compare_runs_each_engine_and_writes_results_tables_and_figures(
     tmp_path, model_dir, stub_engines
 ):
-    cfg = CompareConfig(
-        engines=["stub", "broken", "stub-text"],
-        workloads=["w1", "W2"],
-        model_dir=model_dir,
-        out_dir=tmp_path,
-        concurrency=4,
-        scale=0.125,
-        num_warmup=1,
-        port=free_port(),
-    )
+    cfg = _config(tmp_path, model_dir, ["stub", "broken", "stub-text"], ["w1", "W2"], 4, 1)
     status = run_compare(cfg, progress=False)
     assert status["stub"] == "ok" and status["stub-text"] == "ok"
     assert "exited with 3" in status["broken"] and "boom" in status["broken"]
@@ -262,16 +267,7 @@ def test_w6_runs_cold_warm_and_after_a_restart_on_the_same_emptied_store(
     stale = tmp_path / "kv-store" / "stub-store-W6"
     stale.mkdir(parents=True)
     # what an earlier run left: the harness must empty it, or the cold pass would hit
-    cfg = CompareConfig(
-        engines=["stub-store", "stub"],
-        workloads=["W6", "W1"],
-        model_dir=model_dir,
-        out_dir=tmp_path,
-        concurrency=2,
-        scale=0.125,
-        num_warmup=0,
-        port=free_port(),
-    )
+    cfg = _config(tmp_path, model_dir, ["stub-store", "stub"], ["W6", "W1"], 2, 0)
     from prefixserve.bench.workloads import load_token_pool, make_workload
 
     pool, _, _ = load_token_pool(model_dir)

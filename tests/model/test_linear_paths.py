@@ -1,5 +1,6 @@
 """The bf16 Linear's two fast paths: oneDNN-packed bf16 for small batches, and (on CPUs without
-AMX) an fp32 copy of the weight for batches of FP32_MIN_ROWS rows or more."""
+AMX) an fp32 copy of the weight for batches of FP32_MIN_ROWS rows or more (64 where oneDNN packs
+bf16, 16 on AVX2-only CPUs)."""
 
 import pytest
 import torch
@@ -81,9 +82,27 @@ def test_fp32_linears_are_never_made_for_fp32_weights(monkeypatch):
     assert lin._fp32 is None and lin._packed is None
 
 
-def test_lm_head_keeps_no_fp32_copy(default_model_bf16, monkeypatch):
+def test_lm_head_keeps_an_fp32_copy_only_where_bf16_is_plain_f_linear(default_model_bf16):
     model = default_model_bf16.model
     if not layers._fp32_large_batches():
         pytest.skip("this CPU computes large bf16 batches in bf16")
-    assert model.lm_head._fp32 is None
     assert model.model.layers[0].mlp.gate_up_proj._fp32 is not None
+    # AVX-512: oneDNN's packed bf16 head is fast enough; AVX2: fp32 from 16 rows on
+    assert (model.lm_head._fp32 is not None) == (not layers._bf16_packing_supported())
+
+
+def test_the_fp32_row_threshold_follows_the_cpu(monkeypatch):
+    monkeypatch.setattr(layers, "_bf16_packing_supported", lambda: True)
+    assert layers._fp32_min_rows() == 64
+    monkeypatch.setattr(layers, "_bf16_packing_supported", lambda: False)
+    assert layers._fp32_min_rows() == 16
+
+
+def test_a_vocabulary_sized_lm_head_keeps_no_fp32_copy(monkeypatch):
+    monkeypatch.setattr(layers, "_bf16_packing_supported", lambda: False)
+    monkeypatch.setattr(layers, "_fp32_large_batches", lambda: True)
+    small = torch.nn.Linear(64, 1024, bias=False, device="meta")
+    big = torch.nn.Linear(640, 262_144, bias=False, device="meta")  # Gemma 3's head
+    assert layers.lm_head_fp32_copy(small) and not layers.lm_head_fp32_copy(big)
+    monkeypatch.setattr(layers, "_bf16_packing_supported", lambda: True)
+    assert not layers.lm_head_fp32_copy(small)
