@@ -46,9 +46,9 @@ def build_parser(prog: str = "python -m benchmarks.serving") -> argparse.Argumen
         "--kv-pool-tokens",
         type=int,
         default=None,
-        help="a KV pool of this many tokens instead of --kv-cache-gib, the same for every engine "
-        "(blocks = tokens / its block size; vLLM: --num-gpu-blocks-override): W4 about 6,400, "
-        "W5 about 17,600",
+        help="a KV pool of this many tokens (a multiple of 32) instead of --kv-cache-gib, the "
+        "same for prefixserve and vLLM (blocks = tokens / its block size; vLLM: "
+        "--num-gpu-blocks-override; llama.cpp has no such pool): W4 about 6,400, W5 about 17,600",
     )
     cmp_.add_argument(
         "--max-num-batched-tokens",

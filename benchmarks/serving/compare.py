@@ -79,8 +79,10 @@ class CompareConfig:
         self.workloads = [w.upper() for w in self.workloads]
         if not self.engines:
             raise ValueError("choose at least one engine")
-        if self.kv_pool_tokens is not None and self.kv_pool_tokens < 32:
-            raise ValueError(f"kv_pool_tokens must be at least 32, got {self.kv_pool_tokens}")
+        pool = self.kv_pool_tokens
+        if pool is not None and (pool < 32 or pool % 32):
+            # a multiple of both engines' block sizes (16 and vLLM's 32): the same tokens for each
+            raise ValueError(f"kv_pool_tokens must be a positive multiple of 32, got {pool}")
 
 
 def _machine() -> dict[str, Any]:
@@ -129,7 +131,8 @@ def _write_result(
 def report(out_dir: Path, workloads: Sequence[str]) -> str:
     """Write `<workload>.md` and `<workload>.png` for each workload, and `summary.json` (every
     engine's summary per workload); return all tables. Engines are in the registry's order."""
-    return results.report(out_dir, workloads, order=list(ENGINES), plot=plot_workload)
+    order = [*ENGINES, *(f"{e}@{p}" for e in ENGINES for p in RESTART_PASSES)]
+    return results.report(out_dir, workloads, order=order, plot=plot_workload)
 
 
 def _run(
@@ -209,8 +212,13 @@ def _fresh_store(cfg: CompareConfig, ctx: ServerContext, engine: str, lineage: s
     if not get_engine(engine).uses_store:
         ctx.kv_store_dir = None
         return
-    ctx.kv_store_dir = cfg.out_dir / "kv-store" / f"{engine}-{lineage}"
-    shutil.rmtree(ctx.kv_store_dir, ignore_errors=True)
+    root = cfg.out_dir / "kv-store"
+    path = root / f"{engine}-{lineage}"
+    if root.is_symlink() or path.is_symlink():
+        raise ValueError(f"{path}: a symlink; the harness only empties directories of its own")
+    if path.exists():
+        shutil.rmtree(path)
+    ctx.kv_store_dir = path
 
 
 def _drop_store(ctx: ServerContext) -> None:
@@ -227,9 +235,10 @@ def _serve_and_run(
     runs: Sequence[tuple[Workload, str]],
     log_name: str,
     bar: tqdm,
-) -> None:
+) -> ServerProcess:
     """Start one server of `engine`, send the warm-up, then run each (workload, result label)
-    in order on it and write its result; the server is stopped at the end."""
+    in order on it and write its result; the server is stopped at the end (SIGINT, then
+    SIGKILL past the engine's stop timeout) and returned."""
     spec = get_engine(engine)
     with ServerProcess(spec, ctx, cfg.out_dir / "logs" / f"{log_name}.log") as server:
         endpoint = server.endpoint()
@@ -243,6 +252,7 @@ def _serve_and_run(
             failed = any(r.error for r in run.records)
             server.check_alive(grace_s=5.0 if failed else 0.0)
             _write_result(cfg, workload, engine, server, run, label=label)
+    return server
 
 
 def _run_engine(
@@ -266,7 +276,13 @@ def _run_engine(
                 continue
             _fresh_store(cfg, ctx, engine, w.name)
             first = [(w, f"{engine}@cold"), (w, f"{engine}@warm")]
-            _serve_and_run(engine, cfg, ctx, warmup, first, f"{engine}-{w.name}-1", bar)
+            server = _serve_and_run(engine, cfg, ctx, warmup, first, f"{engine}-{w.name}-1", bar)
+            if server.killed:
+                raise ServerError(
+                    f"{engine} did not stop within {server.spec.stop_timeout_s:.0f} s of SIGINT "
+                    f"and was killed: its store may be partly written, so no {w.name} restart "
+                    f"pass (log {server.log_path})"
+                )
             again = [(w, f"{engine}@restart")]
             _serve_and_run(engine, cfg, ctx, warmup, again, f"{engine}-{w.name}-2", bar)
             _drop_store(ctx)

@@ -71,6 +71,9 @@ class EngineSpec:
     setup_hint: str = ""
     # Keeps a disk tier in ServerContext.kv_store_dir (emptied by the harness per lineage).
     uses_store: bool = False
+    # How long a stop waits after SIGINT before SIGKILL: a server with a disk tier writes its
+    # writer's queue first (up to 30 s of its own, after uvicorn's shutdown).
+    stop_timeout_s: float = 30.0
 
 
 def _shared_flags(ctx: ServerContext, block_size: int) -> list[str]:
@@ -206,6 +209,7 @@ ENGINES: dict[str, EngineSpec] = {
         env=_threads_env,
         startup_timeout_s=300.0,
         uses_store=True,
+        stop_timeout_s=120.0,
     ),
     "prefixserve-ram": EngineSpec(
         "prefixserve-ram",
@@ -283,6 +287,8 @@ class ServerProcess:
         self._log: IO[bytes] | None = None
         self.model_id: str | None = None
         self.startup_s: float | None = None
+        # Set by stop(): whether the server had to be SIGKILLed (it did not exit on SIGINT).
+        self.killed = False
 
     @property
     def base_url(self) -> str:
@@ -358,12 +364,15 @@ class ServerProcess:
             min_tokens_equal_max=self.spec.min_tokens_equal_max,
         )
 
-    def stop(self, timeout_s: float = 30.0) -> None:
+    def stop(self, timeout_s: float | None = None) -> None:
+        if timeout_s is None:
+            timeout_s = self.spec.stop_timeout_s
         if self.proc is not None and self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, signal.SIGINT)
                 self.proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
+                self.killed = True
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
             except ProcessLookupError:

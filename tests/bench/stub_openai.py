@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
+import signal
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -156,8 +158,20 @@ if __name__ == "__main__":
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--die-after", type=int, default=None, help="exit at request N+1")
     parser.add_argument("--store", default=None, help="keep the seen blocks in this directory")
+    parser.add_argument("--ignore-sigint", action="store_true", help="a server that hangs on stop")
     args = parser.parse_args()
     state = StubState(store=args.store)
     state.load_store()
     app = make_app(state, die_after=args.die_after)
-    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
+    config = uvicorn.Config(app, host="127.0.0.1", port=args.port, log_level="warning")
+    if args.ignore_sigint:
+
+        class DeafServer(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self) -> Iterator[None]:
+                yield
+
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        DeafServer(config).run()
+    else:
+        uvicorn.Server(config).run()

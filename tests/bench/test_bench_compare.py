@@ -65,6 +65,18 @@ def stub_engines(monkeypatch):
     )
     monkeypatch.setitem(
         servers.ENGINES,
+        "stub-hangs",
+        EngineSpec(
+            "stub-hangs",
+            lambda ctx: [*store_cmd(ctx), "--ignore-sigint"],
+            "tokens",
+            startup_timeout_s=60,
+            uses_store=True,
+            stop_timeout_s=1.0,
+        ),
+    )
+    monkeypatch.setitem(
+        servers.ENGINES,
         "stub-text",
         EngineSpec("stub-text", stub_cmd, "text", min_tokens_equal_max=True, startup_timeout_s=60),
     )
@@ -288,7 +300,30 @@ def test_w6_runs_cold_warm_and_after_a_restart_on_the_same_emptied_store(
     assert not (tmp_path / "kv-store" / "stub-store-main").exists()
     logs = sorted(p.name for p in (tmp_path / "logs").iterdir())
     assert "stub-store-W6-1.log" in logs and "stub-store-W6-2.log" in logs
-    assert "W6" in report(tmp_path, ["W6"])
+    table = report(tmp_path, ["W6"])
+    rows = [line.split(" |")[0].strip("| ") for line in table.splitlines() if "@" in line]
+    assert rows == [f"{e}@{p}" for e in ("stub", "stub-store") for p in PASSES]
+
+
+def test_no_restart_pass_after_a_server_that_had_to_be_killed(tmp_path, model_dir, stub_engines):
+    cfg = _config(tmp_path, model_dir, ["stub-hangs"], ["W6"], 2, 0)
+    status = run_compare(cfg, progress=False)
+    assert "was killed" in status["stub-hangs"] and "partly written" in status["stub-hangs"]
+    assert (tmp_path / "W6" / "stub-hangs@warm.json").exists()
+    assert not (tmp_path / "W6" / "stub-hangs@restart.json").exists()
+    assert not (tmp_path / "kv-store" / "stub-hangs-W6").exists()
+
+
+def test_the_harness_empties_no_store_behind_a_symlink(tmp_path, model_dir, stub_engines):
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "stub-store-W6").mkdir(parents=True)
+    (elsewhere / "stub-store-W6" / "keep").write_text("x")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "kv-store").symlink_to(elsewhere)
+    status = run_compare(_config(out, model_dir, ["stub-store"], ["W6"], 2, 0), progress=False)
+    assert "symlink" in status["stub-store"]
+    assert (elsewhere / "stub-store-W6" / "keep").exists()
 
 
 def test_bench_run_refuses_the_restart_workload(tmp_path, model_dir, capsys):
