@@ -254,6 +254,8 @@ def make_w5(pool: Sequence[int], seed: int = 0, scale: float = 1.0) -> Workload:
 
 
 def make_w6(pool: Sequence[int], seed: int = 0, scale: float = 1.0) -> Workload:
+    # W1's maker on W6's own seed: make_workload gives each workload its own stream, so W6's
+    # prompts are not W1's (a server that ran W1 would otherwise make W6's cold pass warm).
     w1 = make_w1(pool, seed, scale)
     for req in w1.requests:
         req.request_id = "W6" + req.request_id[2:]

@@ -185,3 +185,13 @@ def test_load_token_pool_finds_the_bos_a_tokenizer_adds_to_text(tmp_path, bpe_to
     tok.save(str(tmp_path / "tokenizer.json"))
     _, _, special_prefix = load_token_pool(tmp_path)
     assert special_prefix == [bos]
+
+
+def test_w6_has_w1s_shape_but_its_own_prompts():
+    pool = list(range(1000, 1400))
+    w1, w6 = make_workload("W1", pool), make_workload("W6", pool)
+    assert [r.num_prompt_tokens for r in w6.requests] == [r.num_prompt_tokens for r in w1.requests]
+    assert {tuple(r.prompt_token_ids[:1024]) for r in w6.requests}.isdisjoint(
+        tuple(r.prompt_token_ids[:1024]) for r in w1.requests
+    )
+    assert all(r.request_id.startswith("W6-") for r in w6.requests)
