@@ -7,6 +7,9 @@ For each (in, out) shape and row count M: the bf16 linear the model uses for sma
 `prefixserve.model.layers.Linear` chooses), against `F.linear` in fp32 from an fp32 copy of the
 weight (input cast up, output cast back to bf16, as `Linear` does for batches of its fp32 row
 threshold or more). Prints GFLOP/s of each and the ratio; median of 7 repeats of >= 50 ms each.
+
+First it prints this host's GEMM peak: a 2,048-cube matmul in bf16 (oneDNN) and in fp32, the
+reference against which the model's prefill is stated (BENCHMARKS.md, "Model speed").
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from prefixserve.model import layers  # noqa: E402
+from prefixserve.model.gemm_paths import describe_cpu  # noqa: E402
 
 # (in_features, out_features) of SmolLM2-135M's fused qkv, o, gate_up and down projections.
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]
@@ -41,6 +45,18 @@ def seconds(fn) -> float:
     return statistics.median(samples)
 
 
+def gemm_peaks(size: int = 2048) -> dict[str, float]:
+    """GFLOP/s of a size-cube matmul in bf16 and in fp32 (median of `seconds`)."""
+    peaks = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        a = torch.randn(size, size).to(dtype)
+        b = torch.randn(size, size).to(dtype)
+        peaks[str(dtype).removeprefix("torch.")] = (
+            2 * size**3 / seconds(lambda a=a, b=b: a @ b) / 1e9
+        )
+    return peaks
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="8,16,32,64,128,256,512,2048")
@@ -52,11 +68,15 @@ def main() -> None:
     args = ap.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
     packing = layers._bf16_packing_supported()
+    print(describe_cpu())
     print(
         f"torch {torch.__version__} | threads {torch.get_num_threads()} | AMX "
         f"{torch.cpu._is_amx_tile_supported()} | bf16 packing {packing} | load avg "
         f"{os.getloadavg()[0]:.1f}"
     )
+    with torch.inference_mode():
+        for name, peak in gemm_peaks().items():
+            print(f"GEMM peak {name}: {peak:.0f} GFLOP/s (2048 x 2048 x 2048)")
     kind = "packed" if packing else "F.linear"
     print(f"| shape (in x out) | rows | bf16 {kind} GFLOP/s | fp32 GFLOP/s | fp32 speed-up |")
     print("|---|---:|---:|---:|---:|")

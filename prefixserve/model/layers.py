@@ -5,7 +5,6 @@ Mapping checkpoint tensors onto these blocks' (fused) parameters is `weights.py`
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ from torch import nn
 
 from prefixserve.model.attention import AttentionMetadata, paged_attention, write_kv
 from prefixserve.model.config import ModelConfig
+from prefixserve.model.gemm_paths import bf16_packing_supported, gemm_path
 from prefixserve.model.kernels import rms_norm_kernel
 from prefixserve.settings import fp32_prefill
 
@@ -31,41 +31,24 @@ class ForwardContext:
 
 
 def _fp32_large_batches() -> bool:
-    """Whether bf16 linears should also keep an fp32 weight for large batches (see Linear).
-
-    On CPUs without AMX, oneDNN's bf16 GEMM runs at 0.6-0.8x the fp32 one for batches of a few
-    hundred rows and more, and breaks even around 64 (benchmarks/bench_gemm.py, BENCHMARKS.md
-    "Model speed"); with AMX bf16 is the faster one. `PREFIXSERVE_FP32_PREFILL=0` turns it off
-    (it costs 4 bytes per weight of memory)."""
+    """Whether bf16 linears also keep an fp32 weight for large batches (see Linear): as this
+    CPU's row of `gemm_paths.GEMM_TABLE` says, unless `PREFIXSERVE_FP32_PREFILL=1/0` forces it (the
+    copy costs 4 bytes per weight of memory)."""
     flag = fp32_prefill()
-    return flag if flag is not None else not torch.cpu._is_amx_tile_supported()
+    return flag if flag is not None else gemm_path().fp32_min_rows is not None
 
 
-@functools.cache
 def _bf16_packing_supported() -> bool:
-    """Whether oneDNN can pre-pack bf16 weights here: it needs AVX-512 (BW, VL, DQ) or
-    AVX-NE-CONVERT, and refuses on an AVX2-only CPU (such as some AMD EPYC hosts)."""
-    if not torch.backends.mkldnn.is_available():
-        return False
-    try:
-        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), 16)
-    except RuntimeError:
-        return False
-    return True
+    return bf16_packing_supported()
 
 
 def _fp32_min_rows() -> int:
-    """Rows from which a bf16 Linear computes from its fp32 copy, per kind of CPU (measured,
-    same run each; BENCHMARKS.md "Model speed"):
-
-    - AVX-512-BF16, no AMX (Intel Xeon): 64. oneDNN's packed bf16 GEMM breaks even with fp32
-      around 64 rows and is 0.6-0.8x of it from a few hundred (benchmarks/bench_gemm.py).
-    - AVX2 only (AMD EPYC without AVX-512; oneDNN cannot pack bf16 there, so bf16 is plain
-      `F.linear`): 16. bf16 tops out at ~15 GFLOP/s at any row count, fp32 reaches 45-60 at 16
-      rows; the whole model's decode (benchmarks/bench_model.py) at batch 8 ran 44.5 tok/s in
-      bf16 against 39.5 from fp32 weights (fp32 streams twice the bytes), at batch 16 44.4
-      against 60.2.
-    - AMX: no fp32 copy is kept (`_fp32_large_batches`)."""
+    """Rows from which a bf16 Linear computes from its fp32 copy: this CPU's row of
+    `gemm_paths.GEMM_TABLE` (measured there). Where the row keeps no copy and
+    `PREFIXSERVE_FP32_PREFILL=1` forces one: 64 where oneDNN packs bf16, 16 where it cannot."""
+    rows = gemm_path().fp32_min_rows
+    if rows is not None:
+        return rows
     return 64 if _bf16_packing_supported() else 16
 
 
@@ -79,23 +62,23 @@ LM_HEAD_FP32_MAX_ELEMENTS = 64 * 1024 * 1024
 
 
 def lm_head_fp32_copy(lm_head: nn.Linear) -> bool:
-    """Whether the LM head keeps an fp32 copy too: only where bf16 is plain `F.linear` (AVX2),
-    where SmolLM2's 576 x 49,152 head ran 1.44x faster in fp32 at 16 rows (0.30x at 1 row: that
-    row count stays bf16), and only up to LM_HEAD_FP32_MAX_ELEMENTS. Elsewhere the
-    vocabulary-sized copy is memory for little: the head is applied only to the sampled rows."""
+    """Whether the LM head keeps an fp32 copy too: where this CPU's row of the GEMM table says so
+    (AVX2, where bf16 is plain `F.linear`), only up to LM_HEAD_FP32_MAX_ELEMENTS, and only while
+    the linears keep fp32 copies at all. Elsewhere the vocabulary-sized copy is memory for little:
+    the head is applied only to the sampled rows."""
     small = lm_head.weight.numel() <= LM_HEAD_FP32_MAX_ELEMENTS
-    return small and _fp32_large_batches() and not _bf16_packing_supported()
+    return small and _fp32_large_batches() and gemm_path().lm_head_fp32
 
 
 class Linear(nn.Linear):
     """nn.Linear whose bf16 weight can be pre-packed into oneDNN's blocked layout.
 
     oneDNN repacks a plain weight on every call; packing once (`pack()`, done by the models'
-    `load_weights`) makes decode-sized matmuls ~25% faster and prefill ones ~5%. On a CPU without
-    AMX, `pack()` also keeps an fp32 copy of the weight: batches of `FP32_MIN_ROWS` rows or more
-    (prefill) are computed in fp32 from it, 1.2-1.7x faster at 512+ rows than oneDNN's bf16, and
-    the result is rounded back to bf16. The packed copies are taken at `pack()` time: call it again
-    after changing the weight.
+    `load_weights`) makes decode-sized matmuls ~25% faster and prefill ones ~5%. On CPUs whose
+    bf16 arithmetic is slower than fp32 (`gemm_paths.GEMM_TABLE`: Intel without AMX, AVX2 only),
+    `pack()` also keeps an fp32 copy of the weight: batches of `FP32_MIN_ROWS` rows or more are
+    computed in fp32 from it and the result is rounded back to bf16. The packed copies are taken
+    at `pack()` time: call it again after changing the weight.
     """
 
     _packed: torch.Tensor | None = None

@@ -1,12 +1,12 @@
-"""The bf16 Linear's two fast paths: oneDNN-packed bf16 for small batches, and (on CPUs without
-AMX) an fp32 copy of the weight for batches of FP32_MIN_ROWS rows or more (64 where oneDNN packs
-bf16, 16 on AVX2-only CPUs)."""
+"""The bf16 Linear's two fast paths: oneDNN-packed bf16, and (on the kinds of CPU whose row of
+gemm_paths.GEMM_TABLE says so: Intel without AMX, AVX2 only) an fp32 copy of the weight for
+batches of FP32_MIN_ROWS rows or more."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from prefixserve.model import layers
+from prefixserve.model import gemm_paths, layers
 from prefixserve.model.layers import FP32_MIN_ROWS, Linear
 
 
@@ -67,12 +67,40 @@ def test_fp32_copy_can_be_turned_off(monkeypatch):
     torch.testing.assert_close(lin(x), F.linear(x, lin.weight), atol=0.05, rtol=0.02)
 
 
+def use_kind(monkeypatch, kind):
+    monkeypatch.setattr(layers, "gemm_path", lambda: gemm_paths.GEMM_TABLE[kind])
+
+
 def test_fp32_copy_follows_the_cpu_when_not_forced(monkeypatch):
     monkeypatch.delenv("PREFIXSERVE_FP32_PREFILL", raising=False)
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
-    assert make_linear()._fp32 is None  # AMX: bf16 GEMMs are the fast ones
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
-    assert make_linear()._fp32 is not None
+    for kind in ("amx", "avx512_bf16_amd"):  # bf16 GEMMs are the fast ones
+        use_kind(monkeypatch, kind)
+        assert make_linear()._fp32 is None, kind
+    for kind in ("avx512_bf16_intel", "avx2"):
+        use_kind(monkeypatch, kind)
+        assert make_linear()._fp32 is not None, kind
+
+
+def test_the_cpu_kind_picks_its_row_of_the_gemm_table(monkeypatch):
+    def cpu(amx, packing, bf16, vendor):
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+        monkeypatch.setattr(gemm_paths, "bf16_packing_supported", lambda: packing)
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: bf16)
+        monkeypatch.setattr(gemm_paths, "cpu_vendor", lambda: vendor)
+        return gemm_paths.cpu_kind()
+
+    assert cpu(True, True, True, "GenuineIntel") == "amx"
+    assert cpu(False, True, True, "AuthenticAMD") == "avx512_bf16_amd"
+    assert cpu(False, True, True, "GenuineIntel") == "avx512_bf16_intel"
+    assert cpu(False, True, True, "") == "avx512_bf16_intel"
+    assert cpu(False, True, False, "AuthenticAMD") == "avx512"
+    assert cpu(False, False, False, "AuthenticAMD") == "avx2"
+
+
+def test_this_cpu_has_a_row_with_its_measurement():
+    path = gemm_paths.gemm_path()
+    assert path.measured
+    assert path.fp32_min_rows is None or path.fp32_min_rows >= 1
 
 
 def test_fp32_linears_are_never_made_for_fp32_weights(monkeypatch):
@@ -88,10 +116,16 @@ def test_lm_head_keeps_an_fp32_copy_only_where_bf16_is_plain_f_linear(default_mo
         pytest.skip("this CPU computes large bf16 batches in bf16")
     assert model.model.layers[0].mlp.gate_up_proj._fp32 is not None
     # AVX-512: oneDNN's packed bf16 head is fast enough; AVX2: fp32 from 16 rows on
-    assert (model.lm_head._fp32 is not None) == (not layers._bf16_packing_supported())
+    assert (model.lm_head._fp32 is not None) == gemm_paths.gemm_path().lm_head_fp32
 
 
 def test_the_fp32_row_threshold_follows_the_cpu(monkeypatch):
+    use_kind(monkeypatch, "avx512_bf16_intel")
+    assert layers._fp32_min_rows() == 64
+    use_kind(monkeypatch, "avx2")
+    assert layers._fp32_min_rows() == 16
+    # a row without an fp32 copy, forced on by PREFIXSERVE_FP32_PREFILL=1: by packing
+    use_kind(monkeypatch, "avx512_bf16_amd")
     monkeypatch.setattr(layers, "_bf16_packing_supported", lambda: True)
     assert layers._fp32_min_rows() == 64
     monkeypatch.setattr(layers, "_bf16_packing_supported", lambda: False)
@@ -99,10 +133,10 @@ def test_the_fp32_row_threshold_follows_the_cpu(monkeypatch):
 
 
 def test_a_vocabulary_sized_lm_head_keeps_no_fp32_copy(monkeypatch):
-    monkeypatch.setattr(layers, "_bf16_packing_supported", lambda: False)
+    use_kind(monkeypatch, "avx2")
     monkeypatch.setattr(layers, "_fp32_large_batches", lambda: True)
     small = torch.nn.Linear(64, 1024, bias=False, device="meta")
     big = torch.nn.Linear(640, 262_144, bias=False, device="meta")  # Gemma 3's head
     assert layers.lm_head_fp32_copy(small) and not layers.lm_head_fp32_copy(big)
-    monkeypatch.setattr(layers, "_bf16_packing_supported", lambda: True)
+    use_kind(monkeypatch, "avx512_bf16_intel")
     assert not layers.lm_head_fp32_copy(small)

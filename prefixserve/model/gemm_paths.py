@@ -1,0 +1,129 @@
+"""Which GEMM path a bf16 `Linear` takes on this CPU: a table of kinds of CPU, each row measured.
+
+A bf16 linear has two paths (`layers.Linear`): oneDNN's bf16 GEMM (on pre-packed weights where
+oneDNN can pack bf16, plain `F.linear` elsewhere), or `F.linear` in fp32 from an fp32 copy of the
+weight (input cast up, output rounded back to bf16). Which is faster depends on the CPU's bf16
+arithmetic, not on one feature flag: CPUs with the same `avx512_bf16` flag disagree by 6x. So the
+kind of CPU picks a row of `GEMM_TABLE`, whose numbers come from `benchmarks/bench_gemm.py` and
+the whole model's `benchmarks/bench_model.py` on a host of that kind (BENCHMARKS.md, "Model
+speed"). `PREFIXSERVE_FP32_PREFILL=1/0` overrides the row's choice (`settings.fp32_prefill`).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class GemmPath:
+    """The bf16 linear's path on one kind of CPU.
+
+    `fp32_min_rows`: batches of at least this many rows compute from the fp32 copy; None keeps no
+    fp32 copy at all (bf16 is the faster path at every row count). `lm_head_fp32`: the LM head
+    keeps an fp32 copy too (up to `layers.LM_HEAD_FP32_MAX_ELEMENTS`)."""
+
+    fp32_min_rows: int | None
+    lm_head_fp32: bool
+    measured: str  # where the row's numbers come from
+
+
+# Keyed by `cpu_kind()`. GFLOP/s are 2 threads, bench_gemm.py's shapes of the default model.
+GEMM_TABLE: dict[str, GemmPath] = {
+    # Intel Sapphire Rapids and later: AMX tiles make bf16 the fast path (issue 13: transformers'
+    # plain bf16 prefill beat our fp32 one 1.43x on such a host).
+    "amx": GemmPath(None, False, "AMX host, issue 13's run"),
+    # AMD Zen 5 (EPYC, family 26): full-width AVX-512 with native bf16 dot products. Packed bf16
+    # reaches 840-940 GFLOP/s from 512 rows against 180-195 in fp32 (4.8x), and wins at every
+    # row count from 4 (65 against 21 at 4 rows of 576 x 960); the whole model's 512-token
+    # prefill ran 642 tok/s with the fp32 copy from 64 rows. Zen 4 double-pumps the same
+    # instructions: bf16 keeps its 2x FLOPs per instruction over fp32 FMAs (reasoned, not
+    # measured).
+    "avx512_bf16_amd": GemmPath(None, False, "AMD EPYC Zen 5, 2026-12-02"),
+    # Intel Xeon with avx512_bf16 and no AMX: oneDNN's bf16 GEMM breaks even with fp32 around 64
+    # rows and runs 0.6-0.8x of it from a few hundred (~155 against ~240 GFLOP/s at 512+ rows).
+    "avx512_bf16_intel": GemmPath(64, False, "Intel Xeon without AMX, 2026-11-30"),
+    # AVX-512 without bf16 instructions (Skylake-X, Ice Lake): oneDNN packs bf16 but converts
+    # in software, so it is taken to behave as the Intel row (not measured on such a host).
+    "avx512": GemmPath(64, False, "not measured: as avx512_bf16_intel"),
+    # AVX2 only (AMD EPYC without AVX-512): oneDNN cannot pack bf16 and plain bf16 `F.linear`
+    # tops out at ~15 GFLOP/s; fp32 reaches 45-60 at 16 rows. The whole model's decode at batch
+    # 8 ran 44.5 tok/s in bf16 against 39.5 in fp32 (twice the bytes), at batch 16 44.4 against
+    # 60.2. SmolLM2's LM head ran 1.44x faster in fp32 at 16 rows (0.30x at 1 row).
+    "avx2": GemmPath(16, True, "AMD EPYC, AVX2 only, 2026-12-02"),
+}
+
+
+@functools.cache
+def bf16_packing_supported() -> bool:
+    """Whether oneDNN can pre-pack bf16 weights here: it needs AVX-512 (BW, VL, DQ) or
+    AVX-NE-CONVERT, and refuses on an AVX2-only CPU (such as some AMD EPYC hosts)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), 16)
+    except RuntimeError:
+        return False
+    return True
+
+
+@functools.cache
+def cpu_vendor() -> str:
+    """The vendor_id of /proc/cpuinfo ("GenuineIntel", "AuthenticAMD", ...), "" if unknown."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def cpu_kind() -> str:
+    """This CPU's row of GEMM_TABLE."""
+    if torch.cpu._is_amx_tile_supported():
+        return "amx"
+    if not bf16_packing_supported():
+        return "avx2"
+    if torch.cpu._is_avx512_bf16_supported():
+        return "avx512_bf16_amd" if cpu_vendor() == "AuthenticAMD" else "avx512_bf16_intel"
+    return "avx512"
+
+
+def gemm_path() -> GemmPath:
+    """The path of this CPU (`GEMM_TABLE[cpu_kind()]`)."""
+    return GEMM_TABLE[cpu_kind()]
+
+
+_FLAGS_OF_INTEREST = (
+    "avx2",
+    "fma",
+    "avx512f",
+    "avx512bw",
+    "avx512_bf16",
+    "avx512_fp16",
+    "amx_bf16",
+)
+
+
+def describe_cpu() -> str:
+    """One line for benchmark records: model name, the GEMM-relevant flags, and the table row."""
+    name, flags = "", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and not name:
+                    name = line.split(":", 1)[1].strip()
+                elif line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    present = [flag for flag in _FLAGS_OF_INTEREST if flag in flags]
+    return (
+        f"{name or 'unknown CPU'} ({cpu_vendor() or '?'}) | flags {' '.join(present)} | "
+        f"GEMM table row {cpu_kind()}"
+    )
