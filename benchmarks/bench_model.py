@@ -1,6 +1,7 @@
 """Model speed: our paged-KV model vs transformers' own model on the same weights, same run.
 
     .venv/bin/python benchmarks/bench_model.py [--repeats 7] [--skip-transformers] [--baseline]
+        [--llama-cpp] [--decode-batches 1,16,64]
 
 Measures (bf16, the default model unless --model): prefill of one 512-token chunk (tok/s), and
 decode at batch 1 and batch 16 (tok/s, summed over the batch) on a 128-token context (all three
@@ -31,6 +32,7 @@ import torch  # noqa: E402
 
 from prefixserve.batch import ScheduledRequest, SchedulerOutput  # noqa: E402
 from prefixserve.model import layers  # noqa: E402
+from prefixserve.model.gemm_paths import describe_cpu  # noqa: E402
 from prefixserve.model.kernels import rms_norm_kernel  # noqa: E402
 from prefixserve.model.loader import load_model  # noqa: E402
 from prefixserve.request import Request  # noqa: E402
@@ -119,6 +121,32 @@ class FixedRows(Ours):
             layers.FP32_MIN_ROWS, self.head._fp32 = rows, head_fp32
 
 
+def llama_cpp_rates(model_path, vocab: int, args) -> dict[str, list[tuple[float, float]]]:
+    """llama.cpp's (wall, cpu) tok/s samples: prefill and decode batch 1, measured by
+    llama_cpp_probe.py in the peer's venv (scripts/peers/setup_llama_cpp.sh) on the bf16 GGUF of
+    the same weights, with as many threads as torch has, after the in-process engines."""
+    import json
+    import subprocess
+    from pathlib import Path
+
+    from prefixserve.settings import peers_dir
+
+    python = peers_dir() / "llama_cpp" / "bin" / "python"
+    gguf = peers_dir() / "gguf" / f"{Path(model_path).name}-bf16.gguf"
+    if not python.exists() or not gguf.exists():
+        raise SystemExit(f"--llama-cpp needs scripts/peers/setup_llama_cpp.sh first ({gguf})")
+    probe = Path(__file__).with_name("llama_cpp_probe.py")
+    command = [str(python), str(probe), str(gguf), "--threads", str(torch.get_num_threads())]
+    for flag in ("prefill_len", "context", "decode_steps", "repeats"):
+        command += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    command += ["--vocab", str(vocab)]
+    # llama.cpp with its own defaults: this process's OMP_WAIT_POLICY=PASSIVE would make ggml's
+    # OpenMP threads sleep between its ops (decode batch 1: 39 against 115 tok/s here).
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    done = subprocess.run(command, capture_output=True, text=True, check=True, env=env)
+    return {k: [tuple(x) for x in v] for k, v in json.loads(done.stdout.splitlines()[-1]).items()}
+
+
 class Transformers:
     name = "transformers"
 
@@ -193,6 +221,12 @@ def main() -> None:
     ap.add_argument("--decode-steps", type=int, default=16)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument(
+        "--llama-cpp",
+        action="store_true",
+        help="also llama.cpp on the bf16 GGUF of the same weights (prefill, decode batch 1), "
+        "in its own process after the others (benchmarks/llama_cpp_probe.py)",
+    )
     ap.add_argument("--decode-batches", default="1,16", help="comma-separated decode batch sizes")
     ap.add_argument(
         "--baseline",
@@ -214,6 +248,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     loaded = load_model(args.model, dtype="bfloat16")
+    print(describe_cpu())
     print(
         f"model {loaded.path} | torch {torch.__version__} | threads {torch.get_num_threads()} "
         f"| OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')} | load avg "
@@ -239,6 +274,8 @@ def main() -> None:
         engines.append(Transformers(loaded.path, loaded.config.vocab_size))
     with torch.inference_mode():
         rates = measure(engines, args)
+    if args.llama_cpp:
+        rates["llama.cpp"] = llama_cpp_rates(loaded.path, loaded.config.vocab_size, args)
 
     print(f"\nload avg after: {os.getloadavg()[0]:.1f}")
     metrics = ("prefill", *(f"decode_b{b}" for b in args.batches))
@@ -252,6 +289,9 @@ def main() -> None:
         for i, clock in enumerate(("wall", "cpu")):
             cells = []
             for m in metrics:
+                if m not in r:
+                    cells.append("-")
+                    continue
                 xs = [sample[i] for sample in r[m]]
                 cells.append(f"{statistics.median(xs):.1f} ({min(xs):.0f}-{max(xs):.0f})")
             print(f"| {name} | {clock} | " + " | ".join(cells) + " |")

@@ -20,8 +20,18 @@ from prefixserve.kv_store.worker import gather_blocks, scatter_blocks
 from prefixserve.model.attention import ScheduledSpan, build_attention_metadata
 from prefixserve.model.config import ModelConfig
 from prefixserve.model.kernels import paged_attention_kernel
-from prefixserve.model.layers import ForwardContext
+from prefixserve.model.layers import ForwardContext, one_thread
 from prefixserve.request import Request
+from prefixserve.settings import omp_threads_sleep
+
+# Steps of at most this many tokens run on one torch thread while OpenMP threads sleep between
+# parallel regions (OMP_WAIT_POLICY=PASSIVE, the default): a step makes ~300 regions (linears,
+# attention, norms), and waking the second thread for each costs more than it brings at decode
+# sizes. Measured on the default model (AMD EPYC Zen 5, same run; BENCHMARKS.md "Model speed"):
+# decode at batch 1 11.6 ms on one thread against 14.3 on two, batch 8 23.0 against 23.3,
+# batch 16 35.4 against 32.9. With spinning threads (OMP_WAIT_POLICY unset or ACTIVE) every step
+# uses them all.
+ONE_THREAD_MAX_TOKENS = 8
 
 
 class SamplerLike(Protocol):
@@ -102,9 +112,18 @@ class ModelRunner:
         for req_id in finished_req_ids:
             self._seeded_generators.pop(req_id, None)
 
-    @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """One forward over all scheduled chunks; sample where a chunk reaches its last token."""
+        """One forward over all scheduled chunks; sample where a chunk reaches its last token.
+        On one thread for a step of at most ONE_THREAD_MAX_TOKENS tokens while OpenMP threads
+        sleep between regions."""
+        num_tokens = sum(s.num_new_tokens for s in scheduler_output.scheduled)
+        if num_tokens <= ONE_THREAD_MAX_TOKENS and omp_threads_sleep():
+            with one_thread():
+                return self._execute(scheduler_output)
+        return self._execute(scheduler_output)
+
+    @torch.inference_mode()
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.release(scheduler_output.finished_req_ids)
         if scheduler_output.kv_loads:
             block_ids, payloads = zip(*scheduler_output.kv_loads, strict=True)

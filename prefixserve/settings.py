@@ -10,7 +10,8 @@ read at call time (not import time), so a test or a launcher may change them in-
 - PREFIXSERVE_KV_STORE (`kv_store_default_enabled`): 0/off turns the disk tier's default off
   (`prefixserve serve` and `LLM` without an explicit choice; the test suite sets it)
 - PYTHONHASHSEED (`python_hash_seed`): seeds NONE_HASH so processes agree on block hashes
-- OMP_WAIT_POLICY (`default_omp_wait_policy`): set to PASSIVE unless the user set it
+- OMP_WAIT_POLICY (`default_omp_wait_policy`, `omp_threads_sleep`): set to PASSIVE unless the
+  user set it; while PASSIVE, decode-sized steps run on one thread (runner.py)
 - PATH (`prepend_to_path`): ninja's directory goes first for the kernel build
 """
 
@@ -74,6 +75,12 @@ def default_omp_wait_policy() -> None:
     else; libgomp reads the variable once, when torch loads, so this runs before torch is imported.
     """
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def omp_threads_sleep() -> bool:
+    """Whether OpenMP threads sleep between parallel regions (OMP_WAIT_POLICY=PASSIVE, the
+    default `default_omp_wait_policy` sets) rather than spin for a while."""
+    return os.environ.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE"
 
 
 def prepend_to_path(directory: str) -> None:

@@ -21,7 +21,7 @@ from prefixserve.settings import cache_root, file_lock, kernels_enabled, prepend
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "gemv.cpp")]
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
 
@@ -62,7 +62,7 @@ def _build() -> Any:
         (build_dir / "lock").unlink(missing_ok=True)
         return cpp_extension.load(
             name="prefixserve_paged_attention",
-            sources=[str(_SOURCE)],
+            sources=[str(source) for source in _SOURCES],
             extra_cflags=[
                 "-O3",
                 "-march=native",
@@ -101,6 +101,12 @@ def paged_attention_kernel() -> Callable[..., None] | None:
     window)`, or None when the kernels are unavailable."""
     module = _module()
     return None if module is None else module.paged_attention
+
+
+def linear_bf16_small_kernel() -> Callable[..., None] | None:
+    """`linear_bf16_small(out, x, weight, bias)`: a bf16 linear for a few rows, or None."""
+    module = _module()
+    return None if module is None else module.linear_bf16_small
 
 
 def rms_norm_kernel() -> Callable[..., None] | None:

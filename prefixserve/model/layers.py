@@ -16,7 +16,7 @@ from torch import nn
 from prefixserve.model.attention import AttentionMetadata, paged_attention, write_kv
 from prefixserve.model.config import ModelConfig
 from prefixserve.model.gemm_paths import bf16_packing_supported, gemm_path
-from prefixserve.model.kernels import rms_norm_kernel
+from prefixserve.model.kernels import linear_bf16_small_kernel, rms_norm_kernel
 from prefixserve.settings import fp32_prefill
 
 
@@ -70,6 +70,23 @@ def lm_head_fp32_copy(lm_head: nn.Linear) -> bool:
     return small and _fp32_large_batches() and gemm_path().lm_head_fp32
 
 
+_kernels: dict[str, object] = {}
+
+# Batches of at most this many rows run a bf16 Linear through the native streaming kernel
+# (`kernels.linear_bf16_small`): at 1-4 rows it reads the weight at the rate oneDNN's packed
+# GEMM does (29-30 GB/s on one thread, 35-41 on two, weights from memory: BENCHMARKS.md "Model
+# speed") without a library call's set-up around each of a step's ~120 linears; at 8 rows and
+# more oneDNN's blocked GEMM is faster (21.8 against 12.7 GB/s).
+STREAM_MAX_ROWS = 8
+
+
+def _linear_small_kernel() -> object:
+    """The compiled streaming bf16 linear, looked up once; None if unavailable."""
+    if "linear_small" not in _kernels:
+        _kernels["linear_small"] = linear_bf16_small_kernel()
+    return _kernels["linear_small"]
+
+
 class Linear(nn.Linear):
     """nn.Linear whose bf16 weight can be pre-packed into oneDNN's blocked layout.
 
@@ -100,7 +117,14 @@ class Linear(nn.Linear):
             self._fp32 = (self.weight.detach().float(), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._fp32 is not None and x.shape[0] >= FP32_MIN_ROWS:
+        rows = x.shape[0]
+        if rows <= STREAM_MAX_ROWS and self.weight.dtype == torch.bfloat16 and x.dim() == 2:
+            kernel = _linear_small_kernel()
+            if kernel is not None and x.is_contiguous() and x.dtype == torch.bfloat16:
+                out = x.new_empty(rows, self.out_features)
+                kernel(out, x, self.weight, self.bias)
+                return out
+        if self._fp32 is not None and rows >= FP32_MIN_ROWS:
             return F.linear(x.float(), *self._fp32).to(x.dtype)
         if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
@@ -119,9 +143,10 @@ def pack_linears(model: nn.Module, no_fp32_copy: tuple[nn.Module, ...] = ()) -> 
 def one_thread() -> Iterator[None]:
     """Run torch ops on one intra-op thread inside the block (restored after).
 
-    For loading: its copies and weight reorders are short, memory-bound ops, and on a busy CPU
-    each multi-threaded one waits for a second thread to be scheduled; measured on this 2-core
-    machine under load, load_weights took 2.4 s with two threads and 0.25 s with one.
+    For loading (and decode-sized steps, runner.py): its copies and weight reorders are short,
+    memory-bound ops, and on a busy CPU each multi-threaded one waits for a second thread to be
+    scheduled; measured on this 2-core machine under load, load_weights took 2.4 s with two
+    threads and 0.25 s with one.
     """
     previous = torch.get_num_threads()
     if previous == 1:
@@ -132,9 +157,6 @@ def one_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(previous)
-
-
-_kernels: dict[str, object] = {}
 
 
 def _rms_norm_kernel() -> object:

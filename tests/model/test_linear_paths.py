@@ -140,3 +140,52 @@ def test_a_vocabulary_sized_lm_head_keeps_no_fp32_copy(monkeypatch):
     assert layers.lm_head_fp32_copy(small) and not layers.lm_head_fp32_copy(big)
     use_kind(monkeypatch, "avx512_bf16_intel")
     assert not layers.lm_head_fp32_copy(small)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("in_features,out_features", [(64, 48), (100, 37), (576, 960), (33, 5)])
+def test_few_rows_stream_through_the_native_kernel_with_one_rounding(
+    monkeypatch, bias, in_features, out_features
+):
+    """Batches of up to STREAM_MAX_ROWS rows: fp32 sums of the bf16 products rounded once, so
+    every output is within half a bf16 ulp (plus fp32 summation order) of the exact result; the
+    K tails that are no multiple of the vector width (100, 33) are masked, not read past."""
+    kernel = layers._linear_small_kernel()
+    if kernel is None:
+        pytest.skip("native kernels unavailable")
+    calls = []
+
+    def spy(*args):
+        calls.append(args[1].shape[0])
+        return kernel(*args)
+
+    monkeypatch.setitem(layers._kernels, "linear_small", spy)
+    torch.manual_seed(1)
+    lin = Linear(in_features, out_features, bias=bias).to(torch.bfloat16)
+    lin.pack()
+    for rows in range(1, layers.STREAM_MAX_ROWS + 1):
+        x = torch.randn(rows, in_features).to(torch.bfloat16)
+        out = lin(x)
+        exact = F.linear(
+            x.double(), lin.weight.double(), None if lin.bias is None else lin.bias.double()
+        )
+        assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
+        ulp = torch.finfo(torch.bfloat16).eps * exact.abs().clamp_min(1e-3)
+        assert ((out.double() - exact).abs() <= ulp + 1e-4 * in_features).all()
+    assert calls == list(range(1, layers.STREAM_MAX_ROWS + 1))
+    lin(torch.randn(layers.STREAM_MAX_ROWS + 1, in_features).to(torch.bfloat16))
+    assert len(calls) == layers.STREAM_MAX_ROWS  # more rows: oneDNN's GEMM
+
+
+def test_the_stream_kernel_refuses_what_it_cannot_compute():
+    kernel = layers._linear_small_kernel()
+    if kernel is None:
+        pytest.skip("native kernels unavailable")
+    w = torch.randn(8, 16).to(torch.bfloat16)
+    x = torch.randn(2, 16).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="shapes"):
+        kernel(torch.empty(2, 8, dtype=torch.bfloat16), torch.randn(2, 15).bfloat16(), w, None)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        kernel(torch.empty(2, 8), x.float(), w.float(), None)
+    with pytest.raises(RuntimeError, match="bias"):
+        kernel(torch.empty(2, 8, dtype=torch.bfloat16), x, w, torch.zeros(7, dtype=torch.bfloat16))

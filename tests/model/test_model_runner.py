@@ -122,3 +122,42 @@ def test_decode_rows_may_come_in_any_order_in_the_schedule(llama):
         assert_close(
             h.sampler.sampled[r.request_id][-1], reference_logits(hf_model, r.all_token_ids)[-1]
         )
+
+
+def test_decode_sized_steps_run_on_one_thread_while_openmp_threads_sleep(llama, monkeypatch):
+    """A step of at most ONE_THREAD_MAX_TOKENS tokens runs on one torch thread when
+    OMP_WAIT_POLICY is PASSIVE (waking a sleeping thread per parallel region costs more than it
+    brings); larger steps, and every step with spinning threads, use them all; the thread count
+    is restored after each step, also after a step that raised."""
+    from prefixserve import runner as runner_module
+
+    h = make_harness(*llama)
+    seen: list[int] = []
+    real = h.runner._execute
+
+    def spy(scheduler_output):
+        seen.append(torch.get_num_threads())
+        return real(scheduler_output)
+
+    monkeypatch.setattr(h.runner, "_execute", spy)
+    monkeypatch.setattr(runner_module, "ONE_THREAD_MAX_TOKENS", 4)
+    torch.set_num_threads(2)
+    alloc = BlockAllocator(1)
+    small = greedy_request("s", list(range(4)), prompt_logprobs=None)
+    big = greedy_request("b", list(range(10, 15)), prompt_logprobs=None)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    step(h, [(small, 0, 4, (alloc.take(0, 1),))])
+    step(h, [(big, 0, 5, (alloc.take(0, 2),))])
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    step(h, [(small, 0, 4, (alloc.take(0, 1),))])
+    assert seen == [1, 2, 2]
+    assert torch.get_num_threads() == 2
+
+    def boom(scheduler_output):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(h.runner, "_execute", boom)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    with pytest.raises(RuntimeError, match="boom"):
+        step(h, [(small, 0, 4, (alloc.take(0, 1),))])
+    assert torch.get_num_threads() == 2

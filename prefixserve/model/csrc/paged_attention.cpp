@@ -17,7 +17,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__SSE__)
 #include <immintrin.h>
 #endif
 
@@ -63,6 +63,20 @@ inline void row_to_float(const c10::BFloat16* src, float* dst, int64_t n) {
   const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
   uint32_t* out = reinterpret_cast<uint32_t*>(dst);
   for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(bits[i]) << 16;
+}
+
+// Bring a row of n elements toward L1 (a hint: never faults, and a no-op without SSE).
+template <typename scalar_t>
+inline void prefetch_row(const scalar_t* row, int64_t n) {
+#if defined(__SSE__)
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t b = 0; b < n * static_cast<int64_t>(sizeof(scalar_t)); b += 64) {
+    _mm_prefetch(p + b, _MM_HINT_T0);
+  }
+#else
+  (void)row;
+  (void)n;
+#endif
 }
 
 // Dot product with 16 independent partial sums (vectorizes without reassociating math flags).
@@ -316,6 +330,16 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
 
     // Convert slots [lo, hi) of the tile starting at block b0 of `table` into kt/vt.
     auto load_tile = [&](const int32_t* table, int64_t kvh, int64_t b0, int64_t lo, int64_t hi) {
+      // Ask for every row of the tile first: the rows of one KV head are strided (the other
+      // heads lie between them), and read one after another each waits for memory on its own
+      // (decode from a cold cache: 36 us a layer without this at 129 slots, BENCHMARKS.md).
+      for (int64_t j = lo; j < hi; ++j) {
+        const int64_t block = table[b0 + j / block_size];
+        const int64_t off =
+            block * cache_block_stride + (j % block_size) * cache_slot_stride + kvh * head_dim;
+        prefetch_row(k_ptr + off, head_dim);
+        prefetch_row(v_ptr + off, head_dim);
+      }
       for (int64_t j = lo; j < hi; ++j) {
         const int64_t block = table[b0 + j / block_size];
         const int64_t off =
@@ -542,7 +566,13 @@ void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double e
   }
 }
 
+// gemv.cpp
+void linear_bf16_small(torch::Tensor out, torch::Tensor x, torch::Tensor w,
+                       c10::optional<torch::Tensor> bias);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("linear_bf16_small", &linear_bf16_small,
+        "bf16 linear for a few rows: a stream over the weight, fp32 accumulation");
   m.def("paged_attention", &paged_attention, "paged attention over a block-structured KV cache");
   m.def("rms_norm", &rms_norm, "RMSNorm of contiguous rows with transformers' roundings");
 }
