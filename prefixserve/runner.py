@@ -20,7 +20,7 @@ from prefixserve.kv_store.worker import gather_blocks, scatter_blocks
 from prefixserve.model.attention import ScheduledSpan, build_attention_metadata
 from prefixserve.model.config import ModelConfig
 from prefixserve.model.kernels import paged_attention_kernel
-from prefixserve.model.layers import ForwardContext, one_thread
+from prefixserve.model.layers import ForwardContext, one_thread, set_stream_threads
 from prefixserve.request import Request
 from prefixserve.settings import omp_threads_sleep
 
@@ -90,6 +90,8 @@ class ModelRunner:
         ]
         # The compiled paged-attention kernel (built on first use), or None: PyTorch paths.
         self.attention_kernel = paged_attention_kernel()
+        # Small batches' linears stream on all of torch's threads even in a one-thread step.
+        set_stream_threads(torch.get_num_threads())
         self.generator = torch.Generator().manual_seed(seed)
         self._seeded_generators: dict[str, torch.Generator] = {}
 

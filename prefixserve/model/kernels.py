@@ -21,7 +21,19 @@ from prefixserve.settings import cache_root, file_lock, kernels_enabled, prepend
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "gemv.cpp")]
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = [_CSRC / name for name in ("paged_attention.cpp", "gemv.cpp")]
+
+
+def _headers_digest() -> str:
+    """A digest of csrc/'s headers: torch rebuilds an extension when its sources or flags
+    change, not its headers, so the digest goes into the flags."""
+    digest = hashlib.sha256()
+    for header in sorted(_CSRC.glob("*.h")):
+        digest.update(header.name.encode() + header.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
 
@@ -69,6 +81,7 @@ def _build() -> Any:
                 "-mprefer-vector-width=512",
                 "-fopenmp",
                 "-fno-strict-aliasing",
+                f"-DPREFIXSERVE_HEADERS={_headers_digest()}",
             ],
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
@@ -104,7 +117,8 @@ def paged_attention_kernel() -> Callable[..., None] | None:
 
 
 def linear_bf16_small_kernel() -> Callable[..., None] | None:
-    """`linear_bf16_small(out, x, weight, bias)`: a bf16 linear for a few rows, or None."""
+    """`linear_bf16_small(out, x, weight, bias, threads)`: a bf16 linear for a few rows, on the
+    caller and `threads - 1` helper threads of its own (csrc/stream_pool.h), or None."""
     module = _module()
     return None if module is None else module.linear_bf16_small
 

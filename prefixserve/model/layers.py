@@ -79,6 +79,15 @@ _kernels: dict[str, object] = {}
 # more oneDNN's blocked GEMM is faster (21.8 against 12.7 GB/s).
 STREAM_MAX_ROWS = 8
 
+# Threads that stream a small batch's linear (the caller and helpers of the kernel's own pool,
+# which spin between the linears of one step instead of sleeping as OpenMP's do here): the
+# torch thread count the engine was built with (`set_stream_threads`, from ModelRunner).
+STREAM_THREADS = [1]
+
+
+def set_stream_threads(threads: int) -> None:
+    STREAM_THREADS[0] = max(1, int(threads))
+
 
 def _linear_small_kernel() -> object:
     """The compiled streaming bf16 linear, looked up once; None if unavailable."""
@@ -122,7 +131,7 @@ class Linear(nn.Linear):
             kernel = _linear_small_kernel()
             if kernel is not None and x.is_contiguous() and x.dtype == torch.bfloat16:
                 out = x.new_empty(rows, self.out_features)
-                kernel(out, x, self.weight, self.bias)
+                kernel(out, x, self.weight, self.bias, STREAM_THREADS[0])
                 return out
         if self._fp32 is not None and rows >= FP32_MIN_ROWS:
             return F.linear(x.float(), *self._fp32).to(x.dtype)

@@ -142,27 +142,33 @@ def test_a_vocabulary_sized_lm_head_keeps_no_fp32_copy(monkeypatch):
     assert not layers.lm_head_fp32_copy(small)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("in_features,out_features", [(64, 48), (100, 37), (576, 960), (33, 5)])
+@pytest.mark.parametrize(
+    "in_features,out_features", [(64, 48), (100, 37), (576, 960), (33, 5), (64, 4099)]
+)
 def test_few_rows_stream_through_the_native_kernel_with_one_rounding(
-    monkeypatch, bias, in_features, out_features
+    monkeypatch, threads, bias, in_features, out_features
 ):
     """Batches of up to STREAM_MAX_ROWS rows: fp32 sums of the bf16 products rounded once, so
     every output is within half a bf16 ulp (plus fp32 summation order) of the exact result; the
-    K tails that are no multiple of the vector width (100, 33) are masked, not read past."""
+    K tails that are no multiple of the vector width (100, 33) are masked, not read past; the
+    rows split over the kernel's helper threads (4,099 outputs: many chunks, a short last one)
+    are each computed once."""
     kernel = layers._linear_small_kernel()
     if kernel is None:
         pytest.skip("native kernels unavailable")
     calls = []
 
     def spy(*args):
-        calls.append(args[1].shape[0])
+        calls.append((args[1].shape[0], args[4]))
         return kernel(*args)
 
     monkeypatch.setitem(layers._kernels, "linear_small", spy)
     torch.manual_seed(1)
     lin = Linear(in_features, out_features, bias=bias).to(torch.bfloat16)
     lin.pack()
+    monkeypatch.setattr(layers, "STREAM_THREADS", [threads])
     for rows in range(1, layers.STREAM_MAX_ROWS + 1):
         x = torch.randn(rows, in_features).to(torch.bfloat16)
         out = lin(x)
@@ -172,7 +178,7 @@ def test_few_rows_stream_through_the_native_kernel_with_one_rounding(
         assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
         ulp = torch.finfo(torch.bfloat16).eps * exact.abs().clamp_min(1e-3)
         assert ((out.double() - exact).abs() <= ulp + 1e-4 * in_features).all()
-    assert calls == list(range(1, layers.STREAM_MAX_ROWS + 1))
+    assert calls == [(rows, threads) for rows in range(1, layers.STREAM_MAX_ROWS + 1)]
     lin(torch.randn(layers.STREAM_MAX_ROWS + 1, in_features).to(torch.bfloat16))
     assert len(calls) == layers.STREAM_MAX_ROWS  # more rows: oneDNN's GEMM
 
@@ -184,8 +190,52 @@ def test_the_stream_kernel_refuses_what_it_cannot_compute():
     w = torch.randn(8, 16).to(torch.bfloat16)
     x = torch.randn(2, 16).to(torch.bfloat16)
     with pytest.raises(RuntimeError, match="shapes"):
-        kernel(torch.empty(2, 8, dtype=torch.bfloat16), torch.randn(2, 15).bfloat16(), w, None)
+        kernel(torch.empty(2, 8, dtype=torch.bfloat16), torch.randn(2, 15).bfloat16(), w, None, 1)
     with pytest.raises(RuntimeError, match="bfloat16"):
-        kernel(torch.empty(2, 8), x.float(), w.float(), None)
+        kernel(torch.empty(2, 8), x.float(), w.float(), None, 1)
     with pytest.raises(RuntimeError, match="bias"):
-        kernel(torch.empty(2, 8, dtype=torch.bfloat16), x, w, torch.zeros(7, dtype=torch.bfloat16))
+        kernel(
+            torch.empty(2, 8, dtype=torch.bfloat16), x, w, torch.zeros(7, dtype=torch.bfloat16), 1
+        )
+
+
+def _stream(kernel, x, w, threads):
+    out = torch.empty(x.shape[0], w.shape[0], dtype=torch.bfloat16)
+    kernel(out, x, w, None, threads)
+    return out
+
+
+def _stream_in_child(x, w, threads):
+    return _stream(layers._linear_small_kernel(), x, w, threads)
+
+
+def test_the_stream_pool_serves_concurrent_callers_and_forked_children():
+    """Two threads streaming at once (the second runs its job alone) and a child forked after
+    the helpers started (it has none: its caller does every chunk) get exact results."""
+    import multiprocessing
+    import threading
+
+    kernel = layers._linear_small_kernel()
+    if kernel is None:
+        pytest.skip("native kernels unavailable")
+    torch.manual_seed(2)
+    w = torch.randn(4096, 256).to(torch.bfloat16)
+    xs = [torch.randn(2, 256).to(torch.bfloat16) for _ in range(4)]
+    want = [_stream(kernel, x, w, 1) for x in xs]
+    results: dict[int, list[torch.Tensor]] = {}
+
+    def worker(i: int) -> None:
+        results[i] = [_stream(kernel, xs[i], w, 2) for _ in range(50)]
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in range(4):
+        assert all(torch.equal(r, want[i]) for r in results[i])
+
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(1) as pool:
+        child = pool.apply_async(_stream_in_child, (xs[0], w, 2)).get(timeout=60)
+    assert torch.equal(child, want[0])

@@ -8,7 +8,6 @@
 // bf16 GEMM computes them); elsewhere a portable loop converts bf16 to fp32 by a shift and the
 // compiler vectorizes it (-O3 -march=native).
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -16,6 +15,8 @@
 
 #include <cstdint>
 #include <cstring>
+
+#include "stream_pool.h"
 
 namespace {
 
@@ -115,10 +116,10 @@ inline void dot(const uint16_t* w, const uint16_t* x, int64_t K, int64_t nx, flo
 }  // namespace
 
 // out [rows, N] = x [rows, K] @ w[N, K]^T (+ bias [N]), all bf16 and contiguous, accumulated in
-// fp32 and rounded once. Work is split over blocks of output columns (at::parallel_for: serial
-// when torch runs on one thread).
+// fp32 and rounded once. Work is split over chunks of ~64 KB of weight rows, run by the caller
+// and up to `threads - 1` helpers of the stream pool (stream_pool.h).
 void linear_bf16_small(torch::Tensor out, torch::Tensor x, torch::Tensor w,
-                       c10::optional<torch::Tensor> bias) {
+                       c10::optional<torch::Tensor> bias, int64_t threads) {
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu() && out.device().is_cpu(),
               "linear_bf16_small runs on CPU tensors only");
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && w.scalar_type() == torch::kBFloat16 &&
@@ -140,9 +141,10 @@ void linear_bf16_small(torch::Tensor out, torch::Tensor x, torch::Tensor w,
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
   const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<c10::BFloat16>());
   auto* op = out.data_ptr<c10::BFloat16>();
-  // ~32 KB of weights per task at least: smaller splits cost more to hand out than they save.
-  const int64_t grain = std::max<int64_t>(1, (16 * 1024) / std::max<int64_t>(1, K));
-  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+  const int64_t chunk_rows = std::max<int64_t>(16, (32 * 1024) / std::max<int64_t>(1, K));
+  const int64_t chunks = (N + chunk_rows - 1) / chunk_rows;
+  prefixserve::stream_pool().run(chunks, threads, [&](int64_t chunk) {
+    const int64_t begin = chunk * chunk_rows, end = std::min(N, begin + chunk_rows);
     float sums[kRowGroup];
     for (int64_t n = begin; n < end; ++n) {
       const float add = bias_ptr ? bf16_to_float(bias_ptr[n]) : 0.0f;

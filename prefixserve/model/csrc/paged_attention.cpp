@@ -568,11 +568,13 @@ void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double e
 
 // gemv.cpp
 void linear_bf16_small(torch::Tensor out, torch::Tensor x, torch::Tensor w,
-                       c10::optional<torch::Tensor> bias);
+                       c10::optional<torch::Tensor> bias, int64_t threads);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // Without the GIL: the server's event loop runs while a step streams its weights.
   m.def("linear_bf16_small", &linear_bf16_small,
-        "bf16 linear for a few rows: a stream over the weight, fp32 accumulation");
+        "bf16 linear for a few rows: a stream over the weight, fp32 accumulation",
+        py::call_guard<py::gil_scoped_release>());
   m.def("paged_attention", &paged_attention, "paged attention over a block-structured KV cache");
   m.def("rms_norm", &rms_norm, "RMSNorm of contiguous rows with transformers' roundings");
 }

@@ -1,0 +1,158 @@
+// Helper threads for memory-bound streams (gemv.cpp), independent of OpenMP.
+//
+// Why not at::parallel_for: prefixserve runs OpenMP with OMP_WAIT_POLICY=PASSIVE (spinning
+// workers make everything crawl on a shared CPU), so each parallel region wakes sleeping threads
+// through the kernel, which costs ~30 us on the hosts measured; a decode step makes ~120 linears.
+// These helpers instead spin for a bounded time (kSpinMicros) after each job, so back-to-back
+// jobs of one step find them awake, and sleep once the step is over.
+//
+// Work is claimed chunk by chunk from one atomic word (job generation in the high 32 bits, next
+// chunk in the low 32), so the caller never waits on a helper that is not running: it claims
+// whatever is left itself and waits only for chunks a helper has already started. A process
+// forked after the helpers started has none: its caller does every chunk.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include <unistd.h>
+
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
+
+namespace prefixserve {
+
+class StreamPool {
+ public:
+  // Runs fn(chunk) for every chunk in [0, num_chunks) on the caller and up to `workers - 1`
+  // helpers; returns when all are done. A second caller while one runs (two engines on two
+  // threads) does its job alone.
+  void run(int64_t num_chunks, int64_t workers, const std::function<void(int64_t)>& fn) {
+    if (num_chunks <= 0) return;
+    std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
+    if (workers <= 1 || num_chunks == 1 || !busy.owns_lock()) {
+      for (int64_t c = 0; c < num_chunks; ++c) fn(c);
+      return;
+    }
+    ensure_helpers(workers - 1);
+    fn_.store(&fn, std::memory_order_relaxed);
+    num_chunks_.store(num_chunks, std::memory_order_relaxed);
+    max_helpers_.store(workers - 1, std::memory_order_relaxed);
+    done_.store(0, std::memory_order_relaxed);
+    const uint64_t gen = (next_.load(std::memory_order_relaxed) >> 32) + 1;
+    next_.store(gen << 32, std::memory_order_seq_cst);  // publishes the fields above
+    if (sleeping_.load(std::memory_order_seq_cst) > 0) {
+      std::lock_guard<std::mutex> lock(mu_);
+      cv_.notify_all();
+    }
+    int64_t mine = 0;
+    for (int64_t c; (c = claim(gen)) >= 0;) {
+      fn(c);
+      ++mine;
+    }
+    done_.fetch_add(mine, std::memory_order_acq_rel);
+    // Only chunks a helper has claimed remain: it is running them.
+    for (int spins = 0; done_.load(std::memory_order_acquire) < num_chunks; ++spins) {
+      if (spins < 4096) {
+        pause();
+      } else {
+        std::this_thread::yield();
+      }
+    }
+  }
+
+ private:
+  static constexpr int64_t kSpinMicros = 200;
+
+  static void pause() {
+#if defined(__SSE2__)
+    _mm_pause();
+#endif
+  }
+
+  // The next unclaimed chunk of job `gen`, or -1 when none is left (or the job is over).
+  int64_t claim(uint64_t gen) {
+    uint64_t v = next_.load(std::memory_order_acquire);
+    while ((v >> 32) == gen &&
+           static_cast<int64_t>(v & 0xffffffffu) < num_chunks_.load(std::memory_order_relaxed)) {
+      if (next_.compare_exchange_weak(v, v + 1, std::memory_order_acq_rel)) {
+        return static_cast<int64_t>(v & 0xffffffffu);
+      }
+    }
+    return -1;
+  }
+
+  void ensure_helpers(int64_t count) {
+    while (static_cast<int64_t>(helpers_.size()) < count) {
+      const int64_t index = static_cast<int64_t>(helpers_.size());
+      helpers_.emplace_back([this, index] { helper_loop(index); });
+      helpers_.back().detach();
+    }
+  }
+
+  void helper_loop(int64_t index) {
+    uint64_t seen = next_.load(std::memory_order_acquire) >> 32;
+    for (;;) {
+      uint64_t gen = wait_for_job(seen);
+      seen = gen;
+      if (index >= max_helpers_.load(std::memory_order_relaxed)) continue;
+      int64_t mine = 0;
+      for (int64_t c; (c = claim(gen)) >= 0;) {
+        (*fn_.load(std::memory_order_relaxed))(c);
+        ++mine;
+      }
+      if (mine) done_.fetch_add(mine, std::memory_order_acq_rel);
+    }
+  }
+
+  // Spins up to kSpinMicros for a job newer than `seen`, then sleeps until one comes.
+  uint64_t wait_for_job(uint64_t seen) {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(kSpinMicros);
+    for (int i = 0;; ++i) {
+      const uint64_t gen = next_.load(std::memory_order_acquire) >> 32;
+      if (gen != seen) return gen;
+      pause();
+      if ((i & 255) == 255 && std::chrono::steady_clock::now() > until) break;
+    }
+    std::unique_lock<std::mutex> lock(mu_);
+    sleeping_.fetch_add(1, std::memory_order_seq_cst);
+    cv_.wait(lock, [&] { return (next_.load(std::memory_order_seq_cst) >> 32) != seen; });
+    sleeping_.fetch_sub(1, std::memory_order_relaxed);
+    return next_.load(std::memory_order_acquire) >> 32;
+  }
+
+  std::atomic<uint64_t> next_{0};
+  std::atomic<int64_t> done_{0};
+  std::atomic<int> sleeping_{0};
+  // The job's fields, written before its generation is published (release) and read after a
+  // helper saw it (acquire); atomics so that a stale read racing the next job is defined.
+  std::atomic<const std::function<void(int64_t)>*> fn_{nullptr};
+  std::atomic<int64_t> num_chunks_{0};
+  std::atomic<int64_t> max_helpers_{0};
+  std::mutex busy_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<std::thread> helpers_;
+};
+
+// The process's pool, never destroyed (its helpers are detached and run until exit). Threads do
+// not survive fork, and a lock held at the fork would stay held: a forked child gets a new pool
+// (the parent's copy is leaked).
+inline StreamPool& stream_pool() {
+  static StreamPool* pool = nullptr;
+  static pid_t owner = 0;
+  if (pool == nullptr || owner != getpid()) {
+    pool = new StreamPool();
+    owner = getpid();
+  }
+  return *pool;
+}
+
+}  // namespace prefixserve
