@@ -5,8 +5,9 @@
 SmolLM2-135M's attention shape (9 query heads, 3 KV heads, head dim 64, bf16, block size 16), K/V
 scattered over shuffled cache blocks. Three families of cases: decode steps (batch x context, one
 new token each), decode steps whose sequences share a cached prefix (the same blocks; the kernel
-reads them once per step for up to 4 sequences), and one chunk of n new tokens over a 1,024-token
-cached prefix (where `KERNEL_MAX_QUERIES` comes from). Milliseconds per call, median of 7 repeats.
+reads them once per step for up to 4 sequences), one chunk of n new tokens over a 1,024-token
+cached prefix, and prompts of n tokens with nothing cached (where `KERNEL_MAX_QUERIES` comes
+from). Milliseconds per call, median of 7 repeats.
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ def main() -> None:
         ("decode, batch 8 x context 1,550, all sharing a 1,504 prefix", [(1550, 1)] * 8, 1504),
     ]
     cases += [(f"chunk of {n} over a 1,024 prefix", [(1024, n)], 0) for n in (4, 8, 16, 32, 64)]
+    cases += [(f"prompt of {n} (no prefix)", [(0, n)], 0) for n in (64, 128, 512, 2048)]
     with torch.inference_mode():
         for name, seqs, shared in cases:
             q, kc, vc, spans = case(seqs, shared)
@@ -94,9 +96,15 @@ def main() -> None:
                     meta = build_attention_metadata(spans, 0, BLOCK, None, fn)
                 finally:
                     attention.KERNEL_MAX_QUERIES = saved
+                # The chunk's own K/V as the model passes them (read from where they were written).
+                slots = meta.slot_mapping
+                kn = kc.view(-1, KV_HEADS, HEAD_DIM)[slots]
+                vn = vc.view(-1, KV_HEADS, HEAD_DIM)[slots]
                 times.append(
                     ms_per_call(
-                        lambda m=meta, q=q, kc=kc, vc=vc: paged_attention(q, kc, vc, m, 0.125)
+                        lambda m=meta, q=q, kc=kc, vc=vc, kn=kn, vn=vn: paged_attention(
+                            q, kc, vc, m, 0.125, None, kn, vn
+                        )
                     )
                 )
             print(f"| {name} | {times[0]:.2f} | {times[1]:.2f} | {times[1] / times[0]:.2f}x |")

@@ -23,7 +23,7 @@ import time  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from prefixserve.model.gemm_paths import describe_cpu  # noqa: E402
+from prefixserve.model.cpu_paths import describe_cpu  # noqa: E402
 
 
 def median_seconds(fn, repeats: int = 7) -> float:

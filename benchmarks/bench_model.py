@@ -32,7 +32,7 @@ import torch  # noqa: E402
 
 from prefixserve.batch import ScheduledRequest, SchedulerOutput  # noqa: E402
 from prefixserve.model import layers  # noqa: E402
-from prefixserve.model.gemm_paths import describe_cpu  # noqa: E402
+from prefixserve.model.cpu_paths import describe_cpu  # noqa: E402
 from prefixserve.model.kernels import rms_norm_kernel  # noqa: E402
 from prefixserve.model.loader import load_model  # noqa: E402
 from prefixserve.request import Request  # noqa: E402

@@ -8,10 +8,10 @@ never read). Everything that depends only on the batch, not on the layer (gather
 slot mappings), is built once per step per KV-cache group by `build_attention_metadata`.
 
 With the compiled kernel (`prefixserve.model.kernels`, passed in as `kernel`), every sequence with
-fewer than `KERNEL_MAX_QUERIES` new tokens (decode rows, a few tokens over a cached prefix) is
-served by one kernel call that reads K/V straight from the blocks: no gather, no copies, online
-softmax in fp32. Longer chunks (prefill) use the SDPA path below, whose flash kernel is faster for
-them. Without the kernel, two paths:
+fewer than `KERNEL_MAX_QUERIES` new tokens (decode rows and short chunks; on some CPUs whole
+prompts: the number is chosen per kind of CPU) is served by one kernel call that reads K/V
+straight from the blocks: no gather, no copies, online softmax in fp32. Longer chunks use the
+SDPA path below, whose flash kernel is faster for them. Without the kernel, two paths:
 - decode batch: the leading run of sequences with one new token each (at least two of them) is
   padded to a common number of blocks and served by one batched SDPA call with a padding mask;
 - one call per other sequence (prefill chunks, or a lone decode): the slots of its exact key
@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from prefixserve.model.cpu_paths import cpu_paths_here
 
 
 @dataclass(slots=True)
@@ -76,9 +78,9 @@ class AttentionMetadata:
 
 
 # With the kernel, sequences with fewer new tokens than this go to it; longer chunks to SDPA.
-# Measured with benchmarks/bench_attention.py (BENCHMARKS.md, "Model speed"): over a 1,024-token
-# cached prefix the kernel wins 1.7-2.2x at 4-8 queries; the crossover moves between 16 and 32.
-KERNEL_MAX_QUERIES = 12
+# Per kind of CPU, measured with benchmarks/bench_attention.py (cpu_paths.CPU_TABLE): 12 on the
+# Intel hosts, 513 on AMD Zen 5.
+KERNEL_MAX_QUERIES = cpu_paths_here().kernel_max_queries
 
 
 @dataclass(slots=True)

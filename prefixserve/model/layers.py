@@ -15,7 +15,7 @@ from torch import nn
 
 from prefixserve.model.attention import AttentionMetadata, paged_attention, write_kv
 from prefixserve.model.config import ModelConfig
-from prefixserve.model.gemm_paths import bf16_packing_supported, gemm_path
+from prefixserve.model.cpu_paths import bf16_packing_supported, cpu_paths_here
 from prefixserve.model.kernels import linear_bf16_small_kernel, rms_norm_kernel
 from prefixserve.settings import fp32_prefill
 
@@ -32,10 +32,10 @@ class ForwardContext:
 
 def _fp32_large_batches() -> bool:
     """Whether bf16 linears also keep an fp32 weight for large batches (see Linear): as this
-    CPU's row of `gemm_paths.GEMM_TABLE` says, unless `PREFIXSERVE_FP32_PREFILL=1/0` forces it (the
+    CPU's row of `cpu_paths.CPU_TABLE` says, unless `PREFIXSERVE_FP32_PREFILL=1/0` forces it (the
     copy costs 4 bytes per weight of memory)."""
     flag = fp32_prefill()
-    return flag if flag is not None else gemm_path().fp32_min_rows is not None
+    return flag if flag is not None else cpu_paths_here().fp32_min_rows is not None
 
 
 def _bf16_packing_supported() -> bool:
@@ -44,9 +44,9 @@ def _bf16_packing_supported() -> bool:
 
 def _fp32_min_rows() -> int:
     """Rows from which a bf16 Linear computes from its fp32 copy: this CPU's row of
-    `gemm_paths.GEMM_TABLE` (measured there). Where the row keeps no copy and
+    `cpu_paths.CPU_TABLE` (measured there). Where the row keeps no copy and
     `PREFIXSERVE_FP32_PREFILL=1` forces one: 64 where oneDNN packs bf16, 16 where it cannot."""
-    rows = gemm_path().fp32_min_rows
+    rows = cpu_paths_here().fp32_min_rows
     if rows is not None:
         return rows
     return 64 if _bf16_packing_supported() else 16
@@ -67,7 +67,7 @@ def lm_head_fp32_copy(lm_head: nn.Linear) -> bool:
     the linears keep fp32 copies at all. Elsewhere the vocabulary-sized copy is memory for little:
     the head is applied only to the sampled rows."""
     small = lm_head.weight.numel() <= LM_HEAD_FP32_MAX_ELEMENTS
-    return small and _fp32_large_batches() and gemm_path().lm_head_fp32
+    return small and _fp32_large_batches() and cpu_paths_here().lm_head_fp32
 
 
 _kernels: dict[str, object] = {}
@@ -101,7 +101,7 @@ class Linear(nn.Linear):
 
     oneDNN repacks a plain weight on every call; packing once (`pack()`, done by the models'
     `load_weights`) makes decode-sized matmuls ~25% faster and prefill ones ~5%. On CPUs whose
-    bf16 arithmetic is slower than fp32 (`gemm_paths.GEMM_TABLE`: Intel without AMX, AVX2 only),
+    bf16 arithmetic is slower than fp32 (`cpu_paths.CPU_TABLE`: Intel without AMX, AVX2 only),
     `pack()` also keeps an fp32 copy of the weight: batches of `FP32_MIN_ROWS` rows or more are
     computed in fp32 from it and the result is rounded back to bf16. The packed copies are taken
     at `pack()` time: call it again after changing the weight.

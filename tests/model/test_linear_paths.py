@@ -1,12 +1,12 @@
 """The bf16 Linear's two fast paths: oneDNN-packed bf16, and (on the kinds of CPU whose row of
-gemm_paths.GEMM_TABLE says so: Intel without AMX, AVX2 only) an fp32 copy of the weight for
+cpu_paths.CPU_TABLE says so: Intel without AMX, AVX2 only) an fp32 copy of the weight for
 batches of FP32_MIN_ROWS rows or more."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from prefixserve.model import gemm_paths, layers
+from prefixserve.model import cpu_paths, layers
 from prefixserve.model.layers import FP32_MIN_ROWS, Linear
 
 
@@ -68,7 +68,7 @@ def test_fp32_copy_can_be_turned_off(monkeypatch):
 
 
 def use_kind(monkeypatch, kind):
-    monkeypatch.setattr(layers, "gemm_path", lambda: gemm_paths.GEMM_TABLE[kind])
+    monkeypatch.setattr(layers, "cpu_paths_here", lambda: cpu_paths.CPU_TABLE[kind])
 
 
 def test_fp32_copy_follows_the_cpu_when_not_forced(monkeypatch):
@@ -84,10 +84,10 @@ def test_fp32_copy_follows_the_cpu_when_not_forced(monkeypatch):
 def test_the_cpu_kind_picks_its_row_of_the_gemm_table(monkeypatch):
     def cpu(amx, packing, bf16, vendor):
         monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
-        monkeypatch.setattr(gemm_paths, "bf16_packing_supported", lambda: packing)
+        monkeypatch.setattr(cpu_paths, "bf16_packing_supported", lambda: packing)
         monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: bf16)
-        monkeypatch.setattr(gemm_paths, "cpu_vendor", lambda: vendor)
-        return gemm_paths.cpu_kind()
+        monkeypatch.setattr(cpu_paths, "cpu_vendor", lambda: vendor)
+        return cpu_paths.cpu_kind()
 
     assert cpu(True, True, True, "GenuineIntel") == "amx"
     assert cpu(False, True, True, "AuthenticAMD") == "avx512_bf16_amd"
@@ -97,10 +97,13 @@ def test_the_cpu_kind_picks_its_row_of_the_gemm_table(monkeypatch):
     assert cpu(False, False, False, "AuthenticAMD") == "avx2"
 
 
-def test_this_cpu_has_a_row_with_its_measurement():
-    path = gemm_paths.gemm_path()
+def test_this_cpu_has_a_row_with_its_measurement_and_attention_follows_it():
+    from prefixserve.model import attention
+
+    path = cpu_paths.cpu_paths_here()
     assert path.measured
     assert path.fp32_min_rows is None or path.fp32_min_rows >= 1
+    assert attention.KERNEL_MAX_QUERIES == path.kernel_max_queries >= 2
 
 
 def test_fp32_linears_are_never_made_for_fp32_weights(monkeypatch):
@@ -116,7 +119,7 @@ def test_lm_head_keeps_an_fp32_copy_only_where_bf16_is_plain_f_linear(default_mo
         pytest.skip("this CPU computes large bf16 batches in bf16")
     assert model.model.layers[0].mlp.gate_up_proj._fp32 is not None
     # AVX-512: oneDNN's packed bf16 head is fast enough; AVX2: fp32 from 16 rows on
-    assert (model.lm_head._fp32 is not None) == gemm_paths.gemm_path().lm_head_fp32
+    assert (model.lm_head._fp32 is not None) == cpu_paths.cpu_paths_here().lm_head_fp32
 
 
 def test_the_fp32_row_threshold_follows_the_cpu(monkeypatch):

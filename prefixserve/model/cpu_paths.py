@@ -1,12 +1,15 @@
-"""Which GEMM path a bf16 `Linear` takes on this CPU: a table of kinds of CPU, each row measured.
+"""Which compute paths the model takes on this CPU: a table of kinds of CPU, each row measured.
 
-A bf16 linear has two paths (`layers.Linear`): oneDNN's bf16 GEMM (on pre-packed weights where
-oneDNN can pack bf16, plain `F.linear` elsewhere), or `F.linear` in fp32 from an fp32 copy of the
-weight (input cast up, output rounded back to bf16). Which is faster depends on the CPU's bf16
-arithmetic, not on one feature flag: CPUs with the same `avx512_bf16` flag disagree by 6x. So the
-kind of CPU picks a row of `GEMM_TABLE`, whose numbers come from `benchmarks/bench_gemm.py` and
-the whole model's `benchmarks/bench_model.py` on a host of that kind (BENCHMARKS.md, "Model
-speed"). `PREFIXSERVE_FP32_PREFILL=1/0` overrides the row's choice (`settings.fp32_prefill`).
+Two choices depend on the CPU's arithmetic more than on any one feature flag (CPUs with the same
+`avx512_bf16` flag disagree by 6x), so the kind of CPU picks a row of `CPU_TABLE`, whose numbers
+come from the microbenchmarks and the whole model on a host of that kind (BENCHMARKS.md, "Model
+speed"):
+- a bf16 `Linear` (`layers.Linear`): oneDNN's bf16 GEMM (on pre-packed weights where oneDNN can
+  pack bf16, plain `F.linear` elsewhere), or `F.linear` in fp32 from an fp32 copy of the weight
+  (input cast up, output rounded back to bf16) from some row count on
+  (`benchmarks/bench_gemm.py`, `bench_model.py`). `PREFIXSERVE_FP32_PREFILL=1/0` overrides it.
+- attention (`attention.KERNEL_MAX_QUERIES`): the native paged-attention kernel for chunks of
+  fewer queries than this, PyTorch's flash SDPA for longer ones (`benchmarks/bench_attention.py`).
 """
 
 from __future__ import annotations
@@ -18,41 +21,49 @@ import torch
 
 
 @dataclass(frozen=True, slots=True)
-class GemmPath:
-    """The bf16 linear's path on one kind of CPU.
+class CpuPaths:
+    """The model's paths on one kind of CPU.
 
-    `fp32_min_rows`: batches of at least this many rows compute from the fp32 copy; None keeps no
-    fp32 copy at all (bf16 is the faster path at every row count). `lm_head_fp32`: the LM head
-    keeps an fp32 copy too (up to `layers.LM_HEAD_FP32_MAX_ELEMENTS`)."""
+    `fp32_min_rows`: bf16 linears compute batches of at least this many rows from an fp32 copy;
+    None keeps no fp32 copy at all (bf16 is the faster path at every row count). `lm_head_fp32`:
+    the LM head keeps an fp32 copy too (up to `layers.LM_HEAD_FP32_MAX_ELEMENTS`).
+    `kernel_max_queries`: chunks of fewer queries attend through the native kernel."""
 
     fp32_min_rows: int | None
     lm_head_fp32: bool
+    kernel_max_queries: int
     measured: str  # where the row's numbers come from
 
 
 # Keyed by `cpu_kind()`. GFLOP/s are 2 threads, bench_gemm.py's shapes of the default model.
-GEMM_TABLE: dict[str, GemmPath] = {
+CPU_TABLE: dict[str, CpuPaths] = {
     # Intel Sapphire Rapids and later: AMX tiles make bf16 the fast path (issue 13: transformers'
-    # plain bf16 prefill beat our fp32 one 1.43x on such a host).
-    "amx": GemmPath(None, False, "AMX host, issue 13's run"),
+    # plain bf16 prefill beat our fp32 one 1.43x on such a host). Attention: as the Intel row
+    # (not measured on AMX).
+    "amx": CpuPaths(None, False, 12, "AMX host, issue 13's run"),
     # AMD Zen 5 (EPYC, family 26): full-width AVX-512 with native bf16 dot products. Packed bf16
     # reaches 840-940 GFLOP/s from 512 rows against 180-195 in fp32 (4.8x), and wins at every
     # row count from 4 (65 against 21 at 4 rows of 576 x 960); the whole model's 512-token
-    # prefill ran 642 tok/s with the fp32 copy from 64 rows. Zen 4 double-pumps the same
-    # instructions: bf16 keeps its 2x FLOPs per instruction over fp32 FMAs (reasoned, not
-    # measured).
-    "avx512_bf16_amd": GemmPath(None, False, "AMD EPYC Zen 5, 2026-12-02"),
+    # prefill ran 642 tok/s with the fp32 copy from 64 rows, 1,598 without. Zen 4 double-pumps
+    # the same instructions: bf16 keeps its 2x FLOPs per instruction over fp32 FMAs (reasoned,
+    # not measured). Attention: the kernel beats SDPA 1.3-2.4x for chunks of 4-64 queries over
+    # a 1,024-token prefix and 1.2x on a 512-token prompt, and loses on a 2,048-token prompt
+    # (0.72x).
+    "avx512_bf16_amd": CpuPaths(None, False, 513, "AMD EPYC Zen 5, 2026-12-02"),
     # Intel Xeon with avx512_bf16 and no AMX: oneDNN's bf16 GEMM breaks even with fp32 around 64
     # rows and runs 0.6-0.8x of it from a few hundred (~155 against ~240 GFLOP/s at 512+ rows).
-    "avx512_bf16_intel": GemmPath(64, False, "Intel Xeon without AMX, 2026-11-30"),
+    # Attention: the kernel wins 1.7-2.2x at 4-8 queries over a 1,024-token prefix, and the
+    # crossover lies between 16 and 32.
+    "avx512_bf16_intel": CpuPaths(64, False, 12, "Intel Xeon without AMX, 2026-11-30"),
     # AVX-512 without bf16 instructions (Skylake-X, Ice Lake): oneDNN packs bf16 but converts
     # in software, so it is taken to behave as the Intel row (not measured on such a host).
-    "avx512": GemmPath(64, False, "not measured: as avx512_bf16_intel"),
+    "avx512": CpuPaths(64, False, 12, "not measured: as avx512_bf16_intel"),
     # AVX2 only (AMD EPYC without AVX-512): oneDNN cannot pack bf16 and plain bf16 `F.linear`
     # tops out at ~15 GFLOP/s; fp32 reaches 45-60 at 16 rows. The whole model's decode at batch
     # 8 ran 44.5 tok/s in bf16 against 39.5 in fp32 (twice the bytes), at batch 16 44.4 against
-    # 60.2. SmolLM2's LM head ran 1.44x faster in fp32 at 16 rows (0.30x at 1 row).
-    "avx2": GemmPath(16, True, "AMD EPYC, AVX2 only, 2026-12-02"),
+    # 60.2. SmolLM2's LM head ran 1.44x faster in fp32 at 16 rows (0.30x at 1 row). Attention:
+    # the Intel threshold (not measured here).
+    "avx2": CpuPaths(16, True, 12, "AMD EPYC, AVX2 only, 2026-12-02"),
 }
 
 
@@ -83,7 +94,7 @@ def cpu_vendor() -> str:
 
 
 def cpu_kind() -> str:
-    """This CPU's row of GEMM_TABLE."""
+    """This CPU's row of CPU_TABLE."""
     if torch.cpu._is_amx_tile_supported():
         return "amx"
     if not bf16_packing_supported():
@@ -93,9 +104,9 @@ def cpu_kind() -> str:
     return "avx512"
 
 
-def gemm_path() -> GemmPath:
-    """The path of this CPU (`GEMM_TABLE[cpu_kind()]`)."""
-    return GEMM_TABLE[cpu_kind()]
+def cpu_paths_here() -> CpuPaths:
+    """The paths of this CPU (`CPU_TABLE[cpu_kind()]`)."""
+    return CPU_TABLE[cpu_kind()]
 
 
 _FLAGS_OF_INTEREST = (
@@ -125,5 +136,5 @@ def describe_cpu() -> str:
     present = [flag for flag in _FLAGS_OF_INTEREST if flag in flags]
     return (
         f"{name or 'unknown CPU'} ({cpu_vendor() or '?'}) | flags {' '.join(present)} | "
-        f"GEMM table row {cpu_kind()}"
+        f"CPU table row {cpu_kind()}"
     )
