@@ -62,7 +62,7 @@ LM_HEAD_FP32_MAX_ELEMENTS = 64 * 1024 * 1024
 
 
 def lm_head_fp32_copy(lm_head: nn.Linear) -> bool:
-    """Whether the LM head keeps an fp32 copy too: where this CPU's row of the GEMM table says so
+    """Whether the LM head keeps an fp32 copy too: where this CPU's row of the CPU table says so
     (AVX2, where bf16 is plain `F.linear`), only up to LM_HEAD_FP32_MAX_ELEMENTS, and only while
     the linears keep fp32 copies at all. Elsewhere the vocabulary-sized copy is memory for little:
     the head is applied only to the sampled rows."""
@@ -73,15 +73,16 @@ def lm_head_fp32_copy(lm_head: nn.Linear) -> bool:
 _kernels: dict[str, object] = {}
 
 # Batches of at most this many rows run a bf16 Linear through the native streaming kernel
-# (`kernels.linear_bf16_small`): at 1-4 rows it reads the weight at the rate oneDNN's packed
-# GEMM does (29-30 GB/s on one thread, 35-41 on two, weights from memory: BENCHMARKS.md "Model
-# speed") without a library call's set-up around each of a step's ~120 linears; at 8 rows and
-# more oneDNN's blocked GEMM is faster (21.8 against 12.7 GB/s).
+# (`kernels.linear_bf16_small`). Weights from memory, AMD Zen 5 (BENCHMARKS.md "Model speed"):
+# at 1-4 rows it reads 33-38 GB/s on one thread against oneDNN's packed GEMM's 25-31, 49 on two
+# against 37-40; at 8 rows 24.6 against 21.7 (one thread), 41 against 33 (two); at 16 rows
+# oneDNN's blocked GEMM is faster (16.4 against 13.6, 26.7 against 25.1).
 STREAM_MAX_ROWS = 8
 
 # Threads that stream a small batch's linear (the caller and helpers of the kernel's own pool,
 # which spin between the linears of one step instead of sleeping as OpenMP's do here): the
-# torch thread count the engine was built with (`set_stream_threads`, from ModelRunner).
+# torch thread count the engine was built with (`set_stream_threads`, from ModelRunner; one
+# value per process: the last runner built sets it).
 STREAM_THREADS = [1]
 
 
@@ -129,7 +130,12 @@ class Linear(nn.Linear):
         rows = x.shape[0]
         if rows <= STREAM_MAX_ROWS and self.weight.dtype == torch.bfloat16 and x.dim() == 2:
             kernel = _linear_small_kernel()
-            if kernel is not None and x.is_contiguous() and x.dtype == torch.bfloat16:
+            if (
+                kernel is not None
+                and x.dtype == torch.bfloat16
+                and x.is_contiguous()
+                and self.weight.is_contiguous()
+            ):
                 out = x.new_empty(rows, self.out_features)
                 kernel(out, x, self.weight, self.bias, STREAM_THREADS[0])
                 return out
