@@ -242,3 +242,37 @@ def test_the_stream_pool_serves_concurrent_callers_and_forked_children():
     with ctx.Pool(1) as pool:
         child = pool.apply_async(_stream_in_child, (xs[0], w, 2)).get(timeout=60)
     assert torch.equal(child, want[0])
+
+
+def test_the_stream_pool_stays_exact_when_its_helpers_get_no_core():
+    """A busy thread beside a two-thread stream (the kernel releases the GIL, so the busy loop
+    takes a core): whether the pool's helpers keep up, stall or the pool steps back to the
+    caller alone (`stream_pool_backoffs` counts those), every result is the one-thread one."""
+    import threading
+    import time
+
+    from prefixserve.model import kernels
+
+    kernel = layers._linear_small_kernel()
+    if kernel is None:
+        pytest.skip("native kernels unavailable")
+    torch.manual_seed(3)
+    w = torch.randn(8192, 128).to(torch.bfloat16)
+    x = torch.randn(3, 128).to(torch.bfloat16)
+    want = _stream(kernel, x, w, 1)
+    before = kernels._module().stream_pool_backoffs()
+    stop = time.monotonic() + 1.0
+
+    def busy() -> None:
+        n = 0
+        while time.monotonic() < stop:
+            n += 1
+
+    burner = threading.Thread(target=busy)
+    burner.start()
+    try:
+        while time.monotonic() < stop:
+            assert torch.equal(_stream(kernel, x, w, 2), want)
+    finally:
+        burner.join()
+    assert kernels._module().stream_pool_backoffs() - before >= 0  # the counter is readable

@@ -570,7 +570,11 @@ void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double e
 void linear_bf16_small(torch::Tensor out, torch::Tensor x, torch::Tensor w,
                        c10::optional<torch::Tensor> bias, int64_t threads);
 
+int64_t stream_pool_backoffs();
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("stream_pool_backoffs", &stream_pool_backoffs,
+        "times the stream pool ran jobs on the caller alone (its helpers got no core)");
   // Without the GIL: the server's event loop runs while a step streams its weights.
   m.def("linear_bf16_small", &linear_bf16_small,
         "bf16 linear for a few rows: a stream over the weight, fp32 accumulation",
