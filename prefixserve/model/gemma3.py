@@ -33,10 +33,11 @@ class Gemma3DecoderLayer(nn.Module):
     def forward(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
-        a = self.self_attn(self.input_layernorm(h), cos, sin, ctx)
-        h = self.post_attention_layernorm(a).add_(h)
-        m = self.mlp(self.pre_feedforward_layernorm(h))
-        return self.post_feedforward_layernorm(m).add_(h)
+        # Submodules through .forward: no hooks here (see layers.py).
+        a = self.self_attn.forward(self.input_layernorm.forward(h), cos, sin, ctx)
+        h = self.post_attention_layernorm.forward(a).add_(h)
+        m = self.mlp.forward(self.pre_feedforward_layernorm.forward(h))
+        return self.post_feedforward_layernorm.forward(m).add_(h)
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
@@ -76,5 +77,5 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         rope_local = self.rotary_local.cos_sin(ctx.positions, h.dtype)
         for layer in self.model.layers:
             cos, sin = rope_local if layer.is_sliding else rope_global
-            h = layer(h, cos, sin, ctx)
+            h = layer.forward(h, cos, sin, ctx)
         return self.model.norm(h)

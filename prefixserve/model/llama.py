@@ -40,8 +40,9 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
-        h = self.self_attn(self.input_layernorm(h), cos, sin, ctx).add_(h)
-        return self.mlp(self.post_attention_layernorm(h)).add_(h)
+        # Submodules through .forward: no hooks here (see layers.py).
+        h = self.self_attn.forward(self.input_layernorm.forward(h), cos, sin, ctx).add_(h)
+        return self.mlp.forward(self.post_attention_layernorm.forward(h)).add_(h)
 
 
 class DecoderBody(nn.Module):
@@ -107,11 +108,11 @@ class LlamaForCausalLM(nn.Module):
         h = self.embed(input_ids)
         cos, sin = self.rotary.cos_sin(ctx.positions, h.dtype)
         for layer in self.model.layers:
-            h = layer(h, cos, sin, ctx)
-        return self.model.norm(h)
+            h = layer.forward(h, cos, sin, ctx)
+        return self.model.norm.forward(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden).float()
+        logits = self.lm_head.forward(hidden).float()
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
