@@ -22,7 +22,7 @@ from prefixserve.settings import cache_root, file_lock, kernels_enabled, prepend
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / name for name in ("paged_attention.cpp", "gemv.cpp")]
+_SOURCES = [_CSRC / name for name in ("paged_attention.cpp", "gemv.cpp", "rope_kv.cpp")]
 
 
 def _headers_digest() -> str:
@@ -121,6 +121,14 @@ def linear_bf16_small_kernel() -> Callable[..., None] | None:
     caller and `threads - 1` helper threads of its own (csrc/stream_pool.h), or None."""
     module = _module()
     return None if module is None else module.linear_bf16_small
+
+
+def rope_write_kv_kernel() -> Callable[..., None] | None:
+    """`rope_write_kv(qkv, cos, sin, q_heads, kv_heads, k_cache, v_cache, slots)`: rotary on the
+    q and k heads of a fused qkv in place (PyTorch's roundings), then k and v into the cache
+    slots; or None."""
+    module = _module()
+    return None if module is None else module.rope_write_kv
 
 
 def rms_norm_kernel() -> Callable[..., None] | None:

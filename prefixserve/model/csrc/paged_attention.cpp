@@ -572,7 +572,14 @@ void linear_bf16_small(torch::Tensor out, torch::Tensor x, torch::Tensor w,
 
 int64_t stream_pool_backoffs();
 
+// rope_kv.cpp
+void rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t q_heads,
+                   int64_t kv_heads, torch::Tensor k_cache, torch::Tensor v_cache,
+                   torch::Tensor slots);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rope_write_kv", &rope_write_kv,
+        "rotary on a fused qkv's q and k heads in place, then k and v into their cache slots");
   m.def("stream_pool_backoffs", &stream_pool_backoffs,
         "times the stream pool ran jobs on the caller alone (its helpers got no core)");
   // Without the GIL: the server's event loop runs while a step streams its weights.

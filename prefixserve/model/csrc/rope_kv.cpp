@@ -1,0 +1,130 @@
+// Rotary embedding of the q and k heads of a fused qkv projection, in place, and the new K/V
+// written to their cache slots: one call per layer instead of ~12 PyTorch ops (views, a roll made
+// of two copies and a cat, two products, a sum, two index copies).
+//
+// Per head row x of head_dim D, with the sign-folded tables of RotaryEmbedding.cos_sin
+// (cos = [c, c], sin = [-s, s]): x' = x * cos + roll(x, D/2) * sin, rounded as PyTorch rounds
+// `x * cos + x.roll(D // 2, -1) * sin` in the tensors' dtype (in bf16 each product is rounded to
+// bf16, then their sum; fp32 rounds each operation too, without fusing them).
+// Bit for bit what PyTorch computes: a product and a sum, never fused into one FMA (a prompt's
+// K computed here in one run and by PyTorch's ops in another must agree exactly in fp32). Set
+// before the includes, so that the headers' inline functions share the option and inline.
+#pragma GCC optimize("fp-contract=off")
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline void store(float* dst, float x) { *dst = x; }
+// x is already a bf16 value (rounded): its high half is the bf16.
+inline void store(c10::BFloat16* dst, float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  dst->x = static_cast<uint16_t>(bits >> 16);
+}
+// x rounded to the storage type and back (bf16: round to nearest even, as PyTorch's ops do).
+inline float rounded(float x, float*) { return x; }
+inline float rounded(float x, c10::BFloat16*) {
+  // Round to nearest even, as c10::BFloat16(float) does; a NaN stays a NaN (its payload may
+  // differ from c10's canonical one).
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  bits = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+  if (x != x) bits = 0x7fc00000u;
+  float out;
+  std::memcpy(&out, &bits, sizeof out);
+  return out;
+}
+
+template <typename scalar_t>
+void rope_rows(scalar_t* qkv, int64_t row_stride, const scalar_t* cos, const scalar_t* sin,
+               int64_t tokens, int64_t rot_heads, int64_t D, scalar_t* k_cache,
+               scalar_t* v_cache, const int64_t* slots, int64_t kv_heads, int64_t q_heads) {
+  const int64_t half = D / 2;
+  at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> x(D);
+    for (int64_t t = begin; t < end; ++t) {
+      scalar_t* row = qkv + t * row_stride;
+      const scalar_t* c = cos + t * D;
+      const scalar_t* s = sin + t * D;
+      for (int64_t h = 0; h < rot_heads; ++h) {
+        scalar_t* head = row + h * D;
+        for (int64_t i = 0; i < D; ++i) x[i] = to_float(head[i]);
+        // roll(x, D/2)[i] is x[i + D/2] in the first half and x[i - D/2] in the second.
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = rounded(x[i] * to_float(c[i]), static_cast<scalar_t*>(nullptr));
+          const float b = rounded(x[i + half] * to_float(s[i]), static_cast<scalar_t*>(nullptr));
+          store(head + i, rounded(a + b, static_cast<scalar_t*>(nullptr)));
+        }
+        for (int64_t i = half; i < D; ++i) {
+          const float a = rounded(x[i] * to_float(c[i]), static_cast<scalar_t*>(nullptr));
+          const float b = rounded(x[i - half] * to_float(s[i]), static_cast<scalar_t*>(nullptr));
+          store(head + i, rounded(a + b, static_cast<scalar_t*>(nullptr)));
+        }
+      }
+      const int64_t kv_bytes = kv_heads * D * static_cast<int64_t>(sizeof(scalar_t));
+      std::memcpy(k_cache + slots[t] * kv_heads * D, row + q_heads * D, kv_bytes);
+      std::memcpy(v_cache + slots[t] * kv_heads * D, row + (q_heads + kv_heads) * D, kv_bytes);
+    }
+  });
+}
+
+}  // namespace
+
+// qkv [T, >= (q_heads + 2 * kv_heads) * D] with contiguous rows (the fused projection's output);
+// cos, sin [T, D] contiguous; caches [blocks, block_size, kv_heads, D] contiguous; slots [T]
+// int64. Rotates the q and k heads of qkv in place, then copies k and v into their slots.
+void rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t q_heads,
+                   int64_t kv_heads, torch::Tensor k_cache, torch::Tensor v_cache,
+                   torch::Tensor slots) {
+  TORCH_CHECK(qkv.device().is_cpu() && cos.device().is_cpu() && sin.device().is_cpu() &&
+                  k_cache.device().is_cpu() && v_cache.device().is_cpu() &&
+                  slots.device().is_cpu(),
+              "rope_write_kv runs on CPU tensors only");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes() && k_cache.size(2) == kv_heads,
+              "caches must be contiguous [blocks, block_size, kv_heads, D] of one shape");
+  const int64_t D = k_cache.size(3), T = qkv.size(0);
+  TORCH_CHECK(D % 2 == 0 && q_heads > 0 && kv_heads > 0, "rope_write_kv: bad head counts");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) >= (q_heads + 2 * kv_heads) * D,
+              "qkv must be [T, (q_heads + 2 * kv_heads) * D] with contiguous rows");
+  TORCH_CHECK(cos.dim() == 2 && sin.dim() == 2 && cos.is_contiguous() && sin.is_contiguous() &&
+                  cos.size(0) == T && sin.size(0) == T && cos.size(1) == D && sin.size(1) == D,
+              "cos and sin must be contiguous [T, D]");
+  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.dim() == 1 && slots.size(0) == T &&
+                  slots.is_contiguous(),
+              "slots must be a contiguous int64 [T]");
+  TORCH_CHECK(qkv.scalar_type() == cos.scalar_type() && qkv.scalar_type() == sin.scalar_type() &&
+                  qkv.scalar_type() == k_cache.scalar_type() &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
+              "qkv, cos, sin and the caches must share a dtype");
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(0 <= sp[t] && sp[t] < num_slots, "slot ", sp[t], " is not in the cache");
+  }
+  if (qkv.scalar_type() == torch::kFloat32) {
+    rope_rows<float>(qkv.data_ptr<float>(), qkv.stride(0), cos.data_ptr<float>(),
+                     sin.data_ptr<float>(), T, q_heads + kv_heads, D, k_cache.data_ptr<float>(),
+                     v_cache.data_ptr<float>(), sp, kv_heads, q_heads);
+  } else if (qkv.scalar_type() == torch::kBFloat16) {
+    using bf = c10::BFloat16;
+    rope_rows<bf>(qkv.data_ptr<bf>(), qkv.stride(0), cos.data_ptr<bf>(), sin.data_ptr<bf>(), T,
+                  q_heads + kv_heads, D, k_cache.data_ptr<bf>(), v_cache.data_ptr<bf>(), sp,
+                  kv_heads, q_heads);
+  } else {
+    TORCH_CHECK(false, "rope_write_kv supports float32 and bfloat16, got ", qkv.scalar_type());
+  }
+}
