@@ -275,4 +275,4 @@ def test_the_stream_pool_stays_exact_when_its_helpers_get_no_core():
             assert torch.equal(_stream(kernel, x, w, 2), want)
     finally:
         burner.join()
-    assert isinstance(kernels._module().stream_pool_backoffs() - before, int)
+    assert kernels._module().stream_pool_backoffs() >= before  # a counter: never goes back
