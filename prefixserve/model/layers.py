@@ -9,6 +9,7 @@ bookkeeping costs 1-2 us a call, and a decode step of the default model makes ~2
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -188,9 +189,19 @@ def one_thread() -> Iterator[None]:
 
 
 # Steps of at most this many tokens rotate q/k and write K/V in one native call per layer
-# (`kernels.rope_write_kv`, bit for bit PyTorch's result): 4.6 against 31 us at 1 token, 29
-# against 26 at 8 (its scalar loop loses from there on).
+# (`kernels.rope_write_kv`, bit for bit PyTorch's result) where only its scalar loop runs:
+# 4.6 against 31 us at 1 token, 29 against 26 at 8. In bf16 with AVX512-BF16 and a head dim
+# that is a multiple of 32 its vector loop takes every step: 0.7 against 18 us at 1 token, 51
+# against 333 at 512, 206 against 1,579 at 2,048 (one thread, the default model's shapes).
 ROPE_KV_MAX_TOKENS = 4
+
+
+@functools.cache
+def rope_kv_max_tokens(dtype: torch.dtype, head_dim: int) -> int:
+    """The largest step that rotates and writes K/V through the native kernel."""
+    if dtype == torch.bfloat16 and head_dim % 32 == 0 and torch.cpu._is_avx512_bf16_supported():
+        return 1 << 62
+    return ROPE_KV_MAX_TOKENS
 
 
 def _rope_kv_kernel() -> object:
@@ -362,7 +373,10 @@ class Attention(nn.Module):
             k = apply_rotary(
                 self.k_norm.forward(k.view(t, self.num_kv_heads, self.head_dim)), cos, sin
             )
-        elif t <= ROPE_KV_MAX_TOKENS and (kernel := _rope_kv_kernel()) is not None:
+        elif (
+            t <= rope_kv_max_tokens(qkv.dtype, self.head_dim)
+            and (kernel := _rope_kv_kernel()) is not None
+        ):
             # Rotary in place on qkv and the K/V writes, in one native call.
             k_cache, v_cache = ctx.kv_caches[self.layer_idx]
             meta = ctx.groups[self.group]

@@ -19,14 +19,14 @@ def case(tokens: int, dtype: torch.dtype, seed: int = 0):
     qkv = (torch.randn(tokens, (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=g) * 3).to(dtype)
     positions = torch.randint(0, 5000, (tokens,), generator=g)
     cos, sin = RotaryEmbedding(HEAD_DIM, 10000.0).cos_sin(positions, dtype)
-    caches = [torch.zeros(12, 16, KV_HEADS, HEAD_DIM, dtype=dtype) for _ in range(2)]
-    slots = torch.randperm(12 * 16, generator=g)[:tokens]
+    caches = [torch.zeros(40, 16, KV_HEADS, HEAD_DIM, dtype=dtype) for _ in range(2)]
+    slots = torch.randperm(40 * 16, generator=g)[:tokens]
     return qkv, cos, sin, caches, slots
 
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens", [1, 2, 4, 9])
+@pytest.mark.parametrize("tokens", [1, 2, 4, 9, 70, 300])
 def test_rotary_and_kv_writes_are_bit_for_bit_pytorchs(dtype, tokens):
     qkv, cos, sin, (kc, vc), slots = case(tokens, dtype)
     width = (Q_HEADS + KV_HEADS) * HEAD_DIM

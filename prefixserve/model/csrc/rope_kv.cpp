@@ -6,6 +6,7 @@
 // (cos = [c, c], sin = [-s, s]): x' = x * cos + roll(x, D/2) * sin, rounded as PyTorch rounds
 // `x * cos + x.roll(D // 2, -1) * sin` in the tensors' dtype (in bf16 each product is rounded to
 // bf16, then their sum; fp32 rounds each operation too, without fusing them).
+//
 // Bit for bit what PyTorch computes: a product and a sum, never fused into one FMA (a prompt's
 // K computed here in one run and by PyTorch's ops in another must agree exactly in fp32). Set
 // before the includes, so that the headers' inline functions share the option and inline.
@@ -16,9 +17,41 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
 namespace {
+
+#if defined(__AVX512BF16__)
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+// Round to bf16 (nearest even, as PyTorch) and back to fp32.
+inline __m512 round16(__m512 v) { return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(v)); }
+inline void store16(c10::BFloat16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+// One bf16 head row, 16 lanes at a time (D a multiple of 32): the same roundings as the scalar
+// loop below.
+inline void rotate_head16(c10::BFloat16* head, const c10::BFloat16* c, const c10::BFloat16* s,
+                          int64_t half) {
+  for (int64_t i = 0; i < half; i += 16) {
+    const __m512 xl = load16(head + i), xh = load16(head + half + i);
+    const __m512 lo = _mm512_add_ps(round16(_mm512_mul_ps(xl, load16(c + i))),
+                                    round16(_mm512_mul_ps(xh, load16(s + i))));
+    const __m512 hi = _mm512_add_ps(round16(_mm512_mul_ps(xh, load16(c + half + i))),
+                                    round16(_mm512_mul_ps(xl, load16(s + half + i))));
+    store16(head + i, lo);
+    store16(head + half + i, hi);
+  }
+}
+#endif
 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) {
@@ -53,7 +86,8 @@ void rope_rows(scalar_t* qkv, int64_t row_stride, const scalar_t* cos, const sca
                int64_t tokens, int64_t rot_heads, int64_t D, scalar_t* k_cache,
                scalar_t* v_cache, const int64_t* slots, int64_t kv_heads, int64_t q_heads) {
   const int64_t half = D / 2;
-  at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
+  // ~64 tokens a task: smaller ones cost more to hand out (and wake a thread for) than they save.
+  at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
     std::vector<float> x(D);
     for (int64_t t = begin; t < end; ++t) {
       scalar_t* row = qkv + t * row_stride;
@@ -61,6 +95,14 @@ void rope_rows(scalar_t* qkv, int64_t row_stride, const scalar_t* cos, const sca
       const scalar_t* s = sin + t * D;
       for (int64_t h = 0; h < rot_heads; ++h) {
         scalar_t* head = row + h * D;
+#if defined(__AVX512BF16__)
+        if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+          if (half % 16 == 0) {
+            rotate_head16(head, c, s, half);
+            continue;
+          }
+        }
+#endif
         for (int64_t i = 0; i < D; ++i) x[i] = to_float(head[i]);
         // roll(x, D/2)[i] is x[i + D/2] in the first half and x[i - D/2] in the second.
         for (int64_t i = 0; i < half; ++i) {
