@@ -14,8 +14,9 @@ import torch
 from torch import nn
 
 from prefixserve.model.config import ModelConfig
-from prefixserve.model.layers import Attention, ForwardContext, GatedMLP, RMSNorm, RotaryEmbedding
+from prefixserve.model.layers import Attention, ForwardContext, GatedMLP, RMSNorm
 from prefixserve.model.llama import LlamaForCausalLM
+from prefixserve.model.rotary import RotaryEmbedding
 
 
 class Gemma3DecoderLayer(nn.Module):

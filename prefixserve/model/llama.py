@@ -19,11 +19,11 @@ from prefixserve.model.layers import (
     GatedMLP,
     Linear,
     RMSNorm,
-    RotaryEmbedding,
     lm_head_fp32_copy,
     one_thread,
     pack_linears,
 )
+from prefixserve.model.rotary import RotaryEmbedding
 from prefixserve.model.weights import check_all_loaded, load_hf_weights
 
 

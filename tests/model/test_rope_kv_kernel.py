@@ -7,7 +7,7 @@ import torch
 
 from prefixserve.model.attention import write_kv
 from prefixserve.model.kernels import rope_write_kv_kernel
-from prefixserve.model.layers import RotaryEmbedding, apply_rotary
+from prefixserve.model.rotary import RotaryEmbedding, apply_rotary
 
 kernel = rope_write_kv_kernel()
 needs_kernel = pytest.mark.skipif(kernel is None, reason="the kernels could not be built here")
