@@ -131,6 +131,13 @@ def rope_write_kv_kernel() -> Callable[..., None] | None:
     return None if module is None else module.rope_write_kv
 
 
+def rope_kv_vectorized() -> bool:
+    """Whether the built `rope_write_kv` has its AVX512-BF16 vector loop (fast at any size in
+    bf16); False when unavailable or built without it (then it is fast only for a few tokens)."""
+    module = _module()
+    return module is not None and bool(module.rope_kv_vectorized())
+
+
 def rms_norm_kernel() -> Callable[..., None] | None:
     """`rms_norm(out, x, weight, eps, offset)` over contiguous rows, or None."""
     module = _module()

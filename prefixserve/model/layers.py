@@ -23,6 +23,7 @@ from prefixserve.model.cpu_paths import bf16_packing_supported, cpu_paths_here
 from prefixserve.model.kernels import (
     linear_bf16_small_kernel,
     rms_norm_kernel,
+    rope_kv_vectorized,
     rope_write_kv_kernel,
 )
 from prefixserve.model.rotary import apply_rotary
@@ -190,8 +191,9 @@ def one_thread() -> Iterator[None]:
 
 # Steps of at most this many tokens rotate q/k and write K/V in one native call per layer
 # (`kernels.rope_write_kv`, bit for bit PyTorch's result) where only its scalar loop runs:
-# 4.6 against 31 us at 1 token, 29 against 26 at 8. In bf16 with AVX512-BF16 and a head dim
-# that is a multiple of 32 its vector loop takes every step: 0.7 against 18 us at 1 token, 51
+# 4.6 against 31 us at 1 token, 29 against 26 at 8. In bf16, with a head dim that is a multiple
+# of 32, where the build has its AVX512-BF16 vector loop (`kernels.rope_kv_vectorized`), it
+# takes every step: 0.7 against 18 us at 1 token, 51
 # against 333 at 512, 206 against 1,579 at 2,048 (one thread, the default model's shapes).
 ROPE_KV_MAX_TOKENS = 4
 
@@ -199,7 +201,7 @@ ROPE_KV_MAX_TOKENS = 4
 @functools.cache
 def rope_kv_max_tokens(dtype: torch.dtype, head_dim: int) -> int:
     """The largest step that rotates and writes K/V through the native kernel."""
-    if dtype == torch.bfloat16 and head_dim % 32 == 0 and torch.cpu._is_avx512_bf16_supported():
+    if dtype == torch.bfloat16 and head_dim % 32 == 0 and rope_kv_vectorized():
         return 1 << 62
     return ROPE_KV_MAX_TOKENS
 

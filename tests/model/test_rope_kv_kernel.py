@@ -52,3 +52,15 @@ def test_a_slot_outside_the_cache_is_refused_before_anything_is_written():
     assert torch.equal(qkv, before) and not kc.any() and not vc.any()
     with pytest.raises(RuntimeError, match="share a dtype"):
         kernel(qkv.float(), cos.view(2, -1), sin.view(2, -1), Q_HEADS, KV_HEADS, kc, vc, slots)
+
+
+def test_every_bf16_step_takes_the_kernel_only_where_its_vector_loop_was_built(monkeypatch):
+    from prefixserve.model import layers
+
+    for vectorized, bf16_64, bf16_48, fp32_64 in ((True, 1 << 62, 4, 4), (False, 4, 4, 4)):
+        layers.rope_kv_max_tokens.cache_clear()
+        monkeypatch.setattr(layers, "rope_kv_vectorized", lambda v=vectorized: v)
+        assert layers.rope_kv_max_tokens(torch.bfloat16, 64) == bf16_64
+        assert layers.rope_kv_max_tokens(torch.bfloat16, 48) == bf16_48  # no multiple of 32
+        assert layers.rope_kv_max_tokens(torch.float32, 64) == fp32_64  # the scalar loop
+    layers.rope_kv_max_tokens.cache_clear()

@@ -576,8 +576,11 @@ int64_t stream_pool_backoffs();
 void rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t q_heads,
                    int64_t kv_heads, torch::Tensor k_cache, torch::Tensor v_cache,
                    torch::Tensor slots);
+bool rope_kv_vectorized();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rope_kv_vectorized", &rope_kv_vectorized,
+        "whether rope_write_kv has its AVX512-BF16 vector loop in this build");
   m.def("rope_write_kv", &rope_write_kv,
         "rotary on a fused qkv's q and k heads in place, then k and v into their cache slots");
   m.def("stream_pool_backoffs", &stream_pool_backoffs,

@@ -170,3 +170,12 @@ void rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int6
     TORCH_CHECK(false, "rope_write_kv supports float32 and bfloat16, got ", qkv.scalar_type());
   }
 }
+
+// Whether this build has the AVX512-BF16 vector loop (bf16 steps of any size are fast).
+bool rope_kv_vectorized() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
