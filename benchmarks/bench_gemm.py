@@ -67,7 +67,7 @@ def main() -> None:
     )
     args = ap.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
-    packing = layers._bf16_packing_supported()
+    packing = layers.bf16_packing_supported()
     print(describe_cpu())
     print(
         f"torch {torch.__version__} | threads {torch.get_num_threads()} | AMX "

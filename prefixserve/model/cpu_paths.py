@@ -81,16 +81,25 @@ def bf16_packing_supported() -> bool:
 
 
 @functools.cache
-def cpu_vendor() -> str:
-    """The vendor_id of /proc/cpuinfo ("GenuineIntel", "AuthenticAMD", ...), "" if unknown."""
+def cpuinfo() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo ("vendor_id", "model name", "flags" or
+    "Features", ...); empty where there is no such file."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
+                if not line.strip():
+                    break  # the end of the first processor's block
+                name, _, value = line.partition(":")
+                fields.setdefault(name.strip(), value.strip())
     except OSError:
         pass
-    return ""
+    return fields
+
+
+def cpu_vendor() -> str:
+    """The vendor ("GenuineIntel", "AuthenticAMD", ...), "" if unknown."""
+    return cpuinfo().get("vendor_id", "")
 
 
 def cpu_kind() -> str:
@@ -122,17 +131,8 @@ _FLAGS_OF_INTEREST = (
 
 def describe_cpu() -> str:
     """One line for benchmark records: model name, the GEMM-relevant flags, and the table row."""
-    name, flags = "", set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name") and not name:
-                    name = line.split(":", 1)[1].strip()
-                elif line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    break
-    except OSError:
-        pass
+    name = cpuinfo().get("model name", "")
+    flags = set(cpuinfo().get("flags", "").split())
     present = [flag for flag in _FLAGS_OF_INTEREST if flag in flags]
     return (
         f"{name or 'unknown CPU'} ({cpu_vendor() or '?'}) | flags {' '.join(present)} | "

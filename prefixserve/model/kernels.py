@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from prefixserve.model.cpu_paths import cpuinfo
 from prefixserve.settings import cache_root, file_lock, kernels_enabled, prepend_to_path
 
 logger = logging.getLogger(__name__)
@@ -46,15 +47,9 @@ def _build_tag() -> str:
     import torch
 
     text = f"{platform.machine()} torch {torch.__version__} {sys.implementation.cache_tag}\n"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "model name", "Features")):
-                    text += line
-                    if line.startswith(("flags", "Features")):
-                        break
-    except OSError:
-        pass
+    info = cpuinfo()
+    for field in ("model name", "flags", "Features"):
+        text += f"{field}: {info.get(field, '')}\n"
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 

@@ -48,10 +48,6 @@ def _fp32_large_batches() -> bool:
     return flag if flag is not None else cpu_paths_here().fp32_min_rows is not None
 
 
-def _bf16_packing_supported() -> bool:
-    return bf16_packing_supported()
-
-
 def _fp32_min_rows() -> int:
     """Rows from which a bf16 Linear computes from its fp32 copy: this CPU's row of
     `cpu_paths.CPU_TABLE` (measured there). Where the row keeps no copy and
@@ -59,7 +55,7 @@ def _fp32_min_rows() -> int:
     rows = cpu_paths_here().fp32_min_rows
     if rows is not None:
         return rows
-    return 64 if _bf16_packing_supported() else 16
+    return 64 if bf16_packing_supported() else 16
 
 
 # Batches with at least this many rows use the fp32 copy (where Linear keeps one).
@@ -80,8 +76,6 @@ def lm_head_fp32_copy(lm_head: nn.Linear) -> bool:
     return small and _fp32_large_batches() and cpu_paths_here().lm_head_fp32
 
 
-_kernels: dict[str, object] = {}
-
 # Batches of at most this many rows run a bf16 Linear through the native streaming kernel
 # (`kernels.linear_bf16_small`). Weights from memory, AMD Zen 5 (BENCHMARKS.md "Model speed"):
 # at 1-4 rows it reads 33-38 GB/s on one thread against oneDNN's packed GEMM's 25-31, 49 on two
@@ -100,11 +94,21 @@ def set_stream_threads(threads: int) -> None:
     STREAM_THREADS[0] = max(1, int(threads))
 
 
-def _linear_small_kernel() -> object:
-    """The compiled streaming bf16 linear, looked up once; None if unavailable."""
-    kernel = _kernels.get("linear_small", _kernels)
+# The compiled kernels by name, each looked up once (None where unavailable); tests and
+# benchmarks put None or a stand-in here to take the PyTorch path.
+_kernels: dict[str, object] = {}
+_KERNEL_LOOKUPS = {
+    "linear_small": linear_bf16_small_kernel,
+    "rope_kv": rope_write_kv_kernel,
+    "rms_norm": rms_norm_kernel,
+}
+
+
+def _kernel(name: str) -> object:
+    """The compiled kernel `name` of `_KERNEL_LOOKUPS`, looked up once; None if unavailable."""
+    kernel = _kernels.get(name, _kernels)
     if kernel is _kernels:
-        kernel = _kernels["linear_small"] = linear_bf16_small_kernel()
+        kernel = _kernels[name] = _KERNEL_LOOKUPS[name]()
     return kernel
 
 
@@ -139,7 +143,7 @@ class Linear(nn.Linear):
         if self.weight.dtype == torch.bfloat16 and self.weight.is_contiguous():
             bias = None if self.bias is None else self.bias.detach()
             self._stream = (self.weight.detach(), bias)
-        if self.weight.dtype == torch.bfloat16 and _bf16_packing_supported():
+        if self.weight.dtype == torch.bfloat16 and bf16_packing_supported():
             self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 512)
         if self.weight.dtype == torch.bfloat16 and fp32_copy and _fp32_large_batches():
             bias = None if self.bias is None else self.bias.detach().float()
@@ -149,7 +153,7 @@ class Linear(nn.Linear):
         rows = x.shape[0]
         stream = self._stream
         if stream is not None and rows <= STREAM_MAX_ROWS and x.dim() == 2:
-            kernel = _linear_small_kernel()
+            kernel = _kernel("linear_small")
             if kernel is not None and x.dtype == torch.bfloat16 and x.is_contiguous():
                 out = x.new_empty(rows, stream[0].shape[0])
                 kernel(out, x, stream[0], stream[1], STREAM_THREADS[0])
@@ -193,8 +197,8 @@ def one_thread() -> Iterator[None]:
 # (`kernels.rope_write_kv`, bit for bit PyTorch's result) where only its scalar loop runs:
 # 4.6 against 31 us at 1 token, 29 against 26 at 8. In bf16, with a head dim that is a multiple
 # of 32, where the build has its AVX512-BF16 vector loop (`kernels.rope_kv_vectorized`), it
-# takes every step: 0.7 against 18 us at 1 token, 51
-# against 333 at 512, 206 against 1,579 at 2,048 (one thread, the default model's shapes).
+# takes every step: 0.7 against 18 us at 1 token, 51 against 333 at 512, 206 against 1,579 at
+# 2,048 (one thread, the default model's shapes).
 ROPE_KV_MAX_TOKENS = 4
 
 
@@ -204,22 +208,6 @@ def rope_kv_max_tokens(dtype: torch.dtype, head_dim: int) -> int:
     if dtype == torch.bfloat16 and head_dim % 32 == 0 and rope_kv_vectorized():
         return 1 << 62
     return ROPE_KV_MAX_TOKENS
-
-
-def _rope_kv_kernel() -> object:
-    """The compiled rotary + K/V write, looked up once; None if unavailable."""
-    kernel = _kernels.get("rope_kv", _kernels)
-    if kernel is _kernels:
-        kernel = _kernels["rope_kv"] = rope_write_kv_kernel()
-    return kernel
-
-
-def _rms_norm_kernel() -> object:
-    """The compiled one-pass RMSNorm (prefixserve.model.kernels), looked up once; None if
-    unavailable. It replaces ~8 PyTorch ops per call (cast, square, mean, rsqrt, casts, scale)."""
-    if "rms_norm" not in _kernels:
-        _kernels["rms_norm"] = rms_norm_kernel()
-    return _kernels["rms_norm"]
 
 
 class RMSNorm(nn.Module):
@@ -234,7 +222,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kernel = _rms_norm_kernel()
+        kernel = _kernel("rms_norm")
         if kernel is not None and x.dim() == 2 and x.is_contiguous():
             if x.dtype == self.weight.dtype and x.dtype in (torch.bfloat16, torch.float32):
                 out = torch.empty_like(x)
@@ -306,6 +294,8 @@ class Attention(nn.Module):
         t = x.shape[0]
         qkv = self.qkv_proj.forward(x)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = ctx.kv_caches[self.layer_idx]
+        meta = ctx.groups[self.group]
         if self.q_norm is not None and self.k_norm is not None:
             q, k = qkv[:, : self.q_size + self.kv_size].split((self.q_size, self.kv_size), dim=-1)
             q = apply_rotary(
@@ -314,13 +304,12 @@ class Attention(nn.Module):
             k = apply_rotary(
                 self.k_norm.forward(k.view(t, self.num_kv_heads, self.head_dim)), cos, sin
             )
+            write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         elif (
             t <= rope_kv_max_tokens(qkv.dtype, self.head_dim)
-            and (kernel := _rope_kv_kernel()) is not None
+            and (kernel := _kernel("rope_kv")) is not None
         ):
             # Rotary in place on qkv and the K/V writes, in one native call.
-            k_cache, v_cache = ctx.kv_caches[self.layer_idx]
-            meta = ctx.groups[self.group]
             kernel(
                 qkv,
                 cos.view(t, self.head_dim),
@@ -335,14 +324,10 @@ class Attention(nn.Module):
             k = qkv[:, self.q_size : self.q_size + self.kv_size].view(
                 t, self.num_kv_heads, self.head_dim
             )
-            out = paged_attention(q, k_cache, v_cache, meta, self.scale, self.softcap, k, v)
-            return self.o_proj.forward(out)
         else:  # rotate queries and keys in one pass
             qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim)
             qk = apply_rotary(qk, cos, sin)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        k_cache, v_cache = ctx.kv_caches[self.layer_idx]
-        meta = ctx.groups[self.group]
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+            write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, meta, self.scale, self.softcap, k, v)
         return self.o_proj.forward(out)

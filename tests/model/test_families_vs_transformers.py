@@ -153,7 +153,7 @@ def test_bfloat16_stays_close_to_fp32_reference(family, tmp_path):
     assert next(model.parameters()).dtype == torch.bfloat16
     packed = model.model.layers[0].mlp.gate_up_proj._packed
     # The oneDNN-packed path wherever oneDNN can pack bf16 (not on AVX2-only CPUs).
-    assert (packed is not None) == layers._bf16_packing_supported()
+    assert (packed is not None) == layers.bf16_packing_supported()
     prompt = tokens(40, seed=6)  # >= 32 queries: the fp32 attention path
     bs = 4
     caches = [

@@ -32,13 +32,13 @@ def test_bf16_weights_are_packed_wherever_the_cpu_has_avx512():
     means avx512f/bw/vl/dq, what oneDNN's bf16 reorder needs); AVX2-only CPUs refuse it."""
     if torch.backends.cpu.get_cpu_capability() != "AVX512":
         pytest.skip("no AVX-512 here: packing may be unavailable")
-    assert layers._bf16_packing_supported()
+    assert layers.bf16_packing_supported()
     lin = make_linear()
     assert lin._packed is not None
 
 
 @pytest.mark.skipif(
-    not layers._bf16_packing_supported(), reason="oneDNN cannot pack bf16 on this CPU (AVX2 only)"
+    not layers.bf16_packing_supported(), reason="oneDNN cannot pack bf16 on this CPU (AVX2 only)"
 )
 def test_small_batches_stay_on_the_packed_bf16_path(monkeypatch):
     monkeypatch.setenv("PREFIXSERVE_FP32_PREFILL", "1")
@@ -129,9 +129,9 @@ def test_the_fp32_row_threshold_follows_the_cpu(monkeypatch):
     assert layers._fp32_min_rows() == 16
     # a row without an fp32 copy, forced on by PREFIXSERVE_FP32_PREFILL=1: by packing
     use_kind(monkeypatch, "avx512_bf16_amd")
-    monkeypatch.setattr(layers, "_bf16_packing_supported", lambda: True)
+    monkeypatch.setattr(layers, "bf16_packing_supported", lambda: True)
     assert layers._fp32_min_rows() == 64
-    monkeypatch.setattr(layers, "_bf16_packing_supported", lambda: False)
+    monkeypatch.setattr(layers, "bf16_packing_supported", lambda: False)
     assert layers._fp32_min_rows() == 16
 
 
@@ -158,7 +158,7 @@ def test_few_rows_stream_through_the_native_kernel_with_one_rounding(
     K tails that are no multiple of the vector width (100, 33) are masked, not read past; the
     rows split over the kernel's helper threads (4,099 outputs: many chunks, a short last one)
     are each computed once."""
-    kernel = layers._linear_small_kernel()
+    kernel = layers._kernel("linear_small")
     if kernel is None:
         pytest.skip("native kernels unavailable")
     calls = []
@@ -187,7 +187,7 @@ def test_few_rows_stream_through_the_native_kernel_with_one_rounding(
 
 
 def test_the_stream_kernel_refuses_what_it_cannot_compute():
-    kernel = layers._linear_small_kernel()
+    kernel = layers._kernel("linear_small")
     if kernel is None:
         pytest.skip("native kernels unavailable")
     w = torch.randn(8, 16).to(torch.bfloat16)
@@ -209,7 +209,7 @@ def _stream(kernel, x, w, threads):
 
 
 def _stream_in_child(x, w, threads):
-    return _stream(layers._linear_small_kernel(), x, w, threads)
+    return _stream(layers._kernel("linear_small"), x, w, threads)
 
 
 def test_the_stream_pool_serves_concurrent_callers_and_forked_children():
@@ -218,7 +218,7 @@ def test_the_stream_pool_serves_concurrent_callers_and_forked_children():
     import multiprocessing
     import threading
 
-    kernel = layers._linear_small_kernel()
+    kernel = layers._kernel("linear_small")
     if kernel is None:
         pytest.skip("native kernels unavailable")
     torch.manual_seed(2)
@@ -247,20 +247,17 @@ def test_the_stream_pool_serves_concurrent_callers_and_forked_children():
 def test_the_stream_pool_stays_exact_when_its_helpers_get_no_core():
     """A busy thread beside a two-thread stream (the kernel releases the GIL, so the busy loop
     takes a core): whether the pool's helpers keep up, stall or the pool steps back to the
-    caller alone (`stream_pool_backoffs` counts those), every result is the one-thread one."""
+    caller alone, every result is the one-thread one."""
     import threading
     import time
 
-    from prefixserve.model import kernels
-
-    kernel = layers._linear_small_kernel()
+    kernel = layers._kernel("linear_small")
     if kernel is None:
         pytest.skip("native kernels unavailable")
     torch.manual_seed(3)
     w = torch.randn(8192, 128).to(torch.bfloat16)
     x = torch.randn(3, 128).to(torch.bfloat16)
     want = _stream(kernel, x, w, 1)
-    before = kernels._module().stream_pool_backoffs()
     stop = time.monotonic() + 1.0
 
     def busy() -> None:
@@ -275,4 +272,3 @@ def test_the_stream_pool_stays_exact_when_its_helpers_get_no_core():
             assert torch.equal(_stream(kernel, x, w, 2), want)
     finally:
         burner.join()
-    assert kernels._module().stream_pool_backoffs() >= before  # a counter: never goes back

@@ -17,7 +17,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#if defined(__AVX512F__) || defined(__SSE__)
+#if defined(__SSE__)  // every x86-64 CPU; with AVX-512 it brings the intrinsics below too
 #include <immintrin.h>
 #endif
 
