@@ -127,7 +127,7 @@ def test_the_server_stops_with_status_1_when_the_engine_dies_unasked(llm_engine)
     error = asyncio.run(run())
     # on_dead runs on the step thread after the waiters are woken: wait for it.
     deadline = time.monotonic() + 60
-    while watch.error is None and time.monotonic() < deadline:
+    while not (watch.error is not None and server.should_exit) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert watch.error is error and server.should_exit
 

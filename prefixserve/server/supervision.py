@@ -23,6 +23,6 @@ class EngineDeathWatch:
     def on_dead(self, exc: BaseException) -> None:
         if self.engine.shutdown_requested:
             return
-        self.error = exc
         logger.error("the engine died (%r); stopping the server to exit with status 1", exc)
         self.server.should_exit = True
+        self.error = exc  # last: a watcher that sees the error sees the server stopping
