@@ -24,11 +24,20 @@ class ScheduledRequest:
     # holds positions [i * block_size, (i + 1) * block_size). Block id 0 is the null block: a
     # placeholder for blocks a sliding-window group released; its contents are never read.
     block_ids: tuple[list[int], ...]
+    # Speculative drafts (spec_decode/) computed after the request's last token, at positions
+    # num_tokens, num_tokens + 1, ... in lookahead slots: verified this step, never cached. Only
+    # a chunk that `samples` has drafts. Not counted in num_new_tokens.
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
         """True when this chunk reaches the request's last known token, so a token is sampled."""
         return self.num_computed_tokens + self.num_new_tokens >= self.request.num_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        """Rows of the forward pass: the new tokens and the drafts."""
+        return self.num_new_tokens + len(self.draft_token_ids)
 
 
 @dataclass(slots=True)
@@ -44,7 +53,7 @@ class SchedulerOutput:
 
     @property
     def total_num_scheduled_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+        return sum(s.num_tokens for s in self.scheduled)
 
 
 # One position's logprobs: the chosen token's (token_id, logprob, rank) first, then the top-N
@@ -61,6 +70,11 @@ class ModelRunnerOutput:
     # request_id -> logprobs of prompt positions 1.. covered by this chunk, in order (only when
     # sampling_params.prompt_logprobs is set). Prompt position 0 has no logprob (vLLM: None).
     prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
+    # request_id -> the drafts the step accepted (a prefix of its draft_token_ids), emitted
+    # before sampled_token_ids[request_id]; absent when it had no drafts or none stood.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # request_id -> logprobs of each accepted draft (with logprobs set and drafts accepted).
+    spec_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
     # request_id -> why it could not be sampled this step (its seed, non-finite logits, a sampler
     # error on its row). The forward pass itself succeeded; the engine fails only these requests.
     failed: dict[str, str] = field(default_factory=dict)

@@ -12,6 +12,7 @@ from prefixserve.dtypes import SUPPORTED_DTYPES
 from prefixserve.kv_cache.eviction import check_eviction_policy
 from prefixserve.kv_cache.hashing import get_hash_fn
 from prefixserve.kv_store import KVStoreConfig
+from prefixserve.spec_decode.config import SpeculativeConfig, speculative_config_from
 
 # Without num_kv_blocks or kv_cache_memory_gb the pool gets this much memory (or less, when the
 # model's context needs less for max_num_seqs requests).
@@ -152,6 +153,9 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     # The prefix cache's disk tier (kv_store/); None or enabled=False: RAM pool only.
     kv_store: KVStoreConfig | None = None
+    # Speculative decoding (spec_decode/): vLLM's speculative_config as a dict, its JSON or a
+    # SpeculativeConfig; None: off.
+    speculative_config: SpeculativeConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
         if self.model is not None and (not isinstance(self.model, str) or not self.model):
@@ -169,3 +173,4 @@ class EngineConfig:
             raise _invalid("scheduler", self.scheduler, "a SchedulerConfig")
         if self.kv_store is not None and not isinstance(self.kv_store, KVStoreConfig):
             raise _invalid("kv_store", self.kv_store, "None or a KVStoreConfig")
+        self.speculative_config = speculative_config_from(self.speculative_config)

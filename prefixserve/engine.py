@@ -31,6 +31,8 @@ from prefixserve.request import Request, RequestStatus
 from prefixserve.runner import ModelRunner
 from prefixserve.sampling_params import SamplingParams
 from prefixserve.scheduler import Scheduler
+from prefixserve.spec_decode.config import SpeculativeConfig
+from prefixserve.spec_decode.ngram import NgramProposer
 
 
 class LLMEngine:
@@ -85,8 +87,14 @@ class LLMEngine:
             eviction_policy=cache.eviction_policy,
         )
         eos_ids = set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids)
+        spec = config.speculative_config
+        assert spec is None or isinstance(spec, SpeculativeConfig)  # EngineConfig parsed it
         self.scheduler = Scheduler(
-            config.scheduler, self.kv_cache_manager, self.max_model_len, eos_token_ids=eos_ids
+            config.scheduler,
+            self.kv_cache_manager,
+            self.max_model_len,
+            eos_token_ids=eos_ids,
+            proposer=NgramProposer(spec) if spec is not None else None,
         )
         self.runner = ModelRunner(
             loaded_model.model,
@@ -228,8 +236,6 @@ class LLMEngine:
             except BaseException:
                 self._discard_failed_step(scheduler_output)
                 raise
-            if self.kv_store is not None:
-                self._save_to_store(scheduler_output, runner_output, started)
         else:
             stuck = self.scheduler.stuck_request()
             if stuck is not None:
@@ -243,6 +249,9 @@ class LLMEngine:
         if runner_output.failed:
             failed_outputs = self._fail_requests(scheduler_output, runner_output.failed)
         updates = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self.kv_store is not None and scheduler_output.scheduled:
+            # After the update: blocks that accepted drafts completed have their hashes now.
+            self._save_to_store(scheduler_output, runner_output, started)
         processed = self.output_processor.process_updates(updates)
         for child_id, stop_string in processed.stopped:
             self.scheduler.finish_requests(
@@ -264,7 +273,9 @@ class LLMEngine:
         self.kv_store.record_compute(
             time.perf_counter() - started, scheduler_output.total_num_scheduled_tokens
         )
-        saves = self.kv_store.blocks_to_save(scheduler_output, runner_output.failed)
+        saves = self.kv_store.blocks_to_save(
+            scheduler_output, runner_output.failed, runner_output.spec_token_ids
+        )
         if saves:
             payloads = self.runner.gather_blocks([save.block_id for save in saves])
             self.kv_store.save(saves, payloads)
@@ -332,6 +343,9 @@ class LLMEngine:
             "generation_tokens": sched.num_generation_tokens,
             "num_preemptions": sched.num_preemptions,
             "num_finished_requests": sched.num_finished_requests,
+            "spec_decode_num_drafts": sched.spec_decode_num_drafts,
+            "spec_decode_num_draft_tokens": sched.spec_decode_num_draft_tokens,
+            "spec_decode_num_accepted_tokens": sched.spec_decode_num_accepted_tokens,
             **(self.kv_store.metrics() if self.kv_store is not None else {}),
         }
 

@@ -138,6 +138,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "several tenants have work (a step lasts as long as its tokens take, and everyone "
         "waits for it); 0: no cap.",
     )
+    parser.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help="Speculative decoding, vLLM's JSON: e.g. '{\"method\": \"ngram\", "
+        "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": "
+        "5}' (n-gram drafts from the request's own tokens, verified in one forward pass; "
+        "outputs are the same as without). Off by default.",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -166,4 +175,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             admission_order=args.admission_order,
         ),
         kv_store=kv_store_config_from_args(args),
+        speculative_config=args.speculative_config,
     )

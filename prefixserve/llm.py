@@ -60,6 +60,7 @@ class LLM:
         kv_store_dir: str | None = None,
         kv_store_gb: float | None = None,
         kv_store_default_retention: str = "24h",
+        speculative_config: dict[str, Any] | str | None = None,
     ) -> None:
         if enable_kv_store is None:
             enable_kv_store = settings.kv_store_default_enabled()
@@ -91,6 +92,7 @@ class LLM:
                 admission_order=admission_order,
             ),
             kv_store=kv_store,
+            speculative_config=speculative_config,
         )
         self.llm_engine = LLMEngine(config, loaded_model=loaded_model)
         self._counter = itertools.count()

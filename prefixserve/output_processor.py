@@ -196,12 +196,11 @@ class OutputProcessor:
             self._add_prompt_logprobs(entry, update)
         if not update.new_token_ids:
             return None
+        stop, num_tokens = self._add_tokens(sample, update.new_token_ids)
         if sample.logprobs is not None:
-            for position in update.new_logprobs:
+            for position in update.new_logprobs[:num_tokens]:
                 sample.logprobs.append(self._logprob_dict(position))
-        sample.detokenizer.add_tokens(update.new_token_ids)
         full_text = sample.detokenizer.text
-        stop = self._find_stop_string(full_text, sample)
         if stop is not None:
             stop_string, cut = stop
             sample.text = full_text[:cut]
@@ -218,6 +217,28 @@ class OutputProcessor:
             sample.finish_reason = request.status.finish_reason
             sample.stop_reason = request.stop_reason
         return None
+
+    def _add_tokens(
+        self, sample: SampleState, token_ids: list[int]
+    ) -> tuple[tuple[str, int] | None, int]:
+        """Detokenize a step's tokens; returns the stop string they complete (see
+        `_find_stop_string`) and how many of them stand. Several tokens in a step (accepted
+        drafts) with stop strings set go one at a time: the tokens after the one completing a
+        stop string are dropped from the request, as if decoding had stopped there."""
+        if len(token_ids) == 1 or not sample.request.sampling_params.stop_strings:
+            sample.detokenizer.add_tokens(token_ids)
+            return self._find_stop_string(sample.detokenizer.text, sample), len(token_ids)
+        for index, token_id in enumerate(token_ids):
+            sample.detokenizer.add_tokens([token_id])
+            stop = self._find_stop_string(sample.detokenizer.text, sample)
+            if stop is not None:
+                extra = len(token_ids) - index - 1
+                if extra:
+                    request = sample.request
+                    del request.output_token_ids[-extra:]
+                    del request.all_token_ids[-extra:]
+                return stop, index + 1
+        return None, len(token_ids)
 
     @staticmethod
     def _find_stop_string(text: str, sample: SampleState) -> tuple[str, int] | None:

@@ -21,8 +21,10 @@ from prefixserve.model.attention import ScheduledSpan, build_attention_metadata
 from prefixserve.model.config import ModelConfig
 from prefixserve.model.kernels import paged_attention_kernel
 from prefixserve.model.layers import ForwardContext, one_thread, set_stream_threads
+from prefixserve.model.sampler import is_greedy
 from prefixserve.request import Request
 from prefixserve.settings import omp_threads_sleep
+from prefixserve.spec_decode.verify import GeneratorRewind, num_accepted, row_views
 
 # Steps of at most this many tokens run on one torch thread while OpenMP threads sleep between
 # parallel regions (OMP_WAIT_POLICY=PASSIVE, the default): a step makes ~300 regions (linears,
@@ -118,7 +120,7 @@ class ModelRunner:
         """One forward over all scheduled chunks; sample where a chunk reaches its last token.
         On one thread for a step of at most ONE_THREAD_MAX_TOKENS tokens while OpenMP threads
         sleep between regions."""
-        num_tokens = sum(s.num_new_tokens for s in scheduler_output.scheduled)
+        num_tokens = scheduler_output.total_num_scheduled_tokens
         if num_tokens <= ONE_THREAD_MAX_TOKENS and omp_threads_sleep():
             with one_thread():
                 return self._execute(scheduler_output)
@@ -132,7 +134,7 @@ class ModelRunner:
             scatter_blocks(self.kv_caches, block_ids, payloads)
         output = ModelRunnerOutput()
         # Single-token chunks first: attention serves them as one batched call.
-        scheduled = sorted(scheduler_output.scheduled, key=lambda s: s.num_new_tokens != 1)
+        scheduled = sorted(scheduler_output.scheduled, key=lambda s: s.num_tokens != 1)
         if not scheduled:
             return output
 
@@ -141,14 +143,16 @@ class ModelRunner:
         positions: list[int] = []
         spans: list[ScheduledSpan] = []
         sample_rows: list[int] = []
-        sample_reqs: list[Request] = []
+        sample_reqs: list[Request] = []  # one per sampled row (a DraftRowView at some drafts)
+        drafted: list[tuple[Request, int, list[int]]] = []  # (request, its first row, drafts)
         prompt_rows: list[int] = []
         prompt_targets: list[int] = []
         prompt_owners: list[tuple[Request, int]] = []  # (request, number of rows)
         for s in scheduled:
             req, start, n = s.request, s.num_computed_tokens, s.num_new_tokens
             end = start + n
-            if n < 1 or end > req.num_tokens:
+            drafts = s.draft_token_ids
+            if n < 1 or end > req.num_tokens or (drafts and end != req.num_tokens):
                 raise ValueError(
                     f"request {req.request_id!r}: cannot compute tokens [{start}, {end}) of "
                     f"{req.num_tokens}"
@@ -160,9 +164,14 @@ class ModelRunner:
                 )
             row = len(token_ids)
             token_ids.extend(req.all_token_ids[start:end])
-            positions.extend(range(start, end))
-            spans.append(ScheduledSpan(start, n, s.block_ids))
-            if s.samples:
+            token_ids.extend(drafts)
+            positions.extend(range(start, end + len(drafts)))
+            spans.append(ScheduledSpan(start, n + len(drafts), s.block_ids))
+            if drafts:
+                drafted.append((req, len(sample_reqs), drafts))
+                sample_rows.extend(range(row + n - 1, row + n + len(drafts)))
+                sample_reqs.extend(row_views(req, drafts))
+            elif s.samples:
                 sample_rows.append(row + n - 1)
                 sample_reqs.append(req)
             if req.sampling_params.prompt_logprobs is not None:
@@ -198,18 +207,19 @@ class ModelRunner:
                 except Exception as exc:  # noqa: BLE001 - this request's seed, not the step's
                     failed[req.request_id] = f"cannot seed the random generator: {exc}"
                     generators.append(None)
+            rewind = GeneratorRewind()
+            for req, first, _ in drafted:
+                if generators[first] is not self.generator and not is_greedy(req):
+                    rewind.save(generators[first])
+            results: list[SampledRow | None]
             if failed or not _all_finite(sample_logits):
-                self._sample_rows(sample_logits, sample_reqs, generators, output)
+                results = self._sample_rows(sample_logits, sample_reqs, generators, failed)
             else:
                 try:
-                    results = self.sampler(sample_logits, sample_reqs, generators)
+                    results = list(self.sampler(sample_logits, sample_reqs, generators))
                 except Exception:  # noqa: BLE001 - find the rows that fail, sample the others
-                    self._sample_rows(sample_logits, sample_reqs, generators, output)
-                else:
-                    for req, (token_id, logprobs) in zip(sample_reqs, results, strict=True):
-                        output.sampled_token_ids[req.request_id] = int(token_id)
-                        if logprobs is not None:
-                            output.logprobs[req.request_id] = logprobs
+                    results = self._sample_rows(sample_logits, sample_reqs, generators, failed)
+            _collect_samples(results, sample_reqs, drafted, generators, rewind, output)
         if prompt_owners:
             compute = getattr(self.sampler, "compute_prompt_logprobs", None)
             if compute is None:
@@ -237,14 +247,17 @@ class ModelRunner:
         logits: torch.Tensor,
         requests: list[Request],
         generators: list[torch.Generator | None],
-        output: ModelRunnerOutput,
-    ) -> None:
-        """Sample row by row, recording in `output.failed` the rows that cannot be sampled
-        (non-finite logits, a sampler error): the slow path of a step where something failed.
-        The sampler checks its rows before it draws, so a retried row draws what it would have
-        drawn in the batch; only an error raised after the draws shifts seeded streams by one."""
+        failed: dict[str, str],
+    ) -> list[SampledRow | None]:
+        """Sample row by row, recording in `failed` the requests whose rows cannot be sampled
+        (non-finite logits, a sampler error) and giving None for their rows: the slow path of a
+        step where something failed. The sampler checks its rows before it draws, so a retried
+        row draws what it would have drawn in the batch; only an error raised after the draws
+        shifts seeded streams by one."""
+        results: list[SampledRow | None] = []
         for row, (req, gen) in enumerate(zip(requests, generators, strict=True)):
-            if req.request_id in output.failed:
+            if req.request_id in failed:
+                results.append(None)
                 continue
             row_logits = logits[row : row + 1]
             try:
@@ -252,11 +265,58 @@ class ModelRunner:
                     raise ValueError("the model produced non-finite logits (NaN or +inf)")
                 ((token_id, logprobs),) = self.sampler(row_logits, [req], [gen])
             except Exception as exc:  # noqa: BLE001 - this row fails, the others go on
-                output.failed[req.request_id] = f"sampling failed: {exc}"
+                failed[req.request_id] = f"sampling failed: {exc}"
+                results.append(None)
                 continue
-            output.sampled_token_ids[req.request_id] = int(token_id)
-            if logprobs is not None:
-                output.logprobs[req.request_id] = logprobs
+            results.append((int(token_id), logprobs))
+        return results
+
+
+SampledRow = tuple[int, PositionLogprobs | None]
+
+
+def _collect_samples(
+    results: list[SampledRow | None],
+    rows: list[Request],
+    drafted: list[tuple[Request, int, list[int]]],
+    generators: list[torch.Generator | None],
+    rewind: GeneratorRewind,
+    output: ModelRunnerOutput,
+) -> None:
+    """Sampled rows -> the output's tokens and logprobs. A request with drafts emits its
+    accepted drafts (`spec_token_ids`) and then the token sampled after them; its seeded
+    generator is left as if only the rows it used had drawn."""
+    drafts_at = {first: (req, drafts) for req, first, drafts in drafted}
+    failed = output.failed
+    i = 0
+    while i < len(rows):
+        entry = drafts_at.get(i)
+        if entry is None:
+            result, request_id = results[i], rows[i].request_id
+            i += 1
+            if result is None or request_id in failed:
+                continue
+            output.sampled_token_ids[request_id] = result[0]
+            if result[1] is not None:
+                output.logprobs[request_id] = result[1]
+            continue
+        req, drafts = entry
+        own = results[i : i + len(drafts) + 1]
+        generator = generators[i]
+        i += len(drafts) + 1
+        if req.request_id in failed or any(r is None for r in own):
+            continue
+        sampled = [r[0] for r in own if r is not None]
+        logprobs = [r[1] for r in own if r is not None]
+        accepted = num_accepted(sampled, drafts)
+        rewind.replay(generator, accepted + 1)
+        output.sampled_token_ids[req.request_id] = sampled[accepted]
+        if logprobs[accepted] is not None:
+            output.logprobs[req.request_id] = logprobs[accepted]
+        if accepted:
+            output.spec_token_ids[req.request_id] = drafts[:accepted]
+            if logprobs[0] is not None:
+                output.spec_logprobs[req.request_id] = [lp for lp in logprobs[:accepted] if lp]
 
 
 def _all_finite(logits: torch.Tensor) -> bool:

@@ -50,6 +50,7 @@ from prefixserve.request import Request, RequestStatus
 if TYPE_CHECKING:
     from prefixserve.kv_cache.kv_cache_manager import KVCacheManager
     from prefixserve.kv_store.connector import KVStoreConnector
+    from prefixserve.spec_decode.ngram import NgramProposer
 
 
 @dataclass(slots=True)
@@ -75,6 +76,10 @@ class SchedulerStats:
     num_generation_tokens: int = 0
     num_preemptions: int = 0
     num_finished_requests: int = 0
+    # Speculative decoding (vLLM's names): verifications with drafts, drafts, accepted drafts.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
 
 
 class Scheduler:
@@ -82,6 +87,10 @@ class Scheduler:
 
     `eos_token_ids` are the model's end-of-sequence ids besides each request's own
     `eos_token_id`; a request stops on any of them unless its params say `ignore_eos`.
+
+    With a `proposer` (spec_decode/ngram.py), each decoding request may carry drafts: they are
+    counted in the token budget and its tenant's share, get lookahead slots (never cached), and
+    are dropped first when the pool is short, before anyone is preempted for them.
     """
 
     def __init__(
@@ -90,8 +99,10 @@ class Scheduler:
         kv_cache_manager: KVCacheManager,
         max_model_len: int,
         eos_token_ids: Iterable[int] = (),
+        proposer: NgramProposer | None = None,
     ) -> None:
         self.config = config
+        self.proposer = proposer
         self.kv_cache_manager = kv_cache_manager
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -184,11 +195,17 @@ class Scheduler:
                     req_index += 1  # its tenant's share is spent: it waits for the next step
                     continue
             assert num_new_tokens > 0, request
+            drafts = self._drafts(request, num_new_tokens, token_budget, shares)
 
             while True:
-                new_blocks = mgr.allocate_slots(request, num_new_tokens)
+                new_blocks = mgr.allocate_slots(
+                    request, num_new_tokens, num_lookahead_tokens=len(drafts)
+                )
                 if new_blocks is not None:
                     break
+                if drafts:
+                    drafts = []  # no room for the drafts: none this step, nobody preempted
+                    continue
                 victim = preemption_victim(self.running, req_index, self.fair)
                 self.running.remove(victim)
                 self._preempt(victim)
@@ -198,10 +215,10 @@ class Scheduler:
             if new_blocks is None:
                 continue  # this request preempted itself; the next one now sits at req_index
 
-            scheduled.append(self._scheduled(request, num_new_tokens))
-            token_budget -= num_new_tokens
+            scheduled.append(self._scheduled(request, num_new_tokens, drafts))
+            token_budget -= num_new_tokens + len(drafts)
             if shares is not None:
-                shares[request.tenant] -= num_new_tokens
+                shares[request.tenant] -= num_new_tokens + len(drafts)
             req_index += 1
 
         # 2. Waiting requests, tenants in turn (preempted ones sit at the front).
@@ -272,6 +289,28 @@ class Scheduler:
         self.finished_req_ids = set()
         return output
 
+    def _drafts(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        token_budget: int,
+        shares: dict[Hashable, int] | None,
+    ) -> list[int]:
+        """The proposer's drafts for a decoding request this step, within the budget left, its
+        tenant's share, its max_tokens and max_model_len: all of them accepted plus the token
+        sampled after them must still fit."""
+        if self.proposer is None or num_new_tokens != 1:
+            return []
+        if request.num_computed_tokens != request.num_tokens - 1:
+            return []
+        room = min(token_budget, shares[request.tenant] if shares is not None else token_budget)
+        room = min(room - 1, self.max_model_len - request.num_tokens - 1)
+        if request.max_tokens is not None:
+            room = min(room, request.max_tokens - request.num_output_tokens - 1)
+        if room < 1:
+            return []
+        return self.proposer.propose(request, room)
+
     def _chunk(self, request: Request, contended: bool = False) -> int:
         """The tokens `request` would compute this step with the whole budget to itself."""
         num_new_tokens = request.num_tokens - request.num_computed_tokens
@@ -302,7 +341,9 @@ class Scheduler:
             return None
         return self.waiting[0]
 
-    def _scheduled(self, request: Request, num_new_tokens: int) -> ScheduledRequest:
+    def _scheduled(
+        self, request: Request, num_new_tokens: int, drafts: list[int] | None = None
+    ) -> ScheduledRequest:
         prompt_end = min(request.num_computed_tokens + num_new_tokens, request.num_prompt_tokens)
         if prompt_end > request.num_computed_tokens:
             self.stats.num_computed_prompt_tokens += prompt_end - request.num_computed_tokens
@@ -311,6 +352,7 @@ class Scheduler:
             num_computed_tokens=request.num_computed_tokens,
             num_new_tokens=num_new_tokens,
             block_ids=self.kv_cache_manager.get_block_ids(request),
+            draft_token_ids=drafts or [],
         )
 
     def _preempt(self, request: Request, turn_next: bool = True) -> None:
@@ -347,18 +389,51 @@ class Scheduler:
             token_id = runner_output.sampled_token_ids.get(request.request_id)
             if token_id is not None:
                 assert entry.samples, entry
-                request.append_output_token_ids(token_id)
-                self.stats.num_generation_tokens += 1
-                update.new_token_ids.append(token_id)
-                logprobs = runner_output.logprobs.get(request.request_id)
-                if logprobs is not None:
-                    update.new_logprobs.append(logprobs)
-                if self._check_stop(request):
+                if self._append_sampled(entry, runner_output, token_id, update):
                     self.running.remove(request)
                     self._free_request(request)
                     update.finished = True
             updates.append(update)
         return updates
+
+    def _append_sampled(
+        self,
+        entry: ScheduledRequest,
+        runner_output: ModelRunnerOutput,
+        token_id: int,
+        update: RequestUpdate,
+    ) -> bool:
+        """Append the accepted drafts and the sampled token, checking the stop conditions after
+        each (a stop inside an accepted run ends the request there). The accepted drafts' K/V is
+        in their slots already: they count as computed, and a block they complete is cached now.
+        Returns True when the request stopped."""
+        request = entry.request
+        request_id = request.request_id
+        accepted = runner_output.spec_token_ids.get(request_id, [])
+        tokens = [*accepted, token_id]
+        logprobs = [*runner_output.spec_logprobs.get(request_id, [])]
+        last_logprobs = runner_output.logprobs.get(request_id)
+        if last_logprobs is not None:
+            logprobs.append(last_logprobs)
+        if entry.draft_token_ids:
+            stats = self.stats
+            stats.spec_decode_num_drafts += 1
+            stats.spec_decode_num_draft_tokens += len(entry.draft_token_ids)
+            stats.spec_decode_num_accepted_tokens += len(accepted)
+            if self.proposer is not None:
+                self.proposer.record(request_id, len(entry.draft_token_ids), len(accepted))
+        request.num_computed_tokens += len(accepted)
+        for index, token in enumerate(tokens):
+            request.append_output_token_ids(token)
+            self.stats.num_generation_tokens += 1
+            update.new_token_ids.append(token)
+            if index < len(logprobs):
+                update.new_logprobs.append(logprobs[index])
+            if self._check_stop(request):
+                return True
+        if accepted:
+            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+        return False
 
     def _check_stop(self, request: Request) -> bool:
         """Set a finished status when the last sampled token ends the request."""
@@ -380,6 +455,8 @@ class Scheduler:
 
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
+        if self.proposer is not None:
+            self.proposer.drop((request.request_id,))
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
         self.stats.num_finished_requests += 1

@@ -199,6 +199,13 @@ class KVCacheManager:
                 self._record_lookup(request, num_new_computed_tokens)
         return KVCacheBlocks(new_blocks)
 
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Cache the request's blocks that are full within its first `num_tokens` tokens, which
+        must be computed (K/V written) and in the sequence: accepted drafts, whose blocks become
+        full after allocate_slots ran for the step."""
+        if self.enable_caching:
+            self.coordinator.cache_blocks(request, min(num_tokens, request.num_tokens))
+
     def _record_lookup(self, request: Request, num_hit_tokens: int) -> None:
         """Count one admission's lookup in the prefix-cache stats."""
         stats = self._stats

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence, Sized
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -180,10 +180,15 @@ class KVStoreConnector:
     # ------------------------------------------------------------------ save (after a step)
 
     def blocks_to_save(
-        self, scheduler_output: SchedulerOutput, failed: Container[str]
+        self,
+        scheduler_output: SchedulerOutput,
+        failed: Container[str],
+        accepted: Mapping[str, Sized] | None = None,
     ) -> list[BlockSave]:
         """Blocks the step completed that belong on disk: not of a failed request, not of an
-        `in_memory` request, not on disk already."""
+        `in_memory` request, not on disk already. `accepted` (request id -> its accepted
+        drafts, after the scheduler appended them) extends a request's computed tokens: its
+        drafts' K/V is in their slots. Drafts that were not accepted are never saved."""
         bs = self.block_size
         now = self._clock()
         saves: list[BlockSave] = []
@@ -196,9 +201,10 @@ class KVStoreConnector:
             if lifetime is None:
                 continue
             first = entry.num_computed_tokens // bs
-            end = min(
-                (entry.num_computed_tokens + entry.num_new_tokens) // bs, len(request.block_hashes)
-            )
+            computed = entry.num_computed_tokens + entry.num_new_tokens
+            if accepted is not None and request.request_id in accepted:
+                computed += len(accepted[request.request_id])
+            end = min(computed // bs, len(request.block_hashes))
             table = entry.block_ids[GROUP]
             for index in range(first, end):
                 key = (request.block_hashes[index], GROUP)

@@ -13,7 +13,7 @@ The order, per row (vLLM v1's order):
      top-k, top-p (keep the smallest set of most likely tokens whose mass reaches top_p; the
      most likely token always stays), then draw from the renormalized distribution by inverse
      CDF with one uniform number from the request's generator, so a seeded request draws the
-     same tokens whatever else is batched.
+     same tokens whatever else is batched (uniforms are drawn in row order).
 Rows are processed together as tensors: penalties touch only the (row, token) entries a request
 has seen; top-k / top-p work on the 256 most likely tokens (a full sort only for a top-p row
 whose nucleus is wider); per-row Python work is building penalty indices and one random number.
@@ -38,12 +38,12 @@ def _take(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
     return t[torch.tensor(rows)]
 
 
-def _needs_penalties(request: Request) -> bool:
+def needs_penalties(request: Request) -> bool:
     p = request.sampling_params
     return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
 
 
-def _is_greedy(request: Request) -> bool:
+def is_greedy(request: Request) -> bool:
     return request.sampling_params.temperature < _GREEDY_TEMPERATURE
 
 
@@ -69,13 +69,13 @@ class Sampler:
         if not requests:
             return []
         plain_greedy = all(
-            _is_greedy(r) and not _needs_penalties(r) and r.sampling_params.logprobs is None
+            is_greedy(r) and not needs_penalties(r) and r.sampling_params.logprobs is None
             for r in requests
         )
         if plain_greedy:  # the common fast path: no copy, one argmax
             return [(int(t), None) for t in logits.argmax(dim=-1).tolist()]
 
-        penalized_rows = [i for i, r in enumerate(requests) if _needs_penalties(r)]
+        penalized_rows = [i for i, r in enumerate(requests) if needs_penalties(r)]
         # Penalties write into the logits: work on a copy, never on the caller's tensor.
         if penalized_rows:
             logits = logits.to(torch.float32, copy=True, memory_format=torch.contiguous_format)
@@ -87,16 +87,19 @@ class Sampler:
                 raise ValueError("the penalties made the logits non-finite (NaN or +inf)")
 
         sampled = torch.empty(len(requests), dtype=torch.int64)
-        greedy_rows = [i for i, r in enumerate(requests) if _is_greedy(r)]
-        random_rows = [i for i, r in enumerate(requests) if not _is_greedy(r)]
+        greedy_rows = [i for i, r in enumerate(requests) if is_greedy(r)]
+        random_rows = [i for i, r in enumerate(requests) if not is_greedy(r)]
         if greedy_rows:
             sampled[torch.tensor(greedy_rows)] = _take(logits, greedy_rows).argmax(dim=-1)
         if random_rows:
             random_logits = _take(logits, random_rows)
             groups = _distributions(random_logits, [requests[i] for i in random_rows])
+            # One uniform per random row, drawn in row order (whatever group a row lands in),
+            # so rows sharing a generator (a request's draft rows) draw in position order.
+            uniforms = torch.cat([draw_uniform(generators[i]) for i in random_rows])
             for rows, probs, ids in groups:
                 batch_rows = [random_rows[j] for j in rows]
-                picked = _draw(probs, [generators[i] for i in batch_rows])
+                picked = _draw(probs, uniforms[torch.tensor(rows)])
                 if ids is not None:
                     picked = ids.gather(1, picked.unsqueeze(1)).squeeze(1)
                 sampled[torch.tensor(batch_rows)] = picked
@@ -257,10 +260,15 @@ def _top_k_top_p(
     return probs / probs.sum(dim=-1, keepdim=True)
 
 
-def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-    """One token index per row by inverse-CDF sampling: a single uniform from the row's own
-    generator, so a seeded row's draws do not depend on its neighbours or the vocabulary size."""
-    uniform = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators])
+def draw_uniform(generator: torch.Generator | None) -> torch.Tensor:
+    """The one uniform number a random row draws from its generator ([1] float64)."""
+    return torch.rand(1, generator=generator, dtype=torch.float64)
+
+
+def _draw(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """One token index per row by inverse-CDF sampling with the row's uniform (one number from
+    its own generator, so a seeded row's draws do not depend on its neighbours or the
+    vocabulary size)."""
     cdf = probs.to(torch.float64).cumsum(dim=-1)
     target = (uniform * cdf[:, -1]).unsqueeze(1)
     index = torch.searchsorted(cdf, target, right=True).squeeze(1)

@@ -31,6 +31,12 @@ ENGINE_COUNTERS = {
     "prompt_tokens": ("prompt_tokens", "Prompt tokens of requests admitted by the scheduler"),
     "generation_tokens": ("generation_tokens", "Tokens generated"),
     "num_preemptions": ("num_preemptions", "Requests preempted to free KV-cache blocks"),
+    "spec_decode_num_drafts": ("spec_decode_num_drafts", "Verifications of speculative drafts"),
+    "spec_decode_num_draft_tokens": ("spec_decode_num_draft_tokens", "Draft tokens verified"),
+    "spec_decode_num_accepted_tokens": (
+        "spec_decode_num_accepted_tokens",
+        "Draft tokens accepted (emitted without a forward pass of their own)",
+    ),
 }
 ENGINE_GAUGES = {
     "kv_cache_usage": ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1)"),

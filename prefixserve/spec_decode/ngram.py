@@ -1,0 +1,101 @@
+"""The n-gram proposer (prompt lookup decoding), incremental and adaptive per request.
+
+For each request it keeps a map from every n-gram of its tokens (n in [min_n, max_n]) to the
+position where that n-gram's latest occurrence ends. A step indexes only the tokens added since
+the last one (the sampled token and accepted drafts), so proposing costs a few dictionary
+operations per request whatever the context length; the first proposal indexes the prompt once.
+
+Proposal: for n from max_n down to min_n, the latest earlier occurrence of the request's last n
+tokens; the drafts are the (up to k) tokens that followed it. The latest occurrence, not the
+first: text being copied continues where it was last seen.
+
+Adaptive: drafts that are rejected cost the verification rows they add. A request's draft length
+follows its acceptance (all accepted: one more, up to k; otherwise one more than it accepted),
+and after two verifications in a row with nothing accepted it stops proposing for 2, 4, ... 32
+decode steps, so workloads that never copy pay for little more than the lookups.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from prefixserve.request import Request
+from prefixserve.spec_decode.config import SpeculativeConfig
+
+# Longest pause after rejected drafts, in decode steps.
+MAX_PAUSE_STEPS = 32
+
+
+@dataclass(slots=True)
+class _RequestState:
+    index: dict[tuple[int, ...], int] = field(default_factory=dict)
+    indexed: int = 0  # n-grams ending at positions < indexed are in `index`
+    num_drafts: int = 0  # this request's current draft length
+    misses: int = 0  # verifications in a row that accepted nothing
+    pause: int = 0  # decode steps left without proposing
+
+
+class NgramProposer:
+    """`propose(request, most)` -> draft token ids; `record(...)` feeds acceptance back;
+    `drop(request_ids)` forgets finished requests (the scheduler calls it on every finish)."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        assert config.prompt_lookup_min is not None and config.prompt_lookup_max is not None
+        self.k = config.num_speculative_tokens
+        self.min_n = config.prompt_lookup_min
+        self.max_n = config.prompt_lookup_max
+        self._states: dict[str, _RequestState] = {}
+
+    @property
+    def num_tracked(self) -> int:
+        return len(self._states)
+
+    def propose(self, request: Request, most: int) -> list[int]:
+        """Up to min(most, the request's draft length) tokens to verify after its last token."""
+        state = self._states.get(request.request_id)
+        if state is None:
+            state = self._states[request.request_id] = _RequestState(num_drafts=self.k)
+        if state.pause:
+            state.pause -= 1
+            return []
+        most = min(most, state.num_drafts)
+        if most < 1:
+            return []
+        tokens = request.all_token_ids
+        last = len(tokens) - 1
+        self._index(state, tokens, last)
+        for n in range(min(self.max_n, last), self.min_n - 1, -1):
+            end = state.index.get(tuple(tokens[last - n + 1 :]))
+            if end is not None:
+                return tokens[end + 1 : end + 1 + most]
+        return []
+
+    def _index(self, state: _RequestState, tokens: list[int], upto: int) -> None:
+        """Index the n-grams ending at positions [state.indexed, upto): never the last token's,
+        so a lookup of the request's suffix finds an earlier occurrence, not itself."""
+        index, min_n, max_n = state.index, self.min_n, self.max_n
+        for end in range(state.indexed, upto):
+            for n in range(min_n, min(max_n, end + 1) + 1):
+                index[tuple(tokens[end - n + 1 : end + 1])] = end
+        state.indexed = max(state.indexed, upto)
+
+    def record(self, request_id: str, num_proposed: int, num_accepted: int) -> None:
+        """The verification of `num_proposed` drafts accepted the first `num_accepted`."""
+        state = self._states.get(request_id)
+        if state is None or num_proposed < 1:
+            return
+        if num_accepted >= num_proposed:
+            state.num_drafts = min(self.k, state.num_drafts + 1)
+        else:
+            state.num_drafts = max(1, num_accepted + 1)
+        if num_accepted:
+            state.misses = 0
+            return
+        state.misses += 1
+        if state.misses >= 2:
+            state.pause = min(MAX_PAUSE_STEPS, 2 ** (state.misses - 1))
+
+    def drop(self, request_ids: Iterable[str]) -> None:
+        for request_id in request_ids:
+            self._states.pop(request_id, None)
