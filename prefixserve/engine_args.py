@@ -142,8 +142,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--speculative-config",
         default=None,
         metavar="JSON",
-        help="Speculative decoding, vLLM's JSON: e.g. '{\"method\": \"ngram\", "
-        "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": "
+        help='Speculative decoding, vLLM\'s JSON: e.g. \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": '
         "5}' (n-gram drafts from the request's own tokens, verified in one forward pass; "
         "outputs are the same as without). Off by default.",
     )

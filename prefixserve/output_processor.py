@@ -21,7 +21,7 @@ from prefixserve.outputs import (
 )
 from prefixserve.request import Request, RequestStatus
 from prefixserve.sampling_params import SamplingParams
-from prefixserve.scheduler import RequestUpdate
+from prefixserve.step_results import RequestUpdate
 
 
 @dataclass(slots=True)

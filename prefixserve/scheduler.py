@@ -27,13 +27,11 @@ Shares (and `fair_chunk_tokens`) apply only while several tenants have work; wit
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from prefixserve.admission_order import promote_longest_prefix
 from prefixserve.batch import (
     ModelRunnerOutput,
-    PositionLogprobs,
     ScheduledRequest,
     SchedulerOutput,
 )
@@ -46,40 +44,17 @@ from prefixserve.fair_share import (
 )
 from prefixserve.prefill_dedup import prefill_in_flight, waits_for_prefill
 from prefixserve.request import Request, RequestStatus
+from prefixserve.step_results import (
+    RequestUpdate,
+    SchedulerStats,
+    append_until_stop,
+    sampled_run,
+)
 
 if TYPE_CHECKING:
     from prefixserve.kv_cache.kv_cache_manager import KVCacheManager
     from prefixserve.kv_store.connector import KVStoreConnector
     from prefixserve.spec_decode.ngram import NgramProposer
-
-
-@dataclass(slots=True)
-class RequestUpdate:
-    """What one step did to one request, as the engine needs it to build outputs."""
-
-    request: Request
-    new_token_ids: list[int] = field(default_factory=list)
-    new_logprobs: list[PositionLogprobs] = field(default_factory=list)
-    # Logprobs of prompt tokens first_prompt_logprob_pos, first_prompt_logprob_pos + 1, ...
-    # (a chunk computing positions [c, c + k) scores prompt tokens c + 1 .. c + k).
-    new_prompt_logprobs: list[PositionLogprobs] = field(default_factory=list)
-    first_prompt_logprob_pos: int = 1
-    finished: bool = False
-
-
-@dataclass(slots=True)
-class SchedulerStats:
-    """Counters since the scheduler was built."""
-
-    num_prompt_tokens: int = 0  # prompt tokens of admitted requests, counted once per request
-    num_computed_prompt_tokens: int = 0  # prompt tokens actually run through the model
-    num_generation_tokens: int = 0
-    num_preemptions: int = 0
-    num_finished_requests: int = 0
-    # Speculative decoding (vLLM's names): verifications with drafts, drafts, accepted drafts.
-    spec_decode_num_drafts: int = 0
-    spec_decode_num_draft_tokens: int = 0
-    spec_decode_num_accepted_tokens: int = 0
 
 
 class Scheduler:
@@ -195,7 +170,10 @@ class Scheduler:
                     req_index += 1  # its tenant's share is spent: it waits for the next step
                     continue
             assert num_new_tokens > 0, request
-            drafts = self._drafts(request, num_new_tokens, token_budget, shares)
+            drafts: list[int] = []
+            if self.proposer is not None and num_new_tokens == 1:  # within the tenant's share
+                room = token_budget if shares is None else min(token_budget, shares[request.tenant])
+                drafts = self.proposer.propose_within(request, room, self.max_model_len)
 
             while True:
                 new_blocks = mgr.allocate_slots(
@@ -288,28 +266,6 @@ class Scheduler:
         )
         self.finished_req_ids = set()
         return output
-
-    def _drafts(
-        self,
-        request: Request,
-        num_new_tokens: int,
-        token_budget: int,
-        shares: dict[Hashable, int] | None,
-    ) -> list[int]:
-        """The proposer's drafts for a decoding request this step, within the budget left, its
-        tenant's share, its max_tokens and max_model_len: all of them accepted plus the token
-        sampled after them must still fit."""
-        if self.proposer is None or num_new_tokens != 1:
-            return []
-        if request.num_computed_tokens != request.num_tokens - 1:
-            return []
-        room = min(token_budget, shares[request.tenant] if shares is not None else token_budget)
-        room = min(room - 1, self.max_model_len - request.num_tokens - 1)
-        if request.max_tokens is not None:
-            room = min(room, request.max_tokens - request.num_output_tokens - 1)
-        if room < 1:
-            return []
-        return self.proposer.propose(request, room)
 
     def _chunk(self, request: Request, contended: bool = False) -> int:
         """The tokens `request` would compute this step with the whole budget to itself."""
@@ -408,49 +364,20 @@ class Scheduler:
         in their slots already: they count as computed, and a block they complete is cached now.
         Returns True when the request stopped."""
         request = entry.request
-        request_id = request.request_id
-        accepted = runner_output.spec_token_ids.get(request_id, [])
-        tokens = [*accepted, token_id]
-        logprobs = [*runner_output.spec_logprobs.get(request_id, [])]
-        last_logprobs = runner_output.logprobs.get(request_id)
-        if last_logprobs is not None:
-            logprobs.append(last_logprobs)
+        accepted, tokens, logprobs = sampled_run(runner_output, request.request_id, token_id)
         if entry.draft_token_ids:
-            stats = self.stats
-            stats.spec_decode_num_drafts += 1
-            stats.spec_decode_num_draft_tokens += len(entry.draft_token_ids)
-            stats.spec_decode_num_accepted_tokens += len(accepted)
+            self.stats.record_verification(len(entry.draft_token_ids), len(accepted))
             if self.proposer is not None:
-                self.proposer.record(request_id, len(entry.draft_token_ids), len(accepted))
+                self.proposer.record(request.request_id, len(entry.draft_token_ids), len(accepted))
         request.num_computed_tokens += len(accepted)
-        for index, token in enumerate(tokens):
-            request.append_output_token_ids(token)
-            self.stats.num_generation_tokens += 1
-            update.new_token_ids.append(token)
-            if index < len(logprobs):
-                update.new_logprobs.append(logprobs[index])
-            if self._check_stop(request):
-                return True
+        stopped = append_until_stop(
+            request, tokens, logprobs, update, self.eos_token_ids, self.max_model_len
+        )
+        self.stats.num_generation_tokens += len(update.new_token_ids)
+        if stopped:
+            return True
         if accepted:
             self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
-        return False
-
-    def _check_stop(self, request: Request) -> bool:
-        """Set a finished status when the last sampled token ends the request."""
-        params = request.sampling_params
-        last = request.output_token_ids[-1]
-        if not params.ignore_eos and (last == request.eos_token_id or last in self.eos_token_ids):
-            request.status = RequestStatus.FINISHED_STOPPED
-            return True
-        if last in request.stop_token_ids:
-            request.status = RequestStatus.FINISHED_STOPPED
-            request.stop_reason = last
-            return True
-        if (
-            request.max_tokens is not None and request.num_output_tokens >= request.max_tokens
-        ) or request.num_tokens >= self.max_model_len:
-            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-            return True
         return False
 
     def _free_request(self, request: Request) -> None:

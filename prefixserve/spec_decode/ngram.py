@@ -51,6 +51,17 @@ class NgramProposer:
     def num_tracked(self) -> int:
         return len(self._states)
 
+    def propose_within(self, request: Request, token_budget: int, max_model_len: int) -> list[int]:
+        """Drafts for a decoding request (its last token not computed yet, nothing else) that fit
+        the step's `token_budget` beside that token, and whose acceptance with the token sampled
+        after them stays within its max_tokens and `max_model_len`."""
+        if request.num_computed_tokens != request.num_tokens - 1:
+            return []
+        room = min(token_budget - 1, max_model_len - request.num_tokens - 1)
+        if request.max_tokens is not None:
+            room = min(room, request.max_tokens - request.num_output_tokens - 1)
+        return self.propose(request, room) if room > 0 else []
+
     def propose(self, request: Request, most: int) -> list[int]:
         """Up to min(most, the request's draft length) tokens to verify after its last token."""
         state = self._states.get(request.request_id)
