@@ -91,9 +91,9 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
         "--workloads",
         type=csv_list,
         default=list(DEFAULT_WORKLOADS),
-        help="comma-separated subset of W0-W6 (default: W0,W1,W2,W3; W4 and W5 want a small "
+        help="comma-separated subset of W0-W7 (default: W0,W1,W2,W3; W4 and W5 want a small "
         "KV pool on every engine: compare's --kv-pool-tokens; W6 restarts the server, so only "
-        "compare runs it)",
+        "compare runs it; W7 is copy-heavy, for speculative decoding)",
     )
     p.add_argument(
         "--concurrency",
@@ -210,9 +210,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     from prefixserve.bench.client import EndpointConfig, run_workload
     from prefixserve.bench.results import result_path
+    from prefixserve.bench.server_counters import scrape_spec_decode, spec_decode_delta
     from prefixserve.bench.summary import summarize
     from prefixserve.bench.workloads import (
         RESTART_WORKLOADS,
+        TEXT_WORKLOADS,
+        load_text_encoder,
         load_token_pool,
         make_workload,
         prepend_tokens,
@@ -228,6 +231,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return 2
     model_dir = args.model or default_model_dir()
     pool, decode, special_prefix = load_token_pool(model_dir)
+    wants_text = any(w.upper() in TEXT_WORKLOADS for w in args.workloads)
+    text = load_text_encoder(model_dir) if wants_text else None
     served = args.served_model
     if served is None:
         served = httpx.get(args.base_url.rstrip("/") + "/v1/models", timeout=10).json()["data"][0][
@@ -240,8 +245,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
         extra_body={"ignore_eos": True},
     )
     for name in args.workloads:
-        workload = make_workload(name, pool, seed=args.seed, scale=args.scale, decode=decode)
+        workload = make_workload(
+            name, pool, seed=args.seed, scale=args.scale, decode=decode, text=text
+        )
         prepend_tokens(workload.requests, special_prefix)
+        # the server's speculative-decoding counters over the run, where it exports them
+        before = scrape_spec_decode(args.base_url)
         with tqdm(total=len(workload.requests), desc=f"{args.name}: {workload.name}") as bar:
             result = asyncio.run(
                 run_workload(
@@ -253,7 +262,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
                     on_done=lambda _: bar.update(1),
                 )
             )
-        summary = summarize(result.records, result.duration)
+        spec_decode = spec_decode_delta(before, scrape_spec_decode(args.base_url))
+        summary = summarize(result.records, result.duration).with_spec_decode(spec_decode)
         path = result_path(args.out, workload.name, args.name)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(
@@ -265,6 +275,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
                     "seed": args.seed,
                     "scale": args.scale,
                     "base_url": args.base_url,
+                    "spec_decode": spec_decode,
                     "summary": summary.to_dict(),
                     "run": result.to_dict(),
                 },

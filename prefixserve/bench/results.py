@@ -1,7 +1,8 @@
 """Result files of a benchmark run and the tables made from them.
 
-Each engine's run of a workload is one ``<out>/<workload>/<engine>.json``; `report` reads every
-such file of a workload back and writes ``<out>/<workload>.md`` (one table row per engine) and
+Each engine's run of a workload is one ``<out>/<workload>/<engine>.json`` (with ``spec_decode``:
+the server's speculative-decoding counters over the run, where it exports them); `report` reads
+every such file of a workload back and writes ``<out>/<workload>.md`` (one table row per engine) and
 ``<out>/summary.json`` (every engine's summary per workload), so runs of different engines into
 the same directory add up. Figures are drawn by a `plot` function passed in (the comparison
 harness in the checkout's benchmarks/serving/ passes its matplotlib one).
@@ -37,7 +38,8 @@ def load_results(out_dir: Path, workload: str, order: Sequence[str] = ()) -> lis
     for path in sorted(folder.glob("*.json"), key=lambda p: (rank.get(p.stem, 99), p.stem)):
         data = json.loads(path.read_text())
         records = [RequestRecord(**r) for r in data["run"]["records"]]
-        found.append((data["engine"], summarize(records, data["run"]["duration"]), records))
+        summary = summarize(records, data["run"]["duration"])
+        found.append((data["engine"], summary.with_spec_decode(data.get("spec_decode")), records))
     return found
 
 

@@ -28,7 +28,10 @@ class Summary:
     """One engine on one workload. Latencies in milliseconds; rates per second of wall time.
 
     `hit_rate` is the share of prompt tokens the server reported as cached, over the requests
-    that reported `cached_tokens`; None when no request reported it.
+    that reported `cached_tokens`; None when no request reported it. `acceptance_rate` (accepted
+    / proposed draft tokens) and `mean_accepted_length` (1 + accepted per draft) are speculative
+    decoding's, from the server's /metrics counters over the run (not from the records: see
+    `with_spec_decode`); None for a server that does not speculate or export them.
     """
 
     num_requests: int
@@ -42,6 +45,16 @@ class Summary:
     itl_ms: dict[int, float | None]
     e2e_ms: dict[int, float | None]
     hit_rate: float | None
+    acceptance_rate: float | None = None
+    mean_accepted_length: float | None = None
+
+    def with_spec_decode(self, spec_decode: dict[str, Any] | None) -> Summary:
+        """This summary with the acceptance numbers of a run's recorded spec-decode counters
+        (`server_counters.spec_decode_delta`'s dict, or None)."""
+        if spec_decode:
+            self.acceptance_rate = spec_decode.get("acceptance_rate")
+            self.mean_accepted_length = spec_decode.get("mean_accepted_length")
+        return self
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -92,14 +105,24 @@ TABLE_HEADER = (
 )
 
 
+SPEC_HEADER = " accept rate | mean acc len |"
+
+
 def markdown_table(rows: Sequence[tuple[str, Summary]]) -> str:
-    """A markdown table with one row per (engine name, summary)."""
-    lines = [TABLE_HEADER, "|" + "---|" * 9]
+    """A markdown table with one row per (engine name, summary); with speculative decoding's
+    acceptance rate and mean accepted length when any row has them."""
+    spec = any(s.acceptance_rate is not None for _, s in rows)
+    header = TABLE_HEADER + (SPEC_HEADER if spec else "")
+    lines = [header, "|" + "---|" * (11 if spec else 9)]
     for name, s in rows:
         hit = "n/a" if s.hit_rate is None else f"{100 * s.hit_rate:.1f}%"
-        lines.append(
+        line = (
             f"| {name} | {s.requests_per_s:.2f} | {s.output_tokens_per_s:.1f} "
             f"| {_fmt(s.ttft_ms[50])} | {_fmt(s.ttft_ms[99])} "
             f"| {_fmt(s.itl_ms[50])} | {_fmt(s.itl_ms[99])} | {hit} | {s.num_failed} |"
         )
+        if spec:
+            rate = "n/a" if s.acceptance_rate is None else f"{100 * s.acceptance_rate:.1f}%"
+            line += f" {rate} | {_fmt(s.mean_accepted_length, 2)} |"
+        lines.append(line)
     return "\n".join(lines)
