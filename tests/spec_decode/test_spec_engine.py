@@ -295,3 +295,20 @@ def test_speculation_with_a_disk_tier_saves_blocks_filled_by_accepted_drafts(
     [hit] = generate(second, [follow_up], params)
     assert hit.num_disk_cached_tokens == saved * 16
     assert tokens_of([hit]) == tokens_of(generate(plain, [follow_up], params))
+
+
+@pytest.mark.slow
+def test_gemma3_sliding_window_groups_give_the_same_greedy_tokens_with_speculation():
+    """Gemma 3's hybrid cache (full and 512-token sliding-window groups): drafts take lookahead
+    slots in both, and past the window the released blocks do not disturb verification."""
+    from prefixserve.model.default_model import ensure_gemma3_270m
+    from prefixserve.model.loader import load_model
+
+    gemma = load_model(ensure_gemma3_270m(), dtype="float32")
+    body = random_tokens(150, seed=91)
+    prompt = [2] + body * 4 + body[:20]  # <bos>, then 620 tokens: past the window
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    plain = generate(make_llm(gemma), [prompt], params)
+    spec = make_llm(gemma, SPEC)
+    assert tokens_of(generate(spec, [prompt], params)) == tokens_of(plain)
+    assert spec.get_metrics()["spec_decode_num_accepted_tokens"] > 0
