@@ -346,6 +346,7 @@ class LLMEngine:
             "spec_decode_num_drafts": sched.spec_decode_num_drafts,
             "spec_decode_num_draft_tokens": sched.spec_decode_num_draft_tokens,
             "spec_decode_num_accepted_tokens": sched.spec_decode_num_accepted_tokens,
+            **sched.spec_decode_rates(),
             **(self.kv_store.metrics() if self.kv_store is not None else {}),
         }
 

@@ -43,6 +43,16 @@ class SchedulerStats:
         self.spec_decode_num_draft_tokens += num_drafts
         self.spec_decode_num_accepted_tokens += num_accepted
 
+    def spec_decode_rates(self) -> dict[str, float]:
+        """Acceptance rate (accepted / draft tokens) and mean accepted length (tokens a
+        verification emits: 1 + accepted / verifications), 0 before any draft."""
+        drafts, tokens = self.spec_decode_num_drafts, self.spec_decode_num_draft_tokens
+        accepted = self.spec_decode_num_accepted_tokens
+        return {
+            "spec_decode_acceptance_rate": accepted / tokens if tokens else 0.0,
+            "spec_decode_mean_accepted_length": 1 + accepted / drafts if drafts else 0.0,
+        }
+
 
 def check_stop(request: Request, eos_token_ids: frozenset[int], max_model_len: int) -> bool:
     """Set a finished status when the last sampled token ends the request."""

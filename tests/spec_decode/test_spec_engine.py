@@ -70,6 +70,9 @@ def test_greedy_speculation_accepts_drafts_and_changes_no_token(plain, spec):
     accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
     verifications = after["spec_decode_num_drafts"] - before["spec_decode_num_drafts"]
     assert accepted > 0.5 * drafts > 0 and verifications > 0
+    total = [after[f"spec_decode_num_{k}"] for k in ("drafts", "draft_tokens", "accepted_tokens")]
+    assert after["spec_decode_acceptance_rate"] == pytest.approx(total[2] / total[1])
+    assert after["spec_decode_mean_accepted_length"] == pytest.approx(1 + total[2] / total[0])
     # Fewer forward passes than tokens: 3 x 40 tokens in far fewer than 40 steps each.
     assert after["generation_tokens"] - before["generation_tokens"] == 120
 
