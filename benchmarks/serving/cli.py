@@ -2,6 +2,8 @@
 `python -m benchmarks.serving`:
 
     prefixserve bench compare --engines prefixserve,vllm,llama.cpp --workloads W0,W1,W2,W3
+    prefixserve bench compare --engines prefixserve,prefixserve+ngram,vllm,vllm+ngram \
+        --workloads W7 --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
 """
 
 from __future__ import annotations
@@ -10,9 +12,13 @@ import argparse
 import shutil
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from benchmarks.serving.servers import ENGINES, peers_dir
+from benchmarks.serving.servers import DEFAULT_NGRAM_CONFIG, ENGINES, SPEC_SUFFIX, peers_dir
 from prefixserve.bench.cli import add_load_args, csv_list, default_model_dir
+
+if TYPE_CHECKING:
+    from benchmarks.serving.compare import CompareConfig
 
 
 def _default_gguf(model_dir: Path) -> Path:
@@ -62,6 +68,13 @@ def build_parser(prog: str = "python -m benchmarks.serving") -> argparse.Argumen
         default=128,
         help="requests per step for prefixserve and vLLM (vLLM's CPU default)",
     )
+    cmp_.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help=f"speculative decoding of the {SPEC_SUFFIX} engines, vLLM's JSON, passed to each "
+        f"as --speculative-config (method ngram; default {DEFAULT_NGRAM_CONFIG})",
+    )
     cmp_.add_argument("--warmup", type=int, default=4, help="warm-up requests per engine")
     cmp_.add_argument(
         "--figures-dir", type=Path, default=None, help="also copy the PNGs here (e.g. docs/bench)"
@@ -75,20 +88,17 @@ def _copy_figures(out: Path, workloads: list[str], figures_dir: Path | None) -> 
         return
     figures_dir.mkdir(parents=True, exist_ok=True)
     for name in workloads:
-        png = out / f"{name}.png"
-        if png.exists():
-            shutil.copy(png, figures_dir / f"serving_{name}.png")
+        for suffix in ("", "-spec"):
+            png = out / f"{name}{suffix}.png"
+            if png.exists():
+                shutil.copy(png, figures_dir / f"serving_{name}{suffix.replace('-', '_')}.png")
 
 
-def run(args: argparse.Namespace) -> int:
-    """Run the comparison the parsed flags describe; print the tables; 1 if an engine failed."""
-    from benchmarks.serving.compare import CompareConfig, report, run_compare
+def _config(args: argparse.Namespace, model_dir: Path, gguf: Path | None) -> CompareConfig:
+    """The CompareConfig of the parsed flags; ValueError names a bad one."""
+    from benchmarks.serving.compare import CompareConfig
 
-    model_dir = args.model or default_model_dir()
-    gguf = args.gguf
-    if gguf is None and "llama.cpp" in args.engines:
-        gguf = _default_gguf(model_dir)
-    cfg = CompareConfig(
+    return CompareConfig(
         engines=args.engines,
         workloads=args.workloads,
         model_dir=model_dir,
@@ -106,7 +116,23 @@ def run(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         kv_pool_tokens=args.kv_pool_tokens,
+        speculative_config=args.speculative_config,
     )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the comparison the parsed flags describe; print the tables; 1 if an engine failed."""
+    from benchmarks.serving.compare import report, run_compare
+
+    model_dir = args.model or default_model_dir()
+    gguf = args.gguf
+    if gguf is None and "llama.cpp" in args.engines:
+        gguf = _default_gguf(model_dir)
+    try:
+        cfg = _config(args, model_dir, gguf)
+    except ValueError as exc:
+        print(f"bench compare: {exc}", file=sys.stderr)
+        return 2
     status = run_compare(cfg, progress=not args.no_progress)
     print(report(args.out, cfg.workloads))
     _copy_figures(args.out, cfg.workloads, args.figures_dir)

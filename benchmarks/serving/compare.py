@@ -7,9 +7,15 @@ server. W6 (restart) runs on a server lineage of its own: a fresh server on an e
 writer's queue is written) and started again on the same store (``restart``); the passes are
 written as engines ``<engine>@cold``, ``<engine>@warm`` and ``<engine>@restart`` of W6. Engines
 with a disk tier get a store directory under ``<out>/kv-store/`` emptied before each lineage and
-removed after it. Then, for each workload, a markdown table (``<out>/<workload>.md``) and a figure
-(``<out>/<workload>.png``) are made from every engine result found in ``<out>/<workload>/``, so
-runs of different engines into the same directory add up.
+removed after it. The ``+ngram`` engines are their base engine speculating with n-gram drafts
+(``--speculative-config``, the same JSON for each); around every workload the harness scrapes the
+server's /metrics, and the speculative-decoding counters over the run (drafts, draft tokens,
+accepted tokens, where the server exports them) go into the result as ``spec_decode``, with the
+acceptance rate and the mean accepted length. Then, for each workload, a markdown table
+(``<out>/<workload>.md``) and a figure (``<out>/<workload>.png``; with speculation, also
+``<out>/<workload>-spec.png``: output tokens/s and acceptance rate by engine) are made from every
+engine result found in ``<out>/<workload>/``, so runs of different engines into the same
+directory add up.
 """
 
 from __future__ import annotations
@@ -30,19 +36,25 @@ from tqdm import tqdm
 from benchmarks.serving.plots import plot_workload
 from benchmarks.serving.servers import (
     ENGINES,
+    SPEC_SUFFIX,
     ServerContext,
     ServerError,
     ServerProcess,
     get_engine,
+    parse_speculative_config,
+    speculative_config_json,
 )
 from prefixserve.bench import results
 from prefixserve.bench.client import EndpointConfig, RequestRecord, RunResult, run_workload
+from prefixserve.bench.server_counters import scrape_spec_decode, spec_decode_delta
 from prefixserve.bench.summary import Summary, summarize
 from prefixserve.bench.workloads import (
     RESTART_WORKLOADS,
+    TEXT_WORKLOADS,
     WORKLOAD_NAMES,
     BenchRequest,
     Workload,
+    load_text_encoder,
     load_token_pool,
     make_warmup,
     make_workload,
@@ -69,6 +81,8 @@ class CompareConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     kv_pool_tokens: int | None = None
+    # `--speculative-config` JSON of the `+ngram` engines (None: servers.DEFAULT_NGRAM_CONFIG).
+    speculative_config: str | None = None
 
     def __post_init__(self) -> None:
         for name in self.engines:
@@ -83,6 +97,13 @@ class CompareConfig:
         if pool is not None and (pool < 32 or pool % 32):
             # a multiple of both engines' block sizes (16 and vLLM's 32): the same tokens for each
             raise ValueError(f"kv_pool_tokens must be a positive multiple of 32, got {pool}")
+        if self.speculative_config is not None:
+            parse_speculative_config(self.speculative_config)
+            if not any(get_engine(name).speculative for name in self.engines):
+                raise ValueError(
+                    "--speculative-config is for the engines that speculate: add "
+                    f"{', '.join(n for n in ENGINES if n.endswith(SPEC_SUFFIX))} to --engines"
+                )
 
 
 def _machine() -> dict[str, Any]:
@@ -105,10 +126,13 @@ def _write_result(
     server: ServerProcess,
     run: RunResult,
     label: str | None = None,
+    spec_decode: dict[str, Any] | None = None,
 ) -> Summary:
-    """Write one run as `<out>/<workload>/<label or engine>.json`."""
+    """Write one run as `<out>/<workload>/<label or engine>.json`; `spec_decode` is the server's
+    speculative-decoding counters over the run (`server_counters.spec_decode_delta`)."""
     label = label or engine
-    summary = summarize(run.records, run.duration)
+    summary = summarize(run.records, run.duration).with_spec_decode(spec_decode)
+    speculative = server.spec.speculative
     payload = {
         "engine": label,
         "workload": workload.name,
@@ -116,6 +140,10 @@ def _write_result(
         "seed": cfg.seed,
         "scale": cfg.scale,
         "command": server.command,
+        "speculative_config": (
+            json.loads(speculative_config_json(server.ctx)) if speculative else None
+        ),
+        "spec_decode": spec_decode,
         "startup_s": server.startup_s,
         "machine": _machine(),
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -157,8 +185,14 @@ def _run(
 def run_compare(cfg: CompareConfig, progress: bool = True) -> dict[str, str]:
     """Run every engine on every workload; return {engine: "ok" | error message}."""
     pool, decode, special_prefix = load_token_pool(cfg.model_dir)
+    text = (
+        load_text_encoder(cfg.model_dir)
+        if any(n in TEXT_WORKLOADS for n in cfg.workloads)
+        else None
+    )
     workloads = [
-        make_workload(n, pool, seed=cfg.seed, scale=cfg.scale, decode=decode) for n in cfg.workloads
+        make_workload(n, pool, seed=cfg.seed, scale=cfg.scale, decode=decode, text=text)
+        for n in cfg.workloads
     ]
     warmup = make_warmup(pool, n=cfg.num_warmup, seed=cfg.seed)
     for req in warmup:
@@ -178,6 +212,7 @@ def run_compare(cfg: CompareConfig, progress: bool = True) -> dict[str, str]:
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         max_num_seqs=cfg.max_num_seqs,
         kv_pool_tokens=cfg.kv_pool_tokens,
+        speculative_config=cfg.speculative_config,
     )
     try:
         for engine in cfg.engines:
@@ -246,12 +281,16 @@ def _serve_and_run(
         _run(endpoint, warmup, cfg, None)
         for workload, label in runs:
             bar.set_description(f"{label}: {workload.name}")
+            # The server's counters are cumulative (warm-up, earlier workloads): the run's are
+            # the difference of a scrape before it and one after it.
+            before = scrape_spec_decode(server.base_url)
             run = _run(endpoint, workload.requests, cfg, bar)
             # A crashed server's "results" are not kept. Failed requests may be the crash
             # itself: then wait a moment for the process to be gone.
             failed = any(r.error for r in run.records)
             server.check_alive(grace_s=5.0 if failed else 0.0)
-            _write_result(cfg, workload, engine, server, run, label=label)
+            spec_decode = spec_decode_delta(before, scrape_spec_decode(server.base_url))
+            _write_result(cfg, workload, engine, server, run, label=label, spec_decode=spec_decode)
     return server
 
 

@@ -1,7 +1,9 @@
-"""One PNG per workload: requests/s (with hit rate), TTFT and ITL percentiles, TTFT CDF."""
+"""One PNG per workload: requests/s (with hit rate), TTFT and ITL percentiles, TTFT CDF; and, for a
+workload where an engine speculated, a second one: output tokens/s and acceptance rate by engine."""
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -78,6 +80,50 @@ def plot_workload(
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     fig.suptitle(title or workload, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=72)
+    plt.close(fig)
+    if any(s.acceptance_rate is not None for _, s, _ in results):
+        plot_speculation(workload, results, spec_figure_path(path), title)
+    return path
+
+
+def spec_figure_path(path: Path) -> Path:
+    """Where `plot_workload` puts the speculation figure: `<stem>-spec.png` beside its own."""
+    return path.with_name(f"{path.stem}-spec.png")
+
+
+def plot_speculation(
+    workload: str,
+    results: Sequence[tuple[str, Summary, Sequence[RequestRecord]]],
+    path: Path,
+    title: str | None = None,
+) -> Path:
+    """Output tokens/s and speculative decoding's acceptance rate (annotated with the mean
+    accepted length) per engine, speculating or not, as one PNG at `path`."""
+    names = [name for name, _, _ in results]
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+    ax = axes[0]
+    _bars(
+        ax, names, {"out tok/s": [s.output_tokens_per_s for _, s, _ in results]}, "output tokens/s"
+    )
+    for i, (_, s, _) in enumerate(results):
+        y = s.output_tokens_per_s
+        ax.annotate(f"{y:.0f}", (i, y), ha="center", va="bottom", fontsize=7)
+    ax.margins(y=0.12)
+    ax = axes[1]
+    rates = [None if s.acceptance_rate is None else 100 * s.acceptance_rate for _, s, _ in results]
+    _bars(ax, names, {"acceptance": rates}, "draft tokens accepted, %")
+    ax.set_ylim(0, 105)
+    for i, (_, s, _) in enumerate(results):
+        if s.acceptance_rate is None:
+            label, y = "no drafts", 0.0
+        else:
+            label, y = f"acc len {s.mean_accepted_length or 0:.2f}", 100 * s.acceptance_rate
+        ax.annotate(label, (i, y), ha="center", va="bottom", fontsize=7)
+    heading = f"{title or workload}; speculative decoding (acc len: tokens per verification)"
+    fig.suptitle("\n".join(textwrap.wrap(heading, 110)), fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=72)

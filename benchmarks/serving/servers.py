@@ -12,10 +12,16 @@ Each engine is an OpenAI-compatible server started from the command line:
   one thread.
 - ``llama.cpp``: llama-cpp-python's server in its own venv (scripts/peers/setup_llama_cpp.sh) on a
   bf16 GGUF of the same weights; it takes text prompts only.
+- ``<engine>+ngram`` (prefixserve, prefixserve-ram, prefixserve-nocache and vllm): the same server
+  with speculative decoding by n-gram drafts, ``--speculative-config <JSON>`` (the flag and the
+  JSON are vLLM's, and prefixserve's the same): ``ServerContext.speculative_config``, by default
+  DEFAULT_NGRAM_CONFIG, the same k for every engine.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import shlex
 import signal
@@ -31,9 +37,17 @@ import httpx
 
 from prefixserve.bench.client import EndpointConfig, PromptFormat
 from prefixserve.settings import peers_dir
+from prefixserve.spec_decode import speculative_config_from
 
 PREFIXSERVE_BLOCK_SIZE = 16
 VLLM_BLOCK_SIZE = 32
+
+# What the `+ngram` engines speculate with unless told otherwise (vLLM's JSON for
+# `--speculative-config`): up to 4 draft tokens after the longest 2-5 token match in the context.
+DEFAULT_NGRAM_CONFIG = json.dumps(
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+)
+SPEC_SUFFIX = "+ngram"
 
 
 @dataclass(slots=True)
@@ -55,6 +69,8 @@ class ServerContext:
     kv_pool_tokens: int | None = None
     # prefixserve's disk tier directory (engines with a store); None: the engine's default.
     kv_store_dir: Path | None = None
+    # `--speculative-config` JSON of the `+ngram` engines; None: DEFAULT_NGRAM_CONFIG.
+    speculative_config: str | None = None
 
 
 @dataclass(slots=True)
@@ -74,6 +90,8 @@ class EngineSpec:
     # How long a stop waits after SIGINT before SIGKILL: a server with a disk tier writes its
     # writer's queue first (up to 30 s of its own, after uvicorn's shutdown).
     stop_timeout_s: float = 30.0
+    # Started with `--speculative-config` (a `+ngram` engine).
+    speculative: bool = False
 
 
 def _shared_flags(ctx: ServerContext, block_size: int) -> list[str]:
@@ -200,7 +218,7 @@ def _threads_env(ctx: ServerContext) -> dict[str, str]:
     return {"OMP_NUM_THREADS": str(ctx.threads)}
 
 
-ENGINES: dict[str, EngineSpec] = {
+_BASE_ENGINES: dict[str, EngineSpec] = {
     "prefixserve": EngineSpec(
         "prefixserve",
         _prefixserve_cmd(caching=True, store=True),
@@ -249,6 +267,41 @@ ENGINES: dict[str, EngineSpec] = {
         setup_hint="scripts/peers/setup_llama_cpp.sh",
     ),
 }
+
+
+def speculative_config_json(ctx: ServerContext) -> str:
+    """The `--speculative-config` value a `+ngram` engine is started with."""
+    return ctx.speculative_config or DEFAULT_NGRAM_CONFIG
+
+
+def _speculating(spec: EngineSpec) -> EngineSpec:
+    """`spec`'s engine with n-gram speculative decoding (`--speculative-config`)."""
+    base = spec.command
+
+    def build(ctx: ServerContext) -> list[str]:
+        return [*base(ctx), "--speculative-config", speculative_config_json(ctx)]
+
+    return dataclasses.replace(spec, name=spec.name + SPEC_SUFFIX, command=build, speculative=True)
+
+
+# Engines that speculate with n-gram drafts when asked to (prefixserve's server and vLLM's take
+# the same --speculative-config); llama.cpp's is left out.
+SPECULATING_ENGINES = ("prefixserve", "prefixserve-ram", "prefixserve-nocache", "vllm")
+
+# Each engine, followed by its `+ngram` variant where it has one (the report's row order).
+ENGINES: dict[str, EngineSpec] = {}
+for _name, _spec in _BASE_ENGINES.items():
+    ENGINES[_name] = _spec
+    if _name in SPECULATING_ENGINES:
+        ENGINES[_name + SPEC_SUFFIX] = _speculating(_spec)
+
+
+def parse_speculative_config(text: str) -> dict[str, Any]:
+    """Check a `--speculative-config` JSON for the `+ngram` engines with prefixserve's own parser
+    (vLLM's keys; method "ngram", what the engines' names say). Returns it parsed; raises
+    ValueError saying what is wrong."""
+    speculative_config_from(text)
+    return json.loads(text)
 
 
 def get_engine(name: str) -> EngineSpec:

@@ -43,6 +43,9 @@ class Summary:
     total_output_tokens: int
     ttft_ms: dict[int, float | None]
     itl_ms: dict[int, float | None]
+    # Time per output token after the first, per request: (e2e - ttft) / (tokens - 1). Unlike ITL
+    # (per streamed chunk) it counts tokens, so speculative decoding's multi-token chunks compare.
+    tpot_ms: dict[int, float | None]
     e2e_ms: dict[int, float | None]
     hit_rate: float | None
     acceptance_rate: float | None = None
@@ -58,7 +61,7 @@ class Summary:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        for key in ("ttft_ms", "itl_ms", "e2e_ms"):
+        for key in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):
             d[key] = {f"p{p}": v for p, v in d[key].items()}
         return d
 
@@ -90,6 +93,13 @@ def summarize(records: Sequence[RequestRecord], duration_s: float) -> Summary:
         total_output_tokens=out_tokens,
         ttft_ms=percentiles([r.ttft * ms for r in ok if r.ttft is not None]),
         itl_ms=percentiles([gap * ms for r in ok for gap in r.itl]),
+        tpot_ms=percentiles(
+            [
+                (r.e2e - r.ttft) * ms / (r.output_tokens - 1)
+                for r in ok
+                if r.e2e is not None and r.ttft is not None and r.output_tokens > 1
+            ]
+        ),
         e2e_ms=percentiles([r.e2e * ms for r in ok if r.e2e is not None]),
         hit_rate=hit_rate,
     )
@@ -101,7 +111,7 @@ def _fmt(value: float | None, digits: int = 1) -> str:
 
 TABLE_HEADER = (
     "| engine | req/s | out tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms "
-    "| hit rate | failed |"
+    "| TPOT p50 ms | hit rate | failed |"
 )
 
 
@@ -113,13 +123,14 @@ def markdown_table(rows: Sequence[tuple[str, Summary]]) -> str:
     acceptance rate and mean accepted length when any row has them."""
     spec = any(s.acceptance_rate is not None for _, s in rows)
     header = TABLE_HEADER + (SPEC_HEADER if spec else "")
-    lines = [header, "|" + "---|" * (11 if spec else 9)]
+    lines = [header, "|" + "---|" * (12 if spec else 10)]
     for name, s in rows:
         hit = "n/a" if s.hit_rate is None else f"{100 * s.hit_rate:.1f}%"
         line = (
             f"| {name} | {s.requests_per_s:.2f} | {s.output_tokens_per_s:.1f} "
             f"| {_fmt(s.ttft_ms[50])} | {_fmt(s.ttft_ms[99])} "
-            f"| {_fmt(s.itl_ms[50])} | {_fmt(s.itl_ms[99])} | {hit} | {s.num_failed} |"
+            f"| {_fmt(s.itl_ms[50])} | {_fmt(s.itl_ms[99])} | {_fmt(s.tpot_ms[50])} "
+            f"| {hit} | {s.num_failed} |"
         )
         if spec:
             rate = "n/a" if s.acceptance_rate is None else f"{100 * s.acceptance_rate:.1f}%"

@@ -482,8 +482,8 @@ def make_w7(pool: Sequence[int], seed: int, scale: float, text: TextEncoder) -> 
     ]
     return Workload(
         "W7",
-        f"copy-heavy: {n} documents of ~{W7_DOC_TOKENS} tokens, one paragraph quoted and asked "
-        "back (every 4th with a name changed), 256 out",
+        f"copy-heavy: {n} x ~{W7_DOC_TOKENS}-token documents, a paragraph of each quoted back "
+        "(every 4th edited), 256 out",
         reqs,
         seed,
     )

@@ -4,7 +4,10 @@ It streams `max_tokens` chunks of one word each, reports usage with
 `prompt_tokens_details.cached_tokens` computed from 16-token blocks it has seen before, and keeps
 a log of what it received so tests can check ordering and concurrency. With `--store DIR` the
 blocks it has seen outlive the process (one JSON line per block in DIR/blocks.jsonl), like a
-disk tier, so a restarted stub hits what its predecessor saw.
+disk tier, so a restarted stub hits what its predecessor saw. With `--spec-metrics vllm` (or
+`prefixserve`) it serves GET /metrics with that engine's speculative-decoding counters, counting
+per streamed token one draft of 4 tokens of which 2 are accepted; without it, /metrics is a 404
+(as llama.cpp's server has none).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 BLOCK = 16
 FAIL_TOKEN = 999_999  # a prompt containing this token id gets HTTP 400
@@ -37,6 +40,8 @@ class StubState:
     seen_blocks: set[tuple[int, ...]] = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
     store: str | None = None
+    # speculative-decoding counters: drafts, draft tokens, accepted tokens
+    spec: list[int] = field(default_factory=lambda: [0, 0, 0])
 
     def load_store(self) -> None:
         path = os.path.join(self.store or "", "blocks.jsonl")
@@ -61,10 +66,46 @@ def _prompt_ids(prompt: Any) -> list[int]:
     return [hash(w) & 0xFFFF for w in str(prompt).split()]
 
 
+SPEC_METRIC_NAMES = {
+    "vllm": (
+        "vllm:spec_decode_num_drafts",
+        "vllm:spec_decode_num_draft_tokens",
+        "vllm:spec_decode_num_accepted_tokens",
+    ),
+    "prefixserve": (
+        "prefixserve_spec_decode_num_drafts",
+        "prefixserve_spec_decode_num_draft_tokens",
+        "prefixserve_spec_decode_num_accepted_tokens",
+    ),
+}
+
+
+def _metrics_page(state: StubState, style: str) -> str:
+    """The counters as the engine `style` exposes them (vLLM's with labels and _created)."""
+    lines = ["# HELP python_gc_objects_collected_total Objects collected during gc"]
+    lines.append('python_gc_objects_collected_total{generation="0"} 123.0')
+    labels = '{engine="0",model_name="stub-model"}' if style == "vllm" else ""
+    for name, value in zip(SPEC_METRIC_NAMES[style], state.spec, strict=True):
+        lines += [f"# TYPE {name} counter", f"{name}_total{labels} {float(value)}"]
+        if style == "vllm":
+            lines.append(f"{name}_created{labels} 1.7e+09")
+    return "\n".join(lines) + "\n"
+
+
 def make_app(
-    state: StubState, token_delay_s: float = 0.002, die_after: int | None = None
+    state: StubState,
+    token_delay_s: float = 0.002,
+    die_after: int | None = None,
+    spec_metrics: str | None = None,
 ) -> FastAPI:
     app = FastAPI()
+
+    if spec_metrics is not None:
+
+        @app.get("/metrics", response_model=None)
+        async def metrics() -> Any:
+            with state.lock:
+                return PlainTextResponse(_metrics_page(state, spec_metrics))
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -104,6 +145,9 @@ def make_app(
                         "choices": [{"index": 0, "text": f" w{i}", "finish_reason": None}],
                     }
                     yield f"data: {json.dumps(chunk)}\n\n".encode()
+                    with state.lock:
+                        for j, inc in enumerate((1, 4, 2)):
+                            state.spec[j] += inc
                 if include_usage:
                     usage = {
                         "prompt_tokens": len(ids),
@@ -126,11 +170,10 @@ def make_app(
 class StubServer:
     """The stub app served by uvicorn in a background thread on a free loopback port."""
 
-    def __init__(self, token_delay_s: float = 0.002) -> None:
+    def __init__(self, token_delay_s: float = 0.002, spec_metrics: str | None = None) -> None:
         self.state = StubState()
-        config = uvicorn.Config(
-            make_app(self.state, token_delay_s), host="127.0.0.1", port=0, log_level="warning"
-        )
+        app = make_app(self.state, token_delay_s, spec_metrics=spec_metrics)
+        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
@@ -159,10 +202,11 @@ if __name__ == "__main__":
     parser.add_argument("--die-after", type=int, default=None, help="exit at request N+1")
     parser.add_argument("--store", default=None, help="keep the seen blocks in this directory")
     parser.add_argument("--ignore-sigint", action="store_true", help="a server that hangs on stop")
+    parser.add_argument("--spec-metrics", choices=sorted(SPEC_METRIC_NAMES), default=None)
     args = parser.parse_args()
     state = StubState(store=args.store)
     state.load_store()
-    app = make_app(state, die_after=args.die_after)
+    app = make_app(state, die_after=args.die_after, spec_metrics=args.spec_metrics)
     config = uvicorn.Config(app, host="127.0.0.1", port=args.port, log_level="warning")
     if args.ignore_sigint:
 

@@ -87,6 +87,20 @@ def stub_engines(monkeypatch):
             "dies", lambda ctx: [*stub_cmd(ctx), "--die-after", "3"], "tokens", startup_timeout_s=60
         ),
     )
+    for style in ("vllm", "prefixserve"):
+        # a speculating engine: its command gets --speculative-config (which the stub, not
+        # knowing it, is not given), and its /metrics has that engine's counters
+        monkeypatch.setitem(
+            servers.ENGINES,
+            f"stub-{style}+ngram",
+            EngineSpec(
+                f"stub-{style}+ngram",
+                lambda ctx, style=style: [*stub_cmd(ctx), "--spec-metrics", style],
+                "tokens",
+                startup_timeout_s=60,
+                speculative=True,
+            ),
+        )
     monkeypatch.setitem(
         servers.ENGINES,
         "broken",
@@ -200,8 +214,8 @@ def test_bench_cli_run_drives_a_running_server_and_draws_figures_from_a_checkout
 def test_compare_config_names_bad_engines_and_workloads(tmp_path):
     with pytest.raises(ValueError, match="unknown engine 'tgi'"):
         CompareConfig(engines=["tgi"], workloads=["W0"], model_dir=tmp_path, out_dir=tmp_path)
-    with pytest.raises(ValueError, match="W7"):
-        CompareConfig(engines=["vllm"], workloads=["W7"], model_dir=tmp_path, out_dir=tmp_path)
+    with pytest.raises(ValueError, match="W9"):
+        CompareConfig(engines=["vllm"], workloads=["W9"], model_dir=tmp_path, out_dir=tmp_path)
 
 
 def _ctx(tmp_path) -> ServerContext:
@@ -344,3 +358,129 @@ def test_a_missing_peer_install_says_which_script_makes_it(tmp_path, monkeypatch
     spec = servers.get_engine("vllm")
     with pytest.raises(ServerError, match="setup_vllm_cpu.sh"):
         ServerProcess(spec, _ctx(tmp_path), tmp_path / "v.log").start()
+
+
+def test_ngram_engines_are_their_base_engine_with_speculative_config(tmp_path):
+    ctx = _ctx(tmp_path)
+    for base in ("prefixserve", "prefixserve-ram", "prefixserve-nocache", "vllm"):
+        spec = servers.get_engine(f"{base}+ngram")
+        plain = servers.get_engine(base)
+        assert spec.speculative and not plain.speculative
+        assert spec.command(ctx) == [
+            *plain.command(ctx),
+            "--speculative-config",
+            servers.DEFAULT_NGRAM_CONFIG,
+        ]
+        assert spec.env(ctx) == plain.env(ctx) and spec.prompt_format == plain.prompt_format
+    assert json.loads(servers.DEFAULT_NGRAM_CONFIG) == {
+        "method": "ngram",
+        "num_speculative_tokens": 4,
+        "prompt_lookup_min": 2,
+        "prompt_lookup_max": 5,
+    }
+    ctx.speculative_config = '{"method":"ngram","num_speculative_tokens":3}'
+    for name in ("prefixserve+ngram", "vllm+ngram"):
+        cmd = servers.get_engine(name).command(ctx)
+        assert cmd[-2:] == ["--speculative-config", ctx.speculative_config]  # verbatim
+    assert "llama.cpp+ngram" not in servers.ENGINES
+    # the report lists each variant right after its engine
+    names = list(servers.ENGINES)
+    assert names.index("vllm+ngram") == names.index("vllm") + 1
+
+
+def test_a_speculative_config_is_checked_and_wants_an_engine_that_speculates(tmp_path, capsys):
+    def config(engines, text):
+        return CompareConfig(
+            engines=engines,
+            workloads=["W7"],
+            model_dir=tmp_path,
+            out_dir=tmp_path,
+            speculative_config=text,
+        )
+
+    good = '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}'
+    assert config(["vllm", "vllm+ngram"], good).speculative_config == good
+    with pytest.raises(ValueError, match="not valid JSON"):
+        config(["vllm+ngram"], "{method: ngram}")
+    with pytest.raises(ValueError, match="JSON object"):
+        config(["vllm+ngram"], "[4]")
+    with pytest.raises(ValueError, match="method must be one of ngram"):
+        config(["vllm+ngram"], '{"method": "eagle", "num_speculative_tokens": 2}')
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        config(["vllm+ngram"], '{"method": "ngram", "num_speculative_tokens": 0}')
+    with pytest.raises(ValueError, match=r"add .*prefixserve\+ngram.*vllm\+ngram"):
+        config(["prefixserve", "vllm"], good)
+    # the CLI says so and exits with 2, before starting anything
+    argv = ["--engines", "vllm", "--model", str(tmp_path), "--out", str(tmp_path)]
+    assert bench_main(["compare", *argv, "--speculative-config", good]) == 2
+    assert "--speculative-config is for the engines that speculate" in capsys.readouterr().err
+
+
+def test_compare_records_each_runs_acceptance_from_the_servers_metrics(
+    tmp_path, model_dir, stub_engines
+):
+    engines = ["stub", "stub-vllm+ngram", "stub-prefixserve+ngram"]
+    cfg = _config(tmp_path, model_dir, engines, ["W0", "W1"], 2, 1)
+    cfg.scale = 0.0625  # W0: 4 requests x 16 tokens; W1: 4 requests x 16 tokens
+    assert run_compare(cfg, progress=False) == dict.fromkeys(engines, "ok")
+    for workload in ("W0", "W1"):
+        plain = json.loads((tmp_path / workload / "stub.json").read_text())
+        assert plain["spec_decode"] is None and plain["speculative_config"] is None
+        for engine in engines[1:]:
+            data = json.loads((tmp_path / workload / f"{engine}.json").read_text())
+            assert data["speculative_config"] == json.loads(servers.DEFAULT_NGRAM_CONFIG)
+            # this run's 64 tokens only: not the warm-up's, nor the workload's before it
+            assert data["spec_decode"] == {
+                "num_drafts": 64.0,
+                "num_draft_tokens": 256.0,
+                "num_accepted_tokens": 128.0,
+                "acceptance_rate": 0.5,
+                "mean_accepted_length": 3.0,
+            }
+            assert data["summary"]["acceptance_rate"] == 0.5
+    table = report(tmp_path, ["W0", "W1"])
+    assert "| accept rate | mean acc len |" in table
+    rows = {
+        line.split(" |")[0].strip("| "): line
+        for line in (tmp_path / "W0.md").read_text().splitlines()
+    }
+    assert rows["stub"].endswith("| n/a | n/a |")
+    assert rows["stub-vllm+ngram"].endswith("| 50.0% | 3.00 |")
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["W1"]["stub-prefixserve+ngram"]["mean_accepted_length"] == 3.0
+    for name in ("W0.png", "W0-spec.png", "W1-spec.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_no_speculation_figure_or_columns_without_acceptance(tmp_path, model_dir, stub_engines):
+    cfg = _config(tmp_path, model_dir, ["stub"], ["W0"], 2, 0)
+    cfg.scale = 0.0625
+    assert run_compare(cfg, progress=False) == {"stub": "ok"}
+    assert "accept rate" not in report(tmp_path, ["W0"])
+    assert (tmp_path / "W0.png").exists() and not (tmp_path / "W0-spec.png").exists()
+
+
+def test_bench_run_records_the_servers_acceptance_too(tmp_path, model_dir):
+    with StubServer(spec_metrics="prefixserve") as stub:
+        argv = ["run", "--base-url", stub.base_url, "--model", str(model_dir), "--name", "s"]
+        argv += ["--workloads", "W0", "--scale", "0.0625", "--out", str(tmp_path)]
+        assert bench_main(argv) == 0
+    data = json.loads((tmp_path / "W0" / "s.json").read_text())
+    assert data["spec_decode"]["num_draft_tokens"] == 4 * 64
+    assert data["summary"]["mean_accepted_length"] == 3.0
+    assert (tmp_path / "W0-spec.png").exists()
+
+
+def test_figures_dir_gets_the_speculation_figure_too(tmp_path):
+    from benchmarks.serving import cli
+
+    out, figures = tmp_path / "out", tmp_path / "docs"
+    out.mkdir()
+    for name in ("W7.png", "W7-spec.png", "W0.png"):
+        (out / name).write_bytes(b"png")
+    cli._copy_figures(out, ["W0", "W7"], figures)
+    assert sorted(p.name for p in figures.iterdir()) == [
+        "serving_W0.png",
+        "serving_W7.png",
+        "serving_W7_spec.png",
+    ]

@@ -44,6 +44,8 @@ def test_summary_rates_latencies_and_hit_rate():
     assert s.total_prompt_tokens == 500
     assert s.ttft_ms[50] == pytest.approx(200.0)
     assert s.itl_ms[50] == pytest.approx(20.0)  # pooled gaps 10, 20, 30
+    # Per token after the first: a (140 - 100) / 2 = 20, b (320 - 300) / 1 = 20; c has one token.
+    assert s.tpot_ms == {50: pytest.approx(20.0), 90: pytest.approx(20.0), 99: pytest.approx(20.0)}
     assert s.e2e_ms[99] == pytest.approx(200 + 0.98 * 120)  # sorted 140, 200, 320
     assert s.hit_rate == pytest.approx(50 / 400)  # only a and b reported
 

@@ -1,16 +1,34 @@
 from __future__ import annotations
 
+import importlib.util
+import re
+import sys
+import zlib
+from pathlib import Path
+
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from prefixserve.bench.workloads import (
+    DEFAULT_WORKLOADS,
+    TEXT_WORKLOADS,
     WORKLOAD_NAMES,
+    TextEncoder,
     make_warmup,
     make_workload,
     token_pool_from_tokenizer,
 )
 
 POOL = list(range(1000, 1600))
+
+
+def _fake_encode(text: str) -> list[int]:
+    """One id per word (or line break), from its crc32: a stand-in tokenizer for shape tests."""
+    return [2000 + zlib.crc32(w.encode()) % 5000 for w in re.findall(r"\S+|\n", text)]
+
+
+# What W7 is made through; the token workloads ignore it.
+FAKE_TEXT = TextEncoder(encode=_fake_encode, chat=lambda user: [1, *_fake_encode(user), 2])
 
 
 def _words(seed: int, n: int) -> list[str]:
@@ -40,18 +58,19 @@ def bpe_tokenizer() -> Tokenizer:
 
 @pytest.mark.parametrize("name", WORKLOAD_NAMES)
 def test_workload_is_a_pure_function_of_its_seed(name):
-    a = make_workload(name, POOL, seed=3)
-    b = make_workload(name, POOL, seed=3)
-    c = make_workload(name, POOL, seed=4)
+    a = make_workload(name, POOL, seed=3, text=FAKE_TEXT)
+    b = make_workload(name, POOL, seed=3, text=FAKE_TEXT)
+    c = make_workload(name, POOL, seed=4, text=FAKE_TEXT)
     assert [r.prompt_token_ids for r in a.requests] == [r.prompt_token_ids for r in b.requests]
     assert [r.request_id for r in a.requests] == [r.request_id for r in b.requests]
     assert [r.prompt_token_ids for r in a.requests] != [r.prompt_token_ids for r in c.requests]
-    assert all(t in set(POOL) for r in a.requests for t in r.prompt_token_ids)
+    if name not in TEXT_WORKLOADS:
+        assert all(t in set(POOL) for r in a.requests for t in r.prompt_token_ids)
 
 
 def test_workloads_of_one_seed_share_no_prompt():
     firsts = {
-        name: make_workload(name, POOL, seed=0).requests[0].prompt_token_ids[:64]
+        name: make_workload(name, POOL, seed=0, text=FAKE_TEXT).requests[0].prompt_token_ids[:64]
         for name in WORKLOAD_NAMES
     }
     assert len({tuple(v) for v in firsts.values()}) == len(WORKLOAD_NAMES)
@@ -131,7 +150,7 @@ def test_warmup_shares_no_prefix_with_workloads():
     starts = {
         tuple(r.prompt_token_ids[:16])
         for n in WORKLOAD_NAMES
-        for r in make_workload(n, POOL).requests
+        for r in make_workload(n, POOL, text=FAKE_TEXT).requests
     }
     assert not starts & {tuple(r.prompt_token_ids[:16]) for r in warm}
 
@@ -195,3 +214,135 @@ def test_w6_has_w1s_shape_but_its_own_prompts():
         tuple(r.prompt_token_ids[:1024]) for r in w1.requests
     )
     assert all(r.request_id.startswith("W6-") for r in w6.requests)
+
+
+def _split_w7(user: str) -> tuple[str, str, str]:
+    """A W7 user message split into (document, instruction, quoted paragraph)."""
+    *paragraphs, instruction, part = user.split("\n\n")
+    return "\n\n".join(paragraphs), instruction, part
+
+
+def test_w7_is_32_documents_each_with_one_paragraph_quoted_back_for_256_tokens():
+    users: list[str] = []
+    text = TextEncoder(encode=_fake_encode, chat=lambda u: users.append(u) or _fake_encode(u))
+    w = make_workload("W7", POOL, seed=0, text=text)
+    assert "W7" in WORKLOAD_NAMES and "W7" not in DEFAULT_WORKLOADS
+    assert len(w.requests) == 32 == len(users)
+    assert [r.request_id for r in w.requests] == [f"W7-{i:03d}" for i in range(32)]
+    assert all(r.max_tokens == 256 and r.after is None for r in w.requests)
+    documents = set()
+    for i, (req, user) in enumerate(zip(w.requests, users, strict=True)):
+        assert req.prompt_token_ids == _fake_encode(user)
+        document, instruction, part = _split_w7(user)
+        paragraphs = document.split("\n\n")
+        documents.add(document)
+        assert len(paragraphs) == 3 and part in paragraphs
+        # about 1,000 tokens of document; the quoted paragraph alone outlasts the 256 out
+        assert 1000 <= len(_fake_encode(document)) <= 1150
+        assert len(_fake_encode(part)) > 256
+        if i % 4 == 3:  # a light edit: one name of the paragraph for one the document lacks
+            m = re.fullmatch(
+                r"Rewrite this paragraph .*, writing (.+) instead of (.+):", instruction
+            )
+            assert m is not None, instruction
+            new, old = m.groups()
+            assert old in part and new not in document
+        else:
+            assert instruction.startswith("Repeat this paragraph of the text above exactly")
+    assert len(documents) == 32
+    assert len(make_workload("W7", POOL, scale=0.25, text=FAKE_TEXT).requests) == 8
+
+
+def test_w7_needs_the_models_tokenizer():
+    with pytest.raises(ValueError, match="W7 is made of text"):
+        make_workload("W7", POOL)
+
+
+def test_w7_prompts_are_the_default_models_chat_turns_and_round_trip_through_text():
+    """Through the default model's tokenizer: each prompt is one user turn of its chat template
+    (then the assistant's turn opens), its ids are what a server computes from its text, and
+    the document is about 1,000 of those tokens."""
+    from prefixserve.bench.workloads import load_text_encoder, load_token_pool, prepend_tokens
+    from prefixserve.model.default_model import ensure_default_model
+
+    model_dir = ensure_default_model()
+    pool, decode, special_prefix = load_token_pool(model_dir)
+    text = load_text_encoder(model_dir)
+    w = make_workload("W7", pool, seed=1, scale=0.25, decode=decode, text=text)
+    assert (
+        w.requests
+        == make_workload("W7", pool, seed=1, scale=0.25, decode=decode, text=text).requests
+    )
+    prepend_tokens(w.requests, special_prefix)
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    for r in w.requests:
+        assert r.prompt_text is not None
+        assert tokenizer.encode(r.prompt_text).ids == r.prompt_token_ids
+        assert r.prompt_text.endswith("<|im_end|>\n<|im_start|>assistant\n")
+        user = r.prompt_text.split("<|im_start|>user\n")[1].removesuffix(
+            "<|im_end|>\n<|im_start|>assistant\n"
+        )
+        document, _, part = _split_w7(user)
+        assert 1000 <= len(text.encode(document)) <= 1150
+        assert part in document and len(text.encode(part)) > 256
+
+
+_COPY = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_w7_copy.py"
+
+
+def _bench_w7_copy():
+    spec = importlib.util.spec_from_file_location("bench_w7_copy", _COPY)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_w7_copy"] = module  # its dataclass looks its module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_w7_copy_check_replays_vllms_ngram_proposer():
+    copy = _bench_w7_copy()
+    # the longest suffix match (up to 5), at its earliest occurrence, then up to k tokens
+    assert copy.propose([1, 2, 3, 9, 1, 2, 3, 8, 1, 2, 3], 2, 2, 5) == [9, 1]
+    assert copy.propose([7, 2, 3, 9, 1, 2, 3, 8, 1, 2, 3], 4, 2, 5) == [8, 1, 2, 3]
+    assert copy.propose([1, 2, 3, 4], 4, 2, 5) == []
+    prompt = list(range(100, 140))
+    # an output that copies the prompt from its 10th token: two steps without a match, then
+    # drafts of 4 accepted whole (5 tokens a step) but for the last, cut by the output's end
+    r = copy.replay_ngram(prompt, prompt[10:30], k=4, lookup_min=2, lookup_max=5)
+    assert (r.output_tokens, r.steps, r.drafts, r.draft_tokens, r.accepted) == (20, 6, 4, 16, 15)
+    assert r.acceptance_rate == 15 / 16 and r.tokens_per_step == 20 / 6
+    # an output that copies nothing: no draft is ever proposed
+    assert copy.replay_ngram(prompt, list(range(500, 520))).acceptance_rate is None
+    assert copy.copy_fraction(prompt, prompt[5:25]) == 1.0
+    assert copy.copy_fraction(prompt, list(range(500, 520))) == 0.0
+
+
+def test_text_encoder_leaves_the_bos_to_prepend_tokens(tmp_path, bpe_tokenizer):
+    """A tokenizer that puts a BOS before any text and a chat template that writes one too (as
+    Gemma's do): W7's prompt ids leave it out, so `prepend_tokens` (token-id servers) and the
+    server's own tokenizer (text servers) each put back exactly one."""
+    import json
+
+    from tokenizers import processors
+
+    from prefixserve.bench.workloads import load_text_encoder, load_token_pool, prepend_tokens
+
+    tok = Tokenizer.from_str(bpe_tokenizer.to_str())
+    bos = tok.token_to_id("<|endoftext|>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|endoftext|>:0 $A:0", special_tokens=[("<|endoftext|>", bos)]
+    )
+    tok.save(str(tmp_path / "tokenizer.json"))
+    template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %} answer:"
+    config = {"bos_token": "<|endoftext|>", "chat_template": template}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    pool, decode, special_prefix = load_token_pool(tmp_path)
+    text = load_text_encoder(tmp_path)
+    assert special_prefix == [bos]
+    ids = text.chat("some words")
+    assert ids[0] != bos and ids == tok.encode("some words answer:", add_special_tokens=False).ids
+    w = make_workload("W7", pool, scale=1 / 32, decode=decode, text=text)
+    prepend_tokens(w.requests, special_prefix)
+    (r,) = w.requests
+    assert r.prompt_token_ids[0] == bos and r.prompt_token_ids[1] != bos
+    assert tok.encode(r.prompt_text).ids == r.prompt_token_ids
