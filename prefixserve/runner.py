@@ -34,6 +34,11 @@ from prefixserve.spec_decode.verify import GeneratorRewind, num_accepted, row_vi
 # batch 16 35.4 against 32.9. With spinning threads (OMP_WAIT_POLICY unset or ACTIVE) every step
 # uses them all.
 ONE_THREAD_MAX_TOKENS = 8
+# ... and attend to at most this many keys in all (the sum of their sequences' lengths): at long
+# contexts attention outweighs the wake-ups. Same host, default model, decode at batch 8: context
+# 1,500 (12,000 keys) 67-70 ms a step on one thread against 48-58 on two, the attention kernel
+# 46 ms against 31; contexts 128-512 (1,000-4,000 keys) and batch 1-4 at 1,500 even.
+ONE_THREAD_MAX_KEYS = 4096
 
 
 class SamplerLike(Protocol):
@@ -118,10 +123,14 @@ class ModelRunner:
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """One forward over all scheduled chunks; sample where a chunk reaches its last token.
-        On one thread for a step of at most ONE_THREAD_MAX_TOKENS tokens while OpenMP threads
-        sleep between regions."""
-        num_tokens = scheduler_output.total_num_scheduled_tokens
-        if num_tokens <= ONE_THREAD_MAX_TOKENS and omp_threads_sleep():
+        On one thread for a step of at most ONE_THREAD_MAX_TOKENS tokens attending to at most
+        ONE_THREAD_MAX_KEYS keys while OpenMP threads sleep between regions."""
+        scheduled = scheduler_output.scheduled
+        if (
+            scheduler_output.total_num_scheduled_tokens <= ONE_THREAD_MAX_TOKENS
+            and sum(s.num_computed_tokens + s.num_tokens for s in scheduled) <= ONE_THREAD_MAX_KEYS
+            and omp_threads_sleep()
+        ):
             with one_thread():
                 return self._execute(scheduler_output)
         return self._execute(scheduler_output)

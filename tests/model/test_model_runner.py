@@ -125,8 +125,8 @@ def test_decode_rows_may_come_in_any_order_in_the_schedule(llama):
 
 
 def test_decode_sized_steps_run_on_one_thread_while_openmp_threads_sleep(llama, monkeypatch):
-    """A step of at most ONE_THREAD_MAX_TOKENS tokens runs on one torch thread when
-    OMP_WAIT_POLICY is PASSIVE (waking a sleeping thread per parallel region costs more than it
+    """A step of at most ONE_THREAD_MAX_TOKENS tokens and ONE_THREAD_MAX_KEYS attended keys runs
+    on one torch thread when OMP_WAIT_POLICY is PASSIVE (waking a sleeping thread per parallel region costs more than it
     brings); larger steps, and every step with spinning threads, use them all; the thread count
     is restored after each step, also after a step that raised."""
     from prefixserve import runner as runner_module
@@ -150,7 +150,11 @@ def test_decode_sized_steps_run_on_one_thread_while_openmp_threads_sleep(llama, 
     step(h, [(big, 0, 5, (alloc.take(0, 2),))])
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     step(h, [(small, 0, 4, (alloc.take(0, 1),))])
-    assert seen == [1, 2, 2]
+    # A decode-sized step attending to more than ONE_THREAD_MAX_KEYS keys uses every thread.
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.setattr(runner_module, "ONE_THREAD_MAX_KEYS", 3)
+    step(h, [(small, 0, 4, (alloc.take(0, 1),))])
+    assert seen == [1, 2, 2, 2]
     assert torch.get_num_threads() == 2
 
     def boom(scheduler_output):
