@@ -305,7 +305,7 @@ def _collect_samples(
             i += 1
             if result is None or request_id in failed:
                 continue
-            output.sampled_token_ids[request_id] = result[0]
+            output.sampled_token_ids[request_id] = int(result[0])
             if result[1] is not None:
                 output.logprobs[request_id] = result[1]
             continue
@@ -315,7 +315,7 @@ def _collect_samples(
         i += len(drafts) + 1
         if req.request_id in failed or any(r is None for r in own):
             continue
-        sampled = [r[0] for r in own if r is not None]
+        sampled = [int(r[0]) for r in own if r is not None]
         logprobs = [r[1] for r in own if r is not None]
         accepted = num_accepted(sampled, drafts)
         rewind.replay(generator, accepted + 1)
