@@ -126,9 +126,9 @@ def test_decode_rows_may_come_in_any_order_in_the_schedule(llama):
 
 def test_decode_sized_steps_run_on_one_thread_while_openmp_threads_sleep(llama, monkeypatch):
     """A step of at most ONE_THREAD_MAX_TOKENS tokens and ONE_THREAD_MAX_KEYS attended keys runs
-    on one torch thread when OMP_WAIT_POLICY is PASSIVE (waking a sleeping thread per parallel region costs more than it
-    brings); larger steps, and every step with spinning threads, use them all; the thread count
-    is restored after each step, also after a step that raised."""
+    on one torch thread when OMP_WAIT_POLICY is PASSIVE (waking a sleeping thread per parallel
+    region costs more than it brings); larger steps, and every step with spinning threads, use
+    them all; the thread count is restored after each step, also after a step that raised."""
     from prefixserve import runner as runner_module
 
     h = make_harness(*llama)
