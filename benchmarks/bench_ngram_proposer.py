@@ -33,7 +33,7 @@ def run(num_requests: int, context: int, steps: int, seed: int) -> tuple[float, 
         requests.append(request)
     start = time.perf_counter()
     for request in requests:
-        proposer.propose_within(request, 1000, 10**9)
+        proposer.propose_within(request, 1000)
     first = (time.perf_counter() - start) / num_requests
     per_step = []
     for _ in range(steps):
@@ -44,7 +44,7 @@ def run(num_requests: int, context: int, steps: int, seed: int) -> tuple[float, 
             request.num_computed_tokens = request.num_tokens - 1
         start = time.perf_counter()
         for request in requests:
-            drafts = proposer.propose_within(request, 1000, 10**9)
+            drafts = proposer.propose_within(request, 1000)
             proposer.record(request.request_id, len(drafts), len(drafts) // 2)
         per_step.append(time.perf_counter() - start)
     return first, statistics.median(per_step)

@@ -236,6 +236,7 @@ class LLMEngine:
             except BaseException:
                 self._discard_failed_step(scheduler_output)
                 raise
+            compute_s = time.perf_counter() - started
         else:
             stuck = self.scheduler.stuck_request()
             if stuck is not None:
@@ -251,7 +252,7 @@ class LLMEngine:
         updates = self.scheduler.update_from_output(scheduler_output, runner_output)
         if self.kv_store is not None and scheduler_output.scheduled:
             # After the update: blocks that accepted drafts completed have their hashes now.
-            self._save_to_store(scheduler_output, runner_output, started)
+            self._save_to_store(scheduler_output, runner_output, compute_s)
         processed = self.output_processor.process_updates(updates)
         for child_id, stop_string in processed.stopped:
             self.scheduler.finish_requests(
@@ -265,13 +266,15 @@ class LLMEngine:
         return processed.outputs
 
     def _save_to_store(
-        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput, started: float
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput, compute_s: float
     ) -> None:
         """Write-through to the disk tier: copy out the blocks this step completed (before the
-        next step may reuse them) and queue them on the store's writer."""
+        next step may reuse them; blocks of requests the update just finished are free but not
+        reused before the next schedule) and queue them on the store's writer. `compute_s`: the
+        forward pass's seconds, reported with the step's tokens less its drafts."""
         assert self.kv_store is not None
         self.kv_store.record_compute(
-            time.perf_counter() - started, scheduler_output.total_num_scheduled_tokens
+            compute_s, sum(s.num_new_tokens for s in scheduler_output.scheduled)
         )
         saves = self.kv_store.blocks_to_save(
             scheduler_output, runner_output.failed, runner_output.spec_token_ids

@@ -1,25 +1,20 @@
 """The step planner: which requests compute how many tokens this step, over which KV blocks.
 
-There is no prefill phase and no decode phase. Every request has `num_computed_tokens` (tokens whose
-K/V sit in its blocks) and `num_tokens` (prompt plus generated); each step lets the first catch up
-with the second within a token budget. A prefix-cache hit simply starts a new request with
-`num_computed_tokens > 0`; chunked prefill is a request that did not catch up in one step; decoding
-is a request one token behind.
+No prefill or decode phase: each step lets a request's `num_computed_tokens` (K/V in its blocks)
+catch up with its `num_tokens` (prompt plus generated) within a token budget. A prefix-cache hit
+starts a request with `num_computed_tokens > 0`; chunked prefill did not catch up in one step;
+decoding is one token behind (plus, with speculation, its drafts in lookahead slots).
 
 Order inside a step (vLLM v1, with fair shares between tenants):
 0. (fair) when every running slot is taken and a waiting tenant holds less than an equal share
    of them, the newest request of the tenant holding the most is preempted (one a step);
-1. running requests, oldest first: each gets slots for its next tokens, up to its tenant's share
-   of the step's token budget; when the pool is full the most recently admitted running request of
-   the tenant with the most running requests is preempted (blocks freed tail first, keeping their
-   hashes; back to the front of its tenant's waiting queue with nothing computed) until the slots
-   fit;
-2. waiting requests, tenants in turn and each tenant's in arrival order (`fair_share.WaitingQueue`),
-   unless something was preempted for lack of blocks this step: each is looked up in the prefix
-   cache, then gets slots for the rest of its prompt (or a chunk of it, within its tenant's share;
-   once every tenant with waiting requests has used its share, the budget left goes to whoever is
-   next); the first one that does not fit stops admission.
-
+1. running requests, oldest first, each within its tenant's share of the budget; when the pool
+   is full the newest running request of the tenant with the most is preempted (blocks freed
+   tail first, keeping their hashes; back to the front of its tenant's queue) until slots fit;
+2. unless something was preempted for lack of blocks, waiting requests, tenants in turn, each
+   tenant's in arrival order (`fair_share.WaitingQueue`): a prefix-cache lookup, then slots for
+   the rest of the prompt or a chunk (within the tenant's share; once every waiting tenant has
+   used its share, the rest goes to whoever is next); the first that does not fit stops it.
 Shares (and `fair_chunk_tokens`) apply only while several tenants have work; with one tenant
 (the offline API, a server without keys) the step is planned as vLLM's FCFS scheduler plans it.
 """
@@ -64,8 +59,9 @@ class Scheduler:
     `eos_token_id`; a request stops on any of them unless its params say `ignore_eos`.
 
     With a `proposer` (spec_decode/ngram.py), each decoding request may carry drafts: they are
-    counted in the token budget and its tenant's share, get lookahead slots (never cached), and
-    are dropped first when the pool is short, before anyone is preempted for them.
+    counted in the token budget and its tenant's share (leaving a token to every running request
+    after it), get lookahead slots (never cached), and a request whose drafts' slots do not fit
+    drops them rather than preempt anyone for its own allocation.
     """
 
     def __init__(
@@ -160,6 +156,8 @@ class Scheduler:
         kv_loads: list[tuple[int, bytes]] = []
 
         # 1. Running requests, in admission order.
+        if self.proposer is not None:
+            self.proposer.start_step(self.running)
         req_index = 0
         while req_index < len(self.running) and token_budget > 0:
             request = self.running[req_index]
@@ -171,9 +169,12 @@ class Scheduler:
                     continue
             assert num_new_tokens > 0, request
             drafts: list[int] = []
-            if self.proposer is not None and num_new_tokens == 1:  # within the tenant's share
-                room = token_budget if shares is None else min(token_budget, shares[request.tenant])
-                drafts = self.proposer.propose_within(request, room, self.max_model_len)
+            if self.proposer is not None and num_new_tokens == 1:
+                share = None if shares is None else shares[request.tenant]
+                cap = self._threshold(contended)
+                drafts = self.proposer.propose_within(
+                    request, token_budget, share, cap, self.max_model_len
+                )
 
             while True:
                 new_blocks = mgr.allocate_slots(
@@ -326,8 +327,9 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[RequestUpdate]:
-        """Advance each scheduled request by the tokens computed, append the sampled token, and
-        finish requests that hit a stop condition (their blocks are freed here).
+        """Advance each scheduled request by the tokens computed (accepted drafts included),
+        append the accepted drafts and the sampled token, and finish requests that hit a stop
+        condition on any of them (their blocks are freed here).
 
         Returns one update per scheduled request that is still known (not aborted meanwhile).
         """
@@ -374,11 +376,9 @@ class Scheduler:
             request, tokens, logprobs, update, self.eos_token_ids, self.max_model_len
         )
         self.stats.num_generation_tokens += len(update.new_token_ids)
-        if stopped:
-            return True
-        if accepted:
+        if accepted:  # (a stop inside the run appended fewer: cache_blocks stops at num_tokens)
             self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
-        return False
+        return stopped
 
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)

@@ -11,13 +11,15 @@ first: text being copied continues where it was last seen.
 
 Adaptive: drafts that are rejected cost the verification rows they add. A request's draft length
 follows its acceptance (all accepted: one more, up to k; otherwise one more than it accepted),
-and after two verifications in a row with nothing accepted it stops proposing for 2, 4, ... 32
-decode steps, so workloads that never copy pay for little more than the lookups.
+and after two verifications in a row with nothing accepted it skips its next 2, 4, ... 32
+chances to propose (decode steps with room for drafts), so workloads that never copy pay for
+little more than the lookups.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from prefixserve.request import Request
@@ -46,18 +48,46 @@ class NgramProposer:
         self.min_n = config.prompt_lookup_min
         self.max_n = config.prompt_lookup_max
         self._states: dict[str, _RequestState] = {}
+        # request id -> (running requests after it, of them its tenant's), for this step
+        self._later: dict[str, tuple[int, int]] = {}
 
     @property
     def num_tracked(self) -> int:
         return len(self._states)
 
-    def propose_within(self, request: Request, token_budget: int, max_model_len: int) -> list[int]:
+    def start_step(self, running: Sequence[Request]) -> None:
+        """A step plans `running` in this order: each request's drafts will leave one token of
+        the budget, and of its tenant's share, to every request after it."""
+        self._later.clear()
+        total = 0
+        per_tenant: Counter[Hashable] = Counter()
+        for request in reversed(running):
+            self._later[request.request_id] = (total, per_tenant[request.tenant])
+            total += 1
+            per_tenant[request.tenant] += 1
+
+    def propose_within(
+        self,
+        request: Request,
+        token_budget: int,
+        share: int | None = None,
+        cap: int = 0,
+        max_model_len: int = 2**62,
+    ) -> list[int]:
         """Drafts for a decoding request (its last token not computed yet, nothing else) that fit
-        the step's `token_budget` beside that token, and whose acceptance with the token sampled
+        beside that token in the step's `token_budget` and its tenant's `share` (None: no shares)
+        less a token for each running request after it (`start_step`), within `cap` tokens in
+        all (the per-request chunk cap; 0: none), and whose acceptance with the token sampled
         after them stays within its max_tokens and `max_model_len`."""
         if request.num_computed_tokens != request.num_tokens - 1:
             return []
-        room = min(token_budget - 1, max_model_len - request.num_tokens - 1)
+        later, later_of_tenant = self._later.get(request.request_id, (0, 0))
+        room = token_budget - later
+        if share is not None:
+            room = min(room, share - later_of_tenant)
+        if cap:
+            room = min(room, cap)
+        room = min(room - 1, max_model_len - request.num_tokens - 1)
         if request.max_tokens is not None:
             room = min(room, request.max_tokens - request.num_output_tokens - 1)
         return self.propose(request, room) if room > 0 else []

@@ -111,12 +111,16 @@ def test_ngram_pauses_after_drafts_are_rejected_twice_and_comes_back():
 def test_ngram_propose_within_keeps_drafts_inside_budget_max_tokens_and_model_len():
     p = proposer(k=8, lo=1, hi=1)
     tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1]
-    assert p.propose_within(decoding(tokens, "a", max_tokens=100), 4, 1000) == [2, 3, 4]
-    assert p.propose_within(decoding(tokens, "b", max_tokens=3), 100, 1000) == [2, 3]
-    assert p.propose_within(decoding(tokens, "c", max_tokens=100), 100, 12) == [2]
-    assert p.propose_within(decoding(tokens, "d", max_tokens=1), 100, 1000) == []
+    assert p.propose_within(decoding(tokens, "a", max_tokens=100), 4, max_model_len=1000) == [
+        2,
+        3,
+        4,
+    ]
+    assert p.propose_within(decoding(tokens, "b", max_tokens=3), 100, max_model_len=1000) == [2, 3]
+    assert p.propose_within(decoding(tokens, "c", max_tokens=100), 100, max_model_len=12) == [2]
+    assert p.propose_within(decoding(tokens, "d", max_tokens=1), 100, max_model_len=1000) == []
     prefill = Request("e", tokens, SamplingParams(max_tokens=10))  # nothing computed yet
-    assert p.propose_within(prefill, 100, 1000) == []
+    assert p.propose_within(prefill, 100, max_model_len=1000) == []
 
 
 def test_ngram_drop_forgets_finished_requests():
@@ -164,3 +168,19 @@ def test_speculative_config_follows_vllm_defaults_and_names():
 def test_speculative_config_rejects_bad_values_naming_them(value, message):
     with pytest.raises(ValueError, match=message):
         speculative_config_from(value)
+
+
+def test_ngram_drafts_leave_a_token_to_every_later_running_request_and_keep_the_cap():
+    p = proposer(k=8, lo=1, hi=1)
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1]
+    a1, a2, b1 = (decoding(tokens, rid, max_tokens=100) for rid in ("a1", "a2", "b1"))
+    a1.tenant = a2.tenant = "A"
+    b1.tenant = "B"
+    p.start_step([a1, b1, a2])
+    # Budget 6: a1 leaves 2 tokens (b1, a2) -> 1 + 3 drafts; its share 4 leaves 1 (a2) -> 1 + 2.
+    assert p.propose_within(a1, 6) == [2, 3, 4]
+    assert p.propose_within(a1, 6, share=4) == [2, 3]
+    assert p.propose_within(b1, 6) == [2, 3, 4, 5]  # b1 leaves a2 one of the budget
+    assert p.propose_within(b1, 6, share=4) == [2, 3, 4]  # and none of B's share
+    assert p.propose_within(a2, 3, share=2) == [2]  # the last one takes what is left
+    assert p.propose_within(a2, 100, cap=3) == [2, 3]  # 1 + drafts within the chunk cap

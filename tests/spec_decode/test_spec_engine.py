@@ -315,3 +315,36 @@ def test_gemma3_sliding_window_groups_give_the_same_greedy_tokens_with_speculati
     spec = make_llm(gemma, SPEC)
     assert tokens_of(generate(spec, [prompt], params)) == tokens_of(plain)
     assert spec.get_metrics()["spec_decode_num_accepted_tokens"] > 0
+
+
+def test_drafts_never_starve_the_other_decoders_of_a_tenant_or_of_the_step(default_model_fp32):
+    """Fair shares between two tenants and a budget of 10 tokens for 5 requests: a copying
+    decoder's drafts leave a token to every request after it, so a step whose running requests
+    all decode schedules every one of them."""
+    llm = make_llm(default_model_fp32, SPEC, max_num_batched_tokens=10)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    for i in range(4):
+        engine.add_request(f"a{i}", copying_prompt(200 + i, run=10), params, tenant="A")
+    engine.add_request("b0", copying_prompt(210, run=10), params, tenant="B")
+    planned = []
+    schedule = engine.scheduler.schedule
+
+    def spy():
+        planned.append(schedule())
+        return planned[-1]
+
+    engine.scheduler.schedule = spy
+    checked = 0
+    while engine.has_unfinished_requests():
+        running = engine.scheduler.running
+        all_decoding = all(r.num_computed_tokens == r.num_tokens - 1 for r in running)
+        decoding = {r.request_id for r in running}
+        engine.step()
+        scheduled = {s.request.request_id for s in planned[-1].scheduled}
+        assert planned[-1].total_num_scheduled_tokens <= 10
+        if all_decoding and len(decoding) >= 3:
+            assert decoding <= scheduled
+            checked += 1
+    engine.check_no_leaks()
+    assert checked > 0 and engine.get_metrics()["spec_decode_num_accepted_tokens"] > 0
