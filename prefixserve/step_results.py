@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from prefixserve.batch import ModelRunnerOutput, PositionLogprobs
 from prefixserve.request import Request, RequestStatus
+from prefixserve.spec_decode.metrics import acceptance
 
 
 @dataclass(slots=True)
@@ -46,11 +47,14 @@ class SchedulerStats:
     def spec_decode_rates(self) -> dict[str, float]:
         """Acceptance rate (accepted / draft tokens) and mean accepted length (tokens a
         verification emits: 1 + accepted / verifications), 0 before any draft."""
-        drafts, tokens = self.spec_decode_num_drafts, self.spec_decode_num_draft_tokens
-        accepted = self.spec_decode_num_accepted_tokens
+        rate, length = acceptance(
+            self.spec_decode_num_drafts,
+            self.spec_decode_num_draft_tokens,
+            self.spec_decode_num_accepted_tokens,
+        )
         return {
-            "spec_decode_acceptance_rate": accepted / tokens if tokens else 0.0,
-            "spec_decode_mean_accepted_length": 1 + accepted / drafts if drafts else 0.0,
+            "spec_decode_acceptance_rate": rate or 0.0,
+            "spec_decode_mean_accepted_length": length or 0.0,
         }
 
 

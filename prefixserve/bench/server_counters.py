@@ -15,6 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from prefixserve.spec_decode.metrics import acceptance
 
 # Field -> the counter's exposed name, per engine, in the order they are looked up.
 SPEC_DECODE_COUNTERS: dict[str, tuple[str, ...]] = {
@@ -34,32 +37,17 @@ SPEC_DECODE_COUNTERS: dict[str, tuple[str, ...]] = {
 
 
 def parse_prometheus(text: str) -> dict[str, float]:
-    """{metric name: sum of its samples over all label sets} from Prometheus' text format.
-
-    Comments, blank lines and samples whose value is not a finite number are skipped; the
-    optional timestamp after the value is ignored. Label values may hold spaces and braces."""
+    """{sample name: sum over all label sets} from Prometheus' text format (prometheus_client's
+    parser); samples that are not finite numbers are skipped, and a page that does not parse
+    gives what was read before the error."""
     totals: dict[str, float] = {}
-    for raw in text.splitlines():
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        if "{" in line:
-            name, _, rest = line.partition("{")
-            # the label set ends at the last "}" (quoted label values may hold "}")
-            rest = rest[rest.rfind("}") + 1 :]
-        else:
-            name, _, rest = line.partition(" ")
-        fields = rest.split()
-        if not fields:
-            continue
-        try:
-            value = float(fields[0])
-        except ValueError:
-            continue
-        if not math.isfinite(value):
-            continue
-        name = name.strip()
-        totals[name] = totals.get(name, 0.0) + value
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if math.isfinite(sample.value):
+                    totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    except ValueError:
+        pass
     return totals
 
 
@@ -76,17 +64,12 @@ class SpecDecodeStats:
     @property
     def acceptance_rate(self) -> float | None:
         """Accepted / proposed draft tokens; None when no draft was proposed."""
-        if self.num_draft_tokens <= 0:
-            return None
-        return self.num_accepted_tokens / self.num_draft_tokens
+        return acceptance(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens)[0]
 
     @property
     def mean_accepted_length(self) -> float | None:
-        """Tokens emitted per verification: 1 + accepted draft tokens per draft; None when no
-        draft was verified."""
-        if self.num_drafts <= 0:
-            return None
-        return 1.0 + self.num_accepted_tokens / self.num_drafts
+        """Tokens emitted per verification (1 + accepted per draft); None without drafts."""
+        return acceptance(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens)[1]
 
     def since(self, before: SpecDecodeStats | None) -> SpecDecodeStats:
         """The counts from `before` (an earlier scrape of the same server) to these."""
