@@ -12,8 +12,8 @@ and prints per request, then over all:
   greedy verification accepts drafts while they equal the output): accepted / proposed draft
   tokens, and output tokens per verification step (1 + accepted per step).
 
-With `--speculative-config JSON` the engine itself speculates (once prefixserve's `LLM` takes
-`speculative_config`) and the engine's own spec-decode counters are printed as well.
+With `--speculative-config JSON` the engine itself speculates (`LLM(speculative_config=...)`)
+and the engine's own spec-decode counters are printed as well.
 
     .venv/bin/python benchmarks/bench_w7_copy.py --requests 8
 """
