@@ -35,7 +35,7 @@ class ScheduledRequest:
         return self.num_computed_tokens + self.num_new_tokens >= self.request.num_tokens
 
     @property
-    def num_tokens(self) -> int:
+    def num_scheduled_tokens(self) -> int:
         """Rows of the forward pass: the new tokens and the drafts."""
         return self.num_new_tokens + len(self.draft_token_ids)
 
@@ -53,7 +53,7 @@ class SchedulerOutput:
 
     @property
     def total_num_scheduled_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
+        return sum(s.num_scheduled_tokens for s in self.scheduled)
 
 
 # One position's logprobs: the chosen token's (token_id, logprob, rank) first, then the top-N

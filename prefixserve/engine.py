@@ -276,9 +276,7 @@ class LLMEngine:
         self.kv_store.record_compute(
             compute_s, sum(s.num_new_tokens for s in scheduler_output.scheduled)
         )
-        saves = self.kv_store.blocks_to_save(
-            scheduler_output, runner_output.failed, runner_output.spec_token_ids
-        )
+        saves = self.kv_store.blocks_to_save(scheduler_output, runner_output.failed)
         if saves:
             payloads = self.runner.gather_blocks([save.block_id for save in saves])
             self.kv_store.save(saves, payloads)

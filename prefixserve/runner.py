@@ -125,10 +125,11 @@ class ModelRunner:
         """One forward over all scheduled chunks; sample where a chunk reaches its last token.
         On one thread for a step of at most ONE_THREAD_MAX_TOKENS tokens attending to at most
         ONE_THREAD_MAX_KEYS keys while OpenMP threads sleep between regions."""
-        scheduled = scheduler_output.scheduled
+        num_tokens = scheduler_output.total_num_scheduled_tokens
+        num_keys = sum(s.num_computed_tokens for s in scheduler_output.scheduled) + num_tokens
         if (
-            scheduler_output.total_num_scheduled_tokens <= ONE_THREAD_MAX_TOKENS
-            and sum(s.num_computed_tokens + s.num_tokens for s in scheduled) <= ONE_THREAD_MAX_KEYS
+            num_tokens <= ONE_THREAD_MAX_TOKENS
+            and num_keys <= ONE_THREAD_MAX_KEYS
             and omp_threads_sleep()
         ):
             with one_thread():
@@ -143,7 +144,7 @@ class ModelRunner:
             scatter_blocks(self.kv_caches, block_ids, payloads)
         output = ModelRunnerOutput()
         # Single-token chunks first: attention serves them as one batched call.
-        scheduled = sorted(scheduler_output.scheduled, key=lambda s: s.num_tokens != 1)
+        scheduled = sorted(scheduler_output.scheduled, key=lambda s: s.num_scheduled_tokens != 1)
         if not scheduled:
             return output
 

@@ -13,7 +13,7 @@ without the tier; the engine says so at start-up).
 - Whether a load is worth it: the connector keeps the measured seconds per loaded block and the
   engine reports the seconds per computed token; when loading a block costs more than computing
   its tokens, nothing is loaded (a slow or remote disk must not make requests slower).
-- Save (`blocks_to_save`, then `save`): write-through. After a step, every block that step
+- Save (`blocks_to_save`, then `save`): write-through. After a step's update, every block that step
   completed (all its tokens computed) is written unless its request asked for `in_memory`
   retention or the store holds it already. Payloads go to the `BackgroundWriter`, which never
   blocks the step loop: when it falls behind, writes are dropped and counted.
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Container, Mapping, Sequence, Sized
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -180,15 +180,13 @@ class KVStoreConnector:
     # ------------------------------------------------------------------ save (after a step)
 
     def blocks_to_save(
-        self,
-        scheduler_output: SchedulerOutput,
-        failed: Container[str],
-        accepted: Mapping[str, Sized] | None = None,
+        self, scheduler_output: SchedulerOutput, failed: Container[str]
     ) -> list[BlockSave]:
         """Blocks the step completed that belong on disk: not of a failed request, not of an
-        `in_memory` request, not on disk already. `accepted` (request id -> its accepted
-        drafts, after the scheduler appended them) extends a request's computed tokens: its
-        drafts' K/V is in their slots. Drafts that were not accepted are never saved."""
+        `in_memory` request, not on disk already. Called after `Scheduler.update_from_output`:
+        a request's blocks from its scheduled `num_computed_tokens` up to its computed tokens now
+        (accepted drafts included, whose hashes the update added; drafts that were not accepted
+        are never computed tokens)."""
         bs = self.block_size
         now = self._clock()
         saves: list[BlockSave] = []
@@ -201,10 +199,7 @@ class KVStoreConnector:
             if lifetime is None:
                 continue
             first = entry.num_computed_tokens // bs
-            computed = entry.num_computed_tokens + entry.num_new_tokens
-            if accepted is not None and request.request_id in accepted:
-                computed += len(accepted[request.request_id])
-            end = min(computed // bs, len(request.block_hashes))
+            end = min(request.num_computed_tokens // bs, len(request.block_hashes))
             table = entry.block_ids[GROUP]
             for index in range(first, end):
                 key = (request.block_hashes[index], GROUP)

@@ -35,11 +35,12 @@ class _RequestState:
     indexed: int = 0  # n-grams ending at positions < indexed are in `index`
     num_drafts: int = 0  # this request's current draft length
     misses: int = 0  # verifications in a row that accepted nothing
-    pause: int = 0  # decode steps left without proposing
+    pause: int = 0  # chances to propose left to skip
 
 
 class NgramProposer:
-    """`propose(request, most)` -> draft token ids; `record(...)` feeds acceptance back;
+    """Per step `start_step(running)`, then `propose_within(request, ...)` -> draft token ids
+    (`propose(request, most)` without the step's budget); `record(...)` feeds acceptance back;
     `drop(request_ids)` forgets finished requests (the scheduler calls it on every finish)."""
 
     def __init__(self, config: SpeculativeConfig) -> None:

@@ -85,12 +85,12 @@ def tier_scheduler(num_blocks: int = 64, **kwargs):
 
 
 def tier_step(sched: Scheduler, runner: TierRunner, connector: KVStoreConnector):
-    """One engine step as LLMEngine runs it with a disk tier."""
+    """One engine step as LLMEngine runs it with a disk tier (the save after the update)."""
     out = sched.schedule()
     runner_out = runner.execute(out)
+    sched.update_from_output(out, runner_out)
     saves = connector.blocks_to_save(out, runner_out.failed)
     connector.save(saves, runner.gather_blocks([s.block_id for s in saves]))
-    sched.update_from_output(out, runner_out)
     sched.kv_cache_manager.check_invariants()
     return out
 
@@ -246,6 +246,7 @@ def test_blocks_of_a_request_whose_sampling_failed_are_not_written():
     request = make_request("a1", PROMPT_A, 4)
     sched.add_request(request)
     out = sched.schedule()
+    sched.update_from_output(out, runner.execute(out))
     assert connector.blocks_to_save(out, {"a1"}) == []
     assert len(connector.blocks_to_save(out, set())) == 5
 
