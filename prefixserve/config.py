@@ -12,6 +12,7 @@ from prefixserve.dtypes import SUPPORTED_DTYPES
 from prefixserve.kv_cache.eviction import check_eviction_policy
 from prefixserve.kv_cache.hashing import get_hash_fn
 from prefixserve.kv_store import KVStoreConfig
+from prefixserve.lora.config import LoRAConfig
 from prefixserve.spec_decode.config import SpeculativeConfig, speculative_config_from
 
 # Without num_kv_blocks or kv_cache_memory_gb the pool gets this much memory (or less, when the
@@ -156,6 +157,10 @@ class EngineConfig:
     # Speculative decoding (spec_decode/): vLLM's speculative_config as a dict, its JSON or a
     # SpeculativeConfig; None: off.
     speculative_config: SpeculativeConfig | dict | str | None = None
+    # LoRA adapters (lora/): None: off (a request with a LoRARequest is refused).
+    lora: LoRAConfig | None = None
+    # Requests may bring prompt embeddings instead of token ids (vLLM's enable_prompt_embeds).
+    enable_prompt_embeds: bool = False
 
     def __post_init__(self) -> None:
         if self.model is not None and (not isinstance(self.model, str) or not self.model):
@@ -174,3 +179,7 @@ class EngineConfig:
         if self.kv_store is not None and not isinstance(self.kv_store, KVStoreConfig):
             raise _invalid("kv_store", self.kv_store, "None or a KVStoreConfig")
         self.speculative_config = speculative_config_from(self.speculative_config)
+        if self.lora is not None and not isinstance(self.lora, LoRAConfig):
+            raise _invalid("lora", self.lora, "None or a LoRAConfig")
+        if not isinstance(self.enable_prompt_embeds, bool):
+            raise _invalid("enable_prompt_embeds", self.enable_prompt_embeds, "a bool")

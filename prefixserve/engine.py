@@ -17,6 +17,7 @@ from typing import Any
 
 from prefixserve.batch import ModelRunnerOutput, SchedulerOutput
 from prefixserve.config import DEFAULT_KV_CACHE_MEMORY_GB, EngineConfig
+from prefixserve.engine_metrics import engine_metrics
 from prefixserve.input_checks import check_prompt, check_request_fields, effective_max_tokens
 from prefixserve.kv_cache.hashing import get_request_block_hasher
 from prefixserve.kv_cache.kv_cache_manager import KVCacheManager
@@ -24,15 +25,19 @@ from prefixserve.kv_cache.sizing import blocks_needed, size_kv_pool
 from prefixserve.kv_cache.spec import KVCacheConfig, KVCacheSpec
 from prefixserve.kv_store.connector import open_engine_kv_store
 from prefixserve.kv_store.worker import kv_layout
+from prefixserve.lora.config import LoRARequest
+from prefixserve.lora.manager import LoRAManager
 from prefixserve.model.loader import LoadedModel, load_model
 from prefixserve.output_processor import OutputProcessor
 from prefixserve.outputs import RequestOutput
+from prefixserve.prompt_embeds import prompt_from_embeds
 from prefixserve.request import Request, RequestStatus
 from prefixserve.runner import ModelRunner
 from prefixserve.sampling_params import SamplingParams
 from prefixserve.scheduler import Scheduler
 from prefixserve.spec_decode.config import SpeculativeConfig
 from prefixserve.spec_decode.ngram import NgramProposer
+from prefixserve.step_failures import discard_failed_step, fail_requests
 
 
 class LLMEngine:
@@ -114,6 +119,11 @@ class LLMEngine:
             cache.block_size, cache.prefix_caching_hash_algo, none_hash=none_hash
         )
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.lora: LoRAManager | None = None
+        if config.lora is not None:
+            self.lora = self.runner.lora = LoRAManager(
+                loaded_model.model, self.model_config, config.lora
+            )
 
     def _max_chunk(self) -> int:
         """The most tokens one request computes in one step (a prefill or recompute chunk)."""
@@ -145,8 +155,14 @@ class LLMEngine:
         prompt: str | None = None,
         tenant: str | None = None,
         cache_retention: str | None = None,
+        lora_request: LoRARequest | None = None,
+        prompt_embeds: Any = None,
     ) -> None:
         """Queue one prompt for `params.n` samples.
+
+        `lora_request` runs it with that LoRA adapter (loaded on first use; the engine needs a
+        `lora` config). `prompt_embeds` (a [num_tokens, hidden_size] float tensor, with
+        `enable_prompt_embeds`) replaces the prompt's token ids, which must then be empty.
 
         `cache_retention` is OpenAI's `prompt_cache_retention`: "in_memory" (its blocks are
         never written to the disk tier) or "24h" (kept there up to 24 hours); None is the
@@ -160,7 +176,25 @@ class LLMEngine:
         long for the KV pool.
         """
         check_request_fields(request_id, params, cache_salt, cache_retention)
+        embeds_bits_ = None
+        if prompt_embeds is not None:
+            if not self.config.enable_prompt_embeds:
+                raise ValueError(
+                    "prompt_embeds are not enabled: build the engine with "
+                    "enable_prompt_embeds=True (--enable-prompt-embeds)"
+                )
+            prompt_token_ids, embeds_bits_ = prompt_from_embeds(
+                prompt_token_ids, prompt_embeds, params, self.model_config, self.max_model_len
+            )
         prompt_token_ids = check_prompt(prompt_token_ids, self.vocab_size, self.max_model_len)
+        lora_name = lora_digest = None
+        if lora_request is not None:
+            if self.lora is None:
+                raise ValueError(
+                    "this engine serves no LoRA adapters: build it with enable_lora=True"
+                )
+            adapter = self.lora.resolve(lora_request, self.lora_in_use)
+            lora_name, lora_digest = adapter.name, adapter.digest
         num_prompt = len(prompt_token_ids)
         max_tokens = effective_max_tokens(params, num_prompt, self.max_model_len)
         # The last sampled token never gets K/V, so the longest sequence caches this many tokens.
@@ -196,11 +230,34 @@ class LLMEngine:
                     max_tokens=max_tokens,
                     tenant=tenant,
                     cache_retention=cache_retention,
+                    lora_name=lora_name,
+                    lora_digest=lora_digest,
+                    prompt_embeds=embeds_bits_,
                 )
             )
         self.output_processor.add_prompt(request_id, prompt, prompt_token_ids, params, requests)
         for request in requests:
             self.scheduler.add_request(request)
+
+    # ----------------------------------------------------------------- LoRA adapters
+
+    def lora_in_use(self, name: str) -> int:
+        """Unfinished requests that run with the LoRA adapter `name`."""
+        return sum(1 for r in self.scheduler.requests.values() if r.lora_name == name)
+
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """Load a PEFT adapter as `name` (ValueError for anything that does not fit)."""
+        if self.lora is None:
+            raise ValueError("this engine serves no LoRA adapters: build it with enable_lora=True")
+        self.lora.load(name, path, self.lora_in_use)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Unload `name`: KeyError when it is not loaded, LoRAInUseError (a ValueError) while
+        unfinished requests use it. Its cached blocks stay until evicted; no request can hit
+        them (their hashes carry the adapter's name and digest)."""
+        if self.lora is None:
+            raise KeyError(name)
+        self.lora.unload(name, self.lora_in_use)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Abort prompts (all their samples) by request_id; unknown ids are ignored."""
@@ -234,7 +291,7 @@ class LLMEngine:
             try:
                 runner_output = self.runner.execute(scheduler_output)
             except BaseException:
-                self._discard_failed_step(scheduler_output)
+                discard_failed_step(self, scheduler_output)
                 raise
             compute_s = time.perf_counter() - started
         else:
@@ -248,7 +305,7 @@ class LLMEngine:
             runner_output = ModelRunnerOutput()
         failed_outputs: list[RequestOutput] = []
         if runner_output.failed:
-            failed_outputs = self._fail_requests(scheduler_output, runner_output.failed)
+            failed_outputs = fail_requests(self, scheduler_output, runner_output.failed)
         updates = self.scheduler.update_from_output(scheduler_output, runner_output)
         if self.kv_store is not None and scheduler_output.scheduled:
             # After the update: blocks that accepted drafts completed have their hashes now.
@@ -286,70 +343,11 @@ class LLMEngine:
         if self.kv_store is not None:
             self.kv_store.close()
 
-    def _fail_requests(
-        self, scheduler_output: SchedulerOutput, errors: dict[str, str]
-    ) -> list[RequestOutput]:
-        """Requests the runner could not sample (the pass itself worked): uncache the blocks
-        they filled this step (their K/V may be what made the logits non-finite), then finish
-        their prompts with the error; everyone else in the step goes on."""
-        for scheduled in scheduler_output.scheduled:
-            request = scheduled.request
-            if request.request_id in errors:
-                self.kv_cache_manager.uncache_uncomputed_blocks(
-                    request, scheduled.num_computed_tokens
-                )
-        outputs, child_ids = self.output_processor.fail_samples(errors)
-        self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
-        return outputs
-
-    def _discard_failed_step(self, scheduler_output: SchedulerOutput) -> None:
-        """After a forward pass failed: its blocks were cached when allocated but their K/V may
-        never have been written, so forget their hashes, then abort every prompt it scheduled
-        (same-step hitters of those blocks included: they were scheduled too)."""
-        prompt_ids = []
-        self.kv_cache_manager.uncache_block_ids(
-            block_id for block_id, _ in scheduler_output.kv_loads
-        )
-        for scheduled in scheduler_output.scheduled:
-            request = scheduled.request
-            self.kv_cache_manager.uncache_uncomputed_blocks(request, scheduled.num_computed_tokens)
-            prompt_id = self.output_processor.prompt_of(request.request_id)
-            if prompt_id is not None:
-                prompt_ids.append(prompt_id)
-        self.abort_request(dict.fromkeys(prompt_ids))
-
     # ----------------------------------------------------------------- cache and metrics
 
     def get_metrics(self) -> dict[str, Any]:
         """Counters since the engine started, plus the current pool and queue state."""
-        cache = self.kv_cache_manager.make_prefix_cache_stats()
-        sched = self.scheduler.stats
-        return {
-            # Fresh admissions only (vLLM's prefix_cache_* counters); re-admissions after a
-            # preemption are counted apart.
-            "prefix_cache_requests": cache.requests,
-            "prefix_cache_queries": cache.queries,
-            "prefix_cache_hits": cache.hits,
-            "prefix_cache_hit_rate": cache.hit_rate,
-            "prefix_cache_preempted_requests": cache.preempted_requests,
-            "prefix_cache_preempted_queries": cache.preempted_queries,
-            "prefix_cache_preempted_hits": cache.preempted_hits,
-            "kv_cache_usage": self.kv_cache_manager.usage,
-            "num_kv_blocks": self.num_kv_blocks,
-            "num_free_kv_blocks": self.kv_cache_manager.num_free_blocks,
-            "num_running": self.scheduler.num_running,
-            "num_waiting": self.scheduler.num_waiting,
-            "prompt_tokens": sched.num_prompt_tokens,
-            "computed_prompt_tokens": sched.num_computed_prompt_tokens,
-            "generation_tokens": sched.num_generation_tokens,
-            "num_preemptions": sched.num_preemptions,
-            "num_finished_requests": sched.num_finished_requests,
-            "spec_decode_num_drafts": sched.spec_decode_num_drafts,
-            "spec_decode_num_draft_tokens": sched.spec_decode_num_draft_tokens,
-            "spec_decode_num_accepted_tokens": sched.spec_decode_num_accepted_tokens,
-            **sched.spec_decode_rates(),
-            **(self.kv_store.metrics() if self.kv_store is not None else {}),
-        }
+        return engine_metrics(self)
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Forget all cached blocks. Returns False (and changes nothing) while requests hold

@@ -12,13 +12,16 @@ import prefixserve.settings as settings
 from prefixserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from prefixserve.engine import LLMEngine
 from prefixserve.kv_store import KVStoreConfig, capacity_from_gb
+from prefixserve.lora.config import LoRAConfig, LoRARequest
 from prefixserve.outputs import RequestOutput
 from prefixserve.sampling_params import SamplingParams
 
-# A prompt: text, {"prompt": text} or {"prompt_token_ids": [...]}, each dict optionally with
-# "cache_salt".
+# A prompt: text, {"prompt": text}, {"prompt_token_ids": [...]} or {"prompt_embeds": tensor}
+# (with enable_prompt_embeds), each dict optionally with "cache_salt".
 PromptType = str | dict[str, Any]
-_PROMPT_KEYS = {"prompt", "prompt_token_ids", "cache_salt"}
+_PROMPT_KEYS = {"prompt", "prompt_token_ids", "prompt_embeds", "cache_salt"}
+# One prompt to run: token ids, its text, cache salt, params, LoRA request, prompt embeddings.
+_Item = tuple[list[int], str | None, str | None, SamplingParams, LoRARequest | None, Any]
 
 
 class LLM:
@@ -34,7 +37,10 @@ class LLM:
     `enable_kv_store` turns the prefix cache's disk tier on (None: on unless PREFIXSERVE_KV_STORE
     says 0) at `kv_store_dir` (default: under the cache directory) with `kv_store_gb` GiB (default:
     a quarter of the free disk, at most 32 GiB); `kv_store_default_retention` applies to prompts
-    generated without a `prompt_cache_retention`. Invalid values raise ValueError.
+    generated without a `prompt_cache_retention`. `enable_lora` lets prompts run with LoRA
+    adapters (`generate(..., lora_request=LoRARequest(name, id, path))`), at most `max_loras`
+    loaded at once, of rank at most `max_lora_rank`; `enable_prompt_embeds` lets a prompt be
+    `{"prompt_embeds": tensor}`. Invalid values raise ValueError.
     """
 
     def __init__(
@@ -61,6 +67,10 @@ class LLM:
         kv_store_gb: float | None = None,
         kv_store_default_retention: str = "24h",
         speculative_config: dict[str, Any] | str | None = None,
+        enable_lora: bool = False,
+        max_loras: int = 4,
+        max_lora_rank: int = 16,
+        enable_prompt_embeds: bool = False,
     ) -> None:
         if enable_kv_store is None:
             enable_kv_store = settings.kv_store_default_enabled()
@@ -93,6 +103,8 @@ class LLM:
             ),
             kv_store=kv_store,
             speculative_config=speculative_config,
+            lora=LoRAConfig(max_loras, max_lora_rank) if enable_lora else None,
+            enable_prompt_embeds=enable_prompt_embeds,
         )
         self.llm_engine = LLMEngine(config, loaded_model=loaded_model)
         self._counter = itertools.count()
@@ -108,23 +120,27 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         prompt_cache_retention: str | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Complete every prompt; outputs come back in input order, finished.
 
         `sampling_params` is one SamplingParams for all prompts or one per prompt (default:
-        SamplingParams()). `prompt_cache_retention` ("in_memory" or "24h", OpenAI's field)
-        applies to every prompt of the call. A bad prompt or parameter raises ValueError before
-        any is run.
+        SamplingParams()); `lora_request` likewise (None: the base model).
+        `prompt_cache_retention` ("in_memory" or "24h", OpenAI's field) applies to every prompt
+        of the call. A bad prompt or parameter raises ValueError before any is run.
         """
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         prompts = list(prompts)
         params_list = self._params_list(sampling_params, len(prompts))
+        loras = self._lora_list(lora_request, len(prompts))
         parsed = [self._parse_prompt(p, i) for i, p in enumerate(prompts)]
         return self._run(
             [
-                (ids, text, salt, params)
-                for (ids, text, salt), params in zip(parsed, params_list, strict=True)
+                (ids, text, salt, params, lora, embeds)
+                for (ids, text, salt, embeds), params, lora in zip(
+                    parsed, params_list, loras, strict=True
+                )
             ],
             use_tqdm,
             prompt_cache_retention,
@@ -137,6 +153,7 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (a list of {"role", "content"}
         messages) or a list of them, and generate a reply for each."""
@@ -144,9 +161,10 @@ class LLM:
             raise ValueError(f"messages must be a non-empty list of messages, got {messages!r}")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         params_list = self._params_list(sampling_params, len(conversations))
+        loras = self._lora_list(lora_request, len(conversations))
         tokenizer = self.llm_engine.tokenizer
         items = []
-        for conversation, params in zip(conversations, params_list, strict=True):
+        for conversation, params, lora in zip(conversations, params_list, loras, strict=True):
             if not isinstance(conversation, list) or not all(
                 isinstance(m, dict) for m in conversation
             ):
@@ -163,19 +181,19 @@ class LLM:
                 add_generation_prompt=add_generation_prompt,
                 **(chat_template_kwargs or {}),
             )
-            items.append((ids, text, None, params))
+            items.append((ids, text, None, params, lora, None))
         return self._run(items, use_tqdm)
 
     def _run(
         self,
-        items: list[tuple[list[int], str | None, str | None, SamplingParams]],
+        items: list[_Item],
         use_tqdm: bool,
         cache_retention: str | None = None,
     ) -> list[RequestOutput]:
         engine = self.llm_engine
         order: dict[str, int] = {}
         try:
-            for ids, text, salt, params in items:
+            for ids, text, salt, params, lora, embeds in items:
                 request_id = str(next(self._counter))
                 engine.add_request(
                     request_id,
@@ -184,6 +202,8 @@ class LLM:
                     cache_salt=salt,
                     prompt=text,
                     cache_retention=cache_retention,
+                    lora_request=lora,
+                    prompt_embeds=embeds,
                 )
                 order[request_id] = len(order)
         except Exception:
@@ -225,12 +245,27 @@ class LLM:
                 raise ValueError(f"sampling_params must hold SamplingParams, got {p!r}")
         return params
 
+    @staticmethod
+    def _lora_list(
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None, num_prompts: int
+    ) -> list[LoRARequest | None]:
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            return [lora_request] * num_prompts
+        loras = list(lora_request)
+        if len(loras) != num_prompts or not all(
+            r is None or isinstance(r, LoRARequest) for r in loras
+        ):
+            raise ValueError(
+                "lora_request must be None, one LoRARequest or one (or None) per prompt"
+            )
+        return loras
+
     def _parse_prompt(
         self, prompt: PromptType, index: int
-    ) -> tuple[list[int], str | None, str | None]:
+    ) -> tuple[list[int], str | None, str | None, Any]:
         tokenizer = self.llm_engine.tokenizer
         if isinstance(prompt, str):
-            return tokenizer.encode(prompt), prompt, None
+            return tokenizer.encode(prompt), prompt, None, None
         if not isinstance(prompt, dict):
             raise ValueError(
                 f"prompt {index} must be a string or a dict with 'prompt' or 'prompt_token_ids', "
@@ -247,12 +282,14 @@ class LLM:
             ids = prompt["prompt_token_ids"]
             if not isinstance(ids, list | tuple):
                 raise ValueError(f"prompt {index}: prompt_token_ids must be a list of ints")
-            return list(ids), prompt.get("prompt"), salt
+            return list(ids), prompt.get("prompt"), salt, prompt.get("prompt_embeds")
+        if "prompt_embeds" in prompt:
+            return [], prompt.get("prompt"), salt, prompt["prompt_embeds"]
         if "prompt" in prompt:
             if not isinstance(prompt["prompt"], str):
                 raise ValueError(f"prompt {index}: 'prompt' must be a string")
-            return tokenizer.encode(prompt["prompt"]), prompt["prompt"], salt
-        raise ValueError(f"prompt {index} needs 'prompt' or 'prompt_token_ids'")
+            return tokenizer.encode(prompt["prompt"]), prompt["prompt"], salt, None
+        raise ValueError(f"prompt {index} needs 'prompt', 'prompt_token_ids' or 'prompt_embeds'")
 
     # ----------------------------------------------------------------- cache and metrics
 

@@ -57,6 +57,7 @@ class Request:
         "eos_token_id",
         "arrival_time",
         "lora_name",
+        "lora_digest",
         "cache_salt",
         "tenant",
         "cache_retention",
@@ -92,6 +93,7 @@ class Request:
         max_tokens: int | None = None,
         tenant: str | None = None,
         cache_retention: str | None = None,
+        lora_digest: bytes | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("a request needs at least one prompt token")
@@ -100,7 +102,11 @@ class Request:
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        # The LoRA adapter the request runs with (lora/), and a digest of its files: both are
+        # extra keys of every block, so no other adapter (nor this name reloaded with other
+        # weights) shares its K/V.
         self.lora_name = lora_name
+        self.lora_digest = lora_digest
         self.cache_salt = cache_salt
         # Who the request is for, for fair scheduling between tenants (None: the one user).
         self.tenant = tenant
@@ -112,8 +118,11 @@ class Request:
         # Times cache-aware admission (admission_order.py) admitted a later request before it.
         self.num_passed_over = 0
         self.mm_features = mm_features or []
-        # Any object with len() and slicing whose slices have .tobytes() (e.g. a numpy array of
-        # shape [num_prompt_tokens, hidden]); only its digest enters the block hashes.
+        # The prompt's embeddings when the request brought them instead of token ids (its
+        # prompt_token_ids are then placeholders): the raw bits as a numpy array of shape
+        # [num_prompt_tokens, hidden] (prompt_embeds.py); each full block's hash includes a
+        # digest of its rows, and the runner feeds the rows to the model instead of embeddings
+        # of the placeholder ids.
         self.prompt_embeds = prompt_embeds
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []

@@ -22,6 +22,7 @@ from prefixserve.model.config import ModelConfig
 from prefixserve.model.kernels import paged_attention_kernel
 from prefixserve.model.layers import ForwardContext, one_thread, set_stream_threads
 from prefixserve.model.sampler import is_greedy
+from prefixserve.prompt_embeds import embeds_rows
 from prefixserve.request import Request
 from prefixserve.settings import omp_threads_sleep
 from prefixserve.spec_decode.verify import GeneratorRewind, num_accepted, row_views
@@ -39,6 +40,11 @@ ONE_THREAD_MAX_TOKENS = 8
 # 1,500 (12,000 keys) 67-70 ms a step on one thread against 48-58 on two, the attention kernel
 # 46 ms against 31; contexts 128-512 (1,000-4,000 keys) and batch 1-4 at 1,500 even.
 ONE_THREAD_MAX_KEYS = 4096
+
+
+class LoRARows(Protocol):
+    def begin_step(self, segments: Sequence[tuple[str | None, int, int]]) -> None: ...
+    def end_step(self) -> None: ...
 
 
 class SamplerLike(Protocol):
@@ -100,6 +106,10 @@ class ModelRunner:
         # Small batches' linears stream on all of torch's threads even in a one-thread step.
         set_stream_threads(torch.get_num_threads())
         self.generator = torch.Generator().manual_seed(seed)
+        self.dtype = config.torch_dtype
+        # The engine's LoRAManager when LoRA is on (lora/manager.py): told each step which rows
+        # run under which adapter.
+        self.lora: LoRARows | None = None
         self._seeded_generators: dict[str, torch.Generator] = {}
 
     def _generator_for(self, request: Request) -> torch.Generator:
@@ -158,6 +168,9 @@ class ModelRunner:
         prompt_rows: list[int] = []
         prompt_targets: list[int] = []
         prompt_owners: list[tuple[Request, int]] = []  # (request, number of rows)
+        lora_segments: list[tuple[str | None, int, int]] = []  # (adapter, first row, end row)
+        embed_rows: list[int] = []  # rows fed prompt embeddings instead of token embeddings
+        embed_parts: list[torch.Tensor] = []
         for s in scheduled:
             req, start, n = s.request, s.num_computed_tokens, s.num_new_tokens
             end = start + n
@@ -177,6 +190,11 @@ class ModelRunner:
             token_ids.extend(drafts)
             positions.extend(range(start, end + len(drafts)))
             spans.append(ScheduledSpan(start, n + len(drafts), s.block_ids))
+            lora_segments.append((req.lora_name, row, row + n + len(drafts)))
+            if req.prompt_embeds is not None and start < req.num_prompt_tokens:
+                stop = min(end, req.num_prompt_tokens)
+                embed_rows.extend(range(row, row + stop - start))
+                embed_parts.append(embeds_rows(req.prompt_embeds, start, stop, self.dtype))
             if drafts:
                 drafted.append((req, len(sample_reqs), drafts))
                 sample_rows.extend(range(row + n - 1, row + n + len(drafts)))
@@ -201,7 +219,16 @@ class ModelRunner:
             kv_caches=self.kv_caches,
             groups=metadata,
         )
-        hidden = self.model(torch.tensor(token_ids, dtype=torch.int64), ctx)
+        if embed_rows:
+            ctx.embeds = (torch.tensor(embed_rows, dtype=torch.int64), torch.cat(embed_parts))
+        lora = self.lora
+        if lora is not None:
+            lora.begin_step(lora_segments)
+        try:
+            hidden = self.model(torch.tensor(token_ids, dtype=torch.int64), ctx)
+        finally:
+            if lora is not None:
+                lora.end_step()
         rows = sample_rows + prompt_rows
         if not rows:
             return output

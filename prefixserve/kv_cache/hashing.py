@@ -163,13 +163,16 @@ def generate_block_extra_keys(
 ) -> ExtraKeys:
     """Extra keys of the block covering token positions [start, end) of `request`, or None.
 
-    In order: the LoRA adapter name; `(identifier, offset - start)` for every multimodal item
+    In order: the LoRA adapter name (and the digest of its files, when the request has one);
+    `(identifier, offset - start)` for every multimodal item
     overlapping the block; the cache salt (first block only); a digest of the block's prompt
     embeddings (only for positions inside the prompt, when the request carries embeddings).
     """
     keys: list[Any] = []
     if request.lora_name is not None:
         keys.append(request.lora_name)
+        if request.lora_digest is not None:
+            keys.append(request.lora_digest)
     for feature in request.mm_features:
         if feature.offset < end and feature.offset + feature.length > start:
             keys.append((feature.identifier, feature.offset - start))

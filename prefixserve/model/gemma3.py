@@ -73,7 +73,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         return h * torch.tensor(self.embed_scale, dtype=h.dtype)
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        h = self.embed(input_ids)
+        h = self.input_embeddings(input_ids, ctx)
         rope_global = self.rotary.cos_sin(ctx.positions, h.dtype)
         rope_local = self.rotary_local.cos_sin(ctx.positions, h.dtype)
         for layer in self.model.layers:

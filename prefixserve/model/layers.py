@@ -38,6 +38,9 @@ class ForwardContext:
     positions: torch.Tensor  # [num_tokens] int64
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer
     groups: list[AttentionMetadata]  # per KV-cache group
+    # (rows [k] int64, embeddings [k, hidden]) that replace the embeddings of those rows' token
+    # ids: prompt positions of requests that brought prompt_embeds; None when there are none.
+    embeds: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def _fp32_large_batches() -> bool:
@@ -149,7 +152,18 @@ class Linear(nn.Linear):
             bias = None if self.bias is None else self.bias.detach().float()
             self._fp32 = (self.weight.detach().float(), bias)
 
+    # LoRA's low-rank updates for this linear (`lora/layers.py` LoRALinear: `apply(x, out)` adds
+    # them in place), or None: the base model only.
+    lora = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._base(x)
+        lora = self.lora
+        if lora is not None:
+            lora.apply(x, out)
+        return out
+
+    def _base(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         stream = self._stream
         if stream is not None and rows <= STREAM_MAX_ROWS and x.dim() == 2:

@@ -104,8 +104,17 @@ class LlamaForCausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
 
-    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def input_embeddings(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """The embeddings of `input_ids`, with the rows of `ctx.embeds` replaced by the given
+        prompt embeddings."""
         h = self.embed(input_ids)
+        if ctx.embeds is not None:
+            rows, values = ctx.embeds
+            h.index_copy_(0, rows, values.to(h.dtype))
+        return h
+
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        h = self.input_embeddings(input_ids, ctx)
         cos, sin = self.rotary.cos_sin(ctx.positions, h.dtype)
         for layer in self.model.layers:
             h = layer.forward(h, cos, sin, ctx)

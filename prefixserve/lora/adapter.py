@@ -1,0 +1,286 @@
+"""Reading a PEFT LoRA adapter directory into the low-rank weights our fused linears apply.
+
+A PEFT adapter is a directory with `adapter_config.json` and `adapter_model.safetensors`, whose
+tensors are named `...layers.<i>.<self_attn|mlp>.<module>.lora_<A|B>.weight`. Every tensor is
+checked against the model before any is used: the module must be one of the seven projections
+this engine runs (q/k/v/o, gate/up/down), the layer must exist, A must be `[r, in]` and B
+`[out, r]` for that module of this model, r at most `max_lora_rank`, the values finite. Anything
+else (DoRA, LoRA biases, `modules_to_save`, per-module rank or alpha patterns, pickle
+checkpoints) is refused with a ValueError that names what does not fit.
+
+Our q/k/v and gate/up projections are fused (`qkv_proj`, `gate_up_proj`), so one adapter's
+slices of a fused linear become one pair: `A` stacks the slices' A matrices (`[sum r, in]`) and
+`B` places each slice's B (times the adapter's scaling, `lora_alpha / r`, or `/ sqrt(r)` with
+rsLoRA) in its rows and its columns of the stack (`[out, sum r]`, zero elsewhere), so that
+`out += (x @ A.T) @ B.T` is the adapter's whole contribution in two matmuls.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from prefixserve.model.config import ModelConfig
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+MAX_CONFIG_BYTES = 1 << 20
+
+# PEFT module name -> (our linear, slice index within it).
+MODULES: dict[str, tuple[str, int]] = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "o_proj": ("o_proj", 0),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+    "down_proj": ("down_proj", 0),
+}
+_KEY = re.compile(
+    r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.([a-z_]+)\.lora_([AB])(?:\.[A-Za-z0-9_-]+)?\.weight$"
+)
+
+
+def module_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of each PEFT module name in this model."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    return {
+        "q_proj": (hidden, q),
+        "k_proj": (hidden, kv),
+        "v_proj": (hidden, kv),
+        "o_proj": (q, hidden),
+        "gate_proj": (hidden, inter),
+        "up_proj": (hidden, inter),
+        "down_proj": (inter, hidden),
+    }
+
+
+def fused_slices(config: ModelConfig) -> dict[str, list[int]]:
+    """Output widths of each of our linears' slices, in order."""
+    shapes = module_shapes(config)
+    return {
+        "qkv_proj": [shapes["q_proj"][1], shapes["k_proj"][1], shapes["v_proj"][1]],
+        "o_proj": [shapes["o_proj"][1]],
+        "gate_up_proj": [shapes["gate_proj"][1], shapes["up_proj"][1]],
+        "down_proj": [shapes["down_proj"][1]],
+    }
+
+
+@dataclass(slots=True)
+class LoRAAdapter:
+    """One loaded adapter: `weights[(layer, linear)] = (A [sum r, in], B [out, sum r])` in the
+    model's dtype, B already scaled. `digest` fingerprints the files (it joins the name in every
+    block hash, so an adapter reloaded under the same name with other weights never hits the
+    old one's K/V)."""
+
+    name: str
+    path: Path
+    rank: int
+    scaling: float
+    digest: bytes
+    base_model: str | None
+    target_modules: tuple[str, ...]
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
+
+
+def _fail(path: Path, why: str) -> ValueError:
+    return ValueError(f"LoRA adapter {str(path)!r}: {why}")
+
+
+def _read_config(path: Path) -> dict:
+    if not path.is_dir():
+        what = "does not exist" if not path.exists() else "is not a directory"
+        raise _fail(path, f"{what} (expected a PEFT directory with {CONFIG_FILE})")
+    config_path = path / CONFIG_FILE
+    if not config_path.is_file():
+        raise _fail(path, f"no {CONFIG_FILE}")
+    if config_path.stat().st_size > MAX_CONFIG_BYTES:
+        raise _fail(path, f"{CONFIG_FILE} is over {MAX_CONFIG_BYTES} bytes")
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise _fail(path, f"{CONFIG_FILE} is not readable JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise _fail(path, f"{CONFIG_FILE} is not a JSON object")
+    return config
+
+
+def _scaling(path: Path, config: dict, max_rank: int) -> tuple[int, float]:
+    """The configured rank and the scaling PEFT applies (lora_alpha / r, or / sqrt(r))."""
+    peft_type = config.get("peft_type", "LORA")
+    if peft_type != "LORA":
+        raise _fail(path, f"peft_type {peft_type!r} is not supported (only LORA)")
+    for key, allowed in (("use_dora", (False, None)), ("fan_in_fan_out", (False, None))):
+        if config.get(key) not in allowed:
+            raise _fail(path, f"{key}={config.get(key)!r} is not supported")
+    if config.get("bias", "none") != "none":
+        raise _fail(path, f"bias={config.get('bias')!r} is not supported (only 'none')")
+    if config.get("modules_to_save"):
+        raise _fail(path, "modules_to_save (fully trained modules) is not supported")
+    for key in ("rank_pattern", "alpha_pattern"):
+        if config.get(key):
+            raise _fail(path, f"{key} (per-module ranks or alphas) is not supported")
+    rank, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise _fail(path, f"r must be a positive integer, got {rank!r}")
+    if rank > max_rank:
+        raise _fail(path, f"rank {rank} is above max_lora_rank={max_rank}")
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not math.isfinite(alpha):
+        raise _fail(path, f"lora_alpha must be a finite number, got {alpha!r}")
+    scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    return rank, float(scale)
+
+
+def _check_targets(path: Path, config: dict) -> None:
+    targets = config.get("target_modules")
+    if targets is None or isinstance(targets, str):  # "all-linear" or a regex: tensors decide
+        return
+    if not isinstance(targets, list):
+        raise _fail(path, f"target_modules must be a list or a string, got {targets!r}")
+    unknown = [t for t in targets if not isinstance(t, str) or t.rsplit(".", 1)[-1] not in MODULES]
+    if unknown:
+        raise _fail(
+            path,
+            f"unknown target module(s) {unknown}: supported are {', '.join(MODULES)}",
+        )
+
+
+def _digest(path: Path) -> bytes:
+    h = hashlib.sha256()
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        h.update(name.encode() + b"\0")
+        with open(path / name, "rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+    return h.digest()
+
+
+def load_adapter(name: str, path: str | Path, model: ModelConfig, max_rank: int) -> LoRAAdapter:
+    """Read and check the PEFT adapter at `path` for `model`; ValueError naming what does not
+    fit (missing files, unsupported options, unknown modules, shapes of another model, ranks
+    above `max_rank`, non-finite values)."""
+    path = Path(path).expanduser()
+    config = _read_config(path)
+    rank, scale = _scaling(path, config, max_rank)
+    _check_targets(path, config)
+    weights_path = path / WEIGHTS_FILE
+    if not weights_path.is_file():
+        extra = (
+            " (pickle .bin checkpoints are not loaded)"
+            if (path / "adapter_model.bin").exists()
+            else ""
+        )
+        raise _fail(path, f"no {WEIGHTS_FILE}{extra}")
+    base = config.get("base_model_name_or_path")
+    base = base if isinstance(base, str) else None
+    trained_for = f" (it was trained for {base!r})" if base else ""
+    shapes = module_shapes(model)
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    try:
+        with safe_open(str(weights_path), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                m = _KEY.search(key)
+                if m is None:
+                    raise _fail(path, f"tensor {key!r} is not a LoRA A/B weight of a decoder layer")
+                layer, module, which = int(m.group(1)), m.group(2), m.group(3)
+                if module not in MODULES:
+                    raise _fail(
+                        path,
+                        f"unknown target module {module!r} in {key!r}: supported are "
+                        f"{', '.join(MODULES)}",
+                    )
+                if layer >= model.num_layers:
+                    raise _fail(
+                        path,
+                        f"{key!r} is for layer {layer}, the model has {model.num_layers} "
+                        f"layers{trained_for}",
+                    )
+                in_f, out_f = shapes[module]
+                shape = tuple(f.get_slice(key).get_shape())
+                want = "[r, in_features]" if which == "A" else "[out_features, r]"
+                ok = (
+                    len(shape) == 2
+                    and (shape[1] == in_f if which == "A" else shape[0] == out_f)
+                    and 1 <= (shape[0] if which == "A" else shape[1]) <= max_rank
+                )
+                if not ok:
+                    expect = (
+                        f"[r<={max_rank}, {in_f}]" if which == "A" else f"[{out_f}, r<={max_rank}]"
+                    )
+                    raise _fail(
+                        path,
+                        f"{key!r} has shape {list(shape)}, this model's {module} needs {want} = "
+                        f"{expect}{trained_for}",
+                    )
+                slot = pairs.setdefault((layer, module), {})
+                if which in slot:
+                    raise _fail(path, f"two lora_{which} tensors for layer {layer} {module}")
+                slot[which] = f.get_tensor(key)
+    except ValueError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a corrupt file, whatever safetensors raises
+        raise _fail(path, f"{WEIGHTS_FILE} is not a readable safetensors file ({exc})") from None
+    if not pairs:
+        raise _fail(path, f"{WEIGHTS_FILE} holds no LoRA weights")
+    weights = _fuse(path, pairs, model, scale)
+    return LoRAAdapter(
+        name=name,
+        path=path,
+        rank=rank,
+        scaling=scale,
+        digest=_digest(path),
+        base_model=base,
+        target_modules=tuple(sorted({m for _, m in pairs})),
+        weights=weights,
+    )
+
+
+def _fuse(
+    path: Path,
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]],
+    model: ModelConfig,
+    scale: float,
+) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+    """Per (layer, our linear): the stacked A and the placed, scaled B (module docstring)."""
+    dtype = model.torch_dtype
+    slices = fused_slices(model)
+    grouped: dict[tuple[int, str], list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
+    for (layer, module), ab in sorted(pairs.items()):
+        if set(ab) != {"A", "B"}:
+            missing = ({"A", "B"} - set(ab)).pop()
+            raise _fail(path, f"layer {layer} {module} has no lora_{missing} weight")
+        a, b = ab["A"].float(), ab["B"].float()
+        if a.shape[0] != b.shape[1]:
+            raise _fail(
+                path, f"layer {layer} {module}: lora_A has rank {a.shape[0]}, lora_B {b.shape[1]}"
+            )
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise _fail(path, f"layer {layer} {module} has non-finite weights")
+        linear, index = MODULES[module]
+        grouped.setdefault((layer, linear), []).append((index, a, b))
+    fused: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    for (layer, linear), parts in grouped.items():
+        widths = slices[linear]
+        parts.sort(key=lambda p: p[0])  # A's rows and B's columns in the same slice order
+        total_rank = sum(a.shape[0] for _, a, _ in parts)
+        big_a = torch.cat([a for _, a, _ in parts]).to(dtype).contiguous()
+        big_b = torch.zeros(sum(widths), total_rank)
+        col = 0
+        for index, a, b in parts:
+            row = sum(widths[:index])
+            big_b[row : row + widths[index], col : col + a.shape[0]] = b * scale
+            col += a.shape[0]
+        fused[(layer, linear)] = (big_a, big_b.to(dtype).contiguous())
+    return fused
