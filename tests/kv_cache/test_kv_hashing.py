@@ -162,6 +162,14 @@ def test_lora_name_is_an_extra_key_of_every_block():
     assert request.block_hashes[0] != plain.block_hashes[0]
 
 
+def test_lora_digest_follows_the_name_so_a_reloaded_name_never_shares_blocks():
+    one = make_request("r", list(range(8)), lora_name="a", lora_digest=b"\x01" * 32)
+    other = make_request("s", list(range(8)), lora_name="a", lora_digest=b"\x02" * 32)
+    assert generate_block_extra_keys(one, 0, 4) == ("a", b"\x01" * 32)
+    assert one.block_hashes[0] != other.block_hashes[0]
+    assert one.block_hashes[0] != make_request("t", list(range(8)), lora_name="a").block_hashes[0]
+
+
 def test_mm_items_overlapping_block_keyed_with_offset_relative_to_block_start():
     features = [MultiModalFeature("img-a", offset=2, length=4), MultiModalFeature("img-b", 9, 2)]
     request = make_request("r", list(range(12)), mm_features=features)
