@@ -218,6 +218,14 @@ class AsyncLLMEngine:
     async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         return await self._call(lambda e: e.reset_prefix_cache(reset_running_requests))
 
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        """Load a PEFT adapter as `name` (ValueError for anything that does not fit)."""
+        await self._call(lambda e: e.load_lora_adapter(name, path))
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        """Unload `name`: KeyError if not loaded, LoRAInUseError while requests use it."""
+        await self._call(lambda e: e.unload_lora_adapter(name))
+
     async def get_metrics(self) -> dict[str, Any]:
         return await self._call(lambda e: dict(e.get_metrics()))
 

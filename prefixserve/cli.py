@@ -12,7 +12,11 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 
-from prefixserve.engine_args import add_engine_arguments, engine_config_from_args
+from prefixserve.engine_args import (
+    add_engine_arguments,
+    engine_config_from_args,
+    lora_modules_from_args,
+)
 from prefixserve.kv_store.options import add_kv_store_arguments
 from prefixserve.server.options import (
     add_server_limit_arguments,
@@ -162,6 +166,7 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     try:
         config = engine_config_from_args(args)
+        lora_modules = lora_modules_from_args(args)
         check_limit_arguments(args)
         api_keys = ApiKeys.from_options(args.api_key, args.api_key_file, args.admin_api_key_file)
     except (ValueError, OSError) as exc:
@@ -176,6 +181,10 @@ def run_serve(args: argparse.Namespace) -> int:
             collect_kv_events=args.kv_events,
             stall_timeout_s=args.stream_stall_timeout or None,
         )
+        for name in set(lora_modules) & set(served_names):
+            raise ValueError(f"--lora-modules: {name!r} is also a served model name")
+        for name, path in lora_modules.items():  # each checked now, not at its first request
+            engine.engine.load_lora_adapter(name, path)
     except ValueError as exc:
         print(f"prefixserve serve: error: {exc}", file=sys.stderr)
         return 2
@@ -213,6 +222,7 @@ def run_serve(args: argparse.Namespace) -> int:
         served_names,
         api_keys=api_keys,
         **app_limits(args),
+        lora_modules=lora_modules,
         admission=admission_from_args(
             args, config.scheduler.max_num_seqs, engine.num_kv_blocks * config.cache.block_size
         ),

@@ -4,6 +4,7 @@ has the flag) and the `EngineConfig` they make."""
 from __future__ import annotations
 
 import argparse
+import json
 
 from prefixserve.config import (
     ADMISSION_ORDERS,
@@ -16,6 +17,7 @@ from prefixserve.dtypes import SUPPORTED_DTYPES
 from prefixserve.kv_cache.eviction import DEFAULT_EVICTION_POLICY, EVICTION_POLICIES
 from prefixserve.kv_cache.hashing import HASH_ALGOS
 from prefixserve.kv_store.options import kv_store_config_from_args
+from prefixserve.lora.config import LoRAConfig, check_lora_name
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -147,6 +149,63 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "5}' (n-gram drafts from the request's own tokens, verified in one forward pass; "
         "outputs are the same as without). Off by default.",
     )
+    lora = parser.add_argument_group("LoRA adapters and prompt embeddings")
+    lora.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="Serve LoRA adapters: a request names one in `model` (implied by --lora-modules).",
+    )
+    lora.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="PEFT adapter directories to serve, each as name=path or vLLM's JSON "
+        '\'{"name": ..., "path": ...}\'; more can be loaded at run time through the operator '
+        "route POST /v1/load_lora_adapter.",
+    )
+    lora.add_argument(
+        "--max-loras",
+        type=int,
+        default=4,
+        help="Adapters loaded at once (one step batches requests of all of them with the base "
+        "model's); an adapter not loaded is loaded when a request names it, in place of the "
+        "least recently used one that no request is using.",
+    )
+    lora.add_argument(
+        "--max-lora-rank", type=int, default=16, help="The largest adapter rank accepted."
+    )
+    lora.add_argument(
+        "--enable-prompt-embeds",
+        action="store_true",
+        help="Let /v1/completions take `prompt_embeds` (base64 of torch.save bytes of a "
+        "[num_tokens, hidden_size] float tensor) instead of `prompt`.",
+    )
+
+
+def lora_modules_from_args(args: argparse.Namespace) -> dict[str, str]:
+    """--lora-modules as name -> path; ValueError for a malformed entry or a repeated name."""
+    modules: dict[str, str] = {}
+    for entry in args.lora_modules:
+        if entry.lstrip().startswith("{"):
+            try:
+                spec = json.loads(entry)
+                name, path = spec["name"], spec["path"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise ValueError(
+                    f"--lora-modules: {entry!r} is not JSON with 'name' and 'path'"
+                ) from None
+        else:
+            name, sep, path = entry.partition("=")
+            if not sep:
+                raise ValueError(f"--lora-modules: {entry!r} is not name=path")
+        check_lora_name(name)
+        if not isinstance(path, str) or not path:
+            raise ValueError(f"--lora-modules: {entry!r} has no path")
+        if name in modules:
+            raise ValueError(f"--lora-modules: the name {name!r} is given twice")
+        modules[name] = path
+    return modules
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -176,4 +235,10 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         ),
         kv_store=kv_store_config_from_args(args),
         speculative_config=args.speculative_config,
+        lora=(
+            LoRAConfig(args.max_loras, args.max_lora_rank)
+            if args.enable_lora or args.lora_modules
+            else None
+        ),
+        enable_prompt_embeds=args.enable_prompt_embeds,
     )

@@ -129,9 +129,7 @@ def test_embeds_with_token_ids_or_prompt_logprobs_or_when_disabled_are_refused(
     with pytest.raises(ValueError, match="not both"):
         llm.generate([{"prompt_embeds": embeds, "prompt_token_ids": [1]}], use_tqdm=False)
     with pytest.raises(ValueError, match="prompt_logprobs are not available"):
-        llm.generate(
-            [{"prompt_embeds": embeds}], SamplingParams(prompt_logprobs=1), use_tqdm=False
-        )
+        llm.generate([{"prompt_embeds": embeds}], SamplingParams(prompt_logprobs=1), use_tqdm=False)
     off = LLM(dtype="float32", loaded_model=default_model_fp32, num_kv_blocks=16)
     with pytest.raises(ValueError, match="enable_prompt_embeds=True"):
         off.generate([{"prompt_embeds": embeds}], use_tqdm=False)

@@ -30,7 +30,9 @@ from prefixserve.server.guard import (
     RequestGuard,
     render_refusal,
 )
+from prefixserve.server.models import model_list
 from prefixserve.server.serving import ServerState
+from prefixserve.server.serving_lora import register_lora_routes
 from prefixserve.server.serving_pins import register_pin_routes
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 << 20
@@ -52,6 +54,7 @@ def build_app(
     admission: Admission | None = None,
     timeout_request_body_s: float | None = DEFAULT_TIMEOUT_REQUEST_BODY_S,
     max_body_bytes_in_flight: int | None = None,
+    lora_modules: dict[str, str] | None = None,
 ) -> FastAPI:
     """The FastAPI app. The caller starts and stops `engine` (see cli.py).
 
@@ -62,7 +65,8 @@ def build_app(
     of all requests together) to `BODIES_IN_FLIGHT` times that, 0 for no bound;
     `timeout_request_body_s` bounds the time a body may take to arrive (None: no bound);
     `admission` bounds the requests in flight (admission.py; default: no bound). /v1/models
-    names the served model names only, never the weights' path."""
+    names the served model names only, never the weights' path. `lora_modules` (name -> path)
+    are the LoRA adapters a request may name in `model` (loaded in the engine by the caller)."""
     if not served_model_names:
         raise ValueError("served_model_names must name at least one model")
     state = ServerState(
@@ -70,6 +74,9 @@ def build_app(
         served_model_names=list(served_model_names),
         api_keys=api_keys,
         admission=admission or Admission(),
+        lora_modules={
+            name: (i, path) for i, (name, path) in enumerate((lora_modules or {}).items(), 1)
+        },
     )
     app = FastAPI(title="prefixserve", summary="OpenAI-compatible LLM server with prefix caching")
     app.state.server = state
@@ -109,13 +116,8 @@ def build_app(
 
     @router.get("/v1/models")
     async def list_models() -> p.ModelList:
-        return p.ModelList(
-            data=[
-                # `root` is the served name: the weights' path (--model) is the server's business.
-                p.ModelCard(id=name, root=name, max_model_len=engine.max_model_len)
-                for name in state.served_model_names
-            ]
-        )
+        # `root` is the served name: the weights' path (--model) is the server's business.
+        return model_list(state, engine.max_model_len)
 
     @router.post("/v1/completions")
     async def create_completion(body: p.CompletionRequest, raw: Request) -> Response:
@@ -150,6 +152,7 @@ def build_app(
         return JSONResponse({"success": bool(ok)})
 
     register_pin_routes(router, state)
+    register_lora_routes(router, state)
 
     @router.get("/kv_events")
     async def kv_events() -> JSONResponse:

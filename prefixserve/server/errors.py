@@ -23,6 +23,7 @@ logger = logging.getLogger(__name__)
 # Fields a ValueError from SamplingParams or the engine may name in its first words; used to fill
 # `param` when the error comes from below the server.
 KNOWN_PARAMS = (
+    "prompt_embeds",
     "prompt_token_ids",
     "prompt_logprobs",
     "prompt",

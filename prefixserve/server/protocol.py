@@ -114,7 +114,10 @@ class _SamplingFields(_Request):
 class CompletionRequest(_SamplingFields):
     """POST /v1/completions. `prompt` is text or token ids, alone or as a list of one."""
 
-    prompt: Any
+    prompt: Any = None
+    # vLLM's prompt embeddings: base64 of torch.save bytes of a [num_tokens, hidden] tensor, or
+    # a list of one (with --enable-prompt-embeds; instead of `prompt`).
+    prompt_embeds: str | list[str] | None = None
     # Absent or null: 16, as OpenAI and vLLM do (never "to the end of the context").
     max_tokens: int | None = Field(DEFAULT_COMPLETION_MAX_TOKENS, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -150,6 +153,17 @@ class CompletionRequest(_SamplingFields):
         raise ValueError(
             "prompt must be a string, a list of token ids, or a list holding one of these"
         )
+
+    @field_validator("prompt_embeds")
+    @classmethod
+    def _one_embeds(cls, value: str | list[str] | None) -> str | None:
+        if isinstance(value, list):
+            if len(value) != 1:
+                raise ValueError(
+                    f"this server takes one prompt per request, got {len(value)} prompt_embeds"
+                )
+            return value[0]
+        return value
 
     @field_validator("max_tokens")
     @classmethod
@@ -232,6 +246,20 @@ class ChatCompletionRequest(_SamplingFields):
 
 class ResetPrefixCacheRequest(_Request):
     reset_running_requests: bool = False
+
+
+class LoadLoRAAdapterRequest(_Request):
+    """POST /v1/load_lora_adapter (operator-only)."""
+
+    lora_name: str = Field(min_length=1, max_length=128)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoRAAdapterRequest(_Request):
+    """POST /v1/unload_lora_adapter (operator-only); vLLM's optional lora_int_id is ignored."""
+
+    lora_name: str = Field(min_length=1, max_length=128)
+    lora_int_id: int | None = None
 
 
 # ---------------------------------------------------------------------------------- responses
@@ -346,6 +374,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=_now)
     owned_by: str = "prefixserve"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int | None = None
 
 

@@ -39,6 +39,7 @@ from prefixserve.server.errors import (
     request_failed,
 )
 from prefixserve.server.metrics import RequestTimer, ServerMetrics
+from prefixserve.server.models import lora_request_for
 
 T = TypeVar("T")
 
@@ -54,6 +55,8 @@ class ServerState:
     engine: AsyncLLMEngine
     served_model_names: list[str]
     api_keys: ApiKeys | None = None
+    # LoRA adapters a request may name in `model`: name -> (lora_int_id, path) (models.py).
+    lora_modules: dict[str, tuple[int, str]] = field(default_factory=dict)
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     admission: Admission = field(default_factory=Admission)
     # Tokenizing and chat-template rendering run here, off the event loop, one at a time (a
@@ -61,21 +64,6 @@ class ServerState:
     tokenizer_executor: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
     )
-
-
-def check_model(state: ServerState, model: str | None) -> str:
-    """The served name the request asked for (the first one when it names none); 404 if unknown."""
-    if model is None:
-        return state.served_model_names[0]
-    if model not in state.served_model_names:
-        raise OpenAIError(
-            f"the model {model!r} does not exist; this server serves "
-            f"{', '.join(repr(n) for n in state.served_model_names)}",
-            status_code=404,
-            param="model",
-            code="model_not_found",
-        )
-    return model
 
 
 def sampling_params(
@@ -119,11 +107,14 @@ async def generate(
     *,
     prompt_text: str | None = None,
     fields: Mapping[str, str] | None = None,
+    prompt_embeds: Any = None,
 ) -> Response:
-    """Run one request through the engine and answer it as `view` shapes it."""
+    """Run one request through the engine and answer it as `view` shapes it (with the LoRA
+    adapter its `model` names; `prompt_embeds` instead of `prompt_ids`)."""
     cache_salt = derive_cache_salt(raw.state.tenant, body.cache_salt)
-    max_tokens = params.max_tokens or max(1, state.engine.max_model_len - len(prompt_ids))
-    ticket = state.admission.admit(raw.state.tenant, params.n * (len(prompt_ids) + max_tokens))
+    num_prompt = len(prompt_ids) if prompt_embeds is None else len(prompt_embeds)
+    max_tokens = params.max_tokens or max(1, state.engine.max_model_len - num_prompt)
+    ticket = state.admission.admit(raw.state.tenant, params.n * (num_prompt + max_tokens))
     try:
         stream = await state.engine.add_request(
             view.request_id,
@@ -133,6 +124,8 @@ async def generate(
             prompt=prompt_text,
             tenant=raw.state.tenant,
             cache_retention=body.prompt_cache_retention,
+            lora_request=lora_request_for(state, view.model),
+            prompt_embeds=prompt_embeds,
         )
     except ValueError as exc:
         state.admission.release(ticket)

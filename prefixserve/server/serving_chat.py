@@ -9,12 +9,12 @@ from fastapi.responses import Response
 from prefixserve.outputs import Logprob, RequestOutput
 from prefixserve.server import protocol as p
 from prefixserve.server.errors import OpenAIError
+from prefixserve.server.models import check_model
 from prefixserve.server.prompts import check_prompt_text, off_loop
 from prefixserve.server.serving import (
     Delta,
     ResponseView,
     ServerState,
-    check_model,
     generate,
     sampling_params,
 )

@@ -1,4 +1,5 @@
-"""POST /v1/completions: a text or token-id prompt, answered as `text_completion` objects."""
+"""POST /v1/completions: a text or token-id prompt (or prompt embeddings), answered as
+`text_completion` objects."""
 
 from __future__ import annotations
 
@@ -8,12 +9,13 @@ from fastapi.responses import Response
 from prefixserve.outputs import Logprob, RequestOutput
 from prefixserve.server import protocol as p
 from prefixserve.server.errors import OpenAIError
+from prefixserve.server.models import check_model
+from prefixserve.server.prompt_embeds import decode_prompt_embeds
 from prefixserve.server.prompts import check_prompt_text, off_loop
 from prefixserve.server.serving import (
     Delta,
     ResponseView,
     ServerState,
-    check_model,
     generate,
     sampling_params,
 )
@@ -23,10 +25,24 @@ async def create_completion(
     state: ServerState, body: p.CompletionRequest, raw: Request, arrival: float
 ) -> Response:
     model = check_model(state, body.model)
-    prompt_ids, prompt_text = await _prompt(state, body)
+    embeds = None
+    if (body.prompt is None) == (body.prompt_embeds is None):
+        raise OpenAIError("give exactly one of prompt and prompt_embeds", param="prompt")
+    if body.prompt_embeds is not None:
+        if not state.engine.engine.config.enable_prompt_embeds:
+            raise OpenAIError(
+                "prompt_embeds are not enabled on this server (--enable-prompt-embeds)",
+                param="prompt_embeds",
+            )
+        embeds = await off_loop(state, decode_prompt_embeds, body.prompt_embeds)
+        prompt_ids, prompt_text = [], None
+    else:
+        prompt_ids, prompt_text = await _prompt(state, body)
     params = sampling_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs)
     view = CompletionView(state, model, body, params.logprobs, arrival)
-    return await generate(state, raw, body, view, prompt_ids, params, prompt_text=prompt_text)
+    return await generate(
+        state, raw, body, view, prompt_ids, params, prompt_text=prompt_text, prompt_embeds=embeds
+    )
 
 
 async def _prompt(state: ServerState, body: p.CompletionRequest) -> tuple[list[int], str | None]:

@@ -1,0 +1,240 @@
+"""LoRA adapters and prompt embeddings over HTTP: `model` selects an adapter, /v1/models lists
+each with its parent, the operator loads and unloads adapters at run time (tenants may not),
+caches stay apart per adapter, and `prompt_embeds` (base64 torch.save bytes) give the token ids'
+output while every malformed tensor is a 400 that leaves the engine serving."""
+
+from __future__ import annotations
+
+import base64
+import io
+import threading
+import zipfile
+
+import httpx
+import pytest
+import torch
+from helpers import random_tokens, write_random_adapter
+from server_helpers import KEY_ADMIN, KEY_ALPHA, MODEL_NAME, LiveServer, serve_in_thread
+
+from prefixserve import cli
+from prefixserve.async_engine import AsyncLLMEngine
+from prefixserve.config import CacheConfig, EngineConfig
+from prefixserve.engine import LLMEngine
+from prefixserve.lora.config import LoRAConfig
+from prefixserve.server.app import build_app
+from prefixserve.server.auth import ApiKeys
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory, default_model_fp32):
+    root = tmp_path_factory.mktemp("adapters")
+    config = default_model_fp32.config
+    return {
+        "sql": write_random_adapter(root / "sql", config, rank=4, seed=1),
+        "poet": write_random_adapter(
+            root / "poet", config, rank=8, targets=("o_proj", "down_proj"), seed=2, std=0.1
+        ),
+        "late": write_random_adapter(root / "late", config, rank=2, seed=3),
+    }
+
+
+@pytest.fixture(scope="module")
+def live(adapters, default_model_fp32):
+    config = EngineConfig(
+        dtype="float32",
+        max_model_len=512,
+        cache=CacheConfig(num_kv_blocks=160),
+        lora=LoRAConfig(max_loras=3, max_lora_rank=8),
+        enable_prompt_embeds=True,
+    )
+    engine = LLMEngine(config, loaded_model=default_model_fp32)
+    modules = {name: str(adapters[name]) for name in ("sql", "poet")}
+    for name, path in modules.items():
+        engine.load_lora_adapter(name, path)
+    async_engine = AsyncLLMEngine(engine, log_stats_interval_s=None)
+    async_engine.start()
+    keys = ApiKeys()
+    keys.add(KEY_ALPHA, "alpha")
+    keys.add_admin(KEY_ADMIN, "ops")
+    app = build_app(async_engine, [MODEL_NAME], api_keys=keys, lora_modules=modules)
+    server, thread, url = serve_in_thread(app)
+    yield LiveServer(url=url, api_key=KEY_ALPHA, engine=async_engine)
+    server.should_exit = True
+    thread.join(timeout=30)
+    async_engine.shutdown()
+
+
+def complete(live: LiveServer, model: str, prompt, max_tokens: int = 8, **extra) -> httpx.Response:
+    body = {"model": model, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    body.update(prompt if isinstance(prompt, dict) else {"prompt": prompt})
+    body.update(extra)
+    with live.http() as http:
+        return http.post("/v1/completions", json=body)
+
+
+def cached(response: httpx.Response) -> int:
+    assert response.status_code == 200, response.text
+    return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_models_lists_adapters_with_their_parent_and_no_path(live, adapters):
+    with live.http() as http:
+        cards = {c["id"]: c for c in http.get("/v1/models").json()["data"]}
+    assert cards[MODEL_NAME]["parent"] is None
+    assert cards["sql"]["parent"] == MODEL_NAME and cards["poet"]["parent"] == MODEL_NAME
+    assert str(adapters["sql"]) not in str(cards)
+
+
+def test_model_selects_the_adapter_and_caches_stay_apart(live):
+    prompt = random_tokens(40, seed=301)  # 2 full blocks of 16
+    texts = {}
+    for model in ("sql", "poet", MODEL_NAME):
+        response = complete(live, model, prompt)
+        assert cached(response) == 0, model
+        texts[model] = response.json()["choices"][0]["text"]
+    assert len(set(texts.values())) == 3
+    again = complete(live, "sql", prompt)
+    assert cached(again) == 32 and again.json()["choices"][0]["text"] == texts["sql"]
+    live.check_no_leaks()
+
+
+def test_unknown_model_is_404(live):
+    response = complete(live, "nope", [1, 2, 3])
+    assert response.status_code == 404 and "sql" in response.json()["error"]["message"]
+
+
+def test_operator_loads_and_unloads_adapters_tenants_may_not(live, adapters):
+    body = {"lora_name": "late", "lora_path": str(adapters["late"])}
+    with live.http() as tenant:
+        assert tenant.post("/v1/load_lora_adapter", json=body).status_code == 403
+        assert tenant.post("/v1/unload_lora_adapter", json=body).status_code == 403
+    with live.http(KEY_ADMIN) as ops:
+        response = ops.post("/v1/load_lora_adapter", json=body)
+        assert response.status_code == 200, response.text
+        assert complete(live, "late", [5, 6, 7]).status_code == 200
+        assert ops.post("/v1/unload_lora_adapter", json={"lora_name": "late"}).status_code == 200
+        gone = ops.post("/v1/unload_lora_adapter", json={"lora_name": "late"})
+        assert gone.status_code == 404
+        missing = ops.post(
+            "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/no/such/dir"}
+        )
+        assert missing.status_code == 400 and "does not exist" in missing.text
+        clash = ops.post(
+            "/v1/load_lora_adapter", json={"lora_name": MODEL_NAME, "lora_path": body["lora_path"]}
+        )
+        assert clash.status_code == 400
+    assert complete(live, "late", [5, 6, 7]).status_code == 404
+    live.check_no_leaks()
+
+
+def test_unloading_an_adapter_in_use_is_refused(live):
+    started = threading.Event()
+    done: list[int] = []
+
+    def stream() -> None:
+        body = {
+            "model": "poet",
+            "prompt": [7] * 8,
+            "max_tokens": 400,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        with live.http() as http, http.stream("POST", "/v1/completions", json=body) as response:
+            for _ in response.iter_lines():
+                started.set()
+            done.append(response.status_code)
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    assert started.wait(60)
+    with live.http(KEY_ADMIN) as ops:
+        response = ops.post("/v1/unload_lora_adapter", json={"lora_name": "poet"})
+    thread.join(120)
+    assert response.status_code == 409 and "unfinished request" in response.text
+    assert done == [200]
+    assert complete(live, "poet", [1, 2]).status_code == 200
+    live.check_no_leaks()
+
+
+def encode(tensor) -> str:
+    buffer = io.BytesIO()
+    torch.save(tensor, buffer)
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def test_prompt_embeds_give_the_token_ids_output(live, default_model_fp32):
+    ids = random_tokens(24, seed=302)
+    with torch.no_grad():
+        embeds = default_model_fp32.model.embed(torch.tensor(ids))
+    by_ids = complete(live, MODEL_NAME, ids)
+    by_embeds = complete(live, MODEL_NAME, {"prompt_embeds": encode(embeds)})
+    assert by_embeds.status_code == 200, by_embeds.text
+    assert by_embeds.json()["choices"][0]["text"] == by_ids.json()["choices"][0]["text"]
+    assert by_embeds.json()["usage"]["prompt_tokens"] == 24
+    # Embeddings and an adapter together.
+    assert complete(live, "sql", {"prompt_embeds": [encode(embeds)]}).status_code == 200
+    live.check_no_leaks()
+
+
+def _compressed() -> str:
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", compression=zipfile.ZIP_DEFLATED) as archive:
+        archive.writestr("data.pkl", b"\0" * 100_000)
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+@pytest.mark.parametrize(
+    "value,match",
+    [
+        (encode(torch.zeros(3, 7)), "shape [num_tokens, 576]"),
+        (encode(torch.full((3, 576), float("nan"))), "NaN or infinite"),
+        (encode(torch.zeros(3, 576, dtype=torch.int32)), "float32, bfloat16 or float16"),
+        (encode(torch.zeros(600, 576)), "max_model_len=512"),
+        (encode({"x": torch.zeros(2, 576)}), "must hold one tensor"),
+        ("%%%not base64", "not valid base64"),
+        (base64.b64encode(b"plain bytes").decode(), "torch.save"),
+        (_compressed(), "compressed archive entries"),
+    ],
+)
+def test_bad_prompt_embeds_are_400_naming_the_field(live, value, match):
+    response = complete(live, MODEL_NAME, {"prompt_embeds": value})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert match in error["message"] and error["param"] == "prompt_embeds"
+    assert complete(live, MODEL_NAME, [1, 2, 3]).status_code == 200
+    live.check_no_leaks()
+
+
+def test_prompt_and_prompt_embeds_together_or_neither_are_400(live):
+    embeds = encode(torch.zeros(2, 576))
+    both = complete(live, MODEL_NAME, {"prompt": [1, 2], "prompt_embeds": embeds})
+    assert both.status_code == 400 and "exactly one" in both.text
+    with live.http() as http:
+        neither = http.post("/v1/completions", json={"model": MODEL_NAME, "max_tokens": 2})
+    assert neither.status_code == 400
+
+
+def test_prompt_embeds_refused_when_not_enabled(open_server):
+    with open_server.http() as http:
+        response = http.post(
+            "/v1/completions",
+            json={"max_tokens": 2, "prompt_embeds": encode(torch.zeros(2, 576))},
+        )
+    assert response.status_code == 400 and "--enable-prompt-embeds" in response.text
+
+
+def test_lora_flags_are_parsed_and_bad_ones_exit_2(tmp_path, capsys):
+    parser = cli.build_parser()
+    args = parser.parse_args(
+        ["serve", "--lora-modules", "a=/x", '{"name": "b", "path": "/y"}', "--max-loras", "2"]
+    )
+    from prefixserve.engine_args import engine_config_from_args, lora_modules_from_args
+
+    assert lora_modules_from_args(args) == {"a": "/x", "b": "/y"}
+    assert engine_config_from_args(args).lora == LoRAConfig(max_loras=2, max_lora_rank=16)
+    for bad in (["a"], ["a=/x", "a=/y"], ["bad name=/x"], ["{not json"]):
+        args = parser.parse_args(["serve", "--lora-modules", *bad])
+        with pytest.raises(ValueError, match="--lora-modules|LoRA adapter name"):
+            lora_modules_from_args(args)
+    code = cli.main(["serve", "--lora-modules", f"a={tmp_path / 'missing'}", "--port", "0"])
+    assert code == 2 and "does not exist" in capsys.readouterr().err
