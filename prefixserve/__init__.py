@@ -14,13 +14,14 @@ from prefixserve import settings
 
 settings.default_omp_wait_policy()  # before anything imports torch
 
+from prefixserve.lora.config import LoRARequest  # noqa: E402
 from prefixserve.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from prefixserve.sampling_params import SamplingParams  # noqa: E402
 
 if TYPE_CHECKING:
     from prefixserve.llm import LLM
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "LoRARequest", "RequestOutput", "SamplingParams"]
 
 
 def __getattr__(name: str) -> Any:

@@ -3,13 +3,23 @@ server's /metrics)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from prefixserve.engine import LLMEngine
+from prefixserve.kv_cache.kv_cache_manager import KVCacheManager
+from prefixserve.kv_store.connector import KVStoreConnector
+from prefixserve.scheduler import Scheduler
 
 
-def engine_metrics(engine: LLMEngine) -> dict[str, Any]:
+class MetricsSource(Protocol):
+    """What the metrics read of an `LLMEngine`."""
+
+    kv_cache_manager: KVCacheManager
+    scheduler: Scheduler
+    num_kv_blocks: int
+    kv_store: KVStoreConnector | None
+
+
+def engine_metrics(engine: MetricsSource) -> dict[str, Any]:
     """Counters since the engine started, plus the current pool and queue state."""
     cache = engine.kv_cache_manager.make_prefix_cache_stats()
     sched = engine.scheduler.stats

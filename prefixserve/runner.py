@@ -153,8 +153,12 @@ class ModelRunner:
             block_ids, payloads = zip(*scheduler_output.kv_loads, strict=True)
             scatter_blocks(self.kv_caches, block_ids, payloads)
         output = ModelRunnerOutput()
-        # Single-token chunks first: attention serves them as one batched call.
-        scheduled = sorted(scheduler_output.scheduled, key=lambda s: s.num_scheduled_tokens != 1)
+        # Single-token chunks first: attention serves them as one batched call; then by LoRA
+        # adapter, so that each adapter's decode rows are one slice (lora/layers.py).
+        scheduled = sorted(
+            scheduler_output.scheduled,
+            key=lambda s: (s.num_scheduled_tokens != 1, s.request.lora_name or ""),
+        )
         if not scheduled:
             return output
 

@@ -3,18 +3,29 @@ or for the whole forward pass."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
+from typing import Protocol
 
 from prefixserve.batch import SchedulerOutput
+from prefixserve.kv_cache.kv_cache_manager import KVCacheManager
+from prefixserve.output_processor import OutputProcessor
 from prefixserve.outputs import RequestOutput
 from prefixserve.request import RequestStatus
+from prefixserve.scheduler import Scheduler
 
-if TYPE_CHECKING:
-    from prefixserve.engine import LLMEngine
+
+class StepOwner(Protocol):
+    """What failure handling needs of an `LLMEngine`."""
+
+    kv_cache_manager: KVCacheManager
+    output_processor: OutputProcessor
+    scheduler: Scheduler
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None: ...
 
 
 def fail_requests(
-    engine: LLMEngine, scheduler_output: SchedulerOutput, errors: dict[str, str]
+    engine: StepOwner, scheduler_output: SchedulerOutput, errors: dict[str, str]
 ) -> list[RequestOutput]:
     """Requests the runner could not sample (the pass itself worked): uncache the blocks
     they filled this step (their K/V may be what made the logits non-finite), then finish
@@ -30,7 +41,7 @@ def fail_requests(
     return outputs
 
 
-def discard_failed_step(engine: LLMEngine, scheduler_output: SchedulerOutput) -> None:
+def discard_failed_step(engine: StepOwner, scheduler_output: SchedulerOutput) -> None:
     """After a forward pass failed: its blocks were cached when allocated but their K/V may
     never have been written, so forget their hashes, then abort every prompt it scheduled
     (same-step hitters of those blocks included: they were scheduled too)."""

@@ -75,6 +75,16 @@ def build_parser(prog: str = "python -m benchmarks.serving") -> argparse.Argumen
         help=f"speculative decoding of the {SPEC_SUFFIX} engines, vLLM's JSON, passed to each "
         f"as --speculative-config (method ngram; default {DEFAULT_NGRAM_CONFIG})",
     )
+    cmp_.add_argument(
+        "--lora-adapters",
+        type=int,
+        default=0,
+        metavar="N",
+        help="serve N random LoRA adapters (rank --lora-rank, all seven projections) on "
+        "prefixserve and vLLM alike; each prompt group (a W1 system prompt, a W3 document) "
+        "names one of them in `model`, in turn (0: the base model only)",
+    )
+    cmp_.add_argument("--lora-rank", type=int, default=16)
     cmp_.add_argument("--warmup", type=int, default=4, help="warm-up requests per engine")
     cmp_.add_argument(
         "--figures-dir", type=Path, default=None, help="also copy the PNGs here (e.g. docs/bench)"
@@ -117,6 +127,8 @@ def _config(args: argparse.Namespace, model_dir: Path, gguf: Path | None) -> Com
         max_num_seqs=args.max_num_seqs,
         kv_pool_tokens=args.kv_pool_tokens,
         speculative_config=args.speculative_config,
+        lora_adapters=args.lora_adapters,
+        lora_rank=args.lora_rank,
     )
 
 

@@ -83,6 +83,9 @@ class CompareConfig:
     kv_pool_tokens: int | None = None
     # `--speculative-config` JSON of the `+ngram` engines (None: servers.DEFAULT_NGRAM_CONFIG).
     speculative_config: str | None = None
+    # Random LoRA adapters served by every engine, one per prompt group in turn (0: none).
+    lora_adapters: int = 0
+    lora_rank: int = 16
 
     def __post_init__(self) -> None:
         for name in self.engines:
@@ -144,6 +147,7 @@ def _write_result(
             json.loads(speculative_config_json(server.ctx)) if speculative else None
         ),
         "spec_decode": spec_decode,
+        "lora_group_models": dict(server.ctx.group_models),
         "startup_s": server.startup_s,
         "machine": _machine(),
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -214,6 +218,9 @@ def run_compare(cfg: CompareConfig, progress: bool = True) -> dict[str, str]:
         kv_pool_tokens=cfg.kv_pool_tokens,
         speculative_config=cfg.speculative_config,
     )
+    if cfg.lora_adapters:
+        ctx.lora_modules, ctx.group_models = _lora_setup(cfg, workloads)
+        ctx.max_lora_rank = cfg.lora_rank
     try:
         for engine in cfg.engines:
             bar.set_description(f"{engine}: starting")
@@ -228,6 +235,34 @@ def run_compare(cfg: CompareConfig, progress: bool = True) -> dict[str, str]:
     finally:
         bar.close()
     return status
+
+
+def _lora_setup(
+    cfg: CompareConfig, workloads: Sequence[Workload]
+) -> tuple[dict[str, str], dict[str, str]]:
+    """Write `cfg.lora_adapters` random adapters for the model under the output directory; map
+    each prompt group of the workloads to one of them, in turn."""
+    from prefixserve.bench.lora_adapters import ALL_MODULES, write_random_adapter
+    from prefixserve.model.hf_config import model_config_from_hf
+    from prefixserve.model.hf_dir import read_hf_config
+
+    config = model_config_from_hf(read_hf_config(cfg.model_dir), "bfloat16")
+    modules = {
+        f"lora{i}": str(
+            write_random_adapter(
+                cfg.out_dir / "lora-adapters" / f"lora{i}",
+                config,
+                rank=cfg.lora_rank,
+                targets=ALL_MODULES,
+                seed=i,
+                base_model=cfg.model_dir.name,
+            )
+        )
+        for i in range(cfg.lora_adapters)
+    }
+    names = list(modules)
+    groups = sorted({r.group for w in workloads for r in w.requests if r.group is not None})
+    return modules, {g: names[i % len(names)] for i, g in enumerate(groups)}
 
 
 RESTART_PASSES = ("cold", "warm", "restart")

@@ -71,6 +71,11 @@ class ServerContext:
     kv_store_dir: Path | None = None
     # `--speculative-config` JSON of the `+ngram` engines; None: DEFAULT_NGRAM_CONFIG.
     speculative_config: str | None = None
+    # LoRA adapters (name -> PEFT directory) every engine serves, and the adapter each prompt
+    # group's requests name in `model` (EndpointConfig.group_models).
+    lora_modules: dict[str, str] = field(default_factory=dict)
+    group_models: dict[str, str] = field(default_factory=dict)
+    max_lora_rank: int = 16
 
 
 @dataclass(slots=True)
@@ -112,6 +117,21 @@ def _shared_flags(ctx: ServerContext, block_size: int) -> list[str]:
         str(ctx.max_num_batched_tokens),
         "--max-num-seqs",
         str(ctx.max_num_seqs),
+        *_lora_flags(ctx),
+    ]
+
+
+def _lora_flags(ctx: ServerContext) -> list[str]:
+    """The LoRA flags prefixserve and vLLM share (vLLM also needs --enable-lora)."""
+    if not ctx.lora_modules:
+        return []
+    return [
+        "--lora-modules",
+        *(f"{name}={path}" for name, path in ctx.lora_modules.items()),
+        "--max-loras",
+        str(len(ctx.lora_modules)),
+        "--max-lora-rank",
+        str(ctx.max_lora_rank),
     ]
 
 
@@ -166,6 +186,7 @@ def _vllm_cmd(ctx: ServerContext) -> list[str]:
         "--enable-prefix-caching",
         "--enable-prompt-tokens-details",
         "--disable-uvicorn-access-log",
+        *(["--enable-lora"] if ctx.lora_modules else []),
         *(
             []
             if ctx.kv_pool_tokens is None
@@ -186,6 +207,8 @@ def _vllm_env(ctx: ServerContext) -> dict[str, str]:
 def _llama_cpp_cmd(ctx: ServerContext) -> list[str]:
     if ctx.gguf_path is None:
         raise ValueError("llama.cpp needs a GGUF file: pass --gguf or run setup_llama_cpp.sh")
+    if ctx.lora_modules:
+        raise ValueError("the llama.cpp peer serves no LoRA adapters in this harness")
     return [
         str(peers_dir() / "llama_cpp" / "bin" / "python"),
         "-m",
@@ -415,6 +438,7 @@ class ServerProcess:
             prompt_format=self.spec.prompt_format,
             extra_body=dict(self.spec.extra_body),
             min_tokens_equal_max=self.spec.min_tokens_equal_max,
+            group_models=dict(self.ctx.group_models),
         )
 
     def stop(self, timeout_s: float | None = None) -> None:

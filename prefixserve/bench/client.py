@@ -66,6 +66,8 @@ class EndpointConfig:
     min_tokens_equal_max: bool = False
     include_usage: bool = True
     timeout_s: float = 600.0
+    # A request's `model` by its group (a LoRA adapter per system prompt); others: `model`.
+    group_models: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.prompt_format not in ("tokens", "text"):
@@ -86,7 +88,9 @@ def build_body(req: BenchRequest, endpoint: EndpointConfig) -> dict[str, Any]:
             )
         prompt = req.prompt_text
     body: dict[str, Any] = {
-        "model": endpoint.model,
+        "model": endpoint.group_models.get(req.group, endpoint.model)
+        if req.group is not None
+        else endpoint.model,
         "prompt": prompt,
         "max_tokens": req.max_tokens,
         "temperature": 0.0,

@@ -484,3 +484,50 @@ def test_figures_dir_gets_the_speculation_figure_too(tmp_path):
         "serving_W7.png",
         "serving_W7_spec.png",
     ]
+
+
+def test_lora_adapters_are_served_alike_and_named_per_prompt_group(tmp_path):
+    import transformers
+
+    from benchmarks.serving.compare import _lora_setup
+    from prefixserve.bench.client import EndpointConfig, build_body
+    from prefixserve.bench.workload_types import BenchRequest, Workload
+    from prefixserve.lora.adapter import load_adapter
+    from prefixserve.model.hf_config import model_config_from_hf
+
+    model = tmp_path / "SmolLM2"
+    model.mkdir()
+    transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ).to_json_file(model / "config.json")
+    cfg = CompareConfig(["prefixserve", "vllm"], ["W1"], model, tmp_path / "out", lora_adapters=2)
+    workload = Workload(
+        "W1", "", [BenchRequest(f"r{g}", [1, 2], 4, group=f"p{g}") for g in range(3)]
+    )
+    modules, group_models = _lora_setup(cfg, [workload])
+    assert group_models == {"p0": "lora0", "p1": "lora1", "p2": "lora0"}
+    config = model_config_from_hf(json.loads((model / "config.json").read_text()), "bfloat16")
+    for name, path in modules.items():  # prefixserve's own loader takes them
+        assert load_adapter(name, path, config, max_rank=16).rank == 16
+    ctx = _ctx(tmp_path)
+    ctx.lora_modules, ctx.group_models = modules, group_models
+    flags = ["--lora-modules", *(f"{n}={p}" for n, p in modules.items()), "--max-loras", "2"]
+    for engine in ("prefixserve", "vllm"):
+        cmd = servers.get_engine(engine).command(ctx)
+        start = cmd.index("--lora-modules")
+        assert cmd[start : start + len(flags)] == flags
+        assert ("--enable-lora" in cmd) == (engine == "vllm")
+    with pytest.raises(ValueError, match="no LoRA adapters"):
+        servers.get_engine("llama.cpp").command(ctx)
+    endpoint = EndpointConfig("http://x", "base", group_models=group_models)
+    assert [build_body(r, endpoint)["model"] for r in workload.requests] == [
+        "lora0",
+        "lora1",
+        "lora0",
+    ]
+    assert build_body(BenchRequest("w", [1], 1), endpoint)["model"] == "base"

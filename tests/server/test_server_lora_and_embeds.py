@@ -13,11 +13,12 @@ import zipfile
 import httpx
 import pytest
 import torch
-from helpers import random_tokens, write_random_adapter
+from helpers import random_tokens
 from server_helpers import KEY_ADMIN, KEY_ALPHA, MODEL_NAME, LiveServer, serve_in_thread
 
 from prefixserve import cli
 from prefixserve.async_engine import AsyncLLMEngine
+from prefixserve.bench.lora_adapters import write_random_adapter
 from prefixserve.config import CacheConfig, EngineConfig
 from prefixserve.engine import LLMEngine
 from prefixserve.lora.config import LoRAConfig
