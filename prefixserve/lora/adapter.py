@@ -74,12 +74,57 @@ def fused_slices(config: ModelConfig) -> dict[str, list[int]]:
     }
 
 
+@dataclass(frozen=True, slots=True)
+class LoRAWeights:
+    """One adapter's update of one of our linears, in the model's dtype.
+
+    `a` [sum r, in] stacks the slices' A; `b` [out, sum r] places each slice's scaled B in its
+    rows and columns, zero elsewhere (the PyTorch path's one matmul). For the native kernel
+    (csrc/lora.cpp), which skips the zero blocks: `blocks` holds each slice's B in blocks of 64
+    output columns (`expand_blocks`), slices one after the other, and `meta` int64 [S, 4] gives
+    per slice (first output column, first column of x @ a.T, width, offset in `blocks`)."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    blocks: torch.Tensor
+    meta: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.a.nbytes + self.b.nbytes + self.blocks.nbytes
+
+
+def expand_blocks(b: torch.Tensor) -> torch.Tensor:
+    """One slice's B [width, r] as csrc/lora.cpp reads it: [ceil(width / 64), r, 64], block k
+    holding output columns 64k..64k+63 (zero past width), each block's r rows one after the
+    other, so the kernel reads it front to back."""
+    width, rank = b.shape
+    blocks = -(-width // 64)
+    padded = torch.zeros(blocks * 64, rank, dtype=b.dtype)
+    padded[:width] = b
+    return padded.view(blocks, 64, rank).transpose(1, 2).contiguous()
+
+
+def lora_weights(
+    a: torch.Tensor, b: torch.Tensor, slices: list[tuple[int, int, int]]
+) -> LoRAWeights:
+    """LoRAWeights of stacked `a`, placed `b` and its slices `(first output column, first
+    column of x @ a.T, width)`, in h's column order."""
+    parts, meta, offset = [], [], 0
+    for s, (out_col, h_col, width) in enumerate(slices):
+        h_end = slices[s + 1][1] if s + 1 < len(slices) else a.shape[0]
+        block = expand_blocks(b[out_col : out_col + width, h_col:h_end]).reshape(-1)
+        parts.append(block)
+        meta.append((out_col, h_col, width, offset))
+        offset += block.numel()
+    return LoRAWeights(a, b, torch.cat(parts), torch.tensor(meta, dtype=torch.int64))
+
+
 @dataclass(slots=True)
 class LoRAAdapter:
-    """One loaded adapter: `weights[(layer, linear)] = (A [sum r, in], B [out, sum r])` in the
-    model's dtype, B already scaled. `digest` fingerprints the files (it joins the name in every
-    block hash, so an adapter reloaded under the same name with other weights never hits the
-    old one's K/V)."""
+    """One loaded adapter: `weights[(layer, linear)]` its `LoRAWeights` for that linear. `digest`
+    fingerprints the files (it joins the name in every block hash, so an adapter reloaded under
+    the same name with other weights never hits the old one's K/V)."""
 
     name: str
     path: Path
@@ -88,11 +133,11 @@ class LoRAAdapter:
     digest: bytes
     base_model: str | None
     target_modules: tuple[str, ...]
-    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
+    weights: dict[tuple[int, str], LoRAWeights] = field(repr=False)
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
+        return sum(w.nbytes for w in self.weights.values())
 
 
 def _fail(path: Path, why: str) -> ValueError:
@@ -252,8 +297,9 @@ def _fuse(
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]],
     model: ModelConfig,
     scale: float,
-) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
-    """Per (layer, our linear): the stacked A and the placed, scaled B (module docstring)."""
+) -> dict[tuple[int, str], LoRAWeights]:
+    """Per (layer, our linear): the stacked A, the placed and scaled B, and B's slices
+    (module docstring)."""
     dtype = model.torch_dtype
     slices = fused_slices(model)
     grouped: dict[tuple[int, str], list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
@@ -270,17 +316,19 @@ def _fuse(
             raise _fail(path, f"layer {layer} {module} has non-finite weights")
         linear, index = MODULES[module]
         grouped.setdefault((layer, linear), []).append((index, a, b))
-    fused: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    fused: dict[tuple[int, str], LoRAWeights] = {}
     for (layer, linear), parts in grouped.items():
         widths = slices[linear]
         parts.sort(key=lambda p: p[0])  # A's rows and B's columns in the same slice order
         total_rank = sum(a.shape[0] for _, a, _ in parts)
         big_a = torch.cat([a for _, a, _ in parts]).to(dtype).contiguous()
-        big_b = torch.zeros(sum(widths), total_rank)
+        big_b = torch.zeros(sum(widths), total_rank, dtype=dtype)
+        b_slices = []
         col = 0
         for index, a, b in parts:
             row = sum(widths[:index])
-            big_b[row : row + widths[index], col : col + a.shape[0]] = b * scale
+            big_b[row : row + widths[index], col : col + a.shape[0]] = (b * scale).to(dtype)
+            b_slices.append((row, col, widths[index]))
             col += a.shape[0]
-        fused[(layer, linear)] = (big_a, big_b.to(dtype).contiguous())
+        fused[(layer, linear)] = lora_weights(big_a, big_b, b_slices)
     return fused

@@ -1,5 +1,6 @@
 """Batched low-rank updates on our linears: one step mixes requests of several adapters and of
-the base model, as punica and S-LoRA batch them, in plain PyTorch.
+the base model, as punica and S-LoRA batch them: native kernels for a few bf16 rows, PyTorch
+matmuls otherwise.
 
 `LoRABatch` says, for the step being run, which rows of the flat token batch run under which
 adapter: one group per adapter, its rows as a slice when they are contiguous (the common case:
@@ -17,19 +18,30 @@ import torch
 from torch import nn
 
 from prefixserve.lora.adapter import LoRAAdapter
+from prefixserve.model.kernels import lora_add_kernel
 
 TARGET_LINEARS = {"self_attn": ("qkv_proj", "o_proj"), "mlp": ("gate_up_proj", "down_proj")}
+
+# bf16 groups of at most this many rows take the native kernel (`kernels.lora_add_kernel`,
+# csrc/lora.cpp) for both products and the add, in one call and no PyTorch op: oneDNN's bf16
+# matmul costs 15-23 us a call at these shapes whatever the rows (AMD Zen 5, one thread,
+# [1-16, 576] x [576, 48]), and each PyTorch op of a multi-row step can wake OpenMP's sleeping
+# threads (35 us an add at batch 16); through them, one adapter on every projection cost 1.6x
+# the base model's decode step at batch 1 and 1.8x at batch 16 (BENCHMARKS.md, LoRA). Larger
+# groups (prefill chunks) amortize the matmuls' setup and keep PyTorch, as fp32 models do.
+KERNEL_MAX_ROWS = 64
 
 Rows = slice | torch.Tensor
 
 
 class LoRABatch:
-    """The current step's groups: `(adapter, rows)`, empty outside a step or with no adapter."""
+    """The current step's groups: `(adapter, rows, row indices)` (rows a slice when they are
+    contiguous, else the index tensor); empty outside a step or with no adapter."""
 
     __slots__ = ("groups",)
 
     def __init__(self) -> None:
-        self.groups: list[tuple[LoRAAdapter, Rows]] = []
+        self.groups: list[tuple[LoRAAdapter, Rows, torch.Tensor]] = []
 
     def set(self, segments: Sequence[tuple[LoRAAdapter | None, int, int]]) -> None:
         """Group the step's `(adapter or None, first row, end row)` segments by adapter."""
@@ -37,7 +49,7 @@ class LoRABatch:
         for adapter, start, end in segments:
             if adapter is not None and end > start:
                 spans.setdefault(id(adapter), (adapter, []))[1].append((start, end))
-        groups: list[tuple[LoRAAdapter, Rows]] = []
+        groups: list[tuple[LoRAAdapter, Rows, torch.Tensor]] = []
         for adapter, ranges in spans.values():
             ranges.sort()
             merged = [list(ranges[0])]
@@ -46,11 +58,11 @@ class LoRABatch:
                     merged[-1][1] = end
                 else:
                     merged.append([start, end])
-            if len(merged) == 1:
-                groups.append((adapter, slice(merged[0][0], merged[0][1])))
-            else:
-                rows = [r for start, end in merged for r in range(start, end)]
-                groups.append((adapter, torch.tensor(rows, dtype=torch.int64)))
+            index = torch.tensor(
+                [r for start, end in merged for r in range(start, end)], dtype=torch.int64
+            )
+            rows = slice(merged[0][0], merged[0][1]) if len(merged) == 1 else index
+            groups.append((adapter, rows, index))
         self.groups = groups
 
     def clear(self) -> None:
@@ -68,16 +80,32 @@ class LoRALinear:
 
     def apply(self, x: torch.Tensor, out: torch.Tensor) -> None:
         """Add every adapter's update to its rows of `out` (the base linear's output of `x`)."""
-        for adapter, rows in self.batch.groups:
-            pair = adapter.weights.get(self.key)
-            if pair is None:
+        kernel = None
+        if x.dtype == torch.bfloat16 and x.is_contiguous() and out.is_contiguous():
+            kernel = _lora_kernel()
+        for adapter, rows, index in self.batch.groups:
+            weights = adapter.weights.get(self.key)
+            if weights is None:
                 continue
-            a, b = pair
-            if isinstance(rows, slice):
+            a, b = weights.a, weights.b
+            if kernel is not None and index.shape[0] <= KERNEL_MAX_ROWS:
+                kernel(out, x, a, weights.blocks, weights.meta, index)
+            elif isinstance(rows, slice):
                 out[rows].addmm_(torch.mm(x[rows], a.t()), b.t())
             else:
                 update = torch.mm(torch.mm(x.index_select(0, rows), a.t()), b.t())
                 out.index_add_(0, rows, update)
+
+
+_KERNELS: list = []
+
+
+def _lora_kernel() -> object | None:
+    """The native kernel, looked up once (None where unavailable); tests put None in `_KERNELS`
+    to take the PyTorch path."""
+    if not _KERNELS:
+        _KERNELS.append(lora_add_kernel())
+    return _KERNELS[0]
 
 
 def batch_of(model: nn.Module) -> LoRABatch:

@@ -23,7 +23,7 @@ from prefixserve.settings import cache_root, file_lock, kernels_enabled, prepend
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / name for name in ("paged_attention.cpp", "gemv.cpp", "rope_kv.cpp")]
+_SOURCES = [_CSRC / name for name in ("paged_attention.cpp", "gemv.cpp", "rope_kv.cpp", "lora.cpp")]
 
 
 def _headers_digest() -> str:
@@ -116,6 +116,14 @@ def linear_bf16_small_kernel() -> Callable[..., None] | None:
     caller and `threads - 1` helper threads of its own (csrc/stream_pool.h), or None."""
     module = _module()
     return None if module is None else module.linear_bf16_small
+
+
+def lora_add_kernel() -> Callable[..., None] | None:
+    """`lora_add(out, x, a, blocks, meta, rows)`: one adapter's LoRA update of one linear for a
+    few bf16 rows (csrc/lora.cpp; the layout of `blocks` and `meta`:
+    `lora.adapter.LoRAWeights`), or None."""
+    module = _module()
+    return None if module is None else module.lora_add
 
 
 def rope_write_kv_kernel() -> Callable[..., None] | None:

@@ -572,6 +572,10 @@ void linear_bf16_small(torch::Tensor out, torch::Tensor x, torch::Tensor w,
 
 int64_t stream_pool_backoffs();
 
+// lora.cpp
+void lora_add(torch::Tensor out, torch::Tensor x, torch::Tensor a, torch::Tensor blocks,
+              torch::Tensor meta, torch::Tensor rows);
+
 // rope_kv.cpp
 void rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t q_heads,
                    int64_t kv_heads, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -579,6 +583,10 @@ void rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int6
 bool rope_kv_vectorized();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("lora_add", &lora_add,
+        "one adapter's LoRA update of one linear for a few bf16 rows: out[rows] += x[rows] @ A.T "
+        "@ B.T, B in blocks of 64 columns per slice",
+        py::call_guard<py::gil_scoped_release>());
   m.def("rope_kv_vectorized", &rope_kv_vectorized,
         "whether rope_write_kv has its AVX512-BF16 vector loop in this build");
   m.def("rope_write_kv", &rope_write_kv,
