@@ -258,3 +258,32 @@ def test_lora_request_without_enable_lora_is_refused(llama_with_adapters, tokeni
             [{"prompt_token_ids": PROMPT}], use_tqdm=False, lora_request=request_of(root, "a")
         )
     llm.llm_engine.check_no_leaks()
+
+
+def test_bf16_adapter_through_the_native_kernel_tracks_the_fp32_adapter(
+    default_model_fp32, default_model_bf16, tmp_path
+):
+    """The packaged model in bf16, where LoRA runs in csrc/lora.cpp (decode rows and prompts
+    of up to 64 tokens): its prompt logprobs with the adapter sit near fp32's with the adapter
+    (bf16 rounding) and far from the base model's."""
+    from prefixserve import LLM
+    from prefixserve.bench.lora_adapters import ALL_MODULES, write_random_adapter
+
+    path = write_random_adapter(tmp_path / "a", default_model_fp32.config, 8, ALL_MODULES, seed=1)
+    lora = LoRARequest("a", 1, str(path))
+    prompt = list(range(1000, 1040))
+    params = greedy(max_tokens=4, prompt_logprobs=0)
+    lps = {}
+    for dtype, model in (("float32", default_model_fp32), ("bfloat16", default_model_bf16)):
+        llm = LLM(
+            dtype=dtype,
+            loaded_model=model,
+            enable_lora=True,
+            num_kv_blocks=64,
+            enable_kv_store=False,
+        )
+        for tag, request in (("lora", lora), ("base", None)):
+            lps[dtype, tag] = torch.tensor(prompt_lps(run(llm, prompt, params, request)))
+    near = (lps["bfloat16", "lora"] - lps["float32", "lora"]).abs().mean()
+    far = (lps["bfloat16", "lora"] - lps["float32", "base"]).abs().mean()
+    assert near < far / 4, (near, far)
