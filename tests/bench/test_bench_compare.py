@@ -487,7 +487,7 @@ def test_figures_dir_gets_the_speculation_figure_too(tmp_path):
 
 
 def test_lora_adapters_are_served_alike_and_named_per_prompt_group(tmp_path):
-    import transformers
+    from model.tiny_hf_models import hf_config
 
     from benchmarks.serving.compare import _lora_setup
     from prefixserve.bench.client import EndpointConfig, build_body
@@ -497,14 +497,7 @@ def test_lora_adapters_are_served_alike_and_named_per_prompt_group(tmp_path):
 
     model = tmp_path / "SmolLM2"
     model.mkdir()
-    transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    ).to_json_file(model / "config.json")
+    hf_config("llama").to_json_file(model / "config.json")
     cfg = CompareConfig(["prefixserve", "vllm"], ["W1"], model, tmp_path / "out", lora_adapters=2)
     workload = Workload(
         "W1", "", [BenchRequest(f"r{g}", [1, 2], 4, group=f"p{g}") for g in range(3)]

@@ -17,12 +17,20 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "model"))
 
-from tiny_hf_models import VOCAB, build_hf_model, build_ours  # noqa: E402
+from tiny_hf_models import VOCAB, build_hf_model, build_ours, hf_config  # noqa: E402
 
 from prefixserve import LLM  # noqa: E402
 from prefixserve.model.loader import LoadedModel  # noqa: E402
 
-__all__ = ["VOCAB", "build_hf_model", "make_adapter", "our_llm", "hf_greedy", "hf_logprobs"]
+__all__ = [
+    "VOCAB",
+    "build_hf_model",
+    "hf_config",
+    "make_adapter",
+    "our_llm",
+    "hf_greedy",
+    "hf_logprobs",
+]
 
 
 def make_adapter(

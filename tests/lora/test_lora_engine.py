@@ -15,7 +15,14 @@ import json
 import pytest
 import torch
 import transformers
-from lora_helpers import build_hf_model, hf_greedy, hf_logprobs, make_adapter, our_llm
+from lora_helpers import (
+    build_hf_model,
+    hf_config,
+    hf_greedy,
+    hf_logprobs,
+    make_adapter,
+    our_llm,
+)
 from safetensors.torch import load_file, save_file
 
 from prefixserve import SamplingParams
@@ -219,16 +226,9 @@ def test_bad_adapters_are_refused_naming_what_does_not_fit(
     elif case == "target":
         lora = _bad(tmp_path, hf, edit_config=lambda c: c.update(target_modules=["lm_head"]))
     elif case == "shape":  # an adapter trained for a model with another hidden size
-        other = transformers.LlamaForCausalLM(
-            transformers.LlamaConfig(
-                vocab_size=128,
-                hidden_size=32,
-                intermediate_size=48,
-                num_hidden_layers=3,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-            )
-        )
+        config = hf_config("llama")
+        config.hidden_size, config.intermediate_size = 32, 48
+        other = transformers.LlamaForCausalLM(config)
         lora = _bad(tmp_path, other)
     elif case == "nan":
         lora = _bad(

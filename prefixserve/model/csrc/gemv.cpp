@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "bf16_bits.h"
 #include "stream_pool.h"
 
 namespace {
@@ -28,12 +29,7 @@ constexpr int64_t kRowGroup = 4;
 // four interleaved rows.
 constexpr int64_t kPrefetchAhead = 2048;
 
-inline float bf16_to_float(uint16_t bits) {
-  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
-  float f;
-  std::memcpy(&f, &wide, sizeof f);
-  return f;
-}
+using prefixserve::bf16_bits_to_float;
 
 #if defined(__AVX512BF16__)
 // The lane sums of four vectors, [sum(a), sum(b), sum(c), sum(d)]: one transpose-and-add tree
@@ -94,11 +90,11 @@ inline void dot_row(const uint16_t* w, const uint16_t* x, int64_t K, float* sums
     float part[16] = {0.0f};
     int64_t k = 0;
     for (; k + 16 <= K; k += 16) {
-      for (int t = 0; t < 16; ++t) part[t] += bf16_to_float(w[k + t]) * bf16_to_float(xr[k + t]);
+      for (int t = 0; t < 16; ++t) part[t] += bf16_bits_to_float(w[k + t]) * bf16_bits_to_float(xr[k + t]);
     }
     float sum = 0.0f;
     for (int t = 0; t < 16; ++t) sum += part[t];
-    for (; k < K; ++k) sum += bf16_to_float(w[k]) * bf16_to_float(xr[k]);
+    for (; k < K; ++k) sum += bf16_bits_to_float(w[k]) * bf16_bits_to_float(xr[k]);
     sums[j] = sum;
   }
 #endif
@@ -147,7 +143,7 @@ void linear_bf16_small(torch::Tensor out, torch::Tensor x, torch::Tensor w,
     const int64_t begin = chunk * chunk_rows, end = std::min(N, begin + chunk_rows);
     float sums[kRowGroup];
     for (int64_t n = begin; n < end; ++n) {
-      const float add = bias_ptr ? bf16_to_float(bias_ptr[n]) : 0.0f;
+      const float add = bias_ptr ? bf16_bits_to_float(bias_ptr[n]) : 0.0f;
       for (int64_t m0 = 0; m0 < rows; m0 += kRowGroup) {
         const int64_t nx = std::min(kRowGroup, rows - m0);
         dot(wp + n * K, xp + m0 * K, K, nx, sums);

@@ -34,18 +34,15 @@
 #include <cstring>
 #include <vector>
 
+#include "bf16_bits.h"
+
 namespace {
 
 // Elements (bf16) read ahead of use: the weights stream from memory once per step, and without
 // it a single thread reads them latency-bound (gemv.cpp does the same).
 constexpr int64_t kPrefetchAhead = 1024;
 
-inline float bf16_bits_to_float(uint16_t bits) {
-  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
-  float f;
-  std::memcpy(&f, &wide, sizeof f);
-  return f;
-}
+using prefixserve::bf16_bits_to_float;
 
 #if defined(__AVX512BF16__)
 inline __m512 widen(__m256i bf16) {
