@@ -187,14 +187,6 @@ class LLMEngine:
                 prompt_token_ids, prompt_embeds, params, self.model_config, self.max_model_len
             )
         prompt_token_ids = check_prompt(prompt_token_ids, self.vocab_size, self.max_model_len)
-        lora_name = lora_digest = None
-        if lora_request is not None:
-            if self.lora is None:
-                raise ValueError(
-                    "this engine serves no LoRA adapters: build it with enable_lora=True"
-                )
-            adapter = self.lora.resolve(lora_request, self.lora_in_use)
-            lora_name, lora_digest = adapter.name, adapter.digest
         num_prompt = len(prompt_token_ids)
         max_tokens = effective_max_tokens(params, num_prompt, self.max_model_len)
         # The last sampled token never gets K/V, so the longest sequence caches this many tokens.
@@ -207,6 +199,14 @@ class LLMEngine:
                 f"max_tokens={max_tokens}) but the pool has {self.num_kv_blocks}; "
                 "raise num_kv_blocks / kv_cache_memory_gb or lower max_tokens"
             )
+        lora_name = lora_digest = None  # the adapter is loaded only for a request that fits
+        if lora_request is not None:
+            if self.lora is None:
+                raise ValueError(
+                    "this engine serves no LoRA adapters: build it with enable_lora=True"
+                )
+            adapter = self.lora.resolve(lora_request, self.lora_in_use)
+            lora_name, lora_digest = adapter.name, adapter.digest
 
         requests = []
         for index in range(params.n):
@@ -253,8 +253,8 @@ class LLMEngine:
 
     def unload_lora_adapter(self, name: str) -> None:
         """Unload `name`: KeyError when it is not loaded, LoRAInUseError (a ValueError) while
-        unfinished requests use it. Its cached blocks stay until evicted; no request can hit
-        them (their hashes carry the adapter's name and digest)."""
+        unfinished requests use it. Its cached blocks stay until evicted; only the same files
+        loaded again under the same name hit them (their hashes carry its name and digest)."""
         if self.lora is None:
             raise KeyError(name)
         self.lora.unload(name, self.lora_in_use)

@@ -145,6 +145,12 @@ class Request:
         return len(self.all_token_ids)
 
     @property
+    def history_token_ids(self) -> list[int]:
+        """The tokens a repetition penalty sees: prompt and output, or only the output when the
+        prompt came as embeddings (its ids are placeholders)."""
+        return self.output_token_ids if self.prompt_embeds is not None else self.all_token_ids
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 

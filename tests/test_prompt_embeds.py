@@ -137,6 +137,19 @@ def test_embeds_with_token_ids_or_prompt_logprobs_or_when_disabled_are_refused(
     off.llm_engine.check_no_leaks()
 
 
+def test_repetition_penalty_sees_only_the_output_of_an_embeddings_prompt(llm):
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=3, repetition_penalty=1.5, ignore_eos=True)
+    engine.add_request("p", [], params, prompt_embeds=embed(llm, [11, 12, 13]))
+    request = engine.scheduler.requests["p"]
+    assert request.prompt_token_ids == [0, 0, 0] and request.history_token_ids == []
+    engine.step()
+    assert request.history_token_ids == request.output_token_ids != []
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.check_no_leaks()
+
+
 def test_caller_changing_its_tensor_afterwards_changes_nothing(llm):
     llm.reset_prefix_cache()
     embeds = embed(llm, random_tokens(20, seed=9))

@@ -177,7 +177,8 @@ def _scaling(path: Path, config: dict, max_rank: int) -> tuple[int, float]:
     for key in ("rank_pattern", "alpha_pattern"):
         if config.get(key):
             raise _fail(path, f"{key} (per-module ranks or alphas) is not supported")
-    rank, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
+    # PEFT's LoraConfig defaults: lora_alpha 8.
+    rank, alpha = config.get("r"), config.get("lora_alpha", 8)
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise _fail(path, f"r must be a positive integer, got {rank!r}")
     if rank > max_rank:
@@ -214,9 +215,16 @@ def _digest(path: Path) -> bytes:
 
 def load_adapter(name: str, path: str | Path, model: ModelConfig, max_rank: int) -> LoRAAdapter:
     """Read and check the PEFT adapter at `path` for `model`; ValueError naming what does not
-    fit (missing files, unsupported options, unknown modules, shapes of another model, ranks
-    above `max_rank`, non-finite values)."""
+    fit (missing or unreadable files, unsupported options, unknown modules, shapes of another
+    model, ranks above `max_rank`, non-finite values)."""
     path = Path(path).expanduser()
+    try:
+        return _load(name, path, model, max_rank)
+    except OSError as exc:  # permissions, a file removed while it was read
+        raise _fail(path, f"cannot be read ({type(exc).__name__}: {exc.strerror or exc})") from None
+
+
+def _load(name: str, path: Path, model: ModelConfig, max_rank: int) -> LoRAAdapter:
     config = _read_config(path)
     rank, scale = _scaling(path, config, max_rank)
     _check_targets(path, config)
@@ -228,6 +236,9 @@ def load_adapter(name: str, path: str | Path, model: ModelConfig, max_rank: int)
             else ""
         )
         raise _fail(path, f"no {WEIGHTS_FILE}{extra}")
+    # Before the tensors: they are those of the files it fingerprints unless the files are
+    # replaced while being read (an operator's business; the server never writes them).
+    digest = _digest(path)
     base = config.get("base_model_name_or_path")
     base = base if isinstance(base, str) else None
     trained_for = f" (it was trained for {base!r})" if base else ""
@@ -285,7 +296,7 @@ def load_adapter(name: str, path: str | Path, model: ModelConfig, max_rank: int)
         path=path,
         rank=rank,
         scaling=scale,
-        digest=_digest(path),
+        digest=digest,
         base_model=base,
         target_modules=tuple(sorted({m for _, m in pairs})),
         weights=weights,

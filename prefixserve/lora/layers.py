@@ -111,7 +111,9 @@ def _lora_kernel() -> object | None:
 def batch_of(model: nn.Module) -> LoRABatch:
     """The model's LoRABatch, attaching a LoRALinear to every target linear of its decoder
     layers on first use. One per model: engines that share a loaded model share it (each sets
-    its groups for its own step and clears them after)."""
+    its groups for its own step and clears them after), so their steps must not overlap in
+    time, which holds for engines stepped by one thread (tests, benchmarks) and for the server
+    (one engine)."""
     batch = getattr(model, "lora_batch", None)
     if batch is None:
         batch = LoRABatch()

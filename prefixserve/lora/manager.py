@@ -5,8 +5,9 @@ At most `LoRAConfig.max_loras` adapters are loaded at once. A request names its 
 recently used adapter that no unfinished request uses is unloaded to make room (an adapter in use
 is never unloaded: the request that needs a slot is refused instead). `unload` refuses an
 adapter that unfinished requests use. The K/V of an unloaded adapter's blocks stays in the pool
-under hashes no request can produce any more (they carry the adapter's name and digest), so it
-is evicted like any other free block.
+under hashes that carry the adapter's name and the digest of its files: only the same files
+loaded again under the same name hit them (they are that adapter's K/V); otherwise they are
+evicted like any other free block.
 """
 
 from __future__ import annotations

@@ -141,7 +141,7 @@ def _apply_penalties(logits: torch.Tensor, requests: list[Request], rows: list[i
     flat_logits = logits.view(-1)
 
     repeat = [
-        (row, r.sampling_params.repetition_penalty, set(r.all_token_ids))
+        (row, r.sampling_params.repetition_penalty, set(r.history_token_ids))
         for row, r in zip(rows, requests, strict=True)
         if r.sampling_params.repetition_penalty != 1.0
     ]

@@ -2,11 +2,15 @@
 2-D float tensor. Decoded here, off the event loop, before anything reaches the engine (which then
 checks shape, dtype and values: prefixserve/prompt_embeds.py).
 
-What an attacker controls is a zip archive and a pickle: the archive is inspected with zipfile
-first (uncompressed entries only, as torch.save writes them, and no more bytes in all than the
-decoded body, so nothing inflates), then loaded with `torch.load(weights_only=True)`, PyTorch's
-restricted unpickler that builds tensors and plain containers and never calls arbitrary code.
-The body itself is bounded by the server's request body limit (--max-request-body-bytes).
+What an attacker controls is a zip archive and a pickle: the bytes must start as a zip archive
+does (torch.load picks its reader from the first bytes, zipfile looks at the end), the archive
+is inspected with zipfile first (uncompressed entries only, as torch.save writes them, and no
+more bytes in all than the decoded body, so nothing inflates), then loaded with
+`torch.load(weights_only=True)`, PyTorch's restricted unpickler that builds tensors and plain
+containers and never calls arbitrary code. The tensor must be a 2-D view of exactly its own
+storage, contiguous: a stride-0 view of one element would be a small body that becomes a large
+tensor when the engine copies it. So the body limit (--max-request-body-bytes) bounds the
+tensor's bytes.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch
 
 from prefixserve.server.errors import OpenAIError
 
+_ZIP_MAGIC = b"PK\x03\x04"
 # Zip entries besides the tensor's bytes (pickle, version, byteorder...): a few KB in practice.
 _ARCHIVE_OVERHEAD = 64 << 10
 
@@ -34,6 +39,8 @@ def decode_prompt_embeds(data: str) -> torch.Tensor:
         raw = base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError):
         raise _refuse("not valid base64") from None
+    if not raw.startswith(_ZIP_MAGIC):
+        raise _refuse("not a tensor saved with torch.save (its default zip format)")
     buffer = io.BytesIO(raw)
     try:
         with zipfile.ZipFile(buffer) as archive:
@@ -51,4 +58,9 @@ def decode_prompt_embeds(data: str) -> torch.Tensor:
         raise _refuse(f"cannot be loaded as a tensor ({type(exc).__name__})") from None
     if not isinstance(value, torch.Tensor):
         raise _refuse(f"must hold one tensor, got {type(value).__name__}")
+    if value.dim() != 2:
+        raise _refuse(f"must be a 2-D tensor [num_tokens, hidden_size], got {list(value.shape)}")
+    storage = value.untyped_storage().nbytes()
+    if not value.is_contiguous() or storage != value.numel() * value.element_size():
+        raise _refuse("must be a contiguous tensor that holds exactly its own storage")
     return value

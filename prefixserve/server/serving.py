@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from prefixserve.async_engine import AsyncLLMEngine, EngineDeadError
+from prefixserve.lora.config import LoRARequest
 from prefixserve.outputs import CompletionOutput, Logprob, RequestOutput
 from prefixserve.request_stream import RequestStream, StreamStalledError
 from prefixserve.sampling_params import SamplingParams
@@ -39,7 +40,6 @@ from prefixserve.server.errors import (
     request_failed,
 )
 from prefixserve.server.metrics import RequestTimer, ServerMetrics
-from prefixserve.server.models import lora_request_for
 
 T = TypeVar("T")
 
@@ -108,11 +108,12 @@ async def generate(
     prompt_text: str | None = None,
     fields: Mapping[str, str] | None = None,
     prompt_embeds: Any = None,
+    lora_request: LoRARequest | None = None,
 ) -> Response:
     """Run one request through the engine and answer it as `view` shapes it (with the LoRA
-    adapter its `model` names; `prompt_embeds` instead of `prompt_ids`)."""
+    adapter its `model` named when it was checked; `prompt_embeds` instead of `prompt_ids`)."""
     cache_salt = derive_cache_salt(raw.state.tenant, body.cache_salt)
-    num_prompt = len(prompt_ids) if prompt_embeds is None else len(prompt_embeds)
+    num_prompt = len(prompt_ids) if prompt_embeds is None else prompt_embeds.shape[0]
     max_tokens = params.max_tokens or max(1, state.engine.max_model_len - num_prompt)
     ticket = state.admission.admit(raw.state.tenant, params.n * (num_prompt + max_tokens))
     try:
@@ -124,7 +125,7 @@ async def generate(
             prompt=prompt_text,
             tenant=raw.state.tenant,
             cache_retention=body.prompt_cache_retention,
-            lora_request=lora_request_for(state, view.model),
+            lora_request=lora_request,
             prompt_embeds=prompt_embeds,
         )
     except ValueError as exc:

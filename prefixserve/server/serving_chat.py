@@ -9,7 +9,7 @@ from fastapi.responses import Response
 from prefixserve.outputs import Logprob, RequestOutput
 from prefixserve.server import protocol as p
 from prefixserve.server.errors import OpenAIError
-from prefixserve.server.models import check_model
+from prefixserve.server.models import check_model, lora_request_for
 from prefixserve.server.prompts import check_prompt_text, off_loop
 from prefixserve.server.serving import (
     Delta,
@@ -24,6 +24,8 @@ async def create_chat_completion(
     state: ServerState, body: p.ChatCompletionRequest, raw: Request, arrival: float
 ) -> Response:
     model = check_model(state, body.model)
+    # Taken now: an adapter unloaded while the prompt is rendered must not turn into the base model.
+    lora = lora_request_for(state, model)
     prompt_ids = await _prompt(state, body)
     # The fields the engine's errors name, as this endpoint calls them.
     fields = {
@@ -37,7 +39,9 @@ async def create_chat_completion(
         fields=fields,
     )
     view = ChatView(state, model, body, params.logprobs, arrival)
-    return await generate(state, raw, body, view, prompt_ids, params, fields=fields)
+    return await generate(
+        state, raw, body, view, prompt_ids, params, fields=fields, lora_request=lora
+    )
 
 
 async def _prompt(state: ServerState, body: p.ChatCompletionRequest) -> list[int]:

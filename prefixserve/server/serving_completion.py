@@ -9,7 +9,7 @@ from fastapi.responses import Response
 from prefixserve.outputs import Logprob, RequestOutput
 from prefixserve.server import protocol as p
 from prefixserve.server.errors import OpenAIError
-from prefixserve.server.models import check_model
+from prefixserve.server.models import check_model, lora_request_for
 from prefixserve.server.prompt_embeds import decode_prompt_embeds
 from prefixserve.server.prompts import check_prompt_text, off_loop
 from prefixserve.server.serving import (
@@ -25,6 +25,8 @@ async def create_completion(
     state: ServerState, body: p.CompletionRequest, raw: Request, arrival: float
 ) -> Response:
     model = check_model(state, body.model)
+    # Taken now: an adapter unloaded while the prompt is decoded must not turn into the base model.
+    lora = lora_request_for(state, model)
     embeds = None
     if (body.prompt is None) == (body.prompt_embeds is None):
         raise OpenAIError("give exactly one of prompt and prompt_embeds", param="prompt")
@@ -41,7 +43,15 @@ async def create_completion(
     params = sampling_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs)
     view = CompletionView(state, model, body, params.logprobs, arrival)
     return await generate(
-        state, raw, body, view, prompt_ids, params, prompt_text=prompt_text, prompt_embeds=embeds
+        state,
+        raw,
+        body,
+        view,
+        prompt_ids,
+        params,
+        prompt_text=prompt_text,
+        prompt_embeds=embeds,
+        lora_request=lora,
     )
 
 

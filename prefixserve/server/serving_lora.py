@@ -31,8 +31,8 @@ def register_lora_routes(router: APIRouter, state: ServerState) -> None:
             await state.engine.load_lora_adapter(name, body.lora_path)
         except ValueError as exc:
             raise OpenAIError(str(exc), param="lora_path") from exc
-        if name not in state.lora_modules:
-            state.lora_modules[name] = (next(ids), body.lora_path)
+        known = state.lora_modules.get(name)
+        state.lora_modules[name] = (known[0] if known else next(ids), body.lora_path)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
     @router.post("/v1/unload_lora_adapter")

@@ -33,7 +33,7 @@ class DraftRowView:
 
     request_id: str
     sampling_params: object
-    all_token_ids: list[int]
+    history_token_ids: list[int]
     output_token_ids: list[int]
 
 
@@ -48,7 +48,7 @@ def row_views(request: Request, drafts: list[int]) -> list[Request | DraftRowVie
             DraftRowView(
                 request.request_id,
                 request.sampling_params,
-                request.all_token_ids + drafts[:j],
+                request.history_token_ids + drafts[:j],
                 request.output_token_ids + drafts[:j],
             )
         )

@@ -250,6 +250,18 @@ def test_bad_adapters_are_refused_naming_what_does_not_fit(
     assert run(llm, PROMPT, greedy(max_tokens=2), request_of(root, "a")).outputs[0].token_ids
 
 
+def test_scaling_follows_peft_alpha_default_and_rslora(llama_with_adapters, tmp_path):
+    hf, config, _, _ = llama_with_adapters
+    from prefixserve.lora.adapter import load_adapter
+    from prefixserve.model.hf_config import model_config_from_hf
+
+    ours = model_config_from_hf(config, "float32")
+    plain = _bad(tmp_path, hf, rank=4, edit_config=lambda c: c.pop("lora_alpha"))
+    assert load_adapter("p", plain.lora_path, ours, 32).scaling == 8 / 4  # PEFT's default alpha
+    make_adapter(hf, tmp_path / "rs", rank=16, alpha=8.0, use_rslora=True)
+    assert load_adapter("r", tmp_path / "rs", ours, 32).scaling == 8 / 16**0.5
+
+
 def test_lora_request_without_enable_lora_is_refused(llama_with_adapters, tokenizer):
     hf, config, root, _ = llama_with_adapters
     llm = our_llm(hf, config, tokenizer, enable_lora=False)

@@ -128,6 +128,20 @@ def test_operator_loads_and_unloads_adapters_tenants_may_not(live, adapters):
     live.check_no_leaks()
 
 
+def test_a_name_loaded_again_from_another_path_serves_the_new_files(
+    live, adapters, default_model_fp32, tmp_path
+):
+    other = write_random_adapter(tmp_path / "v2", default_model_fp32.config, rank=2, seed=9)
+    with live.http(KEY_ADMIN) as ops:
+        for path in (adapters["late"], other):
+            body = {"lora_name": "again", "lora_path": str(path)}
+            assert ops.post("/v1/load_lora_adapter", json=body).status_code == 200
+            response = complete(live, "again", [5, 6, 7])
+            assert response.status_code == 200, response.text
+            assert ops.post("/v1/unload_lora_adapter", json=body).status_code == 200
+    live.check_no_leaks()
+
+
 def test_unloading_an_adapter_in_use_is_refused(live):
     started = threading.Event()
     done: list[int] = []
@@ -157,10 +171,10 @@ def test_unloading_an_adapter_in_use_is_refused(live):
     live.check_no_leaks()
 
 
-def encode(tensor) -> str:
+def encode(tensor, legacy: bool = False, tail: bytes = b"") -> str:
     buffer = io.BytesIO()
-    torch.save(tensor, buffer)
-    return base64.b64encode(buffer.getvalue()).decode()
+    torch.save(tensor, buffer, _use_new_zipfile_serialization=not legacy)
+    return base64.b64encode(buffer.getvalue() + tail).decode()
 
 
 def test_prompt_embeds_give_the_token_ids_output(live, default_model_fp32):
@@ -195,6 +209,11 @@ def _compressed() -> str:
         ("%%%not base64", "not valid base64"),
         (base64.b64encode(b"plain bytes").decode(), "torch.save"),
         (_compressed(), "compressed archive entries"),
+        # 4 bytes of storage that would become 75 MB when the engine copies it
+        (encode(torch.zeros(1, 1).expand(32768, 576)), "exactly its own storage"),
+        # the old pickle format, with an empty zip directory appended to pass for a zip
+        (encode(torch.zeros(2, 576), legacy=True, tail=b"PK\x05\x06" + bytes(18)), "torch.save"),
+        (encode(torch.tensor(1.0)), "must be a 2-D tensor"),
     ],
 )
 def test_bad_prompt_embeds_are_400_naming_the_field(live, value, match):
