@@ -20,6 +20,7 @@ from torch import nn
 from prefixserve.model.attention import AttentionMetadata, paged_attention, write_kv
 from prefixserve.model.config import ModelConfig
 from prefixserve.model.cpu_paths import bf16_packing_supported, cpu_paths_here
+from prefixserve.model.hugepages import move_to_huge_pages
 from prefixserve.model.kernels import (
     linear_bf16_small_kernel,
     rms_norm_kernel,
@@ -181,10 +182,14 @@ class Linear(nn.Linear):
 
 def pack_linears(model: nn.Module, no_fp32_copy: tuple[nn.Module, ...] = ()) -> None:
     """Pre-pack every `Linear` of `model` (a no-op outside bf16). Modules in `no_fp32_copy` keep
-    no fp32 copy (the LM head: vocabulary-sized, applied only to the few rows a step samples)."""
-    for module in model.modules():
-        if isinstance(module, Linear):
-            module.pack(fp32_copy=not any(module is m for m in no_fp32_copy))
+    no fp32 copy (the LM head: vocabulary-sized, applied only to the few rows a step samples).
+    The bf16 weights the streaming kernel reads move to huge pages first (`hugepages.py`)."""
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    move_to_huge_pages(
+        m.weight for m in linears if m.weight.dtype == torch.bfloat16 and m.weight.is_contiguous()
+    )
+    for module in linears:
+        module.pack(fp32_copy=not any(module is m for m in no_fp32_copy))
 
 
 @contextlib.contextmanager
