@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from prefixserve.lora.config import LoRARequest
+from prefixserve.lora.manager import read_off_thread
 from prefixserve.outputs import RequestOutput
 from prefixserve.request_stream import (
     ABORTED,
@@ -172,9 +174,9 @@ class AsyncLLMEngine:
         params: SamplingParams,
         **options: Any,
     ) -> RequestStream:
-        """Validate and queue a request; `options` are `LLMEngine.add_request`'s keywords
-        (cache_salt, prompt, tenant, cache_retention). The engine's ValueError (bad input) is
-        raised here."""
+        """Validate and queue a request; `options` are `LLMEngine.add_request`'s keywords. A new
+        LoRA adapter is read off the step thread. The engine's ValueError is raised here."""
+        options["lora_read"] = await read_off_thread(self.engine.lora, options.get("lora_request"))
         loop = asyncio.get_running_loop()
         stream = OutputQueue(loop)
 
@@ -220,7 +222,8 @@ class AsyncLLMEngine:
 
     async def load_lora_adapter(self, name: str, path: str) -> None:
         """Load a PEFT adapter as `name` (ValueError for anything that does not fit)."""
-        await self._call(lambda e: e.load_lora_adapter(name, path))
+        read = await read_off_thread(self.engine.lora, LoRARequest(name, 1, path))
+        await self._call(lambda e: e.load_lora_adapter(name, path, read))
 
     async def unload_lora_adapter(self, name: str) -> None:
         """Unload `name`: KeyError if not loaded, LoRAInUseError while requests use it."""

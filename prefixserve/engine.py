@@ -157,12 +157,14 @@ class LLMEngine:
         cache_retention: str | None = None,
         lora_request: LoRARequest | None = None,
         prompt_embeds: Any = None,
+        lora_read: Any = None,
     ) -> None:
         """Queue one prompt for `params.n` samples.
 
         `lora_request` runs it with that LoRA adapter (loaded on first use; the engine needs a
         `lora` config). `prompt_embeds` (a [num_tokens, hidden_size] float tensor, with
         `enable_prompt_embeds`) replaces the prompt's token ids, which must then be empty.
+        `lora_read`: the adapter `LoRAManager.read` made of `lora_request` off this thread.
 
         `cache_retention` is OpenAI's `prompt_cache_retention`: "in_memory" (its blocks are
         never written to the disk tier) or "24h" (kept there up to 24 hours); None is the
@@ -205,7 +207,7 @@ class LLMEngine:
                 raise ValueError(
                     "this engine serves no LoRA adapters: build it with enable_lora=True"
                 )
-            adapter = self.lora.resolve(lora_request, self.lora_in_use)
+            adapter = self.lora.resolve(lora_request, self.lora_in_use, lora_read)
             lora_name, lora_digest = adapter.name, adapter.digest
 
         requests = []
@@ -245,11 +247,12 @@ class LLMEngine:
         """Unfinished requests that run with the LoRA adapter `name`."""
         return sum(1 for r in self.scheduler.requests.values() if r.lora_name == name)
 
-    def load_lora_adapter(self, name: str, path: str) -> None:
-        """Load a PEFT adapter as `name` (ValueError for anything that does not fit)."""
+    def load_lora_adapter(self, name: str, path: str, read: Any = None) -> None:
+        """Load a PEFT adapter as `name` (ValueError for anything that does not fit); `read`:
+        what `LoRAManager.read` made of it already."""
         if self.lora is None:
             raise ValueError("this engine serves no LoRA adapters: build it with enable_lora=True")
-        self.lora.load(name, path, self.lora_in_use)
+        self.lora.load(name, path, self.lora_in_use, read)
 
     def unload_lora_adapter(self, name: str) -> None:
         """Unload `name`: KeyError when it is not loaded, LoRAInUseError (a ValueError) while

@@ -12,6 +12,7 @@ evicted like any other free block.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -40,13 +41,29 @@ class LoRAManager:
         self._used: dict[str, int] = {}  # name -> tick of its last request (LRU)
         self._tick = itertools.count()
 
-    def load(self, name: str, path: str | Path, in_use: InUse) -> LoRAAdapter:
+    def read(self, name: str, path: str | Path) -> LoRAAdapter:
+        """Read and check an adapter without installing it: pure, so any thread may run it (the
+        async engine does, off the step thread; `load` and `resolve` take its result)."""
+        check_lora_name(name)
+        return load_adapter(name, path, self.model_config, self.config.max_lora_rank)
+
+    def needs_read(self, request: LoRARequest) -> bool:
+        """Whether `resolve` would read this request's adapter from disk."""
+        loaded = self.adapters.get(request.lora_name)
+        return loaded is None or loaded.path != Path(request.lora_path).expanduser()
+
+    def load(
+        self, name: str, path: str | Path, in_use: InUse, read: LoRAAdapter | None = None
+    ) -> LoRAAdapter:
         """Load the adapter at `path` as `name` (no-op when that very adapter is loaded under
-        that name). ValueError for a name loaded from another path or with other weights, an
-        adapter that does not fit the model, or no free slot (LoRAInUseError)."""
+        that name); `read`: the adapter `read` already made of that path. ValueError for a name
+        loaded from another path or with other weights, an adapter that does not fit the model,
+        or no free slot (LoRAInUseError)."""
         check_lora_name(name)
         loaded = self.adapters.get(name)
-        adapter = load_adapter(name, path, self.model_config, self.config.max_lora_rank)
+        if read is None or read.name != name or read.path != Path(path).expanduser():
+            read = self.read(name, path)
+        adapter = read
         if loaded is not None:
             if loaded.digest != adapter.digest:
                 raise ValueError(
@@ -60,13 +77,15 @@ class LoRAManager:
         self._used[name] = next(self._tick)
         return adapter
 
-    def resolve(self, request: LoRARequest, in_use: InUse) -> LoRAAdapter:
-        """The adapter a request runs with, loaded from `request.lora_path` if it is not yet."""
-        loaded = self.adapters.get(request.lora_name)
-        if loaded is not None and Path(request.lora_path).expanduser() == loaded.path:
+    def resolve(
+        self, request: LoRARequest, in_use: InUse, read: LoRAAdapter | None = None
+    ) -> LoRAAdapter:
+        """The adapter a request runs with, loaded from `request.lora_path` if it is not yet
+        (from `read` when the caller read it already)."""
+        if not self.needs_read(request):
             self._used[request.lora_name] = next(self._tick)
-            return loaded
-        return self.load(request.lora_name, request.lora_path, in_use)
+            return self.adapters[request.lora_name]
+        return self.load(request.lora_name, request.lora_path, in_use, read)
 
     def unload(self, name: str, in_use: InUse) -> None:
         """Unload `name`: KeyError if it is not loaded, LoRAInUseError while requests use it."""
@@ -102,3 +121,16 @@ class LoRAManager:
 
     def end_step(self) -> None:
         self.batch.clear()
+
+
+async def read_off_thread(
+    manager: LoRAManager | None, request: LoRARequest | None
+) -> LoRAAdapter | None:
+    """The request's adapter read and checked on a worker thread of the running loop, or None
+    when there is nothing to read (no LoRA, no request, or the adapter is loaded). For the async
+    engine: reading and fusing on the step thread would stall every request's step. ValueError
+    when the adapter does not fit."""
+    if manager is None or request is None or not manager.needs_read(request):
+        return None
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(None, manager.read, request.lora_name, request.lora_path)

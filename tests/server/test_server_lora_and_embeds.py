@@ -142,6 +142,30 @@ def test_a_name_loaded_again_from_another_path_serves_the_new_files(
     live.check_no_leaks()
 
 
+def test_adapters_are_read_off_the_step_thread(live, adapters, monkeypatch, tmp_path):
+    from prefixserve.lora import manager
+
+    threads: list[str] = []
+    real = manager.load_adapter
+
+    def recording(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(manager, "load_adapter", recording)
+    with live.http(KEY_ADMIN) as ops:
+        # Two more adapters in 3 slots: "sql" or "poet" (idle, least recently used) goes.
+        for name in ("x1", "x2"):
+            body = {"lora_name": name, "lora_path": str(adapters["late"])}
+            assert ops.post("/v1/load_lora_adapter", json=body).status_code == 200
+        for name in ("sql", "poet"):  # whichever went is read again for its request
+            assert complete(live, name, [3, 4, 5]).status_code == 200
+        for name in ("x1", "x2"):
+            assert ops.post("/v1/unload_lora_adapter", json={"lora_name": name}).status_code == 200
+    assert len(threads) >= 3 and "prefixserve-engine" not in threads
+    live.check_no_leaks()
+
+
 def test_unloading_an_adapter_in_use_is_refused(live):
     started = threading.Event()
     done: list[int] = []
