@@ -28,7 +28,9 @@ TARGET_LINEARS = {"self_attn": ("qkv_proj", "o_proj"), "mlp": ("gate_up_proj", "
 # [1-16, 576] x [576, 48]), and each PyTorch op of a multi-row step can wake OpenMP's sleeping
 # threads (35 us an add at batch 16); through them, one adapter on every projection cost 1.6x
 # the base model's decode step at batch 1 and 1.8x at batch 16 (BENCHMARKS.md, LoRA). Larger
-# groups (prefill chunks) amortize the matmuls' setup and keep PyTorch, as fp32 models do.
+# groups (prefill chunks) amortize the matmuls' setup and keep PyTorch, as fp32 models do: the
+# kernel for every group made a W1-shaped run over 4 adapters slower (8.99 s against 8.36, median
+# of 4 alternating runs, `LLM.generate` of 32 prompts of 1,088 tokens).
 KERNEL_MAX_ROWS = 64
 
 Rows = slice | torch.Tensor
