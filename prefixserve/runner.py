@@ -153,12 +153,11 @@ class ModelRunner:
             block_ids, payloads = zip(*scheduler_output.kv_loads, strict=True)
             scatter_blocks(self.kv_caches, block_ids, payloads)
         output = ModelRunnerOutput()
-        # Single-token chunks first: attention serves them as one batched call; then by LoRA
-        # adapter, so that each adapter's decode rows are one slice (lora/layers.py).
-        scheduled = sorted(
-            scheduler_output.scheduled,
-            key=lambda s: (s.num_scheduled_tokens != 1, s.request.lora_name or ""),
-        )
+        lora, scheduled = self.lora, scheduler_output.scheduled
+        if lora is not None:  # by adapter: each adapter's decode rows become one slice (lora/)
+            scheduled = sorted(scheduled, key=lambda s: s.request.lora_name or "")
+        # Single-token chunks first (stable: adapters stay together): one batched attention call.
+        scheduled = sorted(scheduled, key=lambda s: s.num_scheduled_tokens != 1)
         if not scheduled:
             return output
 
@@ -194,7 +193,8 @@ class ModelRunner:
             token_ids.extend(drafts)
             positions.extend(range(start, end + len(drafts)))
             spans.append(ScheduledSpan(start, n + len(drafts), s.block_ids))
-            lora_segments.append((req.lora_name, row, row + n + len(drafts)))
+            if lora is not None:
+                lora_segments.append((req.lora_name, row, row + n + len(drafts)))
             if req.prompt_embeds is not None and start < req.num_prompt_tokens:
                 stop = min(end, req.num_prompt_tokens)
                 embed_rows.extend(range(row, row + stop - start))
@@ -225,7 +225,6 @@ class ModelRunner:
         )
         if embed_rows:
             ctx.embeds = (torch.tensor(embed_rows, dtype=torch.int64), torch.cat(embed_parts))
-        lora = self.lora
         if lora is not None:
             lora.begin_step(lora_segments)
         try:

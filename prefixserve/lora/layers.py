@@ -18,11 +18,11 @@ import torch
 from torch import nn
 
 from prefixserve.lora.adapter import LoRAAdapter
-from prefixserve.model.kernels import lora_add_kernel
+from prefixserve.model import layers
 
 TARGET_LINEARS = {"self_attn": ("qkv_proj", "o_proj"), "mlp": ("gate_up_proj", "down_proj")}
 
-# bf16 groups of at most this many rows take the native kernel (`kernels.lora_add_kernel`,
+# bf16 groups of at most this many rows take the native kernel ("lora_add" of `layers._kernel`,
 # csrc/lora.cpp) for both products and the add, in one call and no PyTorch op: oneDNN's bf16
 # matmul costs 15-23 us a call at these shapes whatever the rows (AMD Zen 5, one thread,
 # [1-16, 576] x [576, 48]), and each PyTorch op of a multi-row step can wake OpenMP's sleeping
@@ -84,7 +84,7 @@ class LoRALinear:
         """Add every adapter's update to its rows of `out` (the base linear's output of `x`)."""
         kernel = None
         if x.dtype == torch.bfloat16 and x.is_contiguous() and out.is_contiguous():
-            kernel = _lora_kernel()
+            kernel = layers._kernel("lora_add")
         for adapter, rows, index in self.batch.groups:
             weights = adapter.weights.get(self.key)
             if weights is None:
@@ -97,17 +97,6 @@ class LoRALinear:
             else:
                 update = torch.mm(torch.mm(x.index_select(0, rows), a.t()), b.t())
                 out.index_add_(0, rows, update)
-
-
-_KERNELS: list = []
-
-
-def _lora_kernel() -> object | None:
-    """The native kernel, looked up once (None where unavailable); tests put None in `_KERNELS`
-    to take the PyTorch path."""
-    if not _KERNELS:
-        _KERNELS.append(lora_add_kernel())
-    return _KERNELS[0]
 
 
 def batch_of(model: nn.Module) -> LoRABatch:

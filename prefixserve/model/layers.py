@@ -23,6 +23,7 @@ from prefixserve.model.cpu_paths import bf16_packing_supported, cpu_paths_here
 from prefixserve.model.hugepages import move_to_huge_pages
 from prefixserve.model.kernels import (
     linear_bf16_small_kernel,
+    lora_add_kernel,
     rms_norm_kernel,
     rope_kv_vectorized,
     rope_write_kv_kernel,
@@ -103,6 +104,7 @@ def set_stream_threads(threads: int) -> None:
 _kernels: dict[str, object] = {}
 _KERNEL_LOOKUPS = {
     "linear_small": linear_bf16_small_kernel,
+    "lora_add": lora_add_kernel,  # lora/layers.py
     "rope_kv": rope_write_kv_kernel,
     "rms_norm": rms_norm_kernel,
 }

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prefixserve.lora import layers as lora_layers
 from prefixserve.lora.adapter import LoRAAdapter, lora_weights
 from prefixserve.lora.layers import KERNEL_MAX_ROWS, LoRABatch, LoRALinear
+from prefixserve.model import layers as model_layers
 
 
 def adapter(name: str, rank: int, in_f: int, out_f: int, dtype, seed: int) -> LoRAAdapter:
@@ -51,8 +51,8 @@ def test_groups_are_slices_when_contiguous_and_indices_otherwise():
 @pytest.mark.parametrize("use_kernel", [True, False])
 def test_update_equals_the_direct_product(dtype, rows, use_kernel, monkeypatch):
     if not use_kernel:
-        monkeypatch.setattr(lora_layers, "_KERNELS", [None])
-    elif lora_layers._lora_kernel() is None:
+        monkeypatch.setitem(model_layers._kernels, "lora_add", None)
+    elif model_layers._kernel("lora_add") is None:
         pytest.skip("native kernels unavailable")
     in_f, out_f = 96, 200  # not multiples of the vector widths: the kernels' tails run
     g = torch.Generator().manual_seed(rows)

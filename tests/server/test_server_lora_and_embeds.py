@@ -14,7 +14,14 @@ import httpx
 import pytest
 import torch
 from helpers import random_tokens
-from server_helpers import KEY_ADMIN, KEY_ALPHA, MODEL_NAME, LiveServer, serve_in_thread
+from server_helpers import (
+    KEY_ADMIN,
+    KEY_ALPHA,
+    KEY_BETA,
+    MODEL_NAME,
+    LiveServer,
+    serve_in_thread,
+)
 
 from prefixserve import cli
 from prefixserve.async_engine import AsyncLLMEngine
@@ -56,6 +63,7 @@ def live(adapters, default_model_fp32):
     async_engine.start()
     keys = ApiKeys()
     keys.add(KEY_ALPHA, "alpha")
+    keys.add(KEY_BETA, "beta")
     keys.add_admin(KEY_ADMIN, "ops")
     app = build_app(async_engine, [MODEL_NAME], api_keys=keys, lora_modules=modules)
     server, thread, url = serve_in_thread(app)
@@ -65,11 +73,13 @@ def live(adapters, default_model_fp32):
     async_engine.shutdown()
 
 
-def complete(live: LiveServer, model: str, prompt, max_tokens: int = 8, **extra) -> httpx.Response:
+def complete(
+    live: LiveServer, model: str, prompt, max_tokens: int = 8, key: str | None = None, **extra
+) -> httpx.Response:
     body = {"model": model, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
     body.update(prompt if isinstance(prompt, dict) else {"prompt": prompt})
     body.update(extra)
-    with live.http() as http:
+    with live.http(key) as http:
         return http.post("/v1/completions", json=body)
 
 
@@ -96,6 +106,19 @@ def test_model_selects_the_adapter_and_caches_stay_apart(live):
     assert len(set(texts.values())) == 3
     again = complete(live, "sql", prompt)
     assert cached(again) == 32 and again.json()["choices"][0]["text"] == texts["sql"]
+    live.check_no_leaks()
+
+
+def test_tenants_under_one_adapter_never_share_blocks(live, default_model_fp32):
+    """An adapter is served to every tenant, its cache to none but the one that filled it: the
+    tenant's salt stays a key beside the adapter's name (prompts and embeddings alike)."""
+    prompt = random_tokens(40, seed=303)
+    with torch.no_grad():
+        embeds = {"prompt_embeds": encode(default_model_fp32.model.embed(torch.tensor(prompt)))}
+    for body in (prompt, embeds):
+        assert cached(complete(live, "sql", body, key=KEY_ALPHA)) == 0
+        assert cached(complete(live, "sql", body, key=KEY_BETA)) == 0
+        assert cached(complete(live, "sql", body, key=KEY_ALPHA)) == 32
     live.check_no_leaks()
 
 
