@@ -18,11 +18,11 @@ import torch
 from torch import nn
 
 from prefixserve.lora.adapter import LoRAAdapter
-from prefixserve.model import layers
+from prefixserve.model.layers import compiled_kernel
 
 TARGET_LINEARS = {"self_attn": ("qkv_proj", "o_proj"), "mlp": ("gate_up_proj", "down_proj")}
 
-# bf16 groups of at most this many rows take the native kernel ("lora_add" of `layers._kernel`,
+# bf16 groups of at most this many rows take the native kernel (`compiled_kernel("lora_add")`,
 # csrc/lora.cpp) for both products and the add, in one call and no PyTorch op: oneDNN's bf16
 # matmul costs 15-23 us a call at these shapes whatever the rows (AMD Zen 5, one thread,
 # [1-16, 576] x [576, 48]), and each PyTorch op of a multi-row step can wake OpenMP's sleeping
@@ -84,7 +84,7 @@ class LoRALinear:
         """Add every adapter's update to its rows of `out` (the base linear's output of `x`)."""
         kernel = None
         if x.dtype == torch.bfloat16 and x.is_contiguous() and out.is_contiguous():
-            kernel = layers._kernel("lora_add")
+            kernel = compiled_kernel("lora_add")
         for adapter, rows, index in self.batch.groups:
             weights = adapter.weights.get(self.key)
             if weights is None:

@@ -118,6 +118,10 @@ def _kernel(name: str) -> object:
     return kernel
 
 
+# The same lookup for the modules beside the model (lora/layers.py).
+compiled_kernel = _kernel
+
+
 class Linear(nn.Linear):
     """nn.Linear whose bf16 weight can be pre-packed into oneDNN's blocked layout.
 
