@@ -1,4 +1,4 @@
-"""Paged attention: the compiled kernel against the PyTorch path (gather + SDPA), one layer.
+"""Paged attention: the compiled kernels against the PyTorch path (gather + SDPA), one layer.
 
     .venv/bin/python benchmarks/bench_attention.py
 
@@ -7,7 +7,9 @@ scattered over shuffled cache blocks. Three families of cases: decode steps (bat
 new token each), decode steps whose sequences share a cached prefix (the same blocks; the kernel
 reads them once per step for up to 4 sequences), one chunk of n new tokens over a 1,024-token
 cached prefix, and prompts of n tokens with nothing cached (where `KERNEL_MAX_QUERIES` comes
-from). Milliseconds per call, median of 7 repeats.
+from). Milliseconds per call, median of 7 repeats. Columns: the paged kernel (every sequence), the
+long-chunk prefill kernel (chunks of 32+ tokens, gathered K/V as the SDPA path has them; "-"
+where it does not apply or is not built here), and PyTorch's path.
 """
 
 from __future__ import annotations
@@ -27,7 +29,10 @@ from prefixserve.model.attention import (  # noqa: E402
     build_attention_metadata,
     paged_attention,
 )
-from prefixserve.model.kernels import paged_attention_kernel  # noqa: E402
+from prefixserve.model.kernels import (  # noqa: E402
+    paged_attention_kernel,
+    prefill_attention_kernel,
+)
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 
@@ -72,8 +77,9 @@ def main() -> None:
         f"torch {torch.__version__} | threads {torch.get_num_threads()} | load avg "
         f"{os.getloadavg()[0]:.1f}"
     )
-    print("| case | kernel ms | PyTorch path ms | speed-up |")
-    print("|---|---:|---:|---:|")
+    prefill = prefill_attention_kernel()
+    print("| case | paged kernel ms | prefill kernel ms | PyTorch path ms | best |")
+    print("|---|---:|---:|---:|---|")
     cases = [
         (f"decode, batch {b} x context {c}", [(c, 1)] * b, 0)
         for b, c in ((1, 1500), (8, 128), (8, 1500), (32, 512))
@@ -82,18 +88,27 @@ def main() -> None:
         ("decode, batch 8 x context 1,100, all sharing a 1,024 prefix", [(1100, 1)] * 8, 1024),
         ("decode, batch 8 x context 1,550, all sharing a 1,504 prefix", [(1550, 1)] * 8, 1504),
     ]
-    cases += [(f"chunk of {n} over a 1,024 prefix", [(1024, n)], 0) for n in (4, 8, 16, 32, 64)]
-    cases += [(f"prompt of {n} (no prefix)", [(0, n)], 0) for n in (64, 128, 512, 2048)]
+    cases += [
+        (f"chunk of {n} over a 1,024 prefix", [(1024, n)], 0)
+        for n in (4, 8, 16, 32, 64, 128, 256, 512)
+    ]
+    cases += [
+        (f"prompt of {n} (no prefix)", [(0, n)], 0) for n in (32, 64, 128, 256, 512, 1024, 2048)
+    ]
     with torch.inference_mode():
         for name, seqs, shared in cases:
             q, kc, vc, spans = case(seqs, shared)
-            times = []
-            for fn in (kernel, None):
+            times: list[float | None] = []
+            long_chunk = len(seqs) == 1 and seqs[0][1] >= 32
+            for path, (fn, pre) in enumerate(((kernel, None), (None, prefill), (None, None))):
+                if path == 1 and (prefill is None or not long_chunk):
+                    times.append(None)
+                    continue
                 # Route every sequence to the path under test, whatever KERNEL_MAX_QUERIES says.
                 saved = attention.KERNEL_MAX_QUERIES
                 attention.KERNEL_MAX_QUERIES = 1 << 30
                 try:
-                    meta = build_attention_metadata(spans, 0, BLOCK, None, fn)
+                    meta = build_attention_metadata(spans, 0, BLOCK, None, fn, pre)
                 finally:
                     attention.KERNEL_MAX_QUERIES = saved
                 # The chunk's own K/V as the model passes them (read from where they were written).
@@ -107,7 +122,10 @@ def main() -> None:
                         )
                     )
                 )
-            print(f"| {name} | {times[0]:.2f} | {times[1]:.2f} | {times[1] / times[0]:.2f}x |")
+            cells = ["-" if t is None else f"{t:.2f}" for t in times]
+            names = ("paged", "prefill", "PyTorch")
+            best = min((t, n) for t, n in zip(times, names, strict=True) if t is not None)[1]
+            print(f"| {name} | {' | '.join(cells)} | {best} |")
 
 
 if __name__ == "__main__":

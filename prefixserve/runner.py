@@ -17,9 +17,9 @@ from torch import nn
 from prefixserve.batch import ModelRunnerOutput, PositionLogprobs, SchedulerOutput
 from prefixserve.kv_cache.spec import SlidingWindowSpec
 from prefixserve.kv_store.worker import gather_blocks, scatter_blocks
-from prefixserve.model.attention import ScheduledSpan, build_attention_metadata
+from prefixserve.model.attention import PREFILL_HEAD_DIMS, ScheduledSpan, build_attention_metadata
 from prefixserve.model.config import ModelConfig
-from prefixserve.model.kernels import paged_attention_kernel
+from prefixserve.model.kernels import paged_attention_kernel, prefill_attention_kernel
 from prefixserve.model.layers import ForwardContext, one_thread, set_stream_threads
 from prefixserve.model.sampler import is_greedy
 from prefixserve.prompt_embeds import embeds_rows
@@ -103,6 +103,14 @@ class ModelRunner:
         ]
         # The compiled paged-attention kernel (built on first use), or None: PyTorch paths.
         self.attention_kernel = paged_attention_kernel()
+        # The long-chunk kernel where it serves this model: bf16, its head dims, no soft-capping.
+        self.prefill_kernel = (
+            prefill_attention_kernel()
+            if config.torch_dtype == torch.bfloat16
+            and config.head_dim in PREFILL_HEAD_DIMS
+            and config.attn_logit_softcapping is None
+            else None
+        )
         # Small batches' linears stream on all of torch's threads even in a one-thread step.
         set_stream_threads(torch.get_num_threads())
         self.generator = torch.Generator().manual_seed(seed)
@@ -215,7 +223,9 @@ class ModelRunner:
                     prompt_owners.append((req, last - start))
 
         metadata = [
-            build_attention_metadata(spans, g, self.block_size, window, self.attention_kernel)
+            build_attention_metadata(
+                spans, g, self.block_size, window, self.attention_kernel, self.prefill_kernel
+            )
             for g, window in enumerate(self.group_windows)
         ]
         ctx = ForwardContext(

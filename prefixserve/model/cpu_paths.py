@@ -48,7 +48,8 @@ CPU_TABLE: dict[str, CpuPaths] = {
     # the same instructions: bf16 keeps its 2x FLOPs per instruction over fp32 FMAs (reasoned,
     # not measured). Attention: the kernel beats SDPA 1.3-2.4x for chunks of 4-64 queries over
     # a 1,024-token prefix and 1.2x on a 512-token prompt, and loses on a 2,048-token prompt
-    # (0.72x).
+    # (0.72x). Since the native prefill kernel (attention.PREFILL_MIN_QUERIES), chunks of 32+
+    # queries go to that instead wherever it is built: this number only matters without it.
     "avx512_bf16_amd": CpuPaths(None, False, 513, "AMD EPYC Zen 5, 2026-12-02"),
     # Intel Xeon with avx512_bf16 and no AMX: oneDNN's bf16 GEMM breaks even with fp32 around 64
     # rows and runs 0.6-0.8x of it from a few hundred (~155 against ~240 GFLOP/s at 512+ rows).

@@ -23,7 +23,10 @@ from prefixserve.settings import cache_root, file_lock, kernels_enabled, prepend
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / name for name in ("paged_attention.cpp", "gemv.cpp", "rope_kv.cpp", "lora.cpp")]
+_SOURCES = [
+    _CSRC / name
+    for name in ("paged_attention.cpp", "gemv.cpp", "rope_kv.cpp", "lora.cpp", "prefill_attention.cpp")
+]
 
 
 def _headers_digest() -> str:
@@ -109,6 +112,16 @@ def paged_attention_kernel() -> Callable[..., None] | None:
     window)`, or None when the kernels are unavailable."""
     module = _module()
     return None if module is None else module.paged_attention
+
+
+def prefill_attention_kernel() -> Callable[..., None] | None:
+    """`prefill_attention(out, q, k, v, scale)`: causal attention of one long bf16 chunk over
+    contiguous K/V rows (csrc/prefill_attention.cpp), or None when the kernels are unavailable
+    or this build has no AVX512-BF16 loop for it."""
+    module = _module()
+    if module is None or not module.prefill_attention_ready():
+        return None
+    return module.prefill_attention
 
 
 def linear_bf16_small_kernel() -> Callable[..., None] | None:

@@ -576,6 +576,11 @@ int64_t stream_pool_backoffs();
 void lora_add(torch::Tensor out, torch::Tensor x, torch::Tensor a, torch::Tensor blocks,
               torch::Tensor meta, torch::Tensor rows);
 
+// prefill_attention.cpp
+void prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                       double scale);
+bool prefill_attention_ready();
+
 // rope_kv.cpp
 void rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t q_heads,
                    int64_t kv_heads, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -587,6 +592,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "one adapter's LoRA update of one linear for a few bf16 rows: out[rows] += x[rows] @ A.T "
         "@ B.T, B in blocks of 64 columns per slice",
         py::call_guard<py::gil_scoped_release>());
+  m.def("prefill_attention", &prefill_attention,
+        "causal attention of one long bf16 chunk over contiguous K/V rows (scores with "
+        "VDPBF16PS, online softmax and P @ V in fp32)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("prefill_attention_ready", &prefill_attention_ready,
+        "whether prefill_attention has its AVX512-BF16 loop in this build");
   m.def("rope_kv_vectorized", &rope_kv_vectorized,
         "whether rope_write_kv has its AVX512-BF16 vector loop in this build");
   m.def("rope_write_kv", &rope_write_kv,

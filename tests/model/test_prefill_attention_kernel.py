@@ -1,0 +1,157 @@
+"""The native long-chunk attention kernel (csrc/prefill_attention.cpp) against an fp64 reference,
+and the attention path that hands it chunks (model/attention.py).
+
+Its scores are bf16 x bf16 products summed in fp32 and its softmax and P @ V are in fp32, so it
+must be as close to the exact result as PyTorch's fp32 flash SDPA on the same bf16 inputs: the
+tests bound its error by that path's error (plus one bf16 rounding of the output).
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from prefixserve.model.attention import ScheduledSpan, build_attention_metadata, paged_attention
+from prefixserve.model.cpu_paths import cpu_kind
+from prefixserve.model.kernels import paged_attention_kernel, prefill_attention_kernel
+
+prefill = prefill_attention_kernel()
+needs_prefill = pytest.mark.skipif(
+    prefill is None, reason="the prefill kernel needs an AVX512-BF16 build (not this CPU)"
+)
+
+
+def test_prefill_kernel_is_built_where_the_cpu_has_avx512_bf16():
+    """Where the CPU has AVX512-BF16 a missing kernel is a build problem, not a skip."""
+    if cpu_kind() in ("avx512_bf16_amd", "avx512_bf16_intel", "amx") and paged_attention_kernel():
+        assert prefill is not None
+    elif prefill is None:
+        pytest.skip("no AVX512-BF16 here")
+
+
+def exact(q, k, v, scale):
+    """fp64 causal attention: the chunk q [n, H, D] is the last n of the L positions of k/v."""
+    n, heads, _ = q.shape
+    length, kv_heads, _ = k.shape
+    kk = k.double().repeat_interleave(heads // kv_heads, 1).transpose(0, 1)
+    vv = v.double().repeat_interleave(heads // kv_heads, 1).transpose(0, 1)
+    scores = q.double().transpose(0, 1) @ kk.transpose(1, 2) * scale
+    mask = torch.ones(n, length, dtype=torch.bool).tril(length - n)
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    return (probs @ vv).transpose(0, 1).reshape(n, -1)
+
+
+def flash_fp32(q, k, v, scale):
+    n, length = q.shape[0], k.shape[0]
+    mask = torch.ones(n, length, dtype=torch.bool).tril(length - n)
+    out = F.scaled_dot_product_attention(
+        q.float().transpose(0, 1),
+        k.float().transpose(0, 1),
+        v.float().transpose(0, 1),
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out.transpose(0, 1).reshape(n, -1).bfloat16()
+
+
+@needs_prefill
+@pytest.mark.parametrize(
+    "n, length, heads, kv_heads, head_dim",
+    [
+        (1, 1, 9, 3, 64),  # one query, one key
+        (5, 5, 9, 3, 64),  # fewer rows than a micro-tile
+        (37, 37, 9, 3, 64),  # a short tail tile of keys and rows
+        (64, 1088, 9, 3, 64),  # a chunk over a cached prefix
+        (300, 300, 4, 4, 64),  # no GQA
+        (130, 700, 16, 8, 128),  # head dim 128, a prefix that is not a multiple of the tiles
+        (513, 513, 9, 3, 64),
+    ],
+)
+def test_prefill_kernel_is_as_exact_as_fp32_flash_attention(n, length, heads, kv_heads, head_dim):
+    g = torch.Generator().manual_seed(n * 1000 + length)
+    q = (torch.randn(n, heads, head_dim, generator=g) * 1.5).bfloat16()
+    k = (torch.randn(length, kv_heads, head_dim, generator=g) * 1.5).bfloat16()
+    v = torch.randn(length, kv_heads, head_dim, generator=g).bfloat16()
+    scale = head_dim**-0.5
+    out = torch.full((n, heads * head_dim), float("nan"), dtype=torch.bfloat16)
+    prefill(out, q, k, v, scale)
+    truth = exact(q, k, v, scale)
+    ours = (out.double() - truth).abs()
+    theirs = (flash_fp32(q, k, v, scale).double() - truth).abs()
+    ulp = truth.abs().max().item() * 2**-8
+    assert ours.max().item() <= theirs.max().item() + ulp
+    assert ours.mean().item() <= theirs.mean().item() * 1.05 + 1e-6
+
+
+@needs_prefill
+def test_prefill_kernel_reads_strided_queries_and_keys():
+    """q as a view into a fused qkv and k/v as views of this step's K/V (what the model passes)."""
+    g = torch.Generator().manual_seed(7)
+    n, heads, kv_heads, d = 70, 9, 3, 64
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * d, generator=g).bfloat16()
+    q = qkv[:, : heads * d].view(n, heads, d)
+    k = qkv[:, heads * d : (heads + kv_heads) * d].view(n, kv_heads, d)
+    v = qkv[:, (heads + kv_heads) * d :].view(n, kv_heads, d)
+    out = torch.empty(n, heads * d, dtype=torch.bfloat16)
+    prefill(out, q, k, v, 0.125)
+    dense = torch.empty_like(out)
+    prefill(dense, q.contiguous(), k.contiguous(), v.contiguous(), 0.125)
+    assert torch.equal(out, dense)
+    assert (out.double() - exact(q, k, v, 0.125)).abs().max().item() < 0.02
+
+
+@needs_prefill
+def test_prefill_kernel_refuses_what_it_does_not_compute():
+    q = torch.zeros(4, 2, 64, dtype=torch.bfloat16)
+    kv = torch.zeros(4, 2, 64, dtype=torch.bfloat16)
+    out = torch.empty(4, 128, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        prefill(out.float(), q.float(), kv.float(), kv.float(), 1.0)
+    with pytest.raises(RuntimeError, match="L >= n"):
+        prefill(out, q, kv[:2], kv[:2], 1.0)
+    with pytest.raises(RuntimeError, match="head dims"):
+        prefill(
+            torch.empty(4, 64, dtype=torch.bfloat16),
+            q[..., :32],
+            kv[..., :32],
+            kv[..., :32],
+            1.0,
+        )
+
+
+@needs_prefill
+def test_paged_attention_sends_long_chunks_to_the_prefill_kernel_and_short_ones_elsewhere():
+    """A step with a decode row, a short chunk and two long chunks (one over a cached prefix):
+    the long ones are served by the prefill kernel and every row matches the exact result."""
+    heads, kv_heads, d, block = 9, 3, 64, 16
+    g = torch.Generator().manual_seed(3)
+    seqs = [(40, 1), (20, 8), (0, 100), (64, 40)]
+    blocks = sum(-(-(c + n) // block) for c, n in seqs) + 1
+    k_cache = torch.randn(blocks, block, kv_heads, d, generator=g).bfloat16()
+    v_cache = torch.randn(blocks, block, kv_heads, d, generator=g).bfloat16()
+    free = (torch.randperm(blocks - 1, generator=g) + 1).tolist()
+    spans = [
+        ScheduledSpan(c, n, ([free.pop() for _ in range(-(-(c + n) // block))],)) for c, n in seqs
+    ]
+    rows = sum(n for _, n in seqs)
+    q = torch.randn(rows, heads, d, generator=g).bfloat16()
+    calls = []
+
+    def counting(out, q_, k_, v_, scale):
+        calls.append(q_.shape[0])
+        prefill(out, q_, k_, v_, scale)
+
+    meta = build_attention_metadata(spans, 0, block, None, paged_attention_kernel(), counting)
+    out = paged_attention(q, k_cache, v_cache, meta, d**-0.5)
+    assert sorted(calls) == [40, 100]
+    row = 0
+    for span in spans:
+        table = torch.tensor(span.block_ids[0])
+        end = span.num_computed_tokens + span.num_new_tokens
+        slots = (table.unsqueeze(1) * block + torch.arange(block)).view(-1)[:end]
+        keys = k_cache.view(-1, kv_heads, d)[slots]
+        values = v_cache.view(-1, kv_heads, d)[slots]
+        n = span.num_new_tokens
+        truth = exact(q[row : row + n], keys, values, d**-0.5)
+        assert (out[row : row + n].double() - truth).abs().max().item() < 0.03
+        row += n
