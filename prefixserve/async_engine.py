@@ -7,20 +7,19 @@ Everything else talks to that thread through a command queue drained at the top 
     asyncio handler --(command + future)--> queue --> step thread: run commands, engine.step()
     asyncio handler <--(call_soon_threadsafe)-- per-request OutputQueue <-- RequestOutputs
 
-Adding a request is a command whose future carries the engine's validation error back to the
-handler (so the server can answer 400 before it starts streaming); aborting is fire-and-forget, so
-it can be called from a `finally` of a cancelled task (a client that disconnected). A request
-whose reader takes no output for `stall_timeout_s` is aborted (StreamStalledError ends its stream).
+Adding a request is a command whose future carries the engine's validation error back (a 400
+before streaming starts); aborting is fire-and-forget, callable from a `finally` of a cancelled
+task. A request whose reader takes no output for `stall_timeout_s` is aborted.
 
 When the step loop fails (a forward pass raising for everyone, out of memory), the engine is dead:
-every in-flight stream and every queued command gets EngineDeadError, later calls raise it, and
-`on_dead(exc)` is called / `wait_dead()` returns, so the server process can exit.
+every stream and queued command gets EngineDeadError, later calls raise it, `on_dead(exc)` runs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import threading
 import time
@@ -162,6 +161,10 @@ class AsyncLLMEngine:
         return int(self.engine.max_model_len)
 
     @property
+    def enable_prompt_embeds(self) -> bool:
+        return bool(self.engine.config.enable_prompt_embeds)
+
+    @property
     def num_kv_blocks(self) -> int:
         """Blocks in the KV-cache pool."""
         return int(self.engine.num_kv_blocks)
@@ -176,6 +179,7 @@ class AsyncLLMEngine:
     ) -> RequestStream:
         """Validate and queue a request; `options` are `LLMEngine.add_request`'s keywords. A new
         LoRA adapter is read off the step thread. The engine's ValueError is raised here."""
+        options.pop("prompt_cache_key", None)  # a routing hint: one engine has nothing to route
         options["lora_read"] = await read_off_thread(self.engine.lora, options.get("lora_request"))
         loop = asyncio.get_running_loop()
         stream = OutputQueue(loop)
@@ -363,16 +367,12 @@ class AsyncLLMEngine:
             if command.future is not None:
                 _resolve(command, _set_exception, error)
         for stream in self._streams.values():
-            try:
+            with contextlib.suppress(RuntimeError):  # that caller's event loop is gone
                 stream.put(error)
-            except RuntimeError:
-                pass  # that caller's event loop is gone
         self._streams.clear()
         for loop, future in waiters:
-            try:
+            with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(_set_result, future, exc)
-            except RuntimeError:
-                pass
         if self.on_dead is not None:
             try:
                 self.on_dead(exc)
@@ -384,10 +384,8 @@ def _resolve(
     command: _Command, setter: Callable[[asyncio.Future[Any], Any], None], value: Any
 ) -> None:
     assert command.loop is not None and command.future is not None
-    try:
+    with contextlib.suppress(RuntimeError):  # a closed event loop: nobody awaits the answer
         command.loop.call_soon_threadsafe(setter, command.future, value)
-    except RuntimeError:
-        pass  # the caller's event loop is closed; nobody awaits the answer
 
 
 def _set_result(future: asyncio.Future[Any], result: Any) -> None:

@@ -12,6 +12,11 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 
+from prefixserve.cluster.options import (
+    add_cluster_arguments,
+    start_cluster_from_args,
+    wants_cluster,
+)
 from prefixserve.engine_args import (
     add_engine_arguments,
     engine_config_from_args,
@@ -88,6 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def serve_command(parser: argparse.ArgumentParser) -> Runner:
     add_engine_arguments(parser)
     add_kv_store_arguments(parser)
+    add_cluster_arguments(parser)
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="Address to listen on.")
     server.add_argument("--port", type=int, default=8000, help="Port to listen on.")
@@ -175,16 +181,21 @@ def run_serve(args: argparse.Namespace) -> int:
     served_names = args.served_model_name or [default_served_name(args.model)]
     logger.info("loading %s ...", args.model or "the default model")
     try:
-        engine = AsyncLLMEngine.from_config(
-            config,
-            log_stats_interval_s=None if args.disable_log_stats else args.log_stats_interval,
-            collect_kv_events=args.kv_events,
-            stall_timeout_s=args.stream_stall_timeout or None,
-        )
         for name in set(lora_modules) & set(served_names):
             raise ValueError(f"--lora-modules: {name!r} is also a served model name")
+        if wants_cluster(args):
+            engine = start_cluster_from_args(args, config)
+            load = engine.load_lora_adapter_now
+        else:
+            engine = AsyncLLMEngine.from_config(
+                config,
+                log_stats_interval_s=None if args.disable_log_stats else args.log_stats_interval,
+                collect_kv_events=args.kv_events,
+                stall_timeout_s=args.stream_stall_timeout or None,
+            )
+            load = engine.engine.load_lora_adapter
         for name, path in lora_modules.items():  # each checked now, not at its first request
-            engine.engine.load_lora_adapter(name, path)
+            load(name, path)
     except ValueError as exc:
         print(f"prefixserve serve: error: {exc}", file=sys.stderr)
         return 2

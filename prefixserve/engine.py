@@ -19,6 +19,7 @@ from prefixserve.batch import ModelRunnerOutput, SchedulerOutput
 from prefixserve.config import DEFAULT_KV_CACHE_MEMORY_GB, EngineConfig
 from prefixserve.engine_metrics import engine_metrics
 from prefixserve.input_checks import check_prompt, check_request_fields, effective_max_tokens
+from prefixserve.kv_cache import hashing
 from prefixserve.kv_cache.hashing import get_request_block_hasher
 from prefixserve.kv_cache.kv_cache_manager import KVCacheManager
 from prefixserve.kv_cache.sizing import blocks_needed, size_kv_pool
@@ -118,6 +119,7 @@ class LLMEngine:
         self._block_hasher = get_request_block_hasher(
             cache.block_size, cache.prefix_caching_hash_algo, none_hash=none_hash
         )
+        self._none_hash = none_hash
         self.output_processor = OutputProcessor(self.tokenizer)
         self.lora: LoRAManager | None = None
         if config.lora is not None:
@@ -373,6 +375,11 @@ class LLMEngine:
     def unpin_prefix(self, pin_id: str) -> bool:
         """Release a pin (its blocks stay cached, evictable again); False when there is none."""
         return self.kv_cache_manager.pins.unpin(pin_id)
+
+    @property
+    def none_hash(self) -> bytes:
+        """The seed of this engine's hash chains: its disk store's, else the process's."""
+        return self._none_hash if self._none_hash is not None else hashing.NONE_HASH
 
     def take_kv_events(self) -> list:
         """KV-cache events since the last call (empty unless enable_kv_events was set)."""

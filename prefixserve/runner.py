@@ -7,6 +7,7 @@ never mutates a Request: it reads token ids and sampling params and returns a Mo
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Iterable, Sequence
 from typing import Protocol
@@ -17,7 +18,7 @@ from torch import nn
 from prefixserve.batch import ModelRunnerOutput, PositionLogprobs, SchedulerOutput
 from prefixserve.kv_cache.spec import SlidingWindowSpec
 from prefixserve.kv_store.worker import gather_blocks, scatter_blocks
-from prefixserve.model.attention import PREFILL_HEAD_DIMS, ScheduledSpan, build_attention_metadata
+from prefixserve.model.attention import ScheduledSpan, build_attention_metadata, prefill_kernel_for
 from prefixserve.model.config import ModelConfig
 from prefixserve.model.kernels import paged_attention_kernel, prefill_attention_kernel
 from prefixserve.model.layers import ForwardContext, one_thread, set_stream_threads
@@ -94,23 +95,13 @@ class ModelRunner:
         ]
         shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
         # Zeroed: masked-out slots that were never written are still read, and 0 * NaN = NaN.
+        zeros = functools.partial(torch.zeros, shape, dtype=config.torch_dtype)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (
-                torch.zeros(shape, dtype=config.torch_dtype),
-                torch.zeros(shape, dtype=config.torch_dtype),
-            )
-            for _ in range(config.num_layers)
+            (zeros(), zeros()) for _ in range(config.num_layers)
         ]
         # The compiled paged-attention kernel (built on first use), or None: PyTorch paths.
         self.attention_kernel = paged_attention_kernel()
-        # The long-chunk kernel where it serves this model: bf16, its head dims, no soft-capping.
-        self.prefill_kernel = (
-            prefill_attention_kernel()
-            if config.torch_dtype == torch.bfloat16
-            and config.head_dim in PREFILL_HEAD_DIMS
-            and config.attn_logit_softcapping is None
-            else None
-        )
+        self.prefill_kernel = prefill_kernel_for(config, prefill_attention_kernel())
         # Small batches' linears stream on all of torch's threads even in a one-thread step.
         set_stream_threads(torch.get_num_threads())
         self.generator = torch.Generator().manual_seed(seed)

@@ -218,8 +218,9 @@ class BlockPool:
         """Give blocks[num_cached_blocks:num_full_blocks] the request's hashes and map them.
 
         Blocks that already carry a hash (cache hits) and null blocks are skipped. With events
-        enabled, one BlockStored is recorded; `extra_keys_fn(request, start, end)` supplies its
-        per-block extra keys.
+        enabled, one BlockStored is recorded per contiguous run of newly cached blocks (each
+        block's parent is the one before it); `extra_keys_fn(request, start, end)` supplies
+        their per-block extra keys.
         """
         if num_cached_blocks >= num_full_blocks:
             return
@@ -241,23 +242,25 @@ class BlockPool:
                 if track:
                     block.hits = 0
                     block.depth = i
-            start = end
-        # The hits and null blocks in the range are left as they are.
+            start = end  # hits and null blocks in the range are left as they are
         self.cached_block_hash_to_block[group_id].insert(blocks[num_cached_blocks:num_full_blocks])
-        if stored:
-            first = stored[0]
+        # One event per contiguous run: each block's parent is the one before it in its event.
+        cuts = [k for k in range(1, len(stored)) if stored[k] != stored[k - 1] + 1]
+        for a, b in zip([0, *cuts], [*cuts, len(stored)], strict=True) if stored else ():
+            run = stored[a:b]
+            first = run[0]
             self.events.append(
                 BlockStored(
-                    block_hashes=[hashes[i] for i in stored],
+                    block_hashes=[hashes[i] for i in run],
                     parent_block_hash=hashes[first - 1] if first > 0 else None,
-                    token_ids=[t for i in stored for t in blocks[i].token_ids],
+                    token_ids=[t for i in run for t in blocks[i].token_ids],
                     block_size=block_size,
                     lora_name=request.lora_name,
                     extra_keys=[
                         None
                         if extra_keys_fn is None
                         else extra_keys_fn(request, i * block_size, (i + 1) * block_size)
-                        for i in stored
+                        for i in run
                     ],
                     group_idx=group_id,
                 )

@@ -203,7 +203,8 @@ def _check_targets(path: Path, config: dict) -> None:
         )
 
 
-def _digest(path: Path) -> bytes:
+def adapter_digest(path: Path) -> bytes:
+    """sha256 of an adapter's config and weights files: what its cache keys carry."""
     h = hashlib.sha256()
     for name in (CONFIG_FILE, WEIGHTS_FILE):
         h.update(name.encode() + b"\0")
@@ -238,7 +239,7 @@ def _load(name: str, path: Path, model: ModelConfig, max_rank: int) -> LoRAAdapt
         raise _fail(path, f"no {WEIGHTS_FILE}{extra}")
     # Before the tensors: they are those of the files it fingerprints unless the files are
     # replaced while being read (an operator's business; the server never writes them).
-    digest = _digest(path)
+    digest = adapter_digest(path)
     base = config.get("base_model_name_or_path")
     base = base if isinstance(base, str) else None
     trained_for = f" (it was trained for {base!r})" if base else ""

@@ -11,7 +11,10 @@ With the compiled kernel (`prefixserve.model.kernels`, passed in as `kernel`), e
 fewer than `KERNEL_MAX_QUERIES` new tokens (decode rows and short chunks; on some CPUs whole
 prompts: the number is chosen per kind of CPU) is served by one kernel call that reads K/V
 straight from the blocks: no gather, no copies, online softmax in fp32. Longer chunks use the
-SDPA path below, whose flash kernel is faster for them. Without the kernel, two paths:
+span path below: where the native prefill kernel is built (AVX512-BF16; bf16 models without
+soft-capping or sliding windows), every chunk of `PREFILL_MIN_QUERIES` or more goes to it, with
+the chunk's K/V gathered once (a tiled causal kernel: 2.7x flash SDPA at 2,048 tokens);
+otherwise PyTorch's flash SDPA serves them. Without the paged kernel, two paths:
 - decode batch: the leading run of sequences with one new token each (at least two of them) is
   padded to a common number of blocks and served by one batched SDPA call with a padding mask;
 - one call per other sequence (prefill chunks, or a lone decode): the slots of its exact key
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -93,6 +97,20 @@ KERNEL_MAX_QUERIES = cpu_paths_here().kernel_max_queries
 # 512 prompt) and flash SDPA everywhere (14.3 against 38.6 ms for 2,048: bench_attention.py).
 PREFILL_MIN_QUERIES = 32
 PREFILL_HEAD_DIMS = (64, 128)
+
+
+def prefill_kernel_for(
+    config: Any, kernel: Callable[..., None] | None
+) -> Callable[..., None] | None:
+    """`kernel` (the native prefill kernel) where it serves a model of this ModelConfig: bf16,
+    a head dim it is built for, no logit soft-capping; else None."""
+    if (
+        config.torch_dtype != torch.bfloat16
+        or config.head_dim not in PREFILL_HEAD_DIMS
+        or config.attn_logit_softcapping is not None
+    ):
+        return None
+    return kernel
 
 
 @dataclass(slots=True)

@@ -25,7 +25,13 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [
     _CSRC / name
-    for name in ("paged_attention.cpp", "gemv.cpp", "rope_kv.cpp", "lora.cpp", "prefill_attention.cpp")
+    for name in (
+        "paged_attention.cpp",
+        "gemv.cpp",
+        "rope_kv.cpp",
+        "lora.cpp",
+        "prefill_attention.cpp",
+    )
 ]
 
 

@@ -28,7 +28,16 @@ from prefixserve.model.hf_dir import iter_safetensors_weights, read_hf_config, s
 from prefixserve.model.registry import create_model
 from prefixserve.model.tokenizer import Tokenizer
 
-__all__ = ["LoadedModel", "ModelLoadError", "load_hf_dir", "load_model", "resolve_dtype"]
+__all__ = [
+    "LoadedModel",
+    "ModelInfo",
+    "ModelLoadError",
+    "load_hf_dir",
+    "load_model",
+    "read_model_info",
+    "resolve_dtype",
+    "resolve_model_dir",
+]
 
 
 @dataclass(slots=True)
@@ -44,10 +53,19 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return getattr(torch, canonical_dtype(dtype))
 
 
-def load_hf_dir(
+@dataclass(slots=True)
+class ModelInfo:
+    """What serving a model needs besides its weights (a router in front of replicas)."""
+
+    tokenizer: Tokenizer
+    config: ModelConfig
+    path: Path
+
+
+def read_model_info(
     model_dir: Path, dtype: torch.dtype, max_model_len: int | None = None
-) -> LoadedModel:
-    """Build our model from a HF directory and stream its safetensors into it."""
+) -> ModelInfo:
+    """A HF directory's config and tokenizer, checked as `load_hf_dir` does; no weights read."""
     hf_config = read_hf_config(model_dir)
     try:
         config = model_config_from_hf(hf_config, canonical_dtype(dtype))
@@ -67,12 +85,41 @@ def load_hf_dir(
         tokenizer = Tokenizer.from_pretrained(model_dir)
     except (OSError, ValueError) as exc:
         raise load_error(model_dir, f"tokenizer files are missing or unreadable ({exc})") from exc
-    model = create_model(config)
+    return ModelInfo(tokenizer, config, model_dir)
+
+
+def load_hf_dir(
+    model_dir: Path, dtype: torch.dtype, max_model_len: int | None = None
+) -> LoadedModel:
+    """Build our model from a HF directory and stream its safetensors into it."""
+    info = read_model_info(model_dir, dtype, max_model_len)
+    model = create_model(info.config)
     # The tensors are fresh memory maps of the files (copy-on-write), so parameters may take
     # them as they are: no copy of the unfused weights (the cache dir is replaced atomically).
     model.load_weights(iter_safetensors_weights(model_dir, dtype), assign=True)
     model.eval()
-    return LoadedModel(model=model, tokenizer=tokenizer, config=config, path=model_dir)
+    return LoadedModel(model=model, tokenizer=info.tokenizer, config=info.config, path=model_dir)
+
+
+def resolve_model_dir(model: str | Path | None = None) -> Path:
+    """The HF directory of a model argument: None = the default model, a HF directory, or a
+    .gguf file (converted once, cached). Raises ModelLoadError as `load_model` does."""
+    if model is None:
+        return ensure_default_model()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise load_error(path, "no such file or directory")
+    if path.is_dir():
+        return path
+    if path.suffix.lower() == ".gguf":
+        arch = check_gguf_architecture(path)
+        try:
+            return ensure_converted(path, gguf_cache_dir(path), fallback_chat_template(arch))
+        except ModelLoadError:
+            raise
+        except (OSError, ValueError, KeyError) as exc:
+            raise load_error(path, f"GGUF conversion failed ({exc})") from exc
+    raise load_error(path, "a file that is not .gguf")
 
 
 def load_model(
@@ -87,20 +134,4 @@ def load_model(
     dtype or max_model_len.
     """
     torch_dtype = resolve_dtype(dtype)
-    if model is None:
-        return load_hf_dir(ensure_default_model(), torch_dtype, max_model_len)
-    path = Path(model).expanduser()
-    if not path.exists():
-        raise load_error(path, "no such file or directory")
-    if path.is_dir():
-        return load_hf_dir(path, torch_dtype, max_model_len)
-    if path.suffix.lower() == ".gguf":
-        arch = check_gguf_architecture(path)
-        try:
-            converted = ensure_converted(path, gguf_cache_dir(path), fallback_chat_template(arch))
-        except ModelLoadError:
-            raise
-        except (OSError, ValueError, KeyError) as exc:
-            raise load_error(path, f"GGUF conversion failed ({exc})") from exc
-        return load_hf_dir(converted, torch_dtype, max_model_len)
-    raise load_error(path, "a file that is not .gguf")
+    return load_hf_dir(resolve_model_dir(model), torch_dtype, max_model_len)

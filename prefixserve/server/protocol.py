@@ -3,8 +3,9 @@
 Requests take the OpenAI fields plus vLLM's extras (`top_k`, `min_p`, `repetition_penalty`,
 `ignore_eos`, `prompt_logprobs`, `cache_salt`, `stop_token_ids`), and OpenAI's prompt-caching
 fields: `prompt_cache_retention` ("in_memory": the prompt's blocks never go to the disk tier;
-"24h": kept there up to 24 hours) and `prompt_cache_key` (a routing hint for a multi-replica
-router; one server accepts it, bounded, and does nothing with it). Ranges are checked here so a
+"24h": kept there up to 24 hours) and `prompt_cache_key` (with `--replicas`, requests whose
+prompts cost the same on several replicas go to the same one for the same key; one engine
+ignores it). Ranges are checked here so a
 bad value comes back as a 400 naming the field; SamplingParams checks them again below the server.
 Unknown fields are ignored, as OpenAI clients send fields this server has no use for.
 """

@@ -125,6 +125,7 @@ async def generate(
             prompt=prompt_text,
             tenant=raw.state.tenant,
             cache_retention=body.prompt_cache_retention,
+            prompt_cache_key=body.prompt_cache_key,
             lora_request=lora_request,
             prompt_embeds=prompt_embeds,
         )

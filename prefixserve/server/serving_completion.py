@@ -31,7 +31,7 @@ async def create_completion(
     if (body.prompt is None) == (body.prompt_embeds is None):
         raise OpenAIError("give exactly one of prompt and prompt_embeds", param="prompt")
     if body.prompt_embeds is not None:
-        if not state.engine.engine.config.enable_prompt_embeds:
+        if not state.engine.enable_prompt_embeds:
             raise OpenAIError(
                 "prompt_embeds are not enabled on this server (--enable-prompt-embeds)",
                 param="prompt_embeds",

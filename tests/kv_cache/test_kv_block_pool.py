@@ -234,6 +234,23 @@ def test_block_stored_event_payload():
     assert pool.take_events() == []
 
 
+def test_block_stored_events_break_at_a_hit_so_each_parent_is_the_block_before():
+    """A hit in the middle of the cached range: the new blocks on either side go in two events,
+    the second chained to the hit (a router rebuilds each key from the event's parent)."""
+    pool = BlockPool(9, enable_kv_cache_events=True)
+    request = make_request("r", list(range(16)))
+    blocks = pool.get_new_blocks(4)
+    blocks[1].block_hash = b"already-cached"  # a hit: cache_full_blocks leaves it as it is
+    pool.cache_full_blocks(request, blocks, 0, 4, 4)
+    events = pool.take_events()
+    assert [e.block_hashes for e in events] == [
+        request.block_hashes[:1],
+        request.block_hashes[2:4],
+    ]
+    assert [e.parent_block_hash for e in events] == [None, request.block_hashes[1]]
+    assert events[1].token_ids == list(range(8, 16))
+
+
 def test_events_disabled_records_nothing():
     pool, _, _ = cached_pool(events=False)
     pool.get_new_blocks(8)

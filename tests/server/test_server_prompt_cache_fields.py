@@ -1,5 +1,6 @@
 """OpenAI's prompt-caching fields: `prompt_cache_retention` reaches the engine (or gets a 400),
-`prompt_cache_key` is accepted within its bound and goes nowhere."""
+`prompt_cache_key` is accepted within its bound and handed to the engine, whose router uses it
+to break ties between replicas (one engine drops it)."""
 
 from __future__ import annotations
 
@@ -43,10 +44,11 @@ def test_an_unknown_prompt_cache_retention_is_a_400_naming_the_field(path, bad):
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
-def test_prompt_cache_key_is_accepted_within_its_bound(path):
+def test_prompt_cache_key_is_accepted_within_its_bound_and_handed_on_as_a_routing_hint(path):
     engine = RecordingEngine()
     app = build_app(engine, ["m"])  # type: ignore[arg-type]
     _post(app, path, prompt_cache_key="k" * MAX_PROMPT_CACHE_KEY_CHARS)
-    assert len(engine.kwargs) == 1 and "prompt_cache_key" not in engine.kwargs[0]
+    assert len(engine.kwargs) == 1
+    assert engine.kwargs[0]["prompt_cache_key"] == "k" * MAX_PROMPT_CACHE_KEY_CHARS
     result = _post(app, path, prompt_cache_key="k" * (MAX_PROMPT_CACHE_KEY_CHARS + 1))
     assert result.status == 400 and "prompt_cache_key" in result.body.decode()

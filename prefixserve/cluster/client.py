@@ -1,0 +1,338 @@
+"""`ClusterEngine`: the engine the OpenAI server runs on with `--replicas N`.
+
+It offers the server the surface of `AsyncLLMEngine` (tokenizer, `add_request` returning a
+`RequestStream`, `abort`, metrics, cache reset, LoRA loading), and behind it routes each request
+to one replica (a Ray actor, `replica.py`) chosen by the router (`router.py`), streams that
+replica's outputs back, and keeps the router's index current from every replica's event stream
+(`event_feed.py`). Tokenization, chat templates and the API checks stay in the server's process;
+the replica validates, schedules, computes and detokenizes, as one engine does.
+
+A replica that dies: each of its requests that had not yet streamed an output is sent again to
+another replica (the client never sees the first attempt); a request that had streamed ends
+with an error output naming the cause. Ray restarts the replica and the feed registers it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from prefixserve.async_engine import EngineDeadError
+from prefixserve.cluster.event_feed import EventFeed
+from prefixserve.cluster.router import NoReplicaError, Route, Router
+from prefixserve.config import EngineConfig
+from prefixserve.lora.adapter import adapter_digest
+from prefixserve.model.loader import ModelInfo
+from prefixserve.outputs import RequestOutput
+from prefixserve.prompt_embeds import embeds_bits
+from prefixserve.request_stream import OutputQueue, RequestStream
+from prefixserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+REPLICA_DIED = "the engine replica serving this request died after it had started streaming"
+
+
+class ClusterEngine:
+    def __init__(
+        self,
+        handles: Sequence[Any],
+        model: ModelInfo,
+        config: EngineConfig,
+        router: Router,
+        *,
+        drop_event_fraction: float = 0.0,
+        on_stop: Any = None,
+    ) -> None:
+        self.handles = list(handles)
+        self.model = model
+        self.config = config
+        self.router = router
+        self.drop_event_fraction = drop_event_fraction
+        self.on_stop = on_stop  # called by shutdown() (ray_cluster: stop the actors and Ray)
+        self.on_dead: Any = None  # the CLI's death watch; a cluster fails per replica instead
+        self.collect_kv_events = False  # per-replica events feed the router, not /kv_events
+        self.feeds: list[EventFeed] = []
+        self.retried_requests = 0
+        self.failed_midstream = 0
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._routes: dict[str, Route] = {}
+        self._feed_tasks: list[asyncio.Task[None]] = []
+        self._stopping = False
+        self._lora_digests: dict[tuple[str, float], bytes] = {}
+        self._infos: dict[int, Any] = {}
+
+    # ----------------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        """Register every replica (blocking, once): one that does not fit fails here."""
+        import ray
+
+        if self._infos:
+            return
+        for info in ray.get([h.info.remote() for h in self.handles]):
+            self.router.register(info)
+            self._infos[info.replica_id] = info
+
+    def _ensure_feeds(self) -> None:
+        if self._feed_tasks or self._stopping:
+            return
+        loop = asyncio.get_running_loop()
+        for rid, handle in enumerate(self.handles):
+            feed = EventFeed(
+                rid,
+                handle,
+                self.router,
+                on_down=lambda r: None,
+                on_up=lambda r: None,
+                drop_fraction=self.drop_event_fraction,
+            )
+            self.feeds.append(feed)
+            self._feed_tasks.append(loop.create_task(feed.run()))
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        self._stopping = True
+        for task in [*self._feed_tasks, *self._tasks.values()]:
+            task.cancel()
+        if self.on_stop is not None:
+            self.on_stop()
+
+    @property
+    def is_running(self) -> bool:
+        return not self._stopping and bool(self.router.index.replica_ids)
+
+    @property
+    def shutdown_requested(self) -> bool:
+        return self._stopping
+
+    async def wait_dead(self) -> BaseException:
+        while not self._stopping:
+            await asyncio.sleep(1.0)
+        return EngineDeadError("the cluster was shut down")
+
+    # ------------------------------------------------------------------ what it serves
+    @property
+    def tokenizer(self) -> Any:
+        return self.model.tokenizer
+
+    @property
+    def model_config(self) -> Any:
+        return self.model.config
+
+    @property
+    def model_path(self) -> Path:
+        return self.model.path
+
+    @property
+    def max_model_len(self) -> int:
+        return min(info.max_model_len for info in self._infos.values())
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return sum(info.num_kv_blocks for info in self._infos.values())
+
+    @property
+    def enable_prompt_embeds(self) -> bool:
+        return self.config.enable_prompt_embeds
+
+    @property
+    def num_streams(self) -> int:
+        return len(self._tasks)
+
+    # ------------------------------------------------------------------------ requests
+    async def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        **options: Any,
+    ) -> RequestStream:
+        """Route and send a request; the replica's ValueError (a bad request) is raised here."""
+        self._ensure_feeds()
+        if request_id in self._tasks:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        loop = asyncio.get_running_loop()
+        queue = OutputQueue(loop)
+        accepted: asyncio.Future[None] = loop.create_future()
+        route_args = self._route_args(prompt_token_ids, options)
+        task = loop.create_task(
+            self._serve(request_id, prompt_token_ids, params, options, route_args, queue, accepted)
+        )
+        self._tasks[request_id] = task
+        task.add_done_callback(lambda _t: self._tasks.pop(request_id, None))
+        try:
+            await accepted
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        return RequestStream(request_id, queue, self.abort)
+
+    def abort(self, request_id: str) -> None:
+        task = self._tasks.get(request_id)
+        route = self._routes.get(request_id)
+        if route is not None:
+            self.handles[route.replica_id].abort.remote(request_id)
+        if task is not None:
+            task.cancel()
+
+    async def _serve(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        options: dict[str, Any],
+        route_args: dict[str, Any],
+        queue: OutputQueue,
+        accepted: asyncio.Future[None],
+    ) -> None:
+        from ray.exceptions import RayActorError, RayTaskError
+
+        excluded: set[int] = set()
+        last: RequestOutput | None = None
+        route: Route | None = None
+        try:
+            while True:
+                try:
+                    route = self.router.route(exclude=excluded, **route_args)
+                except NoReplicaError as exc:
+                    return self._fail(accepted, queue, last, EngineDeadError(str(exc)))
+                self._routes[request_id] = route
+                handle = self.handles[route.replica_id]
+                stream = handle.generate.options(num_returns="streaming").remote(
+                    request_id, prompt_ids, params, options
+                )
+                try:
+                    async for ref in stream:
+                        item = await ref
+                        if item is None:
+                            if not accepted.done():
+                                accepted.set_result(None)
+                            continue
+                        self.router.first_output(route)
+                        item.prompt_token_ids = prompt_ids
+                        last = item
+                        queue.put(item)
+                        if item.finished:
+                            return
+                    return  # aborted on the replica
+                except RayTaskError as exc:
+                    cause = exc.cause if isinstance(exc.cause, BaseException) else exc
+                    if isinstance(cause, ValueError) and not accepted.done():
+                        accepted.set_exception(ValueError(str(cause)))
+                        return
+                    return self._fail(accepted, queue, last, cause)
+                except RayActorError as exc:
+                    self.router.finished(route)
+                    if last is not None:
+                        self.failed_midstream += 1
+                        return self._fail(accepted, queue, last, RuntimeError(REPLICA_DIED))
+                    logger.warning(
+                        "replica %d died before request %s streamed; sending it elsewhere (%s)",
+                        route.replica_id,
+                        request_id,
+                        type(exc).__name__,
+                    )
+                    self.retried_requests += 1
+                    excluded.add(route.replica_id)
+        finally:
+            if route is not None:
+                self.router.finished(route)
+            self._routes.pop(request_id, None)
+
+    def _fail(
+        self,
+        accepted: asyncio.Future[None],
+        queue: OutputQueue,
+        last: RequestOutput | None,
+        exc: BaseException,
+    ) -> None:
+        if not accepted.done():
+            accepted.set_exception(exc)
+            return
+        if last is None or isinstance(exc, EngineDeadError):
+            queue.put(exc)
+            return
+        for completion in last.outputs:
+            completion.finish_reason = completion.finish_reason or "error"
+        last.finished = True
+        last.error = str(exc)
+        queue.put(last)
+
+    def _route_args(self, prompt_ids: list[int], options: dict[str, Any]) -> dict[str, Any]:
+        lora = options.get("lora_request")
+        embeds = options.get("prompt_embeds")
+        token_ids = prompt_ids
+        bits = None
+        if embeds is not None:
+            token_ids = [0] * int(embeds.shape[0])
+            bits = embeds_bits(embeds.to(self.model.config.torch_dtype))
+        return {
+            "token_ids": token_ids,
+            "cache_salt": options.get("cache_salt"),
+            "lora_name": None if lora is None else lora.lora_name,
+            "lora_digest": None if lora is None else self._lora_digest(lora.lora_path),
+            "prompt_embeds": bits,
+            "cache_key": options.pop("prompt_cache_key", None),
+        }
+
+    def _lora_digest(self, path: str) -> bytes | None:
+        try:
+            stamp = (str(path), os.stat(Path(path) / "adapter_model.safetensors").st_mtime)
+            if stamp not in self._lora_digests:
+                self._lora_digests[stamp] = adapter_digest(Path(path).expanduser())
+            return self._lora_digests[stamp]
+        except OSError:
+            return None  # the replica reports the unreadable adapter
+
+    # ------------------------------------------------------------------------ operator
+    async def _broadcast(self, method: str, *args: Any) -> list[Any]:
+        calls = [getattr(h, method).remote(*args) for h in self.handles]
+        return list(await asyncio.gather(*calls))
+
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        return all(await self._broadcast("reset_prefix_cache", reset_running_requests))
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        await self._broadcast("load_lora_adapter", name, path)
+
+    def load_lora_adapter_now(self, name: str, path: str) -> None:
+        """Load an adapter on every replica before serving (blocking; ValueError if it does
+        not fit)."""
+        import ray
+        from ray.exceptions import RayTaskError
+
+        try:
+            ray.get([h.load_lora_adapter.remote(name, path) for h in self.handles])
+        except RayTaskError as exc:
+            raise ValueError(str(exc.cause if exc.cause is not None else exc)) from None
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        await self._broadcast("unload_lora_adapter", name)
+
+    async def check_no_leaks(self) -> None:
+        await self._broadcast("check_no_leaks")
+
+    async def get_metrics(self) -> dict[str, Any]:
+        """Every replica's engine metrics summed, with each replica's under "replicas"."""
+        per = await self._broadcast("metrics")
+        total: dict[str, Any] = {}
+        for metrics in per:
+            for key, value in metrics.items():
+                if isinstance(value, int | float) and not isinstance(value, bool):
+                    total[key] = total.get(key, 0) + value
+        if "kv_cache_usage" in total:
+            total["kv_cache_usage"] /= len(per)
+        total["replicas"] = dict(enumerate(per))
+        total["router_decisions"] = self.router.decisions
+        total["router_decision_seconds"] = self.router.decision_seconds
+        total["router_retried_requests"] = self.retried_requests
+        return total
+
+    async def take_kv_events(self) -> list[Any]:
+        return []
+
+    async def run_in_engine(self, fn: Any) -> Any:
+        raise ValueError("this operation needs one engine; it is not available with --replicas")

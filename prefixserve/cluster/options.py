@@ -1,0 +1,86 @@
+"""The replica flags of `prefixserve serve`, and starting the engine they ask for.
+
+`--replicas 1` (the default) and no `--ray-address` serve from one in-process engine, as
+always; otherwise the engine replicas run on Ray behind the same server (`ray_cluster.py`).
+Importing this module does not import Ray.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from prefixserve.cluster.policy import DEFAULT_POLICY, POLICIES
+
+
+def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("replicas (Ray)")
+    group.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        metavar="N",
+        help="Engine replicas, each a Ray actor with its own KV pool, behind this one endpoint; "
+        "requests go where their prefix is cached (--routing-policy). 1: one in-process "
+        "engine, no Ray.",
+    )
+    group.add_argument(
+        "--threads-per-replica",
+        type=int,
+        default=1,
+        metavar="T",
+        help="CPU threads (and Ray CPUs) of each replica.",
+    )
+    group.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="HOST:PORT",
+        help="Join this Ray cluster (made with `ray start --head` and `ray start --address`) "
+        "instead of starting a local Ray runtime; replicas then spread over its hosts.",
+    )
+    group.add_argument(
+        "--routing-policy",
+        default=DEFAULT_POLICY,
+        choices=sorted(POLICIES),
+        help="prefix: the replica where the prompt's cached prefix makes the work least, "
+        "weighed against its load (from the replicas' KV events); the others are baselines.",
+    )
+    group.add_argument(
+        "--max-in-flight-per-replica",
+        type=int,
+        default=None,
+        metavar="N",
+        help="A replica with this many requests in flight is skipped while another is below "
+        "it. Default: no cap.",
+    )
+    group.add_argument(
+        "--drop-event-fraction",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="Testing: drop this fraction of the replicas' event batches on arrival (the "
+        "router must notice and recover).",
+    )
+
+
+def wants_cluster(args: argparse.Namespace) -> bool:
+    return args.replicas != 1 or args.ray_address is not None
+
+
+def start_cluster_from_args(args: argparse.Namespace, config: Any) -> Any:
+    """The ClusterEngine the flags describe (ValueError for bad values)."""
+    if not 0.0 <= args.drop_event_fraction < 1.0:
+        raise ValueError(f"--drop-event-fraction must be in [0, 1), got {args.drop_event_fraction}")
+    if args.max_in_flight_per_replica is not None and args.max_in_flight_per_replica < 1:
+        raise ValueError("--max-in-flight-per-replica must be at least 1")
+    from prefixserve.cluster.ray_cluster import start_cluster
+
+    return start_cluster(
+        config,
+        args.replicas,
+        threads_per_replica=args.threads_per_replica,
+        ray_address=args.ray_address,
+        routing_policy=args.routing_policy,
+        max_in_flight_per_replica=args.max_in_flight_per_replica,
+        drop_event_fraction=args.drop_event_fraction,
+    )

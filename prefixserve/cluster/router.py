@@ -1,0 +1,155 @@
+"""The router: the index, a policy, and the load it has put on each replica.
+
+Pure Python, no Ray: `client.py` feeds it replicas' registrations and event batches, asks it
+where each request goes, and reports each request's first output and end. Each decision is
+timed (`decision_seconds`), and the prefix-aware policy's view of a request (how many blocks the
+chosen replica held) is returned with it, so the benchmark can count what routing expected.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from prefixserve.cluster.index import PrefixIndex
+from prefixserve.cluster.policy import Candidate, ReplicaLoad, RouteInput, RoutingPolicy
+from prefixserve.cluster.protocol import ReplicaInfo
+
+# Leading blocks of a prompt, in the shared store, past what a replica holds: (keys' engine
+# hashes are the store's), set by client.py when replicas share a store.
+StoreProbe = Callable[[Sequence[int], dict[str, Any]], int]
+
+
+@dataclass(slots=True)
+class Route:
+    """One routing decision, and what the router counted for it."""
+
+    replica_id: int
+    keys: list[bytes]
+    num_prompt_tokens: int
+    cached_blocks: int  # leading blocks the chosen replica held, per the index
+    started: bool = False  # its first output came
+    done: bool = False  # it ended, and its load was taken back
+
+
+class NoReplicaError(RuntimeError):
+    """No replica is registered (all are down, or restarting)."""
+
+
+class Router:
+    def __init__(
+        self,
+        block_size: int,
+        hash_algo: str,
+        policy: RoutingPolicy,
+        *,
+        max_in_flight: int | None = None,
+        index: PrefixIndex | None = None,
+    ) -> None:
+        self.index = index or PrefixIndex(block_size, hash_algo)
+        self.policy = policy
+        self.max_in_flight = max_in_flight
+        self.loads: dict[int, ReplicaLoad] = {}
+        self.decisions = 0
+        self.decision_seconds = 0.0
+        self.store_probe: StoreProbe | None = None
+
+    # ------------------------------------------------------------------------ replicas
+    def register(self, info: ReplicaInfo) -> None:
+        """A replica (re)joined; a new epoch starts it empty in the index and the policy."""
+        known = info.replica_id in self.index.replica_ids
+        new_epoch = not known or self.index.epoch(info.replica_id) != info.epoch
+        self.index.register(info)
+        self.loads.setdefault(info.replica_id, ReplicaLoad())
+        if new_epoch:
+            self.policy.forget(info.replica_id)
+
+    def remove(self, replica_id: int) -> None:
+        """A replica went down: route nothing more to it until it registers again."""
+        self.index.unregister(replica_id)
+        self.loads.pop(replica_id, None)
+        self.policy.forget(replica_id)
+
+    # ------------------------------------------------------------------------ requests
+    def route(
+        self,
+        token_ids: Sequence[int],
+        *,
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+        lora_digest: str | None = None,
+        prompt_embeds: Any = None,
+        cache_key: str | None = None,
+        exclude: Collection[int] = (),
+        num_prompt_tokens: int | None = None,
+    ) -> Route:
+        """Pick a replica for a prompt and count it as sent there. Raises NoReplicaError."""
+        started = time.perf_counter()
+        ids = [rid for rid in self.index.replica_ids if rid not in exclude]
+        if not ids:
+            raise NoReplicaError("no engine replica is up to take the request")
+        keys = self.index.prompt_keys(
+            token_ids,
+            cache_salt=cache_salt,
+            lora_name=lora_name,
+            lora_digest=lora_digest,
+            prompt_embeds=prompt_embeds,
+        )
+        now = time.monotonic()
+        held = self.index.match(keys, now)
+        candidates = [Candidate(rid, self.loads[rid], held.get(rid, 0)) for rid in ids]
+        if self.store_probe is not None and keys:
+            in_store = self.store_probe(
+                token_ids,
+                {"cache_salt": cache_salt, "lora_name": lora_name, "lora_digest": lora_digest},
+            )
+            for c in candidates:
+                c.store_blocks = max(0, in_store - c.cached_blocks)
+        if self.max_in_flight is not None:
+            below = [c for c in candidates if c.load.in_flight < self.max_in_flight]
+            candidates = below or candidates
+        num_tokens = len(token_ids) if num_prompt_tokens is None else num_prompt_tokens
+        request = RouteInput(num_tokens, self.index.block_size, keys, cache_key)
+        replica_id = self.policy.choose(request, candidates)
+        self.policy.routed(request, replica_id)
+        cached = held.get(replica_id, 0)
+        self.index.insert_pending(replica_id, keys, now)
+        load = self.loads[replica_id]
+        load.in_flight += 1
+        load.queued_prefill_tokens += self._prefill(num_tokens, cached)
+        self.decisions += 1
+        self.decision_seconds += time.perf_counter() - started
+        return Route(replica_id, keys, num_tokens, cached)
+
+    def first_output(self, route: Route) -> None:
+        """The request's prefill is done: its load becomes a running decode."""
+        if route.started or route.done:
+            return
+        route.started = True
+        load = self.loads.get(route.replica_id)
+        if load is not None:
+            load.queued_prefill_tokens -= self._prefill(
+                route.num_prompt_tokens, route.cached_blocks
+            )
+            load.running += 1
+
+    def finished(self, route: Route) -> None:
+        """The request ended (finished, failed or aborted); idempotent."""
+        if route.done:
+            return
+        route.done = True
+        load = self.loads.get(route.replica_id)
+        if load is None:
+            return
+        load.in_flight -= 1
+        if route.started:
+            load.running -= 1
+        else:
+            load.queued_prefill_tokens -= self._prefill(
+                route.num_prompt_tokens, route.cached_blocks
+            )
+
+    def _prefill(self, num_tokens: int, cached_blocks: int) -> int:
+        return max(1, num_tokens - cached_blocks * self.index.block_size)

@@ -1,0 +1,149 @@
+"""Two engine replicas on a local Ray runtime behind one OpenAI endpoint, end to end: routing by
+cached prefix, streaming, aggregated metrics, and a replica killed while it serves."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import pytest
+
+from prefixserve.cluster.policy import make_policy
+from prefixserve.cluster.ray_cluster import kill_replica, replica_pids, start_cluster
+from prefixserve.server.app import build_app
+from tests.cluster.conftest import replica_config
+from tests.server.server_helpers import serve_in_thread
+
+pytestmark = pytest.mark.timeout(600)
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model: Any) -> Iterator[Any]:
+    # One sequence at a time per replica: requests queued behind a running one have not
+    # streamed, which the kill test needs.
+    engine = start_cluster(
+        replica_config(tiny_model, max_num_seqs=1), 2, threads_per_replica=1, seed=0
+    )
+    server, thread, url = serve_in_thread(build_app(engine, [MODEL]))
+    engine.url = url
+    yield engine
+    server.should_exit = True
+    thread.join(10)
+    engine.shutdown()
+
+
+def complete(url: str, prompt: list[int], max_tokens: int = 8, **extra: Any) -> dict:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    response = httpx.post(f"{url}/v1/completions", json={**body, **extra}, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def stream(url: str, prompt: list[int], max_tokens: int) -> list[dict]:
+    """The SSE events of a streamed completion, parsed (the error event included)."""
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    events = []
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[len("data: ") :]))
+    return events
+
+
+def cached(response: dict) -> int:
+    return response["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_repeats_of_a_prompt_go_to_the_replica_that_cached_it(cluster: Any) -> None:
+    prompt = list(range(1000, 1000 + 200))
+    first = complete(cluster.url, prompt)
+    assert cached(first) == 0
+    time.sleep(0.3)  # let the replica's events reach the router (pending keys would do too)
+    for _ in range(4):
+        assert cached(complete(cluster.url, prompt + [5])) == 192
+    assert cluster.router.decisions >= 5
+
+
+def test_both_replicas_serve_and_give_the_same_tokens(cluster: Any) -> None:
+    """Different prompts spread over both replicas (by load); greedy fp32 outputs equal a
+    second run whichever replica serves it."""
+    prompts = [[2000 + 50 * i + j for j in range(40)] for i in range(6)]
+    with ThreadPoolExecutor(6) as pool:
+        first = list(pool.map(lambda p: complete(cluster.url, p), prompts))
+    per_replica = asyncio.run(cluster.get_metrics())["replicas"]
+    assert all(per_replica[rid]["prefix_cache_requests"] > 0 for rid in (0, 1))
+    again = [complete(cluster.url, p) for p in prompts]
+    assert [r["choices"][0]["text"] for r in first] == [r["choices"][0]["text"] for r in again]
+
+
+def test_streaming_through_the_cluster(cluster: Any) -> None:
+    events = stream(cluster.url, list(range(3000, 3030)), max_tokens=12)
+    assert sum(1 for e in events if e.get("choices")) >= 1
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_metrics_sum_the_replicas(cluster: Any) -> None:
+    complete(cluster.url, list(range(4000, 4040)))
+    text = httpx.get(f"{cluster.url}/metrics", timeout=60).text
+    queries = [
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith("prefixserve_prefix_cache_queries_total")
+    ]
+    assert queries and queries[0] > 0
+
+
+def test_a_replica_killed_mid_run_loses_no_request_that_had_not_streamed(cluster: Any) -> None:
+    """Six requests round-robin: each replica runs one (streaming) with two queued behind it
+    (max_num_seqs=1). Replica X is killed: its two queued ones are served by the other, the
+    streaming one ends with an error, and X comes back, registered again."""
+    url = cluster.url
+    policy, cluster.router.policy = cluster.router.policy, make_policy("round_robin")
+    try:
+        results, victim, pids_before = kill_during(cluster, url)
+    finally:
+        cluster.router.policy = policy
+    errors = [r for r in results if any("error" in e for e in r)]
+    complete_ones = [
+        r for r in results if r and r[-1].get("choices") and r[-1]["choices"][0]["finish_reason"]
+    ]
+    assert len(errors) <= 1, "only a request that had streamed may fail"
+    assert len(complete_ones) + len(errors) == 6
+    assert cluster.retried_requests >= 1
+    deadline = time.monotonic() + 120
+    while victim not in cluster.router.index.replica_ids:
+        assert time.monotonic() < deadline, "the killed replica did not come back"
+        time.sleep(0.2)
+    assert replica_pids(cluster)[victim] != pids_before[victim]
+    assert all(complete(url, list(range(6000 + i, 6040 + i)))["choices"] for i in range(4))
+
+
+def kill_during(cluster: Any, url: str) -> tuple[list[list[dict]], int, list[int]]:
+    with ThreadPoolExecutor(6) as pool:
+        futures = [
+            pool.submit(stream, url, list(range(5000 + 100 * i, 5064 + 100 * i)), 400)
+            for i in range(6)
+        ]
+        deadline = time.monotonic() + 60
+        while not any(load.running for load in cluster.router.loads.values()):
+            assert time.monotonic() < deadline, "no request started streaming"
+            time.sleep(0.01)
+        victim = next(rid for rid, load in cluster.router.loads.items() if load.running)
+        pids_before = replica_pids(cluster)
+        kill_replica(cluster, victim)
+        results = [f.result(timeout=300) for f in futures]
+    return results, victim, pids_before
