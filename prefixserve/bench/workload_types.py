@@ -13,7 +13,8 @@ class BenchRequest:
 
     `after` names the request that must finish before this one is sent (the previous turn of a
     W2 conversation); `group` names what it shares a prefix with (a W1 system prompt, a W2
-    conversation, a W3 document), or is None.
+    conversation, a W3 document), or is None; `tenant` (W8) is sent as the request's
+    `cache_salt`, so each tenant caches apart as under its own API key.
     """
 
     request_id: str
@@ -22,6 +23,7 @@ class BenchRequest:
     prompt_text: str | None = None
     after: str | None = None
     group: str | None = None
+    tenant: str | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

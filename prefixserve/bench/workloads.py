@@ -40,6 +40,14 @@ The shapes:
   (`load_text_encoder`), so `make_workload` needs `text=` for it. Not among the defaults; run at
   the harness's default 8 requests in flight (`--concurrency`).
 
+- W8 multi-tenant (for replicas and their routing): 8 tenants, each with its own 2,000-token
+  system prompt; 16 users per tenant, each sending 3 turns (the system prompt, the user's
+  history and a new 64-token message; the assistant replies in the history are fixed 32-token
+  texts, as in W2), 32 output tokens; a turn waits for the user's previous one. Each request
+  carries its tenant as `cache_salt`. First turns come in a shuffled order over all users. Run
+  with `--request-rate` (Poisson arrivals) and a pool that holds all 8 system prompts only
+  across the replicas' pools together (`--kv-pool-tokens`).
+
 EOS is ignored everywhere so every engine decodes the same number of tokens.
 """
 
@@ -56,7 +64,7 @@ from prefixserve.bench.workload_types import BenchRequest, TextEncoder, Workload
 # Re-exported: callers take every workload name from this module.
 __all__ = ["BenchRequest", "TextEncoder", "Workload", "load_text_encoder", "make_w7"]
 
-WORKLOAD_NAMES = ("W0", "W1", "W2", "W3", "W4", "W5", "W6", "W7")
+WORKLOAD_NAMES = ("W0", "W1", "W2", "W3", "W4", "W5", "W6", "W7", "W8")
 # Run by `bench compare` as cold, warm and after-restart passes, never as one plain run.
 RESTART_WORKLOADS = ("W6",)
 # What `prefixserve bench run` runs unless told: W4 and W5 need a small KV pool to mean anything.
@@ -242,6 +250,42 @@ def make_w6(pool: Sequence[int], seed: int = 0, scale: float = 1.0) -> Workload:
     return Workload("W6", f"restart (cold, warm, after a restart): {w1.description}", w1.requests)
 
 
+def make_w8(pool: Sequence[int], seed: int = 0, scale: float = 1.0) -> Workload:
+    gen = _Gen(pool, seed)
+    users = scaled(16, scale)
+    systems = [gen.tokens(2000) for _ in range(8)]
+    conversations: list[list[BenchRequest]] = []
+    for t, system in enumerate(systems):
+        for u in range(users):
+            history = list(system)
+            turns: list[BenchRequest] = []
+            for k in range(3):
+                if k > 0:
+                    history = history + gen.tokens(32)  # the (fixed) reply to turn k-1
+                history = history + gen.tokens(64)
+                turns.append(
+                    BenchRequest(
+                        f"W8-t{t}-u{u:02d}-k{k}",
+                        list(history),
+                        32,
+                        after=turns[-1].request_id if turns else None,
+                        group=f"t{t}",
+                        tenant=f"tenant-{t}",
+                    )
+                )
+            conversations.append(turns)
+    order = list(range(len(conversations)))
+    gen.rng.shuffle(order)
+    reqs = [conversations[i][k] for k in range(3) for i in order]
+    return Workload(
+        "W8",
+        f"multi-tenant: 8 tenants x 2000-token system prompts, {users} users each x 3 turns, "
+        "+64 per turn, 32 out",
+        reqs,
+        seed,
+    )
+
+
 # W7's documents: an order log, sentence by sentence from these templates. Names, towns, dates
 # and numbers make most of a paragraph's 4-grams unique in its document, so the default model
 # copying it back is copying that paragraph (its induction finds the one place to copy from).
@@ -255,6 +299,7 @@ _MAKERS: dict[str, Callable[..., Workload]] = {
     "W5": make_w5,
     "W6": make_w6,
     "W7": make_w7,
+    "W8": make_w8,
 }
 
 
@@ -269,7 +314,8 @@ def make_workload(
     """Build workload `name` (W0..W7) from `pool` and `seed`.
 
     `scale` multiplies the number of requests (W0 requests, W1 requests per prefix, W2
-    conversations, W3 questions per document, W4 rounds, W5 requests, W7 requests), never the
+    conversations, W3 questions per document, W4 rounds, W5 requests, W7 requests, W8 users
+    per tenant), never the
     token lengths. With `decode`, each request also carries its prompt as text for servers that
     only take text. The workloads made of text (TEXT_WORKLOADS: W7) need `text`, the model's
     TextEncoder (`load_text_encoder`); the others ignore it.

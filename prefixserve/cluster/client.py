@@ -56,6 +56,7 @@ class ClusterEngine:
         self.on_stop = on_stop  # called by shutdown() (ray_cluster: stop the actors and Ray)
         self.on_dead: Any = None  # the CLI's death watch; a cluster fails per replica instead
         self.collect_kv_events = False  # per-replica events feed the router, not /kv_events
+        self.supports_pins = False  # a pin names one pool's blocks (server/serving_pins.py)
         self.feeds: list[EventFeed] = []
         self.retried_requests = 0
         self.failed_midstream = 0

@@ -74,6 +74,21 @@ class _EngineCollector(Collector):
             gauge = GaugeMetricFamily(PREFIX + "engine_" + key, f"engine metric {key}")
             gauge.add_metric([], float(value))
             yield gauge
+        # With replicas (cluster/): each replica's numbers, labelled (the above are their sums).
+        replicas = snapshot.get("replicas") or {}
+        keys = sorted({k for m in replicas.values() for k, v in m.items() if _is_number(v)})
+        for key in keys:
+            gauge = GaugeMetricFamily(
+                PREFIX + "replica_" + key, f"engine metric {key} of one replica", labels=["replica"]
+            )
+            for rid, metrics in sorted(replicas.items()):
+                if _is_number(metrics.get(key)):
+                    gauge.add_metric([str(rid)], float(metrics[key]))
+            yield gauge
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 class ServerMetrics:

@@ -47,7 +47,7 @@ def register_pin_routes(router: APIRouter, state: ServerState) -> None:
 
     @router.post("/pins")
     async def create_pin(body: PinRequest) -> dict[str, Any]:
-        engine = state.engine
+        engine = _one_engine(state)
         salt = _salt(state, body)
         ids = await _prompt_ids(state, body)
         pin_id = body.id or f"pin-{uuid.uuid4().hex}"
@@ -79,13 +79,24 @@ def register_pin_routes(router: APIRouter, state: ServerState) -> None:
                 "capacity_blocks": pins.capacity_blocks,
             }
 
-        return await state.engine.run_in_engine(describe)
+        return await _one_engine(state).run_in_engine(describe)
 
     @router.delete("/pins/{pin_id}")
     async def delete_pin(pin_id: str) -> dict[str, Any]:
-        if not await state.engine.run_in_engine(lambda e: e.unpin_prefix(pin_id)):
+        if not await _one_engine(state).run_in_engine(lambda e: e.unpin_prefix(pin_id)):
             raise OpenAIError(f"no pin {pin_id!r}", status_code=404, code="pin_not_found")
         return {"id": pin_id, "deleted": True}
+
+
+def _one_engine(state: ServerState) -> Any:
+    """The engine, when it is one engine: pins name one pool's blocks (not with --replicas)."""
+    if not getattr(state.engine, "supports_pins", True):
+        raise OpenAIError(
+            "pinned prefixes need one engine; this server runs replicas (--replicas)",
+            status_code=501,
+            code="not_supported",
+        )
+    return state.engine
 
 
 def _salt(state: ServerState, body: PinRequest) -> str | None:

@@ -99,12 +99,16 @@ def test_streaming_through_the_cluster(cluster: Any) -> None:
 def test_metrics_sum_the_replicas(cluster: Any) -> None:
     complete(cluster.url, list(range(4000, 4040)))
     text = httpx.get(f"{cluster.url}/metrics", timeout=60).text
-    queries = [
-        float(line.split()[-1])
-        for line in text.splitlines()
-        if line.startswith("prefixserve_prefix_cache_queries_total")
-    ]
-    assert queries and queries[0] > 0
+
+    def value(prefix: str) -> float:
+        lines = [line for line in text.splitlines() if line.startswith(prefix)]
+        assert len(lines) == 1, prefix
+        return float(lines[0].split()[-1])
+
+    total = value("prefixserve_prefix_cache_queries_total")
+    per = [value(f'prefixserve_replica_prefix_cache_queries{{replica="{r}"}}') for r in (0, 1)]
+    assert total > 0 and total == sum(per)
+    assert value("prefixserve_engine_router_decisions") >= 1
 
 
 def test_a_replica_killed_mid_run_loses_no_request_that_had_not_streamed(cluster: Any) -> None:
@@ -147,3 +151,8 @@ def kill_during(cluster: Any, url: str) -> tuple[list[list[dict]], int, list[int
         kill_replica(cluster, victim)
         results = [f.result(timeout=300) for f in futures]
     return results, victim, pids_before
+
+
+def test_pins_are_refused_with_a_clear_error_under_replicas(cluster: Any) -> None:
+    response = httpx.get(f"{cluster.url}/pins", timeout=30)
+    assert response.status_code == 501 and "replicas" in response.json()["error"]["message"]
