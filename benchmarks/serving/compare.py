@@ -46,7 +46,12 @@ from benchmarks.serving.servers import (
 )
 from prefixserve.bench import results
 from prefixserve.bench.client import EndpointConfig, RequestRecord, RunResult, run_workload
-from prefixserve.bench.server_counters import scrape_spec_decode, spec_decode_delta
+from prefixserve.bench.server_counters import (
+    cluster_delta,
+    scrape_cluster,
+    scrape_spec_decode,
+    spec_decode_delta,
+)
 from prefixserve.bench.summary import Summary, summarize
 from prefixserve.bench.workloads import (
     RESTART_WORKLOADS,
@@ -130,9 +135,11 @@ def _write_result(
     run: RunResult,
     label: str | None = None,
     spec_decode: dict[str, Any] | None = None,
+    cluster: dict[str, Any] | None = None,
 ) -> Summary:
     """Write one run as `<out>/<workload>/<label or engine>.json`; `spec_decode` is the server's
-    speculative-decoding counters over the run (`server_counters.spec_decode_delta`)."""
+    speculative-decoding counters over the run (`server_counters.spec_decode_delta`), `cluster`
+    its replicas' and router's (`server_counters.cluster_delta`)."""
     label = label or engine
     summary = summarize(run.records, run.duration).with_spec_decode(spec_decode)
     speculative = server.spec.speculative
@@ -147,6 +154,7 @@ def _write_result(
             json.loads(speculative_config_json(server.ctx)) if speculative else None
         ),
         "spec_decode": spec_decode,
+        "cluster": cluster,
         "lora_group_models": dict(server.ctx.group_models),
         "startup_s": server.startup_s,
         "machine": _machine(),
@@ -319,13 +327,24 @@ def _serve_and_run(
             # The server's counters are cumulative (warm-up, earlier workloads): the run's are
             # the difference of a scrape before it and one after it.
             before = scrape_spec_decode(server.base_url)
+            cluster_before = scrape_cluster(server.base_url)
             run = _run(endpoint, workload.requests, cfg, bar)
             # A crashed server's "results" are not kept. Failed requests may be the crash
             # itself: then wait a moment for the process to be gone.
             failed = any(r.error for r in run.records)
             server.check_alive(grace_s=5.0 if failed else 0.0)
             spec_decode = spec_decode_delta(before, scrape_spec_decode(server.base_url))
-            _write_result(cfg, workload, engine, server, run, label=label, spec_decode=spec_decode)
+            cluster = cluster_delta(cluster_before, scrape_cluster(server.base_url))
+            _write_result(
+                cfg,
+                workload,
+                engine,
+                server,
+                run,
+                label=label,
+                spec_decode=spec_decode,
+                cluster=cluster,
+            )
     return server
 
 

@@ -175,7 +175,7 @@ def _prefixserve_cmd(caching: bool, store: bool) -> Callable[[ServerContext], li
 
 
 def _prefixserve_replicas_cmd(
-    policy: str, store: bool, replicas: int = 2
+    policy: str, store: bool, replicas: int = 2, *extra: str
 ) -> Callable[[ServerContext], list[str]]:
     """`replicas` engine replicas on Ray, each with an equal share of the threads and of the KV
     pool (the whole is what one engine gets), routed by `policy`."""
@@ -195,6 +195,7 @@ def _prefixserve_replicas_cmd(
             str(max(1, ctx.threads // replicas)),
             "--routing-policy",
             policy,
+            *extra,
         ]
 
     return build
@@ -341,6 +342,17 @@ _BASE_ENGINES["prefixserve-2x1-prefix-store"] = EngineSpec(
     startup_timeout_s=300.0,
     uses_store=True,
     stop_timeout_s=120.0,
+)
+
+
+# The failure run "lose 5% of the event batches".
+_BASE_ENGINES["prefixserve-2x1-prefix-drop5"] = EngineSpec(
+    "prefixserve-2x1-prefix-drop5",
+    _prefixserve_replicas_cmd("prefix", False, 2, "--drop-event-fraction", "0.05"),
+    "tokens",
+    extra_body={"ignore_eos": True},
+    env=_threads_env,
+    startup_timeout_s=300.0,
 )
 
 

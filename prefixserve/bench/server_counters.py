@@ -1,5 +1,6 @@
 """Counters a server exports on GET /metrics that a benchmark run records: speculative decoding's
-drafts, draft tokens and accepted tokens.
+drafts, draft tokens and accepted tokens; with replicas, each replica's prompt tokens looked up
+and found in its cache and the router's decisions (`scrape_cluster`).
 
 prefixserve exports ``prefixserve_spec_decode_num_{drafts,draft_tokens,accepted_tokens}_total``,
 vLLM ``vllm:spec_decode_num_{drafts,draft_tokens,accepted_tokens}_total`` (labelled by engine and
@@ -121,3 +122,71 @@ def spec_decode_delta(
 ) -> dict[str, Any] | None:
     """The run's counts (after minus before) as a JSON-ready dict; None without an `after`."""
     return None if after is None else after.since(before).to_dict()
+
+
+# prefixserve with --replicas: per replica (labelled), and the router's (engine_router_*).
+REPLICA_COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "generation_tokens")
+ROUTER_COUNTERS = (
+    "router_decisions",
+    "router_decision_seconds",
+    "router_retried_requests",
+    "router_failed_midstream",
+    "router_event_gaps",
+    "router_snapshots",
+)
+
+
+def scrape_cluster(base_url: str, timeout_s: float = 10.0) -> dict[str, Any] | None:
+    """{"replicas": {id: {counter: value}}, "router": {counter: value}} from a prefixserve server
+    with replicas; None for any other server (or no answer)."""
+    try:
+        response = httpx.get(base_url.rstrip("/") + "/metrics", timeout=timeout_s)
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200:
+        return None
+    replicas: dict[str, dict[str, float]] = {}
+    router: dict[str, float] = {}
+    try:
+        for family in text_string_to_metric_families(response.text):
+            for sample in family.samples:
+                name = sample.name.removeprefix("prefixserve_")
+                if name.startswith("replica_") and "replica" in sample.labels:
+                    key = name.removeprefix("replica_")
+                    if key in REPLICA_COUNTERS:
+                        replicas.setdefault(sample.labels["replica"], {})[key] = sample.value
+                elif name.removeprefix("engine_") in ROUTER_COUNTERS:
+                    router[name.removeprefix("engine_")] = sample.value
+    except ValueError:
+        return None
+    return {"replicas": replicas, "router": router} if router else None
+
+
+def cluster_delta(
+    before: dict[str, Any] | None, after: dict[str, Any] | None
+) -> dict[str, Any] | None:
+    """The run's share of the cluster counters, with what they make: tokens computed (looked up
+    and not found) per replica, their imbalance (max / mean), the mean routing decision time."""
+    if after is None:
+        return None
+    before = before or {"replicas": {}, "router": {}}
+    replicas = {
+        rid: {k: v - before["replicas"].get(rid, {}).get(k, 0.0) for k, v in values.items()}
+        for rid, values in after["replicas"].items()
+    }
+    router = {k: v - before["router"].get(k, 0.0) for k, v in after["router"].items()}
+    computed = {
+        rid: v.get("prefix_cache_queries", 0.0) - v.get("prefix_cache_hits", 0.0)
+        for rid, v in replicas.items()
+    }
+    mean = sum(computed.values()) / len(computed) if computed else 0.0
+    decisions = router.get("router_decisions", 0.0)
+    return {
+        "replicas": replicas,
+        "router": router,
+        "computed_prompt_tokens": sum(computed.values()),
+        "load_imbalance": max(computed.values()) / mean if mean else None,
+        "decision_ms": 1e3 * router.get("router_decision_seconds", 0.0) / decisions
+        if decisions
+        else None,
+    }

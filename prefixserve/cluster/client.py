@@ -15,6 +15,7 @@ with an error output naming the cause. Ray restarts the replica and the feed reg
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 from collections.abc import Sequence
@@ -29,12 +30,13 @@ from prefixserve.lora.adapter import adapter_digest
 from prefixserve.model.loader import ModelInfo
 from prefixserve.outputs import RequestOutput
 from prefixserve.prompt_embeds import embeds_bits
-from prefixserve.request_stream import OutputQueue, RequestStream
+from prefixserve.request_stream import ABORTED, OutputQueue, RequestStream
 from prefixserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 REPLICA_DIED = "the engine replica serving this request died after it had started streaming"
+METRICS_TIMEOUT_S = 5.0
 
 
 class ClusterEngine:
@@ -218,30 +220,46 @@ class ClusterEngine:
                         queue.put(item)
                         if item.finished:
                             return
-                    return  # aborted on the replica
-                except RayTaskError as exc:
-                    cause = exc.cause if isinstance(exc.cause, BaseException) else exc
+                    queue.put(ABORTED)  # aborted on the replica
+                    return
+                except (RayActorError, RayTaskError) as exc:
+                    cause = getattr(exc, "cause", None) if isinstance(exc, RayTaskError) else exc
                     if isinstance(cause, ValueError) and not accepted.done():
                         accepted.set_exception(ValueError(str(cause)))
                         return
-                    return self._fail(accepted, queue, last, cause)
-                except RayActorError as exc:
+                    if isinstance(cause, EngineDeadError):
+                        # Its step loop died but the process lives: Ray restarts it.
+                        self._restart(route.replica_id)
+                    elif not isinstance(exc, RayActorError):
+                        return self._fail(accepted, queue, last, cause or exc)
                     self.router.finished(route)
                     if last is not None:
                         self.failed_midstream += 1
                         return self._fail(accepted, queue, last, RuntimeError(REPLICA_DIED))
                     logger.warning(
-                        "replica %d died before request %s streamed; sending it elsewhere (%s)",
+                        "replica %d failed before request %s streamed; sending it elsewhere (%s)",
                         route.replica_id,
                         request_id,
-                        type(exc).__name__,
+                        type(cause).__name__,
                     )
                     self.retried_requests += 1
                     excluded.add(route.replica_id)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - whatever broke, the caller must hear of it
+            logger.exception("request %s failed in the cluster client", request_id)
+            self._fail(accepted, queue, last, exc)
         finally:
             if route is not None:
                 self.router.finished(route)
             self._routes.pop(request_id, None)
+
+    def _restart(self, replica_id: int) -> None:
+        import ray
+
+        logger.error("replica %d's engine died; restarting it", replica_id)
+        with contextlib.suppress(Exception):
+            ray.kill(self.handles[replica_id], no_restart=False)
 
     def _fail(
         self,
@@ -317,19 +335,28 @@ class ClusterEngine:
         await self._broadcast("check_no_leaks")
 
     async def get_metrics(self) -> dict[str, Any]:
-        """Every replica's engine metrics summed, with each replica's under "replicas"."""
-        per = await self._broadcast("metrics")
+        """Every replica's engine metrics summed, with each replica's under "replicas" (a replica
+        that does not answer within METRICS_TIMEOUT_S, down or restarting, is left out)."""
+        timeout = METRICS_TIMEOUT_S
+        calls = [asyncio.wait_for(_ref(h.metrics.remote()), timeout) for h in self.handles]
+        answers = await asyncio.gather(*calls, return_exceptions=True)
+        per = {rid: m for rid, m in enumerate(answers) if isinstance(m, dict)}
         total: dict[str, Any] = {}
-        for metrics in per:
+        for metrics in per.values():
             for key, value in metrics.items():
                 if isinstance(value, int | float) and not isinstance(value, bool):
                     total[key] = total.get(key, 0) + value
         if "kv_cache_usage" in total:
             total["kv_cache_usage"] /= len(per)
-        total["replicas"] = dict(enumerate(per))
+        total["replicas"] = per
+        total["replicas_up"] = len(self.router.index.replica_ids)
         total["router_decisions"] = self.router.decisions
         total["router_decision_seconds"] = self.router.decision_seconds
         total["router_retried_requests"] = self.retried_requests
+        total["router_failed_midstream"] = self.failed_midstream
+        stats = self.router.index.stats
+        total["router_event_gaps"] = stats.gaps
+        total["router_snapshots"] = stats.snapshots
         return total
 
     async def take_kv_events(self) -> list[Any]:
@@ -337,3 +364,7 @@ class ClusterEngine:
 
     async def run_in_engine(self, fn: Any) -> Any:
         raise ValueError("this operation needs one engine; it is not available with --replicas")
+
+
+async def _ref(ref: Any) -> Any:
+    return await ref

@@ -5,12 +5,12 @@ when every one is at its cap: the request then queues in an engine), each with i
 router counts it and, for the prefix-aware policy, how many of the prompt's leading blocks it
 holds (the index) or could load from the shared disk store.
 
-- `prefix` (ours): cost = tokens to compute there (the prompt minus the blocks it holds; a block
-  in the shared store costs `STORE_COST` of computing it) + its load (prefill tokens routed and
-  not yet computed, plus `DECODE_TOKENS` per running decode). Lowest cost wins; among equals the
-  one holding most of the prompt (a prompt routed a moment ago costs its twin the same on either
-  replica, but one copy of a prefix beats two), then a random one, or always the same one for
-  the same `prompt_cache_key`.
+- `prefix` (ours): cost = `MISS_WEIGHT` x tokens to compute there (the prompt minus the blocks
+  it holds; a block in the shared store costs `STORE_COST` of computing it) + its load (prefill
+  tokens routed and not yet computed, plus `DECODE_TOKENS` per running decode). Lowest cost
+  wins; among equals the one holding most of the prompt (a prompt routed a moment ago costs its
+  twin the same on either replica, but one copy of a prefix beats two), then a random one, or
+  always the same one for the same `prompt_cache_key`.
 - `round_robin`, `least_loaded`, `power_of_two` (two random candidates, the less loaded).
 - `prefix_tree`: SGLang's approximate idea: remember the prompts routed to each replica (their
   block keys, LRU-bounded), send a prompt where the longest such prefix is when it covers at
@@ -27,6 +27,11 @@ from dataclasses import dataclass
 
 # A running decode weighs as much load as this many queued prefill tokens.
 DECODE_TOKENS = 16
+# A prompt token to compute weighs this many queued tokens: computing a prefix a second time
+# costs that replica the compute now and a second copy in the pools, which evicts other
+# prefixes and makes later misses (W8 at weight 1: hit rate 64-79% against one engine's 89%,
+# the load term spreading tenants over both replicas once queues grew; BENCHMARKS.md).
+MISS_WEIGHT = 4
 # A block in the shared store costs this fraction of computing it (a read instead of a forward).
 STORE_COST = 0.25
 
@@ -100,7 +105,7 @@ class PrefixAware(RoutingPolicy):
             held = min(request.num_prompt_tokens, c.cached_blocks * size)
             stored = min(request.num_prompt_tokens - held, c.store_blocks * size)
             compute = request.num_prompt_tokens - held - stored
-            costs.append(compute + STORE_COST * stored + c.load.score)
+            costs.append(MISS_WEIGHT * (compute + STORE_COST * stored) + c.load.score)
         best = min(costs)
         tied = [c for c, cost in zip(candidates, costs, strict=True) if cost == best]
         # Equal cost: where more of the prompt is already (keeps one copy of a prefix).

@@ -7,6 +7,7 @@ import pytest
 from prefixserve.cluster.event_log import EventLog
 from prefixserve.cluster.policy import (
     DECODE_TOKENS,
+    MISS_WEIGHT,
     Candidate,
     PrefixAware,
     PrefixTree,
@@ -37,12 +38,11 @@ def test_prefix_policy_prefers_the_replica_holding_the_prefix():
 
 def test_prefix_policy_weighs_a_cached_prefix_against_load():
     policy = PrefixAware(random.Random(0))
-    # Replica 1 saves 512 tokens of prefill but has 600 queued: replica 0 is cheaper.
-    assert policy.choose(req(), [cand(0), cand(1, cached=32, queued=600)]) == 0
-    # With 400 queued it is still cheaper to go there.
-    assert policy.choose(req(), [cand(0), cand(1, cached=32, queued=400)]) == 1
+    saved = MISS_WEIGHT * 512  # replica 1 holds 32 blocks: 512 tokens it need not compute
+    assert policy.choose(req(), [cand(0), cand(1, cached=32, queued=saved + 1)]) == 0
+    assert policy.choose(req(), [cand(0), cand(1, cached=32, queued=saved - 1)]) == 1
     # Running decodes count DECODE_TOKENS each.
-    busy = 600 // DECODE_TOKENS
+    busy = saved // DECODE_TOKENS + 1
     assert policy.choose(req(), [cand(0), cand(1, cached=32, running=busy)]) == 0
 
 
