@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from collections.abc import Sequence
 from typing import Any
@@ -40,7 +41,10 @@ class LLM:
     generated without a `prompt_cache_retention`. `enable_lora` lets prompts run with LoRA
     adapters (`generate(..., lora_request=LoRARequest(name, id, path))`), at most `max_loras`
     loaded at once, of rank at most `max_lora_rank`; `enable_prompt_embeds` lets a prompt be
-    `{"prompt_embeds": tensor}`. Invalid values raise ValueError.
+    `{"prompt_embeds": tensor}`. `num_replicas` > 1 runs that many engine replicas on Ray (each
+    with `threads_per_replica` threads and this config's pool), prompts routed by
+    `routing_policy` as `prefixserve serve --replicas` does (cluster/); `shutdown()` stops them.
+    Invalid values raise ValueError.
     """
 
     def __init__(
@@ -71,6 +75,9 @@ class LLM:
         max_loras: int = 4,
         max_lora_rank: int = 16,
         enable_prompt_embeds: bool = False,
+        num_replicas: int = 1,
+        threads_per_replica: int = 1,
+        routing_policy: str = "prefix",
     ) -> None:
         if enable_kv_store is None:
             enable_kv_store = settings.kv_store_default_enabled()
@@ -106,11 +113,30 @@ class LLM:
             lora=LoRAConfig(max_loras, max_lora_rank) if enable_lora else None,
             enable_prompt_embeds=enable_prompt_embeds,
         )
-        self.llm_engine = LLMEngine(config, loaded_model=loaded_model)
         self._counter = itertools.count()
+        self._cluster: Any = None
+        if num_replicas > 1:
+            from prefixserve.cluster.ray_cluster import start_cluster
+
+            self._cluster = start_cluster(
+                config,
+                num_replicas,
+                threads_per_replica=threads_per_replica,
+                routing_policy=routing_policy,
+            )
+            self._tokenizer = self._cluster.tokenizer
+            self.llm_engine: Any = None
+        else:
+            self.llm_engine = LLMEngine(config, loaded_model=loaded_model)
+            self._tokenizer = self.llm_engine.tokenizer
 
     def get_tokenizer(self) -> Any:
-        return self.llm_engine.tokenizer
+        return self._tokenizer
+
+    def shutdown(self) -> None:
+        """Stop the replicas (and the Ray runtime this LLM started); nothing with one engine."""
+        if self._cluster is not None:
+            self._cluster.shutdown()
 
     # ----------------------------------------------------------------- generation
 
@@ -162,7 +188,7 @@ class LLM:
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         params_list = self._params_list(sampling_params, len(conversations))
         loras = self._lora_list(lora_request, len(conversations))
-        tokenizer = self.llm_engine.tokenizer
+        tokenizer = self._tokenizer
         items = []
         for conversation, params, lora in zip(conversations, params_list, loras, strict=True):
             if not isinstance(conversation, list) or not all(
@@ -190,6 +216,11 @@ class LLM:
         use_tqdm: bool,
         cache_retention: str | None = None,
     ) -> list[RequestOutput]:
+        if self._cluster is not None:
+            from prefixserve.cluster.offline import run_items
+
+            ids = (str(next(self._counter)) for _ in itertools.repeat(None))
+            return run_items(self._cluster, items, ids, use_tqdm, cache_retention)
         engine = self.llm_engine
         order: dict[str, int] = {}
         try:
@@ -263,7 +294,7 @@ class LLM:
     def _parse_prompt(
         self, prompt: PromptType, index: int
     ) -> tuple[list[int], str | None, str | None, Any]:
-        tokenizer = self.llm_engine.tokenizer
+        tokenizer = self._tokenizer
         if isinstance(prompt, str):
             return tokenizer.encode(prompt), prompt, None, None
         if not isinstance(prompt, dict):
@@ -295,13 +326,21 @@ class LLM:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; False when requests still hold blocks."""
+        if self._cluster is not None:
+            return bool(asyncio.run(self._cluster.reset_prefix_cache()))
         return self.llm_engine.reset_prefix_cache()
 
     def get_metrics(self) -> dict[str, Any]:
         """Engine counters: prefix_cache_requests / queries / hits, kv_cache_usage, prompt and
-        generation token counts, num_preemptions, ..."""
+        generation token counts, num_preemptions, ... (with replicas: their sums, each one's
+        under "replicas", and the router's)."""
+        if self._cluster is not None:
+            return asyncio.run(self._cluster.get_metrics())
         return self.llm_engine.get_metrics()
 
     def take_kv_events(self) -> list:
-        """KV-cache events since the last call; needs enable_kv_events=True."""
+        """KV-cache events since the last call; needs enable_kv_events=True (one engine: with
+        replicas their events feed the router)."""
+        if self._cluster is not None:
+            raise ValueError("KV events feed the router with num_replicas > 1; not available")
         return self.llm_engine.take_kv_events()

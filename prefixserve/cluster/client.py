@@ -65,6 +65,7 @@ class ClusterEngine:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._routes: dict[str, Route] = {}
         self._feed_tasks: list[asyncio.Task[None]] = []
+        self._feed_loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
         self._lora_digests: dict[tuple[str, float], bytes] = {}
         self._infos: dict[int, Any] = {}
@@ -81,9 +82,15 @@ class ClusterEngine:
             self._infos[info.replica_id] = info
 
     def _ensure_feeds(self) -> None:
-        if self._feed_tasks or self._stopping:
-            return
+        """Start the replicas' event feeds in the running loop (again in a new loop: the offline
+        API runs one per call; the index keeps what the old feeds applied)."""
         loop = asyncio.get_running_loop()
+        if self._stopping or (self._feed_tasks and self._feed_loop is loop):
+            return
+        for task in self._feed_tasks:
+            task.cancel()
+        self._feed_tasks, self.feeds = [], []
+        self._feed_loop = loop
         for rid, handle in enumerate(self.handles):
             feed = EventFeed(
                 rid,
