@@ -322,37 +322,34 @@ _BASE_ENGINES: dict[str, EngineSpec] = {
 }
 
 
-# Two replicas of one thread each, by routing policy (W8); "-store": sharing one disk tier.
-ROUTING_POLICIES = ("prefix", "round_robin", "least_loaded", "power_of_two", "prefix_tree")
-for _policy in ROUTING_POLICIES:
-    _BASE_ENGINES[f"prefixserve-2x1-{_policy}"] = EngineSpec(
-        f"prefixserve-2x1-{_policy}",
-        _prefixserve_replicas_cmd(_policy, store=False),
+def _replicas_spec(
+    name: str, build: Callable[[ServerContext], list[str]], store: bool
+) -> EngineSpec:
+    return EngineSpec(
+        name,
+        build,
         "tokens",
         extra_body={"ignore_eos": True},
         env=_threads_env,
         startup_timeout_s=300.0,
+        uses_store=store,
+        stop_timeout_s=120.0 if store else 30.0,
     )
-_BASE_ENGINES["prefixserve-2x1-prefix-store"] = EngineSpec(
-    "prefixserve-2x1-prefix-store",
-    _prefixserve_replicas_cmd("prefix", store=True),
-    "tokens",
-    extra_body={"ignore_eos": True},
-    env=_threads_env,
-    startup_timeout_s=300.0,
-    uses_store=True,
-    stop_timeout_s=120.0,
+
+
+# Two replicas of one thread each, by routing policy (W8); "-store": sharing one disk tier;
+# "-drop5": the failure run that loses 5% of the event batches.
+ROUTING_POLICIES = ("prefix", "round_robin", "least_loaded", "power_of_two", "prefix_tree")
+for _policy in ROUTING_POLICIES:
+    _name = f"prefixserve-2x1-{_policy}"
+    _BASE_ENGINES[_name] = _replicas_spec(_name, _prefixserve_replicas_cmd(_policy, False), False)
+_BASE_ENGINES["prefixserve-2x1-prefix-store"] = _replicas_spec(
+    "prefixserve-2x1-prefix-store", _prefixserve_replicas_cmd("prefix", True), True
 )
-
-
-# The failure run "lose 5% of the event batches".
-_BASE_ENGINES["prefixserve-2x1-prefix-drop5"] = EngineSpec(
+_BASE_ENGINES["prefixserve-2x1-prefix-drop5"] = _replicas_spec(
     "prefixserve-2x1-prefix-drop5",
     _prefixserve_replicas_cmd("prefix", False, 2, "--drop-event-fraction", "0.05"),
-    "tokens",
-    extra_body={"ignore_eos": True},
-    env=_threads_env,
-    startup_timeout_s=300.0,
+    False,
 )
 
 

@@ -105,16 +105,20 @@ class SpecDecodeStats:
         return cls(**values) if found else None
 
 
-def scrape_spec_decode(base_url: str, timeout_s: float = 10.0) -> SpecDecodeStats | None:
-    """GET `base_url`/metrics and read the spec-decode counters; None when the server has no
-    /metrics, does not answer, or exports none of them."""
+def _metrics_page(base_url: str, timeout_s: float) -> str | None:
+    """GET `base_url`/metrics; None when the server has none or does not answer."""
     try:
         response = httpx.get(base_url.rstrip("/") + "/metrics", timeout=timeout_s)
     except httpx.HTTPError:
         return None
-    if response.status_code != 200:
-        return None
-    return SpecDecodeStats.from_metrics(response.text)
+    return response.text if response.status_code == 200 else None
+
+
+def scrape_spec_decode(base_url: str, timeout_s: float = 10.0) -> SpecDecodeStats | None:
+    """GET `base_url`/metrics and read the spec-decode counters; None when the server has no
+    /metrics, does not answer, or exports none of them."""
+    page = _metrics_page(base_url, timeout_s)
+    return None if page is None else SpecDecodeStats.from_metrics(page)
 
 
 def spec_decode_delta(
@@ -139,16 +143,13 @@ ROUTER_COUNTERS = (
 def scrape_cluster(base_url: str, timeout_s: float = 10.0) -> dict[str, Any] | None:
     """{"replicas": {id: {counter: value}}, "router": {counter: value}} from a prefixserve server
     with replicas; None for any other server (or no answer)."""
-    try:
-        response = httpx.get(base_url.rstrip("/") + "/metrics", timeout=timeout_s)
-    except httpx.HTTPError:
-        return None
-    if response.status_code != 200:
+    page = _metrics_page(base_url, timeout_s)
+    if page is None:
         return None
     replicas: dict[str, dict[str, float]] = {}
     router: dict[str, float] = {}
     try:
-        for family in text_string_to_metric_families(response.text):
+        for family in text_string_to_metric_families(page):
             for sample in family.samples:
                 name = sample.name.removeprefix("prefixserve_")
                 if name.startswith("replica_") and "replica" in sample.labels:

@@ -25,16 +25,6 @@ def run_items(
     cache_retention: str | None,
 ) -> list[RequestOutput]:
     """Each (token ids, text, salt, params, LoRA request, embeddings) item's final output."""
-    return asyncio.run(_run(cluster, items, request_ids, use_tqdm, cache_retention))
-
-
-async def _run(
-    cluster: Any,
-    items: Sequence[tuple[Any, ...]],
-    request_ids: Iterator[str],
-    use_tqdm: bool,
-    cache_retention: str | None,
-) -> list[RequestOutput]:
     bar = tqdm(total=len(items), desc="Processed prompts", disable=not use_tqdm)
 
     async def one(item: tuple[Any, ...]) -> RequestOutput:
@@ -57,7 +47,10 @@ async def _run(
         bar.update(1)
         return final
 
-    try:
+    async def run_all() -> list[RequestOutput]:
         return list(await asyncio.gather(*(one(item) for item in items)))
+
+    try:
+        return asyncio.run(run_all())
     finally:
         bar.close()

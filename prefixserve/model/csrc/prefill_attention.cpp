@@ -26,6 +26,8 @@
 #include <immintrin.h>
 #endif
 
+#include "exp_avx512.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -42,25 +44,10 @@ constexpr int64_t kRows = 4;       // query rows per micro-tile (share each K lo
 constexpr int64_t kKeys = 64;      // keys per tile (4 zmm of scores per row)
 constexpr int64_t kItemRows = 32;  // query positions per work item
 
-// exp(x) for x <= 0, 16 lanes (paged_attention.cpp's polynomial).
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723e-6f), r);
-  __m512 p = _mm512_set1_ps(0.00138889f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.00833336823f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.0416666418f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.166666672f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
+using prefixserve::exp_nonpositive16;
 
 inline float exp1(float x) {
-  return _mm512_cvtss_f32(exp16(_mm512_set1_ps(x)));
+  return _mm512_cvtss_f32(exp_nonpositive16(_mm512_set1_ps(x)));
 }
 
 // Lanes j of a 16-key vector starting at key `first` that row limit `lim` (inclusive) can see.
@@ -159,7 +146,8 @@ void run(uint16_t* out, const uint16_t* q, const uint16_t* k, const uint16_t* v,
             const __m512 mv = _mm512_set1_ps(m_new);
             __m512 vsum = _mm512_setzero_ps();
             for (int c = 0; c < 4; ++c) {
-              const __m512 e = _mm512_maskz_mov_ps(mk[c], exp16(_mm512_sub_ps(s[r][c], mv)));
+              const __m512 e =
+                  _mm512_maskz_mov_ps(mk[c], exp_nonpositive16(_mm512_sub_ps(s[r][c], mv)));
               _mm512_store_ps(pbuf[r] + 16 * c, e);
               vsum = _mm512_add_ps(vsum, e);
             }
