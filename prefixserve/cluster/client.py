@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -67,7 +66,7 @@ class ClusterEngine:
         self._feed_tasks: list[asyncio.Task[None]] = []
         self._feed_loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
-        self._lora_digests: dict[tuple[str, float], bytes] = {}
+        self._lora_digests: dict[tuple[str, tuple[Any, ...]], bytes] = {}
         self._infos: dict[int, Any] = {}
 
     # ----------------------------------------------------------------------- lifecycle
@@ -167,7 +166,12 @@ class ClusterEngine:
         loop = asyncio.get_running_loop()
         queue = OutputQueue(loop)
         accepted: asyncio.Future[None] = loop.create_future()
-        route_args = self._route_args(prompt_token_ids, options)
+        lora = options.get("lora_request")
+        # Read off the event loop: an adapter's files are hashed once per version.
+        digest = None
+        if lora is not None:
+            digest = await asyncio.to_thread(self._lora_digest, lora.lora_path)
+        route_args = self._route_args(prompt_token_ids, options, digest)
         task = loop.create_task(
             self._serve(request_id, prompt_token_ids, params, options, route_args, queue, accepted)
         )
@@ -227,8 +231,7 @@ class ClusterEngine:
                         queue.put(item)
                         if item.finished:
                             return
-                    queue.put(ABORTED)  # aborted on the replica
-                    return
+                    return  # aborted on the replica (the finally ends the stream)
                 except (RayActorError, RayTaskError) as exc:
                     cause = getattr(exc, "cause", None) if isinstance(exc, RayTaskError) else exc
                     if isinstance(cause, ValueError) and not accepted.done():
@@ -252,6 +255,11 @@ class ClusterEngine:
                     self.retried_requests += 1
                     excluded.add(route.replica_id)
         except asyncio.CancelledError:
+            # The caller went away (abort, disconnect, shutdown, an offline batch that failed):
+            # the replica must stop generating for nobody.
+            if route is not None and not route.done:
+                with contextlib.suppress(Exception):
+                    self.handles[route.replica_id].abort.remote(request_id)
             raise
         except Exception as exc:  # noqa: BLE001 - whatever broke, the caller must hear of it
             logger.exception("request %s failed in the cluster client", request_id)
@@ -260,6 +268,11 @@ class ClusterEngine:
             if route is not None:
                 self.router.finished(route)
             self._routes.pop(request_id, None)
+            # Whatever ended this task, nobody may wait on it for ever.
+            if not accepted.done():
+                accepted.set_exception(EngineDeadError(f"request {request_id} was not taken"))
+            with contextlib.suppress(RuntimeError):  # its loop is closing
+                queue.put(ABORTED)  # a no-op after an end already put
 
     def _restart(self, replica_id: int) -> None:
         import ray
@@ -287,7 +300,9 @@ class ClusterEngine:
         last.error = str(exc)
         queue.put(last)
 
-    def _route_args(self, prompt_ids: list[int], options: dict[str, Any]) -> dict[str, Any]:
+    def _route_args(
+        self, prompt_ids: list[int], options: dict[str, Any], lora_digest: bytes | None
+    ) -> dict[str, Any]:
         lora = options.get("lora_request")
         embeds = options.get("prompt_embeds")
         token_ids = prompt_ids
@@ -299,17 +314,23 @@ class ClusterEngine:
             "token_ids": token_ids,
             "cache_salt": options.get("cache_salt"),
             "lora_name": None if lora is None else lora.lora_name,
-            "lora_digest": None if lora is None else self._lora_digest(lora.lora_path),
+            "lora_digest": lora_digest,
             "prompt_embeds": bits,
             "cache_key": options.pop("prompt_cache_key", None),
         }
 
     def _lora_digest(self, path: str) -> bytes | None:
+        """The adapter's digest (as the replicas' cache keys carry it), per version of its files."""
+        root = Path(path).expanduser()
         try:
-            stamp = (str(path), os.stat(Path(path) / "adapter_model.safetensors").st_mtime)
-            if stamp not in self._lora_digests:
-                self._lora_digests[stamp] = adapter_digest(Path(path).expanduser())
-            return self._lora_digests[stamp]
+            stamp = tuple(
+                (name, (root / name).stat().st_mtime_ns, (root / name).stat().st_size)
+                for name in ("adapter_config.json", "adapter_model.safetensors")
+            )
+            key = (str(root), stamp)
+            if key not in self._lora_digests:
+                self._lora_digests[key] = adapter_digest(root)
+            return self._lora_digests[key]
         except OSError:
             return None  # the replica reports the unreadable adapter
 

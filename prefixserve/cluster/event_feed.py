@@ -17,6 +17,7 @@ event batches" run); replays and snapshots are never dropped.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 from collections.abc import Awaitable, Callable
@@ -70,18 +71,29 @@ class EventFeed:
                 await self._follow()
             except asyncio.CancelledError:
                 raise
-            except RegistrationError:
-                logger.exception("replica %d cannot rejoin; it is left out", self.replica_id)
-                return
             except Exception as exc:  # the actor died, or its stream broke
                 logger.warning("replica %d is down (%s); waiting for it", self.replica_id, exc)
             self._down()
-            await self._rejoin()
+            try:
+                await self._rejoin()
+            except RegistrationError:
+                logger.exception("replica %d cannot rejoin; it is left out", self.replica_id)
+                return
 
     async def _follow(self) -> None:
         index = self.router.index
         from_seq = index.next_seq(self.replica_id) if self.replica_id in index.replica_ids else 0
         stream = self.handle.events.options(num_returns="streaming").remote(from_seq)
+        try:
+            await self._apply_stream(stream)
+        finally:
+            # The replica's generator never ends by itself: stop it with this subscription (a
+            # new event loop, in the offline API, subscribes again).
+            with contextlib.suppress(Exception):
+                ray_cancel(stream)
+
+    async def _apply_stream(self, stream: Any) -> None:
+        index = self.router.index
         async for ref in stream:
             item = await ref
             if isinstance(item, Snapshot):
@@ -136,6 +148,12 @@ class EventFeed:
             self.on_up(self.replica_id)
             logger.info("replica %d is back (epoch %d)", self.replica_id, info.epoch)
             return
+
+
+def ray_cancel(ref: Any) -> None:
+    import ray
+
+    ray.cancel(ref)
 
 
 async def _with_timeout(awaitable: Awaitable[Any], seconds: float) -> Any:

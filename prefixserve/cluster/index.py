@@ -68,6 +68,7 @@ class _Replica:
     orphans: collections.OrderedDict[bytes, list[tuple[Any, ...]]] = field(
         default_factory=collections.OrderedDict
     )
+    orphan_parent: dict[bytes, bytes] = field(default_factory=dict)  # orphan hash -> its parent
     num_orphans: int = 0
 
 
@@ -208,6 +209,8 @@ class PrefixIndex:
         view = self._replicas.get(snapshot.replica_id)
         if view is None or snapshot.epoch < view.info.epoch:
             return
+        if snapshot.epoch == view.info.epoch and snapshot.next_seq < view.next_seq:
+            return  # older than what the index applied already
         self.stats.snapshots += 1
         self.unregister(snapshot.replica_id)
         view = _Replica(_with_epoch(view.info, snapshot.epoch), next_seq=snapshot.next_seq)
@@ -305,21 +308,27 @@ class PrefixIndex:
             waiting = view.orphans.pop(block_hash, None)
             if waiting:
                 view.num_orphans -= len(waiting)
+                for h, *_ in waiting:
+                    view.orphan_parent.pop(h, None)
                 work.extend((h, block_hash, t, e, c) for h, t, e, c in waiting)
 
     def _add_orphan(self, view: _Replica, parent: bytes, entry: tuple[Any, ...]) -> None:
         self.stats.orphans += 1
         view.orphans.setdefault(parent, []).append(entry)
+        view.orphan_parent[entry[0]] = parent
         view.num_orphans += 1
         while view.num_orphans > self.max_orphans:
             _, dropped = view.orphans.popitem(last=False)
             view.num_orphans -= len(dropped)
             self.stats.dropped_orphans += len(dropped)
+            for h, *_ in dropped:
+                view.orphan_parent.pop(h, None)
 
     def _remove(self, view: _Replica, block_hash: bytes) -> None:
         copies = view.copies.get(block_hash)
         if copies is None:
-            self.stats.unknown_removals += 1
+            if not self._remove_orphan(view, block_hash):
+                self.stats.unknown_removals += 1
             return
         if copies > 1:
             view.copies[block_hash] = copies - 1
@@ -331,6 +340,24 @@ class PrefixIndex:
             del view.key_refs[key]
             self._drop_holder(key, view.info.replica_id)
 
+    def _remove_orphan(self, view: _Replica, block_hash: bytes) -> bool:
+        """Drop one copy of a block still waiting for its parent (evicted before it arrived)."""
+        parent = view.orphan_parent.get(block_hash)
+        if parent is None:
+            return False
+        waiting = view.orphans[parent]
+        i = next(i for i, entry in enumerate(waiting) if entry[0] == block_hash)
+        h, tokens, extra, copies = waiting[i]
+        if copies > 1:
+            waiting[i] = (h, tokens, extra, copies - 1)
+            return True
+        del waiting[i]
+        view.num_orphans -= 1
+        del view.orphan_parent[block_hash]
+        if not waiting:
+            del view.orphans[parent]
+        return True
+
     def _clear(self, view: _Replica) -> None:
         for key in view.key_refs:
             self._drop_holder(key, view.info.replica_id)
@@ -338,6 +365,7 @@ class PrefixIndex:
         view.copies.clear()
         view.key_refs.clear()
         view.orphans.clear()
+        view.orphan_parent.clear()
         view.num_orphans = 0
 
     def _drop_holder(self, key: bytes, replica_id: int) -> None:

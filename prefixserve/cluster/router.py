@@ -30,6 +30,10 @@ class Route:
     keys: list[bytes]
     num_prompt_tokens: int
     cached_blocks: int  # leading blocks the chosen replica held, per the index
+    # The load it was counted in: settled there even if the replica restarted since (a new
+    # process gets a new ReplicaLoad, which never saw this request).
+    load: ReplicaLoad
+    prefill_tokens: int
     started: bool = False  # its first output came
     done: bool = False  # it ended, and its load was taken back
 
@@ -67,9 +71,10 @@ class Router:
             self.policy.forget(info.replica_id)
 
     def remove(self, replica_id: int) -> None:
-        """A replica went down: route nothing more to it until it registers again."""
+        """A replica went down: route nothing more to it until it registers again. Its load
+        stays: requests sent to it are settled as they end (retried or failed, or run by the
+        restarted process that Ray handed them to)."""
         self.index.unregister(replica_id)
-        self.loads.pop(replica_id, None)
         self.policy.forget(replica_id)
 
     # ------------------------------------------------------------------------ requests
@@ -117,39 +122,28 @@ class Router:
         cached = held.get(replica_id, 0)
         self.index.insert_pending(replica_id, keys, now)
         load = self.loads[replica_id]
+        prefill = max(1, num_tokens - cached * self.index.block_size)
         load.in_flight += 1
-        load.queued_prefill_tokens += self._prefill(num_tokens, cached)
+        load.queued_prefill_tokens += prefill
         self.decisions += 1
         self.decision_seconds += time.perf_counter() - started
-        return Route(replica_id, keys, num_tokens, cached)
+        return Route(replica_id, keys, num_tokens, cached, load, prefill)
 
     def first_output(self, route: Route) -> None:
         """The request's prefill is done: its load becomes a running decode."""
         if route.started or route.done:
             return
         route.started = True
-        load = self.loads.get(route.replica_id)
-        if load is not None:
-            load.queued_prefill_tokens -= self._prefill(
-                route.num_prompt_tokens, route.cached_blocks
-            )
-            load.running += 1
+        route.load.queued_prefill_tokens -= route.prefill_tokens
+        route.load.running += 1
 
     def finished(self, route: Route) -> None:
         """The request ended (finished, failed or aborted); idempotent."""
         if route.done:
             return
         route.done = True
-        load = self.loads.get(route.replica_id)
-        if load is None:
-            return
-        load.in_flight -= 1
+        route.load.in_flight -= 1
         if route.started:
-            load.running -= 1
+            route.load.running -= 1
         else:
-            load.queued_prefill_tokens -= self._prefill(
-                route.num_prompt_tokens, route.cached_blocks
-            )
-
-    def _prefill(self, num_tokens: int, cached_blocks: int) -> int:
-        return max(1, num_tokens - cached_blocks * self.index.block_size)
+            route.load.queued_prefill_tokens -= route.prefill_tokens

@@ -12,7 +12,8 @@ from typing import Any
 
 @dataclass(frozen=True, slots=True)
 class BlockStored:
-    """Blocks that just became cached, in chain order (one event per caching call)."""
+    """Blocks that just became cached, in chain order: one event per contiguous run of a caching
+    call, so each block's parent is the block before it (the first's: `parent_block_hash`)."""
 
     block_hashes: list[bytes]
     parent_block_hash: bytes | None  # hash of the block before the first one; None at the start

@@ -246,3 +246,21 @@ def test_event_log_numbers_batches_and_replays_what_its_ring_holds():
     snapshot = log.snapshot()
     assert (snapshot.next_seq, len(snapshot.blocks)) == (3, 3)
     assert [b.parent_hash for b in snapshot.blocks][1:] == engine_hashes(PROMPT)[:2]
+
+
+def test_an_orphan_evicted_before_its_parent_arrives_is_not_installed(setup):
+    index, log0, _ = setup
+    hashes = engine_hashes(PROMPT)
+    feed(log0, index, stored(PROMPT, 1, 1))  # block 1 waits for block 0
+    feed(log0, index, BlockRemoved([hashes[1]], 0))  # ... and is evicted meanwhile
+    assert index.stats.unknown_removals == 0
+    feed(log0, index, stored(PROMPT, 0, 1))
+    assert index.match(index.prompt_keys(PROMPT), 0.0)[0] == 1
+
+
+def test_an_older_snapshot_of_the_same_epoch_is_ignored(setup):
+    index, log0, _ = setup
+    old = log0.snapshot()  # as of seq 0: nothing cached
+    feed(log0, index, stored(PROMPT))
+    index.apply_snapshot(old)
+    assert index.match(index.prompt_keys(PROMPT), 0.0)[0] == 4

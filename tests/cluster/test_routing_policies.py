@@ -162,3 +162,16 @@ def test_a_removed_replica_gets_nothing_until_it_registers_again():
     assert {router.route(list(range(32))).replica_id for _ in range(4)} == {0}
     router.register(replica(1))
     assert {router.route(list(range(32))).replica_id for _ in range(4)} == {0, 1}
+
+
+def test_a_request_is_settled_against_the_load_it_was_counted_in_across_a_restart():
+    """A request sent to a replica that then died and came back ends later: the replica's load
+    is settled, never driven negative."""
+    router = Router(BS, "sha256", make_policy("round_robin"))
+    router.register(replica(0))
+    route = router.route(list(range(64)))
+    router.remove(0)
+    router.register(ReplicaInfo(0, 2, BS, "sha256", "s", 100, 4096, False))  # a new epoch
+    router.first_output(route)
+    router.finished(route)
+    assert router.loads[0] == ReplicaLoad()

@@ -84,8 +84,9 @@ def test_prefill_kernel_is_as_exact_as_fp32_flash_attention(n, length, heads, kv
 
 
 @needs_prefill
-def test_prefill_kernel_reads_strided_queries_and_keys():
-    """q as a view into a fused qkv and k/v as views of this step's K/V (what the model passes)."""
+def test_prefill_kernel_reads_strided_queries_keys_and_values():
+    """q as a view into a fused qkv and k/v as views of this step's K/V (what the model passes),
+    k and v with different strides too."""
     g = torch.Generator().manual_seed(7)
     n, heads, kv_heads, d = 70, 9, 3, 64
     qkv = torch.randn(n, (heads + 2 * kv_heads) * d, generator=g).bfloat16()
@@ -97,6 +98,10 @@ def test_prefill_kernel_reads_strided_queries_and_keys():
     dense = torch.empty_like(out)
     prefill(dense, q.contiguous(), k.contiguous(), v.contiguous(), 0.125)
     assert torch.equal(out, dense)
+    # qk-norm models (Qwen3): k comes out of the norm and rotary contiguous, v stays a view.
+    mixed = torch.empty_like(out)
+    prefill(mixed, q, k.contiguous(), v, 0.125)
+    assert torch.equal(mixed, dense)
     assert (out.double() - exact(q, k, v, 0.125)).abs().max().item() < 0.02
 
 
