@@ -160,3 +160,55 @@ def test_paged_attention_sends_long_chunks_to_the_prefill_kernel_and_short_ones_
         truth = exact(q[row : row + n], keys, values, d**-0.5)
         assert (out[row : row + n].double() - truth).abs().max().item() < 0.03
         row += n
+
+
+@needs_prefill
+def test_a_bf16_qk_norm_model_runs_long_prompts_through_the_kernel(tmp_path):
+    """Qwen3 normalizes q and k (k leaves rotary contiguous while v stays a view of the fused
+    qkv): a 40-token bf16 prompt goes through the prefill kernel and gives the prompt logprobs of
+    the SDPA path within bf16 noise."""
+    import shutil
+
+    import transformers
+
+    from prefixserve.config import CacheConfig, EngineConfig
+    from prefixserve.engine import LLMEngine
+    from prefixserve.model.default_model import ensure_default_model
+    from prefixserve.sampling_params import SamplingParams
+
+    default = ensure_default_model()
+    config = transformers.Qwen3Config(
+        vocab_size=transformers.AutoConfig.from_pretrained(default).vocab_size,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    transformers.Qwen3ForCausalLM(config).save_pretrained(tmp_path, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(default / name, tmp_path / name)
+    engine = LLMEngine(
+        EngineConfig(model=str(tmp_path), dtype="bfloat16", cache=CacheConfig(num_kv_blocks=32))
+    )
+    assert engine.runner.prefill_kernel is not None
+    prompt = list(range(1000, 1040))
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+
+    def logprobs(request_id: str) -> list[float]:
+        engine.reset_prefix_cache()
+        engine.add_request(request_id, prompt, params)
+        outputs = []
+        while engine.has_unfinished_requests():
+            outputs += engine.step()
+        final = outputs[-1]
+        return [next(iter(p.values())).logprob for p in final.prompt_logprobs[1:]]
+
+    with_kernel = logprobs("kernel")
+    engine.runner.prefill_kernel = None
+    without = logprobs("sdpa")
+    assert max(abs(a - b) for a, b in zip(with_kernel, without, strict=True)) < 0.1
