@@ -30,6 +30,8 @@ class StoreMachine(RuleBasedStateMachine):
         self.store = open_store(self.root, capacity=CAPACITY, clock=self.clock)
         self.model: dict[tuple[bytes, int], tuple[int, bytes, float | None]] = {}
         self.damaged: set[tuple[bytes, int]] = set()
+        # A damaged key's file as it was before its first damage.
+        self.intact: dict[tuple[bytes, int], bytes] = {}
 
     def teardown(self):
         shutil.rmtree(self.root, ignore_errors=True)
@@ -139,10 +141,16 @@ class StoreMachine(RuleBasedStateMachine):
             # Not damage: the other file already held a copy of this one (an earlier swap the
             # other way), so this block's record is back in its own file, intact.
             return
+        if k is not None and k not in self.damaged:
+            self.intact[k] = path.read_bytes()
         stat = path.stat()
         path.write_bytes(raw)
         os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # hide it from a stat
         if k is not None:
+            if raw == self.intact.get(k):
+                # A second damage undid the first (the same bit flipped twice): intact again.
+                self.damaged.discard(k)
+                return
             self.damaged.add(k)
             if read_now:
                 self._read_damaged(k, data.draw(st.booleans()))
