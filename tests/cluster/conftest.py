@@ -3,25 +3,19 @@ and two replicas of it on a local Ray runtime behind the OpenAI server."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
-import torch
 import transformers
+from helpers import default_vocab_size, save_with_default_tokenizer
 
 from prefixserve.config import CacheConfig, EngineConfig, SchedulerConfig
-from prefixserve.model.default_model import ensure_default_model
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
 def tiny_model_dir(path: Path) -> Path:
     """A 2-layer Llama with random weights and SmolLM2's tokenizer (fast to load and run)."""
-    default = ensure_default_model()
-    vocab = transformers.AutoConfig.from_pretrained(default).vocab_size
     config = transformers.LlamaConfig(
-        vocab_size=vocab,
+        vocab_size=default_vocab_size(),
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
@@ -30,11 +24,7 @@ def tiny_model_dir(path: Path) -> Path:
         max_position_embeddings=2048,
         tie_word_embeddings=True,
     )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
-    model.save_pretrained(path, safe_serialization=True)
-    for name in TOKENIZER_FILES:
-        shutil.copy(default / name, path / name)
+    save_with_default_tokenizer(config, path)
     return path
 
 

@@ -167,18 +167,15 @@ def test_a_bf16_qk_norm_model_runs_long_prompts_through_the_kernel(tmp_path):
     """Qwen3 normalizes q and k (k leaves rotary contiguous while v stays a view of the fused
     qkv): a 40-token bf16 prompt goes through the prefill kernel and gives the prompt logprobs of
     the SDPA path within bf16 noise."""
-    import shutil
-
     import transformers
+    from helpers import default_vocab_size, save_with_default_tokenizer
 
     from prefixserve.config import CacheConfig, EngineConfig
     from prefixserve.engine import LLMEngine
-    from prefixserve.model.default_model import ensure_default_model
     from prefixserve.sampling_params import SamplingParams
 
-    default = ensure_default_model()
     config = transformers.Qwen3Config(
-        vocab_size=transformers.AutoConfig.from_pretrained(default).vocab_size,
+        vocab_size=default_vocab_size(),
         hidden_size=128,
         intermediate_size=256,
         num_hidden_layers=2,
@@ -188,10 +185,7 @@ def test_a_bf16_qk_norm_model_runs_long_prompts_through_the_kernel(tmp_path):
         max_position_embeddings=512,
         tie_word_embeddings=True,
     )
-    torch.manual_seed(0)
-    transformers.Qwen3ForCausalLM(config).save_pretrained(tmp_path, safe_serialization=True)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(default / name, tmp_path / name)
+    save_with_default_tokenizer(config, tmp_path)
     engine = LLMEngine(
         EngineConfig(model=str(tmp_path), dtype="bfloat16", cache=CacheConfig(num_kv_blocks=32))
     )
