@@ -95,8 +95,6 @@ class ClusterEngine:
                 rid,
                 handle,
                 self.router,
-                on_down=lambda r: None,
-                on_up=lambda r: None,
                 drop_fraction=self.drop_event_fraction,
             )
             self.feeds.append(feed)
@@ -146,10 +144,6 @@ class ClusterEngine:
     @property
     def enable_prompt_embeds(self) -> bool:
         return self.config.enable_prompt_embeds
-
-    @property
-    def num_streams(self) -> int:
-        return len(self._tasks)
 
     # ------------------------------------------------------------------------ requests
     async def add_request(

@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import logging
 import random
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,16 +50,12 @@ class EventFeed:
         handle: Any,
         router: Router,
         *,
-        on_down: Callable[[int], None],
-        on_up: Callable[[int], None],
         drop_fraction: float = 0.0,
         rng: random.Random | None = None,
     ) -> None:
         self.replica_id = replica_id
         self.handle = handle
         self.router = router
-        self.on_down = on_down
-        self.on_up = on_up
         self.drop_fraction = drop_fraction
         self.rng = rng or random.Random(replica_id)
         self.stats = FeedStats()
@@ -130,7 +126,6 @@ class EventFeed:
         if self.up:
             self.up = False
             self.router.remove(self.replica_id)
-            self.on_down(self.replica_id)
 
     async def _rejoin(self) -> None:
         """Wait until Ray has the replica back, then register its new epoch."""
@@ -145,7 +140,6 @@ class EventFeed:
             self.router.register(info)
             self.stats.restarts += 1
             self.up = True
-            self.on_up(self.replica_id)
             logger.info("replica %d is back (epoch %d)", self.replica_id, info.epoch)
             return
 

@@ -16,6 +16,7 @@ import pytest
 from prefixserve.cluster.policy import make_policy
 from prefixserve.cluster.ray_cluster import kill_replica, replica_pids, start_cluster
 from prefixserve.server.app import build_app
+from prefixserve.server.auth import ApiKeys
 from tests.cluster.conftest import replica_config
 from tests.server.server_helpers import serve_in_thread
 
@@ -151,6 +152,46 @@ def kill_during(cluster: Any, url: str) -> tuple[list[list[dict]], int, list[int
         kill_replica(cluster, victim)
         results = [f.result(timeout=300) for f in futures]
     return results, victim, pids_before
+
+
+def test_tenants_through_replicas_never_hit_or_route_by_each_others_blocks(cluster: Any) -> None:
+    """Two tenants (API keys) send the same prompt through the replicas: the second tenant
+    computes it all (0 cached), its own repeat hits, and the operator-only routes stay closed
+    to tenant keys (per-replica /metrics included)."""
+    keys = ApiKeys()
+    keys.add("sk-a", "alpha")
+    keys.add("sk-b", "beta")
+    keys.add_admin("sk-op", "operator")
+    server, thread, url = serve_in_thread(build_app(cluster, [MODEL], api_keys=keys))
+    try:
+        prompt = list(range(8000, 8200))
+
+        def send(key: str) -> dict:
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0}
+            response = httpx.post(
+                f"{url}/v1/completions",
+                json=body,
+                headers={"Authorization": f"Bearer {key}"},
+                timeout=120,
+            )
+            assert response.status_code == 200, response.text
+            return response.json()
+
+        assert cached(send("sk-a")) == 0
+        time.sleep(0.3)
+        assert cached(send("sk-b")) == 0
+        assert cached(send("sk-a")) == 192
+
+        def metrics(key: str) -> httpx.Response:
+            auth = {"Authorization": f"Bearer {key}"}
+            return httpx.get(f"{url}/metrics", headers=auth, timeout=30)
+
+        tenant, operator = metrics("sk-a"), metrics("sk-op")
+        assert tenant.status_code == 403
+        assert operator.status_code == 200 and "prefixserve_replica_" in operator.text
+    finally:
+        server.should_exit = True
+        thread.join(10)
 
 
 def test_pins_are_refused_with_a_clear_error_under_replicas(cluster: Any) -> None:
