@@ -15,20 +15,21 @@ with an error output naming the cause. Ray restarts the replica and the feed reg
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from prefixserve.async_engine import EngineDeadError
+from prefixserve.async_engine import MAX_BUFFERED_KV_EVENTS, EngineDeadError
 from prefixserve.cluster.event_feed import EventFeed
+from prefixserve.cluster.route_inputs import LoraDigests, route_args
 from prefixserve.cluster.router import NoReplicaError, Route, Router
+from prefixserve.cluster.store_probe import open_store_probe
 from prefixserve.config import EngineConfig
-from prefixserve.lora.adapter import adapter_digest
 from prefixserve.model.loader import ModelInfo
 from prefixserve.outputs import RequestOutput
-from prefixserve.prompt_embeds import embeds_bits
 from prefixserve.request_stream import ABORTED, OutputQueue, RequestStream
 from prefixserve.sampling_params import SamplingParams
 
@@ -36,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 REPLICA_DIED = "the engine replica serving this request died after it had started streaming"
 METRICS_TIMEOUT_S = 5.0
+SYNC_TIMEOUT_S = 10.0  # the longest a request waits for the replicas' first snapshots
 
 
 class ClusterEngine:
@@ -47,6 +49,7 @@ class ClusterEngine:
         router: Router,
         *,
         drop_event_fraction: float = 0.0,
+        collect_kv_events: bool = False,
         on_stop: Any = None,
     ) -> None:
         self.handles = list(handles)
@@ -56,7 +59,11 @@ class ClusterEngine:
         self.drop_event_fraction = drop_event_fraction
         self.on_stop = on_stop  # called by shutdown() (ray_cluster: stop the actors and Ray)
         self.on_dead: Any = None  # the CLI's death watch; a cluster fails per replica instead
-        self.collect_kv_events = False  # per-replica events feed the router, not /kv_events
+        # The replicas' events always feed the router; with this, /kv_events gets them too.
+        self.collect_kv_events = collect_kv_events
+        self._kv_events: collections.deque[tuple[int, Any]] = collections.deque(
+            maxlen=MAX_BUFFERED_KV_EVENTS
+        )
         self.supports_pins = False  # a pin names one pool's blocks (server/serving_pins.py)
         self.feeds: list[EventFeed] = []
         self.retried_requests = 0
@@ -66,7 +73,7 @@ class ClusterEngine:
         self._feed_tasks: list[asyncio.Task[None]] = []
         self._feed_loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
-        self._lora_digests: dict[tuple[str, tuple[Any, ...]], bytes] = {}
+        self._lora_digests = LoraDigests()
         self._infos: dict[int, Any] = {}
 
     # ----------------------------------------------------------------------- lifecycle
@@ -79,6 +86,10 @@ class ClusterEngine:
         for info in ray.get([h.info.remote() for h in self.handles]):
             self.router.register(info)
             self._infos[info.replica_id] = info
+        index = self.router.index
+        self.router.store_probe = open_store_probe(
+            list(self._infos.values()), index.block_size, index.hash_algo
+        )
 
     def _ensure_feeds(self) -> None:
         """Start the replicas' event feeds in the running loop (again in a new loop: the offline
@@ -96,9 +107,17 @@ class ClusterEngine:
                 handle,
                 self.router,
                 drop_fraction=self.drop_event_fraction,
+                sink=self._keep_kv_events if self.collect_kv_events else None,
             )
             self.feeds.append(feed)
             self._feed_tasks.append(loop.create_task(feed.run()))
+
+    async def _synced(self) -> None:
+        """Until every feed applied its replica's first snapshot (at most SYNC_TIMEOUT_S)."""
+        waits = [feed.synced.wait() for feed in self.feeds if not feed.synced.is_set()]
+        if waits:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.gather(*waits), SYNC_TIMEOUT_S)
 
     def shutdown(self, timeout: float = 30.0) -> None:
         self._stopping = True
@@ -155,6 +174,7 @@ class ClusterEngine:
     ) -> RequestStream:
         """Route and send a request; the replica's ValueError (a bad request) is raised here."""
         self._ensure_feeds()
+        await self._synced()
         if request_id in self._tasks:
             raise ValueError(f"request id {request_id!r} is already in use")
         loop = asyncio.get_running_loop()
@@ -164,10 +184,10 @@ class ClusterEngine:
         # Read off the event loop: an adapter's files are hashed once per version.
         digest = None
         if lora is not None:
-            digest = await asyncio.to_thread(self._lora_digest, lora.lora_path)
-        route_args = self._route_args(prompt_token_ids, options, digest)
+            digest = await asyncio.to_thread(self._lora_digests.get, lora.lora_path)
+        args = route_args(prompt_token_ids, options, digest, self.model.config.torch_dtype)
         task = loop.create_task(
-            self._serve(request_id, prompt_token_ids, params, options, route_args, queue, accepted)
+            self._serve(request_id, prompt_token_ids, params, options, args, queue, accepted)
         )
         self._tasks[request_id] = task
         task.add_done_callback(lambda _t: self._tasks.pop(request_id, None))
@@ -192,7 +212,7 @@ class ClusterEngine:
         prompt_ids: list[int],
         params: SamplingParams,
         options: dict[str, Any],
-        route_args: dict[str, Any],
+        route_kwargs: dict[str, Any],
         queue: OutputQueue,
         accepted: asyncio.Future[None],
     ) -> None:
@@ -204,7 +224,7 @@ class ClusterEngine:
         try:
             while True:
                 try:
-                    route = self.router.route(exclude=excluded, **route_args)
+                    route = self.router.route(exclude=excluded, **route_kwargs)
                 except NoReplicaError as exc:
                     return self._fail(accepted, queue, last, EngineDeadError(str(exc)))
                 self._routes[request_id] = route
@@ -294,40 +314,6 @@ class ClusterEngine:
         last.error = str(exc)
         queue.put(last)
 
-    def _route_args(
-        self, prompt_ids: list[int], options: dict[str, Any], lora_digest: bytes | None
-    ) -> dict[str, Any]:
-        lora = options.get("lora_request")
-        embeds = options.get("prompt_embeds")
-        token_ids = prompt_ids
-        bits = None
-        if embeds is not None:
-            token_ids = [0] * int(embeds.shape[0])
-            bits = embeds_bits(embeds.to(self.model.config.torch_dtype))
-        return {
-            "token_ids": token_ids,
-            "cache_salt": options.get("cache_salt"),
-            "lora_name": None if lora is None else lora.lora_name,
-            "lora_digest": lora_digest,
-            "prompt_embeds": bits,
-            "cache_key": options.pop("prompt_cache_key", None),
-        }
-
-    def _lora_digest(self, path: str) -> bytes | None:
-        """The adapter's digest (as the replicas' cache keys carry it), per version of its files."""
-        root = Path(path).expanduser()
-        try:
-            stamp = tuple(
-                (name, (root / name).stat().st_mtime_ns, (root / name).stat().st_size)
-                for name in ("adapter_config.json", "adapter_model.safetensors")
-            )
-            key = (str(root), stamp)
-            if key not in self._lora_digests:
-                self._lora_digests[key] = adapter_digest(root)
-            return self._lora_digests[key]
-        except OSError:
-            return None  # the replica reports the unreadable adapter
-
     # ------------------------------------------------------------------------ operator
     async def _broadcast(self, method: str, *args: Any) -> list[Any]:
         calls = [getattr(h, method).remote(*args) for h in self.handles]
@@ -378,11 +364,20 @@ class ClusterEngine:
         total["router_failed_midstream"] = self.failed_midstream
         stats = self.router.index.stats
         total["router_event_gaps"] = stats.gaps
+        total["router_store_lookups"] = self.router.store_lookups
         total["router_snapshots"] = stats.snapshots
         return total
 
-    async def take_kv_events(self) -> list[Any]:
-        return []
+    def _keep_kv_events(self, replica_id: int, events: Sequence[Any]) -> None:
+        self._kv_events.extend((replica_id, event) for event in events)
+
+    async def take_kv_events(self) -> list[tuple[int, Any]]:
+        """(replica id, KV-cache event) pairs the feeds applied since the last call, oldest
+        first (bounded: the oldest go first past MAX_BUFFERED_KV_EVENTS)."""
+        self._ensure_feeds()
+        events = list(self._kv_events)
+        self._kv_events.clear()
+        return events
 
     async def run_in_engine(self, fn: Any) -> Any:
         raise ValueError("this operation needs one engine; it is not available with --replicas")

@@ -29,7 +29,8 @@ class EventLog:
         self.epoch = epoch
         self.next_seq = 0
         self._ring: collections.deque[EventBatch] = collections.deque(maxlen=ring_batches)
-        # hash -> [parent hash, token ids, extra keys, copies], in the order first stored.
+        # hash -> [parent hash, token ids, extra keys, copies, LoRA name], in the order first
+        # stored.
         self._blocks: dict[bytes, list] = {}
 
     def append(self, events: Iterable[KVCacheEvent]) -> EventBatch | None:
@@ -58,8 +59,8 @@ class EventLog:
         """Every cached block as of now (before batch `next_seq`), parents before children
         wherever the parent is still cached."""
         blocks = tuple(
-            CachedBlock(block_hash, parent, tokens, extra, copies)
-            for block_hash, (parent, tokens, extra, copies) in self._blocks.items()
+            CachedBlock(block_hash, parent, tokens, extra, copies, lora)
+            for block_hash, (parent, tokens, extra, copies, lora) in self._blocks.items()
         )
         return Snapshot(self.replica_id, self.epoch, self.next_seq, blocks)
 
@@ -77,7 +78,7 @@ class EventLog:
                     continue
                 parent = event.parent_block_hash if i == 0 else event.block_hashes[i - 1]
                 tokens = tuple(event.token_ids[i * size : (i + 1) * size])
-                self._blocks[block_hash] = [parent, tokens, event.extra_keys[i], 1]
+                self._blocks[block_hash] = [parent, tokens, event.extra_keys[i], 1, event.lora_name]
         elif isinstance(event, BlockRemoved):
             for block_hash in event.block_hashes:
                 entry = self._blocks.get(block_hash)

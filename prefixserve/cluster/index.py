@@ -73,7 +73,7 @@ class _Replica:
 
 
 @dataclass(slots=True)
-class _PromptView:
+class PromptView:
     """What the request block hasher reads of a request (hashing.get_request_block_hasher)."""
 
     all_token_ids: list[int]
@@ -237,8 +237,12 @@ class PrefixIndex:
     ) -> list[bytes]:
         """The router keys of a prompt's full blocks (the same extra keys as the engine's).
         `prompt_embeds`: the engine's bits of the embeddings (prompt_embeds.embeds_bits)."""
-        view = _PromptView(list(token_ids), cache_salt, lora_name, lora_digest, prompt_embeds)
-        return self._hasher(view)
+        view = PromptView(list(token_ids), cache_salt, lora_name, lora_digest, prompt_embeds)
+        return self.keys_of(view)
+
+    def keys_of(self, view: PromptView) -> list[bytes]:
+        """The router keys of the prompt `view` describes."""
+        return list(self._hasher(view))
 
     def match(self, keys: Sequence[bytes], now: float) -> dict[int, int]:
         """Per replica, how many of the leading `keys` it holds (or was sent, pending)."""

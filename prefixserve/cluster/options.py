@@ -39,6 +39,26 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
         "instead of starting a local Ray runtime; replicas then spread over its hosts.",
     )
     group.add_argument(
+        "--ray-namespace",
+        default="prefixserve",
+        metavar="NAME",
+        help="With --ray-address: the Ray namespace of this deployment's replicas (detached "
+        "actors named prefixserve-replica-<i>). A server started again with the same address and "
+        "namespace adopts the replicas its predecessor left running, with their warm caches.",
+    )
+    group.add_argument(
+        "--keep-replicas",
+        action="store_true",
+        help="With --ray-address: leave the replicas running when this server stops cleanly "
+        "(for a planned restart of the front); a crashed server always leaves them.",
+    )
+    group.add_argument(
+        "--replace-replicas",
+        action="store_true",
+        help="With --ray-address: stop replicas an earlier server left that were started with "
+        "another configuration, or beyond --replicas, instead of refusing to start.",
+    )
+    group.add_argument(
         "--routing-policy",
         default=DEFAULT_POLICY,
         choices=sorted(POLICIES),
@@ -80,7 +100,11 @@ def start_cluster_from_args(args: argparse.Namespace, config: Any) -> Any:
         args.replicas,
         threads_per_replica=args.threads_per_replica,
         ray_address=args.ray_address,
+        ray_namespace=args.ray_namespace,
+        keep_replicas=args.keep_replicas,
+        replace_replicas=args.replace_replicas,
         routing_policy=args.routing_policy,
         max_in_flight_per_replica=args.max_in_flight_per_replica,
         drop_event_fraction=args.drop_event_fraction,
+        collect_kv_events=args.kv_events,
     )

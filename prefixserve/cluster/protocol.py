@@ -7,10 +7,25 @@ they pickle compactly and compare by value in tests.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any
 
 from prefixserve.kv_cache.events import KVCacheEvent
+
+
+def seed_fingerprint(none_hash: bytes) -> str:
+    """What a replica registers of its hash chain's seed: a digest, never the seed itself."""
+    return hashlib.sha256(b"prefixserve-seed:" + none_hash).hexdigest()[:16]
+
+
+@dataclass(frozen=True, slots=True)
+class StoreInfo:
+    """Where a replica's disk store lives: its directory (a path on the replica's host) and the
+    namespace its blocks are filed under (kv_store/fingerprint.py)."""
+
+    dir: str
+    namespace: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,7 +42,10 @@ class ReplicaInfo:
     seed_fingerprint: str
     num_kv_blocks: int
     max_model_len: int
-    has_store: bool
+    store: StoreInfo | None
+    # A digest of the engine configuration and threads it was started with: a router that
+    # reattaches to running replicas (ray_cluster.py) refuses ones started differently.
+    config_digest: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +67,7 @@ class CachedBlock:
     token_ids: tuple[int, ...]
     extra_keys: tuple[Any, ...] | None
     copies: int
+    lora_name: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

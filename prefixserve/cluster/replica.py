@@ -21,13 +21,31 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from prefixserve.cluster.event_log import DEFAULT_RING_BATCHES, EventLog
-from prefixserve.cluster.protocol import EventBatch, Heartbeat, ReplicaInfo, Snapshot
+from prefixserve.cluster.protocol import (
+    EventBatch,
+    Heartbeat,
+    ReplicaInfo,
+    Snapshot,
+    StoreInfo,
+    seed_fingerprint,
+)
 from prefixserve.config import EngineConfig
 from prefixserve.outputs import RequestOutput
 from prefixserve.sampling_params import SamplingParams
 
 DEFAULT_EVENT_INTERVAL_S = 0.02
 HEARTBEAT_S = 1.0
+
+
+def config_digest(config: EngineConfig, threads: int | None) -> str:
+    """A digest of what a replica was started with (a reattaching router compares them)."""
+    return hashlib.sha256(repr((config, threads)).encode()).hexdigest()[:16]
+
+
+def store_info(connector: Any) -> StoreInfo | None:
+    if connector is None:
+        return None
+    return StoreInfo(str(connector.store.root), connector.store.namespace)
 
 
 class EngineReplica:
@@ -56,7 +74,8 @@ class EngineReplica:
         self.event_interval_s = event_interval_s
         self._drain: asyncio.Task[None] | None = None
         self._new_batch: asyncio.Condition | None = None
-        self._fingerprint = hashlib.sha256(b"prefixserve-seed:" + engine.none_hash).hexdigest()[:16]
+        self._fingerprint = seed_fingerprint(engine.none_hash)
+        self._config_digest = config_digest(config, threads)
 
     # --------------------------------------------------------------------- registration
     async def info(self) -> ReplicaInfo:
@@ -70,11 +89,17 @@ class EngineReplica:
             seed_fingerprint=self._fingerprint,
             num_kv_blocks=self.engine.num_kv_blocks,
             max_model_len=self.engine.max_model_len,
-            has_store=engine.kv_store is not None,
+            store=store_info(engine.kv_store),
+            config_digest=self._config_digest,
         )
 
     def pid(self) -> int:
         return os.getpid()
+
+    def hash_seed(self) -> str | None:
+        """The PYTHONHASHSEED this process was started with: a router that reattaches gives it
+        to the replicas it adds, so their hash chains match (operator-internal, like all)."""
+        return os.environ.get("PYTHONHASHSEED")
 
     # ------------------------------------------------------------------------- requests
     async def generate(

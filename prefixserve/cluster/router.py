@@ -13,13 +13,13 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from prefixserve.cluster.index import PrefixIndex
+from prefixserve.cluster.index import PrefixIndex, PromptView
 from prefixserve.cluster.policy import Candidate, ReplicaLoad, RouteInput, RoutingPolicy
 from prefixserve.cluster.protocol import ReplicaInfo
 
-# Leading blocks of a prompt, in the shared store, past what a replica holds: (keys' engine
-# hashes are the store's), set by client.py when replicas share a store.
-StoreProbe = Callable[[Sequence[int], dict[str, Any]], int]
+# How many leading blocks of a prompt the replicas' shared disk store holds (store_probe.py; set
+# by client.py when every replica shares one store the router's host can see).
+StoreProbe = Callable[[PromptView], int]
 
 
 @dataclass(slots=True)
@@ -59,6 +59,7 @@ class Router:
         self.decisions = 0
         self.decision_seconds = 0.0
         self.store_probe: StoreProbe | None = None
+        self.store_lookups = 0
 
     # ------------------------------------------------------------------------ replicas
     def register(self, info: ReplicaInfo) -> None:
@@ -95,21 +96,14 @@ class Router:
         ids = [rid for rid in self.index.replica_ids if rid not in exclude]
         if not ids:
             raise NoReplicaError("no engine replica is up to take the request")
-        keys = self.index.prompt_keys(
-            token_ids,
-            cache_salt=cache_salt,
-            lora_name=lora_name,
-            lora_digest=lora_digest,
-            prompt_embeds=prompt_embeds,
-        )
+        view = PromptView(list(token_ids), cache_salt, lora_name, lora_digest, prompt_embeds)
+        keys = self.index.keys_of(view)
         now = time.monotonic()
         held = self.index.match(keys, now)
         candidates = [Candidate(rid, self.loads[rid], held.get(rid, 0)) for rid in ids]
         if self.store_probe is not None and keys:
-            in_store = self.store_probe(
-                token_ids,
-                {"cache_salt": cache_salt, "lora_name": lora_name, "lora_digest": lora_digest},
-            )
+            in_store = self.store_probe(view)
+            self.store_lookups += 1
             for c in candidates:
                 c.store_blocks = max(0, in_store - c.cached_blocks)
         if self.max_in_flight is not None:

@@ -43,9 +43,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import prefixserve.settings as settings
-from prefixserve.kv_store.disk_store import BlockKey, DiskKVStore, DiskStoreStats
+from prefixserve.kv_store.disk_store import DiskKVStore, DiskStoreStats
 from prefixserve.kv_store.fingerprint import KV_LAYOUT_VERSION, model_fingerprint, store_namespace
 from prefixserve.kv_store.fs import UnsafeStoreError
+from prefixserve.kv_store.lookup import BlockKey, StoreLookup
 from prefixserve.kv_store.seed import SeedError, load_or_create_seed
 from prefixserve.kv_store.writer import BackgroundWriter, WriterStats
 
@@ -58,6 +59,7 @@ __all__ = [
     "DiskStoreStats",
     "KVStoreConfig",
     "SeedError",
+    "StoreLookup",
     "UnsafeStoreError",
     "WriterStats",
     "capacity_from_gb",

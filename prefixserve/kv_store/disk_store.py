@@ -27,11 +27,9 @@ files down to `low_watermark` of it; a file that vanished meanwhile is simply go
 from __future__ import annotations
 
 import os
-import re
-import stat
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -46,12 +44,8 @@ from prefixserve.kv_store.fs import (
     unlink_quietly,
     write_all,
 )
+from prefixserve.kv_store.lookup import BlockKey, StoreLookup, check_key
 from prefixserve.kv_store.scan import ScanResult, scan_store
-
-BlockKey = tuple[bytes, int]
-"""(block hash, KV-cache group index)."""
-
-_NAMESPACE = re.compile(r"^[0-9a-f]{32}$")
 
 
 @dataclass(slots=True)
@@ -69,16 +63,7 @@ class DiskStoreStats:
     temp_files_removed: int = 0  # abandoned by killed writers
 
 
-def _check_key(key: BlockKey) -> tuple[bytes, int]:
-    block_hash, group = key
-    if not isinstance(block_hash, bytes) or not 1 <= len(block_hash) <= record.MAX_HASH_BYTES:
-        raise ValueError(f"block hash must be 1-{record.MAX_HASH_BYTES} bytes, got {block_hash!r}")
-    if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group <= record.MAX_GROUP:
-        raise ValueError(f"group must be an int in [0, {record.MAX_GROUP}], got {group!r}")
-    return block_hash, group
-
-
-class DiskKVStore:
+class DiskKVStore(StoreLookup):
     """One store directory seen through one namespace: lookups, loads and saves of blocks.
 
     Thread-safe: the scheduler may call `contains`, a worker `get`, and a writer thread `put` at
@@ -103,23 +88,18 @@ class DiskKVStore:
 
         Raises ValueError for bad arguments, UnsafeStoreError for a root others can access.
         """
-        if not isinstance(namespace, str) or not _NAMESPACE.match(namespace):
-            raise ValueError(f"namespace must be 32 lowercase hex digits, got {namespace!r}")
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int):
             raise ValueError(f"capacity_bytes must be an int, got {capacity_bytes!r}")
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
         if not 0.0 <= low_watermark <= 1.0:
             raise ValueError(f"low_watermark must be in [0, 1], got {low_watermark}")
-        self.root = Path(root)
-        self.namespace = namespace
+        super().__init__(root, namespace, clock=clock)
         self.capacity_bytes = capacity_bytes
         self.low_watermark = low_watermark
         self.rescan_interval_s = rescan_interval_s
         self._fsync = fsync
-        self._clock = clock
         self._namespace_raw = bytes.fromhex(namespace)
-        self._dir = str(self.root / namespace)
         self._lock = threading.Lock()  # stats and the byte total
         self._maintenance = threading.Lock()  # one scan / eviction at a time
         self._stats = DiskStoreStats()
@@ -129,13 +109,7 @@ class DiskKVStore:
         make_private_subdir(self._dir)
         self.rescan()
 
-    # ---- paths and stats
-
-    def path(self, key: BlockKey) -> str:
-        """The file that holds `key` (whether or not it exists)."""
-        block_hash, group = _check_key(key)
-        hex_hash = block_hash.hex()
-        return f"{self._dir}/{hex_hash[:2]}/{hex_hash}-g{group}.kv"
+    # ---- stats
 
     def stats(self) -> DiskStoreStats:
         """A snapshot of the counters."""
@@ -147,34 +121,12 @@ class DiskKVStore:
         """Bytes in the whole store as last counted (own writes since the last scan included)."""
         return self._total_bytes
 
-    def _now_ns(self) -> int:
-        return int(self._clock() * 1e9)
-
     def _count(self, **deltas: int) -> None:
         with self._lock:
             for name, delta in deltas.items():
                 setattr(self._stats, name, getattr(self._stats, name) + delta)
 
-    # ---- scheduler side: cheap lookups
-
-    def contains(self, key: BlockKey) -> bool:
-        """Whether a live (unexpired) file holds `key`: one stat, no read. A True may still be a
-        miss in `get` (a concurrent eviction, a damaged file)."""
-        try:
-            st = os.stat(self.path(key), follow_symlinks=False)
-        except OSError:
-            return False
-        return stat.S_ISREG(st.st_mode) and not record.is_expired(st.st_mtime_ns, self._now_ns())
-
-    def count_prefix(self, block_hashes: Sequence[bytes], groups: Iterable[int]) -> int:
-        """How many leading `block_hashes` have a live file in every one of `groups`."""
-        groups = tuple(groups)
-        for i, block_hash in enumerate(block_hashes):
-            if not all(self.contains((block_hash, group)) for group in groups):
-                return i
-        return len(block_hashes)
-
-    # ---- worker side: moving bytes
+    # ---- worker side: moving bytes (the stat-only lookups are StoreLookup's)
 
     def put(
         self,
@@ -188,7 +140,7 @@ class DiskKVStore:
         Returns the bytes written: 0 when nothing was stored (already expired, or larger than
         the capacity). Atomic: readers see the old file, the new one or none, never a part.
         Raises ValueError for a bad key or token id, OSError when the write fails."""
-        block_hash, group = _check_key(key)
+        block_hash, group = check_key(key)
         tokens = record.pack_tokens(token_ids)
         body = memoryview(payload)
         if not body.c_contiguous:
@@ -251,7 +203,7 @@ class DiskKVStore:
     def _read(
         self, key: BlockKey, token_ids: Sequence[int], out: memoryview | None
     ) -> bytes | None:
-        block_hash, group = _check_key(key)
+        block_hash, group = check_key(key)
         tokens = record.pack_tokens(token_ids)
         path = self.path(key)
         try:

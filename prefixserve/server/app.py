@@ -170,7 +170,11 @@ def build_app(
 
 
 def _event_json(event: Any) -> dict[str, Any]:
-    """A KV-cache event as JSON: its type and fields, hashes as hex."""
+    """A KV-cache event as JSON: its type and fields, hashes as hex; a (replica id, event) pair
+    (with --replicas) adds "replica"."""
+    if isinstance(event, tuple):
+        replica_id, event = event
+        return {"replica": replica_id, **_event_json(event)}
 
     def convert(value: Any) -> Any:
         if isinstance(value, bytes):

@@ -13,7 +13,7 @@ BS = 4
 
 
 def info(rid=0, epoch=1, block_size=BS, algo="sha256", seed="s1"):
-    return ReplicaInfo(rid, epoch, block_size, algo, seed, 100, 1024, False)
+    return ReplicaInfo(rid, epoch, block_size, algo, seed, 100, 1024, None)
 
 
 def engine_hashes(tokens, seed=b"engine-seed", salt=None):

@@ -102,7 +102,7 @@ def test_an_unknown_policy_names_the_choices():
 
 
 def replica(rid, seed="s"):
-    return ReplicaInfo(rid, 1, BS, "sha256", seed, 100, 4096, False)
+    return ReplicaInfo(rid, 1, BS, "sha256", seed, 100, 4096, None)
 
 
 def stored_event(tokens):
@@ -171,7 +171,7 @@ def test_a_request_is_settled_against_the_load_it_was_counted_in_across_a_restar
     router.register(replica(0))
     route = router.route(list(range(64)))
     router.remove(0)
-    router.register(ReplicaInfo(0, 2, BS, "sha256", "s", 100, 4096, False))  # a new epoch
+    router.register(ReplicaInfo(0, 2, BS, "sha256", "s", 100, 4096, None))  # a new epoch
     router.first_output(route)
     router.finished(route)
     assert router.loads[0] == ReplicaLoad()

@@ -1,0 +1,81 @@
+"""Pricing store-resident blocks: the router's read-only view of the replicas' shared disk store.
+
+Replicas on one host may share one persistent store directory (`--kv-store-dir`): a prefix one
+replica computed and wrote there is loaded, not recomputed, by another. The policy counts such
+blocks as cheaper than uncached and dearer than resident (policy.STORE_COST), so the router must
+know which of a prompt's blocks the store holds. It asks the store itself: the store's files are
+named by the engine's block hashes, which chain from a seed derived from the store's secret; the
+router's process reads that secret (it runs as the same user on the same host), chains a prompt's
+hashes from it exactly as a replica would (extra keys included: tenants' salts stay apart), and
+stats the files, stopping at the first miss (kv_store/lookup.py: no reads, nothing written).
+
+`open_store_probe(infos, ...)` returns None, with the reason logged, whenever this cannot be
+exact: replicas without a store, replicas on different stores, a store directory this host
+cannot see (replicas on other hosts), or a seed whose fingerprint differs from the replicas'.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+from prefixserve.cluster.index import PromptView
+from prefixserve.cluster.protocol import ReplicaInfo, seed_fingerprint
+from prefixserve.kv_cache.hashing import get_request_block_hasher, none_hash_from_secret
+from prefixserve.kv_store.connector import GROUP
+from prefixserve.kv_store.lookup import StoreLookup
+from prefixserve.kv_store.seed import SEED_FILE, load_or_create_seed
+
+logger = logging.getLogger(__name__)
+
+
+class SharedStoreProbe:
+    """Counts a prompt's leading blocks with a live file in the shared store (a StoreProbe)."""
+
+    def __init__(self, lookup: StoreLookup, block_size: int, hash_algo: str, none_hash: bytes):
+        self.lookup = lookup
+        self._hasher = get_request_block_hasher(block_size, hash_algo, none_hash=none_hash)
+
+    def __call__(self, view: PromptView) -> int:
+        hashes = self._hasher(view)
+        return self.lookup.count_prefix(hashes, (GROUP,))
+
+
+def open_store_probe(
+    infos: Sequence[ReplicaInfo], block_size: int, hash_algo: str
+) -> SharedStoreProbe | None:
+    stores = {info.store for info in infos}
+    if not infos or None in stores:
+        return None  # no store, or not on every replica: nothing to share
+    if len(stores) > 1:
+        logger.info("store-aware routing off: the replicas use %d different stores", len(stores))
+        return None
+    (store,) = stores
+    assert store is not None
+    seed_path = Path(store.dir) / SEED_FILE
+    if not seed_path.is_file():
+        logger.info(
+            "store-aware routing off: %s is not visible from the router's host (replicas on "
+            "other hosts keep their own stores)",
+            store.dir,
+        )
+        return None
+    try:
+        secret = load_or_create_seed(Path(store.dir))
+    except OSError as exc:
+        logger.warning("store-aware routing off: cannot read the store's seed (%s)", exc)
+        return None
+    none_hash = none_hash_from_secret(secret, hash_algo)
+    fingerprints = {info.seed_fingerprint for info in infos}
+    if fingerprints != {seed_fingerprint(none_hash)}:
+        logger.warning(
+            "store-aware routing off: %s holds another seed than the replicas chain from "
+            "(a directory of the same name on another host?)",
+            store.dir,
+        )
+        return None
+    logger.info("store-aware routing on: the replicas share the store %s", store.dir)
+    return SharedStoreProbe(
+        StoreLookup(store.dir, store.namespace), block_size, hash_algo, none_hash
+    )
