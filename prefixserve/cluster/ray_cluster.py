@@ -47,6 +47,7 @@ OBJECT_STORE_BYTES = 256 << 20
 ACTOR_NAMESPACE = "prefixserve"
 REPLICA_PREFIX = "prefixserve-replica-"
 NAME_RELEASE_TIMEOUT_S = 30.0
+ADOPT_TIMEOUT_S = 120.0  # a replica still loading its model answers within this
 _NAMESPACE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
@@ -182,7 +183,13 @@ def _adopt(num_replicas: int, namespace: str, digest: str, replace: bool) -> dic
         if entry.get("namespace") != namespace or index == name or not index.isdigit():
             continue
         handle = ray.get_actor(name, namespace=namespace)
-        info = ray.get(handle.info.remote())
+        try:
+            info = ray.get(handle.info.remote(), timeout=ADOPT_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            raise RegistrationError(
+                f"replica {name} in Ray namespace {namespace!r} did not answer within "
+                f"{ADOPT_TIMEOUT_S:.0f} s (a host down?); stop it or use another --ray-namespace"
+            ) from None
         problem = None
         if int(index) >= num_replicas:
             problem = f"is beyond --replicas {num_replicas}"

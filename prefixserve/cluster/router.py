@@ -11,15 +11,22 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from prefixserve.cluster.index import PrefixIndex, PromptView
 from prefixserve.cluster.policy import Candidate, ReplicaLoad, RouteInput, RoutingPolicy
 from prefixserve.cluster.protocol import ReplicaInfo
 
-# How many leading blocks of a prompt the replicas' shared disk store holds (store_probe.py; set
-# by client.py when every replica shares one store the router's host can see).
-StoreProbe = Callable[[PromptView], int]
+
+class StoreBlocks(Protocol):
+    def count_from(self, first: int) -> int:
+        """How many of a prompt's blocks from block `first` on the shared store holds."""
+        ...
+
+
+# A prompt's blocks in the replicas' shared disk store (store_probe.py; set by client.py when
+# every replica shares one store the router's host can see).
+StoreProbe = Callable[[PromptView], StoreBlocks]
 
 
 @dataclass(slots=True)
@@ -105,7 +112,7 @@ class Router:
             in_store = self.store_probe(view)
             self.store_lookups += 1
             for c in candidates:
-                c.store_blocks = max(0, in_store - c.cached_blocks)
+                c.store_blocks = in_store.count_from(c.cached_blocks)
         if self.max_in_flight is not None:
             below = [c for c in candidates if c.load.in_flight < self.max_in_flight]
             candidates = below or candidates

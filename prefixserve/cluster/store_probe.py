@@ -30,16 +30,32 @@ from prefixserve.kv_store.seed import SEED_FILE, load_or_create_seed
 logger = logging.getLogger(__name__)
 
 
+class StoreRun:
+    """One prompt's blocks as the store names them; `count_from(first)`: how many blocks from
+    block `first` on have a live file, contiguous (what a replica holding the first `first` in
+    RAM would load: the engine's connector counts from its RAM hit the same way). Memoized per
+    `first`, so replicas at the same point cost one lookup."""
+
+    def __init__(self, lookup: StoreLookup, hashes: list[bytes]):
+        self._lookup = lookup
+        self._hashes = hashes
+        self._counts: dict[int, int] = {}
+
+    def count_from(self, first: int) -> int:
+        if first not in self._counts:
+            self._counts[first] = self._lookup.count_prefix(self._hashes[first:], (GROUP,))
+        return self._counts[first]
+
+
 class SharedStoreProbe:
-    """Counts a prompt's leading blocks with a live file in the shared store (a StoreProbe)."""
+    """A prompt's blocks in the shared store (a router.StoreProbe)."""
 
     def __init__(self, lookup: StoreLookup, block_size: int, hash_algo: str, none_hash: bytes):
         self.lookup = lookup
         self._hasher = get_request_block_hasher(block_size, hash_algo, none_hash=none_hash)
 
-    def __call__(self, view: PromptView) -> int:
-        hashes = self._hasher(view)
-        return self.lookup.count_prefix(hashes, (GROUP,))
+    def __call__(self, view: PromptView) -> StoreRun:
+        return StoreRun(self.lookup, list(self._hasher(view)))
 
 
 def open_store_probe(

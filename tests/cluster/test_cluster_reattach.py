@@ -123,9 +123,9 @@ def test_a_restarted_router_adopts_the_replicas_and_rebuilds_its_index_from_snap
         # them, and a tenant's salt keys other files.
         probe = first.router.store_probe
         assert probe is not None
-        wait_for(lambda: probe(PromptView(prompt)) == 4)
-        assert probe(PromptView(prompt, cache_salt="other-tenant")) == 0
-        assert probe(PromptView(list(range(500, 564)))) == 0
+        wait_for(lambda: probe(PromptView(prompt)).count_from(0) == 4)
+        assert probe(PromptView(prompt, cache_salt="other-tenant")).count_from(0) == 0
+        assert probe(PromptView(list(range(500, 564)))).count_from(0) == 0
     finally:
         stop(server, thread, first)
     assert replica_names(ray) == {f"{REPLICA_PREFIX}0", f"{REPLICA_PREFIX}1"}  # kept

@@ -5,6 +5,7 @@ directly."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -101,10 +102,38 @@ def test_the_store_is_priced_only_when_every_replica_shares_one_this_host_sees(
     hashes = get_request_block_hasher(BS, "sha256", none_hash=none_hash)(PromptView(tokens))
     for block_hash, first in zip(hashes[:2], (0, 4), strict=True):
         disk.put((block_hash, 0), tokens[first : first + BS], b"\0" * 64)
-    assert probe(PromptView(tokens)) == 2
-    assert probe(PromptView(tokens, cache_salt="another tenant")) == 0
+    assert probe(PromptView(tokens)).count_from(0) == 2
+    assert probe(PromptView(tokens)).count_from(1) == 1
+    assert probe(PromptView(tokens)).count_from(2) == 0
+    assert probe(PromptView(tokens, cache_salt="another tenant")).count_from(0) == 0
     os.unlink(disk.path((hashes[0], 0)))
-    assert probe(PromptView(tokens)) == 0  # contiguous from the first block only
+    run = probe(PromptView(tokens))
+    assert run.count_from(0) == 0  # contiguous from where it starts
+    assert run.count_from(1) == 1  # a replica holding block 0 in RAM loads block 1
+
+
+def test_the_router_gives_each_replica_the_store_blocks_past_what_it_holds() -> None:
+    class Blocks:
+        def count_from(self, first: int) -> int:
+            return max(0, 3 - first)  # the store holds blocks 0-2
+
+    router = Router(BS, "sha256", make_policy("prefix", 0))
+    router.register(info(0))
+    router.register(info(1))
+    tokens = list(range(16))
+    router.index.insert_pending(0, router.index.prompt_keys(tokens)[:2], time.monotonic())
+    seen: list[list[tuple[int, int, int]]] = []
+    policy_choose = router.policy.choose
+
+    def choose(request, candidates):
+        seen.append([(c.replica_id, c.cached_blocks, c.store_blocks) for c in candidates])
+        return policy_choose(request, candidates)
+
+    router.policy.choose = choose
+    router.store_probe = lambda view: Blocks()
+    router.route(tokens)
+    assert seen == [[(0, 2, 1), (1, 0, 3)]]
+    assert router.store_lookups == 1
 
 
 def test_lora_digests_are_read_once_per_version_and_bounded(
