@@ -35,16 +35,18 @@ cleanup() {
 }
 trap cleanup EXIT
 
-serve() {  # $1: log file; starts the server in the background, waits until it answers
+serve() {  # $1: log file, then extra flags; starts the server, waits until it answers
+    local log=$1
+    shift
     "$BIN/prefixserve" serve "$MODEL" --host 127.0.0.1 --port "$PORT" \
         --served-model-name "$(basename "$MODEL")" --block-size 16 --max-model-len 4096 \
         --max-num-batched-tokens 2048 --max-num-seqs 128 --num-kv-blocks "$POOL_BLOCKS" \
         --disable-log-stats --max-tokens-per-tenant 0 --no-kv-store --replicas 2 \
         --threads-per-replica 1 --routing-policy prefix \
-        --ray-address "127.0.0.1:$RAY_PORT" "$@" > "$1" 2>&1 &
+        --ray-address "127.0.0.1:$RAY_PORT" "$@" > "$log" 2>&1 &
     SERVER_PID=$!
     until curl -sf "$URL/v1/models" > /dev/null; do
-        kill -0 "$SERVER_PID" 2>/dev/null || { tail -20 "$1"; exit 1; }
+        kill -0 "$SERVER_PID" 2>/dev/null || { tail -20 "$log"; exit 1; }
         sleep 0.2
     done
 }
