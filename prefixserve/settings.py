@@ -13,6 +13,8 @@ read at call time (not import time), so a test or a launcher may change them in-
 - OMP_WAIT_POLICY (`default_omp_wait_policy`, `omp_threads_sleep`): set to PASSIVE unless the
   user set it; while PASSIVE, decode-sized steps run on one thread (runner.py)
 - PATH (`prepend_to_path`): ninja's directory goes first for the kernel build
+- RAY_AUTH_MODE, RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH (`use_ray_cluster_token`): a server joining
+  a Ray cluster sends its token when there is one
 """
 
 from __future__ import annotations
@@ -66,6 +68,19 @@ def python_hash_seed() -> str | None:
     """PYTHONHASHSEED, or None when unset or "random"."""
     seed = os.environ.get("PYTHONHASHSEED")
     return None if seed is None or seed == "random" else seed
+
+
+def use_ray_cluster_token() -> None:
+    """Ray (2.59 on) turns token authentication on for a cluster made by `ray start`, but a
+    driver joining it sends its token only with RAY_AUTH_MODE=token; a token-sending driver also
+    joins a cluster without authentication. So: token mode whenever a token is there to send
+    (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, or `ray start`'s ~/.ray/auth_token), unless the
+    operator chose a mode. Ray reads it when first imported: call this before."""
+    if "RAY_AUTH_MODE" in os.environ:
+        return
+    token_file = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+    if os.environ.get("RAY_AUTH_TOKEN") or token_file.is_file():
+        os.environ["RAY_AUTH_MODE"] = "token"
 
 
 def default_omp_wait_policy() -> None:

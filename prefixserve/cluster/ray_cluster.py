@@ -28,13 +28,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import re
 import secrets
 import time
-from pathlib import Path
 from typing import Any
 
+import prefixserve.settings as settings
 from prefixserve.cluster.client import ClusterEngine
 from prefixserve.cluster.policy import DEFAULT_POLICY, make_policy
 from prefixserve.cluster.protocol import RegistrationError
@@ -73,7 +72,7 @@ def start_cluster(
     with `ray_address`), register them; raises ValueError for bad arguments and
     RegistrationError for replicas that cannot be routed together."""
     if ray_address:
-        _use_cluster_token()  # read when Ray is first imported
+        settings.use_ray_cluster_token()  # read when Ray is first imported
     import ray
 
     if num_replicas < 1:
@@ -211,19 +210,6 @@ def _adopt(num_replicas: int, namespace: str, digest: str, replace: bool) -> dic
                 f"{problem}; start with --replace-replicas to stop it, or another --ray-namespace"
             )
     return found
-
-
-def _use_cluster_token() -> None:
-    """Ray (2.59 on) turns token authentication on for a cluster made by `ray start`, but a
-    driver joining it sends its token only with RAY_AUTH_MODE=token; a token-sending driver also
-    joins a cluster without authentication. So: token mode whenever a token is there to send
-    (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, or `ray start`'s ~/.ray/auth_token), unless the
-    operator chose a mode."""
-    if "RAY_AUTH_MODE" in os.environ:
-        return
-    token_file = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
-    if os.environ.get("RAY_AUTH_TOKEN") or token_file.is_file():
-        os.environ["RAY_AUTH_MODE"] = "token"
 
 
 def _kill(handle: Any) -> None:

@@ -20,6 +20,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import prefixserve.settings as settings
 from prefixserve.cluster.event_log import DEFAULT_RING_BATCHES, EventLog
 from prefixserve.cluster.protocol import (
     EventBatch,
@@ -99,7 +100,7 @@ class EngineReplica:
     def hash_seed(self) -> str | None:
         """The PYTHONHASHSEED this process was started with: a router that reattaches gives it
         to the replicas it adds, so their hash chains match (operator-internal, like all)."""
-        return os.environ.get("PYTHONHASHSEED")
+        return settings.python_hash_seed()
 
     # ------------------------------------------------------------------------- requests
     async def generate(

@@ -183,17 +183,17 @@ def test_keep_replicas_needs_an_address_and_namespaces_are_checked(tiny_model: P
 def test_joining_a_cluster_sends_a_token_when_there_is_one(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from prefixserve.cluster.ray_cluster import _use_cluster_token
+    from prefixserve.settings import use_ray_cluster_token
 
     for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))
-    _use_cluster_token()
+    use_ray_cluster_token()
     assert "RAY_AUTH_MODE" not in os.environ  # no token to send: Ray's default
     (tmp_path / ".ray").mkdir()
     (tmp_path / ".ray" / "auth_token").write_text("t" * 64)
-    _use_cluster_token()
+    use_ray_cluster_token()
     assert os.environ["RAY_AUTH_MODE"] == "token"  # what `ray start` left
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
-    _use_cluster_token()
+    use_ray_cluster_token()
     assert os.environ["RAY_AUTH_MODE"] == "disabled"  # the operator's choice stands
