@@ -157,7 +157,7 @@ def kill_during(cluster: Any, url: str) -> tuple[list[list[dict]], int, list[int
 def test_tenants_through_replicas_never_hit_or_route_by_each_others_blocks(cluster: Any) -> None:
     """Two tenants (API keys) send the same prompt through the replicas: the second tenant
     computes it all (0 cached), its own repeat hits, and the operator-only routes stay closed
-    to tenant keys (per-replica /metrics included)."""
+    to tenant keys (per-replica /metrics and the replicas' /kv_events included)."""
     keys = ApiKeys()
     keys.add("sk-a", "alpha")
     keys.add("sk-b", "beta")
@@ -189,7 +189,15 @@ def test_tenants_through_replicas_never_hit_or_route_by_each_others_blocks(clust
         tenant, operator = metrics("sk-a"), metrics("sk-op")
         assert tenant.status_code == 403
         assert operator.status_code == 200 and "prefixserve_replica_" in operator.text
+
+        # The replicas' KV events carry every tenant's token ids: the operator's alone.
+        cluster.collect_kv_events = True
+        for key, status in (("sk-a", 403), ("sk-op", 200)):
+            auth = {"Authorization": f"Bearer {key}"}
+            events = httpx.get(f"{url}/kv_events", headers=auth, timeout=30)
+            assert events.status_code == status, events.text
     finally:
+        cluster.collect_kv_events = False
         server.should_exit = True
         thread.join(10)
 
