@@ -25,6 +25,22 @@ _PROMPT_KEYS = {"prompt", "prompt_token_ids", "prompt_embeds", "cache_salt"}
 _Item = tuple[list[int], str | None, str | None, SamplingParams, LoRARequest | None, Any]
 
 
+def _request_args(
+    item: _Item, cache_retention: str | None
+) -> tuple[list[int], SamplingParams, dict[str, Any]]:
+    """An item as `add_request`'s token ids, params and keyword options (one engine's or the
+    replicas')."""
+    ids, text, salt, params, lora, embeds = item
+    options = {
+        "cache_salt": salt,
+        "prompt": text,
+        "cache_retention": cache_retention,
+        "lora_request": lora,
+        "prompt_embeds": embeds,
+    }
+    return ids, params, options
+
+
 class LLM:
     """Generate completions for batches of prompts with one in-process engine.
 
@@ -216,26 +232,18 @@ class LLM:
         use_tqdm: bool,
         cache_retention: str | None = None,
     ) -> list[RequestOutput]:
+        requests = [_request_args(item, cache_retention) for item in items]
         if self._cluster is not None:
-            from prefixserve.cluster.offline import run_items
+            from prefixserve.cluster.offline import run_requests
 
             ids = (str(next(self._counter)) for _ in itertools.repeat(None))
-            return run_items(self._cluster, items, ids, use_tqdm, cache_retention)
+            return run_requests(self._cluster, requests, ids, use_tqdm)
         engine = self.llm_engine
         order: dict[str, int] = {}
         try:
-            for ids, text, salt, params, lora, embeds in items:
+            for ids, params, options in requests:
                 request_id = str(next(self._counter))
-                engine.add_request(
-                    request_id,
-                    ids,
-                    params,
-                    cache_salt=salt,
-                    prompt=text,
-                    cache_retention=cache_retention,
-                    lora_request=lora,
-                    prompt_embeds=embeds,
-                )
+                engine.add_request(request_id, ids, params, **options)
                 order[request_id] = len(order)
         except Exception:
             engine.abort_request(list(order))

@@ -17,28 +17,18 @@ from tqdm.auto import tqdm
 from prefixserve.outputs import RequestOutput
 
 
-def run_items(
+def run_requests(
     cluster: Any,
-    items: Sequence[tuple[Any, ...]],
+    requests: Sequence[tuple[list[int], Any, dict[str, Any]]],
     request_ids: Iterator[str],
     use_tqdm: bool,
-    cache_retention: str | None,
 ) -> list[RequestOutput]:
-    """Each (token ids, text, salt, params, LoRA request, embeddings) item's final output."""
-    bar = tqdm(total=len(items), desc="Processed prompts", disable=not use_tqdm)
+    """Each (token ids, params, add_request options) request's final output, in order."""
+    bar = tqdm(total=len(requests), desc="Processed prompts", disable=not use_tqdm)
 
-    async def one(item: tuple[Any, ...]) -> RequestOutput:
-        ids, text, salt, params, lora, embeds = item
-        stream = await cluster.add_request(
-            next(request_ids),
-            ids,
-            params,
-            cache_salt=salt,
-            prompt=text,
-            cache_retention=cache_retention,
-            lora_request=lora,
-            prompt_embeds=embeds,
-        )
+    async def one(request: tuple[list[int], Any, dict[str, Any]]) -> RequestOutput:
+        ids, params, options = request
+        stream = await cluster.add_request(next(request_ids), ids, params, **options)
         final = None
         async for output in stream:
             final = output
@@ -48,7 +38,7 @@ def run_items(
         return final
 
     async def run_all() -> list[RequestOutput]:
-        return list(await asyncio.gather(*(one(item) for item in items)))
+        return list(await asyncio.gather(*(one(request) for request in requests)))
 
     try:
         return asyncio.run(run_all())
