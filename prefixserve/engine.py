@@ -5,6 +5,10 @@ LLMEngine owns the model runner, the KV-cache manager, the scheduler and the out
 n Requests whose prompt blocks are shared through the prefix cache); `step` schedules, runs the
 model, applies the sampled tokens in the scheduler and hands the updates to the output processor
 (text, stop strings, logprobs), finishing in the scheduler what a stop string ended.
+
+Longer than 400 lines because the class is the engine's whole surface (requests, adapters, the
+step, cache control and pins, each guarding the others' rules: a pin may not leave a queued
+request unable to fit); the engine shell's split into rooms (issue 27) takes it apart.
 """
 
 from __future__ import annotations
@@ -18,7 +22,12 @@ from typing import Any
 from prefixserve.batch import ModelRunnerOutput, SchedulerOutput
 from prefixserve.config import DEFAULT_KV_CACHE_MEMORY_GB, EngineConfig
 from prefixserve.engine_metrics import engine_metrics
-from prefixserve.input_checks import check_prompt, check_request_fields, effective_max_tokens
+from prefixserve.input_checks import (
+    check_fits_pool,
+    check_prompt,
+    check_request_fields,
+    effective_max_tokens,
+)
 from prefixserve.kv_cache import hashing
 from prefixserve.kv_cache.hashing import get_request_block_hasher
 from prefixserve.kv_cache.kv_cache_manager import KVCacheManager
@@ -133,6 +142,10 @@ class LLMEngine:
         threshold = sched.long_prefill_token_threshold or sched.max_num_batched_tokens
         return min(sched.max_num_batched_tokens, threshold)
 
+    def _blocks_needed(self, num_tokens: int) -> int:
+        """The most KV blocks a sequence of `num_tokens` cached tokens holds at once."""
+        return blocks_needed(self.kv_cache_groups, num_tokens, self.block_size, self._max_chunk())
+
     def _num_kv_blocks(self) -> int:
         cache = self.config.cache
         return size_kv_pool(
@@ -194,15 +207,8 @@ class LLMEngine:
         num_prompt = len(prompt_token_ids)
         max_tokens = effective_max_tokens(params, num_prompt, self.max_model_len)
         # The last sampled token never gets K/V, so the longest sequence caches this many tokens.
-        needed = blocks_needed(
-            self.kv_cache_groups, num_prompt + max_tokens - 1, self.block_size, self._max_chunk()
-        )
-        if needed > self.num_kv_blocks:
-            raise ValueError(
-                f"the request needs up to {needed} KV blocks ({num_prompt} prompt tokens + "
-                f"max_tokens={max_tokens}) but the pool has {self.num_kv_blocks}; "
-                "raise num_kv_blocks / kv_cache_memory_gb or lower max_tokens"
-            )
+        needed = self._blocks_needed(num_prompt + max_tokens - 1)
+        check_fits_pool(needed, num_prompt, max_tokens, self.num_kv_blocks)
         lora_name = lora_digest = None  # the adapter is loaded only for a request that fits
         if lora_request is not None:
             if self.lora is None:
@@ -239,6 +245,9 @@ class LLMEngine:
                     prompt_embeds=embeds_bits_,
                 )
             )
+        manager = self.kv_cache_manager  # pinned blocks are not the request's to take
+        available = manager.blocks_available_to(requests[0])
+        check_fits_pool(needed, num_prompt, max_tokens, available, manager.pins.num_blocks)
         self.output_processor.add_prompt(request_id, prompt, prompt_token_ids, params, requests)
         for request in requests:
             self.scheduler.add_request(request)
@@ -300,14 +309,8 @@ class LLMEngine:
                 raise
             compute_s = time.perf_counter() - started
         else:
-            stuck = self.scheduler.stuck_request()
-            if stuck is not None:
-                raise RuntimeError(
-                    f"request {stuck.request_id!r} ({stuck.num_tokens} tokens) cannot get KV "
-                    f"blocks from an idle pool of {self.num_kv_blocks}; raise num_kv_blocks"
-                )
             self.runner.release(scheduler_output.finished_req_ids)  # no forward pass to take them
-            runner_output = ModelRunnerOutput()
+            runner_output = ModelRunnerOutput(failed=self._stuck_request_error())
         failed_outputs: list[RequestOutput] = []
         if runner_output.failed:
             failed_outputs = fail_requests(self, scheduler_output, runner_output.failed)
@@ -326,6 +329,19 @@ class LLMEngine:
         if failed_outputs:
             return failed_outputs + processed.outputs
         return processed.outputs
+
+    def _stuck_request_error(self) -> dict[str, str]:
+        """After a step that scheduled nothing: the waiting head could not get its blocks with
+        nothing running, so it never will (admission makes this rare: pins made after it was
+        queued). It fails alone; the engine goes on."""
+        stuck = self.scheduler.stuck_request()
+        if stuck is None:
+            return {}
+        pinned = self.kv_cache_manager.pins.num_blocks
+        return {
+            stuck.request_id: f"the request ({stuck.num_tokens} tokens) cannot get its KV blocks "
+            f"from an idle pool of {self.num_kv_blocks} blocks, {pinned} of them pinned"
+        }
 
     def _save_to_store(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput, compute_s: float
@@ -370,7 +386,25 @@ class LLMEngine:
         probe = Request(
             pin_id, ids, SamplingParams(), block_hasher=self._block_hasher, cache_salt=cache_salt
         )
-        return self.kv_cache_manager.pin_prefix(pin_id, probe)
+        num_tokens = self.kv_cache_manager.pin_prefix(pin_id, probe)
+        unfit = self._first_unfit_request()
+        if unfit is not None:
+            self.unpin_prefix(pin_id)
+            raise ValueError(
+                f"pinning {pin_id!r} would leave queued request {unfit!r} unable to ever get "
+                "its KV blocks; pin it when that request has finished"
+            )
+        return num_tokens
+
+    def _first_unfit_request(self) -> str | None:
+        """The id of an unfinished request that needs more blocks than it can hold with the
+        current pins (see `check_fits_pool`), or None."""
+        manager = self.kv_cache_manager
+        for request in self.scheduler.requests.values():
+            needed = self._blocks_needed(request.num_prompt_tokens + request.max_tokens - 1)
+            if needed > manager.blocks_available_to(request):
+                return request.request_id
+        return None
 
     def unpin_prefix(self, pin_id: str) -> bool:
         """Release a pin (its blocks stay cached, evictable again); False when there is none."""

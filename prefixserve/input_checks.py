@@ -71,3 +71,20 @@ def is_unicode_text(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+def check_fits_pool(
+    needed: int, num_prompt: int, max_tokens: int, available: int, num_pinned: int = 0
+) -> None:
+    """Refuse a request that needs more KV blocks than it can ever hold at once: `available`
+    blocks (the pool less `num_pinned` pinned blocks, plus the pinned blocks of its own prefix).
+    It could never run, so it is the request's error, not a wait."""
+    if needed <= available:
+        return
+    pinned = f" ({num_pinned} of the pool's blocks are pinned)" if num_pinned else ""
+    raise ValueError(
+        f"the request needs up to {needed} KV blocks ({num_prompt} prompt tokens + "
+        f"max_tokens={max_tokens}) but can hold at most {available}{pinned}; "
+        "lower max_tokens or shorten the prompt (operators: raise num_kv_blocks / "
+        "kv_cache_memory_gb, or unpin)"
+    )

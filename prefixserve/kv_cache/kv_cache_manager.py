@@ -276,6 +276,20 @@ class KVCacheManager:
         self.pins.pin(pin_id, groups, num_tokens)
         return num_tokens
 
+    def blocks_available_to(self, request: Request) -> int:
+        """The most blocks `request` can ever hold at once: the pool less the pinned blocks,
+        plus the pinned blocks its own prompt hits (it shares those, so they cost it nothing).
+
+        A request that needs more can never run, however long it waits."""
+        pinned = self.pins.holders()
+        available = self.num_total_blocks - len(pinned)
+        if not pinned or not self.enable_caching or request.skip_reading_prefix_cache:
+            return available
+        groups, _ = self.coordinator.find_longest_cache_hit(
+            request.block_hashes, request.num_tokens - 1, request.all_token_ids
+        )
+        return available + sum(1 for group in groups for block in group if block.block_id in pinned)
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block and drop every pin; False (and nothing changed) while a
         request holds blocks."""
