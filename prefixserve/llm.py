@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 import prefixserve.settings as settings
 from prefixserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from prefixserve.engine import LLMEngine
+from prefixserve.kv_cache.salts import derive_cache_salt, validate_cache_salt
 from prefixserve.kv_store import KVStoreConfig, capacity_from_gb
 from prefixserve.lora.config import LoRAConfig, LoRARequest
 from prefixserve.outputs import RequestOutput
@@ -32,7 +33,7 @@ def _request_args(
     replicas')."""
     ids, text, salt, params, lora, embeds = item
     options = {
-        "cache_salt": salt,
+        "cache_salt": derive_cache_salt(None, salt),  # as a keyless server's client
         "prompt": text,
         "cache_retention": cache_retention,
         "lora_request": lora,
@@ -317,6 +318,10 @@ class LLM:
                 f"{sorted(_PROMPT_KEYS)}"
             )
         salt = prompt.get("cache_salt")
+        try:
+            validate_cache_salt(salt)
+        except ValueError as exc:
+            raise ValueError(f"prompt {index}: {exc}") from None
         if "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
             if not isinstance(ids, list | tuple):

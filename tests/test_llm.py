@@ -68,6 +68,10 @@ def test_one_sampling_params_per_prompt(llm):
         ({"prompt_token_ids": [5] * 250}, SamplingParams(max_tokens=10), "max_tokens=10"),
         ({"text": "hi"}, GREEDY, "unknown keys"),
         (42, GREEDY, "must be a string or a dict"),
+        # The server's salt rules, refused the same way offline.
+        ({"prompt": "hi", "cache_salt": "x" * 257}, GREEDY, "at most 256 characters"),
+        ({"prompt": "hi", "cache_salt": ""}, GREEDY, "cache_salt must be a non-empty"),
+        ({"prompt": "hi", "cache_salt": 7}, GREEDY, "cache_salt must be a string"),
     ],
 )
 def test_invalid_prompts_raise_and_leave_nothing_behind(llm, prompt, params, match):
@@ -131,7 +135,7 @@ def test_eviction_policy_reaches_the_pool_and_outputs_stay_the_same(default_mode
 
 def test_request_longer_than_the_pool_is_refused(default_model_bf16):
     llm = LLM(loaded_model=default_model_bf16, num_kv_blocks=2)
-    with pytest.raises(ValueError, match="the pool has 2"):
+    with pytest.raises(ValueError, match="can hold at most 2"):
         llm.generate([{"prompt_token_ids": random_tokens(40, 3)}], GREEDY, use_tqdm=False)
 
 

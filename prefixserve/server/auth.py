@@ -3,8 +3,9 @@
 Prefix-cache timing is a side channel: a client that can hit another client's cached blocks can
 learn from the time to first token whether that client sent a prefix. With API keys configured,
 the server therefore derives the engine's `cache_salt` from the *tenant* the key belongs to plus
-the client's own `cache_salt`, so tenants never share a block whatever they send, and a client's
-salt only subdivides its tenant's namespace.
+the client's own `cache_salt` (`kv_cache/salts.py`), so tenants never share a block whatever
+they send, and a client's salt only subdivides its tenant's namespace; without keys, clients'
+salts live in a namespace of their own that no tenant's salt can be forged into.
 
 Two roles: a *tenant* key (`--api-key`, `--api-key-file`) may call the inference endpoints; an
 *operator* key (`--admin-api-key-file`, same file format, the second word naming the operator)
@@ -15,14 +16,10 @@ key files have no role column: which file a key is in is its role, and one key c
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 DEFAULT_TENANT = "default"
-MAX_CACHE_SALT_CHARS = 256
-# Versioned so a future change of the derivation cannot collide with salts made by this one.
-_SALT_NAMESPACE = "prefixserve.tenant.v1"
 
 
 def _digest(key: str) -> bytes:
@@ -135,37 +132,3 @@ def parse_bearer(authorization: str | None) -> str | None:
     if scheme.lower() != "bearer" or not token.strip():
         return None
     return token.strip()
-
-
-def validate_cache_salt(cache_salt: str | None) -> None:
-    """Raise ValueError naming `cache_salt` unless it is None or 1..256 characters."""
-    if cache_salt is None:
-        return
-    if not isinstance(cache_salt, str):
-        raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
-    if not cache_salt:
-        raise ValueError("cache_salt must be a non-empty string (or left out)")
-    if len(cache_salt) > MAX_CACHE_SALT_CHARS:
-        raise ValueError(
-            f"cache_salt must be at most {MAX_CACHE_SALT_CHARS} characters, got {len(cache_salt)}"
-        )
-    try:
-        cache_salt.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ValueError("cache_salt must be Unicode text (it holds a lone surrogate)") from None
-
-
-def derive_cache_salt(tenant: str | None, client_salt: str | None) -> str | None:
-    """The engine's cache salt for a request of `tenant` carrying the client's `cache_salt`.
-
-    Without tenants (no API keys) the client's salt passes through unchanged, as in vLLM. With a
-    tenant the result is the JSON encoding of (namespace, tenant, client salt): JSON escapes its
-    strings, so distinct pairs always give distinct salts (no "ab"+"c" == "a"+"bc" collision), and
-    every tenant -- including one whose client sends no salt -- gets a salt no other tenant can
-    produce.
-    """
-    if tenant is None:
-        return client_salt
-    return json.dumps(
-        [_SALT_NAMESPACE, tenant, client_salt], ensure_ascii=True, separators=(",", ":")
-    )

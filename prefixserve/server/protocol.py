@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from prefixserve.kv_cache.salts import validate_cache_salt
 from prefixserve.sampling_params import (
     MAX_LOGPROBS,
     MAX_N,
@@ -30,7 +31,6 @@ from prefixserve.sampling_params import (
     REPETITION_PENALTY_RANGE,
     TEMPERATURE_RANGE,
 )
-from prefixserve.server.auth import validate_cache_salt
 
 MAX_PROMPT_CACHE_KEY_CHARS = 1024
 

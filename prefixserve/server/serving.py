@@ -26,13 +26,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from prefixserve.async_engine import AsyncLLMEngine, EngineDeadError
+from prefixserve.kv_cache.salts import derive_cache_salt
 from prefixserve.lora.config import LoRARequest
 from prefixserve.outputs import CompletionOutput, Logprob, RequestOutput
 from prefixserve.request_stream import RequestStream, StreamStalledError
 from prefixserve.sampling_params import SamplingParams
 from prefixserve.server import protocol as p
-from prefixserve.server.admission import Admission
-from prefixserve.server.auth import ApiKeys, derive_cache_salt
+from prefixserve.server.admission import RETRY_AFTER_S, Admission
+from prefixserve.server.auth import ApiKeys
 from prefixserve.server.errors import (
     OpenAIError,
     engine_stopped,
@@ -135,7 +136,7 @@ async def generate(
     except BaseException as exc:
         state.admission.release(ticket)
         if isinstance(exc, EngineDeadError):
-            raise engine_stopped() from exc
+            raise _engine_stopped_retry_later() from exc
         raise
     if body.stream:
         chunks = state.admission.released_after(view.stream(stream), ticket)
@@ -310,7 +311,7 @@ class ResponseView(ABC):
                 self._observe(output)
                 final = output
         except EngineDeadError as exc:
-            raise engine_stopped() from exc
+            raise _engine_stopped_retry_later() from exc
         if final is not None and final.error is not None:
             raise request_failed(final.error)
         if final is None or not final.finished:
@@ -382,6 +383,14 @@ class ResponseView(ABC):
             finish_reason=finish_reason,
             stop_reason=completion.stop_reason,
         )
+
+
+def _engine_stopped_retry_later() -> OpenAIError:
+    """The 503 of a request its engine could not finish, before anything of it was sent: with
+    replicas another one (or a restarted server) can take the retry."""
+    error = engine_stopped()
+    error.headers = {"Retry-After": str(RETRY_AFTER_S)}
+    return error
 
 
 def _sse(chunk: Chunk) -> str:

@@ -10,9 +10,9 @@ pool, never evicted, until unpinned.
 Operator-only (the request guard's deny-by-default: these paths are not tenant routes). A pin
 is made in the namespace of one tenant (`tenant`, with `cache_salt` as that tenant's client would
 send it), since blocks are salted per tenant; without API keys there is no tenant and the client
-salt is used as it is. The prompt is run once (one generated token) so its blocks are cached,
-then every full block of it is pinned. The pinned capacity (`--max-pinned-blocks`, default a
-quarter of the pool) bounds them all; past it: 400 `pin_capacity`.
+salt is taken as a keyless client's (`kv_cache/salts.py`). The prompt is run once (one generated
+token) so its blocks are cached, then every full block of it is pinned. The pinned capacity
+(`--max-pinned-blocks`, default a quarter of the pool) bounds them all; past it: 400 `pin_capacity`.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from typing import Any
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
+from prefixserve.kv_cache.salts import derive_cache_salt, validate_cache_salt
 from prefixserve.sampling_params import SamplingParams
-from prefixserve.server.auth import derive_cache_salt, validate_cache_salt
 from prefixserve.server.errors import OpenAIError, from_value_error
 from prefixserve.server.prompts import check_prompt_text, off_loop
 from prefixserve.server.serving import ServerState
@@ -108,7 +108,7 @@ def _salt(state: ServerState, body: PinRequest) -> str | None:
     if keys is None:
         if body.tenant is not None:
             raise OpenAIError("this server has no tenants (no API keys)", param="tenant")
-        return body.cache_salt
+        return derive_cache_salt(None, body.cache_salt)
     if body.tenant is None or body.tenant not in keys.tenants:
         raise OpenAIError("tenant must name a tenant of --api-key-file", param="tenant")
     return derive_cache_salt(body.tenant, body.cache_salt)

@@ -9,13 +9,8 @@ import openai
 import pytest
 from server_helpers import KEY_ALPHA, KEY_ALPHA_2, KEY_BETA, MODEL_NAME
 
-from prefixserve.server.auth import (
-    ApiKeys,
-    derive_cache_salt,
-    parse_bearer,
-    read_api_key_file,
-    validate_cache_salt,
-)
+from prefixserve.kv_cache.salts import derive_cache_salt, validate_cache_salt
+from prefixserve.server.auth import ApiKeys, parse_bearer, read_api_key_file
 
 SHARED_TEXT = (
     " is a prompt long enough to fill a few KV-cache blocks, so that a second request with "
@@ -45,13 +40,27 @@ def test_same_cache_salt_shares_blocks_and_a_different_one_does_not(server):
     assert cached_tokens(client, prompt) == 0  # no salt is its own namespace too
 
 
-def test_without_keys_the_client_salt_is_the_engine_salt(open_server):
+def test_without_keys_the_client_salt_subdivides_the_open_namespace(open_server):
     client = open_server.client()
     prompt = unique_prompt()
     assert cached_tokens(client, prompt) == 0
     assert cached_tokens(client, prompt) > 0
     assert cached_tokens(client, prompt, cache_salt="s") == 0
     assert cached_tokens(client, prompt, cache_salt="s") > 0
+
+
+def test_a_keyless_client_cannot_forge_a_tenant_salt_on_a_shared_cache(server, open_server):
+    # The two servers share one engine: a stronger sharing than a disk store both open.
+    alpha, anyone = server.client(api_key=KEY_ALPHA), open_server.client()
+    prompt = unique_prompt()
+    assert cached_tokens(alpha, prompt) == 0
+    forged = derive_cache_salt("alpha", None)
+    assert cached_tokens(anyone, prompt, cache_salt=forged) == 0
+    assert cached_tokens(anyone, prompt) == 0
+    # ... nor can a tenant reach a keyless client's namespace.
+    assert cached_tokens(anyone, prompt, cache_salt="open") == 0
+    assert cached_tokens(alpha, prompt, cache_salt=derive_cache_salt(None, "open")) == 0
+    assert cached_tokens(alpha, prompt) > 0
 
 
 # --------------------------------------------------------------------------------- tenants
@@ -160,9 +169,16 @@ def test_derived_salts_differ_for_every_distinct_tenant_and_salt_pair():
         assert json.loads(derived)[1:] == [tenant, salt]
 
 
-def test_without_a_tenant_the_client_salt_passes_through():
+def test_without_a_tenant_the_client_salt_lives_in_the_open_namespace():
     assert derive_cache_salt(None, None) is None
-    assert derive_cache_salt(None, "x") == "x"
+    assert json.loads(derive_cache_salt(None, "x")) == ["prefixserve.open.v1", "x"]
+
+
+def test_no_keyless_client_salt_can_be_forged_into_a_tenant_namespace():
+    tenant_salt = derive_cache_salt("tenant-a", None)
+    # A keyless client sending tenant-a's derived salt gets it wrapped again, not tenant-a's.
+    assert derive_cache_salt(None, tenant_salt) != tenant_salt
+    assert derive_cache_salt(None, tenant_salt) not in {derive_cache_salt(t, None) for t in "ab"}
 
 
 def test_a_tenant_without_a_salt_still_gets_its_own_namespace():
