@@ -221,8 +221,10 @@ class AsyncLLMEngine:
 
         self._submit(_Command(abort, None, None))
 
-    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
-        return await self._call(lambda e: e.reset_prefix_cache(reset_running_requests))
+    async def reset_prefix_cache(
+        self, reset_running_requests: bool = False, ram_only: bool = False
+    ) -> bool:
+        return await self._call(lambda e: e.reset_prefix_cache(reset_running_requests, ram_only))
 
     async def load_lora_adapter(self, name: str, path: str) -> None:
         """Load a PEFT adapter as `name` (ValueError for anything that does not fit)."""

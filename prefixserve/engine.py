@@ -370,10 +370,18 @@ class LLMEngine:
         """Counters since the engine started, plus the current pool and queue state."""
         return engine_metrics(self)
 
-    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
-        """Forget all cached blocks. Returns False (and changes nothing) while requests hold
-        blocks, unless `reset_running_requests` preempts them first (they recompute later)."""
-        return self.scheduler.reset_prefix_cache(reset_running_requests)
+    def reset_prefix_cache(
+        self, reset_running_requests: bool = False, ram_only: bool = False
+    ) -> bool:
+        """Forget all cached blocks, in the RAM pool and (unless `ram_only`) in the disk tier,
+        whose namespace for this model is cleared for every process sharing the store. Returns
+        False (and changes nothing) while requests hold blocks, unless `reset_running_requests`
+        preempts them first (they recompute later)."""
+        if not self.scheduler.reset_prefix_cache(reset_running_requests):
+            return False
+        if self.kv_store is not None and not ram_only:
+            self.kv_store.clear()
+        return True
 
     def pin_prefix(
         self, pin_id: str, prompt_token_ids: list[int], cache_salt: str | None = None

@@ -337,11 +337,14 @@ class LLM:
 
     # ----------------------------------------------------------------- cache and metrics
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached block; False when requests still hold blocks."""
+    def reset_prefix_cache(self, ram_only: bool = False) -> bool:
+        """Forget every cached block, in RAM and (unless `ram_only`) in the disk tier, whose
+        blocks of this model are deleted for every process sharing the store; False when
+        requests still hold blocks. For a cold start without touching the store, build the LLM
+        with enable_kv_store=False."""
         if self._cluster is not None:
-            return bool(asyncio.run(self._cluster.reset_prefix_cache()))
-        return self.llm_engine.reset_prefix_cache()
+            return bool(asyncio.run(self._cluster.reset_prefix_cache(ram_only=ram_only)))
+        return self.llm_engine.reset_prefix_cache(ram_only=ram_only)
 
     def get_metrics(self) -> dict[str, Any]:
         """Engine counters: prefix_cache_requests / queries / hits, kv_cache_usage, prompt and

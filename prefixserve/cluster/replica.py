@@ -157,8 +157,10 @@ class EngineReplica:
     async def metrics(self) -> dict[str, Any]:
         return await self.engine.get_metrics()
 
-    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
-        return await self.engine.reset_prefix_cache(reset_running_requests)
+    async def reset_prefix_cache(
+        self, reset_running_requests: bool = False, ram_only: bool = False
+    ) -> bool:
+        return await self.engine.reset_prefix_cache(reset_running_requests, ram_only)
 
     async def load_lora_adapter(self, name: str, path: str) -> None:
         await self.engine.load_lora_adapter(name, path)

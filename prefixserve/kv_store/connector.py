@@ -234,6 +234,13 @@ class KVStoreConnector:
             "kv_store_bytes": self.store.total_bytes,
         }
 
+    def clear(self) -> int:
+        """Forget the tier (a prefix-cache reset): drop the queued writes, wait for the one in
+        progress, then delete every block of this namespace from the store; returns how many
+        files went."""
+        self.writer.discard()
+        return self.store.clear()
+
     def close(self, timeout: float | None = 30.0) -> bool:
         """Write what is queued (up to `timeout` seconds), then stop the writer."""
         return self.writer.close(timeout)
@@ -284,7 +291,9 @@ def open_engine_kv_store(
         max_queue_items=store_config.writer_queue_items,
     )
     logger.info(
-        "KV store: %s (namespace %s), capacity %.2f GiB, %.2f GiB in use",
+        "KV store: %s (namespace %s), capacity %.2f GiB, %.2f GiB in use; shared with every "
+        "process of this user that opens it (a prefix-cache reset clears this namespace; "
+        "--no-kv-store / enable_kv_store=False runs without it)",
         store.root,
         namespace,
         store.capacity_bytes / 2**30,

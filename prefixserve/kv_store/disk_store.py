@@ -45,7 +45,7 @@ from prefixserve.kv_store.fs import (
     write_all,
 )
 from prefixserve.kv_store.lookup import BlockKey, StoreLookup, check_key
-from prefixserve.kv_store.scan import ScanResult, scan_store
+from prefixserve.kv_store.scan import ScanResult, namespace_records, scan_store
 
 
 @dataclass(slots=True)
@@ -61,6 +61,7 @@ class DiskStoreStats:
     evictions: int = 0
     expired_deleted: int = 0
     temp_files_removed: int = 0  # abandoned by killed writers
+    cleared: int = 0  # deleted by `clear` (a prefix-cache reset)
 
 
 class DiskKVStore(StoreLookup):
@@ -307,6 +308,16 @@ class DiskKVStore(StoreLookup):
                 self._total_bytes = total
                 self._stats.evictions += evicted
         return evicted
+
+    def clear(self) -> int:
+        """Delete every record of this store's namespace, whichever process wrote it (the
+        directory is shared: every process serving this model, dtype and layout from it loses
+        them); returns how many. Other namespaces and the seed stay."""
+        with self._maintenance:
+            removed = sum(unlink_quietly(path) for path in namespace_records(self._dir))
+            self._scan(collect=False)
+        self._count(cleared=removed)
+        return removed
 
     def _scan(self, collect: bool) -> ScanResult:
         """Scan the root (`scan.scan_store`) and take its byte total. Call with `_maintenance`

@@ -71,3 +71,14 @@ def scan_store(root: str, now_ns: int, collect: bool) -> ScanResult:
                 if collect:
                     result.files.append((st.st_atime_ns, st.st_size, entry.path))
     return result
+
+
+def namespace_records(space_dir: str) -> list[str]:
+    """The paths of every record file in one namespace directory `<root>/<namespace>` (regular
+    files with a record's name; links and anything else are not listed)."""
+    paths = []
+    for shard in _subdirs(space_dir, SHARD_NAME):
+        for entry in _listdir(shard.path):
+            if RECORD_NAME.match(entry.name) and entry.is_file(follow_symlinks=False):
+                paths.append(entry.path)
+    return paths

@@ -148,6 +148,17 @@ class BackgroundWriter:
         self._thread.join(timeout)
         return drained
 
+    def discard(self) -> int:
+        """Drop every queued write (counted as dropped) and wait for the one in progress, so that
+        nothing submitted before the call reaches the store after it; returns how many."""
+        with self._cond:
+            dropped = len(self._queue)
+            while self._queue:
+                self._forget(self._queue.popleft())
+            self._stats.dropped += dropped
+            self._cond.wait_for(lambda: not self._busy)
+        return dropped
+
     def _forget(self, job: _Write) -> None:
         self._keys.discard(job.key)
         self._stats.pending_items -= 1

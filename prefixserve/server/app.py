@@ -134,21 +134,22 @@ def build_app(
 
     @router.post("/reset_prefix_cache")
     async def reset_prefix_cache(
-        raw: Request, reset_running_requests: bool | None = None
+        raw: Request, reset_running_requests: bool | None = None, ram_only: bool | None = None
     ) -> JSONResponse:
-        # The flag may come as a query parameter (vLLM) or in a JSON body.
+        # The flags may come as query parameters (vLLM) or in a JSON body.
+        body = p.ResetPrefixCacheRequest()
+        if await raw.body():
+            try:
+                body = p.ResetPrefixCacheRequest.model_validate_json(await raw.body())
+            except ValueError as exc:
+                raise OpenAIError(
+                    f"invalid body for /reset_prefix_cache: {exc}", param="reset_running_requests"
+                ) from exc
         if reset_running_requests is None:
-            reset_running_requests = False
-            if await raw.body():
-                try:
-                    body = p.ResetPrefixCacheRequest.model_validate_json(await raw.body())
-                except ValueError as exc:
-                    raise OpenAIError(
-                        f"invalid body for /reset_prefix_cache: {exc}",
-                        param="reset_running_requests",
-                    ) from exc
-                reset_running_requests = body.reset_running_requests
-        ok = await engine.reset_prefix_cache(reset_running_requests)
+            reset_running_requests = body.reset_running_requests
+        if ram_only is None:
+            ram_only = body.ram_only
+        ok = await engine.reset_prefix_cache(reset_running_requests, ram_only)
         return JSONResponse({"success": bool(ok)})
 
     register_pin_routes(router, state)

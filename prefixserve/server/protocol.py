@@ -246,7 +246,11 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class ResetPrefixCacheRequest(_Request):
+    # A misspelt option must not pass as a full reset (the disk tier is cleared by default).
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
     reset_running_requests: bool = False
+    ram_only: bool = False  # keep the disk tier (default: it is cleared too)
 
 
 class LoadLoRAAdapterRequest(_Request):

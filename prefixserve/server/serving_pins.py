@@ -2,7 +2,9 @@
 pool, never evicted, until unpinned.
 
     POST   /pins            {"prompt": "..."} or {"messages": [...]}, optional "tenant",
-                            "cache_salt", "id"  -> {"id", "num_tokens", "num_prompt_tokens"}
+                            "cache_salt", "id" (letters, digits, "._~-"),
+                            "prompt_cache_retention"
+                            -> {"id", "num_tokens", "num_prompt_tokens"}
     GET    /pins            -> {"pins": {id: {"num_tokens", "num_blocks"}}, "pinned_blocks",
                                 "capacity_blocks"}
     DELETE /pins/{id}       -> {"id", "deleted": true}, or 404
@@ -18,7 +20,7 @@ token) so its blocks are cached, then every full block of it is pinned. The pinn
 from __future__ import annotations
 
 import uuid
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
@@ -30,6 +32,7 @@ from prefixserve.server.prompts import check_prompt_text, off_loop
 from prefixserve.server.serving import ServerState
 
 MAX_PIN_ID_CHARS = 128
+PIN_ID_PATTERN = r"^[A-Za-z0-9._~-]+$"
 
 
 class PinRequest(BaseModel):
@@ -39,7 +42,10 @@ class PinRequest(BaseModel):
     messages: list[dict[str, Any]] | None = Field(None, max_length=256)
     tenant: str | None = Field(None, max_length=256)
     cache_salt: str | None = None
-    id: str | None = Field(None, min_length=1, max_length=MAX_PIN_ID_CHARS)
+    # What a URL path segment carries as it is, so `DELETE /pins/{id}` can name every pin.
+    id: str | None = Field(None, min_length=1, max_length=MAX_PIN_ID_CHARS, pattern=PIN_ID_PATTERN)
+    # The warm-up request's retention: "in_memory" keeps the pinned blocks off the disk tier.
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
 
 
 def register_pin_routes(router: APIRouter, state: ServerState) -> None:
@@ -55,7 +61,11 @@ def register_pin_routes(router: APIRouter, state: ServerState) -> None:
         warm_id = f"{pin_id}-warm-{uuid.uuid4().hex[:8]}"
         try:
             stream = await engine.add_request(
-                warm_id, ids, SamplingParams(max_tokens=1), cache_salt=salt
+                warm_id,
+                ids,
+                SamplingParams(max_tokens=1),
+                cache_salt=salt,
+                cache_retention=body.prompt_cache_retention,
             )
         except ValueError as exc:
             raise from_value_error(exc, {"prompt": "prompt"}) from exc

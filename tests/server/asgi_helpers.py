@@ -47,6 +47,7 @@ class FakeEngine:
     is_running: bool = True
     collect_kv_events: bool = True
     added: list[Any] = field(default_factory=list)
+    resets: list[tuple[bool, bool]] = field(default_factory=list)
 
     async def get_metrics(self) -> dict[str, Any]:
         return {}
@@ -54,11 +55,12 @@ class FakeEngine:
     async def take_kv_events(self) -> list[Any]:
         return []
 
-    async def reset_prefix_cache(self, reset_running_requests: bool) -> bool:
+    async def reset_prefix_cache(self, reset_running_requests: bool, ram_only: bool) -> bool:
+        self.resets.append((reset_running_requests, ram_only))
         return True
 
     async def add_request(self, request_id: str, prompt_ids: list[int], params: Any, **kw: Any):
-        self.added.append((prompt_ids, params))
+        self.added.append((prompt_ids, params, kw))
         raise ValueError("the fake engine refuses every request (max_tokens)")
 
 

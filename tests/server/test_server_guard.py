@@ -242,3 +242,26 @@ def test_a_non_ascii_key_is_refused_when_loaded_not_silently_unmatchable():
     keys = ApiKeys()
     with pytest.raises(ValueError, match="ASCII"):
         keys.add("sk-clé", "alpha")
+
+
+@pytest.mark.parametrize(
+    ("query", "body", "expected"),
+    [
+        ("", None, (False, False)),
+        ("ram_only=true", None, (False, True)),
+        ("", {"ram_only": True, "reset_running_requests": True}, (True, True)),
+        ("reset_running_requests=true", {"ram_only": True}, (True, True)),
+    ],
+)
+def test_reset_prefix_cache_clears_every_tier_unless_ram_only_is_asked(query, body, expected):
+    app, engine = make_app(keys())
+    result = call(app, "POST", "/reset_prefix_cache", key=ADMIN_KEY, query=query, body=body)
+    assert result.status == 200, result.body
+    assert engine.resets == [expected]
+
+
+def test_reset_prefix_cache_refuses_an_unknown_body_field():
+    app, engine = make_app(keys())
+    result = call(app, "POST", "/reset_prefix_cache", key=ADMIN_KEY, body={"disk": False})
+    assert result.status == 400, result.body
+    assert "disk" in result.json()["error"]["message"] and engine.resets == []

@@ -3,6 +3,8 @@ hits them), listed, deleted, and bounded by the pinned capacity."""
 
 from __future__ import annotations
 
+import pytest
+from asgi_helpers import ADMIN_KEY, call, keys, make_app
 from server_helpers import KEY_ADMIN, KEY_ALPHA, KEY_BETA, LiveServer
 
 SYSTEM = "You are a careful assistant for the harbour authority. " * 8
@@ -96,3 +98,33 @@ def test_a_pin_prompt_longer_than_the_context_is_a_400_and_pins_nothing(server: 
         r = http.post("/pins", json={"prompt": "x" * 200_000, "tenant": "alpha"})
         assert r.status_code in (400, 413), r.text  # refused before tokenizing
         assert http.get("/pins").json()["pinned_blocks"] == before
+
+
+def test_a_pin_id_is_what_a_url_path_carries_so_every_pin_can_be_deleted(server: LiveServer):
+    with server.http(KEY_ADMIN) as http:
+        for bad in ("team/a", "a b", "a%2Fb", "é", "a?b", "a#b"):
+            r = http.post("/pins", json={"prompt": SYSTEM, "tenant": "alpha", "id": bad})
+            assert r.status_code == 400, (bad, r.text)
+            assert r.json()["error"]["param"] == "id"
+        r = http.post("/pins", json={"prompt": SYSTEM, "tenant": "alpha", "id": "team.a~1_-x"})
+        assert r.status_code == 200, r.text
+        assert http.delete("/pins/team.a~1_-x").json() == {"id": "team.a~1_-x", "deleted": True}
+        assert http.get("/pins").json()["pinned_blocks"] == 0
+
+
+@pytest.mark.parametrize("retention", ["in_memory", "24h", None])
+def test_a_pin_warms_its_prefix_with_the_retention_it_asks_for(retention):
+    app, engine = make_app(keys())
+    body = {"prompt": "a system prompt", "tenant": "tenant"}
+    if retention is not None:
+        body["prompt_cache_retention"] = retention
+    call(app, "POST", "/pins", key=ADMIN_KEY, body=body)  # the fake engine refuses it: a 400
+    [(_, _, options)] = engine.added
+    assert options["cache_retention"] == retention
+
+
+def test_a_pin_refuses_an_unknown_retention():
+    app, engine = make_app(keys())
+    body = {"prompt": "x", "tenant": "tenant", "prompt_cache_retention": "forever"}
+    result = call(app, "POST", "/pins", key=ADMIN_KEY, body=body)
+    assert result.status == 400 and not engine.added
