@@ -25,17 +25,36 @@ if TYPE_CHECKING:
 PLACEHOLDER_TOKEN_ID = 0
 _ACCEPTED = (torch.float32, torch.bfloat16, torch.float16)
 _BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16}
+# nn.Parameter is what a model's weights are; other subclasses may redefine any operation.
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def layout_problem(value: torch.Tensor) -> str | None:
+    """What keeps `value` from being a plain dense tensor (a subclass, a nested tensor, a sparse
+    or other layout), or None. Looks only at its type and layout: shape, storage and even dtype
+    raise for some of these, so this comes before anything else is read."""
+    kind = type(value)
+    if kind not in _PLAIN_TENSORS:
+        return f"must be a plain torch.Tensor, got its subclass {kind.__module__}.{kind.__name__}"
+    if value.is_nested:
+        return "must be a dense tensor (layout torch.strided), got a nested tensor"
+    if value.layout != torch.strided:
+        return f"must be a dense tensor (layout torch.strided), got layout {value.layout}"
+    return None
 
 
 def check_prompt_embeds(
     value: object, hidden_size: int, dtype: torch.dtype, max_model_len: int
 ) -> torch.Tensor:
     """A private copy of `value` in the model's dtype, or ValueError naming what is wrong: not a
-    dense CPU tensor, not 2-D [num_tokens, hidden_size], empty or longer than max_model_len, not
-    a float tensor (float32, bfloat16 or float16), NaN or infinite values."""
+    plain dense CPU tensor (`layout_problem`), not 2-D [num_tokens, hidden_size], empty or longer
+    than max_model_len, not a float tensor (float32, bfloat16 or float16), NaN or infinite
+    values."""
     if not isinstance(value, torch.Tensor):
         raise ValueError(f"prompt_embeds must be a torch.Tensor, got {type(value).__name__}")
-    if value.layout != torch.strided or value.device.type != "cpu" or value.is_quantized:
+    if (problem := layout_problem(value)) is not None:
+        raise ValueError(f"prompt_embeds {problem}")
+    if value.device.type != "cpu" or value.is_quantized:
         raise ValueError("prompt_embeds must be a dense CPU tensor")
     if value.dim() != 2 or value.shape[1] != hidden_size:
         raise ValueError(

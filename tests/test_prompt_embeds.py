@@ -122,6 +122,34 @@ def test_bad_prompt_embeds_are_refused(llm, value, match):
     llm.llm_engine.check_no_leaks()
 
 
+def _nested(layout: torch.layout) -> torch.Tensor:
+    return torch.nested.as_nested_tensor([torch.zeros(2, 576), torch.zeros(3, 576)], layout=layout)
+
+
+@pytest.mark.parametrize(
+    "make,match",
+    [
+        pytest.param(lambda t: t.to_sparse(), "got layout torch.sparse_coo", id="coo"),
+        pytest.param(lambda t: t.to_sparse_csr(), "got layout torch.sparse_csr", id="csr"),
+        pytest.param(lambda t: t.to_sparse_csc(), "got layout torch.sparse_csc", id="csc"),
+        pytest.param(lambda t: t.to_sparse_bsr((1, 1)), "got layout torch.sparse_bsr", id="bsr"),
+        pytest.param(lambda t: t.to_sparse_bsc((1, 1)), "got layout torch.sparse_bsc", id="bsc"),
+        pytest.param(lambda t: _nested(torch.strided), "got a nested tensor", id="nested"),
+        pytest.param(
+            lambda t: _nested(torch.jagged),
+            "plain torch.Tensor, got its subclass .*NestedTensor",
+            id="nested_jagged",
+        ),
+    ],
+)
+def test_sparse_and_nested_prompt_embeds_are_refused_by_layout_first(llm, make, match):
+    """These have no storage (and nested ones no shape): the layout is checked before either is
+    read, so they are a ValueError naming the layout, not whatever reading them raises."""
+    with pytest.raises(ValueError, match=f"prompt_embeds must be .*{match}"):
+        llm.generate([{"prompt_embeds": make(torch.eye(3, 576))}], greedy(), use_tqdm=False)
+    llm.llm_engine.check_no_leaks()
+
+
 def test_embeds_with_token_ids_or_prompt_logprobs_or_when_disabled_are_refused(
     llm, default_model_fp32
 ):

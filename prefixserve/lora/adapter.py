@@ -4,9 +4,11 @@ A PEFT adapter is a directory with `adapter_config.json` and `adapter_model.safe
 tensors are named `...layers.<i>.<self_attn|mlp>.<module>.lora_<A|B>.weight`. Every tensor is
 checked against the model before any is used: the module must be one of the seven projections
 this engine runs (q/k/v/o, gate/up/down), the layer must exist, A must be `[r, in]` and B
-`[out, r]` for that module of this model, r at most `max_lora_rank`, the values finite. Anything
-else (DoRA, LoRA biases, `modules_to_save`, per-module rank or alpha patterns, pickle
-checkpoints) is refused with a ValueError that names what does not fit.
+`[out, r]` for that module of this model, r at most `max_lora_rank`, the values floating point
+and finite once scaled and rounded to the model's dtype. Anything else (PEFT options that change
+what the adapter computes: DoRA, LoRA biases, aLoRA, layer replication, `modules_to_save`,
+per-module rank or alpha patterns...; pickle checkpoints) is refused with a ValueError that names
+what does not fit.
 
 Our q/k/v and gate/up projections are fused (`qkv_proj`, `gate_up_proj`), so one adapter's
 slices of a fused linear become one pair: `A` stacks the slices' A matrices (`[sum r, in]`) and
@@ -21,6 +23,7 @@ import hashlib
 import json
 import math
 import re
+import reprlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,6 +46,30 @@ MODULES: dict[str, tuple[str, int]] = {
     "up_proj": ("gate_up_proj", 1),
     "down_proj": ("down_proj", 0),
 }
+# PEFT LoraConfig options that make an adapter compute something other than plain LoRA's
+# `scaling * B @ A` on the base model's own layers, refused whenever set (not null, false or
+# empty), and why.
+REFUSED_OPTIONS: dict[str, str] = {
+    "use_dora": "DoRA rescales each updated weight by a learned magnitude",
+    "fan_in_fan_out": "weights stored transposed, for Conv1D layers",
+    "lora_bias": "a bias on lora_B",
+    "modules_to_save": "fully trained modules",
+    "rank_pattern": "per-module ranks",
+    "alpha_pattern": "per-module alphas",
+    "alora_invocation_tokens": "Activated LoRA applies only from its invocation tokens on",
+    "layer_replication": "it is for a model with repeated layers",
+    "trainable_token_indices": "trained token embeddings",
+    "target_parameters": "LoRA on raw parameters such as MoE experts",
+    "use_qalora": "QALoRA pools its input in groups",
+    "use_bdlora": "block-diagonal LoRA factors",
+    "arrow_config": "Arrow routing between LoRA experts",
+    "kasa_config": "KaSA's learned diagonal between A and B",
+    "monteclora_config": "MonteCLoRA's variational sampling",
+}
+# init_lora_weights whose training also changed the base model's weights: the adapter is a delta
+# against those, not against this model (PEFT converts it to a plain one on request).
+_BASE_CHANGING_INITS = ("pissa", "corda", "olora", "loftq", "lora_ga")
+WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _KEY = re.compile(
     r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.([a-z_]+)\.lora_([AB])(?:\.[A-Za-z0-9_-]+)?\.weight$"
 )
@@ -162,21 +189,32 @@ def _read_config(path: Path) -> dict:
     return config
 
 
-def _scaling(path: Path, config: dict, max_rank: int) -> tuple[int, float]:
-    """The configured rank and the scaling PEFT applies (lora_alpha / r, or / sqrt(r))."""
+def _check_options(path: Path, config: dict) -> None:
+    """Refuse, by name, the PEFT options that change what the adapter computes."""
     peft_type = config.get("peft_type", "LORA")
     if peft_type != "LORA":
         raise _fail(path, f"peft_type {peft_type!r} is not supported (only LORA)")
-    for key, allowed in (("use_dora", (False, None)), ("fan_in_fan_out", (False, None))):
-        if config.get(key) not in allowed:
-            raise _fail(path, f"{key}={config.get(key)!r} is not supported")
+    for key, why in REFUSED_OPTIONS.items():
+        value = config.get(key)
+        if value not in (None, False, [], {}):
+            raise _fail(path, f"{key}={reprlib.repr(value)} is not supported ({why})")
     if config.get("bias", "none") != "none":
         raise _fail(path, f"bias={config.get('bias')!r} is not supported (only 'none')")
-    if config.get("modules_to_save"):
-        raise _fail(path, "modules_to_save (fully trained modules) is not supported")
-    for key in ("rank_pattern", "alpha_pattern"):
-        if config.get(key):
-            raise _fail(path, f"{key} (per-module ranks or alphas) is not supported")
+    init = config.get("init_lora_weights")
+    if isinstance(init, str) and init.lower().startswith(_BASE_CHANGING_INITS):
+        raise _fail(
+            path,
+            f"init_lora_weights={init!r} is not supported (it changed the base model's weights "
+            "too; convert it to a plain LoRA adapter with PEFT's save_pretrained("
+            "path_initial_model_for_weight_conversion=...))",
+        )
+    if config.get("use_rslora") not in (None, False, True):
+        raise _fail(path, f"use_rslora must be true or false, got {config.get('use_rslora')!r}")
+
+
+def _scaling(path: Path, config: dict, max_rank: int) -> tuple[int, float]:
+    """The configured rank and the scaling PEFT applies (lora_alpha / r, or / sqrt(r))."""
+    _check_options(path, config)
     # PEFT's LoraConfig defaults: lora_alpha 8.
     rank, alpha = config.get("r"), config.get("lora_alpha", 8)
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
@@ -284,7 +322,7 @@ def _load(name: str, path: Path, model: ModelConfig, max_rank: int) -> LoRAAdapt
                 slot = pairs.setdefault((layer, module), {})
                 if which in slot:
                     raise _fail(path, f"two lora_{which} tensors for layer {layer} {module}")
-                slot[which] = f.get_tensor(key)
+                slot[which] = _floating(path, key, f.get_tensor(key))
     except ValueError:
         raise
     except Exception as exc:  # noqa: BLE001 - a corrupt file, whatever safetensors raises
@@ -304,6 +342,41 @@ def _load(name: str, path: Path, model: ModelConfig, max_rank: int) -> LoRAAdapt
     )
 
 
+def _floating(path: Path, key: str, tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` if its dtype is a float one LoRA weights are saved in (an int8 tensor would be
+    quantized weights without their scales, read as if they were the values)."""
+    if tensor.dtype not in WEIGHT_DTYPES:
+        allowed = ", ".join(str(d).removeprefix("torch.") for d in WEIGHT_DTYPES)
+        raise _fail(
+            path,
+            f"tensor {key!r} has dtype {str(tensor.dtype).removeprefix('torch.')}: LoRA weights "
+            f"must be {allowed}",
+        )
+    return tensor
+
+
+def _check_fits(path: Path, where: str, a: torch.Tensor, b: torch.Tensor, scale: float) -> None:
+    """Refuse an update that overflows the model's dtype (that of `a` and of `b`, which is B
+    times the scaling as kept): `a` and `b` must be finite, and so must `x @ a.T` and
+    `(x @ a.T) @ b.T` for any `x` whose entries are at most 1 in magnitude, bounded in float64
+    by the absolute row sums. Otherwise every request naming the adapter fails on non-finite
+    logits, long after its load succeeded."""
+    dtype = str(a.dtype).removeprefix("torch.")
+    if not bool(torch.isfinite(a).all()):
+        raise _fail(path, f"{where}: lora_A overflows {dtype}")
+    if not bool(torch.isfinite(b).all()):
+        raise _fail(path, f"{where}: lora_B times the scaling {scale:g} overflows {dtype}")
+    limit = torch.finfo(a.dtype).max
+    bound_h = a.double().abs().sum(dim=1)
+    bound_out = float((b.double().abs() @ bound_h).max())
+    if float(bound_h.max()) > limit or bound_out > limit:
+        raise _fail(
+            path,
+            f"{where}: the update overflows {dtype} (max {limit:.3g}) for inputs of magnitude 1 "
+            f"(|x @ A.T| up to {float(bound_h.max()):.3g}, |update| up to {bound_out:.3g})",
+        )
+
+
 def _fuse(
     path: Path,
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]],
@@ -311,7 +384,7 @@ def _fuse(
     scale: float,
 ) -> dict[tuple[int, str], LoRAWeights]:
     """Per (layer, our linear): the stacked A, the placed and scaled B, and B's slices
-    (module docstring)."""
+    (module docstring), each module's update checked to fit the model's dtype."""
     dtype = model.torch_dtype
     slices = fused_slices(model)
     grouped: dict[tuple[int, str], list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
@@ -319,13 +392,16 @@ def _fuse(
         if set(ab) != {"A", "B"}:
             missing = ({"A", "B"} - set(ab)).pop()
             raise _fail(path, f"layer {layer} {module} has no lora_{missing} weight")
-        a, b = ab["A"].float(), ab["B"].float()
+        a, b = ab["A"], ab["B"]
         if a.shape[0] != b.shape[1]:
             raise _fail(
                 path, f"layer {layer} {module}: lora_A has rank {a.shape[0]}, lora_B {b.shape[1]}"
             )
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
             raise _fail(path, f"layer {layer} {module} has non-finite weights")
+        # What the model keeps, checked as it is kept (B scaled in fp32, as always).
+        a, b = a.float().to(dtype), (b.float() * scale).to(dtype)
+        _check_fits(path, f"layer {layer} {module}", a, b, scale)
         linear, index = MODULES[module]
         grouped.setdefault((layer, linear), []).append((index, a, b))
     fused: dict[tuple[int, str], LoRAWeights] = {}
@@ -333,13 +409,13 @@ def _fuse(
         widths = slices[linear]
         parts.sort(key=lambda p: p[0])  # A's rows and B's columns in the same slice order
         total_rank = sum(a.shape[0] for _, a, _ in parts)
-        big_a = torch.cat([a for _, a, _ in parts]).to(dtype).contiguous()
+        big_a = torch.cat([a for _, a, _ in parts]).contiguous()
         big_b = torch.zeros(sum(widths), total_rank, dtype=dtype)
         b_slices = []
         col = 0
         for index, a, b in parts:
             row = sum(widths[:index])
-            big_b[row : row + widths[index], col : col + a.shape[0]] = (b * scale).to(dtype)
+            big_b[row : row + widths[index], col : col + a.shape[0]] = b
             b_slices.append((row, col, widths[index]))
             col += a.shape[0]
         fused[(layer, linear)] = lora_weights(big_a, big_b, b_slices)

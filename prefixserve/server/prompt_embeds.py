@@ -7,10 +7,11 @@ does (torch.load picks its reader from the first bytes, zipfile looks at the end
 is inspected with zipfile first (uncompressed entries only, as torch.save writes them, and no
 more bytes in all than the decoded body, so nothing inflates), then loaded with
 `torch.load(weights_only=True)`, PyTorch's restricted unpickler that builds tensors and plain
-containers and never calls arbitrary code. The tensor must be a 2-D view of exactly its own
-storage, contiguous: a stride-0 view of one element would be a small body that becomes a large
-tensor when the engine copies it. So the body limit (--max-request-body-bytes) bounds the
-tensor's bytes.
+containers and never calls arbitrary code. The tensor must be a plain dense one (sparse and
+nested tensors load, but have no storage to measure: their layout is checked before anything
+else), a 2-D view of exactly its own storage, contiguous: a stride-0 view of one element would
+be a small body that becomes a large tensor when the engine copies it. So the body limit
+(--max-request-body-bytes) bounds the tensor's bytes.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import zipfile
 
 import torch
 
+from prefixserve.prompt_embeds import layout_problem
 from prefixserve.server.errors import OpenAIError
 
 _ZIP_MAGIC = b"PK\x03\x04"
@@ -58,6 +60,8 @@ def decode_prompt_embeds(data: str) -> torch.Tensor:
         raise _refuse(f"cannot be loaded as a tensor ({type(exc).__name__})") from None
     if not isinstance(value, torch.Tensor):
         raise _refuse(f"must hold one tensor, got {type(value).__name__}")
+    if (problem := layout_problem(value)) is not None:  # sparse and nested ones have no storage
+        raise _refuse(problem)
     if value.dim() != 2:
         raise _refuse(f"must be a 2-D tensor [num_tokens, hidden_size], got {list(value.shape)}")
     storage = value.untyped_storage().nbytes()

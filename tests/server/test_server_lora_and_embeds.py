@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import threading
 import zipfile
+from pathlib import Path
 
 import httpx
 import pytest
 import torch
 from helpers import random_tokens
+from safetensors.torch import load_file, save_file
 from server_helpers import (
     KEY_ADMIN,
     KEY_ALPHA,
@@ -165,6 +168,40 @@ def test_a_name_loaded_again_from_another_path_serves_the_new_files(
     live.check_no_leaks()
 
 
+def _int8_a(path: Path) -> None:
+    tensors = load_file(str(path / "adapter_model.safetensors"))
+    key = sorted(k for k in tensors if "lora_A" in k)[0]
+    tensors[key] = tensors[key].mul(1000).to(torch.int8)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+
+
+@pytest.mark.parametrize(
+    "config,weights,match",
+    [
+        ({"lora_alpha": 1e300}, None, "lora_B times the scaling 5e+299 overflows float32"),
+        ({"alora_invocation_tokens": [7, 8]}, None, "alora_invocation_tokens=[7, 8] is not"),
+        ({"layer_replication": [[0, 2], [1, 3]]}, None, "layer_replication=[[0, 2], [1, 3]] is"),
+        ({}, _int8_a, "has dtype int8: LoRA weights must be float16, bfloat16"),
+    ],
+)
+def test_adapters_that_overflow_or_change_peft_meaning_are_400_at_load(
+    live, default_model_fp32, tmp_path, config, weights, match
+):
+    path = write_random_adapter(tmp_path / "bad", default_model_fp32.config, rank=2, seed=5)
+    settings = json.loads((path / "adapter_config.json").read_text())
+    (path / "adapter_config.json").write_text(json.dumps({**settings, **config}))
+    if weights is not None:
+        weights(path)
+    with live.http(KEY_ADMIN) as ops:
+        response = ops.post(
+            "/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(path)}
+        )
+    assert response.status_code == 400, response.text
+    assert match in response.json()["error"]["message"]
+    assert complete(live, "bad", [5, 6, 7]).status_code == 404
+    live.check_no_leaks()
+
+
 def test_adapters_are_read_off_the_step_thread(live, adapters, monkeypatch, tmp_path):
     from prefixserve.lora import manager
 
@@ -261,6 +298,10 @@ def _compressed() -> str:
         # the old pickle format, with an empty zip directory appended to pass for a zip
         (encode(torch.zeros(2, 576), legacy=True, tail=b"PK\x05\x06" + bytes(18)), "torch.save"),
         (encode(torch.tensor(1.0)), "must be a 2-D tensor"),
+        # sparse and nested tensors load, but have no storage: refused by layout before it
+        (encode(torch.eye(3, 576).to_sparse()), "got layout torch.sparse_coo"),
+        (encode(torch.eye(3, 576).to_sparse_csr()), "got layout torch.sparse_csr"),
+        (encode(torch.nested.as_nested_tensor([torch.zeros(2, 576)])), "got a nested tensor"),
     ],
 )
 def test_bad_prompt_embeds_are_400_naming_the_field(live, value, match):
