@@ -65,3 +65,13 @@ class LoRARequest:
             raise ValueError(f"lora_int_id must be >= 1 (vLLM's rule), got {self.lora_int_id}")
         if not isinstance(self.lora_path, str) or not self.lora_path:
             raise ValueError(f"lora_path must be a non-empty string, got {self.lora_path!r}")
+
+
+class LoRAInUseError(ValueError):
+    """An adapter that unfinished requests use cannot be unloaded (or made room for)."""
+
+
+class LoRASlotsBusyError(LoRAInUseError):
+    """Every adapter slot is held by unfinished requests, so another adapter cannot be loaded
+    now: a capacity refusal that passes when one of them finishes (the server's 429 with
+    Retry-After), not a bad request."""

@@ -20,16 +20,18 @@ from pathlib import Path
 from torch import nn
 
 from prefixserve.lora.adapter import LoRAAdapter, load_adapter
-from prefixserve.lora.config import LoRAConfig, LoRARequest, check_lora_name
+from prefixserve.lora.config import (
+    LoRAConfig,
+    LoRAInUseError,
+    LoRARequest,
+    LoRASlotsBusyError,
+    check_lora_name,
+)
 from prefixserve.lora.layers import batch_of
 from prefixserve.model.config import ModelConfig
 
 # Unfinished requests that use the adapter of this name.
 InUse = Callable[[str], int]
-
-
-class LoRAInUseError(ValueError):
-    """An adapter that unfinished requests use cannot be unloaded (or made room for)."""
 
 
 class LoRAManager:
@@ -107,7 +109,7 @@ class LoRAManager:
             if not in_use(name):
                 self.unload(name, in_use)
                 return
-        raise LoRAInUseError(
+        raise LoRASlotsBusyError(
             f"all max_loras={self.config.max_loras} LoRA adapter slots are used by unfinished "
             "requests; retry when one has finished (or raise max_loras)"
         )

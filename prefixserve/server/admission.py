@@ -15,9 +15,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from prefixserve.server.errors import OpenAIError
-
-RETRY_AFTER_S = 1
+from prefixserve.server.errors import OpenAIError, capacity_refusal
 
 
 @dataclass(slots=True)
@@ -85,10 +83,4 @@ class Admission:
 
 
 def _busy(why: str) -> OpenAIError:
-    return OpenAIError(
-        f"too many requests: {why}; retry after {RETRY_AFTER_S} s",
-        status_code=429,
-        type="rate_limit_error",
-        code="too_many_requests",
-        headers={"Retry-After": str(RETRY_AFTER_S)},
-    )
+    return capacity_refusal(f"too many requests: {why}", "too_many_requests")

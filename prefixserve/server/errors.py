@@ -18,7 +18,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from prefixserve.lora.config import LoRASlotsBusyError
+
 logger = logging.getLogger(__name__)
+
+# Seconds a capacity refusal (a 429 or 503) asks the client to wait before retrying.
+RETRY_AFTER_S = 1
 
 # Fields a ValueError from SamplingParams or the engine may name in its first words; used to fill
 # `param` when the error comes from below the server.
@@ -111,7 +116,8 @@ _ENGINE_FIELD_NAMES = {"prompt_token_ids": "prompt"}
 
 
 def from_value_error(exc: ValueError, fields: Mapping[str, str] | None = None) -> OpenAIError:
-    """A ValueError raised by SamplingParams or the engine's validation, as a 400.
+    """A ValueError raised by SamplingParams or the engine's validation, as a 400 (busy adapter
+    slots, a capacity refusal: a 429 with Retry-After).
 
     `param` is the field the message names first, in the API's words; `fields` renames it to
     what the endpoint calls that field (chat sends its prompt as `messages`). The engine names
@@ -119,6 +125,8 @@ def from_value_error(exc: ValueError, fields: Mapping[str, str] | None = None) -
     code `context_length_exceeded`.
     """
     message = str(exc)
+    if isinstance(exc, LoRASlotsBusyError):
+        return capacity_refusal(message, "lora_slots_busy")
     param = param_from_message(message)
     param = _ENGINE_FIELD_NAMES.get(param, param) if param is not None else None
     if param is not None and fields:
@@ -212,6 +220,18 @@ def _respond(
     # The request guard (guard.py) counts the response under this code.
     request.state.error_code = err.code or err.type
     return err.response(headers=headers)
+
+
+def capacity_refusal(message: str, code: str) -> OpenAIError:
+    """A 429 with Retry-After: the server cannot take this now, but will when load passes
+    (OpenAI's clients retry it by themselves)."""
+    return OpenAIError(
+        f"{message}; retry after {RETRY_AFTER_S} s",
+        status_code=429,
+        type="rate_limit_error",
+        code=code,
+        headers={"Retry-After": str(RETRY_AFTER_S)},
+    )
 
 
 def engine_stopped() -> OpenAIError:

@@ -33,7 +33,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from prefixserve.server.auth import ApiKeys, parse_bearer
-from prefixserve.server.errors import OpenAIError
+from prefixserve.server.errors import RETRY_AFTER_S, OpenAIError
 from prefixserve.server.metrics import ServerMetrics
 
 Scope = MutableMapping[str, Any]
@@ -47,7 +47,6 @@ PUBLIC_PATHS = frozenset({"/health"})
 ERROR_CODE_KEY = "error_code"
 # The longest Content-Length accepted as a number (leading zeros are legal; more is a 400).
 MAX_CONTENT_LENGTH_DIGITS = 20
-RETRY_AFTER_S = 1
 DEFAULT_TIMEOUT_REQUEST_BODY_S = 30.0
 # The default --max-body-bytes-in-flight, in bodies of the largest size allowed.
 BODIES_IN_FLIGHT = 8

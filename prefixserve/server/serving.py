@@ -32,9 +32,10 @@ from prefixserve.outputs import CompletionOutput, Logprob, RequestOutput
 from prefixserve.request_stream import RequestStream, StreamStalledError
 from prefixserve.sampling_params import SamplingParams
 from prefixserve.server import protocol as p
-from prefixserve.server.admission import RETRY_AFTER_S, Admission
+from prefixserve.server.admission import Admission
 from prefixserve.server.auth import ApiKeys
 from prefixserve.server.errors import (
+    RETRY_AFTER_S,
     OpenAIError,
     engine_stopped,
     from_value_error,

@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 
 from prefixserve import SamplingParams
 from prefixserve.kv_cache.events import BlockStored
-from prefixserve.lora.config import LoRARequest
+from prefixserve.lora.config import LoRARequest, LoRASlotsBusyError
 from prefixserve.lora.manager import LoRAInUseError
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -168,7 +168,7 @@ def test_adapter_slots_are_reused_and_in_use_adapters_never_unloaded(
     assert sorted(engine.lora.adapters) == ["b", "c"]
     engine.add_request("r1", PROMPT, greedy(), lora_request=request_of(root, "b"))
     engine.add_request("r2", PROMPT, greedy(), lora_request=request_of(root, "c"))
-    with pytest.raises(LoRAInUseError, match="max_loras=2"):
+    with pytest.raises(LoRASlotsBusyError, match="max_loras=2"):
         engine.add_request("r3", PROMPT, greedy(), lora_request=request_of(root, "a"))
     with pytest.raises(LoRAInUseError, match="used by 1 unfinished request"):
         engine.unload_lora_adapter("b")

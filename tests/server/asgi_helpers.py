@@ -48,6 +48,7 @@ class FakeEngine:
     collect_kv_events: bool = True
     added: list[Any] = field(default_factory=list)
     resets: list[tuple[bool, bool]] = field(default_factory=list)
+    refusal: Exception = ValueError("the fake engine refuses every request (max_tokens)")
 
     async def get_metrics(self) -> dict[str, Any]:
         return {}
@@ -61,7 +62,7 @@ class FakeEngine:
 
     async def add_request(self, request_id: str, prompt_ids: list[int], params: Any, **kw: Any):
         self.added.append((prompt_ids, params, kw))
-        raise ValueError("the fake engine refuses every request (max_tokens)")
+        raise self.refusal
 
 
 def keys(admin: bool = True) -> ApiKeys:

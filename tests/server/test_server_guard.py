@@ -11,6 +11,7 @@ import httpx
 import pytest
 from asgi_helpers import ADMIN_KEY, MAX_MODEL_LEN, TENANT_KEY, call, keys, make_app
 
+from prefixserve.lora.config import LoRASlotsBusyError
 from prefixserve.server.app import default_max_request_body_bytes
 from prefixserve.server.auth import ApiKeys
 from prefixserve.server.prompts import MAX_CHARS_PER_TOKEN
@@ -265,3 +266,14 @@ def test_reset_prefix_cache_refuses_an_unknown_body_field():
     result = call(app, "POST", "/reset_prefix_cache", key=ADMIN_KEY, body={"disk": False})
     assert result.status == 400, result.body
     assert "disk" in result.json()["error"]["message"] and engine.resets == []
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_busy_adapter_slots_are_a_429_with_retry_after_not_a_400(path):
+    app, engine = make_app(keys())
+    engine.refusal = LoRASlotsBusyError("all max_loras=1 LoRA adapter slots are used")
+    body = {"model": "m", "prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}
+    result = call(app, "POST", path, key=TENANT_KEY, body=body)
+    error = _error(result, 429, "lora_slots_busy")
+    assert error["type"] == "rate_limit_error"
+    assert int(result.headers[b"retry-after"]) >= 1
