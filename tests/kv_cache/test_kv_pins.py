@@ -114,11 +114,20 @@ def test_no_sequence_of_requests_evicts_a_pinned_block(ops):
         if op == "run":
             _run(mgr, f"r{step}", prompts[p])
         elif op == "pin":
+            probe = make_request(f"probe{step}", prompts[p][:8])
+            cached = mgr.get_computed_blocks(make_request(f"c{step}", prompts[p][:8] + [0]))[1]
             try:
-                mgr.pin_prefix(f"pin{p}", make_request(f"probe{step}", prompts[p][:8]))
+                mgr.pin_prefix(f"pin{p}", probe)
                 pinned[f"pin{p}"] = prompts[p][:8]
-            except ValueError:
-                pass
+            except ValueError as exc:  # only for these reasons, each of them true
+                reason = str(exc)
+                if "exists already" in reason:
+                    assert f"pin{p}" in pinned
+                elif "nothing to pin" in reason:
+                    assert cached == 0
+                else:
+                    assert "pinned capacity" in reason, reason
+                    assert mgr.pins.num_blocks + cached // mgr.block_size > 6
         else:
             mgr.pins.unpin(f"pin{p}")
             pinned.pop(f"pin{p}", None)

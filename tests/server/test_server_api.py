@@ -39,8 +39,10 @@ def test_models_lists_every_served_name_with_the_context_length(client):
 
 
 def test_completion_returns_text_and_usage_with_cached_tokens(client):
+    prompt = "Once upon a time, in a harbour town with seven bridges and one old lighthouse,"
+    first = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=5, temperature=0)
     response = client.completions.create(
-        model=MODEL_NAME, prompt="Once upon a time", max_tokens=5, temperature=0
+        model=MODEL_NAME, prompt=prompt, max_tokens=5, temperature=0
     )
     choice = response.choices[0]
     assert response.object == "text_completion"
@@ -51,7 +53,10 @@ def test_completion_returns_text_and_usage_with_cached_tokens(client):
     assert usage.completion_tokens == 5 or choice.finish_reason == "stop"
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
     assert usage.prompt_tokens_details is not None
-    assert usage.prompt_tokens_details.cached_tokens >= 0
+    # The second request's full prompt blocks were cached by the first.
+    full_blocks = (usage.prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
+    assert usage.prompt_tokens_details.cached_tokens == full_blocks > 0
+    assert first.choices[0].text == choice.text
 
 
 def test_a_repeated_prompt_reports_its_full_blocks_as_cached(client):
