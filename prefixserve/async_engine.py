@@ -175,10 +175,15 @@ class AsyncLLMEngine:
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
+        *,
+        final_only: bool = False,
         **options: Any,
     ) -> RequestStream:
         """Validate and queue a request; `options` are `LLMEngine.add_request`'s keywords. A new
-        LoRA adapter is read off the step thread. The engine's ValueError is raised here."""
+        LoRA adapter is read off the step thread. The engine's ValueError is raised here.
+        `final_only` (the caller passes on only the final output) matters to replicas, which
+        may start such a request over elsewhere; one engine has no elsewhere."""
+        del final_only
         options.pop("prompt_cache_key", None)  # a routing hint: one engine has nothing to route
         options["lora_read"] = await read_off_thread(self.engine.lora, options.get("lora_request"))
         loop = asyncio.get_running_loop()

@@ -7,9 +7,12 @@ replica's outputs back, and keeps the router's index current from every replica'
 (`event_feed.py`). Tokenization, chat templates and the API checks stay in the server's process;
 the replica validates, schedules, computes and detokenizes, as one engine does.
 
-A replica that dies: each of its requests that had not yet streamed an output is sent again to
-another replica (the client never sees the first attempt); a request that had streamed ends
-with an error output naming the cause. Ray restarts the replica and the feed registers it again.
+A replica that dies: each of its requests whose reader has taken none of its outputs yet is sent
+again to another replica from scratch (its unread partial output dropped: the reader never sees
+the first attempt), and so is a request whose caller passes on only the final output
+(`final_only`, the offline API). The others end with `ReplicaDiedError`, an `EngineDeadError`:
+the server answers it with a 503 and Retry-After, or an SSE error event after the chunks it
+sent. Ray restarts the replica and the feed registers it again.
 """
 
 from __future__ import annotations
@@ -28,16 +31,56 @@ from prefixserve.cluster.route_inputs import LoraDigests, route_args
 from prefixserve.cluster.router import NoReplicaError, Route, Router
 from prefixserve.cluster.store_probe import open_store_probe
 from prefixserve.config import EngineConfig
+from prefixserve.lora.config import LoRASlotsBusyError
 from prefixserve.model.loader import ModelInfo
 from prefixserve.outputs import RequestOutput
-from prefixserve.request_stream import ABORTED, OutputQueue, RequestStream
+from prefixserve.request_stream import ABORTED, Aborted, OutputQueue, RequestStream
 from prefixserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-REPLICA_DIED = "the engine replica serving this request died after it had started streaming"
+REPLICA_DIED = "the engine replica serving this request died after its outputs were read"
 METRICS_TIMEOUT_S = 5.0
 SYNC_TIMEOUT_S = 10.0  # the longest a request waits for the replicas' first snapshots
+
+
+class ReplicaDiedError(EngineDeadError):
+    """The replica serving a request died after the request's reader had taken outputs it may
+    have passed on (streamed): the request cannot start over on another replica unseen."""
+
+
+class _ReadTrackingQueue(OutputQueue):
+    """An OutputQueue that knows whether its reader has taken an output yet: until it has, the
+    request can start over on another replica unseen. Put and read in the loop's thread."""
+
+    __slots__ = ("taken",)
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(loop)
+        self.taken = False
+
+    async def get(self) -> RequestOutput | BaseException | Aborted:
+        item = await super().get()
+        self.taken = self.taken or isinstance(item, RequestOutput)
+        return item
+
+    def start_over(self, final_only: bool) -> bool:
+        """Drop the unread output so the request can start again from scratch; False (nothing
+        dropped) when the reader took an output and may have passed it on (not `final_only`)."""
+        with self._lock:
+            if self.taken and not final_only:
+                return False
+            self._output = None
+            self.unread_since = None
+            return True
+
+
+def _client_error(cause: ValueError) -> ValueError:
+    """The replica's refusal as the caller should see it: its kind kept where the server answers
+    it differently (busy adapter slots: a 429), else a plain ValueError of its message."""
+    if isinstance(cause, LoRASlotsBusyError):
+        return LoRASlotsBusyError(str(cause))
+    return ValueError(str(cause))
 
 
 class ClusterEngine:
@@ -170,15 +213,19 @@ class ClusterEngine:
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
+        *,
+        final_only: bool = False,
         **options: Any,
     ) -> RequestStream:
-        """Route and send a request; the replica's ValueError (a bad request) is raised here."""
+        """Route and send a request; the replica's ValueError (a bad request) is raised here.
+        `final_only`: the caller passes on only the final output, so the request starts over on
+        another replica if its replica dies, whatever outputs were read."""
         self._ensure_feeds()
         await self._synced()
         if request_id in self._tasks:
             raise ValueError(f"request id {request_id!r} is already in use")
         loop = asyncio.get_running_loop()
-        queue = OutputQueue(loop)
+        queue = _ReadTrackingQueue(loop)
         accepted: asyncio.Future[None] = loop.create_future()
         lora = options.get("lora_request")
         # Read off the event loop: an adapter's files are hashed once per version.
@@ -187,7 +234,9 @@ class ClusterEngine:
             digest = await asyncio.to_thread(self._lora_digests.get, lora.lora_path)
         args = route_args(prompt_token_ids, options, digest, self.model.config.torch_dtype)
         task = loop.create_task(
-            self._serve(request_id, prompt_token_ids, params, options, args, queue, accepted)
+            self._serve(
+                request_id, prompt_token_ids, params, options, args, queue, accepted, final_only
+            )
         )
         self._tasks[request_id] = task
         task.add_done_callback(lambda _t: self._tasks.pop(request_id, None))
@@ -213,8 +262,9 @@ class ClusterEngine:
         params: SamplingParams,
         options: dict[str, Any],
         route_kwargs: dict[str, Any],
-        queue: OutputQueue,
+        queue: _ReadTrackingQueue,
         accepted: asyncio.Future[None],
+        final_only: bool,
     ) -> None:
         from ray.exceptions import RayActorError, RayTaskError
 
@@ -249,7 +299,7 @@ class ClusterEngine:
                 except (RayActorError, RayTaskError) as exc:
                     cause = getattr(exc, "cause", None) if isinstance(exc, RayTaskError) else exc
                     if isinstance(cause, ValueError) and not accepted.done():
-                        accepted.set_exception(ValueError(str(cause)))
+                        accepted.set_exception(_client_error(cause))
                         return
                     if isinstance(cause, EngineDeadError):
                         # Its step loop died but the process lives: Ray restarts it.
@@ -257,15 +307,17 @@ class ClusterEngine:
                     elif not isinstance(exc, RayActorError):
                         return self._fail(accepted, queue, last, cause or exc)
                     self.router.finished(route)
-                    if last is not None:
+                    if last is not None and not queue.start_over(final_only):
                         self.failed_midstream += 1
-                        return self._fail(accepted, queue, last, RuntimeError(REPLICA_DIED))
+                        return self._fail(accepted, queue, last, ReplicaDiedError(REPLICA_DIED))
                     logger.warning(
-                        "replica %d failed before request %s streamed; sending it elsewhere (%s)",
+                        "replica %d failed before request %s's outputs reached its client; "
+                        "sending it elsewhere from scratch (%s)",
                         route.replica_id,
                         request_id,
                         type(cause).__name__,
                     )
+                    last = None
                     self.retried_requests += 1
                     excluded.add(route.replica_id)
         except asyncio.CancelledError:
@@ -319,8 +371,12 @@ class ClusterEngine:
         calls = [getattr(h, method).remote(*args) for h in self.handles]
         return list(await asyncio.gather(*calls))
 
-    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
-        return all(await self._broadcast("reset_prefix_cache", reset_running_requests))
+    async def reset_prefix_cache(
+        self, reset_running_requests: bool = False, ram_only: bool = False
+    ) -> bool:
+        """Every replica's reset (each clears its disk tier's namespace too, unless
+        `ram_only`); True when all succeeded."""
+        return all(await self._broadcast("reset_prefix_cache", reset_running_requests, ram_only))
 
     async def load_lora_adapter(self, name: str, path: str) -> None:
         await self._broadcast("load_lora_adapter", name, path)

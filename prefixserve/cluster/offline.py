@@ -28,7 +28,10 @@ def run_requests(
 
     async def one(request: tuple[list[int], Any, dict[str, Any]]) -> RequestOutput:
         ids, params, options = request
-        stream = await cluster.add_request(next(request_ids), ids, params, **options)
+        # Only the final output is returned: one whose replica dies starts over on another.
+        stream = await cluster.add_request(
+            next(request_ids), ids, params, final_only=True, **options
+        )
         final = None
         async for output in stream:
             final = output

@@ -130,6 +130,7 @@ async def generate(
             prompt_cache_key=body.prompt_cache_key,
             lora_request=lora_request,
             prompt_embeds=prompt_embeds,
+            final_only=not body.stream,  # replicas may start it over unseen if one dies
         )
     except ValueError as exc:
         state.admission.release(ticket)

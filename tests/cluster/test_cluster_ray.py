@@ -154,6 +154,39 @@ def kill_during(cluster: Any, url: str) -> tuple[list[list[dict]], int, list[int
     return results, victim, pids_before
 
 
+def test_a_non_streaming_request_whose_replica_is_killed_gets_no_500(cluster: Any) -> None:
+    """Its client was sent nothing: the request starts over on the other replica (200) or, its
+    outputs already collected by the server, gets a 503 with Retry-After it may retry; never
+    the 500 of a request that failed on its own."""
+    url = cluster.url
+    body = {
+        "model": MODEL,
+        "prompt": list(range(6500, 6564)),
+        "max_tokens": 400,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    failed_before = cluster.failed_midstream + cluster.retried_requests
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=120)
+        deadline = time.monotonic() + 60
+        while not any(load.running for load in cluster.router.loads.values()):
+            assert time.monotonic() < deadline, "the request did not start"
+            time.sleep(0.01)
+        victim = next(rid for rid, load in cluster.router.loads.items() if load.running)
+        kill_replica(cluster, victim)
+        response = future.result(timeout=300)
+    assert response.status_code in (200, 503), response.text
+    if response.status_code == 503:
+        assert response.headers["retry-after"] == "1"
+    assert cluster.failed_midstream + cluster.retried_requests == failed_before + 1
+    deadline = time.monotonic() + 120
+    while victim not in cluster.router.index.replica_ids:
+        assert time.monotonic() < deadline, "the killed replica did not come back"
+        time.sleep(0.2)
+    assert all(load.in_flight == 0 for load in cluster.router.loads.values())
+
+
 def test_tenants_through_replicas_never_hit_or_route_by_each_others_blocks(cluster: Any) -> None:
     """Two tenants (API keys) send the same prompt through the replicas: the second tenant
     computes it all (0 cached), its own repeat hits, and the operator-only routes stay closed

@@ -1,0 +1,263 @@
+"""A replica that dies while it serves, on stand-in replicas (no Ray runtime, no model): a
+request none of whose outputs reached its reader starts over on another replica, its partial
+output dropped; one whose reader took outputs ends with ReplicaDiedError, which the server
+answers with a 503 and Retry-After; the router's loads are settled either way."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from ray.exceptions import RayActorError
+
+from prefixserve.async_engine import EngineDeadError
+from prefixserve.cluster.client import ClusterEngine, ReplicaDiedError
+from prefixserve.cluster.policy import ReplicaLoad, make_policy
+from prefixserve.cluster.protocol import ReplicaInfo
+from prefixserve.cluster.router import Router
+from prefixserve.lora.config import LoRASlotsBusyError
+from prefixserve.outputs import CompletionOutput, RequestOutput
+from prefixserve.sampling_params import SamplingParams
+from prefixserve.server.app import build_app
+from tests.server.asgi_helpers import FakeTokenizer, acall
+
+BS = 16
+PROMPT = list(range(100, 140))
+
+
+class _Remote:
+    """An actor method as a Ray handle offers it: `.options(...).remote(*args)`."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+    def options(self, **_: Any) -> _Remote:
+        return self
+
+    def remote(self, *args: Any) -> Any:
+        return self.fn(*args)
+
+
+class FakeReplica:
+    """A replica's actor handle: `generate` accepts, streams `num_outputs` cumulative outputs
+    (token ids `token_base`, `token_base + 1`, ...); the last is finished unless it is `dying`:
+    then it dies (RayActorError) once `kill` is set."""
+
+    def __init__(self, replica_id: int, token_base: int, *, dying: bool, num_outputs: int) -> None:
+        self.info = _Remote(lambda: ReplicaInfo(replica_id, 1, BS, "sha256", "s", 100, 4096, None))
+        self.generate = _Remote(self._generate)
+        self.abort = _Remote(lambda request_id: None)
+        self.token_base = token_base
+        self.dying = dying
+        self.num_outputs = num_outputs
+        self.streamed = asyncio.Event()  # a dying one's outputs were all taken by the client
+        self.kill = asyncio.Event()
+        self.calls = 0
+
+    async def _generate(
+        self, request_id: str, prompt_ids: list[int], params: Any, options: Any
+    ) -> AsyncIterator[Any]:
+        self.calls += 1
+        yield _ready(None)  # accepted
+        for n in range(1, self.num_outputs + 1):
+            finished = not self.dying and n == self.num_outputs
+            yield _ready(self._output(request_id, n, finished))
+        self.streamed.set()
+        if self.dying:
+            await self.kill.wait()
+            raise RayActorError()
+
+    def _output(self, request_id: str, n: int, finished: bool) -> RequestOutput:
+        ids = [self.token_base + i for i in range(n)]
+        completion = CompletionOutput(0, "x" * n, ids, finish_reason="length" if finished else None)
+        return RequestOutput(request_id, None, [], None, [completion], finished=finished)
+
+
+async def _ready(value: Any) -> Any:
+    return value
+
+
+def cluster_of(monkeypatch: pytest.MonkeyPatch, *replicas: FakeReplica) -> ClusterEngine:
+    """A ClusterEngine over stand-in replicas, round robin from replica 0, with no event feeds."""
+    monkeypatch.setattr("ray.get", lambda refs: list(refs))
+    model = SimpleNamespace(tokenizer=FakeTokenizer(), config=SimpleNamespace(torch_dtype=None))
+    config = SimpleNamespace(enable_prompt_embeds=False)
+    router = Router(BS, "sha256", make_policy("round_robin"))
+    engine = ClusterEngine(replicas, model, config, router)  # type: ignore[arg-type]
+    engine.start()
+    monkeypatch.setattr(engine, "_ensure_feeds", lambda: None)
+    return engine
+
+
+def settled(engine: ClusterEngine) -> bool:
+    return all(load == ReplicaLoad() for load in engine.router.loads.values())
+
+
+def params() -> SamplingParams:
+    return SamplingParams(max_tokens=8, temperature=0.0)
+
+
+def test_a_request_whose_replica_dies_before_its_outputs_were_read_starts_over_elsewhere(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    dying = FakeReplica(0, 500, dying=True, num_outputs=3)
+    healthy = FakeReplica(1, 900, dying=False, num_outputs=4)
+    engine = cluster_of(monkeypatch, dying, healthy)
+
+    async def scenario() -> list[RequestOutput]:
+        stream = await engine.add_request("r", PROMPT, params())
+        await dying.streamed.wait()  # three outputs put, none read
+        dying.kill.set()
+        while not settled(engine):  # it started over there and finished, nothing read yet
+            await asyncio.sleep(0)
+        return [output async for output in stream]
+
+    outputs = asyncio.run(scenario())
+    # The reader sees the second replica's outputs alone: none of the dead one's partial ones.
+    assert [o.outputs[0].token_ids for o in outputs] == [[900, 901, 902, 903]]
+    assert outputs[-1].finished and outputs[-1].error is None
+    assert outputs[-1].prompt_token_ids == PROMPT
+    assert (dying.calls, healthy.calls) == (1, 1)
+    assert (engine.retried_requests, engine.failed_midstream) == (1, 0)
+    assert settled(engine)
+
+
+def test_a_request_whose_reader_took_outputs_ends_with_replica_died_not_an_error_output(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    dying = FakeReplica(0, 500, dying=True, num_outputs=2)
+    healthy = FakeReplica(1, 900, dying=False, num_outputs=4)
+    engine = cluster_of(monkeypatch, dying, healthy)
+    read: list[RequestOutput] = []
+
+    async def scenario() -> None:
+        stream = await engine.add_request("r", PROMPT, params())
+        async for output in stream:
+            read.append(output)
+            dying.kill.set()
+
+    with pytest.raises(ReplicaDiedError):
+        asyncio.run(scenario())
+    assert read and all(o.error is None and not o.finished for o in read)
+    assert healthy.calls == 0
+    assert (engine.retried_requests, engine.failed_midstream) == (0, 1)
+    assert settled(engine)
+
+
+def test_a_request_that_cannot_start_over_for_want_of_a_replica_ends_with_engine_dead(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    dying = FakeReplica(0, 500, dying=True, num_outputs=2)
+    engine = cluster_of(monkeypatch, dying)
+
+    async def scenario() -> list[RequestOutput]:
+        stream = await engine.add_request("r", PROMPT, params())
+        await dying.streamed.wait()
+        dying.kill.set()
+        while not settled(engine):  # its death handled, still nothing read
+            await asyncio.sleep(0)
+        return [output async for output in stream]
+
+    # Its unread partial output was dropped: the reader gets the end alone.
+    with pytest.raises(EngineDeadError, match="no engine replica is up"):
+        asyncio.run(scenario())
+    assert settled(engine)
+
+
+def test_a_caller_of_the_final_output_only_gets_it_from_another_replica_after_reading(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    dying = FakeReplica(0, 500, dying=True, num_outputs=2)
+    healthy = FakeReplica(1, 900, dying=False, num_outputs=3)
+    engine = cluster_of(monkeypatch, dying, healthy)
+
+    async def scenario() -> RequestOutput | None:
+        stream = await engine.add_request("r", PROMPT, params(), final_only=True)
+        final = None
+        async for output in stream:
+            final = output
+            dying.kill.set()
+        return final
+
+    final = asyncio.run(scenario())
+    assert final is not None and final.finished and final.error is None
+    assert final.outputs[0].token_ids == [900, 901, 902]
+    assert (engine.retried_requests, engine.failed_midstream) == (1, 0)
+    assert settled(engine)
+
+
+def _post_while_dying(app: Any, dying: FakeReplica) -> Any:
+    async def scenario() -> Any:
+        call = asyncio.ensure_future(
+            acall(app, "POST", "/v1/completions", body={"model": "m", "prompt": PROMPT})
+        )
+        await dying.streamed.wait()
+        for _ in range(10):  # the server's collect takes the outputs put so far
+            await asyncio.sleep(0)
+        dying.kill.set()
+        return await call
+
+    return asyncio.run(scenario())
+
+
+def test_over_http_a_non_streaming_request_whose_replica_died_is_served_elsewhere(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The server collected outputs it never sent (a non-streaming request is `final_only`):
+    the request starts over on the healthy replica, and the client never knows."""
+    dying = FakeReplica(0, 500, dying=True, num_outputs=2)
+    healthy = FakeReplica(1, 900, dying=False, num_outputs=3)
+    engine = cluster_of(monkeypatch, dying, healthy)
+    result = _post_while_dying(build_app(engine, ["m"]), dying)  # type: ignore[arg-type]
+    assert result.status == 200, result.body
+    assert healthy.calls == 1 and engine.retried_requests == 1
+    assert settled(engine)
+
+
+def test_over_http_a_request_whose_only_replica_died_gets_503_with_retry_after(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Nowhere to start over: a 503 the client may retry, not a 500."""
+    dying = FakeReplica(0, 500, dying=True, num_outputs=2)
+    engine = cluster_of(monkeypatch, dying)
+    result = _post_while_dying(build_app(engine, ["m"]), dying)  # type: ignore[arg-type]
+    assert result.status == 503, result.body
+    assert result.headers[b"retry-after"] == b"1"
+    assert result.json()["error"]["type"] == "server_error"
+    assert settled(engine)
+
+
+class RefusingReplica(FakeReplica):
+    """A replica whose engine refuses the request before accepting it, as Ray delivers that."""
+
+    def __init__(self, refusal: ValueError) -> None:
+        super().__init__(0, 0, dying=False, num_outputs=1)
+        self.refusal = refusal
+
+    async def _generate(self, *args: Any) -> AsyncIterator[Any]:
+        from ray.exceptions import RayTaskError
+
+        raise RayTaskError("generate", "traceback", self.refusal)
+        yield  # an async generator, as the replica's is
+
+
+@pytest.mark.parametrize(
+    ("refusal", "kind"),
+    [(LoRASlotsBusyError("all max_loras=1 slots are used"), LoRASlotsBusyError),
+     (ValueError("max_tokens=9 is too many"), ValueError)],
+)  # fmt: skip
+def test_a_replica_refusal_keeps_its_kind_so_busy_adapter_slots_stay_a_429(
+    monkeypatch: pytest.MonkeyPatch, refusal: ValueError, kind: type
+) -> None:
+    engine = cluster_of(monkeypatch, RefusingReplica(refusal))
+
+    async def scenario() -> None:
+        await engine.add_request("r", PROMPT, params())
+
+    with pytest.raises(ValueError) as info:
+        asyncio.run(scenario())
+    assert type(info.value) is kind and str(refusal) in str(info.value)
+    assert settled(engine)
