@@ -18,11 +18,11 @@ from prefixserve.cluster.options import (
     wants_cluster,
 )
 from prefixserve.engine_args import (
-    add_engine_arguments,
+    EngineArgs,
+    add_lora_modules_argument,
     engine_config_from_args,
     lora_modules_from_args,
 )
-from prefixserve.kv_store.options import add_kv_store_arguments
 from prefixserve.server.options import (
     add_server_limit_arguments,
     admission_from_args,
@@ -91,8 +91,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 # ------------------------------------------------------------------------------------- serve
 @subcommand("serve", "Serve a model over an OpenAI-compatible HTTP API.")
 def serve_command(parser: argparse.ArgumentParser) -> Runner:
-    add_engine_arguments(parser)
-    add_kv_store_arguments(parser)
+    EngineArgs.add_cli_args(parser)
+    add_lora_modules_argument(parser)
     add_cluster_arguments(parser)
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="Address to listen on.")
@@ -190,7 +190,7 @@ def run_serve(args: argparse.Namespace) -> int:
             engine = AsyncLLMEngine.from_config(
                 config,
                 log_stats_interval_s=None if args.disable_log_stats else args.log_stats_interval,
-                collect_kv_events=args.kv_events,
+                collect_kv_events=args.enable_kv_events,
                 stall_timeout_s=args.stream_stall_timeout or None,
             )
             load = engine.engine.load_lora_adapter

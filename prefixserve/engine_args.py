@@ -1,11 +1,27 @@
-"""The engine's flags of `prefixserve serve` (model, cache, scheduler; vLLM's names where vLLM
-has the flag) and the `EngineConfig` they make."""
+"""Every engine option, once: `EngineArgs`, whose fields make both the `prefixserve serve` flags
+(`add_cli_args`, vLLM's names where vLLM has the flag) and the `LLM(...)` keywords, and the
+`EngineConfig` they ask for (`create_engine_config`), as vLLM's `EngineArgs` does.
+
+A field's metadata (`option(...)`) holds its help, its flag when the flag's name is not the
+field's (`--kv-events` for `enable_kv_events`), its argparse group and choices. Options only a
+server has (address, keys, limits, the adapters it serves at start-up, Ray deployment) stay with
+the server's and the cluster's flags.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import inspect
 import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
+import prefixserve.settings as settings
+from prefixserve.cluster.policy import DEFAULT_POLICY, POLICIES
 from prefixserve.config import (
     ADMISSION_ORDERS,
     SCHEDULING_POLICIES,
@@ -16,146 +32,355 @@ from prefixserve.config import (
 from prefixserve.dtypes import SUPPORTED_DTYPES
 from prefixserve.kv_cache.eviction import DEFAULT_EVICTION_POLICY, EVICTION_POLICIES
 from prefixserve.kv_cache.hashing import HASH_ALGOS
-from prefixserve.kv_store.options import kv_store_config_from_args
+from prefixserve.kv_store import RETENTION_SECONDS, KVStoreConfig, capacity_from_gb
 from prefixserve.lora.config import LoRAConfig, check_lora_name
 
 
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """The engine's flags (vLLM's names where vLLM has one); shared with other subcommands."""
-    parser.add_argument(
-        "model",
-        nargs="?",
-        default=None,
-        help="A Hugging Face model directory or a .gguf file. Default: the packaged default "
-        "model (SmolLM2-135M-Instruct), converted on first use.",
+def option(
+    default: Any,
+    help: str,  # noqa: A002 - argparse's word
+    *,
+    group: str,
+    flag: str | None = None,
+    choices: typing.Sequence[Any] | None = None,
+    metavar: str | None = None,
+    exclusive: str | None = None,
+) -> Any:
+    """A field of `EngineArgs` with what its flag needs; fields of one `exclusive` name may not
+    be given together."""
+    meta = {
+        "help": help,
+        "group": group,
+        "flag": flag,
+        "choices": choices,
+        "metavar": metavar,
+        "exclusive": exclusive,
+    }
+    return field(default=default, metadata=meta)
+
+
+_ENGINE = "engine"
+_CACHE = "KV cache and prefix caching"
+_SCHED = "scheduler"
+_STORE = "KV store (the prefix cache's disk tier)"
+_LORA = "LoRA adapters, prompt embeddings, speculative decoding"
+_REPLICAS = "replicas (Ray)"
+
+
+@dataclass(kw_only=True)
+class EngineArgs:
+    """The engine's options; invalid values raise ValueError in `create_engine_config`."""
+
+    model: str | None = option(
+        None,
+        "A Hugging Face model directory or a .gguf file. Default: the packaged default model "
+        "(SmolLM2-135M-Instruct), converted on first use.",
+        group=_ENGINE,
     )
-    engine = parser.add_argument_group("engine")
-    engine.add_argument(
-        "--dtype",
-        default="bfloat16",
+    dtype: str = option(
+        "bfloat16",
+        "Weights and KV-cache dtype (float16 is not supported on the CPU).",
+        group=_ENGINE,
         choices=SUPPORTED_DTYPES,
-        help="Weights and KV-cache dtype (float16 is not supported on the CPU).",
     )
-    engine.add_argument(
-        "--max-model-len",
-        type=int,
-        default=None,
-        help="Context length (prompt + output tokens). Default: the model's own.",
+    max_model_len: int | None = option(
+        None, "Context length (prompt + output tokens). Default: the model's own.", group=_ENGINE
     )
-    engine.add_argument("--seed", type=int, default=0, help="Seed of the sampler.")
-    cache = parser.add_argument_group("KV cache and prefix caching")
-    cache.add_argument(
-        "--block-size",
-        type=int,
-        default=16,
-        help="Tokens per KV-cache block; the unit of prefix-cache reuse (only full blocks are "
-        "shared).",
+    seed: int = option(0, "Seed of the sampler.", group=_ENGINE)
+    block_size: int = option(
+        16,
+        "Tokens per KV-cache block; the unit of prefix-cache reuse (only full blocks are shared).",
+        group=_CACHE,
     )
-    cache.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="Reuse the KV blocks of prompt prefixes seen before (automatic prefix caching).",
+    enable_prefix_caching: bool = option(
+        True,
+        "Reuse the KV blocks of prompt prefixes seen before (automatic prefix caching).",
+        group=_CACHE,
     )
-    cache.add_argument(
-        "--prefix-caching-hash-algo",
-        default="sha256",
+    prefix_caching_hash_algo: str = option(
+        "sha256",
+        "Hash chaining the block contents: sha256 (collision-resistant, the safe choice when "
+        "tenants share a server) or xxhash (faster, not cryptographic).",
+        group=_CACHE,
         choices=HASH_ALGOS,
-        help="Hash chaining the block contents: sha256 (collision-resistant, the safe choice "
-        "when tenants share a server) or xxhash (faster, not cryptographic).",
     )
-    pool = cache.add_mutually_exclusive_group()
-    pool.add_argument(
-        "--num-kv-blocks",
-        type=int,
-        default=None,
-        help="Size of the KV-cache pool in blocks (vLLM: --num-gpu-blocks-override). Default: "
-        "sized from --kv-cache-memory-gb.",
+    num_kv_blocks: int | None = option(
+        None,
+        "Size of the KV-cache pool in blocks (vLLM: --num-gpu-blocks-override). Default: sized "
+        "from --kv-cache-memory-gb.",
+        group=_CACHE,
+        exclusive="pool size",
     )
-    pool.add_argument(
-        "--kv-cache-memory-gb",
-        type=float,
-        default=None,
-        help="Memory for the KV-cache pool in GiB. Default: 1 GiB, or less when max-num-seqs "
-        "requests at full context need less.",
+    kv_cache_memory_gb: float | None = option(
+        None,
+        "Memory for the KV-cache pool in GiB. Default: 1 GiB, or less when max-num-seqs requests "
+        "at full context need less.",
+        group=_CACHE,
+        exclusive="pool size",
     )
-    cache.add_argument(
-        "--kv-events",
-        action="store_true",
-        help="Record KV-cache events (blocks stored, evicted, cache cleared), served at "
-        "GET /kv_events for KV-aware routers.",
+    enable_kv_events: bool = option(
+        False,
+        "Record KV-cache events (blocks stored, evicted, cache cleared), served at GET "
+        "/kv_events for KV-aware routers.",
+        group=_CACHE,
+        flag="--kv-events",
     )
-    parser.add_argument(
-        "--eviction-policy",
-        choices=EVICTION_POLICIES,
-        default=DEFAULT_EVICTION_POLICY,
-        help="Which free cached block the pool reuses first: lru (least recently freed), slru "
+    eviction_policy: str = option(
+        DEFAULT_EVICTION_POLICY,
+        "Which free cached block the pool reuses first: lru (least recently freed), slru "
         "(segmented LRU: blocks hit again are protected), cost (reuse x recompute cost, aged).",
+        group=_CACHE,
+        choices=EVICTION_POLICIES,
     )
-    parser.add_argument(
-        "--max-pinned-blocks",
-        type=int,
-        default=None,
-        help="Most KV blocks operators may pin with POST /pins (default: a quarter of the pool).",
+    max_pinned_blocks: int | None = option(
+        None,
+        "Most KV blocks operators may pin with POST /pins (default: a quarter of the pool).",
+        group=_CACHE,
     )
-    sched = parser.add_argument_group("scheduler")
-    sched.add_argument(
-        "--max-num-seqs", type=int, default=256, help="Most requests running in one step."
+    max_num_seqs: int = option(256, "Most requests running in one step.", group=_SCHED)
+    max_num_batched_tokens: int = option(
+        4096,
+        "Most tokens computed in one step (prefill chunks plus one per decoding request).",
+        group=_SCHED,
     )
-    sched.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=4096,
-        help="Most tokens computed in one step (prefill chunks plus one per decoding request).",
+    long_prefill_token_threshold: int = option(
+        0,
+        "Cap on one request's prefill chunk per step, so long prompts do not stall the others "
+        "(0: no cap).",
+        group=_SCHED,
     )
-    sched.add_argument(
-        "--long-prefill-token-threshold",
-        type=int,
-        default=0,
-        help="Cap on one request's prefill chunk per step, so long prompts do not stall the "
-        "others (0: no cap).",
-    )
-    sched.add_argument(
-        "--scheduling-policy",
+    scheduling_policy: str = option(
+        "fair",
+        "fair (default): tenants (API keys) take turns in the waiting queue, share each step's "
+        "token budget max-min fairly, and preemption takes from the tenant with the most running "
+        "requests; fcfs: first come, first served over all tenants (vLLM's default). Without "
+        "keys both plan the same steps.",
+        group=_SCHED,
         choices=SCHEDULING_POLICIES,
-        default="fair",
-        help="fair (default): tenants (API keys) take turns in the waiting queue, share each "
-        "step's token budget max-min fairly, and preemption takes from the tenant with the most "
-        "running requests; fcfs: first come, first served over all tenants (vLLM's default). "
-        "Without keys both plan the same steps.",
     )
-    sched.add_argument(
-        "--admission-order",
+    admission_order: str = option(
+        "fcfs",
+        "fcfs: each tenant's waiting requests in arrival order; longest_prefix: the one with the "
+        "longest cached prefix among its first 16 first, any request passed over 16 times first "
+        "(aging).",
+        group=_SCHED,
         choices=ADMISSION_ORDERS,
-        default="fcfs",
-        help="fcfs: each tenant's waiting requests in arrival order; longest_prefix: the one with "
-        "the longest cached prefix among its first 16 first, any request passed over 16 times "
-        "first (aging).",
     )
-    sched.add_argument(
-        "--fair-chunk-tokens",
-        type=int,
-        default=512,
-        help="With --scheduling-policy fair, the largest prefill chunk of one request while "
-        "several tenants have work (a step lasts as long as its tokens take, and everyone "
-        "waits for it); 0: no cap.",
+    fair_chunk_tokens: int = option(
+        512,
+        "With --scheduling-policy fair, the largest prefill chunk of one request while several "
+        "tenants have work (a step lasts as long as its tokens take, and everyone waits for "
+        "it); 0: no cap.",
+        group=_SCHED,
     )
-    parser.add_argument(
-        "--speculative-config",
-        default=None,
+    enable_kv_store: bool | None = option(
+        None,
+        "The prefix cache's disk tier. Default: on (off where PREFIXSERVE_KV_STORE=0, unless "
+        "--kv-store-dir or --kv-store-gb is given); --no-kv-store: cached blocks live in the "
+        "RAM pool only and die with the process.",
+        group=_STORE,
+        flag="--kv-store",
+    )
+    kv_store_dir: str | None = option(
+        None,
+        "Directory of the disk tier, shared by the servers of one user on this host (default: "
+        f"{settings.kv_store_root()}). Created 0700; its files are 0600.",
+        group=_STORE,
+        metavar="DIR",
+    )
+    kv_store_gb: float | None = option(
+        None,
+        "Most disk the tier may use, over all models in the directory; least recently used "
+        "blocks are deleted past it (default: a quarter of the free disk, at most 32).",
+        group=_STORE,
+        metavar="GIB",
+    )
+    kv_store_default_retention: str = option(
+        "24h",
+        "Retention of a request without prompt_cache_retention: 24h writes its blocks to disk "
+        "for up to 24 hours; in_memory never writes them.",
+        group=_STORE,
+        choices=tuple(RETENTION_SECONDS),
+    )
+    speculative_config: str | dict | None = option(
+        None,
+        'Speculative decoding, vLLM\'s JSON: e.g. \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}\' '
+        "(n-gram drafts from the request's own tokens, verified in one forward pass; outputs "
+        "are the same as without). Off by default.",
+        group=_LORA,
         metavar="JSON",
-        help='Speculative decoding, vLLM\'s JSON: e.g. \'{"method": "ngram", '
-        '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": '
-        "5}' (n-gram drafts from the request's own tokens, verified in one forward pass; "
-        "outputs are the same as without). Off by default.",
     )
-    lora = parser.add_argument_group("LoRA adapters and prompt embeddings")
-    lora.add_argument(
-        "--enable-lora",
-        action="store_true",
-        help="Serve LoRA adapters: a request names one in `model` (implied by --lora-modules).",
+    enable_lora: bool = option(
+        False,
+        "Serve LoRA adapters: a request names one in `model` (implied by --lora-modules).",
+        group=_LORA,
     )
-    lora.add_argument(
+    max_loras: int = option(
+        4,
+        "Adapters loaded at once (one step batches requests of all of them with the base "
+        "model's); an adapter not loaded is loaded when a request names it, in place of the "
+        "least recently used one that no request is using.",
+        group=_LORA,
+    )
+    max_lora_rank: int = option(16, "The largest adapter rank accepted.", group=_LORA)
+    enable_prompt_embeds: bool = option(
+        False,
+        "Take `prompt_embeds` (a [num_tokens, hidden_size] float tensor; over HTTP base64 of "
+        "torch.save bytes) instead of a prompt's token ids.",
+        group=_LORA,
+    )
+    num_replicas: int = option(
+        1,
+        "Engine replicas, each a Ray actor with its own KV pool, behind this one endpoint; "
+        "requests go where their prefix is cached (--routing-policy). 1: one in-process engine, "
+        "no Ray.",
+        group=_REPLICAS,
+        flag="--replicas",
+        metavar="N",
+    )
+    threads_per_replica: int = option(
+        1, "CPU threads (and Ray CPUs) of each replica.", group=_REPLICAS, metavar="T"
+    )
+    routing_policy: str = option(
+        DEFAULT_POLICY,
+        "prefix: the replica where the prompt's cached prefix makes the work least, weighed "
+        "against its load (from the replicas' KV events); the others are baselines.",
+        group=_REPLICAS,
+        choices=sorted(POLICIES),
+    )
+
+    # ------------------------------------------------------------------ the config
+
+    def create_engine_config(self) -> EngineConfig:
+        """The validated EngineConfig these options ask for; ValueError names a bad value."""
+        self._check_exclusive()
+        return EngineConfig(
+            model=self.model,
+            dtype=self.dtype,
+            max_model_len=self.max_model_len,
+            seed=self.seed,
+            cache=CacheConfig(
+                block_size=self.block_size,
+                num_kv_blocks=self.num_kv_blocks,
+                kv_cache_memory_gb=self.kv_cache_memory_gb,
+                enable_prefix_caching=self.enable_prefix_caching,
+                prefix_caching_hash_algo=self.prefix_caching_hash_algo,
+                enable_kv_events=self.enable_kv_events,
+                max_pinned_blocks=self.max_pinned_blocks,
+                eviction_policy=self.eviction_policy,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                long_prefill_token_threshold=self.long_prefill_token_threshold,
+                scheduling_policy=self.scheduling_policy,
+                fair_chunk_tokens=self.fair_chunk_tokens,
+                admission_order=self.admission_order,
+            ),
+            kv_store=self._kv_store_config(),
+            speculative_config=self.speculative_config,
+            lora=LoRAConfig(self.max_loras, self.max_lora_rank) if self.enable_lora else None,
+            enable_prompt_embeds=self.enable_prompt_embeds,
+        )
+
+    def _check_exclusive(self) -> None:
+        given: dict[str, list[str]] = {}
+        for f in dataclasses.fields(self):
+            if f.metadata["exclusive"] and getattr(self, f.name) != f.default:
+                given.setdefault(f.metadata["exclusive"], []).append(f.name)
+        for names in given.values():
+            if len(names) > 1:
+                raise ValueError(f"give at most one of {', '.join(names)}")
+
+    def _kv_store_config(self) -> KVStoreConfig | None:
+        """The disk tier asked for: `enable_kv_store`, or when unset, on if a directory or size
+        is given, else the environment's default (PREFIXSERVE_KV_STORE)."""
+        enabled = self.enable_kv_store
+        if enabled is None:
+            explicit = self.kv_store_dir is not None or self.kv_store_gb is not None
+            enabled = explicit or settings.kv_store_default_enabled()
+        if not enabled:
+            return None
+        return KVStoreConfig(
+            dir=None if self.kv_store_dir is None else Path(self.kv_store_dir),
+            capacity_bytes=None if self.kv_store_gb is None else capacity_from_gb(self.kv_store_gb),
+            default_retention=self.kv_store_default_retention,
+        )
+
+    # ------------------------------------------------------------------ the flags
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        """One flag per field (`model` is the positional MODEL), in its group."""
+        groups: dict[str, Any] = {}
+        for f in dataclasses.fields(EngineArgs):
+            meta = f.metadata
+            if f.name == "model":
+                parser.add_argument("model", nargs="?", default=None, help=meta["help"])
+                continue
+            group = groups.get(meta["group"]) or parser.add_argument_group(meta["group"])
+            groups[meta["group"]] = group
+            if meta["exclusive"]:
+                key = ("exclusive", meta["exclusive"])
+                group = groups.get(key) or group.add_mutually_exclusive_group()
+                groups[key] = group
+            group.add_argument(_flag(f), dest=f.name, **_argparse_kwargs(f))
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        """The options the parsed flags give."""
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+def _flag(f: dataclasses.Field) -> str:
+    return f.metadata["flag"] or "--" + f.name.replace("_", "-")
+
+
+def _argparse_kwargs(f: dataclasses.Field) -> dict[str, Any]:
+    meta, kind = f.metadata, _value_type(f)
+    kwargs: dict[str, Any] = {"default": f.default, "help": meta["help"]}
+    if kind is bool:
+        # A flag that turns on what is off; on (or unset) by default: --x / --no-x.
+        kwargs["action"] = "store_true" if f.default is False else argparse.BooleanOptionalAction
+        return kwargs
+    if kind is not str:
+        kwargs["type"] = kind
+    if meta["choices"] is not None:
+        kwargs["choices"] = meta["choices"]
+    if meta["metavar"] is not None:
+        kwargs["metavar"] = meta["metavar"]
+    return kwargs
+
+
+def _value_type(f: dataclasses.Field) -> type:
+    """The flag's value type: the field's annotation less None (a JSON option is a str)."""
+    hints = typing.get_type_hints(EngineArgs)
+    annotation = hints[f.name]
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        members = [a for a in typing.get_args(annotation) if a is not type(None)]
+        annotation = members[0]
+    return annotation if annotation in (bool, int, float, str) else str
+
+
+def engine_args_signature(*extra: inspect.Parameter) -> list[inspect.Parameter]:
+    """Keyword parameters for every field (`model` positional first), then `extra`: for the
+    signature of `LLM(...)`."""
+    hints = typing.get_type_hints(EngineArgs)
+    params = []
+    for f in dataclasses.fields(EngineArgs):
+        kind = (
+            inspect.Parameter.POSITIONAL_OR_KEYWORD
+            if f.name == "model"
+            else inspect.Parameter.KEYWORD_ONLY
+        )
+        params.append(inspect.Parameter(f.name, kind, default=f.default, annotation=hints[f.name]))
+    return params + list(extra)
+
+
+def add_lora_modules_argument(parser: argparse.ArgumentParser) -> None:
+    """--lora-modules: the adapters a server serves from its start (it implies --enable-lora)."""
+    parser.add_argument(
         "--lora-modules",
         nargs="+",
         default=[],
@@ -164,41 +389,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         '\'{"name": ..., "path": ...}\'; more can be loaded at run time through the operator '
         "route POST /v1/load_lora_adapter.",
     )
-    lora.add_argument(
-        "--max-loras",
-        type=int,
-        default=4,
-        help="Adapters loaded at once (one step batches requests of all of them with the base "
-        "model's); an adapter not loaded is loaded when a request names it, in place of the "
-        "least recently used one that no request is using.",
-    )
-    lora.add_argument(
-        "--max-lora-rank", type=int, default=16, help="The largest adapter rank accepted."
-    )
-    lora.add_argument(
-        "--enable-prompt-embeds",
-        action="store_true",
-        help="Let /v1/completions take `prompt_embeds` (base64 of torch.save bytes of a "
-        "[num_tokens, hidden_size] float tensor) instead of `prompt`.",
-    )
 
 
 def lora_modules_from_args(args: argparse.Namespace) -> dict[str, str]:
     """--lora-modules as name -> path; ValueError for a malformed entry or a repeated name."""
     modules: dict[str, str] = {}
     for entry in args.lora_modules:
-        if entry.lstrip().startswith("{"):
-            try:
-                spec = json.loads(entry)
-                name, path = spec["name"], spec["path"]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise ValueError(
-                    f"--lora-modules: {entry!r} is not JSON with 'name' and 'path'"
-                ) from None
-        else:
-            name, sep, path = entry.partition("=")
-            if not sep:
-                raise ValueError(f"--lora-modules: {entry!r} is not name=path")
+        name, path = _lora_module(entry)
         check_lora_name(name)
         if not isinstance(path, str) or not path:
             raise ValueError(f"--lora-modules: {entry!r} has no path")
@@ -208,37 +405,25 @@ def lora_modules_from_args(args: argparse.Namespace) -> dict[str, str]:
     return modules
 
 
+def _lora_module(entry: str) -> tuple[Any, Any]:
+    if entry.lstrip().startswith("{"):
+        try:
+            spec = json.loads(entry)
+            return spec["name"], spec["path"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise ValueError(
+                f"--lora-modules: {entry!r} is not JSON with 'name' and 'path'"
+            ) from None
+    name, sep, path = entry.partition("=")
+    if not sep:
+        raise ValueError(f"--lora-modules: {entry!r} is not name=path")
+    return name, path
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """EngineConfig from the engine flags; ValueError names a bad value."""
-    return EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        seed=args.seed,
-        cache=CacheConfig(
-            block_size=args.block_size,
-            num_kv_blocks=args.num_kv_blocks,
-            kv_cache_memory_gb=args.kv_cache_memory_gb,
-            enable_prefix_caching=args.enable_prefix_caching,
-            prefix_caching_hash_algo=args.prefix_caching_hash_algo,
-            enable_kv_events=args.kv_events,
-            max_pinned_blocks=args.max_pinned_blocks,
-            eviction_policy=args.eviction_policy,
-        ),
-        scheduler=SchedulerConfig(
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            long_prefill_token_threshold=args.long_prefill_token_threshold,
-            scheduling_policy=args.scheduling_policy,
-            fair_chunk_tokens=args.fair_chunk_tokens,
-            admission_order=args.admission_order,
-        ),
-        kv_store=kv_store_config_from_args(args),
-        speculative_config=args.speculative_config,
-        lora=(
-            LoRAConfig(args.max_loras, args.max_lora_rank)
-            if args.enable_lora or args.lora_modules
-            else None
-        ),
-        enable_prompt_embeds=args.enable_prompt_embeds,
-    )
+    """EngineConfig from the engine flags (--lora-modules implies --enable-lora); ValueError
+    names a bad value."""
+    engine_args = EngineArgs.from_cli_args(args)
+    if getattr(args, "lora_modules", None):
+        engine_args.enable_lora = True
+    return engine_args.create_engine_config()

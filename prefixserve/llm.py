@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import inspect
 import itertools
 from collections.abc import Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
 
-import prefixserve.settings as settings
-from prefixserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from prefixserve.engine import LLMEngine
+from prefixserve.engine_args import EngineArgs, engine_args_signature
 from prefixserve.kv_cache.salts import derive_cache_salt, validate_cache_salt
-from prefixserve.kv_store import KVStoreConfig, capacity_from_gb
-from prefixserve.lora.config import LoRAConfig, LoRARequest
+from prefixserve.lora.config import LoRARequest
 from prefixserve.outputs import RequestOutput
 from prefixserve.sampling_params import SamplingParams
 
@@ -43,103 +43,33 @@ def _request_args(
 
 
 class LLM:
-    """Generate completions for batches of prompts with one in-process engine.
+    """Generate completions for batches of prompts with one in-process engine (or, with
+    `num_replicas` > 1, engine replicas on Ray routed as `prefixserve serve --replicas` does;
+    `shutdown()` stops them).
 
-    `model=None` loads the packaged default model. `num_kv_blocks` fixes the number of
-    allocatable KV blocks; otherwise the pool is sized from `kv_cache_memory_gb` (default about
-    1 GiB). `max_num_seqs` / `max_num_batched_tokens` bound each step;
-    `long_prefill_token_threshold` (0 = off) caps one request's prefill chunk per step;
-    `admission_order` "longest_prefix" admits the waiting request with the longest cached prefix
-    first (with aging; default "fcfs"); `eviction_policy` picks which free cached block the pool
-    reuses first: "lru" (default), "slru" (scan-resistant) or "cost" (recompute cost x reuse).
-    `enable_kv_store` turns the prefix cache's disk tier on (None: on unless PREFIXSERVE_KV_STORE
-    says 0) at `kv_store_dir` (default: under the cache directory) with `kv_store_gb` GiB (default:
-    a quarter of the free disk, at most 32 GiB); `kv_store_default_retention` applies to prompts
-    generated without a `prompt_cache_retention`. `enable_lora` lets prompts run with LoRA
-    adapters (`generate(..., lora_request=LoRARequest(name, id, path))`), at most `max_loras`
-    loaded at once, of rank at most `max_lora_rank`; `enable_prompt_embeds` lets a prompt be
-    `{"prompt_embeds": tensor}`. `num_replicas` > 1 runs that many engine replicas on Ray (each
-    with `threads_per_replica` threads and this config's pool), prompts routed by
-    `routing_policy` as `prefixserve serve --replicas` does (cluster/); `shutdown()` stops them.
+    Takes every engine option of `prefixserve serve` as a keyword of the same name, less the
+    dashes (`engine_args.EngineArgs`, the one list both are made from; `help(EngineArgs)` and
+    `prefixserve serve --help` describe them). `model=None` loads the packaged default model;
+    `loaded_model` reuses weights already loaded with `prefixserve.model.loader.load_model`.
     Invalid values raise ValueError.
     """
 
-    def __init__(
-        self,
-        model: str | None = None,
-        dtype: str = "bfloat16",
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        kv_cache_memory_gb: float | None = None,
-        enable_prefix_caching: bool = True,
-        prefix_caching_hash_algo: str = "sha256",
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 4096,
-        max_model_len: int | None = None,
-        seed: int = 0,
-        enable_kv_events: bool = False,
-        *,
-        long_prefill_token_threshold: int = 0,
-        admission_order: str = "fcfs",
-        eviction_policy: str = "lru",
-        loaded_model: Any = None,
-        enable_kv_store: bool | None = None,
-        kv_store_dir: str | None = None,
-        kv_store_gb: float | None = None,
-        kv_store_default_retention: str = "24h",
-        speculative_config: dict[str, Any] | str | None = None,
-        enable_lora: bool = False,
-        max_loras: int = 4,
-        max_lora_rank: int = 16,
-        enable_prompt_embeds: bool = False,
-        num_replicas: int = 1,
-        threads_per_replica: int = 1,
-        routing_policy: str = "prefix",
-    ) -> None:
-        if enable_kv_store is None:
-            enable_kv_store = settings.kv_store_default_enabled()
-        kv_store = None
-        if enable_kv_store:
-            kv_store = KVStoreConfig(
-                dir=kv_store_dir,
-                capacity_bytes=None if kv_store_gb is None else capacity_from_gb(kv_store_gb),
-                default_retention=kv_store_default_retention,
-            )
-        config = EngineConfig(
-            model=model,
-            dtype=dtype,
-            max_model_len=max_model_len,
-            seed=seed,
-            cache=CacheConfig(
-                block_size=block_size,
-                num_kv_blocks=num_kv_blocks,
-                kv_cache_memory_gb=kv_cache_memory_gb,
-                enable_prefix_caching=enable_prefix_caching,
-                prefix_caching_hash_algo=prefix_caching_hash_algo,
-                enable_kv_events=enable_kv_events,
-                eviction_policy=eviction_policy,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                long_prefill_token_threshold=long_prefill_token_threshold,
-                admission_order=admission_order,
-            ),
-            kv_store=kv_store,
-            speculative_config=speculative_config,
-            lora=LoRAConfig(max_loras, max_lora_rank) if enable_lora else None,
-            enable_prompt_embeds=enable_prompt_embeds,
-        )
+    def __init__(self, model: str | None = None, *, loaded_model: Any = None, **options: Any):
+        unknown = set(options) - {f.name for f in dataclasses.fields(EngineArgs)}
+        if unknown:
+            raise TypeError(f"LLM() got unknown engine options {sorted(unknown)}")
+        engine_args = EngineArgs(model=model, **options)
+        config = engine_args.create_engine_config()
         self._counter = itertools.count()
         self._cluster: Any = None
-        if num_replicas > 1:
+        if engine_args.num_replicas > 1:
             from prefixserve.cluster.ray_cluster import start_cluster
 
             self._cluster = start_cluster(
                 config,
-                num_replicas,
-                threads_per_replica=threads_per_replica,
-                routing_policy=routing_policy,
+                engine_args.num_replicas,
+                threads_per_replica=engine_args.threads_per_replica,
+                routing_policy=engine_args.routing_policy,
             )
             self._tokenizer = self._cluster.tokenizer
             self.llm_engine: Any = None
@@ -360,3 +290,13 @@ class LLM:
         if self._cluster is not None:
             raise ValueError("KV events feed the router with num_replicas > 1; not available")
         return self.llm_engine.take_kv_events()
+
+
+LLM.__init__.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+    [
+        inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        *engine_args_signature(
+            inspect.Parameter("loaded_model", inspect.Parameter.KEYWORD_ONLY, default=None)
+        ),
+    ]
+)

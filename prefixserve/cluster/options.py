@@ -10,27 +10,11 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from prefixserve.cluster.policy import DEFAULT_POLICY, POLICIES
-
 
 def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
+    """The deployment's flags (the replicas' count, threads and routing policy are engine
+    options: `engine_args.EngineArgs`)."""
     group = parser.add_argument_group("replicas (Ray)")
-    group.add_argument(
-        "--replicas",
-        type=int,
-        default=1,
-        metavar="N",
-        help="Engine replicas, each a Ray actor with its own KV pool, behind this one endpoint; "
-        "requests go where their prefix is cached (--routing-policy). 1: one in-process "
-        "engine, no Ray.",
-    )
-    group.add_argument(
-        "--threads-per-replica",
-        type=int,
-        default=1,
-        metavar="T",
-        help="CPU threads (and Ray CPUs) of each replica.",
-    )
     group.add_argument(
         "--ray-address",
         default=None,
@@ -59,13 +43,6 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
         "another configuration, or beyond --replicas, instead of refusing to start.",
     )
     group.add_argument(
-        "--routing-policy",
-        default=DEFAULT_POLICY,
-        choices=sorted(POLICIES),
-        help="prefix: the replica where the prompt's cached prefix makes the work least, "
-        "weighed against its load (from the replicas' KV events); the others are baselines.",
-    )
-    group.add_argument(
         "--max-in-flight-per-replica",
         type=int,
         default=None,
@@ -84,7 +61,7 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def wants_cluster(args: argparse.Namespace) -> bool:
-    return args.replicas != 1 or args.ray_address is not None
+    return args.num_replicas != 1 or args.ray_address is not None
 
 
 def start_cluster_from_args(args: argparse.Namespace, config: Any) -> Any:
@@ -97,7 +74,7 @@ def start_cluster_from_args(args: argparse.Namespace, config: Any) -> Any:
 
     return start_cluster(
         config,
-        args.replicas,
+        args.num_replicas,
         threads_per_replica=args.threads_per_replica,
         ray_address=args.ray_address,
         ray_namespace=args.ray_namespace,
@@ -106,5 +83,5 @@ def start_cluster_from_args(args: argparse.Namespace, config: Any) -> Any:
         routing_policy=args.routing_policy,
         max_in_flight_per_replica=args.max_in_flight_per_replica,
         drop_event_fraction=args.drop_event_fraction,
-        collect_kv_events=args.kv_events,
+        collect_kv_events=args.enable_kv_events,
     )

@@ -1,0 +1,69 @@
+"""One source of engine options: `EngineArgs`' fields make both the `serve` flags and `LLM`'s
+keywords, so the two list the same options with the same defaults and build the same config."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import pytest
+
+from prefixserve import LLM, cli
+from prefixserve.engine_args import EngineArgs, engine_config_from_args
+
+
+def serve_parser():
+    parser = cli.build_parser()
+    [sub] = [a for a in parser._actions if a.dest == "command" or a.choices]  # subparsers
+    return sub.choices["serve"]
+
+
+def test_serve_flags_and_llm_keywords_are_the_same_options_with_the_same_defaults():
+    fields = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
+    params = inspect.signature(LLM).parameters
+    assert set(params) - {"loaded_model"} == set(fields)
+    assert {name: params[name].default for name in fields} == fields
+    actions = {a.dest: a for a in serve_parser()._actions}
+    assert set(fields) <= set(actions)
+    assert {name: actions[name].default for name in fields} == fields
+
+
+def test_every_option_reaches_the_engine_config_the_same_way_from_both_sides():
+    flags = [
+        "serve", "m", "--dtype", "float32", "--block-size", "8", "--num-kv-blocks", "99",
+        "--kv-events", "--eviction-policy", "slru", "--max-pinned-blocks", "7",
+        "--max-num-seqs", "3", "--scheduling-policy", "fcfs", "--fair-chunk-tokens", "64",
+        "--admission-order", "longest_prefix", "--no-kv-store", "--enable-lora",
+        "--max-loras", "2", "--enable-prompt-embeds", "--no-enable-prefix-caching",
+    ]  # fmt: skip
+    from_flags = engine_config_from_args(cli.build_parser().parse_args(flags))
+    from_keywords = EngineArgs(
+        model="m",
+        dtype="float32",
+        block_size=8,
+        num_kv_blocks=99,
+        enable_kv_events=True,
+        eviction_policy="slru",
+        max_pinned_blocks=7,
+        max_num_seqs=3,
+        scheduling_policy="fcfs",
+        fair_chunk_tokens=64,
+        admission_order="longest_prefix",
+        enable_kv_store=False,
+        enable_lora=True,
+        max_loras=2,
+        enable_prompt_embeds=True,
+        enable_prefix_caching=False,
+    ).create_engine_config()
+    assert from_flags == from_keywords
+    assert from_flags.cache.max_pinned_blocks == 7 and from_flags.scheduler.fair_chunk_tokens == 64
+
+
+def test_llm_refuses_an_unknown_option_by_name():
+    with pytest.raises(TypeError, match="max_num_seq"):
+        LLM(max_num_seq=4)
+
+
+def test_lora_modules_imply_enable_lora():
+    args = cli.build_parser().parse_args(["serve", "--lora-modules", "a=/x", "--no-kv-store"])
+    assert engine_config_from_args(args).lora is not None
