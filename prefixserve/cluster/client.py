@@ -31,6 +31,7 @@ from prefixserve.cluster.route_inputs import LoraDigests, route_args
 from prefixserve.cluster.router import NoReplicaError, Route, Router
 from prefixserve.cluster.store_probe import open_store_probe
 from prefixserve.config import EngineConfig
+from prefixserve.engine_metrics import combine_metrics
 from prefixserve.lora.config import LoRASlotsBusyError
 from prefixserve.model.loader import ModelInfo
 from prefixserve.outputs import RequestOutput
@@ -399,19 +400,14 @@ class ClusterEngine:
         await self._broadcast("check_no_leaks")
 
     async def get_metrics(self) -> dict[str, Any]:
-        """Every replica's engine metrics summed, with each replica's under "replicas" (a replica
-        that does not answer within METRICS_TIMEOUT_S, down or restarting, is left out)."""
+        """Every replica's engine metrics combined as their kinds say (`combine_metrics`: counters
+        summed, rates recomputed), with each replica's under "replicas" (a replica that does not
+        answer within METRICS_TIMEOUT_S, down or restarting, is left out)."""
         timeout = METRICS_TIMEOUT_S
         calls = [asyncio.wait_for(_ref(h.metrics.remote()), timeout) for h in self.handles]
         answers = await asyncio.gather(*calls, return_exceptions=True)
         per = {rid: m for rid, m in enumerate(answers) if isinstance(m, dict)}
-        total: dict[str, Any] = {}
-        for metrics in per.values():
-            for key, value in metrics.items():
-                if isinstance(value, int | float) and not isinstance(value, bool):
-                    total[key] = total.get(key, 0) + value
-        if "kv_cache_usage" in total:
-            total["kv_cache_usage"] /= len(per)
+        total = combine_metrics(list(per.values()))
         total["replicas"] = per
         total["replicas_up"] = len(self.router.index.replica_ids)
         total["router_decisions"] = self.router.decisions
