@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test soak lint serve model bench clean
+.PHONY: test check soak lint serve model bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -22,6 +22,12 @@ install: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check prefixserve tests benchmarks
 	PREFIXSERVE_REQUIRE_KERNEL=1 $(BIN)/python -m pytest -q
+
+# The inner loop: lint, then every test that needs no server, no Ray, no model conversion and
+# not the packaged model (tests/conftest.py marks the others "full"); about a minute here.
+check: $(STAMP)
+	$(BIN)/ruff check prefixserve tests benchmarks
+	PREFIXSERVE_REQUIRE_KERNEL=1 $(BIN)/python -m pytest -q -m "not full"
 
 # The server soak test, longer than in `make test`: `make soak SOAK_SECONDS=1800`.
 SOAK_SECONDS ?= 600

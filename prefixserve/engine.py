@@ -5,10 +5,6 @@ LLMEngine owns the model runner, the KV-cache manager, the scheduler and the out
 n Requests whose prompt blocks are shared through the prefix cache); `step` schedules, runs the
 model, applies the sampled tokens in the scheduler and hands the updates to the output processor
 (text, stop strings, logprobs), finishing in the scheduler what a stop string ended.
-
-Longer than 400 lines because the class is the engine's whole surface (requests, adapters, the
-step, cache control and pins, each guarding the others' rules: a pin may not leave a queued
-request unable to fit); the engine shell's split into rooms (issue 27) takes it apart.
 """
 
 from __future__ import annotations

@@ -10,12 +10,18 @@ from __future__ import annotations
 import functools
 import hashlib
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 from torch import nn
 
-from prefixserve.batch import ModelRunnerOutput, PositionLogprobs, SchedulerOutput
+from prefixserve.batch import (
+    ModelRunnerOutput,
+    PositionLogprobs,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 from prefixserve.kv_cache.spec import SlidingWindowSpec
 from prefixserve.kv_store.worker import gather_blocks, scatter_blocks
 from prefixserve.model.attention import ScheduledSpan, build_attention_metadata, prefill_kernel_for
@@ -55,6 +61,60 @@ class SamplerLike(Protocol):
         requests: list[Request],
         generators: list[torch.Generator | None],
     ) -> list[tuple[int, PositionLogprobs | None]]: ...
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """A step's inputs as flat rows: each scheduled request's tokens (then its drafts) in turn."""
+
+    token_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    spans: list[ScheduledSpan] = field(default_factory=list)
+    sample_rows: list[int] = field(default_factory=list)
+    sample_reqs: list[Request] = field(default_factory=list)  # one per sampled row
+    drafted: list[tuple[Request, int, list[int]]] = field(
+        default_factory=list
+    )  # (req, row, drafts)
+    prompt_rows: list[int] = field(default_factory=list)
+    prompt_targets: list[int] = field(default_factory=list)
+    prompt_owners: list[tuple[Request, int]] = field(default_factory=list)  # (request, rows)
+    lora_segments: list[tuple[str | None, int, int]] = field(default_factory=list)
+    embed_rows: list[int] = field(default_factory=list)  # rows fed prompt embeddings
+    embed_parts: list[torch.Tensor] = field(default_factory=list)
+
+    def add(self, s: ScheduledRequest, with_lora: bool, dtype: torch.dtype) -> None:
+        """Append one scheduled request's rows (its tokens [start, end), then its drafts)."""
+        req, start, n, drafts = (
+            s.request,
+            s.num_computed_tokens,
+            s.num_new_tokens,
+            s.draft_token_ids,
+        )
+        end, row = start + n, len(self.token_ids)
+        self.token_ids.extend(req.all_token_ids[start:end])
+        self.token_ids.extend(drafts)
+        self.positions.extend(range(start, end + len(drafts)))
+        self.spans.append(ScheduledSpan(start, n + len(drafts), s.block_ids))
+        if with_lora:
+            self.lora_segments.append((req.lora_name, row, row + n + len(drafts)))
+        if req.prompt_embeds is not None and start < req.num_prompt_tokens:
+            stop = min(end, req.num_prompt_tokens)
+            self.embed_rows.extend(range(row, row + stop - start))
+            self.embed_parts.append(embeds_rows(req.prompt_embeds, start, stop, dtype))
+        if drafts:
+            self.drafted.append((req, len(self.sample_reqs), drafts))
+            self.sample_rows.extend(range(row + n - 1, row + n + len(drafts)))
+            self.sample_reqs.extend(row_views(req, drafts))
+        elif s.samples:
+            self.sample_rows.append(row + n - 1)
+            self.sample_reqs.append(req)
+        if req.sampling_params.prompt_logprobs is not None:
+            # Logits at position p score prompt token p + 1.
+            last = min(end, req.num_prompt_tokens - 1)
+            if last > start:
+                self.prompt_rows.extend(range(row, row + last - start))
+                self.prompt_targets.extend(req.all_token_ids[start + 1 : last + 1])
+                self.prompt_owners.append((req, last - start))
 
 
 class ModelRunner:
@@ -147,32 +207,37 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Prepare the step's inputs, run the forward pass, sample (vLLM's model runner's three
+        phases)."""
         self.release(scheduler_output.finished_req_ids)
         if scheduler_output.kv_loads:
             block_ids, payloads = zip(*scheduler_output.kv_loads, strict=True)
             scatter_blocks(self.kv_caches, block_ids, payloads)
         output = ModelRunnerOutput()
-        lora, scheduled = self.lora, scheduler_output.scheduled
-        if lora is not None:  # by adapter: each adapter's decode rows become one slice (lora/)
+        scheduled = scheduler_output.scheduled
+        if self.lora is not None:  # by adapter: each adapter's decode rows become one slice
             scheduled = sorted(scheduled, key=lambda s: s.request.lora_name or "")
         # Single-token chunks first (stable: adapters stay together): one batched attention call.
         scheduled = sorted(scheduled, key=lambda s: s.num_scheduled_tokens != 1)
         if not scheduled:
             return output
+        inputs = self._prepare_inputs(scheduled)
+        hidden = self._forward(inputs)
+        rows = inputs.sample_rows + inputs.prompt_rows
+        if not rows:
+            return output
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.int64)])
+        if inputs.sample_reqs:
+            self._sample(inputs, logits[: len(inputs.sample_reqs)], output)
+        if inputs.prompt_owners:
+            self._prompt_logprobs(inputs, logits[len(inputs.sample_reqs) :], output)
+        return output
 
+    def _prepare_inputs(self, scheduled: Sequence[ScheduledRequest]) -> StepInputs:
+        """The step's flat rows: every scheduled request's tokens (and drafts) one after another,
+        with the rows to sample and to score as prompt logprobs."""
+        inputs = StepInputs()
         num_groups = len(self.group_windows)
-        token_ids: list[int] = []
-        positions: list[int] = []
-        spans: list[ScheduledSpan] = []
-        sample_rows: list[int] = []
-        sample_reqs: list[Request] = []  # one per sampled row (a DraftRowView at some drafts)
-        drafted: list[tuple[Request, int, list[int]]] = []  # (request, its first row, drafts)
-        prompt_rows: list[int] = []
-        prompt_targets: list[int] = []
-        prompt_owners: list[tuple[Request, int]] = []  # (request, number of rows)
-        lora_segments: list[tuple[str | None, int, int]] = []  # (adapter, first row, end row)
-        embed_rows: list[int] = []  # rows fed prompt embeddings instead of token embeddings
-        embed_parts: list[torch.Tensor] = []
         for s in scheduled:
             req, start, n = s.request, s.num_computed_tokens, s.num_new_tokens
             end = start + n
@@ -187,101 +252,80 @@ class ModelRunner:
                     f"request {req.request_id!r}: {len(s.block_ids)} block tables for "
                     f"{num_groups} KV-cache groups"
                 )
-            row = len(token_ids)
-            token_ids.extend(req.all_token_ids[start:end])
-            token_ids.extend(drafts)
-            positions.extend(range(start, end + len(drafts)))
-            spans.append(ScheduledSpan(start, n + len(drafts), s.block_ids))
-            if lora is not None:
-                lora_segments.append((req.lora_name, row, row + n + len(drafts)))
-            if req.prompt_embeds is not None and start < req.num_prompt_tokens:
-                stop = min(end, req.num_prompt_tokens)
-                embed_rows.extend(range(row, row + stop - start))
-                embed_parts.append(embeds_rows(req.prompt_embeds, start, stop, self.dtype))
-            if drafts:
-                drafted.append((req, len(sample_reqs), drafts))
-                sample_rows.extend(range(row + n - 1, row + n + len(drafts)))
-                sample_reqs.extend(row_views(req, drafts))
-            elif s.samples:
-                sample_rows.append(row + n - 1)
-                sample_reqs.append(req)
-            if req.sampling_params.prompt_logprobs is not None:
-                # Logits at position p score prompt token p + 1.
-                last = min(end, req.num_prompt_tokens - 1)
-                if last > start:
-                    prompt_rows.extend(range(row, row + last - start))
-                    prompt_targets.extend(req.all_token_ids[start + 1 : last + 1])
-                    prompt_owners.append((req, last - start))
+            inputs.add(s, self.lora is not None, self.dtype)
+        return inputs
 
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        """One forward pass over the step's rows, the paged KV cache and the adapters' slices."""
         metadata = [
             build_attention_metadata(
-                spans, g, self.block_size, window, self.attention_kernel, self.prefill_kernel
+                inputs.spans, g, self.block_size, window, self.attention_kernel, self.prefill_kernel
             )
             for g, window in enumerate(self.group_windows)
         ]
         ctx = ForwardContext(
-            positions=torch.tensor(positions, dtype=torch.int64),
+            positions=torch.tensor(inputs.positions, dtype=torch.int64),
             kv_caches=self.kv_caches,
             groups=metadata,
         )
-        if embed_rows:
-            ctx.embeds = (torch.tensor(embed_rows, dtype=torch.int64), torch.cat(embed_parts))
+        if inputs.embed_rows:
+            rows = torch.tensor(inputs.embed_rows, dtype=torch.int64)
+            ctx.embeds = (rows, torch.cat(inputs.embed_parts))
+        lora = self.lora
         if lora is not None:
-            lora.begin_step(lora_segments)
+            lora.begin_step(inputs.lora_segments)
         try:
-            hidden = self.model(torch.tensor(token_ids, dtype=torch.int64), ctx)
+            return self.model(torch.tensor(inputs.token_ids, dtype=torch.int64), ctx)
         finally:
             if lora is not None:
                 lora.end_step()
-        rows = sample_rows + prompt_rows
-        if not rows:
-            return output
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.int64)])
 
-        failed = output.failed
-        if sample_reqs:
-            sample_logits = logits[: len(sample_reqs)]
-            generators: list[torch.Generator | None] = []
-            for req in sample_reqs:
-                try:
-                    generators.append(self._generator_for(req))
-                except Exception as exc:  # noqa: BLE001 - this request's seed, not the step's
-                    failed[req.request_id] = f"cannot seed the random generator: {exc}"
-                    generators.append(None)
-            rewind = GeneratorRewind()
-            for req, first, _ in drafted:
-                if generators[first] is not self.generator and not is_greedy(req):
-                    rewind.save(generators[first])
-            results: list[SampledRow | None]
-            if failed or not _all_finite(sample_logits):
-                results = self._sample_rows(sample_logits, sample_reqs, generators, failed)
-            else:
-                try:
-                    results = list(self.sampler(sample_logits, sample_reqs, generators))
-                except Exception:  # noqa: BLE001 - find the rows that fail, sample the others
-                    results = self._sample_rows(sample_logits, sample_reqs, generators, failed)
-            _collect_samples(results, sample_reqs, drafted, generators, rewind, output)
-        if prompt_owners:
-            compute = getattr(self.sampler, "compute_prompt_logprobs", None)
-            if compute is None:
-                from prefixserve.model.sampler import compute_prompt_logprobs as compute
-            offset = 0
-            prompt_logits = logits[len(sample_reqs) :]
-            for req, count in prompt_owners:
-                rows = prompt_logits[offset : offset + count]
-                targets = prompt_targets[offset : offset + count]
-                offset += count
-                if req.request_id in failed:
-                    continue
-                try:
-                    if not _all_finite(rows):
-                        raise ValueError("the model produced non-finite logits (NaN or +inf)")
-                    output.prompt_logprobs[req.request_id] = compute(
-                        rows, targets, req.sampling_params.prompt_logprobs
-                    )
-                except Exception as exc:  # noqa: BLE001 - this request's rows only
-                    failed[req.request_id] = f"prompt logprobs failed: {exc}"
-        return output
+    def _sample(self, inputs: StepInputs, logits: torch.Tensor, output: ModelRunnerOutput) -> None:
+        """Sample every sampled row (drafts verified), recording what fails per request."""
+        failed, sample_reqs = output.failed, inputs.sample_reqs
+        generators: list[torch.Generator | None] = []
+        for req in sample_reqs:
+            try:
+                generators.append(self._generator_for(req))
+            except Exception as exc:  # noqa: BLE001 - this request's seed, not the step's
+                failed[req.request_id] = f"cannot seed the random generator: {exc}"
+                generators.append(None)
+        rewind = GeneratorRewind()
+        for req, first, _ in inputs.drafted:
+            if generators[first] is not self.generator and not is_greedy(req):
+                rewind.save(generators[first])
+        results: list[SampledRow | None]
+        if failed or not _all_finite(logits):
+            results = self._sample_rows(logits, sample_reqs, generators, failed)
+        else:
+            try:
+                results = list(self.sampler(logits, sample_reqs, generators))
+            except Exception:  # noqa: BLE001 - find the rows that fail, sample the others
+                results = self._sample_rows(logits, sample_reqs, generators, failed)
+        _collect_samples(results, sample_reqs, inputs.drafted, generators, rewind, output)
+
+    def _prompt_logprobs(
+        self, inputs: StepInputs, logits: torch.Tensor, output: ModelRunnerOutput
+    ) -> None:
+        """Prompt logprobs of the requests that asked (each request's rows, its failure its own)."""
+        compute = getattr(self.sampler, "compute_prompt_logprobs", None)
+        if compute is None:
+            from prefixserve.model.sampler import compute_prompt_logprobs as compute
+        failed, offset = output.failed, 0
+        for req, count in inputs.prompt_owners:
+            rows = logits[offset : offset + count]
+            targets = inputs.prompt_targets[offset : offset + count]
+            offset += count
+            if req.request_id in failed:
+                continue
+            try:
+                if not _all_finite(rows):
+                    raise ValueError("the model produced non-finite logits (NaN or +inf)")
+                output.prompt_logprobs[req.request_id] = compute(
+                    rows, targets, req.sampling_params.prompt_logprobs
+                )
+            except Exception as exc:  # noqa: BLE001 - this request's rows only
+                failed[req.request_id] = f"prompt logprobs failed: {exc}"
 
     def _sample_rows(
         self,

@@ -45,7 +45,7 @@ class SamplingParams:
     skip_reading_prefix_cache: bool | None = None
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
-    def __post_init__(self) -> None:
+    def __post_init__(self) -> None:  # noqa: C901 - a flat list of independent field checks, one branch each
         def bad(name: str, allowed: str) -> ValueError:
             shown = repr(getattr(self, name))
             shown = shown if len(shown) <= 80 else shown[:77] + "..."

@@ -22,6 +22,7 @@ Shares (and `fair_chunk_tokens`) apply only while several tenants have work; wit
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from prefixserve.admission_order import promote_longest_prefix
@@ -50,6 +51,23 @@ if TYPE_CHECKING:
     from prefixserve.kv_cache.kv_cache_manager import KVCacheManager
     from prefixserve.kv_store.connector import KVStoreConnector
     from prefixserve.spec_decode.ngram import NgramProposer
+
+
+@dataclass(slots=True)
+class _StepPlan:
+    """What `Scheduler.schedule` has decided so far this step, and what budget is left."""
+
+    token_budget: int
+    shares: dict[Hashable, int] | None = None  # each tenant's tokens left (policy fair)
+    contended: bool = False  # several tenants had work when the step began
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    kv_loads: list[tuple[int, bytes]] = field(default_factory=list)
+
+    def take(self, request: Request, num_tokens: int) -> None:
+        self.token_budget -= num_tokens
+        if self.shares is not None:
+            self.shares[request.tenant] -= num_tokens
 
 
 class Scheduler:
@@ -136,137 +154,162 @@ class Scheduler:
     # ----------------------------------------------------------------- the step plan
 
     def schedule(self) -> SchedulerOutput:
-        """Decide this step's work. Allocates KV slots; does not advance `num_computed_tokens`
+        """Decide this step's work: running requests first, then waiting ones (none in a step
+        that had to preempt). Allocates KV slots; does not advance `num_computed_tokens`
         (update_from_output does, once the tokens are computed)."""
-        mgr = self.kv_cache_manager
-        token_budget = self.config.max_num_batched_tokens
-        shares = None
+        plan = _StepPlan(self.config.max_num_batched_tokens)
         if self.fair:
-            # A waiting tenant short of its share of the running slots takes one this step.
-            slot = slot_preemption_victim(self.running, self.waiting, self.config.max_num_seqs)
-            if slot is not None:
-                victim, short_tenant = slot
-                self.running.remove(victim)
-                self._preempt(victim, turn_next=False)
-                self.waiting.take_turn_next(short_tenant)
-            shares = self._tenant_shares(token_budget)
-        contended = shares is not None
-        scheduled: list[ScheduledRequest] = []
-        preempted: list[Request] = []
-        kv_loads: list[tuple[int, bytes]] = []
+            self._give_short_tenant_a_slot()
+            plan.shares = self._tenant_shares(plan.token_budget)
+            plan.contended = plan.shares is not None
+        self._schedule_running(plan)
+        if not plan.preempted:
+            self._schedule_waiting(plan)
+        output = SchedulerOutput(
+            scheduled=plan.scheduled, finished_req_ids=self.finished_req_ids, kv_loads=plan.kv_loads
+        )
+        self.finished_req_ids = set()
+        return output
 
-        # 1. Running requests, in admission order.
+    def _give_short_tenant_a_slot(self) -> None:
+        """A waiting tenant short of its share of the running slots takes one this step."""
+        slot = slot_preemption_victim(self.running, self.waiting, self.config.max_num_seqs)
+        if slot is not None:
+            victim, short_tenant = slot
+            self.running.remove(victim)
+            self._preempt(victim, turn_next=False)
+            self.waiting.take_turn_next(short_tenant)
+
+    # ---- 1. running requests, in admission order
+
+    def _schedule_running(self, plan: _StepPlan) -> None:
         if self.proposer is not None:
             self.proposer.start_step(self.running)
         req_index = 0
-        while req_index < len(self.running) and token_budget > 0:
+        while req_index < len(self.running) and plan.token_budget > 0:
             request = self.running[req_index]
-            num_new_tokens = min(self._chunk(request, contended), token_budget)
-            if shares is not None:
-                num_new_tokens = min(num_new_tokens, shares[request.tenant])
+            num_new_tokens = min(self._chunk(request, plan.contended), plan.token_budget)
+            if plan.shares is not None:
+                num_new_tokens = min(num_new_tokens, plan.shares[request.tenant])
                 if num_new_tokens == 0:
                     req_index += 1  # its tenant's share is spent: it waits for the next step
                     continue
             assert num_new_tokens > 0, request
-            drafts: list[int] = []
-            if self.proposer is not None and num_new_tokens == 1:
-                share = None if shares is None else shares[request.tenant]
-                cap = self._threshold(contended)
-                drafts = self.proposer.propose_within(
-                    request, token_budget, share, cap, self.max_model_len
-                )
-
-            while True:
-                new_blocks = mgr.allocate_slots(
-                    request, num_new_tokens, num_lookahead_tokens=len(drafts)
-                )
-                if new_blocks is not None:
-                    break
-                if drafts:
-                    drafts = []  # no room for the drafts: none this step, nobody preempted
-                    continue
-                victim = preemption_victim(self.running, req_index, self.fair)
-                self.running.remove(victim)
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is request:
-                    break
-            if new_blocks is None:
+            drafts = self._drafts(request, num_new_tokens, plan)
+            drafts = self._allocate_or_preempt(request, req_index, num_new_tokens, drafts, plan)
+            if drafts is None:
                 continue  # this request preempted itself; the next one now sits at req_index
-
-            scheduled.append(self._scheduled(request, num_new_tokens, drafts))
-            token_budget -= num_new_tokens + len(drafts)
-            if shares is not None:
-                shares[request.tenant] -= num_new_tokens + len(drafts)
+            plan.take(request, num_new_tokens + len(drafts))
+            plan.scheduled.append(self._scheduled(request, num_new_tokens, drafts))
             req_index += 1
 
-        # 2. Waiting requests, tenants in turn (preempted ones sit at the front).
+    def _drafts(self, request: Request, num_new_tokens: int, plan: _StepPlan) -> list[int]:
+        """Speculative drafts for a decoding request, within the budget and its tenant's share."""
+        if self.proposer is None or num_new_tokens != 1:
+            return []
+        share = None if plan.shares is None else plan.shares[request.tenant]
+        return self.proposer.propose_within(
+            request, plan.token_budget, share, self._threshold(plan.contended), self.max_model_len
+        )
+
+    def _allocate_or_preempt(
+        self,
+        request: Request,
+        req_index: int,
+        num_new_tokens: int,
+        drafts: list[int],
+        plan: _StepPlan,
+    ) -> list[int] | None:
+        """Slots for a running request's tokens (and drafts, dropped first when they do not
+        fit), preempting victims until they fit; the drafts kept, or None when the request
+        preempted itself."""
+        while True:
+            new_blocks = self.kv_cache_manager.allocate_slots(
+                request, num_new_tokens, num_lookahead_tokens=len(drafts)
+            )
+            if new_blocks is not None:
+                return drafts
+            if drafts:
+                drafts = []  # no room for the drafts: none this step, nobody preempted
+                continue
+            victim = preemption_victim(self.running, req_index, self.fair)
+            self.running.remove(victim)
+            self._preempt(victim)
+            plan.preempted.append(victim)
+            if victim is request:
+                return None
+
+    # ---- 2. waiting requests, tenants in turn (preempted ones sit at the front)
+
+    def _schedule_waiting(self, plan: _StepPlan) -> None:
         deferred: set[Hashable] = set()  # queues whose head waits for a running prefill
         in_flight: set[bytes] | None = None
-        if not preempted:
-            while self.waiting and token_budget > 0:
-                if len(self.running) >= self.config.max_num_seqs:
-                    break
-                request = self.waiting.peek(shares, deferred)
-                if request is None:
-                    if shares is None:
-                        break  # only deferred queues are left
-                    shares = None  # every share is spent: the rest goes to whoever is next
-                    continue
-                if self.config.admission_order == "longest_prefix":
-                    request = promote_longest_prefix(self.waiting, request, mgr)
-                assert request.num_computed_tokens == 0, request
-                computed_blocks, num_computed = mgr.get_computed_blocks(request)
-                num_on_disk = self.kv_store.match(request, num_computed) if self.kv_store else 0
-                num_loaded = num_on_disk * mgr.block_size
-                if in_flight is None:
-                    in_flight = prefill_in_flight(self.running, mgr)
-                if waits_for_prefill(request, num_computed + num_loaded, mgr.block_size, in_flight):
-                    deferred.add(self.waiting.key(request))
-                    continue
-                num_new_tokens = request.num_tokens - num_computed - num_loaded
-                assert num_new_tokens > 0, (request, num_computed, num_loaded)
-                threshold = self._threshold(contended)
-                if 0 < threshold < num_new_tokens:
-                    num_new_tokens = threshold
-                num_new_tokens = min(num_new_tokens, token_budget)
-                if shares is not None:
-                    num_new_tokens = min(num_new_tokens, shares[request.tenant])
-                new_blocks = mgr.allocate_slots(
-                    request,
-                    num_loaded + num_new_tokens,
-                    num_new_computed_tokens=num_computed,
-                    new_computed_blocks=computed_blocks,
-                )
-                if new_blocks is None:
-                    break  # stays waiting; nobody behind it jumps the queue
+        while self.waiting and plan.token_budget > 0:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            request = self.waiting.peek(plan.shares, deferred)
+            if request is None:
+                if plan.shares is None:
+                    break  # only deferred queues are left
+                plan.shares = None  # every share is spent: the rest goes to whoever is next
+                continue
+            if self.config.admission_order == "longest_prefix":
+                request = promote_longest_prefix(self.waiting, request, self.kv_cache_manager)
+            if in_flight is None:
+                in_flight = prefill_in_flight(self.running, self.kv_cache_manager)
+            admitted = self._admit(request, plan, in_flight)
+            if admitted is None:
+                break  # stays waiting; nobody behind it jumps the queue
+            if not admitted:
+                deferred.add(self.waiting.key(request))
 
-                self.waiting.pop(request)
-                self.running.append(request)
-                in_flight |= prefill_in_flight((request,), mgr)
-                if num_on_disk and self.kv_store is not None:
-                    # Blocks whose read fails are computed instead, from this chunk on (their
-                    # slots are allocated already).
-                    num_loaded = self.kv_store.load_into_pool(
-                        mgr, request, num_computed, num_on_disk, kv_loads
-                    )
-                first_scheduling = request.num_cached_tokens < 0
-                if first_scheduling:
-                    request.num_cached_tokens = num_computed + num_loaded
-                    request.num_disk_cached_tokens = num_loaded
-                    self.stats.num_prompt_tokens += request.num_prompt_tokens
-                request.status = RequestStatus.RUNNING
-                request.num_computed_tokens = num_computed + num_loaded
-                scheduled.append(self._scheduled(request, num_new_tokens))
-                token_budget -= num_new_tokens
-                if shares is not None:
-                    shares[request.tenant] -= num_new_tokens
-
-        output = SchedulerOutput(
-            scheduled=scheduled, finished_req_ids=self.finished_req_ids, kv_loads=kv_loads
+    def _admit(self, request: Request, plan: _StepPlan, in_flight: set[bytes]) -> bool | None:
+        """Schedule a waiting request after its cache hit (RAM, then disk): True when it runs,
+        False when it waits for a running prefill of its next block, None when it does not fit."""
+        mgr = self.kv_cache_manager
+        assert request.num_computed_tokens == 0, request
+        computed_blocks, num_computed = mgr.get_computed_blocks(request)
+        num_on_disk = self.kv_store.match(request, num_computed) if self.kv_store else 0
+        num_loaded = num_on_disk * mgr.block_size
+        if waits_for_prefill(request, num_computed + num_loaded, mgr.block_size, in_flight):
+            return False
+        num_new_tokens = request.num_tokens - num_computed - num_loaded
+        assert num_new_tokens > 0, (request, num_computed, num_loaded)
+        threshold = self._threshold(plan.contended)
+        if 0 < threshold < num_new_tokens:
+            num_new_tokens = threshold
+        num_new_tokens = min(num_new_tokens, plan.token_budget)
+        if plan.shares is not None:
+            num_new_tokens = min(num_new_tokens, plan.shares[request.tenant])
+        new_blocks = mgr.allocate_slots(
+            request,
+            num_loaded + num_new_tokens,
+            num_new_computed_tokens=num_computed,
+            new_computed_blocks=computed_blocks,
         )
-        self.finished_req_ids = set()
-        return output
+        if new_blocks is None:
+            return None
+        self.waiting.pop(request)
+        self.running.append(request)
+        in_flight |= prefill_in_flight((request,), mgr)
+        if num_on_disk and self.kv_store is not None:
+            # Blocks whose read fails are computed instead, from this chunk on (their slots are
+            # allocated already).
+            num_loaded = self.kv_store.load_into_pool(
+                mgr, request, num_computed, num_on_disk, plan.kv_loads
+            )
+        self._start_running(request, num_computed, num_loaded)
+        plan.scheduled.append(self._scheduled(request, num_new_tokens))
+        plan.take(request, num_new_tokens)
+        return True
+
+    def _start_running(self, request: Request, num_computed: int, num_loaded: int) -> None:
+        if request.num_cached_tokens < 0:  # its first scheduling
+            request.num_cached_tokens = num_computed + num_loaded
+            request.num_disk_cached_tokens = num_loaded
+            self.stats.num_prompt_tokens += request.num_prompt_tokens
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_computed + num_loaded
 
     def _chunk(self, request: Request, contended: bool = False) -> int:
         """The tokens `request` would compute this step with the whole budget to itself."""

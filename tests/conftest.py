@@ -72,3 +72,23 @@ def greedy_generate(loaded, prompt_ids: list[int], max_new_tokens: int) -> list[
 def greedy():
     """`greedy(loaded, prompt_ids, max_new_tokens) -> output ids` (see greedy_generate)."""
     return greedy_generate
+
+
+# ---- `make check`: the inner loop's tier. A test is "full" (left to `make test`) when it starts a
+# server, Ray or a model conversion, or loads the packaged model; everything else runs in both.
+_FULL_DIRS = ("server", "cluster", "bench", "model")
+_FULL_FIXTURES = {"default_model_bf16", "default_model_fp32", "default_model_dir", "greedy"}
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "full: needs a server, Ray, a model conversion or the packaged model"
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    root = config.rootpath / "tests"
+    for item in items:
+        folder = item.path.relative_to(root).parts[0]
+        if folder in _FULL_DIRS or _FULL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.full)

@@ -8,9 +8,9 @@ from pathlib import Path
 import prefixserve
 
 PACKAGE = Path(prefixserve.__file__).parent
-MAX_LINES = 400
+MAX_LINES = 700
 # A module may be longer when its docstring says why, in a sentence starting with this.
-LONG_MODULE_REASON = "Longer than 400 lines because"
+LONG_MODULE_REASON = "Longer than 700 lines because"
 
 
 def module_name(root: Path, path: Path) -> str:
@@ -84,7 +84,7 @@ def test_the_cycle_check_finds_a_cycle_hidden_in_a_function(tmp_path):
     assert find_cycle(import_graph(pkg)) is None
 
 
-def test_no_module_is_over_400_lines_without_a_reason_at_its_top():
+def test_no_module_is_over_700_lines_without_a_reason_at_its_top():
     long = []
     for path in sorted(PACKAGE.rglob("*.py")):
         text = path.read_text()

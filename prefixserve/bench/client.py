@@ -214,7 +214,7 @@ def _check_dependencies(requests: list[BenchRequest]) -> dict[str, list[BenchReq
     return dependents
 
 
-async def run_workload(
+async def run_workload(  # noqa: C901 - the bench loop's pacing modes (closed loop, Poisson) and its one result record; split with the harness rework
     requests: list[BenchRequest],
     endpoint: EndpointConfig,
     concurrency: int | None = 8,

@@ -256,7 +256,7 @@ class ClusterEngine:
         if task is not None:
             task.cancel()
 
-    async def _serve(
+    async def _serve(  # noqa: C901, PLR0915 - one request's retry state machine (route, stream, replica death, abort) reads best whole
         self,
         request_id: str,
         prompt_ids: list[int],

@@ -52,7 +52,7 @@ ADOPT_TIMEOUT_S = 120.0  # a replica still loading its model answers within this
 _NAMESPACE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
-def start_cluster(
+def start_cluster(  # noqa: C901, PLR0915 - start-up in order: Ray, adoption of earlier replicas, new ones, registration
     config: EngineConfig,
     num_replicas: int,
     *,

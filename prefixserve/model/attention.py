@@ -122,7 +122,7 @@ class ScheduledSpan:
     block_ids: tuple[list[int], ...]  # one list per KV-cache group
 
 
-def build_attention_metadata(
+def build_attention_metadata(  # noqa: C901, PLR0915 - one pass per step building every kernel's tensors; hot, measured
     seqs: list[ScheduledSpan],
     group: int,
     block_size: int,

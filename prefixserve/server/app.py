@@ -46,7 +46,7 @@ def default_max_request_body_bytes(max_model_len: int) -> int:
     return max(DEFAULT_MAX_REQUEST_BODY_BYTES, max_model_len * BODY_BYTES_PER_TOKEN)
 
 
-def build_app(
+def build_app(  # noqa: C901 - its complexity is the routes' closures, each small, counted in it
     engine: AsyncLLMEngine,
     served_model_names: list[str],
     api_keys: ApiKeys | None = None,
