@@ -37,8 +37,8 @@ soak: $(STAMP)
 # `make serve SERVE_ARGS="--port 9000 --api-key-file keys.txt"` passes flags through.
 SERVE_ARGS ?=
 serve: $(STAMP)
-	$(BIN)/python -m prefixserve.model.default_model
-	$(BIN)/python -m prefixserve.model.kernels
+	$(BIN)/python -m prefixserve.model.loader.default_model
+	$(BIN)/python -m prefixserve.model.kernels.build
 	$(BIN)/prefixserve serve $(SERVE_ARGS)
 
 lint: $(STAMP)

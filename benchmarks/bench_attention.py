@@ -23,15 +23,15 @@ import time  # noqa: E402
 
 import torch  # noqa: E402
 
-import prefixserve.model.attention as attention  # noqa: E402
-from prefixserve.model.attention import (  # noqa: E402
+import prefixserve.model.layers.attention as attention  # noqa: E402
+from prefixserve.model.kernels.build import (  # noqa: E402
+    paged_attention_kernel,
+    prefill_attention_kernel,
+)
+from prefixserve.model.layers.attention import (  # noqa: E402
     ScheduledSpan,
     build_attention_metadata,
     paged_attention,
-)
-from prefixserve.model.kernels import (  # noqa: E402
-    paged_attention_kernel,
-    prefill_attention_kernel,
 )
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16

@@ -23,7 +23,7 @@ import time  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from prefixserve.model.cpu_paths import describe_cpu  # noqa: E402
+from prefixserve.model.kernels.cpu_paths import describe_cpu  # noqa: E402
 
 
 def median_seconds(fn, repeats: int = 7) -> float:
@@ -80,7 +80,7 @@ def main() -> None:
         print(f"bandwidth, {name}: {gbs:.1f} GB/s")
     best = max(bandwidth.values())
 
-    from prefixserve.model.loader import load_model
+    from prefixserve.model.loader.loading import load_model
 
     loaded = load_model(args.model, dtype="bfloat16")
     weights, kv = decode_bytes_per_token(loaded.model, loaded.config, args.context)

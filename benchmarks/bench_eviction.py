@@ -38,16 +38,16 @@ import zlib
 from collections import deque
 from typing import Any
 
-from prefixserve.batch import ModelRunnerOutput, SchedulerOutput
 from prefixserve.bench.workloads import WORKLOAD_NAMES, BenchRequest, make_workload
 from prefixserve.config import ADMISSION_ORDERS, SchedulerConfig
-from prefixserve.kv_cache.eviction import EVICTION_POLICIES
-from prefixserve.kv_cache.hashing import get_request_block_hasher
-from prefixserve.kv_cache.kv_cache_manager import KVCacheManager
-from prefixserve.kv_cache.spec import KVCacheConfig
-from prefixserve.request import Request
+from prefixserve.core.kv_cache.eviction.policies import EVICTION_POLICIES
+from prefixserve.core.kv_cache.hashing import get_request_block_hasher
+from prefixserve.core.kv_cache.kv_cache_manager import KVCacheManager
+from prefixserve.core.kv_cache.spec import KVCacheConfig
+from prefixserve.core.request import Request
+from prefixserve.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from prefixserve.core.sched.scheduler import Scheduler
 from prefixserve.sampling_params import SamplingParams
-from prefixserve.scheduler import Scheduler
 
 BLOCK_SIZE = 16
 TOKEN_POOL = list(range(1000, 9000))

@@ -4,9 +4,10 @@
 
 For each (in, out) shape and row count M: the bf16 linear the model uses for small batches
 (oneDNN-packed where this CPU can pack bf16 weights, plain `F.linear` in bf16 elsewhere, as
-`prefixserve.model.layers.Linear` chooses), against `F.linear` in fp32 from an fp32 copy of the
-weight (input cast up, output cast back to bf16, as `Linear` does for batches of its fp32 row
-threshold or more). Prints GFLOP/s of each and the ratio; median of 7 repeats of >= 50 ms each.
+`prefixserve.model.layers.common.Linear` chooses), against `F.linear` in fp32 from an fp32 copy
+of the weight (input cast up, output cast back to bf16, as `Linear` does for batches of its fp32
+row threshold or more). Prints GFLOP/s of each and the ratio; median of 7 repeats of >= 50 ms
+each.
 
 First it prints this host's GEMM peak: a 2,048-cube matmul in bf16 (oneDNN) and in fp32, the
 reference against which the model's prefill is stated (BENCHMARKS.md, "Model speed").
@@ -26,7 +27,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from prefixserve.model import layers  # noqa: E402
-from prefixserve.model.cpu_paths import describe_cpu  # noqa: E402
+from prefixserve.model.kernels.cpu_paths import describe_cpu  # noqa: E402
 
 # (in_features, out_features) of SmolLM2-135M's fused qkv, o, gate_up and down projections.
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]

@@ -17,12 +17,12 @@ import statistics
 import sys
 import time
 
-from prefixserve.kv_cache.block_pool import BlockPool
-from prefixserve.kv_cache.eviction import EVICTION_POLICIES
-from prefixserve.kv_cache.hashing import get_request_block_hasher
-from prefixserve.kv_cache.kv_cache_manager import KVCacheManager
-from prefixserve.kv_cache.spec import KVCacheConfig
-from prefixserve.request import Request
+from prefixserve.core.kv_cache.block_pool import BlockPool
+from prefixserve.core.kv_cache.eviction.policies import EVICTION_POLICIES
+from prefixserve.core.kv_cache.hashing import get_request_block_hasher
+from prefixserve.core.kv_cache.kv_cache_manager import KVCacheManager
+from prefixserve.core.kv_cache.spec import KVCacheConfig
+from prefixserve.core.request import Request
 from prefixserve.sampling_params import SamplingParams
 
 # CPU time of this process: on a shared, oversubscribed machine wall time mostly measures the

@@ -32,8 +32,8 @@ import time  # noqa: E402
 
 from prefixserve import LLM, SamplingParams  # noqa: E402
 from prefixserve.bench.workloads import load_token_pool, make_workload  # noqa: E402
-from prefixserve.model.default_model import ensure_default_model  # noqa: E402
-from prefixserve.model.loader import load_model  # noqa: E402
+from prefixserve.model.loader.default_model import ensure_default_model  # noqa: E402
+from prefixserve.model.loader.loading import load_model  # noqa: E402
 
 # KV blocks of the RAM pool per workload: W4 ~4 documents (4 x 1,532 tokens), W5 ~16 prompts.
 POOL_BLOCKS = {"W4": 4 * 96 + 16, "W5": 16 * 68 + 16}

@@ -30,14 +30,14 @@ import time  # noqa: E402
 
 import torch  # noqa: E402
 
-from prefixserve.batch import ScheduledRequest, SchedulerOutput  # noqa: E402
+from prefixserve.core.request import Request  # noqa: E402
+from prefixserve.core.sched.output import ScheduledRequest, SchedulerOutput  # noqa: E402
 from prefixserve.model import layers  # noqa: E402
-from prefixserve.model.cpu_paths import describe_cpu  # noqa: E402
-from prefixserve.model.kernels import rms_norm_kernel  # noqa: E402
-from prefixserve.model.loader import load_model  # noqa: E402
-from prefixserve.request import Request  # noqa: E402
-from prefixserve.runner import ModelRunner  # noqa: E402
+from prefixserve.model.kernels.build import rms_norm_kernel  # noqa: E402
+from prefixserve.model.kernels.cpu_paths import describe_cpu  # noqa: E402
+from prefixserve.model.loader.loading import load_model  # noqa: E402
 from prefixserve.sampling_params import SamplingParams  # noqa: E402
+from prefixserve.worker.model_runner import ModelRunner  # noqa: E402
 
 
 class ArgmaxSampler:

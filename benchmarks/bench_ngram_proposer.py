@@ -14,7 +14,7 @@ import random
 import statistics
 import time
 
-from prefixserve.request import Request
+from prefixserve.core.request import Request
 from prefixserve.sampling_params import SamplingParams
 from prefixserve.spec_decode import SpeculativeConfig
 from prefixserve.spec_decode.ngram import NgramProposer

@@ -17,9 +17,9 @@ import argparse  # noqa: E402
 import random  # noqa: E402
 import time  # noqa: E402
 
-import prefixserve.scheduler as scheduler_module  # noqa: E402
+import prefixserve.core.sched.scheduler as scheduler_module  # noqa: E402
 from prefixserve import LLM, SamplingParams  # noqa: E402
-from prefixserve.model.loader import load_model  # noqa: E402
+from prefixserve.model.loader.loading import load_model  # noqa: E402
 
 
 def run(loaded, prompts, args, dedup: bool) -> tuple[int, float]:

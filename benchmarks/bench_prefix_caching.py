@@ -31,7 +31,7 @@ import torch  # noqa: E402
 
 from prefixserve import LLM, SamplingParams  # noqa: E402
 from prefixserve.bench.workloads import make_w1, token_pool_from_tokenizer  # noqa: E402
-from prefixserve.model.loader import load_model  # noqa: E402
+from prefixserve.model.loader.loading import load_model  # noqa: E402
 
 
 def run_w1(loaded, prompts, enable_prefix_caching: bool, args) -> dict:

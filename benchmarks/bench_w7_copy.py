@@ -122,7 +122,7 @@ def main() -> None:
 
     from prefixserve.bench.workloads import load_text_encoder, load_token_pool, make_workload
     from prefixserve.llm import LLM
-    from prefixserve.model.default_model import ensure_default_model
+    from prefixserve.model.loader.default_model import ensure_default_model
     from prefixserve.sampling_params import SamplingParams
 
     model_dir = ensure_default_model()

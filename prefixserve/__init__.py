@@ -3,7 +3,7 @@
     from prefixserve import LLM, SamplingParams
     outputs = LLM().generate(["Hello"], SamplingParams(temperature=0.0))
 
-`LLM` is imported lazily, so `import prefixserve.kv_cache` (pure Python) stays light.
+`LLM` is imported lazily, so `import prefixserve.core.kv_cache` (pure Python) stays light.
 """
 
 from __future__ import annotations

@@ -17,20 +17,20 @@ from prefixserve.cluster.options import (
     start_cluster_from_args,
     wants_cluster,
 )
+from prefixserve.engine.stats_log import describe_engine
 from prefixserve.engine_args import (
     EngineArgs,
     add_lora_modules_argument,
     engine_config_from_args,
     lora_modules_from_args,
 )
-from prefixserve.server.options import (
+from prefixserve.entrypoints.openai.options import (
     add_server_limit_arguments,
     admission_from_args,
     app_limits,
     check_limit_arguments,
     uvicorn_limits,
 )
-from prefixserve.stats_log import describe_engine
 
 logger = logging.getLogger("prefixserve")
 
@@ -152,7 +152,7 @@ def serve_command(parser: argparse.ArgumentParser) -> Runner:
 
 def default_served_name(model: str | None) -> str:
     if model is None:
-        from prefixserve.model.default_model import DEFAULT_MODEL_NAME
+        from prefixserve.model.loader.default_model import DEFAULT_MODEL_NAME
 
         return DEFAULT_MODEL_NAME
     return model.rstrip("/").rsplit("/", 1)[-1] or model
@@ -161,10 +161,10 @@ def default_served_name(model: str | None) -> str:
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from prefixserve.async_engine import AsyncLLMEngine
-    from prefixserve.server.app import build_app
-    from prefixserve.server.auth import ApiKeys
-    from prefixserve.server.supervision import EngineDeathWatch
+    from prefixserve.engine.async_llm import AsyncLLMEngine
+    from prefixserve.entrypoints.openai.app import build_app
+    from prefixserve.entrypoints.openai.auth import ApiKeys
+    from prefixserve.entrypoints.openai.supervision import EngineDeathWatch
 
     logging.basicConfig(
         level=args.log_level.upper(),

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from prefixserve.core.kv_cache.eviction.policies import check_eviction_policy
+from prefixserve.core.kv_cache.hashing import get_hash_fn
 from prefixserve.dtypes import SUPPORTED_DTYPES
-from prefixserve.kv_cache.eviction import check_eviction_policy
-from prefixserve.kv_cache.hashing import get_hash_fn
 from prefixserve.kv_store import KVStoreConfig
 from prefixserve.lora.config import LoRAConfig
 from prefixserve.spec_decode.config import SpeculativeConfig, speculative_config_from

@@ -29,9 +29,9 @@ from prefixserve.config import (
     EngineConfig,
     SchedulerConfig,
 )
+from prefixserve.core.kv_cache.eviction.policies import DEFAULT_EVICTION_POLICY, EVICTION_POLICIES
+from prefixserve.core.kv_cache.hashing import HASH_ALGOS
 from prefixserve.dtypes import SUPPORTED_DTYPES
-from prefixserve.kv_cache.eviction import DEFAULT_EVICTION_POLICY, EVICTION_POLICIES
-from prefixserve.kv_cache.hashing import HASH_ALGOS
 from prefixserve.kv_store import RETENTION_SECONDS, KVStoreConfig, capacity_from_gb
 from prefixserve.lora.config import LoRAConfig, check_lora_name
 

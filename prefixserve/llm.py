@@ -11,9 +11,9 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from prefixserve.engine import LLMEngine
+from prefixserve.core.kv_cache.salts import derive_cache_salt, validate_cache_salt
+from prefixserve.engine.llm_engine import LLMEngine
 from prefixserve.engine_args import EngineArgs, engine_args_signature
-from prefixserve.kv_cache.salts import derive_cache_salt, validate_cache_salt
 from prefixserve.lora.config import LoRARequest
 from prefixserve.outputs import RequestOutput
 from prefixserve.sampling_params import SamplingParams
@@ -50,7 +50,7 @@ class LLM:
     Takes every engine option of `prefixserve serve` as a keyword of the same name, less the
     dashes (`engine_args.EngineArgs`, the one list both are made from; `help(EngineArgs)` and
     `prefixserve serve --help` describe them). `model=None` loads the packaged default model;
-    `loaded_model` reuses weights already loaded with `prefixserve.model.loader.load_model`.
+    `loaded_model` reuses weights already loaded with `prefixserve.model.loader.loading.load_model`.
     Invalid values raise ValueError.
     """
 

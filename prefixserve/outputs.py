@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 # vLLM's shape: per position, {token_id: Logprob}.
-from prefixserve.batch import PositionLogprobs
+from prefixserve.core.sched.output import PositionLogprobs
 
 
 @dataclass(slots=True)

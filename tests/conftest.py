@@ -14,14 +14,14 @@ import pytest  # noqa: E402
 
 @pytest.fixture(scope="session")
 def default_model_bf16():
-    from prefixserve.model.loader import load_model
+    from prefixserve.model.loader.loading import load_model
 
     return load_model(None, dtype="bfloat16")
 
 
 @pytest.fixture(scope="session")
 def default_model_fp32():
-    from prefixserve.model.loader import load_model
+    from prefixserve.model.loader.loading import load_model
 
     return load_model(None, dtype="float32")
 
@@ -30,7 +30,7 @@ def default_model_fp32():
 @pytest.fixture(scope="session")
 def default_model_dir():
     """The converted SmolLM2-135M-Instruct HF directory (converted on first use)."""
-    from prefixserve.model.default_model import ensure_default_model
+    from prefixserve.model.loader.default_model import ensure_default_model
 
     return ensure_default_model()
 
@@ -38,10 +38,10 @@ def default_model_dir():
 def greedy_generate(loaded, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """Greedy decoding through our ModelRunner with a plain argmax loop: one prefill step, then
     one decode step per token, stopping at an eos id. No scheduler, no engine."""
-    from prefixserve.batch import ScheduledRequest, SchedulerOutput
-    from prefixserve.request import Request
-    from prefixserve.runner import ModelRunner
+    from prefixserve.core.request import Request
+    from prefixserve.core.sched.output import ScheduledRequest, SchedulerOutput
     from prefixserve.sampling_params import SamplingParams
+    from prefixserve.worker.model_runner import ModelRunner
 
     def argmax(logits, requests, generators):
         return [(int(row.argmax()), None) for row in logits]

@@ -29,7 +29,7 @@ def save_with_default_tokenizer(config: object, path: object) -> object:
     import torch
     import transformers
 
-    from prefixserve.model.default_model import ensure_default_model
+    from prefixserve.model.loader.default_model import ensure_default_model
 
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(
@@ -45,6 +45,6 @@ def default_vocab_size() -> int:
     """The packaged default model's vocabulary size (what its tokenizer produces)."""
     import transformers
 
-    from prefixserve.model.default_model import ensure_default_model
+    from prefixserve.model.loader.default_model import ensure_default_model
 
     return int(transformers.AutoConfig.from_pretrained(ensure_default_model()).vocab_size)

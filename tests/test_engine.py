@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 
 from prefixserve import LLM, SamplingParams
-from prefixserve.kv_cache.events import AllBlocksCleared, BlockStored
+from prefixserve.core.kv_cache.events import AllBlocksCleared, BlockStored
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 

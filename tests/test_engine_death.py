@@ -11,9 +11,9 @@ import time
 import pytest
 from helpers import random_tokens
 
-from prefixserve.async_engine import AsyncLLMEngine, EngineDeadError
 from prefixserve.config import CacheConfig, EngineConfig
-from prefixserve.engine import LLMEngine
+from prefixserve.engine.async_llm import AsyncLLMEngine, EngineDeadError
+from prefixserve.engine.llm_engine import LLMEngine
 from prefixserve.sampling_params import SamplingParams
 
 LONG = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
@@ -107,7 +107,7 @@ class _FakeServer:
 
 
 def test_the_server_stops_with_status_1_when_the_engine_dies_unasked(llm_engine):
-    from prefixserve.server.supervision import EngineDeathWatch
+    from prefixserve.entrypoints.openai.supervision import EngineDeathWatch
 
     aengine = AsyncLLMEngine(llm_engine, log_stats_interval_s=None)
     server = _FakeServer()
@@ -133,7 +133,7 @@ def test_the_server_stops_with_status_1_when_the_engine_dies_unasked(llm_engine)
 
 
 def test_a_requested_shutdown_does_not_stop_the_server_as_a_failure(llm_engine):
-    from prefixserve.server.supervision import EngineDeathWatch
+    from prefixserve.entrypoints.openai.supervision import EngineDeathWatch
 
     aengine = AsyncLLMEngine(llm_engine, log_stats_interval_s=None)
     server = _FakeServer()

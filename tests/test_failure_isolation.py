@@ -9,10 +9,10 @@ import torch
 from helpers import random_tokens
 
 from prefixserve.config import CacheConfig, EngineConfig
-from prefixserve.engine import LLMEngine
-from prefixserve.request import Request
-from prefixserve.runner import seeded_generator
+from prefixserve.core.request import Request
+from prefixserve.engine.llm_engine import LLMEngine
 from prefixserve.sampling_params import SamplingParams
+from prefixserve.worker.model_runner import seeded_generator
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 
@@ -192,7 +192,7 @@ def test_a_lone_surrogate_cache_salt_is_refused_at_admission(engine):
 
 
 def test_a_row_that_rules_out_every_token_counts_as_non_finite():
-    from prefixserve.runner import _all_finite
+    from prefixserve.worker.model_runner import _all_finite
 
     ok = torch.tensor([[0.0, float("-inf")], [1.0, 2.0]])
     assert _all_finite(ok)

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from prefixserve.admission_order import promote_longest_prefix
-from prefixserve.fair_share import WaitingQueue, water_fill
-from prefixserve.request import Request, RequestStatus
+from prefixserve.core.request import Request, RequestStatus
+from prefixserve.core.sched.admission_order import promote_longest_prefix
+from prefixserve.core.sched.fair_share import WaitingQueue, water_fill
 from tests.test_scheduler import (
     assert_no_leak,
     make_request,

@@ -36,11 +36,11 @@ from tiny_hf_models import VOCAB, build_hf_model, build_ours  # noqa: E402
 
 from prefixserve.bench.lora_adapters import write_random_adapter  # noqa: E402
 from prefixserve.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
-from prefixserve.engine import LLMEngine  # noqa: E402
-from prefixserve.kv_cache.salts import derive_cache_salt  # noqa: E402
+from prefixserve.core.kv_cache.salts import derive_cache_salt  # noqa: E402
+from prefixserve.engine.llm_engine import LLMEngine  # noqa: E402
 from prefixserve.kv_store import KVStoreConfig  # noqa: E402
 from prefixserve.lora.config import LoRAConfig, LoRARequest  # noqa: E402
-from prefixserve.model.loader import LoadedModel  # noqa: E402
+from prefixserve.model.loader.loading import LoadedModel  # noqa: E402
 from prefixserve.sampling_params import SamplingParams  # noqa: E402
 
 BLOCK = 4

@@ -9,8 +9,8 @@ import pytest
 from helpers import random_tokens
 
 from prefixserve.config import CacheConfig, EngineConfig
-from prefixserve.engine import LLMEngine
-from prefixserve.request import Request
+from prefixserve.core.request import Request
+from prefixserve.engine.llm_engine import LLMEngine
 from prefixserve.sampling_params import SamplingParams
 
 BLOCK = 16

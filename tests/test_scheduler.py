@@ -15,14 +15,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from prefixserve.batch import ModelRunnerOutput, SchedulerOutput
 from prefixserve.config import SchedulerConfig
-from prefixserve.kv_cache.hashing import get_request_block_hasher
-from prefixserve.kv_cache.kv_cache_manager import KVCacheManager
-from prefixserve.kv_cache.spec import KVCacheConfig
-from prefixserve.request import Request, RequestStatus
+from prefixserve.core.kv_cache.hashing import get_request_block_hasher
+from prefixserve.core.kv_cache.kv_cache_manager import KVCacheManager
+from prefixserve.core.kv_cache.spec import KVCacheConfig
+from prefixserve.core.request import Request, RequestStatus
+from prefixserve.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from prefixserve.core.sched.scheduler import Scheduler
 from prefixserve.sampling_params import SamplingParams
-from prefixserve.scheduler import Scheduler
 
 BLOCK = 4
 EOS = 1

@@ -9,10 +9,10 @@ import asyncio
 import pytest
 from helpers import random_tokens
 
-from prefixserve.async_engine import AsyncLLMEngine
 from prefixserve.config import CacheConfig, EngineConfig
-from prefixserve.engine import LLMEngine
-from prefixserve.request_stream import StreamStalledError
+from prefixserve.engine.async_llm import AsyncLLMEngine
+from prefixserve.engine.llm_engine import LLMEngine
+from prefixserve.engine.request_stream import StreamStalledError
 from prefixserve.sampling_params import SamplingParams
 
 

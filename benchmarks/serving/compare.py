@@ -251,8 +251,8 @@ def _lora_setup(
     """Write `cfg.lora_adapters` random adapters for the model under the output directory; map
     each prompt group of the workloads to one of them, in turn."""
     from prefixserve.bench.lora_adapters import ALL_MODULES, write_random_adapter
-    from prefixserve.model.hf_config import model_config_from_hf
-    from prefixserve.model.hf_dir import read_hf_config
+    from prefixserve.model.loader.hf_config import model_config_from_hf
+    from prefixserve.model.loader.hf_dir import read_hf_config
 
     config = model_config_from_hf(read_hf_config(cfg.model_dir), "bfloat16")
     modules = {

@@ -80,7 +80,7 @@ def csv_list(value: str) -> list[str]:
 
 def default_model_dir() -> Path:
     """The packaged default model's HF directory (converted on first use)."""
-    from prefixserve.model.default_model import ensure_default_model
+    from prefixserve.model.loader.default_model import ensure_default_model
 
     return Path(ensure_default_model())
 

@@ -25,17 +25,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from prefixserve.async_engine import MAX_BUFFERED_KV_EVENTS, EngineDeadError
 from prefixserve.cluster.event_feed import EventFeed
 from prefixserve.cluster.route_inputs import LoraDigests, route_args
 from prefixserve.cluster.router import NoReplicaError, Route, Router
 from prefixserve.cluster.store_probe import open_store_probe
 from prefixserve.config import EngineConfig
-from prefixserve.engine_metrics import combine_metrics
+from prefixserve.engine.async_llm import MAX_BUFFERED_KV_EVENTS, EngineDeadError
+from prefixserve.engine.metrics import combine_metrics
+from prefixserve.engine.request_stream import ABORTED, Aborted, OutputQueue, RequestStream
 from prefixserve.lora.config import LoRASlotsBusyError
-from prefixserve.model.loader import ModelInfo
+from prefixserve.model.loader.loading import ModelInfo
 from prefixserve.outputs import RequestOutput
-from prefixserve.request_stream import ABORTED, Aborted, OutputQueue, RequestStream
 from prefixserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

@@ -33,7 +33,7 @@ from typing import Any
 
 from prefixserve.cluster.protocol import EventBatch, Heartbeat, RegistrationError, Snapshot
 from prefixserve.cluster.router import Router
-from prefixserve.kv_cache.events import AllBlocksCleared, BlockStored, KVCacheEvent
+from prefixserve.core.kv_cache.events import AllBlocksCleared, BlockStored, KVCacheEvent
 
 # Receives (replica id, events) for what the feed applied.
 EventSink = Callable[[int, Sequence[KVCacheEvent]], None]

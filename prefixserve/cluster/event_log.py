@@ -14,7 +14,12 @@ import collections
 from collections.abc import Iterable
 
 from prefixserve.cluster.protocol import CachedBlock, EventBatch, Snapshot
-from prefixserve.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from prefixserve.core.kv_cache.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+)
 
 DEFAULT_RING_BATCHES = 1024
 

@@ -34,8 +34,12 @@ from prefixserve.cluster.protocol import (
     ReplicaInfo,
     Snapshot,
 )
-from prefixserve.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored
-from prefixserve.kv_cache.hashing import get_hash_fn, get_request_block_hasher, hash_block_tokens
+from prefixserve.core.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored
+from prefixserve.core.kv_cache.hashing import (
+    get_hash_fn,
+    get_request_block_hasher,
+    hash_block_tokens,
+)
 
 # The root of the router's key chains (a block at position 0 has no parent).
 ROUTER_ROOT = hashlib.sha256(b"prefixserve-router-root").digest()

@@ -11,7 +11,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
-from prefixserve.kv_cache.events import KVCacheEvent
+from prefixserve.core.kv_cache.events import KVCacheEvent
 
 
 def seed_fingerprint(none_hash: bytes) -> str:

@@ -40,7 +40,7 @@ from prefixserve.cluster.protocol import RegistrationError
 from prefixserve.cluster.replica import EngineReplica, config_digest
 from prefixserve.cluster.router import Router
 from prefixserve.config import EngineConfig
-from prefixserve.model.loader import read_model_info, resolve_dtype, resolve_model_dir
+from prefixserve.model.loader.loading import read_model_info, resolve_dtype, resolve_model_dir
 
 logger = logging.getLogger(__name__)
 

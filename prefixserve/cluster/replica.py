@@ -61,8 +61,8 @@ class EngineReplica:
     ) -> None:
         import torch
 
-        from prefixserve.async_engine import AsyncLLMEngine
-        from prefixserve.engine import LLMEngine
+        from prefixserve.engine.async_llm import AsyncLLMEngine
+        from prefixserve.engine.llm_engine import LLMEngine
 
         if threads is not None:
             torch.set_num_threads(threads)

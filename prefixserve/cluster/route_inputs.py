@@ -11,8 +11,8 @@ import collections
 from pathlib import Path
 from typing import Any
 
+from prefixserve.engine.prompt_embeds import embeds_bits
 from prefixserve.lora.adapter import adapter_digest
-from prefixserve.prompt_embeds import embeds_bits
 
 MAX_LORA_DIGESTS = 256
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from prefixserve.kv_cache.hashing import none_hash_from_secret
-from prefixserve.kv_cache.spec import FullAttentionSpec, KVCacheSpec
+from prefixserve.core.kv_cache.hashing import none_hash_from_secret
+from prefixserve.core.kv_cache.spec import FullAttentionSpec, KVCacheSpec
 from prefixserve.kv_store import RETENTION_SECONDS
 from prefixserve.kv_store.disk_store import BlockKey, DiskKVStore
 from prefixserve.kv_store.fingerprint import model_fingerprint, store_namespace
@@ -37,10 +37,10 @@ from prefixserve.kv_store.seed import load_or_create_seed
 from prefixserve.kv_store.writer import BackgroundWriter
 
 if TYPE_CHECKING:
-    from prefixserve.batch import SchedulerOutput
     from prefixserve.config import EngineConfig
-    from prefixserve.kv_cache.kv_cache_manager import KVCacheManager
-    from prefixserve.request import Request
+    from prefixserve.core.kv_cache.kv_cache_manager import KVCacheManager
+    from prefixserve.core.request import Request
+    from prefixserve.core.sched.output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
+from prefixserve.core.kv_cache.spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from prefixserve.dtypes import BYTES_PER_ELEMENT, SUPPORTED_DTYPES
-from prefixserve.kv_cache.spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 
 
 @dataclass(slots=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from prefixserve.model.registry import SUPPORTED_ARCHITECTURES
+from prefixserve.model.models.registry import SUPPORTED_ARCHITECTURES
 
 
 class ModelLoadError(ValueError):

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 # transformers is imported where it is used: importing it costs seconds, and importing this
-# module (hence prefixserve.model.loader) should not.
+# module (hence prefixserve.model.loader.loading) should not.
 
 # Chat messages as the OpenAI API and transformers take them: {"role": ..., "content": ...}.
 Message = dict[str, Any]

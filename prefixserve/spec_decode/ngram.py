@@ -22,7 +22,7 @@ from collections import Counter
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from prefixserve.request import Request
+from prefixserve.core.request import Request
 from prefixserve.spec_decode.config import SpeculativeConfig
 
 # Longest pause after rejected drafts, in decode steps.

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from prefixserve.model.sampler import draw_uniform, needs_penalties
-from prefixserve.request import Request
+from prefixserve.core.request import Request
+from prefixserve.worker.sampler import draw_uniform, needs_penalties
 
 
 @dataclass(slots=True)

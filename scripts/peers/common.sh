@@ -20,12 +20,12 @@ new_venv() {
 }
 
 # default_model_dir: the bf16 HF directory of the packaged default model, made on first use
-# by the project's own conversion (prefixserve.model.default_model.ensure_default_model).
+# by the project's own conversion (prefixserve.model.loader.default_model.ensure_default_model).
 default_model_dir() {
     if [[ -n "${PREFIXSERVE_MODEL_DIR:-}" ]]; then
         printf '%s\n' "$PREFIXSERVE_MODEL_DIR"
         return
     fi
     "$REPO_ROOT/.venv/bin/python" -c \
-        'from prefixserve.model.default_model import ensure_default_model as e; print(e())'
+        'from prefixserve.model.loader.default_model import ensure_default_model as e; print(e())'
 }

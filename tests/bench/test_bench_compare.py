@@ -493,7 +493,7 @@ def test_lora_adapters_are_served_alike_and_named_per_prompt_group(tmp_path):
     from prefixserve.bench.client import EndpointConfig, build_body
     from prefixserve.bench.workload_types import BenchRequest, Workload
     from prefixserve.lora.adapter import load_adapter
-    from prefixserve.model.hf_config import model_config_from_hf
+    from prefixserve.model.loader.hf_config import model_config_from_hf
 
     model = tmp_path / "SmolLM2"
     model.mkdir()

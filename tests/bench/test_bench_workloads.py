@@ -176,7 +176,7 @@ def test_default_model_token_id_prompts_get_what_its_tokenizer_adds_to_text():
     """Token-id prompts get the special tokens the tokenizer itself adds to a text, read from
     tokenizer.json: for the default model none (its GGUF says add_bos_token = False)."""
     from prefixserve.bench.workloads import load_token_pool, prepend_tokens
-    from prefixserve.model.default_model import ensure_default_model
+    from prefixserve.model.loader.default_model import ensure_default_model
 
     model_dir = ensure_default_model()
     pool, decode, special_prefix = load_token_pool(model_dir)
@@ -263,7 +263,7 @@ def test_w7_prompts_are_the_default_models_chat_turns_and_round_trip_through_tex
     (then the assistant's turn opens), its ids are what a server computes from its text, and
     the document is about 1,000 of those tokens."""
     from prefixserve.bench.workloads import load_text_encoder, load_token_pool, prepend_tokens
-    from prefixserve.model.default_model import ensure_default_model
+    from prefixserve.model.loader.default_model import ensure_default_model
 
     model_dir = ensure_default_model()
     pool, decode, special_prefix = load_token_pool(model_dir)

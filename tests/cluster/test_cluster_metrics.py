@@ -11,8 +11,8 @@ import pytest
 from test_cluster_replica_death import FakeReplica, _Remote, cluster_of
 
 from prefixserve.config import CacheConfig, EngineConfig
-from prefixserve.engine import LLMEngine
-from prefixserve.engine_metrics import (
+from prefixserve.engine.llm_engine import LLMEngine
+from prefixserve.engine.metrics import (
     MEAN_GAUGES,
     RATES,
     SHARED_GAUGES,

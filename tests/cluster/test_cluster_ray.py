@@ -15,8 +15,8 @@ import pytest
 
 from prefixserve.cluster.policy import make_policy
 from prefixserve.cluster.ray_cluster import kill_replica, replica_pids, start_cluster
-from prefixserve.server.app import build_app
-from prefixserve.server.auth import ApiKeys
+from prefixserve.entrypoints.openai.app import build_app
+from prefixserve.entrypoints.openai.auth import ApiKeys
 from tests.cluster.conftest import replica_config
 from tests.server.server_helpers import serve_in_thread
 

@@ -16,8 +16,8 @@ import pytest
 from prefixserve.cluster.index import PromptView
 from prefixserve.cluster.protocol import RegistrationError
 from prefixserve.cluster.ray_cluster import REPLICA_PREFIX, start_cluster
+from prefixserve.entrypoints.openai.app import build_app
 from prefixserve.kv_store import KVStoreConfig
-from prefixserve.server.app import build_app
 from tests.cluster.conftest import replica_config
 from tests.server.server_helpers import serve_in_thread
 

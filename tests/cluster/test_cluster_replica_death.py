@@ -13,15 +13,15 @@ from typing import Any
 import pytest
 from ray.exceptions import RayActorError
 
-from prefixserve.async_engine import EngineDeadError
 from prefixserve.cluster.client import ClusterEngine, ReplicaDiedError
 from prefixserve.cluster.policy import ReplicaLoad, make_policy
 from prefixserve.cluster.protocol import ReplicaInfo
 from prefixserve.cluster.router import Router
+from prefixserve.engine.async_llm import EngineDeadError
+from prefixserve.entrypoints.openai.app import build_app
 from prefixserve.lora.config import LoRASlotsBusyError
 from prefixserve.outputs import CompletionOutput, RequestOutput
 from prefixserve.sampling_params import SamplingParams
-from prefixserve.server.app import build_app
 from tests.server.asgi_helpers import FakeTokenizer, acall
 
 BS = 16

@@ -19,8 +19,8 @@ from prefixserve.cluster.protocol import ReplicaInfo, StoreInfo, seed_fingerprin
 from prefixserve.cluster.route_inputs import LoraDigests
 from prefixserve.cluster.router import Router
 from prefixserve.cluster.store_probe import open_store_probe
-from prefixserve.kv_cache.events import AllBlocksCleared, BlockStored
-from prefixserve.kv_cache.hashing import get_request_block_hasher, none_hash_from_secret
+from prefixserve.core.kv_cache.events import AllBlocksCleared, BlockStored
+from prefixserve.core.kv_cache.hashing import get_request_block_hasher, none_hash_from_secret
 from prefixserve.kv_store import DiskKVStore, load_or_create_seed
 from tests.cluster.test_router_index import BS, stored
 

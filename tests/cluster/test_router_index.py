@@ -6,8 +6,8 @@ import pytest
 from prefixserve.cluster.event_log import EventLog
 from prefixserve.cluster.index import PrefixIndex
 from prefixserve.cluster.protocol import EventBatch, RegistrationError, ReplicaInfo
-from prefixserve.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored
-from prefixserve.kv_cache.hashing import hash_block_tokens
+from prefixserve.core.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored
+from prefixserve.core.kv_cache.hashing import hash_block_tokens
 
 BS = 4
 

@@ -17,8 +17,8 @@ from prefixserve.cluster.policy import (
 )
 from prefixserve.cluster.protocol import ReplicaInfo
 from prefixserve.cluster.router import NoReplicaError, Router
-from prefixserve.kv_cache.events import BlockStored
-from prefixserve.kv_cache.hashing import hash_block_tokens
+from prefixserve.core.kv_cache.events import BlockStored
+from prefixserve.core.kv_cache.hashing import hash_block_tokens
 
 BS = 16
 

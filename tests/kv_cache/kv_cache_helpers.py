@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from prefixserve.kv_cache.block_pool import BlockPool, KVCacheBlock
-from prefixserve.kv_cache.hashing import get_request_block_hasher
-from prefixserve.kv_cache.kv_cache_manager import KVCacheManager
-from prefixserve.kv_cache.spec import FullAttentionSpec, KVCacheConfig
-from prefixserve.request import Request
+from prefixserve.core.kv_cache.block_pool import BlockPool, KVCacheBlock
+from prefixserve.core.kv_cache.hashing import get_request_block_hasher
+from prefixserve.core.kv_cache.kv_cache_manager import KVCacheManager
+from prefixserve.core.kv_cache.spec import FullAttentionSpec, KVCacheConfig
+from prefixserve.core.request import Request
 from prefixserve.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 from kv_cache_helpers import free_ids, make_request
 
-from prefixserve.kv_cache.block_pool import (
+from prefixserve.core.kv_cache.block_pool import (
     BlockHashToBlockMap,
     BlockPool,
     FreeKVCacheBlockQueue,
     KVCacheBlock,
 )
-from prefixserve.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored
+from prefixserve.core.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored
 
 
 def cached_pool(num_blocks: int = 9, events: bool = True):

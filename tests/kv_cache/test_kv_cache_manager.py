@@ -13,9 +13,9 @@ from kv_cache_helpers import (
     snapshot,
 )
 
-from prefixserve.kv_cache.events import BlockStored
-from prefixserve.kv_cache.kv_cache_manager import KVCacheBlocks
-from prefixserve.request import Request
+from prefixserve.core.kv_cache.events import BlockStored
+from prefixserve.core.kv_cache.kv_cache_manager import KVCacheBlocks
+from prefixserve.core.request import Request
 from prefixserve.sampling_params import SamplingParams
 
 

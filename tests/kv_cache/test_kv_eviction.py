@@ -14,11 +14,11 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kv_cache_helpers import free_ids, make_manager, make_request
 
 from prefixserve.config import CacheConfig
-from prefixserve.kv_cache.block_pool import BlockPool
-from prefixserve.kv_cache.cost_aware import ATTENTION_DEPTH_BLOCKS, CostAwareQueue
-from prefixserve.kv_cache.eviction import EVICTION_POLICIES, make_free_queue
-from prefixserve.kv_cache.free_queue import KVCacheBlock
-from prefixserve.kv_cache.slru import SegmentedLRUQueue
+from prefixserve.core.kv_cache.block_pool import BlockPool
+from prefixserve.core.kv_cache.eviction.cost_aware import ATTENTION_DEPTH_BLOCKS, CostAwareQueue
+from prefixserve.core.kv_cache.eviction.lru import KVCacheBlock
+from prefixserve.core.kv_cache.eviction.policies import EVICTION_POLICIES, make_free_queue
+from prefixserve.core.kv_cache.eviction.slru import SegmentedLRUQueue
 
 BS = 4
 

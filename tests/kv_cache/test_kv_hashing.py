@@ -15,8 +15,8 @@ import pytest
 import xxhash
 from kv_cache_helpers import make_request
 
-from prefixserve.kv_cache import hashing
-from prefixserve.kv_cache.hashing import (
+from prefixserve.core.kv_cache import hashing
+from prefixserve.core.kv_cache.hashing import (
     encode_extra_keys,
     generate_block_extra_keys,
     get_hash_fn,
@@ -24,7 +24,7 @@ from prefixserve.kv_cache.hashing import (
     hash_block_tokens,
     init_none_hash,
 )
-from prefixserve.request import MultiModalFeature, Request
+from prefixserve.core.request import MultiModalFeature, Request
 from prefixserve.sampling_params import SamplingParams
 
 
@@ -54,7 +54,7 @@ def test_none_hash_random_without_pythonhashseed(monkeypatch, restore_none_hash)
 
 def test_block_hashes_reproducible_across_processes_with_pythonhashseed():
     code = (
-        "from prefixserve.kv_cache.hashing import hash_block_tokens;"
+        "from prefixserve.core.kv_cache.hashing import hash_block_tokens;"
         "print(hash_block_tokens('sha256', None, [1, 2, 3, 4]).hex())"
     )
     env = dict(os.environ, PYTHONHASHSEED="7")
@@ -228,8 +228,8 @@ def test_token_ids_outside_int32_are_a_value_error():
 def test_cache_core_imports_no_torch_and_nothing_above_it():
     package = pathlib.Path(hashing.__file__).parent
     allowed = (
-        "prefixserve.kv_cache",
-        "prefixserve.request",
+        "prefixserve.core.kv_cache",
+        "prefixserve.core.request",
         "prefixserve.sampling_params",
         "prefixserve.settings",  # a leaf: environment switches, no imports of the package
     )

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kv_cache_helpers import make_manager, make_request, schedule
 
-from prefixserve.kv_cache.kv_cache_manager import KVCacheManager
+from prefixserve.core.kv_cache.kv_cache_manager import KVCacheManager
 
 SYSTEM = [1, 2, 3, 4, 5, 6, 7, 8]  # two full blocks of 4
 

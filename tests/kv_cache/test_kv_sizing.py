@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 from helpers import random_tokens
 
-from prefixserve.kv_cache.hashing import get_request_block_hasher
-from prefixserve.kv_cache.kv_cache_manager import KVCacheManager
-from prefixserve.kv_cache.sizing import blocks_needed, size_kv_pool
-from prefixserve.kv_cache.spec import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec
-from prefixserve.request import Request
+from prefixserve.core.kv_cache.hashing import get_request_block_hasher
+from prefixserve.core.kv_cache.kv_cache_manager import KVCacheManager
+from prefixserve.core.kv_cache.sizing import blocks_needed, size_kv_pool
+from prefixserve.core.kv_cache.spec import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec
+from prefixserve.core.request import Request
 from prefixserve.sampling_params import SamplingParams
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from kv_cache_helpers import decode, evict_block, free_ids, make_manager, make_request, snapshot
 
-from prefixserve.kv_cache.spec import FullAttentionSpec, SlidingWindowSpec
+from prefixserve.core.kv_cache.spec import FullAttentionSpec, SlidingWindowSpec
 
 SW = [SlidingWindowSpec(sliding_window=8)]
 HYBRID = [FullAttentionSpec(), SlidingWindowSpec(sliding_window=8)]

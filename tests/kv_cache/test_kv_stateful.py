@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from kv_cache_helpers import make_manager, make_request, snapshot
 
-from prefixserve.kv_cache.spec import FullAttentionSpec, SlidingWindowSpec
+from prefixserve.core.kv_cache.spec import FullAttentionSpec, SlidingWindowSpec
 
 BS = 4
 # A few shared prefixes plus a short random tail: hits (full and partial) are common.

@@ -12,9 +12,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from prefixserve.batch import ModelRunnerOutput, SchedulerOutput
+from prefixserve.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from prefixserve.core.sched.scheduler import Scheduler
 from prefixserve.kv_store.connector import KVStoreConnector
-from prefixserve.scheduler import Scheduler
 from tests.test_scheduler import (
     BLOCK,
     FakeRunner,

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "model"))
 from tiny_hf_models import VOCAB, build_hf_model, build_ours, hf_config  # noqa: E402
 
 from prefixserve import LLM  # noqa: E402
-from prefixserve.model.loader import LoadedModel  # noqa: E402
+from prefixserve.model.loader.loading import LoadedModel  # noqa: E402
 
 __all__ = [
     "VOCAB",

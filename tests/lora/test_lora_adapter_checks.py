@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from prefixserve import SamplingParams
 from prefixserve.lora.adapter import load_adapter
 from prefixserve.lora.config import LoRARequest
-from prefixserve.model.hf_config import model_config_from_hf
+from prefixserve.model.loader.hf_config import model_config_from_hf
 
 Tensors = dict[str, torch.Tensor]
 

@@ -26,7 +26,7 @@ from lora_helpers import (
 from safetensors.torch import load_file, save_file
 
 from prefixserve import SamplingParams
-from prefixserve.kv_cache.events import BlockStored
+from prefixserve.core.kv_cache.events import BlockStored
 from prefixserve.lora.config import LoRARequest, LoRASlotsBusyError
 from prefixserve.lora.manager import LoRAInUseError
 
@@ -253,7 +253,7 @@ def test_bad_adapters_are_refused_naming_what_does_not_fit(
 def test_scaling_follows_peft_alpha_default_and_rslora(llama_with_adapters, tmp_path):
     hf, config, _, _ = llama_with_adapters
     from prefixserve.lora.adapter import load_adapter
-    from prefixserve.model.hf_config import model_config_from_hf
+    from prefixserve.model.loader.hf_config import model_config_from_hf
 
     ours = model_config_from_hf(config, "float32")
     plain = _bad(tmp_path, hf, rank=4, edit_config=lambda c: c.pop("lora_alpha"))

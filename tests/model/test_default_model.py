@@ -3,8 +3,8 @@
 import json
 import sys
 
-from prefixserve.model import default_model
-from prefixserve.model.default_model import (
+from prefixserve.model.loader import default_model
+from prefixserve.model.loader.default_model import (
     DEFAULT_MODEL_GGUF,
     default_model_dir,
     default_model_gguf,
@@ -53,7 +53,7 @@ def test_default_model_text_encoding_adds_no_bos_when_gguf_says_so(default_model
     with no leading <|im_start|> (id 1), and tokenizer_config.json says the same."""
     from gguf import GGUFReader
 
-    from prefixserve.model.gguf_convert import CONVERSION_MARKER, CONVERSION_VERSION
+    from prefixserve.model.loader.gguf_convert import CONVERSION_MARKER, CONVERSION_VERSION
     from prefixserve.model.tokenizer import Tokenizer
 
     fields = GGUFReader(str(default_model_gguf())).fields
@@ -107,6 +107,7 @@ def test_fp32_gives_the_same_answer(default_model_fp32, greedy):
 
 
 def test_module_main_prepares_and_reports_the_cache(default_model_dir, capsys):
-    """`python -m prefixserve.model.default_model` (the Makefile's serve step) runs main()."""
+    """`python -m prefixserve.model.loader.default_model` (the Makefile's serve step) runs
+    main()."""
     default_model.main([])
     assert str(default_model_dir) in capsys.readouterr().out

@@ -21,10 +21,10 @@ from tiny_hf_models import (
     step,
 )
 
-from prefixserve.kv_cache.spec import SlidingWindowSpec
-from prefixserve.model import layers
-from prefixserve.model.attention import ScheduledSpan, build_attention_metadata
-from prefixserve.model.layers import ForwardContext
+from prefixserve.core.kv_cache.spec import SlidingWindowSpec
+from prefixserve.model.layers import common as layers
+from prefixserve.model.layers.attention import ScheduledSpan, build_attention_metadata
+from prefixserve.model.layers.common import ForwardContext
 
 FAMILIES = ["llama", "llama_tied", "mistral", "qwen2", "qwen3", "gemma3"]
 

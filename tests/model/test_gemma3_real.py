@@ -4,11 +4,11 @@ match transformers' on a prompt longer than its 512-token sliding window."""
 import pytest
 import torch
 
-from prefixserve.batch import ScheduledRequest, SchedulerOutput
-from prefixserve.model.loader import load_model
-from prefixserve.request import Request
-from prefixserve.runner import ModelRunner
+from prefixserve.core.request import Request
+from prefixserve.core.sched.output import ScheduledRequest, SchedulerOutput
+from prefixserve.model.loader.loading import load_model
 from prefixserve.sampling_params import SamplingParams
+from prefixserve.worker.model_runner import ModelRunner
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +23,7 @@ PARAGRAPH = (
 
 @pytest.fixture(scope="module")
 def gemma_dir():
-    from prefixserve.model.default_model import ensure_gemma3_270m
+    from prefixserve.model.loader.default_model import ensure_gemma3_270m
 
     return ensure_gemma3_270m()
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from prefixserve.model import gguf_convert
-from prefixserve.model.gguf_convert import ensure_converted
-from prefixserve.model.gguf_tokenizer import set_text_special_tokens
+from prefixserve.model.loader import gguf_convert
+from prefixserve.model.loader.gguf_convert import ensure_converted
+from prefixserve.model.loader.gguf_tokenizer import set_text_special_tokens
 
 # --- the conversion cache -------------------------------------------------------------------------
 

@@ -6,8 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from prefixserve.model import cpu_paths, layers
-from prefixserve.model.layers import FP32_MIN_ROWS, Linear
+from prefixserve.model.kernels import cpu_paths
+from prefixserve.model.layers import common as layers
+from prefixserve.model.layers.common import FP32_MIN_ROWS, Linear
 
 
 def make_linear(bias=True):
@@ -98,7 +99,7 @@ def test_the_cpu_kind_picks_its_row_of_the_gemm_table(monkeypatch):
 
 
 def test_this_cpu_has_a_row_with_its_measurement_and_attention_follows_it():
-    from prefixserve.model import attention
+    from prefixserve.model.layers import attention
 
     path = cpu_paths.cpu_paths_here()
     assert path.measured

@@ -6,12 +6,12 @@ import pytest
 import torch
 from tiny_hf_models import VOCAB, assert_close, build_hf_model, build_ours
 
-from prefixserve.batch import ScheduledRequest, SchedulerOutput
-from prefixserve.model.hf_config import model_config_from_hf
-from prefixserve.model.registry import create_model
-from prefixserve.request import Request
-from prefixserve.runner import ModelRunner
+from prefixserve.core.request import Request
+from prefixserve.core.sched.output import ScheduledRequest, SchedulerOutput
+from prefixserve.model.loader.hf_config import model_config_from_hf
+from prefixserve.model.models.registry import create_model
 from prefixserve.sampling_params import SamplingParams
+from prefixserve.worker.model_runner import ModelRunner
 
 
 def last_logits(model, config, prompt: list[int]) -> torch.Tensor:

@@ -8,8 +8,8 @@ import pytest
 import torch
 from tiny_hf_models import build_hf_model
 
-from prefixserve.model.hf_dir import iter_safetensors_weights, safetensors_files
-from prefixserve.model.loader import LoadedModel, ModelLoadError, load_model, resolve_dtype
+from prefixserve.model.loader.hf_dir import iter_safetensors_weights, safetensors_files
+from prefixserve.model.loader.loading import LoadedModel, ModelLoadError, load_model, resolve_dtype
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -179,7 +179,7 @@ def test_sharded_checkpoint_loads_the_same_weights_as_a_single_file(tmp_path, de
 @pytest.mark.slow
 def test_gguf_file_loads_like_the_converted_default_model(tmp_path, monkeypatch, default_model_dir):
     """A .gguf path is converted into the cache and loaded; same weights as the default."""
-    from prefixserve.model.default_model import default_model_gguf
+    from prefixserve.model.loader.default_model import default_model_gguf
 
     monkeypatch.setenv("PREFIXSERVE_CACHE_DIR", str(tmp_path))
     loaded = load_model(default_model_gguf(), dtype="bfloat16")

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import transformers
 
-from prefixserve.kv_cache.spec import FullAttentionSpec, SlidingWindowSpec
-from prefixserve.model.hf_config import model_config_from_hf
-from prefixserve.model.registry import SUPPORTED_ARCHITECTURES, create_model
+from prefixserve.core.kv_cache.spec import FullAttentionSpec, SlidingWindowSpec
+from prefixserve.model.loader.hf_config import model_config_from_hf
+from prefixserve.model.models.registry import SUPPORTED_ARCHITECTURES, create_model
 
 
 def diff_dict(config: transformers.PretrainedConfig, arch: str) -> dict:
@@ -120,7 +120,7 @@ def test_complete_llama_config_skips_transformers_and_agrees_with_it(
 ):
     import json
 
-    from prefixserve.model import hf_config as config_module
+    from prefixserve.model.loader import hf_config as config_module
 
     hf = json.loads((default_model_dir / "config.json").read_text())
     assert config_module._complete_llama_config(hf, "LlamaForCausalLM")

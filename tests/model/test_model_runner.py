@@ -15,10 +15,10 @@ from tiny_hf_models import (
     step,
 )
 
-from prefixserve.batch import ScheduledRequest, SchedulerOutput
-from prefixserve.request import Request
-from prefixserve.runner import ModelRunner
+from prefixserve.core.request import Request
+from prefixserve.core.sched.output import ScheduledRequest, SchedulerOutput
 from prefixserve.sampling_params import SamplingParams
+from prefixserve.worker.model_runner import ModelRunner
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +129,7 @@ def test_decode_sized_steps_run_on_one_thread_while_openmp_threads_sleep(llama, 
     on one torch thread when OMP_WAIT_POLICY is PASSIVE (waking a sleeping thread per parallel
     region costs more than it brings); larger steps, and every step with spinning threads, use
     them all; the thread count is restored after each step, also after a step that raised."""
-    from prefixserve import runner as runner_module
+    from prefixserve.worker import model_runner as runner_module
 
     h = make_harness(*llama)
     seen: list[int] = []

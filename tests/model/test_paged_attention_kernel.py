@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from prefixserve import settings
-from prefixserve.model import kernels
-from prefixserve.model.kernels import paged_attention_kernel
+from prefixserve.model.kernels import build as kernels
+from prefixserve.model.kernels.build import paged_attention_kernel
 
 kernel = paged_attention_kernel()
 needs_kernel = pytest.mark.skipif(kernel is None, reason="the kernel could not be built here")
@@ -168,8 +168,12 @@ def test_paged_attention_gives_the_same_output_with_and_without_the_kernel(windo
     """The model-facing entry point: a mixed step (a decode batch, short chunks over cached
     prefixes, a long whole-history chunk) through the kernel and through the PyTorch paths
     (the kernel's share as on the Intel hosts, whatever this CPU's row says)."""
-    from prefixserve.model import attention
-    from prefixserve.model.attention import ScheduledSpan, build_attention_metadata, paged_attention
+    from prefixserve.model.layers import attention
+    from prefixserve.model.layers.attention import (
+        ScheduledSpan,
+        build_attention_metadata,
+        paged_attention,
+    )
 
     monkeypatch.setattr(attention, "KERNEL_MAX_QUERIES", 12)
     KERNEL_MAX_QUERIES = 12
@@ -237,7 +241,7 @@ def test_kernel_propagates_a_nan_key(head_dim):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("offset", [False, True])  # Llama-style, Gemma-style
 def test_rms_norm_kernel_matches_the_pytorch_norm(dtype, offset, monkeypatch):
-    from prefixserve.model import layers
+    from prefixserve.model.layers import common as layers
 
     torch.manual_seed(0)
     norm = layers.RMSNorm(576, 1e-5, offset=offset)

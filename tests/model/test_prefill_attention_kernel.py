@@ -10,9 +10,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from prefixserve.model.attention import ScheduledSpan, build_attention_metadata, paged_attention
-from prefixserve.model.cpu_paths import cpu_kind
-from prefixserve.model.kernels import paged_attention_kernel, prefill_attention_kernel
+from prefixserve.model.kernels.build import paged_attention_kernel, prefill_attention_kernel
+from prefixserve.model.kernels.cpu_paths import cpu_kind
+from prefixserve.model.layers.attention import (
+    ScheduledSpan,
+    build_attention_metadata,
+    paged_attention,
+)
 
 prefill = prefill_attention_kernel()
 needs_prefill = pytest.mark.skipif(
@@ -171,7 +175,7 @@ def test_a_bf16_qk_norm_model_runs_long_prompts_through_the_kernel(tmp_path):
     from helpers import default_vocab_size, save_with_default_tokenizer
 
     from prefixserve.config import CacheConfig, EngineConfig
-    from prefixserve.engine import LLMEngine
+    from prefixserve.engine.llm_engine import LLMEngine
     from prefixserve.sampling_params import SamplingParams
 
     config = transformers.Qwen3Config(

@@ -5,9 +5,9 @@ other in another agree exactly (the float32 equality of cached and recomputed ou
 import pytest
 import torch
 
-from prefixserve.model.attention import write_kv
-from prefixserve.model.kernels import rope_write_kv_kernel
-from prefixserve.model.rotary import RotaryEmbedding, apply_rotary
+from prefixserve.model.kernels.build import rope_write_kv_kernel
+from prefixserve.model.layers.attention import write_kv
+from prefixserve.model.layers.rotary import RotaryEmbedding, apply_rotary
 
 kernel = rope_write_kv_kernel()
 needs_kernel = pytest.mark.skipif(kernel is None, reason="the kernels could not be built here")
@@ -55,7 +55,7 @@ def test_a_slot_outside_the_cache_is_refused_before_anything_is_written():
 
 
 def test_every_bf16_step_takes_the_kernel_only_where_its_vector_loop_was_built(monkeypatch):
-    from prefixserve.model import layers
+    from prefixserve.model.layers import common as layers
 
     for vectorized, bf16_64, bf16_48, fp32_64 in ((True, 1 << 62, 4, 4), (False, 4, 4, 4)):
         layers.rope_kv_max_tokens.cache_clear()

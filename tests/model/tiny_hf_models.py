@@ -13,13 +13,13 @@ from pathlib import Path
 import torch
 import transformers
 
-from prefixserve.batch import PositionLogprobs, ScheduledRequest, SchedulerOutput
+from prefixserve.core.request import Request
+from prefixserve.core.sched.output import PositionLogprobs, ScheduledRequest, SchedulerOutput
 from prefixserve.model.config import ModelConfig
-from prefixserve.model.hf_config import model_config_from_hf
-from prefixserve.model.registry import create_model
-from prefixserve.request import Request
-from prefixserve.runner import ModelRunner
+from prefixserve.model.loader.hf_config import model_config_from_hf
+from prefixserve.model.models.registry import create_model
 from prefixserve.sampling_params import SamplingParams
+from prefixserve.worker.model_runner import ModelRunner
 
 VOCAB = 128
 _COMMON = dict(

@@ -12,8 +12,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from prefixserve.server.app import build_app
-from prefixserve.server.auth import ApiKeys
+from prefixserve.entrypoints.openai.app import build_app
+from prefixserve.entrypoints.openai.auth import ApiKeys
 
 MAX_MODEL_LEN = 64
 TENANT_KEY = "sk-tenant"

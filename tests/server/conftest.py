@@ -25,11 +25,11 @@ from server_helpers import (
     serve_in_thread,
 )
 
-from prefixserve.async_engine import AsyncLLMEngine
 from prefixserve.config import CacheConfig, EngineConfig, SchedulerConfig
-from prefixserve.engine import LLMEngine
-from prefixserve.server.app import build_app
-from prefixserve.server.auth import ApiKeys
+from prefixserve.engine.async_llm import AsyncLLMEngine
+from prefixserve.engine.llm_engine import LLMEngine
+from prefixserve.entrypoints.openai.app import build_app
+from prefixserve.entrypoints.openai.auth import ApiKeys
 
 
 @pytest.fixture(scope="session")

@@ -14,8 +14,8 @@ import httpx
 import openai
 import uvicorn
 
-from prefixserve.async_engine import AsyncLLMEngine
-from prefixserve.engine import LLMEngine
+from prefixserve.engine.async_llm import AsyncLLMEngine
+from prefixserve.engine.llm_engine import LLMEngine
 
 MODEL_NAME = "test-model"
 MAX_MODEL_LEN = 1024

@@ -9,8 +9,8 @@ import uuid
 import pytest
 from server_helpers import MAX_MODEL_LEN, NUM_KV_BLOCKS
 
+from prefixserve.engine.stats_log import format_stats
 from prefixserve.sampling_params import SamplingParams
-from prefixserve.stats_log import format_stats
 
 
 def rid() -> str:
@@ -164,7 +164,7 @@ def test_format_stats_reports_interval_throughput_and_hit_rate():
 
 
 def test_a_busy_engine_logs_the_periodic_stats_line(async_engine, tokenizer, caplog):
-    caplog.set_level(logging.INFO, logger="prefixserve.async_engine")
+    caplog.set_level(logging.INFO, logger="prefixserve.engine.async_llm")
     previous = async_engine.log_stats_interval_s
     async_engine.log_stats_interval_s = 0.0  # every step, for this test
     try:

@@ -12,7 +12,7 @@ from helpers import free_port
 
 
 def test_prefixserve_serve_starts_logs_its_setup_and_answers(tmp_path):
-    from prefixserve.model.default_model import ensure_default_model
+    from prefixserve.model.loader.default_model import ensure_default_model
 
     model_path = str(ensure_default_model())  # served from a path, which no client may see
     port = free_port()

@@ -6,7 +6,7 @@ import openai
 import pytest
 from server_helpers import MAX_MODEL_LEN, MODEL_NAME
 
-from prefixserve.server.errors import from_value_error
+from prefixserve.entrypoints.openai.errors import from_value_error
 
 CMPL = "/v1/completions"
 CHAT = "/v1/chat/completions"

@@ -9,8 +9,8 @@ import openai
 import pytest
 from server_helpers import KEY_ALPHA, KEY_ALPHA_2, KEY_BETA, MODEL_NAME
 
-from prefixserve.kv_cache.salts import derive_cache_salt, validate_cache_salt
-from prefixserve.server.auth import ApiKeys, parse_bearer, read_api_key_file
+from prefixserve.core.kv_cache.salts import derive_cache_salt, validate_cache_salt
+from prefixserve.entrypoints.openai.auth import ApiKeys, parse_bearer, read_api_key_file
 
 SHARED_TEXT = (
     " is a prompt long enough to fill a few KV-cache blocks, so that a second request with "

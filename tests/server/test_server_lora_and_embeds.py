@@ -27,13 +27,13 @@ from server_helpers import (
 )
 
 from prefixserve import cli
-from prefixserve.async_engine import AsyncLLMEngine
 from prefixserve.bench.lora_adapters import write_random_adapter
 from prefixserve.config import CacheConfig, EngineConfig
-from prefixserve.engine import LLMEngine
+from prefixserve.engine.async_llm import AsyncLLMEngine
+from prefixserve.engine.llm_engine import LLMEngine
+from prefixserve.entrypoints.openai.app import build_app
+from prefixserve.entrypoints.openai.auth import ApiKeys
 from prefixserve.lora.config import LoRAConfig
-from prefixserve.server.app import build_app
-from prefixserve.server.auth import ApiKeys
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from prefixserve.server.app import build_app
-from prefixserve.server.protocol import MAX_PROMPT_CACHE_KEY_CHARS
+from prefixserve.entrypoints.openai.app import build_app
+from prefixserve.entrypoints.openai.protocol import MAX_PROMPT_CACHE_KEY_CHARS
 from tests.server.asgi_helpers import call
 from tests.server.test_server_tenant_scheduling import RecordingEngine
 

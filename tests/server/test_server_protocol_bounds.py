@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from asgi_helpers import TENANT_KEY, call, keys, make_app
 
-from prefixserve.server import protocol as p
+from prefixserve.entrypoints.openai import protocol as p
 
 BAD = [
     ("temperature", "NaN"),

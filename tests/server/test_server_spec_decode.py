@@ -11,10 +11,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from server_helpers import MODEL_NAME, LiveServer, serve_in_thread
 
 from prefixserve import cli
-from prefixserve.async_engine import AsyncLLMEngine
 from prefixserve.config import CacheConfig, EngineConfig
-from prefixserve.engine import LLMEngine
-from prefixserve.server.app import build_app
+from prefixserve.engine.async_llm import AsyncLLMEngine
+from prefixserve.engine.llm_engine import LLMEngine
+from prefixserve.entrypoints.openai.app import build_app
 
 SPEC_JSON = json.dumps(
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefixserve.server.app import build_app
-from prefixserve.server.auth import ApiKeys
+from prefixserve.entrypoints.openai.app import build_app
+from prefixserve.entrypoints.openai.auth import ApiKeys
 from tests.server.asgi_helpers import FakeEngine, call
 
 

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from prefixserve.request import Request
+from prefixserve.core.request import Request
 from prefixserve.sampling_params import SamplingParams
 from prefixserve.spec_decode import SpeculativeConfig, speculative_config_from
 from prefixserve.spec_decode.ngram import MAX_PAUSE_STEPS, NgramProposer

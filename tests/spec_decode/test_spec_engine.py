@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from prefixserve import LLM, SamplingParams
-from prefixserve.kv_cache.events import BlockStored
+from prefixserve.core.kv_cache.events import BlockStored
 
 SPEC = {
     "method": "ngram",
@@ -304,8 +304,8 @@ def test_speculation_with_a_disk_tier_saves_blocks_filled_by_accepted_drafts(
 def test_gemma3_sliding_window_groups_give_the_same_greedy_tokens_with_speculation():
     """Gemma 3's hybrid cache (full and 512-token sliding-window groups): drafts take lookahead
     slots in both, and past the window the released blocks do not disturb verification."""
-    from prefixserve.model.default_model import ensure_gemma3_270m
-    from prefixserve.model.loader import load_model
+    from prefixserve.model.loader.default_model import ensure_gemma3_270m
+    from prefixserve.model.loader.loading import load_model
 
     gemma = load_model(ensure_gemma3_270m(), dtype="float32")
     body = random_tokens(150, seed=91)

@@ -1,0 +1,442 @@
+"""The step planner: which requests compute how many tokens this step, over which KV blocks.
+
+No prefill or decode phase: each step lets a request's `num_computed_tokens` (K/V in its blocks)
+catch up with its `num_tokens` (prompt plus generated) within a token budget. A prefix-cache hit
+starts a request with `num_computed_tokens > 0`; chunked prefill did not catch up in one step;
+decoding is one token behind (plus, with speculation, its drafts in lookahead slots).
+
+Order inside a step (vLLM v1, with fair shares between tenants):
+0. (fair) when every running slot is taken and a waiting tenant holds less than an equal share
+   of them, the newest request of the tenant holding the most is preempted (one a step);
+1. running requests, oldest first, each within its tenant's share of the budget; when the pool
+   is full the newest running request of the tenant with the most is preempted (blocks freed
+   tail first, keeping their hashes; back to the front of its tenant's queue) until slots fit;
+2. unless something was preempted for lack of blocks, waiting requests, tenants in turn, each
+   tenant's in arrival order (`fair_share.WaitingQueue`): a prefix-cache lookup, then slots for
+   the rest of the prompt or a chunk (within the tenant's share; once every waiting tenant has
+   used its share, the rest goes to whoever is next); the first that does not fit stops it.
+Shares (and `fair_chunk_tokens`) apply only while several tenants have work; with one tenant
+(the offline API, a server without keys) the step is planned as vLLM's FCFS scheduler plans it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from prefixserve.config import SchedulerConfig
+from prefixserve.core.request import Request, RequestStatus
+from prefixserve.core.sched.admission_order import promote_longest_prefix
+from prefixserve.core.sched.fair_share import (
+    WaitingQueue,
+    preemption_victim,
+    slot_preemption_victim,
+    tenant_shares,
+)
+from prefixserve.core.sched.output import (
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+)
+from prefixserve.core.sched.prefill_dedup import prefill_in_flight, waits_for_prefill
+from prefixserve.core.sched.step_results import (
+    RequestUpdate,
+    SchedulerStats,
+    append_until_stop,
+    sampled_run,
+)
+
+if TYPE_CHECKING:
+    from prefixserve.core.kv_cache.kv_cache_manager import KVCacheManager
+    from prefixserve.kv_store.connector import KVStoreConnector
+    from prefixserve.spec_decode.ngram import NgramProposer
+
+
+@dataclass(slots=True)
+class _StepPlan:
+    """What `Scheduler.schedule` has decided so far this step, and what budget is left."""
+
+    token_budget: int
+    shares: dict[Hashable, int] | None = None  # each tenant's tokens left (policy fair)
+    contended: bool = False  # several tenants had work when the step began
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    kv_loads: list[tuple[int, bytes]] = field(default_factory=list)
+
+    def take(self, request: Request, num_tokens: int) -> None:
+        self.token_budget -= num_tokens
+        if self.shares is not None:
+            self.shares[request.tenant] -= num_tokens
+
+
+class Scheduler:
+    """Plans each engine step over a KVCacheManager; owns the waiting and running queues.
+
+    `eos_token_ids` are the model's end-of-sequence ids besides each request's own
+    `eos_token_id`; a request stops on any of them unless its params say `ignore_eos`.
+
+    With a `proposer` (spec_decode/ngram.py), each decoding request may carry drafts: they are
+    counted in the token budget and its tenant's share (leaving a token to every running request
+    after it), get lookahead slots (never cached), and a request whose drafts' slots do not fit
+    drops them rather than preempt anyone for its own allocation.
+    """
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        max_model_len: int,
+        eos_token_ids: Iterable[int] = (),
+        proposer: NgramProposer | None = None,
+    ) -> None:
+        self.config = config
+        self.proposer = proposer
+        self.kv_cache_manager = kv_cache_manager
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.requests: dict[str, Request] = {}
+        # The disk tier's load side (kv_store/connector.py), set by the engine when it has one.
+        self.kv_store: KVStoreConnector | None = None
+        self.fair = config.scheduling_policy == "fair"
+        self.waiting = WaitingQueue(per_tenant=self.fair)
+        self.running: list[Request] = []
+        # Finished, aborted or preempted since the last schedule(): the runner drops their state.
+        self.finished_req_ids: set[str] = set()
+        self.stats = SchedulerStats()
+
+    # ----------------------------------------------------------------- queue management
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in the scheduler")
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(
+        self,
+        request_ids: str | Iterable[str],
+        status: RequestStatus,
+        stop_reason: int | str | None = None,
+    ) -> None:
+        """Finish (or abort) requests from outside the step, e.g. on a stop string or an abort.
+
+        Unknown or already finished ids are ignored, so aborting twice is harmless.
+        """
+        assert status.is_finished, status
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            if stop_reason is not None:
+                request.stop_reason = stop_reason
+            self._free_request(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ----------------------------------------------------------------- the step plan
+
+    def schedule(self) -> SchedulerOutput:
+        """Decide this step's work: running requests first, then waiting ones (none in a step
+        that had to preempt). Allocates KV slots; does not advance `num_computed_tokens`
+        (update_from_output does, once the tokens are computed)."""
+        plan = _StepPlan(self.config.max_num_batched_tokens)
+        if self.fair:
+            self._give_short_tenant_a_slot()
+            plan.shares = self._tenant_shares(plan.token_budget)
+            plan.contended = plan.shares is not None
+        self._schedule_running(plan)
+        if not plan.preempted:
+            self._schedule_waiting(plan)
+        output = SchedulerOutput(
+            scheduled=plan.scheduled, finished_req_ids=self.finished_req_ids, kv_loads=plan.kv_loads
+        )
+        self.finished_req_ids = set()
+        return output
+
+    def _give_short_tenant_a_slot(self) -> None:
+        """A waiting tenant short of its share of the running slots takes one this step."""
+        slot = slot_preemption_victim(self.running, self.waiting, self.config.max_num_seqs)
+        if slot is not None:
+            victim, short_tenant = slot
+            self.running.remove(victim)
+            self._preempt(victim, turn_next=False)
+            self.waiting.take_turn_next(short_tenant)
+
+    # ---- 1. running requests, in admission order
+
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        if self.proposer is not None:
+            self.proposer.start_step(self.running)
+        req_index = 0
+        while req_index < len(self.running) and plan.token_budget > 0:
+            request = self.running[req_index]
+            num_new_tokens = min(self._chunk(request, plan.contended), plan.token_budget)
+            if plan.shares is not None:
+                num_new_tokens = min(num_new_tokens, plan.shares[request.tenant])
+                if num_new_tokens == 0:
+                    req_index += 1  # its tenant's share is spent: it waits for the next step
+                    continue
+            assert num_new_tokens > 0, request
+            drafts = self._drafts(request, num_new_tokens, plan)
+            drafts = self._allocate_or_preempt(request, req_index, num_new_tokens, drafts, plan)
+            if drafts is None:
+                continue  # this request preempted itself; the next one now sits at req_index
+            plan.take(request, num_new_tokens + len(drafts))
+            plan.scheduled.append(self._scheduled(request, num_new_tokens, drafts))
+            req_index += 1
+
+    def _drafts(self, request: Request, num_new_tokens: int, plan: _StepPlan) -> list[int]:
+        """Speculative drafts for a decoding request, within the budget and its tenant's share."""
+        if self.proposer is None or num_new_tokens != 1:
+            return []
+        share = None if plan.shares is None else plan.shares[request.tenant]
+        return self.proposer.propose_within(
+            request, plan.token_budget, share, self._threshold(plan.contended), self.max_model_len
+        )
+
+    def _allocate_or_preempt(
+        self,
+        request: Request,
+        req_index: int,
+        num_new_tokens: int,
+        drafts: list[int],
+        plan: _StepPlan,
+    ) -> list[int] | None:
+        """Slots for a running request's tokens (and drafts, dropped first when they do not
+        fit), preempting victims until they fit; the drafts kept, or None when the request
+        preempted itself."""
+        while True:
+            new_blocks = self.kv_cache_manager.allocate_slots(
+                request, num_new_tokens, num_lookahead_tokens=len(drafts)
+            )
+            if new_blocks is not None:
+                return drafts
+            if drafts:
+                drafts = []  # no room for the drafts: none this step, nobody preempted
+                continue
+            victim = preemption_victim(self.running, req_index, self.fair)
+            self.running.remove(victim)
+            self._preempt(victim)
+            plan.preempted.append(victim)
+            if victim is request:
+                return None
+
+    # ---- 2. waiting requests, tenants in turn (preempted ones sit at the front)
+
+    def _schedule_waiting(self, plan: _StepPlan) -> None:
+        deferred: set[Hashable] = set()  # queues whose head waits for a running prefill
+        in_flight: set[bytes] | None = None
+        while self.waiting and plan.token_budget > 0:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            request = self.waiting.peek(plan.shares, deferred)
+            if request is None:
+                if plan.shares is None:
+                    break  # only deferred queues are left
+                plan.shares = None  # every share is spent: the rest goes to whoever is next
+                continue
+            if self.config.admission_order == "longest_prefix":
+                request = promote_longest_prefix(self.waiting, request, self.kv_cache_manager)
+            if in_flight is None:
+                in_flight = prefill_in_flight(self.running, self.kv_cache_manager)
+            admitted = self._admit(request, plan, in_flight)
+            if admitted is None:
+                break  # stays waiting; nobody behind it jumps the queue
+            if not admitted:
+                deferred.add(self.waiting.key(request))
+
+    def _admit(self, request: Request, plan: _StepPlan, in_flight: set[bytes]) -> bool | None:
+        """Schedule a waiting request after its cache hit (RAM, then disk): True when it runs,
+        False when it waits for a running prefill of its next block, None when it does not fit."""
+        mgr = self.kv_cache_manager
+        assert request.num_computed_tokens == 0, request
+        computed_blocks, num_computed = mgr.get_computed_blocks(request)
+        num_on_disk = self.kv_store.match(request, num_computed) if self.kv_store else 0
+        num_loaded = num_on_disk * mgr.block_size
+        if waits_for_prefill(request, num_computed + num_loaded, mgr.block_size, in_flight):
+            return False
+        num_new_tokens = request.num_tokens - num_computed - num_loaded
+        assert num_new_tokens > 0, (request, num_computed, num_loaded)
+        threshold = self._threshold(plan.contended)
+        if 0 < threshold < num_new_tokens:
+            num_new_tokens = threshold
+        num_new_tokens = min(num_new_tokens, plan.token_budget)
+        if plan.shares is not None:
+            num_new_tokens = min(num_new_tokens, plan.shares[request.tenant])
+        new_blocks = mgr.allocate_slots(
+            request,
+            num_loaded + num_new_tokens,
+            num_new_computed_tokens=num_computed,
+            new_computed_blocks=computed_blocks,
+        )
+        if new_blocks is None:
+            return None
+        self.waiting.pop(request)
+        self.running.append(request)
+        in_flight |= prefill_in_flight((request,), mgr)
+        if num_on_disk and self.kv_store is not None:
+            # Blocks whose read fails are computed instead, from this chunk on (their slots are
+            # allocated already).
+            num_loaded = self.kv_store.load_into_pool(
+                mgr, request, num_computed, num_on_disk, plan.kv_loads
+            )
+        self._start_running(request, num_computed, num_loaded)
+        plan.scheduled.append(self._scheduled(request, num_new_tokens))
+        plan.take(request, num_new_tokens)
+        return True
+
+    def _start_running(self, request: Request, num_computed: int, num_loaded: int) -> None:
+        if request.num_cached_tokens < 0:  # its first scheduling
+            request.num_cached_tokens = num_computed + num_loaded
+            request.num_disk_cached_tokens = num_loaded
+            self.stats.num_prompt_tokens += request.num_prompt_tokens
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_computed + num_loaded
+
+    def _chunk(self, request: Request, contended: bool = False) -> int:
+        """The tokens `request` would compute this step with the whole budget to itself."""
+        num_new_tokens = request.num_tokens - request.num_computed_tokens
+        threshold = self._threshold(contended)
+        return threshold if 0 < threshold < num_new_tokens else num_new_tokens
+
+    def _threshold(self, contended: bool) -> int:
+        """The cap on one request's chunk this step (0: none): `long_prefill_token_threshold`,
+        and `fair_chunk_tokens` while tenants share the step (`contended`), so that no tenant's
+        long prefill makes the step that carries the others' tokens long."""
+        threshold = self.config.long_prefill_token_threshold
+        fair_cap = self.config.fair_chunk_tokens if contended else 0
+        if fair_cap and (not threshold or fair_cap < threshold):
+            return fair_cap
+        return threshold
+
+    def _tenant_shares(self, budget: int) -> dict[Hashable, int] | None:
+        """Each tenant's share of this step's tokens (None: at most one tenant has work)."""
+        free_seqs = self.config.max_num_seqs - len(self.running)
+        return tenant_shares(
+            self.running, self.waiting, free_seqs, budget, lambda r: self._chunk(r, True)
+        )
+
+    def stuck_request(self) -> Request | None:
+        """The head of the waiting queue when nothing runs: after a step that scheduled nothing,
+        it could not get blocks from an idle pool, so it never will."""
+        if self.running or not self.waiting:
+            return None
+        return self.waiting[0]
+
+    def _scheduled(
+        self, request: Request, num_new_tokens: int, drafts: list[int] | None = None
+    ) -> ScheduledRequest:
+        prompt_end = min(request.num_computed_tokens + num_new_tokens, request.num_prompt_tokens)
+        if prompt_end > request.num_computed_tokens:
+            self.stats.num_computed_prompt_tokens += prompt_end - request.num_computed_tokens
+        return ScheduledRequest(
+            request=request,
+            num_computed_tokens=request.num_computed_tokens,
+            num_new_tokens=num_new_tokens,
+            block_ids=self.kv_cache_manager.get_block_ids(request),
+            draft_token_ids=drafts or [],
+        )
+
+    def _preempt(self, request: Request, turn_next: bool = True) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        # Not in finished_req_ids: the runner keeps the request's seeded generator, so a resumed
+        # request continues its random stream instead of replaying it.
+        self.waiting.appendleft(request, turn_next)
+
+    # ----------------------------------------------------------------- applying the results
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[RequestUpdate]:
+        """Advance each scheduled request by the tokens computed (accepted drafts included),
+        append the accepted drafts and the sampled token, and finish requests that hit a stop
+        condition on any of them (their blocks are freed here).
+
+        Returns one update per scheduled request that is still known (not aborted meanwhile).
+        """
+        updates: list[RequestUpdate] = []
+        for entry in scheduler_output.scheduled:
+            request = entry.request
+            if request.is_finished or self.requests.get(request.request_id) is not request:
+                continue  # aborted between schedule() and now
+            request.num_computed_tokens = entry.num_computed_tokens + entry.num_new_tokens
+            update = RequestUpdate(request=request)
+            prompt_logprobs = runner_output.prompt_logprobs.get(request.request_id)
+            if prompt_logprobs:
+                update.new_prompt_logprobs = prompt_logprobs
+                update.first_prompt_logprob_pos = entry.num_computed_tokens + 1
+            token_id = runner_output.sampled_token_ids.get(request.request_id)
+            if token_id is not None:
+                assert entry.samples, entry
+                if self._append_sampled(entry, runner_output, token_id, update):
+                    self.running.remove(request)
+                    self._free_request(request)
+                    update.finished = True
+            updates.append(update)
+        return updates
+
+    def _append_sampled(
+        self,
+        entry: ScheduledRequest,
+        runner_output: ModelRunnerOutput,
+        token_id: int,
+        update: RequestUpdate,
+    ) -> bool:
+        """Append the accepted drafts and the sampled token, checking the stop conditions after
+        each (a stop inside an accepted run ends the request there). The accepted drafts' K/V is
+        in their slots already: they count as computed, and a block they complete is cached now.
+        Returns True when the request stopped."""
+        request = entry.request
+        accepted, tokens, logprobs = sampled_run(runner_output, request.request_id, token_id)
+        if entry.draft_token_ids:
+            self.stats.record_verification(len(entry.draft_token_ids), len(accepted))
+            if self.proposer is not None:
+                self.proposer.record(request.request_id, len(entry.draft_token_ids), len(accepted))
+        request.num_computed_tokens += len(accepted)
+        stopped = append_until_stop(
+            request, tokens, logprobs, update, self.eos_token_ids, self.max_model_len
+        )
+        self.stats.num_generation_tokens += len(update.new_token_ids)
+        if accepted:  # (a stop inside the run appended fewer: cache_blocks stops at num_tokens)
+            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+        return stopped
+
+    def _free_request(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        if self.proposer is not None:
+            self.proposer.drop((request.request_id,))
+        del self.requests[request.request_id]
+        self.finished_req_ids.add(request.request_id)
+        self.stats.num_finished_requests += 1
+
+    # ----------------------------------------------------------------- cache control
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget every cached block hash. Fails (returns False) while blocks are in use, unless
+        `reset_running_requests` first preempts every running request so nothing is in use."""
+        if reset_running_requests:
+            while self.running:
+                self._preempt(self.running.pop())
+        return self.kv_cache_manager.reset_prefix_cache()

@@ -1,0 +1,1 @@
+"""Ways in from outside the process: `openai/`, the OpenAI-compatible HTTP server."""

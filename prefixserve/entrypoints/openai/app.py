@@ -1,0 +1,196 @@
+"""The OpenAI-compatible HTTP server: the FastAPI app over an AsyncLLMEngine, its routes and auth.
+
+One request's path: the request guard (guard.py: API key -> tenant or operator, body size) ->
+parse and range-check the body
+(protocol.py) -> the endpoint's handler (serving_completion.py, serving_chat.py) tokenizes it and
+builds SamplingParams -> serving.py derives the engine's cache salt from (tenant, client
+cache_salt), adds it to the engine (which validates it) and streams or collects the
+RequestOutputs -> OpenAI response with `usage.prompt_tokens_details.cached_tokens`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from prefixserve.engine.async_llm import AsyncLLMEngine
+from prefixserve.entrypoints.openai import protocol as p
+from prefixserve.entrypoints.openai import serving_chat, serving_completion
+from prefixserve.entrypoints.openai.admission import Admission
+from prefixserve.entrypoints.openai.auth import ApiKeys
+from prefixserve.entrypoints.openai.errors import OpenAIError, install_error_handlers
+from prefixserve.entrypoints.openai.guard import (
+    BODIES_IN_FLIGHT,
+    DEFAULT_TIMEOUT_REQUEST_BODY_S,
+    BodyRefused,
+    RequestGuard,
+    render_refusal,
+)
+from prefixserve.entrypoints.openai.models import model_list
+from prefixserve.entrypoints.openai.serving import ServerState
+from prefixserve.entrypoints.openai.serving_lora import register_lora_routes
+from prefixserve.entrypoints.openai.serving_pins import register_pin_routes
+
+DEFAULT_MAX_REQUEST_BODY_BYTES = 4 << 20
+# Bytes of JSON one prompt token may take in a legal request: a token of up to
+# prompts.MAX_CHARS_PER_TOKEN characters, each escaped as `\uXXXX`, is 192; a token id is at most 8.
+BODY_BYTES_PER_TOKEN = 192
+
+
+def default_max_request_body_bytes(max_model_len: int) -> int:
+    """The body limit when none is given: room for the longest legal prompt, at least 4 MiB."""
+    return max(DEFAULT_MAX_REQUEST_BODY_BYTES, max_model_len * BODY_BYTES_PER_TOKEN)
+
+
+def build_app(  # noqa: C901 - its complexity is the routes' closures, each small, counted in it
+    engine: AsyncLLMEngine,
+    served_model_names: list[str],
+    api_keys: ApiKeys | None = None,
+    max_request_body_bytes: int | None = None,
+    admission: Admission | None = None,
+    timeout_request_body_s: float | None = DEFAULT_TIMEOUT_REQUEST_BODY_S,
+    max_body_bytes_in_flight: int | None = None,
+    lora_modules: dict[str, str] | None = None,
+) -> FastAPI:
+    """The FastAPI app. The caller starts and stops `engine` (see cli.py).
+
+    With `api_keys`, the operator routes (/kv_events, /reset_prefix_cache, /metrics and the API
+    docs) take an operator key only and the others a tenant key only (guard.py); without, every
+    route is open to the one trusted user. `max_request_body_bytes` defaults to
+    `default_max_request_body_bytes(engine.max_model_len)`; `max_body_bytes_in_flight` (bodies
+    of all requests together) to `BODIES_IN_FLIGHT` times that, 0 for no bound;
+    `timeout_request_body_s` bounds the time a body may take to arrive (None: no bound);
+    `admission` bounds the requests in flight (admission.py; default: no bound). /v1/models
+    names the served model names only, never the weights' path. `lora_modules` (name -> path)
+    are the LoRA adapters a request may name in `model` (loaded in the engine by the caller)."""
+    if not served_model_names:
+        raise ValueError("served_model_names must name at least one model")
+    state = ServerState(
+        engine=engine,
+        served_model_names=list(served_model_names),
+        api_keys=api_keys,
+        admission=admission or Admission(),
+        lora_modules={
+            name: (i, path) for i, (name, path) in enumerate((lora_modules or {}).items(), 1)
+        },
+    )
+    app = FastAPI(title="prefixserve", summary="OpenAI-compatible LLM server with prefix caching")
+    app.state.server = state
+    install_error_handlers(app)
+    app.add_exception_handler(BodyRefused, render_refusal)
+    if max_request_body_bytes is None:
+        max_request_body_bytes = default_max_request_body_bytes(engine.max_model_len)
+    if max_request_body_bytes < 1:
+        raise ValueError(f"max_request_body_bytes must be >= 1, got {max_request_body_bytes}")
+    if max_body_bytes_in_flight is None:
+        max_body_bytes_in_flight = BODIES_IN_FLIGHT * max_request_body_bytes
+    if max_body_bytes_in_flight < 0:
+        raise ValueError(f"max_body_bytes_in_flight must be >= 0, got {max_body_bytes_in_flight}")
+    if timeout_request_body_s is not None and not 0 < timeout_request_body_s < float("inf"):
+        raise ValueError(f"timeout_request_body_s must be > 0, got {timeout_request_body_s}")
+    app.add_middleware(
+        RequestGuard,
+        api_keys=api_keys,
+        max_body_bytes=max_request_body_bytes,
+        metrics=state.metrics,
+        timeout_request_body_s=timeout_request_body_s,
+        max_body_bytes_in_flight=max_body_bytes_in_flight or None,
+    )
+
+    @app.get("/health")
+    async def health() -> Response:
+        # Unauthenticated on purpose: load balancers probe it.
+        if not engine.is_running:
+            return JSONResponse({"status": "engine not running"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    app.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)
+
+    # The request guard decides who may call each route (guard.TENANT_PATHS: tenants; every
+    # other route but /health: operators only).
+    router = app.router
+
+    @router.get("/v1/models")
+    async def list_models() -> p.ModelList:
+        # `root` is the served name: the weights' path (--model) is the server's business.
+        return model_list(state, engine.max_model_len)
+
+    @router.post("/v1/completions")
+    async def create_completion(body: p.CompletionRequest, raw: Request) -> Response:
+        return await serving_completion.create_completion(state, body, raw, time.monotonic())
+
+    @router.post("/v1/chat/completions")
+    async def create_chat_completion(body: p.ChatCompletionRequest, raw: Request) -> Response:
+        return await serving_chat.create_chat_completion(state, body, raw, time.monotonic())
+
+    @router.get("/metrics")
+    async def metrics() -> Response:
+        state.metrics.update_engine(await engine.get_metrics())
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @router.post("/reset_prefix_cache")
+    async def reset_prefix_cache(
+        raw: Request, reset_running_requests: bool | None = None, ram_only: bool | None = None
+    ) -> JSONResponse:
+        # The flags may come as query parameters (vLLM) or in a JSON body.
+        body = p.ResetPrefixCacheRequest()
+        if await raw.body():
+            try:
+                body = p.ResetPrefixCacheRequest.model_validate_json(await raw.body())
+            except ValueError as exc:
+                raise OpenAIError(
+                    f"invalid body for /reset_prefix_cache: {exc}", param="reset_running_requests"
+                ) from exc
+        if reset_running_requests is None:
+            reset_running_requests = body.reset_running_requests
+        if ram_only is None:
+            ram_only = body.ram_only
+        ok = await engine.reset_prefix_cache(reset_running_requests, ram_only)
+        return JSONResponse({"success": bool(ok)})
+
+    register_pin_routes(router, state)
+    register_lora_routes(router, state)
+
+    @router.get("/kv_events")
+    async def kv_events() -> JSONResponse:
+        """KV-cache events since the last call (needs --kv-events)."""
+        if not engine.collect_kv_events:
+            raise OpenAIError(
+                "KV-cache events are off; start the server with --kv-events",
+                status_code=404,
+                code="kv_events_disabled",
+            )
+        events = await engine.take_kv_events()
+        return JSONResponse({"events": [_event_json(e) for e in events]})
+
+    return app
+
+
+def _event_json(event: Any) -> dict[str, Any]:
+    """A KV-cache event as JSON: its type and fields, hashes as hex; a (replica id, event) pair
+    (with --replicas) adds "replica"."""
+    if isinstance(event, tuple):
+        replica_id, event = event
+        return {"replica": replica_id, **_event_json(event)}
+
+    def convert(value: Any) -> Any:
+        if isinstance(value, bytes):
+            return value.hex()
+        if isinstance(value, list | tuple):
+            return [convert(v) for v in value]
+        if isinstance(value, dict):
+            return {str(k): convert(v) for k, v in value.items()}
+        if isinstance(value, int | float | str | bool) or value is None:
+            return value
+        return repr(value)
+
+    fields = (
+        {f.name: convert(getattr(event, f.name)) for f in dataclasses.fields(event)}
+        if dataclasses.is_dataclass(event)
+        else {}
+    )
+    return {"type": type(event).__name__, **fields}

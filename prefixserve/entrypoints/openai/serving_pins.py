@@ -1,0 +1,145 @@
+"""Pinned prefixes, for operators: keep a prefix every request uses (a system prompt) in the RAM
+pool, never evicted, until unpinned.
+
+    POST   /pins            {"prompt": "..."} or {"messages": [...]}, optional "tenant",
+                            "cache_salt", "id" (letters, digits, "._~-"),
+                            "prompt_cache_retention"
+                            -> {"id", "num_tokens", "num_prompt_tokens"}
+    GET    /pins            -> {"pins": {id: {"num_tokens", "num_blocks"}}, "pinned_blocks",
+                                "capacity_blocks"}
+    DELETE /pins/{id}       -> {"id", "deleted": true}, or 404
+
+Operator-only (the request guard's deny-by-default: these paths are not tenant routes). A pin
+is made in the namespace of one tenant (`tenant`, with `cache_salt` as that tenant's client would
+send it), since blocks are salted per tenant; without API keys there is no tenant and the client
+salt is taken as a keyless client's (`kv_cache/salts.py`). The prompt is run once (one generated
+token) so its blocks are cached, then every full block of it is pinned. The pinned capacity
+(`--max-pinned-blocks`, default a quarter of the pool) bounds them all; past it: 400 `pin_capacity`.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, Literal
+
+from fastapi import APIRouter
+from pydantic import BaseModel, ConfigDict, Field
+
+from prefixserve.core.kv_cache.salts import derive_cache_salt, validate_cache_salt
+from prefixserve.entrypoints.openai.errors import OpenAIError, from_value_error
+from prefixserve.entrypoints.openai.prompts import check_prompt_text, off_loop
+from prefixserve.entrypoints.openai.serving import ServerState
+from prefixserve.sampling_params import SamplingParams
+
+MAX_PIN_ID_CHARS = 128
+PIN_ID_PATTERN = r"^[A-Za-z0-9._~-]+$"
+
+
+class PinRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = Field(None, max_length=256)
+    tenant: str | None = Field(None, max_length=256)
+    cache_salt: str | None = None
+    # What a URL path segment carries as it is, so `DELETE /pins/{id}` can name every pin.
+    id: str | None = Field(None, min_length=1, max_length=MAX_PIN_ID_CHARS, pattern=PIN_ID_PATTERN)
+    # The warm-up request's retention: "in_memory" keeps the pinned blocks off the disk tier.
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+
+
+def register_pin_routes(router: APIRouter, state: ServerState) -> None:
+    """Add the /pins routes to the app's router."""
+
+    @router.post("/pins")
+    async def create_pin(body: PinRequest) -> dict[str, Any]:
+        engine = _one_engine(state)
+        salt = _salt(state, body)
+        ids = await _prompt_ids(state, body)
+        pin_id = body.id or f"pin-{uuid.uuid4().hex}"
+        # Run the prompt once so every full block of it is cached, then hold those blocks.
+        warm_id = f"{pin_id}-warm-{uuid.uuid4().hex[:8]}"
+        try:
+            stream = await engine.add_request(
+                warm_id,
+                ids,
+                SamplingParams(max_tokens=1),
+                cache_salt=salt,
+                cache_retention=body.prompt_cache_retention,
+            )
+        except ValueError as exc:
+            raise from_value_error(exc, {"prompt": "prompt"}) from exc
+        async for output in stream:
+            if output.error is not None:
+                raise OpenAIError(f"the prompt failed: {output.error}", status_code=500)
+        try:
+            num_tokens = await engine.run_in_engine(lambda e: e.pin_prefix(pin_id, ids, salt))
+        except ValueError as exc:
+            code = "pin_capacity" if "capacity" in str(exc) else "invalid_pin"
+            raise OpenAIError(str(exc), code=code) from exc
+        return {"id": pin_id, "num_tokens": num_tokens, "num_prompt_tokens": len(ids)}
+
+    @router.get("/pins")
+    async def list_pins() -> dict[str, Any]:
+        def describe(engine: Any) -> dict[str, Any]:
+            pins = engine.kv_cache_manager.pins
+            return {
+                "pins": pins.describe(),
+                "pinned_blocks": pins.num_blocks,
+                "capacity_blocks": pins.capacity_blocks,
+            }
+
+        return await _one_engine(state).run_in_engine(describe)
+
+    @router.delete("/pins/{pin_id}")
+    async def delete_pin(pin_id: str) -> dict[str, Any]:
+        if not await _one_engine(state).run_in_engine(lambda e: e.unpin_prefix(pin_id)):
+            raise OpenAIError(f"no pin {pin_id!r}", status_code=404, code="pin_not_found")
+        return {"id": pin_id, "deleted": True}
+
+
+def _one_engine(state: ServerState) -> Any:
+    """The engine, when it is one engine: pins name one pool's blocks (not with --replicas)."""
+    if not getattr(state.engine, "supports_pins", True):
+        raise OpenAIError(
+            "pinned prefixes need one engine; this server runs replicas (--replicas)",
+            status_code=501,
+            code="not_supported",
+        )
+    return state.engine
+
+
+def _salt(state: ServerState, body: PinRequest) -> str | None:
+    try:
+        validate_cache_salt(body.cache_salt)
+    except ValueError as exc:
+        raise OpenAIError(str(exc), param="cache_salt") from exc
+    keys = state.api_keys
+    if keys is None:
+        if body.tenant is not None:
+            raise OpenAIError("this server has no tenants (no API keys)", param="tenant")
+        return derive_cache_salt(None, body.cache_salt)
+    if body.tenant is None or body.tenant not in keys.tenants:
+        raise OpenAIError("tenant must name a tenant of --api-key-file", param="tenant")
+    return derive_cache_salt(body.tenant, body.cache_salt)
+
+
+async def _prompt_ids(state: ServerState, body: PinRequest) -> list[int]:
+    if (body.prompt is None) == (body.messages is None):
+        raise OpenAIError("give exactly one of prompt and messages", param="prompt")
+    tokenizer = state.engine.tokenizer
+    if body.prompt is not None:
+        if not body.prompt:
+            raise OpenAIError("prompt must not be empty", param="prompt")
+        check_prompt_text(state, [body.prompt], "prompt")
+        return await off_loop(state, tokenizer.encode, body.prompt)
+    texts = [m.get("content") for m in body.messages or []]
+    if not texts or not all(isinstance(t, str) for t in texts):
+        raise OpenAIError("messages must be {role, content} objects with text", param="messages")
+    check_prompt_text(state, texts, "messages")  # type: ignore[arg-type]
+    try:
+        return await off_loop(
+            state, tokenizer.apply_chat_template, body.messages, add_generation_prompt=False
+        )
+    except Exception as exc:
+        raise OpenAIError(f"cannot render messages: {exc}", param="messages") from exc

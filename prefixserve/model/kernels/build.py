@@ -1,0 +1,174 @@
+"""Native CPU kernels, compiled from `csrc/` on first use (a C++ compiler and ninja are needed).
+
+`paged_attention_kernel()` and `rms_norm_kernel()` return the compiled extension's functions, or
+None when it cannot be built (no compiler, a failed build: a warning says why) or is turned off
+with `PREFIXSERVE_KERNELS=0`; callers then use their pure-PyTorch paths, which compute the same
+thing. The build (~1 min) is cached per CPU under `$PREFIXSERVE_CACHE_DIR/kernels/` since it
+is compiled with `-march=native` (and for one torch version and Python ABI).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import platform
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from prefixserve.model.kernels.cpu_paths import cpuinfo
+from prefixserve.settings import cache_root, file_lock, kernels_enabled, prepend_to_path
+
+logger = logging.getLogger(__name__)
+
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = [
+    _CSRC / name
+    for name in (
+        "paged_attention.cpp",
+        "gemv.cpp",
+        "rope_kv.cpp",
+        "lora.cpp",
+        "prefill_attention.cpp",
+    )
+]
+
+
+def _headers_digest() -> str:
+    """A digest of csrc/'s headers: torch rebuilds an extension when its sources or flags
+    change, not its headers, so the digest goes into the flags."""
+    digest = hashlib.sha256()
+    for header in sorted(_CSRC.glob("*.h")):
+        digest.update(header.name.encode() + header.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+_lock = threading.Lock()
+_state: dict[str, Any] = {}
+
+
+def _build_tag() -> str:
+    """A short tag of what a build depends on: this CPU's model and feature flags (it is built
+    with -march=native), torch's version and the Python ABI."""
+    import sys
+
+    import torch
+
+    text = f"{platform.machine()} torch {torch.__version__} {sys.implementation.cache_tag}\n"
+    info = cpuinfo()
+    for field in ("model name", "flags", "Features"):
+        text += f"{field}: {info.get(field, '')}\n"
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def _build() -> Any:
+    import ninja  # the pip package puts a ninja binary beside it; torch looks on PATH
+    from torch.utils import cpp_extension
+
+    bin_dir = getattr(ninja, "BIN_DIR", None)
+    if bin_dir:
+        prepend_to_path(bin_dir)
+    build_dir = cache_root() / "kernels" / _build_tag()
+    build_dir.mkdir(parents=True, exist_ok=True)
+    # torch's own build lock (a `lock` file it polls forever) outlives a killed build and would
+    # hang every later start; an flock dies with its process, so take one around the build and
+    # clear a leftover torch lock while holding it (only this function builds here).
+    with file_lock(build_dir / ".prefixserve.lock"):
+        (build_dir / "lock").unlink(missing_ok=True)
+        return cpp_extension.load(
+            name="prefixserve_paged_attention",
+            sources=[str(source) for source in _SOURCES],
+            extra_cflags=[
+                "-O3",
+                "-march=native",
+                "-mprefer-vector-width=512",
+                "-fopenmp",
+                "-fno-strict-aliasing",
+                f"-DPREFIXSERVE_HEADERS={_headers_digest()}",
+            ],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            verbose=False,
+        )
+
+
+def _module() -> Any:
+    """The compiled extension, built on the first call of the process; None if unavailable."""
+    if not kernels_enabled():
+        return None
+    if "module" in _state:
+        return _state["module"]
+    with _lock:
+        if "module" not in _state:
+            try:
+                _state["module"] = _build()
+            except Exception as exc:  # no compiler, no ninja, a failed build
+                logger.warning(
+                    "prefixserve's CPU kernels are unavailable (%s: %s); using PyTorch paths",
+                    type(exc).__name__,
+                    exc,
+                )
+                _state["module"] = None
+    return _state["module"]
+
+
+def paged_attention_kernel() -> Callable[..., None] | None:
+    """`paged_attention(out, q, k_cache, v_cache, block_tables, seq_info, scale, softcap,
+    window)`, or None when the kernels are unavailable."""
+    module = _module()
+    return None if module is None else module.paged_attention
+
+
+def prefill_attention_kernel() -> Callable[..., None] | None:
+    """`prefill_attention(out, q, k, v, scale)`: causal attention of one long bf16 chunk over
+    contiguous K/V rows (csrc/prefill_attention.cpp), or None when the kernels are unavailable
+    or this build has no AVX512-BF16 loop for it."""
+    module = _module()
+    if module is None or not module.prefill_attention_ready():
+        return None
+    return module.prefill_attention
+
+
+def linear_bf16_small_kernel() -> Callable[..., None] | None:
+    """`linear_bf16_small(out, x, weight, bias, threads)`: a bf16 linear for a few rows, on the
+    caller and `threads - 1` helper threads of its own (csrc/stream_pool.h), or None."""
+    module = _module()
+    return None if module is None else module.linear_bf16_small
+
+
+def lora_add_kernel() -> Callable[..., None] | None:
+    """`lora_add(out, x, a, blocks, meta, rows)`: one adapter's LoRA update of one linear for a
+    few bf16 rows (csrc/lora.cpp; the layout of `blocks` and `meta`:
+    `lora.adapter.LoRAWeights`), or None."""
+    module = _module()
+    return None if module is None else module.lora_add
+
+
+def rope_write_kv_kernel() -> Callable[..., None] | None:
+    """`rope_write_kv(qkv, cos, sin, q_heads, kv_heads, k_cache, v_cache, slots)`: rotary on the
+    q and k heads of a fused qkv in place (PyTorch's roundings), then k and v into the cache
+    slots; or None."""
+    module = _module()
+    return None if module is None else module.rope_write_kv
+
+
+def rope_kv_vectorized() -> bool:
+    """Whether the built `rope_write_kv` has its AVX512-BF16 vector loop (fast at any size in
+    bf16); False when unavailable or built without it (then it is fast only for a few tokens)."""
+    module = _module()
+    return module is not None and bool(module.rope_kv_vectorized())
+
+
+def rms_norm_kernel() -> Callable[..., None] | None:
+    """`rms_norm(out, x, weight, eps, offset)` over contiguous rows, or None."""
+    module = _module()
+    return None if module is None else module.rms_norm
+
+
+if __name__ == "__main__":  # `python -m prefixserve.model.kernels.build`: build ahead of first use
+    import time
+
+    start = time.perf_counter()
+    state = "ready" if _module() is not None else "unavailable (PyTorch paths will be used)"
+    print(f"prefixserve CPU kernels: {state} ({time.perf_counter() - start:.1f} s)")

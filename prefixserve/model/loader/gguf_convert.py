@@ -1,0 +1,225 @@
+"""GGUF file -> Hugging Face directory in the cache, converted once per file and version.
+
+transformers does the GGUF work (config and tokenizer conversion, tensor-name mapping,
+dequantization through the `gguf` package); `gguf_tokenizer.py` repairs the tokenizer. A
+converted directory carries `prefixserve_conversion.json` with the conversion's format version;
+one written by an older conversion (or none) is converted again, in place and atomically.
+Chat templates for files that ship without one are `templates/<gguf architecture>.jinja`.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from prefixserve.model.errors import load_error
+from prefixserve.model.loader.gguf_tokenizer import (
+    gemma_tokenizer_from_gguf,
+    gguf_add_special_token_flags,
+    parsed_special_token_ids,
+    set_text_special_tokens,
+)
+from prefixserve.model.models.registry import SUPPORTED_ARCHITECTURES
+from prefixserve.settings import cache_root, file_lock
+
+# Chat-turn end markers: when one of these appears in a model's chat template it ends a reply,
+# so the conversion lists it in generation_config's eos ids beside the tokenizer's eos.
+_END_OF_TURN_TOKENS = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>")
+
+# The format of a converted GGUF directory. Bump it whenever convert_gguf's output changes, so
+# directories converted before are converted again on their next use (ensure_converted).
+# 1 (no marker file): the tokenizer added BOS to every text whatever the GGUF said.
+# 2: the tokenizer adds BOS / EOS to text exactly as tokenizer.ggml.add_{bos,eos}_token say.
+CONVERSION_VERSION = 2
+CONVERSION_MARKER = "prefixserve_conversion.json"
+
+# Chat templates for GGUF files that ship without one, by GGUF architecture, in templates/.
+# gemma3.jinja is Gemma 3's (google/gemma-3-*-it tokenizer_config.json, text parts only): the
+# packaged Gemma 3 270M carries none.
+_TEMPLATES_DIR = Path(__file__).parent / "templates"
+_FALLBACK_TEMPLATES = {"gemma3": "gemma3.jinja"}
+
+
+def fallback_chat_template(gguf_architecture: str) -> str | None:
+    """The chat template for a GGUF file of this architecture that carries none; None for an
+    architecture we have none for. A listed template missing from the install is an error (a
+    conversion without it would be cached as complete)."""
+    name = _FALLBACK_TEMPLATES.get(gguf_architecture)
+    if name is None:
+        return None
+    return (_TEMPLATES_DIR / name).read_text(encoding="utf-8")
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path, chat_template: str | None = None) -> None:
+    """Write a HF directory (bf16 model.safetensors, config, tokenizer, generation config).
+
+    transformers does the GGUF work: config and tokenizer conversion, tensor-name mapping and
+    dequantization (through the `gguf` package). `chat_template` is used when the file carries
+    none. Embeddings stay tied when the file has no separate output matrix.
+    """
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    src_dir, name = str(gguf_path.parent), gguf_path.name
+    config = AutoConfig.from_pretrained(src_dir, gguf_file=name)
+    config.dtype = torch.bfloat16
+    with torch.device("meta"):  # only for the parameter names; no memory
+        skeleton = AutoModelForCausalLM.from_config(config)
+    config.architectures = [type(skeleton).__name__]  # GGUF configs come without it
+    parsed = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton)
+    expected = set(skeleton.state_dict())
+    tensors = {
+        key: value.to(torch.bfloat16).contiguous()
+        for key, value in parsed["tensors"].items()
+        if key in expected
+    }
+    if config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    missing = (
+        expected - set(tensors) - ({"lm_head.weight"} if config.tie_word_embeddings else set())
+    )
+    missing = {k for k in missing if "rotary_emb" not in k}
+    if missing:
+        raise load_error(gguf_path, f"GGUF conversion left weights missing: {sorted(missing)[:5]}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    del tensors, parsed
+    config.save_pretrained(str(out_dir))
+
+    special = parsed_special_token_ids(gguf_path)
+    if config.model_type.startswith("gemma"):
+        tokenizer = gemma_tokenizer_from_gguf(gguf_path, special)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
+    # transformers' GGUF converter does not always keep the file's special-token roles
+    # (SmolLM2 comes out with eos = <|im_start|>); the ids in the file are authoritative.
+    for role in ("bos", "eos", "unk", "pad"):
+        token_id = special.get(role)
+        if token_id is not None and token_id < len(tokenizer):
+            setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(token_id))
+    # transformers ignores tokenizer.ggml.add_bos_token (SmolLM2 says False, yet came out adding
+    # <|im_start|> to every text); the file's flags decide what is added to a text.
+    adds = set_text_special_tokens(tokenizer, special, gguf_add_special_token_flags(gguf_path))
+    if not tokenizer.chat_template and chat_template:
+        tokenizer.chat_template = chat_template
+    # The template goes into tokenizer_config.json (older readers ignore chat_template.jinja).
+    tokenizer.save_pretrained(str(out_dir), save_jinja_files=False)
+    # tokenizer.json holds the whole pipeline (incl. BOS insertion); the generic fast class
+    # reads it as is, while the converter's class name (LlamaTokenizer even for SmolLM2's GPT-2
+    # BPE) would only draw a class-mismatch warning. add_{bos,eos}_token say the same as the
+    # post-processor, for readers that rebuild it from them.
+    tok_config_path = out_dir / "tokenizer_config.json"
+    tok_config = json.loads(tok_config_path.read_text())
+    tok_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    tok_config["add_bos_token"] = adds["bos"]
+    tok_config["add_eos_token"] = adds["eos"]
+    tok_config_path.write_text(json.dumps(tok_config, indent=2, ensure_ascii=False) + "\n")
+
+    eos_ids = [special["eos"]] if special.get("eos") is not None else []
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
+    vocab = tokenizer.get_vocab()
+    for marker in _END_OF_TURN_TOKENS:
+        if marker in template and marker in vocab and vocab[marker] not in eos_ids:
+            eos_ids.append(vocab[marker])
+    GenerationConfig(
+        bos_token_id=special.get("bos"),
+        eos_token_id=eos_ids[0] if len(eos_ids) == 1 else eos_ids,
+        pad_token_id=special.get("pad"),
+    ).save_pretrained(str(out_dir))
+
+
+def is_converted(target_dir: Path) -> bool:
+    """Whether `target_dir` holds a complete conversion of the current CONVERSION_VERSION."""
+    if not (target_dir / "config.json").is_file():
+        return False
+    try:
+        marker = json.loads((target_dir / CONVERSION_MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(marker, dict) and marker.get("version") == CONVERSION_VERSION
+
+
+def _exchange_dirs(a: Path, b: Path) -> bool:
+    """Atomically swap two directories (Linux renameat2 RENAME_EXCHANGE); False if unsupported."""
+    import ctypes
+
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):  # fall back to two renames
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def ensure_converted(gguf_path: Path, target_dir: Path, chat_template: str | None = None) -> Path:
+    """Convert `gguf_path` into `target_dir` unless it is already there; return `target_dir`.
+
+    Safe when several processes race: a file lock lets one convert while the others wait, and
+    the result is written to a temporary sibling directory and renamed into place, so
+    `target_dir` either does not exist or is complete (a crash leaves only a temp dir behind).
+    A directory from an older conversion (no current CONVERSION_MARKER) is converted again and
+    swapped in atomically; processes that already loaded the old one keep their memory maps.
+    """
+    if is_converted(target_dir):
+        return target_dir
+    with file_lock(target_dir.parent / f".{target_dir.name}.lock"):
+        if is_converted(target_dir):  # another process finished meanwhile
+            return target_dir
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target_dir.name}.tmp-", dir=target_dir.parent))
+        try:
+            convert_gguf(gguf_path, tmp, chat_template)
+            marker = {"version": CONVERSION_VERSION, "source": gguf_path.name}
+            (tmp / CONVERSION_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+            tmp.chmod(0o755)  # mkdtemp (and safetensors) make it private
+            for file in tmp.iterdir():
+                file.chmod(0o644)
+            if not target_dir.exists():
+                os.rename(tmp, target_dir)
+            # An older conversion: swapped with tmp in one step (tmp, removed below, then holds
+            # it), or where that is unsupported, moved aside just before the rename.
+            elif not _exchange_dirs(tmp, target_dir):
+                old = Path(tempfile.mkdtemp(prefix=f".{target_dir.name}.old-", dir=tmp.parent))
+                os.rename(target_dir, old / target_dir.name)
+                os.rename(tmp, target_dir)
+                shutil.rmtree(old, ignore_errors=True)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target_dir
+
+
+def gguf_cache_dir(gguf_path: Path) -> Path:
+    """Where a user-given GGUF file is converted: keyed by its resolved path, size and mtime."""
+    stat = gguf_path.stat()
+    key = f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return cache_root() / "gguf" / f"{gguf_path.stem}-{digest}"
+
+
+def check_gguf_architecture(gguf_path: Path) -> str:
+    """The file's GGUF architecture (\"llama\", \"gemma3\"); ModelLoadError when unreadable or
+    not one we support."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(gguf_path))
+        arch = str(reader.fields["general.architecture"].contents())
+    except (OSError, ValueError, KeyError) as exc:
+        raise load_error(gguf_path, f"not a readable GGUF file ({exc})") from exc
+    supported = {name.lower() for name in SUPPORTED_ARCHITECTURES}
+    # GGUF names the family ("llama", "gemma3"); the registry may list HF class names.
+    if not any(name == arch or name.startswith(arch) for name in supported):
+        raise load_error(gguf_path, f"unsupported GGUF architecture {arch!r}")
+    return arch

@@ -1,0 +1,163 @@
+"""The Llama decoder (also Mistral, SmolLM2 and Qwen2, whose q/k/v biases come from the config).
+
+Parameter names mirror transformers' (`model.layers.N.self_attn...`) except that q/k/v and
+gate/up are fused into `qkv_proj` and `gate_up_proj`; `load_weights` fills them shard by shard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from prefixserve.core.kv_cache.spec import KVCacheSpec
+from prefixserve.model.config import ModelConfig
+from prefixserve.model.layers.common import (
+    Attention,
+    ForwardContext,
+    GatedMLP,
+    Linear,
+    RMSNorm,
+    lm_head_fp32_copy,
+    one_thread,
+    pack_linears,
+)
+from prefixserve.model.layers.rotary import RotaryEmbedding
+from prefixserve.model.loader.weights import check_all_loaded, load_hf_weights
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx)
+        self.mlp = GatedMLP(
+            config.hidden_size, config.intermediate_size, config.hidden_act, config.mlp_bias
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        # Submodules through .forward: no hooks here (see layers.py).
+        h = self.self_attn.forward(self.input_layernorm.forward(h), cos, sin, ctx).add_(h)
+        return self.mlp.forward(self.post_attention_layernorm.forward(h)).add_(h)
+
+
+class DecoderBody(nn.Module):
+    """Embedding, layers and final norm (transformers' `model.` prefix)."""
+
+    def __init__(self, config: ModelConfig, layers: list[nn.Module], norm: RMSNorm) -> None:
+        super().__init__()
+        # Given a weight, nn.Embedding skips its random init: on the meta device that init
+        # (normal_) would import torch._dynamo, ~2 s; load_weights fills the weight anyway.
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size,
+            config.hidden_size,
+            _weight=torch.empty(config.vocab_size, config.hidden_size),
+        )
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
+
+
+class LlamaForCausalLM(nn.Module):
+    """A decoder-only LM over the paged KV cache.
+
+    `forward(input_ids [T], ctx) -> hidden [T, hidden_size]`; `compute_logits(hidden [n, H]) ->
+    [n, vocab] float32` is applied by the runner only to the rows it samples from.
+    """
+
+    # Leading name prefixes of checkpoint tensors we rename / ignore (multimodal wrappers).
+    hf_rename: dict[str, str] = {}
+    hf_skip_prefixes: tuple[str, ...] = ()
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderBody(
+            config,
+            [self._make_layer(config, i) for i in range(config.num_layers)],
+            self._make_norm(config),
+        )
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.tie_weights()
+
+    def _make_layer(self, config: ModelConfig, layer_idx: int) -> nn.Module:
+        return LlamaDecoderLayer(config, layer_idx)
+
+    def _make_norm(self, config: ModelConfig) -> RMSNorm:
+        return RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    # The contract names the engine uses (docs/contracts.md).
+    def kv_cache_groups(self) -> list[KVCacheSpec]:
+        return self.config.kv_cache_groups()
+
+    def layer_group(self, layer_idx: int) -> int:
+        return self.config.layer_to_group[layer_idx]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def input_embeddings(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """The embeddings of `input_ids`, with the rows of `ctx.embeds` replaced by the given
+        prompt embeddings."""
+        h = self.embed(input_ids)
+        if ctx.embeds is not None:
+            rows, values = ctx.embeds
+            h.index_copy_(0, rows, values.to(h.dtype))
+        return h
+
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        h = self.input_embeddings(input_ids, ctx)
+        cos, sin = self.rotary.cos_sin(ctx.positions, h.dtype)
+        for layer in self.model.layers:
+            h = layer.forward(h, cos, sin, ctx)
+        return self.model.norm.forward(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head.forward(hidden).float()
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], *, assign: bool = False
+    ) -> None:
+        """Load Hugging Face-named tensors. Without `lm_head.weight` the head is tied to the
+        embedding; rotary `inv_freq` buffers are skipped. `assign=True` lets unfused parameters
+        take the given tensors without a copy (only for tensors nobody else will modify, e.g.
+        freshly memory-mapped safetensors; see `load_hf_weights`)."""
+        tied = self.config.tie_word_embeddings
+
+        def wanted() -> Iterable[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                if tied and name.endswith("lm_head.weight"):
+                    continue
+                yield name, tensor
+
+        with one_thread():
+            loaded = load_hf_weights(
+                self, wanted(), self.hf_rename, self.hf_skip_prefixes, assign=assign
+            )
+            if not tied and "lm_head.weight" not in loaded:
+                self.lm_head.weight = self.model.embed_tokens.weight
+                loaded.add("lm_head.weight")
+            check_all_loaded(self, loaded)
+            pack_linears(
+                self, no_fp32_copy=() if lm_head_fp32_copy(self.lm_head) else (self.lm_head,)
+            )
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2: Llama with q/k/v biases (`ModelConfig.qkv_bias`)."""
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: Llama, with every layer sliding when the config sets `sliding_window`."""
