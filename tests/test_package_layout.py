@@ -102,3 +102,39 @@ def test_every_module_says_its_job_in_a_docstring():
         if not ast.get_docstring(ast.parse(path.read_text()))
     ]
     assert not missing, f"modules without a docstring: {missing}"
+
+
+def _imported_modules(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module)
+    return names
+
+
+def test_core_imports_nothing_of_torch_the_engine_the_worker_the_model_or_the_server():
+    above = ("engine", "worker", "model", "entrypoints", "cluster", "lora", "llm", "cli", "bench")
+    forbidden = ("torch",) + tuple(f"prefixserve.{room}" for room in above)
+    found = {
+        f"{path.relative_to(PACKAGE)} imports {name}"
+        for path in sorted((PACKAGE / "core").rglob("*.py"))
+        for name in _imported_modules(path)
+        if any(name == f or name.startswith(f + ".") for f in forbidden)
+    }
+    assert not found, sorted(found)
+
+
+def test_the_package_root_holds_at_most_a_dozen_modules():
+    root_modules = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(root_modules) <= 12, root_modules
+
+
+def test_every_folder_says_what_it_holds():
+    missing = [
+        str(init.relative_to(PACKAGE))
+        for init in sorted(PACKAGE.rglob("__init__.py"))
+        if not ast.get_docstring(ast.parse(init.read_text()))
+    ]
+    assert not missing, missing
