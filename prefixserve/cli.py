@@ -162,6 +162,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from prefixserve.engine.async_llm import AsyncLLMEngine
+    from prefixserve.engine.client import EngineClient
     from prefixserve.entrypoints.openai.app import build_app
     from prefixserve.entrypoints.openai.auth import ApiKeys
     from prefixserve.entrypoints.openai.supervision import EngineDeathWatch
@@ -183,9 +184,9 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         for name in set(lora_modules) & set(served_names):
             raise ValueError(f"--lora-modules: {name!r} is also a served model name")
+        engine: EngineClient
         if wants_cluster(args):
             engine = start_cluster_from_args(args, config)
-            load = engine.load_lora_adapter_now
         else:
             engine = AsyncLLMEngine.from_config(
                 config,
@@ -193,9 +194,8 @@ def run_serve(args: argparse.Namespace) -> int:
                 collect_kv_events=args.enable_kv_events,
                 stall_timeout_s=args.stream_stall_timeout or None,
             )
-            load = engine.engine.load_lora_adapter
         for name, path in lora_modules.items():  # each checked now, not at its first request
-            load(name, path)
+            engine.load_lora_adapter_now(name, path)
     except ValueError as exc:
         print(f"prefixserve serve: error: {exc}", file=sys.stderr)
         return 2

@@ -12,6 +12,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from prefixserve.core.kv_cache.salts import derive_cache_salt, validate_cache_salt
+from prefixserve.engine.client import EngineRequest
 from prefixserve.engine.llm_engine import LLMEngine
 from prefixserve.engine_args import EngineArgs, engine_args_signature
 from prefixserve.lora.config import LoRARequest
@@ -26,20 +27,19 @@ _PROMPT_KEYS = {"prompt", "prompt_token_ids", "prompt_embeds", "cache_salt"}
 _Item = tuple[list[int], str | None, str | None, SamplingParams, LoRARequest | None, Any]
 
 
-def _request_args(
-    item: _Item, cache_retention: str | None
-) -> tuple[list[int], SamplingParams, dict[str, Any]]:
-    """An item as `add_request`'s token ids, params and keyword options (one engine's or the
-    replicas')."""
+def _engine_request(item: _Item, request_id: str, cache_retention: str | None) -> EngineRequest:
+    """An item as the engine takes it (one engine's or the replicas')."""
     ids, text, salt, params, lora, embeds = item
-    options = {
-        "cache_salt": derive_cache_salt(None, salt),  # as a keyless server's client
-        "prompt": text,
-        "cache_retention": cache_retention,
-        "lora_request": lora,
-        "prompt_embeds": embeds,
-    }
-    return ids, params, options
+    return EngineRequest(
+        request_id,
+        ids,
+        params,
+        cache_salt=derive_cache_salt(None, salt),  # as a keyless server's client
+        prompt=text,
+        cache_retention=cache_retention,
+        lora_request=lora,
+        prompt_embeds=embeds,
+    )
 
 
 class LLM:
@@ -163,19 +163,19 @@ class LLM:
         use_tqdm: bool,
         cache_retention: str | None = None,
     ) -> list[RequestOutput]:
-        requests = [_request_args(item, cache_retention) for item in items]
+        requests = [
+            _engine_request(item, str(next(self._counter)), cache_retention) for item in items
+        ]
         if self._cluster is not None:
             from prefixserve.cluster.offline import run_requests
 
-            ids = (str(next(self._counter)) for _ in itertools.repeat(None))
-            return run_requests(self._cluster, requests, ids, use_tqdm)
+            return run_requests(self._cluster, requests, use_tqdm)
         engine = self.llm_engine
         order: dict[str, int] = {}
         try:
-            for ids, params, options in requests:
-                request_id = str(next(self._counter))
-                engine.add_request(request_id, ids, params, **options)
-                order[request_id] = len(order)
+            for request in requests:
+                engine.add(request)
+                order[request.request_id] = len(order)
         except Exception:
             engine.abort_request(list(order))
             raise

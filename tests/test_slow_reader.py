@@ -11,6 +11,7 @@ from helpers import random_tokens
 
 from prefixserve.config import CacheConfig, EngineConfig
 from prefixserve.engine.async_llm import AsyncLLMEngine
+from prefixserve.engine.client import EngineRequest
 from prefixserve.engine.llm_engine import LLMEngine
 from prefixserve.engine.request_stream import StreamStalledError
 from prefixserve.sampling_params import SamplingParams
@@ -38,7 +39,7 @@ def test_an_unread_stream_holds_only_the_latest_output(llm_engine):
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
     async def run():
-        stream = await aengine.add_request("slow", random_tokens(10, seed=1), params)
+        stream = await aengine.add_request(EngineRequest("slow", random_tokens(10, seed=1), params))
         await until_idle(aengine)  # every step's output was put, none read
         return [out async for out in stream]
 
@@ -56,7 +57,9 @@ def test_a_stalled_stream_is_aborted_and_leaves_nothing_behind(llm_engine):
     params = SamplingParams(n=8, temperature=1.0, seed=7, max_tokens=500, ignore_eos=True)
 
     async def run():
-        stream = await aengine.add_request("stalled", random_tokens(10, seed=2), params)
+        stream = await aengine.add_request(
+            EngineRequest("stalled", random_tokens(10, seed=2), params)
+        )
         await until_idle(aengine)
         outputs = []
         with pytest.raises(StreamStalledError):

@@ -1,7 +1,7 @@
 """`ClusterEngine`: the engine the OpenAI server runs on with `--replicas N`.
 
-It offers the server the surface of `AsyncLLMEngine` (tokenizer, `add_request` returning a
-`RequestStream`, `abort`, metrics, cache reset, LoRA loading), and behind it routes each request
+It is an `EngineClient` (engine/client.py), as `AsyncLLMEngine` is (pins excepted: refused with
+`NotSupportedByEngine`), and behind it routes each request
 to one replica (a Ray actor, `replica.py`) chosen by the router (`router.py`), streams that
 replica's outputs back, and keeps the router's index current from every replica's event stream
 (`event_feed.py`). Tokenization, chat templates and the API checks stay in the server's process;
@@ -21,7 +21,7 @@ import asyncio
 import collections
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,18 +31,19 @@ from prefixserve.cluster.router import NoReplicaError, Route, Router
 from prefixserve.cluster.store_probe import open_store_probe
 from prefixserve.config import EngineConfig
 from prefixserve.engine.async_llm import MAX_BUFFERED_KV_EVENTS, EngineDeadError
+from prefixserve.engine.client import EngineRequest, NotSupportedByEngine, generate_outputs
 from prefixserve.engine.metrics import combine_metrics
 from prefixserve.engine.request_stream import ABORTED, Aborted, OutputQueue, RequestStream
 from prefixserve.lora.config import LoRASlotsBusyError
 from prefixserve.model.loader.loading import ModelInfo
 from prefixserve.outputs import RequestOutput
-from prefixserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 REPLICA_DIED = "the engine replica serving this request died after its outputs were read"
 METRICS_TIMEOUT_S = 5.0
 SYNC_TIMEOUT_S = 10.0  # the longest a request waits for the replicas' first snapshots
+_PINS_NEED_ONE_ENGINE = "pinned prefixes need one engine; this server runs replicas (--replicas)"
 
 
 class ReplicaDiedError(EngineDeadError):
@@ -108,7 +109,6 @@ class ClusterEngine:
         self._kv_events: collections.deque[tuple[int, Any]] = collections.deque(
             maxlen=MAX_BUFFERED_KV_EVENTS
         )
-        self.supports_pins = False  # a pin names one pool's blocks (server/serving_pins.py)
         self.feeds: list[EventFeed] = []
         self.retried_requests = 0
         self.failed_midstream = 0
@@ -209,36 +209,25 @@ class ClusterEngine:
         return self.config.enable_prompt_embeds
 
     # ------------------------------------------------------------------------ requests
-    async def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        *,
-        final_only: bool = False,
-        **options: Any,
-    ) -> RequestStream:
+    async def add_request(self, request: EngineRequest) -> RequestStream:
         """Route and send a request; the replica's ValueError (a bad request) is raised here.
         `final_only`: the caller passes on only the final output, so the request starts over on
         another replica if its replica dies, whatever outputs were read."""
         self._ensure_feeds()
         await self._synced()
+        request_id = request.request_id
         if request_id in self._tasks:
             raise ValueError(f"request id {request_id!r} is already in use")
         loop = asyncio.get_running_loop()
         queue = _ReadTrackingQueue(loop)
         accepted: asyncio.Future[None] = loop.create_future()
-        lora = options.get("lora_request")
+        lora = request.lora_request
         # Read off the event loop: an adapter's files are hashed once per version.
         digest = None
         if lora is not None:
             digest = await asyncio.to_thread(self._lora_digests.get, lora.lora_path)
-        args = route_args(prompt_token_ids, options, digest, self.model.config.torch_dtype)
-        task = loop.create_task(
-            self._serve(
-                request_id, prompt_token_ids, params, options, args, queue, accepted, final_only
-            )
-        )
+        args = route_args(request, digest, self.model.config.torch_dtype)
+        task = loop.create_task(self._serve(request, args, queue, accepted))
         self._tasks[request_id] = task
         task.add_done_callback(lambda _t: self._tasks.pop(request_id, None))
         try:
@@ -247,6 +236,9 @@ class ClusterEngine:
             task.cancel()
             raise
         return RequestStream(request_id, queue, self.abort)
+
+    def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        return generate_outputs(self, request)
 
     def abort(self, request_id: str) -> None:
         task = self._tasks.get(request_id)
@@ -258,16 +250,14 @@ class ClusterEngine:
 
     async def _serve(  # noqa: C901, PLR0915 - one request's retry state machine (route, stream, replica death, abort) reads best whole
         self,
-        request_id: str,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        options: dict[str, Any],
+        request: EngineRequest,
         route_kwargs: dict[str, Any],
         queue: _ReadTrackingQueue,
         accepted: asyncio.Future[None],
-        final_only: bool,
     ) -> None:
         from ray.exceptions import RayActorError, RayTaskError
+
+        request_id, prompt_ids = request.request_id, request.prompt_token_ids
 
         excluded: set[int] = set()
         last: RequestOutput | None = None
@@ -280,9 +270,7 @@ class ClusterEngine:
                     return self._fail(accepted, queue, last, EngineDeadError(str(exc)))
                 self._routes[request_id] = route
                 handle = self.handles[route.replica_id]
-                stream = handle.generate.options(num_returns="streaming").remote(
-                    request_id, prompt_ids, params, options
-                )
+                stream = handle.generate.options(num_returns="streaming").remote(request)
                 try:
                     async for ref in stream:
                         item = await ref
@@ -308,7 +296,7 @@ class ClusterEngine:
                     elif not isinstance(exc, RayActorError):
                         return self._fail(accepted, queue, last, cause or exc)
                     self.router.finished(route)
-                    if last is not None and not queue.start_over(final_only):
+                    if last is not None and not queue.start_over(request.final_only):
                         self.failed_midstream += 1
                         return self._fail(accepted, queue, last, ReplicaDiedError(REPLICA_DIED))
                     logger.warning(
@@ -431,8 +419,16 @@ class ClusterEngine:
         self._kv_events.clear()
         return events
 
-    async def run_in_engine(self, fn: Any) -> Any:
-        raise ValueError("this operation needs one engine; it is not available with --replicas")
+    # A pin names blocks of one pool; a pin per replica would need a warm-up on each and a
+    # router that knows pinned prefixes are everywhere: not built.
+    async def pin_prefix(self, pin_id: str, prompt_token_ids: list[int], salt: str | None) -> int:
+        raise NotSupportedByEngine(_PINS_NEED_ONE_ENGINE)
+
+    async def unpin_prefix(self, pin_id: str) -> bool:
+        raise NotSupportedByEngine(_PINS_NEED_ONE_ENGINE)
+
+    async def describe_pins(self) -> dict[str, Any]:
+        raise NotSupportedByEngine(_PINS_NEED_ONE_ENGINE)
 
 
 async def _ref(ref: Any) -> Any:

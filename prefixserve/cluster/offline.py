@@ -9,29 +9,24 @@ call's loop subscribes them again from where the router's index stands.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator, Sequence
-from typing import Any
+import dataclasses
+from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
+from prefixserve.engine.client import EngineClient, EngineRequest
 from prefixserve.outputs import RequestOutput
 
 
 def run_requests(
-    cluster: Any,
-    requests: Sequence[tuple[list[int], Any, dict[str, Any]]],
-    request_ids: Iterator[str],
-    use_tqdm: bool,
+    cluster: EngineClient, requests: Sequence[EngineRequest], use_tqdm: bool
 ) -> list[RequestOutput]:
-    """Each (token ids, params, add_request options) request's final output, in order."""
+    """Each request's final output, in order."""
     bar = tqdm(total=len(requests), desc="Processed prompts", disable=not use_tqdm)
 
-    async def one(request: tuple[list[int], Any, dict[str, Any]]) -> RequestOutput:
-        ids, params, options = request
+    async def one(request: EngineRequest) -> RequestOutput:
         # Only the final output is returned: one whose replica dies starts over on another.
-        stream = await cluster.add_request(
-            next(request_ids), ids, params, final_only=True, **options
-        )
+        stream = await cluster.add_request(dataclasses.replace(request, final_only=True))
         final = None
         async for output in stream:
             final = output

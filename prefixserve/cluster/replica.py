@@ -31,8 +31,8 @@ from prefixserve.cluster.protocol import (
     seed_fingerprint,
 )
 from prefixserve.config import EngineConfig
+from prefixserve.engine.client import EngineRequest
 from prefixserve.outputs import RequestOutput
-from prefixserve.sampling_params import SamplingParams
 
 DEFAULT_EVENT_INTERVAL_S = 0.02
 HEARTBEAT_S = 1.0
@@ -77,20 +77,21 @@ class EngineReplica:
         self._new_batch: asyncio.Condition | None = None
         self._fingerprint = seed_fingerprint(engine.none_hash)
         self._config_digest = config_digest(config, threads)
+        self._cache_config = config.cache
+        self._store = store_info(engine.kv_store)  # fixed once the engine is built
 
     # --------------------------------------------------------------------- registration
     async def info(self) -> ReplicaInfo:
         self._start_drain()
-        engine = self.engine.engine
         return ReplicaInfo(
             replica_id=self.replica_id,
             epoch=self.epoch,
-            block_size=engine.config.cache.block_size,
-            hash_algo=engine.config.cache.prefix_caching_hash_algo,
+            block_size=self._cache_config.block_size,
+            hash_algo=self._cache_config.prefix_caching_hash_algo,
             seed_fingerprint=self._fingerprint,
             num_kv_blocks=self.engine.num_kv_blocks,
             max_model_len=self.engine.max_model_len,
-            store=store_info(engine.kv_store),
+            store=self._store,
             config_digest=self._config_digest,
         )
 
@@ -103,17 +104,11 @@ class EngineReplica:
         return settings.python_hash_seed()
 
     # ------------------------------------------------------------------------- requests
-    async def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        options: dict[str, Any],
-    ) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """None once the engine took the request (its ValueError is raised before), then its
         cumulative outputs until it ends. Their prompt ids are left out (the caller has them)."""
         self._start_drain()
-        stream = await self.engine.add_request(request_id, prompt_token_ids, params, **options)
+        stream = await self.engine.add_request(request)
         yield None
         async for output in stream:
             output.prompt_token_ids = []

@@ -11,6 +11,7 @@ import collections
 from pathlib import Path
 from typing import Any
 
+from prefixserve.engine.client import EngineRequest
 from prefixserve.engine.prompt_embeds import embeds_bits
 from prefixserve.lora.adapter import adapter_digest
 
@@ -18,25 +19,22 @@ MAX_LORA_DIGESTS = 256
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
-def route_args(
-    prompt_ids: list[int], options: dict[str, Any], lora_digest: bytes | None, dtype: Any
-) -> dict[str, Any]:
-    """Router.route's keyword arguments for a request; takes `prompt_cache_key` out of
-    `options` (the replica's engine has no use for it)."""
-    lora = options.get("lora_request")
-    embeds = options.get("prompt_embeds")
-    token_ids = prompt_ids
+def route_args(request: EngineRequest, lora_digest: bytes | None, dtype: Any) -> dict[str, Any]:
+    """Router.route's keyword arguments for a request."""
+    lora = request.lora_request
+    embeds = request.prompt_embeds
+    token_ids = request.prompt_token_ids
     bits = None
     if embeds is not None:
         token_ids = [0] * int(embeds.shape[0])
         bits = embeds_bits(embeds.to(dtype))
     return {
         "token_ids": token_ids,
-        "cache_salt": options.get("cache_salt"),
+        "cache_salt": request.cache_salt,
         "lora_name": None if lora is None else lora.lora_name,
         "lora_digest": lora_digest,
         "prompt_embeds": bits,
-        "cache_key": options.pop("prompt_cache_key", None),
+        "cache_key": request.prompt_cache_key,
     }
 
 

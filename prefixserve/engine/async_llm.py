@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from prefixserve.engine.client import EngineRequest, generate_outputs
 from prefixserve.engine.request_stream import (
     ABORTED,
     OutputQueue,
@@ -39,7 +40,6 @@ from prefixserve.engine.stats_log import StatsLog
 from prefixserve.lora.config import LoRARequest
 from prefixserve.lora.manager import read_off_thread
 from prefixserve.outputs import RequestOutput
-from prefixserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from prefixserve.config import EngineConfig
@@ -96,6 +96,8 @@ class AsyncLLMEngine:
         self._streams: dict[str, OutputQueue] = {}
         self._kv_events: collections.deque[Any] = collections.deque(maxlen=MAX_BUFFERED_KV_EVENTS)
         self._stats = StatsLog()
+        # Fixed at construction; its `read` is pure, so the event loop's threads may call it.
+        self._lora = engine.lora
 
     @classmethod
     def from_config(cls, config: EngineConfig, **kwargs: Any) -> AsyncLLMEngine:
@@ -170,29 +172,19 @@ class AsyncLLMEngine:
         return int(self.engine.num_kv_blocks)
 
     # ------------------------------------------------------------------------------ requests
-    async def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        *,
-        final_only: bool = False,
-        **options: Any,
-    ) -> RequestStream:
-        """Validate and queue a request; `options` are `LLMEngine.add_request`'s keywords. A new
-        LoRA adapter is read off the step thread. The engine's ValueError is raised here.
-        `final_only` (the caller passes on only the final output) matters to replicas, which
-        may start such a request over elsewhere; one engine has no elsewhere."""
-        del final_only
-        options.pop("prompt_cache_key", None)  # a routing hint: one engine has nothing to route
-        options["lora_read"] = await read_off_thread(self.engine.lora, options.get("lora_request"))
+    async def add_request(self, request: EngineRequest) -> RequestStream:
+        """Validate and queue a request; a new LoRA adapter is read off the step thread. The
+        engine's ValueError is raised here. `final_only` and `prompt_cache_key` matter to
+        replicas (start over elsewhere, route on the key); one engine has no elsewhere."""
+        request_id = request.request_id
+        read = await read_off_thread(self._lora, request.lora_request)
         loop = asyncio.get_running_loop()
         stream = OutputQueue(loop)
 
         def add(engine: LLMEngine) -> None:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
-            engine.add_request(request_id, prompt_token_ids, params, **options)
+            engine.add(request, read)
             self._streams[request_id] = stream
 
         try:
@@ -203,17 +195,9 @@ class AsyncLLMEngine:
             raise
         return RequestStream(request_id, stream, self.abort)
 
-    async def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        **options: Any,
-    ) -> AsyncIterator[RequestOutput]:
+    def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Add a request (as `add_request`) and yield its cumulative outputs until it finishes."""
-        stream = await self.add_request(request_id, prompt_token_ids, params, **options)
-        async for output in stream:
-            yield output
+        return generate_outputs(self, request)
 
     def abort(self, request_id: str) -> None:
         """Abort a request (no-op when it already finished). Thread-safe and non-blocking."""
@@ -233,12 +217,31 @@ class AsyncLLMEngine:
 
     async def load_lora_adapter(self, name: str, path: str) -> None:
         """Load a PEFT adapter as `name` (ValueError for anything that does not fit)."""
-        read = await read_off_thread(self.engine.lora, LoRARequest(name, 1, path))
+        read = await read_off_thread(self._lora, LoRARequest(name, 1, path))
         await self._call(lambda e: e.load_lora_adapter(name, path, read))
+
+    def load_lora_adapter_now(self, name: str, path: str) -> None:
+        """Load an adapter before the step thread starts (blocking; ValueError if it does not
+        fit): for `--lora-modules`, checked at start-up rather than at a first request."""
+        if self._thread is not None:
+            raise RuntimeError(
+                "load_lora_adapter_now is for before start(); await load_lora_adapter"
+            )
+        self.engine.load_lora_adapter(name, path)
 
     async def unload_lora_adapter(self, name: str) -> None:
         """Unload `name`: KeyError if not loaded, LoRAInUseError while requests use it."""
         await self._call(lambda e: e.unload_lora_adapter(name))
+
+    async def pin_prefix(self, pin_id: str, prompt_token_ids: list[int], salt: str | None) -> int:
+        """Pin the cached full blocks of a prompt already run (`LLMEngine.pin_prefix`)."""
+        return await self._call(lambda e: e.pin_prefix(pin_id, prompt_token_ids, salt))
+
+    async def unpin_prefix(self, pin_id: str) -> bool:
+        return await self._call(lambda e: e.unpin_prefix(pin_id))
+
+    async def describe_pins(self) -> dict[str, Any]:
+        return await self._call(lambda e: e.describe_pins())
 
     async def get_metrics(self) -> dict[str, Any]:
         return await self._call(lambda e: dict(e.get_metrics()))
@@ -259,7 +262,8 @@ class AsyncLLMEngine:
         return await self._call(take)
 
     async def run_in_engine(self, fn: Callable[[LLMEngine], Any]) -> Any:
-        """Run `fn(engine)` on the step thread between two steps and return its result."""
+        """Run `fn(engine)` on the step thread between two steps and return its result: for
+        tests and tools of this class only; the server uses `EngineClient`'s methods."""
         return await self._call(fn)
 
     @property

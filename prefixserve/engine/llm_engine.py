@@ -24,16 +24,15 @@ from prefixserve.core.kv_cache.spec import KVCacheConfig, KVCacheSpec
 from prefixserve.core.request import Request, RequestStatus
 from prefixserve.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from prefixserve.core.sched.scheduler import Scheduler
+from prefixserve.engine.client import EngineRequest
 from prefixserve.engine.input_checks import (
     check_fits_pool,
     check_prompt,
     check_request_fields,
     effective_max_tokens,
 )
-from prefixserve.engine.metrics import engine_metrics
 from prefixserve.engine.output_processor import OutputProcessor
 from prefixserve.engine.prompt_embeds import prompt_from_embeds
-from prefixserve.engine.step_failures import discard_failed_step, fail_requests
 from prefixserve.kv_store.connector import open_engine_kv_store
 from prefixserve.kv_store.worker import kv_layout
 from prefixserve.lora.config import LoRARequest
@@ -250,6 +249,22 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- LoRA adapters
 
+    def add(self, request: EngineRequest, lora_read: Any = None) -> None:
+        """`add_request` for an `EngineRequest` (what engine clients pass around); its routing
+        fields (`prompt_cache_key`, `final_only`) mean nothing to one engine."""
+        self.add_request(
+            request.request_id,
+            request.prompt_token_ids,
+            request.params,
+            cache_salt=request.cache_salt,
+            prompt=request.prompt,
+            tenant=request.tenant,
+            cache_retention=request.cache_retention,
+            lora_request=request.lora_request,
+            prompt_embeds=request.prompt_embeds,
+            lora_read=lora_read,
+        )
+
     def lora_in_use(self, name: str) -> int:
         """Unfinished requests that run with the LoRA adapter `name`."""
         return sum(1 for r in self.scheduler.requests.values() if r.lora_name == name)
@@ -301,7 +316,7 @@ class LLMEngine:
             try:
                 runner_output = self.runner.execute(scheduler_output)
             except BaseException:
-                discard_failed_step(self, scheduler_output)
+                self._discard_failed_step(scheduler_output)
                 raise
             compute_s = time.perf_counter() - started
         else:
@@ -309,7 +324,7 @@ class LLMEngine:
             runner_output = ModelRunnerOutput(failed=self._stuck_request_error())
         failed_outputs: list[RequestOutput] = []
         if runner_output.failed:
-            failed_outputs = fail_requests(self, scheduler_output, runner_output.failed)
+            failed_outputs = self._fail_requests(scheduler_output, runner_output.failed)
         updates = self.scheduler.update_from_output(scheduler_output, runner_output)
         if self.kv_store is not None and scheduler_output.scheduled:
             # After the update: blocks that accepted drafts completed have their hashes now.
@@ -325,6 +340,37 @@ class LLMEngine:
         if failed_outputs:
             return failed_outputs + processed.outputs
         return processed.outputs
+
+    def _fail_requests(
+        self, scheduler_output: SchedulerOutput, errors: dict[str, str]
+    ) -> list[RequestOutput]:
+        """Requests the runner could not sample (the pass itself worked): uncache the blocks
+        they filled this step (their K/V may be what made the logits non-finite), then finish
+        their prompts with the error; everyone else in the step goes on."""
+        for scheduled in scheduler_output.scheduled:
+            request = scheduled.request
+            if request.request_id in errors:
+                self.kv_cache_manager.uncache_uncomputed_blocks(
+                    request, scheduled.num_computed_tokens
+                )
+        outputs, child_ids = self.output_processor.fail_samples(errors)
+        self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
+        return outputs
+
+    def _discard_failed_step(self, scheduler_output: SchedulerOutput) -> None:
+        """After a forward pass failed: its blocks were cached when allocated but their K/V may
+        never have been written, so forget their hashes, then abort every prompt it scheduled
+        (same-step hitters of those blocks included: they were scheduled too)."""
+        manager = self.kv_cache_manager
+        manager.uncache_block_ids(block_id for block_id, _ in scheduler_output.kv_loads)
+        prompt_ids = []
+        for scheduled in scheduler_output.scheduled:
+            request = scheduled.request
+            manager.uncache_uncomputed_blocks(request, scheduled.num_computed_tokens)
+            prompt_id = self.output_processor.prompt_of(request.request_id)
+            if prompt_id is not None:
+                prompt_ids.append(prompt_id)
+        self.abort_request(dict.fromkeys(prompt_ids))
 
     def _stuck_request_error(self) -> dict[str, str]:
         """After a step that scheduled nothing: the waiting head could not get its blocks with
@@ -363,8 +409,36 @@ class LLMEngine:
     # ----------------------------------------------------------------- cache and metrics
 
     def get_metrics(self) -> dict[str, Any]:
-        """Counters since the engine started, plus the current pool and queue state."""
-        return engine_metrics(self)
+        """Counters since the engine started, plus the current pool and queue state (how
+        replicas' combine: `engine/metrics.py`)."""
+        cache = self.kv_cache_manager.make_prefix_cache_stats()
+        sched = self.scheduler.stats
+        return {
+            # Fresh admissions only (vLLM's prefix_cache_* counters); re-admissions after a
+            # preemption are counted apart.
+            "prefix_cache_requests": cache.requests,
+            "prefix_cache_queries": cache.queries,
+            "prefix_cache_hits": cache.hits,
+            "prefix_cache_hit_rate": cache.hit_rate,
+            "prefix_cache_preempted_requests": cache.preempted_requests,
+            "prefix_cache_preempted_queries": cache.preempted_queries,
+            "prefix_cache_preempted_hits": cache.preempted_hits,
+            "kv_cache_usage": self.kv_cache_manager.usage,
+            "num_kv_blocks": self.num_kv_blocks,
+            "num_free_kv_blocks": self.kv_cache_manager.num_free_blocks,
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
+            "prompt_tokens": sched.num_prompt_tokens,
+            "computed_prompt_tokens": sched.num_computed_prompt_tokens,
+            "generation_tokens": sched.num_generation_tokens,
+            "num_preemptions": sched.num_preemptions,
+            "num_finished_requests": sched.num_finished_requests,
+            "spec_decode_num_drafts": sched.spec_decode_num_drafts,
+            "spec_decode_num_draft_tokens": sched.spec_decode_num_draft_tokens,
+            "spec_decode_num_accepted_tokens": sched.spec_decode_num_accepted_tokens,
+            **sched.spec_decode_rates(),
+            **(self.kv_store.metrics() if self.kv_store is not None else {}),
+        }
 
     def reset_prefix_cache(
         self, reset_running_requests: bool = False, ram_only: bool = False
@@ -413,6 +487,15 @@ class LLMEngine:
     def unpin_prefix(self, pin_id: str) -> bool:
         """Release a pin (its blocks stay cached, evictable again); False when there is none."""
         return self.kv_cache_manager.pins.unpin(pin_id)
+
+    def describe_pins(self) -> dict[str, Any]:
+        """{"pins": {id: {"num_tokens", "num_blocks"}}, "pinned_blocks", "capacity_blocks"}."""
+        pins = self.kv_cache_manager.pins
+        return {
+            "pins": pins.describe(),
+            "pinned_blocks": pins.num_blocks,
+            "capacity_blocks": pins.capacity_blocks,
+        }
 
     @property
     def none_hash(self) -> bytes:

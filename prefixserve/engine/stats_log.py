@@ -63,7 +63,7 @@ def format_stats(metrics: dict[str, Any], previous: dict[str, Any] | None, elaps
 def describe_engine(engine: object, config: EngineConfig, served_names: list[str]) -> list[str]:
     """The start-up log lines: what runs, in which dtype, and how big the cache is.
 
-    `engine` is an AsyncLLMEngine; what it does not tell shows as '?'."""
+    `engine` is an `EngineClient`; what it does not tell shows as '?'."""
     cache = config.cache
     num_blocks = getattr(engine, "num_kv_blocks", None)
     model_config = getattr(engine, "model_config", None)

@@ -18,6 +18,7 @@ from prefixserve.cluster.policy import ReplicaLoad, make_policy
 from prefixserve.cluster.protocol import ReplicaInfo
 from prefixserve.cluster.router import Router
 from prefixserve.engine.async_llm import EngineDeadError
+from prefixserve.engine.client import EngineRequest
 from prefixserve.entrypoints.openai.app import build_app
 from prefixserve.lora.config import LoRASlotsBusyError
 from prefixserve.outputs import CompletionOutput, RequestOutput
@@ -57,9 +58,8 @@ class FakeReplica:
         self.kill = asyncio.Event()
         self.calls = 0
 
-    async def _generate(
-        self, request_id: str, prompt_ids: list[int], params: Any, options: Any
-    ) -> AsyncIterator[Any]:
+    async def _generate(self, request: EngineRequest) -> AsyncIterator[Any]:
+        request_id = request.request_id
         self.calls += 1
         yield _ready(None)  # accepted
         for n in range(1, self.num_outputs + 1):
@@ -108,7 +108,7 @@ def test_a_request_whose_replica_dies_before_its_outputs_were_read_starts_over_e
     engine = cluster_of(monkeypatch, dying, healthy)
 
     async def scenario() -> list[RequestOutput]:
-        stream = await engine.add_request("r", PROMPT, params())
+        stream = await engine.add_request(EngineRequest("r", PROMPT, params()))
         await dying.streamed.wait()  # three outputs put, none read
         dying.kill.set()
         while not settled(engine):  # it started over there and finished, nothing read yet
@@ -134,7 +134,7 @@ def test_a_request_whose_reader_took_outputs_ends_with_replica_died_not_an_error
     read: list[RequestOutput] = []
 
     async def scenario() -> None:
-        stream = await engine.add_request("r", PROMPT, params())
+        stream = await engine.add_request(EngineRequest("r", PROMPT, params()))
         async for output in stream:
             read.append(output)
             dying.kill.set()
@@ -154,7 +154,7 @@ def test_a_request_that_cannot_start_over_for_want_of_a_replica_ends_with_engine
     engine = cluster_of(monkeypatch, dying)
 
     async def scenario() -> list[RequestOutput]:
-        stream = await engine.add_request("r", PROMPT, params())
+        stream = await engine.add_request(EngineRequest("r", PROMPT, params()))
         await dying.streamed.wait()
         dying.kill.set()
         while not settled(engine):  # its death handled, still nothing read
@@ -175,7 +175,7 @@ def test_a_caller_of_the_final_output_only_gets_it_from_another_replica_after_re
     engine = cluster_of(monkeypatch, dying, healthy)
 
     async def scenario() -> RequestOutput | None:
-        stream = await engine.add_request("r", PROMPT, params(), final_only=True)
+        stream = await engine.add_request(EngineRequest("r", PROMPT, params(), final_only=True))
         final = None
         async for output in stream:
             final = output
@@ -255,7 +255,7 @@ def test_a_replica_refusal_keeps_its_kind_so_busy_adapter_slots_stay_a_429(
     engine = cluster_of(monkeypatch, RefusingReplica(refusal))
 
     async def scenario() -> None:
-        await engine.add_request("r", PROMPT, params())
+        await engine.add_request(EngineRequest("r", PROMPT, params()))
 
     with pytest.raises(ValueError) as info:
         asyncio.run(scenario())

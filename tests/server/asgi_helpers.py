@@ -12,6 +12,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from prefixserve.engine.client import EngineRequest
 from prefixserve.entrypoints.openai.app import build_app
 from prefixserve.entrypoints.openai.auth import ApiKeys
 
@@ -60,9 +61,12 @@ class FakeEngine:
         self.resets.append((reset_running_requests, ram_only))
         return True
 
-    async def add_request(self, request_id: str, prompt_ids: list[int], params: Any, **kw: Any):
-        self.added.append((prompt_ids, params, kw))
+    async def add_request(self, request: EngineRequest) -> Any:
+        self.added.append(request)
         raise self.refusal
+
+    async def describe_pins(self) -> dict[str, Any]:
+        return {"pins": {}, "pinned_blocks": 0, "capacity_blocks": 0}
 
 
 def keys(admin: bool = True) -> ApiKeys:

@@ -9,6 +9,7 @@ import uuid
 import pytest
 from server_helpers import MAX_MODEL_LEN, NUM_KV_BLOCKS
 
+from prefixserve.engine.client import EngineRequest
 from prefixserve.engine.stats_log import format_stats
 from prefixserve.sampling_params import SamplingParams
 
@@ -24,7 +25,9 @@ def test_generate_streams_cumulative_outputs_until_finished(async_engine, tokeni
         return [
             out
             async for out in async_engine.generate(
-                rid(), ids, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+                EngineRequest(
+                    rid(), ids, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+                )
             )
         ]
 
@@ -41,7 +44,7 @@ def test_generate_streams_cumulative_outputs_until_finished(async_engine, tokeni
 
 def test_add_request_raises_the_engines_validation_error(async_engine):
     async def run():
-        await async_engine.add_request(rid(), [], SamplingParams(max_tokens=1))
+        await async_engine.add_request(EngineRequest(rid(), [], SamplingParams(max_tokens=1)))
 
     with pytest.raises(ValueError, match="prompt"):
         asyncio.run(run())
@@ -53,11 +56,13 @@ def test_a_duplicate_request_id_is_refused(async_engine, tokenizer):
 
     async def run():
         stream = await async_engine.add_request(
-            request_id, ids, SamplingParams(max_tokens=50, ignore_eos=True)
+            EngineRequest(request_id, ids, SamplingParams(max_tokens=50, ignore_eos=True))
         )
         try:
             with pytest.raises(ValueError, match="already in use"):
-                await async_engine.add_request(request_id, ids, SamplingParams(max_tokens=1))
+                await async_engine.add_request(
+                    EngineRequest(request_id, ids, SamplingParams(max_tokens=1))
+                )
         finally:
             stream.abort()
 
@@ -70,7 +75,7 @@ def test_abort_mid_stream_ends_the_iteration_and_frees_the_blocks(async_engine, 
 
     async def run():
         stream = await async_engine.add_request(
-            rid(), ids, SamplingParams(max_tokens=500, ignore_eos=True)
+            EngineRequest(rid(), ids, SamplingParams(max_tokens=500, ignore_eos=True))
         )
         seen = 0
         async for output in stream:
@@ -95,7 +100,11 @@ def test_a_request_whose_event_loop_closed_is_aborted_and_the_engine_lives_on(
 
     async def abandon():
         stream = await async_engine.add_request(
-            rid(), tokenizer.encode("Abandoned"), SamplingParams(max_tokens=500, ignore_eos=True)
+            EngineRequest(
+                rid(),
+                tokenizer.encode("Abandoned"),
+                SamplingParams(max_tokens=500, ignore_eos=True),
+            )
         )
         # Keep a reference, so nothing closes the iterator: only the closed loop tells.
         iterator = aiter(stream)
@@ -120,7 +129,9 @@ def test_concurrent_requests_from_two_event_loops(async_engine, tokenizer):
             outs = [
                 o
                 async for o in async_engine.generate(
-                    rid(), tokenizer.encode(name), SamplingParams(max_tokens=4, ignore_eos=True)
+                    EngineRequest(
+                        rid(), tokenizer.encode(name), SamplingParams(max_tokens=4, ignore_eos=True)
+                    )
                 )
             ]
             return outs[-1]
@@ -171,7 +182,9 @@ def test_a_busy_engine_logs_the_periodic_stats_line(async_engine, tokenizer, cap
 
         async def run():
             async for _ in async_engine.generate(
-                rid(), tokenizer.encode("Log me"), SamplingParams(max_tokens=3, ignore_eos=True)
+                EngineRequest(
+                    rid(), tokenizer.encode("Log me"), SamplingParams(max_tokens=3, ignore_eos=True)
+                )
             ):
                 pass
 

@@ -119,8 +119,8 @@ def test_a_pin_warms_its_prefix_with_the_retention_it_asks_for(retention):
     if retention is not None:
         body["prompt_cache_retention"] = retention
     call(app, "POST", "/pins", key=ADMIN_KEY, body=body)  # the fake engine refuses it: a 400
-    [(_, _, options)] = engine.added
-    assert options["cache_retention"] == retention
+    [request] = engine.added
+    assert request.cache_retention == retention
 
 
 def test_a_pin_refuses_an_unknown_retention():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from prefixserve.engine.client import EngineRequest
 from prefixserve.entrypoints.openai.app import build_app
 from prefixserve.entrypoints.openai.auth import ApiKeys
 from tests.server.asgi_helpers import FakeEngine, call
@@ -14,12 +15,10 @@ class RecordingEngine(FakeEngine):
     def __init__(self) -> None:
         super().__init__()
         self.tenants: list[Any] = []
-        self.kwargs: list[dict[str, Any]] = []
 
-    async def add_request(self, request_id: str, prompt_ids: list[int], params: Any, **kw: Any):
-        self.tenants.append(kw.get("tenant"))
-        self.kwargs.append(kw)
-        return await super().add_request(request_id, prompt_ids, params, **kw)
+    async def add_request(self, request: EngineRequest) -> Any:
+        self.tenants.append(request.tenant)
+        return await super().add_request(request)
 
 
 def test_each_request_reaches_the_engine_with_its_keys_tenant():

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP server: the FastAPI app over an AsyncLLMEngine, its routes and auth.
+"""The OpenAI-compatible HTTP server: the FastAPI app over an engine client (engine/client.py:
+one engine or replicas), its routes and auth.
 
 One request's path: the request guard (guard.py: API key -> tenant or operator, body size) ->
 parse and range-check the body
@@ -17,7 +18,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from prefixserve.engine.async_llm import AsyncLLMEngine
+from prefixserve.engine.client import EngineClient
 from prefixserve.entrypoints.openai import protocol as p
 from prefixserve.entrypoints.openai import serving_chat, serving_completion
 from prefixserve.entrypoints.openai.admission import Admission
@@ -47,7 +48,7 @@ def default_max_request_body_bytes(max_model_len: int) -> int:
 
 
 def build_app(  # noqa: C901 - its complexity is the routes' closures, each small, counted in it
-    engine: AsyncLLMEngine,
+    engine: EngineClient,
     served_model_names: list[str],
     api_keys: ApiKeys | None = None,
     max_request_body_bytes: int | None = None,

@@ -18,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from prefixserve.engine.client import NotSupportedByEngine
 from prefixserve.lora.config import LoRASlotsBusyError
 
 logger = logging.getLogger(__name__)
@@ -202,6 +203,10 @@ def install_error_handlers(app: FastAPI) -> None:
             str(exc.detail), status_code=exc.status_code, type="invalid_request_error", code=code
         )
         return _respond(request, err, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(NotSupportedByEngine)
+    async def _not_supported(request: Request, exc: NotSupportedByEngine) -> JSONResponse:
+        return _respond(request, OpenAIError(str(exc), status_code=501, code="not_supported"))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -26,7 +26,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from prefixserve.core.kv_cache.salts import derive_cache_salt
-from prefixserve.engine.async_llm import AsyncLLMEngine, EngineDeadError
+from prefixserve.engine.async_llm import EngineDeadError
+from prefixserve.engine.client import EngineClient, EngineRequest
 from prefixserve.engine.request_stream import RequestStream, StreamStalledError
 from prefixserve.entrypoints.openai import protocol as p
 from prefixserve.entrypoints.openai.admission import Admission
@@ -54,7 +55,7 @@ Chunk = p.CompletionResponse | p.ChatCompletionChunk
 class ServerState:
     """What the handlers share: the engine, the names it answers to, keys, metrics."""
 
-    engine: AsyncLLMEngine
+    engine: EngineClient  # one engine (AsyncLLMEngine) or replicas (ClusterEngine)
     served_model_names: list[str]
     api_keys: ApiKeys | None = None
     # LoRA adapters a request may name in `model`: name -> (lora_int_id, path) (models.py).
@@ -119,7 +120,7 @@ async def generate(
     max_tokens = params.max_tokens or max(1, state.engine.max_model_len - num_prompt)
     ticket = state.admission.admit(raw.state.tenant, params.n * (num_prompt + max_tokens))
     try:
-        stream = await state.engine.add_request(
+        request = EngineRequest(
             view.request_id,
             prompt_ids,
             params,
@@ -132,6 +133,7 @@ async def generate(
             prompt_embeds=prompt_embeds,
             final_only=not body.stream,  # replicas may start it over unseen if one dies
         )
+        stream = await state.engine.add_request(request)
     except ValueError as exc:
         state.admission.release(ticket)
         raise from_value_error(exc, fields) from exc

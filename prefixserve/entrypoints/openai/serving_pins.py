@@ -15,6 +15,7 @@ send it), since blocks are salted per tenant; without API keys there is no tenan
 salt is taken as a keyless client's (`kv_cache/salts.py`). The prompt is run once (one generated
 token) so its blocks are cached, then every full block of it is pinned. The pinned capacity
 (`--max-pinned-blocks`, default a quarter of the pool) bounds them all; past it: 400 `pin_capacity`.
+An engine client that keeps no pins (replicas) refuses every route: 501 `not_supported`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
 from prefixserve.core.kv_cache.salts import derive_cache_salt, validate_cache_salt
+from prefixserve.engine.client import EngineRequest
 from prefixserve.entrypoints.openai.errors import OpenAIError, from_value_error
 from prefixserve.entrypoints.openai.prompts import check_prompt_text, off_loop
 from prefixserve.entrypoints.openai.serving import ServerState
@@ -53,27 +55,28 @@ def register_pin_routes(router: APIRouter, state: ServerState) -> None:
 
     @router.post("/pins")
     async def create_pin(body: PinRequest) -> dict[str, Any]:
-        engine = _one_engine(state)
+        engine = state.engine
+        await engine.describe_pins()  # refused here (501) by an engine that keeps no pins
         salt = _salt(state, body)
         ids = await _prompt_ids(state, body)
         pin_id = body.id or f"pin-{uuid.uuid4().hex}"
         # Run the prompt once so every full block of it is cached, then hold those blocks.
-        warm_id = f"{pin_id}-warm-{uuid.uuid4().hex[:8]}"
+        warm = EngineRequest(
+            f"{pin_id}-warm-{uuid.uuid4().hex[:8]}",
+            ids,
+            SamplingParams(max_tokens=1),
+            cache_salt=salt,
+            cache_retention=body.prompt_cache_retention,
+        )
         try:
-            stream = await engine.add_request(
-                warm_id,
-                ids,
-                SamplingParams(max_tokens=1),
-                cache_salt=salt,
-                cache_retention=body.prompt_cache_retention,
-            )
+            stream = await engine.add_request(warm)
         except ValueError as exc:
             raise from_value_error(exc, {"prompt": "prompt"}) from exc
         async for output in stream:
             if output.error is not None:
                 raise OpenAIError(f"the prompt failed: {output.error}", status_code=500)
         try:
-            num_tokens = await engine.run_in_engine(lambda e: e.pin_prefix(pin_id, ids, salt))
+            num_tokens = await engine.pin_prefix(pin_id, ids, salt)
         except ValueError as exc:
             code = "pin_capacity" if "capacity" in str(exc) else "invalid_pin"
             raise OpenAIError(str(exc), code=code) from exc
@@ -81,32 +84,13 @@ def register_pin_routes(router: APIRouter, state: ServerState) -> None:
 
     @router.get("/pins")
     async def list_pins() -> dict[str, Any]:
-        def describe(engine: Any) -> dict[str, Any]:
-            pins = engine.kv_cache_manager.pins
-            return {
-                "pins": pins.describe(),
-                "pinned_blocks": pins.num_blocks,
-                "capacity_blocks": pins.capacity_blocks,
-            }
-
-        return await _one_engine(state).run_in_engine(describe)
+        return await state.engine.describe_pins()
 
     @router.delete("/pins/{pin_id}")
     async def delete_pin(pin_id: str) -> dict[str, Any]:
-        if not await _one_engine(state).run_in_engine(lambda e: e.unpin_prefix(pin_id)):
+        if not await state.engine.unpin_prefix(pin_id):
             raise OpenAIError(f"no pin {pin_id!r}", status_code=404, code="pin_not_found")
         return {"id": pin_id, "deleted": True}
-
-
-def _one_engine(state: ServerState) -> Any:
-    """The engine, when it is one engine: pins name one pool's blocks (not with --replicas)."""
-    if not getattr(state.engine, "supports_pins", True):
-        raise OpenAIError(
-            "pinned prefixes need one engine; this server runs replicas (--replicas)",
-            status_code=501,
-            code="not_supported",
-        )
-    return state.engine
 
 
 def _salt(state: ServerState, body: PinRequest) -> str | None:
