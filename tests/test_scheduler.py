@@ -87,7 +87,7 @@ _HASHER = get_request_block_hasher(BLOCK)
 
 def make_request(request_id: str, prompt: list[int], max_tokens: int = 4, **params) -> Request:
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, **params)
-    return Request(request_id, prompt, sampling, eos_token_id=EOS, block_hasher=_HASHER)
+    return Request(request_id, prompt, sampling, block_hasher=_HASHER)
 
 
 def step(sched: Scheduler, runner: FakeRunner) -> SchedulerOutput:
@@ -108,9 +108,8 @@ def run_to_completion(sched: Scheduler, runner: FakeRunner, max_steps: int = 100
 def assert_no_leak(sched: Scheduler) -> None:
     mgr = sched.kv_cache_manager
     assert not sched.requests and not sched.running and not sched.waiting
-    assert all(not m.req_to_blocks for m in mgr.coordinator.managers)
+    mgr.check_no_leaks()  # no block table left, the invariants, every block free or pinned
     assert mgr.num_free_blocks == mgr.num_total_blocks
-    mgr.check_invariants()
 
 
 def scheduled_tokens(out: SchedulerOutput) -> dict[str, int]:

@@ -86,7 +86,6 @@ class PromptView:
     lora_digest: str | None = None
     prompt_embeds: Any = None
     block_hashes: list[bytes] = field(default_factory=list)
-    mm_features: tuple[()] = ()
 
 
 class PrefixIndex:

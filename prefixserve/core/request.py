@@ -5,7 +5,6 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from prefixserve.sampling_params import SamplingParams
@@ -33,15 +32,6 @@ class RequestStatus(enum.IntEnum):
         }.get(self)
 
 
-@dataclass(frozen=True, slots=True)
-class MultiModalFeature:
-    """A placeholder run of prompt positions filled by one multimodal item."""
-
-    identifier: str  # content hash of the item
-    offset: int  # first prompt position it occupies
-    length: int  # number of positions
-
-
 # A block hasher returns the hashes of the request's blocks that became full since it was last
 # called (see kv_cache.hashing.get_request_block_hasher).
 BlockHasher = Callable[["Request"], list[Any]]
@@ -54,7 +44,6 @@ class Request:
         "request_id",
         "prompt_token_ids",
         "sampling_params",
-        "eos_token_id",
         "arrival_time",
         "lora_name",
         "lora_digest",
@@ -63,7 +52,6 @@ class Request:
         "cache_retention",
         "num_disk_cached_tokens",
         "num_passed_over",
-        "mm_features",
         "prompt_embeds",
         "all_token_ids",
         "output_token_ids",
@@ -83,12 +71,10 @@ class Request:
         request_id: str,
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
-        eos_token_id: int | None = None,
         block_hasher: BlockHasher | None = None,
         arrival_time: float | None = None,
         lora_name: str | None = None,
         cache_salt: str | None = None,
-        mm_features: list[MultiModalFeature] | None = None,
         prompt_embeds: Any = None,
         max_tokens: int | None = None,
         tenant: str | None = None,
@@ -100,7 +86,6 @@ class Request:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
-        self.eos_token_id = eos_token_id
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         # The LoRA adapter the request runs with (lora/), and a digest of its files: both are
         # extra keys of every block, so no other adapter (nor this name reloaded with other
@@ -117,7 +102,6 @@ class Request:
         self.num_disk_cached_tokens = 0
         # Times cache-aware admission (admission_order.py) admitted a later request before it.
         self.num_passed_over = 0
-        self.mm_features = mm_features or []
         # The prompt's embeddings when the request brought them instead of token ids (its
         # prompt_token_ids are then placeholders): the raw bits as a numpy array of shape
         # [num_prompt_tokens, hidden] (prompt_embeds.py); each full block's hash includes a

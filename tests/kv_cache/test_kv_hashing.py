@@ -24,7 +24,7 @@ from prefixserve.core.kv_cache.hashing import (
     hash_block_tokens,
     init_none_hash,
 )
-from prefixserve.core.request import MultiModalFeature, Request
+from prefixserve.core.request import Request
 from prefixserve.sampling_params import SamplingParams
 
 
@@ -170,17 +170,6 @@ def test_lora_digest_follows_the_name_so_a_reloaded_name_never_shares_blocks():
     assert one.block_hashes[0] != make_request("t", list(range(8)), lora_name="a").block_hashes[0]
 
 
-def test_mm_items_overlapping_block_keyed_with_offset_relative_to_block_start():
-    features = [MultiModalFeature("img-a", offset=2, length=4), MultiModalFeature("img-b", 9, 2)]
-    request = make_request("r", list(range(12)), mm_features=features)
-    assert generate_block_extra_keys(request, 0, 4) == (("img-a", 2),)
-    assert generate_block_extra_keys(request, 4, 8) == (("img-a", -2),)
-    assert generate_block_extra_keys(request, 8, 12) == (("img-b", 1),)
-    other = make_request("o", list(range(12)), mm_features=[MultiModalFeature("img-c", 2, 4)])
-    assert request.block_hashes[0] != other.block_hashes[0]
-    assert request.block_hashes[2] != other.block_hashes[2]
-
-
 def test_cache_salt_only_on_first_block():
     salted = make_request("s", list(range(8)), cache_salt="tenant-1")
     assert generate_block_extra_keys(salted, 0, 4) == ("tenant-1",)
@@ -205,18 +194,17 @@ def test_prompt_embeds_digest_is_an_extra_key():
     assert request.block_hashes[0] != other.block_hashes[0]
 
 
-def test_extra_keys_order_lora_mm_salt_embeds():
+def test_extra_keys_order_lora_salt_embeds():
     embeds = np.zeros((4, 2), dtype=np.float32)
     request = make_request(
         "r",
         [0] * 4,
         lora_name="lora",
         cache_salt="salt",
-        mm_features=[MultiModalFeature("img", 1, 1)],
         prompt_embeds=embeds,
     )
     keys = generate_block_extra_keys(request, 0, 4)
-    assert keys == ("lora", ("img", 1), "salt", hashlib.sha256(embeds.tobytes()).digest())
+    assert keys == ("lora", "salt", hashlib.sha256(embeds.tobytes()).digest())
     assert request.block_hashes == [hash_block_tokens("sha256", None, [0] * 4, keys)]
 
 

@@ -164,8 +164,7 @@ def generate_block_extra_keys(
     """Extra keys of the block covering token positions [start, end) of `request`, or None.
 
     In order: the LoRA adapter name (and the digest of its files, when the request has one);
-    `(identifier, offset - start)` for every multimodal item
-    overlapping the block; the cache salt (first block only); a digest of the block's prompt
+    the cache salt (first block only); a digest of the block's prompt
     embeddings (only for positions inside the prompt, when the request carries embeddings).
     """
     keys: list[Any] = []
@@ -173,9 +172,6 @@ def generate_block_extra_keys(
         keys.append(request.lora_name)
         if request.lora_digest is not None:
             keys.append(request.lora_digest)
-    for feature in request.mm_features:
-        if feature.offset < end and feature.offset + feature.length > start:
-            keys.append((feature.identifier, feature.offset - start))
     if start == 0 and request.cache_salt is not None:
         keys.append(request.cache_salt)
     embeds = request.prompt_embeds
@@ -228,7 +224,6 @@ def get_request_block_hasher(
             parent = NONE_HASH if none_hash is None else none_hash
         if (
             request.lora_name is None
-            and not request.mm_features
             and request.cache_salt is None
             and request.prompt_embeds is None
         ):

@@ -73,8 +73,8 @@ class _StepPlan:
 class Scheduler:
     """Plans each engine step over a KVCacheManager; owns the waiting and running queues.
 
-    `eos_token_ids` are the model's end-of-sequence ids besides each request's own
-    `eos_token_id`; a request stops on any of them unless its params say `ignore_eos`.
+    `eos_token_ids` are the model's end-of-sequence ids; a request stops on any of them unless
+    its params say `ignore_eos`.
 
     With a `proposer` (spec_decode/ngram.py), each decoding request may carry drafts: they are
     counted in the token budget and its tenant's share (leaving a token to every running request

@@ -62,7 +62,7 @@ def check_stop(request: Request, eos_token_ids: frozenset[int], max_model_len: i
     """Set a finished status when the last sampled token ends the request."""
     params = request.sampling_params
     last = request.output_token_ids[-1]
-    if not params.ignore_eos and (last == request.eos_token_id or last in eos_token_ids):
+    if not params.ignore_eos and last in eos_token_ids:
         request.status = RequestStatus.FINISHED_STOPPED
         return True
     if last in request.stop_token_ids:
