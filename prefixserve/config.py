@@ -108,7 +108,7 @@ class SchedulerConfig:
     scheduling_policy: str = "fair"
     fair_chunk_tokens: int = 512
     # "fcfs": each tenant's requests in arrival order; "longest_prefix": the longest cached
-    # prefix among its first waiting requests first, with aging (admission_order.py).
+    # prefix among its first waiting requests first, with aging (prefix_order.py).
     admission_order: str = "fcfs"
 
     def __post_init__(self) -> None:

@@ -1,7 +1,8 @@
 """Per-request sampling parameters, shaped like vLLM's `SamplingParams`.
 
-The bounds below are the one definition of what a request may ask for; the server's protocol
-models (server/protocol.py) import them, so the offline API refuses what the server refuses.
+The bounds below are the one definition of what a request may ask for; the server's
+protocol models (entrypoints/openai/protocol.py) import them, so the offline API refuses what the
+server refuses.
 """
 
 from __future__ import annotations

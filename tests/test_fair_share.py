@@ -10,8 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from prefixserve.core.request import Request, RequestStatus
-from prefixserve.core.sched.admission_order import promote_longest_prefix
 from prefixserve.core.sched.fair_share import WaitingQueue, water_fill
+from prefixserve.core.sched.prefix_order import promote_longest_prefix
 from tests.test_scheduler import (
     assert_no_leak,
     make_request,

@@ -1,7 +1,7 @@
 """Engine replicas behind one endpoint, routed by where each prompt's prefix is cached.
 
 Pure Python below the Ray layer, in the order the data flows:
-- `protocol.py`: what replicas and the router exchange (registration, event batches, snapshots).
+- `messages.py`: what replicas and the router exchange (registration, event batches, snapshots).
 - `event_log.py`: a replica's side: numbers its KV-event batches, keeps a bounded ring for
   replays and a mirror of its cached blocks for snapshots.
 - `index.py`: the router's side: keys it computes itself from the events' token ids and parent

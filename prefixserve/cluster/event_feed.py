@@ -31,7 +31,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from prefixserve.cluster.protocol import EventBatch, Heartbeat, RegistrationError, Snapshot
+from prefixserve.cluster.messages import EventBatch, Heartbeat, RegistrationError, Snapshot
 from prefixserve.cluster.router import Router
 from prefixserve.core.kv_cache.events import AllBlocksCleared, BlockStored, KVCacheEvent
 

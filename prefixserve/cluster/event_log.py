@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections
 from collections.abc import Iterable
 
-from prefixserve.cluster.protocol import CachedBlock, EventBatch, Snapshot
+from prefixserve.cluster.messages import CachedBlock, EventBatch, Snapshot
 from prefixserve.core.kv_cache.events import (
     AllBlocksCleared,
     BlockRemoved,

@@ -28,7 +28,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from prefixserve.cluster.protocol import (
+from prefixserve.cluster.messages import (
     EventBatch,
     RegistrationError,
     ReplicaInfo,

@@ -35,8 +35,8 @@ from typing import Any
 
 import prefixserve.settings as settings
 from prefixserve.cluster.client import ClusterEngine
+from prefixserve.cluster.messages import RegistrationError
 from prefixserve.cluster.policy import DEFAULT_POLICY, make_policy
-from prefixserve.cluster.protocol import RegistrationError
 from prefixserve.cluster.replica import EngineReplica, config_digest
 from prefixserve.cluster.router import Router
 from prefixserve.config import EngineConfig

@@ -22,7 +22,7 @@ from typing import Any
 
 import prefixserve.settings as settings
 from prefixserve.cluster.event_log import DEFAULT_RING_BATCHES, EventLog
-from prefixserve.cluster.protocol import (
+from prefixserve.cluster.messages import (
     EventBatch,
     Heartbeat,
     ReplicaInfo,
@@ -78,7 +78,7 @@ class EngineReplica:
         self._fingerprint = seed_fingerprint(engine.none_hash)
         self._config_digest = config_digest(config, threads)
         self._cache_config = config.cache
-        self._store = store_info(engine.kv_store)  # fixed once the engine is built
+        self._store = store_info(engine.kv_connector)  # fixed once the engine is built
 
     # --------------------------------------------------------------------- registration
     async def info(self) -> ReplicaInfo:

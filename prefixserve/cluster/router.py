@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from prefixserve.cluster.index import PrefixIndex, PromptView
+from prefixserve.cluster.messages import ReplicaInfo
 from prefixserve.cluster.policy import Candidate, ReplicaLoad, RouteInput, RoutingPolicy
-from prefixserve.cluster.protocol import ReplicaInfo
 
 
 class StoreBlocks(Protocol):

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from prefixserve.cluster.index import PromptView
-from prefixserve.cluster.protocol import ReplicaInfo, seed_fingerprint
+from prefixserve.cluster.messages import ReplicaInfo, seed_fingerprint
 from prefixserve.core.kv_cache.hashing import get_request_block_hasher, none_hash_from_secret
 from prefixserve.kv_store.connector import GROUP
 from prefixserve.kv_store.lookup import StoreLookup

@@ -100,7 +100,7 @@ class Request:
         self.cache_retention = cache_retention
         # The part of num_cached_tokens loaded from the disk tier at first scheduling.
         self.num_disk_cached_tokens = 0
-        # Times cache-aware admission (admission_order.py) admitted a later request before it.
+        # Times cache-aware admission (prefix_order.py) admitted a later request before it.
         self.num_passed_over = 0
         # The prompt's embeddings when the request brought them instead of token ids (its
         # prompt_token_ids are then placeholders): the raw bits as a numpy array of shape

@@ -34,7 +34,7 @@ from prefixserve.engine.request_stream import (
     OutputQueue,
     RequestStream,
     StreamStalledError,
-    snapshot,
+    frozen_copy,
 )
 from prefixserve.engine.stats_log import StatsLog
 from prefixserve.lora.config import LoRARequest
@@ -336,7 +336,7 @@ class AsyncLLMEngine:
                 continue
             if output.finished:
                 del self._streams[output.request_id]
-            self._deliver(output.request_id, stream, snapshot(output))
+            self._deliver(output.request_id, stream, frozen_copy(output))
         if self.collect_kv_events:
             self._drain_kv_events()
         if self.stall_timeout_s is not None:

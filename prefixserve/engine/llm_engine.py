@@ -113,13 +113,13 @@ class LLMEngine:
             block_size=cache.block_size,
             seed=config.seed,
         )
-        self.kv_store, none_hash = open_engine_kv_store(
+        self.kv_connector, none_hash = open_engine_kv_store(
             config, loaded_model.path, self.kv_cache_groups, kv_layout(self.runner.kv_caches)
         )
-        if self.kv_store is not None:
-            self.scheduler.kv_store = self.kv_store
+        if self.kv_connector is not None:
+            self.scheduler.kv_connector = self.kv_connector
             # Queued writes reach the disk when the engine is collected or the process exits.
-            weakref.finalize(self, self.kv_store.close)
+            weakref.finalize(self, self.kv_connector.close)
         self._block_hasher = get_request_block_hasher(
             cache.block_size, cache.prefix_caching_hash_algo, none_hash=none_hash
         )
@@ -326,7 +326,7 @@ class LLMEngine:
         if runner_output.failed:
             failed_outputs = self._fail_requests(scheduler_output, runner_output.failed)
         updates = self.scheduler.update_from_output(scheduler_output, runner_output)
-        if self.kv_store is not None and scheduler_output.scheduled:
+        if self.kv_connector is not None and scheduler_output.scheduled:
             # After the update: blocks that accepted drafts completed have their hashes now.
             self._save_to_store(scheduler_output, runner_output, compute_s)
         processed = self.output_processor.process_updates(updates)
@@ -392,19 +392,19 @@ class LLMEngine:
         next step may reuse them; blocks of requests the update just finished are free but not
         reused before the next schedule) and queue them on the store's writer. `compute_s`: the
         forward pass's seconds, reported with the step's tokens less its drafts."""
-        assert self.kv_store is not None
-        self.kv_store.record_compute(
+        assert self.kv_connector is not None
+        self.kv_connector.record_compute(
             compute_s, sum(s.num_new_tokens for s in scheduler_output.scheduled)
         )
-        saves = self.kv_store.blocks_to_save(scheduler_output, runner_output.failed)
+        saves = self.kv_connector.blocks_to_save(scheduler_output, runner_output.failed)
         if saves:
             payloads = self.runner.gather_blocks([save.block_id for save in saves])
-            self.kv_store.save(saves, payloads)
+            self.kv_connector.save(saves, payloads)
 
     def close(self) -> None:
         """Write what the disk tier's writer holds, then stop it (idempotent)."""
-        if self.kv_store is not None:
-            self.kv_store.close()
+        if self.kv_connector is not None:
+            self.kv_connector.close()
 
     # ----------------------------------------------------------------- cache and metrics
 
@@ -437,7 +437,7 @@ class LLMEngine:
             "spec_decode_num_draft_tokens": sched.spec_decode_num_draft_tokens,
             "spec_decode_num_accepted_tokens": sched.spec_decode_num_accepted_tokens,
             **sched.spec_decode_rates(),
-            **(self.kv_store.metrics() if self.kv_store is not None else {}),
+            **(self.kv_connector.metrics() if self.kv_connector is not None else {}),
         }
 
     def reset_prefix_cache(
@@ -449,8 +449,8 @@ class LLMEngine:
         preempts them first (they recompute later)."""
         if not self.scheduler.reset_prefix_cache(reset_running_requests):
             return False
-        if self.kv_store is not None and not ram_only:
-            self.kv_store.clear()
+        if self.kv_connector is not None and not ram_only:
+            self.kv_connector.clear()
         return True
 
     def pin_prefix(

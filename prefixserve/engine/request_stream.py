@@ -1,9 +1,9 @@
 """What a caller of the async engine holds for one request: its pending output, and the
 RequestStream that iterates it (and aborts the request when the caller stops listening).
 
-The engine's step thread puts snapshots of each RequestOutput (copies it will not mutate) in the
+The engine's step thread puts frozen copies of each RequestOutput (copies it will not mutate) in the
 request's OutputQueue; an `ABORTED` sentinel or an exception ends the stream. Outputs are
-cumulative, so the queue holds one: a newer snapshot replaces an unread one, and a slow reader
+cumulative, so the queue holds one: a newer copy replaces an unread one, and a slow reader
 costs O(1) memory (vLLM's output collector does the same).
 """
 
@@ -80,7 +80,7 @@ class OutputQueue:
         return since is not None and now - since > timeout_s
 
 
-def snapshot(output: RequestOutput) -> RequestOutput:
+def frozen_copy(output: RequestOutput) -> RequestOutput:
     """A copy whose lists the step thread will not mutate while the loop thread reads them."""
     return RequestOutput(
         request_id=output.request_id,

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from prefixserve.cluster.index import PromptView
-from prefixserve.cluster.protocol import RegistrationError
+from prefixserve.cluster.messages import RegistrationError
 from prefixserve.cluster.ray_cluster import REPLICA_PREFIX, start_cluster
 from prefixserve.entrypoints.openai.app import build_app
 from prefixserve.kv_store import KVStoreConfig

@@ -14,8 +14,8 @@ import pytest
 from ray.exceptions import RayActorError
 
 from prefixserve.cluster.client import ClusterEngine, ReplicaDiedError
+from prefixserve.cluster.messages import ReplicaInfo
 from prefixserve.cluster.policy import ReplicaLoad, make_policy
-from prefixserve.cluster.protocol import ReplicaInfo
 from prefixserve.cluster.router import Router
 from prefixserve.engine.async_llm import EngineDeadError
 from prefixserve.engine.client import EngineRequest

@@ -14,8 +14,8 @@ from prefixserve.cluster import route_inputs
 from prefixserve.cluster.event_feed import EventFeed
 from prefixserve.cluster.event_log import EventLog
 from prefixserve.cluster.index import PromptView
+from prefixserve.cluster.messages import ReplicaInfo, StoreInfo, seed_fingerprint
 from prefixserve.cluster.policy import make_policy
-from prefixserve.cluster.protocol import ReplicaInfo, StoreInfo, seed_fingerprint
 from prefixserve.cluster.route_inputs import LoraDigests
 from prefixserve.cluster.router import Router
 from prefixserve.cluster.store_probe import open_store_probe

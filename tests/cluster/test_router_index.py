@@ -5,7 +5,7 @@ import pytest
 
 from prefixserve.cluster.event_log import EventLog
 from prefixserve.cluster.index import PrefixIndex
-from prefixserve.cluster.protocol import EventBatch, RegistrationError, ReplicaInfo
+from prefixserve.cluster.messages import EventBatch, RegistrationError, ReplicaInfo
 from prefixserve.core.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored
 from prefixserve.core.kv_cache.hashing import hash_block_tokens
 

@@ -5,6 +5,7 @@ import random
 import pytest
 
 from prefixserve.cluster.event_log import EventLog
+from prefixserve.cluster.messages import ReplicaInfo
 from prefixserve.cluster.policy import (
     DECODE_TOKENS,
     MISS_WEIGHT,
@@ -15,7 +16,6 @@ from prefixserve.cluster.policy import (
     RouteInput,
     make_policy,
 )
-from prefixserve.cluster.protocol import ReplicaInfo
 from prefixserve.cluster.router import NoReplicaError, Router
 from prefixserve.core.kv_cache.events import BlockStored
 from prefixserve.core.kv_cache.hashing import hash_block_tokens

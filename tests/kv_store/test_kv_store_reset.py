@@ -33,8 +33,8 @@ def _cached(llm: LLM) -> tuple[int, int]:
 
 def _warm(llm: LLM) -> None:
     assert _cached(llm) == (0, 0)
-    llm.llm_engine.kv_store.writer.flush()
-    assert llm.llm_engine.kv_store.store.total_bytes > 0
+    llm.llm_engine.kv_connector.writer.flush()
+    assert llm.llm_engine.kv_connector.store.total_bytes > 0
 
 
 def test_a_reset_forgets_the_disk_tier_too(default_model_fp32, tmp_path):
@@ -60,7 +60,7 @@ def test_a_reset_also_forgets_what_another_process_stored_in_the_namespace(
     _warm(first)
     second = _llm(default_model_fp32, tmp_path)  # shares the store, as two servers of one user
     assert second.reset_prefix_cache()
-    store = first.llm_engine.kv_store.store
+    store = first.llm_engine.kv_connector.store
     assert namespace_records(str(store.root / store.namespace)) == []
     assert first.reset_prefix_cache(ram_only=True)  # its own RAM copy goes too
     assert _cached(first) == (0, 0)

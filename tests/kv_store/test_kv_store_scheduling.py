@@ -80,7 +80,7 @@ def tier_scheduler(num_blocks: int = 64, **kwargs):
     sched, _ = make_scheduler(num_blocks=num_blocks, **kwargs)
     store = FakeStore()
     connector = KVStoreConnector(store, FakeWriter(store), BLOCK)  # type: ignore[arg-type]
-    sched.kv_store = connector
+    sched.kv_connector = connector
     return sched, TierRunner(num_blocks), connector, store
 
 

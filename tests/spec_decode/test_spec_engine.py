@@ -263,8 +263,8 @@ def test_drafts_never_cached_and_accepted_blocks_cached_in_the_step_they_fill(de
         mgr.check_invariants()
         accepted = engine.get_metrics()["spec_decode_num_accepted_tokens"] > accepted_before
         for request in engine.scheduler.running:
-            for manager in mgr.coordinator.managers:
-                cached = manager.num_cached_block[request.request_id]
+            for group_id in range(mgr.num_groups):
+                cached = mgr.num_cached_blocks(request, group_id)
                 assert cached == min(request.num_computed_tokens // 4, len(request.block_hashes))
             before = computed_before.get(request.request_id, 0)
             if accepted and request.num_computed_tokens // 4 > (before + 1) // 4:

@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING
 
 from prefixserve.config import SchedulerConfig
 from prefixserve.core.request import Request, RequestStatus
-from prefixserve.core.sched.admission_order import promote_longest_prefix
 from prefixserve.core.sched.fair_share import (
     WaitingQueue,
     preemption_victim,
@@ -40,6 +39,7 @@ from prefixserve.core.sched.output import (
     SchedulerOutput,
 )
 from prefixserve.core.sched.prefill_dedup import prefill_in_flight, waits_for_prefill
+from prefixserve.core.sched.prefix_order import promote_longest_prefix
 from prefixserve.core.sched.step_results import (
     RequestUpdate,
     SchedulerStats,
@@ -97,7 +97,7 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.requests: dict[str, Request] = {}
         # The disk tier's load side (kv_store/connector.py), set by the engine when it has one.
-        self.kv_store: KVStoreConnector | None = None
+        self.kv_connector: KVStoreConnector | None = None
         self.fair = config.scheduling_policy == "fair"
         self.waiting = WaitingQueue(per_tenant=self.fair)
         self.running: list[Request] = []
@@ -269,7 +269,7 @@ class Scheduler:
         mgr = self.kv_cache_manager
         assert request.num_computed_tokens == 0, request
         computed_blocks, num_computed = mgr.get_computed_blocks(request)
-        num_on_disk = self.kv_store.match(request, num_computed) if self.kv_store else 0
+        num_on_disk = self.kv_connector.match(request, num_computed) if self.kv_connector else 0
         num_loaded = num_on_disk * mgr.block_size
         if waits_for_prefill(request, num_computed + num_loaded, mgr.block_size, in_flight):
             return False
@@ -292,10 +292,10 @@ class Scheduler:
         self.waiting.pop(request)
         self.running.append(request)
         in_flight |= prefill_in_flight((request,), mgr)
-        if num_on_disk and self.kv_store is not None:
+        if num_on_disk and self.kv_connector is not None:
             # Blocks whose read fails are computed instead, from this chunk on (their slots are
             # allocated already).
-            num_loaded = self.kv_store.load_into_pool(
+            num_loaded = self.kv_connector.load_into_pool(
                 mgr, request, num_computed, num_on_disk, plan.kv_loads
             )
         self._start_running(request, num_computed, num_loaded)

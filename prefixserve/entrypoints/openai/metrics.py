@@ -50,23 +50,23 @@ E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320
 
 
 class _EngineCollector(Collector):
-    """Exports the latest `LLMEngine.get_metrics()` snapshot handed to `update`."""
+    """Exports the latest `LLMEngine.get_metrics()` dict handed to `update`."""
 
     def __init__(self) -> None:
-        self.snapshot: dict[str, Any] = {}
+        self.latest: dict[str, Any] = {}
 
     def collect(self) -> Iterator[Metric]:
-        snapshot = self.snapshot
+        latest = self.latest
         for key, (name, doc) in ENGINE_COUNTERS.items():
             counter = CounterMetricFamily(PREFIX + name, doc)
-            counter.add_metric([], float(snapshot.get(key, 0)))
+            counter.add_metric([], float(latest.get(key, 0)))
             yield counter
         for key, (name, doc) in ENGINE_GAUGES.items():
             gauge = GaugeMetricFamily(PREFIX + name, doc)
-            gauge.add_metric([], float(snapshot.get(key, 0)))
+            gauge.add_metric([], float(latest.get(key, 0)))
             yield gauge
         # Anything else numeric the engine reports, as a gauge under its own name.
-        for key, value in sorted(snapshot.items()):
+        for key, value in sorted(latest.items()):
             if key in ENGINE_COUNTERS or key in ENGINE_GAUGES:
                 continue
             if isinstance(value, bool) or not isinstance(value, int | float):
@@ -75,7 +75,7 @@ class _EngineCollector(Collector):
             gauge.add_metric([], float(value))
             yield gauge
         # With replicas (cluster/): each replica's numbers, labelled (the above are their sums).
-        replicas = snapshot.get("replicas") or {}
+        replicas = latest.get("replicas") or {}
         keys = sorted({k for m in replicas.values() for k, v in m.items() if _is_number(v)})
         for key in keys:
             gauge = GaugeMetricFamily(
@@ -140,8 +140,8 @@ class ServerMetrics:
             registry=self.registry,
         )
 
-    def update_engine(self, snapshot: dict[str, Any]) -> None:
-        self._engine.snapshot = dict(snapshot)
+    def update_engine(self, metrics: dict[str, Any]) -> None:
+        self._engine.latest = dict(metrics)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

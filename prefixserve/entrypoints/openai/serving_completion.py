@@ -7,9 +7,9 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from prefixserve.entrypoints.openai import protocol as p
+from prefixserve.entrypoints.openai.embeds_wire import decode_prompt_embeds
 from prefixserve.entrypoints.openai.errors import OpenAIError
 from prefixserve.entrypoints.openai.models import check_model, lora_request_for
-from prefixserve.entrypoints.openai.prompt_embeds import decode_prompt_embeds
 from prefixserve.entrypoints.openai.prompts import check_prompt_text, off_loop
 from prefixserve.entrypoints.openai.serving import (
     Delta,

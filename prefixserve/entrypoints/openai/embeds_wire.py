@@ -1,6 +1,6 @@
 """`prompt_embeds` over HTTP (vLLM's wire form): a base64 string of `torch.save` bytes holding one
 2-D float tensor. Decoded here, off the event loop, before anything reaches the engine (which then
-checks shape, dtype and values: prefixserve/prompt_embeds.py).
+checks shape, dtype and values: engine/prompt_embeds.py).
 
 What an attacker controls is a zip archive and a pickle: the bytes must start as a zip archive
 does (torch.load picks its reader from the first bytes, zipfile looks at the end), the archive
