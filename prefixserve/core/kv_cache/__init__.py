@@ -1,6 +1,6 @@
 """The prefix-cache core (pure Python, no torch): which KV blocks a request can reuse.
 
-Read in data-flow order: hashing -> free_queue (eviction: the policies, slru, cost_aware) ->
+Read in data-flow order: hashing -> eviction/ (the free queue: lru, slru, cost_aware) ->
 block_pool -> single_type -> coordinator -> kv_cache_manager (sizing: how many blocks a request
 needs and the pool gets).
 """
