@@ -1,8 +1,9 @@
-"""Eviction policies of the free queue (prefixserve/kv_cache/eviction.py, slru.py, cost_aware.py).
+"""Eviction policies of the free queue (prefixserve/core/kv_cache/eviction/: policies.py, lru.py,
+slru.py, cost_aware.py).
 
-Exact cases pin each policy's order, named after its rule; a stateful property test holds every
-policy to what no policy may do: hand out a block in use or pinned, or break the pool's
-invariants.
+Exact cases pin each policy's order, named after its rule; a recording policy pins when the pool
+calls the hooks; a stateful property test holds every policy to what no policy may do: hand out
+a block in use or pinned, or break the pool's invariants.
 """
 
 from __future__ import annotations
@@ -23,11 +24,19 @@ from prefixserve.core.kv_cache.eviction.slru import SegmentedLRUQueue
 BS = 4
 
 
-def cached(block_id: int, hits: int = 0, depth: int = 0) -> KVCacheBlock:
-    """A block as the pool leaves it once cached (and hit `hits` times)."""
+# Queues built without a pool are sized for block ids below this.
+NUM_IDS = 256
+
+
+def cached(queue, block_id: int, hits: int = 0, depth: int = 0) -> KVCacheBlock:
+    """A block as the pool leaves it once cached at table index `depth` and hit `hits` times:
+    through `queue`'s hooks, as the pool calls them."""
     block = KVCacheBlock(block_id)
     block.block_hash, block.token_ids = bytes([block_id]), [block_id]
-    block.hits, block.depth = hits, depth
+    table = [KVCacheBlock(0)] * depth + [block]
+    queue.on_cache(table, [depth])
+    for _ in range(hits):
+        queue.on_hit([block])
     return block
 
 
@@ -105,14 +114,31 @@ def test_check_invariants_catches_a_free_block_with_a_reference(policy):
         pool.check_invariants()
 
 
-def test_lru_keeps_no_hit_counts_the_others_count_every_reference():
-    for policy, expected in (("lru", 0), ("slru", 2), ("cost", 2)):
+def test_the_policies_count_every_reference_on_their_own_not_on_the_block():
+    for policy in EVICTION_POLICIES:
         pool = BlockPool(4, eviction_policy=policy)
         _, (block,) = cache_prompt(pool, "a", [1, 2, 3, 4])
+        queue = pool.free_block_queue
+        if policy == "slru":
+            assert not queue.is_reused(block)
         pool.touch([block])  # a hit while in use
         pool.free_blocks([block, block])
         pool.touch([block])  # a hit on a free block
-        assert block.hits == expected, policy
+        if policy == "slru":
+            assert queue.is_reused(block)
+        if policy == "cost":
+            assert queue.hits(block) == 2 and queue.depth(block) == 0
+        # KVCacheBlock carries no policy's state: only the pool's fields and the LRU links.
+        assert not hasattr(block, "hits") and not hasattr(block, "evict_key")
+        # Evicted and cached again for other content, a block starts unhit.
+        pool.free_blocks([block])
+        _, blocks = cache_prompt(pool, "b", list(range(5, 17)))  # all three blocks
+        again = blocks[[b.block_id for b in blocks].index(block.block_id)]
+        if policy == "slru":
+            assert not queue.is_reused(again)
+        if policy == "cost":
+            assert queue.hits(again) == 0 and queue.depth(again) == blocks.index(again)
+        pool.check_invariants()
 
 
 # ----------------------------------------------------------------------------- slru
@@ -129,8 +155,14 @@ def test_slru_evicts_blocks_never_hit_before_blocks_hit_again():
 
 
 def test_slru_keeps_lru_order_inside_each_segment_and_protected_goes_last():
-    queue = SegmentedLRUQueue([])
-    blocks = [cached(1), cached(2, hits=1), cached(3), cached(4, hits=2), KVCacheBlock(5)]
+    queue = SegmentedLRUQueue([], NUM_IDS)
+    blocks = [
+        cached(queue, 1),
+        cached(queue, 2, hits=1),
+        cached(queue, 3),
+        cached(queue, 4, hits=2),
+        KVCacheBlock(5),
+    ]
     queue.append_n(blocks)
     assert queue.block_ids() == [1, 3, 5, 2, 4]
     assert ids(queue.popleft_n(4)) == [1, 3, 5, 2]
@@ -140,8 +172,8 @@ def test_slru_demotes_the_least_recently_freed_protected_block_past_its_bound():
     queue = SegmentedLRUQueue([KVCacheBlock(i) for i in range(10, 13)], protected_fraction=0.7)
     assert queue.protected_capacity == 2
     queue.popleft_n(3)
-    queue.append_n([cached(1, hits=1), cached(2, hits=1), cached(3)])
-    queue.append_n([cached(4, hits=1)])
+    queue.append_n([cached(queue, 1, hits=1), cached(queue, 2, hits=1), cached(queue, 3)])
+    queue.append_n([cached(queue, 4, hits=1)])
     # 1 was the protected block freed first: it goes to probation's tail, behind 3.
     assert ids(queue.probation) == [3, 1] and ids(queue.protected) == [2, 4]
     assert queue.block_ids() == [3, 1, 2, 4]
@@ -149,9 +181,11 @@ def test_slru_demotes_the_least_recently_freed_protected_block_past_its_bound():
 
 
 def test_slru_an_uncached_block_is_never_protected_even_after_hits():
-    block = cached(1, hits=3)
-    block.block_hash = None
-    queue = SegmentedLRUQueue([block])
+    queue = SegmentedLRUQueue([KVCacheBlock(i) for i in range(10, 20)], NUM_IDS)
+    queue.popleft_n(10)
+    block = cached(queue, 1, hits=3)
+    block.block_hash = None  # uncached since (its K/V was never written)
+    queue.append_n([block])
     assert queue.probation.num_free_blocks == 1 and queue.protected.num_free_blocks == 0
 
 
@@ -179,56 +213,61 @@ def test_slru_reset_puts_protected_blocks_back_in_probation_in_order():
 
 
 def test_cost_evicts_uncached_blocks_first():
-    queue = CostAwareQueue([])
-    queue.append_n([cached(1), KVCacheBlock(2), cached(3, depth=5), KVCacheBlock(4)])
+    queue = CostAwareQueue([], NUM_IDS)
+    queue.append_n([cached(queue, 1), KVCacheBlock(2), cached(queue, 3, depth=5), KVCacheBlock(4)])
     assert queue.block_ids() == [2, 4, 1, 3]
 
 
 def test_cost_a_block_hit_more_often_outlives_one_hit_less():
-    queue = CostAwareQueue([])
-    queue.append_n([cached(1, hits=2), cached(2, hits=1), cached(3, hits=0)])
+    queue = CostAwareQueue([], NUM_IDS)
+    queue.append_n([cached(queue, 1, hits=2), cached(queue, 2, hits=1), cached(queue, 3, hits=0)])
     assert queue.block_ids() == [3, 2, 1]
 
 
 def test_cost_a_deeper_block_costs_more_to_recompute():
-    queue = CostAwareQueue([])
-    queue.append_n([cached(1, depth=int(ATTENTION_DEPTH_BLOCKS))])  # worth 2
-    queue.append_n([cached(2, depth=0, hits=1)])  # worth 2 too, freed later: after it
-    queue.append_n([cached(3, depth=10)])  # worth 1.05
-    queue.append_n([cached(4, depth=0)])  # worth 1
+    queue = CostAwareQueue([], NUM_IDS)
+    queue.append_n([cached(queue, 1, depth=int(ATTENTION_DEPTH_BLOCKS))])  # worth 2
+    queue.append_n([cached(queue, 2, depth=0, hits=1)])  # worth 2 too, freed later: after it
+    queue.append_n([cached(queue, 3, depth=10)])  # worth 1.05
+    queue.append_n([cached(queue, 4, depth=0)])  # worth 1
     assert queue.block_ids() == [4, 3, 1, 2]
 
 
 def test_cost_a_block_is_worth_the_chain_freed_after_it():
-    queue = CostAwareQueue([])
+    queue = CostAwareQueue([], NUM_IDS)
     # A chain freed tail first (depths 2, 1, 0): worth ~1.01, ~2.02 and ~3.02; a lone block
     # hit once (worth 2) goes after the chain's tail but before its two first blocks.
-    queue.append_n([cached(3, depth=2), cached(2, depth=1), cached(1, depth=0)])
-    queue.append_n([cached(9, hits=1)])
+    queue.append_n(
+        [cached(queue, 3, depth=2), cached(queue, 2, depth=1), cached(queue, 1, depth=0)]
+    )
+    queue.append_n([cached(queue, 9, hits=1)])
     assert queue.block_ids() == [3, 9, 2, 1]
     # Depths that do not follow each other are separate chains: each block is worth itself.
-    queue = CostAwareQueue([])
-    queue.append_n([cached(5, depth=7), cached(6, depth=2), cached(7, depth=1)])
+    queue = CostAwareQueue([], NUM_IDS)
+    queue.append_n(
+        [cached(queue, 5, depth=7), cached(queue, 6, depth=2), cached(queue, 7, depth=1)]
+    )
     assert queue.block_ids() == [6, 5, 7]
 
 
 def test_cost_ages_priorities_like_gdsf():
-    queue = CostAwareQueue([])
-    queue.append_n([cached(1, hits=3)])  # worth 4: priority 4 at L = 0
+    queue = CostAwareQueue([], NUM_IDS)
+    queue.append_n([cached(queue, 1, hits=3)])  # worth 4: priority 4 at L = 0
     for block_id in (2, 3, 4):  # one-off blocks freed and evicted one after the other
-        queue.append_n([cached(block_id)])  # priority L + 1
+        queue.append_n([cached(queue, block_id)])  # priority L + 1
         assert ids(queue.popleft_n(1)) == [block_id]
     assert queue.inflation == 3.0
     # L has risen to 3: a one-off block freed now (priority 4) ties with the old popular block,
     # which was freed first and goes first. Without ageing it would stay forever.
-    queue.append_n([cached(5)])
+    queue.append_n([cached(queue, 5)])
     assert [queue.priority(b) for b in queue] == [4.0, 4.0]
     assert queue.block_ids() == [1, 5]
 
 
 def test_cost_hits_on_free_blocks_blank_entries_and_the_heap_is_rebuilt():
-    blocks = [cached(i) for i in range(1, 201)]
-    queue = CostAwareQueue(blocks)
+    queue = CostAwareQueue([], NUM_IDS)
+    blocks = [cached(queue, i) for i in range(1, 201)]
+    queue.append_n(blocks)
     for block in blocks[:150]:
         queue.remove(block)
         queue.check()

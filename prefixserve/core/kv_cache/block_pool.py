@@ -1,7 +1,9 @@
 """The hash -> block map and the BlockPool that owns it, the blocks and their free queue.
 
-KVCacheBlock and the LRU free queue are in free_queue.py (the queue's links live on the blocks);
-the free queue is an eviction policy picked by name (eviction.py: "lru", "slru", "cost").
+KVCacheBlock and the LRU free queue are in eviction/lru.py (the queue's links live on the
+blocks); the free queue is an eviction policy picked by name (eviction/policies.py: "lru", "slru",
+"cost"). The pool calls the policy's hooks at the moments policies.py lists (on_cache, on_hit,
+append_n when blocks are freed, on_evict) and never asks which policy it has.
 
 Vocabulary:
   free     a block nobody references (ref count 0). It sits in the free queue and, when it was
@@ -144,7 +146,8 @@ class BlockPool:
 
     Block 0 is the null block: a placeholder in block tables (sliding-window groups put it where
     they released a block); it is never allocated, freed, cached or touched. `eviction_policy`
-    names the free queue's policy (eviction.py; ValueError listing the names for another).
+    names the free queue's policy (eviction/policies.py; ValueError listing the names for
+    another).
     """
 
     def __init__(
@@ -166,10 +169,8 @@ class BlockPool:
         self.null_block = self.blocks[0]
         self.null_block.is_null = True
         self.null_block.ref_cnt = 1
-        self.free_block_queue = make_free_queue(eviction_policy, self.blocks[1:])
+        self.free_block_queue = make_free_queue(eviction_policy, self.blocks[1:], num_blocks)
         self.eviction_policy = eviction_policy
-        # The policy wants hit counts and chain depths kept on the blocks (not LRU's case).
-        self._tracks_use = self.free_block_queue.tracks_use
         # Indexed by group id.
         self.cached_block_hash_to_block = [BlockHashToBlockMap(g) for g in range(num_groups)]
         self.events: list[KVCacheEvent] = []
@@ -222,18 +223,17 @@ class BlockPool:
     ) -> None:
         """Give blocks[num_cached_blocks:num_full_blocks] the request's hashes and map them.
 
-        Blocks that already carry a hash (cache hits) and null blocks are skipped. With events
-        enabled, one BlockStored is recorded per contiguous run of newly cached blocks (each
-        block's parent is the one before it); `extra_keys_fn(request, start, end)` supplies
-        their per-block extra keys.
+        Blocks that already carry a hash (cache hits) and null blocks are skipped; the newly
+        cached ones reach the policy's `on_cache`. With events enabled, one BlockStored is
+        recorded per contiguous run of newly cached blocks (each block's parent is the one
+        before it); `extra_keys_fn(request, start, end)` supplies their per-block extra keys.
         """
         if num_cached_blocks >= num_full_blocks:
             return
         hashes = request.block_hashes
         tokens = request.all_token_ids
-        events = self.enable_kv_cache_events
-        track = self._tracks_use
-        stored: list[int] = []
+        stored: list[int] = []  # table indices of the blocks cached now
+        store = stored.append
         start = num_cached_blocks * block_size
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
@@ -242,16 +242,17 @@ class BlockPool:
                 block.block_hash = hashes[i]
                 block.group_id = group_id
                 block.token_ids = tokens[start:end]
-                if events:
-                    stored.append(i)
-                if track:
-                    block.hits = 0
-                    block.depth = i
+                store(i)
             start = end  # hits and null blocks in the range are left as they are
         self.cached_block_hash_to_block[group_id].insert(blocks[num_cached_blocks:num_full_blocks])
+        if not stored:
+            return
+        self.free_block_queue.on_cache(blocks, stored)
+        if not self.enable_kv_cache_events:
+            return
         # One event per contiguous run: each block's parent is the one before it in its event.
         cuts = [k for k in range(1, len(stored)) if stored[k] != stored[k - 1] + 1]
-        for a, b in zip([0, *cuts], [*cuts, len(stored)], strict=True) if stored else ():
+        for a, b in zip([0, *cuts], [*cuts, len(stored)], strict=True):
             run = stored[a:b]
             first = run[0]
             self.events.append(
@@ -272,7 +273,9 @@ class BlockPool:
             )
 
     def _evict(self, blocks: Sequence[KVCacheBlock]) -> None:
-        """Unmap the cached blocks among `blocks` and clear their hashes; others are skipped."""
+        """Unmap the cached blocks among `blocks` and clear their hashes; others are skipped.
+        The policy's `on_evict` sees them first, hashes still set."""
+        self.free_block_queue.on_evict(blocks)
         if self.enable_kv_cache_events:
             self.events += [
                 BlockRemoved(block_hashes=[block.block_hash], group_idx=block.group_id)
@@ -304,33 +307,24 @@ class BlockPool:
         self._evict(blocks)
         return blocks
 
-    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Take a reference on each block (a cache hit); a free block leaves the free queue.
-
-        Under a policy that tracks use, each reference taken also counts in `block.hits`.
-        """
+    def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Take a reference on each block (a cache hit or a pin); a free block leaves the free
+        queue. Then the policy's `on_hit` sees them all (null blocks included)."""
         queue = self.free_block_queue
-        if self._tracks_use:
-            for block in blocks:
-                if block.is_null:
-                    continue
-                if block.ref_cnt == 0:
-                    queue.remove(block)
-                block.ref_cnt += 1
-                block.hits += 1
-            return
         for block in blocks:
             if block.is_null:
                 continue
             if block.ref_cnt == 0:
                 queue.remove(block)
             block.ref_cnt += 1
+        queue.on_hit(blocks)
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop a reference on each block; those reaching 0 join the queue tail in this order.
 
         Freeing never evicts: a cached block keeps its hash and can be hit until it is popped.
-        Callers pass a request's blocks tail first, so its last block is evicted first.
+        Callers pass a request's blocks tail first, so its last block is evicted first. The
+        policy's `append_n` is its free hook.
         """
         freed: list[KVCacheBlock] = []
         append = freed.append

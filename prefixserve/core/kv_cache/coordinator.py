@@ -118,6 +118,17 @@ class KVCacheCoordinator:
             if manager.num_cached_block[request_id] < num_full:
                 manager.cache_blocks(request, num_tokens)
 
+    def num_cached_blocks(self, request_id: str, group_id: int = 0) -> int:
+        """Leading blocks of the request's table in group `group_id` that are cached (or null);
+        0 for a request holding no table."""
+        return self.managers[group_id].num_cached_block.get(request_id, 0)
+
+    def uncache_from(self, request_id: str, first: int) -> None:
+        """Forget the hashes of the request's blocks from table index `first` on, in every
+        group, and cap its cached count there at `first`."""
+        for manager in self.managers:
+            manager.uncache_from(request_id, first)
+
     def free(self, request_id: str) -> None:
         """Release the request's blocks in every group, each table tail first."""
         for manager in self.managers:

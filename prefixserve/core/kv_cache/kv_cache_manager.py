@@ -64,7 +64,10 @@ class KVCacheManager:
     """Prefix-cache lookups and block allocation for every request, over all KV-cache groups.
 
     `eviction_policy` names the free queue's policy: "lru" (the default), "slru" or "cost"
-    (`eviction.py`); another name is a ValueError listing them.
+    (`eviction/policies.py`); another name is a ValueError listing them.
+
+    Callers outside `core/kv_cache/` go through these methods only, never the coordinator or
+    its per-group managers.
     """
 
     def __init__(
@@ -231,13 +234,7 @@ class KVCacheManager:
         never be hit. The request's cached count goes back too, so a request that goes on caches
         them again once they are computed.
         """
-        first = num_computed_tokens // self.block_size
-        for manager in self.coordinator.managers:
-            blocks = manager.req_to_blocks.get(request.request_id, ())
-            self.block_pool.uncache_blocks(blocks[first:])
-            # A request that goes on (a failed disk-tier read) caches them again once computed.
-            if manager.num_cached_block.get(request.request_id, 0) > first:
-                manager.num_cached_block[request.request_id] = first
+        self.coordinator.uncache_from(request.request_id, num_computed_tokens // self.block_size)
 
     def uncache_block_ids(self, block_ids: Iterable[int]) -> None:
         """Forget the hashes of these blocks (disk-tier loads of a step whose pass failed: the
@@ -250,6 +247,14 @@ class KVCacheManager:
     def get_blocks(self, request: Request) -> KVCacheBlocks:
         """The request's block tables (a copy)."""
         return KVCacheBlocks(self.coordinator.get_blocks(request.request_id))
+
+    def num_cached_blocks(self, request: Request, group_id: int = 0) -> int:
+        """Leading blocks of `request`'s table in KV-cache group `group_id` that are cached (or
+        null): its hits and the full blocks it has computed, or is computing this step
+        (allocate_slots caches a step's full blocks before the forward pass). 0 for a request
+        holding no blocks. The blocks after these are the ones it has still to compute and
+        cache."""
+        return self.coordinator.num_cached_blocks(request.request_id, group_id)
 
     def get_block_ids(self, request: Request) -> tuple[list[int], ...]:
         """The request's block ids, one list per group; 0 stands for the null block."""

@@ -150,6 +150,14 @@ class SingleTypeKVCacheManager:
         )
         self.num_cached_block[request_id] = num_full
 
+    def uncache_from(self, request_id: str, first: int) -> None:
+        """Forget the hashes of the request's blocks from table index `first` on, and count
+        only the blocks before it as cached (they are cached again once computed)."""
+        blocks = self.req_to_blocks.get(request_id, ())
+        self.block_pool.uncache_blocks(blocks[first:])
+        if self.num_cached_block.get(request_id, 0) > first:
+            self.num_cached_block[request_id] = first
+
     def free(self, request_id: str) -> None:
         """Release the request's blocks, tail first (its last block will be evicted first)."""
         blocks = self.req_to_blocks.pop(request_id, None)

@@ -24,12 +24,12 @@ if TYPE_CHECKING:
 def prefill_in_flight(running: Iterable[Request], kv_cache_manager: KVCacheManager) -> set[bytes]:
     """Hashes of the full prompt blocks running requests have still to compute (those past the
     blocks already cached for them, in the first KV-cache group)."""
-    manager = kv_cache_manager.coordinator.managers[0]
+    num_cached_blocks = kv_cache_manager.num_cached_blocks
     block_size = kv_cache_manager.block_size
     hashes: set[bytes] = set()
     for request in running:
         prompt_blocks = min(request.num_prompt_tokens // block_size, len(request.block_hashes))
-        cached = manager.num_cached_block.get(request.request_id, 0)
+        cached = num_cached_blocks(request)
         if cached < prompt_blocks:
             hashes.update(request.block_hashes[cached:prompt_blocks])
     return hashes

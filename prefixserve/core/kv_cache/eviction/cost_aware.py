@@ -2,9 +2,11 @@
 
 Value of keeping a cached block = expected reuse x recompute cost, where
 
-  expected reuse  1 + `block.hits`, the references taken since the block was cached (cache hits,
-                  on free blocks or on blocks other requests hold, and pins);
-  recompute cost  1 + depth / ATTENTION_DEPTH_BLOCKS: a block's linear layers cost the same at
+  expected reuse  1 + hits, the references taken since the block was cached (cache hits, on
+                  free blocks or on blocks other requests hold, and pins: `on_hit` counts them,
+                  `on_cache` starts them at 0);
+  recompute cost  1 + depth / ATTENTION_DEPTH_BLOCKS, depth the block's index in the table of
+                  the request that cached it (`on_cache`): a block's linear layers cost the same at
                   any position, its attention grows with the position. For the default model
                   (SmolLM2-135M: 30 layers, width 576, ~106M weights outside the embeddings) one
                   token's attention costs 4*30*576*T FLOPs at position T against 2*106M for its
@@ -25,7 +27,8 @@ A binary heap of int keys, priority (in 1/256ths) above a sequence number (FIFO 
 priorities), with a dict key -> block beside it: ints compare in C (alloc+free ran 2-3x slower
 with [priority, sequence, block] list entries). A hit on a free block drops its dict entry and
 leaves the key in the heap (lazy deletion); the heap is rebuilt without the dead keys once they
-outnumber the live ones. O(log n) per block.
+outnumber the live ones. O(log n) per block. The policy's per-block state, hits, depth and heap
+key, is kept in lists of its own indexed by block id.
 """
 
 from __future__ import annotations
@@ -43,14 +46,23 @@ _MIN_DEAD_TO_REBUILD = 64
 
 
 class CostAwareQueue:
-    """Free blocks in a heap by GDSF priority; `block.evict_key` is the block's heap key."""
+    """Free blocks in a heap by GDSF priority.
 
-    __slots__ = ("_heap", "_blocks", "_seq", "_base", "num_free_blocks")
+    Indexed by block id, below `num_blocks` (the pool's size; by default one more than the
+    largest id of `blocks`): `_hits` and `_depth` (set when the block was cached, counted on each
+    hit) and `_key`, a free block's heap key (None while it is not free).
+    """
+
+    __slots__ = ("_heap", "_blocks", "_seq", "_base", "num_free_blocks", "_hits", "_depth", "_key")
 
     name = "cost"
-    tracks_use = True
 
-    def __init__(self, blocks: Sequence[KVCacheBlock]) -> None:
+    def __init__(self, blocks: Sequence[KVCacheBlock], num_blocks: int | None = None) -> None:
+        if num_blocks is None:
+            num_blocks = 1 + max((block.block_id for block in blocks), default=0)
+        self._hits = [0] * num_blocks
+        self._depth = [0] * num_blocks
+        self._key: list[int | None] = [None] * num_blocks
         self._heap: list[int] = []
         self._blocks: dict[int, KVCacheBlock] = {}  # live key -> block
         self._seq = 0
@@ -69,6 +81,7 @@ class CostAwareQueue:
             raise ValueError(f"cannot pop {n} blocks: only {self.num_free_blocks} are free")
         heap = self._heap
         take = self._blocks.pop
+        keys = self._key
         out: list[KVCacheBlock] = []
         append = out.append
         key = -1
@@ -76,7 +89,7 @@ class CostAwareQueue:
             key = heappop(heap)
             block = take(key, None)
             if block is not None:
-                block.evict_key = None
+                keys[block.block_id] = None
                 append(block)
         if key >= 0:
             self._base = key >> _SEQ_BITS
@@ -87,10 +100,30 @@ class CostAwareQueue:
         """Remove and return the next block to evict (ValueError when empty)."""
         return self.popleft_n(1)[0]
 
+    # The pool's hooks (policies.py).
+
+    def on_cache(self, table: Sequence[KVCacheBlock], indices: Sequence[int]) -> None:
+        """Blocks just cached: no hits yet, their depth is their index in the table."""
+        hits, depths = self._hits, self._depth
+        for i in indices:
+            block_id = table[i].block_id
+            hits[block_id] = 0
+            depths[block_id] = i
+
+    def on_hit(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """One more reference on each block (counting the null block's is harmless)."""
+        hits = self._hits
+        for block in blocks:
+            hits[block.block_id] += 1
+
+    def on_evict(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Nothing: a block without a hash is worth 0, and `on_cache` restarts its counts."""
+
     def append_n(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Freed blocks, valued as the module docstring says (chains: tail first)."""
         heap = self._heap
         live = self._blocks
+        hits, depths, keys = self._hits, self._depth, self._key
         base = self._base
         seq = self._seq
         scale = float(PRIORITY_SCALE)
@@ -99,17 +132,18 @@ class CostAwareQueue:
         child_depth = -2  # depth of the block freed just before, if it was cached
         count = 0
         for block in blocks:
+            block_id = block.block_id
             if block.block_hash is None:
                 chain_value = 0
                 child_depth = -2
             else:
-                depth = block.depth
-                own = int((1 + block.hits) * (scale + depth * depth_scale))
+                depth = depths[block_id]
+                own = int((1 + hits[block_id]) * (scale + depth * depth_scale))
                 chain_value = own + chain_value if depth == child_depth - 1 else own
                 child_depth = depth
             seq += 1
             key = (base + chain_value) << _SEQ_BITS | seq
-            block.evict_key = key
+            keys[block_id] = key
             live[key] = block
             heappush(heap, key)
             count += 1
@@ -122,11 +156,11 @@ class CostAwareQueue:
 
     def remove(self, block: KVCacheBlock) -> None:
         """Take `block` off the queue (a hit on a free block); its key stays in the heap, dead."""
-        key = block.evict_key
+        key = self._key[block.block_id]
         if key is None:
             raise ValueError(f"{block!r} is not in the free queue")
         del self._blocks[key]
-        block.evict_key = None
+        self._key[block.block_id] = None
         self.num_free_blocks -= 1
         num_dead = len(self._heap) - self.num_free_blocks
         if num_dead > _MIN_DEAD_TO_REBUILD and num_dead > self.num_free_blocks:
@@ -144,11 +178,19 @@ class CostAwareQueue:
 
     def holds(self, block: KVCacheBlock) -> bool:
         """Whether `block` has a live key in the heap."""
-        return block.evict_key is not None
+        return self._key[block.block_id] is not None
 
     def priority(self, block: KVCacheBlock) -> float:
         """The priority of a free block (GDSF's L at its freeing + its value)."""
-        return (block.evict_key >> _SEQ_BITS) / PRIORITY_SCALE
+        return (self._key[block.block_id] >> _SEQ_BITS) / PRIORITY_SCALE
+
+    def hits(self, block: KVCacheBlock) -> int:
+        """References taken on `block` since it was cached."""
+        return self._hits[block.block_id]
+
+    def depth(self, block: KVCacheBlock) -> int:
+        """`block`'s index in the table of the request that cached it."""
+        return self._depth[block.block_id]
 
     def reset(self) -> None:
         """No block is cached any more: every block is worth 0, in its current order."""
@@ -171,6 +213,6 @@ class CostAwareQueue:
         keys = set(heap)
         for key, block in live.items():
             assert key in keys, f"{block!r}'s key is not in the heap"
-            assert block.evict_key == key, f"{block!r} does not own its heap key"
+            assert self._key[block.block_id] == key, f"{block!r} does not own its heap key"
             assert key >> _SEQ_BITS >= self._base, f"{block!r} is valued below the inflation L"
         return list(self)

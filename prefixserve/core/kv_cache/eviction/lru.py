@@ -1,9 +1,10 @@
 """KVCacheBlock and the LRU free queue: the blocks nobody references, in eviction order.
 
 The queue is intrusive: its links live in the blocks' own slots, which is why the block type is
-defined here. The BlockPool (block_pool.py) owns one queue and goes through these methods only;
-`eviction.py` names the operations every eviction policy has and picks a policy by name. LRU is
+defined here. The BlockPool (block_pool.py) owns one queue and goes through these methods and
+hooks only; `policies.py` names what every eviction policy has and picks a policy by name. LRU is
 the default; `slru.py` and `cost_aware.py` are the others (SLRU reuses this class per segment).
+LRU keeps no state beyond the links: its hooks do nothing.
 """
 
 from __future__ import annotations
@@ -23,9 +24,6 @@ class KVCacheBlock:
         "prev_free",
         "next_free",
         "is_null",
-        "hits",
-        "depth",
-        "evict_key",
     )
 
     def __init__(self, block_id: int) -> None:
@@ -40,13 +38,8 @@ class KVCacheBlock:
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
         self.is_null = False
-        # Kept only under a policy with `tracks_use` (the pool sets them; LRU leaves them alone):
-        # references taken since the block was cached (cache hits and pins), and its position in
-        # the request's chain when it was cached (0: the first block of a prompt).
-        self.hits = 0
-        self.depth = 0
-        # Policy-private: the SLRU segment the block sits in, the cost-aware policy's heap entry.
-        self.evict_key: object = None
+        # Nothing else: a policy that keeps more per block (hit counts, chain depths, a segment
+        # mark, a heap key) keeps it itself, indexed by block_id (policies.py).
 
     def __repr__(self) -> str:
         cached = "" if self.block_hash is None else f", hash={self.block_hash[:4].hex()}"
@@ -63,10 +56,9 @@ class FreeKVCacheBlockQueue:
     __slots__ = ("head", "tail", "num_free_blocks")
 
     name = "lru"
-    # LRU needs neither hit counts nor chain depths: the pool skips that bookkeeping.
-    tracks_use = False
 
-    def __init__(self, blocks: Sequence[KVCacheBlock]) -> None:
+    def __init__(self, blocks: Sequence[KVCacheBlock], num_blocks: int | None = None) -> None:
+        """`num_blocks` is the pool's size (the policy protocol's; LRU keeps nothing per id)."""
         self.head = KVCacheBlock(-1)  # sentinels: never in a block table
         self.tail = KVCacheBlock(-1)
         self.head.next_free = self.tail
@@ -94,6 +86,17 @@ class FreeKVCacheBlockQueue:
     def popleft(self) -> KVCacheBlock:
         """Remove and return the head block (ValueError when empty)."""
         return self.popleft_n(1)[0]
+
+    # The pool's hooks (policies.py): LRU orders blocks by freeing alone and ignores them.
+
+    def on_cache(self, table: Sequence[KVCacheBlock], indices: Sequence[int]) -> None:
+        """Blocks just cached: nothing to do."""
+
+    def on_hit(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """References taken: nothing to do (a free one was already `remove`d)."""
+
+    def on_evict(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Hashes about to be dropped: nothing to do."""
 
     def append_n(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Put `blocks` at the tail in this order (the last one is evicted last)."""

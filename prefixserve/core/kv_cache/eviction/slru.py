@@ -4,7 +4,7 @@ Two LRU segments of free blocks, each an intrusive list (free_queue.py's class, 
 
   probation  blocks never hit since they were cached, and blocks that are not cached at all
   protected  cached blocks hit at least once since they were cached (a hit on a block in use
-             counts: the pool counts every reference taken, `block.hits`); bounded to
+             counts: every reference the pool takes reaches `on_hit`); bounded to
              `protected_fraction` of the pool (80%, as in Caffeine's SLRU)
 
 A freed block joins the tail of its segment, in the order the pool frees them; eviction takes the
@@ -21,6 +21,10 @@ evict a chain's head and leave its tail cached and unreachable. S3-FIFO's advant
 that admits a block evicted once straight into its main queue, needs a second hash set beside the
 pool's map and only helps a block missed again soon after; cyclic reuse larger than the pool (the
 W4 pressure workload) thrashes both. SLRU costs O(1) per block, like LRU.
+
+Per block, beside the links, SLRU keeps two bytes of its own, indexed by block id: whether the
+block was hit since it was cached (set by `on_hit`, cleared by `on_cache`) and which segment it
+sits in while free.
 """
 
 from __future__ import annotations
@@ -33,18 +37,37 @@ PROTECTED_FRACTION = 0.8
 
 
 class SegmentedLRUQueue:
-    """Probation and protected LRU segments; `block.evict_key` is True in protected."""
+    """Probation and protected LRU segments.
 
-    __slots__ = ("probation", "protected", "protected_capacity", "num_free_blocks")
+    `_reused[id]` is 1 for a block hit since it was cached; `_in_protected[id]` is 1 exactly
+    while the block sits in protected (set when it joins, cleared when it leaves: so freeing a
+    block to probation writes nothing). Both are indexed by block id, below `num_blocks` (the
+    pool's size; by default one more than the largest id of `blocks`).
+    """
+
+    __slots__ = (
+        "probation",
+        "protected",
+        "protected_capacity",
+        "num_free_blocks",
+        "_reused",
+        "_in_protected",
+    )
 
     name = "slru"
-    tracks_use = True
 
     def __init__(
-        self, blocks: Sequence[KVCacheBlock], protected_fraction: float = PROTECTED_FRACTION
+        self,
+        blocks: Sequence[KVCacheBlock],
+        num_blocks: int | None = None,
+        protected_fraction: float = PROTECTED_FRACTION,
     ) -> None:
         if not 0.0 <= protected_fraction <= 1.0:
             raise ValueError(f"protected_fraction must be in [0, 1], got {protected_fraction!r}")
+        if num_blocks is None:
+            num_blocks = 1 + max((block.block_id for block in blocks), default=0)
+        self._reused = bytearray(num_blocks)
+        self._in_protected = bytearray(num_blocks)
         self.probation = FreeKVCacheBlockQueue(())
         self.protected = FreeKVCacheBlockQueue(())
         self.protected_capacity = int(len(blocks) * protected_fraction)
@@ -61,7 +84,11 @@ class SegmentedLRUQueue:
             out = probation.popleft_n(n)
         else:
             out = probation.popleft_n(num_probation)
-            out += self.protected.popleft_n(n - num_probation)
+            taken = self.protected.popleft_n(n - num_probation)
+            in_protected = self._in_protected
+            for block in taken:
+                in_protected[block.block_id] = 0
+            out += taken
         self.num_free_blocks -= n
         return out
 
@@ -69,22 +96,41 @@ class SegmentedLRUQueue:
         """Remove and return the next block to evict (ValueError when empty)."""
         return self.popleft_n(1)[0]
 
+    # The pool's hooks (policies.py).
+
+    def on_cache(self, table: Sequence[KVCacheBlock], indices: Sequence[int]) -> None:
+        """Blocks just cached start unhit."""
+        reused = self._reused
+        for i in indices:
+            reused[table[i].block_id] = 0
+
+    def on_hit(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Each block was hit (the null block may be among them: marking it is harmless)."""
+        reused = self._reused
+        for block in blocks:
+            reused[block.block_id] = 1
+
+    def on_evict(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Nothing: `on_cache` clears the mark when a block is cached again, and a block without
+        a hash never goes to protected."""
+
     def append_n(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Freed blocks to the tail of their segment, in this order; protected stays bounded."""
         # One pass linking each block at its segment's tail (as FreeKVCacheBlockQueue.append_n).
         probation, protected = self.probation, self.protected
+        reused, in_protected = self._reused, self._in_protected
         fresh_last = probation.tail.prev_free
         reused_last = protected.tail.prev_free
         num_fresh = num_reused = 0
         for block in blocks:
-            if block.hits and block.block_hash is not None:
-                block.evict_key = True
+            block_id = block.block_id
+            if reused[block_id] and block.block_hash is not None:
+                in_protected[block_id] = 1
                 reused_last.next_free = block
                 block.prev_free = reused_last
                 reused_last = block
                 num_reused += 1
-            else:
-                block.evict_key = False
+            else:  # its mark is 0 already: a block's mark is cleared when it leaves protected
                 fresh_last.next_free = block
                 block.prev_free = fresh_last
                 fresh_last = block
@@ -99,7 +145,7 @@ class SegmentedLRUQueue:
         if num_reused and protected.num_free_blocks > self.protected_capacity:
             demoted = protected.popleft_n(protected.num_free_blocks - self.protected_capacity)
             for block in demoted:
-                block.evict_key = False
+                in_protected[block.block_id] = 0
             probation.append_n(demoted)
 
     def append(self, block: KVCacheBlock) -> None:
@@ -114,7 +160,12 @@ class SegmentedLRUQueue:
         prev.next_free = nxt
         nxt.prev_free = prev
         block.prev_free = block.next_free = None
-        (self.protected if block.evict_key else self.probation).num_free_blocks -= 1
+        in_protected = self._in_protected
+        if in_protected[block.block_id]:
+            in_protected[block.block_id] = 0
+            self.protected.num_free_blocks -= 1
+        else:
+            self.probation.num_free_blocks -= 1
         self.num_free_blocks -= 1
 
     def __iter__(self) -> Iterator[KVCacheBlock]:
@@ -130,22 +181,34 @@ class SegmentedLRUQueue:
         """Whether `block` is linked in a segment."""
         return block.prev_free is not None
 
+    def is_reused(self, block: KVCacheBlock) -> bool:
+        """Whether `block` was hit since it was cached (it goes to protected when freed)."""
+        return bool(self._reused[block.block_id])
+
+    def in_protected(self, block: KVCacheBlock) -> bool:
+        """Whether free `block` sits in protected."""
+        return bool(self._in_protected[block.block_id])
+
     def reset(self) -> None:
-        """No block is cached any more: protected's blocks join probation's tail, in order."""
+        """No block is cached any more: protected's blocks join probation's tail, in order, and
+        no block counts as hit."""
         protected = self.protected
         demoted = protected.popleft_n(protected.num_free_blocks)
+        in_protected = self._in_protected
         for block in demoted:
-            block.evict_key = False
+            in_protected[block.block_id] = 0
         self.probation.append_n(demoted)
+        self._reused = bytearray(len(self._reused))
 
     def check(self) -> list[KVCacheBlock]:
         """Both segments' links, each block's segment mark, protected's bound and the count."""
         probation = self.probation.check()
         protected = self.protected.check()
+        in_protected = self._in_protected
         for block in probation:
-            assert block.evict_key is False, f"{block!r} in probation but marked protected"
+            assert not in_protected[block.block_id], f"{block!r} in probation but marked protected"
         for block in protected:
-            assert block.evict_key is True, f"{block!r} in protected but marked probation"
+            assert in_protected[block.block_id], f"{block!r} in protected but marked probation"
         assert len(protected) <= self.protected_capacity, (
             f"protected holds {len(protected)} blocks, past its bound {self.protected_capacity}"
         )
