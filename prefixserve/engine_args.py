@@ -87,6 +87,16 @@ class EngineArgs:
         None, "Context length (prompt + output tokens). Default: the model's own.", group=_ENGINE
     )
     seed: int = option(0, "Seed of the sampler.", group=_ENGINE)
+    batch_invariant: bool | None = option(
+        None,
+        "Batch-invariant execution: each request's tokens and logprobs do not depend on the "
+        "other requests of its step, on how its prompt was chunked or on whether its K/V came "
+        "from the cache, so a prefix-cache hit gives the cold start's bf16 output bit for bit "
+        "(one linear and one attention kernel for every row count; needs the native kernels). "
+        "Default: VLLM_BATCH_INVARIANT, else off.",
+        group=_ENGINE,
+        flag="--batch-invariant",
+    )
     block_size: int = option(
         16,
         "Tokens per KV-cache block; the unit of prefix-cache reuse (only full blocks are shared).",
@@ -282,7 +292,14 @@ class EngineArgs:
             speculative_config=self.speculative_config,
             lora=LoRAConfig(self.max_loras, self.max_lora_rank) if self.enable_lora else None,
             enable_prompt_embeds=self.enable_prompt_embeds,
+            batch_invariant=self._batch_invariant(),
         )
+
+    def _batch_invariant(self) -> bool:
+        """`batch_invariant` as given, else VLLM_BATCH_INVARIANT's, else off."""
+        if self.batch_invariant is not None:
+            return self.batch_invariant
+        return bool(settings.batch_invariant_env())
 
     def _check_exclusive(self) -> None:
         given: dict[str, list[str]] = {}

@@ -57,6 +57,12 @@ def fp32_prefill() -> bool | None:
     return env_flag("PREFIXSERVE_FP32_PREFILL")
 
 
+def batch_invariant_env() -> bool | None:
+    """VLLM_BATCH_INVARIANT as a switch (vLLM's name for the same mode): the default of the
+    `batch_invariant` engine option; None when unset."""
+    return env_flag("VLLM_BATCH_INVARIANT")
+
+
 def peers_dir() -> Path:
     """Where scripts/peers/ put the benchmark peers' venvs: $PREFIXSERVE_PEERS_DIR or
     ~/.cache/prefixserve/peers."""

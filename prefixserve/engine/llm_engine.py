@@ -112,6 +112,7 @@ class LLMEngine:
             num_blocks=self.num_kv_blocks + 1,
             block_size=cache.block_size,
             seed=config.seed,
+            batch_invariant=config.batch_invariant,
         )
         self.kv_connector, none_hash = open_engine_kv_store(
             config, loaded_model.path, self.kv_cache_groups, kv_layout(self.runner.kv_caches)

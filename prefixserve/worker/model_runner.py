@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -33,7 +34,12 @@ from prefixserve.model.layers.attention import (
     build_attention_metadata,
     prefill_kernel_for,
 )
-from prefixserve.model.layers.common import ForwardContext, one_thread, set_stream_threads
+from prefixserve.model.layers.common import (
+    ForwardContext,
+    batch_invariant_linears,
+    one_thread,
+    set_stream_threads,
+)
 from prefixserve.settings import omp_threads_sleep
 from prefixserve.spec_decode.verify import GeneratorRewind, num_accepted, row_views
 from prefixserve.worker.sampler import is_greedy
@@ -136,6 +142,7 @@ class ModelRunner:
         block_size: int = 16,
         sampler: SamplerLike | None = None,
         seed: int = 0,
+        batch_invariant: bool = False,
     ) -> None:
         if not isinstance(num_blocks, int) or num_blocks < 2:
             raise ValueError(
@@ -166,6 +173,19 @@ class ModelRunner:
         # The compiled paged-attention kernel (built on first use), or None: PyTorch paths.
         self.attention_kernel = paged_attention_kernel()
         self.prefill_kernel = prefill_kernel_for(config, prefill_attention_kernel())
+        # Batch-invariant: every chunk attends through the paged kernel (each query's keys in
+        # the same fixed tiles, whether they were cached or computed this step, whatever the
+        # chunk's length), and linears take one path (`common.batch_invariant_linears`).
+        self.batch_invariant = batch_invariant
+        self.kernel_max_queries: int | None = None
+        if batch_invariant:
+            if self.attention_kernel is None:
+                raise ValueError(
+                    "batch_invariant needs the native attention kernel, which is not available "
+                    "here (PREFIXSERVE_KERNELS=0, or it failed to build: see the log)"
+                )
+            self.prefill_kernel = None
+            self.kernel_max_queries = sys.maxsize
         # Small batches' linears stream on all of torch's threads even in a one-thread step.
         set_stream_threads(torch.get_num_threads())
         self.generator = torch.Generator().manual_seed(seed)
@@ -226,11 +246,12 @@ class ModelRunner:
         if not scheduled:
             return output
         inputs = self._prepare_inputs(scheduled)
-        hidden = self._forward(inputs)
-        rows = inputs.sample_rows + inputs.prompt_rows
-        if not rows:
-            return output
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.int64)])
+        with batch_invariant_linears(self.batch_invariant):
+            hidden = self._forward(inputs)
+            rows = inputs.sample_rows + inputs.prompt_rows
+            if not rows:
+                return output
+            logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.int64)])
         if inputs.sample_reqs:
             self._sample(inputs, logits[: len(inputs.sample_reqs)], output)
         if inputs.prompt_owners:
@@ -263,7 +284,13 @@ class ModelRunner:
         """One forward pass over the step's rows, the paged KV cache and the adapters' slices."""
         metadata = [
             build_attention_metadata(
-                inputs.spans, g, self.block_size, window, self.attention_kernel, self.prefill_kernel
+                inputs.spans,
+                g,
+                self.block_size,
+                window,
+                self.attention_kernel,
+                self.prefill_kernel,
+                self.kernel_max_queries,
             )
             for g, window in enumerate(self.group_windows)
         ]

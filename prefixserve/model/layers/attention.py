@@ -129,14 +129,18 @@ def build_attention_metadata(  # noqa: C901, PLR0915 - one pass per step buildin
     sliding_window: int | None,
     kernel: Callable[..., None] | None = None,
     prefill: Callable[..., None] | None = None,
+    kernel_max_queries: int | None = None,
 ) -> AttentionMetadata:
     """Slot mapping, kernel batch, decode batch and per-sequence spans of one KV-cache group for
     this step.
 
     The sequences are in batch order; their new tokens are contiguous rows of the batch.
     `kernel` is the compiled paged-attention function, or None for the pure-PyTorch paths;
-    `prefill` the compiled long-chunk kernel, or None.
+    `prefill` the compiled long-chunk kernel, or None. `kernel_max_queries`: chunks of fewer
+    queries go to `kernel` (default KERNEL_MAX_QUERIES; batch-invariant runs send them all).
     """
+    if kernel_max_queries is None:
+        kernel_max_queries = KERNEL_MAX_QUERIES
     slots: list[torch.Tensor] = []
     pending: list[int] = []  # single-token slots, flushed into `slots` in order
     num_decode = 0
@@ -181,7 +185,7 @@ def build_attention_metadata(  # noqa: C901, PLR0915 - one pass per step buildin
         lo_block = kv_lo // block_size
         hi_block = (end - 1) // block_size + 1
         long_chunk = prefill is not None and n >= PREFILL_MIN_QUERIES and sliding_window is None
-        if kernel is not None and n < KERNEL_MAX_QUERIES and not long_chunk:
+        if kernel is not None and n < kernel_max_queries and not long_chunk:
             kernel_tables.append(table[:hi_block])
             kernel_info.append((row, row + n, start))
         elif i < num_decode:

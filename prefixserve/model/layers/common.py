@@ -9,6 +9,7 @@ bookkeeping costs 1-2 us a call, and a decode step of the default model makes ~2
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -122,6 +123,27 @@ def _kernel(name: str) -> object:
 compiled_kernel = _kernel
 
 
+# True inside a batch-invariant forward pass (`batch_invariant_linears`, set by the runner; a
+# context variable, so each engine's step thread has its own): every bf16 Linear then takes one
+# path whatever its row count, oneDNN's GEMM on the packed weight, whose result for a row does
+# not depend on the other rows of the call (`tests/model/test_batch_invariance.py` checks it on
+# this CPU). The streaming kernel (small batches) and the fp32 copy (large ones) sum in other
+# orders, so they are skipped.
+_BATCH_INVARIANT: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "batch_invariant", default=False
+)
+
+
+@contextlib.contextmanager
+def batch_invariant_linears(on: bool) -> Iterator[None]:
+    """Run the enclosed forward pass's linears batch-invariantly (when `on`)."""
+    token = _BATCH_INVARIANT.set(on)
+    try:
+        yield
+    finally:
+        _BATCH_INVARIANT.reset(token)
+
+
 class Linear(nn.Linear):
     """nn.Linear whose bf16 weight can be pre-packed into oneDNN's blocked layout.
 
@@ -171,6 +193,21 @@ class Linear(nn.Linear):
         return out
 
     def _base(self, x: torch.Tensor) -> torch.Tensor:
+        if not _BATCH_INVARIANT.get():
+            out = self._by_row_count(x)
+            if out is not None:
+                return out
+        elif x.shape[0] == 1 and x.dim() == 2:
+            # oneDNN computes a lone row with another kernel (a GEMV summing K in another order,
+            # seen at K = 2048): two rows take the GEMM's path, whose row sums match any batch's.
+            return self._base(x.expand(2, -1))[:1]
+        if self._packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+    def _by_row_count(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The fastest path for this many rows where it is not the packed GEMM: the streaming
+        kernel for small batches, the fp32 copy for large ones; None otherwise."""
         rows = x.shape[0]
         stream = self._stream
         if stream is not None and rows <= STREAM_MAX_ROWS and x.dim() == 2:
@@ -181,9 +218,7 @@ class Linear(nn.Linear):
                 return out
         if self._fp32 is not None and rows >= FP32_MIN_ROWS:
             return F.linear(x.float(), *self._fp32).to(x.dtype)
-        if self._packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        return None
 
 
 def pack_linears(model: nn.Module, no_fp32_copy: tuple[nn.Module, ...] = ()) -> None:

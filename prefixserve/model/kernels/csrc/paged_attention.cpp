@@ -10,7 +10,9 @@
 // Softmax is computed online (one pass over the blocks) in fp32 whatever the cache dtype.
 //
 // Work is split over KV heads and items (see `run`): a tile of query rows of one sequence, or a
-// cascade of decode rows sharing cached prefix blocks. K/V are converted to fp32 a key tile at a
+// cascade of decode rows sharing cached prefix blocks. Whatever the item, a query meets its keys
+// in the same tiles of kKeyTile slots from position 0, so its result depends on nothing but its
+// own query and keys: not on the other rows of the call nor on which of its keys were cached. K/V are converted to fp32 a key tile at a
 // time and shared by the item's rows and by the query heads of that KV head (GQA). With AVX-512
 // and a head dim of 64/128/256 the inner loops are intrinsics (attend_tile_avx512); otherwise
 // portable loops the compiler vectorizes (-O3 -march=native).
@@ -299,9 +301,12 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
       shared = common;
       ++j;
     }
-    if (j - i >= 2) {
+    // The shared part ends on a key-tile boundary, so every query meets its keys in the same
+    // tiles (the same online-softmax updates, the same sums) as alone: batch invariance.
+    const int64_t aligned = shared / tile_blocks * tile_blocks;
+    if (j - i >= 2 && aligned > 0) {
       items.push_back(Item{std::vector<int64_t>(singles.begin() + i, singles.begin() + j), 0, 0,
-                           shared});
+                           aligned});
     } else {
       items.push_back(Item{{first}, info[3 * first], 1, 0});
       j = i + 1;
@@ -344,7 +349,9 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
       const int64_t last_pos = first_pos + rows - 1;
       const int32_t* table = tables + seq * max_blocks;
       const int64_t lo = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
-      const int64_t b_start = std::max(lo / block_size, start_block);
+      // Tiles start at multiples of tile_blocks (absolute key positions), whatever rows this
+      // item holds: a sliding window's first visible slot lies inside a tile, not at its start.
+      const int64_t b_start = std::max(lo / block_size / tile_blocks * tile_blocks, start_block);
       for (int64_t b0 = b_start; b0 <= last_pos / block_size; b0 += tile_blocks) {
         const int64_t kpos0 = b0 * block_size;  // position of the tile's slot 0
         // Slots of this tile any query of the rows can see.

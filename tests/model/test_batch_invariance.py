@@ -1,0 +1,296 @@
+"""Batch invariance in bf16 (`batch_invariant=True`): a request's greedy tokens and logprobs are
+bit for bit those of the same request served alone and cold, whether its K/V came from this step,
+the RAM pool, the disk tier or a recompute after preemption, however its prompt was chunked,
+whatever ran beside it, with or without n-gram speculation.
+
+Three levels: the linear (one path for every row count, each row's result independent of the
+others), the paged-attention kernel (a query meets its keys in the same tiles however its rows
+are grouped, cascaded or windowed), and the engine (hypothesis over chunk budgets, pool sizes,
+batch composition, cache state, the disk tier and speculation, on a random-weight tiny Llama in
+bf16; and the packaged default model, Gemma 3, on a fixed scenario).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from prefixserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from prefixserve.engine.llm_engine import LLMEngine
+from prefixserve.engine_args import EngineArgs
+from prefixserve.kv_store import KVStoreConfig
+from prefixserve.model.kernels.build import paged_attention_kernel
+from prefixserve.model.layers.common import Linear, batch_invariant_linears
+from prefixserve.model.loader.loading import LoadedModel
+from prefixserve.sampling_params import SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from tiny_hf_models import VOCAB, build_hf_model, build_ours  # noqa: E402
+
+ROW_COUNTS = (1, 2, 3, 5, 8, 9, 16, 17, 33, 64, 65, 100, 257)
+
+
+# ------------------------------------------------------------------------------ the linear
+
+
+@pytest.mark.parametrize(("in_features", "out_features"), [(64, 96), (640, 2048), (2048, 640)])
+def test_a_batch_invariant_linear_gives_each_row_the_result_it_gets_alone(
+    in_features, out_features
+):
+    torch.manual_seed(0)
+    linear = Linear(in_features, out_features, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(out_features, in_features) / in_features**0.5)
+    linear.pack()
+    x = torch.randn(max(ROW_COUNTS), in_features, dtype=torch.bfloat16)
+    with batch_invariant_linears(True):
+        whole = linear(x)
+        for rows in ROW_COUNTS:
+            assert torch.equal(linear(x[:rows]), whole[:rows]), f"{rows} rows"
+            alone = linear(x[rows - 1 : rows])
+            assert torch.equal(alone, whole[rows - 1 : rows]), f"row {rows - 1} alone"
+
+
+# ------------------------------------------------------------------------------ the kernel
+
+
+def _kernel_or_skip():
+    kernel = paged_attention_kernel()
+    if kernel is None:
+        pytest.skip("the native paged-attention kernel is not built here")
+    return kernel
+
+
+def _attend(kernel, q, k_cache, v_cache, tables, info, window=0):
+    out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype)
+    width = max(len(t) for t in tables)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    kernel(
+        out, q, k_cache, v_cache, table, torch.tensor(info, dtype=torch.int64), 0.125, 0.0, window
+    )
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [0, 200])
+@pytest.mark.parametrize("head_dim", [64, 16])
+def test_the_kernel_gives_a_query_the_same_result_however_its_rows_are_grouped(
+    window, head_dim, dtype
+):
+    """One sequence of 300 positions: its last 40 queries as one chunk, as chunks of 1, 7 and 32
+    rows, and as decode rows batched with other sequences sharing its prefix blocks (a cascade):
+    every query's output is the same bits. In fp32 too, where a sum taken in another order
+    shows in the output (bf16's rounding of the output hides most such differences)."""
+    kernel = _kernel_or_skip()
+    torch.manual_seed(1)
+    block, kv_heads, heads, positions = 16, 2, 4, 300
+    num_blocks = 64
+    k_cache = torch.randn(num_blocks, block, kv_heads, head_dim).to(dtype)
+    v_cache = torch.randn(num_blocks, block, kv_heads, head_dim).to(dtype)
+    table = list(range(1, positions // block + 2))
+    q = (2 * torch.randn(positions, heads, head_dim)).to(dtype)
+    first = positions - 40
+    whole = _attend(kernel, q[first:], k_cache, v_cache, [table], [(0, 40, first)], window)
+    for size in (1, 5, 7, 32):
+        for lo in range(0, 40, size):
+            hi = min(40, lo + size)
+            part = _attend(kernel, q[first + lo : first + hi], k_cache, v_cache, [table],
+                           [(0, hi - lo, first + lo)], window)  # fmt: skip
+            assert torch.equal(part, whole[lo:hi]), f"chunk {lo}:{hi} of {size}"
+    if window:
+        return  # cascades are for full attention only
+    # Decode rows of four sequences whose tables share the first 12 blocks (a cascade).
+    tables = [table[:12] + [40 + 2 * i, 41 + 2 * i] for i in range(4)]
+    pos = [12 * block + 5 + i for i in range(4)]
+    qs = (2 * torch.randn(4, heads, head_dim)).to(dtype)
+    batched = _attend(kernel, qs, k_cache, v_cache, tables, [(i, i + 1, pos[i]) for i in range(4)])
+    for i in range(4):
+        alone = _attend(kernel, qs[i : i + 1], k_cache, v_cache, [tables[i]], [(0, 1, pos[i])])
+        assert torch.equal(alone, batched[i : i + 1]), f"sequence {i} in the cascade"
+
+
+# ------------------------------------------------------------------------------ the engine
+
+BLOCK = 4
+MAX_MODEL_LEN = 128
+TOKENS = 6
+PARAMS = SamplingParams(max_tokens=TOKENS, temperature=0.0, logprobs=2, ignore_eos=True)
+# Three shared prefixes of 6-10 blocks, each with three suffixes: nine prompts with hits to take.
+PREFIXES = [[(11 * i + 7 * p + 3) % VOCAB for i in range(24 + 8 * p)] for p in range(3)]
+PROMPTS = [
+    prefix + [(5 * s + 13 * j + 1) % VOCAB for j in range(3 + 2 * s)]
+    for prefix in PREFIXES
+    for s in range(3)
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_bf16(tmp_path_factory, default_model_fp32):
+    root = tmp_path_factory.mktemp("batch-invariance")
+    hf, config_json = build_hf_model("llama", root / "model")
+    model, config = build_ours(hf, config_json, dtype="bfloat16")
+    return LoadedModel(
+        model=model, tokenizer=default_model_fp32.tokenizer, config=config, path=root / "model"
+    )
+
+
+def _engine(loaded: LoadedModel, **options) -> LLMEngine:
+    cache = CacheConfig(
+        block_size=BLOCK,
+        num_kv_blocks=options.pop("num_kv_blocks", 256),
+        enable_prefix_caching=options.pop("caching", True),
+    )
+    scheduler = SchedulerConfig(
+        max_num_seqs=options.pop("max_num_seqs", 8),
+        max_num_batched_tokens=options.pop("budget", 512),
+    )
+    config = EngineConfig(
+        dtype="bfloat16",
+        max_model_len=MAX_MODEL_LEN,
+        cache=cache,
+        scheduler=scheduler,
+        batch_invariant=True,
+        **options,
+    )
+    return LLMEngine(config, loaded_model=loaded)
+
+
+def _key(output) -> tuple:
+    completion = output.outputs[0]
+    logprobs = tuple(
+        tuple(sorted((token, lp.logprob) for token, lp in step.items()))
+        for step in completion.logprobs
+    )
+    return tuple(completion.token_ids), logprobs
+
+
+def _serve(engine: LLMEngine, prompts: list[tuple[str, list[int]]]) -> dict[str, tuple]:
+    for request_id, prompt in prompts:
+        engine.add_request(request_id, prompt, PARAMS)
+    finals = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finals[output.request_id] = _key(output)
+    return finals
+
+
+@pytest.fixture(scope="module")
+def cold(tiny_bf16) -> list[tuple]:
+    """Each prompt alone on a cold engine without prefix caching, in one chunk."""
+    engine = _engine(tiny_bf16, caching=False)
+    return [_serve(engine, [(f"cold-{i}", p)])[f"cold-{i}"] for i, p in enumerate(PROMPTS)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    budget: int  # max_num_batched_tokens: the chunking
+    max_num_seqs: int  # how many share a step
+    num_kv_blocks: int  # small: preemptions and recomputes
+    warm: tuple[int, ...]  # prompts served first, so the others hit their prefixes
+    disk: bool  # the disk tier on, the RAM pool reset before the batch: hits load from disk
+    speculative: bool
+
+
+SETUPS = st.builds(
+    Setup,
+    budget=st.sampled_from([8, 13, 32, 512]),
+    max_num_seqs=st.sampled_from([1, 3, 8]),
+    num_kv_blocks=st.sampled_from([40, 256]),
+    warm=st.lists(st.integers(0, len(PROMPTS) - 1), max_size=3, unique=True).map(tuple),
+    disk=st.booleans(),
+    speculative=st.booleans(),
+)
+
+
+@settings(
+    max_examples=12,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(setup=SETUPS)
+@example(Setup(13, 8, 40, (0, 4), True, True))
+@example(Setup(512, 8, 256, (1, 2, 3), False, False))
+def test_every_request_gets_its_cold_alone_output_bit_for_bit(tiny_bf16, cold, tmp_path, setup):
+    store = None
+    if setup.disk:
+        store = KVStoreConfig(dir=tmp_path / f"store-{hash(setup)}", capacity_bytes=1 << 28)
+    spec = {"method": "ngram", "num_speculative_tokens": 3} if setup.speculative else None
+    engine = _engine(
+        tiny_bf16,
+        budget=setup.budget,
+        max_num_seqs=setup.max_num_seqs,
+        num_kv_blocks=setup.num_kv_blocks,
+        kv_store=store,
+        speculative_config=spec,
+    )
+    try:
+        for i in setup.warm:
+            assert _serve(engine, [(f"warm-{i}", PROMPTS[i])])[f"warm-{i}"] == cold[i]
+        if setup.disk:
+            assert engine.reset_prefix_cache(ram_only=True)  # hits now come from the disk tier
+        finals = _serve(engine, [(f"r{i}", p) for i, p in enumerate(PROMPTS)])
+        for i in range(len(PROMPTS)):
+            assert finals[f"r{i}"] == cold[i], f"prompt {i} ({setup})"
+        engine.check_no_leaks()
+    finally:
+        engine.close()
+
+
+# ------------------------------------------------------------------------------ Gemma 3
+
+
+def test_the_default_model_gives_a_cache_hit_the_cold_starts_bf16_output(default_model_bf16):
+    """Gemma 3 (the packaged default model) in bf16: two questions over one document, served
+    cold and alone, then from a warm cache, then together in one batch: the same bits."""
+    tokenizer = default_model_bf16.tokenizer
+    document = " ".join(
+        f"Item {i} weighs {3 * i % 17} kilograms and is {i % 5} years old." for i in range(12)
+    )
+    questions = ("heaviest", "oldest")
+    prompts = [tokenizer.encode(f"{document}\nQuestion: which item is {q}?") for q in questions]
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=3, ignore_eos=True)
+
+    def engine(caching: bool) -> LLMEngine:
+        config = EngineConfig(
+            dtype="bfloat16",
+            max_model_len=1024,
+            cache=CacheConfig(num_kv_blocks=128, enable_prefix_caching=caching),
+            batch_invariant=True,
+        )
+        return LLMEngine(config, loaded_model=default_model_bf16)
+
+    def serve(eng: LLMEngine, batch: list[tuple[str, list[int]]]) -> dict[str, tuple]:
+        for request_id, prompt in batch:
+            eng.add_request(request_id, prompt, params)
+        finals = {}
+        while eng.has_unfinished_requests():
+            finals.update({o.request_id: _key(o) for o in eng.step() if o.finished})
+        return finals
+
+    cold_engine = engine(False)
+    cold_out = [serve(cold_engine, [(f"c{i}", p)])[f"c{i}"] for i, p in enumerate(prompts)]
+    warm = engine(True)
+    assert serve(warm, [("w0", prompts[0])])["w0"] == cold_out[0]
+    assert serve(warm, [("w1", prompts[1])])["w1"] == cold_out[1]  # the document's blocks hit
+    assert warm.get_metrics()["prefix_cache_hits"] > 0
+    together = serve(warm, [("t0", prompts[0]), ("t1", prompts[1])])
+    assert [together["t0"], together["t1"]] == cold_out
+
+
+def test_batch_invariant_is_an_engine_option_with_vllms_switch(monkeypatch):
+    assert EngineArgs().create_engine_config().batch_invariant is False
+    assert EngineArgs(batch_invariant=True).create_engine_config().batch_invariant is True
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    assert EngineArgs().create_engine_config().batch_invariant is True
+    assert EngineArgs(batch_invariant=False).create_engine_config().batch_invariant is False
+    with pytest.raises(ValueError, match="batch_invariant"):
+        EngineConfig(batch_invariant="yes")  # type: ignore[arg-type]
