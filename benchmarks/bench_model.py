@@ -1,7 +1,7 @@
 """Model speed: our paged-KV model vs transformers' own model on the same weights, same run.
 
     .venv/bin/python benchmarks/bench_model.py [--repeats 7] [--skip-transformers] [--baseline]
-        [--llama-cpp] [--decode-batches 1,16,64]
+        [--llama-cpp] [--decode-batches 1,16,64] [--batch-invariant]
 
 Measures (bf16, the default model unless --model): prefill of one 512-token chunk (tok/s), and
 decode at batch 1 and batch 16 (tok/s, summed over the batch) on a 128-token context (all three
@@ -32,7 +32,7 @@ import torch  # noqa: E402
 
 from prefixserve.core.request import Request  # noqa: E402
 from prefixserve.core.sched.output import ScheduledRequest, SchedulerOutput  # noqa: E402
-from prefixserve.model import layers  # noqa: E402
+from prefixserve.model.layers import common as layers  # noqa: E402
 from prefixserve.model.kernels.build import rms_norm_kernel  # noqa: E402
 from prefixserve.model.kernels.cpu_paths import describe_cpu  # noqa: E402
 from prefixserve.model.loader.loading import load_model  # noqa: E402
@@ -54,12 +54,22 @@ class Ours:
     name = "prefixserve"
 
     def __init__(
-        self, loaded, block_size: int = 16, num_blocks: int = 1024, name: str = "prefixserve"
+        self,
+        loaded,
+        block_size: int = 16,
+        num_blocks: int = 1024,
+        name: str = "prefixserve",
+        batch_invariant: bool = False,
     ) -> None:
         self.name = name
         self.bs = block_size
         self.runner = ModelRunner(
-            loaded.model, loaded.config, num_blocks, block_size, sampler=ArgmaxSampler()
+            loaded.model,
+            loaded.config,
+            num_blocks,
+            block_size,
+            sampler=ArgmaxSampler(),
+            batch_invariant=batch_invariant,
         )
         self.vocab = loaded.config.vocab_size
         self.next_block = 1
@@ -243,6 +253,12 @@ def main() -> None:
         "rows (not layers.FP32_MIN_ROWS) and an LM head without an fp32 copy, same weights, "
         "same run: e.g. 64, the threshold before it was chosen per CPU",
     )
+    ap.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="also run prefixserve in batch-invariant mode (one linear and one attention path "
+        "for every row count) on the same weights, same run",
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -266,6 +282,10 @@ def main() -> None:
         base.runner.attention_kernel = None
         base.native = False
         engines.append(base)
+    if args.batch_invariant:
+        engines.append(
+            Ours(loaded, num_blocks=blocks, name="batch-invariant", batch_invariant=True)
+        )
     if args.fp32_rows_baseline is not None:
         engines.append(
             FixedRows(loaded, args.fp32_rows_baseline, num_blocks=blocks, name="fp32-rows-base")

@@ -7,7 +7,7 @@ Three levels: the linear (one path for every row count, each row's result indepe
 others), the paged-attention kernel (a query meets its keys in the same tiles however its rows
 are grouped, cascaded or windowed), and the engine (hypothesis over chunk budgets, pool sizes,
 batch composition, cache state, the disk tier and speculation, on a random-weight tiny Llama in
-bf16; and the packaged default model, Gemma 3, on a fixed scenario).
+bf16; and the packaged default model and Gemma 3 on a fixed scenario).
 """
 
 from __future__ import annotations
@@ -245,28 +245,43 @@ def test_every_request_gets_its_cold_alone_output_bit_for_bit(tiny_bf16, cold, t
         engine.close()
 
 
-# ------------------------------------------------------------------------------ Gemma 3
+# ------------------------------------------------------------------------------ real models
 
 
-def test_the_default_model_gives_a_cache_hit_the_cold_starts_bf16_output(default_model_bf16):
-    """Gemma 3 (the packaged default model) in bf16: two questions over one document, served
-    cold and alone, then from a warm cache, then together in one batch: the same bits."""
-    tokenizer = default_model_bf16.tokenizer
+@pytest.fixture(scope="module", params=["default", "gemma3"])
+def real_bf16(request, default_model_bf16):
+    """The packaged default model (SmolLM2-135M), and Gemma 3 270M (sliding-window layers of
+    512 tokens, which these prompts pass)."""
+    if request.param == "default":
+        return default_model_bf16, 12
+    from prefixserve.model.loader.default_model import ensure_gemma3_270m
+    from prefixserve.model.loader.loading import load_model
+
+    return load_model(ensure_gemma3_270m(), dtype="bfloat16"), 40
+
+
+def test_a_real_model_gives_a_cache_hit_the_cold_starts_bf16_output(real_bf16):
+    """Two questions over one document, each served cold and alone, then from a warm cache
+    (the document's blocks hit), then both in one step, then with a small chunk budget: the
+    same tokens and logprobs, bit for bit."""
+    loaded, items = real_bf16
+    tokenizer = loaded.tokenizer
     document = " ".join(
-        f"Item {i} weighs {3 * i % 17} kilograms and is {i % 5} years old." for i in range(12)
+        f"Item {i} weighs {3 * i % 17} kilograms and is {i % 5} years old." for i in range(items)
     )
     questions = ("heaviest", "oldest")
     prompts = [tokenizer.encode(f"{document}\nQuestion: which item is {q}?") for q in questions]
-    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=3, ignore_eos=True)
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=3, ignore_eos=True)
 
-    def engine(caching: bool) -> LLMEngine:
+    def engine(caching: bool, budget: int = 2048) -> LLMEngine:
         config = EngineConfig(
             dtype="bfloat16",
-            max_model_len=1024,
-            cache=CacheConfig(num_kv_blocks=128, enable_prefix_caching=caching),
+            max_model_len=2048,
+            cache=CacheConfig(num_kv_blocks=256, enable_prefix_caching=caching),
+            scheduler=SchedulerConfig(max_num_batched_tokens=budget),
             batch_invariant=True,
         )
-        return LLMEngine(config, loaded_model=default_model_bf16)
+        return LLMEngine(config, loaded_model=loaded)
 
     def serve(eng: LLMEngine, batch: list[tuple[str, list[int]]]) -> dict[str, tuple]:
         for request_id, prompt in batch:
@@ -284,6 +299,8 @@ def test_the_default_model_gives_a_cache_hit_the_cold_starts_bf16_output(default
     assert warm.get_metrics()["prefix_cache_hits"] > 0
     together = serve(warm, [("t0", prompts[0]), ("t1", prompts[1])])
     assert [together["t0"], together["t1"]] == cold_out
+    chunked = serve(engine(False, budget=96), [("k0", prompts[0]), ("k1", prompts[1])])
+    assert [chunked["k0"], chunked["k1"]] == cold_out
 
 
 def test_batch_invariant_is_an_engine_option_with_vllms_switch(monkeypatch):

@@ -48,64 +48,89 @@ inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
 }
 #endif
 
-// Dot products of one weight row with NX x rows (K elements apart), into sums[j].
-template <int NX>
-inline void dot_row(const uint16_t* w, const uint16_t* x, int64_t K, float* sums) {
+// Every output out[m, n] is summed in one order, whatever the batch: two 16-lane fp32
+// accumulators over K (pairs k of each 64 into the first for k % 64 < 32, the second
+// otherwise; a tail of fewer than 64 into the first, 32 at a time), added, then the 16 lanes
+// reduced by sum4's tree. So a row's result does not depend on how many rows share the call nor
+// on which group of rows it falls in: the kernel is batch-invariant (tests/model/
+// test_batch_invariance.py), and serves every row count in batch-invariant mode.
 #if defined(__AVX512BF16__)
-  __m512 acc[NX][2];
-  for (int j = 0; j < NX; ++j) acc[j][0] = acc[j][1] = _mm512_setzero_ps();
+inline __m512bh load_bh(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+inline __m512bh load_bh(const uint16_t* p, __mmask32 mask) {
+  return (__m512bh)_mm512_maskz_loadu_epi16(mask, p);
+}
+#endif
+
+// Dot products of NW weight rows (K elements apart) with NX x rows (K apart), into
+// sums[i * kRowGroup + j] for weight row i and x row j.
+template <int NW, int NX>
+inline void dot_block(const uint16_t* w, const uint16_t* x, int64_t K, float* sums) {
+#if defined(__AVX512BF16__)
+  __m512 acc[NW][NX][2];
+  for (int i = 0; i < NW; ++i)
+    for (int j = 0; j < NX; ++j) acc[i][j][0] = acc[i][j][1] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 64 <= K; k += 64) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + k + kPrefetchAhead), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w + k + kPrefetchAhead + 32), _MM_HINT_T0);
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + k);
-    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + k + 32);
+    __m512bh wv[NW][2];
+    for (int i = 0; i < NW; ++i) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + i * K + k + kPrefetchAhead), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + i * K + k + kPrefetchAhead + 32),
+                   _MM_HINT_T0);
+      wv[i][0] = load_bh(w + i * K + k);
+      wv[i][1] = load_bh(w + i * K + k + 32);
+    }
     for (int j = 0; j < NX; ++j) {
-      acc[j][0] = _mm512_dpbf16_ps(acc[j][0], w0, (__m512bh)_mm512_loadu_si512(x + j * K + k));
-      acc[j][1] =
-          _mm512_dpbf16_ps(acc[j][1], w1, (__m512bh)_mm512_loadu_si512(x + j * K + k + 32));
+      const __m512bh x0 = load_bh(x + j * K + k), x1 = load_bh(x + j * K + k + 32);
+      for (int i = 0; i < NW; ++i) {
+        acc[i][j][0] = _mm512_dpbf16_ps(acc[i][j][0], wv[i][0], x0);
+        acc[i][j][1] = _mm512_dpbf16_ps(acc[i][j][1], wv[i][1], x1);
+      }
     }
   }
   for (; k < K; k += 32) {
     const __mmask32 mask = K - k >= 32 ? ~__mmask32(0) : (__mmask32(1) << (K - k)) - 1;
-    const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + k);
     for (int j = 0; j < NX; ++j) {
-      acc[j][0] = _mm512_dpbf16_ps(acc[j][0], wv,
-                                   (__m512bh)_mm512_maskz_loadu_epi16(mask, x + j * K + k));
+      const __m512bh xv = load_bh(x + j * K + k, mask);
+      for (int i = 0; i < NW; ++i)
+        acc[i][j][0] = _mm512_dpbf16_ps(acc[i][j][0], load_bh(w + i * K + k, mask), xv);
     }
   }
-  if (NX == 1) {
-    sums[0] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][0], acc[0][1]));
-    return;
+  for (int i = 0; i < NW; ++i) {
+    __m512 total[4];
+    for (int j = 0; j < 4; ++j)
+      total[j] = j < NX ? _mm512_add_ps(acc[i][j][0], acc[i][j][1]) : _mm512_setzero_ps();
+    float four[4];
+    _mm_storeu_ps(four, sum4(total[0], total[1], total[2], total[3]));
+    for (int j = 0; j < NX; ++j) sums[i * kRowGroup + j] = four[j];
   }
-  __m512 total[4];
-  for (int j = 0; j < 4; ++j)
-    total[j] = j < NX ? _mm512_add_ps(acc[j % NX][0], acc[j % NX][1]) : _mm512_setzero_ps();
-  float four[4];
-  _mm_storeu_ps(four, sum4(total[0], total[1], total[2], total[3]));
-  for (int j = 0; j < NX; ++j) sums[j] = four[j];
 #else
-  for (int j = 0; j < NX; ++j) {
-    const uint16_t* xr = x + j * K;
-    float part[16] = {0.0f};
-    int64_t k = 0;
-    for (; k + 16 <= K; k += 16) {
-      for (int t = 0; t < 16; ++t) part[t] += bf16_bits_to_float(w[k + t]) * bf16_bits_to_float(xr[k + t]);
+  // Portable: each output's own 16 partial sums, then their sum in index order.
+  for (int i = 0; i < NW; ++i) {
+    const uint16_t* wr = w + i * K;
+    for (int j = 0; j < NX; ++j) {
+      const uint16_t* xr = x + j * K;
+      float part[16] = {0.0f};
+      int64_t k = 0;
+      for (; k + 16 <= K; k += 16) {
+        for (int t = 0; t < 16; ++t)
+          part[t] += bf16_bits_to_float(wr[k + t]) * bf16_bits_to_float(xr[k + t]);
+      }
+      float sum = 0.0f;
+      for (int t = 0; t < 16; ++t) sum += part[t];
+      for (; k < K; ++k) sum += bf16_bits_to_float(wr[k]) * bf16_bits_to_float(xr[k]);
+      sums[i * kRowGroup + j] = sum;
     }
-    float sum = 0.0f;
-    for (int t = 0; t < 16; ++t) sum += part[t];
-    for (; k < K; ++k) sum += bf16_bits_to_float(w[k]) * bf16_bits_to_float(xr[k]);
-    sums[j] = sum;
   }
 #endif
 }
 
+template <int NW>
 inline void dot(const uint16_t* w, const uint16_t* x, int64_t K, int64_t nx, float* sums) {
   switch (nx) {
-    case 1: dot_row<1>(w, x, K, sums); break;
-    case 2: dot_row<2>(w, x, K, sums); break;
-    case 3: dot_row<3>(w, x, K, sums); break;
-    default: dot_row<4>(w, x, K, sums); break;
+    case 1: dot_block<NW, 1>(w, x, K, sums); break;
+    case 2: dot_block<NW, 2>(w, x, K, sums); break;
+    case 3: dot_block<NW, 3>(w, x, K, sums); break;
+    default: dot_block<NW, 4>(w, x, K, sums); break;
   }
 }
 
@@ -113,7 +138,8 @@ inline void dot(const uint16_t* w, const uint16_t* x, int64_t K, int64_t nx, flo
 
 // out [rows, N] = x [rows, K] @ w[N, K]^T (+ bias [N]), all bf16 and contiguous, accumulated in
 // fp32 and rounded once. Work is split over chunks of ~64 KB of weight rows, run by the caller
-// and up to `threads - 1` helpers of the stream pool (stream_pool.h).
+// and up to `threads - 1` helpers of the stream pool (stream_pool.h); within a chunk, groups of
+// four x rows against pairs of weight rows.
 void linear_bf16_small(torch::Tensor out, torch::Tensor x, torch::Tensor w,
                        c10::optional<torch::Tensor> bias, int64_t threads) {
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu() && out.device().is_cpu(),
@@ -141,13 +167,23 @@ void linear_bf16_small(torch::Tensor out, torch::Tensor x, torch::Tensor w,
   const int64_t chunks = (N + chunk_rows - 1) / chunk_rows;
   prefixserve::stream_pool().run(chunks, threads, [&](int64_t chunk) {
     const int64_t begin = chunk * chunk_rows, end = std::min(N, begin + chunk_rows);
-    float sums[kRowGroup];
-    for (int64_t n = begin; n < end; ++n) {
-      const float add = bias_ptr ? bf16_bits_to_float(bias_ptr[n]) : 0.0f;
-      for (int64_t m0 = 0; m0 < rows; m0 += kRowGroup) {
-        const int64_t nx = std::min(kRowGroup, rows - m0);
-        dot(wp + n * K, xp + m0 * K, K, nx, sums);
-        for (int64_t j = 0; j < nx; ++j) op[(m0 + j) * N + n] = c10::BFloat16(sums[j] + add);
+    float sums[2 * kRowGroup];
+    // Four x rows stay in L1 while the chunk's weight rows (~64 KB, in L2 after the first
+    // group) pass them two at a time.
+    for (int64_t m0 = 0; m0 < rows; m0 += kRowGroup) {
+      const int64_t nx = std::min(kRowGroup, rows - m0);
+      for (int64_t n = begin; n < end; n += 2) {
+        const int64_t nw = std::min<int64_t>(2, end - n);
+        if (nw == 2) {
+          dot<2>(wp + n * K, xp + m0 * K, K, nx, sums);
+        } else {
+          dot<1>(wp + n * K, xp + m0 * K, K, nx, sums);
+        }
+        for (int64_t i = 0; i < nw; ++i) {
+          const float add = bias_ptr ? bf16_bits_to_float(bias_ptr[n + i]) : 0.0f;
+          for (int64_t j = 0; j < nx; ++j)
+            op[(m0 + j) * N + n + i] = c10::BFloat16(sums[i * kRowGroup + j] + add);
+        }
       }
     }
   });
