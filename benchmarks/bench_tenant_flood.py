@@ -26,8 +26,8 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from helpers import free_port  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.helpers import free_port  # noqa: E402
 
 _NO_LIMITS = [
     "--max-requests", "0", "--max-requests-per-tenant", "0", "--max-tokens-per-tenant", "0"

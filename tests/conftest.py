@@ -35,42 +35,12 @@ def default_model_dir():
     return ensure_default_model()
 
 
-def greedy_generate(loaded, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """Greedy decoding through our ModelRunner with a plain argmax loop: one prefill step, then
-    one decode step per token, stopping at an eos id. No scheduler, no engine."""
-    from prefixserve.core.request import Request
-    from prefixserve.core.sched.output import ScheduledRequest, SchedulerOutput
-    from prefixserve.sampling_params import SamplingParams
-    from prefixserve.worker.model_runner import ModelRunner
-
-    def argmax(logits, requests, generators):
-        return [(int(row.argmax()), None) for row in logits]
-
-    block_size = 16
-    num_blocks = (len(prompt_ids) + max_new_tokens) // block_size + 2
-    runner = ModelRunner(
-        loaded.model,
-        loaded.config,
-        num_blocks=num_blocks + 1,
-        block_size=block_size,
-        sampler=argmax,
-    )
-    block_ids = tuple(list(range(1, num_blocks + 1)) for _ in loaded.config.kv_cache_groups())
-    request = Request("greedy", prompt_ids, SamplingParams(temperature=0.0))
-    computed, new = 0, len(prompt_ids)
-    for _ in range(max_new_tokens):
-        out = runner.execute(SchedulerOutput([ScheduledRequest(request, computed, new, block_ids)]))
-        token = out.sampled_token_ids["greedy"]
-        request.append_output_token_ids(token)
-        if token in loaded.tokenizer.eos_token_ids:
-            break
-        computed, new = request.num_tokens - 1, 1
-    return request.output_token_ids
-
-
 @pytest.fixture(scope="session")
 def greedy():
-    """`greedy(loaded, prompt_ids, max_new_tokens) -> output ids` (see greedy_generate)."""
+    """`greedy(loaded, prompt_ids, max_new_tokens) -> output ids` (tests.helpers.runner's
+    greedy_generate)."""
+    from tests.helpers.runner import greedy_generate
+
     return greedy_generate
 
 

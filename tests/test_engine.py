@@ -9,12 +9,12 @@ Every test ends with `check_no_leaks()`: all blocks back in the free pool, no re
 from __future__ import annotations
 
 import pytest
-from helpers import random_tokens
 from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 
 from prefixserve import LLM, SamplingParams
 from prefixserve.core.kv_cache.events import AllBlocksCleared, BlockStored
+from tests.helpers import random_tokens
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 

@@ -16,7 +16,7 @@ from prefixserve.engine.async_llm import AsyncLLMEngine
 from prefixserve.engine.client import EngineClient, EngineRequest, NotSupportedByEngine
 from prefixserve.entrypoints.openai.app import build_app
 from prefixserve.sampling_params import SamplingParams
-from tests.server.asgi_helpers import ADMIN_KEY, FakeEngine, call, keys
+from tests.helpers.asgi import ADMIN_KEY, FakeEngine, call, keys
 
 PACKAGE = Path(__file__).resolve().parents[1] / "prefixserve"
 

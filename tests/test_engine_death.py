@@ -9,12 +9,12 @@ import threading
 import time
 
 import pytest
-from helpers import random_tokens
 
 from prefixserve.config import CacheConfig, EngineConfig
 from prefixserve.engine.async_llm import AsyncLLMEngine, EngineDeadError
 from prefixserve.engine.llm_engine import LLMEngine
 from prefixserve.sampling_params import SamplingParams
+from tests.helpers import random_tokens
 
 LONG = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
 

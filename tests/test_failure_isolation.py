@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import random_tokens
 
 from prefixserve.config import CacheConfig, EngineConfig
 from prefixserve.core.request import Request
 from prefixserve.engine.llm_engine import LLMEngine
 from prefixserve.sampling_params import SamplingParams
 from prefixserve.worker.model_runner import seeded_generator
+from tests.helpers import random_tokens
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,18 +29,15 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "model"))
-
-from tiny_hf_models import VOCAB, build_hf_model, build_ours  # noqa: E402
-
-from prefixserve.bench.lora_adapters import write_random_adapter  # noqa: E402
-from prefixserve.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
-from prefixserve.core.kv_cache.salts import derive_cache_salt  # noqa: E402
-from prefixserve.engine.llm_engine import LLMEngine  # noqa: E402
-from prefixserve.kv_store import KVStoreConfig  # noqa: E402
-from prefixserve.lora.config import LoRAConfig, LoRARequest  # noqa: E402
-from prefixserve.model.loader.loading import LoadedModel  # noqa: E402
-from prefixserve.sampling_params import SamplingParams  # noqa: E402
+from prefixserve.bench.lora_adapters import write_random_adapter
+from prefixserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from prefixserve.core.kv_cache.salts import derive_cache_salt
+from prefixserve.engine.llm_engine import LLMEngine
+from prefixserve.kv_store import KVStoreConfig
+from prefixserve.lora.config import LoRAConfig, LoRARequest
+from prefixserve.model.loader.loading import LoadedModel
+from prefixserve.sampling_params import SamplingParams
+from tests.helpers.models import VOCAB, build_hf_model, build_ours
 
 BLOCK = 4
 MAX_MODEL_LEN = 160

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from helpers import random_tokens
 
 from prefixserve import LLM, CompletionOutput, RequestOutput, SamplingParams
+from tests.helpers import random_tokens
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 

@@ -6,12 +6,12 @@ alone while the engine goes on (issue 26, finding 1)."""
 from __future__ import annotations
 
 import pytest
-from helpers import random_tokens
 
 from prefixserve.config import CacheConfig, EngineConfig
 from prefixserve.core.request import Request
 from prefixserve.engine.llm_engine import LLMEngine
 from prefixserve.sampling_params import SamplingParams
+from tests.helpers import random_tokens
 
 BLOCK = 16
 POOL = 96  # max_pinned_blocks defaults to a quarter: 24

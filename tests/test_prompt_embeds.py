@@ -5,16 +5,11 @@ refused before they reach the engine."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-from helpers import random_tokens
 
 from prefixserve import LLM, SamplingParams
-
-sys.path.insert(0, str(Path(__file__).resolve().parent / "lora"))
+from tests.helpers import random_tokens
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +49,7 @@ def test_embeddings_of_the_tokens_give_the_token_ids_output(llm):
 
 
 def test_gemma3_embeddings_are_taken_after_its_embedding_scale(default_model_fp32, tmp_path):
-    from lora_helpers import build_hf_model, our_llm
+    from tests.helpers.lora import build_hf_model, our_llm
 
     hf, config = build_hf_model("gemma3", tmp_path)
     tiny = our_llm(

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from helpers import random_tokens
 
 from prefixserve.config import CacheConfig, EngineConfig
 from prefixserve.engine.async_llm import AsyncLLMEngine
@@ -15,6 +14,7 @@ from prefixserve.engine.client import EngineRequest
 from prefixserve.engine.llm_engine import LLMEngine
 from prefixserve.engine.request_stream import StreamStalledError
 from prefixserve.sampling_params import SamplingParams
+from tests.helpers import random_tokens
 
 
 @pytest.fixture

@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from stub_openai import FAIL_TOKEN, StubServer
 
 from prefixserve.bench.client import EndpointConfig, build_body, run_workload
 from prefixserve.bench.summary import summarize
 from prefixserve.bench.workloads import BenchRequest, make_workload
+from tests.helpers.stub_openai import FAIL_TOKEN, StubServer
 
 POOL = list(range(1000, 1600))
 

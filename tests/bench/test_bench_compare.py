@@ -8,8 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import free_port
-from stub_openai import StubServer
 from test_bench_workloads import _words
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -20,8 +18,10 @@ from benchmarks.serving.servers import EngineSpec, ServerContext, ServerError, S
 from prefixserve.bench import cli as bench_cli
 from prefixserve.bench.cli import main as bench_main
 from prefixserve.bench.results import load_results
+from tests.helpers import free_port
+from tests.helpers.stub_openai import StubServer
 
-STUB = Path(__file__).with_name("stub_openai.py")
+STUB = Path(__file__).parents[1] / "helpers" / "stub_openai.py"
 
 
 @pytest.fixture(scope="module")
@@ -487,13 +487,12 @@ def test_figures_dir_gets_the_speculation_figure_too(tmp_path):
 
 
 def test_lora_adapters_are_served_alike_and_named_per_prompt_group(tmp_path):
-    from model.tiny_hf_models import hf_config
-
     from benchmarks.serving.compare import _lora_setup
     from prefixserve.bench.client import EndpointConfig, build_body
     from prefixserve.bench.workload_types import BenchRequest, Workload
     from prefixserve.lora.adapter import load_adapter
     from prefixserve.model.loader.hf_config import model_config_from_hf
+    from tests.helpers.models import hf_config
 
     model = tmp_path / "SmolLM2"
     model.mkdir()

@@ -17,8 +17,8 @@ from prefixserve.cluster.policy import make_policy
 from prefixserve.cluster.ray_cluster import kill_replica, replica_pids, start_cluster
 from prefixserve.entrypoints.openai.app import build_app
 from prefixserve.entrypoints.openai.auth import ApiKeys
-from tests.cluster.conftest import replica_config
-from tests.server.server_helpers import serve_in_thread
+from tests.helpers.cluster import replica_config
+from tests.helpers.server import serve_in_thread
 
 pytestmark = pytest.mark.timeout(600)
 MODEL = "tiny"

@@ -18,8 +18,8 @@ from prefixserve.cluster.messages import RegistrationError
 from prefixserve.cluster.ray_cluster import REPLICA_PREFIX, start_cluster
 from prefixserve.entrypoints.openai.app import build_app
 from prefixserve.kv_store import KVStoreConfig
-from tests.cluster.conftest import replica_config
-from tests.server.server_helpers import serve_in_thread
+from tests.helpers.cluster import replica_config
+from tests.helpers.server import serve_in_thread
 
 pytestmark = pytest.mark.timeout(600)
 MODEL = "tiny"

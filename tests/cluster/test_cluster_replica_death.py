@@ -23,7 +23,7 @@ from prefixserve.entrypoints.openai.app import build_app
 from prefixserve.lora.config import LoRASlotsBusyError
 from prefixserve.outputs import CompletionOutput, RequestOutput
 from prefixserve.sampling_params import SamplingParams
-from tests.server.asgi_helpers import FakeTokenizer, acall
+from tests.helpers.asgi import FakeTokenizer, acall
 
 BS = 16
 PROMPT = list(range(100, 140))

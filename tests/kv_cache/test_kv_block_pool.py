@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from kv_cache_helpers import free_ids, make_request
 
 from prefixserve.core.kv_cache.block_pool import (
     BlockHashToBlockMap,
@@ -12,6 +11,7 @@ from prefixserve.core.kv_cache.block_pool import (
     KVCacheBlock,
 )
 from prefixserve.core.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored
+from tests.helpers.kv_cache import free_ids, make_request
 
 
 def cached_pool(num_blocks: int = 9, events: bool = True):

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from kv_cache_helpers import (
+
+from prefixserve.core.kv_cache.events import BlockStored
+from prefixserve.core.kv_cache.kv_cache_manager import KVCacheBlocks
+from prefixserve.core.request import Request
+from prefixserve.sampling_params import SamplingParams
+from tests.helpers.kv_cache import (
     decode,
     evict_block,
     free_ids,
@@ -12,11 +17,6 @@ from kv_cache_helpers import (
     schedule,
     snapshot,
 )
-
-from prefixserve.core.kv_cache.events import BlockStored
-from prefixserve.core.kv_cache.kv_cache_manager import KVCacheBlocks
-from prefixserve.core.request import Request
-from prefixserve.sampling_params import SamplingParams
 
 
 def test_first_request_misses_and_gets_blocks_from_the_head():

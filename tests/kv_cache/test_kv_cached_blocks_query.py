@@ -6,11 +6,10 @@ This file may read the internals: it checks the public answer against them.
 
 from __future__ import annotations
 
-from kv_cache_helpers import BLOCK_SIZE, make_manager, make_request
-
 from prefixserve.core.kv_cache.kv_cache_manager import KVCacheManager
 from prefixserve.core.kv_cache.spec import FullAttentionSpec, SlidingWindowSpec
 from prefixserve.core.sched.prefill_dedup import prefill_in_flight
+from tests.helpers.kv_cache import BLOCK_SIZE, make_manager, make_request
 
 HYBRID = [FullAttentionSpec(), SlidingWindowSpec(sliding_window=8)]
 

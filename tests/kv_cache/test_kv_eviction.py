@@ -12,7 +12,6 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from kv_cache_helpers import free_ids, make_manager, make_request
 
 from prefixserve.config import CacheConfig
 from prefixserve.core.kv_cache.block_pool import BlockPool
@@ -20,6 +19,7 @@ from prefixserve.core.kv_cache.eviction.cost_aware import ATTENTION_DEPTH_BLOCKS
 from prefixserve.core.kv_cache.eviction.lru import KVCacheBlock
 from prefixserve.core.kv_cache.eviction.policies import EVICTION_POLICIES, make_free_queue
 from prefixserve.core.kv_cache.eviction.slru import SegmentedLRUQueue
+from tests.helpers.kv_cache import free_ids, make_manager, make_request
 
 BS = 4
 

@@ -13,7 +13,6 @@ import sys
 import numpy as np
 import pytest
 import xxhash
-from kv_cache_helpers import make_request
 
 from prefixserve.core.kv_cache import hashing
 from prefixserve.core.kv_cache.hashing import (
@@ -26,6 +25,7 @@ from prefixserve.core.kv_cache.hashing import (
 )
 from prefixserve.core.request import Request
 from prefixserve.sampling_params import SamplingParams
+from tests.helpers.kv_cache import make_request
 
 
 @pytest.fixture

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kv_cache_helpers import make_manager, make_request, schedule
 
 from prefixserve.core.kv_cache.kv_cache_manager import KVCacheManager
+from tests.helpers.kv_cache import make_manager, make_request, schedule
 
 SYSTEM = [1, 2, 3, 4, 5, 6, 7, 8]  # two full blocks of 4
 

@@ -7,11 +7,11 @@ its own, so the pool builds it through the factory as it builds the real ones.
 from __future__ import annotations
 
 import pytest
-from kv_cache_helpers import make_request
 
 from prefixserve.core.kv_cache.block_pool import BlockPool
 from prefixserve.core.kv_cache.eviction import policies
 from prefixserve.core.kv_cache.eviction.lru import FreeKVCacheBlockQueue
+from tests.helpers.kv_cache import make_request
 
 BS = 4
 

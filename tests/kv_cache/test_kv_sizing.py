@@ -4,7 +4,6 @@ alone, in that pool), what the pool gets, and the leak check of an idle pool."""
 from __future__ import annotations
 
 import pytest
-from helpers import random_tokens
 
 from prefixserve.core.kv_cache.hashing import get_request_block_hasher
 from prefixserve.core.kv_cache.kv_cache_manager import KVCacheManager
@@ -12,6 +11,7 @@ from prefixserve.core.kv_cache.sizing import blocks_needed, size_kv_pool
 from prefixserve.core.kv_cache.spec import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec
 from prefixserve.core.request import Request
 from prefixserve.sampling_params import SamplingParams
+from tests.helpers import random_tokens
 
 
 @pytest.mark.parametrize(

@@ -3,9 +3,15 @@ coordinator.py). Block size 4 and a window of 8 tokens: a hit needs the 2 blocks
 
 from __future__ import annotations
 
-from kv_cache_helpers import decode, evict_block, free_ids, make_manager, make_request, snapshot
-
 from prefixserve.core.kv_cache.spec import FullAttentionSpec, SlidingWindowSpec
+from tests.helpers.kv_cache import (
+    decode,
+    evict_block,
+    free_ids,
+    make_manager,
+    make_request,
+    snapshot,
+)
 
 SW = [SlidingWindowSpec(sliding_window=8)]
 HYBRID = [FullAttentionSpec(), SlidingWindowSpec(sliding_window=8)]

@@ -13,9 +13,9 @@ import hashlib
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from kv_cache_helpers import make_manager, make_request, snapshot
 
 from prefixserve.core.kv_cache.spec import FullAttentionSpec, SlidingWindowSpec
+from tests.helpers.kv_cache import make_manager, make_request, snapshot
 
 BS = 4
 # A few shared prefixes plus a short random tail: hits (full and partial) are common.

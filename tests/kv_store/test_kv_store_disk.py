@@ -8,7 +8,10 @@ import shutil
 import stat
 
 import pytest
-from kv_store_helpers import (
+
+from prefixserve.kv_store import record
+from prefixserve.kv_store.fs import UnsafeStoreError
+from tests.helpers.kv_store import (
     NAMESPACE,
     OTHER_NAMESPACE,
     FakeClock,
@@ -19,9 +22,6 @@ from kv_store_helpers import (
     temp_files,
     tokens,
 )
-
-from prefixserve.kv_store import record
-from prefixserve.kv_store.fs import UnsafeStoreError
 
 
 def test_round_trip_returns_exactly_the_bytes_put(tmp_path):

@@ -8,9 +8,16 @@ import random
 import signal
 import time
 
-from kv_store_helpers import block_hash, key, open_store, payload, record_files, temp_files, tokens
-
 from prefixserve.kv_store import record
+from tests.helpers.kv_store import (
+    block_hash,
+    key,
+    open_store,
+    payload,
+    record_files,
+    temp_files,
+    tokens,
+)
 
 WAIT_S = 60.0  # a bound on waiting for the children, never a timing assertion
 NUM_KEYS = 24

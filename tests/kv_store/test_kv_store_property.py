@@ -10,7 +10,8 @@ from pathlib import Path
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from kv_store_helpers import FakeClock, key, open_store, payload, record_files, tokens
+
+from tests.helpers.kv_store import FakeClock, key, open_store, payload, record_files, tokens
 
 KEYS = st.integers(0, 3)
 GROUPS = st.integers(0, 1)

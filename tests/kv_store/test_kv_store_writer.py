@@ -8,9 +8,9 @@ import threading
 import time
 
 import pytest
-from kv_store_helpers import FakeClock, key, open_store, payload, record_files, tokens
 
 from prefixserve.kv_store.writer import BackgroundWriter
+from tests.helpers.kv_store import FakeClock, key, open_store, payload, record_files, tokens
 
 WAIT_S = 30.0  # only ever a bound on waiting for an event, never a timing assertion
 

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from lora_helpers import build_hf_model, make_adapter, our_llm
 from safetensors.torch import load_file, save_file
 
 from prefixserve import SamplingParams
 from prefixserve.lora.adapter import load_adapter
 from prefixserve.lora.config import LoRARequest
 from prefixserve.model.loader.hf_config import model_config_from_hf
+from tests.helpers.lora import build_hf_model, make_adapter, our_llm
 
 Tensors = dict[str, torch.Tensor]
 

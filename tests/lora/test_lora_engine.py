@@ -15,7 +15,13 @@ import json
 import pytest
 import torch
 import transformers
-from lora_helpers import (
+from safetensors.torch import load_file, save_file
+
+from prefixserve import SamplingParams
+from prefixserve.core.kv_cache.events import BlockStored
+from prefixserve.lora.config import LoRARequest, LoRASlotsBusyError
+from prefixserve.lora.manager import LoRAInUseError
+from tests.helpers.lora import (
     build_hf_model,
     hf_config,
     hf_greedy,
@@ -23,12 +29,6 @@ from lora_helpers import (
     make_adapter,
     our_llm,
 )
-from safetensors.torch import load_file, save_file
-
-from prefixserve import SamplingParams
-from prefixserve.core.kv_cache.events import BlockStored
-from prefixserve.lora.config import LoRARequest, LoRASlotsBusyError
-from prefixserve.lora.manager import LoRAInUseError
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPT = [5, 17, 33, 2, 90, 11, 7, 64, 3, 99, 41, 8, 19]

@@ -13,8 +13,6 @@ bf16; and the packaged default model and Gemma 3 on a fixed scenario).
 from __future__ import annotations
 
 import dataclasses
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -29,10 +27,7 @@ from prefixserve.model.kernels.build import paged_attention_kernel
 from prefixserve.model.layers.common import Linear, batch_invariant_linears
 from prefixserve.model.loader.loading import LoadedModel
 from prefixserve.sampling_params import SamplingParams
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from tiny_hf_models import VOCAB, build_hf_model, build_ours  # noqa: E402
+from tests.helpers.models import VOCAB, build_hf_model, build_ours
 
 ROW_COUNTS = (1, 2, 3, 5, 8, 9, 16, 17, 33, 64, 65, 100, 257)
 

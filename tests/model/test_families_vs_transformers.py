@@ -8,23 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_hf_models import (
-    VOCAB,
-    BlockAllocator,
-    Harness,
-    assert_close,
-    build_hf_model,
-    build_ours,
-    greedy_request,
-    make_harness,
-    reference_logits,
-    step,
-)
 
 from prefixserve.core.kv_cache.spec import SlidingWindowSpec
 from prefixserve.model.layers import common as layers
 from prefixserve.model.layers.attention import ScheduledSpan, build_attention_metadata
 from prefixserve.model.layers.common import ForwardContext
+from tests.helpers.models import VOCAB, assert_close, build_hf_model, build_ours, reference_logits
+from tests.helpers.runner import BlockAllocator, Harness, greedy_request, make_harness, step
 
 FAMILIES = ["llama", "llama_tied", "mistral", "qwen2", "qwen3", "gemma3"]
 

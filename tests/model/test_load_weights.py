@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_hf_models import VOCAB, assert_close, build_hf_model, build_ours
 
 from prefixserve.core.request import Request
 from prefixserve.core.sched.output import ScheduledRequest, SchedulerOutput
@@ -12,6 +11,7 @@ from prefixserve.model.loader.hf_config import model_config_from_hf
 from prefixserve.model.models.registry import create_model
 from prefixserve.sampling_params import SamplingParams
 from prefixserve.worker.model_runner import ModelRunner
+from tests.helpers.models import VOCAB, assert_close, build_hf_model, build_ours
 
 
 def last_logits(model, config, prompt: list[int]) -> torch.Tensor:

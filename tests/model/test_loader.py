@@ -6,23 +6,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_hf_models import build_hf_model
 
 from prefixserve.model.loader.hf_dir import iter_safetensors_weights, safetensors_files
 from prefixserve.model.loader.loading import LoadedModel, ModelLoadError, load_model, resolve_dtype
+from tests.helpers.models import build_hf_model
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
-
-def tiny_model_dir(tmp_path: Path, default_model_dir: Path, family: str = "llama_tied", **save):
+def tiny_model_dir(tmp_path: Path, family: str = "llama_tied", **save):
     """A random-weight tiny model directory with the default model's tokenizer."""
-    model, _ = build_hf_model(family, tmp_path)
-    if save:
-        for f in tmp_path.glob("model*.safetensors*"):
-            f.unlink()
-        model.save_pretrained(tmp_path, safe_serialization=True, **save)
-    for name in TOKENIZER_FILES:
-        shutil.copy(default_model_dir / name, tmp_path / name)
+    model, _ = build_hf_model(family, tmp_path, tokenizer=True, **save)
     return model, tmp_path
 
 
@@ -105,8 +97,8 @@ def test_missing_weights_is_one_clear_error(tmp_path, default_model_dir):
     _assert_clear_error(exc_info, tmp_path)
 
 
-def test_missing_shard_is_one_clear_error(tmp_path, default_model_dir):
-    _, path = tiny_model_dir(tmp_path, default_model_dir, max_shard_size="20KB")
+def test_missing_shard_is_one_clear_error(tmp_path):
+    _, path = tiny_model_dir(tmp_path, max_shard_size="20KB")
     shards = sorted(path.glob("model-*.safetensors"))
     assert len(shards) > 1
     shards[-1].unlink()
@@ -114,8 +106,8 @@ def test_missing_shard_is_one_clear_error(tmp_path, default_model_dir):
         load_model(path, dtype="float32")
 
 
-def test_corrupt_safetensors_is_one_clear_error(tmp_path, default_model_dir):
-    _, path = tiny_model_dir(tmp_path, default_model_dir)
+def test_corrupt_safetensors_is_one_clear_error(tmp_path):
+    _, path = tiny_model_dir(tmp_path)
     (path / "model.safetensors").write_bytes(b"\x00" * 64)
     with pytest.raises(ModelLoadError, match="model.safetensors is unreadable"):
         load_model(path, dtype="float32")
@@ -136,8 +128,8 @@ def test_unreadable_gguf_is_one_clear_error(tmp_path):
     _assert_clear_error(exc_info, path)
 
 
-def test_max_model_len_out_of_range_names_the_limit(tmp_path, default_model_dir):
-    _, path = tiny_model_dir(tmp_path, default_model_dir)
+def test_max_model_len_out_of_range_names_the_limit(tmp_path):
+    _, path = tiny_model_dir(tmp_path)
     with pytest.raises(ValueError, match=r"max_model_len must be an integer in \[1, 256\]"):
         load_model(path, dtype="float32", max_model_len=100_000)
 
@@ -145,8 +137,8 @@ def test_max_model_len_out_of_range_names_the_limit(tmp_path, default_model_dir)
 # --- HF directories -------------------------------------------------------------------------------
 
 
-def test_hf_dir_loads_weights_tokenizer_and_config(tmp_path, default_model_dir):
-    hf_model, path = tiny_model_dir(tmp_path, default_model_dir)
+def test_hf_dir_loads_weights_tokenizer_and_config(tmp_path):
+    hf_model, path = tiny_model_dir(tmp_path)
     loaded = load_model(path, dtype="float32", max_model_len=64)
     assert isinstance(loaded, LoadedModel)
     assert loaded.path == path and loaded.config.max_model_len == 64
@@ -158,16 +150,16 @@ def test_hf_dir_loads_weights_tokenizer_and_config(tmp_path, default_model_dir):
             assert torch.equal(ours[name], tensor), name
 
 
-def test_weights_are_cast_to_the_requested_dtype(tmp_path, default_model_dir):
-    _, path = tiny_model_dir(tmp_path, default_model_dir)
+def test_weights_are_cast_to_the_requested_dtype(tmp_path):
+    _, path = tiny_model_dir(tmp_path)
     loaded = load_model(path, dtype="bf16")
     assert {p.dtype for p in loaded.model.parameters()} == {torch.bfloat16}
     assert all(t.dtype == torch.bfloat16 for _, t in iter_safetensors_weights(path, torch.bfloat16))
 
 
-def test_sharded_checkpoint_loads_the_same_weights_as_a_single_file(tmp_path, default_model_dir):
-    _, single = tiny_model_dir(tmp_path / "single", default_model_dir)
-    _, sharded = tiny_model_dir(tmp_path / "sharded", default_model_dir, max_shard_size="20KB")
+def test_sharded_checkpoint_loads_the_same_weights_as_a_single_file(tmp_path):
+    _, single = tiny_model_dir(tmp_path / "single")
+    _, sharded = tiny_model_dir(tmp_path / "sharded", max_shard_size="20KB")
     assert (sharded / "model.safetensors.index.json").is_file()
     assert len(safetensors_files(sharded)) > 1
     a = dict(load_model(single, dtype="float32").model.state_dict())

@@ -4,21 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_hf_models import (
-    BlockAllocator,
-    assert_close,
-    build_hf_model,
-    build_ours,
-    greedy_request,
-    make_harness,
-    reference_logits,
-    step,
-)
 
 from prefixserve.core.request import Request
 from prefixserve.core.sched.output import ScheduledRequest, SchedulerOutput
 from prefixserve.sampling_params import SamplingParams
 from prefixserve.worker.model_runner import ModelRunner
+from tests.helpers.models import assert_close, build_hf_model, build_ours, reference_logits
+from tests.helpers.runner import BlockAllocator, greedy_request, make_harness, step
 
 
 @pytest.fixture(scope="module")

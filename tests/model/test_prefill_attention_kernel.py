@@ -171,14 +171,16 @@ def test_a_bf16_qk_norm_model_runs_long_prompts_through_the_kernel(tmp_path):
     """Qwen3 normalizes q and k (k leaves rotary contiguous while v stays a view of the fused
     qkv): a 40-token bf16 prompt goes through the prefill kernel and gives the prompt logprobs of
     the SDPA path within bf16 noise."""
-    import transformers
-    from helpers import default_vocab_size, save_with_default_tokenizer
-
     from prefixserve.config import CacheConfig, EngineConfig
     from prefixserve.engine.llm_engine import LLMEngine
     from prefixserve.sampling_params import SamplingParams
+    from tests.helpers.models import build_hf_model, default_vocab_size
 
-    config = transformers.Qwen3Config(
+    build_hf_model(
+        "qwen3",
+        tmp_path,
+        std=None,
+        tokenizer=True,
         vocab_size=default_vocab_size(),
         hidden_size=128,
         intermediate_size=256,
@@ -187,9 +189,7 @@ def test_a_bf16_qk_norm_model_runs_long_prompts_through_the_kernel(tmp_path):
         num_key_value_heads=1,
         head_dim=64,
         max_position_embeddings=512,
-        tie_word_embeddings=True,
     )
-    save_with_default_tokenizer(config, tmp_path)
     engine = LLMEngine(
         EngineConfig(model=str(tmp_path), dtype="bfloat16", cache=CacheConfig(num_kv_blocks=32))
     )

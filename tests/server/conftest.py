@@ -12,7 +12,13 @@ from typing import Any
 
 import openai
 import pytest
-from server_helpers import (
+
+from prefixserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from prefixserve.engine.async_llm import AsyncLLMEngine
+from prefixserve.engine.llm_engine import LLMEngine
+from prefixserve.entrypoints.openai.app import build_app
+from prefixserve.entrypoints.openai.auth import ApiKeys
+from tests.helpers.server import (
     BLOCK_SIZE,
     KEY_ADMIN,
     KEY_ALPHA,
@@ -24,12 +30,6 @@ from server_helpers import (
     LiveServer,
     serve_in_thread,
 )
-
-from prefixserve.config import CacheConfig, EngineConfig, SchedulerConfig
-from prefixserve.engine.async_llm import AsyncLLMEngine
-from prefixserve.engine.llm_engine import LLMEngine
-from prefixserve.entrypoints.openai.app import build_app
-from prefixserve.entrypoints.openai.auth import ApiKeys
 
 
 @pytest.fixture(scope="session")

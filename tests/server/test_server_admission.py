@@ -8,12 +8,12 @@ import time
 
 import httpx
 import pytest
-from server_helpers import KEY_ALPHA, KEY_BETA, MODEL_NAME, serve_in_thread
 
 from prefixserve.entrypoints.openai.admission import Admission
 from prefixserve.entrypoints.openai.app import build_app
 from prefixserve.entrypoints.openai.auth import ApiKeys
 from prefixserve.entrypoints.openai.errors import OpenAIError
+from tests.helpers.server import KEY_ALPHA, KEY_BETA, MODEL_NAME, serve_in_thread
 
 LONG = {"model": MODEL_NAME, "prompt": "Count:", "max_tokens": 200, "ignore_eos": True}
 SHORT = {"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 1}

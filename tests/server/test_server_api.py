@@ -6,7 +6,8 @@ import json
 import uuid
 
 import pytest
-from server_helpers import BLOCK_SIZE, MAX_MODEL_LEN, MODEL_NAME
+
+from tests.helpers.server import BLOCK_SIZE, MAX_MODEL_LEN, MODEL_NAME
 
 # Long enough to fill several blocks, so a repeat hits the prefix cache.
 LONG_PROMPT = (

@@ -7,11 +7,11 @@ import logging
 import uuid
 
 import pytest
-from server_helpers import MAX_MODEL_LEN, NUM_KV_BLOCKS
 
 from prefixserve.engine.client import EngineRequest
 from prefixserve.engine.stats_log import format_stats
 from prefixserve.sampling_params import SamplingParams
+from tests.helpers.server import MAX_MODEL_LEN, NUM_KV_BLOCKS
 
 
 def rid() -> str:

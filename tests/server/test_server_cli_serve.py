@@ -8,7 +8,8 @@ import sys
 import time
 
 import httpx
-from helpers import free_port
+
+from tests.helpers import free_port
 
 
 def test_prefixserve_serve_starts_logs_its_setup_and_answers(tmp_path):

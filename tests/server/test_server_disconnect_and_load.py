@@ -9,7 +9,8 @@ import time
 import uuid
 
 import httpx
-from server_helpers import MODEL_NAME
+
+from tests.helpers.server import MODEL_NAME
 
 LONG_RUN = 400  # tokens a request would generate if nobody stopped it
 

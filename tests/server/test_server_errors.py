@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import openai
 import pytest
-from server_helpers import MAX_MODEL_LEN, MODEL_NAME
 
 from prefixserve.entrypoints.openai.errors import from_value_error
+from tests.helpers.server import MAX_MODEL_LEN, MODEL_NAME
 
 CMPL = "/v1/completions"
 CHAT = "/v1/chat/completions"

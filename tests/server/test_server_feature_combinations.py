@@ -43,12 +43,9 @@ from typing import Any
 
 import httpx
 import pytest
-import transformers
 import uvicorn
-from helpers import default_vocab_size, random_tokens, save_with_default_tokenizer
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from server_helpers import LiveServer, serve_in_thread
 
 from prefixserve.bench.lora_adapters import write_random_adapter
 from prefixserve.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -60,6 +57,9 @@ from prefixserve.entrypoints.openai.auth import ApiKeys
 from prefixserve.kv_store import KVStoreConfig
 from prefixserve.lora.config import LoRAConfig
 from prefixserve.model.loader.loading import LoadedModel, load_model
+from tests.helpers import random_tokens
+from tests.helpers.models import tiny_llama_dir
+from tests.helpers.server import LiveServer, serve_in_thread
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -120,21 +120,6 @@ class World:
 
     def __repr__(self) -> str:  # hypothesis prints it with every failing example
         return f"World(model={str(self.model.path)!r})"
-
-
-def tiny_llama_dir(path: Path) -> Path:
-    config = transformers.LlamaConfig(
-        vocab_size=default_vocab_size(),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-    )
-    save_with_default_tokenizer(config, path)
-    return path
 
 
 def messages(kind: str, index: int) -> list[dict[str, str]]:

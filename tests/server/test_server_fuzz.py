@@ -12,7 +12,8 @@ import json
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from server_helpers import MODEL_NAME
+
+from tests.helpers.server import MODEL_NAME
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -9,12 +9,12 @@ import threading
 
 import httpx
 import pytest
-from asgi_helpers import ADMIN_KEY, MAX_MODEL_LEN, TENANT_KEY, call, keys, make_app
 
 from prefixserve.entrypoints.openai.app import default_max_request_body_bytes
 from prefixserve.entrypoints.openai.auth import ApiKeys
 from prefixserve.entrypoints.openai.prompts import MAX_CHARS_PER_TOKEN
 from prefixserve.lora.config import LoRASlotsBusyError
+from tests.helpers.asgi import ADMIN_KEY, MAX_MODEL_LEN, TENANT_KEY, call, keys, make_app
 
 OPERATOR_ROUTES = [
     ("GET", "/kv_events", ""),

@@ -8,11 +8,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from asgi_helpers import ADMIN_KEY, TENANT_KEY, acall, call, keys, make_app
 from fastapi import Request
 from fastapi.testclient import TestClient
 
 from prefixserve import cli
+from tests.helpers.asgi import ADMIN_KEY, TENANT_KEY, acall, call, keys, make_app
 
 WAIT_S = 10.0
 

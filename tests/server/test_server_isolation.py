@@ -7,10 +7,10 @@ import uuid
 
 import openai
 import pytest
-from server_helpers import KEY_ALPHA, KEY_ALPHA_2, KEY_BETA, MODEL_NAME
 
 from prefixserve.core.kv_cache.salts import derive_cache_salt, validate_cache_salt
 from prefixserve.entrypoints.openai.auth import ApiKeys, parse_bearer, read_api_key_file
+from tests.helpers.server import KEY_ALPHA, KEY_ALPHA_2, KEY_BETA, MODEL_NAME
 
 SHARED_TEXT = (
     " is a prompt long enough to fill a few KV-cache blocks, so that a second request with "

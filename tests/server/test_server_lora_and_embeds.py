@@ -15,16 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from helpers import random_tokens
 from safetensors.torch import load_file, save_file
-from server_helpers import (
-    KEY_ADMIN,
-    KEY_ALPHA,
-    KEY_BETA,
-    MODEL_NAME,
-    LiveServer,
-    serve_in_thread,
-)
 
 from prefixserve import cli
 from prefixserve.bench.lora_adapters import write_random_adapter
@@ -34,6 +25,15 @@ from prefixserve.engine.llm_engine import LLMEngine
 from prefixserve.entrypoints.openai.app import build_app
 from prefixserve.entrypoints.openai.auth import ApiKeys
 from prefixserve.lora.config import LoRAConfig
+from tests.helpers import random_tokens
+from tests.helpers.server import (
+    KEY_ADMIN,
+    KEY_ALPHA,
+    KEY_BETA,
+    MODEL_NAME,
+    LiveServer,
+    serve_in_thread,
+)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,8 @@ import threading
 import uuid
 
 from prometheus_client.parser import text_string_to_metric_families
-from server_helpers import KEY_ADMIN, MODEL_NAME
+
+from tests.helpers.server import KEY_ADMIN, MODEL_NAME
 
 PROMPT_TAIL = (
     " and then the story goes on for a while longer, so that the prompt spans a few blocks "

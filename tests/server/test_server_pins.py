@@ -4,8 +4,9 @@ hits them), listed, deleted, and bounded by the pinned capacity."""
 from __future__ import annotations
 
 import pytest
-from asgi_helpers import ADMIN_KEY, call, keys, make_app
-from server_helpers import KEY_ADMIN, KEY_ALPHA, KEY_BETA, LiveServer
+
+from tests.helpers.asgi import ADMIN_KEY, call, keys, make_app
+from tests.helpers.server import KEY_ADMIN, KEY_ALPHA, KEY_BETA, LiveServer
 
 SYSTEM = "You are a careful assistant for the harbour authority. " * 8
 

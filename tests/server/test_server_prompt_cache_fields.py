@@ -8,8 +8,7 @@ import pytest
 
 from prefixserve.entrypoints.openai.app import build_app
 from prefixserve.entrypoints.openai.protocol import MAX_PROMPT_CACHE_KEY_CHARS
-from tests.server.asgi_helpers import call
-from tests.server.test_server_tenant_scheduling import RecordingEngine
+from tests.helpers.asgi import RecordingEngine, call
 
 CHAT = [{"role": "user", "content": "hi"}]
 

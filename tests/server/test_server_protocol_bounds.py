@@ -5,9 +5,9 @@ The bounds are SamplingParams' (one definition); these run on the stand-in engin
 from __future__ import annotations
 
 import pytest
-from asgi_helpers import TENANT_KEY, call, keys, make_app
 
 from prefixserve.entrypoints.openai import protocol as p
+from tests.helpers.asgi import TENANT_KEY, call, keys, make_app
 
 BAD = [
     ("temperature", "NaN"),

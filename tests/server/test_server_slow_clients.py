@@ -14,10 +14,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
-from asgi_helpers import TENANT_KEY, keys, make_app
-from server_helpers import serve_in_thread
 
 from prefixserve.entrypoints.openai.slow_clients import header_timeout_protocol
+from tests.helpers.asgi import TENANT_KEY, keys, make_app
+from tests.helpers.server import serve_in_thread
 
 WAIT_S = 10.0  # generous: every timeout under test is 1 s
 HEALTH = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"

@@ -15,7 +15,8 @@ import uuid
 
 import httpx
 import pytest
-from server_helpers import KEY_ADMIN, KEY_ALPHA, KEY_BETA, MODEL_NAME
+
+from tests.helpers.server import KEY_ADMIN, KEY_ALPHA, KEY_BETA, MODEL_NAME
 
 SOAK_SECONDS = float(os.environ.get("PREFIXSERVE_SOAK_SECONDS", "20"))
 WORKERS_PER_TENANT = 3

@@ -6,15 +6,15 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import random_tokens
 from prometheus_client.parser import text_string_to_metric_families
-from server_helpers import MODEL_NAME, LiveServer, serve_in_thread
 
 from prefixserve import cli
 from prefixserve.config import CacheConfig, EngineConfig
 from prefixserve.engine.async_llm import AsyncLLMEngine
 from prefixserve.engine.llm_engine import LLMEngine
 from prefixserve.entrypoints.openai.app import build_app
+from tests.helpers import random_tokens
+from tests.helpers.server import MODEL_NAME, LiveServer, serve_in_thread
 
 SPEC_JSON = json.dumps(
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}

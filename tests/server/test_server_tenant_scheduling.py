@@ -3,22 +3,9 @@ and the waiting queue fairly (the rules themselves are pinned in tests/test_fair
 
 from __future__ import annotations
 
-from typing import Any
-
-from prefixserve.engine.client import EngineRequest
 from prefixserve.entrypoints.openai.app import build_app
 from prefixserve.entrypoints.openai.auth import ApiKeys
-from tests.server.asgi_helpers import FakeEngine, call
-
-
-class RecordingEngine(FakeEngine):
-    def __init__(self) -> None:
-        super().__init__()
-        self.tenants: list[Any] = []
-
-    async def add_request(self, request: EngineRequest) -> Any:
-        self.tenants.append(request.tenant)
-        return await super().add_request(request)
+from tests.helpers.asgi import RecordingEngine, call
 
 
 def test_each_request_reaches_the_engine_with_its_keys_tenant():

@@ -13,12 +13,12 @@ from __future__ import annotations
 import random
 
 import pytest
-from helpers import random_tokens
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from prefixserve import LLM, SamplingParams
 from prefixserve.core.kv_cache.events import BlockStored
+from tests.helpers import random_tokens
 
 SPEC = {
     "method": "ngram",

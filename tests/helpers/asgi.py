@@ -69,6 +69,18 @@ class FakeEngine:
         return {"pins": {}, "pinned_blocks": 0, "capacity_blocks": 0}
 
 
+class RecordingEngine(FakeEngine):
+    """A FakeEngine that records the tenant of each request it is given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tenants: list[Any] = []
+
+    async def add_request(self, request: EngineRequest) -> Any:
+        self.tenants.append(request.tenant)
+        return await super().add_request(request)
+
+
 def keys(admin: bool = True) -> ApiKeys:
     api_keys = ApiKeys()
     api_keys.add(TENANT_KEY, "tenant")

@@ -1,6 +1,6 @@
 """Tiny random-weight models with PEFT adapters made by peft itself, and our engine around them.
 
-The transformers models come from tests/model/tiny_hf_models.py (fp32, weights ~N(0, 0.1)). An
+The transformers models come from tests.helpers.models (fp32, weights ~N(0, 0.1)). An
 adapter is peft's `get_peft_model` over a copy of the model with `init_lora_weights=False`
 (random A and B, so the adapter visibly moves the logits), saved with `save_pretrained`: the
 directory our loader reads is exactly what peft writes.
@@ -9,18 +9,14 @@ directory our loader reads is exactly what peft writes.
 from __future__ import annotations
 
 import copy
-import sys
 from pathlib import Path
 
 import peft
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "model"))
-
-from tiny_hf_models import VOCAB, build_hf_model, build_ours, hf_config  # noqa: E402
-
-from prefixserve import LLM  # noqa: E402
-from prefixserve.model.loader.loading import LoadedModel  # noqa: E402
+from prefixserve import LLM
+from prefixserve.model.loader.loading import LoadedModel
+from tests.helpers.models import VOCAB, build_hf_model, build_ours, hf_config
 
 __all__ = [
     "VOCAB",
