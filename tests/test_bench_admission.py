@@ -1,18 +1,11 @@
-"""benchmarks/bench_eviction.py's simulator on a crafted burst: longest-prefix admission beats
-FCFS on hits, and its aging bounds how often and how long a passed-over request waits."""
+"""The eviction simulator (prefixserve.bench.eviction_sim, which benchmarks/bench_eviction.py
+runs) on a crafted burst: longest-prefix admission beats FCFS on hits, and its aging bounds how
+often and how long a passed-over request waits."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
+from prefixserve.bench.eviction_sim import simulate
 from prefixserve.bench.workloads import BenchRequest
-
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_eviction.py"
-_spec = importlib.util.spec_from_file_location("bench_eviction", _PATH)
-assert _spec is not None and _spec.loader is not None
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
 
 AGE_LIMIT = 16  # promote_longest_prefix's default
 STEPS_PER_REQUEST = 2  # an 80-token prompt fits one step; 2 output tokens
@@ -33,8 +26,8 @@ def _alternating(n: int) -> list[BenchRequest]:
 
 def test_longest_prefix_beats_fcfs_with_bounded_waits():
     requests = _alternating(24)
-    fcfs = bench.simulate(requests, "lru", 6, 1, "fcfs", "burst")
-    longest = bench.simulate(requests, "lru", 6, 1, "longest_prefix", "burst")
+    fcfs = simulate(requests, "lru", 6, 1, "fcfs", "burst")
+    longest = simulate(requests, "lru", 6, 1, "longest_prefix", "burst")
     assert fcfs["hit_rate"] == 0.0  # the crafted thrash: each request evicts the next one's prefix
     assert longest["hit_rate"] > 0.5
     assert longest["computed"] < fcfs["computed"]
@@ -55,8 +48,8 @@ def test_aging_admits_a_passed_over_request_after_age_limit_passes():
     """A0, B0, A1..A31: with A cached, every A in the window beats B0, so only aging admits it
     before the A requests run out (without it B0 would be passed over 31 times)."""
     requests = [_request("A", 0), _request("B", 0)] + [_request("A", i) for i in range(1, 32)]
-    fcfs = bench.simulate(requests, "lru", 6, 1, "fcfs", "burst")
-    longest = bench.simulate(requests, "lru", 6, 1, "longest_prefix", "burst")
+    fcfs = simulate(requests, "lru", 6, 1, "fcfs", "burst")
+    longest = simulate(requests, "lru", 6, 1, "longest_prefix", "burst")
     assert longest["max_passed_over"] == AGE_LIMIT
     assert longest["hit_rate"] >= fcfs["hit_rate"]
     extra = longest["waits"]["B0"] - fcfs["waits"]["B0"]
@@ -65,5 +58,5 @@ def test_aging_admits_a_passed_over_request_after_age_limit_passes():
 
 def test_closed_loop_default_is_unchanged():
     """Closed arrival with fcfs is the simulator as it was: nobody waits in a 1-request loop."""
-    r = bench.simulate(_alternating(4), "lru", 6, 1)
+    r = simulate(_alternating(4), "lru", 6, 1)
     assert r["hit_rate"] == 0.0 and r["wait_max"] == 0 and r["max_passed_over"] == 0
