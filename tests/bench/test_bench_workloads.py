@@ -65,7 +65,8 @@ def test_workload_is_a_pure_function_of_its_seed(name):
     assert [r.request_id for r in a.requests] == [r.request_id for r in b.requests]
     assert [r.prompt_token_ids for r in a.requests] != [r.prompt_token_ids for r in c.requests]
     if name not in TEXT_WORKLOADS:
-        assert all(t in set(POOL) for r in a.requests for t in r.prompt_token_ids)
+        pool = set(POOL)
+        assert all(t in pool for r in a.requests for t in r.prompt_token_ids)
 
 
 def test_workloads_of_one_seed_share_no_prompt():
