@@ -8,8 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_bench_workloads import _words
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from benchmarks.serving import servers
 from benchmarks.serving.compare import RESTART_PASSES as PASSES
@@ -19,6 +17,7 @@ from prefixserve.bench import cli as bench_cli
 from prefixserve.bench.cli import main as bench_main
 from prefixserve.bench.results import load_results
 from tests.helpers import free_port
+from tests.helpers.bench import byte_level_bpe
 from tests.helpers.stub_openai import StubServer
 
 STUB = Path(__file__).parents[1] / "helpers" / "stub_openai.py"
@@ -27,15 +26,7 @@ STUB = Path(__file__).parents[1] / "helpers" / "stub_openai.py"
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     """A directory holding only a tokenizer.json: all the harness reads from a model dir."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    words = _words(1, 400)
-    corpus = [" ".join(words[i : i + 20]) for i in range(0, 400, 20)] * 30
-    tok.train_from_iterator(
-        corpus,
-        trainers.BpeTrainer(vocab_size=3000, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()),
-    )
+    tok = byte_level_bpe(1)
     path = tmp_path_factory.mktemp("model")
     tok.save(str(path / "tokenizer.json"))
     return path

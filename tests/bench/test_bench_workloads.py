@@ -1,13 +1,10 @@
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 import zlib
-from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, models
 
 from prefixserve.bench.workloads import (
     DEFAULT_WORKLOADS,
@@ -18,6 +15,7 @@ from prefixserve.bench.workloads import (
     make_workload,
     token_pool_from_tokenizer,
 )
+from tests.helpers.bench import byte_level_bpe
 
 POOL = list(range(1000, 1600))
 
@@ -31,29 +29,10 @@ def _fake_encode(text: str) -> list[int]:
 FAKE_TEXT = TextEncoder(encode=_fake_encode, chat=lambda user: [1, *_fake_encode(user), 2])
 
 
-def _words(seed: int, n: int) -> list[str]:
-    import random
-
-    rng = random.Random(seed)
-    letters = "abcdefghijklmnopqrstuvwxyz"
-    return ["".join(rng.choices(letters, k=rng.randint(3, 7))) for _ in range(n)]
-
-
 @pytest.fixture(scope="module")
 def bpe_tokenizer() -> Tokenizer:
     """A byte-level BPE (the SmolLM2/GPT-2 kind) trained here on made-up words."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    words = _words(0, 400)
-    corpus = [" ".join(words[i : i + 20]) for i in range(0, 400, 20)] * 30
-    trainer = trainers.BpeTrainer(
-        vocab_size=3000,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(corpus, trainer)
-    return tok
+    return byte_level_bpe(0, special_tokens=("<|endoftext|>",))
 
 
 @pytest.mark.parametrize("name", WORKLOAD_NAMES)
@@ -288,16 +267,11 @@ def test_w7_prompts_are_the_default_models_chat_turns_and_round_trip_through_tex
         assert part in document and len(text.encode(part)) > 256
 
 
-_COPY = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_w7_copy.py"
-
-
 def _bench_w7_copy():
-    spec = importlib.util.spec_from_file_location("bench_w7_copy", _COPY)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_w7_copy"] = module  # its dataclass looks its module up there
-    spec.loader.exec_module(module)
-    return module
+    """benchmarks/bench_w7_copy.py, imported when a test needs it (it sets OMP_WAIT_POLICY)."""
+    from benchmarks import bench_w7_copy
+
+    return bench_w7_copy
 
 
 def test_w7_copy_check_replays_vllms_ngram_proposer():

@@ -8,7 +8,6 @@ import asyncio
 from typing import Any
 
 import pytest
-from test_cluster_replica_death import FakeReplica, _Remote, cluster_of
 
 from prefixserve.config import CacheConfig, EngineConfig
 from prefixserve.engine.llm_engine import LLMEngine
@@ -19,6 +18,7 @@ from prefixserve.engine.metrics import (
     SUMMED_GAUGES,
     combine_metrics,
 )
+from tests.helpers.cluster import FakeReplica, Remote, cluster_of
 
 REPLICA_0 = {
     "prefix_cache_queries": 100,
@@ -71,7 +71,7 @@ def test_the_cluster_engine_reports_rates_of_its_replicas_combined(monkeypatch):
         return metrics
 
     for replica, metrics in zip(replicas, (REPLICA_0, REPLICA_1), strict=True):
-        replica.metrics = _Remote(lambda m=metrics: answer(m))
+        replica.metrics = Remote(lambda m=metrics: answer(m))
     engine = cluster_of(monkeypatch, *replicas)
     total = asyncio.run(engine.get_metrics())
     assert total["prefix_cache_hit_rate"] == pytest.approx(0.3)  # was 1.0: 0.9 + 0.1

@@ -7,89 +7,22 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from ray.exceptions import RayActorError
 
 from prefixserve.cluster.client import ClusterEngine, ReplicaDiedError
-from prefixserve.cluster.messages import ReplicaInfo
-from prefixserve.cluster.policy import ReplicaLoad, make_policy
-from prefixserve.cluster.router import Router
+from prefixserve.cluster.policy import ReplicaLoad
 from prefixserve.engine.async_llm import EngineDeadError
 from prefixserve.engine.client import EngineRequest
 from prefixserve.entrypoints.openai.app import build_app
 from prefixserve.lora.config import LoRASlotsBusyError
-from prefixserve.outputs import CompletionOutput, RequestOutput
+from prefixserve.outputs import RequestOutput
 from prefixserve.sampling_params import SamplingParams
-from tests.helpers.asgi import FakeTokenizer, acall
+from tests.helpers.asgi import acall
+from tests.helpers.cluster import FakeReplica, cluster_of
 
-BS = 16
 PROMPT = list(range(100, 140))
-
-
-class _Remote:
-    """An actor method as a Ray handle offers it: `.options(...).remote(*args)`."""
-
-    def __init__(self, fn: Any) -> None:
-        self.fn = fn
-
-    def options(self, **_: Any) -> _Remote:
-        return self
-
-    def remote(self, *args: Any) -> Any:
-        return self.fn(*args)
-
-
-class FakeReplica:
-    """A replica's actor handle: `generate` accepts, streams `num_outputs` cumulative outputs
-    (token ids `token_base`, `token_base + 1`, ...); the last is finished unless it is `dying`:
-    then it dies (RayActorError) once `kill` is set."""
-
-    def __init__(self, replica_id: int, token_base: int, *, dying: bool, num_outputs: int) -> None:
-        self.info = _Remote(lambda: ReplicaInfo(replica_id, 1, BS, "sha256", "s", 100, 4096, None))
-        self.generate = _Remote(self._generate)
-        self.abort = _Remote(lambda request_id: None)
-        self.token_base = token_base
-        self.dying = dying
-        self.num_outputs = num_outputs
-        self.streamed = asyncio.Event()  # a dying one's outputs were all taken by the client
-        self.kill = asyncio.Event()
-        self.calls = 0
-
-    async def _generate(self, request: EngineRequest) -> AsyncIterator[Any]:
-        request_id = request.request_id
-        self.calls += 1
-        yield _ready(None)  # accepted
-        for n in range(1, self.num_outputs + 1):
-            finished = not self.dying and n == self.num_outputs
-            yield _ready(self._output(request_id, n, finished))
-        self.streamed.set()
-        if self.dying:
-            await self.kill.wait()
-            raise RayActorError()
-
-    def _output(self, request_id: str, n: int, finished: bool) -> RequestOutput:
-        ids = [self.token_base + i for i in range(n)]
-        completion = CompletionOutput(0, "x" * n, ids, finish_reason="length" if finished else None)
-        return RequestOutput(request_id, None, [], None, [completion], finished=finished)
-
-
-async def _ready(value: Any) -> Any:
-    return value
-
-
-def cluster_of(monkeypatch: pytest.MonkeyPatch, *replicas: FakeReplica) -> ClusterEngine:
-    """A ClusterEngine over stand-in replicas, round robin from replica 0, with no event feeds."""
-    monkeypatch.setattr("ray.get", lambda refs: list(refs))
-    model = SimpleNamespace(tokenizer=FakeTokenizer(), config=SimpleNamespace(torch_dtype=None))
-    config = SimpleNamespace(enable_prompt_embeds=False)
-    router = Router(BS, "sha256", make_policy("round_robin"))
-    engine = ClusterEngine(replicas, model, config, router)  # type: ignore[arg-type]
-    engine.start()
-    monkeypatch.setattr(engine, "_ensure_feeds", lambda: None)
-    return engine
 
 
 def settled(engine: ClusterEngine) -> bool:

@@ -11,7 +11,8 @@
 - `lora`: PEFT adapters of the tiny models and our engine around them;
 - `server`: a live OpenAI server (uvicorn in a thread) and its constants;
 - `asgi`: a stand-in engine and raw ASGI calls for server tests without a model;
-- `cluster`: the replicas' engine config;
+- `cluster`: stand-in replicas and a ClusterEngine over them, and a real replica's engine config;
+- `bench`: made-up words and a byte-level BPE trained on them (the benchmark tests' tokenizer);
 - `stub_openai`: a fake OpenAI completions server for the benchmark client (also a script).
 """
 
