@@ -24,7 +24,7 @@ from prefixserve.engine.llm_engine import LLMEngine
 from prefixserve.engine_args import EngineArgs
 from prefixserve.kv_store import KVStoreConfig
 from prefixserve.model.kernels.build import paged_attention_kernel
-from prefixserve.model.layers.common import Linear, batch_invariant_linears
+from prefixserve.model.layers.common import Linear, batch_invariant_linears, compiled_kernel
 from prefixserve.model.loader.loading import LoadedModel
 from prefixserve.sampling_params import SamplingParams
 from tests.helpers.models import VOCAB, build_hf_model, build_ours
@@ -51,6 +51,32 @@ def test_a_batch_invariant_linear_gives_each_row_the_result_it_gets_alone(
             assert torch.equal(linear(x[:rows]), whole[:rows]), f"{rows} rows"
             alone = linear(x[rows - 1 : rows])
             assert torch.equal(alone, whole[rows - 1 : rows]), f"row {rows - 1} alone"
+
+
+@pytest.mark.parametrize(("in_features", "out_features"), [(77, 33), (576, 1536), (2048, 640)])
+def test_the_streaming_kernel_sums_each_row_alike_in_any_batch(in_features, out_features):
+    """csrc/gemv.cpp: a row's output is the same bits in a call of 1 to 13 rows, wherever the
+    row falls in its group of four, with a bias and a K that is no multiple of 32."""
+    kernel = compiled_kernel("linear_small")
+    if kernel is None:
+        pytest.skip("the native linear kernel is not built here")
+    torch.manual_seed(2)
+    weight = (torch.randn(out_features, in_features) / in_features**0.5).to(torch.bfloat16)
+    bias = torch.randn(out_features).to(torch.bfloat16)
+    x = torch.randn(64, in_features).to(torch.bfloat16)
+
+    def linear(rows: torch.Tensor) -> torch.Tensor:
+        out = rows.new_empty(rows.shape[0], out_features)
+        kernel(out, rows.contiguous(), weight, bias, 2)
+        return out
+
+    whole = linear(x)
+    reference = x.float() @ weight.float().T + bias.float()
+    assert (whole.float() - reference).abs().max() < 0.05
+    for rows in (1, 2, 3, 5, 8, 13):
+        for start in range(0, 40, 3):
+            part = linear(x[start : start + rows])
+            assert torch.equal(part, whole[start : start + rows]), f"{rows} rows from {start}"
 
 
 # ------------------------------------------------------------------------------ the kernel

@@ -48,12 +48,11 @@ inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
 }
 #endif
 
-// Every output out[m, n] is summed in one order, whatever the batch: two 16-lane fp32
-// accumulators over K (pairs k of each 64 into the first for k % 64 < 32, the second
-// otherwise; a tail of fewer than 64 into the first, 32 at a time), added, then the 16 lanes
-// reduced by sum4's tree. So a row's result does not depend on how many rows share the call nor
-// on which group of rows it falls in: the kernel is batch-invariant (tests/model/
-// test_batch_invariance.py), and serves every row count in batch-invariant mode.
+// Every output out[m, n] is summed in one order, whatever the batch: one 16-lane fp32
+// accumulator over K, 32 elements (16 bf16 pairs) at a time, the last 32 masked, then the 16
+// lanes reduced by sum4's tree. So a row's result does not depend on how many rows share the
+// call nor on which group of rows it falls in: the kernel is batch-invariant
+// (tests/model/test_batch_invariance.py) and serves every row count in batch-invariant mode.
 #if defined(__AVX512BF16__)
 inline __m512bh load_bh(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
 inline __m512bh load_bh(const uint16_t* p, __mmask32 mask) {
@@ -62,45 +61,41 @@ inline __m512bh load_bh(const uint16_t* p, __mmask32 mask) {
 #endif
 
 // Dot products of NW weight rows (K elements apart) with NX x rows (K apart), into
-// sums[i * kRowGroup + j] for weight row i and x row j.
+// sums[i * kRowGroup + j] for weight row i and x row j: a register tile of NW x NX
+// accumulators (16 at most), each weight vector loaded once for the NX rows.
 template <int NW, int NX>
 inline void dot_block(const uint16_t* w, const uint16_t* x, int64_t K, float* sums) {
 #if defined(__AVX512BF16__)
-  __m512 acc[NW][NX][2];
+  __m512 acc[NW][NX];
   for (int i = 0; i < NW; ++i)
-    for (int j = 0; j < NX; ++j) acc[i][j][0] = acc[i][j][1] = _mm512_setzero_ps();
+    for (int j = 0; j < NX; ++j) acc[i][j] = _mm512_setzero_ps();
   int64_t k = 0;
-  for (; k + 64 <= K; k += 64) {
-    __m512bh wv[NW][2];
+  for (; k + 32 <= K; k += 32) {
+    __m512bh wv[NW];
     for (int i = 0; i < NW; ++i) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + i * K + k + kPrefetchAhead), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(w + i * K + k + kPrefetchAhead + 32),
-                   _MM_HINT_T0);
-      wv[i][0] = load_bh(w + i * K + k);
-      wv[i][1] = load_bh(w + i * K + k + 32);
+      if ((k & 63) == 0)
+        _mm_prefetch(reinterpret_cast<const char*>(w + i * K + k + kPrefetchAhead), _MM_HINT_T0);
+      wv[i] = load_bh(w + i * K + k);
     }
     for (int j = 0; j < NX; ++j) {
-      const __m512bh x0 = load_bh(x + j * K + k), x1 = load_bh(x + j * K + k + 32);
-      for (int i = 0; i < NW; ++i) {
-        acc[i][j][0] = _mm512_dpbf16_ps(acc[i][j][0], wv[i][0], x0);
-        acc[i][j][1] = _mm512_dpbf16_ps(acc[i][j][1], wv[i][1], x1);
-      }
+      const __m512bh xv = load_bh(x + j * K + k);
+      for (int i = 0; i < NW; ++i) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv[i], xv);
     }
   }
-  for (; k < K; k += 32) {
-    const __mmask32 mask = K - k >= 32 ? ~__mmask32(0) : (__mmask32(1) << (K - k)) - 1;
+  if (k < K) {
+    const __mmask32 mask = (__mmask32(1) << (K - k)) - 1;
     for (int j = 0; j < NX; ++j) {
       const __m512bh xv = load_bh(x + j * K + k, mask);
       for (int i = 0; i < NW; ++i)
-        acc[i][j][0] = _mm512_dpbf16_ps(acc[i][j][0], load_bh(w + i * K + k, mask), xv);
+        acc[i][j] = _mm512_dpbf16_ps(acc[i][j], load_bh(w + i * K + k, mask), xv);
     }
   }
+  const __m512 zero = _mm512_setzero_ps();
   for (int i = 0; i < NW; ++i) {
-    __m512 total[4];
-    for (int j = 0; j < 4; ++j)
-      total[j] = j < NX ? _mm512_add_ps(acc[i][j][0], acc[i][j][1]) : _mm512_setzero_ps();
     float four[4];
-    _mm_storeu_ps(four, sum4(total[0], total[1], total[2], total[3]));
+    _mm_storeu_ps(four, sum4(acc[i][0], NX > 1 ? acc[i][NX > 1 ? 1 : 0] : zero,
+                             NX > 2 ? acc[i][NX > 2 ? 2 : 0] : zero,
+                             NX > 3 ? acc[i][NX > 3 ? 3 : 0] : zero));
     for (int j = 0; j < NX; ++j) sums[i * kRowGroup + j] = four[j];
   }
 #else
@@ -134,12 +129,25 @@ inline void dot(const uint16_t* w, const uint16_t* x, int64_t K, int64_t nx, flo
   }
 }
 
+// Weight rows per register tile.
+constexpr int64_t kWeightGroup = 4;
+
+inline void dot_rows(const uint16_t* w, const uint16_t* x, int64_t K, int64_t nw, int64_t nx,
+                     float* sums) {
+  switch (nw) {
+    case 1: dot<1>(w, x, K, nx, sums); break;
+    case 2: dot<2>(w, x, K, nx, sums); break;
+    case 3: dot<3>(w, x, K, nx, sums); break;
+    default: dot<4>(w, x, K, nx, sums); break;
+  }
+}
+
 }  // namespace
 
 // out [rows, N] = x [rows, K] @ w[N, K]^T (+ bias [N]), all bf16 and contiguous, accumulated in
 // fp32 and rounded once. Work is split over chunks of ~64 KB of weight rows, run by the caller
 // and up to `threads - 1` helpers of the stream pool (stream_pool.h); within a chunk, groups of
-// four x rows against pairs of weight rows.
+// four x rows against four weight rows at a time.
 void linear_bf16_small(torch::Tensor out, torch::Tensor x, torch::Tensor w,
                        c10::optional<torch::Tensor> bias, int64_t threads) {
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu() && out.device().is_cpu(),
@@ -167,18 +175,14 @@ void linear_bf16_small(torch::Tensor out, torch::Tensor x, torch::Tensor w,
   const int64_t chunks = (N + chunk_rows - 1) / chunk_rows;
   prefixserve::stream_pool().run(chunks, threads, [&](int64_t chunk) {
     const int64_t begin = chunk * chunk_rows, end = std::min(N, begin + chunk_rows);
-    float sums[2 * kRowGroup];
+    float sums[kWeightGroup * kRowGroup];
     // Four x rows stay in L1 while the chunk's weight rows (~64 KB, in L2 after the first
-    // group) pass them two at a time.
+    // group) pass them four at a time.
     for (int64_t m0 = 0; m0 < rows; m0 += kRowGroup) {
       const int64_t nx = std::min(kRowGroup, rows - m0);
-      for (int64_t n = begin; n < end; n += 2) {
-        const int64_t nw = std::min<int64_t>(2, end - n);
-        if (nw == 2) {
-          dot<2>(wp + n * K, xp + m0 * K, K, nx, sums);
-        } else {
-          dot<1>(wp + n * K, xp + m0 * K, K, nx, sums);
-        }
+      for (int64_t n = begin; n < end; n += kWeightGroup) {
+        const int64_t nw = std::min(kWeightGroup, end - n);
+        dot_rows(wp + n * K, xp + m0 * K, K, nw, nx, sums);
         for (int64_t i = 0; i < nw; ++i) {
           const float add = bias_ptr ? bf16_bits_to_float(bias_ptr[n + i]) : 0.0f;
           for (int64_t j = 0; j < nx; ++j)
