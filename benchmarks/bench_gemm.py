@@ -26,8 +26,8 @@ import time  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from prefixserve.model import layers  # noqa: E402
 from prefixserve.model.kernels.cpu_paths import describe_cpu  # noqa: E402
+from prefixserve.model.layers import common as layers  # noqa: E402
 
 # (in_features, out_features) of SmolLM2-135M's fused qkv, o, gate_up and down projections.
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]

@@ -32,9 +32,9 @@ import torch  # noqa: E402
 
 from prefixserve.core.request import Request  # noqa: E402
 from prefixserve.core.sched.output import ScheduledRequest, SchedulerOutput  # noqa: E402
-from prefixserve.model.layers import common as layers  # noqa: E402
 from prefixserve.model.kernels.build import rms_norm_kernel  # noqa: E402
 from prefixserve.model.kernels.cpu_paths import describe_cpu  # noqa: E402
+from prefixserve.model.layers import common as layers  # noqa: E402
 from prefixserve.model.loader.loading import load_model  # noqa: E402
 from prefixserve.sampling_params import SamplingParams  # noqa: E402
 from prefixserve.worker.model_runner import ModelRunner  # noqa: E402

@@ -109,7 +109,7 @@ def assert_no_leak(sched: Scheduler) -> None:
     mgr = sched.kv_cache_manager
     assert not sched.requests and not sched.running and not sched.waiting
     mgr.check_no_leaks()  # no block table left, the invariants, every block free or pinned
-    assert mgr.num_free_blocks == mgr.num_total_blocks
+    assert mgr.num_free_blocks == mgr.num_kv_blocks
 
 
 def scheduled_tokens(out: SchedulerOutput) -> dict[str, int]:
@@ -387,7 +387,7 @@ def test_abort_frees_the_blocks_of_running_and_waiting_requests():
     sched.add_request(make_request("run", PROMPT, max_tokens=50))
     sched.add_request(make_request("wait", PROMPT[:5]))
     step(sched, runner)
-    assert sched.kv_cache_manager.num_free_blocks < sched.kv_cache_manager.num_total_blocks
+    assert sched.kv_cache_manager.num_free_blocks < sched.kv_cache_manager.num_kv_blocks
     sched.finish_requests(["run", "wait", "unknown"], RequestStatus.FINISHED_ABORTED)
     assert sched.schedule().finished_req_ids == {"run", "wait"}
     assert_no_leak(sched)

@@ -36,7 +36,7 @@ def test_blocks_are_created_once_with_slots():
 def test_null_block_is_never_allocated_or_freed():
     pool = BlockPool(4)
     assert pool.null_block is pool.blocks[0] and pool.null_block.is_null
-    assert pool.num_total_blocks == 3 and pool.get_num_free_blocks() == 3
+    assert pool.num_kv_blocks == 3 and pool.get_num_free_blocks() == 3
     assert [b.block_id for b in pool.get_new_blocks(3)] == [1, 2, 3]
     pool.free_blocks([pool.null_block])
     pool.touch([pool.null_block])

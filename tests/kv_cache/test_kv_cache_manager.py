@@ -27,7 +27,7 @@ def test_first_request_misses_and_gets_blocks_from_the_head():
     new = mgr.allocate_slots(a, 10, num_computed, blocks)
     assert new.get_block_ids() == ([1, 2, 3],)
     assert mgr.get_block_ids(a) == ([1, 2, 3],)
-    assert mgr.num_free_blocks == 7 and mgr.num_total_blocks == 10
+    assert mgr.num_free_blocks == 7 and mgr.num_kv_blocks == 10
     mgr.check_invariants()
 
 
@@ -370,5 +370,5 @@ def test_uncomputed_blocks_of_a_failed_step_are_never_hit():
     mgr.free(a)
     blocks, n = mgr.get_computed_blocks(make_request("b", list(range(10))))
     assert (blocks.get_block_ids(), n) == (([1],), 4)  # block 0 was computed: still a hit
-    assert mgr.num_free_blocks == mgr.num_total_blocks
+    assert mgr.num_free_blocks == mgr.num_kv_blocks
     mgr.check_invariants()

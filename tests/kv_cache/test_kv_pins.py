@@ -21,7 +21,7 @@ def _run(mgr: KVCacheManager, request_id: str, tokens: list[int]) -> None:
 
 def _fill(mgr: KVCacheManager, start: int) -> None:
     """Run prompts of new tokens through the whole pool, so every unheld cached block is evicted."""
-    for i in range(mgr.num_total_blocks // 2 + 1):
+    for i in range(mgr.num_kv_blocks // 2 + 1):
         _run(mgr, f"fill{start}-{i}", [100 + start * 100 + 8 * i + j for j in range(8)])
 
 
@@ -53,7 +53,7 @@ def test_pinning_past_the_capacity_is_refused_and_holds_nothing():
     _run(mgr, "warm", SYSTEM + [9])
     with pytest.raises(ValueError, match="0 of 1 blocks are pinned"):
         mgr.pin_prefix("sys", make_request("probe", SYSTEM))
-    assert len(mgr.pins) == 0 and mgr.num_free_blocks == mgr.num_total_blocks
+    assert len(mgr.pins) == 0 and mgr.num_free_blocks == mgr.num_kv_blocks
 
 
 def test_a_prefix_that_is_not_cached_cannot_be_pinned():
@@ -84,7 +84,7 @@ def test_a_cache_reset_drops_every_pin():
     _run(mgr, "warm", SYSTEM + [9])
     mgr.pin_prefix("sys", make_request("probe", SYSTEM))
     assert mgr.reset_prefix_cache()
-    assert len(mgr.pins) == 0 and mgr.num_free_blocks == mgr.num_total_blocks
+    assert len(mgr.pins) == 0 and mgr.num_free_blocks == mgr.num_kv_blocks
     assert mgr.get_computed_blocks(make_request("again", SYSTEM + [9]))[1] == 0
 
 

@@ -127,8 +127,8 @@ class CacheMachine(RuleBasedStateMachine):
     @invariant()
     def invariants_hold(self):
         self.mgr.check_invariants()
-        in_use = self.mgr.num_total_blocks - self.mgr.num_free_blocks
-        assert self.mgr.usage == in_use / self.mgr.num_total_blocks
+        in_use = self.mgr.num_kv_blocks - self.mgr.num_free_blocks
+        assert self.mgr.usage == in_use / self.mgr.num_kv_blocks
 
 
 class CollidingHashCacheMachine(CacheMachine):

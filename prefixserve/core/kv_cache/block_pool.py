@@ -178,8 +178,8 @@ class BlockPool:
     # ------------------------------------------------------------------ sizes
 
     @property
-    def num_total_blocks(self) -> int:
-        """Allocatable blocks (the null block excluded)."""
+    def num_kv_blocks(self) -> int:
+        """Allocatable blocks, the engine's `num_kv_blocks` (`num_blocks` counts the null block)."""
         return self.num_blocks - 1
 
     def get_num_free_blocks(self) -> int:

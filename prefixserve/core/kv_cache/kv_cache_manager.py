@@ -103,9 +103,9 @@ class KVCacheManager:
         return self.block_pool.get_num_free_blocks()
 
     @property
-    def num_total_blocks(self) -> int:
+    def num_kv_blocks(self) -> int:
         """Allocatable blocks (num_blocks - 1: the null block is not counted)."""
-        return self.block_pool.num_total_blocks
+        return self.block_pool.num_kv_blocks
 
     @property
     def usage(self) -> float:
@@ -287,7 +287,7 @@ class KVCacheManager:
 
         A request that needs more can never run, however long it waits."""
         pinned = self.pins.holders()
-        available = self.num_total_blocks - len(pinned)
+        available = self.num_kv_blocks - len(pinned)
         if not pinned or not self.enable_caching or request.skip_reading_prefix_cache:
             return available
         groups, _ = self.coordinator.find_longest_cache_hit(
@@ -346,7 +346,7 @@ class KVCacheManager:
         assert not holders, f"the KV-cache manager still holds block tables of {sorted(holders)}"
         self.check_invariants()
         pinned = self.pins.num_blocks
-        assert self.num_free_blocks + pinned == self.num_total_blocks, (
-            f"{self.num_total_blocks - self.num_free_blocks - pinned} of {self.num_total_blocks} "
+        assert self.num_free_blocks + pinned == self.num_kv_blocks, (
+            f"{self.num_kv_blocks - self.num_free_blocks - pinned} of {self.num_kv_blocks} "
             f"KV blocks are neither free nor pinned with no request running"
         )
