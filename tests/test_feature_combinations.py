@@ -37,6 +37,7 @@ from prefixserve.kv_store import KVStoreConfig
 from prefixserve.lora.config import LoRAConfig, LoRARequest
 from prefixserve.model.loader.loading import LoadedModel
 from prefixserve.sampling_params import SamplingParams
+from tests.helpers import common_prefix
 from tests.helpers.models import VOCAB, build_hf_model, build_ours
 
 BLOCK = 4
@@ -394,15 +395,6 @@ class Run:
 
 def salt(tenant: int) -> str:
     return derive_cache_salt(f"t{tenant}", None)
-
-
-def common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _setup(**changes) -> Setup:

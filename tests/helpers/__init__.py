@@ -1,7 +1,7 @@
 """Helpers shared by the tests, one module per subject; import them as `tests.helpers.<module>`
 (the checkout's root is on sys.path through `pythonpath` in pyproject.toml's pytest section).
 
-- here: `random_tokens`, `free_port` (standard library only);
+- here: `random_tokens`, `common_prefix`, `free_port` (standard library only);
 - `models`: the tiny random-weight transformers models (`build_hf_model`, the one builder, and
   `tiny_llama_dir`, the model the cluster and server-combination tests serve) and our model over
   the same weights;
@@ -26,6 +26,16 @@ def random_tokens(n: int, seed: int) -> list[int]:
     """`n` reproducible token ids in [1000, 20000): inside every packaged model's vocabulary."""
     rng = random.Random(seed)
     return [rng.randrange(1000, 20000) for _ in range(n)]
+
+
+def common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    """How many leading tokens `a` and `b` share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def free_port() -> int:

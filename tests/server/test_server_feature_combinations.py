@@ -57,7 +57,7 @@ from prefixserve.entrypoints.openai.auth import ApiKeys
 from prefixserve.kv_store import KVStoreConfig
 from prefixserve.lora.config import LoRAConfig
 from prefixserve.model.loader.loading import LoadedModel, load_model
-from tests.helpers import random_tokens
+from tests.helpers import common_prefix, random_tokens
 from tests.helpers.models import tiny_llama_dir
 from tests.helpers.server import LiveServer, serve_in_thread
 
@@ -296,15 +296,6 @@ class Outcome:
     status: int
     cached: int | None = None  # cached prompt tokens of a response that ran to its end
     completion_tokens: int | None = None
-
-
-def common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def most_cacheable(history: list[tuple[int, ...]], ids: tuple[int, ...]) -> int:
