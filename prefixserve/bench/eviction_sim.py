@@ -94,7 +94,7 @@ def simulate(
         while ready and (burst or in_flight < concurrency):
             r = ready.popleft()
             params = SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True)
-            request = Request(r.request_id, r.prompt_token_ids, params, None, hasher)
+            request = Request(r.request_id, r.prompt_token_ids, params, block_hasher=hasher)
             scheduler.add_request(request)
             added.append(request)
             arrived[r.request_id] = step

@@ -71,6 +71,7 @@ class Request:
         request_id: str,
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
+        *,
         block_hasher: BlockHasher | None = None,
         arrival_time: float | None = None,
         lora_name: str | None = None,
