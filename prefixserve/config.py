@@ -47,7 +47,7 @@ class CacheConfig:
     enable_kv_events: bool = False
     # Most blocks operators may pin (None: a quarter of the pool).
     max_pinned_blocks: int | None = None
-    # The free queue's eviction policy: "lru", "slru" or "cost" (kv_cache/eviction.py).
+    # The eviction policy (the free queue's order): "lru", "slru" or "cost" (kv_cache/eviction/).
     eviction_policy: str = "lru"
 
     def __post_init__(self) -> None:

@@ -3,7 +3,7 @@
 After every step the manager's invariants must hold (ref counts equal holders, a block is free iff
 its ref count is 0, map entries carry their hash, free + in use = total), and a model of the KV
 contents checks that every hit block really holds the request's tokens at its positions.
-The full-attention and hybrid machines run under every eviction policy (eviction.py).
+The full-attention and hybrid machines run under every eviction policy (core/kv_cache/eviction/).
 """
 
 from __future__ import annotations

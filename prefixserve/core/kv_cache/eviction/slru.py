@@ -1,6 +1,6 @@
 """Segmented LRU: the frequency-aware eviction policy ("slru"), resisting scans.
 
-Two LRU segments of free blocks, each an intrusive list (free_queue.py's class, one per segment):
+Two LRU segments of free blocks, each an intrusive list (lru.py's list, one per segment):
 
   probation  blocks never hit since they were cached, and blocks that are not cached at all
   protected  cached blocks hit at least once since they were cached (a hit on a block in use
