@@ -60,10 +60,11 @@ def build_app(  # noqa: C901 - its complexity is the routes' closures, each smal
     """The FastAPI app. The caller starts and stops `engine` (see cli.py).
 
     With `api_keys`, the operator routes (/kv_events, /reset_prefix_cache, /metrics, /pins, the
-    LoRA load and unload routes and the API docs) take an operator key only and the others a tenant key only (guard.py); without, every
-    route is open to the one trusted user. `max_request_body_bytes` defaults to
-    `default_max_request_body_bytes(engine.max_model_len)`; `max_body_bytes_in_flight` (bodies
-    of all requests together) to `BODIES_IN_FLIGHT` times that, 0 for no bound;
+    LoRA load and unload routes and the API docs) take an operator key only and the others a
+    tenant key only (guard.py); without, every route is open to the one trusted user.
+    `max_request_body_bytes` defaults to `default_max_request_body_bytes(engine.max_model_len)`;
+    `max_body_bytes_in_flight` (bodies of all requests together) to `BODIES_IN_FLIGHT` times
+    that, 0 for no bound;
     `timeout_request_body_s` bounds the time a body may take to arrive (None: no bound);
     `admission` bounds the requests in flight (admission.py; default: no bound). /v1/models
     names the served model names only, never the weights' path. `lora_modules` (name -> path)
