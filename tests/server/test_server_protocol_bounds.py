@@ -4,9 +4,13 @@ The bounds are SamplingParams' (one definition); these run on the stand-in engin
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from prefixserve.core.kv_cache.salts import validate_cache_salt
 from prefixserve.entrypoints.openai import protocol as p
+from prefixserve.sampling_params import SamplingParams
 from tests.helpers.asgi import TENANT_KEY, call, keys, make_app
 
 BAD = [
@@ -62,3 +66,26 @@ def test_completions_max_tokens_absent_or_null_is_16(body):
 def test_chat_max_tokens_absent_stays_unset():
     request = p.ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}])
     assert request.effective_max_tokens is None
+
+
+@pytest.mark.parametrize(("name", "raw"), BAD)
+def test_the_offline_api_refuses_every_value_the_server_refuses(name, raw):
+    """One table, both sides: what the protocol models refuse above, SamplingParams (the offline
+    API's) refuses too, naming the same field."""
+    value = json.loads(raw)  # Python's json reads NaN and Infinity as the server's parser does
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**{name: value})
+
+
+SALTS = ["x" * 257, ""]
+
+
+@pytest.mark.parametrize("salt", SALTS)
+def test_a_cache_salt_is_refused_alike_over_http_and_offline(salt):
+    app, engine = make_app(keys())
+    body = {"prompt": "hi", "cache_salt": salt}
+    result = call(app, "POST", "/v1/completions", key=TENANT_KEY, body=body)
+    assert result.status == 400 and result.json()["error"]["param"] == "cache_salt"
+    assert not engine.added
+    with pytest.raises(ValueError, match="cache_salt"):
+        validate_cache_salt(salt)  # what LLM.generate runs on a prompt's cache_salt
