@@ -231,6 +231,10 @@ SETUPS = st.builds(
 )
 
 
+# Nine prompts at once in 40 blocks: requests are preempted and recomputed (asserted below).
+PREEMPTING = Setup(512, 8, 40, (1, 2, 3), False, False)
+
+
 @settings(
     max_examples=12,
     deadline=None,
@@ -239,7 +243,7 @@ SETUPS = st.builds(
 )
 @given(setup=SETUPS)
 @example(Setup(13, 8, 40, (0, 4), True, True))
-@example(Setup(512, 8, 256, (1, 2, 3), False, False))
+@example(PREEMPTING)
 def test_every_request_gets_its_cold_alone_output_bit_for_bit(tiny_bf16, cold, tmp_path, setup):
     store = None
     if setup.disk:
@@ -261,6 +265,8 @@ def test_every_request_gets_its_cold_alone_output_bit_for_bit(tiny_bf16, cold, t
         finals = _serve(engine, [(f"r{i}", p) for i, p in enumerate(PROMPTS)])
         for i in range(len(PROMPTS)):
             assert finals[f"r{i}"] == cold[i], f"prompt {i} ({setup})"
+        if setup == PREEMPTING:
+            assert engine.get_metrics()["num_preemptions"] > 0
         engine.check_no_leaks()
     finally:
         engine.close()
