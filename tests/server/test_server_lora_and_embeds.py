@@ -234,7 +234,9 @@ def test_unloading_an_adapter_in_use_is_refused(live):
         body = {
             "model": "poet",
             "prompt": [7] * 8,
-            "max_tokens": 400,
+            # The unload is sent once the first token has streamed: 99 more decode steps leave
+            # it ample time to meet the request in flight.
+            "max_tokens": 100,
             "ignore_eos": True,
             "stream": True,
         }
