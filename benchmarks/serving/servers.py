@@ -468,7 +468,7 @@ class ServerProcess:
                     return data[0]["id"] if data else self.ctx.model_dir.name
             except (httpx.HTTPError, ValueError, KeyError):
                 pass
-            time.sleep(1.0)
+            time.sleep(0.2)
         raise ServerError(
             f"{self.spec.name} not ready after {self.spec.startup_timeout_s:.0f} s; "
             f"log {self.log_path}:\n{_log_tail(self.log_path)}"
