@@ -23,6 +23,7 @@ from prefixserve.model.errors import load_error
 from prefixserve.model.loader.gguf_tokenizer import (
     gemma_tokenizer_from_gguf,
     gguf_add_special_token_flags,
+    gguf_metadata,
     parsed_special_token_ids,
     set_text_special_tokens,
 )
@@ -211,11 +212,8 @@ def gguf_cache_dir(gguf_path: Path) -> Path:
 def check_gguf_architecture(gguf_path: Path) -> str:
     """The file's GGUF architecture (\"llama\", \"gemma3\"); ModelLoadError when unreadable or
     not one we support."""
-    from gguf import GGUFReader
-
     try:
-        reader = GGUFReader(str(gguf_path))
-        arch = str(reader.fields["general.architecture"].contents())
+        arch = str(gguf_metadata(gguf_path)["general.architecture"])
     except (OSError, ValueError, KeyError) as exc:
         raise load_error(gguf_path, f"not a readable GGUF file ({exc})") from exc
     supported = {name.lower() for name in SUPPORTED_ARCHITECTURES}

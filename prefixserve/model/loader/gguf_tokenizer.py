@@ -7,8 +7,37 @@ ignored. These functions rebuild or fix what the file itself says.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
+
+# The scalar metadata the conversion reads besides what transformers reads. Opening a GGUF file
+# parses every field, the vocabulary's arrays included (about 6 s for SmolLM2's 49,152 tokens and
+# their merges), so the architecture check and the tokenizer repairs share one read of a file.
+_METADATA_KEYS = (
+    "general.architecture",
+    "tokenizer.ggml.bos_token_id",
+    "tokenizer.ggml.eos_token_id",
+    "tokenizer.ggml.unknown_token_id",
+    "tokenizer.ggml.padding_token_id",
+    "tokenizer.ggml.add_bos_token",
+    "tokenizer.ggml.add_eos_token",
+)
+
+
+def gguf_metadata(gguf_path: Path) -> dict[str, Any]:
+    """The file's general.architecture and tokenizer.ggml special-token ids and add flags (the
+    keys it has of them), read once per file version (path, size and mtime) in a process."""
+    stat = gguf_path.stat()
+    return dict(_read_metadata(str(gguf_path.resolve()), stat.st_size, stat.st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=8)
+def _read_metadata(path: str, size: int, mtime_ns: int) -> dict[str, Any]:
+    from gguf import GGUFReader
+
+    fields = GGUFReader(path).fields
+    return {key: fields[key].contents() for key in _METADATA_KEYS if key in fields}
 
 
 def gemma_tokenizer_from_gguf(gguf_path: Path, special: dict[str, int]) -> Any:
@@ -83,28 +112,24 @@ def gemma_tokenizer_from_gguf(gguf_path: Path, special: dict[str, int]) -> Any:
 
 def parsed_special_token_ids(gguf_path: Path) -> dict[str, int]:
     """bos/eos/unk/pad ids as stored in the GGUF metadata (missing roles are left out)."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(gguf_path))
+    metadata = gguf_metadata(gguf_path)
     ids: dict[str, int] = {}
     for role, key in (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding")):
-        field = reader.fields.get(f"tokenizer.ggml.{key}_token_id")
-        if field is not None:
-            ids[role] = int(field.contents())
+        value = metadata.get(f"tokenizer.ggml.{key}_token_id")
+        if value is not None:
+            ids[role] = int(value)
     return ids
 
 
 def gguf_add_special_token_flags(gguf_path: Path) -> dict[str, bool]:
     """tokenizer.ggml.add_bos_token / add_eos_token as {"bos": ..., "eos": ...} (absent ones
     are left out)."""
-    from gguf import GGUFReader
-
-    fields = GGUFReader(str(gguf_path)).fields
+    metadata = gguf_metadata(gguf_path)
     flags: dict[str, bool] = {}
     for role in ("bos", "eos"):
-        field = fields.get(f"tokenizer.ggml.add_{role}_token")
-        if field is not None:
-            flags[role] = bool(field.contents())
+        value = metadata.get(f"tokenizer.ggml.add_{role}_token")
+        if value is not None:
+            flags[role] = bool(value)
     return flags
 
 
