@@ -22,7 +22,7 @@ from prefixserve.cluster.store_probe import open_store_probe
 from prefixserve.core.kv_cache.events import AllBlocksCleared, BlockStored
 from prefixserve.core.kv_cache.hashing import get_request_block_hasher, none_hash_from_secret
 from prefixserve.kv_store import DiskKVStore, load_or_create_seed
-from tests.cluster.test_router_index import BS, stored
+from tests.helpers.router import BS, stored
 
 NAMESPACE = "ab" * 16
 

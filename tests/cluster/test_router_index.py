@@ -6,40 +6,12 @@ import pytest
 from prefixserve.cluster.event_log import EventLog
 from prefixserve.cluster.index import PrefixIndex
 from prefixserve.cluster.messages import EventBatch, RegistrationError, ReplicaInfo
-from prefixserve.core.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored
-from prefixserve.core.kv_cache.hashing import hash_block_tokens
-
-BS = 4
+from prefixserve.core.kv_cache.events import AllBlocksCleared, BlockRemoved
+from tests.helpers.router import BS, engine_hashes, stored
 
 
 def info(rid=0, epoch=1, block_size=BS, algo="sha256", seed="s1"):
     return ReplicaInfo(rid, epoch, block_size, algo, seed, 100, 1024, None)
-
-
-def engine_hashes(tokens, seed=b"engine-seed", salt=None):
-    """What one replica's engine would hash: its own seed (the router must not need it)."""
-    hashes, parent = [], seed
-    for i in range(len(tokens) // BS):
-        extra = (salt,) if salt is not None and i == 0 else None
-        parent = hash_block_tokens("sha256", parent, tokens[i * BS : (i + 1) * BS], extra)
-        hashes.append(parent)
-    return hashes
-
-
-def stored(tokens, first=0, count=None, seed=b"engine-seed", salt=None):
-    hashes = engine_hashes(tokens, seed, salt)
-    count = len(hashes) - first if count is None else count
-    return BlockStored(
-        block_hashes=hashes[first : first + count],
-        parent_block_hash=hashes[first - 1] if first else None,
-        token_ids=tokens[first * BS : (first + count) * BS],
-        block_size=BS,
-        lora_name=None,
-        extra_keys=[
-            (salt,) if salt is not None and i == 0 else None for i in range(first, first + count)
-        ],
-        group_idx=0,
-    )
 
 
 def feed(log, index, *events):

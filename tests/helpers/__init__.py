@@ -12,6 +12,7 @@
 - `server`: a live OpenAI server (uvicorn in a thread) and its constants;
 - `asgi`: a stand-in engine and raw ASGI calls for server tests without a model;
 - `cluster`: stand-in replicas and a ClusterEngine over them, and a real replica's engine config;
+- `router`: block hashes and BlockStored events as a replica's engine makes them;
 - `bench`: made-up words and a byte-level BPE trained on them (the benchmark tests' tokenizer);
 - `stub_openai`: a fake OpenAI completions server for the benchmark client (also a script).
 """
