@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from prefixserve.core.request import Request, RequestStatus
 from prefixserve.core.sched.fair_share import WaitingQueue, water_fill
 from prefixserve.core.sched.prefix_order import promote_longest_prefix
-from tests.test_scheduler import (
+from tests.helpers.scheduler import (
     assert_no_leak,
     make_request,
     make_scheduler,

@@ -6,6 +6,7 @@
   `tiny_llama_dir`, the model the cluster and server-combination tests serve) and our model over
   the same weights;
 - `runner`: a ModelRunner harness (recording sampler, block ids, steps) and `greedy_generate`;
+- `scheduler`: the real Scheduler over a fake model that hashes what its block tables read;
 - `kv_cache`: requests, a KVCacheManager and its snapshot for the cache-core tests;
 - `kv_store`: keys, token ids and payloads for the disk-tier tests;
 - `lora`: PEFT adapters of the tiny models and our engine around them;

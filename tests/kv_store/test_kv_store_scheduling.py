@@ -15,13 +15,13 @@ from hypothesis import strategies as st
 from prefixserve.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from prefixserve.core.sched.scheduler import Scheduler
 from prefixserve.kv_store.connector import KVStoreConnector
-from tests.test_scheduler import (
+from tests.helpers.scheduler import (
     BLOCK,
     FakeRunner,
-    _reference_outputs,
     assert_no_leak,
     make_request,
     make_scheduler,
+    reference_outputs,
 )
 
 
@@ -311,5 +311,5 @@ def test_any_schedule_with_a_disk_tier_gives_each_request_the_tokens_it_gets_alo
             break
         out = tier_step(sched, runner, connector)
         assert out.total_num_scheduled_tokens <= budget
-    assert [r.output_token_ids for r in requests] == _reference_outputs(prompts, max_tokens)
+    assert [r.output_token_ids for r in requests] == reference_outputs(prompts, max_tokens)
     assert_no_leak(sched)
