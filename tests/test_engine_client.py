@@ -60,10 +60,9 @@ def test_the_server_and_the_cli_reach_past_the_engine_client_nowhere():
     assert offenders == []
 
 
-def test_an_engine_request_is_typed_and_keeps_its_routing_fields_apart():
+def test_an_engine_request_is_typed_and_keeps_its_routing_fields():
     request = EngineRequest("r", [1, 2], SamplingParams(), prompt_cache_key="k", final_only=True)
-    moved = request.with_id("s")
-    assert (moved.request_id, moved.prompt_cache_key, moved.final_only) == ("s", "k", True)
+    assert (request.prompt_cache_key, request.final_only) == ("k", True)
     with pytest.raises(TypeError):
         EngineRequest("r", [1], SamplingParams(), options={"x": 1})  # type: ignore[call-arg]
 

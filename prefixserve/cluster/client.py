@@ -10,7 +10,8 @@ the replica validates, schedules, computes and detokenizes, as one engine does.
 A replica that dies: each of its requests whose reader has taken none of its outputs yet is sent
 again to another replica from scratch (its unread partial output dropped: the reader never sees
 the first attempt), and so is a request whose caller passes on only the final output
-(`final_only`, the offline API). The others end with `ReplicaDiedError`, an `EngineDeadError`:
+(`final_only`, the offline API), once (MAX_START_OVERS). The others end with
+`ReplicaDiedError`, an `EngineDeadError`:
 the server answers it with a 503 and Retry-After, or an SSE error event after the chunks it
 sent. Ray restarts the replica and the feed registers it again.
 """
@@ -43,6 +44,9 @@ logger = logging.getLogger(__name__)
 REPLICA_DIED = "the engine replica serving this request died after its outputs were read"
 METRICS_TIMEOUT_S = 5.0
 SYNC_TIMEOUT_S = 10.0  # the longest a request waits for the replicas' first snapshots
+# Times a request starts over on another replica after the one serving it died: a request that
+# kills every replica it meets (a crash it triggers) takes down two at most.
+MAX_START_OVERS = 1
 _PINS_NEED_ONE_ENGINE = "pinned prefixes need one engine; this server runs replicas (--replicas)"
 
 
@@ -296,6 +300,11 @@ class ClusterEngine:
                     elif not isinstance(exc, RayActorError):
                         return self._fail(accepted, queue, last, cause or exc)
                     self.router.finished(route)
+                    if len(excluded) >= MAX_START_OVERS:
+                        # Another replica died under it: the request itself may be what kills
+                        # them, and each death restarts a replica, so it goes no further.
+                        self.failed_midstream += 1
+                        return self._fail(accepted, queue, last, ReplicaDiedError(REPLICA_DIED))
                     if last is not None and not queue.start_over(request.final_only):
                         self.failed_midstream += 1
                         return self._fail(accepted, queue, last, ReplicaDiedError(REPLICA_DIED))

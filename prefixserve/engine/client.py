@@ -53,9 +53,6 @@ class EngineRequest:
     prompt_cache_key: str | None = None
     final_only: bool = False
 
-    def with_id(self, request_id: str) -> EngineRequest:
-        return dataclasses.replace(self, request_id=request_id)
-
 
 @runtime_checkable
 class EngineClient(Protocol):

@@ -277,6 +277,10 @@ def open_engine_kv_store(
     store_config = store_config.resolved()
     assert store_config.dir is not None and store_config.capacity_bytes is not None
     secret = load_or_create_seed(store_config.dir)
+    # Batch-invariant engines compute K/V on other paths (other roundings): their blocks live
+    # apart, or a disk hit would break the bit-for-bit promise.
+    if config.batch_invariant:
+        kv_layout += "/batch-invariant"
     namespace = store_namespace(
         model_fingerprint(model_dir),
         config.dtype,

@@ -194,3 +194,25 @@ def test_a_replica_refusal_keeps_its_kind_so_busy_adapter_slots_stay_a_429(
         asyncio.run(scenario())
     assert type(info.value) is kind and str(refusal) in str(info.value)
     assert settled(engine)
+
+
+def test_a_request_whose_second_replica_dies_too_goes_no_further(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A request that may be what kills replicas (each death restarts one) starts over once
+    (MAX_START_OVERS), then ends with ReplicaDiedError: the third replica never sees it."""
+    replicas = [FakeReplica(i, 100 * (i + 1), dying=True, num_outputs=1) for i in range(3)]
+    for replica in replicas:
+        replica.kill.set()  # each dies right after its output
+    engine = cluster_of(monkeypatch, *replicas)
+
+    async def scenario() -> None:
+        stream = await engine.add_request(EngineRequest("r", PROMPT, params(), final_only=True))
+        async for _ in stream:
+            pass
+
+    with pytest.raises(ReplicaDiedError):
+        asyncio.run(scenario())
+    assert sum(r.calls for r in replicas) == 2
+    assert (engine.retried_requests, engine.failed_midstream) == (1, 1)
+    assert settled(engine)

@@ -23,6 +23,7 @@ from prefixserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from prefixserve.engine.llm_engine import LLMEngine
 from prefixserve.engine_args import EngineArgs
 from prefixserve.kv_store import KVStoreConfig
+from prefixserve.lora.config import LoRAConfig
 from prefixserve.model.kernels.build import paged_attention_kernel
 from prefixserve.model.layers.common import Linear, batch_invariant_linears, compiled_kernel
 from prefixserve.model.loader.loading import LoadedModel
@@ -51,6 +52,14 @@ def test_a_batch_invariant_linear_gives_each_row_the_result_it_gets_alone(
             assert torch.equal(linear(x[:rows]), whole[:rows]), f"{rows} rows"
             alone = linear(x[rows - 1 : rows])
             assert torch.equal(alone, whole[rows - 1 : rows]), f"row {rows - 1} alone"
+        # Small steps run on one thread (model_runner's one_thread), large ones on all.
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            for rows in (1, 9, 64):
+                assert torch.equal(linear(x[:rows]), whole[:rows]), f"{rows} rows, one thread"
+        finally:
+            torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize(("in_features", "out_features"), [(77, 33), (576, 1536), (2048, 640)])
@@ -338,3 +347,26 @@ def test_batch_invariant_is_an_engine_option_with_vllms_switch(monkeypatch):
     assert EngineArgs(batch_invariant=False).create_engine_config().batch_invariant is False
     with pytest.raises(ValueError, match="batch_invariant"):
         EngineConfig(batch_invariant="yes")  # type: ignore[arg-type]
+
+
+def test_batch_invariant_refuses_lora_which_it_does_not_cover():
+    with pytest.raises(ValueError, match="LoRA"):
+        EngineConfig(batch_invariant=True, lora=LoRAConfig())
+
+
+def test_a_batch_invariant_engine_keeps_its_disk_blocks_apart(default_model_fp32, tmp_path):
+    """K/V computed on the invariant paths round otherwise than the default's: a disk hit across
+    the two would break the promise, so the two file their blocks in different namespaces."""
+    from prefixserve.llm import LLM
+
+    def namespace(invariant: bool) -> str:
+        llm = LLM(
+            loaded_model=default_model_fp32,
+            dtype="float32",
+            kv_store_dir=str(tmp_path),
+            kv_store_gb=1,
+            batch_invariant=invariant,
+        )
+        return llm.llm_engine.kv_connector.store.namespace
+
+    assert namespace(True) != namespace(False)

@@ -153,6 +153,8 @@ class Linear(nn.Linear):
     `pack()` also keeps an fp32 copy of the weight: batches of `FP32_MIN_ROWS` rows or more are
     computed in fp32 from it and the result is rounded back to bf16. Batches of up to
     `STREAM_MAX_ROWS` rows of a packed bf16 Linear stream its weight through the native kernel.
+    Inside `batch_invariant_linears(True)` none of these row-count choices is made: every call
+    takes the packed GEMM (a lone row padded to two).
     The packed copies are taken at `pack()` time: call it again after changing the weight.
     """
 

@@ -2,9 +2,10 @@
 // with x [rows, K], w [N, K] (nn.Linear's layout, not packed) and fp32 accumulation.
 //
 // At a few rows a linear is a stream over its weight: the time is the weight's bytes over memory
-// bandwidth, plus whatever a library call costs around it. This loop reads the weight as one
-// sequential stream, each row once for every group of four x rows (a later group finds it in
-// L1), and needs no packed layout and no parallel region when it runs on one thread. With AVX512-BF16 the products are VDPBF16PS (bf16 pairs into fp32 lanes, as oneDNN's
+// bandwidth, plus whatever a library call costs around it. For up to four x rows this loop reads
+// the weight as one sequential stream; larger batches take register tiles of four weight rows by
+// four x rows (the weight rows of a chunk stay in L2 between groups of x rows). It needs no
+// packed layout and no parallel region when it runs on one thread. With AVX512-BF16 the products are VDPBF16PS (bf16 pairs into fp32 lanes, as oneDNN's
 // bf16 GEMM computes them); elsewhere a portable loop converts bf16 to fp32 by a shift and the
 // compiler vectorizes it (-O3 -march=native).
 #include <torch/extension.h>
@@ -51,8 +52,10 @@ inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
 // Every output out[m, n] is summed in one order, whatever the batch: one 16-lane fp32
 // accumulator over K, 32 elements (16 bf16 pairs) at a time, the last 32 masked, then the 16
 // lanes reduced by sum4's tree. So a row's result does not depend on how many rows share the
-// call nor on which group of rows it falls in: the kernel is batch-invariant
-// (tests/model/test_batch_invariance.py) and serves every row count in batch-invariant mode.
+// call, on which group of rows it falls in, nor on the register tile that computed it: the
+// kernel is batch-invariant by itself (tests/model/test_batch_invariance.py). (The engine's
+// batch-invariant mode still takes oneDNN's GEMM at every row count: this kernel is not yet as
+// fast for large batches.)
 #if defined(__AVX512BF16__)
 inline __m512bh load_bh(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
 inline __m512bh load_bh(const uint16_t* p, __mmask32 mask) {
@@ -73,8 +76,7 @@ inline void dot_block(const uint16_t* w, const uint16_t* x, int64_t K, float* su
   for (; k + 32 <= K; k += 32) {
     __m512bh wv[NW];
     for (int i = 0; i < NW; ++i) {
-      if ((k & 63) == 0)
-        _mm_prefetch(reinterpret_cast<const char*>(w + i * K + k + kPrefetchAhead), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + i * K + k + kPrefetchAhead), _MM_HINT_T0);
       wv[i] = load_bh(w + i * K + k);
     }
     for (int j = 0; j < NX; ++j) {
@@ -178,10 +180,13 @@ void linear_bf16_small(torch::Tensor out, torch::Tensor x, torch::Tensor w,
     float sums[kWeightGroup * kRowGroup];
     // Four x rows stay in L1 while the chunk's weight rows (~64 KB, in L2 after the first
     // group) pass them four at a time.
+    // A decode-sized batch reads one weight row at a time (one sequential stream: the fastest
+    // read, above); larger ones take tiles of four, which reuse each loaded x vector.
+    const int64_t group = rows <= kRowGroup ? 1 : kWeightGroup;
     for (int64_t m0 = 0; m0 < rows; m0 += kRowGroup) {
       const int64_t nx = std::min(kRowGroup, rows - m0);
-      for (int64_t n = begin; n < end; n += kWeightGroup) {
-        const int64_t nw = std::min(kWeightGroup, end - n);
+      for (int64_t n = begin; n < end; n += group) {
+        const int64_t nw = std::min(group, end - n);
         dot_rows(wp + n * K, xp + m0 * K, K, nw, nx, sums);
         for (int64_t i = 0; i < nw; ++i) {
           const float add = bias_ptr ? bf16_bits_to_float(bias_ptr[n + i]) : 0.0f;
