@@ -169,7 +169,9 @@ def test_sharded_checkpoint_loads_the_same_weights_as_a_single_file(tmp_path):
 
 
 @pytest.mark.slow
-def test_gguf_file_loads_like_the_converted_default_model(tmp_path, monkeypatch, default_model_dir):
+def test_gguf_file_loads_like_the_converted_default_model(
+    tmp_path, monkeypatch, default_model_bf16
+):
     """A .gguf path is converted into the cache and loaded; same weights as the default."""
     from prefixserve.model.loader.default_model import default_model_gguf
 
@@ -177,6 +179,6 @@ def test_gguf_file_loads_like_the_converted_default_model(tmp_path, monkeypatch,
     loaded = load_model(default_model_gguf(), dtype="bfloat16")
     assert loaded.path.parent == tmp_path / "gguf"
     assert loaded.tokenizer.eos_token_ids == {2}
-    reference = load_model(default_model_dir, dtype="bfloat16").model.state_dict()
+    reference = default_model_bf16.model.state_dict()  # the converted default model
     ours = loaded.model.state_dict()
     assert all(torch.equal(ours[k], reference[k]) for k in reference)
