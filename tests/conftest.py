@@ -26,6 +26,15 @@ def default_model_fp32():
     return load_model(None, dtype="float32")
 
 
+@pytest.fixture(scope="session")
+def gemma3_fp32():
+    """The packaged Gemma 3 270M in float32 (assembled and converted on first use)."""
+    from prefixserve.model.loader.default_model import ensure_gemma3_270m
+    from prefixserve.model.loader.loading import load_model
+
+    return load_model(ensure_gemma3_270m(), dtype="float32")
+
+
 # ---- model loading: the packaged default model, converted once into the cache.
 @pytest.fixture(scope="session")
 def default_model_dir():
@@ -47,7 +56,13 @@ def greedy():
 # ---- `make check`: the inner loop's tier. A test is "full" (left to `make test`) when it starts a
 # server, Ray or a model conversion, or loads the packaged model; everything else runs in both.
 _FULL_DIRS = ("server", "cluster", "bench", "model")
-_FULL_FIXTURES = {"default_model_bf16", "default_model_fp32", "default_model_dir", "greedy"}
+_FULL_FIXTURES = {
+    "default_model_bf16",
+    "default_model_fp32",
+    "default_model_dir",
+    "gemma3_fp32",
+    "greedy",
+}
 
 
 def pytest_configure(config):

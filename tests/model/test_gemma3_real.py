@@ -28,20 +28,15 @@ def gemma_dir():
     return ensure_gemma3_270m()
 
 
-@pytest.fixture(scope="module")
-def gemma_fp32(gemma_dir):
-    return load_model(gemma_dir, dtype="float32")
-
-
-def test_gemma_config_is_hybrid_with_a_512_window(gemma_fp32):
-    config = gemma_fp32.config
+def test_gemma_config_is_hybrid_with_a_512_window(gemma3_fp32):
+    config = gemma3_fp32.config
     assert config.architecture == "Gemma3ForCausalLM"
     assert config.sliding_window == 512
     assert len(config.kv_cache_groups()) == 2  # full and sliding-window layers
 
 
-def test_gemma_tokenizer_is_sentencepiece_bpe(gemma_fp32):
-    tokenizer = gemma_fp32.tokenizer
+def test_gemma_tokenizer_is_sentencepiece_bpe(gemma3_fp32):
+    tokenizer = gemma3_fp32.tokenizer
     ids = tokenizer.encode("The capital of France is")
     assert tokenizer.convert_ids_to_tokens(ids) == [
         "<bos>",
@@ -55,12 +50,12 @@ def test_gemma_tokenizer_is_sentencepiece_bpe(gemma_fp32):
     assert tokenizer.decode(tokenizer.encode(text)) == text
 
 
-def test_gemma_text_encoding_adds_bos_as_its_gguf_says(gemma_dir, gemma_fp32):
+def test_gemma_text_encoding_adds_bos_as_its_gguf_says(gemma_dir, gemma3_fp32):
     """Unlike SmolLM2's, Gemma 3's GGUF says tokenizer.ggml.add_bos_token = True (and
     add_eos_token = False): every text starts with <bos> (id 2) and ends without <eos>."""
     import json
 
-    tokenizer = gemma_fp32.tokenizer
+    tokenizer = gemma3_fp32.tokenizer
     ids = tokenizer.encode("Hello")
     assert ids == [2, *tokenizer.encode("Hello", add_special_tokens=False)]
     assert ids[-1] not in tokenizer.eos_token_ids
@@ -68,8 +63,8 @@ def test_gemma_text_encoding_adds_bos_as_its_gguf_says(gemma_dir, gemma_fp32):
     assert tok_config["add_bos_token"] is True and tok_config["add_eos_token"] is False
 
 
-def test_gemma_chat_template_and_end_of_turn(gemma_fp32):
-    tokenizer = gemma_fp32.tokenizer
+def test_gemma_chat_template_and_end_of_turn(gemma3_fp32):
+    tokenizer = gemma3_fp32.tokenizer
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])
     text = tokenizer.decode(prompt, skip_special_tokens=False)
     assert text == "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n"
@@ -98,10 +93,10 @@ class _Recorder:
         return [(int(row.argmax()), None) for row in logits]
 
 
-def test_gemma_logits_match_transformers_past_the_sliding_window(gemma_fp32, gemma_dir):
+def test_gemma_logits_match_transformers_past_the_sliding_window(gemma3_fp32, gemma_dir):
     from transformers import AutoModelForCausalLM
 
-    tokenizer = gemma_fp32.tokenizer
+    tokenizer = gemma3_fp32.tokenizer
     ids = tokenizer.encode(PARAGRAPH * 12)
     assert len(ids) > 700
     ids = ids[:700]
@@ -114,13 +109,13 @@ def test_gemma_logits_match_transformers_past_the_sliding_window(gemma_fp32, gem
     block_size = 16
     num_blocks = len(ids) // block_size + 2
     runner = ModelRunner(
-        gemma_fp32.model,
-        gemma_fp32.config,
+        gemma3_fp32.model,
+        gemma3_fp32.config,
         num_blocks=num_blocks + 1,
         block_size=block_size,
         sampler=recorder,
     )
-    block_ids = tuple(list(range(1, num_blocks + 1)) for _ in gemma_fp32.config.kv_cache_groups())
+    block_ids = tuple(list(range(1, num_blocks + 1)) for _ in gemma3_fp32.config.kv_cache_groups())
     request = Request("g", ids[:prefill_len], SamplingParams(temperature=0.0))
     chunks = [(0, 300), (300, prefill_len - 300)]
     for start, count in chunks:

@@ -301,13 +301,10 @@ def test_speculation_with_a_disk_tier_saves_blocks_filled_by_accepted_drafts(
 
 
 @pytest.mark.slow
-def test_gemma3_sliding_window_groups_give_the_same_greedy_tokens_with_speculation():
+def test_gemma3_sliding_window_groups_give_the_same_greedy_tokens_with_speculation(gemma3_fp32):
     """Gemma 3's hybrid cache (full and 512-token sliding-window groups): drafts take lookahead
     slots in both, and past the window the released blocks do not disturb verification."""
-    from prefixserve.model.loader.default_model import ensure_gemma3_270m
-    from prefixserve.model.loader.loading import load_model
-
-    gemma = load_model(ensure_gemma3_270m(), dtype="float32")
+    gemma = gemma3_fp32
     body = random_tokens(150, seed=91)
     prompt = [2] + body * 4 + body[:20]  # <bos>, then 620 tokens: past the window
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
