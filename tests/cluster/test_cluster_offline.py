@@ -1,11 +1,13 @@
-"""The offline API over replicas: `LLM(num_replicas=2)` on a local Ray runtime of its own (a
-module apart from test_cluster_ray.py, whose cluster holds the runtime's CPUs)."""
+"""The offline API over replicas: `LLM(num_replicas=2)` on the tests' local Ray runtime (a module
+apart from test_cluster_ray.py, whose cluster holds two replicas for the whole module)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import pytest
+
+from tests.helpers.cluster import start_ray
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -15,6 +17,8 @@ def test_the_offline_api_with_replicas_matches_one_engine(tiny_model: Any) -> No
     bf16 with batch invariance, bit for bit (tokens and logprobs): one engine ran the four
     prompts in one batch, each replica two of them, and the repeats come from the cache."""
     from prefixserve import LLM, SamplingParams
+
+    start_ray()
 
     config = dict(
         model=str(tiny_model),

@@ -17,7 +17,7 @@ from prefixserve.cluster.policy import make_policy
 from prefixserve.cluster.ray_cluster import kill_replica, replica_pids, start_cluster
 from prefixserve.entrypoints.openai.app import build_app
 from prefixserve.entrypoints.openai.auth import ApiKeys
-from tests.helpers.cluster import replica_config
+from tests.helpers.cluster import replica_config, start_ray
 from tests.helpers.server import serve_in_thread
 
 pytestmark = pytest.mark.timeout(600)
@@ -28,6 +28,7 @@ MODEL = "tiny"
 def cluster(tiny_model: Any) -> Iterator[Any]:
     # One sequence at a time per replica: requests queued behind a running one have not
     # streamed, which the kill test needs.
+    start_ray()
     engine = start_cluster(
         replica_config(tiny_model, max_num_seqs=1), 2, threads_per_replica=1, seed=0
     )

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,28 +17,18 @@ from prefixserve.cluster.messages import RegistrationError
 from prefixserve.cluster.ray_cluster import REPLICA_PREFIX, start_cluster
 from prefixserve.entrypoints.openai.app import build_app
 from prefixserve.kv_store import KVStoreConfig
-from tests.helpers.cluster import replica_config
+from tests.helpers.cluster import RAY_NAMESPACE, replica_config, start_ray
 from tests.helpers.server import serve_in_thread
 
 pytestmark = pytest.mark.timeout(600)
 MODEL = "tiny"
-NAMESPACE = "prefixserve-test-reattach"
+NAMESPACE = RAY_NAMESPACE
 
 
-@pytest.fixture(scope="module")
-def ray_runtime() -> Iterator[Any]:
-    """A Ray runtime of this test's own, which outlives each server started on it."""
-    import ray
-
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        object_store_memory=128 << 20,
-        log_to_driver=False,
-        namespace=NAMESPACE,
-    )
-    yield ray
-    ray.shutdown()
+@pytest.fixture
+def ray_runtime() -> Any:
+    """The tests' Ray runtime, which outlives each server started on it."""
+    return start_ray()
 
 
 def store_config(tiny_model: Path, store_dir: Path, **changes: Any) -> Any:

@@ -23,6 +23,27 @@ from prefixserve.outputs import CompletionOutput, RequestOutput
 from tests.helpers.asgi import FakeTokenizer
 
 BS = 16
+# The namespace of the tests' Ray runtime, where detached replicas are named.
+RAY_NAMESPACE = "prefixserve-test-cluster"
+
+
+def start_ray() -> Any:
+    """Ray, started here once for the cluster tests (start_cluster joins a running runtime rather
+    than starting its own): a start and a shutdown cost seconds. tests/cluster/conftest.py shuts
+    it down after the last test of tests/cluster/, so that its idle processes (a few per cent of a
+    core) do not stay for the rest of the session. Its CPUs are Ray's bookkeeping only: enough
+    for the largest set of replicas the tests hold at once."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(
+            num_cpus=4,
+            include_dashboard=False,
+            object_store_memory=128 << 20,
+            log_to_driver=False,
+            namespace=RAY_NAMESPACE,
+        )
+    return ray
 
 
 class Remote:
