@@ -29,7 +29,7 @@ def test_prompt_cache_retention_reaches_the_engine(path, retention):
     app = build_app(engine, ["m"])  # type: ignore[arg-type]
     fields = {} if retention is None else {"prompt_cache_retention": retention}
     _post(app, path, **fields)
-    assert engine.kwargs[-1]["cache_retention"] == retention
+    assert engine.added[-1].cache_retention == retention
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
@@ -39,7 +39,7 @@ def test_an_unknown_prompt_cache_retention_is_a_400_naming_the_field(path, bad):
     app = build_app(engine, ["m"])  # type: ignore[arg-type]
     result = _post(app, path, prompt_cache_retention=bad)
     assert result.status == 400 and "prompt_cache_retention" in result.body.decode()
-    assert engine.kwargs == []
+    assert engine.added == []
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
@@ -47,7 +47,7 @@ def test_prompt_cache_key_is_accepted_within_its_bound_and_handed_on_as_a_routin
     engine = RecordingEngine()
     app = build_app(engine, ["m"])  # type: ignore[arg-type]
     _post(app, path, prompt_cache_key="k" * MAX_PROMPT_CACHE_KEY_CHARS)
-    assert len(engine.kwargs) == 1
-    assert engine.kwargs[0]["prompt_cache_key"] == "k" * MAX_PROMPT_CACHE_KEY_CHARS
+    assert len(engine.added) == 1
+    assert engine.added[0].prompt_cache_key == "k" * MAX_PROMPT_CACHE_KEY_CHARS
     result = _post(app, path, prompt_cache_key="k" * (MAX_PROMPT_CACHE_KEY_CHARS + 1))
     assert result.status == 400 and "prompt_cache_key" in result.body.decode()
