@@ -12,6 +12,7 @@ import pytest
 
 from prefixserve.config import CacheConfig, EngineConfig
 from prefixserve.engine.async_llm import AsyncLLMEngine, EngineDeadError
+from prefixserve.engine.client import EngineRequest
 from prefixserve.engine.llm_engine import LLMEngine
 from prefixserve.sampling_params import SamplingParams
 from tests.helpers import random_tokens
@@ -64,7 +65,8 @@ def test_a_failing_step_fails_every_stream_and_every_queued_command(llm_engine):
 
     async def run():
         streams = [
-            await aengine.add_request(f"r{i}", random_tokens(10, seed=i), LONG) for i in range(2)
+            await aengine.add_request(EngineRequest(f"r{i}", random_tokens(10, seed=i), LONG))
+            for i in range(2)
         ]
         waiter = asyncio.ensure_future(aengine.wait_dead())
         await asyncio.sleep(0)  # the waiter registers before the lock is held back below
@@ -80,7 +82,7 @@ def test_a_failing_step_fails_every_stream_and_every_queued_command(llm_engine):
         error = await asyncio.wait_for(waiter, 60)
         assert await aengine.wait_dead() is error  # already dead: at once
         with pytest.raises(EngineDeadError):
-            await aengine.add_request("late", [1, 2, 3], LONG)
+            await aengine.add_request(EngineRequest("late", [1, 2, 3], LONG))
         return error
 
     error = asyncio.run(run())
@@ -121,7 +123,7 @@ def test_the_server_stops_with_status_1_when_the_engine_dies_unasked(llm_engine)
     aengine.start()
 
     async def run():
-        await aengine.add_request("r", random_tokens(10, seed=1), LONG)
+        await aengine.add_request(EngineRequest("r", random_tokens(10, seed=1), LONG))
         return await asyncio.wait_for(aengine.wait_dead(), 60)
 
     error = asyncio.run(run())
