@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from prefixserve.core.kv_cache.eviction.policies import check_eviction_policy
 from prefixserve.core.kv_cache.hashing import get_hash_fn
+from prefixserve.core.kv_cache.reports.ghost import DEFAULT_GHOST_ENTRIES, MAX_GHOST_ENTRIES
 from prefixserve.dtypes import SUPPORTED_DTYPES
 from prefixserve.kv_store import KVStoreConfig
 from prefixserve.lora.config import LoRAConfig
@@ -49,9 +50,21 @@ class CacheConfig:
     max_pinned_blocks: int | None = None
     # The eviction policy (the free queue's order): "lru", "slru" or "cost" (kv_cache/eviction/).
     eviction_policy: str = "lru"
+    # Evicted block hashes remembered so cache reports can say `evicted` (0: none remembered).
+    cache_ghost_entries: int = DEFAULT_GHOST_ENTRIES
 
     def __post_init__(self) -> None:
         _check_positive_int("block_size", self.block_size)
+        if (
+            isinstance(self.cache_ghost_entries, bool)
+            or not isinstance(self.cache_ghost_entries, int)
+            or not 0 <= self.cache_ghost_entries <= MAX_GHOST_ENTRIES
+        ):
+            raise _invalid(
+                "cache_ghost_entries",
+                self.cache_ghost_entries,
+                f"an integer in [0, {MAX_GHOST_ENTRIES}]",
+            )
         if self.max_pinned_blocks is not None and (
             isinstance(self.max_pinned_blocks, bool)
             or not isinstance(self.max_pinned_blocks, int)

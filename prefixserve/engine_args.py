@@ -31,6 +31,7 @@ from prefixserve.config import (
 )
 from prefixserve.core.kv_cache.eviction.policies import DEFAULT_EVICTION_POLICY, EVICTION_POLICIES
 from prefixserve.core.kv_cache.hashing import HASH_ALGOS
+from prefixserve.core.kv_cache.reports.ghost import DEFAULT_GHOST_ENTRIES
 from prefixserve.dtypes import SUPPORTED_DTYPES
 from prefixserve.kv_store import RETENTION_SECONDS, KVStoreConfig, capacity_from_gb
 from prefixserve.lora.config import LoRAConfig, check_lora_name
@@ -141,6 +142,12 @@ class EngineArgs:
         "(segmented LRU: blocks hit again are protected), cost (reuse x recompute cost, aged).",
         group=_CACHE,
         choices=EVICTION_POLICIES,
+    )
+    cache_ghost_entries: int = option(
+        DEFAULT_GHOST_ENTRIES,
+        "Evicted block hashes remembered, so a cache report can tell 'evicted' from "
+        "'never_seen' (about 250 bytes each; 0: none). The start-up log shows the bound.",
+        group=_CACHE,
     )
     max_pinned_blocks: int | None = option(
         None,
@@ -279,6 +286,7 @@ class EngineArgs:
                 enable_kv_events=self.enable_kv_events,
                 max_pinned_blocks=self.max_pinned_blocks,
                 eviction_policy=self.eviction_policy,
+                cache_ghost_entries=self.cache_ghost_entries,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,

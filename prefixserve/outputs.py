@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 # vLLM's shape: per position, {token_id: Logprob}.
 from prefixserve.core.sched.output import PositionLogprobs
@@ -46,6 +47,9 @@ class RequestOutput:
     # The part of num_cached_tokens loaded from the prefix cache's disk tier (the rest: RAM pool).
     num_disk_cached_tokens: int = 0
     finished: bool = False
+    # The request's cache report as a dict (docs/cache_reports.md), when its SamplingParams
+    # asked for one (`cache_report=True`); set from its first scheduling on.
+    cache_report: dict[str, Any] | None = None
     # Set (with finished=True) when this request failed on its own (its seed, non-finite logits,
     # a sampler or detokenizer error): why. The failed sample's finish_reason is "error", its
     # unfinished siblings' "abort". Other requests are not affected.

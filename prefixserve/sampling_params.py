@@ -44,6 +44,8 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_reading_prefix_cache: bool | None = None
+    # Return the request's cache report (`RequestOutput.cache_report`, docs/cache_reports.md).
+    cache_report: bool = False
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:  # noqa: C901 - a flat list of independent field checks, one branch each
@@ -88,6 +90,8 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
                 raise bad(name, f"None or an integer in [0, {MAX_LOGPROBS}]")
+        if not isinstance(self.cache_report, bool):
+            raise bad("cache_report", "true or false")
         if self.stop is None:
             self._stop_list = []
         elif isinstance(self.stop, str):

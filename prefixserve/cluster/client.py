@@ -32,6 +32,7 @@ from prefixserve.cluster.router import NoReplicaError, Route, Router
 from prefixserve.cluster.store_probe import open_store_probe
 from prefixserve.config import EngineConfig
 from prefixserve.engine.async_llm import MAX_BUFFERED_KV_EVENTS, EngineDeadError
+from prefixserve.engine.cache_summary import merge_summaries
 from prefixserve.engine.client import EngineRequest, NotSupportedByEngine, generate_outputs
 from prefixserve.engine.metrics import combine_metrics
 from prefixserve.engine.request_stream import ABORTED, Aborted, OutputQueue, RequestStream
@@ -416,6 +417,20 @@ class ClusterEngine:
         total["router_store_lookups"] = self.router.store_lookups
         total["router_snapshots"] = stats.snapshots
         return total
+
+    async def cache_summary(self, include_text: bool = False) -> dict[str, Any]:
+        """The replicas' cache summaries merged (`merge_summaries`): a replica that does not
+        answer within METRICS_TIMEOUT_S is left out, as in get_metrics."""
+        timeout = METRICS_TIMEOUT_S
+        calls = [
+            asyncio.wait_for(_ref(h.cache_summary.remote(include_text)), timeout)
+            for h in self.handles
+        ]
+        answers = await asyncio.gather(*calls, return_exceptions=True)
+        per = {rid: s for rid, s in enumerate(answers) if isinstance(s, dict)}
+        if not per:
+            raise EngineDeadError("no replica answered for the cache summary")
+        return merge_summaries(per)
 
     def _keep_kv_events(self, replica_id: int, events: Sequence[Any]) -> None:
         self._kv_events.extend((replica_id, event) for event in events)

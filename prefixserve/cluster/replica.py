@@ -152,6 +152,9 @@ class EngineReplica:
     async def metrics(self) -> dict[str, Any]:
         return await self.engine.get_metrics()
 
+    async def cache_summary(self, include_text: bool = False) -> dict[str, Any]:
+        return await self.engine.cache_summary(include_text)
+
     async def reset_prefix_cache(
         self, reset_running_requests: bool = False, ram_only: bool = False
     ) -> bool:

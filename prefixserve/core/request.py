@@ -5,9 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefixserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from prefixserve.core.kv_cache.reports.report import CacheReport
 
 
 class RequestStatus(enum.IntEnum):
@@ -64,6 +67,8 @@ class Request:
         "_block_hasher",
         "max_tokens",
         "stop_token_ids",
+        "waited_for_prefill",
+        "cache_report",
     )
 
     def __init__(
@@ -114,6 +119,10 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 = not yet
         self.num_preemptions = 0
+        # Set by the scheduler: whether it held this request back for another's prefill
+        # (prefill_dedup.py), and its cache report at its first scheduling (kv_cache/reports/).
+        self.waited_for_prefill = False
+        self.cache_report: CacheReport | None = None
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         # The effective output cap (sampling max_tokens clipped by the context length).

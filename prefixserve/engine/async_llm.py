@@ -246,6 +246,9 @@ class AsyncLLMEngine:
     async def get_metrics(self) -> dict[str, Any]:
         return await self._call(lambda e: dict(e.get_metrics()))
 
+    async def cache_summary(self, include_text: bool = False) -> dict[str, Any]:
+        return await self._call(lambda e: e.cache_summary(include_text))
+
     async def check_no_leaks(self) -> None:
         """Raise AssertionError naming what leaked when no request is in flight (for tests)."""
         await self._call(lambda e: e.check_no_leaks())

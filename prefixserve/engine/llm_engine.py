@@ -19,11 +19,14 @@ from prefixserve.config import DEFAULT_KV_CACHE_MEMORY_GB, EngineConfig
 from prefixserve.core.kv_cache import hashing
 from prefixserve.core.kv_cache.hashing import get_request_block_hasher
 from prefixserve.core.kv_cache.kv_cache_manager import KVCacheManager
+from prefixserve.core.kv_cache.reports.explain import CacheExplainer
+from prefixserve.core.kv_cache.reports.report import CacheReport
 from prefixserve.core.kv_cache.sizing import blocks_needed, size_kv_pool
 from prefixserve.core.kv_cache.spec import KVCacheConfig, KVCacheSpec
 from prefixserve.core.request import Request, RequestStatus
 from prefixserve.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from prefixserve.core.sched.scheduler import Scheduler
+from prefixserve.engine.cache_summary import build_cache_summary
 from prefixserve.engine.client import EngineRequest
 from prefixserve.engine.input_checks import (
     check_fits_pool,
@@ -95,6 +98,7 @@ class LLMEngine:
                 else cache.max_pinned_blocks
             ),
             eviction_policy=cache.eviction_policy,
+            ghost_entries=cache.cache_ghost_entries,
         )
         eos_ids = set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids)
         spec = config.speculative_config
@@ -125,6 +129,14 @@ class LLMEngine:
             cache.block_size, cache.prefix_caching_hash_algo, none_hash=none_hash
         )
         self._none_hash = none_hash
+        # Every request's cache report, at its first scheduling (kv_cache/reports/).
+        self.explainer = CacheExplainer(
+            self.kv_cache_manager,
+            self.kv_cache_manager.recorder,
+            self._block_hasher,
+            disk=self.kv_connector,
+        )
+        self.scheduler.explainer = self.explainer
         self.output_processor = OutputProcessor(self.tokenizer)
         self.lora: LoRAManager | None = None
         if config.lora is not None:
@@ -439,7 +451,57 @@ class LLMEngine:
             "spec_decode_num_accepted_tokens": sched.spec_decode_num_accepted_tokens,
             **sched.spec_decode_rates(),
             **(self.kv_connector.metrics() if self.kv_connector is not None else {}),
+            **self._cache_report_metrics(),
         }
+
+    def _cache_report_metrics(self) -> dict[str, int]:
+        """Requests by the reason of their first missed block (`cache_miss_<reason>`), and the
+        pool's cached, pinned and remembered-evicted block counts."""
+        manager = self.kv_cache_manager
+        return {
+            **{f"cache_miss_{reason}": n for reason, n in self.explainer.counts.items()},
+            "kv_cache_cached_blocks": len(manager.block_pool.cached_block_hash_to_block[0]),
+            "kv_cache_pinned_blocks": manager.pins.num_blocks,
+            "cache_ghost_entries": len(manager.recorder.ghosts),
+        }
+
+    def cache_summary(self, include_text: bool = False) -> dict[str, Any]:
+        """The cache-wide summary operators read (`engine/cache_summary.py`); prefix text only
+        with `include_text`."""
+        decode = self.tokenizer.decode if include_text else None
+        return build_cache_summary(self.kv_cache_manager, self.explainer, self.kv_connector, decode)
+
+    def explain_prompt(
+        self,
+        prompt_token_ids: list[int],
+        cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
+        tenant: str | None = None,
+    ) -> CacheReport:
+        """The cache report this prompt would get now, without running it: what it would hit,
+        and why its first missed block would miss (with, when a cached sibling shares some of
+        its tokens, the first position where they part). Nothing is scheduled or counted."""
+        check_request_fields("explain", SamplingParams(), cache_salt, None)
+        ids = check_prompt(prompt_token_ids, self.vocab_size, self.max_model_len)
+        lora_name = lora_digest = None
+        if lora_request is not None:
+            if self.lora is None:
+                raise ValueError(
+                    "this engine serves no LoRA adapters: build it with enable_lora=True"
+                )
+            adapter = self.lora.resolve(lora_request, self.lora_in_use)
+            lora_name, lora_digest = adapter.name, adapter.digest
+        probe = Request(
+            "explain",
+            ids,
+            SamplingParams(),
+            block_hasher=self._block_hasher,
+            cache_salt=cache_salt,
+            tenant=tenant,
+            lora_name=lora_name,
+            lora_digest=lora_digest,
+        )
+        return self.explainer.explain_prompt(probe)
 
     def reset_prefix_cache(
         self, reset_running_requests: bool = False, ram_only: bool = False

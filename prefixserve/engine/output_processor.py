@@ -298,6 +298,11 @@ class OutputProcessor:
             outputs=completions,
             num_cached_tokens=max(0, first.num_cached_tokens),
             num_disk_cached_tokens=first.num_disk_cached_tokens,
+            cache_report=(
+                first.cache_report.to_dict()
+                if first.cache_report is not None and first.sampling_params.cache_report
+                else None
+            ),
             finished=finished,
             error=entry.error,
         )

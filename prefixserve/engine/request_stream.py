@@ -100,6 +100,7 @@ def frozen_copy(output: RequestOutput) -> RequestOutput:
         ],
         num_cached_tokens=output.num_cached_tokens,
         num_disk_cached_tokens=output.num_disk_cached_tokens,
+        cache_report=output.cache_report,  # a fresh dict per output, never changed after
         finished=output.finished,
         error=output.error,
     )

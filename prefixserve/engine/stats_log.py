@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from prefixserve.config import EngineConfig
+from prefixserve.core.kv_cache.reports.ghost import EvictionGhosts
 
 
 class StatsLog:
@@ -79,8 +80,17 @@ def describe_engine(engine: object, config: EngineConfig, served_names: list[str
         f"prefix caching: {'on' if cache.enable_prefix_caching else 'off'}"
         + (f" (hash {cache.prefix_caching_hash_algo})" if cache.enable_prefix_caching else "")
         + f", KV events {'on' if cache.enable_kv_events else 'off'}",
+        _ghost_line(cache.cache_ghost_entries),
         f"scheduler: max_num_seqs {config.scheduler.max_num_seqs}, "
         f"max_num_batched_tokens {config.scheduler.max_num_batched_tokens}, "
         f"policy {config.scheduler.scheduling_policy}",
     ]
     return lines
+
+
+def _ghost_line(entries: int) -> str:
+    bound = EvictionGhosts(entries).bytes_bound()
+    return (
+        f"cache reports: the ghost table remembers {entries} evicted block hashes, "
+        f"at most {bound / 2**20:.1f} MiB (--cache-ghost-entries)"
+    )

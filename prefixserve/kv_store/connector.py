@@ -113,7 +113,7 @@ class KVStoreConnector:
         last = (request.num_tokens - 1) // bs  # the last token is always computed
         if last <= first:
             return 0
-        if not self._loading_pays():
+        if not self.loading_pays():
             self.stats.skipped_slow += 1
             return 0
         return self.store.count_prefix(request.block_hashes[first:last], (GROUP,))
@@ -171,7 +171,14 @@ class KVStoreConnector:
                 self._speeds.compute_s_per_token, seconds / num_tokens
             )
 
-    def _loading_pays(self) -> bool:
+    def block_state(self, block_hash: bytes) -> str | None:
+        """Whether the store holds this block of the served group: "live", "expired", or None
+        (a stat; what a cache report reads)."""
+        return self.store.state((block_hash, GROUP))
+
+    def loading_pays(self) -> bool:
+        """Whether loading a block was measured faster than computing its tokens (True until
+        both were measured)."""
         load, compute = self._speeds.load_s_per_block, self._speeds.compute_s_per_token
         if load is None or compute is None:
             return True  # measure first

@@ -62,6 +62,17 @@ class StoreLookup:
             return False
         return stat.S_ISREG(st.st_mode) and not record.is_expired(st.st_mtime_ns, self._now_ns())
 
+    def state(self, key: BlockKey) -> str | None:
+        """ "live", "expired" (a file past its retention, not yet swept) or None (no file): one
+        stat, no read."""
+        try:
+            st = os.stat(self.path(key), follow_symlinks=False)
+        except OSError:
+            return None
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        return "expired" if record.is_expired(st.st_mtime_ns, self._now_ns()) else "live"
+
     def count_prefix(self, block_hashes: Sequence[bytes], groups: Iterable[int]) -> int:
         """How many leading `block_hashes` have a live file in every one of `groups`."""
         groups = tuple(groups)

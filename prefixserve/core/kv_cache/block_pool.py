@@ -28,6 +28,7 @@ from prefixserve.core.kv_cache.eviction.lru import FreeKVCacheBlockQueue, KVCach
 from prefixserve.core.kv_cache.eviction.policies import DEFAULT_EVICTION_POLICY, make_free_queue
 
 if TYPE_CHECKING:
+    from prefixserve.core.kv_cache.reports.recorder import BlockRecorder
     from prefixserve.core.request import Request
 
     ExtraKeysFn = Callable[[Request, int, int], object]
@@ -174,6 +175,8 @@ class BlockPool:
         # Indexed by group id.
         self.cached_block_hash_to_block = [BlockHashToBlockMap(g) for g in range(num_groups)]
         self.events: list[KVCacheEvent] = []
+        # What the cache reports and the summary read (reports/recorder.py); set by the manager.
+        self.recorder: BlockRecorder | None = None
 
     # ------------------------------------------------------------------ sizes
 
@@ -248,6 +251,8 @@ class BlockPool:
         if not stored:
             return
         self.free_block_queue.on_cache(blocks, stored)
+        if self.recorder is not None:
+            self.recorder.on_cache(request, blocks, stored)
         if not self.enable_kv_cache_events:
             return
         # One event per contiguous run: each block's parent is the one before it in its event.
@@ -304,6 +309,8 @@ class BlockPool:
         blocks = self.free_block_queue.popleft_n(num_blocks)
         for block in blocks:
             block.ref_cnt = 1
+        if self.recorder is not None:
+            self.recorder.on_evict(blocks)
         self._evict(blocks)
         return blocks
 
@@ -318,6 +325,8 @@ class BlockPool:
                 queue.remove(block)
             block.ref_cnt += 1
         queue.on_hit(blocks)
+        if self.recorder is not None:
+            self.recorder.on_hit(blocks)
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop a reference on each block; those reaching 0 join the queue tail in this order.
@@ -342,6 +351,14 @@ class BlockPool:
         """Forget every cached hash. Refused (False, nothing changed) while any block is in use."""
         if self.free_block_queue.num_free_blocks != self.num_blocks - 1:
             return False
+        if self.recorder is not None:
+            self.recorder.on_reset(
+                [
+                    h
+                    for hash_to_block in self.cached_block_hash_to_block
+                    for h, _ in hash_to_block.items()
+                ]
+            )
         for hash_to_block in self.cached_block_hash_to_block:
             hash_to_block.clear()
         self.free_block_queue.reset()

@@ -14,6 +14,8 @@ from prefixserve.core.kv_cache.events import KVCacheEvent
 from prefixserve.core.kv_cache.eviction.policies import DEFAULT_EVICTION_POLICY
 from prefixserve.core.kv_cache.hashing import generate_block_extra_keys, get_hash_fn
 from prefixserve.core.kv_cache.pins import PinnedPrefixes
+from prefixserve.core.kv_cache.reports.ghost import DEFAULT_GHOST_ENTRIES
+from prefixserve.core.kv_cache.reports.recorder import BlockRecorder
 from prefixserve.core.kv_cache.spec import KVCacheConfig
 from prefixserve.core.request import Request
 
@@ -77,6 +79,7 @@ class KVCacheManager:
         enable_kv_cache_events: bool = False,
         max_pinned_blocks: int = 0,
         eviction_policy: str = DEFAULT_EVICTION_POLICY,
+        ghost_entries: int = DEFAULT_GHOST_ENTRIES,
     ) -> None:
         self.config = config
         self.block_size = config.block_size
@@ -94,6 +97,11 @@ class KVCacheManager:
         self.num_groups = len(config.groups)
         self._stats = PrefixCacheStats()
         self.pins = PinnedPrefixes(self.block_pool, max_pinned_blocks)
+        # Per-block history for cache reports and the summary (`reports/`); `ghost_entries`
+        # bounds the memory of evicted hashes.
+        self.recorder = BlockRecorder(config.num_blocks, eviction_policy, ghost_entries)
+        if enable_caching:
+            self.block_pool.recorder = self.recorder
 
     # ------------------------------------------------------------------ sizes
 

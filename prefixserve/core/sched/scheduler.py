@@ -49,6 +49,7 @@ from prefixserve.core.sched.step_results import (
 
 if TYPE_CHECKING:
     from prefixserve.core.kv_cache.kv_cache_manager import KVCacheManager
+    from prefixserve.core.kv_cache.reports.explain import CacheExplainer
     from prefixserve.kv_store.connector import KVStoreConnector
     from prefixserve.spec_decode.ngram import NgramProposer
 
@@ -98,6 +99,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         # The disk tier's load side (kv_store/connector.py), set by the engine when it has one.
         self.kv_connector: KVStoreConnector | None = None
+        # Explains each request's hit at its first scheduling (kv_cache/reports/explain.py), set
+        # by the engine.
+        self.explainer: CacheExplainer | None = None
         self.fair = config.scheduling_policy == "fair"
         self.waiting = WaitingQueue(per_tenant=self.fair)
         self.running: list[Request] = []
@@ -272,6 +276,7 @@ class Scheduler:
         num_on_disk = self.kv_connector.match(request, num_computed) if self.kv_connector else 0
         num_loaded = num_on_disk * mgr.block_size
         if waits_for_prefill(request, num_computed + num_loaded, mgr.block_size, in_flight):
+            request.waited_for_prefill = True
             return False
         num_new_tokens = request.num_tokens - num_computed - num_loaded
         assert num_new_tokens > 0, (request, num_computed, num_loaded)
@@ -307,6 +312,10 @@ class Scheduler:
         if request.num_cached_tokens < 0:  # its first scheduling
             request.num_cached_tokens = num_computed + num_loaded
             request.num_disk_cached_tokens = num_loaded
+            if self.explainer is not None:
+                request.cache_report = self.explainer.explain(
+                    request, num_computed, num_loaded, request.waited_for_prefill
+                )
             self.stats.num_prompt_tokens += request.num_prompt_tokens
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_computed + num_loaded

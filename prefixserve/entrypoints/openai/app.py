@@ -33,6 +33,7 @@ from prefixserve.entrypoints.openai.guard import (
 )
 from prefixserve.entrypoints.openai.models import model_list
 from prefixserve.entrypoints.openai.serving import ServerState
+from prefixserve.entrypoints.openai.serving_cache import register_cache_routes
 from prefixserve.entrypoints.openai.serving_lora import register_lora_routes
 from prefixserve.entrypoints.openai.serving_pins import register_pin_routes
 
@@ -155,6 +156,7 @@ def build_app(  # noqa: C901 - its complexity is the routes' closures, each smal
         return JSONResponse({"success": bool(ok)})
 
     register_pin_routes(router, state)
+    register_cache_routes(router, state)
     register_lora_routes(router, state)
 
     @router.get("/kv_events")

@@ -15,6 +15,8 @@ key files have no role column: which file a key is in is its role, and one key c
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -132,3 +134,24 @@ def parse_bearer(authorization: str | None) -> str | None:
     if scheme.lower() != "bearer" or not token.strip():
         return None
     return token.strip()
+
+
+# A Basic credential longer than this is refused unread (keys are short; the header is bounded
+# by the server's header limits anyway).
+MAX_BASIC_CREDENTIAL_CHARS = 4096
+
+
+def parse_basic_password(authorization: str | None) -> str | None:
+    """The password of an `Authorization: Basic base64(user:password)` header, or None: how a
+    browser sends the key to the inspector page (any user name, the key as the password)."""
+    if not authorization or len(authorization) > MAX_BASIC_CREDENTIAL_CHARS:
+        return None
+    scheme, _, encoded = authorization.strip().partition(" ")
+    if scheme.lower() != "basic":
+        return None
+    try:
+        decoded = base64.b64decode(encoded.strip(), validate=True).decode("utf-8")
+    except (binascii.Error, UnicodeDecodeError):
+        return None
+    _, sep, password = decoded.partition(":")
+    return password if sep and password else None

@@ -32,7 +32,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from prefixserve.entrypoints.openai.auth import ApiKeys, parse_bearer
+from prefixserve.entrypoints.openai.auth import ApiKeys, parse_basic_password, parse_bearer
 from prefixserve.entrypoints.openai.errors import RETRY_AFTER_S, OpenAIError
 from prefixserve.entrypoints.openai.metrics import ServerMetrics
 
@@ -61,6 +61,21 @@ Refusal = tuple[int, str, str]
 
 def _is_operator_path(path: str) -> bool:
     return path not in TENANT_PATHS
+
+
+# The inspector page (serving_cache.py): a browser sends its key as HTTP Basic, and only to these
+# read-only GET routes, so a credential the browser replays on its own cannot change anything
+# (no CSRF on the routes that do: they take Bearer only).
+INSPECTOR_PATH = "/inspector"
+BASIC_REALM = b'Basic realm="prefixserve inspector", charset="UTF-8"'
+# Where _authenticate leaves whether a 401 should ask a browser for Basic credentials.
+BASIC_CHALLENGE_KEY = "basic_challenge"
+
+
+def _is_browser_path(scope: Scope, path: str) -> bool:
+    return scope.get("method") in ("GET", "HEAD") and (
+        path == INSPECTOR_PATH or path.startswith(INSPECTOR_PATH + "/")
+    )
 
 
 def _route_path(scope: Scope) -> str:
@@ -177,7 +192,11 @@ class RequestGuard:
         path = _route_path(scope)
         if self.api_keys is None or path in PUBLIC_PATHS:
             return None
-        token = parse_bearer(_header(scope, b"authorization"))
+        authorization = _header(scope, b"authorization")
+        token = parse_bearer(authorization)
+        if _is_browser_path(scope, path):
+            state[BASIC_CHALLENGE_KEY] = True
+            token = token or parse_basic_password(authorization)
         if token is None:
             return 401, "invalid_api_key", "missing API key: send 'Authorization: Bearer <key>'"
         operator = _is_operator_path(path)
@@ -310,7 +329,9 @@ async def _send_error(
         (b"connection", b"close"),
     ]
     if status == 401:
-        headers.append((b"www-authenticate", b"Bearer"))
+        headers.append(
+            (b"www-authenticate", BASIC_REALM if state.get(BASIC_CHALLENGE_KEY) else b"Bearer")
+        )
     if status == 503:
         headers.append((b"retry-after", str(RETRY_AFTER_S).encode()))
     await send({"type": "http.response.start", "status": status, "headers": headers})

@@ -16,6 +16,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from prefixserve.core.kv_cache.reports.report import REASONS
+
 PREFIX = "prefixserve_"
 
 # Engine metric key -> (exported name, help). Counters are cumulative since start.
@@ -42,7 +44,18 @@ ENGINE_GAUGES = {
     "kv_cache_usage": ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1)"),
     "num_running": ("num_requests_running", "Requests in the running batch"),
     "num_waiting": ("num_requests_waiting", "Requests waiting to be scheduled"),
+    "kv_cache_cached_blocks": (
+        "kv_cache_cached_blocks",
+        "Distinct prefix blocks cached in the RAM pool (hittable, in use or free)",
+    ),
+    "kv_cache_pinned_blocks": ("kv_cache_pinned_blocks", "Blocks held resident by pins"),
+    "cache_ghost_entries": (
+        "cache_ghost_entries",
+        "Evicted block hashes remembered for cache reports (bounded by --cache-ghost-entries)",
+    ),
 }
+# Engine keys `cache_miss_<reason>` -> one counter labelled by reason (docs/cache_reports.md).
+MISS_REASON_KEY = "cache_miss_"
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
@@ -65,9 +78,18 @@ class _EngineCollector(Collector):
             gauge = GaugeMetricFamily(PREFIX + name, doc)
             gauge.add_metric([], float(latest.get(key, 0)))
             yield gauge
+        misses = CounterMetricFamily(
+            PREFIX + "cache_miss_reasons",
+            "Requests by the reason their first missed prompt block was not served from the "
+            "cache (one per request, at its first scheduling)",
+            labels=["reason"],
+        )
+        for reason in REASONS:
+            misses.add_metric([reason], float(latest.get(MISS_REASON_KEY + reason, 0)))
+        yield misses
         # Anything else numeric the engine reports, as a gauge under its own name.
         for key, value in sorted(latest.items()):
-            if key in ENGINE_COUNTERS or key in ENGINE_GAUGES:
+            if key in ENGINE_COUNTERS or key in ENGINE_GAUGES or key.startswith(MISS_REASON_KEY):
                 continue
             if isinstance(value, bool) or not isinstance(value, int | float):
                 continue

@@ -76,6 +76,9 @@ class _SamplingFields(_Request):
     # OpenAI's prompt caching.
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     prompt_cache_key: str | None = Field(None, max_length=MAX_PROMPT_CACHE_KEY_CHARS)
+    # prefixserve's extra: where the prompt's tokens came from and why the first missed block
+    # missed (docs/cache_reports.md), as `cache_report` in the response or the last chunk.
+    cache_report: bool = False
 
     @field_validator("seed")
     @classmethod

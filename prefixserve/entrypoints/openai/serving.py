@@ -95,6 +95,7 @@ def sampling_params(
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
             prompt_logprobs=body.prompt_logprobs,
+            cache_report=body.cache_report,
         )
     except ValueError as exc:
         raise from_value_error(exc, fields) from exc
@@ -244,8 +245,8 @@ class ResponseView(ABC):
         """The chunk streaming `delta`; `with_prompt_logprobs` on the request's first chunk."""
 
     @abstractmethod
-    def usage_chunk(self, usage: p.UsageInfo) -> Chunk:
-        """The chunk without choices that carries the final usage."""
+    def usage_chunk(self, usage: p.UsageInfo | None) -> Chunk:
+        """The chunk without choices that carries the final usage (and the cache report)."""
 
     def opening_chunks(self) -> list[Chunk]:
         """Chunks sent before the first token."""
@@ -323,7 +324,10 @@ class ResponseView(ABC):
                 "the request was aborted before it finished", status_code=503, type="server_error"
             )
         self._finish(final)
-        return self.response(final).model_dump(mode="json")
+        body = self.response(final).model_dump(mode="json")
+        if final.cache_report is not None:
+            body["cache_report"] = final.cache_report
+        return body
 
     # ---------------------------------------------------------------------------- streaming
     async def stream(self, stream: RequestStream) -> AsyncIterator[str]:
@@ -351,8 +355,12 @@ class ResponseView(ABC):
                     yield _sse(chunk)
             if final is not None and final.finished:
                 self._finish(final)
-            if options.include_usage:
-                yield _sse(self.usage_chunk(self.usage()))
+            report = final.cache_report if final is not None else None
+            if options.include_usage or report is not None:
+                usage = self.usage() if options.include_usage else None
+                yield _sse(
+                    self.usage_chunk(usage), None if report is None else {"cache_report": report}
+                )
         except EngineDeadError:
             yield _sse_error(engine_stopped())
         except StreamStalledError:
@@ -397,8 +405,10 @@ def _engine_stopped_retry_later() -> OpenAIError:
     return error
 
 
-def _sse(chunk: Chunk) -> str:
-    return f"data: {chunk.model_dump_json()}\n\n"
+def _sse(chunk: Chunk, extra: dict[str, Any] | None = None) -> str:
+    if extra is None:
+        return f"data: {chunk.model_dump_json()}\n\n"
+    return f"data: {json.dumps({**chunk.model_dump(mode='json'), **extra})}\n\n"
 
 
 def _sse_error(error: OpenAIError) -> str:

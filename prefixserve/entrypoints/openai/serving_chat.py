@@ -142,7 +142,7 @@ class ChatView(ResponseView):
             None,
         )
 
-    def usage_chunk(self, usage: p.UsageInfo) -> p.ChatCompletionChunk:
+    def usage_chunk(self, usage: p.UsageInfo | None) -> p.ChatCompletionChunk:
         return self._chunk([], usage)
 
     def _chunk(

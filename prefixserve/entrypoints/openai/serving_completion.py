@@ -128,7 +128,7 @@ class CompletionView(ResponseView):
             None,
         )
 
-    def usage_chunk(self, usage: p.UsageInfo) -> p.CompletionResponse:
+    def usage_chunk(self, usage: p.UsageInfo | None) -> p.CompletionResponse:
         return self._chunk([], usage)
 
     def _chunk(

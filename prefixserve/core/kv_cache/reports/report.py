@@ -1,0 +1,80 @@
+"""The cache report of one request: tokens per tier and why its first missed block missed.
+
+`REASONS` is the fixed, documented vocabulary (docs/cache_reports.md); every request gets exactly
+one, since at least its last token is always computed:
+
+- `cache_disabled`: prefix caching is off, or the request skips reading the cache;
+- `last_token_rule`: every full block hit but the last, which holds the prompt's last token (always
+  computed, for its logits);
+- `not_full_block`: every full block hit; the rest is a tail shorter than a block (never cached);
+- `in_flight_wait`: the request waited for another request's prefill of its next blocks, then hit;
+- `disk_load_skipped`: the disk tier holds the block, but loading was measured slower than
+  computing;
+- `expired`: the disk tier held the block, past its retention;
+- `evicted`: the pool held the block and evicted it (`detail`: how long ago, by which policy);
+- `salt_or_tenant` / `adapter`: the same prefix is cached under another cache salt / another LoRA
+  adapter of the same tenant (never another tenant's: that is `never_seen`);
+- `never_seen`: none of the above.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+REASONS: tuple[str, ...] = (
+    "cache_disabled",
+    "last_token_rule",
+    "not_full_block",
+    "in_flight_wait",
+    "disk_load_skipped",
+    "expired",
+    "evicted",
+    "salt_or_tenant",
+    "adapter",
+    "never_seen",
+)
+
+
+@dataclass(slots=True)
+class CacheReport:
+    """Where one request's prompt tokens came from, and why the first block after its hit was
+    not served from the cache. `first_miss_block` is None for `cache_disabled`."""
+
+    block_size: int
+    prompt_tokens: int
+    hit_blocks: int
+    ram_tokens: int
+    disk_tokens: int
+    reason: str
+    first_miss_block: int | None
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.reason not in REASONS:
+            raise ValueError(f"unknown cache-miss reason {self.reason!r}")
+
+    @property
+    def prompt_full_blocks(self) -> int:
+        return self.prompt_tokens // self.block_size
+
+    @property
+    def computed_tokens(self) -> int:
+        return self.prompt_tokens - self.ram_tokens - self.disk_tokens
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON shape clients get (the server's and `RequestOutput`'s `cache_report`)."""
+        return {
+            "block_size": self.block_size,
+            "prompt_tokens": self.prompt_tokens,
+            "prompt_full_blocks": self.prompt_full_blocks,
+            "hit_blocks": self.hit_blocks,
+            "tokens": {
+                "ram": self.ram_tokens,
+                "disk": self.disk_tokens,
+                "computed": self.computed_tokens,
+            },
+            "reason": self.reason,
+            "first_miss_block": self.first_miss_block,
+            "detail": dict(self.detail),
+        }
