@@ -11,6 +11,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from prefixserve.core.kv_cache.reports.report import describe_report
 from prefixserve.core.kv_cache.salts import derive_cache_salt, validate_cache_salt
 from prefixserve.engine.client import EngineRequest
 from prefixserve.engine.llm_engine import LLMEngine
@@ -275,6 +276,23 @@ class LLM:
         if self._cluster is not None:
             return bool(asyncio.run(self._cluster.reset_prefix_cache(ram_only=ram_only)))
         return self.llm_engine.reset_prefix_cache(ram_only=ram_only)
+
+    def explain(
+        self, prompt: PromptType, lora_request: LoRARequest | None = None
+    ) -> dict[str, Any]:
+        """What `prompt` would hit in the cache now, without running it: its cache report
+        (docs/cache_reports.md) plus "summary", one sentence saying how many tokens would hit
+        and why the first missed block would miss (and, when a cached prompt shares part of that
+        block, the first token where they part). Nothing is scheduled or counted."""
+        if self._cluster is not None:
+            raise ValueError("explain needs one engine: with num_replicas > 1 each has its cache")
+        ids, _, salt, embeds = self._parse_prompt(prompt, 0)
+        if embeds is not None:
+            raise ValueError("explain takes token ids or text, not prompt_embeds")
+        report = self.llm_engine.explain_prompt(
+            ids, cache_salt=derive_cache_salt(None, salt), lora_request=lora_request
+        )
+        return {**report.to_dict(), "summary": describe_report(report)}
 
     def get_metrics(self) -> dict[str, Any]:
         """Engine counters: prefix_cache_requests / queries / hits, kv_cache_usage, prompt and

@@ -18,6 +18,7 @@ from prefixserve.core.kv_cache.reports.report import REASONS
 from prefixserve.core.kv_cache.salts import derive_cache_salt
 from prefixserve.engine.llm_engine import LLMEngine
 from prefixserve.kv_store import KVStoreConfig
+from prefixserve.llm import LLM
 from prefixserve.lora.config import LoRAConfig, LoRARequest
 from prefixserve.model.loader.loading import LoadedModel
 from prefixserve.sampling_params import SamplingParams
@@ -274,3 +275,28 @@ def test_explain_prompt_is_a_dry_run_that_says_where_the_prompt_parts(tiny):
     assert engine.explain_prompt(cached).reason == "not_full_block"
     assert (dict(engine.explainer.counts), engine.get_metrics()["prefix_cache_queries"]) == before
     engine.check_no_leaks()
+
+
+def test_the_offline_api_reports_and_explains(tiny):
+    loaded, _ = tiny
+    llm = LLM(loaded_model=loaded, dtype="float32", block_size=BLOCK, num_kv_blocks=64)
+    prompt = tokens(4 * BLOCK + 1, seed=17)
+    params = SamplingParams(temperature=0.0, max_tokens=1, cache_report=True)
+    (cold,) = llm.generate([{"prompt_token_ids": prompt}], params)
+    assert cold.cache_report["reason"] == "never_seen"
+    (plain,) = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1))
+    assert plain.cache_report is None  # only when asked for
+    changed = [*prompt[: BLOCK + 3], (prompt[BLOCK + 3] + 1) % VOCAB, *prompt[BLOCK + 4 :]]
+    explained = llm.explain({"prompt_token_ids": changed})
+    assert explained["hit_blocks"] == 1 and explained["reason"] == "never_seen"
+    assert explained["detail"]["differs_at_token"] == BLOCK + 3
+    assert explained["summary"] == (
+        f"this prompt would hit {BLOCK} of {4 * BLOCK + 1} tokens; block 2 (tokens {BLOCK}-"
+        f"{2 * BLOCK - 1}) misses: no cached prompt has it; it differs from the cached one at "
+        f"token {BLOCK + 3}"
+    )
+    # Without tenants a salt keeps clients apart: another salt's prefix is never named.
+    salted = llm.explain({"prompt_token_ids": prompt, "cache_salt": "mine"})
+    assert salted["reason"] == "never_seen" and salted["hit_blocks"] == 0
+    with pytest.raises(ValueError, match="cache_report"):
+        SamplingParams(cache_report="yes")

@@ -7,6 +7,9 @@ tier (a stat: live but not loaded -> `disk_load_skipped`, past its expiry -> `ex
 eviction ghosts (`evicted`), the same tenant's other namespaces (`salt_or_tenant`, `adapter`),
 else `never_seen`.
 
+Without tenants (a keyless server, the offline API) a cache salt is what keeps one client's
+blocks from another's, so there other salts are never probed: `salt_or_tenant` needs a tenant.
+
 Nothing here looks at another tenant's data: the probes are the request's own hashes (which
 chain its tenant's salt) and hashes of its own tokens under namespaces its own tenant used, so a
 prefix only another tenant holds reads exactly as one never seen, with the same probes made
@@ -174,6 +177,8 @@ class CacheExplainer:
         for namespace in list(known):
             if namespace == own:
                 continue
+            if request.tenant is None and namespace.cache_salt != own.cache_salt:
+                continue  # without tenants a salt is what keeps one client from another
             shadow = _Shadow(
                 tokens,
                 namespace.lora_name,

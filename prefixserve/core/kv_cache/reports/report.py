@@ -13,7 +13,8 @@ one, since at least its last token is always computed:
 - `expired`: the disk tier held the block, past its retention;
 - `evicted`: the pool held the block and evicted it (`detail`: how long ago, by which policy);
 - `salt_or_tenant` / `adapter`: the same prefix is cached under another cache salt / another LoRA
-  adapter of the same tenant (never another tenant's: that is `never_seen`);
+  adapter of the same tenant (never another tenant's: that is `never_seen`; without tenants, a
+  salt is a client's own namespace, so only `adapter` is looked for);
 - `never_seen`: none of the above.
 """
 
@@ -78,3 +79,40 @@ class CacheReport:
             "first_miss_block": self.first_miss_block,
             "detail": dict(self.detail),
         }
+
+
+# What each reason means, in the words `describe_report` uses.
+REASON_TEXT = {
+    "cache_disabled": "prefix caching is off for it",
+    "last_token_rule": "it holds the prompt's last token, which is always computed",
+    "not_full_block": "it is not a full block (only full blocks are cached)",
+    "in_flight_wait": "another request was computing it; this one waited, then hit",
+    "disk_load_skipped": "the disk tier holds it, but loading was measured slower than computing",
+    "expired": "the disk tier's copy is past its retention",
+    "evicted": "it was cached and evicted",
+    "salt_or_tenant": "it is cached under another cache salt of yours",
+    "adapter": "it is cached under another LoRA adapter (or without one)",
+    "never_seen": "no cached prompt has it",
+}
+
+
+def describe_report(report: CacheReport) -> str:
+    """One sentence: "this prompt would hit 1,024 of 1,100 tokens; block 65 (tokens
+    1,024-1,039) misses: it was cached and evicted (12.3 s ago, lru); it differs from the cached
+    one at token 1,031"."""
+    hit = report.ram_tokens + report.disk_tokens
+    text = f"this prompt would hit {hit:,} of {report.prompt_tokens:,} tokens"
+    if report.disk_tokens:
+        text += f" ({report.ram_tokens:,} from RAM, {report.disk_tokens:,} from disk)"
+    block = report.first_miss_block
+    if block is None:
+        return f"{text}: {REASON_TEXT[report.reason]}"
+    start = block * report.block_size
+    end = min(start + report.block_size, report.prompt_tokens) - 1
+    text += f"; block {block + 1} (tokens {start:,}-{end:,}) misses: {REASON_TEXT[report.reason]}"
+    detail = report.detail
+    if "ago_s" in detail:
+        text += f" ({detail['ago_s']:.1f} s ago, {detail['policy']})"
+    if "differs_at_token" in detail:
+        text += f"; it differs from the cached one at token {detail['differs_at_token']:,}"
+    return text
