@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import time
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -300,3 +301,20 @@ def test_the_offline_api_reports_and_explains(tiny):
     assert salted["reason"] == "never_seen" and salted["hit_blocks"] == 0
     with pytest.raises(ValueError, match="cache_report"):
         SamplingParams(cache_report="yes")
+
+
+def test_a_full_ghost_table_stays_within_its_bound():
+    capacity = 4096
+    tracemalloc.start()
+    try:
+        start = tracemalloc.get_traced_memory()[0]
+        ghosts = EvictionGhosts(capacity)
+        for batch in range(8):  # one tuple per batch, as the pool adds them
+            hashes = [os.urandom(32) for _ in range(capacity // 4)]
+            ghosts.add(hashes, when=float(batch), cause="lru")
+            del hashes
+        used = tracemalloc.get_traced_memory()[0] - start
+    finally:
+        tracemalloc.stop()
+    assert len(ghosts) == capacity
+    assert used <= ghosts.bytes_bound()

@@ -15,8 +15,10 @@ from collections.abc import Iterable
 
 DEFAULT_GHOST_ENTRIES = 65_536
 MAX_GHOST_ENTRIES = 16_777_216  # ~4 GiB at most: a bound on the flag, not a suggestion
-# An OrderedDict entry: a hash-table slot (key hash, key, value) plus a doubly linked node.
-_DICT_SLOT_BYTES = 3 * 8 + 4 * 8
+# An OrderedDict entry beyond its key and value: the dict's entry (hash, key, value), up to two
+# index slots of 8 bytes (the table is at most two-thirds full), the ordered dict's node (links,
+# key, hash) and its fast-node slots (as many as the index).
+_DICT_SLOT_BYTES = 3 * 8 + 2 * 8 + 48 + 2 * 8
 
 
 class EvictionGhosts:
