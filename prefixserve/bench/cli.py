@@ -153,6 +153,12 @@ def configure(bench: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
     run.add_argument("--served-model", default=None, help="model name (default: /v1/models)")
     run.add_argument("--prompt-format", choices=["tokens", "text"], default="tokens")
     run.add_argument("--name", default="server", help="engine name in the results")
+    run.add_argument(
+        "--extra-body",
+        type=_json_object,
+        default={},
+        help="JSON object merged into every request body, e.g. '{\"cache_report\": true}'",
+    )
     add_load_args(run)
     run.set_defaults(func=_cmd_run)
 
@@ -243,7 +249,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         base_url=args.base_url,
         model=served,
         prompt_format=args.prompt_format,
-        extra_body={"ignore_eos": True},
+        extra_body={"ignore_eos": True, **args.extra_body},
     )
     for name in args.workloads:
         workload = make_workload(
@@ -299,3 +305,11 @@ def main(argv: list[str] | None = None) -> int:
     register(subparsers)
     args = parser.parse_args(["bench", *(argv if argv is not None else sys.argv[1:])])
     return int(args._run(args))
+
+
+def _json_object(text: str) -> dict:
+    """A command-line JSON object (argparse turns the ValueError into a usage error)."""
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a JSON object, got {text!r}")
+    return value

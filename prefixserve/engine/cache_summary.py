@@ -10,7 +10,13 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from prefixserve.core.kv_cache.reports.summary import pool_summary, prefix_tree, window_rates
+from prefixserve.core.kv_cache.reports.explain import RECENT_REPORTS
+from prefixserve.core.kv_cache.reports.summary import (
+    TOP_PREFIXES,
+    pool_summary,
+    prefix_tree,
+    window_rates,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -99,16 +105,16 @@ def merge_summaries(per_replica: dict[int, dict[str, Any]]) -> dict[str, Any]:
         },
         "pins": {k: sum(p["pins"][k] for p in parts) for k in ("count", "blocks")},
         "eviction": {k: sum(p["eviction"][k] for p in parts) for k in ("total", "per_s_60s")},
-        "miss_reasons": {
-            k: sum(p["miss_reasons"][k] for p in parts) for k in first["miss_reasons"]
+        "miss_reasons": _summed(parts, "miss_reasons"),
+        "ghost": _summed(parts, "ghost"),
+        "all_tokens": _summed(parts, "all_tokens"),
+        "window_tokens": {
+            key: _summed([p["window_tokens"] for p in parts], key) for key in first["window_tokens"]
         },
-        "ghost": {k: sum(p["ghost"][k] for p in parts) for k in first["ghost"]},
-        "window_tokens": {},
-        "hit_rate": {},
         "top_prefixes": sorted(
             (dict(t, replica=rid) for rid, p in per_replica.items() for t in p["top_prefixes"]),
             key=lambda t: (-t["hits"], -t["tokens"]),
-        )[: len(first["top_prefixes"]) or 10],
+        )[:TOP_PREFIXES],
         "tree": {
             "hash": "root",
             "blocks": 0,
@@ -121,7 +127,7 @@ def merge_summaries(per_replica: dict[int, dict[str, Any]]) -> dict[str, Any]:
         "recent_reports": sorted(
             (dict(r, replica=rid) for rid, p in per_replica.items() for r in p["recent_reports"]),
             key=lambda r: -r["time"],
-        )[: max(len(p["recent_reports"]) for p in parts)],
+        )[:RECENT_REPORTS],
     }
     merged["hit_rate"] = {key: _rate(t) for key, t in merged["window_tokens"].items()}
     merged["hit_rate"]["all"] = _rate(merged["all_tokens"]) or 0.0

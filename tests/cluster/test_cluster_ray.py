@@ -239,3 +239,21 @@ def test_tenants_through_replicas_never_hit_or_route_by_each_others_blocks(clust
 def test_pins_are_refused_with_a_clear_error_under_replicas(cluster: Any) -> None:
     response = httpx.get(f"{cluster.url}/pins", timeout=30)
     assert response.status_code == 501 and "replicas" in response.json()["error"]["message"]
+
+
+def test_the_cache_summary_and_reports_over_replicas(cluster: Any) -> None:
+    """Each replica reports its requests; the summary merges both (counts summed, one tree node
+    per replica, reports from both)."""
+    prompts = [[6000 + 50 * i + j for j in range(40)] for i in range(4)]
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda p: complete(cluster.url, p, cache_report=True), prompts))
+    assert {a["cache_report"]["reason"] for a in answers} == {"never_seen"}
+    summary = httpx.get(f"{cluster.url}/v1/cache/summary", timeout=60).json()
+    per = asyncio.run(cluster.get_metrics())["replicas"]
+    assert summary["replicas"] == [0, 1]
+    assert [node["hash"] for node in summary["tree"]["children"]] == ["replica-0", "replica-1"]
+    total = sum(per[r]["cache_miss_never_seen"] for r in (0, 1))
+    assert summary["miss_reasons"]["never_seen"] == total >= 4
+    assert summary["pool"]["num_blocks"] == sum(per[r]["num_kv_blocks"] for r in (0, 1))
+    ids = {r["request_id"] for r in summary["recent_reports"]}
+    assert len(ids) >= 4 and {r["replica"] for r in summary["recent_reports"]} <= {0, 1}
