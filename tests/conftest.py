@@ -77,3 +77,22 @@ def pytest_collection_modifyitems(config, items):
         folder = item.path.relative_to(root).parts[0]
         if folder in _FULL_DIRS or _FULL_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.full)
+
+
+# ---- browser tests (tests/helpers/browser.py): a skip for a missing browser is counted.
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    from tests.helpers.browser import SKIP_PREFIX
+
+    reasons: dict[str, int] = {}
+    for report in terminalreporter.stats.get("skipped", []):
+        longrepr = getattr(report, "longrepr", None)
+        message = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else ""
+        if SKIP_PREFIX in message:
+            reason = message[message.index(SKIP_PREFIX) + len(SKIP_PREFIX) :]
+            reasons[reason] = reasons.get(reason, 0) + 1
+    for reason, count in reasons.items():
+        terminalreporter.write_line(
+            f"browser tests skipped: missing {reason} [{count} test{'s' if count > 1 else ''}]",
+            yellow=True,
+            bold=True,
+        )

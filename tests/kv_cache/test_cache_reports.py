@@ -318,3 +318,12 @@ def test_a_full_ghost_table_stays_within_its_bound():
         tracemalloc.stop()
     assert len(ghosts) == capacity
     assert used <= ghosts.bytes_bound()
+
+
+def test_the_last_block_is_last_token_rule_only_when_it_is_cached(tiny):
+    engine = make_engine(tiny)
+    prompt = tokens(3 * BLOCK, seed=18)
+    run(engine, "a", prompt)
+    other_end = prompt[: 2 * BLOCK] + tokens(BLOCK, seed=19)
+    report = run(engine, "b", other_end)
+    assert report["hit_blocks"] == 2 and report["reason"] == "never_seen"

@@ -129,8 +129,12 @@ class CacheExplainer:
             reason = "in_flight_wait"
         elif hit_blocks >= num_tokens // bs:
             reason = "not_full_block"
-        elif hit_blocks == num_tokens // bs - 1 and num_tokens % bs == 0:
-            reason = "last_token_rule"
+        elif (
+            hit_blocks == num_tokens // bs - 1
+            and num_tokens % bs == 0
+            and self._cached_before(request, hit_blocks)
+        ):
+            reason = "last_token_rule"  # cached, but never served: it holds the last token
         else:
             reason = self._why_missed(request, hit_blocks, detail)
         return CacheReport(
@@ -143,6 +147,18 @@ class CacheExplainer:
             first_miss_block=first_miss,
             detail=detail,
         )
+
+    def _cached_before(self, request: Request, index: int) -> bool:
+        """Whether block `index` of the prompt was cached before this request: found in the
+        pool, and not as the request's own block (allocate_slots caches a step's full blocks
+        before the report is made)."""
+        self.num_probes += 1
+        lookup = self.manager.block_pool.cached_block_hash_to_block[0].get_one_block
+        block = lookup(request.block_hashes[index])
+        if block is None:
+            return False
+        own = self.manager.get_block_ids(request)[0]
+        return index >= len(own) or own[index] != block.block_id
 
     def _why_missed(self, request: Request, index: int, detail: dict[str, Any]) -> str:
         block_hash = request.block_hashes[index]

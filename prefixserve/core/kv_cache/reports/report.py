@@ -4,8 +4,8 @@
 one, since at least its last token is always computed:
 
 - `cache_disabled`: prefix caching is off, or the request skips reading the cache;
-- `last_token_rule`: every full block hit but the last, which holds the prompt's last token (always
-  computed, for its logits);
+- `last_token_rule`: every full block hit but the last, which is cached too but holds the prompt's
+  last token (always computed, for its logits);
 - `not_full_block`: every full block hit; the rest is a tail shorter than a block (never cached);
 - `in_flight_wait`: the request waited for another request's prefill of its next blocks, then hit;
 - `disk_load_skipped`: the disk tier holds the block, but loading was measured slower than

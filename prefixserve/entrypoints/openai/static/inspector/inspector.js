@@ -37,6 +37,7 @@
     hitRate: [], // {t, v} with v null when the window saw no request
     missDeltas: [], // {t, counts: {reason: n}}
     prevMiss: null,
+    cumulativeMiss: null, // the latest cumulative counts, for the legend
     reasons: Object.keys(REASON_COLORS),
     closed: new Set(), // tree nodes the operator collapsed, by hash, kept across updates
   };
