@@ -12,7 +12,17 @@ from prefixserve.spec_decode.metrics import acceptance
 # are state: summed where the replicas' parts add up, averaged where each is a fraction of its
 # own pool, the largest where every replica reports one shared thing; rates are recomputed from
 # the summed counters, never summed or averaged themselves.
-SUMMED_GAUGES = frozenset({"num_kv_blocks", "num_free_kv_blocks", "num_running", "num_waiting"})
+SUMMED_GAUGES = frozenset(
+    {
+        "num_kv_blocks",
+        "num_free_kv_blocks",
+        "num_running",
+        "num_waiting",
+        "kv_cache_cached_blocks",
+        "kv_cache_pinned_blocks",
+        "cache_ghost_entries",
+    }
+)
 MEAN_GAUGES = frozenset({"kv_cache_usage"})
 # One store directory that every replica on a host counts (replicas on several hosts each have
 # their own: then the largest is a lower bound of the whole).

@@ -244,7 +244,7 @@ def test_pins_are_refused_with_a_clear_error_under_replicas(cluster: Any) -> Non
 def test_the_cache_summary_and_reports_over_replicas(cluster: Any) -> None:
     """Each replica reports its requests; the summary merges both (counts summed, one tree node
     per replica, reports from both)."""
-    prompts = [[6000 + 50 * i + j for j in range(40)] for i in range(4)]
+    prompts = [[9000 + 50 * i + j for j in range(40)] for i in range(4)]  # sent by no other test
     with ThreadPoolExecutor(4) as pool:
         answers = list(pool.map(lambda p: complete(cluster.url, p, cache_report=True), prompts))
     assert {a["cache_report"]["reason"] for a in answers} == {"never_seen"}
