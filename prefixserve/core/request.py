@@ -67,7 +67,8 @@ class Request:
         "_block_hasher",
         "max_tokens",
         "stop_token_ids",
-        "waited_for_prefill",
+        "hit_when_waited",
+        "counted_in_reports",
         "cache_report",
     )
 
@@ -119,9 +120,12 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 = not yet
         self.num_preemptions = 0
-        # Set by the scheduler: whether it held this request back for another's prefill
-        # (prefill_dedup.py), and its cache report at its first scheduling (kv_cache/reports/).
-        self.waited_for_prefill = False
+        # Set by the scheduler: its cache hit (tokens) when it was first held back for another
+        # request's prefill (prefill_dedup.py; None: never), and its cache report at its first
+        # scheduling (kv_cache/reports/). Of a prompt's n samples only the first is counted in
+        # the reports' metrics (the engine clears `counted_in_reports` for the others).
+        self.hit_when_waited: int | None = None
+        self.counted_in_reports = True
         self.cache_report: CacheReport | None = None
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import uuid
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -253,6 +254,8 @@ class LLMEngine:
                     prompt_embeds=embeds_bits_,
                 )
             )
+        for request in requests[1:]:
+            request.counted_in_reports = False  # a prompt's samples are one request to count
         manager = self.kv_cache_manager  # pinned blocks are not the request's to take
         available = manager.blocks_available_to(requests[0])
         check_fits_pool(needed, num_prompt, max_tokens, available, manager.pins.num_blocks)
@@ -485,14 +488,15 @@ class LLMEngine:
         ids = check_prompt(prompt_token_ids, self.vocab_size, self.max_model_len)
         lora_name = lora_digest = None
         if lora_request is not None:
-            if self.lora is None:
+            adapter = self.lora.adapters.get(lora_request.lora_name) if self.lora else None
+            if adapter is None:  # nothing loaded, nothing changed: no block of it is cached
                 raise ValueError(
-                    "this engine serves no LoRA adapters: build it with enable_lora=True"
+                    f"LoRA adapter {lora_request.lora_name!r} is not loaded: load it (or run a "
+                    "request with it) first"
                 )
-            adapter = self.lora.resolve(lora_request, self.lora_in_use)
             lora_name, lora_digest = adapter.name, adapter.digest
         probe = Request(
-            "explain",
+            f"explain-{uuid.uuid4().hex}",  # never a real request id
             ids,
             SamplingParams(),
             block_hasher=self._block_hasher,

@@ -108,15 +108,25 @@ class KVStoreConnector:
         slower than computing."""
         if request.skip_reading_prefix_cache:
             return 0
-        bs = self.block_size
-        first = num_computed_tokens // bs
-        last = (request.num_tokens - 1) // bs  # the last token is always computed
-        if last <= first:
-            return 0
         if not self.loading_pays():
-            self.stats.skipped_slow += 1
+            self.stats.skipped_slow += int(self.loadable(request, num_computed_tokens) > 0)
             return 0
-        return self.store.count_prefix(request.block_hashes[first:last], (GROUP,))
+        return self.on_disk(request, num_computed_tokens)
+
+    def loadable(self, request: Request, num_computed_tokens: int) -> int:
+        """Blocks that may be loaded after a RAM hit of `num_computed_tokens`: up to, not
+        including, the block of the prompt's last token (always computed)."""
+        bs = self.block_size
+        return max(0, (request.num_tokens - 1) // bs - num_computed_tokens // bs)
+
+    def on_disk(self, request: Request, num_computed_tokens: int) -> int:
+        """How many of the `loadable` blocks the store holds, contiguous from the RAM hit (a
+        stat each; what `match` loads when loading pays, and what a dry-run report counts)."""
+        first = num_computed_tokens // self.block_size
+        count = self.loadable(request, num_computed_tokens)
+        if not count:
+            return 0
+        return self.store.count_prefix(request.block_hashes[first : first + count], (GROUP,))
 
     def load(self, request: Request, first_block: int, num_blocks: int) -> list[bytes]:
         """Read blocks first_block .. first_block + num_blocks - 1 of `request`; stops at the

@@ -56,11 +56,7 @@ class StoreLookup:
     def contains(self, key: BlockKey) -> bool:
         """Whether a live (unexpired) file holds `key`: one stat, no read. A True may still be a
         miss in a read (a concurrent eviction, a damaged file)."""
-        try:
-            st = os.stat(self.path(key), follow_symlinks=False)
-        except OSError:
-            return False
-        return stat.S_ISREG(st.st_mode) and not record.is_expired(st.st_mtime_ns, self._now_ns())
+        return self.state(key) == "live"
 
     def state(self, key: BlockKey) -> str | None:
         """ "live", "expired" (a file past its retention, not yet swept) or None (no file): one

@@ -95,7 +95,7 @@ def test_last_token_rule(tiny):
     prompt = tokens(3 * BLOCK, seed=2)
     run(engine, "a", prompt)
     report = run(engine, "b", prompt)
-    assert report["reason"] == "last_token_rule"
+    assert report["reason"] == "last_token_rule" and report["detail"] == {"cached": True}
     assert (report["hit_blocks"], report["first_miss_block"]) == (2, 2)
 
 
@@ -320,10 +320,45 @@ def test_a_full_ghost_table_stays_within_its_bound():
     assert used <= ghosts.bytes_bound()
 
 
-def test_the_last_block_is_last_token_rule_only_when_it_is_cached(tiny):
+def test_the_last_tokens_block_is_last_token_rule_cached_or_not(tiny):
+    """It is never served either way; `detail.cached` says whether it was there."""
     engine = make_engine(tiny)
     prompt = tokens(3 * BLOCK, seed=18)
     run(engine, "a", prompt)
     other_end = prompt[: 2 * BLOCK] + tokens(BLOCK, seed=19)
     report = run(engine, "b", other_end)
-    assert report["hit_blocks"] == 2 and report["reason"] == "never_seen"
+    assert report["hit_blocks"] == 2 and report["reason"] == "last_token_rule"
+    assert report["detail"] == {"cached": False}
+
+
+def test_the_report_is_made_before_the_request_evicts_anything_itself(tiny):
+    """A full pool: the repeat's one new block evicts the cached copy of its own last block,
+    which the report (made before that allocation) still sees."""
+    engine = make_engine(tiny, num_kv_blocks=4)
+    prompt = tokens(3 * BLOCK, seed=20)
+    run(engine, "a", prompt)
+    report = run(engine, "b", prompt)
+    assert report["reason"] == "last_token_rule" and report["detail"] == {"cached": True}
+    engine.check_no_leaks()
+
+
+def test_a_disk_read_that_fails_reads_as_evicted_from_the_disk_tier(tiny, tmp_path):
+    engine = make_engine(tiny, tmp_path)
+    prompt = tokens(3 * BLOCK + 1, seed=21)
+    run(engine, "a", prompt)
+    engine.kv_connector.writer.flush(timeout=30)
+    assert engine.reset_prefix_cache(ram_only=True)
+    engine.kv_connector.store.get = lambda key, token_ids: None  # stat says yes, read says no
+    report = run(engine, "b", prompt)
+    assert report["reason"] == "evicted" and report["detail"] == {"tier": "disk"}
+    assert report["tokens"] == {"ram": 0, "disk": 0, "computed": 3 * BLOCK + 1}
+    engine.close()
+
+
+def test_a_prompts_samples_count_once(tiny):
+    engine = make_engine(tiny)
+    params = SamplingParams(n=3, max_tokens=2, cache_report=True, seed=1)
+    engine.add_request("n3", tokens(2 * BLOCK + 1, seed=22), params)
+    finals = [o for _ in range(50) for o in engine.step() if o.finished]
+    assert finals[0].cache_report["reason"] == "never_seen"
+    assert sum(engine.explainer.counts.values()) == 1 and len(engine.explainer.recent) == 1

@@ -276,8 +276,13 @@ class Scheduler:
         num_on_disk = self.kv_connector.match(request, num_computed) if self.kv_connector else 0
         num_loaded = num_on_disk * mgr.block_size
         if waits_for_prefill(request, num_computed + num_loaded, mgr.block_size, in_flight):
-            request.waited_for_prefill = True
+            if request.hit_when_waited is None:
+                request.hit_when_waited = num_computed + num_loaded
             return False
+        report = None
+        if self.explainer is not None and request.num_cached_tokens < 0:
+            # Before its own allocation, which may evict blocks the report should still see.
+            report = self.explainer.explain(request, num_computed, num_loaded)
         num_new_tokens = request.num_tokens - num_computed - num_loaded
         assert num_new_tokens > 0, (request, num_computed, num_loaded)
         threshold = self._threshold(plan.contended)
@@ -303,6 +308,8 @@ class Scheduler:
             num_loaded = self.kv_connector.load_into_pool(
                 mgr, request, num_computed, num_on_disk, plan.kv_loads
             )
+        if report is not None:
+            request.cache_report = self.explainer.commit(request, report, num_loaded)
         self._start_running(request, num_computed, num_loaded)
         plan.scheduled.append(self._scheduled(request, num_new_tokens))
         plan.take(request, num_new_tokens)
@@ -312,10 +319,6 @@ class Scheduler:
         if request.num_cached_tokens < 0:  # its first scheduling
             request.num_cached_tokens = num_computed + num_loaded
             request.num_disk_cached_tokens = num_loaded
-            if self.explainer is not None:
-                request.cache_report = self.explainer.explain(
-                    request, num_computed, num_loaded, request.waited_for_prefill
-                )
             self.stats.num_prompt_tokens += request.num_prompt_tokens
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_computed + num_loaded

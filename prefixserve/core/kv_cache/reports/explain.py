@@ -1,14 +1,18 @@
 """One request's cache report: what it hit, and why its first missed block missed.
 
-The scheduler calls `CacheExplainer.explain` at a request's first scheduling, with the tokens it
-got from the RAM pool and the disk tier; `LLMEngine.explain_prompt` calls `explain_prompt` for a
-dry run (nothing scheduled, nothing counted). The checks for a missed block, in order: the disk
+The scheduler calls `CacheExplainer.explain` when it is about to admit a request for the first
+time, after its lookups (RAM pool, then disk tier) and before its own allocation can evict
+anything, then `commit` once it is admitted and its disk reads are done (a read that failed
+turns into `evicted` on the disk tier): only committed reports are counted.
+`LLMEngine.explain_prompt` calls `explain_prompt` for a dry run (nothing scheduled, nothing
+counted). The checks for a missed block, in order: the disk
 tier (a stat: live but not loaded -> `disk_load_skipped`, past its expiry -> `expired`), the
 eviction ghosts (`evicted`), the same tenant's other namespaces (`salt_or_tenant`, `adapter`),
 else `never_seen`.
 
 Without tenants (a keyless server, the offline API) a cache salt is what keeps one client's
-blocks from another's, so there other salts are never probed: `salt_or_tenant` needs a tenant.
+blocks from another's, so there other salts are never probed (`salt_or_tenant` needs a tenant)
+and each salt's namespaces are remembered apart.
 
 Nothing here looks at another tenant's data: the probes are the request's own hashes (which
 chain its tenant's salt) and hashes of its own tokens under namespaces its own tenant used, so a
@@ -44,6 +48,9 @@ class DiskProbe(Protocol):
     def loading_pays(self) -> bool:
         """Whether loading a block was measured faster than computing it."""
 
+    def on_disk(self, request: Any, num_computed_tokens: int) -> int:
+        """Blocks after a RAM hit the store holds, contiguous (what a load would read)."""
+
 
 @dataclass(slots=True)
 class _Shadow:
@@ -52,7 +59,7 @@ class _Shadow:
 
     all_token_ids: list[int]
     lora_name: str | None
-    lora_digest: str | None
+    lora_digest: Any
     cache_salt: str | None
     prompt_embeds: Any
     block_hashes: list[bytes] = field(default_factory=list)
@@ -78,19 +85,32 @@ class CacheExplainer:
         self.recent: deque[tuple[str, str | None, float, CacheReport]] = deque(
             maxlen=RECENT_REPORTS
         )
-        self._namespaces: OrderedDict[str | None, OrderedDict[Namespace, None]] = OrderedDict()
+        self._namespaces: OrderedDict[Any, OrderedDict[Namespace, None]] = OrderedDict()
 
     # ------------------------------------------------------------------ entry points
 
-    def explain(
-        self, request: Request, ram_tokens: int, disk_tokens: int, waited: bool
-    ) -> CacheReport:
-        """The report of `request` at its first scheduling, counted in `counts`, its lookup in
-        the recent window, and its namespace remembered for its tenant's later reports."""
-        report = self._report(request, ram_tokens, disk_tokens, waited)
-        self.counts[report.reason] += 1
-        self.recent.append((request.request_id, request.tenant, self.recorder.clock(), report))
-        self.recorder.on_lookup(report.prompt_tokens, ram_tokens + disk_tokens)
+    def explain(self, request: Request, ram_tokens: int, disk_tokens: int) -> CacheReport:
+        """The report of `request` about to be admitted with this hit (nothing counted yet)."""
+        waited = request.hit_when_waited is not None and (
+            ram_tokens + disk_tokens > request.hit_when_waited
+        )
+        return self._report(request, ram_tokens, disk_tokens, waited)
+
+    def commit(self, request: Request, report: CacheReport, disk_loaded: int) -> CacheReport:
+        """`request` was admitted with `report` and read `disk_loaded` tokens from disk: the
+        final report, counted (unless the request is a later sample of a prompt), its lookup in
+        the recent window, its namespace remembered for its tenant's later reports. Fewer tokens
+        read than found means a file vanished or was damaged between the stat and the read: the
+        first block not read is `evicted` from the disk tier."""
+        if disk_loaded < report.disk_tokens:
+            report.disk_tokens = disk_loaded
+            report.hit_blocks = (report.ram_tokens + disk_loaded) // report.block_size
+            report.reason, report.first_miss_block = "evicted", report.hit_blocks
+            report.detail = {"tier": "disk"}
+        if request.counted_in_reports:
+            self.counts[report.reason] += 1
+            self.recent.append((request.request_id, request.tenant, self.recorder.clock(), report))
+            self.recorder.on_lookup(report.prompt_tokens, report.ram_tokens + report.disk_tokens)
         self._remember(request)
         return report
 
@@ -98,16 +118,12 @@ class CacheExplainer:
         """What `request` would hit now, without scheduling it or counting anything; a missed
         block that a cached sibling (same parent, same namespace) shares some tokens with gets
         `detail["differs_at_token"]`: the first prompt position where they part."""
-        manager = self.manager
-        _, ram_tokens = manager.get_computed_blocks(request)
+        _, ram_tokens = self.manager.get_computed_blocks(request)
         disk_tokens = 0
-        if self.disk is not None and manager.enable_caching:
-            disk_tokens = self._disk_run(request, ram_tokens)
+        if self.disk is not None and self.manager.enable_caching and self.disk.loading_pays():
+            disk_tokens = self.disk.on_disk(request, ram_tokens) * self.manager.block_size
         report = self._report(request, ram_tokens, disk_tokens, waited=False)
-        if report.first_miss_block is not None and report.reason not in (
-            "not_full_block",
-            "last_token_rule",
-        ):
+        if report.first_miss_block is not None and report.reason != "not_full_block":
             differs = self._differs_at(request, report.first_miss_block)
             if differs is not None:
                 report.detail["differs_at_token"] = differs
@@ -129,12 +145,10 @@ class CacheExplainer:
             reason = "in_flight_wait"
         elif hit_blocks >= num_tokens // bs:
             reason = "not_full_block"
-        elif (
-            hit_blocks == num_tokens // bs - 1
-            and num_tokens % bs == 0
-            and self._cached_before(request, hit_blocks)
-        ):
-            reason = "last_token_rule"  # cached, but never served: it holds the last token
+        elif hit_blocks == num_tokens // bs - 1 and num_tokens % bs == 0:
+            # The block of the last token is never served, cached or not; say which.
+            reason = "last_token_rule"
+            detail["cached"] = self._cached(request, hit_blocks)
         else:
             reason = self._why_missed(request, hit_blocks, detail)
         return CacheReport(
@@ -148,17 +162,15 @@ class CacheExplainer:
             detail=detail,
         )
 
-    def _cached_before(self, request: Request, index: int) -> bool:
-        """Whether block `index` of the prompt was cached before this request: found in the
-        pool, and not as the request's own block (allocate_slots caches a step's full blocks
-        before the report is made)."""
+    def _cached(self, request: Request, index: int, block_hash: bytes | None = None) -> bool:
+        """Whether block `index` of the prompt (under `block_hash`, else its own) is in the
+        pool, token ids checked (a hash collision is not a hit)."""
         self.num_probes += 1
-        lookup = self.manager.block_pool.cached_block_hash_to_block[0].get_one_block
-        block = lookup(request.block_hashes[index])
-        if block is None:
-            return False
-        own = self.manager.get_block_ids(request)[0]
-        return index >= len(own) or own[index] != block.block_id
+        bs = self.manager.block_size
+        tokens = request.all_token_ids[index * bs : (index + 1) * bs]
+        if block_hash is None:
+            block_hash = request.block_hashes[index]
+        return self.manager.block_pool.get_cached_block(block_hash, 0, tokens) is not None
 
     def _why_missed(self, request: Request, index: int, detail: dict[str, Any]) -> str:
         block_hash = request.block_hashes[index]
@@ -182,19 +194,16 @@ class CacheExplainer:
 
     def _other_namespace(self, request: Request, index: int) -> str | None:
         """`salt_or_tenant` / `adapter` when block `index` of this prompt is cached under
-        another namespace its own tenant used; else None."""
+        another namespace its own tenant (without tenants: its own salt) used; else None."""
         own = Namespace.of(request)
-        known = self._namespaces.get(request.tenant)
+        known = self._namespaces.get(_owner(request))
         if not known:
             return None
         bs = self.manager.block_size
         tokens = request.all_token_ids[: (index + 1) * bs]
-        lookup = self.manager.block_pool.cached_block_hash_to_block[0].get_one_block
         for namespace in list(known):
             if namespace == own:
                 continue
-            if request.tenant is None and namespace.cache_salt != own.cache_salt:
-                continue  # without tenants a salt is what keeps one client from another
             shadow = _Shadow(
                 tokens,
                 namespace.lora_name,
@@ -202,38 +211,27 @@ class CacheExplainer:
                 namespace.cache_salt,
                 request.prompt_embeds,
             )
-            self.num_probes += 1
-            if lookup(self.block_hasher(shadow)[index]) is not None:
+            if self._cached(request, index, self.block_hasher(shadow)[index]):
                 return "salt_or_tenant" if namespace.cache_salt != own.cache_salt else "adapter"
         return None
 
     def _remember(self, request: Request) -> None:
-        tenants = self._namespaces
-        known = tenants.get(request.tenant)
+        owners = self._namespaces
+        owner = _owner(request)
+        known = owners.get(owner)
         if known is None:
-            known = tenants[request.tenant] = OrderedDict()
-            if len(tenants) > MAX_TENANTS:
-                tenants.popitem(last=False)
+            known = owners[owner] = OrderedDict()
+            if len(owners) > MAX_TENANTS:
+                owners.popitem(last=False)
         else:
-            tenants.move_to_end(request.tenant)
-        known[Namespace.of(request)] = None
-        known.move_to_end(Namespace.of(request))
+            owners.move_to_end(owner)
+        namespace = Namespace.of(request)
+        known[namespace] = None
+        known.move_to_end(namespace)
         if len(known) > NAMESPACES_PER_TENANT:
             known.popitem(last=False)
 
     # ------------------------------------------------------------------ dry runs
-
-    def _disk_run(self, request: Request, ram_tokens: int) -> int:
-        """Tokens the disk tier would serve after a RAM hit of `ram_tokens` (a stat per block)."""
-        assert self.disk is not None
-        bs = self.manager.block_size
-        first, last = ram_tokens // bs, (request.num_tokens - 1) // bs
-        count = 0
-        for block_hash in request.block_hashes[first:last]:
-            if self.disk.block_state(block_hash) != "live":
-                break
-            count += 1
-        return count * bs if self.disk.loading_pays() else 0
 
     def _differs_at(self, request: Request, index: int) -> int | None:
         """The first prompt position where block `index` parts from its closest cached sibling
@@ -244,9 +242,10 @@ class CacheExplainer:
         wanted = request.all_token_ids[index * bs : (index + 1) * bs]
         recorder = self.recorder
         best = -1
-        for block in self.manager.block_pool.blocks[1:]:
+        for _, blocks in self.manager.block_pool.cached_block_hash_to_block[0].items():
+            block = blocks[0]
             block_id = block.block_id
-            if block.block_hash is None or recorder.parent[block_id] != parent:
+            if recorder.parent[block_id] != parent:
                 continue
             if index == 0 and recorder.namespace[block_id] != own:
                 continue
@@ -254,6 +253,12 @@ class CacheExplainer:
             if same < len(wanted):
                 best = max(best, same)
         return None if best < 0 else index * bs + best
+
+
+def _owner(request: Request) -> Any:
+    """Whose namespaces a request's report may probe: its tenant; without tenants, its salt
+    (a keyless client's own namespace)."""
+    return request.tenant if request.tenant is not None else ("open", request.cache_salt)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
