@@ -293,3 +293,48 @@ def test_chat_returns_the_report_on_the_default_model(server):
         first = http.post("/v1/chat/completions", json=body).json()["cache_report"]
         second = http.post("/v1/chat/completions", json=body).json()["cache_report"]
     assert first["reason"] in REASONS and second["hit_blocks"] >= first["prompt_full_blocks"] - 1
+
+
+def test_without_keys_prefix_text_is_refused(open_server):
+    with open_server.http() as http:
+        assert http.get("/v1/cache/summary").status_code == 200
+        refused = http.get("/v1/cache/summary", params={"text": "true"})
+        assert refused.status_code == 403
+        assert refused.json()["error"]["code"] == "text_needs_operator_key"
+        assert http.get("/inspector/events", params={"text": "true"}).status_code == 403
+
+
+def test_event_streams_are_bounded_and_given_back(live):
+    """MAX_EVENT_STREAMS at once, a 429 past them, and every place back once they close."""
+    from prefixserve.entrypoints.openai.serving_cache import MAX_EVENT_STREAMS
+
+    def open_stream(http: httpx.Client):
+        response = http.send(http.build_request("GET", "/inspector/events"), stream=True)
+        return response
+
+    with httpx.Client(
+        base_url=live.url, auth=("ops", KEY_ADMIN), verify=ssl_context(), timeout=30
+    ) as http:
+        for _ in range(2):  # twice: the places given back are all there again
+            streams = [open_stream(http) for _ in range(MAX_EVENT_STREAMS)]
+            try:
+                assert all(s.status_code == 200 for s in streams)
+                # Each has started: its first line arrived (the iterators are kept: a line
+                # iterator that is dropped closes its response).
+                lines = [s.iter_lines() for s in streams]
+                assert all(next(it).startswith("retry:") for it in lines)
+                extra = open_stream(http)
+                extra.close()
+                assert extra.status_code == 429
+            finally:
+                for s in streams:
+                    s.close()
+            deadline = time.monotonic() + 30
+            while True:  # the server sees the disconnects within an interval or two
+                probe = open_stream(http)
+                status = probe.status_code
+                probe.close()
+                if status == 200 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+            assert status == 200

@@ -1,8 +1,9 @@
 """The cache-wide summary operators read (`GET /v1/cache/summary`, the inspector page).
 
-Built on demand from the pool's map and the recorder, in one pass over the cached blocks, with
-every list bounded: the prefix tree keeps the `MAX_TREE_NODES` largest nodes, `top_prefixes` the
-`TOP_PREFIXES` most reused. Prefix text is decoded only when the caller asks (`decode` given).
+Built on demand from the pool's map and the recorder, in a few passes over the cached blocks
+(linear in them), with every list bounded: the prefix tree keeps the `MAX_TREE_NODES` largest
+nodes, `top_prefixes` the `TOP_PREFIXES` most reused of all nodes. Prefix text is decoded only
+when the caller asks (`decode` given), at most `MAX_TEXT_TOKENS` tokens a node.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
 MAX_TREE_NODES = 300
 MAX_TREE_DEPTH = 24
 TOP_PREFIXES = 10
-MAX_TEXT_CHARS = 2000
+MAX_TEXT_TOKENS = 256
 HASH_HEX_CHARS = 12
 
 
@@ -38,9 +39,9 @@ def pool_summary(manager: KVCacheManager, recorder: BlockRecorder) -> dict[str, 
     pool = manager.block_pool
     by_tenant: Counter[str | None] = Counter()
     namespace = recorder.namespace
-    cached = 0  # distinct cached hashes (a block computed twice is one prefix block)
-    for _, blocks in pool.cached_block_hash_to_block[0].items():
-        cached += 1
+    hash_to_block = pool.cached_block_hash_to_block[0]
+    cached = len(hash_to_block)  # distinct cached hashes (a block computed twice is one)
+    for _, blocks in hash_to_block.items():
         owner = namespace[blocks[0].block_id]
         by_tenant[owner.tenant if owner is not None else None] += 1
     in_use = manager.num_kv_blocks - manager.num_free_blocks
@@ -62,24 +63,30 @@ def prefix_tree(
     recorder: BlockRecorder,
     decode: Callable[[list[int]], str] | None = None,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """(the radix-style tree of cached prefixes, the most reused prefixes)."""
-    roots = _build_nodes(manager, recorder)
+    """(the radix-style tree of cached prefixes, the most reused prefixes of all its nodes)."""
+    roots, nodes = _build_nodes(manager, recorder)
     now = recorder.clock()
     budget = [MAX_TREE_NODES]
+    render = _Render(manager.block_size, recorder, now, decode)
     tree = {
         "hash": "root",
         "blocks": 0,
         "tokens": 0,
         "hits": 0,
-        "children": _render(roots, manager.block_size, recorder, now, decode, budget, 0),
+        "children": render.nodes(roots, budget, 0),
     }
-    flat: list[dict[str, Any]] = []
-    _flatten(tree["children"], flat)
-    top = sorted(flat, key=lambda n: (-n["hits"], -n["tokens"]))[:TOP_PREFIXES]
-    return tree, [{k: v for k, v in n.items() if k != "children"} for n in top]
+    last = recorder.hits
+    top = sorted(
+        nodes,
+        key=lambda n: (-last[n.blocks[-1].block_id], -recorder.depth[n.blocks[-1].block_id]),
+    )[:TOP_PREFIXES]
+    return tree, [render.node(n) for n in top]
 
 
-def _build_nodes(manager: KVCacheManager, recorder: BlockRecorder) -> list[_Node]:
+def _build_nodes(
+    manager: KVCacheManager, recorder: BlockRecorder
+) -> tuple[list[_Node], list[_Node]]:
+    """(the root nodes, every node)."""
     first: dict[bytes, KVCacheBlock] = {}
     for block_hash, blocks in manager.block_pool.cached_block_hash_to_block[0].items():
         first[block_hash] = blocks[0]
@@ -90,7 +97,6 @@ def _build_nodes(manager: KVCacheManager, recorder: BlockRecorder) -> list[_Node
         if parent is not None and parent not in first:
             parent = None  # its parent was evicted: shown from the root
         children.setdefault(parent, []).append(block)
-
     # Iterative (a deep branching chain must not reach Python's recursion limit): nodes are
     # made parents first, so their sizes are summed children first by walking the list back.
     roots = [_Node([block]) for block in children.get(None, [])]
@@ -108,51 +114,59 @@ def _build_nodes(manager: KVCacheManager, recorder: BlockRecorder) -> list[_Node
         stack.extend(node.children)
     for node in reversed(made):
         node.size = len(node.blocks) + sum(child.size for child in node.children)
-    return roots
+    return roots, made
 
 
-def _render(
-    nodes: list[_Node],
-    block_size: int,
-    recorder: BlockRecorder,
-    now: float,
-    decode: Callable[[list[int]], str] | None,
-    budget: list[int],
-    depth: int,
-) -> list[dict[str, Any]]:
-    out = []
-    for node in sorted(nodes, key=lambda n: -n.size):
-        if budget[0] <= 0:
-            break
-        budget[0] -= 1
+class _Render:
+    """Nodes as the summary's dicts."""
+
+    def __init__(
+        self,
+        block_size: int,
+        recorder: BlockRecorder,
+        now: float,
+        decode: Callable[[list[int]], str] | None,
+    ) -> None:
+        self.block_size = block_size
+        self.recorder = recorder
+        self.now = now
+        self.decode = decode
+
+    def node(self, node: _Node) -> dict[str, Any]:
+        recorder = self.recorder
         last = node.blocks[-1]
         owner = recorder.namespace[node.blocks[0].block_id]
         item: dict[str, Any] = {
             "hash": (node.blocks[0].block_hash or b"").hex()[:HASH_HEX_CHARS],
             "blocks": len(node.blocks),
-            "tokens": (recorder.depth[last.block_id] + 1) * block_size,
+            "tokens": (recorder.depth[last.block_id] + 1) * self.block_size,
             "hits": recorder.hits[last.block_id],
             "tenant": owner.tenant if owner is not None else None,
             "last_use_s_ago": round(
-                max(0.0, now - max(recorder.last_use[b.block_id] for b in node.blocks)), 3
+                max(0.0, self.now - max(recorder.last_use[b.block_id] for b in node.blocks)), 3
             ),
-            "children": [],
         }
-        if decode is not None:
-            tokens = [t for b in node.blocks for t in (b.token_ids or ())]
-            item["text"] = decode(tokens)[:MAX_TEXT_CHARS]
-        if depth < MAX_TREE_DEPTH:
-            item["children"] = _render(
-                node.children, block_size, recorder, now, decode, budget, depth + 1
+        if self.decode is not None:
+            tokens: list[int] = []
+            for block in node.blocks:
+                tokens.extend(block.token_ids or ())
+                if len(tokens) >= MAX_TEXT_TOKENS:
+                    break
+            item["text"] = self.decode(tokens[:MAX_TEXT_TOKENS])
+        return item
+
+    def nodes(self, nodes: list[_Node], budget: list[int], depth: int) -> list[dict[str, Any]]:
+        out = []
+        for node in sorted(nodes, key=lambda n: -n.size):
+            if budget[0] <= 0:
+                break
+            budget[0] -= 1
+            item = self.node(node)
+            item["children"] = (
+                self.nodes(node.children, budget, depth + 1) if depth < MAX_TREE_DEPTH else []
             )
-        out.append(item)
-    return out
-
-
-def _flatten(nodes: list[dict[str, Any]], out: list[dict[str, Any]]) -> None:
-    for node in nodes:
-        out.append(node)
-        _flatten(node["children"], out)
+            out.append(item)
+        return out
 
 
 def window_rates(recorder: BlockRecorder) -> dict[str, Any]:
