@@ -292,7 +292,7 @@ def test_the_offline_api_reports_and_explains(tiny):
     assert explained["hit_blocks"] == 1 and explained["reason"] == "never_seen"
     assert explained["detail"]["differs_at_token"] == BLOCK + 3
     assert explained["summary"] == (
-        f"this prompt would hit {BLOCK} of {4 * BLOCK + 1} tokens; block 2 (tokens {BLOCK}-"
+        f"this prompt would hit {BLOCK} of {4 * BLOCK + 1} tokens; block 1 (tokens {BLOCK}-"
         f"{2 * BLOCK - 1}) misses: no cached prompt has it; it differs from the cached one at "
         f"token {BLOCK + 3}"
     )

@@ -97,9 +97,9 @@ REASON_TEXT = {
 
 
 def describe_report(report: CacheReport) -> str:
-    """One sentence: "this prompt would hit 1,024 of 1,100 tokens; block 65 (tokens
+    """One sentence: "this prompt would hit 1,024 of 1,100 tokens; block 64 (tokens
     1,024-1,039) misses: it was cached and evicted (12.3 s ago, lru); it differs from the cached
-    one at token 1,031"."""
+    one at token 1,031" (blocks and tokens counted from 0, as in the report)."""
     hit = report.ram_tokens + report.disk_tokens
     text = f"this prompt would hit {hit:,} of {report.prompt_tokens:,} tokens"
     if report.disk_tokens:
@@ -109,7 +109,7 @@ def describe_report(report: CacheReport) -> str:
         return f"{text}: {REASON_TEXT[report.reason]}"
     start = block * report.block_size
     end = min(start + report.block_size, report.prompt_tokens) - 1
-    text += f"; block {block + 1} (tokens {start:,}-{end:,}) misses: {REASON_TEXT[report.reason]}"
+    text += f"; block {block} (tokens {start:,}-{end:,}) misses: {REASON_TEXT[report.reason]}"
     detail = report.detail
     if "ago_s" in detail:
         text += f" ({detail['ago_s']:.1f} s ago, {detail['policy']})"
