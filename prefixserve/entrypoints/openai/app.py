@@ -61,8 +61,9 @@ def build_app(  # noqa: C901 - its complexity is the routes' closures, each smal
     """The FastAPI app. The caller starts and stops `engine` (see cli.py).
 
     With `api_keys`, the operator routes (/kv_events, /reset_prefix_cache, /metrics, /pins, the
-    LoRA load and unload routes, /v1/cache/summary, /inspector and the API docs) take an operator key only and the others a
-    tenant key only (guard.py); without, every route is open to the one trusted user.
+    LoRA load and unload routes, /v1/cache/summary, /inspector and the API docs) take an
+    operator key only and the others a tenant key only (guard.py); without, every route is open
+    to the one trusted user.
     `max_request_body_bytes` defaults to `default_max_request_body_bytes(engine.max_model_len)`;
     `max_body_bytes_in_flight` (bodies of all requests together) to `BODIES_IN_FLIGHT` times
     that, 0 for no bound;
