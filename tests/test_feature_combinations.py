@@ -31,6 +31,7 @@ from hypothesis import strategies as st
 
 from prefixserve.bench.lora_adapters import write_random_adapter
 from prefixserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from prefixserve.core.kv_cache.reports.report import REASONS
 from prefixserve.core.kv_cache.salts import derive_cache_salt
 from prefixserve.engine.llm_engine import LLMEngine
 from prefixserve.kv_store import KVStoreConfig
@@ -202,7 +203,9 @@ class World:
 
 
 def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, ignore_eos=True, cache_report=True
+    )
 
 
 def drain(engine: LLMEngine, finals: dict | None = None, max_steps: int | None = None) -> dict:
@@ -376,6 +379,7 @@ class Run:
             final = self.finals[sent.request_id]
             assert final.error is None, (sent, final.error)
             self._check_isolation(sent, final.num_cached_tokens)
+            self._check_report(sent, final)
             tokens = list(final.outputs[0].token_ids)
             assert len(tokens) == sent.max_tokens, (sent, final.outputs[0].finish_reason)
             expected = self.world.expected(sent.prompt, sent.adapter, sent.max_tokens)
@@ -383,6 +387,20 @@ class Run:
         if self.pinned:
             self.engine.unpin_prefix("system")
         self.engine.check_no_leaks()
+
+    def _check_report(self, sent: Sent, final) -> None:
+        """The cache report agrees with the request's hit, under every combination: tiers add
+        up, the hit is whole blocks, and a reason is named from the vocabulary."""
+        report = final.cache_report
+        assert report is not None and report["reason"] in REASONS, (sent, report)
+        tokens = report["tokens"]
+        assert tokens["ram"] + tokens["disk"] == final.num_cached_tokens, (sent, report)
+        assert tokens["disk"] == final.num_disk_cached_tokens, (sent, report)
+        assert sum(tokens.values()) == report["prompt_tokens"] == len(sent.prompt), report
+        assert report["hit_blocks"] * BLOCK == final.num_cached_tokens, (sent, report)
+        # Each tenant sends one salt, so another salt's prefix is always another tenant's: never
+        # named.
+        assert report["reason"] != "salt_or_tenant", (sent, report)
 
     def _check_isolation(self, sent: Sent, cached: int) -> None:
         """Cached tokens never exceed what its own namespace could have left in any tier."""
