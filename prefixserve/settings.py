@@ -57,6 +57,12 @@ def fp32_prefill() -> bool | None:
     return env_flag("PREFIXSERVE_FP32_PREFILL")
 
 
+def native_gemm() -> bool | None:
+    """PREFIXSERVE_NATIVE_GEMM as a switch; None leaves the choice to the CPU table (whether bf16
+    linears take csrc/gemm_bf16.cpp at every row count, layers.py)."""
+    return env_flag("PREFIXSERVE_NATIVE_GEMM")
+
+
 def batch_invariant_env() -> bool | None:
     """VLLM_BATCH_INVARIANT as a switch (vLLM's name for the same mode): the default of the
     `batch_invariant` engine option; None when unset."""

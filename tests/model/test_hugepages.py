@@ -36,10 +36,12 @@ def test_the_arena_is_aligned_and_a_failure_moves_nothing(monkeypatch):
 def test_a_loaded_bf16_model_streams_its_weights_from_the_arena(default_model_bf16):
     model = default_model_bf16.model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    storages = {m.weight.untyped_storage().data_ptr() for m in linears}
     if hugepages.huge_page_arena(1) is None:
         pytest.skip("no transparent huge pages here (not Linux, or THP off)")
-    assert len(storages) == 1
-    for m in linears:
-        assert m._stream[0].data_ptr() == m.weight.data_ptr()  # the kernel reads the arena
+    if all(m._gemm is not None for m in linears):  # the native GEMM streams its packed weights
+        assert len({m._gemm[0].untyped_storage().data_ptr() for m in linears}) == 1
+    else:
+        assert len({m.weight.untyped_storage().data_ptr() for m in linears}) == 1
+        for m in linears:
+            assert m._stream[0].data_ptr() == m.weight.data_ptr()  # the kernel reads the arena
     assert model.lm_head.weight is model.model.embed_tokens.weight  # the tie survives

@@ -1,6 +1,8 @@
-"""The bf16 Linear's two fast paths: oneDNN-packed bf16, and (on the kinds of CPU whose row of
-cpu_paths.CPU_TABLE says so: Intel without AMX, AVX2 only) an fp32 copy of the weight for
-batches of FP32_MIN_ROWS rows or more."""
+"""The bf16 Linear's fast paths: oneDNN-packed bf16, the streaming kernel for a few rows, and
+(on the kinds of CPU whose row of cpu_paths.CPU_TABLE says so: AVX2 only, or Intel without AMX
+where the native GEMM is unavailable) an fp32 copy of the weight for batches of FP32_MIN_ROWS
+rows or more. The tests of those paths run with the native GEMM off (`no_native_gemm`); the
+native GEMM's own are in test_native_gemm.py."""
 
 import pytest
 import torch
@@ -9,6 +11,13 @@ import torch.nn.functional as F
 from prefixserve.model.kernels import cpu_paths
 from prefixserve.model.layers import common as layers
 from prefixserve.model.layers.common import FP32_MIN_ROWS, Linear
+
+
+@pytest.fixture(autouse=True)
+def no_native_gemm(monkeypatch):
+    """These paths are what a CPU without the native GEMM takes (or this one with
+    PREFIXSERVE_NATIVE_GEMM=0)."""
+    monkeypatch.setitem(layers._kernels, "gemm", None)
 
 
 def make_linear(bias=True):
@@ -73,6 +82,7 @@ def use_kind(monkeypatch, kind):
 
 
 def test_fp32_copy_follows_the_cpu_when_not_forced(monkeypatch):
+    """Where the native GEMM is unavailable (no_native_gemm)."""
     monkeypatch.delenv("PREFIXSERVE_FP32_PREFILL", raising=False)
     for kind in ("amx", "avx512_bf16_amd"):  # bf16 GEMMs are the fast ones
         use_kind(monkeypatch, kind)
@@ -116,6 +126,8 @@ def test_fp32_linears_are_never_made_for_fp32_weights(monkeypatch):
 
 def test_lm_head_keeps_an_fp32_copy_only_where_bf16_is_plain_f_linear(default_model_bf16):
     model = default_model_bf16.model
+    if model.lm_head._gemm is not None:
+        pytest.skip("the native GEMM takes every bf16 linear here (test_native_gemm.py)")
     if not layers._fp32_large_batches():
         pytest.skip("this CPU computes large bf16 batches in bf16")
     assert model.model.layers[0].mlp.gate_up_proj._fp32 is not None

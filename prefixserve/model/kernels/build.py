@@ -28,6 +28,7 @@ _SOURCES = [
     for name in (
         "paged_attention.cpp",
         "gemv.cpp",
+        "gemm_bf16.cpp",
         "rope_kv.cpp",
         "lora.cpp",
         "prefill_attention.cpp",
@@ -135,6 +136,21 @@ def linear_bf16_small_kernel() -> Callable[..., None] | None:
     caller and `threads - 1` helper threads of its own (csrc/stream_pool.h), or None."""
     module = _module()
     return None if module is None else module.linear_bf16_small
+
+
+def linear_bf16_packed_kernels() -> tuple[Callable[..., Any], Callable[..., None]] | None:
+    """(`pack_bf16_gemm(weight) -> packed`, `linear_bf16_packed(out, x, packed, N, bias,
+    threads)`): csrc/gemm_bf16.cpp's bf16 linear for every row count, one summation order per
+    output (batch-invariant), on the stream pool's threads; or None."""
+    module = _module()
+    return None if module is None else (module.pack_bf16_gemm, module.linear_bf16_packed)
+
+
+def gemm_bf16_vectorized() -> bool:
+    """Whether the built `linear_bf16_packed` has its AVX-512 tiles (fast); False when the
+    kernels are unavailable or built without them (the portable loop: same sums, slow)."""
+    module = _module()
+    return module is not None and bool(module.gemm_bf16_vectorized())
 
 
 def lora_add_kernel() -> Callable[..., None] | None:

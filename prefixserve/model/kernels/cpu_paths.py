@@ -8,6 +8,9 @@ speed"):
   pack bf16, plain `F.linear` elsewhere), or `F.linear` in fp32 from an fp32 copy of the weight
   (input cast up, output rounded back to bf16) from some row count on
   (`benchmarks/bench_gemm.py`, `bench_model.py`). `PREFIXSERVE_FP32_PREFILL=1/0` overrides it.
+- whether bf16 linears take the native GEMM (`csrc/gemm_bf16.cpp`: fp32 FMAs on bf16 weights,
+  one summation order at every row count) instead of oneDNN, the streaming kernel and the fp32
+  copy (`benchmarks/bench_gemm.py --native`). `PREFIXSERVE_NATIVE_GEMM=1/0` overrides it.
 - attention (`attention.KERNEL_MAX_QUERIES`): the native paged-attention kernel for chunks of
   fewer queries than this, PyTorch's flash SDPA for longer ones (`benchmarks/bench_attention.py`).
 """
@@ -19,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from prefixserve.settings import native_gemm
+
 
 @dataclass(frozen=True, slots=True)
 class CpuPaths:
@@ -27,12 +32,16 @@ class CpuPaths:
     `fp32_min_rows`: bf16 linears compute batches of at least this many rows from an fp32 copy;
     None keeps no fp32 copy at all (bf16 is the faster path at every row count). `lm_head_fp32`:
     the LM head keeps an fp32 copy too (up to `layers.LM_HEAD_FP32_MAX_ELEMENTS`).
-    `kernel_max_queries`: chunks of fewer queries attend through the native kernel."""
+    `kernel_max_queries`: chunks of fewer queries attend through the native kernel.
+    `native_gemm`: bf16 linears take csrc/gemm_bf16.cpp at every row count (where its AVX-512
+    tiles are built), and keep neither oneDNN's packed weight nor an fp32 copy: the other
+    fields then say what happens where the kernels are unavailable."""
 
     fp32_min_rows: int | None
     lm_head_fp32: bool
     kernel_max_queries: int
     measured: str  # where the row's numbers come from
+    native_gemm: bool = False
 
 
 # Keyed by `cpu_kind()`. GFLOP/s are 2 threads, bench_gemm.py's shapes of the default model.
@@ -51,14 +60,18 @@ CPU_TABLE: dict[str, CpuPaths] = {
     # (0.72x). Since the native prefill kernel (attention.PREFILL_MIN_QUERIES), chunks of 32+
     # queries go to that instead wherever it is built: this number only matters without it.
     "avx512_bf16_amd": CpuPaths(None, False, 513, "AMD EPYC Zen 5, 2026-12-02"),
-    # Intel Xeon with avx512_bf16 and no AMX: oneDNN's bf16 GEMM breaks even with fp32 around 64
-    # rows and runs 0.6-0.8x of it from a few hundred (~155 against ~240 GFLOP/s at 512+ rows).
+    # Intel Xeon with avx512_bf16 and no AMX: a VDPBF16PS retires at about a quarter of an fp32
+    # FMA's rate (60-66 against 118-136 GFLOP/s a core), so oneDNN's bf16 GEMM runs 0.6-0.8x of
+    # MKL's fp32 one from a few hundred rows (~155 against ~240 GFLOP/s). The native GEMM
+    # (fp32 FMAs on bf16 weights widened in registers) matches fp32 MKL from 512 rows (210-260
+    # GFLOP/s on two threads), beats oneDNN 1.1-2.5x at 8-64 rows and the streaming kernel
+    # 1.1-1.7x at 1-8 (2026-12-03, bench_gemm.py --native), so it takes every row count.
     # Attention: the kernel wins 1.7-2.2x at 4-8 queries over a 1,024-token prefix, and the
     # crossover lies between 16 and 32.
-    "avx512_bf16_intel": CpuPaths(64, False, 12, "Intel Xeon without AMX, 2026-11-30"),
-    # AVX-512 without bf16 instructions (Skylake-X, Ice Lake): oneDNN packs bf16 but converts
-    # in software, so it is taken to behave as the Intel row (not measured on such a host).
-    "avx512": CpuPaths(64, False, 12, "not measured: as avx512_bf16_intel"),
+    "avx512_bf16_intel": CpuPaths(64, False, 12, "Intel Xeon without AMX, 2026-12-03", True),
+    # AVX-512 without bf16 instructions (Skylake-X, Ice Lake): the native GEMM needs only
+    # AVX512F's FMAs, so it is taken to behave as on the Intel row (not measured on such a host).
+    "avx512": CpuPaths(64, False, 12, "not measured: as avx512_bf16_intel", True),
     # AVX2 only (AMD EPYC without AVX-512): oneDNN cannot pack bf16 and plain bf16 `F.linear`
     # tops out at ~15 GFLOP/s; fp32 reaches 45-60 at 16 rows. The whole model's decode at batch
     # 8 ran 44.5 tok/s in bf16 against 39.5 in fp32 (twice the bytes), at batch 16 44.4 against
@@ -117,6 +130,13 @@ def cpu_kind() -> str:
 def cpu_paths_here() -> CpuPaths:
     """The paths of this CPU (`CPU_TABLE[cpu_kind()]`)."""
     return CPU_TABLE[cpu_kind()]
+
+
+def native_gemm_wanted() -> bool:
+    """Whether bf16 linears should take the native GEMM here: `PREFIXSERVE_NATIVE_GEMM=1/0`, or
+    else this CPU's row (`CpuPaths.native_gemm`)."""
+    flag = native_gemm()
+    return flag if flag is not None else cpu_paths_here().native_gemm
 
 
 _FLAGS_OF_INTEREST = (

@@ -20,13 +20,19 @@ from torch import nn
 
 from prefixserve.model.config import ModelConfig
 from prefixserve.model.kernels.build import (
+    gemm_bf16_vectorized,
+    linear_bf16_packed_kernels,
     linear_bf16_small_kernel,
     lora_add_kernel,
     rms_norm_kernel,
     rope_kv_vectorized,
     rope_write_kv_kernel,
 )
-from prefixserve.model.kernels.cpu_paths import bf16_packing_supported, cpu_paths_here
+from prefixserve.model.kernels.cpu_paths import (
+    bf16_packing_supported,
+    cpu_paths_here,
+    native_gemm_wanted,
+)
 from prefixserve.model.kernels.hugepages import move_to_huge_pages
 from prefixserve.model.layers.attention import AttentionMetadata, paged_attention, write_kv
 from prefixserve.model.layers.rotary import apply_rotary
@@ -103,7 +109,16 @@ def set_stream_threads(threads: int) -> None:
 # The compiled kernels by name, each looked up once (None where unavailable); tests and
 # benchmarks put None or a stand-in here to take the PyTorch path.
 _kernels: dict[str, object] = {}
+def _native_gemm_kernels() -> object:
+    """(pack, run) of the native GEMM where this CPU takes it for bf16 linears and its AVX-512
+    tiles are built (`cpu_paths.native_gemm_wanted`); None elsewhere."""
+    if not (native_gemm_wanted() and gemm_bf16_vectorized()):
+        return None
+    return linear_bf16_packed_kernels()
+
+
 _KERNEL_LOOKUPS = {
+    "gemm": _native_gemm_kernels,
     "linear_small": linear_bf16_small_kernel,
     "lora_add": lora_add_kernel,  # lora/layers.py
     "rope_kv": rope_write_kv_kernel,
@@ -125,10 +140,11 @@ compiled_kernel = _kernel
 
 # True inside a batch-invariant forward pass (`batch_invariant_linears`, set by the runner; a
 # context variable, so each engine's step thread has its own): every bf16 Linear then takes one
-# path whatever its row count, oneDNN's GEMM on the packed weight, whose result for a row does
-# not depend on the other rows of the call (`tests/model/test_batch_invariance.py` checks it on
-# this CPU). The streaming kernel (small batches) and the fp32 copy (large ones) sum in other
-# orders, so they are skipped.
+# path whatever its row count, whose result for a row does not depend on the other rows of the
+# call (`tests/model/test_batch_invariance.py` checks it on this CPU): the native GEMM where the
+# CPU takes it (it is that path in every mode), else oneDNN's GEMM on the packed weight. The
+# streaming kernel (small batches) and the fp32 copy (large ones) sum in other orders, so they
+# are skipped.
 _BATCH_INVARIANT: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "batch_invariant", default=False
 )
@@ -147,6 +163,10 @@ def batch_invariant_linears(on: bool) -> Iterator[None]:
 class Linear(nn.Linear):
     """nn.Linear whose bf16 weight can be pre-packed into oneDNN's blocked layout.
 
+    Where the CPU table takes the native GEMM (`cpu_paths.CpuPaths.native_gemm`: Intel without
+    AMX), `pack()` packs the weight into its panels instead and every bf16 call of any row count
+    goes through it (csrc/gemm_bf16.cpp: one summation order, so batch-invariant in every mode);
+    the rest of this paragraph is about the other CPUs.
     oneDNN repacks a plain weight on every call; packing once (`pack()`, done by the models'
     `load_weights`) makes decode-sized matmuls ~25% faster and prefill ones ~5%. On CPUs whose
     bf16 arithmetic is slower than fp32 (`cpu_paths.CPU_TABLE`: Intel without AMX, AVX2 only),
@@ -164,6 +184,8 @@ class Linear(nn.Linear):
     # plain attributes (a parameter is looked up through nn.Module.__getattr__ on every access,
     # ~0.5 us, a few times for each of a decode step's ~120 linears).
     _stream: tuple[torch.Tensor, torch.Tensor | None] | None = None
+    # (packed weight, out features, bias) for the native GEMM, where the CPU takes it.
+    _gemm: tuple[torch.Tensor, int, torch.Tensor | None] | None = None
 
     def reset_parameters(self) -> None:
         # On the meta device (create_model) there is nothing to initialize, and the random init's
@@ -173,7 +195,15 @@ class Linear(nn.Linear):
         super().reset_parameters()
 
     def pack(self, fp32_copy: bool = True) -> None:
-        self._packed = self._fp32 = self._stream = None
+        self._packed = self._fp32 = self._stream = self._gemm = None
+        gemm = _kernel("gemm") if self.weight.dtype == torch.bfloat16 else None
+        if gemm is not None:
+            bias = None if self.bias is None else self.bias.detach().contiguous()
+            self._gemm = (gemm[0](self.weight.detach()), self.weight.shape[0], bias)
+            if fp32_copy and fp32_prefill():  # forced on: still the path of large batches
+                bias = None if self.bias is None else self.bias.detach().float()
+                self._fp32 = (self.weight.detach().float(), bias)
+            return
         if self.weight.dtype == torch.bfloat16 and self.weight.is_contiguous():
             bias = None if self.bias is None else self.bias.detach()
             self._stream = (self.weight.detach(), bias)
@@ -195,6 +225,9 @@ class Linear(nn.Linear):
         return out
 
     def _base(self, x: torch.Tensor) -> torch.Tensor:
+        if self._gemm is not None and x.dtype == torch.bfloat16:
+            if self._fp32 is None or x.shape[0] < FP32_MIN_ROWS or _BATCH_INVARIANT.get():
+                return self._native(x)
         if not _BATCH_INVARIANT.get():
             out = self._by_row_count(x)
             if out is not None:
@@ -206,6 +239,14 @@ class Linear(nn.Linear):
         if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+    def _native(self, x: torch.Tensor) -> torch.Tensor:
+        """The native GEMM (`_gemm`) over x's rows, any leading shape."""
+        packed, out_features, bias = self._gemm
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        out = rows.new_empty(rows.shape[0], out_features)
+        _kernel("gemm")[1](out, rows, packed, out_features, bias, STREAM_THREADS[0])
+        return out.view(*x.shape[:-1], out_features)
 
     def _by_row_count(self, x: torch.Tensor) -> torch.Tensor | None:
         """The fastest path for this many rows where it is not the packed GEMM: the streaming
@@ -226,13 +267,19 @@ class Linear(nn.Linear):
 def pack_linears(model: nn.Module, no_fp32_copy: tuple[nn.Module, ...] = ()) -> None:
     """Pre-pack every `Linear` of `model` (a no-op outside bf16). Modules in `no_fp32_copy` keep
     no fp32 copy (the LM head: vocabulary-sized, applied only to the few rows a step samples).
-    The bf16 weights the streaming kernel reads move to huge pages first (`hugepages.py`)."""
+    The bf16 weights decode streams move to huge pages (`hugepages.py`): the native GEMM's
+    packed weights once packed, or else the weights themselves first (the streaming kernel reads
+    them through views taken at packing)."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    move_to_huge_pages(
-        m.weight for m in linears if m.weight.dtype == torch.bfloat16 and m.weight.is_contiguous()
-    )
+    if _kernel("gemm") is None:
+        move_to_huge_pages(
+            m.weight
+            for m in linears
+            if m.weight.dtype == torch.bfloat16 and m.weight.is_contiguous()
+        )
     for module in linears:
         module.pack(fp32_copy=not any(module is m for m in no_fp32_copy))
+    move_to_huge_pages(m._gemm[0] for m in linears if m._gemm is not None)
 
 
 @contextlib.contextmanager

@@ -567,6 +567,12 @@ void linear_bf16_small(torch::Tensor out, torch::Tensor x, torch::Tensor w,
 
 int64_t stream_pool_backoffs();
 
+// gemm_bf16.cpp
+torch::Tensor pack_bf16_gemm(torch::Tensor w);
+bool gemm_bf16_vectorized();
+void linear_bf16_packed(torch::Tensor out, torch::Tensor x, torch::Tensor packed, int64_t N,
+                        c10::optional<torch::Tensor> bias, int64_t threads);
+
 // lora.cpp
 void lora_add(torch::Tensor out, torch::Tensor x, torch::Tensor a, torch::Tensor blocks,
               torch::Tensor meta, torch::Tensor rows);
@@ -602,6 +608,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Without the GIL: the server's event loop runs while a step streams its weights.
   m.def("linear_bf16_small", &linear_bf16_small,
         "bf16 linear for a few rows: a stream over the weight, fp32 accumulation",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("gemm_bf16_vectorized", &gemm_bf16_vectorized,
+        "whether linear_bf16_packed has its AVX-512 tiles in this build");
+  m.def("pack_bf16_gemm", &pack_bf16_gemm,
+        "a bf16 weight [N, K] in linear_bf16_packed's panels of 32 columns by pairs of k");
+  m.def("linear_bf16_packed", &linear_bf16_packed,
+        "bf16 linear for any row count with one summation order per output (fp32 FMAs over k "
+        "ascending): batch-invariant",
         py::call_guard<py::gil_scoped_release>());
   m.def("paged_attention", &paged_attention, "paged attention over a block-structured KV cache");
   m.def("rms_norm", &rms_norm, "RMSNorm of contiguous rows with transformers' roundings");

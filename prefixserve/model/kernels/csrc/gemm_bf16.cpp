@@ -1,0 +1,298 @@
+// One bf16 linear for every row count, with one summation order: out[m, n] =
+// bf16(sum_k x[m, k] * w[n, k] + bias[n]), each output accumulated in one fp32 lane by fused
+// multiply-adds in the order k = 0, 1, ..., K - 1, whatever the number of rows, the register
+// tile or the thread that computes it. So a row's result is the same alone, in a decode batch, in
+// a speculative verification or in a prefill chunk: the engine's batch-invariant mode takes this
+// kernel at every row count (tests/model/test_batch_invariance.py).
+//
+// Why fp32 multiply-adds on bf16 weights: on Intel Xeons without AMX (the CPU table's
+// avx512_bf16_intel row) a VDPBF16PS retires at about a quarter of the rate of an fp32 FMA while
+// doing twice its products, so the fp32 path has twice the arithmetic (measured on this kind:
+// 60-66 against 118-136 GFLOP/s a core). The weight stays bf16 in memory (half the bytes of an
+// fp32 copy, which decode streams) and is widened in registers by a shift or a mask: a bf16 is
+// the upper half of a float.
+//
+// Layout (`pack_bf16_gemm`): the weight [N, K] is cut into panels of 32 output columns; a panel
+// holds, for each pair of k, the 32 columns' two bf16 side by side: [N/32][K/2][32][2], zero
+// padded to whole panels and an even K. One 64-byte load is 16 columns at k and k + 1: the
+// shift gives the 16 floats of k, the mask those of k + 1.
+//
+// Register tiles: MR rows x NP panels, MR * NP * 2 accumulators (at most 24). A decode-sized
+// batch takes several panels at once (enough independent chains to stream the weight at memory
+// speed); a prefill-sized one takes 12 rows on one panel (the panel stays in L1/L2 while row
+// blocks pass it). Neither changes any output's order of summation.
+#include <torch/extension.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "bf16_bits.h"
+#include "stream_pool.h"
+
+namespace {
+
+constexpr int64_t kPanel = 32;     // output columns per panel
+constexpr int64_t kMaxRows = 12;   // rows of the largest register tile
+// Bytes of weight a job of the stream pool covers at least (whole panels): large enough that
+// the pool's per-job cost is small, small enough that two threads share a linear evenly.
+constexpr int64_t kJobBytes = 48 * 1024;
+// Arithmetic a job of a large batch covers at most (~50-100 us on one core).
+constexpr int64_t kJobFlops = 6 * 1000 * 1000;
+
+using prefixserve::bf16_bits_to_float;
+
+
+// Where a tile's results go: rows of `out` (ldo apart) from column n0, `cols` of them valid
+// (the rest of the last panel is padding), `bias` from n0 or null.
+struct TileOut {
+  uint16_t* out;
+  int64_t ldo;
+  int64_t cols;
+  const float* bias;
+};
+
+#if defined(__AVX512F__)
+// 16 sums (+ bias) rounded to bf16 as c10::BFloat16 rounds (to nearest even, NaN kept quiet)
+// and stored, the first `valid` of them.
+inline void store_bf16(uint16_t* dst, __m512 sum, const float* bias, int64_t valid) {
+  const __mmask16 mask = valid >= 16 ? __mmask16(0xffff) : __mmask16((1u << valid) - 1);
+  if (bias) sum = _mm512_add_ps(sum, _mm512_maskz_loadu_ps(mask, bias));
+  const __m512i bits = _mm512_castps_si512(sum);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  rounded = _mm512_srli_epi32(rounded, 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(sum, sum, _CMP_UNORD_Q);
+  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc0));
+  _mm256_mask_storeu_epi16(dst, mask, _mm512_cvtepi32_epi16(rounded));
+}
+
+template <int MR, int NP>
+inline void tile_kernel(const float* x, int64_t ldx, const uint16_t* panel, int64_t panel_stride,
+                        int64_t pairs, const TileOut& out) {
+  __m512 acc[MR][NP * 2];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NP * 2; ++j) acc[r][j] = _mm512_setzero_ps();
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  for (int64_t p = 0; p < pairs; ++p) {
+    for (int j = 0; j < NP; ++j) {
+      const uint16_t* w = panel + j * panel_stride + p * (2 * kPanel);
+      if (MR <= 4) _mm_prefetch(reinterpret_cast<const char*>(w + 16 * 2 * kPanel), _MM_HINT_T0);
+      // The four weight vectors of this panel and pair first, then each row's two broadcasts
+      // against them (30 registers at 12 rows: no spills).
+      const __m512i pair0 = _mm512_loadu_si512(w), pair1 = _mm512_loadu_si512(w + kPanel);
+      const __m512 even0 = _mm512_castsi512_ps(_mm512_slli_epi32(pair0, 16));
+      const __m512 even1 = _mm512_castsi512_ps(_mm512_slli_epi32(pair1, 16));
+      const __m512 odd0 = _mm512_castsi512_ps(_mm512_and_si512(pair0, high));
+      const __m512 odd1 = _mm512_castsi512_ps(_mm512_and_si512(pair1, high));
+      for (int r = 0; r < MR; ++r) {
+        const float* xr = x + r * ldx + 2 * p;
+        const __m512 xe = _mm512_set1_ps(xr[0]);
+        acc[r][2 * j] = _mm512_fmadd_ps(xe, even0, acc[r][2 * j]);
+        acc[r][2 * j + 1] = _mm512_fmadd_ps(xe, even1, acc[r][2 * j + 1]);
+        const __m512 xo = _mm512_set1_ps(xr[1]);
+        acc[r][2 * j] = _mm512_fmadd_ps(xo, odd0, acc[r][2 * j]);
+        acc[r][2 * j + 1] = _mm512_fmadd_ps(xo, odd1, acc[r][2 * j + 1]);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NP * 2; ++j) {
+      if (j * 16 >= out.cols) break;
+      store_bf16(out.out + r * out.ldo + j * 16, acc[r][j], out.bias ? out.bias + j * 16 : nullptr,
+                 out.cols - j * 16);
+    }
+}
+#else
+inline uint16_t float_to_bf16_bits(float f) {
+  // Round to nearest even, as c10::BFloat16 and torch's .to(torch.bfloat16) do.
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  if (std::isnan(f)) return 0x7fc0;
+  bits += 0x7fff + ((bits >> 16) & 1);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+// Portable: the same order (one fused multiply-add per k, k ascending) in scalar code.
+template <int MR, int NP>
+inline void tile_kernel(const float* x, int64_t ldx, const uint16_t* panel, int64_t panel_stride,
+                        int64_t pairs, const TileOut& out) {
+  float sums[MR][NP * kPanel] = {};
+  for (int64_t p = 0; p < pairs; ++p)
+    for (int j = 0; j < NP; ++j) {
+      const uint16_t* w = panel + j * panel_stride + p * (2 * kPanel);
+      for (int r = 0; r < MR; ++r) {
+        const float* xr = x + r * ldx + 2 * p;
+        float* o = sums[r] + j * kPanel;
+        for (int c = 0; c < kPanel; ++c) {
+          o[c] = std::fma(xr[0], bf16_bits_to_float(w[2 * c]), o[c]);
+          o[c] = std::fma(xr[1], bf16_bits_to_float(w[2 * c + 1]), o[c]);
+        }
+      }
+    }
+  for (int r = 0; r < MR; ++r)
+    for (int64_t c = 0; c < out.cols; ++c)
+      out.out[r * out.ldo + c] = float_to_bf16_bits(sums[r][c] + (out.bias ? out.bias[c] : 0.0f));
+}
+#endif
+
+// Panels a tile of `rows` rows takes at once: enough chains for small batches, at most 24
+// accumulators.
+constexpr int panels_for(int rows) { return rows <= 3 ? 4 : (rows <= 6 ? 2 : 1); }
+
+struct Problem {
+  const float* x;        // [rows, ldx] fp32, zero past K
+  int64_t ldx;
+  const uint16_t* w;     // packed
+  int64_t pairs;         // K / 2, rounded up
+  int64_t rows, N;
+  const float* bias;     // [N] or null
+  uint16_t* out;         // [rows, N] bf16 bits
+};
+
+template <int MR, int NP>
+void run_tile(const Problem& pb, int64_t m0, int64_t panel0) {
+  const int64_t stride = pb.pairs * 2 * kPanel, n0 = panel0 * kPanel;
+  const TileOut out{pb.out + m0 * pb.N + n0, pb.N, std::min(pb.N - n0, NP * kPanel),
+                    pb.bias ? pb.bias + n0 : nullptr};
+  tile_kernel<MR, NP>(pb.x + m0 * pb.ldx, pb.ldx, pb.w + panel0 * stride, stride, pb.pairs, out);
+}
+
+template <int MR>
+void run_rows(const Problem& pb, int64_t m0, int64_t panel0, int64_t panel1) {
+  constexpr int NP = panels_for(MR);
+  int64_t j = panel0;
+  for (; j + NP <= panel1; j += NP) run_tile<MR, NP>(pb, m0, j);
+  for (; j < panel1; ++j) run_tile<MR, 1>(pb, m0, j);
+}
+
+void run_block(const Problem& pb, int64_t m0, int64_t mr, int64_t panel0, int64_t panel1) {
+  switch (mr) {
+    case 1: run_rows<1>(pb, m0, panel0, panel1); break;
+    case 2: run_rows<2>(pb, m0, panel0, panel1); break;
+    case 3: run_rows<3>(pb, m0, panel0, panel1); break;
+    case 4: run_rows<4>(pb, m0, panel0, panel1); break;
+    case 5: run_rows<5>(pb, m0, panel0, panel1); break;
+    case 6: run_rows<6>(pb, m0, panel0, panel1); break;
+    case 7: run_rows<7>(pb, m0, panel0, panel1); break;
+    case 8: run_rows<8>(pb, m0, panel0, panel1); break;
+    case 9: run_rows<9>(pb, m0, panel0, panel1); break;
+    case 10: run_rows<10>(pb, m0, panel0, panel1); break;
+    case 11: run_rows<11>(pb, m0, panel0, panel1); break;
+    default: run_rows<12>(pb, m0, panel0, panel1); break;
+  }
+}
+
+// The x rows widened to fp32 with K padded to an even length (the pad is 0).
+const float* widen_rows(const uint16_t* x, int64_t rows, int64_t K, int64_t ldx) {
+  thread_local std::vector<float> scratch;
+  if (static_cast<int64_t>(scratch.size()) < rows * ldx) scratch.resize(rows * ldx);
+  for (int64_t m = 0; m < rows; ++m) {
+    float* dst = scratch.data() + m * ldx;
+    for (int64_t k = 0; k < K; ++k) dst[k] = bf16_bits_to_float(x[m * K + k]);
+    for (int64_t k = K; k < ldx; ++k) dst[k] = 0.0f;
+  }
+  return scratch.data();
+}
+
+void check_packed(const torch::Tensor& packed, int64_t N, int64_t K) {
+  const int64_t panels = (N + kPanel - 1) / kPanel, pairs = (K + 1) / 2;
+  TORCH_CHECK(packed.scalar_type() == torch::kBFloat16 && packed.is_contiguous() &&
+                  packed.dim() == 1 && packed.numel() == panels * pairs * 2 * kPanel,
+              "linear_bf16_packed: the weight must come from pack_bf16_gemm for [", N, ", ", K,
+              "]");
+}
+
+}  // namespace
+
+// Whether this build has the AVX-512 tiles (elsewhere the portable loop computes the same sums,
+// slowly).
+bool gemm_bf16_vectorized() {
+#if defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// The weight [N, K] (bf16) in the panel layout above, as a flat bf16 tensor.
+torch::Tensor pack_bf16_gemm(torch::Tensor w) {
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == torch::kBFloat16 && w.dim() == 2,
+              "pack_bf16_gemm needs a 2-D bfloat16 CPU weight");
+  w = w.contiguous();
+  const int64_t N = w.size(0), K = w.size(1);
+  const int64_t panels = (N + kPanel - 1) / kPanel, pairs = (K + 1) / 2;
+  auto packed = torch::zeros({panels * pairs * 2 * kPanel}, w.options());
+  const auto* src = reinterpret_cast<const uint16_t*>(w.data_ptr<c10::BFloat16>());
+  auto* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<c10::BFloat16>());
+  for (int64_t n = 0; n < N; ++n) {
+    uint16_t* panel = dst + (n / kPanel) * pairs * 2 * kPanel;
+    const int64_t col = n % kPanel;
+    for (int64_t k = 0; k < K; ++k) panel[(k / 2) * 2 * kPanel + 2 * col + (k % 2)] = src[n * K + k];
+  }
+  return packed;
+}
+
+// out [rows, N] = x [rows, K] @ w.T (+ bias), w packed by pack_bf16_gemm; on the caller and up
+// to `threads - 1` helpers of the stream pool, each job a run of whole panels for all rows.
+void linear_bf16_packed(torch::Tensor out, torch::Tensor x, torch::Tensor packed, int64_t N,
+                        c10::optional<torch::Tensor> bias, int64_t threads) {
+  TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu(),
+              "linear_bf16_packed runs on CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16,
+              "linear_bf16_packed needs bfloat16 x and out");
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.is_contiguous() && out.is_contiguous(),
+              "linear_bf16_packed needs contiguous 2-D x and out");
+  const int64_t rows = x.size(0), K = x.size(1);
+  TORCH_CHECK(out.size(0) == rows && out.size(1) == N, "linear_bf16_packed: out must be [rows, N]");
+  check_packed(packed, N, K);
+  std::vector<float> bias_fp32;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == torch::kBFloat16 && bias->is_contiguous() &&
+                    bias->dim() == 1 && bias->size(0) == N,
+                "linear_bf16_packed: bias must be a contiguous bfloat16 [N]");
+    const auto* b = reinterpret_cast<const uint16_t*>(bias->data_ptr<c10::BFloat16>());
+    bias_fp32.resize(N);
+    for (int64_t n = 0; n < N; ++n) bias_fp32[n] = bf16_bits_to_float(b[n]);
+  }
+  if (rows == 0 || N == 0) return;
+  const int64_t pairs = (K + 1) / 2, ldx = 2 * pairs;
+  const Problem pb{widen_rows(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()),
+                              rows, K, ldx),
+                   ldx,
+                   reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>()),
+                   pairs,
+                   rows,
+                   N,
+                   bias_fp32.empty() ? nullptr : bias_fp32.data(),
+                   reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>())};
+  const int64_t panels = (N + kPanel - 1) / kPanel;
+  const int64_t panel_bytes = pairs * 2 * kPanel * 2;
+  // Small batches: jobs of ~kJobBytes of weight; large ones: one panel a job is plenty of work.
+  int64_t per_job = 1;
+  if (rows <= kMaxRows) {  // whole tiles of panels_for(rows) panels
+    const int64_t np = panels_for(static_cast<int>(rows));
+    per_job = std::max<int64_t>(np, kJobBytes / std::max<int64_t>(1, panel_bytes));
+    per_job = (per_job + np - 1) / np * np;
+  }
+  per_job = std::min(per_job, std::max<int64_t>(1, (panels + threads - 1) / threads));
+  const int64_t panel_jobs = (panels + per_job - 1) / per_job;
+  // Large batches: each job also takes a range of rows, so that it stays well under the stream
+  // pool's stall limit (a helper still on a long job reads as a helper without a core); row
+  // ranges outermost, so both threads keep the same x rows in cache while sweeping the panels.
+  const int64_t tile_flops = 2 * kMaxRows * per_job * kPanel * 2 * pairs;
+  const int64_t row_span = kMaxRows * std::max<int64_t>(1, kJobFlops / tile_flops);
+  const int64_t row_jobs = (rows + row_span - 1) / row_span;
+  prefixserve::stream_pool().run(row_jobs * panel_jobs, threads, [&](int64_t job) {
+    const int64_t p0 = (job % panel_jobs) * per_job, p1 = std::min(panels, p0 + per_job);
+    const int64_t r0 = (job / panel_jobs) * row_span, r1 = std::min(rows, r0 + row_span);
+    for (int64_t m0 = r0; m0 < r1; m0 += kMaxRows)
+      run_block(pb, m0, std::min(kMaxRows, r1 - m0), p0, p1);
+  });
+}

@@ -1,0 +1,144 @@
+"""The native bf16 GEMM (csrc/gemm_bf16.cpp): one summation order per output at every row count,
+against float64 with error bounds, and the Linear's use of it where the CPU table takes it."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from prefixserve.model.kernels import build, cpu_paths
+from prefixserve.model.layers import common as layers
+from prefixserve.model.layers.common import Linear
+
+KERNELS = build.linear_bf16_packed_kernels()
+pytestmark = pytest.mark.skipif(KERNELS is None, reason="native kernels unavailable")
+
+
+def gemm(x, packed, n, bias=None, threads=2):
+    out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
+    KERNELS[1](out, x, packed, n, bias, threads)
+    return out
+
+
+def within_bf16_rounding(out, x, w, bias):
+    """Every output within half a bf16 ulp of the exact sum, plus fp32 summation error."""
+    exact = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+    ulp = torch.finfo(torch.bfloat16).eps * exact.abs().clamp_min(1e-3)
+    fp32_sums = 1e-6 * x.shape[1] * (x.double().abs() @ w.double().abs().T)
+    return bool(((out.double() - exact).abs() <= ulp + fp32_sums).all())
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("k,n", [(64, 48), (577, 33), (576, 960), (3, 5), (1536, 4099)])
+def test_the_native_gemm_matches_float64_within_one_rounding(bias, k, n):
+    """Odd K (a zero pad pair), N no multiple of the 32-column panel (masked stores), every tile
+    height from 1 to 12 rows and a few blocks of 12."""
+    torch.manual_seed(k + n)
+    w = torch.randn(n, k).bfloat16()
+    b = torch.randn(n).bfloat16() if bias else None
+    packed = KERNELS[0](w)
+    for rows in (1, 2, 3, 4, 5, 7, 12, 13, 25, 40):
+        x = torch.randn(rows, k).bfloat16()
+        assert within_bf16_rounding(gemm(x, packed, n, b), x, w, b), rows
+
+
+def test_a_rows_result_never_depends_on_the_other_rows_or_the_threads():
+    """Batch-invariant by itself: each row of calls of 1 to 70 rows, taken from anywhere in a
+    70-row batch, on 1, 2 or 3 threads, is bit for bit that row in the 70-row call (tiles of
+    1-12 rows, 1, 2 or 4 panels at once, row ranges split over the stream pool's jobs)."""
+    torch.manual_seed(4)
+    k, n = 640, 200
+    w = torch.randn(n, k).bfloat16()
+    b = torch.randn(n).bfloat16()
+    packed = KERNELS[0](w)
+    x = torch.randn(70, k).bfloat16()
+    full = gemm(x, packed, n, b, threads=2)
+    for rows in (1, 2, 3, 5, 6, 9, 12, 13, 24, 31, 70):
+        for start in sorted({0, (70 - rows) // 2, 70 - rows}):
+            for threads in (1, 2, 3):
+                part = gemm(x[start : start + rows].contiguous(), packed, n, b, threads)
+                assert torch.equal(part, full[start : start + rows]), (rows, start, threads)
+
+
+def test_the_native_gemm_keeps_nan_and_infinity():
+    w = torch.ones(40, 8).bfloat16()
+    packed = KERNELS[0](w)
+    x = torch.zeros(2, 8).bfloat16()
+    x[0, 3] = float("nan")
+    x[1, 0] = float("inf")
+    out = gemm(x, packed, 40)
+    assert out[0].isnan().all() and (out[1] == float("inf")).all()
+
+
+def test_the_native_gemm_refuses_what_it_cannot_compute():
+    w = torch.randn(40, 16).bfloat16()
+    packed = KERNELS[0](w)
+    x = torch.randn(2, 16).bfloat16()
+    with pytest.raises(RuntimeError, match="pack_bf16_gemm"):
+        gemm(torch.randn(2, 18).bfloat16(), packed, 40)  # another K
+    with pytest.raises(RuntimeError, match="pack_bf16_gemm"):
+        gemm(x, packed, 80)  # another N
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        KERNELS[1](torch.empty(2, 40), x.float(), packed, 40, None, 1)
+    with pytest.raises(RuntimeError, match="bias"):
+        gemm(x, packed, 40, torch.zeros(39).bfloat16())
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        KERNELS[0](w.float())
+    assert gemm(torch.empty(0, 16).bfloat16(), packed, 40).shape == (0, 40)
+
+
+@pytest.fixture
+def native_linear(monkeypatch):
+    if layers._kernel("gemm") is None:
+        pytest.skip("this CPU does not take the native GEMM (or its AVX-512 tiles are not built)")
+    calls = []
+    pack, run = layers._kernel("gemm")
+
+    def spy(out, x, *args):
+        calls.append(x.shape[0])
+        return run(out, x, *args)
+
+    monkeypatch.setitem(layers._kernels, "gemm", (pack, spy))
+    torch.manual_seed(5)
+    lin = Linear(96, 70, bias=True).to(torch.bfloat16)
+    lin.pack()
+    return lin, calls
+
+
+def test_every_row_count_of_a_bf16_linear_takes_the_native_gemm(native_linear, monkeypatch):
+    """On a CPU whose row takes it, no other path is kept or taken: no oneDNN packed weight, no
+    streaming view, no fp32 copy; 1 to 300 rows and a 3-D input all go through the kernel."""
+    lin, calls = native_linear
+    assert lin._packed is None and lin._stream is None and lin._fp32 is None
+    for rows in (1, 3, 8, 9, 64, 300):
+        x = torch.randn(rows, 96).bfloat16()
+        assert within_bf16_rounding(lin(x), x, lin.weight, lin.bias)
+    out = lin(torch.randn(2, 5, 96).bfloat16())
+    assert out.shape == (2, 5, 70)
+    assert calls == [1, 3, 8, 9, 64, 300, 10]
+
+
+def test_a_forced_fp32_copy_still_takes_large_batches(native_linear, monkeypatch):
+    monkeypatch.setenv("PREFIXSERVE_FP32_PREFILL", "1")
+    lin, calls = native_linear
+    lin.pack()
+    assert lin._fp32 is not None
+    lin(torch.randn(layers.FP32_MIN_ROWS, 96).bfloat16())
+    assert calls == []
+    lin(torch.randn(layers.FP32_MIN_ROWS - 1, 96).bfloat16())
+    with layers.batch_invariant_linears(True):  # one path at every row count
+        lin(torch.randn(layers.FP32_MIN_ROWS, 96).bfloat16())
+    assert calls == [layers.FP32_MIN_ROWS - 1, layers.FP32_MIN_ROWS]
+
+
+def test_the_cpu_table_and_the_switch_decide_where_the_native_gemm_runs(monkeypatch):
+    monkeypatch.delenv("PREFIXSERVE_NATIVE_GEMM", raising=False)
+    for kind, row in cpu_paths.CPU_TABLE.items():
+        monkeypatch.setattr(cpu_paths, "cpu_paths_here", lambda row=row: row)
+        # fp32 FMAs on bf16 weights: where bf16 dot products are not faster than fp32 FMAs
+        assert cpu_paths.native_gemm_wanted() == (kind in ("avx512_bf16_intel", "avx512")), kind
+    monkeypatch.setenv("PREFIXSERVE_NATIVE_GEMM", "0")
+    assert not cpu_paths.native_gemm_wanted()
+    assert layers._native_gemm_kernels() is None
+    monkeypatch.setenv("PREFIXSERVE_NATIVE_GEMM", "1")
+    assert cpu_paths.native_gemm_wanted()
+    assert (layers._native_gemm_kernels() is not None) == build.gemm_bf16_vectorized()
