@@ -109,6 +109,8 @@ def set_stream_threads(threads: int) -> None:
 # The compiled kernels by name, each looked up once (None where unavailable); tests and
 # benchmarks put None or a stand-in here to take the PyTorch path.
 _kernels: dict[str, object] = {}
+
+
 def _native_gemm_kernels() -> object:
     """(pack, run) of the native GEMM where this CPU takes it for bf16 linears and its AVX-512
     tiles are built (`cpu_paths.native_gemm_wanted`); None elsewhere."""
