@@ -86,18 +86,67 @@ def test_the_native_gemm_refuses_what_it_cannot_compute():
     assert gemm(torch.empty(0, 16).bfloat16(), packed, 40).shape == (0, 40)
 
 
+def unfused_gated(x, packed, two_i, bias, act):
+    """The gated MLP's first half as separate bf16 ops over the plain native GEMM."""
+    gate, up = gemm(x, packed, two_i, bias).split(two_i // 2, dim=-1)
+    return layers._ACTIVATIONS[act](gate) * up
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
+def test_the_gated_epilogue_is_the_separate_ops_within_their_roundings(bias, act):
+    """act(gate) * up in the epilogue: the same gate and up sums as the plain call, each step
+    rounded to bf16 as the separate ops round it. SiLU came out bit for bit PyTorch's here; the
+    tanh GELU uses g * sigmoid(2y) (no cancellation for negative inputs), so each output is
+    within a bf16 rounding of |gate * up| of the float64 result, as PyTorch's own."""
+    if not build.gemm_bf16_vectorized():
+        pytest.skip("the gated epilogue is built with AVX-512 only")
+    torch.manual_seed(6)
+    k, half = 200, 96
+    w = (torch.randn(2 * half, k) * 0.3).bfloat16()
+    b = torch.randn(2 * half).bfloat16() if bias else None
+    packed = KERNELS[0](w)
+    for rows in (1, 2, 5, 6, 7, 13, 40):
+        x = torch.randn(rows, k).bfloat16()
+        out = torch.empty(rows, half, dtype=torch.bfloat16)
+        KERNELS[2](out, x, packed, 2 * half, b, layers.GATED_ACTS[act], 2)
+        gate, up = gemm(x, packed, 2 * half, b).split(half, dim=-1)
+        exact = layers._ACTIVATIONS[act](gate.double()).bfloat16().double() * up.double()
+        scale = (gate.double().abs() * up.double().abs()).clamp_min(1e-30)
+        assert ((out.double() - exact).abs() <= scale * 2**-8 + 1e-30).all(), rows
+        if act == "silu":
+            assert torch.equal(out, unfused_gated(x, packed, 2 * half, b, act)), rows
+        alone = torch.empty(1, half, dtype=torch.bfloat16)
+        KERNELS[2](alone, x[-1:].contiguous(), packed, 2 * half, b, layers.GATED_ACTS[act], 1)
+        assert torch.equal(alone, out[-1:])  # batch-invariant as the plain call
+
+
+def test_the_gated_epilogue_refuses_what_it_cannot_compute():
+    if not build.gemm_bf16_vectorized():
+        pytest.skip("the gated epilogue is built with AVX-512 only")
+    packed = KERNELS[0](torch.randn(96, 16).bfloat16())
+    x = torch.randn(2, 16).bfloat16()
+    with pytest.raises(RuntimeError, match="multiple of 64"):
+        KERNELS[2](torch.empty(2, 48, dtype=torch.bfloat16), x, packed, 96, None, 1, 1)
+    packed = KERNELS[0](torch.randn(128, 16).bfloat16())
+    with pytest.raises(RuntimeError, match="act 1 or 2"):
+        KERNELS[2](torch.empty(2, 64, dtype=torch.bfloat16), x, packed, 128, None, 3, 1)
+    with pytest.raises(RuntimeError, match="rows, 64"):
+        KERNELS[2](torch.empty(2, 128, dtype=torch.bfloat16), x, packed, 128, None, 1, 1)
+
+
 @pytest.fixture
 def native_linear(monkeypatch):
     if layers._kernel("gemm") is None:
         pytest.skip("this CPU does not take the native GEMM (or its AVX-512 tiles are not built)")
     calls = []
-    pack, run = layers._kernel("gemm")
+    pack, run, gated = layers._kernel("gemm")
 
     def spy(out, x, *args):
         calls.append(x.shape[0])
         return run(out, x, *args)
 
-    monkeypatch.setitem(layers._kernels, "gemm", (pack, spy))
+    monkeypatch.setitem(layers._kernels, "gemm", (pack, spy, gated))
     torch.manual_seed(5)
     lin = Linear(96, 70, bias=True).to(torch.bfloat16)
     lin.pack()
@@ -142,3 +191,25 @@ def test_the_cpu_table_and_the_switch_decide_where_the_native_gemm_runs(monkeypa
     monkeypatch.setenv("PREFIXSERVE_NATIVE_GEMM", "1")
     assert cpu_paths.native_gemm_wanted()
     assert (layers._native_gemm_kernels() is not None) == build.gemm_bf16_vectorized()
+
+
+def test_a_gated_mlp_fuses_its_activation_unless_gate_up_has_lora(monkeypatch):
+    if layers._kernel("gemm") is None:
+        pytest.skip("this CPU does not take the native GEMM (or its AVX-512 tiles are not built)")
+    torch.manual_seed(7)
+    mlp = layers.GatedMLP(96, 128, "silu").to(torch.bfloat16)
+    for linear in (mlp.gate_up_proj, mlp.down_proj):
+        linear.pack()
+    fused_calls = []
+    real = mlp.gate_up_proj.gated
+    monkeypatch.setattr(
+        mlp.gate_up_proj, "gated", lambda x, act: fused_calls.append(act) or real(x, act)
+    )
+    x = torch.randn(9, 96).bfloat16()
+    fused = mlp.forward(x)
+    assert fused_calls == [1]
+    gate, up = mlp.gate_up_proj.forward(x).split(128, dim=-1)
+    assert torch.equal(fused, mlp.down_proj.forward(F.silu(gate) * up))
+    mlp.gate_up_proj.lora = type("NoUpdate", (), {"apply": lambda self, x, out: None})()
+    assert torch.equal(mlp.forward(x), fused)  # the unfused ops: same bits for SiLU
+    assert fused_calls == [1]

@@ -138,12 +138,16 @@ def linear_bf16_small_kernel() -> Callable[..., None] | None:
     return None if module is None else module.linear_bf16_small
 
 
-def linear_bf16_packed_kernels() -> tuple[Callable[..., Any], Callable[..., None]] | None:
+def linear_bf16_packed_kernels() -> tuple[Callable[..., Any], ...] | None:
     """(`pack_bf16_gemm(weight) -> packed`, `linear_bf16_packed(out, x, packed, N, bias,
-    threads)`): csrc/gemm_bf16.cpp's bf16 linear for every row count, one summation order per
-    output (batch-invariant), on the stream pool's threads; or None."""
+    threads)`, `linear_bf16_packed_gated(out, x, packed, N, bias, act, threads)`):
+    csrc/gemm_bf16.cpp's bf16 linear for every row count, one summation order per output
+    (batch-invariant), on the stream pool's threads, and its gated-MLP form (out = act(gate) *
+    up, act 1 SiLU, 2 GELU tanh); or None."""
     module = _module()
-    return None if module is None else (module.pack_bf16_gemm, module.linear_bf16_packed)
+    if module is None:
+        return None
+    return (module.pack_bf16_gemm, module.linear_bf16_packed, module.linear_bf16_packed_gated)
 
 
 def gemm_bf16_vectorized() -> bool:

@@ -242,6 +242,21 @@ class Linear(nn.Linear):
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
+    def gated(self, x: torch.Tensor, act: int) -> torch.Tensor | None:
+        """For a gated MLP's fused gate_up linear: act(gate) * up in the native GEMM's epilogue
+        (`act` as `GATED_ACTS`), [rows, out_features / 2]; None where this call would not take
+        the native GEMM (the caller then runs the linear and the activation itself)."""
+        gemm = self._gemm
+        if gemm is None or x.dtype != torch.bfloat16 or x.dim() != 2 or gemm[1] % 64:
+            return None
+        if self._fp32 is not None and x.shape[0] >= FP32_MIN_ROWS and not _BATCH_INVARIANT.get():
+            return None
+        packed, out_features, bias = gemm
+        x = x.contiguous()
+        out = x.new_empty(x.shape[0], out_features // 2)
+        _kernel("gemm")[2](out, x, packed, out_features, bias, act, STREAM_THREADS[0])
+        return out
+
     def _native(self, x: torch.Tensor) -> torch.Tensor:
         """The native GEMM (`_gemm`) over x's rows, any leading shape."""
         packed, out_features, bias = self._gemm
@@ -353,8 +368,15 @@ _ACTIVATIONS = {
 }
 
 
+# The activations the native GEMM's gated epilogue computes (csrc/gemm_bf16.cpp's Act).
+GATED_ACTS = {"silu": 1, "gelu_pytorch_tanh": 2, "gelu_tanh": 2}
+
+
 class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x)) with gate and up fused into one matmul."""
+    """down(act(gate(x)) * up(x)) with gate and up fused into one matmul; where gate_up takes the
+    native GEMM (and has no LoRA), act(gate) * up is its epilogue (`Linear.gated`): the same
+    roundings as the separate bf16 ops, its own exp (so the activation may differ from
+    PyTorch's by a bf16 ulp)."""
 
     def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = False) -> None:
         super().__init__()
@@ -366,8 +388,13 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=bias)
         self.down_proj = Linear(intermediate, hidden, bias=bias)
         self.act = _ACTIVATIONS[act]
+        self.gated_act = GATED_ACTS.get(act, 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated_act and self.gate_up_proj.lora is None:
+            fused = self.gate_up_proj.gated(x, self.gated_act)
+            if fused is not None:
+                return self.down_proj.forward(fused)
         gate_up = self.gate_up_proj.forward(x)
         gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj.forward(self.act(gate) * up)

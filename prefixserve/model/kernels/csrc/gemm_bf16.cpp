@@ -17,6 +17,12 @@
 // padded to whole panels and an even K. One 64-byte load is 16 columns at k and k + 1: the
 // shift gives the 16 floats of k, the mask those of k + 1.
 //
+// Gated MLPs (`linear_bf16_packed_gated`): gate_up's weight [2I, K] packed as is; a tile takes
+// the gate panel j and the up panel j + I/32 together (two panels I/32 panels apart instead of
+// side by side), so each output's sums are the plain GEMM's, and its epilogue writes
+// bf16(act(bf16(gate)) * bf16(up)) -- the roundings of the unfused bf16 ops -- for 32 columns of
+// [rows, I]: the [rows, 2I] intermediate and two elementwise passes over it are never made.
+//
 // Register tiles: MR rows x NP panels, MR * NP * 2 accumulators (at most 24). A decode-sized
 // batch takes several panels at once (enough independent chains to stream the weight at memory
 // speed); a prefill-sized one takes 12 rows on one panel (the panel stays in L1/L2 while row
@@ -34,6 +40,7 @@
 #include <vector>
 
 #include "bf16_bits.h"
+#include "exp_avx512.h"
 #include "stream_pool.h"
 
 namespace {
@@ -49,13 +56,19 @@ constexpr int64_t kJobFlops = 6 * 1000 * 1000;
 using prefixserve::bf16_bits_to_float;
 
 
+// The activations of the gated epilogue (the values the Python side passes).
+enum Act : int64_t { kNone = 0, kSilu = 1, kGeluTanh = 2 };
+
 // Where a tile's results go: rows of `out` (ldo apart) from column n0, `cols` of them valid
-// (the rest of the last panel is padding), `bias` from n0 or null.
+// (the rest of the last panel is padding), `bias` from n0 or null. A gated tile (act != kNone):
+// two panels, gate then up, `bias_up` the up half's bias, `cols` 32 outputs.
 struct TileOut {
   uint16_t* out;
   int64_t ldo;
   int64_t cols;
   const float* bias;
+  int64_t act = kNone;
+  const float* bias_up = nullptr;
 };
 
 #if defined(__AVX512F__)
@@ -71,6 +84,51 @@ inline void store_bf16(uint16_t* dst, __m512 sum, const float* bias, int64_t val
   const __mmask16 nan = _mm512_cmp_ps_mask(sum, sum, _CMP_UNORD_Q);
   rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc0));
   _mm256_mask_storeu_epi16(dst, mask, _mm512_cvtepi32_epi16(rounded));
+}
+
+// v rounded to bf16 (as store_bf16 rounds), as floats.
+inline __m512 round_bf16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  r = _mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_mask_mov_ps(_mm512_castsi512_ps(r), nan, v);
+}
+
+// silu(g) = g / (1 + exp(-g)), with exp of -|g| only (no overflow): g * s / (1 + e), s = 1 for
+// g >= 0 and e otherwise, e = exp(-|g|).
+inline __m512 silu16(__m512 g) {
+  const __m512 e = prefixserve::exp_nonpositive16(
+      _mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+  const __mmask16 neg = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
+  const __m512 num = _mm512_mask_mul_ps(g, neg, g, e);
+  return _mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+}
+
+// gelu with the tanh approximation, 0.5 g (1 + tanh(y)) with y = sqrt(2/pi) (g + 0.044715 g^3),
+// is g * sigmoid(2y): the same form as silu16 with e = exp(-2|y|), which avoids the cancellation
+// of 1 + tanh(y) for negative y.
+inline __m512 gelu_tanh16(__m512 g) {
+  const __m512 g3 = _mm512_mul_ps(_mm512_mul_ps(g, g), g);
+  const __m512 y = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f),
+                                 _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), g3, g));
+  const __m512 e = prefixserve::exp_nonpositive16(
+      _mm512_mul_ps(_mm512_set1_ps(-2.0f), _mm512_abs_ps(y)));
+  const __mmask16 neg = _mm512_cmp_ps_mask(y, _mm512_setzero_ps(), _CMP_LT_OQ);
+  const __m512 num = _mm512_mask_mul_ps(g, neg, g, e);
+  return _mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+}
+
+// bf16(act(bf16(gate + bias)) * bf16(up + bias_up)) for 16 columns, each step rounded as the
+// unfused bf16 ops round it.
+inline void store_gated(uint16_t* dst, __m512 gate, __m512 up, const float* bias,
+                        const float* bias_up, int64_t act) {
+  if (bias) gate = _mm512_add_ps(gate, _mm512_loadu_ps(bias));
+  if (bias_up) up = _mm512_add_ps(up, _mm512_loadu_ps(bias_up));
+  gate = round_bf16(gate);
+  const __m512 a = round_bf16(act == kSilu ? silu16(gate) : gelu_tanh16(gate));
+  store_bf16(dst, _mm512_mul_ps(a, round_bf16(up)), nullptr, 16);
 }
 
 template <int MR, int NP>
@@ -101,6 +159,14 @@ inline void tile_kernel(const float* x, int64_t ldx, const uint16_t* panel, int6
         acc[r][2 * j + 1] = _mm512_fmadd_ps(xo, odd1, acc[r][2 * j + 1]);
       }
     }
+  }
+  if (NP == 2 && out.act != kNone) {
+    for (int r = 0; r < MR; ++r)
+      for (int h = 0; h < 2; ++h)
+        store_gated(out.out + r * out.ldo + h * 16, acc[r][h], acc[r][NP + h],
+                    out.bias ? out.bias + h * 16 : nullptr,
+                    out.bias_up ? out.bias_up + h * 16 : nullptr, out.act);
+    return;
   }
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < NP * 2; ++j) {
@@ -151,9 +217,10 @@ struct Problem {
   int64_t ldx;
   const uint16_t* w;     // packed
   int64_t pairs;         // K / 2, rounded up
-  int64_t rows, N;
-  const float* bias;     // [N] or null
+  int64_t rows, N;       // N: out's columns (a gated call's I)
+  const float* bias;     // [N] or null (gated: [2I])
   uint16_t* out;         // [rows, N] bf16 bits
+  int64_t act = kNone;   // gated: the activation
 };
 
 template <int MR, int NP>
@@ -187,6 +254,59 @@ void run_block(const Problem& pb, int64_t m0, int64_t mr, int64_t panel0, int64_
     case 11: run_rows<11>(pb, m0, panel0, panel1); break;
     default: run_rows<12>(pb, m0, panel0, panel1); break;
   }
+}
+
+// Rows of the largest gated tile (two panels: 24 accumulators at 6 rows).
+constexpr int64_t kMaxGatedRows = 6;
+
+template <int MR>
+void run_gated(const Problem& pb, int64_t m0, int64_t panel0, int64_t panel1) {
+  const int64_t size = pb.pairs * 2 * kPanel, half = pb.N / kPanel;
+  for (int64_t j = panel0; j < panel1; ++j) {
+    const int64_t n0 = j * kPanel;
+    const TileOut out{pb.out + m0 * pb.N + n0, pb.N, 2 * kPanel,
+                      pb.bias ? pb.bias + n0 : nullptr, pb.act,
+                      pb.bias ? pb.bias + pb.N + n0 : nullptr};
+    tile_kernel<MR, 2>(pb.x + m0 * pb.ldx, pb.ldx, pb.w + j * size, half * size, pb.pairs, out);
+  }
+}
+
+void run_gated_block(const Problem& pb, int64_t m0, int64_t mr, int64_t panel0, int64_t panel1) {
+  switch (mr) {
+    case 1: run_gated<1>(pb, m0, panel0, panel1); break;
+    case 2: run_gated<2>(pb, m0, panel0, panel1); break;
+    case 3: run_gated<3>(pb, m0, panel0, panel1); break;
+    case 4: run_gated<4>(pb, m0, panel0, panel1); break;
+    case 5: run_gated<5>(pb, m0, panel0, panel1); break;
+    default: run_gated<6>(pb, m0, panel0, panel1); break;
+  }
+}
+
+// Runs block(m0, rows, panel0, panel1) over every tile of `rows` x `panels` on the stream pool.
+// Small batches: jobs of ~kJobBytes of weight (`np` panels a tile, `weight_panels` panels of
+// weight read per panel index); large ones: one panel index a job, and a range of rows so that a
+// job stays well under the pool's stall limit (a helper still on a long job reads as a helper
+// without a core). Row ranges outermost: both threads keep the same x rows in cache while they
+// sweep the panels.
+template <typename Block>
+void schedule(int64_t rows, int64_t panels, int64_t pairs, int64_t tile_rows, int64_t np,
+              int64_t weight_panels, int64_t threads, const Block& block) {
+  const int64_t panel_bytes = weight_panels * pairs * 2 * kPanel * 2;
+  int64_t per_job = 1;
+  if (rows <= tile_rows) {  // whole tiles of np panels
+    per_job = std::max<int64_t>(np, kJobBytes / std::max<int64_t>(1, panel_bytes));
+    per_job = (per_job + np - 1) / np * np;
+  }
+  per_job = std::min(per_job, std::max<int64_t>(1, (panels + threads - 1) / threads));
+  const int64_t panel_jobs = (panels + per_job - 1) / per_job;
+  const int64_t tile_flops = 2 * tile_rows * per_job * weight_panels * kPanel * 2 * pairs;
+  const int64_t row_span = tile_rows * std::max<int64_t>(1, kJobFlops / tile_flops);
+  const int64_t row_jobs = (rows + row_span - 1) / row_span;
+  prefixserve::stream_pool().run(row_jobs * panel_jobs, threads, [&](int64_t job) {
+    const int64_t p0 = (job % panel_jobs) * per_job, p1 = std::min(panels, p0 + per_job);
+    const int64_t r0 = (job / panel_jobs) * row_span, r1 = std::min(rows, r0 + row_span);
+    for (int64_t m0 = r0; m0 < r1; m0 += tile_rows) block(m0, std::min(tile_rows, r1 - m0), p0, p1);
+  });
 }
 
 // The x rows widened to fp32 with K padded to an even length (the pad is 0).
@@ -239,60 +359,74 @@ torch::Tensor pack_bf16_gemm(torch::Tensor w) {
   return packed;
 }
 
-// out [rows, N] = x [rows, K] @ w.T (+ bias), w packed by pack_bf16_gemm; on the caller and up
-// to `threads - 1` helpers of the stream pool, each job a run of whole panels for all rows.
-void linear_bf16_packed(torch::Tensor out, torch::Tensor x, torch::Tensor packed, int64_t N,
-                        c10::optional<torch::Tensor> bias, int64_t threads) {
-  TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu(),
-              "linear_bf16_packed runs on CPU tensors only");
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16,
-              "linear_bf16_packed needs bfloat16 x and out");
-  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.is_contiguous() && out.is_contiguous(),
-              "linear_bf16_packed needs contiguous 2-D x and out");
+namespace {
+
+// The checks and set-up both entry points share: x [rows, K] and bias [N] (N the weight's
+// rows) against the packed weight; out [rows, out_cols]. Returns the Problem (x widened, bias
+// in fp32 in `bias_fp32`).
+Problem prepare(const char* name, torch::Tensor& out, torch::Tensor& x,
+                const torch::Tensor& packed, int64_t N, int64_t out_cols,
+                const c10::optional<torch::Tensor>& bias, std::vector<float>& bias_fp32) {
+  TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu(), name, " runs on CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16, name,
+              " needs bfloat16 x and out");
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.is_contiguous() && out.is_contiguous(), name,
+              " needs contiguous 2-D x and out");
   const int64_t rows = x.size(0), K = x.size(1);
-  TORCH_CHECK(out.size(0) == rows && out.size(1) == N, "linear_bf16_packed: out must be [rows, N]");
+  TORCH_CHECK(out.size(0) == rows && out.size(1) == out_cols, name, ": out must be [rows, ",
+              out_cols, "]");
   check_packed(packed, N, K);
-  std::vector<float> bias_fp32;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->scalar_type() == torch::kBFloat16 && bias->is_contiguous() &&
                     bias->dim() == 1 && bias->size(0) == N,
-                "linear_bf16_packed: bias must be a contiguous bfloat16 [N]");
+                name, ": bias must be a contiguous bfloat16 [", N, "]");
     const auto* b = reinterpret_cast<const uint16_t*>(bias->data_ptr<c10::BFloat16>());
     bias_fp32.resize(N);
     for (int64_t n = 0; n < N; ++n) bias_fp32[n] = bf16_bits_to_float(b[n]);
   }
-  if (rows == 0 || N == 0) return;
   const int64_t pairs = (K + 1) / 2, ldx = 2 * pairs;
-  const Problem pb{widen_rows(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()),
-                              rows, K, ldx),
-                   ldx,
-                   reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>()),
-                   pairs,
-                   rows,
-                   N,
-                   bias_fp32.empty() ? nullptr : bias_fp32.data(),
-                   reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>())};
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
+  return Problem{rows > 0 ? widen_rows(xp, rows, K, ldx) : nullptr,
+                 ldx,
+                 reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>()),
+                 pairs,
+                 rows,
+                 out_cols,
+                 bias_fp32.empty() ? nullptr : bias_fp32.data(),
+                 reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>())};
+}
+
+}  // namespace
+
+// out [rows, N] = x [rows, K] @ w.T (+ bias), w packed by pack_bf16_gemm; on the caller and up
+// to `threads - 1` helpers of the stream pool.
+void linear_bf16_packed(torch::Tensor out, torch::Tensor x, torch::Tensor packed, int64_t N,
+                        c10::optional<torch::Tensor> bias, int64_t threads) {
+  std::vector<float> bias_fp32;
+  const Problem pb = prepare("linear_bf16_packed", out, x, packed, N, N, bias, bias_fp32);
+  if (pb.rows == 0 || N == 0) return;
   const int64_t panels = (N + kPanel - 1) / kPanel;
-  const int64_t panel_bytes = pairs * 2 * kPanel * 2;
-  // Small batches: jobs of ~kJobBytes of weight; large ones: one panel a job is plenty of work.
-  int64_t per_job = 1;
-  if (rows <= kMaxRows) {  // whole tiles of panels_for(rows) panels
-    const int64_t np = panels_for(static_cast<int>(rows));
-    per_job = std::max<int64_t>(np, kJobBytes / std::max<int64_t>(1, panel_bytes));
-    per_job = (per_job + np - 1) / np * np;
-  }
-  per_job = std::min(per_job, std::max<int64_t>(1, (panels + threads - 1) / threads));
-  const int64_t panel_jobs = (panels + per_job - 1) / per_job;
-  // Large batches: each job also takes a range of rows, so that it stays well under the stream
-  // pool's stall limit (a helper still on a long job reads as a helper without a core); row
-  // ranges outermost, so both threads keep the same x rows in cache while sweeping the panels.
-  const int64_t tile_flops = 2 * kMaxRows * per_job * kPanel * 2 * pairs;
-  const int64_t row_span = kMaxRows * std::max<int64_t>(1, kJobFlops / tile_flops);
-  const int64_t row_jobs = (rows + row_span - 1) / row_span;
-  prefixserve::stream_pool().run(row_jobs * panel_jobs, threads, [&](int64_t job) {
-    const int64_t p0 = (job % panel_jobs) * per_job, p1 = std::min(panels, p0 + per_job);
-    const int64_t r0 = (job / panel_jobs) * row_span, r1 = std::min(rows, r0 + row_span);
-    for (int64_t m0 = r0; m0 < r1; m0 += kMaxRows)
-      run_block(pb, m0, std::min(kMaxRows, r1 - m0), p0, p1);
-  });
+  const int np = panels_for(static_cast<int>(std::min(pb.rows, kMaxRows)));
+  schedule(pb.rows, panels, pb.pairs, kMaxRows, np, 1, threads,
+           [&](int64_t m0, int64_t mr, int64_t p0, int64_t p1) { run_block(pb, m0, mr, p0, p1); });
+}
+
+// A gated MLP's first half: out [rows, I] = act(x @ gate.T) * (x @ up.T), the weight [2I, K]
+// (gate rows then up rows, as GatedMLP fuses them) packed by pack_bf16_gemm, I a multiple of 32;
+// `act` 1 for SiLU, 2 for GELU's tanh approximation. Each gate and up sum is the plain call's.
+void linear_bf16_packed_gated(torch::Tensor out, torch::Tensor x, torch::Tensor packed,
+                              int64_t N, c10::optional<torch::Tensor> bias, int64_t act,
+                              int64_t threads) {
+  TORCH_CHECK(gemm_bf16_vectorized(), "linear_bf16_packed_gated needs the AVX-512 build");
+  TORCH_CHECK(act == kSilu || act == kGeluTanh, "linear_bf16_packed_gated: act 1 or 2");
+  TORCH_CHECK(N % (2 * kPanel) == 0, "linear_bf16_packed_gated: 2I must be a multiple of ",
+              2 * kPanel);
+  std::vector<float> bias_fp32;
+  Problem pb = prepare("linear_bf16_packed_gated", out, x, packed, N, N / 2, bias, bias_fp32);
+  pb.act = act;
+  if (pb.rows == 0 || N == 0) return;
+  schedule(pb.rows, N / 2 / kPanel, pb.pairs, kMaxGatedRows, 1, 2, threads,
+           [&](int64_t m0, int64_t mr, int64_t p0, int64_t p1) {
+             run_gated_block(pb, m0, mr, p0, p1);
+           });
 }
