@@ -1,7 +1,7 @@
 """Model speed: our paged-KV model vs transformers' own model on the same weights, same run.
 
     .venv/bin/python benchmarks/bench_model.py [--repeats 7] [--skip-transformers] [--baseline]
-        [--llama-cpp] [--decode-batches 1,16,64] [--batch-invariant]
+        [--llama-cpp] [--decode-batches 1,16,64] [--batch-invariant] [--no-native-gemm-baseline]
 
 Measures (bf16, the default model unless --model): prefill of one 512-token chunk (tok/s), and
 decode at batch 1 and batch 16 (tok/s, summed over the batch) on a 128-token context (all three
@@ -254,6 +254,13 @@ def main() -> None:
         "same run: e.g. 64, the threshold before it was chosen per CPU",
     )
     ap.add_argument(
+        "--no-native-gemm-baseline",
+        action="store_true",
+        help="also run prefixserve with the linears it takes without the native GEMM (oneDNN, "
+        "the streaming kernel for few rows, the CPU table's fp32 copy for many) on a second "
+        "load of the weights, same run",
+    )
+    ap.add_argument(
         "--batch-invariant",
         action="store_true",
         help="also run prefixserve in batch-invariant mode (one linear and one attention path "
@@ -282,6 +289,14 @@ def main() -> None:
         base.runner.attention_kernel = None
         base.native = False
         engines.append(base)
+    if args.no_native_gemm_baseline:
+        gemm = layers._kernel("gemm")
+        layers._kernels["gemm"] = None  # Linear.pack() then keeps the other paths' weights
+        try:
+            other = load_model(args.model, dtype="bfloat16")
+        finally:
+            layers._kernels["gemm"] = gemm
+        engines.append(Ours(other, num_blocks=blocks, name="no-native-gemm"))
     if args.batch_invariant:
         engines.append(
             Ours(loaded, num_blocks=blocks, name="batch-invariant", batch_invariant=True)

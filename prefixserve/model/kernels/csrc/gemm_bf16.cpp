@@ -50,6 +50,9 @@ constexpr int64_t kMaxRows = 12;   // rows of the largest register tile
 // Bytes of weight a job of the stream pool covers at least (whole panels): large enough that
 // the pool's per-job cost is small, small enough that two threads share a linear evenly.
 constexpr int64_t kJobBytes = 48 * 1024;
+// Batches of more rows than this are arithmetic-bound (decode-sized ones stream the weight): the
+// stream pool keeps its helpers for them however often they stall (stream_pool.h).
+constexpr int64_t kComputeBoundRows = 24;
 // Arithmetic a job of a large batch covers at most (~50-100 us on one core).
 constexpr int64_t kJobFlops = 6 * 1000 * 1000;
 
@@ -302,11 +305,15 @@ void schedule(int64_t rows, int64_t panels, int64_t pairs, int64_t tile_rows, in
   const int64_t tile_flops = 2 * tile_rows * per_job * weight_panels * kPanel * 2 * pairs;
   const int64_t row_span = tile_rows * std::max<int64_t>(1, kJobFlops / tile_flops);
   const int64_t row_jobs = (rows + row_span - 1) / row_span;
-  prefixserve::stream_pool().run(row_jobs * panel_jobs, threads, [&](int64_t job) {
-    const int64_t p0 = (job % panel_jobs) * per_job, p1 = std::min(panels, p0 + per_job);
-    const int64_t r0 = (job / panel_jobs) * row_span, r1 = std::min(rows, r0 + row_span);
-    for (int64_t m0 = r0; m0 < r1; m0 += tile_rows) block(m0, std::min(tile_rows, r1 - m0), p0, p1);
-  });
+  prefixserve::stream_pool().run(
+      row_jobs * panel_jobs, threads,
+      [&](int64_t job) {
+        const int64_t p0 = (job % panel_jobs) * per_job, p1 = std::min(panels, p0 + per_job);
+        const int64_t r0 = (job / panel_jobs) * row_span, r1 = std::min(rows, r0 + row_span);
+        for (int64_t m0 = r0; m0 < r1; m0 += tile_rows)
+          block(m0, std::min(tile_rows, r1 - m0), p0, p1);
+      },
+      /*compute_bound=*/rows > kComputeBoundRows);
 }
 
 // The x rows widened to fp32 with K padded to an even length (the pad is 0).

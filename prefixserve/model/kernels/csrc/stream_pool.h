@@ -38,12 +38,16 @@ class StreamPool {
 
   // Runs fn(chunk) for every chunk in [0, num_chunks) on the caller and up to `workers - 1`
   // helpers; returns when all are done. A second caller while one runs (two engines on two
-  // threads) does its job alone.
-  void run(int64_t num_chunks, int64_t workers, const std::function<void(int64_t)>& fn) {
+  // threads) does its job alone. A `compute_bound` job (a prefill-sized GEMM: its chunks are
+  // arithmetic, not a memory stream) neither backs off nor counts toward backing off: alone it
+  // would take twice as long, while a helper descheduled now and then costs it only that wait.
+  void run(int64_t num_chunks, int64_t workers, const std::function<void(int64_t)>& fn,
+           bool compute_bound = false) {
     if (num_chunks <= 0) return;
     std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
-    if (workers <= 1 || num_chunks == 1 || !busy.owns_lock() || backoff_ > 0) {
-      if (busy.owns_lock() && backoff_ > 0) --backoff_;
+    const bool back_off = backoff_ > 0 && !compute_bound;
+    if (workers <= 1 || num_chunks == 1 || !busy.owns_lock() || back_off) {
+      if (busy.owns_lock() && back_off) --backoff_;
       for (int64_t c = 0; c < num_chunks; ++c) fn(c);
       return;
     }
@@ -78,7 +82,7 @@ class StreamPool {
       stalled = std::chrono::steady_clock::now() - start >
                 std::chrono::microseconds(kStallMicros);
     }
-    note_job(num_chunks, num_chunks - mine, stalled);
+    if (!compute_bound) note_job(num_chunks, num_chunks - mine, stalled);
   }
 
  private:
