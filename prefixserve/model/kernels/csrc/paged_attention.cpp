@@ -35,6 +35,10 @@
 namespace {
 
 constexpr int64_t kRowTile = 16;
+// Rows per work item of a long chunk under full attention (attend_rows_avx512): each item
+// converts every K/V tile its rows see, so fewer, larger items convert less (a 512-token prompt:
+// 8 items a KV head instead of 32).
+constexpr int64_t kLongRowTile = 64;
 // Decode sequences sharing a cached prefix are attended together, this many at most per work
 // item (a cap that keeps several items per KV head for a batch of 8+ rows on two threads).
 constexpr int64_t kCascadeRows = 4;
@@ -43,16 +47,21 @@ inline void store(float* dst, float x) { *dst = x; }
 inline void store(c10::BFloat16* dst, float x) { *dst = c10::BFloat16(x); }
 
 // exp(x) for x <= 0 to ~2 ulp: range reduction to [-ln2/2, ln2/2] and a degree-6 polynomial,
-// written so the compiler vectorizes loops over it (std::exp does not vectorize here).
+// written so the compiler vectorizes loops over it (std::exp does not vectorize here). Every
+// multiply-add is an explicit std::fma: left to -ffp-contract, the compiler fused them or not
+// depending on where the function was inlined, and two call sites of one softmax update gave
+// results an ulp apart (a batch-invariance test caught it).
 inline float exp_nonpositive(float x) {
   if (x != x) return x;  // NaN (a corrupted cache slot) propagates to the output
   x = std::max(x, -87.0f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = x - n * 0.693145751953125f - n * 1.42860682030941723e-6f;
-  const float p =
-      1.0f +
-      r * (1.0f + r * (0.5f + r * (0.166666672f + r * (0.0416666418f +
-                                                        r * (0.00833336823f + r * 0.00138889f)))));
+  const float n = std::floor(std::fma(x, 1.44269504088896341f, 0.5f));
+  const float r = std::fma(-n, 1.42860682030941723e-6f, std::fma(-n, 0.693145751953125f, x));
+  float p = std::fma(r, 0.00138889f, 0.00833336823f);
+  p = std::fma(r, p, 0.0416666418f);
+  p = std::fma(r, p, 0.166666672f);
+  p = std::fma(r, p, 0.5f);
+  p = std::fma(r, p, 1.0f);
+  p = std::fma(r, p, 1.0f);
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof scale);
@@ -144,35 +153,43 @@ inline __mmask16 lanes_below(int64_t n) {
 
 // attend_tile for head_dim HD (a multiple of 16) with AVX-512: 16 scores per reduce16, the
 // exponentials 16 at a time, the accumulator in registers. `s` has 16 floats of slack.
+// The raw (soft-capped) scores of keys [j0, j0 + n), n <= 16, of the query q (C = HD / 16
+// vectors) into s + j0: each key's 16 lane products chained over the dims, then reduce16's tree.
+// A key's score depends on nothing but the query and the key (reduce16 never mixes keys).
 template <int HD>
-inline void attend_tile_avx512(const float* qv, const float* kt, const float* vt, int64_t lo,
-                               int64_t hi, float softcap, float* s, float& m, float& l,
-                               float* acc) {
+inline void score_block_avx512(const __m512* q, const float* kt, int64_t j0, int64_t n,
+                               float softcap, float* s) {
   constexpr int C = HD / 16;
-  __m512 q[C];
-  for (int c = 0; c < C; ++c) q[c] = _mm512_loadu_ps(qv + 16 * c);
+  __m512 part[16];
+  // Unrolled, so that the 16 keys' chains stay in registers and overlap (a loop kept part[] on
+  // the stack and ran one key's four dependent FMAs after another: 2.5x slower).
+#pragma GCC unroll 16
+  for (int t = 0; t < 16; ++t) {
+    __m512 a = _mm512_setzero_ps();
+    if (t < n) {
+      const float* kr = kt + (j0 + t) * HD;
+      for (int c = 0; c < C; ++c) a = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(kr + 16 * c), a);
+    }
+    part[t] = a;
+  }
+  __m512 sc = reduce16(part);
+  if (softcap > 0.0f) {
+    alignas(64) float tmp[16];
+    _mm512_store_ps(tmp, sc);
+    for (int t = 0; t < 16; ++t) tmp[t] = softcap * std::tanh(tmp[t] / softcap);
+    sc = _mm512_load_ps(tmp);
+  }
+  _mm512_mask_storeu_ps(s + j0, lanes_below(n), sc);
+}
+
+// The online-softmax update of one query over its raw scores s[lo, hi) of a tile: the new
+// running max, the exponentials (into s) summed 16 lanes at a time from lo, the new sum; returns
+// the factor by which the old accumulator is to be scaled.
+inline float softmax_tile_avx512(float* s, int64_t lo, int64_t hi, float& m, float& l) {
   __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t j0 = lo; j0 < hi; j0 += 16) {
-    const int64_t n = std::min<int64_t>(16, hi - j0);
-    __m512 part[16];
-    for (int t = 0; t < 16; ++t) {
-      __m512 a = _mm512_setzero_ps();
-      if (t < n) {
-        const float* kr = kt + (j0 + t) * HD;
-        for (int c = 0; c < C; ++c) a = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(kr + 16 * c), a);
-      }
-      part[t] = a;
-    }
-    __m512 sc = reduce16(part);
-    if (softcap > 0.0f) {
-      alignas(64) float tmp[16];
-      _mm512_store_ps(tmp, sc);
-      for (int t = 0; t < 16; ++t) tmp[t] = softcap * std::tanh(tmp[t] / softcap);
-      sc = _mm512_load_ps(tmp);
-    }
-    const __mmask16 k = lanes_below(n);
-    _mm512_mask_storeu_ps(s + j0, k, sc);
-    vmax = _mm512_mask_max_ps(vmax, k, vmax, sc);
+    const __mmask16 k = lanes_below(hi - j0);
+    vmax = _mm512_mask_max_ps(vmax, k, vmax, _mm512_maskz_loadu_ps(k, s + j0));
   }
   const float m_new = std::max(m, _mm512_reduce_max_ps(vmax));
   const float correction = exp_nonpositive(m - m_new);
@@ -184,17 +201,57 @@ inline void attend_tile_avx512(const float* qv, const float* kt, const float* vt
     _mm512_mask_storeu_ps(s + j0, k, e);
     vsum = _mm512_mask_add_ps(vsum, k, vsum, e);
   }
-  l = l * correction + _mm512_reduce_add_ps(vsum);
+  l = std::fma(l, correction, _mm512_reduce_add_ps(vsum));
   m = m_new;
-  __m512 a[C];
-  const __m512 corr = _mm512_set1_ps(correction);
-  for (int c = 0; c < C; ++c) a[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * c), corr);
-  for (int64_t j = lo; j < hi; ++j) {
-    const __m512 pj = _mm512_set1_ps(s[j]);
-    const float* vr = vt + j * HD;
-    for (int c = 0; c < C; ++c) a[c] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vr + 16 * c), a[c]);
+  return correction;
+}
+
+// The first half of attend_tile_avx512: the scores of slots [lo, hi) in blocks of 16 from lo,
+// then the softmax update; returns the correction factor of the old accumulator.
+template <int HD>
+inline float scores_tile_avx512(const float* qv, const float* kt, int64_t lo, int64_t hi,
+                                float softcap, float* s, float& m, float& l) {
+  constexpr int C = HD / 16;
+  __m512 q[C];
+  for (int c = 0; c < C; ++c) q[c] = _mm512_loadu_ps(qv + 16 * c);
+  for (int64_t j0 = lo; j0 < hi; j0 += 16)
+    score_block_avx512<HD>(q, kt, j0, std::min<int64_t>(16, hi - j0), softcap, s);
+  return softmax_tile_avx512(s, lo, hi, m, l);
+}
+
+// The second half: acc = acc * correction + sum over j in [lo, hi) of s[j] * v[j], j ascending,
+// for NQ queries at once (their s rows `s_stride` apart, accumulators HD apart): each query's
+// sums are the one-query loop's, while the NQ * HD / 16 chains hide the FMA latency that one
+// query's HD / 16 chains cannot, and each V row is loaded once for all of them.
+template <int HD, int NQ>
+inline void values_tile_avx512(const float* vt, int64_t lo, int64_t hi, const float* s,
+                               int64_t s_stride, const float* correction, float* acc) {
+  constexpr int C = HD / 16;
+  __m512 a[NQ][C];
+  for (int i = 0; i < NQ; ++i) {
+    const __m512 corr = _mm512_set1_ps(correction[i]);
+    for (int c = 0; c < C; ++c)
+      a[i][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + i * HD + 16 * c), corr);
   }
-  for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + 16 * c, a[c]);
+  for (int64_t j = lo; j < hi; ++j) {
+    const float* vr = vt + j * HD;
+    __m512 v[C];
+    for (int c = 0; c < C; ++c) v[c] = _mm512_loadu_ps(vr + 16 * c);
+    for (int i = 0; i < NQ; ++i) {
+      const __m512 pj = _mm512_set1_ps(s[i * s_stride + j]);
+      for (int c = 0; c < C; ++c) a[i][c] = _mm512_fmadd_ps(pj, v[c], a[i][c]);
+    }
+  }
+  for (int i = 0; i < NQ; ++i)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + i * HD + 16 * c, a[i][c]);
+}
+
+template <int HD>
+inline void attend_tile_avx512(const float* qv, const float* kt, const float* vt, int64_t lo,
+                               int64_t hi, float softcap, float* s, float& m, float& l,
+                               float* acc) {
+  const float correction = scores_tile_avx512<HD>(qv, kt, lo, hi, softcap, s, m, l);
+  values_tile_avx512<HD, 1>(vt, lo, hi, s, 0, &correction, acc);
 }
 #endif
 
@@ -219,7 +276,7 @@ inline void attend_tile(const float* qv, const float* kt, const float* vt, int64
   const float m_new = std::max(m, sum16(s, lo, hi, true));
   const float correction = exp_nonpositive(m - m_new);
   for (int64_t j = lo; j < hi; ++j) s[j] = exp_nonpositive(s[j] - m_new);
-  l = l * correction + sum16(s, lo, hi, false);
+  l = std::fma(l, correction, sum16(s, lo, hi, false));
   m = m_new;
   for (int64_t d = 0; d < head_dim; ++d) acc[d] *= correction;
   for (int64_t j = lo; j < hi; ++j) {
@@ -228,6 +285,102 @@ inline void attend_tile(const float* qv, const float* kt, const float* vt, int64
     for (int64_t d = 0; d < head_dim; ++d) acc[d] += pj * vr[d];
   }
 }
+
+// Queries attended together over one range of a tile (attend_tiles).
+constexpr int64_t kQueryGroup = 4;
+
+// attend_tile for nq consecutive query vectors (head_dim apart; their m, l and acc too) that see
+// the same slots [lo, hi): GQA's query heads of one KV head, a cascade's shared blocks. Each
+// query's arithmetic is attend_tile's; with AVX-512 the value pass runs up to kQueryGroup
+// queries at once. `s` holds kQueryGroup rows of s_stride floats.
+template <int HD>
+inline void attend_tiles(const float* qv, int64_t nq, const float* kt, const float* vt,
+                         int64_t head_dim, int64_t lo, int64_t hi, float softcap, float* s,
+                         int64_t s_stride, float* m, float* l, float* acc) {
+#if defined(__AVX512F__)
+  if constexpr (HD > 0 && HD % 16 == 0) {
+    for (int64_t q0 = 0; q0 < nq; q0 += kQueryGroup) {
+      const int64_t n = std::min(kQueryGroup, nq - q0);
+      float correction[kQueryGroup];
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t qi = q0 + i;
+        correction[i] = scores_tile_avx512<HD>(qv + qi * HD, kt, lo, hi, softcap, s + i * s_stride,
+                                               m[qi], l[qi]);
+      }
+      float* a = acc + q0 * HD;
+      switch (n) {
+        case 1: values_tile_avx512<HD, 1>(vt, lo, hi, s, s_stride, correction, a); break;
+        case 2: values_tile_avx512<HD, 2>(vt, lo, hi, s, s_stride, correction, a); break;
+        case 3: values_tile_avx512<HD, 3>(vt, lo, hi, s, s_stride, correction, a); break;
+        default: values_tile_avx512<HD, 4>(vt, lo, hi, s, s_stride, correction, a); break;
+      }
+    }
+    return;
+  }
+#endif
+  (void)s_stride;
+  for (int64_t qi = 0; qi < nq; ++qi)
+    attend_tile<HD>(qv + qi * head_dim, kt, vt, head_dim, lo, hi, softcap, s, m[qi], l[qi],
+                    acc + qi * head_dim);
+}
+
+#if defined(__AVX512F__)
+// attend_tiles for every query of `rows` rows of one chunk against a tile they see from its slot
+// 0 (full attention), row r up to its own slot his[r] (exclusive; <= 0: nothing). The same
+// arithmetic per query as attend_tile (the same blocks of 16 keys from slot 0, the same softmax
+// update, the same value sums in slot order), in another loop order: block by block of 16 keys
+// for all the queries, so that the block's K and V rows are read from L1 by every query instead
+// of the whole tile (64 KB of fp32 K and V at 128 slots, more than L1) once per query. The
+// query heads of a row (`group`, consecutive) share each V load. `s` holds rows * group rows of
+// s_stride floats.
+template <int HD>
+inline void attend_rows_avx512(const float* qv, int64_t rows, int64_t group, const int64_t* his,
+                               const float* kt, const float* vt, float softcap, float* s,
+                               int64_t s_stride, float* m, float* l, float* acc) {
+  constexpr int C = HD / 16;
+  int64_t hi_max = 0;
+  for (int64_t r = 0; r < rows; ++r) hi_max = std::max(hi_max, his[r]);
+  for (int64_t j0 = 0; j0 < hi_max; j0 += 16) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t n = std::min<int64_t>(16, his[r] - j0);
+      for (int64_t g = 0; n > 0 && g < group; ++g) {
+        const int64_t qi = r * group + g;
+        __m512 q[C];
+        for (int c = 0; c < C; ++c) q[c] = _mm512_loadu_ps(qv + qi * HD + 16 * c);
+        score_block_avx512<HD>(q, kt, j0, n, softcap, s + qi * s_stride);
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t g = 0; his[r] > 0 && g < group; ++g) {
+      const int64_t qi = r * group + g;
+      const float correction = softmax_tile_avx512(s + qi * s_stride, 0, his[r], m[qi], l[qi]);
+      const __m512 corr = _mm512_set1_ps(correction);
+      for (int c = 0; c < C; ++c) {
+        float* a = acc + qi * HD + 16 * c;
+        _mm512_storeu_ps(a, _mm512_mul_ps(_mm512_loadu_ps(a), corr));
+      }
+    }
+  }
+  const float ones[kQueryGroup] = {1.0f, 1.0f, 1.0f, 1.0f};  // acc * 1.0f is acc, exactly
+  for (int64_t j0 = 0; j0 < hi_max; j0 += 16) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t hi = std::min(j0 + 16, his[r]);
+      for (int64_t g0 = 0; hi > j0 && g0 < group; g0 += kQueryGroup) {
+        const int64_t qi = r * group + g0;
+        const float* sr = s + qi * s_stride;
+        float* a = acc + qi * HD;
+        switch (std::min(kQueryGroup, group - g0)) {
+          case 1: values_tile_avx512<HD, 1>(vt, j0, hi, sr, s_stride, ones, a); break;
+          case 2: values_tile_avx512<HD, 2>(vt, j0, hi, sr, s_stride, ones, a); break;
+          case 3: values_tile_avx512<HD, 3>(vt, j0, hi, sr, s_stride, ones, a); break;
+          default: values_tile_avx512<HD, 4>(vt, j0, hi, sr, s_stride, ones, a); break;
+        }
+      }
+    }
+  }
+}
+#endif
 
 // Keys are converted to fp32 a tile of this many slots at a time (whole blocks).
 constexpr int64_t kKeyTile = 128;
@@ -273,8 +426,10 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
       singles.push_back(s);
       continue;
     }
-    for (int64_t r = info[3 * s]; r < info[3 * s + 1]; r += kRowTile) {
-      items.push_back(Item{{s}, r, std::min(kRowTile, info[3 * s + 1] - r), 0});
+    const int64_t n = info[3 * s + 1] - info[3 * s];
+    const int64_t row_tile = window == 0 && n >= kLongRowTile ? kLongRowTile : kRowTile;
+    for (int64_t r = info[3 * s]; r < info[3 * s + 1]; r += row_tile) {
+      items.push_back(Item{{s}, r, std::min(row_tile, info[3 * s + 1] - r), 0});
     }
   }
   // Sort single-token sequences by their fully visible blocks, compared block by block, so that
@@ -316,10 +471,12 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
   const int64_t num_items = static_cast<int64_t>(items.size()) * num_kv_heads;
 
   at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
-    const int64_t max_queries = std::max(kRowTile, kCascadeRows) * group;
+    const int64_t max_queries = std::max(kLongRowTile, kCascadeRows) * group;
     std::vector<float> kt(tile_slots * head_dim), vt(tile_slots * head_dim);  // [slot][dim]
     std::vector<float> qf(max_queries * head_dim), acc(max_queries * head_dim);
-    std::vector<float> m(max_queries), l(max_queries), s(tile_slots + 16);
+    const int64_t s_stride = tile_slots + 16;
+    std::vector<float> m(max_queries), l(max_queries), s(max_queries * s_stride);
+    std::vector<int64_t> his(kLongRowTile);
 
     // Convert slots [lo, hi) of the tile starting at block b0 of `table` into kt/vt.
     auto load_tile = [&](const int32_t* table, int64_t kvh, int64_t b0, int64_t lo, int64_t hi) {
@@ -358,6 +515,19 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
         const int64_t used_lo = std::max<int64_t>(0, lo - kpos0);
         const int64_t used_hi = std::min<int64_t>(tile_slots, last_pos - kpos0 + 1);
         load_tile(table, kvh, b0, used_lo, used_hi);
+#if defined(__AVX512F__)
+        if constexpr (HD > 0 && HD % 16 == 0) {
+          if (window == 0 && rows > 1) {  // every row sees the tile from slot 0
+            for (int64_t r = 0; r < rows; ++r)
+              his[r] = std::min<int64_t>(tile_slots, first_pos + r - kpos0 + 1);
+            const int64_t qi = e0 * group;
+            attend_rows_avx512<HD>(qf.data() + qi * HD, rows, group, his.data(), kt.data(),
+                                   vt.data(), softcap, s.data(), s_stride, m.data() + qi,
+                                   l.data() + qi, acc.data() + qi * HD);
+            continue;
+          }
+        }
+#endif
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t qpos = first_pos + r;
           const int64_t vis_lo = window > 0 ? std::max<int64_t>(0, qpos - window + 1) : 0;
@@ -365,11 +535,10 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
           const int64_t j_lo = std::max<int64_t>(0, vis_lo - kpos0);
           const int64_t j_hi = std::min<int64_t>(tile_slots, qpos - kpos0 + 1);
           if (j_lo >= j_hi) continue;
-          for (int64_t g = 0; g < group; ++g) {
-            const int64_t qi = (e0 + r) * group + g;
-            attend_tile<HD>(qf.data() + qi * head_dim, kt.data(), vt.data(), head_dim, j_lo, j_hi,
-                            softcap, s.data(), m[qi], l[qi], acc.data() + qi * head_dim);
-          }
+          const int64_t qi = (e0 + r) * group;  // the row's query heads, consecutive
+          attend_tiles<HD>(qf.data() + qi * head_dim, group, kt.data(), vt.data(), head_dim, j_lo,
+                           j_hi, softcap, s.data(), s_stride, m.data() + qi, l.data() + qi,
+                           acc.data() + qi * head_dim);
         }
       }
     };
@@ -400,10 +569,8 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
         for (int64_t b0 = 0; b0 < item.shared_blocks; b0 += tile_blocks) {
           const int64_t slots = (std::min(b0 + tile_blocks, item.shared_blocks) - b0) * block_size;
           load_tile(table, kvh, b0, 0, slots);
-          for (int64_t qi = 0; qi < nq; ++qi) {
-            attend_tile<HD>(qf.data() + qi * head_dim, kt.data(), vt.data(), head_dim, 0, slots,
-                            softcap, s.data(), m[qi], l[qi], acc.data() + qi * head_dim);
-          }
+          attend_tiles<HD>(qf.data(), nq, kt.data(), vt.data(), head_dim, 0, slots, softcap,
+                           s.data(), s_stride, m.data(), l.data(), acc.data());
         }
         for (int64_t e = 0; e < entries; ++e) {
           own_blocks(item.seqs[e], row_of(e), 1, e, kvh, item.shared_blocks);
