@@ -88,24 +88,31 @@ class StreamPool {
  private:
   static constexpr int64_t kSpinMicros = 200;
   // Signs that the helpers are not getting a core (other processes on this CPU): the caller
-  // waited this long for a helper's chunk, or the helpers ran under 1/8 of the chunks of the
-  // last kWindowJobs jobs. Then the next kBackoffJobs jobs (a few dozen decode steps) run on
-  // the caller alone, and the helpers go to sleep: with one busy process beside a two-thread
-  // engine, decode batch 1 ran 20.2 ms with the helpers against 16.2 without them.
+  // waited this long for a helper's chunk kStallsToBackOff times within the last kWindowJobs
+  // jobs, or the helpers ran under 1/8 of their chunks. Then the next kBackoffJobs jobs (a few
+  // decode steps) run on the caller alone, and the helpers go to sleep: with one busy process
+  // beside a two-thread engine, decode batch 1 ran 20.2 ms with the helpers against 16.2
+  // without them. One stall is not enough: on a virtual machine whose host takes a core away now
+  // and then, backing off at the first stall left decode on one thread most of the time (a
+  // decode step of the default model 32.6 ms against 18.1 with the helpers kept).
   static constexpr int64_t kStallMicros = 300;
+  static constexpr int64_t kStallsToBackOff = 8;
   static constexpr int64_t kWindowJobs = 256;
-  static constexpr int64_t kBackoffJobs = 4096;
+  static constexpr int64_t kBackoffJobs = 1024;
 
   // Caller-side bookkeeping of the contention signs above (under busy_).
   void note_job(int64_t chunks, int64_t helper_chunks, bool stalled) {
     window_chunks_ += chunks;
     window_helper_chunks_ += helper_chunks;
+    window_stalls_ += stalled ? 1 : 0;
     const bool starved = ++window_jobs_ >= kWindowJobs && 8 * window_helper_chunks_ < window_chunks_;
+    const bool stalling = window_stalls_ >= kStallsToBackOff;
     if (window_jobs_ >= kWindowJobs) window_jobs_ = window_chunks_ = window_helper_chunks_ = 0;
-    if (stalled || starved) {
+    if (window_jobs_ == 0) window_stalls_ = 0;
+    if (stalling || starved) {
       backoffs_.fetch_add(1, std::memory_order_relaxed);
       backoff_ = kBackoffJobs;
-      window_jobs_ = window_chunks_ = window_helper_chunks_ = 0;
+      window_jobs_ = window_chunks_ = window_helper_chunks_ = window_stalls_ = 0;
     }
   }
 
@@ -181,6 +188,7 @@ class StreamPool {
   int64_t window_jobs_ = 0;
   int64_t window_chunks_ = 0;
   int64_t window_helper_chunks_ = 0;
+  int64_t window_stalls_ = 0;
   std::mutex mu_;
   std::condition_variable cv_;
   std::vector<std::thread> helpers_;
