@@ -1,6 +1,6 @@
 """bf16 vs fp32 GEMMs on this CPU, at the default model's linear shapes, by batch rows.
 
-    .venv/bin/python benchmarks/bench_gemm.py [--rows 8,16,32,64,128,256,512,2048]
+    .venv/bin/python benchmarks/bench_gemm.py [--rows 8,16,32,64,128,256,512,2048] [--native]
 
 For each (in, out) shape and row count M: the bf16 linear the model uses for small batches
 (oneDNN-packed where this CPU can pack bf16 weights, plain `F.linear` in bf16 elsewhere, as
@@ -8,6 +8,11 @@ For each (in, out) shape and row count M: the bf16 linear the model uses for sma
 of the weight (input cast up, output cast back to bf16, as `Linear` does for batches of its fp32
 row threshold or more). Prints GFLOP/s of each and the ratio; median of 7 repeats of >= 50 ms
 each.
+
+`--native` adds the native GEMM (csrc/gemm_bf16.cpp: fp32 FMAs on packed bf16 weights, one
+summation order at every row count) and, for up to 16 rows, the streaming kernel
+(csrc/gemv.cpp), both on as many threads as torch has, and the native GEMM's ratio to the best
+of the others.
 
 First it prints this host's GEMM peak: a 2,048-cube matmul in bf16 (oneDNN) and in fp32, the
 reference against which the model's prefill is stated (BENCHMARKS.md, "Model speed").
@@ -26,6 +31,10 @@ import time  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from prefixserve.model.kernels.build import (  # noqa: E402
+    linear_bf16_packed_kernels,
+    linear_bf16_small_kernel,
+)
 from prefixserve.model.kernels.cpu_paths import describe_cpu  # noqa: E402
 from prefixserve.model.layers import common as layers  # noqa: E402
 
@@ -66,7 +75,15 @@ def main() -> None:
         default="",
         help="also the LM head's shape (576 x 49152) at these rows, e.g. 1,8,16",
     )
+    ap.add_argument(
+        "--native",
+        action="store_true",
+        help="also the native GEMM and (up to 16 rows) the streaming kernel",
+    )
     args = ap.parse_args()
+    native = linear_bf16_packed_kernels() if args.native else None
+    if args.native and native is None:
+        raise SystemExit("--native: the native kernels are unavailable here (see the warning)")
     rows = [int(r) for r in args.rows.split(",")]
     packing = layers.bf16_packing_supported()
     print(describe_cpu())
@@ -79,8 +96,13 @@ def main() -> None:
         for name, peak in gemm_peaks().items():
             print(f"GEMM peak {name}: {peak:.0f} GFLOP/s (2048 x 2048 x 2048)")
     kind = "packed" if packing else "F.linear"
-    print(f"| shape (in x out) | rows | bf16 {kind} GFLOP/s | fp32 GFLOP/s | fp32 speed-up |")
-    print("|---|---:|---:|---:|---:|")
+    head = f"| shape (in x out) | rows | bf16 {kind} GFLOP/s | fp32 GFLOP/s | fp32 speed-up |"
+    rule = "|---|---:|---:|---:|---:|"
+    if native:
+        head += " native GEMM GFLOP/s | streaming GFLOP/s | native / best other |"
+        rule += "---:|---:|---:|"
+    print(head)
+    print(rule)
     cases = [(shape, rows) for shape in SHAPES]
     if args.lm_head_rows:
         cases.append((LM_HEAD, [int(r) for r in args.lm_head_rows.split(",")]))
@@ -103,10 +125,29 @@ def main() -> None:
                 t16 = seconds(lambda x=x, f=bf16: f(x))
                 t32 = seconds(lambda x=x, w=w32: F.linear(x.float(), w).to(torch.bfloat16))
                 flops = 2 * m * k * n
-                print(
+                line = (
                     f"| {k} x {n} | {m} | {flops / t16 / 1e9:.0f} | {flops / t32 / 1e9:.0f} "
                     f"| {t16 / t32:.2f}x |"
                 )
+                if native:
+                    line += native_cells(native, w, x, t16, t32, flops)
+                print(line)
+
+
+def native_cells(native, w, x, t16: float, t32: float, flops: int) -> str:
+    """The --native columns for one shape and row count."""
+    pack, run = native[0], native[1]
+    m, n = x.shape[0], w.shape[0]
+    threads = torch.get_num_threads()
+    packed, out = pack(w), torch.empty(m, n, dtype=torch.bfloat16)
+    t_native = seconds(lambda: run(out, x, packed, n, None, threads))
+    t_stream = float("inf")
+    stream = linear_bf16_small_kernel()
+    if m <= 16 and stream is not None:
+        t_stream = seconds(lambda: stream(out, x, w, None, threads))
+    stream_cell = f"{flops / t_stream / 1e9:.0f}" if t_stream != float("inf") else "-"
+    best = min(t16, t32, t_stream)
+    return f" {flops / t_native / 1e9:.0f} | {stream_cell} | {best / t_native:.2f}x |"
 
 
 if __name__ == "__main__":
