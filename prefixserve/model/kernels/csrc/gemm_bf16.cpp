@@ -352,18 +352,12 @@ bool gemm_bf16_vectorized() {
 torch::Tensor pack_bf16_gemm(torch::Tensor w) {
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == torch::kBFloat16 && w.dim() == 2,
               "pack_bf16_gemm needs a 2-D bfloat16 CPU weight");
-  w = w.contiguous();
   const int64_t N = w.size(0), K = w.size(1);
   const int64_t panels = (N + kPanel - 1) / kPanel, pairs = (K + 1) / 2;
-  auto packed = torch::zeros({panels * pairs * 2 * kPanel}, w.options());
-  const auto* src = reinterpret_cast<const uint16_t*>(w.data_ptr<c10::BFloat16>());
-  auto* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<c10::BFloat16>());
-  for (int64_t n = 0; n < N; ++n) {
-    uint16_t* panel = dst + (n / kPanel) * pairs * 2 * kPanel;
-    const int64_t col = n % kPanel;
-    for (int64_t k = 0; k < K; ++k) panel[(k / 2) * 2 * kPanel + 2 * col + (k % 2)] = src[n * K + k];
-  }
-  return packed;
+  // Zero-pad to whole panels and an even K, then [panel][col][pair][2] -> [panel][pair][col][2]
+  // (torch's strided copy: a few hundred ms for Gemma 3's 262,144 x 640 head).
+  const auto padded = at::constant_pad_nd(w, {0, 2 * pairs - K, 0, panels * kPanel - N});
+  return padded.view({panels, kPanel, pairs, 2}).permute({0, 2, 1, 3}).contiguous().view({-1});
 }
 
 namespace {
