@@ -57,7 +57,11 @@ def test_completion_returns_text_and_usage_with_cached_tokens(client):
     # The second request's full prompt blocks were cached by the first.
     full_blocks = (usage.prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
     assert usage.prompt_tokens_details.cached_tokens == full_blocks > 0
-    assert first.choices[0].text == choice.text
+    # Not compared with `first`'s text: this server runs bf16 without --batch-invariant, where
+    # the hit's 4-token chunk attends by another path than the cold 20-token one (see fresh()).
+    # The same bits from a hit are the invariant mode's promise
+    # (tests/model/test_batch_invariance.py).
+    assert first.choices[0].finish_reason in ("length", "stop")
 
 
 def test_a_repeated_prompt_reports_its_full_blocks_as_cached(client):
