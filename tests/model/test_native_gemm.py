@@ -213,3 +213,25 @@ def test_a_gated_mlp_fuses_its_activation_unless_gate_up_has_lora(monkeypatch):
     mlp.gate_up_proj.lora = type("NoUpdate", (), {"apply": lambda self, x, out: None})()
     assert torch.equal(mlp.forward(x), fused)  # the unfused ops: same bits for SiLU
     assert fused_calls == [1]
+
+
+def test_a_decode_sized_call_names_the_next_linears_weight_to_prefetch(default_model_bf16):
+    """pack_linears chains each native Linear to the next in forward order (qkv, o, gate_up,
+    down, ..., the LM head, then the first qkv again); passing the weight to prefetch changes
+    no result (a hint to the stream pool's idle helpers)."""
+    model = default_model_bf16.model
+    if model.lm_head._gemm is None:
+        pytest.skip("this CPU does not take the native GEMM")
+    layer = model.model.layers[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    assert attn.qkv_proj._next_packed is attn.o_proj._gemm[0]
+    assert attn.o_proj._next_packed is mlp.gate_up_proj._gemm[0]
+    assert mlp.gate_up_proj._next_packed is mlp.down_proj._gemm[0]
+    assert mlp.down_proj._next_packed is model.model.layers[1].self_attn.qkv_proj._gemm[0]
+    assert model.model.layers[-1].mlp.down_proj._next_packed is model.lm_head._gemm[0]
+    assert model.lm_head._next_packed is attn.qkv_proj._gemm[0]
+    packed, n, bias = attn.qkv_proj._gemm
+    x = torch.randn(3, attn.qkv_proj.in_features).bfloat16()
+    with_hint = torch.empty(3, n, dtype=torch.bfloat16)
+    KERNELS[1](with_hint, x, packed, n, bias, 2, mlp.down_proj._gemm[0])
+    assert torch.equal(with_hint, gemm(x, packed, n, bias))

@@ -188,6 +188,9 @@ class Linear(nn.Linear):
     _stream: tuple[torch.Tensor, torch.Tensor | None] | None = None
     # (packed weight, out features, bias) for the native GEMM, where the CPU takes it.
     _gemm: tuple[torch.Tensor, int, torch.Tensor | None] | None = None
+    # The packed weight of the Linear the forward pass runs next (`pack_linears`): a
+    # decode-sized native call has the stream pool's helpers prefetch it.
+    _next_packed: torch.Tensor | None = None
 
     def reset_parameters(self) -> None:
         # On the meta device (create_model) there is nothing to initialize, and the random init's
@@ -197,7 +200,7 @@ class Linear(nn.Linear):
         super().reset_parameters()
 
     def pack(self, fp32_copy: bool = True) -> None:
-        self._packed = self._fp32 = self._stream = self._gemm = None
+        self._packed = self._fp32 = self._stream = self._gemm = self._next_packed = None
         gemm = _kernel("gemm") if self.weight.dtype == torch.bfloat16 else None
         if gemm is not None:
             bias = None if self.bias is None else self.bias.detach().contiguous()
@@ -254,7 +257,8 @@ class Linear(nn.Linear):
         packed, out_features, bias = gemm
         x = x.contiguous()
         out = x.new_empty(x.shape[0], out_features // 2)
-        _kernel("gemm")[2](out, x, packed, out_features, bias, act, STREAM_THREADS[0])
+        gated = _kernel("gemm")[2]
+        gated(out, x, packed, out_features, bias, act, STREAM_THREADS[0], self._next_packed)
         return out
 
     def _native(self, x: torch.Tensor) -> torch.Tensor:
@@ -262,7 +266,9 @@ class Linear(nn.Linear):
         packed, out_features, bias = self._gemm
         rows = x.reshape(-1, x.shape[-1]).contiguous()
         out = rows.new_empty(rows.shape[0], out_features)
-        _kernel("gemm")[1](out, rows, packed, out_features, bias, STREAM_THREADS[0])
+        _kernel("gemm")[1](
+            out, rows, packed, out_features, bias, STREAM_THREADS[0], self._next_packed
+        )
         return out.view(*x.shape[:-1], out_features)
 
     def _by_row_count(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -297,6 +303,11 @@ def pack_linears(model: nn.Module, no_fp32_copy: tuple[nn.Module, ...] = ()) -> 
     for module in linears:
         module.pack(fp32_copy=not any(module is m for m in no_fp32_copy))
     move_to_huge_pages(m._gemm[0] for m in linears if m._gemm is not None)
+    # Each native Linear names the next one's weight (module order is the forward order: a
+    # layer's qkv, o, gate_up, down, ..., the LM head, then the first layer's qkv again).
+    native = [m for m in linears if m._gemm is not None]
+    for module, following in zip(native, native[1:] + native[:1], strict=True):
+        module._next_packed = following._gemm[0]
 
 
 @contextlib.contextmanager

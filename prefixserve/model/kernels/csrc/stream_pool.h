@@ -85,7 +85,36 @@ class StreamPool {
     if (!compute_bound) note_job(num_chunks, num_chunks - mine, stalled);
   }
 
+  // Asks the helpers to bring [p, p + bytes) toward their caches while they wait for the next
+  // job (the next linear's weight, read while the caller runs Python between two linears). A
+  // hint: prefetches never fault, so a region freed meanwhile costs nothing but the reads.
+  void prefetch(const void* p, int64_t bytes) {
+    pf_bytes_.store(std::min<int64_t>(bytes, kPrefetchMaxBytes), std::memory_order_relaxed);
+    pf_next_.store(0, std::memory_order_relaxed);
+    pf_ptr_.store(static_cast<const char*>(p), std::memory_order_release);
+  }
+
  private:
+  static constexpr int64_t kPrefetchPiece = 16 * 1024;
+  static constexpr int64_t kPrefetchMaxBytes = 1536 * 1024;
+
+  // One piece of the pending prefetch, if any is left; false when none.
+  bool prefetch_piece() {
+    const char* base = pf_ptr_.load(std::memory_order_acquire);
+    if (base == nullptr) return false;
+    const int64_t bytes = pf_bytes_.load(std::memory_order_relaxed);
+    const int64_t off = pf_next_.fetch_add(kPrefetchPiece, std::memory_order_relaxed);
+    if (off >= bytes) {
+      pf_ptr_.compare_exchange_strong(base, nullptr, std::memory_order_relaxed);
+      return false;
+    }
+#if defined(__SSE2__)
+    for (int64_t b = off; b < std::min(bytes, off + kPrefetchPiece); b += 64)
+      _mm_prefetch(base + b, _MM_HINT_T1);
+#endif
+    return true;
+  }
+
   static constexpr int64_t kSpinMicros = 200;
   // Signs that the helpers are not getting a core (other processes on this CPU): the caller
   // waited this long for a helper's chunk kStallsToBackOff times within the last kWindowJobs
@@ -163,6 +192,7 @@ class StreamPool {
     for (int i = 0;; ++i) {
       const uint64_t gen = next_.load(std::memory_order_acquire) >> 32;
       if (gen != seen) return gen;
+      if (prefetch_piece()) continue;
       pause();
       if ((i & 255) == 255 && std::chrono::steady_clock::now() > until) break;
     }
@@ -175,6 +205,9 @@ class StreamPool {
 
   std::atomic<uint64_t> next_{0};
   std::atomic<int64_t> done_{0};
+  std::atomic<const char*> pf_ptr_{nullptr};
+  std::atomic<int64_t> pf_bytes_{0};
+  std::atomic<int64_t> pf_next_{0};
   std::atomic<int> sleeping_{0};
   // The job's fields, written before its generation is published (release) and read after a
   // helper saw it (acquire); atomics so that a stale read racing the next job is defined.
