@@ -4,7 +4,7 @@
 
 For each (in, out) shape and row count M: the bf16 linear the model uses for small batches
 (oneDNN-packed where this CPU can pack bf16 weights, plain `F.linear` in bf16 elsewhere, as
-`prefixserve.model.layers.common.Linear` chooses), against `F.linear` in fp32 from an fp32 copy
+`prefixserve.model.layers.linear.Linear` chooses), against `F.linear` in fp32 from an fp32 copy
 of the weight (input cast up, output cast back to bf16, as `Linear` does for batches of its fp32
 row threshold or more). Prints GFLOP/s of each and the ratio; median of 7 repeats of >= 50 ms
 each.
@@ -35,8 +35,7 @@ from prefixserve.model.kernels.build import (  # noqa: E402
     linear_bf16_packed_kernels,
     linear_bf16_small_kernel,
 )
-from prefixserve.model.kernels.cpu_paths import describe_cpu  # noqa: E402
-from prefixserve.model.layers import common as layers  # noqa: E402
+from prefixserve.model.kernels.cpu_paths import bf16_packing_supported, describe_cpu  # noqa: E402
 
 # (in_features, out_features) of SmolLM2-135M's fused qkv, o, gate_up and down projections.
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]
@@ -85,7 +84,7 @@ def main() -> None:
     if args.native and native is None:
         raise SystemExit("--native: the native kernels are unavailable here (see the warning)")
     rows = [int(r) for r in args.rows.split(",")]
-    packing = layers.bf16_packing_supported()
+    packing = bf16_packing_supported()
     print(describe_cpu())
     print(
         f"torch {torch.__version__} | threads {torch.get_num_threads()} | AMX "

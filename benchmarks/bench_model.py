@@ -34,7 +34,8 @@ from prefixserve.core.request import Request  # noqa: E402
 from prefixserve.core.sched.output import ScheduledRequest, SchedulerOutput  # noqa: E402
 from prefixserve.model.kernels.build import rms_norm_kernel  # noqa: E402
 from prefixserve.model.kernels.cpu_paths import describe_cpu  # noqa: E402
-from prefixserve.model.layers import common as layers  # noqa: E402
+from prefixserve.model.layers import kernel_table  # noqa: E402
+from prefixserve.model.layers import linear as layers  # noqa: E402
 from prefixserve.model.loader.loading import load_model  # noqa: E402
 from prefixserve.sampling_params import SamplingParams  # noqa: E402
 from prefixserve.worker.model_runner import ModelRunner  # noqa: E402
@@ -78,7 +79,7 @@ class Ours:
 
     def _execute(self, scheduler_output: SchedulerOutput):
         # The RMSNorm kernel is looked up process-wide; switch it per engine for --baseline.
-        layers._kernels["rms_norm"] = rms_norm_kernel() if self.native else None
+        kernel_table._kernels["rms_norm"] = rms_norm_kernel() if self.native else None
         return self.runner.execute(scheduler_output)
 
     def _blocks(self, n_tokens: int) -> tuple[list[int], ...]:
@@ -290,12 +291,12 @@ def main() -> None:
         base.native = False
         engines.append(base)
     if args.no_native_gemm_baseline:
-        gemm = layers._kernel("gemm")
-        layers._kernels["gemm"] = None  # Linear.pack() then keeps the other paths' weights
+        gemm = kernel_table._kernel("gemm")
+        kernel_table._kernels["gemm"] = None  # Linear.pack() then keeps the other paths' weights
         try:
             other = load_model(args.model, dtype="bfloat16")
         finally:
-            layers._kernels["gemm"] = gemm
+            kernel_table._kernels["gemm"] = gemm
         engines.append(Ours(other, num_blocks=blocks, name="no-native-gemm"))
     if args.batch_invariant:
         engines.append(

@@ -53,13 +53,14 @@ def kernels_enabled() -> bool:
 
 
 def fp32_prefill() -> bool | None:
-    """PREFIXSERVE_FP32_PREFILL as a switch; None leaves the choice to the CPU (see layers.py)."""
+    """PREFIXSERVE_FP32_PREFILL as a switch; None leaves the choice to the CPU (see
+    model/layers/linear.py)."""
     return env_flag("PREFIXSERVE_FP32_PREFILL")
 
 
 def native_gemm() -> bool | None:
     """PREFIXSERVE_NATIVE_GEMM as a switch; None leaves the choice to the CPU table (whether bf16
-    linears take csrc/gemm_bf16.cpp at every row count, layers.py)."""
+    linears take csrc/gemm_bf16.cpp at every row count, model/layers/linear.py)."""
     return env_flag("PREFIXSERVE_NATIVE_GEMM")
 
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from prefixserve.lora.adapter import LoRAAdapter
-from prefixserve.model.layers.common import compiled_kernel
+from prefixserve.model.layers.kernel_table import compiled_kernel
 
 TARGET_LINEARS = {"self_attn": ("qkv_proj", "o_proj"), "mlp": ("gate_up_proj", "down_proj")}
 

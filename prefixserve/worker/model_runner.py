@@ -35,12 +35,8 @@ from prefixserve.model.layers.attention import (
     build_attention_metadata,
     prefill_kernel_for,
 )
-from prefixserve.model.layers.common import (
-    ForwardContext,
-    batch_invariant_linears,
-    one_thread,
-    set_stream_threads,
-)
+from prefixserve.model.layers.common import ForwardContext, one_thread
+from prefixserve.model.layers.linear import batch_invariant_linears, set_stream_threads
 from prefixserve.settings import omp_threads_sleep
 from prefixserve.spec_decode.verify import GeneratorRewind, num_accepted, row_views
 from prefixserve.worker.sampler import is_greedy
@@ -176,7 +172,7 @@ class ModelRunner:
         self.prefill_kernel = prefill_kernel_for(config, prefill_attention_kernel())
         # Batch-invariant: every chunk attends through the paged kernel (each query's keys in
         # the same fixed tiles, whether they were cached or computed this step, whatever the
-        # chunk's length), and linears take one path (`common.batch_invariant_linears`).
+        # chunk's length), and linears take one path (`linear.batch_invariant_linears`).
         self.batch_invariant = batch_invariant
         self.kernel_max_queries: int | None = None
         if batch_invariant:

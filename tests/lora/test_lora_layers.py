@@ -9,7 +9,7 @@ import torch
 
 from prefixserve.lora.adapter import LoRAAdapter, lora_weights
 from prefixserve.lora.layers import KERNEL_MAX_ROWS, LoRABatch, LoRALinear
-from prefixserve.model.layers import common as model_layers
+from prefixserve.model.layers import kernel_table as model_layers
 
 
 def adapter(name: str, rank: int, in_f: int, out_f: int, dtype, seed: int) -> LoRAAdapter:

@@ -25,7 +25,8 @@ from prefixserve.engine_args import EngineArgs
 from prefixserve.kv_store import KVStoreConfig
 from prefixserve.lora.config import LoRAConfig
 from prefixserve.model.kernels.build import paged_attention_kernel
-from prefixserve.model.layers.common import Linear, batch_invariant_linears, compiled_kernel
+from prefixserve.model.layers.kernel_table import compiled_kernel
+from prefixserve.model.layers.linear import Linear, batch_invariant_linears
 from prefixserve.model.loader.loading import LoadedModel
 from prefixserve.sampling_params import SamplingParams
 from tests.helpers.models import VOCAB, build_hf_model, build_ours

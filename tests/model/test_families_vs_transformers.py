@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from prefixserve.core.kv_cache.spec import SlidingWindowSpec
-from prefixserve.model.layers import common as layers
+from prefixserve.model.kernels.cpu_paths import bf16_packing_supported
+from prefixserve.model.layers import kernel_table
 from prefixserve.model.layers.attention import ScheduledSpan, build_attention_metadata
 from prefixserve.model.layers.common import ForwardContext
 from tests.helpers.models import VOCAB, assert_close, build_hf_model, build_ours, reference_logits
@@ -142,10 +143,10 @@ def test_bfloat16_stays_close_to_fp32_reference(family, tmp_path):
     model, config = build_ours(hf_model, config_json, dtype="bfloat16")
     assert next(model.parameters()).dtype == torch.bfloat16
     linear = model.model.layers[0].mlp.gate_up_proj
-    if layers._kernel("gemm") is not None:  # the native GEMM where the CPU takes it
+    if kernel_table._kernel("gemm") is not None:  # the native GEMM where the CPU takes it
         assert linear._gemm is not None and linear._packed is None
     else:  # else oneDNN-packed wherever oneDNN can pack bf16 (not on AVX2-only CPUs)
-        assert (linear._packed is not None) == layers.bf16_packing_supported()
+        assert (linear._packed is not None) == bf16_packing_supported()
     prompt = tokens(40, seed=6)  # >= 32 queries: the fp32 attention path
     bs = 4
     caches = [

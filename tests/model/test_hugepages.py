@@ -8,7 +8,7 @@ import torch
 
 from prefixserve.model.kernels import hugepages
 from prefixserve.model.kernels.hugepages import HUGE_PAGE, huge_page_arena, move_to_huge_pages
-from prefixserve.model.layers.common import Linear
+from prefixserve.model.layers.linear import Linear
 
 
 def test_parameters_move_once_keep_their_values_and_their_ties():

@@ -9,15 +9,16 @@ import torch
 import torch.nn.functional as F
 
 from prefixserve.model.kernels import cpu_paths
-from prefixserve.model.layers import common as layers
-from prefixserve.model.layers.common import FP32_MIN_ROWS, Linear
+from prefixserve.model.layers import kernel_table
+from prefixserve.model.layers import linear as layers
+from prefixserve.model.layers.linear import FP32_MIN_ROWS, Linear
 
 
 @pytest.fixture(autouse=True)
 def no_native_gemm(monkeypatch):
     """These paths are what a CPU without the native GEMM takes (or this one with
     PREFIXSERVE_NATIVE_GEMM=0)."""
-    monkeypatch.setitem(layers._kernels, "gemm", None)
+    monkeypatch.setitem(kernel_table._kernels, "gemm", None)
 
 
 def make_linear(bias=True):
@@ -171,7 +172,7 @@ def test_few_rows_stream_through_the_native_kernel_with_one_rounding(
     K tails that are no multiple of the vector width (100, 33) are masked, not read past; the
     rows split over the kernel's helper threads (4,099 outputs: many chunks, a short last one)
     are each computed once."""
-    kernel = layers._kernel("linear_small")
+    kernel = kernel_table._kernel("linear_small")
     if kernel is None:
         pytest.skip("native kernels unavailable")
     calls = []
@@ -180,7 +181,7 @@ def test_few_rows_stream_through_the_native_kernel_with_one_rounding(
         calls.append((args[1].shape[0], args[4]))
         return kernel(*args)
 
-    monkeypatch.setitem(layers._kernels, "linear_small", spy)
+    monkeypatch.setitem(kernel_table._kernels, "linear_small", spy)
     torch.manual_seed(1)
     lin = Linear(in_features, out_features, bias=bias).to(torch.bfloat16)
     lin.pack()
@@ -200,7 +201,7 @@ def test_few_rows_stream_through_the_native_kernel_with_one_rounding(
 
 
 def test_the_stream_kernel_refuses_what_it_cannot_compute():
-    kernel = layers._kernel("linear_small")
+    kernel = kernel_table._kernel("linear_small")
     if kernel is None:
         pytest.skip("native kernels unavailable")
     w = torch.randn(8, 16).to(torch.bfloat16)
@@ -222,7 +223,7 @@ def _stream(kernel, x, w, threads):
 
 
 def _stream_in_child(x, w, threads):
-    return _stream(layers._kernel("linear_small"), x, w, threads)
+    return _stream(kernel_table._kernel("linear_small"), x, w, threads)
 
 
 def test_the_stream_pool_serves_concurrent_callers_and_forked_children():
@@ -231,7 +232,7 @@ def test_the_stream_pool_serves_concurrent_callers_and_forked_children():
     import multiprocessing
     import threading
 
-    kernel = layers._kernel("linear_small")
+    kernel = kernel_table._kernel("linear_small")
     if kernel is None:
         pytest.skip("native kernels unavailable")
     torch.manual_seed(2)
@@ -264,7 +265,7 @@ def test_the_stream_pool_stays_exact_when_its_helpers_get_no_core():
     import threading
     import time
 
-    kernel = layers._kernel("linear_small")
+    kernel = kernel_table._kernel("linear_small")
     if kernel is None:
         pytest.skip("native kernels unavailable")
     torch.manual_seed(3)

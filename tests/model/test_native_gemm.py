@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from prefixserve.model.kernels import build, cpu_paths
-from prefixserve.model.layers import common as layers
-from prefixserve.model.layers.common import Linear
+from prefixserve.model.layers import common, kernel_table, linear
+from prefixserve.model.layers.linear import Linear
 
 KERNELS = build.linear_bf16_packed_kernels()
 pytestmark = pytest.mark.skipif(KERNELS is None, reason="native kernels unavailable")
@@ -89,7 +89,7 @@ def test_the_native_gemm_refuses_what_it_cannot_compute():
 def unfused_gated(x, packed, two_i, bias, act):
     """The gated MLP's first half as separate bf16 ops over the plain native GEMM."""
     gate, up = gemm(x, packed, two_i, bias).split(two_i // 2, dim=-1)
-    return layers._ACTIVATIONS[act](gate) * up
+    return common._ACTIVATIONS[act](gate) * up
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -109,15 +109,15 @@ def test_the_gated_epilogue_is_the_separate_ops_within_their_roundings(bias, act
     for rows in (1, 2, 5, 6, 7, 13, 40):
         x = torch.randn(rows, k).bfloat16()
         out = torch.empty(rows, half, dtype=torch.bfloat16)
-        KERNELS[2](out, x, packed, 2 * half, b, layers.GATED_ACTS[act], 2)
+        KERNELS[2](out, x, packed, 2 * half, b, common.GATED_ACTS[act], 2)
         gate, up = gemm(x, packed, 2 * half, b).split(half, dim=-1)
-        exact = layers._ACTIVATIONS[act](gate.double()).bfloat16().double() * up.double()
+        exact = common._ACTIVATIONS[act](gate.double()).bfloat16().double() * up.double()
         scale = (gate.double().abs() * up.double().abs()).clamp_min(1e-30)
         assert ((out.double() - exact).abs() <= scale * 2**-8 + 1e-30).all(), rows
         if act == "silu":
             assert torch.equal(out, unfused_gated(x, packed, 2 * half, b, act)), rows
         alone = torch.empty(1, half, dtype=torch.bfloat16)
-        KERNELS[2](alone, x[-1:].contiguous(), packed, 2 * half, b, layers.GATED_ACTS[act], 1)
+        KERNELS[2](alone, x[-1:].contiguous(), packed, 2 * half, b, common.GATED_ACTS[act], 1)
         assert torch.equal(alone, out[-1:])  # batch-invariant as the plain call
 
 
@@ -137,16 +137,16 @@ def test_the_gated_epilogue_refuses_what_it_cannot_compute():
 
 @pytest.fixture
 def native_linear(monkeypatch):
-    if layers._kernel("gemm") is None:
+    if kernel_table._kernel("gemm") is None:
         pytest.skip("this CPU does not take the native GEMM (or its AVX-512 tiles are not built)")
     calls = []
-    pack, run, gated = layers._kernel("gemm")
+    pack, run, gated = kernel_table._kernel("gemm")
 
     def spy(out, x, *args):
         calls.append(x.shape[0])
         return run(out, x, *args)
 
-    monkeypatch.setitem(layers._kernels, "gemm", (pack, spy, gated))
+    monkeypatch.setitem(kernel_table._kernels, "gemm", (pack, spy, gated))
     torch.manual_seed(5)
     lin = Linear(96, 70, bias=True).to(torch.bfloat16)
     lin.pack()
@@ -171,12 +171,12 @@ def test_a_forced_fp32_copy_still_takes_large_batches(native_linear, monkeypatch
     lin, calls = native_linear
     lin.pack()
     assert lin._fp32 is not None
-    lin(torch.randn(layers.FP32_MIN_ROWS, 96).bfloat16())
+    lin(torch.randn(linear.FP32_MIN_ROWS, 96).bfloat16())
     assert calls == []
-    lin(torch.randn(layers.FP32_MIN_ROWS - 1, 96).bfloat16())
-    with layers.batch_invariant_linears(True):  # one path at every row count
-        lin(torch.randn(layers.FP32_MIN_ROWS, 96).bfloat16())
-    assert calls == [layers.FP32_MIN_ROWS - 1, layers.FP32_MIN_ROWS]
+    lin(torch.randn(linear.FP32_MIN_ROWS - 1, 96).bfloat16())
+    with linear.batch_invariant_linears(True):  # one path at every row count
+        lin(torch.randn(linear.FP32_MIN_ROWS, 96).bfloat16())
+    assert calls == [linear.FP32_MIN_ROWS - 1, linear.FP32_MIN_ROWS]
 
 
 def test_the_cpu_table_and_the_switch_decide_where_the_native_gemm_runs(monkeypatch):
@@ -187,19 +187,19 @@ def test_the_cpu_table_and_the_switch_decide_where_the_native_gemm_runs(monkeypa
         assert cpu_paths.native_gemm_wanted() == (kind in ("avx512_bf16_intel", "avx512")), kind
     monkeypatch.setenv("PREFIXSERVE_NATIVE_GEMM", "0")
     assert not cpu_paths.native_gemm_wanted()
-    assert layers._native_gemm_kernels() is None
+    assert kernel_table._native_gemm_kernels() is None
     monkeypatch.setenv("PREFIXSERVE_NATIVE_GEMM", "1")
     assert cpu_paths.native_gemm_wanted()
-    assert (layers._native_gemm_kernels() is not None) == build.gemm_bf16_vectorized()
+    assert (kernel_table._native_gemm_kernels() is not None) == build.gemm_bf16_vectorized()
 
 
 def test_a_gated_mlp_fuses_its_activation_unless_gate_up_has_lora(monkeypatch):
-    if layers._kernel("gemm") is None:
+    if kernel_table._kernel("gemm") is None:
         pytest.skip("this CPU does not take the native GEMM (or its AVX-512 tiles are not built)")
     torch.manual_seed(7)
-    mlp = layers.GatedMLP(96, 128, "silu").to(torch.bfloat16)
-    for linear in (mlp.gate_up_proj, mlp.down_proj):
-        linear.pack()
+    mlp = common.GatedMLP(96, 128, "silu").to(torch.bfloat16)
+    for lin in (mlp.gate_up_proj, mlp.down_proj):
+        lin.pack()
     fused_calls = []
     real = mlp.gate_up_proj.gated
     monkeypatch.setattr(

@@ -242,6 +242,7 @@ def test_kernel_propagates_a_nan_key(head_dim):
 @pytest.mark.parametrize("offset", [False, True])  # Llama-style, Gemma-style
 def test_rms_norm_kernel_matches_the_pytorch_norm(dtype, offset, monkeypatch):
     from prefixserve.model.layers import common as layers
+    from prefixserve.model.layers import kernel_table
 
     torch.manual_seed(0)
     norm = layers.RMSNorm(576, 1e-5, offset=offset)
@@ -250,13 +251,13 @@ def test_rms_norm_kernel_matches_the_pytorch_norm(dtype, offset, monkeypatch):
     norm = norm.to(dtype)
     x = (torch.randn(37, 576) * 3).to(dtype)
     fused = norm(x)
-    monkeypatch.setitem(layers._kernels, "rms_norm", None)  # the PyTorch path
+    monkeypatch.setitem(kernel_table._kernels, "rms_norm", None)  # the PyTorch path
     plain = norm(x)
     assert fused.dtype == plain.dtype == dtype
     tol = 1e-6 if dtype == torch.float32 else 8e-3  # one bf16 rounding step
     torch.testing.assert_close(fused, plain, atol=tol, rtol=tol)
     # Non-contiguous and 3-D inputs (q/k norms over heads) take the PyTorch path.
-    monkeypatch.setitem(layers._kernels, "rms_norm", kernels.rms_norm_kernel())
+    monkeypatch.setitem(kernel_table._kernels, "rms_norm", kernels.rms_norm_kernel())
     torch.testing.assert_close(norm(x.t().contiguous().t()), plain, atol=tol, rtol=tol)
 
 

@@ -17,12 +17,10 @@ from prefixserve.model.layers.common import (
     Attention,
     ForwardContext,
     GatedMLP,
-    Linear,
     RMSNorm,
-    lm_head_fp32_copy,
     one_thread,
-    pack_linears,
 )
+from prefixserve.model.layers.linear import Linear, lm_head_fp32_copy, pack_linears
 from prefixserve.model.layers.rotary import RotaryEmbedding
 from prefixserve.model.loader.weights import check_all_loaded, load_hf_weights
 

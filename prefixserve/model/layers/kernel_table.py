@@ -1,0 +1,48 @@
+"""The compiled kernels the model's layers call, looked up once by name (None where
+unavailable): one table for linear.py, common.py and lora/layers.py, and the one place tests and
+benchmarks swap a kernel for None or a stand-in (`_kernels`)."""
+
+from __future__ import annotations
+
+from prefixserve.model.kernels.build import (
+    gemm_bf16_vectorized,
+    linear_bf16_packed_kernels,
+    linear_bf16_small_kernel,
+    lora_add_kernel,
+    rms_norm_kernel,
+    rope_write_kv_kernel,
+)
+from prefixserve.model.kernels.cpu_paths import native_gemm_wanted
+
+# The compiled kernels by name, each looked up once (None where unavailable); tests and
+# benchmarks put None or a stand-in here to take the PyTorch path.
+_kernels: dict[str, object] = {}
+
+
+def _native_gemm_kernels() -> object:
+    """(pack, run) of the native GEMM where this CPU takes it for bf16 linears and its AVX-512
+    tiles are built (`cpu_paths.native_gemm_wanted`); None elsewhere."""
+    if not (native_gemm_wanted() and gemm_bf16_vectorized()):
+        return None
+    return linear_bf16_packed_kernels()
+
+
+_KERNEL_LOOKUPS = {
+    "gemm": _native_gemm_kernels,
+    "linear_small": linear_bf16_small_kernel,
+    "lora_add": lora_add_kernel,  # lora/layers.py
+    "rope_kv": rope_write_kv_kernel,
+    "rms_norm": rms_norm_kernel,
+}
+
+
+def _kernel(name: str) -> object:
+    """The compiled kernel `name` of `_KERNEL_LOOKUPS`, looked up once; None if unavailable."""
+    kernel = _kernels.get(name, _kernels)
+    if kernel is _kernels:
+        kernel = _kernels[name] = _KERNEL_LOOKUPS[name]()
+    return kernel
+
+
+# The same lookup for the modules beside the model (lora/layers.py).
+compiled_kernel = _kernel
