@@ -29,7 +29,9 @@
 // blocks pass it). Neither changes any output's order of summation.
 #include <torch/extension.h>
 
-#if defined(__AVX512F__)
+// The vector tiles need AVX512F and, for the masked 16-bit stores of the epilogue, BW and VL.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define PREFIXSERVE_GEMM_AVX512 1
 #include <immintrin.h>
 #endif
 
@@ -74,7 +76,7 @@ struct TileOut {
   const float* bias_up = nullptr;
 };
 
-#if defined(__AVX512F__)
+#if defined(PREFIXSERVE_GEMM_AVX512)
 // 16 sums (+ bias) rounded to bf16 as c10::BFloat16 rounds (to nearest even, NaN kept quiet)
 // and stored, the first `valid` of them.
 inline void store_bf16(uint16_t* dst, __m512 sum, const float* bias, int64_t valid) {
@@ -341,7 +343,7 @@ void check_packed(const torch::Tensor& packed, int64_t N, int64_t K) {
 // Whether this build has the AVX-512 tiles (elsewhere the portable loop computes the same sums,
 // slowly).
 bool gemm_bf16_vectorized() {
-#if defined(__AVX512F__)
+#if defined(PREFIXSERVE_GEMM_AVX512)
   return true;
 #else
   return false;
