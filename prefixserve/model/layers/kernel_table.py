@@ -20,8 +20,9 @@ _kernels: dict[str, object] = {}
 
 
 def _native_gemm_kernels() -> object:
-    """(pack, run) of the native GEMM where this CPU takes it for bf16 linears and its AVX-512
-    tiles are built (`cpu_paths.native_gemm_wanted`); None elsewhere."""
+    """(pack, run, run_gated) of the native GEMM (`build.linear_bf16_packed_kernels`) where this
+    CPU takes it for bf16 linears and its AVX-512 tiles are built
+    (`cpu_paths.native_gemm_wanted`); None elsewhere."""
     if not (native_gemm_wanted() and gemm_bf16_vectorized()):
         return None
     return linear_bf16_packed_kernels()

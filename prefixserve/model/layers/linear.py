@@ -161,10 +161,17 @@ class Linear(nn.Linear):
             lora.apply(x, out)
         return out
 
+    def _takes_native(self, x: torch.Tensor) -> bool:
+        """Whether this call goes through the native GEMM: a bf16 x on a Linear that has it,
+        unless a forced fp32 copy (PREFIXSERVE_FP32_PREFILL=1) takes this many rows outside the
+        batch-invariant mode."""
+        if self._gemm is None or x.dtype != torch.bfloat16:
+            return False
+        return self._fp32 is None or x.shape[0] < FP32_MIN_ROWS or _BATCH_INVARIANT.get()
+
     def _base(self, x: torch.Tensor) -> torch.Tensor:
-        if self._gemm is not None and x.dtype == torch.bfloat16:
-            if self._fp32 is None or x.shape[0] < FP32_MIN_ROWS or _BATCH_INVARIANT.get():
-                return self._native(x)
+        if self._takes_native(x):
+            return self._native(x)
         if not _BATCH_INVARIANT.get():
             out = self._by_row_count(x)
             if out is not None:
@@ -181,12 +188,9 @@ class Linear(nn.Linear):
         """For a gated MLP's fused gate_up linear: act(gate) * up in the native GEMM's epilogue
         (`act` as `GATED_ACTS`), [rows, out_features / 2]; None where this call would not take
         the native GEMM (the caller then runs the linear and the activation itself)."""
-        gemm = self._gemm
-        if gemm is None or x.dtype != torch.bfloat16 or x.dim() != 2 or gemm[1] % 64:
+        if not self._takes_native(x) or x.dim() != 2 or self._gemm[1] % 64:
             return None
-        if self._fp32 is not None and x.shape[0] >= FP32_MIN_ROWS and not _BATCH_INVARIANT.get():
-            return None
-        packed, out_features, bias = gemm
+        packed, out_features, bias = self._gemm
         x = x.contiguous()
         out = x.new_empty(x.shape[0], out_features // 2)
         gated = _kernel("gemm")[2]
