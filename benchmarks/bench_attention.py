@@ -7,9 +7,11 @@ scattered over shuffled cache blocks. Three families of cases: decode steps (bat
 new token each), decode steps whose sequences share a cached prefix (the same blocks; the kernel
 reads them once per step for up to 4 sequences), one chunk of n new tokens over a 1,024-token
 cached prefix, and prompts of n tokens with nothing cached (where `KERNEL_MAX_QUERIES` comes
-from). Milliseconds per call, median of 7 repeats. Columns: the paged kernel (every sequence), the
-long-chunk prefill kernel (chunks of 32+ tokens, gathered K/V as the SDPA path has them; "-"
-where it does not apply or is not built here), and PyTorch's path.
+from). Milliseconds per call, median of 7 repeats. Columns: the paged kernel (every sequence; in
+bf16 on an AVX512-BF16 build its keys-in-lanes path), its portable path (fp32 tiles, tree-summed
+scores: what other CPUs and dtypes run; only where the two differ), the long-chunk prefill
+kernel (chunks of 32+ tokens, gathered K/V as the SDPA path has them; "-" where it does not
+apply or is not built here), and PyTorch's path.
 """
 
 from __future__ import annotations
@@ -20,12 +22,15 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import statistics  # noqa: E402
 import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
 
 import torch  # noqa: E402
 
 import prefixserve.model.layers.attention as attention  # noqa: E402
 from prefixserve.model.kernels.build import (  # noqa: E402
+    attention_kernels_agree,
     paged_attention_kernel,
+    paged_attention_portable_kernel,
     prefill_attention_kernel,
 )
 from prefixserve.model.layers.attention import (  # noqa: E402
@@ -78,8 +83,14 @@ def main() -> None:
         f"{os.getloadavg()[0]:.1f}"
     )
     prefill = prefill_attention_kernel()
-    print("| case | paged kernel ms | prefill kernel ms | PyTorch path ms | best |")
-    print("|---|---:|---:|---:|---|")
+    paths: list[tuple[str, Callable[..., None] | None, Callable[..., None] | None]] = [
+        ("paged", kernel, None)
+    ]
+    if attention_kernels_agree():  # the paged kernel's bf16 path has keys in lanes here
+        paths.append(("portable", paged_attention_portable_kernel(), None))
+    paths += [("prefill", None, prefill), ("PyTorch", None, None)]
+    print(f"| case | {' | '.join(p[0] + ' ms' for p in paths)} | best |")
+    print(f"|---|{'---:|' * len(paths)}---|")
     cases = [
         (f"decode, batch {b} x context {c}", [(c, 1)] * b, 0)
         for b, c in ((1, 1500), (8, 128), (8, 1500), (32, 512))
@@ -100,8 +111,8 @@ def main() -> None:
             q, kc, vc, spans = case(seqs, shared)
             times: list[float | None] = []
             long_chunk = len(seqs) == 1 and seqs[0][1] >= 32
-            for path, (fn, pre) in enumerate(((kernel, None), (None, prefill), (None, None))):
-                if path == 1 and (prefill is None or not long_chunk):
+            for name_, fn, pre in paths:
+                if name_ == "prefill" and (prefill is None or not long_chunk):
                     times.append(None)
                     continue
                 # Route every sequence to the path under test, whatever KERNEL_MAX_QUERIES says.
@@ -123,7 +134,7 @@ def main() -> None:
                     )
                 )
             cells = ["-" if t is None else f"{t:.2f}" for t in times]
-            names = ("paged", "prefill", "PyTorch")
+            names = [p[0] for p in paths]
             best = min((t, n) for t, n in zip(times, names, strict=True) if t is not None)[1]
             print(f"| {name} | {' | '.join(cells)} | {best} |")
 

@@ -28,7 +28,11 @@ from prefixserve.core.sched.output import (
 from prefixserve.engine.prompt_embeds import embeds_rows
 from prefixserve.kv_store.worker import gather_blocks, scatter_blocks
 from prefixserve.model.config import ModelConfig
-from prefixserve.model.kernels.build import paged_attention_kernel, prefill_attention_kernel
+from prefixserve.model.kernels.build import (
+    attention_kernels_agree,
+    paged_attention_kernel,
+    prefill_attention_kernel,
+)
 from prefixserve.model.kernels.cpu_paths import bf16_packing_supported
 from prefixserve.model.layers.attention import (
     ScheduledSpan,
@@ -170,11 +174,19 @@ class ModelRunner:
         # The compiled paged-attention kernel (built on first use), or None: PyTorch paths.
         self.attention_kernel = paged_attention_kernel()
         self.prefill_kernel = prefill_kernel_for(config, prefill_attention_kernel())
-        # Batch-invariant: every chunk attends through the paged kernel (each query's keys in
-        # the same fixed tiles, whether they were cached or computed this step, whatever the
-        # chunk's length), and linears take one path (`linear.batch_invariant_linears`).
-        self.batch_invariant = batch_invariant
         self.kernel_max_queries: int | None = None
+        # Where the long-chunk kernel serves this model, the paged kernel's bf16 path has its
+        # arithmetic (csrc/attn_lanes_bf16.h) and is faster than SDPA at every chunk length
+        # (BENCHMARKS.md): every chunk attends through one of the two, so a query's output does
+        # not depend on how its prompt was chunked, cached or batched, in any mode.
+        kernels_agree = self.prefill_kernel is not None and attention_kernels_agree()
+        if kernels_agree:
+            self.kernel_max_queries = sys.maxsize
+        # Batch-invariant: every chunk attends through kernels with one arithmetic (each
+        # query's keys in the same fixed tiles, whether they were cached or computed this step,
+        # whatever the chunk's length), and linears take one path
+        # (`linear.batch_invariant_linears`).
+        self.batch_invariant = batch_invariant
         if batch_invariant:
             if self.attention_kernel is None:
                 raise ValueError(
@@ -186,7 +198,8 @@ class ModelRunner:
                     "batch_invariant needs oneDNN's packed bf16 GEMM, which this CPU lacks "
                     "(AVX2 only): its row sums are what the mode is checked on"
                 )
-            self.prefill_kernel = None
+            if not kernels_agree:
+                self.prefill_kernel = None
             self.kernel_max_queries = sys.maxsize
         # Small batches' linears stream on all of torch's threads even in a one-thread step.
         set_stream_threads(torch.get_num_threads())

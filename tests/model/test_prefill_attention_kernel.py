@@ -6,6 +6,8 @@ must be as close to the exact result as PyTorch's fp32 flash SDPA on the same bf
 tests bound its error by that path's error (plus one bf16 rounding of the output).
 """
 
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -164,6 +166,37 @@ def test_paged_attention_sends_long_chunks_to_the_prefill_kernel_and_short_ones_
         truth = exact(q[row : row + n], keys, values, d**-0.5)
         assert (out[row : row + n].double() - truth).abs().max().item() < 0.03
         row += n
+
+
+@needs_prefill
+def test_with_every_chunk_on_the_kernels_only_prompts_from_position_0_take_the_prefill_kernel():
+    """The model runner's routing where the two kernels agree (kernel_max_queries unbounded):
+    a long chunk over a cached prefix reads it in place through the paged kernel, a long chunk
+    from position 0 takes the prefill kernel, and the chunk's output is the same bits either
+    way."""
+    heads, kv_heads, d, block = 9, 3, 64, 16
+    g = torch.Generator().manual_seed(4)
+    k_cache = torch.randn(20, block, kv_heads, d, generator=g).bfloat16()
+    v_cache = torch.randn(20, block, kv_heads, d, generator=g).bfloat16()
+    table = (torch.randperm(19, generator=g)[:8] + 1).tolist()
+    q = torch.randn(120, heads, d, generator=g).bfloat16()
+    calls = []
+
+    def counting(out, q_, k_, v_, scale):
+        calls.append(q_.shape[0])
+        prefill(out, q_, k_, v_, scale)
+
+    def attend(computed, new):
+        spans = [ScheduledSpan(computed, new, (table,))]
+        meta = build_attention_metadata(
+            spans, 0, block, None, paged_attention_kernel(), counting, sys.maxsize
+        )
+        return paged_attention(q[computed : computed + new], k_cache, v_cache, meta, d**-0.5)
+
+    whole = attend(0, 120)
+    assert calls == [120]
+    assert torch.equal(attend(64, 56), whole[64:])
+    assert calls == [120]
 
 
 @needs_prefill

@@ -32,6 +32,7 @@ _SOURCES = [
         "rope_kv.cpp",
         "lora.cpp",
         "prefill_attention.cpp",
+        "paged_lanes_bf16.cpp",
     )
 ]
 
@@ -119,6 +120,21 @@ def paged_attention_kernel() -> Callable[..., None] | None:
     window)`, or None when the kernels are unavailable."""
     module = _module()
     return None if module is None else module.paged_attention
+
+
+def paged_attention_portable_kernel() -> Callable[..., None] | None:
+    """`paged_attention` on its portable path (fp32 tiles) whatever the CPU, for benchmarks and
+    tests that compare it with the keys-in-lanes path; None when the kernels are unavailable."""
+    module = _module()
+    return None if module is None else module.paged_attention_portable
+
+
+def attention_kernels_agree() -> bool:
+    """Whether the paged kernel's bf16 path and the long-chunk kernel share their arithmetic in
+    this build (csrc/attn_lanes_bf16.h, AVX512-BF16): then a query gets the same bits from
+    either, so batch-invariant runs may use the long-chunk kernel."""
+    module = _module()
+    return module is not None and bool(module.paged_attention_lanes_ready())
 
 
 def prefill_attention_kernel() -> Callable[..., None] | None:

@@ -96,7 +96,7 @@ KERNEL_MAX_QUERIES = cpu_paths_here().kernel_max_queries
 # kernel from 32 queries (0.63 against 0.82 ms over a 1,024 prefix, 1.59 against 3.70 for a
 # 512 prompt) and flash SDPA everywhere (14.3 against 38.6 ms for 2,048: bench_attention.py).
 PREFILL_MIN_QUERIES = 32
-PREFILL_HEAD_DIMS = (64, 128)
+PREFILL_HEAD_DIMS = (64, 128, 256)
 
 
 def prefill_kernel_for(
@@ -184,7 +184,14 @@ def build_attention_metadata(  # noqa: C901, PLR0915 - one pass per step buildin
         kv_lo = 0 if sliding_window is None else max(0, start - sliding_window + 1)
         lo_block = kv_lo // block_size
         hi_block = (end - 1) // block_size + 1
-        long_chunk = prefill is not None and n >= PREFILL_MIN_QUERIES and sliding_window is None
+        # A long chunk with nothing before it goes to the prefill kernel; over a cached prefix
+        # the paged kernel (the same arithmetic) reads the prefix in place instead of gathering it.
+        long_chunk = (
+            prefill is not None
+            and n >= PREFILL_MIN_QUERIES
+            and sliding_window is None
+            and start == 0
+        )
         if kernel is not None and n < kernel_max_queries and not long_chunk:
             kernel_tables.append(table[:hi_block])
             kernel_info.append((row, row + n, start))

@@ -24,6 +24,7 @@
 #endif
 
 #include "exp_avx512.h"
+#include "paged_items.h"
 
 #include <algorithm>
 #include <cmath>
@@ -34,14 +35,10 @@
 
 namespace {
 
-constexpr int64_t kRowTile = 16;
-// Rows per work item of a long chunk under full attention (attend_rows_avx512): each item
-// converts every K/V tile its rows see, so fewer, larger items convert less (a 512-token prompt:
-// 8 items a KV head instead of 32).
-constexpr int64_t kLongRowTile = 64;
-// Decode sequences sharing a cached prefix are attended together, this many at most per work
-// item (a cap that keeps several items per KV head for a batch of 8+ rows on two threads).
-constexpr int64_t kCascadeRows = 4;
+using prefixserve::paged::Item;
+using prefixserve::paged::build_items;
+using prefixserve::paged::kCascadeRows;
+using prefixserve::paged::kLongRowTile;
 
 inline void store(float* dst, float x) { *dst = x; }
 inline void store(c10::BFloat16* dst, float x) { *dst = c10::BFloat16(x); }
@@ -408,66 +405,8 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int64_t* info = seq_info.data_ptr<int64_t>();
 
-  // Work items (each run once per KV head): a tile of up to kRowTile query rows of one
-  // sequence; or a cascade: up to kCascadeRows single-token sequences whose block tables start
-  // with the same blocks (a shared cached prefix). A cascade converts the shared blocks once for
-  // all its queries, then walks each sequence's own blocks.
-  struct Item {
-    std::vector<int64_t> seqs;  // a cascade's sequences; one sequence otherwise
-    int64_t row0 = 0, rows = 0;  // the row tile (one-sequence items)
-    int64_t shared_blocks = 0;  // leading blocks common to all `seqs` (0: not a cascade)
-  };
-  std::vector<Item> items;
-  auto is_single = [&](int64_t s) { return info[3 * s + 1] - info[3 * s] == 1; };
-  std::vector<int64_t> singles;
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    // A decode row at position p can share the blocks before p's own block with others.
-    if (window == 0 && is_single(s) && info[3 * s + 2] >= block_size) {
-      singles.push_back(s);
-      continue;
-    }
-    const int64_t n = info[3 * s + 1] - info[3 * s];
-    const int64_t row_tile = window == 0 && n >= kLongRowTile ? kLongRowTile : kRowTile;
-    for (int64_t r = info[3 * s]; r < info[3 * s + 1]; r += row_tile) {
-      items.push_back(Item{{s}, r, std::min(row_tile, info[3 * s + 1] - r), 0});
-    }
-  }
-  // Sort single-token sequences by their fully visible blocks, compared block by block, so that
-  // those sharing the longest prefixes become adjacent.
-  std::stable_sort(singles.begin(), singles.end(), [&](int64_t a, int64_t b) {
-    return std::lexicographical_compare(
-        tables + a * max_blocks, tables + a * max_blocks + info[3 * a + 2] / block_size,
-        tables + b * max_blocks, tables + b * max_blocks + info[3 * b + 2] / block_size);
-  });
-  for (size_t i = 0; i < singles.size();) {
-    const int64_t first = singles[i];
-    const int32_t* t0 = tables + first * max_blocks;
-    // Blocks fully visible to a decode query at position p: those before p's own block.
-    int64_t shared = info[3 * first + 2] / block_size;
-    size_t j = i + 1;
-    while (j < singles.size() && static_cast<int64_t>(j - i) < kCascadeRows) {
-      const int64_t s = singles[j];
-      const int32_t* ts = tables + s * max_blocks;
-      int64_t common = 0;
-      const int64_t limit = std::min(shared, info[3 * s + 2] / block_size);
-      while (common < limit && ts[common] == t0[common]) ++common;
-      // Start a new group rather than cut the shared part by more than half.
-      if (common == 0 || 2 * common < shared) break;
-      shared = common;
-      ++j;
-    }
-    // The shared part ends on a key-tile boundary, so every query meets its keys in the same
-    // tiles (the same online-softmax updates, the same sums) as alone: batch invariance.
-    const int64_t aligned = shared / tile_blocks * tile_blocks;
-    if (j - i >= 2 && aligned > 0) {
-      items.push_back(Item{std::vector<int64_t>(singles.begin() + i, singles.begin() + j), 0, 0,
-                           aligned});
-    } else {
-      items.push_back(Item{{first}, info[3 * first], 1, 0});
-      j = i + 1;
-    }
-    i = j;
-  }
+  const std::vector<Item> items =
+      build_items(info, num_seqs, tables, max_blocks, block_size, window, tile_slots);
   const int64_t num_items = static_cast<int64_t>(items.size()) * num_kv_heads;
 
   at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
@@ -614,12 +553,17 @@ void dispatch(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k
 
 }  // namespace
 
-// out [T, H * D] (written), q [T, H, D] (last dim contiguous), caches [blocks, block_size,
-// kv_heads, D] contiguous, block_tables [S, max_blocks] int32, seq_info [S, 3] int64 rows
-// (q_start, q_end, position of the first query); softcap 0 = none, window 0 = none.
-void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
-                     torch::Tensor v_cache, torch::Tensor block_tables, torch::Tensor seq_info,
-                     double scale, double softcap, int64_t window) {
+// paged_lanes_bf16.cpp
+bool paged_attention_lanes(torch::Tensor& out, const torch::Tensor& q,
+                           const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                           const torch::Tensor& block_tables, const torch::Tensor& seq_info,
+                           double scale, double softcap, int64_t window);
+
+namespace {
+
+void check_paged_args(const torch::Tensor& out, const torch::Tensor& q,
+                      const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                      const torch::Tensor& block_tables, const torch::Tensor& seq_info) {
   TORCH_CHECK(q.device().is_cpu() && out.device().is_cpu() && k_cache.device().is_cpu() &&
                   v_cache.device().is_cpu() && block_tables.device().is_cpu() &&
                   seq_info.device().is_cpu(),
@@ -659,13 +603,53 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
     TORCH_CHECK(0 <= tables[i] && tables[i] < num_blocks, "block id ", tables[i],
                 " is not in the cache");
   }
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 || q.scalar_type() == torch::kBFloat16,
+              "paged_attention supports float32 and bfloat16, got ", q.scalar_type());
+}
+
+// The portable path: fp32 tiles, each score a tree sum over its dims (every dtype, every CPU).
+void paged_attention_tiles(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
+                           torch::Tensor v_cache, torch::Tensor block_tables,
+                           torch::Tensor seq_info, double scale, double softcap, int64_t window) {
   if (q.scalar_type() == torch::kFloat32) {
     dispatch<float>(out, q, k_cache, v_cache, block_tables, seq_info, scale, softcap, window);
   } else if (q.scalar_type() == torch::kBFloat16) {
     dispatch<c10::BFloat16>(out, q, k_cache, v_cache, block_tables, seq_info, scale, softcap, window);
-  } else {
-    TORCH_CHECK(false, "paged_attention supports float32 and bfloat16, got ", q.scalar_type());
   }
+}
+
+}  // namespace
+
+// out [T, H * D] (written), q [T, H, D] (last dim contiguous), caches [blocks, block_size,
+// kv_heads, D] contiguous, block_tables [S, max_blocks] int32, seq_info [S, 3] int64 rows
+// (q_start, q_end, position of the first query); softcap 0 = none, window 0 = none. bf16 takes
+// the keys-in-lanes path where it is built (paged_lanes_bf16.cpp), else the portable one.
+void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
+                     torch::Tensor v_cache, torch::Tensor block_tables, torch::Tensor seq_info,
+                     double scale, double softcap, int64_t window) {
+  check_paged_args(out, q, k_cache, v_cache, block_tables, seq_info);
+  if (paged_attention_lanes(out, q, k_cache, v_cache, block_tables, seq_info, scale, softcap,
+                            window)) {
+    return;
+  }
+  paged_attention_tiles(out, q, k_cache, v_cache, block_tables, seq_info, scale, softcap, window);
+}
+
+// The same call on the portable path whatever the CPU (benchmarks and tests compare the two).
+void paged_attention_portable(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
+                              torch::Tensor v_cache, torch::Tensor block_tables,
+                              torch::Tensor seq_info, double scale, double softcap,
+                              int64_t window) {
+  check_paged_args(out, q, k_cache, v_cache, block_tables, seq_info);
+  paged_attention_tiles(out, q, k_cache, v_cache, block_tables, seq_info, scale, softcap, window);
+}
+
+bool paged_attention_lanes_ready() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
 }
 
 namespace {
@@ -797,5 +781,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("act"), py::arg("threads"), py::arg("prefetch") = py::none(),
         py::call_guard<py::gil_scoped_release>());
   m.def("paged_attention", &paged_attention, "paged attention over a block-structured KV cache");
+  m.def("paged_attention_portable", &paged_attention_portable,
+        "paged_attention on its portable path (fp32 tiles, tree-summed scores) on every CPU");
+  m.def("paged_attention_lanes_ready", &paged_attention_lanes_ready,
+        "whether bf16 paged_attention has its keys-in-lanes path (prefill_attention's "
+        "arithmetic) in this build");
   m.def("rms_norm", &rms_norm, "RMSNorm of contiguous rows with transformers' roundings");
 }

@@ -8,13 +8,13 @@
 //
 // Why native: PyTorch's flash SDPA on this CPU runs a 2,048-token prompt at ~120 GFLOP/s in fp32
 // (its bf16 path is slower), so a long prompt spent more time in attention than in the linears.
-// Here the scores are VDPBF16PS dot products of the bf16 q and k (exact products, fp32 sums:
-// what converting both to fp32 gives, without the conversion), the softmax is online in fp32
-// (running max and sum per query row, as the paged kernel), and P @ V is in fp32 FMAs over V
-// converted once per call. K is packed once per call in pairs of dimensions ("VNNI": a zmm load
-// is 16 keys x 2 dims), so 4 query rows share every K load of a 64-key tile, and the tile of
-// scores stays in registers. Work items are (query head, 32 positions), taken longest first
-// from a shared counter, so the causal triangle's uneven rows spread over the threads.
+// The arithmetic of a tile is attn_lanes_bf16.h's, shared with the paged kernel's bf16 path:
+// VDPBF16PS scores with keys in lanes (exact products, fp32 sums), the online softmax in fp32
+// per 64-key tile, P @ V in fp32 FMAs over V converted once per call. So a query's output is the
+// paged kernel's, bit for bit, whatever chunk it came in. K is packed once per call in pairs of
+// dimensions ("VNNI": a zmm load is 16 keys x 2 dims), so 4 query rows share every K load of a
+// tile. Work items are (query head, 32 positions), taken longest first from a shared counter, so
+// the causal triangle's uneven rows spread over the threads.
 //
 // Each call packs K and converts V to fp32 for the whole length L (a chunk of 32 over a long
 // prefix pays for the prefix: 3 x L x D x 6 bytes for SmolLM2), which the measured cases absorb.
@@ -29,7 +29,7 @@
 #include <immintrin.h>
 #endif
 
-#include "exp_avx512.h"
+#include "attn_lanes_bf16.h"
 
 #include <algorithm>
 #include <atomic>
@@ -42,34 +42,20 @@
 namespace {
 
 #if defined(__AVX512BF16__)
+namespace lanes = prefixserve::lanes;
 
 constexpr int64_t kRows = 4;       // query rows per micro-tile (share each K load)
-constexpr int64_t kKeys = 64;      // keys per tile (4 zmm of scores per row)
 constexpr int64_t kItemRows = 32;  // query positions per work item
-
-using prefixserve::exp_nonpositive16;
-
-inline float exp1(float x) {
-  return _mm512_cvtss_f32(exp_nonpositive16(_mm512_set1_ps(x)));
-}
-
-// Lanes j of a 16-key vector starting at key `first` that row limit `lim` (inclusive) can see.
-inline __mmask16 visible(int64_t first, int64_t lim) {
-  const int64_t n = lim - first + 1;
-  if (n >= 16) return static_cast<__mmask16>(0xFFFF);
-  if (n <= 0) return 0;
-  return static_cast<__mmask16>((1u << n) - 1u);
-}
+using lanes::kTileKeys;
 
 template <int D>
 void run(uint16_t* out, const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t n,
          int64_t L, int64_t H, int64_t Hkv, int64_t q_row, int64_t q_head, int64_t k_row,
          int64_t k_head, int64_t v_row, int64_t v_head, float scale) {
-  constexpr int C = D / 16;  // zmm per head vector
-  constexpr int P = D / 2;   // dimension pairs
+  constexpr int P = D / 2;  // dimension pairs
   const int64_t group = H / Hkv;
   const int64_t off = L - n;
-  const int64_t Lp = (L + kKeys - 1) / kKeys * kKeys;
+  const int64_t Lp = (L + kTileKeys - 1) / kTileKeys * kTileKeys;
   // kp[h][pair][key] = (k[key, h, 2 pair], k[key, h, 2 pair + 1]); vf[h][key][d] in fp32.
   std::vector<uint32_t> kp(static_cast<size_t>(Hkv * P * Lp), 0u);
   std::vector<float> vf(static_cast<size_t>(Hkv * Lp * D), 0.0f);
@@ -96,7 +82,7 @@ void run(uint16_t* out, const uint16_t* q, const uint16_t* k, const uint16_t* v,
   const int threads = at::get_num_threads();
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     alignas(64) float acc[kRows][D];
-    alignas(64) float pbuf[kRows][kKeys];
+    alignas(64) float pbuf[kRows * kTileKeys];
     for (;;) {
       const int64_t item = next.fetch_add(1);
       if (item >= num_items) break;
@@ -110,79 +96,32 @@ void run(uint16_t* out, const uint16_t* q, const uint16_t* k, const uint16_t* v,
       for (int64_t i0 = block * kItemRows; i0 < i_end; i0 += kRows) {
         const int64_t nr = std::min<int64_t>(kRows, i_end - i0);
         const uint16_t* qr[kRows];
-        int64_t lim[kRows];
         float m[kRows], l[kRows];
-        for (int64_t r = 0; r < kRows; ++r) {
-          const int64_t i = i0 + std::min(r, nr - 1);  // short tiles repeat their last row
-          qr[r] = q + i * q_row + head * q_head;
-          lim[r] = off + i;
+        for (int64_t r = 0; r < nr; ++r) {
+          qr[r] = q + (i0 + r) * q_row + head * q_head;
           m[r] = -std::numeric_limits<float>::infinity();
           l[r] = 0.0f;
           std::memset(acc[r], 0, sizeof(acc[r]));
         }
-        const int64_t keys = lim[kRows - 1] + 1;
-        for (int64_t t0 = 0; t0 < keys; t0 += kKeys) {
-          __m512 s[kRows][4];
-          for (int r = 0; r < kRows; ++r)
-            for (int c = 0; c < 4; ++c) s[r][c] = _mm512_setzero_ps();
-          for (int p = 0; p < P; ++p) {
-            const uint32_t* kt = kh + p * Lp + t0;
-            __m512bh kv4[4];
-            for (int c = 0; c < 4; ++c) kv4[c] = (__m512bh)_mm512_loadu_si512(kt + 16 * c);
-            for (int r = 0; r < kRows; ++r) {
-              int32_t pair;  // q's dims 2p and 2p + 1 (a memcpy: bf16 data, no aliasing)
-              std::memcpy(&pair, qr[r] + 2 * p, sizeof pair);
-              const __m512bh qb = (__m512bh)_mm512_set1_epi32(pair);
-              for (int c = 0; c < 4; ++c) s[r][c] = _mm512_dpbf16_ps(s[r][c], qb, kv4[c]);
-            }
+        // Row r sees keys [0, off + i0 + r]: the tiles up to the last row's.
+        const int64_t keys = off + i0 + nr;
+        for (int64_t t0 = 0; t0 < keys; t0 += kTileKeys) {
+          const uint16_t* tq[kRows];
+          int64_t lo[kRows], hi[kRows];
+          float *tm[kRows], *tl[kRows], *ta[kRows];
+          int64_t nt = 0;
+          for (int64_t r = 0; r < nr; ++r) {
+            const int64_t h = std::min<int64_t>(kTileKeys, off + i0 + r + 1 - t0);
+            if (h <= 0) continue;
+            tq[nt] = qr[r], lo[nt] = 0, hi[nt] = h;
+            tm[nt] = m + r, tl[nt] = l + r, ta[nt] = acc[r];
+            ++nt;
           }
-          const int64_t tile_keys = std::min<int64_t>(kKeys, keys - t0);
-          float corr[kRows];
-          for (int r = 0; r < kRows; ++r) {
-            __mmask16 mk[4];
-            __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-            for (int c = 0; c < 4; ++c) {
-              mk[c] = visible(t0 + 16 * c, lim[r]);
-              s[r][c] = _mm512_mul_ps(s[r][c], _mm512_set1_ps(scale));
-              vmax = _mm512_mask_max_ps(vmax, mk[c], vmax, s[r][c]);
-            }
-            const float m_new = std::max(m[r], _mm512_reduce_max_ps(vmax));
-            corr[r] = m[r] == -std::numeric_limits<float>::infinity() ? 0.0f : exp1(m[r] - m_new);
-            const __m512 mv = _mm512_set1_ps(m_new);
-            __m512 vsum = _mm512_setzero_ps();
-            for (int c = 0; c < 4; ++c) {
-              const __m512 e =
-                  _mm512_maskz_mov_ps(mk[c], exp_nonpositive16(_mm512_sub_ps(s[r][c], mv)));
-              _mm512_store_ps(pbuf[r] + 16 * c, e);
-              vsum = _mm512_add_ps(vsum, e);
-            }
-            l[r] = l[r] * corr[r] + _mm512_reduce_add_ps(vsum);
-            m[r] = m_new;
-          }
-          // acc[r] = acc[r] * corr[r] + P[r] @ V[tile], C vectors per row in registers.
-          __m512 o[kRows][C];
-          for (int r = 0; r < kRows; ++r) {
-            const __m512 cr = _mm512_set1_ps(corr[r]);
-            for (int c = 0; c < C; ++c) o[r][c] = _mm512_mul_ps(_mm512_load_ps(acc[r] + 16 * c), cr);
-          }
-          const float* vt = vh + t0 * D;
-          for (int64_t j = 0; j < tile_keys; ++j) {
-            __m512 vv[C];
-            for (int c = 0; c < C; ++c) vv[c] = _mm512_loadu_ps(vt + j * D + 16 * c);
-            for (int r = 0; r < kRows; ++r) {
-              const __m512 pj = _mm512_set1_ps(pbuf[r][j]);
-              for (int c = 0; c < C; ++c) o[r][c] = _mm512_fmadd_ps(pj, vv[c], o[r][c]);
-            }
-          }
-          for (int r = 0; r < kRows; ++r)
-            for (int c = 0; c < C; ++c) _mm512_store_ps(acc[r] + 16 * c, o[r][c]);
+          lanes::attend_tile<D>(nt, tq, lo, hi, kh + t0, Lp, vh + t0 * D, scale, tm, tl, ta,
+                                pbuf);
         }
         for (int64_t r = 0; r < nr; ++r) {
-          const float inv = 1.0f / l[r];
-          uint16_t* orow = out + (i0 + r) * H * D + head * D;
-          for (int64_t d = 0; d < D; ++d) {
-            orow[d] = c10::BFloat16(acc[r][d] * inv).x;
-          }
+          lanes::finish<D>(acc[r], l[r], out + (i0 + r) * H * D + head * D);
         }
       }
     }
@@ -229,8 +168,11 @@ void prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k, torc
     case 128:
       return run<128>(o, qp, kp, vp, n, L, H, Hkv, q.stride(0), q.stride(1), k.stride(0),
                       k.stride(1), v.stride(0), v.stride(1), s);
+    case 256:
+      return run<256>(o, qp, kp, vp, n, L, H, Hkv, q.stride(0), q.stride(1), k.stride(0),
+                      k.stride(1), v.stride(0), v.stride(1), s);
     default:
-      TORCH_CHECK(false, "prefill_attention supports head dims 64 and 128, got ", D);
+      TORCH_CHECK(false, "prefill_attention supports head dims 64, 128 and 256, got ", D);
   }
 #else
   (void)out, (void)q, (void)k, (void)v, (void)scale;

@@ -1,0 +1,91 @@
+// The work items of a paged-attention call (paged_attention.cpp, paged_lanes_bf16.cpp), each run
+// once per KV head: a tile of query rows of one sequence, or a cascade: up to kCascadeRows
+// single-token sequences whose block tables start with the same blocks (a shared cached prefix),
+// whose shared blocks are read once for all their queries.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <numeric>
+#include <vector>
+
+namespace prefixserve::paged {
+
+// Query rows per item of a short chunk.
+constexpr int64_t kRowTile = 16;
+// Rows per work item of a long chunk under full attention: each item converts every K/V tile
+// its rows see, so fewer, larger items convert less (a 512-token prompt: 8 items a KV head
+// instead of 32).
+constexpr int64_t kLongRowTile = 64;
+// Decode sequences sharing a cached prefix are attended together, this many at most per work
+// item (a cap that keeps several items per KV head for a batch of 8+ rows on two threads).
+constexpr int64_t kCascadeRows = 4;
+
+struct Item {
+  std::vector<int64_t> seqs;    // a cascade's sequences; one sequence otherwise
+  int64_t row0 = 0, rows = 0;   // the row tile (one-sequence items)
+  int64_t shared_blocks = 0;    // leading blocks common to all `seqs` (0: not a cascade)
+};
+
+// `info` rows (q_start, q_end, position of the first query) of num_seqs sequences, their block
+// tables (max_blocks each). A cascade's shared part ends on a key-tile boundary (tiles of
+// `tile_keys` keys from position 0), so every query meets its keys in the same tiles (the same
+// online-softmax updates, the same sums) as alone: batch invariance.
+inline std::vector<Item> build_items(const int64_t* info, int64_t num_seqs, const int32_t* tables,
+                                     int64_t max_blocks, int64_t block_size, int64_t window,
+                                     int64_t tile_keys) {
+  std::vector<Item> items;
+  auto is_single = [&](int64_t s) { return info[3 * s + 1] - info[3 * s] == 1; };
+  std::vector<int64_t> singles;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    // A decode row at position p can share the blocks before p's own block with others.
+    if (window == 0 && is_single(s) && info[3 * s + 2] >= block_size) {
+      singles.push_back(s);
+      continue;
+    }
+    const int64_t n = info[3 * s + 1] - info[3 * s];
+    const int64_t row_tile = window == 0 && n >= kLongRowTile ? kLongRowTile : kRowTile;
+    for (int64_t r = info[3 * s]; r < info[3 * s + 1]; r += row_tile) {
+      items.push_back(Item{{s}, r, std::min(row_tile, info[3 * s + 1] - r), 0});
+    }
+  }
+  // Sort single-token sequences by their fully visible blocks, compared block by block, so that
+  // those sharing the longest prefixes become adjacent.
+  std::stable_sort(singles.begin(), singles.end(), [&](int64_t a, int64_t b) {
+    return std::lexicographical_compare(
+        tables + a * max_blocks, tables + a * max_blocks + info[3 * a + 2] / block_size,
+        tables + b * max_blocks, tables + b * max_blocks + info[3 * b + 2] / block_size);
+  });
+  // Shared parts are whole multiples of this many blocks (a whole number of key tiles).
+  const int64_t unit = tile_keys / std::gcd(block_size, tile_keys);
+  for (size_t i = 0; i < singles.size();) {
+    const int64_t first = singles[i];
+    const int32_t* t0 = tables + first * max_blocks;
+    // Blocks fully visible to a decode query at position p: those before p's own block.
+    int64_t shared = info[3 * first + 2] / block_size;
+    size_t j = i + 1;
+    while (j < singles.size() && static_cast<int64_t>(j - i) < kCascadeRows) {
+      const int64_t s = singles[j];
+      const int32_t* ts = tables + s * max_blocks;
+      int64_t common = 0;
+      const int64_t limit = std::min(shared, info[3 * s + 2] / block_size);
+      while (common < limit && ts[common] == t0[common]) ++common;
+      // Start a new group rather than cut the shared part by more than half.
+      if (common == 0 || 2 * common < shared) break;
+      shared = common;
+      ++j;
+    }
+    const int64_t aligned = shared / unit * unit;
+    if (j - i >= 2 && aligned > 0) {
+      items.push_back(Item{std::vector<int64_t>(singles.begin() + i, singles.begin() + j), 0, 0,
+                           aligned});
+    } else {
+      items.push_back(Item{{first}, info[3 * first], 1, 0});
+      j = i + 1;
+    }
+    i = j;
+  }
+  return items;
+}
+
+}  // namespace prefixserve::paged

@@ -1,0 +1,205 @@
+// The paged kernel's bf16 path where the CPU has AVX512-BF16: the same work items as
+// paged_attention.cpp (row tiles, cascades over a shared prefix; paged_items.h), with the
+// tile arithmetic of the long-chunk kernel (attn_lanes_bf16.h: keys in lanes, VDPBF16PS scores,
+// 64-key tiles at absolute positions). A query's output is therefore the same bits whether it
+// is served here (decode, verification, a short chunk, a sliding window) or by
+// prefill_attention.cpp (a long chunk with its K/V gathered), and whatever else shares the call.
+//
+// Per tile of 64 key positions, the keys any query of the item sees are read from their blocks
+// once (K packed in pairs of dims with keys in lanes, V widened to fp32), then every query of
+// the item meets the tile.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include "attn_lanes_bf16.h"
+#include "paged_items.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+#if defined(__AVX512BF16__)
+namespace lanes = prefixserve::lanes;
+using lanes::kTileKeys;
+using prefixserve::paged::build_items;
+using prefixserve::paged::Item;
+using prefixserve::paged::kCascadeRows;
+using prefixserve::paged::kLongRowTile;
+
+struct Cache {
+  const uint16_t* k;
+  const uint16_t* v;
+  int64_t block_stride, slot_stride, block_size;
+};
+
+// Keys [t0 + lo, t0 + hi) of a sequence (block table `table`), KV head kvh, into the tile
+// buffers: kp[p * kTileKeys + j] = K pair p of key t0 + j, vt[j * D + d] = V in fp32.
+template <int D>
+void load_tile(const Cache& c, const int32_t* table, int64_t kvh, int64_t t0, int64_t lo,
+               int64_t hi, uint32_t* kp, float* vt) {
+  for (int64_t j = lo; j < hi; ++j) {  // ask for every row first (they are strided)
+    const int64_t pos = t0 + j;
+    const int64_t off = table[pos / c.block_size] * c.block_stride +
+                        (pos % c.block_size) * c.slot_stride + kvh * D;
+    _mm_prefetch(reinterpret_cast<const char*>(c.k + off), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(c.v + off), _MM_HINT_T0);
+    if constexpr (D > 32) {
+      for (int b = 64; b < D * 2; b += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(c.k + off) + b, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(c.v + off) + b, _MM_HINT_T0);
+      }
+    }
+  }
+  for (int64_t j = lo; j < hi; ++j) {
+    const int64_t pos = t0 + j;
+    const int64_t off = table[pos / c.block_size] * c.block_stride +
+                        (pos % c.block_size) * c.slot_stride + kvh * D;
+    const uint32_t* kr = reinterpret_cast<const uint32_t*>(c.k + off);
+    for (int p = 0; p < D / 2; ++p) kp[p * kTileKeys + j] = kr[p];
+    const uint16_t* vr = c.v + off;
+    for (int d = 0; d < D; d += 16) {
+      const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(vr + d)));
+      _mm512_storeu_ps(vt + j * D + d, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+    }
+  }
+}
+
+template <int D>
+void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
+         const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+         const torch::Tensor& seq_info, float scale, int64_t window) {
+  const int64_t num_seqs = seq_info.size(0);
+  const int64_t num_heads = q.size(1);
+  const int64_t num_kv_heads = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t q_row = q.stride(0), q_head = q.stride(1), out_row = out.stride(0);
+  const int64_t max_blocks = block_tables.size(1);
+  const Cache cache{reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
+                    reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()),
+                    k_cache.stride(0), k_cache.stride(1), k_cache.size(1)};
+  const auto* q_ptr = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
+  auto* out_ptr = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t* info = seq_info.data_ptr<int64_t>();
+  const int64_t bs = cache.block_size;
+  const std::vector<Item> items =
+      build_items(info, num_seqs, tables, max_blocks, bs, window, kTileKeys);
+  const int64_t num_items = static_cast<int64_t>(items.size()) * num_kv_heads;
+
+  at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
+    const int64_t max_queries = std::max(kLongRowTile, kCascadeRows) * group;
+    std::vector<uint32_t> kp(D / 2 * kTileKeys, 0u);
+    std::vector<float> vt(kTileKeys * D, 0.0f);
+    std::vector<float> m(max_queries), l(max_queries), acc(max_queries * D);
+    std::vector<float> pbuf(max_queries * kTileKeys);
+    std::vector<const uint16_t*> qv(max_queries), tq(max_queries);
+    std::vector<int64_t> lo(max_queries), hi(max_queries);
+    std::vector<float*> tm(max_queries), tl(max_queries), ta(max_queries);
+
+    // The query vectors of item entry e (a row): index e * group + g.
+    auto attend = [&](int64_t nt) {
+      lanes::attend_tile<D>(nt, tq.data(), lo.data(), hi.data(), kp.data(), kTileKeys, vt.data(),
+                            scale, tm.data(), tl.data(), ta.data(), pbuf.data());
+    };
+    auto add = [&](int64_t& nt, int64_t qi, int64_t jl, int64_t jh) {
+      tq[nt] = qv[qi], lo[nt] = jl, hi[nt] = jh;
+      tm[nt] = &m[qi], tl[nt] = &l[qi], ta[nt] = acc.data() + qi * D;
+      ++nt;
+    };
+    // Rows [row0, row0 + rows) of sequence `seq` (query vectors from index e0 * group on)
+    // against its keys from `start_key` (a tile boundary) on, each row up to its own position.
+    auto own_keys = [&](int64_t seq, int64_t row0, int64_t rows, int64_t e0, int64_t kvh,
+                        int64_t start_key) {
+      const int64_t first_pos = info[3 * seq + 2] + (row0 - info[3 * seq]);
+      const int64_t last_pos = first_pos + rows - 1;
+      const int32_t* table = tables + seq * max_blocks;
+      const int64_t lo_key = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
+      const int64_t t_start = std::max(lo_key / kTileKeys * kTileKeys, start_key);
+      for (int64_t t0 = t_start; t0 <= last_pos; t0 += kTileKeys) {
+        load_tile<D>(cache, table, kvh, t0, std::max<int64_t>(0, lo_key - t0),
+                     std::min<int64_t>(kTileKeys, last_pos - t0 + 1), kp.data(), vt.data());
+        int64_t nt = 0;
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t qpos = first_pos + r;
+          const int64_t vis_lo = window > 0 ? std::max<int64_t>(0, qpos - window + 1) : 0;
+          const int64_t jl = std::max<int64_t>(0, vis_lo - t0);
+          const int64_t jh = std::min<int64_t>(kTileKeys, qpos - t0 + 1);
+          if (jl >= jh) continue;
+          for (int64_t g = 0; g < group; ++g) add(nt, (e0 + r) * group + g, jl, jh);
+        }
+        attend(nt);
+      }
+    };
+
+    for (int64_t idx = begin; idx < end; ++idx) {
+      const Item& item = items[idx / num_kv_heads];
+      const int64_t kvh = idx % num_kv_heads;
+      const bool cascade = item.shared_blocks > 0;
+      const int64_t entries = cascade ? static_cast<int64_t>(item.seqs.size()) : item.rows;
+      auto row_of = [&](int64_t e) { return cascade ? info[3 * item.seqs[e]] : item.row0 + e; };
+      const int64_t nq = entries * group;
+      for (int64_t e = 0; e < entries; ++e) {
+        for (int64_t g = 0; g < group; ++g) {
+          qv[e * group + g] = q_ptr + row_of(e) * q_row + (kvh * group + g) * q_head;
+        }
+      }
+      std::fill(acc.begin(), acc.begin() + nq * D, 0.0f);
+      std::fill(m.begin(), m.begin() + nq, -std::numeric_limits<float>::infinity());
+      std::fill(l.begin(), l.begin() + nq, 0.0f);
+      if (cascade) {
+        // The shared keys: every query of the cascade sees all of them.
+        const int64_t shared_keys = item.shared_blocks * bs;
+        const int32_t* table = tables + item.seqs[0] * max_blocks;
+        for (int64_t t0 = 0; t0 < shared_keys; t0 += kTileKeys) {
+          load_tile<D>(cache, table, kvh, t0, 0, kTileKeys, kp.data(), vt.data());
+          int64_t nt = 0;
+          for (int64_t qi = 0; qi < nq; ++qi) add(nt, qi, 0, kTileKeys);
+          attend(nt);
+        }
+        for (int64_t e = 0; e < entries; ++e) {
+          own_keys(item.seqs[e], row_of(e), 1, e, kvh, shared_keys);
+        }
+      } else {
+        own_keys(item.seqs[0], item.row0, item.rows, 0, kvh, 0);
+      }
+      for (int64_t e = 0; e < entries; ++e) {
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t qi = e * group + g;
+          lanes::finish<D>(acc.data() + qi * D, l[qi],
+                           out_ptr + row_of(e) * out_row + (kvh * group + g) * D);
+        }
+      }
+    }
+  });
+}
+#endif  // __AVX512BF16__
+
+}  // namespace
+
+// paged_attention's bf16 path with keys in lanes, where this build has it (AVX512-BF16), the
+// head dim is 64, 128 or 256 and there is no soft-capping; returns false (nothing written)
+// otherwise. The caller has checked the shapes and the block tables.
+bool paged_attention_lanes(torch::Tensor& out, const torch::Tensor& q,
+                           const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                           const torch::Tensor& block_tables, const torch::Tensor& seq_info,
+                           double scale, double softcap, int64_t window) {
+#if defined(__AVX512BF16__)
+  if (q.scalar_type() != torch::kBFloat16 || softcap > 0.0) return false;
+  const float s = static_cast<float>(scale);
+  switch (q.size(2)) {
+    case 64: run<64>(out, q, k_cache, v_cache, block_tables, seq_info, s, window); return true;
+    case 128: run<128>(out, q, k_cache, v_cache, block_tables, seq_info, s, window); return true;
+    case 256: run<256>(out, q, k_cache, v_cache, block_tables, seq_info, s, window); return true;
+    default: return false;
+  }
+#else
+  (void)out, (void)q, (void)k_cache, (void)v_cache, (void)block_tables, (void)seq_info;
+  (void)scale, (void)softcap, (void)window;
+  return false;
+#endif
+}

@@ -1,0 +1,175 @@
+"""The paged kernel's bf16 keys-in-lanes path (csrc/paged_lanes_bf16.cpp) and the long-chunk
+kernel (csrc/prefill_attention.cpp) share their arithmetic (csrc/attn_lanes_bf16.h): a query's
+output is the same bits from either, however its prompt was chunked, whatever rows shared its
+call, whether it was a decode row of a cascade over a shared prefix, and within a sliding window.
+Both are also checked against an fp64 reference and against the portable path.
+"""
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from prefixserve.model.kernels.build import (
+    attention_kernels_agree,
+    paged_attention_kernel,
+    paged_attention_portable_kernel,
+    prefill_attention_kernel,
+)
+
+paged = paged_attention_kernel()
+portable = paged_attention_portable_kernel()
+prefill = prefill_attention_kernel()
+needs_lanes = pytest.mark.skipif(
+    paged is None or not attention_kernels_agree(),
+    reason="this build has no keys-in-lanes path (no AVX512-BF16)",
+)
+
+
+def prompt_case(length, heads, kv_heads, head_dim, block_size, seed):
+    """One sequence of `length` tokens scattered over shuffled blocks (block 0 NaN, never
+    referenced): q [length, heads, D], the caches, its table [1, blocks], and its K/V in order."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = -(-length // block_size)
+    num_blocks = blocks + 3
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    kc = torch.randn(shape, generator=g).bfloat16()
+    vc = torch.randn(shape, generator=g).bfloat16()
+    kc[0] = float("nan")
+    vc[0] = float("nan")
+    table = (torch.randperm(num_blocks - 1, generator=g)[:blocks] + 1).to(torch.int32)
+    slots = (table.long().unsqueeze(1) * block_size + torch.arange(block_size)).view(-1)[:length]
+    keys = kc.view(-1, kv_heads, head_dim)[slots]
+    values = vc.view(-1, kv_heads, head_dim)[slots]
+    q = torch.randn(length, heads, head_dim, generator=g).bfloat16()
+    return q, kc, vc, table.unsqueeze(0), keys, values
+
+
+def run_chunks(fn, q, kc, vc, table, cuts, window=0, softcap=0.0):
+    """The prompt served chunk by chunk ([cuts[i], cuts[i + 1]) each, its prefix cached)."""
+    length, heads, d = q.shape
+    out = torch.empty(length, heads * d, dtype=torch.bfloat16)
+    for a, b in zip(cuts, cuts[1:], strict=False):
+        o = torch.empty(b - a, heads * d, dtype=torch.bfloat16)
+        info = torch.tensor([[0, b - a, a]])
+        fn(o, q[a:b], kc, vc, table, info, d**-0.5, softcap, window)
+        out[a:b] = o
+    return out
+
+
+def run_decode_rows(q, kc, vc, table, window=0):
+    """Every position as its own one-token sequence, all in one call (a decode batch whose rows
+    share the prompt's blocks: cascades)."""
+    length, heads, d = q.shape
+    out = torch.empty(length, heads * d, dtype=torch.bfloat16)
+    info = torch.tensor([[i, i + 1, i] for i in range(length)])
+    paged(out, q, kc, vc, table.repeat(length, 1), info, d**-0.5, 0.0, window)
+    return out
+
+
+def exact(q, keys, values, window=0):
+    """fp64 causal attention of a whole prompt (window 0: none)."""
+    length, heads, d = q.shape
+    rep = heads // keys.shape[1]
+    k = keys.double().repeat_interleave(rep, 1)
+    v = values.double().repeat_interleave(rep, 1)
+    s = torch.einsum("ihd,jhd->hij", q.double(), k) * d**-0.5
+    pos = torch.arange(length)
+    mask = pos.unsqueeze(0) <= pos.unsqueeze(1)
+    if window:
+        mask &= pos.unsqueeze(0) > pos.unsqueeze(1) - window
+    s = s.masked_fill(~mask, float("-inf"))
+    return torch.einsum("hij,jhd->ihd", s.softmax(-1), v).reshape(length, heads * d)
+
+
+SHAPES = [(9, 3, 64), (4, 2, 128), (4, 1, 256)]
+
+
+@needs_lanes
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), SHAPES)
+def test_paged_and_prefill_kernels_give_the_same_bits(heads, kv_heads, head_dim):
+    """A 300-token prompt: one paged call, the prefill kernel over its gathered K/V, the paged
+    kernel chunk by chunk, the prefill kernel on its last chunk over the rest, every position as
+    a decode row: all equal, bit for bit, and within bf16 rounding of fp64 attention."""
+    q, kc, vc, table, keys, values = prompt_case(300, heads, kv_heads, head_dim, 16, seed=1)
+    whole = run_chunks(paged, q, kc, vc, table, [0, 300])
+    gathered = torch.empty_like(whole)
+    prefill(gathered, q, keys, values, head_dim**-0.5)
+    assert torch.equal(whole, gathered)
+    assert torch.equal(whole, run_chunks(paged, q, kc, vc, table, [0, 100, 107, 108, 170, 300]))
+    tail = torch.empty(130, heads * head_dim, dtype=torch.bfloat16)
+    prefill(tail, q[170:], keys, values, head_dim**-0.5)
+    assert torch.equal(whole[170:], tail)
+    assert torch.equal(whole, run_decode_rows(q, kc, vc, table))
+    truth = exact(q, keys, values)
+    assert (whole.double() - truth).abs().max().item() < 0.02
+    slow = run_chunks(portable, q, kc, vc, table, [0, 300])
+    assert (whole.double() - slow.double()).abs().max().item() < 0.02
+
+
+@needs_lanes
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    length=st.integers(1, 200),
+    cuts=st.lists(st.integers(1, 199), max_size=5),
+    block_size=st.sampled_from([8, 16, 48]),
+    window=st.sampled_from([0, 0, 5, 70]),
+    seed=st.integers(0, 3),
+)
+def test_any_chunking_gives_the_same_bits(length, cuts, block_size, window, seed):
+    """Hypothesis over prompt length, chunk cuts, block sizes that do and do not divide the
+    64-key tile, and sliding windows: every chunking and the decode rows equal one call."""
+    q, kc, vc, table, keys, values = prompt_case(length, 9, 3, 64, block_size, seed)
+    bounds = sorted({0, length, *(c for c in cuts if c < length)})
+    whole = run_chunks(paged, q, kc, vc, table, [0, length], window)
+    assert torch.equal(whole, run_chunks(paged, q, kc, vc, table, bounds, window))
+    assert torch.equal(whole, run_decode_rows(q, kc, vc, table, window))
+    assert (whole.double() - exact(q, keys, values, window)).abs().max().item() < 0.02
+    if window == 0 and length >= 1:
+        gathered = torch.empty_like(whole)
+        prefill(gathered, q, keys, values, 64**-0.5)
+        assert torch.equal(whole, gathered)
+
+
+@needs_lanes
+def test_a_row_gets_the_same_bits_whatever_shares_its_call():
+    """A decode row alone, then in a batch with other sequences' decode rows and chunks (some
+    sharing its prefix blocks, so it joins a cascade): the same bits."""
+    q, kc, vc, table, _, _ = prompt_case(400, 9, 3, 64, 16, seed=5)
+    d = 64
+    alone = torch.empty(1, 9 * d, dtype=torch.bfloat16)
+    paged(alone, q[390:391], kc, vc, table, torch.tensor([[0, 1, 390]]), d**-0.5, 0.0, 0)
+    # Rows: three decode rows over the same blocks, then a chunk of 20 over the first 300 tokens.
+    qs = torch.cat([q[390:391], q[250:251], q[399:400], q[300:320]])
+    info = torch.tensor([[0, 1, 390], [1, 2, 250], [2, 3, 399], [3, 23, 300]])
+    out = torch.empty(23, 9 * d, dtype=torch.bfloat16)
+    paged(out, qs, kc, vc, table.repeat(4, 1), info, d**-0.5, 0.0, 0)
+    assert torch.equal(out[0:1], alone)
+    assert torch.equal(out[3:23], run_chunks(paged, q, kc, vc, table, [0, 300, 320, 400])[300:320])
+
+
+@needs_lanes
+def test_a_nan_in_a_key_the_query_cannot_see_stays_out():
+    """A NaN key and value in a slot after the query's position (a block's unwritten tail, in
+    the same 64-key tile) does not reach the output; one it can see does."""
+    q, kc, vc, table, _, _ = prompt_case(40, 9, 3, 64, 16, seed=7)
+    slot = table[0, 30 // 16].item(), 30 % 16
+    kc[slot] = float("nan")
+    vc[slot] = float("nan")
+    out = torch.empty(40, 9 * 64, dtype=torch.bfloat16)
+    paged(out, q, kc, vc, table, torch.tensor([[0, 40, 0]]), 0.125, 0.0, 0)
+    assert not out[:30].isnan().any()
+    assert out[30:].isnan().all()
+
+
+@needs_lanes
+def test_the_paged_kernel_keeps_its_portable_path_for_soft_capping():
+    """Soft-capping has no lanes path: the call falls back to the portable one (the same bits
+    as asking for it), still matching the reference."""
+    q, kc, vc, table, _, _ = prompt_case(50, 4, 2, 64, 16, seed=9)
+    a = run_chunks(paged, q, kc, vc, table, [0, 50], softcap=5.0)
+    b = run_chunks(portable, q, kc, vc, table, [0, 50], softcap=5.0)
+    assert torch.equal(a, b)
+    assert math.isfinite(a.float().abs().max().item())
