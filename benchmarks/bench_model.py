@@ -32,7 +32,10 @@ import torch  # noqa: E402
 
 from prefixserve.core.request import Request  # noqa: E402
 from prefixserve.core.sched.output import ScheduledRequest, SchedulerOutput  # noqa: E402
-from prefixserve.model.kernels.build import rms_norm_kernel  # noqa: E402
+from prefixserve.model.kernels.build import (  # noqa: E402
+    paged_attention_portable_kernel,
+    rms_norm_kernel,
+)
 from prefixserve.model.kernels.cpu_paths import describe_cpu  # noqa: E402
 from prefixserve.model.layers import kernel_table  # noqa: E402
 from prefixserve.model.layers import linear as layers  # noqa: E402
@@ -49,6 +52,14 @@ class ArgmaxSampler:
 def random_prompt(n: int, vocab: int, seed: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(100, vocab, (n,), generator=g).tolist()
+
+
+def portable_attention(engine: Ours) -> Ours:
+    """`engine` with attention routed as before the keys-in-lanes kernels (the paged kernel's
+    portable path under KERNEL_MAX_QUERIES, then SDPA or the prefill kernel)."""
+    engine.runner.attention_kernel = paged_attention_portable_kernel()
+    engine.runner.kernel_max_queries = None
+    return engine
 
 
 class Ours:
@@ -262,6 +273,19 @@ def main() -> None:
         "load of the weights, same run",
     )
     ap.add_argument(
+        "--portable-attention-baseline",
+        action="store_true",
+        help="also run prefixserve with attention as before the keys-in-lanes kernels: the paged "
+        "kernel's portable path for chunks under the CPU table's threshold, SDPA or the prefill "
+        "kernel (over a gathered prefix) above it; same weights, same run",
+    )
+    ap.add_argument(
+        "--before-baseline",
+        action="store_true",
+        help="also run prefixserve as it was before issue 28's kernels: no native GEMM and the "
+        "portable attention, on a second load of the weights, same run",
+    )
+    ap.add_argument(
         "--batch-invariant",
         action="store_true",
         help="also run prefixserve in batch-invariant mode (one linear and one attention path "
@@ -290,14 +314,19 @@ def main() -> None:
         base.runner.attention_kernel = None
         base.native = False
         engines.append(base)
-    if args.no_native_gemm_baseline:
+    if args.no_native_gemm_baseline or args.before_baseline:
         gemm = kernel_table._kernel("gemm")
         kernel_table._kernels["gemm"] = None  # Linear.pack() then keeps the other paths' weights
         try:
             other = load_model(args.model, dtype="bfloat16")
         finally:
             kernel_table._kernels["gemm"] = gemm
-        engines.append(Ours(other, num_blocks=blocks, name="no-native-gemm"))
+        if args.no_native_gemm_baseline:
+            engines.append(Ours(other, num_blocks=blocks, name="no-native-gemm"))
+        if args.before_baseline:
+            engines.append(portable_attention(Ours(other, num_blocks=blocks, name="before")))
+    if args.portable_attention_baseline:
+        engines.append(portable_attention(Ours(loaded, num_blocks=blocks, name="portable-attn")))
     if args.batch_invariant:
         engines.append(
             Ours(loaded, num_blocks=blocks, name="batch-invariant", batch_invariant=True)

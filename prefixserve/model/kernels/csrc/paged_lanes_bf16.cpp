@@ -36,31 +36,91 @@ struct Cache {
   int64_t block_stride, slot_stride, block_size;
 };
 
+// out[p] = lane i of r[i]'s element p, for 16 vectors of 16 32-bit elements (a 16 x 16
+// transpose: unpacks within 128-bit lanes, then two rounds of lane shuffles).
+inline void transpose16(const __m512i* r, __m512i* out) {
+  __m512i t[16], u[16], v[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // u[4i + c]: rows 4i .. 4i + 3, column c of each 128-bit lane
+    u[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int h = 0; h < 2; ++h) {
+    for (int c = 0; c < 4; ++c) {
+      v[8 * h + c] = _mm512_shuffle_i32x4(u[8 * h + c], u[8 * h + 4 + c], 0x88);
+      v[8 * h + 4 + c] = _mm512_shuffle_i32x4(u[8 * h + c], u[8 * h + 4 + c], 0xdd);
+    }
+  }
+  for (int c = 0; c < 8; ++c) {
+    out[c] = _mm512_shuffle_i32x4(v[c], v[8 + c], 0x88);
+    out[8 + c] = _mm512_shuffle_i32x4(v[c], v[8 + c], 0xdd);
+  }
+}
+
+// Ask for keys [t0 + lo, t0 + hi)'s K and V rows toward L2 (the next tile's, while this one is
+// computed: the rows of one KV head are strided, so the hardware prefetchers miss them).
+template <int D>
+void prefetch_tile(const Cache& c, const int32_t* table, int64_t kvh, int64_t t0, int64_t lo,
+                   int64_t hi) {
+  for (int64_t j = lo; j < hi;) {
+    const int64_t pos = t0 + j;
+    const int64_t slot = pos % c.block_size;
+    const int64_t n = std::min(c.block_size - slot, hi - j);
+    const int64_t base = table[pos / c.block_size] * c.block_stride + slot * c.slot_stride + kvh * D;
+    for (int64_t i = 0; i < n; ++i, ++j) {
+      const char* k = reinterpret_cast<const char*>(c.k + base + i * c.slot_stride);
+      const char* v = reinterpret_cast<const char*>(c.v + base + i * c.slot_stride);
+      for (int b = 0; b < D * 2; b += 64) {
+        _mm_prefetch(k + b, _MM_HINT_T1);
+        _mm_prefetch(v + b, _MM_HINT_T1);
+      }
+    }
+  }
+}
+
 // Keys [t0 + lo, t0 + hi) of a sequence (block table `table`), KV head kvh, into the tile
 // buffers: kp[p * kTileKeys + j] = K pair p of key t0 + j, vt[j * D + d] = V in fp32.
 template <int D>
 void load_tile(const Cache& c, const int32_t* table, int64_t kvh, int64_t t0, int64_t lo,
                int64_t hi, uint32_t* kp, float* vt) {
-  for (int64_t j = lo; j < hi; ++j) {  // ask for every row first (they are strided)
+  // The rows' addresses, one block lookup per block, each row asked for at once (the rows of
+  // one KV head are strided: read one after another, each would wait for memory on its own).
+  int64_t rows[kTileKeys];
+  for (int64_t j = lo; j < hi;) {
     const int64_t pos = t0 + j;
-    const int64_t off = table[pos / c.block_size] * c.block_stride +
-                        (pos % c.block_size) * c.slot_stride + kvh * D;
-    _mm_prefetch(reinterpret_cast<const char*>(c.k + off), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(c.v + off), _MM_HINT_T0);
-    if constexpr (D > 32) {
-      for (int b = 64; b < D * 2; b += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(c.k + off) + b, _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(c.v + off) + b, _MM_HINT_T0);
+    const int64_t slot = pos % c.block_size;
+    const int64_t n = std::min(c.block_size - slot, hi - j);
+    const int64_t base = table[pos / c.block_size] * c.block_stride + slot * c.slot_stride + kvh * D;
+    for (int64_t i = 0; i < n; ++i, ++j) {
+      rows[j] = base + i * c.slot_stride;
+      for (int b = 0; b < D * 2; b += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(c.k + rows[j]) + b, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(c.v + rows[j]) + b, _MM_HINT_T0);
       }
     }
   }
+  for (int64_t j0 = lo / 16 * 16; j0 < hi; j0 += 16) {
+    if (j0 >= lo && j0 + 16 <= hi) {  // 16 keys: 16 pairs of each at a time, transposed
+      for (int p0 = 0; p0 < D / 2; p0 += 16) {
+        __m512i r[16], t[16];
+        for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(c.k + rows[j0 + i] + 2 * p0);
+        transpose16(r, t);
+        for (int p = 0; p < 16; ++p) _mm512_storeu_si512(kp + (p0 + p) * kTileKeys + j0, t[p]);
+      }
+      continue;
+    }
+    for (int64_t j = std::max(lo, j0); j < std::min(hi, j0 + 16); ++j) {
+      const uint32_t* kr = reinterpret_cast<const uint32_t*>(c.k + rows[j]);
+      for (int p = 0; p < D / 2; ++p) kp[p * kTileKeys + j] = kr[p];
+    }
+  }
   for (int64_t j = lo; j < hi; ++j) {
-    const int64_t pos = t0 + j;
-    const int64_t off = table[pos / c.block_size] * c.block_stride +
-                        (pos % c.block_size) * c.slot_stride + kvh * D;
-    const uint32_t* kr = reinterpret_cast<const uint32_t*>(c.k + off);
-    for (int p = 0; p < D / 2; ++p) kp[p * kTileKeys + j] = kr[p];
-    const uint16_t* vr = c.v + off;
+    const uint16_t* vr = c.v + rows[j];
     for (int d = 0; d < D; d += 16) {
       const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(
           reinterpret_cast<const __m256i*>(vr + d)));
@@ -121,6 +181,10 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
       const int64_t lo_key = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
       const int64_t t_start = std::max(lo_key / kTileKeys * kTileKeys, start_key);
       for (int64_t t0 = t_start; t0 <= last_pos; t0 += kTileKeys) {
+        if (t0 + kTileKeys <= last_pos) {
+          prefetch_tile<D>(cache, table, kvh, t0 + kTileKeys, 0,
+                           std::min<int64_t>(kTileKeys, last_pos - t0 - kTileKeys + 1));
+        }
         load_tile<D>(cache, table, kvh, t0, std::max<int64_t>(0, lo_key - t0),
                      std::min<int64_t>(kTileKeys, last_pos - t0 + 1), kp.data(), vt.data());
         int64_t nt = 0;
@@ -156,6 +220,9 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
         const int64_t shared_keys = item.shared_blocks * bs;
         const int32_t* table = tables + item.seqs[0] * max_blocks;
         for (int64_t t0 = 0; t0 < shared_keys; t0 += kTileKeys) {
+          if (t0 + kTileKeys < shared_keys) {
+            prefetch_tile<D>(cache, table, kvh, t0 + kTileKeys, 0, kTileKeys);
+          }
           load_tile<D>(cache, table, kvh, t0, 0, kTileKeys, kp.data(), vt.data());
           int64_t nt = 0;
           for (int64_t qi = 0; qi < nq; ++qi) add(nt, qi, 0, kTileKeys);
