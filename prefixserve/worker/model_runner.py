@@ -40,8 +40,9 @@ from prefixserve.model.layers.attention import (
     prefill_kernel_for,
 )
 from prefixserve.model.layers.common import ForwardContext, one_thread
+from prefixserve.model.layers.kernel_table import compiled_kernel
 from prefixserve.model.layers.linear import batch_invariant_linears, set_stream_threads
-from prefixserve.settings import omp_threads_sleep
+from prefixserve.settings import fp32_prefill, omp_threads_sleep
 from prefixserve.spec_decode.verify import GeneratorRewind, num_accepted, row_views
 from prefixserve.worker.sampler import is_greedy
 
@@ -126,6 +127,21 @@ class StepInputs:
                 self.prompt_rows.extend(range(row, row + last - start))
                 self.prompt_targets.extend(req.all_token_ids[start + 1 : last + 1])
                 self.prompt_owners.append((req, last - start))
+
+
+def default_is_batch_invariant(config: ModelConfig) -> bool:
+    """Whether this CPU's default paths are already batch-invariant for this model, so that
+    `batch_invariant=True` changes nothing: bf16 linears on the native GEMM (one summation order
+    at every row count; a forced fp32 copy, PREFIXSERVE_FP32_PREFILL=1, takes large batches
+    elsewhere) and every chunk's attention on the two kernels that share their arithmetic
+    (csrc/attn_lanes_bf16.h). LoRA's updates are not covered (see EngineConfig)."""
+    return (
+        config.torch_dtype == torch.bfloat16
+        and compiled_kernel("gemm") is not None
+        and not fp32_prefill()
+        and prefill_kernel_for(config, prefill_attention_kernel()) is not None
+        and attention_kernels_agree()
+    )
 
 
 class ModelRunner:

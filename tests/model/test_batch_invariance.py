@@ -29,6 +29,7 @@ from prefixserve.model.layers.kernel_table import compiled_kernel
 from prefixserve.model.layers.linear import Linear, batch_invariant_linears
 from prefixserve.model.loader.loading import LoadedModel
 from prefixserve.sampling_params import SamplingParams
+from prefixserve.worker.model_runner import default_is_batch_invariant
 from tests.helpers.models import VOCAB, build_hf_model, build_ours
 
 ROW_COUNTS = (1, 2, 3, 5, 8, 9, 16, 17, 33, 64, 65, 100, 257)
@@ -297,11 +298,16 @@ def real_bf16(request, default_model_bf16):
     return load_model(ensure_gemma3_270m(), dtype="bfloat16"), 40
 
 
-def test_a_real_model_gives_a_cache_hit_the_cold_starts_bf16_output(real_bf16):
+@pytest.mark.parametrize("mode", ["batch_invariant", "default"])
+def test_a_real_model_gives_a_cache_hit_the_cold_starts_bf16_output(real_bf16, mode):
     """Two questions over one document, each served cold and alone, then from a warm cache
     (the document's blocks hit), then both in one step, then with a small chunk budget: the
-    same tokens and logprobs, bit for bit."""
+    same tokens and logprobs, bit for bit. With the flag, and in the default configuration
+    where this CPU's default paths are batch-invariant by construction (the native GEMM and
+    the two attention kernels with one arithmetic: `default_is_batch_invariant`)."""
     loaded, items = real_bf16
+    if mode == "default" and not default_is_batch_invariant(loaded.config):
+        pytest.skip("this CPU's default paths are not batch-invariant (only the flag is)")
     tokenizer = loaded.tokenizer
     document = " ".join(
         f"Item {i} weighs {3 * i % 17} kilograms and is {i % 5} years old." for i in range(items)
@@ -316,7 +322,7 @@ def test_a_real_model_gives_a_cache_hit_the_cold_starts_bf16_output(real_bf16):
             max_model_len=2048,
             cache=CacheConfig(num_kv_blocks=256, enable_prefix_caching=caching),
             scheduler=SchedulerConfig(max_num_batched_tokens=budget),
-            batch_invariant=True,
+            batch_invariant=mode == "batch_invariant",
         )
         return LLMEngine(config, loaded_model=loaded)
 

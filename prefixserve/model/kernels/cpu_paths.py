@@ -13,6 +13,8 @@ speed"):
   copy (`benchmarks/bench_gemm.py --native`). `PREFIXSERVE_NATIVE_GEMM=1/0` overrides it.
 - attention (`attention.KERNEL_MAX_QUERIES`): the native paged-attention kernel for chunks of
   fewer queries than this, PyTorch's flash SDPA for longer ones (`benchmarks/bench_attention.py`).
+  Only where the paged kernel's keys-in-lanes path and the long-chunk kernel do not serve the
+  model: where they do (AVX512-BF16, bf16), every chunk goes to them (model_runner.py).
 """
 
 from __future__ import annotations

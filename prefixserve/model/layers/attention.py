@@ -8,12 +8,15 @@ never read). Everything that depends only on the batch, not on the layer (gather
 slot mappings), is built once per step per KV-cache group by `build_attention_metadata`.
 
 With the compiled kernel (`prefixserve.model.kernels.build`, passed in as `kernel`), every
-sequence with fewer than `KERNEL_MAX_QUERIES` new tokens (decode rows and short chunks; on some
-CPUs whole prompts: the number is chosen per kind of CPU) is served by one kernel call that reads
-K/V straight from the blocks: no gather, no copies, online softmax in fp32. Longer chunks use the
-span path below: where the native prefill kernel is built (AVX512-BF16; bf16 models without
-soft-capping or sliding windows), every chunk of `PREFILL_MIN_QUERIES` or more goes to it, with
-the chunk's K/V gathered once (a tiled causal kernel: 2.7x flash SDPA at 2,048 tokens);
+sequence with fewer than `kernel_max_queries` new tokens (default `KERNEL_MAX_QUERIES`, chosen
+per kind of CPU; unbounded where the model runner takes the two kernels of one arithmetic, see
+below) is served by one kernel call that reads K/V straight from the blocks: no gather, no
+copies, online softmax in fp32. Where the native prefill kernel is built (AVX512-BF16; bf16
+models with head dims 64/128/256 without soft-capping), a chunk of `PREFILL_MIN_QUERIES` or more
+from position 0 with full attention goes to it instead (a tiled causal kernel over the chunk's
+own K/V); it shares its tile arithmetic with the paged kernel's bf16 path
+(csrc/attn_lanes_bf16.h), so the split never changes a query's bits. Other long chunks use the
+span path below: the prefill kernel over the gathered K/V where it applies,
 otherwise PyTorch's flash SDPA serves them. Without the paged kernel, two paths:
 - decode batch: the leading run of sequences with one new token each (at least two of them) is
   padded to a common number of blocks and served by one batched SDPA call with a padding mask;
