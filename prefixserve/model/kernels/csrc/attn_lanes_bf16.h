@@ -20,6 +20,7 @@
 #pragma once
 
 #if defined(__AVX512BF16__)
+#include <c10/util/BFloat16.h>
 #include <immintrin.h>
 
 #include <algorithm>
