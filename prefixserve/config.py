@@ -202,8 +202,3 @@ class EngineConfig:
             raise _invalid("enable_prompt_embeds", self.enable_prompt_embeds, "a bool")
         if not isinstance(self.batch_invariant, bool):
             raise _invalid("batch_invariant", self.batch_invariant, "a bool")
-        if self.batch_invariant and self.lora is not None:
-            raise ValueError(
-                "batch_invariant does not cover LoRA yet (an adapter's update takes another "
-                "path for few rows than for many): turn one of them off"
-            )

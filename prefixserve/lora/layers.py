@@ -12,6 +12,7 @@ calls it after the base matmul). With no group (no adapter in the step) the cost
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
 import torch
@@ -19,6 +20,7 @@ from torch import nn
 
 from prefixserve.lora.adapter import LoRAAdapter
 from prefixserve.model.layers.kernel_table import compiled_kernel
+from prefixserve.model.layers.linear import linears_batch_invariant
 
 TARGET_LINEARS = {"self_attn": ("qkv_proj", "o_proj"), "mlp": ("gate_up_proj", "down_proj")}
 
@@ -30,7 +32,10 @@ TARGET_LINEARS = {"self_attn": ("qkv_proj", "o_proj"), "mlp": ("gate_up_proj", "
 # the base model's decode step at batch 1 and 1.8x at batch 16 (BENCHMARKS.md, LoRA). Larger
 # groups (prefill chunks) amortize the matmuls' setup and keep PyTorch, as fp32 models do: the
 # kernel for every group made a W1-shaped run over 4 adapters slower (8.99 s against 8.36, median
-# of 4 alternating runs, `LLM.generate` of 32 prompts of 1,088 tokens).
+# of 4 alternating runs, `LLM.generate` of 32 prompts of 1,088 tokens). In batch-invariant runs
+# every bf16 group takes the kernel, whose sums for a row do not depend on the other rows (each
+# row's own FMA chains, 4 rows sharing only the weight loads), so a row's update is the same
+# in a decode step as in a prompt of any length.
 KERNEL_MAX_ROWS = 64
 
 Rows = slice | torch.Tensor
@@ -83,14 +88,18 @@ class LoRALinear:
     def apply(self, x: torch.Tensor, out: torch.Tensor) -> None:
         """Add every adapter's update to its rows of `out` (the base linear's output of `x`)."""
         kernel = None
+        invariant = linears_batch_invariant()
+        if invariant and x.dtype == torch.bfloat16:
+            x = x.contiguous()
         if x.dtype == torch.bfloat16 and x.is_contiguous() and out.is_contiguous():
             kernel = compiled_kernel("lora_add")
+        max_rows = sys.maxsize if invariant else KERNEL_MAX_ROWS
         for adapter, rows, index in self.batch.groups:
             weights = adapter.weights.get(self.key)
             if weights is None:
                 continue
             a, b = weights.a, weights.b
-            if kernel is not None and index.shape[0] <= KERNEL_MAX_ROWS:
+            if kernel is not None and index.shape[0] <= max_rows:
                 kernel(out, x, a, weights.blocks, weights.meta, index)
             elif isinstance(rows, slice):
                 out[rows].addmm_(torch.mm(x[rows], a.t()), b.t())

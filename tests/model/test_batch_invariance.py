@@ -23,7 +23,6 @@ from prefixserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from prefixserve.engine.llm_engine import LLMEngine
 from prefixserve.engine_args import EngineArgs
 from prefixserve.kv_store import KVStoreConfig
-from prefixserve.lora.config import LoRAConfig
 from prefixserve.model.kernels.build import paged_attention_kernel
 from prefixserve.model.layers.kernel_table import compiled_kernel
 from prefixserve.model.layers.linear import Linear, batch_invariant_linears
@@ -356,9 +355,50 @@ def test_batch_invariant_is_an_engine_option_with_vllms_switch(monkeypatch):
         EngineConfig(batch_invariant="yes")  # type: ignore[arg-type]
 
 
-def test_batch_invariant_refuses_lora_which_it_does_not_cover():
-    with pytest.raises(ValueError, match="LoRA"):
-        EngineConfig(batch_invariant=True, lora=LoRAConfig())
+def test_batch_invariant_takes_lora(default_model_bf16, tmp_path):
+    """An adapter's request in bf16 with the flag: served cold and alone (prefix caching off,
+    its 200-token prompt in one chunk, so the update of those rows takes the large-group path
+    of a default run), from a warm cache, beside a base-model request and another request of
+    its adapter, and in chunks of 32: the same tokens and logprobs, bit for bit."""
+    from prefixserve.bench.lora_adapters import ALL_MODULES, write_random_adapter
+    from prefixserve.llm import LLM
+    from prefixserve.lora.config import LoRARequest
+
+    config = default_model_bf16.config
+    lora = LoRARequest("a", 1, str(write_random_adapter(tmp_path / "a", config, 8, ALL_MODULES)))
+    document = list(range(1000, 1200))
+    prompts = [document + [7, 8, 9], document + [11, 12]]
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=3, ignore_eos=True)
+
+    def llm(caching: bool, budget: int = 2048) -> LLM:
+        return LLM(
+            dtype="bfloat16",
+            loaded_model=default_model_bf16,
+            enable_lora=True,
+            batch_invariant=True,
+            enable_prefix_caching=caching,
+            max_num_batched_tokens=budget,
+            num_kv_blocks=128,
+            enable_kv_store=False,
+        )
+
+    def serve(engine: LLM, batch: list, loras: list) -> list[tuple]:
+        outs = engine.generate(
+            [{"prompt_token_ids": p} for p in batch], params, use_tqdm=False, lora_request=loras
+        )
+        engine.llm_engine.check_no_leaks()
+        return [_key(o) for o in outs]
+
+    cold_engine = llm(False)
+    cold = [serve(cold_engine, [p], [lora])[0] for p in prompts]
+    base = serve(cold_engine, [prompts[0]], [None])[0]
+    assert base != cold[0]  # the adapter changes the answer
+    warm = llm(True)
+    assert serve(warm, [prompts[0]], [lora]) == [cold[0]]
+    assert serve(warm, [prompts[1]], [lora]) == [cold[1]]  # the document's blocks hit
+    mixed = serve(warm, [prompts[1], prompts[0], prompts[0]], [lora, None, lora])
+    assert mixed == [cold[1], base, cold[0]]
+    assert serve(llm(False, budget=32), prompts, [lora, lora]) == cold
 
 
 def test_a_batch_invariant_engine_keeps_its_disk_blocks_apart(default_model_fp32, tmp_path):

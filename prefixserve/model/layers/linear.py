@@ -84,6 +84,12 @@ _BATCH_INVARIANT: contextvars.ContextVar[bool] = contextvars.ContextVar(
 )
 
 
+def linears_batch_invariant() -> bool:
+    """Whether the current forward pass runs inside `batch_invariant_linears(True)` (LoRA's
+    updates then take one path too, lora/layers.py)."""
+    return _BATCH_INVARIANT.get()
+
+
 @contextlib.contextmanager
 def batch_invariant_linears(on: bool) -> Iterator[None]:
     """Run the enclosed forward pass's linears batch-invariantly (when `on`)."""
