@@ -235,3 +235,40 @@ def test_a_decode_sized_call_names_the_next_linears_weight_to_prefetch(default_m
     with_hint = torch.empty(3, n, dtype=torch.bfloat16)
     KERNELS[1](with_hint, x, packed, n, bias, 2, mlp.down_proj._gemm[0])
     assert torch.equal(with_hint, gemm(x, packed, n, bias))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 12, 13, 40])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_residual_epilogue_gives_the_separate_add_bit_for_bit(rows, bias):
+    """`Linear.add_to` (the residual added in the native GEMM's epilogue) against the linear
+    then PyTorch's bf16 add, bit for bit, and NaN where it has NaN (its payload is c10's
+    0x7fc0, PyTorch's add gives another); with LoRA attached it takes the two separate ops."""
+
+    def same(a, b):
+        nan = a.isnan()
+        return torch.equal(nan, b.isnan()) and torch.equal(
+            a[~nan].view(torch.int16), b[~nan].view(torch.int16)
+        )
+
+    torch.manual_seed(rows)
+    linear = Linear(96, 72, bias=bias).to(torch.bfloat16)
+    linear.pack()
+    x = torch.randn(rows, 96).bfloat16()
+    residual = (torch.randn(rows, 72) * 3).bfloat16()
+    residual[0, 5] = float("nan")
+    want = linear.forward(x).add_(residual)
+    assert same(linear.add_to(x, residual), want)
+    if linear._gemm is not None:  # the kernel with out as its own residual (in place)
+        packed, n, b = linear._gemm
+        in_place = residual.clone()
+        kernel_table.compiled_kernel("gemm")[1](in_place, x, packed, n, b, 2, None, in_place)
+        assert same(in_place, want)
+    calls = []
+
+    class NoUpdate:  # an adapter whose update is zero: the linear's output goes through it
+        def apply(self, x_, out):
+            calls.append(out.shape)
+
+    linear.lora = NoUpdate()
+    assert same(linear.add_to(x, residual), want)
+    assert calls == [(rows, 72)]

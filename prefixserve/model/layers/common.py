@@ -130,14 +130,18 @@ class GatedMLP(nn.Module):
         self.act = _ACTIVATIONS[act]
         self.gated_act = GATED_ACTS.get(act, 0)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The MLP of x, plus `residual` when given (added in down_proj's epilogue where it
+        can be: `Linear.add_to`)."""
+        hidden = None
         if self.gated_act and self.gate_up_proj.lora is None:
-            fused = self.gate_up_proj.gated(x, self.gated_act)
-            if fused is not None:
-                return self.down_proj.forward(fused)
-        gate_up = self.gate_up_proj.forward(x)
-        gate, up = gate_up.split(self.intermediate, dim=-1)
-        return self.down_proj.forward(self.act(gate) * up)
+            hidden = self.gate_up_proj.gated(x, self.gated_act)
+        if hidden is None:
+            gate, up = self.gate_up_proj.forward(x).split(self.intermediate, dim=-1)
+            hidden = self.act(gate) * up
+        if residual is None:
+            return self.down_proj.forward(hidden)
+        return self.down_proj.add_to(hidden, residual)
 
 
 class Attention(nn.Module):
@@ -167,8 +171,15 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, offset=gemma)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        ctx: ForwardContext,
+        residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """Attention of x's rows, plus `residual` when given (added in o_proj's epilogue where
+        it can be: `Linear.add_to`)."""
         t = x.shape[0]
         qkv = self.qkv_proj.forward(x)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
@@ -208,4 +219,6 @@ class Attention(nn.Module):
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
             write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, meta, self.scale, self.softcap, k, v)
-        return self.o_proj.forward(out)
+        if residual is None:
+            return self.o_proj.forward(out)
+        return self.o_proj.add_to(out, residual)

@@ -190,6 +190,33 @@ class Linear(nn.Linear):
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
+    def add_to(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """`self(x) + residual` with the two bf16 roundings of the separate ops (a decoder
+        layer's residual add after o_proj or down_proj): in the native GEMM's epilogue where
+        this call takes it (no LoRA, 2-D contiguous operands), else the linear then an add."""
+        if (
+            self.lora is None
+            and self._takes_native(x)
+            and x.dim() == 2
+            and residual.shape == (x.shape[0], self._gemm[1])
+            and residual.dtype == torch.bfloat16
+            and residual.is_contiguous()
+        ):
+            packed, out_features, bias = self._gemm
+            out = x.new_empty(x.shape[0], out_features)
+            _kernel("gemm")[1](
+                out,
+                x.contiguous(),
+                packed,
+                out_features,
+                bias,
+                STREAM_THREADS[0],
+                self._next_packed,
+                residual,
+            )
+            return out
+        return self.forward(x).add_(residual)
+
     def gated(self, x: torch.Tensor, act: int) -> torch.Tensor | None:
         """For a gated MLP's fused gate_up linear: act(gate) * up in the native GEMM's epilogue
         (`act` as `GATED_ACTS`), [rows, out_features / 2]; None where this call would not take

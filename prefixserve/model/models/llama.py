@@ -38,9 +38,10 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
-        # Submodules through .forward: no hooks here (see layers.py).
-        h = self.self_attn.forward(self.input_layernorm.forward(h), cos, sin, ctx).add_(h)
-        return self.mlp.forward(self.post_attention_layernorm.forward(h)).add_(h)
+        # Submodules through .forward: no hooks here (see layers.py). The residual adds happen
+        # in o_proj's and down_proj's epilogues where they can (`Linear.add_to`).
+        h = self.self_attn.forward(self.input_layernorm.forward(h), cos, sin, ctx, residual=h)
+        return self.mlp.forward(self.post_attention_layernorm.forward(h), residual=h)
 
 
 class DecoderBody(nn.Module):

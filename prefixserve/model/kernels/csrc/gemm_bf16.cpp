@@ -66,7 +66,8 @@ enum Act : int64_t { kNone = 0, kSilu = 1, kGeluTanh = 2 };
 
 // Where a tile's results go: rows of `out` (ldo apart) from column n0, `cols` of them valid
 // (the rest of the last panel is padding), `bias` from n0 or null. A gated tile (act != kNone):
-// two panels, gate then up, `bias_up` the up half's bias, `cols` 32 outputs.
+// two panels, gate then up, `bias_up` the up half's bias, `cols` 32 outputs. `res`: rows of a
+// residual (ldo apart, from n0) added to the rounded output, or null.
 struct TileOut {
   uint16_t* out;
   int64_t ldo;
@@ -74,6 +75,7 @@ struct TileOut {
   const float* bias;
   int64_t act = kNone;
   const float* bias_up = nullptr;
+  const uint16_t* res = nullptr;
 };
 
 #if defined(PREFIXSERVE_GEMM_AVX512)
@@ -123,6 +125,17 @@ inline __m512 gelu_tanh16(__m512 g) {
   const __mmask16 neg = _mm512_cmp_ps_mask(y, _mm512_setzero_ps(), _CMP_LT_OQ);
   const __m512 num = _mm512_mask_mul_ps(g, neg, g, e);
   return _mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+}
+
+// bf16(bf16(sum + bias) + residual) for the first `valid` of 16 columns: a linear's output and
+// the residual add after it (x + o_proj(...), x + down_proj(...)), rounded as the two bf16 ops.
+inline void store_residual(uint16_t* dst, __m512 sum, const float* bias, const uint16_t* res,
+                           int64_t valid) {
+  const __mmask16 mask = valid >= 16 ? __mmask16(0xffff) : __mmask16((1u << valid) - 1);
+  if (bias) sum = _mm512_add_ps(sum, _mm512_maskz_loadu_ps(mask, bias));
+  const __m512 r = _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, res)), 16));
+  store_bf16(dst, _mm512_add_ps(round_bf16(sum), r), nullptr, valid);
 }
 
 // bf16(act(bf16(gate + bias)) * bf16(up + bias_up)) for 16 columns, each step rounded as the
@@ -176,8 +189,13 @@ inline void tile_kernel(const float* x, int64_t ldx, const uint16_t* panel, int6
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < NP * 2; ++j) {
       if (j * 16 >= out.cols) break;
-      store_bf16(out.out + r * out.ldo + j * 16, acc[r][j], out.bias ? out.bias + j * 16 : nullptr,
-                 out.cols - j * 16);
+      const float* bias = out.bias ? out.bias + j * 16 : nullptr;
+      uint16_t* dst = out.out + r * out.ldo + j * 16;
+      if (out.res) {
+        store_residual(dst, acc[r][j], bias, out.res + r * out.ldo + j * 16, out.cols - j * 16);
+      } else {
+        store_bf16(dst, acc[r][j], bias, out.cols - j * 16);
+      }
     }
 }
 #else
@@ -208,8 +226,14 @@ inline void tile_kernel(const float* x, int64_t ldx, const uint16_t* panel, int6
       }
     }
   for (int r = 0; r < MR; ++r)
-    for (int64_t c = 0; c < out.cols; ++c)
-      out.out[r * out.ldo + c] = float_to_bf16_bits(sums[r][c] + (out.bias ? out.bias[c] : 0.0f));
+    for (int64_t c = 0; c < out.cols; ++c) {
+      uint16_t y = float_to_bf16_bits(sums[r][c] + (out.bias ? out.bias[c] : 0.0f));
+      if (out.res) {
+        y = float_to_bf16_bits(bf16_bits_to_float(y) +
+                               bf16_bits_to_float(out.res[r * out.ldo + c]));
+      }
+      out.out[r * out.ldo + c] = y;
+    }
 }
 #endif
 
@@ -226,13 +250,19 @@ struct Problem {
   const float* bias;     // [N] or null (gated: [2I])
   uint16_t* out;         // [rows, N] bf16 bits
   int64_t act = kNone;   // gated: the activation
+  const uint16_t* res = nullptr;  // [rows, N] bf16 bits added to the output, or null
 };
 
 template <int MR, int NP>
 void run_tile(const Problem& pb, int64_t m0, int64_t panel0) {
   const int64_t stride = pb.pairs * 2 * kPanel, n0 = panel0 * kPanel;
-  const TileOut out{pb.out + m0 * pb.N + n0, pb.N, std::min(pb.N - n0, NP * kPanel),
-                    pb.bias ? pb.bias + n0 : nullptr};
+  const TileOut out{pb.out + m0 * pb.N + n0,
+                    pb.N,
+                    std::min(pb.N - n0, NP * kPanel),
+                    pb.bias ? pb.bias + n0 : nullptr,
+                    kNone,
+                    nullptr,
+                    pb.res ? pb.res + m0 * pb.N + n0 : nullptr};
   tile_kernel<MR, NP>(pb.x + m0 * pb.ldx, pb.ldx, pb.w + panel0 * stride, stride, pb.pairs, out);
 }
 
@@ -412,14 +442,24 @@ void prefetch_next(int64_t rows, const c10::optional<torch::Tensor>& prefetch) {
 
 }  // namespace
 
-// out [rows, N] = x [rows, K] @ w.T (+ bias), w packed by pack_bf16_gemm; on the caller and up
-// to `threads - 1` helpers of the stream pool; then, for a decode-sized call, `prefetch` (the
-// next linear's packed weight) toward the helpers' caches.
+// out [rows, N] = x [rows, K] @ w.T (+ bias) (+ residual, after the output's rounding), w
+// packed by pack_bf16_gemm; on the caller and up to `threads - 1` helpers of the stream pool;
+// then, for a decode-sized call, `prefetch` (the next linear's packed weight) toward the
+// helpers' caches. `residual` may be `out` itself (each element is read before it is written).
 void linear_bf16_packed(torch::Tensor out, torch::Tensor x, torch::Tensor packed, int64_t N,
                         c10::optional<torch::Tensor> bias, int64_t threads,
-                        c10::optional<torch::Tensor> prefetch) {
+                        c10::optional<torch::Tensor> prefetch,
+                        c10::optional<torch::Tensor> residual) {
   std::vector<float> bias_fp32;
-  const Problem pb = prepare("linear_bf16_packed", out, x, packed, N, N, bias, bias_fp32);
+  Problem pb = prepare("linear_bf16_packed", out, x, packed, N, N, bias, bias_fp32);
+  if (residual.has_value() && residual->defined()) {
+    TORCH_CHECK(residual->device().is_cpu() && residual->scalar_type() == torch::kBFloat16 &&
+                    residual->is_contiguous() && residual->dim() == 2 &&
+                    residual->size(0) == pb.rows && residual->size(1) == N,
+                "linear_bf16_packed: residual must be a contiguous bfloat16 [", pb.rows, ", ", N,
+                "]");
+    pb.res = reinterpret_cast<const uint16_t*>(residual->data_ptr<c10::BFloat16>());
+  }
   if (pb.rows == 0 || N == 0) return;
   const int64_t panels = (N + kPanel - 1) / kPanel;
   const int np = panels_for(static_cast<int>(std::min(pb.rows, kMaxRows)));

@@ -723,7 +723,8 @@ torch::Tensor pack_bf16_gemm(torch::Tensor w);
 bool gemm_bf16_vectorized();
 void linear_bf16_packed(torch::Tensor out, torch::Tensor x, torch::Tensor packed, int64_t N,
                         c10::optional<torch::Tensor> bias, int64_t threads,
-                        c10::optional<torch::Tensor> prefetch);
+                        c10::optional<torch::Tensor> prefetch,
+                        c10::optional<torch::Tensor> residual);
 void linear_bf16_packed_gated(torch::Tensor out, torch::Tensor x, torch::Tensor packed,
                               int64_t N, c10::optional<torch::Tensor> bias, int64_t act,
                               int64_t threads, c10::optional<torch::Tensor> prefetch);
@@ -770,9 +771,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "a bf16 weight [N, K] in linear_bf16_packed's panels of 32 columns by pairs of k");
   m.def("linear_bf16_packed", &linear_bf16_packed,
         "bf16 linear for any row count with one summation order per output (fp32 FMAs over k "
-        "ascending): batch-invariant; `prefetch`: the next linear's packed weight",
+        "ascending): batch-invariant; `prefetch`: the next linear's packed weight; "
+        "`residual`: added to the rounded output (a decoder layer's residual add)",
         py::arg("out"), py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias"),
-        py::arg("threads"), py::arg("prefetch") = py::none(),
+        py::arg("threads"), py::arg("prefetch") = py::none(), py::arg("residual") = py::none(),
         py::call_guard<py::gil_scoped_release>());
   m.def("linear_bf16_packed_gated", &linear_bf16_packed_gated,
         "a gated MLP's gate_up linear with act(gate) * up in its epilogue (act 1: SiLU, 2: "
