@@ -30,10 +30,12 @@ struct Item {
 // `info` rows (q_start, q_end, position of the first query) of num_seqs sequences, their block
 // tables (max_blocks each). A cascade's shared part ends on a key-tile boundary (tiles of
 // `tile_keys` keys from position 0), so every query meets its keys in the same tiles (the same
-// online-softmax updates, the same sums) as alone: batch invariance.
+// online-softmax updates, the same sums) as alone: batch invariance. `long_windowed`: chunks
+// under a sliding window take long row tiles too (the keys-in-lanes path walks any rows' tiles
+// together; the portable path only full attention's).
 inline std::vector<Item> build_items(const int64_t* info, int64_t num_seqs, const int32_t* tables,
                                      int64_t max_blocks, int64_t block_size, int64_t window,
-                                     int64_t tile_keys) {
+                                     int64_t tile_keys, bool long_windowed = false) {
   std::vector<Item> items;
   auto is_single = [&](int64_t s) { return info[3 * s + 1] - info[3 * s] == 1; };
   std::vector<int64_t> singles;
@@ -44,7 +46,8 @@ inline std::vector<Item> build_items(const int64_t* info, int64_t num_seqs, cons
       continue;
     }
     const int64_t n = info[3 * s + 1] - info[3 * s];
-    const int64_t row_tile = window == 0 && n >= kLongRowTile ? kLongRowTile : kRowTile;
+    const bool long_rows = n >= kLongRowTile && (window == 0 || long_windowed);
+    const int64_t row_tile = long_rows ? kLongRowTile : kRowTile;
     for (int64_t r = info[3 * s]; r < info[3 * s + 1]; r += row_tile) {
       items.push_back(Item{{s}, r, std::min(row_tile, info[3 * s + 1] - r), 0});
     }

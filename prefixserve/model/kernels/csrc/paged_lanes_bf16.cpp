@@ -148,7 +148,7 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
   const int64_t* info = seq_info.data_ptr<int64_t>();
   const int64_t bs = cache.block_size;
   const std::vector<Item> items =
-      build_items(info, num_seqs, tables, max_blocks, bs, window, kTileKeys);
+      build_items(info, num_seqs, tables, max_blocks, bs, window, kTileKeys, true);
   const int64_t num_items = static_cast<int64_t>(items.size()) * num_kv_heads;
 
   at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
