@@ -134,8 +134,8 @@ def default_is_batch_invariant(config: ModelConfig) -> bool:
     `batch_invariant=True` changes nothing: bf16 linears on the native GEMM (one summation order
     at every row count; a forced fp32 copy, PREFIXSERVE_FP32_PREFILL=1, takes large batches
     elsewhere) and every chunk's attention on the two kernels that share their arithmetic
-    (csrc/attn_lanes_bf16.h). Not LoRA's updates: prompts of more than 64 rows take PyTorch's
-    matmuls outside the flag (lora/layers.py)."""
+    (csrc/attn_lanes_bf16.h). For requests without an adapter: LoRA's updates take PyTorch's
+    matmuls for prompts of more than 64 rows outside the flag (lora/layers.py)."""
     return (
         config.torch_dtype == torch.bfloat16
         and compiled_kernel("gemm") is not None
