@@ -62,25 +62,41 @@ inline void transpose16(const __m512i* r, __m512i* out) {
   }
 }
 
-// Ask for keys [t0 + lo, t0 + hi)'s K and V rows toward L2 (the next tile's, while this one is
-// computed: the rows of one KV head are strided, so the hardware prefetchers miss them).
+// The element offsets of keys [t0 + lo, t0 + hi)'s rows (KV head kvh) in the caches, into
+// rows[lo, hi): one block lookup per block.
 template <int D>
-void prefetch_tile(const Cache& c, const int32_t* table, int64_t kvh, int64_t t0, int64_t lo,
-                   int64_t hi) {
+void tile_rows(const Cache& c, const int32_t* table, int64_t kvh, int64_t t0, int64_t lo,
+               int64_t hi, int64_t* rows) {
   for (int64_t j = lo; j < hi;) {
     const int64_t pos = t0 + j;
     const int64_t slot = pos % c.block_size;
     const int64_t n = std::min(c.block_size - slot, hi - j);
     const int64_t base = table[pos / c.block_size] * c.block_stride + slot * c.slot_stride + kvh * D;
-    for (int64_t i = 0; i < n; ++i, ++j) {
-      const char* k = reinterpret_cast<const char*>(c.k + base + i * c.slot_stride);
-      const char* v = reinterpret_cast<const char*>(c.v + base + i * c.slot_stride);
-      for (int b = 0; b < D * 2; b += 64) {
-        _mm_prefetch(k + b, _MM_HINT_T1);
-        _mm_prefetch(v + b, _MM_HINT_T1);
-      }
+    for (int64_t i = 0; i < n; ++i, ++j) rows[j] = base + i * c.slot_stride;
+  }
+}
+
+// Ask for the K and V rows at rows[lo, hi) toward the cache level `hint`.
+template <int D, int hint>
+void prefetch_rows(const Cache& c, const int64_t* rows, int64_t lo, int64_t hi) {
+  for (int64_t j = lo; j < hi; ++j) {
+    const char* k = reinterpret_cast<const char*>(c.k + rows[j]);
+    const char* v = reinterpret_cast<const char*>(c.v + rows[j]);
+    for (int b = 0; b < D * 2; b += 64) {
+      _mm_prefetch(k + b, static_cast<_mm_hint>(hint));
+      _mm_prefetch(v + b, static_cast<_mm_hint>(hint));
     }
   }
+}
+
+// Ask for keys [t0 + lo, t0 + hi)'s K and V rows toward L2 (the next tile's, while this one is
+// computed: the rows of one KV head are strided, so the hardware prefetchers miss them).
+template <int D>
+void prefetch_tile(const Cache& c, const int32_t* table, int64_t kvh, int64_t t0, int64_t lo,
+                   int64_t hi) {
+  int64_t rows[kTileKeys];
+  tile_rows<D>(c, table, kvh, t0, lo, hi, rows);
+  prefetch_rows<D, _MM_HINT_T1>(c, rows, lo, hi);
 }
 
 // Keys [t0 + lo, t0 + hi) of a sequence (block table `table`), KV head kvh, into the tile
@@ -88,22 +104,11 @@ void prefetch_tile(const Cache& c, const int32_t* table, int64_t kvh, int64_t t0
 template <int D>
 void load_tile(const Cache& c, const int32_t* table, int64_t kvh, int64_t t0, int64_t lo,
                int64_t hi, uint32_t* kp, float* vt) {
-  // The rows' addresses, one block lookup per block, each row asked for at once (the rows of
-  // one KV head are strided: read one after another, each would wait for memory on its own).
+  // Every row asked for at once first (the rows of one KV head are strided: read one after
+  // another, each would wait for memory on its own).
   int64_t rows[kTileKeys];
-  for (int64_t j = lo; j < hi;) {
-    const int64_t pos = t0 + j;
-    const int64_t slot = pos % c.block_size;
-    const int64_t n = std::min(c.block_size - slot, hi - j);
-    const int64_t base = table[pos / c.block_size] * c.block_stride + slot * c.slot_stride + kvh * D;
-    for (int64_t i = 0; i < n; ++i, ++j) {
-      rows[j] = base + i * c.slot_stride;
-      for (int b = 0; b < D * 2; b += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(c.k + rows[j]) + b, _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(c.v + rows[j]) + b, _MM_HINT_T0);
-      }
-    }
-  }
+  tile_rows<D>(c, table, kvh, t0, lo, hi, rows);
+  prefetch_rows<D, _MM_HINT_T0>(c, rows, lo, hi);
   for (int64_t j0 = lo / 16 * 16; j0 < hi; j0 += 16) {
     if (j0 >= lo && j0 + 16 <= hi) {  // 16 keys: 16 pairs of each at a time, transposed
       for (int p0 = 0; p0 < D / 2; p0 += 16) {
