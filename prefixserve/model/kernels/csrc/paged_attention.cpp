@@ -485,9 +485,9 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
     for (int64_t idx = begin; idx < end; ++idx) {
       const Item& item = items[idx / num_kv_heads];
       const int64_t kvh = idx % num_kv_heads;
-      const bool cascade = item.shared_blocks > 0;
-      const int64_t entries = cascade ? static_cast<int64_t>(item.seqs.size()) : item.rows;
-      auto row_of = [&](int64_t e) { return cascade ? info[3 * item.seqs[e]] : item.row0 + e; };
+      const bool cascade = item.cascade();
+      const int64_t entries = item.entries();
+      auto row_of = [&](int64_t e) { return item.row_of(e, info); };
       const int64_t nq = entries * group;
       // Query vectors in fp32, pre-scaled; index qi = e * group + g.
       for (int64_t e = 0; e < entries; ++e) {

@@ -25,6 +25,15 @@ struct Item {
   std::vector<int64_t> seqs;    // a cascade's sequences; one sequence otherwise
   int64_t row0 = 0, rows = 0;   // the row tile (one-sequence items)
   int64_t shared_blocks = 0;    // leading blocks common to all `seqs` (0: not a cascade)
+
+  bool cascade() const { return shared_blocks > 0; }
+  // Its entries: a cascade's sequences, or the tile's rows.
+  int64_t entries() const { return cascade() ? static_cast<int64_t>(seqs.size()) : rows; }
+  // The batch row of entry e (`info` as build_items'): a cascade sequence's one query row, or
+  // a row of the tile.
+  int64_t row_of(int64_t e, const int64_t* info) const {
+    return cascade() ? info[3 * seqs[e]] : row0 + e;
+  }
 };
 
 // `info` rows (q_start, q_end, position of the first query) of num_seqs sequences, their block
