@@ -7,6 +7,7 @@ import uuid
 
 import pytest
 
+from prefixserve.worker.model_runner import default_is_batch_invariant
 from tests.helpers.server import BLOCK_SIZE, MAX_MODEL_LEN, MODEL_NAME
 
 # Long enough to fill several blocks, so a repeat hits the prefix cache.
@@ -21,7 +22,8 @@ def fresh() -> dict:
     """A new cache_salt: the request computes its prompt from scratch, as the first one did.
 
     Greedy text is only compared between requests that take the same numerical path: in bf16 a
-    prefix-cache hit (attention over cached blocks) may round differently from a full prefill.
+    prefix-cache hit (attention over cached blocks) may round differently from a full prefill,
+    except where the default paths are batch-invariant (`default_is_batch_invariant`).
     """
     return {"cache_salt": uuid.uuid4().hex}
 
@@ -39,7 +41,7 @@ def test_models_lists_every_served_name_with_the_context_length(client):
     assert models.data[0].model_extra["max_model_len"] == MAX_MODEL_LEN
 
 
-def test_completion_returns_text_and_usage_with_cached_tokens(client):
+def test_completion_returns_text_and_usage_with_cached_tokens(client, server):
     prompt = "Once upon a time, in a harbour town with seven bridges and one old lighthouse,"
     first = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=5, temperature=0)
     response = client.completions.create(
@@ -57,11 +59,13 @@ def test_completion_returns_text_and_usage_with_cached_tokens(client):
     # The second request's full prompt blocks were cached by the first.
     full_blocks = (usage.prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
     assert usage.prompt_tokens_details.cached_tokens == full_blocks > 0
-    # Not compared with `first`'s text: this server runs bf16 without --batch-invariant, where
-    # the hit's 4-token chunk attends by another path than the cold 20-token one (see fresh()).
-    # The same bits from a hit are the invariant mode's promise
-    # (tests/model/test_batch_invariance.py).
+    # This server runs bf16 without --batch-invariant: the hit gives the cold text bit for bit
+    # only where this CPU's default paths are batch-invariant (the native GEMM and the attention
+    # kernels of one arithmetic); elsewhere the hit's short chunk may attend by another path
+    # than the cold prompt (see fresh(); the flag's promise: tests/model/test_batch_invariance.py).
     assert first.choices[0].finish_reason in ("length", "stop")
+    if server.run_in_engine(lambda engine: default_is_batch_invariant(engine.model_config)):
+        assert first.choices[0].text == choice.text
 
 
 def test_a_repeated_prompt_reports_its_full_blocks_as_cached(client):
