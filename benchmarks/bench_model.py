@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_model.py [--repeats 7] [--skip-transformers] [--baseline]
         [--llama-cpp] [--decode-batches 1,16,64] [--batch-invariant] [--no-native-gemm-baseline]
+        [--python-layers-baseline] [--portable-attention-baseline] [--before-baseline]
 
 Measures (bf16, the default model unless --model): prefill of one 512-token chunk (tok/s), and
 decode at batch 1 and batch 16 (tok/s, summed over the batch) on a 128-token context (all three
@@ -273,6 +274,12 @@ def main() -> None:
         "load of the weights, same run",
     )
     ap.add_argument(
+        "--python-layers-baseline",
+        action="store_true",
+        help="also run prefixserve with its decoder layers in Python (a call per kernel) "
+        "instead of one native call per layer, same weights, same run",
+    )
+    ap.add_argument(
         "--portable-attention-baseline",
         action="store_true",
         help="also run prefixserve with attention as before the keys-in-lanes kernels: the paged "
@@ -325,6 +332,10 @@ def main() -> None:
             engines.append(Ours(other, num_blocks=blocks, name="no-native-gemm"))
         if args.before_baseline:
             engines.append(portable_attention(Ours(other, num_blocks=blocks, name="before")))
+    if args.python_layers_baseline:
+        python_layers = Ours(loaded, num_blocks=blocks, name="python-layers")
+        python_layers.runner.native_layers = False
+        engines.append(python_layers)
     if args.portable_attention_baseline:
         engines.append(portable_attention(Ours(loaded, num_blocks=blocks, name="portable-attn")))
     if args.batch_invariant:

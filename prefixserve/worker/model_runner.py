@@ -42,6 +42,7 @@ from prefixserve.model.layers.attention import (
 from prefixserve.model.layers.common import ForwardContext, one_thread
 from prefixserve.model.layers.kernel_table import compiled_kernel
 from prefixserve.model.layers.linear import batch_invariant_linears, set_stream_threads
+from prefixserve.model.layers.native_layer import step_takes_native_layers
 from prefixserve.settings import fp32_prefill, omp_threads_sleep
 from prefixserve.spec_decode.verify import GeneratorRewind, num_accepted, row_views
 from prefixserve.worker.sampler import is_greedy
@@ -225,6 +226,10 @@ class ModelRunner:
         # The engine's LoRAManager when LoRA is on (lora/manager.py): told each step which rows
         # run under which adapter.
         self.lora: LoRARows | None = None
+        # Whether steps whose every row attends through the paged kernel run each decoder
+        # layer as one native call where the model has that form (native_layer.py; the same
+        # bits as the Python layers; benchmarks turn it off to compare).
+        self.native_layers = True
         self._seeded_generators: dict[str, torch.Generator] = {}
 
     def _generator_for(self, request: Request) -> torch.Generator:
@@ -335,6 +340,9 @@ class ModelRunner:
             rows = torch.tensor(inputs.embed_rows, dtype=torch.int64)
             ctx.embeds = (rows, torch.cat(inputs.embed_parts))
         lora = self.lora
+        ctx.native_layers = (
+            self.native_layers and lora is None and step_takes_native_layers(metadata)
+        )
         if lora is not None:
             lora.begin_step(inputs.lora_segments)
         try:

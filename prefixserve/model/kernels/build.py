@@ -33,6 +33,7 @@ _SOURCES = [
         "lora.cpp",
         "prefill_attention.cpp",
         "paged_lanes_bf16.cpp",
+        "decoder_layer.cpp",
     )
 ]
 
@@ -194,6 +195,17 @@ def rope_kv_vectorized() -> bool:
     bf16); False when unavailable or built without it (then it is fast only for a few tokens)."""
     module = _module()
     return module is not None and bool(module.rope_kv_vectorized())
+
+
+def decoder_layer_class() -> Any:
+    """`DecoderLayerBf16(input_norm, post_norm, eps, qkv, o, gate_up, down, heads, kv_heads,
+    head_dim, scale, act)`: a Llama-family decoder layer bound for one native call per layer
+    (csrc/decoder_layer.cpp; each linear a (packed, out_features, bias, next_packed) tuple of
+    `linear_bf16_packed`'s), or None where the build has no AVX-512 GEMM tiles for it."""
+    module = _module()
+    if module is None or not module.gemm_bf16_vectorized():
+        return None
+    return module.DecoderLayerBf16
 
 
 def rms_norm_kernel() -> Callable[..., None] | None:

@@ -37,6 +37,10 @@ class ForwardContext:
     # (rows [k] int64, embeddings [k, hidden]) that replace the embeddings of those rows' token
     # ids: prompt positions of requests that brought prompt_embeds; None when there are none.
     embeds: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Whether the model may run its decoder layers as one native call each (native_layer.py):
+    # the runner says so for steps whose every row attends through the paged kernel and that
+    # carry no LoRA update.
+    native_layers: bool = False
 
 
 @contextlib.contextmanager

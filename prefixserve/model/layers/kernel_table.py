@@ -5,6 +5,7 @@ benchmarks swap a kernel for None or a stand-in (`_kernels`)."""
 from __future__ import annotations
 
 from prefixserve.model.kernels.build import (
+    decoder_layer_class,
     gemm_bf16_vectorized,
     linear_bf16_packed_kernels,
     linear_bf16_small_kernel,
@@ -30,6 +31,7 @@ def _native_gemm_kernels() -> object:
 
 _KERNEL_LOOKUPS = {
     "gemm": _native_gemm_kernels,
+    "decoder_layer": decoder_layer_class,  # native_layer.py
     "linear_small": linear_bf16_small_kernel,
     "lora_add": lora_add_kernel,  # lora/layers.py
     "rope_kv": rope_write_kv_kernel,

@@ -20,7 +20,13 @@ from prefixserve.model.layers.common import (
     RMSNorm,
     one_thread,
 )
-from prefixserve.model.layers.linear import Linear, lm_head_fp32_copy, pack_linears
+from prefixserve.model.layers.linear import (
+    STREAM_THREADS,
+    Linear,
+    lm_head_fp32_copy,
+    pack_linears,
+)
+from prefixserve.model.layers.native_layer import bind_decoder_layer
 from prefixserve.model.layers.rotary import RotaryEmbedding
 from prefixserve.model.loader.weights import check_all_loaded, load_hf_weights
 
@@ -42,6 +48,12 @@ class LlamaDecoderLayer(nn.Module):
         # in o_proj's and down_proj's epilogues where they can (`Linear.add_to`).
         h = self.self_attn.forward(self.input_layernorm.forward(h), cos, sin, ctx, residual=h)
         return self.mlp.forward(self.post_attention_layernorm.forward(h), residual=h)
+
+    def bind_native(self) -> object | None:
+        """This layer as one native call (`native_layer.bind_decoder_layer`), or None."""
+        return bind_decoder_layer(
+            self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
+        )
 
 
 class DecoderBody(nn.Module):
@@ -115,9 +127,52 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         h = self.input_embeddings(input_ids, ctx)
         cos, sin = self.rotary.cos_sin(ctx.positions, h.dtype)
-        for layer in self.model.layers:
-            h = layer.forward(h, cos, sin, ctx)
+        native = self.native_layers() if ctx.native_layers else None
+        if native is not None:
+            h = self._native_forward(native, h, cos, sin, ctx)
+        else:
+            for layer in self.model.layers:
+                h = layer.forward(h, cos, sin, ctx)
         return self.model.norm.forward(h)
+
+    # The decoder layers bound as native calls (`native_layers`): unbound until the first step
+    # that may use them, then a list, or None where some layer cannot take the native form.
+    _native: list[object] | None | bool = False
+
+    def native_layers(self) -> list[object] | None:
+        """Every decoder layer as one native call (`LlamaDecoderLayer.bind_native`), bound on
+        first use after loading; None unless every layer has that form."""
+        if self._native is False:
+            bound = [
+                layer.bind_native() if isinstance(layer, LlamaDecoderLayer) else None
+                for layer in self.model.layers
+            ]
+            self._native = None if any(b is None for b in bound) else bound
+        return self._native
+
+    def _native_forward(
+        self,
+        native: list[object],
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        ctx: ForwardContext,
+    ) -> torch.Tensor:
+        """The decoder layers as native calls over a step whose every row attends through the
+        paged kernel (the runner's `ForwardContext.native_layers`)."""
+        t = h.shape[0]
+        cos, sin = cos.view(t, -1), sin.view(t, -1)
+        threads = STREAM_THREADS[0]
+        steps = [
+            (meta.slot_mapping, meta.kernel.block_tables, meta.kernel.info, meta.kernel.window)
+            for meta in ctx.groups
+        ]
+        layer_to_group = self.config.layer_to_group
+        for i, layer in enumerate(native):
+            slots, tables, info, window = steps[layer_to_group[i]]
+            k_cache, v_cache = ctx.kv_caches[i]
+            h = layer.forward(h, cos, sin, k_cache, v_cache, slots, tables, info, window, threads)
+        return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head.forward(hidden).float()
@@ -152,6 +207,7 @@ class LlamaForCausalLM(nn.Module):
             pack_linears(
                 self, no_fp32_copy=() if lm_head_fp32_copy(self.lm_head) else (self.lm_head,)
             )
+            self._native = False  # the packed weights changed: bind again on first use
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

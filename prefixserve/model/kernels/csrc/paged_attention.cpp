@@ -744,7 +744,11 @@ void rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int6
                    torch::Tensor slots);
 bool rope_kv_vectorized();
 
+// decoder_layer.cpp
+void register_decoder_layer(py::module& m);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  register_decoder_layer(m);
   m.def("lora_add", &lora_add,
         "one adapter's LoRA update of one linear for a few bf16 rows: out[rows] += x[rows] @ A.T "
         "@ B.T, B in blocks of 64 columns per slice",

@@ -1,0 +1,77 @@
+"""One native call per decoder layer (csrc/decoder_layer.cpp) for the steps where Python between
+the kernels shows: every row attends through the paged kernel (decode, verification, chunks over
+a cached prefix) and every linear takes the native GEMM.
+
+The native layer calls the kernels the Python layer calls, in the same order with the same
+arguments, so a layer's output is the same bits either way (tests/model/test_native_layer.py);
+it binds a layer's weights once and takes only the step's tensors. Where any condition fails
+(another CPU kind, LoRA, q/k norms, soft-capping, a chunk on another attention path), the layer
+runs in Python."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from prefixserve.model.kernels.build import paged_attention_kernel, rope_kv_vectorized
+from prefixserve.model.layers.attention import AttentionMetadata
+from prefixserve.model.layers.common import Attention, GatedMLP, RMSNorm
+from prefixserve.model.layers.kernel_table import _kernel
+from prefixserve.model.layers.linear import Linear
+
+
+def _packed(linear: Linear) -> tuple | None:
+    """(packed weight, out features, bias, next packed weight) of a Linear that takes the native
+    GEMM at every row count in every mode, or None."""
+    if linear._gemm is None or linear._fp32 is not None or linear.lora is not None:
+        return None
+    packed, out_features, bias = linear._gemm
+    return (packed, out_features, bias, linear._next_packed)
+
+
+def bind_decoder_layer(
+    attn: Attention, mlp: GatedMLP, input_norm: RMSNorm, post_norm: RMSNorm
+) -> object | None:
+    """The native form of a Llama-family decoder layer made of these blocks (pre-norm, fused
+    qkv, rotary, paged attention, gated MLP, residual adds), or None where it cannot take it."""
+    cls = _kernel("decoder_layer")
+    linears = [_packed(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+    norms = (input_norm, post_norm)
+    if (
+        cls is None
+        or any(p is None for p in linears)
+        or attn.q_norm is not None
+        or attn.softcap is not None
+        or not mlp.gated_act
+        or linears[2][1] % 64
+        or attn.head_dim % 32
+        or not rope_kv_vectorized()
+        or any(n.offset or n.weight.dtype != torch.bfloat16 for n in norms)
+        or input_norm.eps != post_norm.eps
+    ):
+        return None
+    return cls(
+        input_norm.weight.detach(),
+        post_norm.weight.detach(),
+        input_norm.eps,
+        *linears,
+        attn.num_heads,
+        attn.num_kv_heads,
+        attn.head_dim,
+        attn.scale,
+        mlp.gated_act,
+    )
+
+
+def step_takes_native_layers(groups: Sequence[AttentionMetadata]) -> bool:
+    """Whether every row of this step attends through the paged kernel itself (not a stand-in
+    such as the portable path), in every KV-cache group: what the native layer calls."""
+    kernel = paged_attention_kernel()
+    return kernel is not None and all(
+        meta.kernel is not None
+        and meta.kernel.fn is kernel
+        and meta.decode is None
+        and not meta.spans
+        for meta in groups
+    )
