@@ -240,17 +240,22 @@ def test_kernel_propagates_a_nan_key(head_dim):
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("offset", [False, True])  # Llama-style, Gemma-style
-def test_rms_norm_kernel_matches_the_pytorch_norm(dtype, offset, monkeypatch):
+@pytest.mark.parametrize("dim", [576, 100])  # 100: a partial vector at each row's end
+def test_rms_norm_kernel_matches_the_pytorch_norm(dtype, offset, dim, monkeypatch):
     from prefixserve.model.layers import common as layers
     from prefixserve.model.layers import kernel_table
 
     torch.manual_seed(0)
-    norm = layers.RMSNorm(576, 1e-5, offset=offset)
+    norm = layers.RMSNorm(dim, 1e-5, offset=offset)
     with torch.no_grad():
         norm.weight.normal_()
     norm = norm.to(dtype)
-    x = (torch.randn(37, 576) * 3).to(dtype)
+    x = (torch.randn(37, dim) * 3).to(dtype)
     fused = norm(x)
+    # Each row's result is its own: alone, or among 2,000 rows (several threads), the same bits.
+    assert torch.equal(norm(x[5:6].contiguous()), fused[5:6])
+    many = norm(x.repeat(60, 1))
+    assert torch.equal(many[37 * 59 : 37 * 60], fused)
     monkeypatch.setitem(kernel_table._kernels, "rms_norm", None)  # the PyTorch path
     plain = norm(x)
     assert fused.dtype == plain.dtype == dtype

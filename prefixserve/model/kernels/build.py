@@ -34,6 +34,7 @@ _SOURCES = [
         "prefill_attention.cpp",
         "paged_lanes_bf16.cpp",
         "decoder_layer.cpp",
+        "rms_norm.cpp",
     )
 ]
 

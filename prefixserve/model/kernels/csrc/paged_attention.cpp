@@ -1,5 +1,5 @@
 // prefixserve's CPU kernels: paged attention read straight from the block-structured K/V cache,
-// and a one-pass RMSNorm (below).
+// and the extension's bindings (the end of this file).
 //
 // Paged attention.
 //
@@ -652,65 +652,8 @@ bool paged_attention_lanes_ready() {
 #endif
 }
 
-namespace {
-
-template <typename scalar_t>
-void rms_norm_rows(scalar_t* out, const scalar_t* x, const scalar_t* weight, int64_t rows,
-                   int64_t dim, float eps, bool offset) {
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> xf(dim), w(dim);
-    row_to_float(weight, w.data(), dim);
-    for (int64_t r = begin; r < end; ++r) {
-      row_to_float(x + r * dim, xf.data(), dim);
-      float part[16] = {0.0f};
-      int64_t i = 0;
-      for (; i + 16 <= dim; i += 16) {
-        for (int t = 0; t < 16; ++t) part[t] += xf[i + t] * xf[i + t];
-      }
-      float sum = 0.0f;
-      for (int t = 0; t < 16; ++t) sum += part[t];
-      for (; i < dim; ++i) sum += xf[i] * xf[i];
-      const float inv = 1.0f / std::sqrt(sum / static_cast<float>(dim) + eps);
-      scalar_t* dst = out + r * dim;
-      if (offset) {  // Gemma: (x * inv) * (1 + w), cast once at the end
-        for (int64_t d = 0; d < dim; ++d) store(dst + d, xf[d] * inv * (1.0f + w[d]));
-      } else {  // Llama: cast x * inv to the dtype first, then scale by w (rounded again)
-        for (int64_t d = 0; d < dim; ++d) {
-          scalar_t normed;
-          store(&normed, xf[d] * inv);
-          float nf;
-          row_to_float(&normed, &nf, 1);
-          store(dst + d, w[d] * nf);
-        }
-      }
-    }
-  });
-}
-
-}  // namespace
-
-// out = RMSNorm(x) over the last dim of a contiguous [rows, dim] x, with transformers' roundings:
-// Llama-style `w * cast(x_f32 * rsqrt(mean(x^2) + eps))`, Gemma-style (offset) `cast(x_f32 *
-// rsqrt(...) * (1 + w))`. x, weight and out share a dtype (float32 or bfloat16).
-void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps, bool offset) {
-  TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu() && weight.device().is_cpu(),
-              "rms_norm runs on CPU tensors only");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.is_contiguous() && weight.is_contiguous() &&
-                  out.sizes() == x.sizes() && weight.dim() == 1 && weight.size(0) == x.size(1),
-              "rms_norm needs contiguous x/out [rows, dim] and weight [dim]");
-  TORCH_CHECK(x.scalar_type() == out.scalar_type() && x.scalar_type() == weight.scalar_type(),
-              "x, weight and out must share a dtype");
-  if (x.scalar_type() == torch::kFloat32) {
-    rms_norm_rows<float>(out.data_ptr<float>(), x.data_ptr<float>(), weight.data_ptr<float>(),
-                         x.size(0), x.size(1), static_cast<float>(eps), offset);
-  } else if (x.scalar_type() == torch::kBFloat16) {
-    rms_norm_rows<c10::BFloat16>(out.data_ptr<c10::BFloat16>(), x.data_ptr<c10::BFloat16>(),
-                                 weight.data_ptr<c10::BFloat16>(), x.size(0), x.size(1),
-                                 static_cast<float>(eps), offset);
-  } else {
-    TORCH_CHECK(false, "rms_norm supports float32 and bfloat16, got ", x.scalar_type());
-  }
-}
+// rms_norm.cpp
+void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps, bool offset);
 
 // gemv.cpp
 void linear_bf16_small(torch::Tensor out, torch::Tensor x, torch::Tensor w,

@@ -1,0 +1,134 @@
+// RMSNorm of contiguous rows with transformers' roundings: Llama-style
+// `w * cast(x_f32 * rsqrt(mean(x^2) + eps))` (the normalized row rounded to the dtype, then
+// scaled by the weight and rounded again), Gemma-style (offset) `cast(x_f32 * rsqrt(...) * (1 +
+// w))`. Each row's result depends on that row alone.
+//
+// bf16 rows take AVX-512 loops where the build has them: 16 lanes of squares summed by FMAs,
+// then one reduction; the scaling in vectors with the scalar loop's roundings. Decode-sized calls
+// stay on the calling thread (at::parallel_for's wake-up costs more than the rows).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512BF16__)
+#define PREFIXSERVE_RMS_AVX512 1
+#include <immintrin.h>
+#endif
+
+#include "bf16_bits.h"
+
+namespace {
+
+// Rows per at::parallel_for chunk: a chunk is at least this many elements of work.
+constexpr int64_t kGrainElements = 64 * 1024;
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return prefixserve::bf16_bits_to_float(x.x); }
+inline void store(float* dst, float x) { *dst = x; }
+inline void store(c10::BFloat16* dst, float x) { *dst = c10::BFloat16(x); }
+
+template <typename scalar_t>
+void rms_norm_row(scalar_t* dst, const scalar_t* x, const float* w, int64_t dim, float eps,
+                  bool offset) {
+  float part[16] = {0.0f};
+  int64_t i = 0;
+  for (; i + 16 <= dim; i += 16) {
+    for (int t = 0; t < 16; ++t) part[t] += to_float(x[i + t]) * to_float(x[i + t]);
+  }
+  float sum = 0.0f;
+  for (int t = 0; t < 16; ++t) sum += part[t];
+  for (; i < dim; ++i) sum += to_float(x[i]) * to_float(x[i]);
+  const float inv = 1.0f / std::sqrt(sum / static_cast<float>(dim) + eps);
+  if (offset) {  // Gemma: (x * inv) * (1 + w), cast once at the end
+    for (int64_t d = 0; d < dim; ++d) store(dst + d, to_float(x[d]) * inv * (1.0f + w[d]));
+    return;
+  }
+  for (int64_t d = 0; d < dim; ++d) {  // Llama: cast x * inv first, then scale by w
+    scalar_t normed;
+    store(&normed, to_float(x[d]) * inv);
+    store(dst + d, w[d] * to_float(normed));
+  }
+}
+
+#if defined(PREFIXSERVE_RMS_AVX512)
+inline __m512 load_bf16(const c10::BFloat16* p, __mmask16 m) {
+  const __m256i raw = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+inline __m512 round_bf16(__m512 v) { return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(v)); }
+
+inline __mmask16 lanes(int64_t left) {
+  return left >= 16 ? static_cast<__mmask16>(0xFFFF)
+                    : static_cast<__mmask16>((1u << left) - 1u);
+}
+
+void rms_norm_row_bf16(c10::BFloat16* dst, const c10::BFloat16* x, const float* w, int64_t dim,
+                       float eps, bool offset) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < dim; i += 16) {
+    const __m512 v = load_bf16(x + i, lanes(dim - i));
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  const float sum = _mm512_reduce_add_ps(acc);
+  const __m512 inv = _mm512_set1_ps(1.0f / std::sqrt(sum / static_cast<float>(dim) + eps));
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (int64_t i = 0; i < dim; i += 16) {
+    const __mmask16 m = lanes(dim - i);
+    const __m512 v = _mm512_mul_ps(load_bf16(x + i, m), inv);
+    const __m512 wv = _mm512_maskz_loadu_ps(m, w + i);
+    const __m512 y = offset ? _mm512_mul_ps(v, _mm512_add_ps(one, wv))
+                            : _mm512_mul_ps(wv, round_bf16(v));
+    _mm256_mask_storeu_epi16(dst + i, m, (__m256i)_mm512_cvtneps_pbh(y));
+  }
+}
+#endif
+
+template <typename scalar_t>
+void rms_norm_rows(scalar_t* out, const scalar_t* x, const scalar_t* weight, int64_t rows,
+                   int64_t dim, float eps, bool offset) {
+  std::vector<float> w(dim);
+  for (int64_t d = 0; d < dim; ++d) w[d] = to_float(weight[d]);
+  const int64_t grain = std::max<int64_t>(1, kGrainElements / std::max<int64_t>(dim, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+#if defined(PREFIXSERVE_RMS_AVX512)
+      if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+        rms_norm_row_bf16(out + r * dim, x + r * dim, w.data(), dim, eps, offset);
+        continue;
+      }
+#endif
+      rms_norm_row(out + r * dim, x + r * dim, w.data(), dim, eps, offset);
+    }
+  });
+}
+
+}  // namespace
+
+// out = RMSNorm(x) over the last dim of a contiguous [rows, dim] x; x, weight and out share a
+// dtype (float32 or bfloat16).
+void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps, bool offset) {
+  TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu() && weight.device().is_cpu(),
+              "rms_norm runs on CPU tensors only");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.is_contiguous() && weight.is_contiguous() &&
+                  out.sizes() == x.sizes() && weight.dim() == 1 && weight.size(0) == x.size(1),
+              "rms_norm needs contiguous x/out [rows, dim] and weight [dim]");
+  TORCH_CHECK(x.scalar_type() == out.scalar_type() && x.scalar_type() == weight.scalar_type(),
+              "x, weight and out must share a dtype");
+  if (x.scalar_type() == torch::kFloat32) {
+    rms_norm_rows<float>(out.data_ptr<float>(), x.data_ptr<float>(), weight.data_ptr<float>(),
+                         x.size(0), x.size(1), static_cast<float>(eps), offset);
+  } else if (x.scalar_type() == torch::kBFloat16) {
+    rms_norm_rows<c10::BFloat16>(out.data_ptr<c10::BFloat16>(), x.data_ptr<c10::BFloat16>(),
+                                 weight.data_ptr<c10::BFloat16>(), x.size(0), x.size(1),
+                                 static_cast<float>(eps), offset);
+  } else {
+    TORCH_CHECK(false, "rms_norm supports float32 and bfloat16, got ", x.scalar_type());
+  }
+}
