@@ -33,7 +33,6 @@ from prefixserve.model.kernels.build import (
     paged_attention_kernel,
     prefill_attention_kernel,
 )
-from prefixserve.model.kernels.cpu_paths import bf16_packing_supported
 from prefixserve.model.layers.attention import (
     ScheduledSpan,
     build_attention_metadata,
@@ -210,11 +209,6 @@ class ModelRunner:
                 raise ValueError(
                     "batch_invariant needs the native attention kernel, which is not available "
                     "here (PREFIXSERVE_KERNELS=0, or it failed to build: see the log)"
-                )
-            if config.torch_dtype == torch.bfloat16 and not bf16_packing_supported():
-                raise ValueError(
-                    "batch_invariant needs oneDNN's packed bf16 GEMM, which this CPU lacks "
-                    "(AVX2 only): its row sums are what the mode is checked on"
                 )
             if not kernels_agree:
                 self.prefill_kernel = None

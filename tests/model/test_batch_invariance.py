@@ -63,6 +63,60 @@ def test_a_batch_invariant_linear_gives_each_row_the_result_it_gets_alone(
             torch.set_num_threads(threads)
 
 
+def _simulate_avx2_only(monkeypatch) -> tuple[list[int], object]:
+    """An AVX2-only CPU's linears, simulated: no oneDNN bf16 packing, a CPU table without the
+    native GEMM, and the native GEMM's AVX2 tiles for batch-invariant calls. Returns the row
+    counts of the AVX2 calls (appended as they happen) and the build's module."""
+    from prefixserve.model.kernels import build
+    from prefixserve.model.layers import kernel_table
+    from prefixserve.model.layers import linear as linear_module
+
+    module = build._module()
+    if module is None or module.gemm_bf16_tiles() == "portable":
+        pytest.skip("no native kernels, or no AVX2 and FMA here")
+    pack, _, gated = build.linear_bf16_packed_kernels()
+    calls: list[int] = []
+
+    def avx2(out, x, packed, n, bias, threads, prefetch=None):
+        calls.append(x.shape[0])
+        module.linear_bf16_packed_avx2(out, x, packed, n, bias, threads)
+
+    monkeypatch.setattr(linear_module, "bf16_packing_supported", lambda: False)
+    monkeypatch.setitem(kernel_table._kernels, "gemm", None)
+    monkeypatch.setitem(kernel_table._kernels, "gemm_any", (pack, avx2, gated))
+    return calls, module
+
+
+def test_a_batch_invariant_linear_where_onednn_cannot_pack_bf16_takes_the_avx2_tiles(
+    monkeypatch,
+):
+    """Outside the mode the linear keeps its row-count paths; inside it, every call takes the
+    native GEMM on the AVX2 tiles (packed at the first such call), each row its result alone,
+    the AVX-512 tiles' bits where the build has them."""
+    calls, module = _simulate_avx2_only(monkeypatch)
+    torch.manual_seed(3)
+    linear = Linear(640, 300, bias=True).to(torch.bfloat16)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(300, 640) / 640**0.5)
+    linear.pack()
+    assert linear._packed is None and linear._gemm is None and linear._invariant_packed is None
+    x = torch.randn(max(ROW_COUNTS), 640, dtype=torch.bfloat16)
+    linear(x[:3])
+    assert calls == [] and linear._invariant_packed is None  # outside the mode: no packing
+    with batch_invariant_linears(True):
+        whole = linear(x)
+        for rows in ROW_COUNTS:
+            assert torch.equal(linear(x[:rows]), whole[:rows]), f"{rows} rows"
+            alone = linear(x[rows - 1 : rows])
+            assert torch.equal(alone, whole[rows - 1 : rows]), f"row {rows - 1} alone"
+    assert len(calls) == 1 + 2 * len(ROW_COUNTS)
+    if module.gemm_bf16_tiles() == "avx512":
+        out = torch.empty(x.shape[0], 300, dtype=torch.bfloat16)
+        packed = module.pack_bf16_gemm(linear.weight.detach())
+        module.linear_bf16_packed(out, x, packed, 300, linear.bias.detach(), 2)
+        assert torch.equal(whole, out)
+
+
 @pytest.mark.parametrize(("in_features", "out_features"), [(77, 33), (576, 1536), (2048, 640)])
 def test_the_streaming_kernel_sums_each_row_alike_in_any_batch(in_features, out_features):
     """csrc/gemv.cpp: a row's output is the same bits in a call of 1 to 13 rows, wherever the
@@ -280,6 +334,37 @@ def test_every_request_gets_its_cold_alone_output_bit_for_bit(tiny_bf16, cold, t
         engine.check_no_leaks()
     finally:
         engine.close()
+
+
+def test_an_avx2_only_cpu_gives_every_request_its_cold_alone_output(
+    tmp_path, monkeypatch, default_model_fp32
+):
+    """The engine on a simulated AVX2-only CPU in batch-invariant mode: linears on the AVX2 tiles,
+    attention on the paged kernel's portable path (no AVX512-BF16 there). Chunked, batched,
+    warm and speculating, every request gets its cold, alone, unchunked bits."""
+    from prefixserve.model.kernels.build import paged_attention_portable_kernel
+
+    calls, _ = _simulate_avx2_only(monkeypatch)
+    hf, config_json = build_hf_model("llama", tmp_path / "model")
+    model, config = build_ours(hf, config_json, dtype="bfloat16")
+    loaded = LoadedModel(model, default_model_fp32.tokenizer, config, tmp_path / "model")
+
+    def engine(**options) -> LLMEngine:
+        eng = _engine(loaded, **options)
+        eng.runner.attention_kernel = paged_attention_portable_kernel()
+        eng.runner.prefill_kernel = None
+        return eng
+
+    cold = engine(caching=False)
+    alone = [_serve(cold, [(f"c{i}", p)])[f"c{i}"] for i, p in enumerate(PROMPTS)]
+    assert calls, "the AVX2 tiles never ran"
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    warm = engine(budget=13, max_num_seqs=8, speculative_config=spec)
+    for i in (0, 4):
+        assert _serve(warm, [(f"w{i}", PROMPTS[i])])[f"w{i}"] == alone[i]
+    finals = _serve(warm, [(f"r{i}", p) for i, p in enumerate(PROMPTS)])
+    assert [finals[f"r{i}"] for i in range(len(PROMPTS))] == alone
+    warm.check_no_leaks()
 
 
 # ------------------------------------------------------------------------------ real models

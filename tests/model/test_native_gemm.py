@@ -272,3 +272,34 @@ def test_the_residual_epilogue_gives_the_separate_add_bit_for_bit(rows, bias):
     linear.lora = NoUpdate()
     assert same(linear.add_to(x, residual), want)
     assert calls == [(rows, 72)]
+
+
+def _avx2_module():
+    module = build._module()
+    if module is None or not hasattr(module, "linear_bf16_packed_avx2"):
+        pytest.skip("native kernels unavailable")
+    if module.gemm_bf16_tiles() == "portable":
+        pytest.skip("this CPU has no AVX2 and FMA")
+    return module
+
+
+@pytest.mark.parametrize("k,n", [(64, 48), (577, 33), (576, 960), (3, 5)])
+def test_the_avx2_tiles_give_the_builds_tiles_bits(k, n):
+    """The AVX2 tiles (AVX2-only CPUs) sum each output in the AVX-512 tiles' order, so every
+    output, residual add included, is the same bits; both within one rounding of float64."""
+    module = _avx2_module()
+    torch.manual_seed(k * n)
+    w = torch.randn(n, k).bfloat16()
+    b = torch.randn(n).bfloat16()
+    packed = KERNELS[0](w)
+    for rows in (1, 2, 3, 4, 5, 7, 13, 40):
+        x = torch.randn(rows, k).bfloat16()
+        res = torch.randn(rows, n).bfloat16()
+        for bias, residual in ((None, None), (b, None), (b, res)):
+            avx2 = torch.empty(rows, n, dtype=torch.bfloat16)
+            module.linear_bf16_packed_avx2(avx2, x, packed, n, bias, 2, residual)
+            if residual is None:
+                assert within_bf16_rounding(avx2, x, w, bias), (rows, k, n)
+            own = torch.empty(rows, n, dtype=torch.bfloat16)
+            KERNELS[1](own, x, packed, n, bias, 2, None, residual)
+            assert torch.equal(avx2, own), (rows, k, n, bias is not None, residual is not None)

@@ -32,6 +32,9 @@ def _native_gemm_kernels() -> object:
 _KERNEL_LOOKUPS = {
     "gemm": _native_gemm_kernels,
     "decoder_layer": decoder_layer_class,  # native_layer.py
+    # The native GEMM whatever the CPU table says (AVX-512 or AVX2 tiles): batch-invariant calls
+    # where oneDNN cannot pack bf16 (Linear._invariant_gemm).
+    "gemm_any": linear_bf16_packed_kernels,
     "linear_small": linear_bf16_small_kernel,
     "lora_add": lora_add_kernel,  # lora/layers.py
     "rope_kv": rope_write_kv_kernel,

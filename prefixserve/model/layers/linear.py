@@ -76,9 +76,10 @@ def set_stream_threads(threads: int) -> None:
 # context variable, so each engine's step thread has its own): every bf16 Linear then takes one
 # path whatever its row count, whose result for a row does not depend on the other rows of the
 # call (`tests/model/test_batch_invariance.py` checks it on this CPU): the native GEMM where the
-# CPU takes it (it is that path in every mode), else oneDNN's GEMM on the packed weight. The
-# streaming kernel (small batches) and the fp32 copy (large ones) sum in other orders, so they
-# are skipped.
+# CPU takes it (it is that path in every mode), else oneDNN's GEMM on the packed weight, else
+# (AVX2 only, where oneDNN cannot pack bf16) the native GEMM on its AVX2 tiles. The streaming
+# kernel (small batches) and the fp32 copy (large ones) sum in other orders, so they are
+# skipped.
 _BATCH_INVARIANT: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "batch_invariant", default=False
 )
@@ -114,7 +115,8 @@ class Linear(nn.Linear):
     computed in fp32 from it and the result is rounded back to bf16. Batches of up to
     `STREAM_MAX_ROWS` rows of a packed bf16 Linear stream its weight through the native kernel.
     Inside `batch_invariant_linears(True)` none of these row-count choices is made: every call
-    takes the packed GEMM (a lone row padded to two).
+    takes oneDNN's packed GEMM (a lone row padded to two), or where oneDNN cannot pack bf16 (AVX2
+    only) the native GEMM on a weight packed at the first such call (its AVX2 tiles).
     The packed copies are taken at `pack()` time: call it again after changing the weight.
     """
 
@@ -139,6 +141,7 @@ class Linear(nn.Linear):
 
     def pack(self, fp32_copy: bool = True) -> None:
         self._packed = self._fp32 = self._stream = self._gemm = self._next_packed = None
+        self._invariant_packed = None
         gemm = _kernel("gemm") if self.weight.dtype == torch.bfloat16 else None
         if gemm is not None:
             bias = None if self.bias is None else self.bias.detach().contiguous()
@@ -182,6 +185,8 @@ class Linear(nn.Linear):
             out = self._by_row_count(x)
             if out is not None:
                 return out
+        elif self._packed is None and x.dtype == torch.bfloat16 and _kernel("gemm_any"):
+            return self._native(x, self._invariant_gemm())
         elif x.shape[0] == 1 and x.dim() == 2:
             # oneDNN computes a lone row with another kernel (a GEMV summing K in another order,
             # seen at K = 2048): two rows take the GEMM's path, whose row sums match any batch's.
@@ -230,14 +235,29 @@ class Linear(nn.Linear):
         gated(out, x, packed, out_features, bias, act, STREAM_THREADS[0], self._next_packed)
         return out
 
-    def _native(self, x: torch.Tensor) -> torch.Tensor:
-        """The native GEMM (`_gemm`) over x's rows, any leading shape."""
-        packed, out_features, bias = self._gemm
+    # The native GEMM's packed weight for batch-invariant calls on a CPU where oneDNN cannot
+    # pack bf16 and the CPU table does not take the native GEMM (AVX2 only: the build's AVX2
+    # tiles, the same sums as the AVX-512 ones): packed on the first such call, so engines
+    # outside the mode pay no memory for it.
+    _invariant_packed: tuple[torch.Tensor, int, torch.Tensor | None] | None = None
+
+    def _invariant_gemm(self) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+        if self._invariant_packed is None:
+            bias = None if self.bias is None else self.bias.detach().contiguous()
+            pack = _kernel("gemm_any")[0]
+            self._invariant_packed = (pack(self.weight.detach()), self.weight.shape[0], bias)
+        return self._invariant_packed
+
+    def _native(
+        self, x: torch.Tensor, gemm: tuple[torch.Tensor, int, torch.Tensor | None] | None = None
+    ) -> torch.Tensor:
+        """The native GEMM (`_gemm`, or the given packed weight) over x's rows, any leading
+        shape."""
+        packed, out_features, bias = gemm or self._gemm
         rows = x.reshape(-1, x.shape[-1]).contiguous()
         out = rows.new_empty(rows.shape[0], out_features)
-        _kernel("gemm")[1](
-            out, rows, packed, out_features, bias, STREAM_THREADS[0], self._next_packed
-        )
+        run = _kernel("gemm_any" if gemm else "gemm")[1]
+        run(out, rows, packed, out_features, bias, STREAM_THREADS[0], self._next_packed)
         return out.view(*x.shape[:-1], out_features)
 
     def _by_row_count(self, x: torch.Tensor) -> torch.Tensor | None:

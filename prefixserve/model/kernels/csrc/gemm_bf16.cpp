@@ -32,6 +32,8 @@
 // The vector tiles need AVX512F and, for the masked 16-bit stores of the epilogue, BW and VL.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define PREFIXSERVE_GEMM_AVX512 1
+#endif
+#if defined(__x86_64__)
 #include <immintrin.h>
 #endif
 
@@ -39,6 +41,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "bf16_bits.h"
@@ -48,7 +51,7 @@
 namespace {
 
 constexpr int64_t kPanel = 32;     // output columns per panel
-constexpr int64_t kMaxRows = 12;   // rows of the largest register tile
+constexpr int64_t kMaxTileRows = 12;  // rows of the largest register tile
 // Bytes of weight a job of the stream pool covers at least (whole panels): large enough that
 // the pool's per-job cost is small, small enough that two threads share a linear evenly.
 constexpr int64_t kJobBytes = 48 * 1024;
@@ -77,6 +80,30 @@ struct TileOut {
   const float* bias_up = nullptr;
   const uint16_t* res = nullptr;
 };
+
+inline uint16_t float_to_bf16_bits(float f) {
+  // Round to nearest even, as c10::BFloat16 and torch's .to(torch.bfloat16) do.
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  if (std::isnan(f)) return 0x7fc0;
+  bits += 0x7fff + ((bits >> 16) & 1);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+// A tile's fp32 sums (`rows` rows, `lds` apart) to its outputs: + bias, rounded to bf16, + the
+// residual and rounded again where there is one (the AVX-512 epilogue's roundings, in scalar
+// code: the portable and the AVX2 tiles).
+inline void store_sums(const float* sums, int64_t lds, int rows, const TileOut& out) {
+  for (int r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < out.cols; ++c) {
+      uint16_t y = float_to_bf16_bits(sums[r * lds + c] + (out.bias ? out.bias[c] : 0.0f));
+      if (out.res) {
+        y = float_to_bf16_bits(bf16_bits_to_float(y) +
+                               bf16_bits_to_float(out.res[r * out.ldo + c]));
+      }
+      out.out[r * out.ldo + c] = y;
+    }
+}
 
 #if defined(PREFIXSERVE_GEMM_AVX512)
 // 16 sums (+ bias) rounded to bf16 as c10::BFloat16 rounds (to nearest even, NaN kept quiet)
@@ -199,15 +226,6 @@ inline void tile_kernel(const float* x, int64_t ldx, const uint16_t* panel, int6
     }
 }
 #else
-inline uint16_t float_to_bf16_bits(float f) {
-  // Round to nearest even, as c10::BFloat16 and torch's .to(torch.bfloat16) do.
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof bits);
-  if (std::isnan(f)) return 0x7fc0;
-  bits += 0x7fff + ((bits >> 16) & 1);
-  return static_cast<uint16_t>(bits >> 16);
-}
-
 // Portable: the same order (one fused multiply-add per k, k ascending) in scalar code.
 template <int MR, int NP>
 inline void tile_kernel(const float* x, int64_t ldx, const uint16_t* panel, int64_t panel_stride,
@@ -225,21 +243,84 @@ inline void tile_kernel(const float* x, int64_t ldx, const uint16_t* panel, int6
         }
       }
     }
-  for (int r = 0; r < MR; ++r)
-    for (int64_t c = 0; c < out.cols; ++c) {
-      uint16_t y = float_to_bf16_bits(sums[r][c] + (out.bias ? out.bias[c] : 0.0f));
-      if (out.res) {
-        y = float_to_bf16_bits(bf16_bits_to_float(y) +
-                               bf16_bits_to_float(out.res[r * out.ldo + c]));
-      }
-      out.out[r * out.ldo + c] = y;
-    }
+  store_sums(&sums[0][0], NP * kPanel, MR, out);
 }
 #endif
 
-// Panels a tile of `rows` rows takes at once: enough chains for small batches, at most 24
-// accumulators.
-constexpr int panels_for(int rows) { return rows <= 3 ? 4 : (rows <= 6 ? 2 : 1); }
+#if defined(__x86_64__) && defined(__GNUC__)
+// AVX2 tiles, for CPUs without AVX-512 (the CPU table's AVX2-only row): 8 columns a vector,
+// fp32 FMAs over k ascending, so each output's sum is the AVX-512 tile's, bit for bit; the
+// epilogue is store_sums. Compiled into every x86-64 build (a target pragma), so AVX-512 hosts
+// can check the two agree (`linear_bf16_packed_avx2`); chosen at run time where the CPU has AVX2
+// and FMA and the build has no AVX-512 tiles. No gated epilogue: a gated MLP's activation then
+// runs in PyTorch after the plain linear (Linear.gated).
+#define PREFIXSERVE_GEMM_AVX2 1
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+
+namespace avx2 {
+
+template <int MR, int NP>
+void tile_kernel(const float* x, int64_t ldx, const uint16_t* panel, int64_t panel_stride,
+                 int64_t pairs, const TileOut& out) {
+  constexpr int V = kPanel / 8;  // vectors of 8 columns a panel
+  __m256 acc[MR][NP * V];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NP * V; ++j) acc[r][j] = _mm256_setzero_ps();
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  for (int64_t p = 0; p < pairs; ++p) {
+    for (int j = 0; j < NP; ++j) {
+      const uint16_t* w = panel + j * panel_stride + p * (2 * kPanel);
+      for (int v = 0; v < V; ++v) {
+        // Eight columns' (k, k + 1) pairs: the shift gives k's floats, the mask k + 1's.
+        const __m256i pair = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16 * v));
+        const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(pair, 16));
+        const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(pair, high));
+        for (int r = 0; r < MR; ++r) {
+          const float* xr = x + r * ldx + 2 * p;
+          __m256& a = acc[r][j * V + v];
+          a = _mm256_fmadd_ps(_mm256_broadcast_ss(xr), even, a);
+          a = _mm256_fmadd_ps(_mm256_broadcast_ss(xr + 1), odd, a);
+        }
+      }
+    }
+  }
+  float sums[MR][NP * kPanel];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NP * V; ++j) _mm256_storeu_ps(sums[r] + 8 * j, acc[r][j]);
+  store_sums(&sums[0][0], NP * kPanel, MR, out);
+}
+
+// The AVX2 tile family (run_block's T).
+struct Tiles {
+  static constexpr int64_t kMaxRows = 2;
+  // One row takes two panels, two rows one: 8 chains, and with the rows' broadcasts and a
+  // weight vector's two halves 15 of the 16 vector registers.
+  static constexpr int panels_for(int rows) { return rows == 1 ? 2 : 1; }
+  template <int MR, int NP>
+  static void tile(const float* x, int64_t ldx, const uint16_t* panel, int64_t panel_stride,
+                   int64_t pairs, const TileOut& out) {
+    avx2::tile_kernel<MR, NP>(x, ldx, panel, panel_stride, pairs, out);
+  }
+};
+
+}  // namespace avx2
+
+#pragma GCC pop_options
+#endif
+
+// The build's tile family (AVX-512, else portable): its largest tile height, the panels a tile
+// of `rows` rows takes at once (enough chains for small batches, at most 24 accumulators), and
+// the tile.
+struct BuildTiles {
+  static constexpr int64_t kMaxRows = kMaxTileRows;
+  static constexpr int panels_for(int rows) { return rows <= 3 ? 4 : (rows <= 6 ? 2 : 1); }
+  template <int MR, int NP>
+  static void tile(const float* x, int64_t ldx, const uint16_t* panel, int64_t panel_stride,
+                   int64_t pairs, const TileOut& out) {
+    tile_kernel<MR, NP>(x, ldx, panel, panel_stride, pairs, out);
+  }
+};
 
 struct Problem {
   const float* x;        // [rows, ldx] fp32, zero past K
@@ -253,7 +334,7 @@ struct Problem {
   const uint16_t* res = nullptr;  // [rows, N] bf16 bits added to the output, or null
 };
 
-template <int MR, int NP>
+template <class T, int MR, int NP>
 void run_tile(const Problem& pb, int64_t m0, int64_t panel0) {
   const int64_t stride = pb.pairs * 2 * kPanel, n0 = panel0 * kPanel;
   const TileOut out{pb.out + m0 * pb.N + n0,
@@ -263,32 +344,28 @@ void run_tile(const Problem& pb, int64_t m0, int64_t panel0) {
                     kNone,
                     nullptr,
                     pb.res ? pb.res + m0 * pb.N + n0 : nullptr};
-  tile_kernel<MR, NP>(pb.x + m0 * pb.ldx, pb.ldx, pb.w + panel0 * stride, stride, pb.pairs, out);
+  T::template tile<MR, NP>(pb.x + m0 * pb.ldx, pb.ldx, pb.w + panel0 * stride, stride,
+                           pb.pairs, out);
 }
 
-template <int MR>
+template <class T, int MR>
 void run_rows(const Problem& pb, int64_t m0, int64_t panel0, int64_t panel1) {
-  constexpr int NP = panels_for(MR);
+  constexpr int NP = T::panels_for(MR);
   int64_t j = panel0;
-  for (; j + NP <= panel1; j += NP) run_tile<MR, NP>(pb, m0, j);
-  for (; j < panel1; ++j) run_tile<MR, 1>(pb, m0, j);
+  for (; j + NP <= panel1; j += NP) run_tile<T, MR, NP>(pb, m0, j);
+  for (; j < panel1; ++j) run_tile<T, MR, 1>(pb, m0, j);
 }
 
+// Rows [m0, m0 + mr) (mr <= T::kMaxRows) over panels [panel0, panel1), on T's tile of mr rows.
+template <class T, int MR = 1>
 void run_block(const Problem& pb, int64_t m0, int64_t mr, int64_t panel0, int64_t panel1) {
-  switch (mr) {
-    case 1: run_rows<1>(pb, m0, panel0, panel1); break;
-    case 2: run_rows<2>(pb, m0, panel0, panel1); break;
-    case 3: run_rows<3>(pb, m0, panel0, panel1); break;
-    case 4: run_rows<4>(pb, m0, panel0, panel1); break;
-    case 5: run_rows<5>(pb, m0, panel0, panel1); break;
-    case 6: run_rows<6>(pb, m0, panel0, panel1); break;
-    case 7: run_rows<7>(pb, m0, panel0, panel1); break;
-    case 8: run_rows<8>(pb, m0, panel0, panel1); break;
-    case 9: run_rows<9>(pb, m0, panel0, panel1); break;
-    case 10: run_rows<10>(pb, m0, panel0, panel1); break;
-    case 11: run_rows<11>(pb, m0, panel0, panel1); break;
-    default: run_rows<12>(pb, m0, panel0, panel1); break;
+  if constexpr (MR < T::kMaxRows) {
+    if (mr > MR) {
+      run_block<T, MR + 1>(pb, m0, mr, panel0, panel1);
+      return;
+    }
   }
+  run_rows<T, MR>(pb, m0, panel0, panel1);
 }
 
 // Rows of the largest gated tile (two panels: 24 accumulators at 6 rows).
@@ -370,8 +447,8 @@ void check_packed(const torch::Tensor& packed, int64_t N, int64_t K) {
 
 }  // namespace
 
-// Whether this build has the AVX-512 tiles (elsewhere the portable loop computes the same sums,
-// slowly).
+// Whether this build has the AVX-512 tiles (elsewhere the AVX2 tiles or the portable loop
+// compute the same sums, more slowly).
 bool gemm_bf16_vectorized() {
 #if defined(PREFIXSERVE_GEMM_AVX512)
   return true;
@@ -379,6 +456,7 @@ bool gemm_bf16_vectorized() {
   return false;
 #endif
 }
+
 
 // The weight [N, K] (bf16) in the panel layout above, as a flat bf16 tensor.
 torch::Tensor pack_bf16_gemm(torch::Tensor w) {
@@ -434,10 +512,67 @@ Problem prepare(const char* name, torch::Tensor& out, torch::Tensor& x,
 // bus would idle (decode at batch 1: 1.04-1.14x in five same-process A/B runs; batch 8 level).
 // Larger batches reuse each weight enough that it makes no difference.
 void prefetch_next(int64_t rows, const c10::optional<torch::Tensor>& prefetch) {
-  if (rows <= kMaxRows && prefetch.has_value() && prefetch->defined()) {
+  if (rows <= kMaxTileRows && prefetch.has_value() && prefetch->defined()) {
     prefixserve::stream_pool().prefetch(prefetch->data_ptr(),
                                         prefetch->numel() * prefetch->element_size());
   }
+}
+
+// The tiles a call runs on: the build's (AVX-512, else portable), or AVX2's.
+enum class TileChoice { kBuild, kAvx2 };
+
+bool avx2_tiles_run_here() {
+#if defined(PREFIXSERVE_GEMM_AVX2)
+  static const bool here = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return here;
+#else
+  return false;
+#endif
+}
+
+// The build's AVX-512 tiles where it has them, else AVX2's where the CPU runs them, else the
+// portable loop: one summation order in all three.
+TileChoice build_tiles() {
+#if defined(PREFIXSERVE_GEMM_AVX512)
+  return TileChoice::kBuild;
+#else
+  return avx2_tiles_run_here() ? TileChoice::kAvx2 : TileChoice::kBuild;
+#endif
+}
+
+// prepare() for a plain linear, with its optional residual [rows, N] checked.
+Problem prepare_linear(const char* name, torch::Tensor& out, torch::Tensor& x,
+                       const torch::Tensor& packed, int64_t N,
+                       const c10::optional<torch::Tensor>& bias,
+                       const c10::optional<torch::Tensor>& residual,
+                       std::vector<float>& bias_fp32) {
+  Problem pb = prepare(name, out, x, packed, N, N, bias, bias_fp32);
+  if (residual.has_value() && residual->defined()) {
+    TORCH_CHECK(residual->device().is_cpu() && residual->scalar_type() == torch::kBFloat16 &&
+                    residual->is_contiguous() && residual->dim() == 2 &&
+                    residual->size(0) == pb.rows && residual->size(1) == N,
+                name, ": residual must be a contiguous bfloat16 [", pb.rows, ", ", N, "]");
+    pb.res = reinterpret_cast<const uint16_t*>(residual->data_ptr<c10::BFloat16>());
+  }
+  return pb;
+}
+
+template <class T>
+void run_linear_on(const Problem& pb, int64_t threads) {
+  const int64_t panels = (pb.N + kPanel - 1) / kPanel;
+  const int np = T::panels_for(static_cast<int>(std::min(pb.rows, T::kMaxRows)));
+  schedule(pb.rows, panels, pb.pairs, T::kMaxRows, np, 1, threads,
+           [&](int64_t m0, int64_t mr, int64_t p0, int64_t p1) {
+             run_block<T>(pb, m0, mr, p0, p1);
+           });
+}
+
+void run_linear(const Problem& pb, int64_t threads, TileChoice tiles) {
+  if (pb.rows == 0 || pb.N == 0) return;
+#if defined(PREFIXSERVE_GEMM_AVX2)
+  if (tiles == TileChoice::kAvx2) return run_linear_on<avx2::Tiles>(pb, threads);
+#endif
+  run_linear_on<BuildTiles>(pb, threads);
 }
 
 }  // namespace
@@ -451,21 +586,23 @@ void linear_bf16_packed(torch::Tensor out, torch::Tensor x, torch::Tensor packed
                         c10::optional<torch::Tensor> prefetch,
                         c10::optional<torch::Tensor> residual) {
   std::vector<float> bias_fp32;
-  Problem pb = prepare("linear_bf16_packed", out, x, packed, N, N, bias, bias_fp32);
-  if (residual.has_value() && residual->defined()) {
-    TORCH_CHECK(residual->device().is_cpu() && residual->scalar_type() == torch::kBFloat16 &&
-                    residual->is_contiguous() && residual->dim() == 2 &&
-                    residual->size(0) == pb.rows && residual->size(1) == N,
-                "linear_bf16_packed: residual must be a contiguous bfloat16 [", pb.rows, ", ", N,
-                "]");
-    pb.res = reinterpret_cast<const uint16_t*>(residual->data_ptr<c10::BFloat16>());
-  }
-  if (pb.rows == 0 || N == 0) return;
-  const int64_t panels = (N + kPanel - 1) / kPanel;
-  const int np = panels_for(static_cast<int>(std::min(pb.rows, kMaxRows)));
-  schedule(pb.rows, panels, pb.pairs, kMaxRows, np, 1, threads,
-           [&](int64_t m0, int64_t mr, int64_t p0, int64_t p1) { run_block(pb, m0, mr, p0, p1); });
+  const Problem pb = prepare_linear("linear_bf16_packed", out, x, packed, N, bias, residual,
+                                    bias_fp32);
+  run_linear(pb, threads, build_tiles());
   prefetch_next(pb.rows, prefetch);
+}
+
+// linear_bf16_packed on the AVX2 tiles whatever the build (x86-64 CPUs with AVX2 and FMA): the
+// same sums, so the same bits, as the build's own tiles (tests/model/test_native_gemm.py).
+void linear_bf16_packed_avx2(torch::Tensor out, torch::Tensor x, torch::Tensor packed, int64_t N,
+                             c10::optional<torch::Tensor> bias, int64_t threads,
+                             c10::optional<torch::Tensor> residual) {
+  TORCH_CHECK(avx2_tiles_run_here(),
+              "linear_bf16_packed_avx2 needs an x86-64 CPU with AVX2 and FMA");
+  std::vector<float> bias_fp32;
+  const Problem pb = prepare_linear("linear_bf16_packed_avx2", out, x, packed, N, bias, residual,
+                                    bias_fp32);
+  run_linear(pb, threads, TileChoice::kAvx2);
 }
 
 // A gated MLP's first half: out [rows, I] = act(x @ gate.T) * (x @ up.T), the weight [2I, K]
@@ -487,4 +624,13 @@ void linear_bf16_packed_gated(torch::Tensor out, torch::Tensor x, torch::Tensor 
              run_gated_block(pb, m0, mr, p0, p1);
            });
   prefetch_next(pb.rows, prefetch);
+}
+
+// The tiles linear_bf16_packed runs on here: "avx512", "avx2" or "portable".
+std::string gemm_bf16_tiles() {
+#if defined(PREFIXSERVE_GEMM_AVX512)
+  return "avx512";
+#else
+  return avx2_tiles_run_here() ? "avx2" : "portable";
+#endif
 }

@@ -671,6 +671,10 @@ void linear_bf16_packed(torch::Tensor out, torch::Tensor x, torch::Tensor packed
 void linear_bf16_packed_gated(torch::Tensor out, torch::Tensor x, torch::Tensor packed,
                               int64_t N, c10::optional<torch::Tensor> bias, int64_t act,
                               int64_t threads, c10::optional<torch::Tensor> prefetch);
+void linear_bf16_packed_avx2(torch::Tensor out, torch::Tensor x, torch::Tensor packed, int64_t N,
+                             c10::optional<torch::Tensor> bias, int64_t threads,
+                             c10::optional<torch::Tensor> residual);
+std::string gemm_bf16_tiles();
 
 // lora.cpp
 void lora_add(torch::Tensor out, torch::Tensor x, torch::Tensor a, torch::Tensor blocks,
@@ -714,6 +718,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("gemm_bf16_vectorized", &gemm_bf16_vectorized,
         "whether linear_bf16_packed has its AVX-512 tiles in this build");
+  m.def("gemm_bf16_tiles", &gemm_bf16_tiles,
+        "the tiles linear_bf16_packed runs on here: avx512, avx2 or portable");
+  m.def("linear_bf16_packed_avx2", &linear_bf16_packed_avx2,
+        "linear_bf16_packed on its AVX2 tiles whatever the build (the same sums)",
+        py::arg("out"), py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias"),
+        py::arg("threads"), py::arg("residual") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
   m.def("pack_bf16_gemm", &pack_bf16_gemm,
         "a bf16 weight [N, K] in linear_bf16_packed's panels of 32 columns by pairs of k");
   m.def("linear_bf16_packed", &linear_bf16_packed,
