@@ -1,6 +1,7 @@
 """bf16 vs fp32 GEMMs on this CPU, at the default model's linear shapes, by batch rows.
 
     .venv/bin/python benchmarks/bench_gemm.py [--rows 8,16,32,64,128,256,512,2048] [--native]
+        [--avx2]
 
 For each (in, out) shape and row count M: the bf16 linear the model uses for small batches
 (oneDNN-packed where this CPU can pack bf16 weights, plain `F.linear` in bf16 elsewhere, as
@@ -12,7 +13,8 @@ each.
 `--native` adds the native GEMM (csrc/gemm_bf16.cpp: fp32 FMAs on packed bf16 weights, one
 summation order at every row count) and, for up to 16 rows, the streaming kernel
 (csrc/gemv.cpp), both on as many threads as torch has, and the native GEMM's ratio to the best
-of the others.
+of the others. `--avx2` (with `--native`) adds the native GEMM on its AVX2 tiles (what AVX2-only
+CPUs run in the batch-invariant mode; the same sums) and their speed against the build's tiles.
 
 First it prints this host's GEMM peak: a 2,048-cube matmul in bf16 (oneDNN) and in fp32, the
 reference against which the model's prefill is stated (BENCHMARKS.md, "Model speed").
@@ -32,6 +34,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from prefixserve.model.kernels.build import (  # noqa: E402
+    _module,
     linear_bf16_packed_kernels,
     linear_bf16_small_kernel,
 )
@@ -79,6 +82,11 @@ def main() -> None:
         action="store_true",
         help="also the native GEMM and (up to 16 rows) the streaming kernel",
     )
+    ap.add_argument(
+        "--avx2",
+        action="store_true",
+        help="with --native: also the native GEMM on its AVX2 tiles (AVX2-only CPUs' path)",
+    )
     args = ap.parse_args()
     native = linear_bf16_packed_kernels() if args.native else None
     if args.native and native is None:
@@ -100,6 +108,9 @@ def main() -> None:
     if native:
         head += " native GEMM GFLOP/s | streaming GFLOP/s | native / best other |"
         rule += "---:|---:|---:|"
+        if args.avx2:
+            head += " AVX2 tiles GFLOP/s | AVX2 / native |"
+            rule += "---:|---:|"
     print(head)
     print(rule)
     cases = [(shape, rows) for shape in SHAPES]
@@ -129,12 +140,12 @@ def main() -> None:
                     f"| {t16 / t32:.2f}x |"
                 )
                 if native:
-                    line += native_cells(native, w, x, t16, t32, flops)
+                    line += native_cells(native, w, x, t16, t32, flops, args.avx2)
                 print(line)
 
 
-def native_cells(native, w, x, t16: float, t32: float, flops: int) -> str:
-    """The --native columns for one shape and row count."""
+def native_cells(native, w, x, t16: float, t32: float, flops: int, avx2: bool) -> str:
+    """The --native (and --avx2) columns for one shape and row count."""
     pack, run = native[0], native[1]
     m, n = x.shape[0], w.shape[0]
     threads = torch.get_num_threads()
@@ -146,7 +157,12 @@ def native_cells(native, w, x, t16: float, t32: float, flops: int) -> str:
         t_stream = seconds(lambda: stream(out, x, w, None, threads))
     stream_cell = f"{flops / t_stream / 1e9:.0f}" if t_stream != float("inf") else "-"
     best = min(t16, t32, t_stream)
-    return f" {flops / t_native / 1e9:.0f} | {stream_cell} | {best / t_native:.2f}x |"
+    cells = f" {flops / t_native / 1e9:.0f} | {stream_cell} | {best / t_native:.2f}x |"
+    if avx2:
+        tiles = _module().linear_bf16_packed_avx2
+        t_avx2 = seconds(lambda: tiles(out, x, packed, n, None, threads))
+        cells += f" {flops / t_avx2 / 1e9:.0f} | {t_native / t_avx2:.2f}x |"
+    return cells
 
 
 if __name__ == "__main__":
