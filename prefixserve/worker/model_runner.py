@@ -33,6 +33,7 @@ from prefixserve.model.kernels.build import (
     paged_attention_kernel,
     prefill_attention_kernel,
 )
+from prefixserve.model.kernels.cpu_paths import bf16_packing_supported
 from prefixserve.model.layers.attention import (
     ScheduledSpan,
     build_attention_metadata,
@@ -209,6 +210,15 @@ class ModelRunner:
                 raise ValueError(
                     "batch_invariant needs the native attention kernel, which is not available "
                     "here (PREFIXSERVE_KERNELS=0, or it failed to build: see the log)"
+                )
+            if (
+                config.torch_dtype == torch.bfloat16
+                and not bf16_packing_supported()
+                and compiled_kernel("gemm_any") is None
+            ):
+                raise ValueError(
+                    "batch_invariant needs oneDNN's packed bf16 GEMM or the native GEMM's "
+                    "vector tiles (AVX2 or AVX-512), and this CPU has neither"
                 )
             if not kernels_agree:
                 self.prefill_kernel = None

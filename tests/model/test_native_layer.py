@@ -139,6 +139,19 @@ def test_a_step_with_a_chunk_on_the_prefill_kernel_runs_the_python_layers(tiny):
     assert set(calls) == ({1} if prefill_on_its_kernel else {1, len(PROMPTS[0])})
 
 
+def test_a_step_with_the_pytorch_rmsnorm_swapped_in_runs_the_python_layers(tiny, monkeypatch):
+    """The kernel table's swaps (tests, `bench_model.py --baseline`) reach the native layer: with
+    the RMSNorm kernel swapped out, every step runs the Python layers."""
+    _native_or_skip()
+    from prefixserve.model.layers import kernel_table
+
+    loaded = tiny("llama")
+    calls = _count_native_calls(loaded.model)
+    monkeypatch.setitem(kernel_table._kernels, "rms_norm", None)
+    _serve(_engine(loaded, native=True))
+    assert calls == []
+
+
 def test_models_without_the_native_form_bind_nothing(tiny):
     """q/k norms (Qwen3), Gemma 3's layers and linears with LoRA keep the Python layers."""
     _native_or_skip()

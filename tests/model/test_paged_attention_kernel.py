@@ -261,6 +261,11 @@ def test_rms_norm_kernel_matches_the_pytorch_norm(dtype, offset, dim, monkeypatc
     assert fused.dtype == plain.dtype == dtype
     tol = 1e-6 if dtype == torch.float32 else 8e-3  # one bf16 rounding step
     torch.testing.assert_close(fused, plain, atol=tol, rtol=tol)
+    if dtype == torch.bfloat16:
+        # PyTorch's roundings: only a sum of squares in another order (an ulp of the fp32 scale)
+        # tips an element across a bf16 rounding boundary, rarely; a missing or extra rounding
+        # would change a large share of them.
+        assert (fused == plain).float().mean() > 0.99
     # Non-contiguous and 3-D inputs (q/k norms over heads) take the PyTorch path.
     monkeypatch.setitem(kernel_table._kernels, "rms_norm", kernels.rms_norm_kernel())
     torch.testing.assert_close(norm(x.t().contiguous().t()), plain, atol=tol, rtol=tol)

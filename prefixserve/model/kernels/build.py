@@ -175,6 +175,14 @@ def gemm_bf16_vectorized() -> bool:
     return module is not None and bool(module.gemm_bf16_vectorized())
 
 
+def gemm_bf16_tiles() -> str | None:
+    """The tiles the native GEMM runs on here: "avx512", "avx2" (AVX2-only CPUs: the AVX-512
+    tiles' sums at half the width) or "portable" (a scalar loop, same sums, slow); None when
+    the kernels are unavailable."""
+    module = _module()
+    return None if module is None else str(module.gemm_bf16_tiles())
+
+
 def lora_add_kernel() -> Callable[..., None] | None:
     """`lora_add(out, x, a, blocks, meta, rows)`: one adapter's LoRA update of one linear for a
     few bf16 rows (csrc/lora.cpp; the layout of `blocks` and `meta`:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from prefixserve.model.kernels.build import (
     decoder_layer_class,
+    gemm_bf16_tiles,
     gemm_bf16_vectorized,
     linear_bf16_packed_kernels,
     linear_bf16_small_kernel,
@@ -29,12 +30,20 @@ def _native_gemm_kernels() -> object:
     return linear_bf16_packed_kernels()
 
 
+def _any_native_gemm_kernels() -> object:
+    """The native GEMM's kernels whatever the CPU table says, where they run on vector tiles
+    (AVX-512 or AVX2); None on the portable loop (a scalar loop: far too slow for a model)."""
+    if gemm_bf16_tiles() in (None, "portable"):
+        return None
+    return linear_bf16_packed_kernels()
+
+
 _KERNEL_LOOKUPS = {
     "gemm": _native_gemm_kernels,
     "decoder_layer": decoder_layer_class,  # native_layer.py
     # The native GEMM whatever the CPU table says (AVX-512 or AVX2 tiles): batch-invariant calls
     # where oneDNN cannot pack bf16 (Linear._invariant_gemm).
-    "gemm_any": linear_bf16_packed_kernels,
+    "gemm_any": _any_native_gemm_kernels,
     "linear_small": linear_bf16_small_kernel,
     "lora_add": lora_add_kernel,  # lora/layers.py
     "rope_kv": rope_write_kv_kernel,

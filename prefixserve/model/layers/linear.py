@@ -116,7 +116,8 @@ class Linear(nn.Linear):
     `STREAM_MAX_ROWS` rows of a packed bf16 Linear stream its weight through the native kernel.
     Inside `batch_invariant_linears(True)` none of these row-count choices is made: every call
     takes oneDNN's packed GEMM (a lone row padded to two), or where oneDNN cannot pack bf16 (AVX2
-    only) the native GEMM on a weight packed at the first such call (its AVX2 tiles).
+    only) the native GEMM on a weight packed at the first such call (the build's vector tiles:
+    AVX2 there).
     The packed copies are taken at `pack()` time: call it again after changing the weight.
     """
 
@@ -185,7 +186,7 @@ class Linear(nn.Linear):
             out = self._by_row_count(x)
             if out is not None:
                 return out
-        elif self._packed is None and x.dtype == torch.bfloat16 and _kernel("gemm_any"):
+        elif self._packed is None and self._invariant_gemm_applies(x):
             return self._native(x, self._invariant_gemm())
         elif x.shape[0] == 1 and x.dim() == 2:
             # oneDNN computes a lone row with another kernel (a GEMV summing K in another order,
@@ -238,8 +239,13 @@ class Linear(nn.Linear):
     # The native GEMM's packed weight for batch-invariant calls on a CPU where oneDNN cannot
     # pack bf16 and the CPU table does not take the native GEMM (AVX2 only: the build's AVX2
     # tiles, the same sums as the AVX-512 ones): packed on the first such call, so engines
-    # outside the mode pay no memory for it.
+    # outside the mode pay no memory for it. It is a second copy of the weight (2 bytes a
+    # parameter, the LM head's too) kept with the model for its lifetime; two engines sharing the
+    # model may both pack it on their first step (one copy is kept).
     _invariant_packed: tuple[torch.Tensor, int, torch.Tensor | None] | None = None
+
+    def _invariant_gemm_applies(self, x: torch.Tensor) -> bool:
+        return x.dtype == self.weight.dtype == torch.bfloat16 and _kernel("gemm_any") is not None
 
     def _invariant_gemm(self) -> tuple[torch.Tensor, int, torch.Tensor | None]:
         if self._invariant_packed is None:

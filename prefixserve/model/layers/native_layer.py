@@ -14,7 +14,12 @@ from collections.abc import Sequence
 
 import torch
 
-from prefixserve.model.kernels.build import paged_attention_kernel, rope_kv_vectorized
+from prefixserve.model.kernels.build import (
+    paged_attention_kernel,
+    rms_norm_kernel,
+    rope_kv_vectorized,
+    rope_write_kv_kernel,
+)
 from prefixserve.model.layers.attention import AttentionMetadata
 from prefixserve.model.layers.common import Attention, GatedMLP, RMSNorm
 from prefixserve.model.layers.kernel_table import _kernel
@@ -66,9 +71,17 @@ def bind_decoder_layer(
 
 def step_takes_native_layers(groups: Sequence[AttentionMetadata]) -> bool:
     """Whether every row of this step attends through the paged kernel itself (not a stand-in
-    such as the portable path), in every KV-cache group: what the native layer calls."""
+    such as the portable path), in every KV-cache group, and the kernel table still holds the
+    RMSNorm and rotary kernels the native layer calls (tests and benchmarks swap them for the
+    PyTorch paths): then the native layer computes what the Python one would."""
     kernel = paged_attention_kernel()
-    return kernel is not None and all(
+    if (
+        kernel is None
+        or _kernel("rms_norm") is not rms_norm_kernel()
+        or _kernel("rope_kv") is not rope_write_kv_kernel()
+    ):
+        return False
+    return all(
         meta.kernel is not None
         and meta.kernel.fn is kernel
         and meta.decode is None

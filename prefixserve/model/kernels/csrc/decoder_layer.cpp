@@ -16,20 +16,7 @@
 #include <cstdint>
 
 // The kernels this layer calls (their own files check their arguments).
-void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps, bool offset);
-void linear_bf16_packed(torch::Tensor out, torch::Tensor x, torch::Tensor packed, int64_t N,
-                        c10::optional<torch::Tensor> bias, int64_t threads,
-                        c10::optional<torch::Tensor> prefetch,
-                        c10::optional<torch::Tensor> residual);
-void linear_bf16_packed_gated(torch::Tensor out, torch::Tensor x, torch::Tensor packed,
-                              int64_t N, c10::optional<torch::Tensor> bias, int64_t act,
-                              int64_t threads, c10::optional<torch::Tensor> prefetch);
-void rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t q_heads,
-                   int64_t kv_heads, torch::Tensor k_cache, torch::Tensor v_cache,
-                   torch::Tensor slots);
-void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
-                     torch::Tensor v_cache, torch::Tensor block_tables, torch::Tensor seq_info,
-                     double scale, double softcap, int64_t window);
+#include "kernels.h"
 
 namespace {
 

@@ -45,6 +45,7 @@
 #include <vector>
 
 #include "bf16_bits.h"
+#include "kernels.h"
 #include "exp_avx512.h"
 #include "stream_pool.h"
 
@@ -62,7 +63,6 @@ constexpr int64_t kComputeBoundRows = 24;
 constexpr int64_t kJobFlops = 6 * 1000 * 1000;
 
 using prefixserve::bf16_bits_to_float;
-
 
 // The activations of the gated epilogue (the values the Python side passes).
 enum Act : int64_t { kNone = 0, kSilu = 1, kGeluTanh = 2 };
@@ -250,19 +250,19 @@ inline void tile_kernel(const float* x, int64_t ldx, const uint16_t* panel, int6
 #if defined(__x86_64__) && defined(__GNUC__)
 // AVX2 tiles, for CPUs without AVX-512 (the CPU table's AVX2-only row): 8 columns a vector,
 // fp32 FMAs over k ascending, so each output's sum is the AVX-512 tile's, bit for bit; the
-// epilogue is store_sums. Compiled into every x86-64 build (a target pragma), so AVX-512 hosts
+// epilogue is store_sums. Compiled into every x86-64 build (a target attribute), so AVX-512 hosts
 // can check the two agree (`linear_bf16_packed_avx2`); chosen at run time where the CPU has AVX2
 // and FMA and the build has no AVX-512 tiles. No gated epilogue: a gated MLP's activation then
 // runs in PyTorch after the plain linear (Linear.gated).
 #define PREFIXSERVE_GEMM_AVX2 1
-#pragma GCC push_options
-#pragma GCC target("avx2,fma")
+#define PREFIXSERVE_TARGET_AVX2 __attribute__((target("avx2,fma")))
 
 namespace avx2 {
 
 template <int MR, int NP>
-void tile_kernel(const float* x, int64_t ldx, const uint16_t* panel, int64_t panel_stride,
-                 int64_t pairs, const TileOut& out) {
+PREFIXSERVE_TARGET_AVX2 void tile_kernel(const float* x, int64_t ldx, const uint16_t* panel,
+                                         int64_t panel_stride, int64_t pairs,
+                                         const TileOut& out) {
   constexpr int V = kPanel / 8;  // vectors of 8 columns a panel
   __m256 acc[MR][NP * V];
   for (int r = 0; r < MR; ++r)
@@ -298,15 +298,14 @@ struct Tiles {
   // weight vector's two halves 15 of the 16 vector registers.
   static constexpr int panels_for(int rows) { return rows == 1 ? 2 : 1; }
   template <int MR, int NP>
-  static void tile(const float* x, int64_t ldx, const uint16_t* panel, int64_t panel_stride,
-                   int64_t pairs, const TileOut& out) {
+  PREFIXSERVE_TARGET_AVX2 static void tile(const float* x, int64_t ldx, const uint16_t* panel,
+                                           int64_t panel_stride, int64_t pairs,
+                                           const TileOut& out) {
     avx2::tile_kernel<MR, NP>(x, ldx, panel, panel_stride, pairs, out);
   }
 };
 
 }  // namespace avx2
-
-#pragma GCC pop_options
 #endif
 
 // The build's tile family (AVX-512, else portable): its largest tile height, the panels a tile
@@ -456,7 +455,6 @@ bool gemm_bf16_vectorized() {
   return false;
 #endif
 }
-
 
 // The weight [N, K] (bf16) in the panel layout above, as a flat bf16 tensor.
 torch::Tensor pack_bf16_gemm(torch::Tensor w) {

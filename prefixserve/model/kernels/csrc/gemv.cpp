@@ -18,6 +18,7 @@
 #include <cstring>
 
 #include "bf16_bits.h"
+#include "kernels.h"
 #include "stream_pool.h"
 
 namespace {

@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "bf16_bits.h"
+#include "kernels.h"
 
 namespace {
 

@@ -24,6 +24,7 @@
 #endif
 
 #include "exp_avx512.h"
+#include "kernels.h"
 #include "paged_items.h"
 
 #include <algorithm>
@@ -651,48 +652,6 @@ bool paged_attention_lanes_ready() {
   return false;
 #endif
 }
-
-// rms_norm.cpp
-void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps, bool offset);
-
-// gemv.cpp
-void linear_bf16_small(torch::Tensor out, torch::Tensor x, torch::Tensor w,
-                       c10::optional<torch::Tensor> bias, int64_t threads);
-
-int64_t stream_pool_backoffs();
-
-// gemm_bf16.cpp
-torch::Tensor pack_bf16_gemm(torch::Tensor w);
-bool gemm_bf16_vectorized();
-void linear_bf16_packed(torch::Tensor out, torch::Tensor x, torch::Tensor packed, int64_t N,
-                        c10::optional<torch::Tensor> bias, int64_t threads,
-                        c10::optional<torch::Tensor> prefetch,
-                        c10::optional<torch::Tensor> residual);
-void linear_bf16_packed_gated(torch::Tensor out, torch::Tensor x, torch::Tensor packed,
-                              int64_t N, c10::optional<torch::Tensor> bias, int64_t act,
-                              int64_t threads, c10::optional<torch::Tensor> prefetch);
-void linear_bf16_packed_avx2(torch::Tensor out, torch::Tensor x, torch::Tensor packed, int64_t N,
-                             c10::optional<torch::Tensor> bias, int64_t threads,
-                             c10::optional<torch::Tensor> residual);
-std::string gemm_bf16_tiles();
-
-// lora.cpp
-void lora_add(torch::Tensor out, torch::Tensor x, torch::Tensor a, torch::Tensor blocks,
-              torch::Tensor meta, torch::Tensor rows);
-
-// prefill_attention.cpp
-void prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k, torch::Tensor v,
-                       double scale);
-bool prefill_attention_ready();
-
-// rope_kv.cpp
-void rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t q_heads,
-                   int64_t kv_heads, torch::Tensor k_cache, torch::Tensor v_cache,
-                   torch::Tensor slots);
-bool rope_kv_vectorized();
-
-// decoder_layer.cpp
-void register_decoder_layer(py::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_decoder_layer(m);

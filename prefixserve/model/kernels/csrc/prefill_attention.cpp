@@ -30,6 +30,7 @@
 #endif
 
 #include "attn_lanes_bf16.h"
+#include "kernels.h"
 
 #include <algorithm>
 #include <atomic>

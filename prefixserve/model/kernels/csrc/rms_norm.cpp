@@ -4,8 +4,11 @@
 // w))`. Each row's result depends on that row alone.
 //
 // bf16 rows take AVX-512 loops where the build has them: 16 lanes of squares summed by FMAs,
-// then one reduction; the scaling in vectors with the scalar loop's roundings. Decode-sized calls
-// stay on the calling thread (at::parallel_for's wake-up costs more than the rows).
+// then one tree reduction (another order than the scalar loop's, so a row's bits may differ by an
+// ulp between builds with and without the loop; within a build each row's result is its own),
+// and the scaling in vectors with the scalar loop's roundings (c10's: to nearest even, NaN
+// 0x7fc0, subnormals kept). Decode-sized calls stay on the calling thread (at::parallel_for's
+// wake-up costs more than the rows).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -15,13 +18,13 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
-    defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define PREFIXSERVE_RMS_AVX512 1
 #include <immintrin.h>
 #endif
 
 #include "bf16_bits.h"
+#include "kernels.h"
 
 namespace {
 
@@ -62,7 +65,20 @@ inline __m512 load_bf16(const c10::BFloat16* p, __mmask16 m) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
-inline __m512 round_bf16(__m512 v) { return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(v)); }
+// v's bf16 bits in the low half of each lane, rounded as c10::BFloat16 rounds (to nearest even,
+// NaN 0x7fc0, subnormals kept: VCVTNEPS2BF16 would flush them and keep NaN payloads).
+inline __m512i bf16_bits(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(
+      _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc0));
+}
+
+inline __m512 round_bf16(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(v), 16));
+}
 
 inline __mmask16 lanes(int64_t left) {
   return left >= 16 ? static_cast<__mmask16>(0xFFFF)
@@ -85,7 +101,7 @@ void rms_norm_row_bf16(c10::BFloat16* dst, const c10::BFloat16* x, const float* 
     const __m512 wv = _mm512_maskz_loadu_ps(m, w + i);
     const __m512 y = offset ? _mm512_mul_ps(v, _mm512_add_ps(one, wv))
                             : _mm512_mul_ps(wv, round_bf16(v));
-    _mm256_mask_storeu_epi16(dst + i, m, (__m256i)_mm512_cvtneps_pbh(y));
+    _mm256_mask_storeu_epi16(dst + i, m, _mm512_cvtepi32_epi16(bf16_bits(y)));
   }
 }
 #endif

@@ -20,6 +20,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "kernels.h"
+
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif

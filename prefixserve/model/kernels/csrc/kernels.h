@@ -1,0 +1,54 @@
+// The kernels one source file calls from another (the bindings in paged_attention.cpp, the
+// decoder layer in decoder_layer.cpp): one declaration each, so their signatures cannot drift.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <string>
+
+// rms_norm.cpp
+void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps, bool offset);
+
+// gemm_bf16.cpp
+torch::Tensor pack_bf16_gemm(torch::Tensor w);
+bool gemm_bf16_vectorized();
+std::string gemm_bf16_tiles();
+void linear_bf16_packed(torch::Tensor out, torch::Tensor x, torch::Tensor packed, int64_t N,
+                        c10::optional<torch::Tensor> bias, int64_t threads,
+                        c10::optional<torch::Tensor> prefetch,
+                        c10::optional<torch::Tensor> residual);
+void linear_bf16_packed_gated(torch::Tensor out, torch::Tensor x, torch::Tensor packed,
+                              int64_t N, c10::optional<torch::Tensor> bias, int64_t act,
+                              int64_t threads, c10::optional<torch::Tensor> prefetch);
+void linear_bf16_packed_avx2(torch::Tensor out, torch::Tensor x, torch::Tensor packed, int64_t N,
+                             c10::optional<torch::Tensor> bias, int64_t threads,
+                             c10::optional<torch::Tensor> residual);
+
+// rope_kv.cpp
+void rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t q_heads,
+                   int64_t kv_heads, torch::Tensor k_cache, torch::Tensor v_cache,
+                   torch::Tensor slots);
+bool rope_kv_vectorized();
+
+// paged_attention.cpp
+void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
+                     torch::Tensor v_cache, torch::Tensor block_tables, torch::Tensor seq_info,
+                     double scale, double softcap, int64_t window);
+
+// gemv.cpp
+void linear_bf16_small(torch::Tensor out, torch::Tensor x, torch::Tensor w,
+                       c10::optional<torch::Tensor> bias, int64_t threads);
+int64_t stream_pool_backoffs();
+
+// lora.cpp
+void lora_add(torch::Tensor out, torch::Tensor x, torch::Tensor a, torch::Tensor blocks,
+              torch::Tensor meta, torch::Tensor rows);
+
+// prefill_attention.cpp
+void prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                       double scale);
+bool prefill_attention_ready();
+
+// decoder_layer.cpp
+void register_decoder_layer(py::module& m);
