@@ -37,6 +37,17 @@ ROW_COUNTS = (1, 2, 3, 5, 8, 9, 16, 17, 33, 64, 65, 100, 257)
 # ------------------------------------------------------------------------------ the linear
 
 
+def _rows_are_their_own(linear: Linear, x: torch.Tensor) -> torch.Tensor:
+    """linear(x), asserting that the first rows of every ROW_COUNTS call, and each last row
+    alone, are bit for bit those rows of the whole call."""
+    whole = linear(x)
+    for rows in ROW_COUNTS:
+        assert torch.equal(linear(x[:rows]), whole[:rows]), f"{rows} rows"
+        alone = linear(x[rows - 1 : rows])
+        assert torch.equal(alone, whole[rows - 1 : rows]), f"row {rows - 1} alone"
+    return whole
+
+
 @pytest.mark.parametrize(("in_features", "out_features"), [(64, 96), (640, 2048), (2048, 640)])
 def test_a_batch_invariant_linear_gives_each_row_the_result_it_gets_alone(
     in_features, out_features
@@ -48,11 +59,7 @@ def test_a_batch_invariant_linear_gives_each_row_the_result_it_gets_alone(
     linear.pack()
     x = torch.randn(max(ROW_COUNTS), in_features, dtype=torch.bfloat16)
     with batch_invariant_linears(True):
-        whole = linear(x)
-        for rows in ROW_COUNTS:
-            assert torch.equal(linear(x[:rows]), whole[:rows]), f"{rows} rows"
-            alone = linear(x[rows - 1 : rows])
-            assert torch.equal(alone, whole[rows - 1 : rows]), f"row {rows - 1} alone"
+        whole = _rows_are_their_own(linear, x)
         # Small steps run on one thread (model_runner's one_thread), large ones on all.
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
@@ -104,11 +111,7 @@ def test_a_batch_invariant_linear_where_onednn_cannot_pack_bf16_takes_the_avx2_t
     linear(x[:3])
     assert calls == [] and linear._invariant_packed is None  # outside the mode: no packing
     with batch_invariant_linears(True):
-        whole = linear(x)
-        for rows in ROW_COUNTS:
-            assert torch.equal(linear(x[:rows]), whole[:rows]), f"{rows} rows"
-            alone = linear(x[rows - 1 : rows])
-            assert torch.equal(alone, whole[rows - 1 : rows]), f"row {rows - 1} alone"
+        whole = _rows_are_their_own(linear, x)
     assert len(calls) == 1 + 2 * len(ROW_COUNTS)
     if module.gemm_bf16_tiles() == "avx512":
         out = torch.empty(x.shape[0], 300, dtype=torch.bfloat16)
