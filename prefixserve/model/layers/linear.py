@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -145,8 +145,7 @@ class Linear(nn.Linear):
         self._invariant_packed = None
         gemm = _kernel("gemm") if self.weight.dtype == torch.bfloat16 else None
         if gemm is not None:
-            bias = None if self.bias is None else self.bias.detach().contiguous()
-            self._gemm = (gemm[0](self.weight.detach()), self.weight.shape[0], bias)
+            self._gemm = self._packed_for(gemm[0])
             if fp32_copy and fp32_prefill():  # forced on: still the path of large batches
                 bias = None if self.bias is None else self.bias.detach().float()
                 self._fp32 = (self.weight.detach().float(), bias)
@@ -249,10 +248,15 @@ class Linear(nn.Linear):
 
     def _invariant_gemm(self) -> tuple[torch.Tensor, int, torch.Tensor | None]:
         if self._invariant_packed is None:
-            bias = None if self.bias is None else self.bias.detach().contiguous()
-            pack = _kernel("gemm_any")[0]
-            self._invariant_packed = (pack(self.weight.detach()), self.weight.shape[0], bias)
+            self._invariant_packed = self._packed_for(_kernel("gemm_any")[0])
         return self._invariant_packed
+
+    def _packed_for(
+        self, pack: Callable[[torch.Tensor], torch.Tensor]
+    ) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+        """(packed weight, out features, bias) for the native GEMM, packed by `pack`."""
+        bias = None if self.bias is None else self.bias.detach().contiguous()
+        return (pack(self.weight.detach()), self.weight.shape[0], bias)
 
     def _native(
         self, x: torch.Tensor, gemm: tuple[torch.Tensor, int, torch.Tensor | None] | None = None
