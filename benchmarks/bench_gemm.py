@@ -1,7 +1,7 @@
 """bf16 vs fp32 GEMMs on this CPU, at the default model's linear shapes, by batch rows.
 
     .venv/bin/python benchmarks/bench_gemm.py [--rows 8,16,32,64,128,256,512,2048] [--native]
-        [--avx2]
+        [--families]
 
 For each (in, out) shape and row count M: the bf16 linear the model uses for small batches
 (oneDNN-packed where this CPU can pack bf16 weights, plain `F.linear` in bf16 elsewhere, as
@@ -10,11 +10,12 @@ of the weight (input cast up, output cast back to bf16, as `Linear` does for bat
 row threshold or more). Prints GFLOP/s of each and the ratio; median of 7 repeats of >= 50 ms
 each.
 
-`--native` adds the native GEMM (csrc/gemm_bf16.cpp: fp32 FMAs on packed bf16 weights, one
-summation order at every row count) and, for up to 16 rows, the streaming kernel
-(csrc/gemv.cpp), both on as many threads as torch has, and the native GEMM's ratio to the best
-of the others. `--avx2` (with `--native`) adds the native GEMM on its AVX2 tiles (what AVX2-only
-CPUs run in the batch-invariant mode; the same sums) and their speed against the build's tiles.
+`--native` adds the native GEMM (csrc/gemm_bf16.cpp: one summation order at every row count, on
+the tile families the host's calibration chose, printed first) and, for up to 16 rows, the
+streaming kernel (csrc/gemv.cpp), both on as many threads as torch has, and the native GEMM's
+ratio to the best of the others. `--families` (with `--native`) adds the native GEMM on each
+tile family that runs here (the same sums: AVX-512 FMAs, bf16 dot products, AVX2 FMAs), as
+GFLOP/s.
 
 First it prints this host's GEMM peak: a 2,048-cube matmul in bf16 (oneDNN) and in fp32, the
 reference against which the model's prefill is stated (BENCHMARKS.md, "Model speed").
@@ -38,6 +39,7 @@ from prefixserve.model.kernels.build import (  # noqa: E402
     linear_bf16_packed_kernels,
     linear_bf16_small_kernel,
 )
+from prefixserve.model.kernels.calibration import describe_calibration  # noqa: E402
 from prefixserve.model.kernels.cpu_paths import bf16_packing_supported, describe_cpu  # noqa: E402
 
 # (in_features, out_features) of SmolLM2-135M's fused qkv, o, gate_up and down projections.
@@ -83,9 +85,9 @@ def main() -> None:
         help="also the native GEMM and (up to 16 rows) the streaming kernel",
     )
     ap.add_argument(
-        "--avx2",
+        "--families",
         action="store_true",
-        help="with --native: also the native GEMM on its AVX2 tiles (AVX2-only CPUs' path)",
+        help="with --native: also the native GEMM on each tile family that runs here",
     )
     args = ap.parse_args()
     native = linear_bf16_packed_kernels() if args.native else None
@@ -94,6 +96,9 @@ def main() -> None:
     rows = [int(r) for r in args.rows.split(",")]
     packing = bf16_packing_supported()
     print(describe_cpu())
+    families = list(_module().gemm_bf16_families()) if native and args.families else []
+    if native:
+        print(describe_calibration())
     print(
         f"torch {torch.__version__} | threads {torch.get_num_threads()} | AMX "
         f"{torch.cpu._is_amx_tile_supported()} | bf16 packing {packing} | load avg "
@@ -108,9 +113,9 @@ def main() -> None:
     if native:
         head += " native GEMM GFLOP/s | streaming GFLOP/s | native / best other |"
         rule += "---:|---:|---:|"
-        if args.avx2:
-            head += " AVX2 tiles GFLOP/s | AVX2 / native |"
-            rule += "---:|---:|"
+        for family in families:
+            head += f" {family} tiles GFLOP/s |"
+            rule += "---:|"
     print(head)
     print(rule)
     cases = [(shape, rows) for shape in SHAPES]
@@ -140,12 +145,12 @@ def main() -> None:
                     f"| {t16 / t32:.2f}x |"
                 )
                 if native:
-                    line += native_cells(native, w, x, t16, t32, flops, args.avx2)
+                    line += native_cells(native, w, x, t16, t32, flops, families)
                 print(line)
 
 
-def native_cells(native, w, x, t16: float, t32: float, flops: int, avx2: bool) -> str:
-    """The --native (and --avx2) columns for one shape and row count."""
+def native_cells(native, w, x, t16: float, t32: float, flops: int, families: list[str]) -> str:
+    """The --native (and --families) columns for one shape and row count."""
     pack, run = native[0], native[1]
     m, n = x.shape[0], w.shape[0]
     threads = torch.get_num_threads()
@@ -158,10 +163,10 @@ def native_cells(native, w, x, t16: float, t32: float, flops: int, avx2: bool) -
     stream_cell = f"{flops / t_stream / 1e9:.0f}" if t_stream != float("inf") else "-"
     best = min(t16, t32, t_stream)
     cells = f" {flops / t_native / 1e9:.0f} | {stream_cell} | {best / t_native:.2f}x |"
-    if avx2:
-        tiles = _module().linear_bf16_packed_avx2
-        t_avx2 = seconds(lambda: tiles(out, x, packed, n, None, threads))
-        cells += f" {flops / t_avx2 / 1e9:.0f} | {t_native / t_avx2:.2f}x |"
+    run_on = _module().linear_bf16_packed_on
+    for family in families:
+        t_family = seconds(lambda f=family: run_on(out, x, packed, n, None, threads, f))
+        cells += f" {flops / t_family / 1e9:.0f} |"
     return cells
 
 

@@ -6,6 +6,9 @@ read at call time (not import time), so a test or a launcher may change them in-
 - PREFIXSERVE_CACHE_DIR (`cache_root`): converted models and kernel builds (~/.cache/prefixserve)
 - PREFIXSERVE_KERNELS (`kernels_enabled`): 0/off never builds or uses the native CPU kernels
 - PREFIXSERVE_FP32_PREFILL (`fp32_prefill`): 1/0 forces the fp32 copy of bf16 linears on/off
+- PREFIXSERVE_NATIVE_GEMM (`native_gemm`): 1/0 forces the native GEMM on/off for bf16 linears
+- PREFIXSERVE_GEMM_TILES (`gemm_tiles`): the native GEMM's tile families instead of the host's
+  calibration ("off": the build's FMA tiles, no calibration)
 - PREFIXSERVE_PEERS_DIR (`peers_dir`): where `scripts/peers/` installed the benchmark peers
 - PREFIXSERVE_KV_STORE (`kv_store_default_enabled`): 0/off turns the disk tier's default off
   (`prefixserve serve` and `LLM` without an explicit choice; the test suite sets it)
@@ -59,9 +62,18 @@ def fp32_prefill() -> bool | None:
 
 
 def native_gemm() -> bool | None:
-    """PREFIXSERVE_NATIVE_GEMM as a switch; None leaves the choice to the CPU table (whether bf16
-    linears take csrc/gemm_bf16.cpp at every row count, model/layers/linear.py)."""
+    """PREFIXSERVE_NATIVE_GEMM as a switch; None: bf16 linears take csrc/gemm_bf16.cpp wherever
+    its vector tiles run (model/kernels/cpu_paths.py `native_gemm_wanted`)."""
     return env_flag("PREFIXSERVE_NATIVE_GEMM")
+
+
+def gemm_tiles() -> str | None:
+    """PREFIXSERVE_GEMM_TILES: the native GEMM's tile families, "FAMILY" for every call or
+    "DECODE,PREFILL" (families: avx512, avx512_bf16, avx2, portable), "off" for the build's
+    FMA tiles without a calibration; None (unset, empty or "auto"): the host's calibration
+    (model/kernels/calibration.py)."""
+    value = os.environ.get("PREFIXSERVE_GEMM_TILES", "").strip().lower()
+    return None if value in ("", "auto") else value
 
 
 def batch_invariant_env() -> bool | None:

@@ -95,6 +95,23 @@ def test_no_module_is_over_700_lines_without_a_reason_at_its_top():
     assert not long, f"modules over {MAX_LINES} lines with no reason in their docstring: {long}"
 
 
+def test_no_native_source_is_over_700_lines_without_a_reason_at_its_top():
+    """The same rule for csrc/: the reason in the file's opening comment (its first 40 lines)."""
+    long = []
+    for path in sorted((PACKAGE / "model" / "kernels" / "csrc").iterdir()):
+        text = path.read_text()
+        opening = "\n".join(text.splitlines()[:40])
+        if text.count("\n") > MAX_LINES and LONG_MODULE_REASON not in opening:
+            long.append(f"{path.name} ({text.count(chr(10))} lines)")
+    assert not long, f"native sources over {MAX_LINES} lines with no reason at their top: {long}"
+
+
+def test_the_native_bindings_live_in_their_own_file():
+    csrc = PACKAGE / "model" / "kernels" / "csrc"
+    holders = [p.name for p in csrc.iterdir() if "PYBIND11_MODULE" in p.read_text()]
+    assert holders == ["bindings.cpp"]
+
+
 def test_every_module_says_its_job_in_a_docstring():
     missing = [
         str(path.relative_to(PACKAGE))

@@ -86,7 +86,7 @@ def _simulate_avx2_only(monkeypatch) -> tuple[list[int], object]:
 
     def avx2(out, x, packed, n, bias, threads, prefetch=None):
         calls.append(x.shape[0])
-        module.linear_bf16_packed_avx2(out, x, packed, n, bias, threads)
+        module.linear_bf16_packed_on(out, x, packed, n, bias, threads, "avx2")
 
     monkeypatch.setattr(linear_module, "bf16_packing_supported", lambda: False)
     monkeypatch.setitem(kernel_table._kernels, "gemm", None)

@@ -179,18 +179,23 @@ def test_a_forced_fp32_copy_still_takes_large_batches(native_linear, monkeypatch
     assert calls == [linear.FP32_MIN_ROWS - 1, linear.FP32_MIN_ROWS]
 
 
-def test_the_cpu_table_and_the_switch_decide_where_the_native_gemm_runs(monkeypatch):
+def test_the_native_gemm_runs_wherever_its_vector_tiles_do_unless_switched_off(monkeypatch):
+    """No CPU table decides: every kind with AVX-512 or AVX2 tiles takes the native GEMM, the
+    portable loop (a scalar loop) only when forced, and PREFIXSERVE_NATIVE_GEMM=0 turns it off."""
     monkeypatch.delenv("PREFIXSERVE_NATIVE_GEMM", raising=False)
-    for kind, row in cpu_paths.CPU_TABLE.items():
-        monkeypatch.setattr(cpu_paths, "cpu_paths_here", lambda row=row: row)
-        # fp32 FMAs on bf16 weights: where bf16 dot products are not faster than fp32 FMAs
-        assert cpu_paths.native_gemm_wanted() == (kind in ("avx512_bf16_intel", "avx512")), kind
+    for tiles in ("avx512", "avx2"):
+        assert cpu_paths.native_gemm_wanted(tiles), tiles
+    assert not cpu_paths.native_gemm_wanted("portable")
+    assert not cpu_paths.native_gemm_wanted(None)
+    assert (kernel_table._native_gemm_kernels() is not None) == (
+        build.gemm_bf16_tiles() in ("avx512", "avx2")
+    )
     monkeypatch.setenv("PREFIXSERVE_NATIVE_GEMM", "0")
-    assert not cpu_paths.native_gemm_wanted()
+    assert not cpu_paths.native_gemm_wanted("avx512")
     assert kernel_table._native_gemm_kernels() is None
     monkeypatch.setenv("PREFIXSERVE_NATIVE_GEMM", "1")
-    assert cpu_paths.native_gemm_wanted()
-    assert (kernel_table._native_gemm_kernels() is not None) == build.gemm_bf16_vectorized()
+    assert cpu_paths.native_gemm_wanted("portable")
+    assert not cpu_paths.native_gemm_wanted(None)
 
 
 def test_a_gated_mlp_fuses_its_activation_unless_gate_up_has_lora(monkeypatch):
@@ -274,20 +279,18 @@ def test_the_residual_epilogue_gives_the_separate_add_bit_for_bit(rows, bias):
     assert calls == [(rows, 72)]
 
 
-def _avx2_module():
+def _families():
     module = build._module()
-    if module is None or not hasattr(module, "linear_bf16_packed_avx2"):
-        pytest.skip("native kernels unavailable")
-    if module.gemm_bf16_tiles() == "portable":
-        pytest.skip("this CPU has no AVX2 and FMA")
-    return module
+    return [] if module is None else list(module.gemm_bf16_families())
 
 
+@pytest.mark.parametrize("family", _families())
 @pytest.mark.parametrize("k,n", [(64, 48), (577, 33), (576, 960), (3, 5)])
-def test_the_avx2_tiles_give_the_builds_tiles_bits(k, n):
-    """The AVX2 tiles (AVX2-only CPUs) sum each output in the AVX-512 tiles' order, so every
-    output, residual add included, is the same bits; both within one rounding of float64."""
-    module = _avx2_module()
+def test_every_tile_family_here_gives_the_builds_tiles_bits(family, k, n):
+    """Each tile family this host runs (the build's FMA tiles, AVX2's, the bf16 dot product's)
+    sums each output in one order, so every output, residual add included, is the same bits
+    as the selected path's, and within one rounding of float64."""
+    module = build._module()
     torch.manual_seed(k * n)
     w = torch.randn(n, k).bfloat16()
     b = torch.randn(n).bfloat16()
@@ -296,14 +299,32 @@ def test_the_avx2_tiles_give_the_builds_tiles_bits(k, n):
         x = torch.randn(rows, k).bfloat16()
         res = torch.randn(rows, n).bfloat16()
         for bias, residual in ((None, None), (b, None), (b, res)):
-            avx2 = torch.empty(rows, n, dtype=torch.bfloat16)
-            module.linear_bf16_packed_avx2(avx2, x, packed, n, bias, 2, residual)
+            got = torch.empty(rows, n, dtype=torch.bfloat16)
+            module.linear_bf16_packed_on(got, x, packed, n, bias, 2, family, residual)
             if residual is None:
-                assert within_bf16_rounding(avx2, x, w, bias), (rows, k, n)
-                plain = avx2
+                assert within_bf16_rounding(got, x, w, bias), (rows, k, n)
+                plain = got
             else:  # the output rounded, then the residual added and rounded: two bf16 ops
-                assert torch.equal(avx2, plain + residual), (rows, k, n)
-            if module.gemm_bf16_tiles() == "avx512":  # elsewhere the build's tiles are these
-                own = torch.empty(rows, n, dtype=torch.bfloat16)
-                KERNELS[1](own, x, packed, n, bias, 2, None, residual)
-                assert torch.equal(avx2, own), (rows, k, n, bias is not None, residual is not None)
+                assert torch.equal(got, plain + residual), (rows, k, n)
+            own = torch.empty(rows, n, dtype=torch.bfloat16)
+            KERNELS[1](own, x, packed, n, bias, 2, None, residual)
+            assert torch.equal(got, own), (family, rows, k, n, bias is not None)
+
+
+def test_the_families_flush_denormals_alike():
+    """The dot product treats denormal inputs as zero and flushes denormal sums; the FMA
+    families do the same (FlushDenormals), so a denormal weight or input cannot split them:
+    1e-39 (a bf16 denormal) times 2^100 would be 1.3e-9, and is 0 on every family."""
+    module = build._module()
+    big, tiny = 2.0**100, 1e-39
+    w = torch.tensor([[big, 0.0], [tiny, 0.0], [1.0, 1.0]]).bfloat16()
+    x = torch.tensor([[tiny, 0.0], [big, 0.0], [tiny, 1.0]]).bfloat16()
+    outs = []
+    for family in _families():
+        out = torch.empty(3, 3, dtype=torch.bfloat16)
+        module.linear_bf16_packed_on(out, x, KERNELS[0](w), 3, None, 1, family, None)
+        outs.append(out)
+        assert out[0, 0].item() == 0.0 and out[1, 1].item() == 0.0, family
+        assert out[2, 2].item() == 1.0, family
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])

@@ -26,6 +26,7 @@ _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [
     _CSRC / name
     for name in (
+        "bindings.cpp",
         "paged_attention.cpp",
         "gemv.cpp",
         "gemm_bf16.cpp",

@@ -1,20 +1,23 @@
-"""Which compute paths the model takes on this CPU: a table of kinds of CPU, each row measured.
+"""The fallback paths of a CPU kind, and what the CPU is.
 
-Two choices depend on the CPU's arithmetic more than on any one feature flag (CPUs with the same
-`avx512_bf16` flag disagree by 6x), so the kind of CPU picks a row of `CPU_TABLE`, whose numbers
-come from the microbenchmarks and the whole model on a host of that kind (BENCHMARKS.md, "Model
-speed"):
+bf16 linears take the native GEMM (csrc/gemm_bf16.cpp, one summation order at every row count)
+on every CPU where its vector tiles run (AVX-512 or AVX2), whichever kind: its tile family per
+row class is chosen by a measurement on the host (`calibration.py`), not by a table.
+`PREFIXSERVE_NATIVE_GEMM=0` turns it off (to compare against the paths below), `=1` forces it
+even on the portable loop.
+
+`CPU_TABLE` holds, per kind of CPU, what the model does where the native GEMM is off or
+unavailable (no compiler, `PREFIXSERVE_KERNELS=0`, a non-x86 CPU), from numbers measured once
+on one host of each kind (BENCHMARKS.md, "Model speed"):
 - a bf16 `Linear` (`layers.Linear`): oneDNN's bf16 GEMM (on pre-packed weights where oneDNN can
   pack bf16, plain `F.linear` elsewhere), or `F.linear` in fp32 from an fp32 copy of the weight
-  (input cast up, output rounded back to bf16) from some row count on
-  (`benchmarks/bench_gemm.py`, `bench_model.py`). `PREFIXSERVE_FP32_PREFILL=1/0` overrides it.
-- whether bf16 linears take the native GEMM (`csrc/gemm_bf16.cpp`: fp32 FMAs on bf16 weights,
-  one summation order at every row count) instead of oneDNN, the streaming kernel and the fp32
-  copy (`benchmarks/bench_gemm.py --native`). `PREFIXSERVE_NATIVE_GEMM=1/0` overrides it.
+  from some row count on (`benchmarks/bench_gemm.py`). `PREFIXSERVE_FP32_PREFILL=1/0`
+  overrides it.
 - attention (`attention.KERNEL_MAX_QUERIES`): the native paged-attention kernel for chunks of
   fewer queries than this, PyTorch's flash SDPA for longer ones (`benchmarks/bench_attention.py`).
   Only where the paged kernel's keys-in-lanes path and the long-chunk kernel do not serve the
-  model: where they do (AVX512-BF16, bf16), every chunk goes to them (model_runner.py).
+  model: where they do (AVX512-BF16, bf16), every chunk goes to them (model_runner.py), and in
+  the batch-invariant mode every chunk goes to the paged kernel.
 """
 
 from __future__ import annotations
@@ -34,16 +37,12 @@ class CpuPaths:
     `fp32_min_rows`: bf16 linears compute batches of at least this many rows from an fp32 copy;
     None keeps no fp32 copy at all (bf16 is the faster path at every row count). `lm_head_fp32`:
     the LM head keeps an fp32 copy too (up to `layers.LM_HEAD_FP32_MAX_ELEMENTS`).
-    `kernel_max_queries`: chunks of fewer queries attend through the native kernel.
-    `native_gemm`: bf16 linears take csrc/gemm_bf16.cpp at every row count (where its AVX-512
-    tiles are built), and keep neither oneDNN's packed weight nor an fp32 copy: the other
-    fields then say what happens where the kernels are unavailable."""
+    `kernel_max_queries`: chunks of fewer queries attend through the native kernel."""
 
     fp32_min_rows: int | None
     lm_head_fp32: bool
     kernel_max_queries: int
     measured: str  # where the row's numbers come from
-    native_gemm: bool = False
 
 
 # Keyed by `cpu_kind()`. GFLOP/s are 2 threads, bench_gemm.py's shapes of the default model.
@@ -70,10 +69,10 @@ CPU_TABLE: dict[str, CpuPaths] = {
     # 1.1-1.7x at 1-8 (2026-12-03, bench_gemm.py --native), so it takes every row count.
     # Attention: the kernel wins 1.7-2.2x at 4-8 queries over a 1,024-token prefix, and the
     # crossover lies between 16 and 32.
-    "avx512_bf16_intel": CpuPaths(64, False, 12, "Intel Xeon without AMX, 2026-12-03", True),
-    # AVX-512 without bf16 instructions (Skylake-X, Ice Lake): the native GEMM needs only
-    # AVX512F's FMAs, so it is taken to behave as on the Intel row (not measured on such a host).
-    "avx512": CpuPaths(64, False, 12, "not measured: as avx512_bf16_intel", True),
+    "avx512_bf16_intel": CpuPaths(64, False, 12, "Intel Xeon without AMX, 2026-12-03"),
+    # AVX-512 without bf16 instructions (Skylake-X, Ice Lake): taken to behave as the Intel row
+    # (not measured on such a host).
+    "avx512": CpuPaths(64, False, 12, "not measured: as avx512_bf16_intel"),
     # AVX2 only (AMD EPYC without AVX-512): oneDNN cannot pack bf16 and plain bf16 `F.linear`
     # tops out at ~15 GFLOP/s; fp32 reaches 45-60 at 16 rows. The whole model's decode at batch
     # 8 ran 44.5 tok/s in bf16 against 39.5 in fp32 (twice the bytes), at batch 16 44.4 against
@@ -134,11 +133,14 @@ def cpu_paths_here() -> CpuPaths:
     return CPU_TABLE[cpu_kind()]
 
 
-def native_gemm_wanted() -> bool:
-    """Whether bf16 linears should take the native GEMM here: `PREFIXSERVE_NATIVE_GEMM=1/0`, or
-    else this CPU's row (`CpuPaths.native_gemm`)."""
+def native_gemm_wanted(tiles: str | None) -> bool:
+    """Whether bf16 linears should take the native GEMM, given the build's FMA tiles (`tiles`:
+    "avx512", "avx2", "portable", None without kernels): `PREFIXSERVE_NATIVE_GEMM=1/0`, or else
+    wherever vector tiles run (the portable loop is a scalar loop, far too slow for a model)."""
+    if tiles is None:
+        return False
     flag = native_gemm()
-    return flag if flag is not None else cpu_paths_here().native_gemm
+    return flag if flag is not None else tiles != "portable"
 
 
 _FLAGS_OF_INTEREST = (
@@ -147,17 +149,19 @@ _FLAGS_OF_INTEREST = (
     "avx512f",
     "avx512bw",
     "avx512_bf16",
+    "avx512_vnni",
     "avx512_fp16",
     "amx_bf16",
 )
 
 
 def describe_cpu() -> str:
-    """One line for benchmark records: model name, the GEMM-relevant flags, and the table row."""
+    """One line for benchmark records: model name, the GEMM-relevant flags, and the fallback
+    table's row (`calibration.describe_calibration` says what the native kernels chose)."""
     name = cpuinfo().get("model name", "")
     flags = set(cpuinfo().get("flags", "").split())
     present = [flag for flag in _FLAGS_OF_INTEREST if flag in flags]
     return (
         f"{name or 'unknown CPU'} ({cpu_vendor() or '?'}) | flags {' '.join(present)} | "
-        f"CPU table row {cpu_kind()}"
+        f"fallback row {cpu_kind()}"
     )

@@ -14,6 +14,7 @@ from prefixserve.model.kernels.build import (
     rms_norm_kernel,
     rope_write_kv_kernel,
 )
+from prefixserve.model.kernels.calibration import calibrate_gemm
 from prefixserve.model.kernels.cpu_paths import native_gemm_wanted
 
 # The compiled kernels by name, each looked up once (None where unavailable); tests and
@@ -22,12 +23,15 @@ _kernels: dict[str, object] = {}
 
 
 def _native_gemm_kernels() -> object:
-    """(pack, run, run_gated) of the native GEMM (`build.linear_bf16_packed_kernels`) where this
-    CPU takes it for bf16 linears and its AVX-512 tiles are built
-    (`cpu_paths.native_gemm_wanted`); None elsewhere."""
-    if not (native_gemm_wanted() and gemm_bf16_vectorized()):
+    """(pack, run, run_gated) of the native GEMM (`build.linear_bf16_packed_kernels`) where bf16
+    linears take it (`cpu_paths.native_gemm_wanted`: wherever its vector tiles run), its tile
+    families chosen by the host's calibration (`calibration.calibrate_gemm`); run_gated is None
+    without the AVX-512 tiles (AVX2: the activation runs in PyTorch). None elsewhere."""
+    if not native_gemm_wanted(gemm_bf16_tiles()):
         return None
-    return linear_bf16_packed_kernels()
+    calibrate_gemm()
+    pack, run, gated = linear_bf16_packed_kernels()
+    return pack, run, gated if gemm_bf16_vectorized() else None
 
 
 def _any_native_gemm_kernels() -> object:

@@ -228,10 +228,12 @@ class Linear(nn.Linear):
         the native GEMM (the caller then runs the linear and the activation itself)."""
         if not self._takes_native(x) or x.dim() != 2 or self._gemm[1] % 64:
             return None
+        gated = _kernel("gemm")[2]
+        if gated is None:  # no gated epilogue on this build's tiles
+            return None
         packed, out_features, bias = self._gemm
         x = x.contiguous()
         out = x.new_empty(x.shape[0], out_features // 2)
-        gated = _kernel("gemm")[2]
         gated(out, x, packed, out_features, bias, act, STREAM_THREADS[0], self._next_packed)
         return out
 

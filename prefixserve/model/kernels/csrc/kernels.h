@@ -1,11 +1,13 @@
-// The kernels one source file calls from another (the bindings in paged_attention.cpp, the
-// decoder layer in decoder_layer.cpp): one declaration each, so their signatures cannot drift.
+// Every kernel one source file calls from another (the bindings in bindings.cpp, the decoder
+// layer in decoder_layer.cpp): one declaration each, so their signatures cannot drift.
 #pragma once
 
 #include <torch/extension.h>
 
 #include <cstdint>
 #include <string>
+#include <tuple>
+#include <vector>
 
 // rms_norm.cpp
 void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps, bool offset);
@@ -21,9 +23,12 @@ void linear_bf16_packed(torch::Tensor out, torch::Tensor x, torch::Tensor packed
 void linear_bf16_packed_gated(torch::Tensor out, torch::Tensor x, torch::Tensor packed,
                               int64_t N, c10::optional<torch::Tensor> bias, int64_t act,
                               int64_t threads, c10::optional<torch::Tensor> prefetch);
-void linear_bf16_packed_avx2(torch::Tensor out, torch::Tensor x, torch::Tensor packed, int64_t N,
-                             c10::optional<torch::Tensor> bias, int64_t threads,
-                             c10::optional<torch::Tensor> residual);
+void linear_bf16_packed_on(torch::Tensor out, torch::Tensor x, torch::Tensor packed, int64_t N,
+                           c10::optional<torch::Tensor> bias, int64_t threads,
+                           const std::string& tiles, c10::optional<torch::Tensor> residual);
+std::vector<std::string> gemm_bf16_families();
+void gemm_bf16_select(const std::string& decode, const std::string& prefill);
+std::tuple<std::string, std::string, int64_t> gemm_bf16_selected();
 
 // rope_kv.cpp
 void rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t q_heads,
@@ -35,6 +40,11 @@ bool rope_kv_vectorized();
 void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
                      torch::Tensor v_cache, torch::Tensor block_tables, torch::Tensor seq_info,
                      double scale, double softcap, int64_t window);
+void paged_attention_portable(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
+                              torch::Tensor v_cache, torch::Tensor block_tables,
+                              torch::Tensor seq_info, double scale, double softcap,
+                              int64_t window);
+bool paged_attention_lanes_ready();
 
 // gemv.cpp
 void linear_bf16_small(torch::Tensor out, torch::Tensor x, torch::Tensor w,

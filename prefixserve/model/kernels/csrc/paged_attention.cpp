@@ -1,7 +1,4 @@
-// prefixserve's CPU kernels: paged attention read straight from the block-structured K/V cache,
-// and the extension's bindings (the end of this file).
-//
-// Paged attention.
+// Paged attention read straight from the block-structured K/V cache.
 //
 // For each sequence s of a step, its queries are rows [q_start, q_end) of `q` at positions
 // pos0, pos0 + 1, ...; a query at position p attends to the keys at positions
@@ -651,59 +648,4 @@ bool paged_attention_lanes_ready() {
 #else
   return false;
 #endif
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  register_decoder_layer(m);
-  m.def("lora_add", &lora_add,
-        "one adapter's LoRA update of one linear for a few bf16 rows: out[rows] += x[rows] @ A.T "
-        "@ B.T, B in blocks of 64 columns per slice",
-        py::call_guard<py::gil_scoped_release>());
-  m.def("prefill_attention", &prefill_attention,
-        "causal attention of one long bf16 chunk over contiguous K/V rows (scores with "
-        "VDPBF16PS, online softmax and P @ V in fp32)",
-        py::call_guard<py::gil_scoped_release>());
-  m.def("prefill_attention_ready", &prefill_attention_ready,
-        "whether prefill_attention has its AVX512-BF16 loop in this build");
-  m.def("rope_kv_vectorized", &rope_kv_vectorized,
-        "whether rope_write_kv has its AVX512-BF16 vector loop in this build");
-  m.def("rope_write_kv", &rope_write_kv,
-        "rotary on a fused qkv's q and k heads in place, then k and v into their cache slots");
-  m.def("stream_pool_backoffs", &stream_pool_backoffs,
-        "times the stream pool ran jobs on the caller alone (its helpers got no core)");
-  // Without the GIL: the server's event loop runs while a step streams its weights.
-  m.def("linear_bf16_small", &linear_bf16_small,
-        "bf16 linear for a few rows: a stream over the weight, fp32 accumulation",
-        py::call_guard<py::gil_scoped_release>());
-  m.def("gemm_bf16_vectorized", &gemm_bf16_vectorized,
-        "whether linear_bf16_packed has its AVX-512 tiles in this build");
-  m.def("gemm_bf16_tiles", &gemm_bf16_tiles,
-        "the tiles linear_bf16_packed runs on here: avx512, avx2 or portable");
-  m.def("linear_bf16_packed_avx2", &linear_bf16_packed_avx2,
-        "linear_bf16_packed on its AVX2 tiles whatever the build (the same sums)",
-        py::arg("out"), py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias"),
-        py::arg("threads"), py::arg("residual") = py::none(),
-        py::call_guard<py::gil_scoped_release>());
-  m.def("pack_bf16_gemm", &pack_bf16_gemm,
-        "a bf16 weight [N, K] in linear_bf16_packed's panels of 32 columns by pairs of k");
-  m.def("linear_bf16_packed", &linear_bf16_packed,
-        "bf16 linear for any row count with one summation order per output (fp32 FMAs over k "
-        "ascending): batch-invariant; `prefetch`: the next linear's packed weight; "
-        "`residual`: added to the rounded output (a decoder layer's residual add)",
-        py::arg("out"), py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias"),
-        py::arg("threads"), py::arg("prefetch") = py::none(), py::arg("residual") = py::none(),
-        py::call_guard<py::gil_scoped_release>());
-  m.def("linear_bf16_packed_gated", &linear_bf16_packed_gated,
-        "a gated MLP's gate_up linear with act(gate) * up in its epilogue (act 1: SiLU, 2: "
-        "GELU tanh), the same sums as linear_bf16_packed",
-        py::arg("out"), py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias"),
-        py::arg("act"), py::arg("threads"), py::arg("prefetch") = py::none(),
-        py::call_guard<py::gil_scoped_release>());
-  m.def("paged_attention", &paged_attention, "paged attention over a block-structured KV cache");
-  m.def("paged_attention_portable", &paged_attention_portable,
-        "paged_attention on its portable path (fp32 tiles, tree-summed scores) on every CPU");
-  m.def("paged_attention_lanes_ready", &paged_attention_lanes_ready,
-        "whether bf16 paged_attention has its keys-in-lanes path (prefill_attention's "
-        "arithmetic) in this build");
-  m.def("rms_norm", &rms_norm, "RMSNorm of contiguous rows with transformers' roundings");
 }

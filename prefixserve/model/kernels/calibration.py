@@ -1,0 +1,252 @@
+"""Choice by measurement: which tile family of the native GEMM (csrc/gemm_bf16_tiles.h) runs
+decode-sized calls and which larger ones on this host, timed once at first start (about a second)
+and cached per CPU model and kernel build under the cache dir.
+
+Every family sums each output in one order, so the choice changes speed only, never a bit: a
+family is a candidate only after its outputs equal the build's FMA tiles' bit for bit on a
+random problem here (with a bias, a residual, an odd K and several row counts); one that differs
+is never chosen, and a warning says so. The candidates are then timed at a decode shape (1 and 8
+rows over 32 MB of weights, which streams from memory as decode does) and a prefill shape (192
+rows over a 2 MB weight, arithmetic-bound); each class takes the fastest, the build's FMA tiles
+unless another is at least `MIN_GAIN` faster (a tie is noise).
+
+`PREFIXSERVE_GEMM_TILES` overrides it ("avx512_bf16", "avx512,avx512_bf16", or "off" for the
+build's FMA tiles without a measurement). The cache file holds the CPU's model name and flags,
+the families, the timings and the choice; delete it (or change the build) to measure again.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from prefixserve.model.kernels.build import _build_tag, _module
+from prefixserve.model.kernels.cpu_paths import cpuinfo
+from prefixserve.settings import cache_root, file_lock, gemm_tiles
+
+logger = logging.getLogger(__name__)
+
+# Bump when what is measured or how the choice is made changes: older cache files are ignored.
+CALIBRATION_VERSION = 1
+# Another family replaces the build's FMA tiles for a class only when it is this much faster.
+MIN_GAIN = 1.05
+
+
+@dataclass(frozen=True, slots=True)
+class GemmChoice:
+    """The families decode-sized and larger calls take, and why. `seconds`: per family, the
+    measured time of the decode and the prefill shape (empty when nothing was measured)."""
+
+    decode: str
+    prefill: str
+    source: str  # "measured", "cached", "PREFIXSERVE_GEMM_TILES", "one family", "off"
+    families: tuple[str, ...] = ()
+    seconds: dict[str, dict[str, float]] | None = None
+    rejected: tuple[str, ...] = ()  # families whose bits differed from the build's here
+
+
+def _cache_path() -> Path:
+    return cache_root() / "calibration" / f"gemm-{_build_tag()}.json"
+
+
+def _agrees(module: Any, family: str, reference: str) -> bool:
+    """Whether `family` gives `reference`'s bits on random problems (odd K, bias, residual)."""
+    gen = torch.Generator().manual_seed(7)
+    for k, n in ((201, 96), (640, 160)):
+        w = torch.randn(n, k, generator=gen).bfloat16()
+        bias = torch.randn(n, generator=gen).bfloat16()
+        packed = module.pack_bf16_gemm(w)
+        for rows in (1, 5, 13, 40):
+            x = torch.randn(rows, k, generator=gen).bfloat16()
+            res = torch.randn(rows, n, generator=gen).bfloat16()
+            outs = []
+            for tiles in (family, reference):
+                out = torch.empty(rows, n, dtype=torch.bfloat16)
+                module.linear_bf16_packed_on(out, x, packed, n, bias, 2, tiles, res)
+                outs.append(out)
+            if not torch.equal(outs[0], outs[1]):
+                return False
+    return True
+
+
+def _time(fn: Any, repeats: int = 5, min_seconds: float = 0.02) -> float:
+    """Median seconds of one call of `fn` over `repeats` samples of at least `min_seconds`."""
+    fn()
+    samples = []
+    for _ in range(repeats):
+        start, calls = time.perf_counter(), 0
+        while True:
+            fn()
+            calls += 1
+            elapsed = time.perf_counter() - start
+            if elapsed >= min_seconds:
+                break
+        samples.append(elapsed / calls)
+    return statistics.median(samples)
+
+
+def _measure(module: Any, families: list[str]) -> dict[str, dict[str, float]]:
+    """Seconds per family of the decode shape (1 and 8 rows over 8 weights of 4 MB) and the
+    prefill shape (192 rows, 1024 x 1024)."""
+    threads = torch.get_num_threads()
+    gen = torch.Generator().manual_seed(0)
+    stream = [module.pack_bf16_gemm(torch.randn(2048, 1024, generator=gen).bfloat16())]
+    stream += [module.pack_bf16_gemm(torch.randn(2048, 1024).bfloat16()) for _ in range(7)]
+    square = module.pack_bf16_gemm(torch.randn(1024, 1024, generator=gen).bfloat16())
+    small = [torch.randn(rows, 1024, generator=gen).bfloat16() for rows in (1, 8)]
+    big = torch.randn(192, 1024, generator=gen).bfloat16()
+    outs = {x.shape[0]: torch.empty(x.shape[0], 2048, dtype=torch.bfloat16) for x in small}
+    big_out = torch.empty(192, 1024, dtype=torch.bfloat16)
+    run = module.linear_bf16_packed_on
+
+    def decode(tiles: str) -> None:
+        for x in small:
+            for packed in stream:
+                run(outs[x.shape[0]], x, packed, 2048, None, threads, tiles)
+
+    def prefill(tiles: str) -> None:
+        run(big_out, big, square, 1024, None, threads, tiles)
+
+    return {
+        tiles: {
+            "decode": _time(lambda t=tiles: decode(t)),
+            "prefill": _time(lambda t=tiles: prefill(t)),
+        }
+        for tiles in families
+    }
+
+
+def _fastest(seconds: dict[str, dict[str, float]], default: str, shape: str) -> str:
+    best = min(seconds, key=lambda tiles: seconds[tiles][shape])
+    return best if seconds[default][shape] >= MIN_GAIN * seconds[best][shape] else default
+
+
+def _read_cache(path: Path, families: list[str]) -> GemmChoice | None:
+    try:
+        data = json.loads(path.read_text())
+        if data.get("version") != CALIBRATION_VERSION or data.get("families") != families:
+            return None
+        choice = data["choice"]
+        return GemmChoice(
+            choice["decode"],
+            choice["prefill"],
+            "cached",
+            tuple(families),
+            choice.get("seconds"),
+            tuple(choice.get("rejected", ())),
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _write_cache(path: Path, families: list[str], choice: GemmChoice) -> None:
+    info = cpuinfo()
+    data = {
+        "version": CALIBRATION_VERSION,
+        "cpu": info.get("model name", ""),
+        "flags": info.get("flags", info.get("Features", "")),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "families": families,
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "choice": asdict(choice),
+    }
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(path)
+
+
+def _forced(value: str, families: list[str]) -> GemmChoice:
+    """The choice PREFIXSERVE_GEMM_TILES names ("off": the build's FMA tiles)."""
+    if value == "off":
+        return GemmChoice(families[0], families[0], "off", tuple(families))
+    decode, _, prefill = value.partition(",")
+    prefill = prefill or decode
+    for name in (decode, prefill):
+        if name not in families:
+            raise ValueError(
+                f"PREFIXSERVE_GEMM_TILES names {name!r}, which does not run here; this host's "
+                f"families are {', '.join(families)} (or 'off', or 'auto')"
+            )
+    return GemmChoice(decode, prefill, "PREFIXSERVE_GEMM_TILES", tuple(families))
+
+
+def _calibrated(module: Any, families: list[str]) -> GemmChoice:
+    """The cached choice for this CPU and build, else a new measurement (written to the cache)."""
+    path = _cache_path()
+    cached = _read_cache(path, families)
+    if cached is not None:
+        return cached
+    with file_lock(path.with_suffix(".lock")):
+        cached = _read_cache(path, families)  # another process may have measured meanwhile
+        if cached is not None:
+            return cached
+        reference = families[0]
+        rejected = tuple(f for f in families[1:] if not _agrees(module, f, reference))
+        for family in rejected:
+            logger.warning(
+                "the native GEMM's %s tiles do not give the %s tiles' bits on this CPU; they "
+                "are not used",
+                family,
+                reference,
+            )
+        candidates = [f for f in families if f not in rejected]
+        seconds = _measure(module, candidates)
+        choice = GemmChoice(
+            _fastest(seconds, reference, "decode"),
+            _fastest(seconds, reference, "prefill"),
+            "measured",
+            tuple(families),
+            seconds,
+            rejected,
+        )
+        _write_cache(path, families, choice)
+        return choice
+
+
+@functools.cache
+def calibrate_gemm() -> GemmChoice | None:
+    """The native GEMM's families for this process, chosen once (forced, cached or measured)
+    and selected in the kernel (`gemm_bf16_select`); None without the native kernels."""
+    module = _module()
+    if module is None:
+        return None
+    families = list(module.gemm_bf16_families())
+    forced = gemm_tiles()
+    if forced is not None:
+        choice = _forced(forced, families)
+    elif len(families) == 1:
+        choice = GemmChoice(families[0], families[0], "one family", tuple(families))
+    else:
+        choice = _calibrated(module, families)
+    module.gemm_bf16_select(choice.decode, choice.prefill)
+    logger.info("%s", describe_choice(choice))
+    return choice
+
+
+def describe_choice(choice: GemmChoice) -> str:
+    """One line: the families chosen, how, and the measured ratios against the build's tiles."""
+    text = f"native GEMM tiles: decode {choice.decode}, prefill {choice.prefill} ({choice.source}"
+    if choice.seconds:
+        base = choice.seconds[choice.families[0]]
+        for shape in ("decode", "prefill"):
+            picked = getattr(choice, shape)
+            speedup = base[shape] / choice.seconds[picked][shape]
+            text += f"; {shape} {speedup:.2f}x the {choice.families[0]} tiles"
+    if choice.rejected:
+        text += f"; rejected for differing bits: {', '.join(choice.rejected)}"
+    return text + ")"
+
+
+def describe_calibration() -> str:
+    """`describe_choice` of this process's choice, or why there is none."""
+    choice = calibrate_gemm()
+    return "native GEMM unavailable" if choice is None else describe_choice(choice)
