@@ -177,7 +177,9 @@ class EngineConfig:
     # Every row's result independent of the other rows of its step, of how its prompt was
     # chunked and of where its K/V came from (model/layers: one linear and one attention path
     # for every row count), so a cache hit gives the cold start's bf16 output bit for bit.
-    batch_invariant: bool = False
+    # None: on wherever the runner can make it so for a bf16 model (the native kernels are
+    # there), off otherwise (worker/model_runner.py `resolve_batch_invariant`).
+    batch_invariant: bool | None = None
 
     def __post_init__(self) -> None:
         if self.model is not None and (not isinstance(self.model, str) or not self.model):
@@ -200,5 +202,5 @@ class EngineConfig:
             raise _invalid("lora", self.lora, "None or a LoRAConfig")
         if not isinstance(self.enable_prompt_embeds, bool):
             raise _invalid("enable_prompt_embeds", self.enable_prompt_embeds, "a bool")
-        if not isinstance(self.batch_invariant, bool):
-            raise _invalid("batch_invariant", self.batch_invariant, "a bool")
+        if self.batch_invariant is not None and not isinstance(self.batch_invariant, bool):
+            raise _invalid("batch_invariant", self.batch_invariant, "None (auto) or a bool")

@@ -94,7 +94,8 @@ class EngineArgs:
         "other requests of its step, on how its prompt was chunked or on whether its K/V came "
         "from the cache, so a prefix-cache hit gives the cold start's bf16 output bit for bit "
         "(one linear and one attention kernel for every row count; needs the native kernels). "
-        "Default: VLLM_BATCH_INVARIANT, else off.",
+        "Default: VLLM_BATCH_INVARIANT, else on for bf16 models wherever the native kernels "
+        "run (--no-batch-invariant leaves it).",
         group=_ENGINE,
         flag="--batch-invariant",
     )
@@ -303,11 +304,12 @@ class EngineArgs:
             batch_invariant=self._batch_invariant(),
         )
 
-    def _batch_invariant(self) -> bool:
-        """`batch_invariant` as given, else VLLM_BATCH_INVARIANT's, else off."""
+    def _batch_invariant(self) -> bool | None:
+        """`batch_invariant` as given, else VLLM_BATCH_INVARIANT's, else None: the runner's
+        default (on for bf16 wherever it can be)."""
         if self.batch_invariant is not None:
             return self.batch_invariant
-        return bool(settings.batch_invariant_env())
+        return settings.batch_invariant_env()
 
     def _check_exclusive(self) -> None:
         given: dict[str, list[str]] = {}

@@ -171,6 +171,11 @@ class AsyncLLMEngine:
         """Blocks in the KV-cache pool."""
         return int(self.engine.num_kv_blocks)
 
+    @property
+    def kernel_summary(self) -> str:
+        """What the model computes on (`LLMEngine.kernel_summary`)."""
+        return self.engine.kernel_summary
+
     # ------------------------------------------------------------------------------ requests
     async def add_request(self, request: EngineRequest) -> RequestStream:
         """Validate and queue a request; a new LoRA adapter is read off the step thread. The

@@ -41,6 +41,7 @@ from prefixserve.kv_store.connector import open_engine_kv_store
 from prefixserve.kv_store.worker import kv_layout
 from prefixserve.lora.config import LoRARequest
 from prefixserve.lora.manager import LoRAManager
+from prefixserve.model.kernels.calibration import describe_calibration
 from prefixserve.model.loader.loading import LoadedModel, load_model
 from prefixserve.outputs import RequestOutput
 from prefixserve.sampling_params import SamplingParams
@@ -120,7 +121,11 @@ class LLMEngine:
             batch_invariant=config.batch_invariant,
         )
         self.kv_connector, none_hash = open_engine_kv_store(
-            config, loaded_model.path, self.kv_cache_groups, kv_layout(self.runner.kv_caches)
+            config,
+            loaded_model.path,
+            self.kv_cache_groups,
+            kv_layout(self.runner.kv_caches),
+            self.runner.batch_invariant,
         )
         if self.kv_connector is not None:
             self.scheduler.kv_connector = self.kv_connector
@@ -169,6 +174,13 @@ class LLMEngine:
         )
 
     # ----------------------------------------------------------------- requests in
+
+    @property
+    def kernel_summary(self) -> str:
+        """One line: the native GEMM's tile families (the host's calibration) and whether the
+        runner is batch-invariant (a cache hit gives the cold start's bits)."""
+        mode = "on" if self.runner.batch_invariant else "off"
+        return f"{describe_calibration()}; batch-invariant {mode}"
 
     def add_request(
         self,

@@ -84,6 +84,7 @@ def describe_engine(engine: object, config: EngineConfig, served_names: list[str
         f"scheduler: max_num_seqs {config.scheduler.max_num_seqs}, "
         f"max_num_batched_tokens {config.scheduler.max_num_batched_tokens}, "
         f"policy {config.scheduler.scheduling_policy}",
+        f"kernels: {getattr(engine, 'kernel_summary', '? (replicas: see their logs)')}",
     ]
     return lines
 

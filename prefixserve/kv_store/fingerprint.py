@@ -25,8 +25,10 @@ from pathlib import Path
 import xxhash
 
 # Bump when the bytes a block's payload holds change meaning for the same model, dtype and layout
-# string (e.g. the runner's per-block K/V packing); every existing store then stops hitting.
-KV_LAYOUT_VERSION = 1
+# string (e.g. the runner's per-block K/V packing, or the kernels' arithmetic that computes it);
+# every existing store then stops hitting. 2: the native GEMM's summation order of pairs of k
+# (k + 1 before k, gemm_bf16_tiles.h), so blocks stored before it are not a new cold start's bits.
+KV_LAYOUT_VERSION = 2
 
 _CHUNK = 8 << 20
 _digests: dict[tuple[str, int, int, int, int], str] = {}

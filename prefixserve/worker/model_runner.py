@@ -43,7 +43,7 @@ from prefixserve.model.layers.common import ForwardContext, one_thread
 from prefixserve.model.layers.kernel_table import compiled_kernel
 from prefixserve.model.layers.linear import batch_invariant_linears, set_stream_threads
 from prefixserve.model.layers.native_layer import step_takes_native_layers
-from prefixserve.settings import fp32_prefill, omp_threads_sleep
+from prefixserve.settings import omp_threads_sleep
 from prefixserve.spec_decode.verify import GeneratorRewind, num_accepted, row_views
 from prefixserve.worker.sampler import is_greedy
 
@@ -130,20 +130,30 @@ class StepInputs:
                 self.prompt_owners.append((req, last - start))
 
 
-def default_is_batch_invariant(config: ModelConfig) -> bool:
-    """Whether this CPU's default paths are already batch-invariant for this model, so that
-    `batch_invariant=True` changes nothing: bf16 linears on the native GEMM (one summation order
-    at every row count; a forced fp32 copy, PREFIXSERVE_FP32_PREFILL=1, takes large batches
-    elsewhere) and every chunk's attention on the two kernels that share their arithmetic
-    (csrc/attn_lanes_bf16.h). For requests without an adapter: LoRA's updates take PyTorch's
-    matmuls for prompts of more than 64 rows outside the flag (lora/layers.py)."""
-    return (
-        config.torch_dtype == torch.bfloat16
-        and compiled_kernel("gemm") is not None
-        and not fp32_prefill()
-        and prefill_kernel_for(config, prefill_attention_kernel()) is not None
-        and attention_kernels_agree()
-    )
+def resolve_batch_invariant(
+    wanted: bool | None, config: ModelConfig, attention_kernel: object
+) -> bool:
+    """The batch-invariant mode this runner takes: `wanted` when given (True raises where the
+    kernels it needs are missing), else on for a bf16 model wherever it can be (the paged
+    attention kernel and a native bf16 GEMM or oneDNN's packed one), off otherwise. fp32 models
+    stay off by default: their linears run MKL's sgemm, whose blocking (and so each output's
+    summation order) follows the row count, and the native GEMM is bf16 only."""
+    possible_bf16 = bf16_packing_supported() or compiled_kernel("gemm_any") is not None
+    if wanted is None:
+        return (
+            config.torch_dtype == torch.bfloat16 and attention_kernel is not None and possible_bf16
+        )
+    if wanted and attention_kernel is None:
+        raise ValueError(
+            "batch_invariant needs the native attention kernel, which is not available "
+            "here (PREFIXSERVE_KERNELS=0, or it failed to build: see the log)"
+        )
+    if wanted and config.torch_dtype == torch.bfloat16 and not possible_bf16:
+        raise ValueError(
+            "batch_invariant needs oneDNN's packed bf16 GEMM or the native GEMM's "
+            "vector tiles (AVX2 or AVX-512), and this CPU has neither"
+        )
+    return wanted
 
 
 class ModelRunner:
@@ -161,7 +171,7 @@ class ModelRunner:
         block_size: int = 16,
         sampler: SamplerLike | None = None,
         seed: int = 0,
-        batch_invariant: bool = False,
+        batch_invariant: bool | None = None,
     ) -> None:
         if not isinstance(num_blocks, int) or num_blocks < 2:
             raise ValueError(
@@ -204,22 +214,10 @@ class ModelRunner:
         # query's keys in the same fixed tiles, whether they were cached or computed this step,
         # whatever the chunk's length), and linears take one path
         # (`linear.batch_invariant_linears`).
-        self.batch_invariant = batch_invariant
-        if batch_invariant:
-            if self.attention_kernel is None:
-                raise ValueError(
-                    "batch_invariant needs the native attention kernel, which is not available "
-                    "here (PREFIXSERVE_KERNELS=0, or it failed to build: see the log)"
-                )
-            if (
-                config.torch_dtype == torch.bfloat16
-                and not bf16_packing_supported()
-                and compiled_kernel("gemm_any") is None
-            ):
-                raise ValueError(
-                    "batch_invariant needs oneDNN's packed bf16 GEMM or the native GEMM's "
-                    "vector tiles (AVX2 or AVX-512), and this CPU has neither"
-                )
+        self.batch_invariant = resolve_batch_invariant(
+            batch_invariant, config, self.attention_kernel
+        )
+        if self.batch_invariant:
             if not kernels_agree:
                 self.prefill_kernel = None
             self.kernel_max_queries = sys.maxsize

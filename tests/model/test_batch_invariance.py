@@ -28,7 +28,7 @@ from prefixserve.model.layers.kernel_table import compiled_kernel
 from prefixserve.model.layers.linear import Linear, batch_invariant_linears
 from prefixserve.model.loader.loading import LoadedModel
 from prefixserve.sampling_params import SamplingParams
-from prefixserve.worker.model_runner import default_is_batch_invariant
+from prefixserve.worker.model_runner import resolve_batch_invariant
 from tests.helpers.models import VOCAB, build_hf_model, build_ours
 
 ROW_COUNTS = (1, 2, 3, 5, 8, 9, 16, 17, 33, 64, 65, 100, 257)
@@ -389,12 +389,9 @@ def real_bf16(request, default_model_bf16):
 def test_a_real_model_gives_a_cache_hit_the_cold_starts_bf16_output(real_bf16, mode):
     """Two questions over one document, each served cold and alone, then from a warm cache
     (the document's blocks hit), then both in one step, then with a small chunk budget: the
-    same tokens and logprobs, bit for bit. With the flag, and in the default configuration
-    where this CPU's default paths are batch-invariant by construction (the native GEMM and
-    the two attention kernels with one arithmetic: `default_is_batch_invariant`)."""
+    same tokens and logprobs, bit for bit. With the flag, and in the default configuration,
+    which is batch-invariant for bf16 on every CPU kind the native kernels run on."""
     loaded, items = real_bf16
-    if mode == "default" and not default_is_batch_invariant(loaded.config):
-        pytest.skip("this CPU's default paths are not batch-invariant (only the flag is)")
     tokenizer = loaded.tokenizer
     document = " ".join(
         f"Item {i} weighs {3 * i % 17} kilograms and is {i % 5} years old." for i in range(items)
@@ -409,9 +406,11 @@ def test_a_real_model_gives_a_cache_hit_the_cold_starts_bf16_output(real_bf16, m
             max_model_len=2048,
             cache=CacheConfig(num_kv_blocks=256, enable_prefix_caching=caching),
             scheduler=SchedulerConfig(max_num_batched_tokens=budget),
-            batch_invariant=mode == "batch_invariant",
+            batch_invariant=True if mode == "batch_invariant" else None,
         )
-        return LLMEngine(config, loaded_model=loaded)
+        eng = LLMEngine(config, loaded_model=loaded)
+        assert eng.runner.batch_invariant  # the default: on for bf16 wherever it can be
+        return eng
 
     def serve(eng: LLMEngine, batch: list[tuple[str, list[int]]]) -> dict[str, tuple]:
         for request_id, prompt in batch:
@@ -434,7 +433,8 @@ def test_a_real_model_gives_a_cache_hit_the_cold_starts_bf16_output(real_bf16, m
 
 
 def test_batch_invariant_is_an_engine_option_with_vllms_switch(monkeypatch):
-    assert EngineArgs().create_engine_config().batch_invariant is False
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
+    assert EngineArgs().create_engine_config().batch_invariant is None  # the runner's default
     assert EngineArgs(batch_invariant=True).create_engine_config().batch_invariant is True
     monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
     assert EngineArgs().create_engine_config().batch_invariant is True
@@ -505,3 +505,23 @@ def test_a_batch_invariant_engine_keeps_its_disk_blocks_apart(default_model_fp32
         return llm.llm_engine.kv_connector.store.namespace
 
     assert namespace(True) != namespace(False)
+
+
+def test_batch_invariance_is_on_by_default_for_bf16_wherever_the_kernels_run(
+    default_model_bf16, monkeypatch
+):
+    """None (the default) resolves to on for a bf16 model with the attention kernel and a bf16
+    GEMM of one order, to off without the kernel or for fp32 (MKL's sgemm); an explicit True
+    without the kernel is refused, an explicit False is kept."""
+    config = default_model_bf16.config
+    kernel = paged_attention_kernel()
+    if kernel is None:
+        pytest.skip("native kernels unavailable")
+    assert resolve_batch_invariant(None, config, kernel) is True
+    assert resolve_batch_invariant(False, config, kernel) is False
+    assert resolve_batch_invariant(None, config, None) is False
+    with pytest.raises(ValueError, match="attention kernel"):
+        resolve_batch_invariant(True, config, None)
+    fp32 = dataclasses.replace(config, torch_dtype=torch.float32)
+    assert resolve_batch_invariant(None, fp32, kernel) is False
+    assert resolve_batch_invariant(True, fp32, kernel) is True

@@ -7,7 +7,6 @@ import uuid
 
 import pytest
 
-from prefixserve.worker.model_runner import default_is_batch_invariant
 from tests.helpers.server import BLOCK_SIZE, MAX_MODEL_LEN, MODEL_NAME
 
 # Long enough to fill several blocks, so a repeat hits the prefix cache.
@@ -22,8 +21,8 @@ def fresh() -> dict:
     """A new cache_salt: the request computes its prompt from scratch, as the first one did.
 
     Greedy text is only compared between requests that take the same numerical path: in bf16 a
-    prefix-cache hit (attention over cached blocks) may round differently from a full prefill,
-    except where the default paths are batch-invariant (`default_is_batch_invariant`).
+    prefix-cache hit (attention over cached blocks) may round differently from a full prefill
+    where the engine is not batch-invariant (no native kernels).
     """
     return {"cache_salt": uuid.uuid4().hex}
 
@@ -59,12 +58,10 @@ def test_completion_returns_text_and_usage_with_cached_tokens(client, server):
     # The second request's full prompt blocks were cached by the first.
     full_blocks = (usage.prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
     assert usage.prompt_tokens_details.cached_tokens == full_blocks > 0
-    # This server runs bf16 without --batch-invariant: the hit gives the cold text bit for bit
-    # only where this CPU's default paths are batch-invariant (the native GEMM and the attention
-    # kernels of one arithmetic); elsewhere the hit's short chunk may attend by another path
-    # than the cold prompt (see fresh(); the flag's promise: tests/model/test_batch_invariance.py).
+    # This server runs bf16 with the default mode, batch-invariant wherever the native kernels
+    # run: the hit gives the cold text bit for bit (tests/model/test_batch_invariance.py).
     assert first.choices[0].finish_reason in ("length", "stop")
-    if server.run_in_engine(lambda engine: default_is_batch_invariant(engine.model_config)):
+    if server.run_in_engine(lambda engine: engine.runner.batch_invariant):
         assert first.choices[0].text == choice.text
 
 

@@ -1,0 +1,122 @@
+"""The host calibration of the native GEMM's tile families (model/kernels/calibration.py): a
+family is chosen only after it gives the build's bits here, the choice is cached per CPU and
+build, PREFIXSERVE_GEMM_TILES overrides it, and the kernel runs what was chosen."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from prefixserve.model.kernels import build, calibration
+
+MODULE = build._module()
+pytestmark = pytest.mark.skipif(MODULE is None, reason="native kernels unavailable")
+
+
+def families() -> list[str]:
+    return list(MODULE.gemm_bf16_families())
+
+
+class OneBitOff:
+    """The real kernel module, except that `family` returns its outputs with the lowest bit of
+    the first element flipped: a family whose bits differ from the build's."""
+
+    def __init__(self, family: str) -> None:
+        self.family = family
+
+    def __getattr__(self, name: str):
+        return getattr(MODULE, name)
+
+    def linear_bf16_packed_on(self, out, x, packed, n, bias, threads, tiles, residual=None):
+        MODULE.linear_bf16_packed_on(out, x, packed, n, bias, threads, tiles, residual)
+        if tiles == self.family:
+            out.view(torch.int16).view(-1)[0] ^= 1
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("PREFIXSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("PREFIXSERVE_GEMM_TILES", raising=False)
+    return tmp_path
+
+
+def test_every_family_here_gives_the_builds_bits_on_the_calibration_problems():
+    reference = families()[0]
+    for family in families():
+        assert calibration._agrees(MODULE, family, reference), family
+
+
+def test_a_family_whose_bits_differ_is_never_chosen(cache_dir):
+    names = families()
+    if len(names) < 2:
+        pytest.skip("one tile family here")
+    odd = names[1]
+    choice = calibration._calibrated(OneBitOff(odd), names)
+    assert choice.rejected == (odd,)
+    assert odd not in (choice.decode, choice.prefill)
+    assert odd not in choice.seconds
+
+
+def test_the_choice_is_measured_once_then_read_from_the_cache(cache_dir):
+    names = families()
+    first = calibration._calibrated(MODULE, names)
+    assert first.source == "measured"
+    assert set(first.seconds) == set(names)
+    for shape in ("decode", "prefill"):
+        picked = getattr(first, shape)
+        assert (
+            first.seconds[picked][shape] * calibration.MIN_GAIN <= first.seconds[names[0]][shape]
+            or picked == names[0]
+        )
+    path = calibration._cache_path()
+    assert path.parent == cache_dir / "calibration"
+    data = json.loads(path.read_text())
+    assert data["families"] == names and data["choice"]["decode"] == first.decode
+    assert "flags" in data and "cpu" in data
+    again = calibration._calibrated(MODULE, names)
+    assert again.source == "cached"
+    assert (again.decode, again.prefill) == (first.decode, first.prefill)
+    data["version"] = calibration.CALIBRATION_VERSION + 1  # an older or newer format: measure
+    path.write_text(json.dumps(data))
+    assert calibration._calibrated(MODULE, names).source == "measured"
+    path.write_text("{not json")  # a torn file is measured again, not an error
+    assert calibration._calibrated(MODULE, names).source == "measured"
+
+
+def test_a_tie_keeps_the_builds_tiles():
+    seconds = {"avx512": {"decode": 1.0}, "avx512_bf16": {"decode": 0.97}, "avx2": {"decode": 2}}
+    assert calibration._fastest(seconds, "avx512", "decode") == "avx512"
+    seconds["avx512_bf16"]["decode"] = 0.5
+    assert calibration._fastest(seconds, "avx512", "decode") == "avx512_bf16"
+
+
+def test_the_switch_forces_the_families_or_refuses_one_that_cannot_run(cache_dir):
+    names = families()
+    last = names[-1]
+    both = calibration._forced(f"{names[0]},{last}", names)
+    assert (both.decode, both.prefill, both.source) == (names[0], last, "PREFIXSERVE_GEMM_TILES")
+    one = calibration._forced(last, names)
+    assert (one.decode, one.prefill) == (last, last)
+    off = calibration._forced("off", names)
+    assert (off.decode, off.prefill, off.source) == (names[0], names[0], "off")
+    with pytest.raises(ValueError, match="does not run here"):
+        calibration._forced("amx_tiles", names)
+
+
+def test_the_kernel_runs_the_selected_families_and_says_which():
+    choice = calibration.calibrate_gemm()
+    decode, prefill, split = MODULE.gemm_bf16_selected()
+    assert (decode, prefill) == (choice.decode, choice.prefill)
+    assert split >= 16
+    names = families()
+    try:
+        MODULE.gemm_bf16_select(names[-1], "")  # "" keeps the prefill class's family
+        assert MODULE.gemm_bf16_selected()[:2] == (names[-1], choice.prefill)
+        with pytest.raises(RuntimeError, match="unknown GEMM tile family"):
+            MODULE.gemm_bf16_select("sse", "")
+    finally:
+        MODULE.gemm_bf16_select(choice.decode, choice.prefill)
+    text = calibration.describe_choice(choice)
+    assert choice.decode in text and choice.prefill in text
