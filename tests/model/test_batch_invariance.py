@@ -522,6 +522,6 @@ def test_batch_invariance_is_on_by_default_for_bf16_wherever_the_kernels_run(
     assert resolve_batch_invariant(None, config, None) is False
     with pytest.raises(ValueError, match="attention kernel"):
         resolve_batch_invariant(True, config, None)
-    fp32 = dataclasses.replace(config, torch_dtype=torch.float32)
+    fp32 = dataclasses.replace(config, dtype="float32")
     assert resolve_batch_invariant(None, fp32, kernel) is False
     assert resolve_batch_invariant(True, fp32, kernel) is True

@@ -328,3 +328,35 @@ def test_the_families_flush_denormals_alike():
         assert out[2, 2].item() == 1.0, family
     for out in outs[1:]:
         assert torch.equal(out, outs[0])
+
+
+@pytest.mark.parametrize("act", [1, 2])
+def test_every_family_writes_the_gated_epilogue_with_the_same_bits(act):
+    """The gated epilogue (act(gate) * up) on each family here, AVX2's and the portable loop's
+    scalar one included (exp_nonpositive16's steps lane by lane), gives the AVX-512 epilogue's
+    bits, for gates across the activation's range (deep negatives, where exp is tiny, too)."""
+    module = build._module()
+    selected = module.gemm_bf16_selected()
+    torch.manual_seed(act)
+    k, i = 96, 64
+    w = torch.randn(2 * i, k).bfloat16()
+    bias = torch.randn(2 * i).bfloat16()
+    packed = KERNELS[0](w)
+    x = (torch.randn(13, k) * torch.logspace(-2, 1.5, 13).unsqueeze(1)).bfloat16()
+    outs = {}
+    try:
+        for family in _families():
+            module.gemm_bf16_select(family, family)
+            for rows in (1, 2, 7, 13):
+                out = torch.empty(rows, i, dtype=torch.bfloat16)
+                KERNELS[2](out, x[:rows].contiguous(), packed, 2 * i, bias, act, 2)
+                outs.setdefault(rows, []).append((family, out))
+    finally:
+        module.gemm_bf16_select(selected[0], selected[1])
+    for rows, results in outs.items():
+        for family, out in results[1:]:
+            assert torch.equal(out, results[0][1]), (family, results[0][0], rows)
+        gate, up = F.linear(x[:rows], w, bias).float().chunk(2, dim=-1)
+        fn = F.silu if act == 1 else (lambda g: F.gelu(g, approximate="tanh"))
+        want = fn(gate.bfloat16().float()).bfloat16().float() * up.bfloat16().float()
+        assert torch.allclose(results[0][1].float(), want, rtol=2e-2, atol=1e-2)

@@ -190,3 +190,34 @@ def test_the_native_layer_refuses_a_malformed_hidden_state(tiny):
         layer.forward(torch.zeros(1, 128, dtype=torch.bfloat16), *bad_slots)
     out = layer.forward(torch.ones(1, 128, dtype=torch.bfloat16), *args)
     assert out.shape == (1, 128) and torch.isfinite(out.float()).all()
+
+
+@pytest.fixture
+def every_family():
+    """The GEMM's tile families that run here, each selected in turn by the caller (the host's
+    own selection restored after)."""
+    from prefixserve.model.kernels.build import _module
+
+    module = _module()
+    selected = module.gemm_bf16_selected()
+    try:
+        yield list(module.gemm_bf16_families()), module.gemm_bf16_select
+    finally:
+        module.gemm_bf16_select(selected[0], selected[1])
+
+
+def test_an_engine_gives_the_same_bits_on_every_tile_family(tiny, every_family):
+    """The same model served with each tile family selected for every call (AVX2's simulates an
+    AVX2-only CPU on an AVX-512 host: its tiles and its scalar gated epilogue) gives the same
+    tokens and logprobs, with the native layers running."""
+    _native_or_skip()
+    families, select = every_family
+    loaded = tiny("llama")
+    calls = _count_native_calls(loaded.model)
+    results = {}
+    for family in families:
+        select(family, family)
+        results[family] = _serve(_engine(loaded, native=True))
+    assert calls, "the native layers never ran"
+    for family in families[1:]:
+        assert results[family] == results[families[0]], family

@@ -177,9 +177,9 @@ def gemm_bf16_vectorized() -> bool:
 
 
 def gemm_bf16_tiles() -> str | None:
-    """The tiles the native GEMM runs on here: "avx512", "avx2" (AVX2-only CPUs: the AVX-512
+    """The build's FMA tiles of the native GEMM: "avx512", "avx2" (AVX2-only CPUs: the AVX-512
     tiles' sums at half the width) or "portable" (a scalar loop, same sums, slow); None when
-    the kernels are unavailable."""
+    the kernels are unavailable. The families calls take: `calibration.calibrate_gemm`."""
     module = _module()
     return None if module is None else str(module.gemm_bf16_tiles())
 
@@ -211,9 +211,10 @@ def decoder_layer_class() -> Any:
     """`DecoderLayerBf16(input_norm, post_norm, eps, qkv, o, gate_up, down, heads, kv_heads,
     head_dim, scale, act)`: a Llama-family decoder layer bound for one native call per layer
     (csrc/decoder_layer.cpp; each linear a (packed, out_features, bias, next_packed) tuple of
-    `linear_bf16_packed`'s), or None where the build has no AVX-512 GEMM tiles for it."""
+    `linear_bf16_packed`'s), or None without the kernels or the GEMM's vector tiles (the layer
+    runs on every tile family the GEMM selects: AVX-512, bf16 dot products or AVX2)."""
     module = _module()
-    if module is None or not module.gemm_bf16_vectorized():
+    if module is None or module.gemm_bf16_tiles() == "portable":
         return None
     return module.DecoderLayerBf16
 

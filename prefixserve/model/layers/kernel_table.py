@@ -7,7 +7,6 @@ from __future__ import annotations
 from prefixserve.model.kernels.build import (
     decoder_layer_class,
     gemm_bf16_tiles,
-    gemm_bf16_vectorized,
     linear_bf16_packed_kernels,
     linear_bf16_small_kernel,
     lora_add_kernel,
@@ -25,13 +24,11 @@ _kernels: dict[str, object] = {}
 def _native_gemm_kernels() -> object:
     """(pack, run, run_gated) of the native GEMM (`build.linear_bf16_packed_kernels`) where bf16
     linears take it (`cpu_paths.native_gemm_wanted`: wherever its vector tiles run), its tile
-    families chosen by the host's calibration (`calibration.calibrate_gemm`); run_gated is None
-    without the AVX-512 tiles (AVX2: the activation runs in PyTorch). None elsewhere."""
+    families chosen by the host's calibration (`calibration.calibrate_gemm`). None elsewhere."""
     if not native_gemm_wanted(gemm_bf16_tiles()):
         return None
     calibrate_gemm()
-    pack, run, gated = linear_bf16_packed_kernels()
-    return pack, run, gated if gemm_bf16_vectorized() else None
+    return linear_bf16_packed_kernels()
 
 
 def _any_native_gemm_kernels() -> object:

@@ -4,8 +4,10 @@ a cached prefix) and every linear takes the native GEMM.
 
 The native layer calls the kernels the Python layer calls, in the same order with the same
 arguments, so a layer's output is the same bits either way (tests/model/test_native_layer.py);
-it binds a layer's weights once and takes only the step's tensors. Where any condition fails
-(another CPU kind, LoRA, q/k norms, soft-capping, a chunk on another attention path), the layer
+it binds a layer's weights once and takes only the step's tensors. It runs on every CPU kind
+with the GEMM's vector tiles (the rotary kernel is PyTorch's bits with or without its AVX512-BF16
+loop, so the Python layer's choice between the two changes nothing). Where any condition fails
+(no vector tiles, LoRA, q/k norms, soft-capping, a chunk on another attention path), the layer
 runs in Python."""
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ import torch
 from prefixserve.model.kernels.build import (
     paged_attention_kernel,
     rms_norm_kernel,
-    rope_kv_vectorized,
     rope_write_kv_kernel,
 )
 from prefixserve.model.layers.attention import AttentionMetadata
@@ -51,7 +52,6 @@ def bind_decoder_layer(
         or not mlp.gated_act
         or linears[2][1] % 64
         or attn.head_dim % 32
-        or not rope_kv_vectorized()
         or any(n.offset or n.weight.dtype != torch.bfloat16 for n in norms)
         or input_norm.eps != post_norm.eps
     ):

@@ -114,9 +114,6 @@ void run_block(const Problem& pb, int64_t m0, int64_t mr, int64_t panel0, int64_
   run_rows<T, MR>(pb, m0, panel0, panel1);
 }
 
-// Rows of the largest gated tile (two panels: 24 accumulators at 6 rows).
-constexpr int64_t kMaxGatedRows = 6;
-
 template <class T, int MR>
 void run_gated(const Problem& pb, int64_t m0, int64_t panel0, int64_t panel1) {
   const int64_t size = pb.pairs * 2 * kPanel, half = pb.N / kPanel;
@@ -130,16 +127,16 @@ void run_gated(const Problem& pb, int64_t m0, int64_t panel0, int64_t panel1) {
   }
 }
 
-template <class T>
+// A gated call's rows [m0, m0 + mr) (mr <= T::kMaxGatedRows) on T's gated tile of mr rows.
+template <class T, int MR = 1>
 void run_gated_block(const Problem& pb, int64_t m0, int64_t mr, int64_t panel0, int64_t panel1) {
-  switch (mr) {
-    case 1: run_gated<T, 1>(pb, m0, panel0, panel1); break;
-    case 2: run_gated<T, 2>(pb, m0, panel0, panel1); break;
-    case 3: run_gated<T, 3>(pb, m0, panel0, panel1); break;
-    case 4: run_gated<T, 4>(pb, m0, panel0, panel1); break;
-    case 5: run_gated<T, 5>(pb, m0, panel0, panel1); break;
-    default: run_gated<T, 6>(pb, m0, panel0, panel1); break;
+  if constexpr (MR < T::kMaxGatedRows) {
+    if (mr > MR) {
+      run_gated_block<T, MR + 1>(pb, m0, mr, panel0, panel1);
+      return;
+    }
   }
+  run_gated<T, MR>(pb, m0, panel0, panel1);
 }
 
 // Runs block(m0, rows, panel0, panel1) over every tile of `rows` x `panels` on the stream pool.
@@ -376,11 +373,22 @@ void run_linear(const Problem& pb, int64_t threads, Family family) {
 
 template <class T>
 void run_gated_on(const Problem& pb, int64_t threads) {
-  schedule(pb.rows, pb.N / kPanel, pb.pairs, kMaxGatedRows, 1, 2, threads,
+  schedule(pb.rows, pb.N / kPanel, pb.pairs, T::kMaxGatedRows, 1, 2, threads,
            [&](int64_t m0, int64_t mr, int64_t p0, int64_t p1) {
              run_gated_block<T>(pb, m0, mr, p0, p1);
            });
 }
+
+void run_gated_family(const Problem& pb, int64_t threads, Family family) {
+#if defined(PREFIXSERVE_GEMM_DOT)
+  if (family == Family::kDot) return run_gated_on<dot::Tiles>(pb, threads);
+#endif
+#if defined(PREFIXSERVE_GEMM_AVX2)
+  if (family == Family::kAvx2) return run_gated_on<avx2::Tiles>(pb, threads);
+#endif
+  run_gated_on<BuildTiles>(pb, threads);
+}
+
 
 }  // namespace
 
@@ -415,31 +423,21 @@ void linear_bf16_packed_on(torch::Tensor out, torch::Tensor x, torch::Tensor pac
 
 // A gated MLP's first half: out [rows, I] = act(x @ gate.T) * (x @ up.T), the weight [2I, K]
 // (gate rows then up rows, as GatedMLP fuses them) packed by pack_bf16_gemm, I a multiple of 32;
-// `act` 1 for SiLU, 2 for GELU's tanh approximation. Each gate and up sum is the plain call's.
-// On the selected family where it is an AVX-512 one, else the AVX-512 FMA tiles (the same sums).
+// `act` 1 for SiLU, 2 for GELU's tanh approximation. Each gate and up sum is the plain call's,
+// and every family's epilogue writes the same bits; on the family selected for this many rows.
 void linear_bf16_packed_gated(torch::Tensor out, torch::Tensor x, torch::Tensor packed,
                               int64_t N, c10::optional<torch::Tensor> bias, int64_t act,
                               int64_t threads, c10::optional<torch::Tensor> prefetch) {
-  TORCH_CHECK(gemm_bf16_vectorized(), "linear_bf16_packed_gated needs the AVX-512 build");
   TORCH_CHECK(act == kSilu || act == kGeluTanh, "linear_bf16_packed_gated: act 1 or 2");
   TORCH_CHECK(N % (2 * kPanel) == 0, "linear_bf16_packed_gated: 2I must be a multiple of ",
               2 * kPanel);
-  const Family family = selected_family(x.dim() == 2 ? x.size(0) : 0) == Family::kDot
-                            ? Family::kDot
-                            : Family::kAvx512;
+  const Family family = selected_family(x.dim() == 2 ? x.size(0) : 0);
   std::vector<float> bias_fp32;
   Problem pb =
       prepare("linear_bf16_packed_gated", out, x, packed, N, N / 2, bias, bias_fp32, family);
   pb.act = act;
   if (pb.rows == 0 || N == 0) return;
-#if defined(PREFIXSERVE_GEMM_DOT)
-  if (family == Family::kDot) {
-    run_gated_on<dot::Tiles>(pb, threads);
-    prefetch_next(pb.rows, prefetch);
-    return;
-  }
-#endif
-  run_gated_on<BuildTiles>(pb, threads);
+  run_gated_family(pb, threads, family);
   prefetch_next(pb.rows, prefetch);
 }
 

@@ -74,13 +74,73 @@ inline uint16_t float_to_bf16_bits(float f) {
   return static_cast<uint16_t>(bits >> 16);
 }
 
+// The epilogue in scalar code (the portable and the AVX2 tiles), each step the AVX-512
+// epilogue's below, lane by lane, so every family writes the same bits. No a * b + c outside
+// std::fma: a contraction the vector code does not make would change a rounding.
+
+// v rounded to bf16, as a float (NaN kept as it is; the store quiets it).
+inline float round_bf16_scalar(float v) {
+  if (std::isnan(v)) return v;
+  return bf16_bits_to_float(float_to_bf16_bits(v));
+}
+
+// exp_nonpositive16 (exp_avx512.h) for one lane: the same clamp, reduction, polynomial and
+// scaling (2^n as a float, so a denormal result is flushed as VSCALEFPS flushes it).
+inline float exp_nonpositive_scalar(float x) {
+  x = -87.0f > x ? -87.0f : x;  // as _mm512_max_ps(-87, x): NaN stays NaN
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  float r = std::fma(-n, 0.693145751953125f, x);
+  r = std::fma(-n, 1.42860682030941723e-6f, r);
+  float p = 0.00138889f;
+  p = std::fma(p, r, 0.00833336823f);
+  p = std::fma(p, r, 0.0416666418f);
+  p = std::fma(p, r, 0.166666672f);
+  p = std::fma(p, r, 0.5f);
+  p = std::fma(p, r, 1.0f);
+  p = std::fma(p, r, 1.0f);
+  if (std::isnan(n)) return p;
+  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// silu16 / gelu_tanh16 below, one lane: g * s / (1 + e), s = 1 for a non-negative argument and
+// e otherwise, e = exp(-|g|) (SiLU) or exp(-2|y|) (GELU's tanh form).
+inline float act_scalar(float g, int64_t act) {
+  float e, arg;
+  if (act == kSilu) {
+    arg = g;
+    e = exp_nonpositive_scalar(0.0f - std::fabs(g));
+  } else {
+    const float g3 = (g * g) * g;
+    arg = 0.7978845608028654f * std::fma(0.044715f, g3, g);
+    e = exp_nonpositive_scalar(-2.0f * std::fabs(arg));
+  }
+  const float num = arg < 0.0f ? g * e : g;
+  return num / (1.0f + e);
+}
+
 // A tile's fp32 sums (`rows` rows, `lds` apart) to its outputs: + bias, rounded to bf16, + the
-// residual and rounded again where there is one (the AVX-512 epilogue's roundings, in scalar
-// code: the portable and the AVX2 tiles).
+// residual and rounded again where there is one; or, for a gated tile, the 32 gate sums and the
+// 32 up sums after them to bf16(act(bf16(gate)) * bf16(up)).
 inline void store_sums(const float* sums, int64_t lds, int rows, const TileOut& out) {
+  if (out.act != kNone) {
+    for (int r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < kPanel; ++c) {
+        float gate = sums[r * lds + c], up = sums[r * lds + kPanel + c];
+        if (out.bias) gate += out.bias[c];
+        if (out.bias_up) up += out.bias_up[c];
+        const float a = round_bf16_scalar(act_scalar(round_bf16_scalar(gate), out.act));
+        out.out[r * out.ldo + c] = float_to_bf16_bits(a * round_bf16_scalar(up));
+      }
+    return;
+  }
   for (int r = 0; r < rows; ++r)
     for (int64_t c = 0; c < out.cols; ++c) {
-      uint16_t y = float_to_bf16_bits(sums[r * lds + c] + (out.bias ? out.bias[c] : 0.0f));
+      float sum = sums[r * lds + c];
+      if (out.bias) sum += out.bias[c];
+      uint16_t y = float_to_bf16_bits(sum);
       if (out.res) {
         y = float_to_bf16_bits(bf16_bits_to_float(y) +
                                bf16_bits_to_float(out.res[r * out.ldo + c]));
@@ -244,8 +304,7 @@ inline void tile_kernel(const float* x, int64_t ldx, const uint16_t* panel, int6
 // each output's sum is the AVX-512 tile's, bit for bit; the epilogue is store_sums. Compiled
 // into every x86-64 build (a target attribute), so AVX-512 hosts check the families agree
 // (`linear_bf16_packed_on`); chosen at run time where the CPU has AVX2 and FMA and the build
-// has no AVX-512 tiles. No gated epilogue: a gated MLP's activation then runs in PyTorch after
-// the plain linear (Linear.gated).
+// has no AVX-512 tiles.
 #define PREFIXSERVE_GEMM_AVX2 1
 #define PREFIXSERVE_TARGET_AVX2 __attribute__((target("avx2,fma")))
 
@@ -287,6 +346,7 @@ PREFIXSERVE_TARGET_AVX2 void tile_kernel(const float* x, int64_t ldx, const uint
 struct Tiles {
   using X = float;
   static constexpr int64_t kMaxRows = 2;
+  static constexpr int64_t kMaxGatedRows = 1;  // two panels: 8 accumulators
   // One row takes two panels, two rows one: 8 chains, and with the rows' broadcasts and a
   // weight vector's two halves 15 of the 16 vector registers.
   static constexpr int panels_for(int rows) { return rows == 1 ? 2 : 1; }
@@ -308,6 +368,7 @@ struct Tiles {
 struct BuildTiles {
   using X = float;
   static constexpr int64_t kMaxRows = kMaxTileRows;
+  static constexpr int64_t kMaxGatedRows = 6;  // two panels: 24 accumulators
   static constexpr int panels_for(int rows) { return rows <= 3 ? 4 : (rows <= 6 ? 2 : 1); }
   template <int MR, int NP>
   static void tile(const float* x, int64_t ldx, const uint16_t* panel, int64_t panel_stride,
@@ -355,6 +416,7 @@ PREFIXSERVE_TARGET_DOT void tile_kernel(const uint16_t* x, int64_t ldx, const ui
 struct Tiles {
   using X = uint16_t;
   static constexpr int64_t kMaxRows = kMaxTileRows;
+  static constexpr int64_t kMaxGatedRows = BuildTiles::kMaxGatedRows;
   static constexpr int panels_for(int rows) { return BuildTiles::panels_for(rows); }
   template <int MR, int NP>
   PREFIXSERVE_TARGET_DOT static void tile(const uint16_t* x, int64_t ldx, const uint16_t* panel,
