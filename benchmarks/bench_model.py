@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/bench_model.py [--repeats 7] [--skip-transformers] [--baseline]
         [--llama-cpp] [--decode-batches 1,16,64] [--batch-invariant] [--no-native-gemm-baseline]
         [--python-layers-baseline] [--portable-attention-baseline] [--before-baseline]
+        [--no-batch-invariant] [--tiles-baseline avx2,avx512]
 
 Measures (bf16, the default model unless --model): prefill of one 512-token chunk (tok/s), and
 decode at batch 1 and batch 16 (tok/s, summed over the batch) on a 128-token context (all three
@@ -34,9 +35,11 @@ import torch  # noqa: E402
 from prefixserve.core.request import Request  # noqa: E402
 from prefixserve.core.sched.output import ScheduledRequest, SchedulerOutput  # noqa: E402
 from prefixserve.model.kernels.build import (  # noqa: E402
+    _module,
     paged_attention_portable_kernel,
     rms_norm_kernel,
 )
+from prefixserve.model.kernels.calibration import describe_calibration  # noqa: E402
 from prefixserve.model.kernels.cpu_paths import describe_cpu  # noqa: E402
 from prefixserve.model.layers import kernel_table  # noqa: E402
 from prefixserve.model.layers import linear as layers  # noqa: E402
@@ -72,7 +75,8 @@ class Ours:
         block_size: int = 16,
         num_blocks: int = 1024,
         name: str = "prefixserve",
-        batch_invariant: bool = False,
+        batch_invariant: bool | None = None,
+        tiles: str | None = None,
     ) -> None:
         self.name = name
         self.bs = block_size
@@ -88,11 +92,20 @@ class Ours:
         self.next_block = 1
         self.num_blocks = num_blocks
         self.native = True  # the compiled kernels (attention, RMSNorm); False for --baseline
+        self.tiles = tiles  # the GEMM's tile family for every call (--tiles-baseline), or None
 
     def _execute(self, scheduler_output: SchedulerOutput):
         # The RMSNorm kernel is looked up process-wide; switch it per engine for --baseline.
         kernel_table._kernels["rms_norm"] = rms_norm_kernel() if self.native else None
-        return self.runner.execute(scheduler_output)
+        if self.tiles is None:
+            return self.runner.execute(scheduler_output)
+        module = _module()
+        selected = module.gemm_bf16_selected()
+        module.gemm_bf16_select(self.tiles, self.tiles)
+        try:
+            return self.runner.execute(scheduler_output)
+        finally:
+            module.gemm_bf16_select(selected[0], selected[1])
 
     def _blocks(self, n_tokens: int) -> tuple[list[int], ...]:
         count = -(-n_tokens // self.bs)
@@ -295,8 +308,20 @@ def main() -> None:
     ap.add_argument(
         "--batch-invariant",
         action="store_true",
-        help="also run prefixserve in batch-invariant mode (one linear and one attention path "
-        "for every row count) on the same weights, same run",
+        help="also run prefixserve with batch_invariant=True (the default already is, for bf16 "
+        "wherever the native kernels run) on the same weights, same run",
+    )
+    ap.add_argument(
+        "--no-batch-invariant",
+        action="store_true",
+        help="also run prefixserve with batch_invariant=False on the same weights, same run",
+    )
+    ap.add_argument(
+        "--tiles-baseline",
+        default="",
+        help="comma-separated GEMM tile families (avx512, avx512_bf16, avx2) to also run "
+        "prefixserve on, each selected for every call of its steps (avx2 on an AVX-512 host: "
+        "the AVX2 tiles, with the host's attention and norms), same weights, same run",
     )
     args = ap.parse_args()
     if args.threads:
@@ -304,6 +329,7 @@ def main() -> None:
 
     loaded = load_model(args.model, dtype="bfloat16")
     print(describe_cpu())
+    print(describe_calibration())
     print(
         f"model {loaded.path} | torch {torch.__version__} | threads {torch.get_num_threads()} "
         f"| OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')} | load avg "
@@ -328,8 +354,10 @@ def main() -> None:
             other = load_model(args.model, dtype="bfloat16")
         finally:
             kernel_table._kernels["gemm"] = gemm
-        if args.no_native_gemm_baseline:
-            engines.append(Ours(other, num_blocks=blocks, name="no-native-gemm"))
+        if args.no_native_gemm_baseline:  # the fastest paths of no single summation order
+            engines.append(
+                Ours(other, num_blocks=blocks, name="no-native-gemm", batch_invariant=False)
+            )
         if args.before_baseline:
             engines.append(portable_attention(Ours(other, num_blocks=blocks, name="before")))
     if args.python_layers_baseline:
@@ -342,6 +370,12 @@ def main() -> None:
         engines.append(
             Ours(loaded, num_blocks=blocks, name="batch-invariant", batch_invariant=True)
         )
+    if args.no_batch_invariant:
+        engines.append(
+            Ours(loaded, num_blocks=blocks, name="no-batch-invariant", batch_invariant=False)
+        )
+    for tiles in filter(None, args.tiles_baseline.split(",")):
+        engines.append(Ours(loaded, num_blocks=blocks, name=f"{tiles}-tiles", tiles=tiles))
     if args.fp32_rows_baseline is not None:
         engines.append(
             FixedRows(loaded, args.fp32_rows_baseline, num_blocks=blocks, name="fp32-rows-base")

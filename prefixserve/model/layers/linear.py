@@ -1,6 +1,7 @@
-"""The bf16 linear and its paths per kind of CPU: the native GEMM (csrc/gemm_bf16.cpp), oneDNN's
-packed GEMM, the streaming kernel for a few rows (csrc/gemv.cpp), an fp32 copy for many; the
-batch-invariant switch (one path at every row count); packing a model's linears at load."""
+"""The bf16 linear and its paths: the native GEMM (csrc/gemm_bf16.cpp) wherever its vector tiles
+run; without it oneDNN's packed GEMM, the streaming kernel for a few rows (csrc/gemv.cpp), an
+fp32 copy for many (the fallback row of cpu_paths.CPU_TABLE); the batch-invariant switch (one
+path at every row count); packing a model's linears at load."""
 
 from __future__ import annotations
 
@@ -104,10 +105,11 @@ def batch_invariant_linears(on: bool) -> Iterator[None]:
 class Linear(nn.Linear):
     """nn.Linear whose bf16 weight can be pre-packed into oneDNN's blocked layout.
 
-    Where the CPU table takes the native GEMM (`cpu_paths.CpuPaths.native_gemm`: Intel without
-    AMX), `pack()` packs the weight into its panels instead and every bf16 call of any row count
-    goes through it (csrc/gemm_bf16.cpp: one summation order, so batch-invariant in every mode);
-    the rest of this paragraph is about the other CPUs.
+    Wherever the native GEMM's vector tiles run (`cpu_paths.native_gemm_wanted`: every x86 CPU
+    with AVX2 or AVX-512), `pack()` packs the weight into its panels instead and every bf16 call
+    of any row count goes through it (csrc/gemm_bf16.cpp: one summation order, so
+    batch-invariant in every mode); the rest of this paragraph is about the fallback paths
+    (`PREFIXSERVE_NATIVE_GEMM=0`, no kernels, other CPUs).
     oneDNN repacks a plain weight on every call; packing once (`pack()`, done by the models'
     `load_weights`) makes decode-sized matmuls ~25% faster and prefill ones ~5%. On CPUs whose
     bf16 arithmetic is slower than fp32 (`cpu_paths.CPU_TABLE`: Intel without AMX, AVX2 only),
@@ -235,9 +237,9 @@ class Linear(nn.Linear):
         gated(out, x, packed, out_features, bias, act, STREAM_THREADS[0], self._next_packed)
         return out
 
-    # The native GEMM's packed weight for batch-invariant calls on a CPU where oneDNN cannot
-    # pack bf16 and the CPU table does not take the native GEMM (AVX2 only: the build's AVX2
-    # tiles, the same sums as the AVX-512 ones): packed on the first such call, so engines
+    # The native GEMM's packed weight for batch-invariant calls where oneDNN cannot pack bf16
+    # and the linears do not take the native GEMM (PREFIXSERVE_NATIVE_GEMM=0 on an AVX2-only
+    # CPU: the build's tiles, the same sums): packed on the first such call, so engines
     # outside the mode pay no memory for it. It is a second copy of the weight (2 bytes a
     # parameter, the LM head's too) kept with the model for its lifetime; two engines sharing the
     # model may both pack it on their first step (one copy is kept).
