@@ -5,6 +5,9 @@
 
 #include "kernels.h"
 
+// decoder_layer.cpp: its class, bound to Python there (it takes Python tuples).
+void register_decoder_layer(py::module& m);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_decoder_layer(m);
   m.def("lora_add", &lora_add,

@@ -28,7 +28,7 @@
 // batch takes several panels at once (enough independent chains to stream the weight at memory
 // speed); a prefill-sized one takes 12 rows on one panel (the panel stays in L1/L2 while row
 // blocks pass it). Neither changes any output's order of summation.
-#include <torch/extension.h>
+#include "torch_lite.h"
 
 #include <algorithm>
 #include <atomic>

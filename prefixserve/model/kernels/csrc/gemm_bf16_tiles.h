@@ -14,7 +14,7 @@
 // - the portable scalar loop (other CPUs, e.g. aarch64).
 #pragma once
 
-#include <torch/extension.h>
+#include "torch_lite.h"
 
 // The vector tiles need AVX512F and, for the masked 16-bit stores of the epilogue, BW and VL.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)

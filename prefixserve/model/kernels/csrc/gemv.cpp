@@ -8,7 +8,7 @@
 // packed layout and no parallel region when it runs on one thread. With AVX512-BF16 the products are VDPBF16PS (bf16 pairs into fp32 lanes, as oneDNN's
 // bf16 GEMM computes them); elsewhere a portable loop converts bf16 to fp32 by a shift and the
 // compiler vectorizes it (-O3 -march=native).
-#include <torch/extension.h>
+#include "torch_lite.h"
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>

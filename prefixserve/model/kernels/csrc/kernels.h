@@ -2,7 +2,7 @@
 // layer in decoder_layer.cpp): one declaration each, so their signatures cannot drift.
 #pragma once
 
-#include <torch/extension.h>
+#include "torch_lite.h"
 
 #include <cstdint>
 #include <string>
@@ -60,5 +60,3 @@ void prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k, torc
                        double scale);
 bool prefill_attention_ready();
 
-// decoder_layer.cpp
-void register_decoder_layer(py::module& m);

@@ -24,7 +24,7 @@
 // One thread: an (adapter, linear) pair is a few microseconds of work, and helper threads
 // would compete with OpenMP's for the cores.
 
-#include <torch/extension.h>
+#include "torch_lite.h"
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -156,10 +156,10 @@ void lora_add(torch::Tensor out, torch::Tensor x, torch::Tensor a, torch::Tensor
                   out.is_contiguous() && x.is_contiguous() && a.is_contiguous() &&
                   blocks.is_contiguous(),
               "lora_add: contiguous out [T, W], x [T, K], a [R, K], blocks [*]");
-  TORCH_CHECK(meta.scalar_type() == torch::kInt64 && meta.dim() == 2 && meta.size(1) == 4 &&
+  TORCH_CHECK(meta.scalar_type() == torch::kLong && meta.dim() == 2 && meta.size(1) == 4 &&
                   meta.is_contiguous(),
               "lora_add: meta int64 [S, 4]");
-  TORCH_CHECK(rows.scalar_type() == torch::kInt64 && rows.dim() == 1 && rows.is_contiguous(),
+  TORCH_CHECK(rows.scalar_type() == torch::kLong && rows.dim() == 1 && rows.is_contiguous(),
               "lora_add: rows int64 [n]");
   const int64_t n = rows.size(0), R = a.size(0), K = a.size(1), W = out.size(1), T = x.size(0);
   TORCH_CHECK(x.size(1) == K && out.size(0) == T, "lora_add: x [T, K], out [T, W], a [R, K]");

@@ -13,7 +13,7 @@
 // time and shared by the item's rows and by the query heads of that KV head (GQA). With AVX-512
 // and a head dim of 64/128/256 the inner loops are intrinsics (attend_tile_avx512); otherwise
 // portable loops the compiler vectorizes (-O3 -march=native).
-#include <torch/extension.h>
+#include "torch_lite.h"
 #include <ATen/Parallel.h>
 
 #if defined(__SSE__)  // every x86-64 CPU; with AVX-512 it brings the intrinsics below too
@@ -578,10 +578,10 @@ void check_paged_args(const torch::Tensor& out, const torch::Tensor& q,
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == out.scalar_type() &&
                   v_cache.scalar_type() == k_cache.scalar_type(),
               "q, caches and out must share a dtype");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && block_tables.is_contiguous() &&
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt && block_tables.is_contiguous() &&
                   block_tables.dim() == 2,
               "block_tables must be a contiguous int32 [S, max_blocks]");
-  TORCH_CHECK(seq_info.scalar_type() == torch::kInt64 && seq_info.is_contiguous() &&
+  TORCH_CHECK(seq_info.scalar_type() == torch::kLong && seq_info.is_contiguous() &&
                   seq_info.dim() == 2 && seq_info.size(1) == 3 &&
                   seq_info.size(0) == block_tables.size(0),
               "seq_info must be a contiguous int64 [S, 3]");
@@ -601,7 +601,7 @@ void check_paged_args(const torch::Tensor& out, const torch::Tensor& q,
     TORCH_CHECK(0 <= tables[i] && tables[i] < num_blocks, "block id ", tables[i],
                 " is not in the cache");
   }
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 || q.scalar_type() == torch::kBFloat16,
+  TORCH_CHECK(q.scalar_type() == torch::kFloat || q.scalar_type() == torch::kBFloat16,
               "paged_attention supports float32 and bfloat16, got ", q.scalar_type());
 }
 
@@ -609,7 +609,7 @@ void check_paged_args(const torch::Tensor& out, const torch::Tensor& q,
 void paged_attention_tiles(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
                            torch::Tensor v_cache, torch::Tensor block_tables,
                            torch::Tensor seq_info, double scale, double softcap, int64_t window) {
-  if (q.scalar_type() == torch::kFloat32) {
+  if (q.scalar_type() == torch::kFloat) {
     dispatch<float>(out, q, k_cache, v_cache, block_tables, seq_info, scale, softcap, window);
   } else if (q.scalar_type() == torch::kBFloat16) {
     dispatch<c10::BFloat16>(out, q, k_cache, v_cache, block_tables, seq_info, scale, softcap, window);

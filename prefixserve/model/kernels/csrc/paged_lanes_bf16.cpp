@@ -8,7 +8,7 @@
 // Per tile of 64 key positions, the keys any query of the item sees are read from their blocks
 // once (K packed in pairs of dims with keys in lanes, V widened to fp32), then every query of
 // the item meets the tile.
-#include <torch/extension.h>
+#include "torch_lite.h"
 #include <ATen/Parallel.h>
 
 #include "attn_lanes_bf16.h"

@@ -22,7 +22,7 @@
 // Built only where the compiler targets AVX512-BF16 (-march=native); `prefill_attention_ready`
 // says whether this build has it (model/attention.py keeps SDPA otherwise).
 
-#include <torch/extension.h>
+#include "torch_lite.h"
 #include <ATen/Parallel.h>
 
 #if defined(__AVX512BF16__)

@@ -9,7 +9,7 @@
 // and the scaling in vectors with the scalar loop's roundings (c10's: to nearest even, NaN
 // 0x7fc0, subnormals kept). Decode-sized calls stay on the calling thread (at::parallel_for's
 // wake-up costs more than the rows).
-#include <torch/extension.h>
+#include "torch_lite.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -137,7 +137,7 @@ void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double e
               "rms_norm needs contiguous x/out [rows, dim] and weight [dim]");
   TORCH_CHECK(x.scalar_type() == out.scalar_type() && x.scalar_type() == weight.scalar_type(),
               "x, weight and out must share a dtype");
-  if (x.scalar_type() == torch::kFloat32) {
+  if (x.scalar_type() == torch::kFloat) {
     rms_norm_rows<float>(out.data_ptr<float>(), x.data_ptr<float>(), weight.data_ptr<float>(),
                          x.size(0), x.size(1), static_cast<float>(eps), offset);
   } else if (x.scalar_type() == torch::kBFloat16) {

@@ -12,7 +12,7 @@
 // before the includes, so that the headers' inline functions share the option and inline.
 #pragma GCC optimize("fp-contract=off")
 
-#include <torch/extension.h>
+#include "torch_lite.h"
 #include <ATen/Parallel.h>
 
 #include <cstdint>
@@ -147,7 +147,7 @@ void rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int6
   TORCH_CHECK(cos.dim() == 2 && sin.dim() == 2 && cos.is_contiguous() && sin.is_contiguous() &&
                   cos.size(0) == T && sin.size(0) == T && cos.size(1) == D && sin.size(1) == D,
               "cos and sin must be contiguous [T, D]");
-  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.dim() == 1 && slots.size(0) == T &&
+  TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.dim() == 1 && slots.size(0) == T &&
                   slots.is_contiguous(),
               "slots must be a contiguous int64 [T]");
   TORCH_CHECK(qkv.scalar_type() == cos.scalar_type() && qkv.scalar_type() == sin.scalar_type() &&
@@ -159,7 +159,7 @@ void rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int6
   for (int64_t t = 0; t < T; ++t) {
     TORCH_CHECK(0 <= sp[t] && sp[t] < num_slots, "slot ", sp[t], " is not in the cache");
   }
-  if (qkv.scalar_type() == torch::kFloat32) {
+  if (qkv.scalar_type() == torch::kFloat) {
     rope_rows<float>(qkv.data_ptr<float>(), qkv.stride(0), cos.data_ptr<float>(),
                      sin.data_ptr<float>(), T, q_heads + kv_heads, D, k_cache.data_ptr<float>(),
                      v_cache.data_ptr<float>(), sp, kv_heads, q_heads);

@@ -1,0 +1,11 @@
+// The part of torch's C++ API the kernels use (tensors, dtypes, checks, ATen ops), without
+// torch/extension.h's pybind11 and autograd headers: a kernel file parses in ~13 s instead of
+// ~50 on two cores, which is most of a fresh build (BENCHMARKS.md). Only bindings.cpp and
+// decoder_layer.cpp, which bind to Python, include torch/extension.h.
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace torch {
+using namespace at;  // torch::Tensor, torch::kBFloat16, torch::empty, ... as in extension code
+}  // namespace torch
