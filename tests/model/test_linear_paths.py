@@ -107,6 +107,8 @@ def test_the_cpu_kind_picks_its_row_of_the_gemm_table(monkeypatch):
     assert cpu(False, True, True, "") == "avx512_bf16_intel"
     assert cpu(False, True, False, "AuthenticAMD") == "avx512"
     assert cpu(False, False, False, "AuthenticAMD") == "avx2"
+    monkeypatch.setattr(cpu_paths.platform, "machine", lambda: "aarch64")
+    assert cpu(False, False, False, "") == "portable"  # no x86 row for another architecture
 
 
 def test_this_cpu_has_a_row_with_its_measurement_and_attention_follows_it():

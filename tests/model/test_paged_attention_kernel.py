@@ -39,6 +39,16 @@ def test_a_stale_build_lock_does_not_hang_the_start():
     assert not (build_dir / "lock").exists()
 
 
+def test_the_build_flags_name_no_x86_option_on_another_architecture(monkeypatch):
+    """-mprefer-vector-width is an x86 option (aarch64's compiler refuses it): on another
+    architecture the build asks only for -march=native and the common flags."""
+    monkeypatch.setattr(kernels.platform, "machine", lambda: "aarch64")
+    flags = kernels._cflags()
+    assert "-march=native" in flags and not any("vector-width" in f for f in flags)
+    monkeypatch.setattr(kernels.platform, "machine", lambda: "x86_64")
+    assert "-mprefer-vector-width=512" in kernels._cflags()
+
+
 def reference(q, keys, values, positions, scale, softcap, window):
     """q [n, H, D]; keys/values [L, KVH, D] of positions 0..L-1; positions of the n queries."""
     heads, kv_heads = q.shape[1], keys.shape[1]

@@ -67,6 +67,15 @@ def _build_tag() -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
+def _cflags() -> list[str]:
+    """-O3 for this CPU (-march=native), OpenMP, and on x86-64 512-bit vectors where the CPU
+    has them (an x86-only flag: other compilers' targets, such as aarch64's, refuse it)."""
+    flags = ["-O3", "-march=native", "-fopenmp", "-fno-strict-aliasing"]
+    if platform.machine() in ("x86_64", "AMD64"):
+        flags.append("-mprefer-vector-width=512")
+    return [*flags, f"-DPREFIXSERVE_HEADERS={_headers_digest()}"]
+
+
 def _build() -> Any:
     import ninja  # the pip package puts a ninja binary beside it; torch looks on PATH
     from torch.utils import cpp_extension
@@ -84,14 +93,7 @@ def _build() -> Any:
         return cpp_extension.load(
             name="prefixserve_paged_attention",
             sources=[str(source) for source in _SOURCES],
-            extra_cflags=[
-                "-O3",
-                "-march=native",
-                "-mprefer-vector-width=512",
-                "-fopenmp",
-                "-fno-strict-aliasing",
-                f"-DPREFIXSERVE_HEADERS={_headers_digest()}",
-            ],
+            extra_cflags=_cflags(),
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
             verbose=False,

@@ -23,6 +23,7 @@ on one host of each kind (BENCHMARKS.md, "Model speed"):
 from __future__ import annotations
 
 import functools
+import platform
 from dataclasses import dataclass
 
 import torch
@@ -79,6 +80,9 @@ CPU_TABLE: dict[str, CpuPaths] = {
     # 60.2. SmolLM2's LM head ran 1.44x faster in fp32 at 16 rows (0.30x at 1 row). Attention:
     # the Intel threshold (not measured here).
     "avx2": CpuPaths(16, True, 12, "AMD EPYC, AVX2 only, 2026-12-02"),
+    # Not x86 (aarch64 with NEON, ...): the kernels' portable loops; taken to behave as the AVX2
+    # row (not measured on such a host).
+    "portable": CpuPaths(16, True, 12, "not measured: as avx2"),
 }
 
 
@@ -119,6 +123,8 @@ def cpu_vendor() -> str:
 
 def cpu_kind() -> str:
     """This CPU's row of CPU_TABLE."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return "portable"
     if torch.cpu._is_amx_tile_supported():
         return "amx"
     if not bf16_packing_supported():
