@@ -64,6 +64,8 @@ def test_the_choice_is_measured_once_then_read_from_the_cache(cache_dir):
     first = calibration._calibrated(MODULE, names)
     assert first.source == "measured"
     assert set(first.seconds) == set(names)
+    for timings in first.seconds.values():
+        assert set(timings) == {"decode", "decode_no_prefetch", "prefill"}
     for shape in ("decode", "prefill"):
         picked = getattr(first, shape)
         assert (
@@ -77,7 +79,11 @@ def test_the_choice_is_measured_once_then_read_from_the_cache(cache_dir):
     assert "flags" in data and "cpu" in data
     again = calibration._calibrated(MODULE, names)
     assert again.source == "cached"
-    assert (again.decode, again.prefill) == (first.decode, first.prefill)
+    assert (again.decode, again.prefill, again.prefetch) == (
+        first.decode,
+        first.prefill,
+        first.prefetch,
+    )
     data["version"] = calibration.CALIBRATION_VERSION + 1  # an older or newer format: measure
     path.write_text(json.dumps(data))
     assert calibration._calibrated(MODULE, names).source == "measured"
@@ -90,6 +96,18 @@ def test_a_tie_keeps_the_builds_tiles():
     assert calibration._fastest(seconds, "avx512", "decode") == "avx512"
     seconds["avx512_bf16"]["decode"] = 0.5
     assert calibration._fastest(seconds, "avx512", "decode") == "avx512_bf16"
+
+
+def test_decode_keeps_the_prefetch_unless_going_without_is_faster():
+    seconds = {
+        "avx512": {"decode": 1.0, "decode_no_prefetch": 0.99},
+        "avx2": {"decode": 1.2, "decode_no_prefetch": 1.3},
+    }
+    assert calibration._fastest_decode(seconds, "avx512") == ("avx512", True)
+    seconds["avx512"]["decode_no_prefetch"] = 0.8
+    assert calibration._fastest_decode(seconds, "avx512") == ("avx512", False)
+    seconds["avx2"]["decode"] = 0.5
+    assert calibration._fastest_decode(seconds, "avx512") == ("avx2", True)
 
 
 def test_the_switch_forces_the_families_or_refuses_one_that_cannot_run(cache_dir):
@@ -107,8 +125,8 @@ def test_the_switch_forces_the_families_or_refuses_one_that_cannot_run(cache_dir
 
 def test_the_kernel_runs_the_selected_families_and_says_which():
     choice = calibration.calibrate_gemm()
-    decode, prefill, split = MODULE.gemm_bf16_selected()
-    assert (decode, prefill) == (choice.decode, choice.prefill)
+    decode, prefill, split, prefetch = MODULE.gemm_bf16_selected()
+    assert (decode, prefill, prefetch) == (choice.decode, choice.prefill, choice.prefetch)
     assert split >= 16
     names = families()
     try:
@@ -117,6 +135,6 @@ def test_the_kernel_runs_the_selected_families_and_says_which():
         with pytest.raises(RuntimeError, match="unknown GEMM tile family"):
             MODULE.gemm_bf16_select("sse", "")
     finally:
-        MODULE.gemm_bf16_select(choice.decode, choice.prefill)
+        MODULE.gemm_bf16_select(choice.decode, choice.prefill, int(choice.prefetch))
     text = calibration.describe_choice(choice)
     assert choice.decode in text and choice.prefill in text

@@ -6,8 +6,9 @@ Every family sums each output in one order, so the choice changes speed only, ne
 family is a candidate only after its outputs equal the build's FMA tiles' bit for bit on a
 random problem here (with a bias, a residual, an odd K and several row counts); one that differs
 is never chosen, and a warning says so. The candidates are then timed at a decode shape (1 and 8
-rows over 32 MB of weights, which streams from memory as decode does) and a prefill shape (192
-rows over a 2 MB weight, arithmetic-bound); each class takes the fastest, the build's FMA tiles
+rows over 96 MB of weights, which streams them from memory as decode does), with and without the
+tiles' software prefetch, and at a prefill shape (192 rows over a 2 MB weight,
+arithmetic-bound); each class takes the fastest, the build's FMA tiles with the prefetch on
 unless another is at least `MIN_GAIN` faster (a tie is noise).
 
 `PREFIXSERVE_GEMM_TILES` overrides it ("avx512_bf16", "avx512,avx512_bf16", or "off" for the
@@ -35,20 +36,22 @@ from prefixserve.settings import cache_root, file_lock, gemm_tiles
 logger = logging.getLogger(__name__)
 
 # Bump when what is measured or how the choice is made changes: older cache files are ignored.
-CALIBRATION_VERSION = 1
+CALIBRATION_VERSION = 2
 # Another family replaces the build's FMA tiles for a class only when it is this much faster.
 MIN_GAIN = 1.05
 
 
 @dataclass(frozen=True, slots=True)
 class GemmChoice:
-    """The families decode-sized and larger calls take, and why. `seconds`: per family, the
-    measured time of the decode and the prefill shape (empty when nothing was measured)."""
+    """The families decode-sized and larger calls take, whether decode-sized tiles prefetch in
+    software, and why. `seconds`: per family, the measured time of the decode shape with and
+    without the prefetch and of the prefill shape (None when nothing was measured)."""
 
     decode: str
     prefill: str
     source: str  # "measured", "cached", "PREFIXSERVE_GEMM_TILES", "one family", "off"
     families: tuple[str, ...] = ()
+    prefetch: bool = True
     seconds: dict[str, dict[str, float]] | None = None
     rejected: tuple[str, ...] = ()  # families whose bits differed from the build's here
 
@@ -94,39 +97,62 @@ def _time(fn: Any, repeats: int = 5, min_seconds: float = 0.02) -> float:
 
 
 def _measure(module: Any, families: list[str]) -> dict[str, dict[str, float]]:
-    """Seconds per family of the decode shape (1 and 8 rows over 8 weights of 4 MB) and the
-    prefill shape (192 rows, 1024 x 1024)."""
+    """Seconds per family of the decode shape (1 and 8 rows over 16 weights of 3072 x 1024,
+    96 MB: more than a last-level cache), with the prefetch on ("decode") and off
+    ("decode_no_prefetch"), and of the prefill shape (192 rows, 1024 x 1024)."""
     threads = torch.get_num_threads()
     gen = torch.Generator().manual_seed(0)
-    stream = [module.pack_bf16_gemm(torch.randn(2048, 1024, generator=gen).bfloat16())]
-    stream += [module.pack_bf16_gemm(torch.randn(2048, 1024).bfloat16()) for _ in range(7)]
+    first = module.pack_bf16_gemm(torch.randn(3072, 1024, generator=gen).bfloat16())
+    stream = [first] + [first.clone() for _ in range(15)]  # the bytes, not the values, matter
     square = module.pack_bf16_gemm(torch.randn(1024, 1024, generator=gen).bfloat16())
     small = [torch.randn(rows, 1024, generator=gen).bfloat16() for rows in (1, 8)]
     big = torch.randn(192, 1024, generator=gen).bfloat16()
-    outs = {x.shape[0]: torch.empty(x.shape[0], 2048, dtype=torch.bfloat16) for x in small}
+    outs = {x.shape[0]: torch.empty(x.shape[0], 3072, dtype=torch.bfloat16) for x in small}
     big_out = torch.empty(192, 1024, dtype=torch.bfloat16)
     run = module.linear_bf16_packed_on
+    was = module.gemm_bf16_selected()[3]
 
-    def decode(tiles: str) -> None:
-        for x in small:
-            for packed in stream:
-                run(outs[x.shape[0]], x, packed, 2048, None, threads, tiles)
+    def decode(tiles: str, prefetch: bool) -> float:
+        module.gemm_bf16_select("", "", int(prefetch))
+
+        def calls() -> None:
+            for x in small:
+                for packed in stream:
+                    run(outs[x.shape[0]], x, packed, 3072, None, threads, tiles)
+
+        return _time(calls)
 
     def prefill(tiles: str) -> None:
         run(big_out, big, square, 1024, None, threads, tiles)
 
-    return {
-        tiles: {
-            "decode": _time(lambda t=tiles: decode(t)),
-            "prefill": _time(lambda t=tiles: prefill(t)),
+    try:
+        return {
+            tiles: {
+                "decode": decode(tiles, True),
+                "decode_no_prefetch": decode(tiles, False),
+                "prefill": _time(lambda t=tiles: prefill(t)),
+            }
+            for tiles in families
         }
-        for tiles in families
-    }
+    finally:
+        module.gemm_bf16_select("", "", int(was))
 
 
 def _fastest(seconds: dict[str, dict[str, float]], default: str, shape: str) -> str:
     best = min(seconds, key=lambda tiles: seconds[tiles][shape])
     return best if seconds[default][shape] >= MIN_GAIN * seconds[best][shape] else default
+
+
+def _fastest_decode(seconds: dict[str, dict[str, float]], default: str) -> tuple[str, bool]:
+    """(family, prefetch) of the fastest decode: the default's with the prefetch unless another
+    is MIN_GAIN faster."""
+    runs = {
+        (tiles, prefetch): seconds[tiles]["decode" if prefetch else "decode_no_prefetch"]
+        for tiles in seconds
+        for prefetch in (True, False)
+    }
+    best = min(runs, key=runs.__getitem__)
+    return best if runs[(default, True)] >= MIN_GAIN * runs[best] else (default, True)
 
 
 def _read_cache(path: Path, families: list[str]) -> GemmChoice | None:
@@ -140,6 +166,7 @@ def _read_cache(path: Path, families: list[str]) -> GemmChoice | None:
             choice["prefill"],
             "cached",
             tuple(families),
+            bool(choice["prefetch"]),
             choice.get("seconds"),
             tuple(choice.get("rejected", ())),
         )
@@ -200,11 +227,13 @@ def _calibrated(module: Any, families: list[str]) -> GemmChoice:
             )
         candidates = [f for f in families if f not in rejected]
         seconds = _measure(module, candidates)
+        decode, prefetch = _fastest_decode(seconds, reference)
         choice = GemmChoice(
-            _fastest(seconds, reference, "decode"),
+            decode,
             _fastest(seconds, reference, "prefill"),
             "measured",
             tuple(families),
+            prefetch,
             seconds,
             rejected,
         )
@@ -227,20 +256,27 @@ def calibrate_gemm() -> GemmChoice | None:
         choice = GemmChoice(families[0], families[0], "one family", tuple(families))
     else:
         choice = _calibrated(module, families)
-    module.gemm_bf16_select(choice.decode, choice.prefill)
+    module.gemm_bf16_select(choice.decode, choice.prefill, int(choice.prefetch))
     logger.info("%s", describe_choice(choice))
     return choice
 
 
 def describe_choice(choice: GemmChoice) -> str:
     """One line: the families chosen, how, and the measured ratios against the build's tiles."""
-    text = f"native GEMM tiles: decode {choice.decode}, prefill {choice.prefill} ({choice.source}"
+    prefetch = "with" if choice.prefetch else "without"
+    text = (
+        f"native GEMM tiles: decode {choice.decode} ({prefetch} software prefetch), prefill "
+        f"{choice.prefill} ({choice.source}"
+    )
     if choice.seconds:
         base = choice.seconds[choice.families[0]]
-        for shape in ("decode", "prefill"):
-            picked = getattr(choice, shape)
-            speedup = base[shape] / choice.seconds[picked][shape]
-            text += f"; {shape} {speedup:.2f}x the {choice.families[0]} tiles"
+        decode_key = "decode" if choice.prefetch else "decode_no_prefetch"
+        decode = base["decode"] / choice.seconds[choice.decode][decode_key]
+        prefill = base["prefill"] / choice.seconds[choice.prefill]["prefill"]
+        text += (
+            f"; decode {decode:.2f}x, prefill {prefill:.2f}x the {choice.families[0]} tiles "
+            "with prefetch"
+        )
     if choice.rejected:
         text += f"; rejected for differing bits: {', '.join(choice.rejected)}"
     return text + ")"

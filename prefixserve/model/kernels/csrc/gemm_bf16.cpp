@@ -454,17 +454,19 @@ std::vector<std::string> gemm_bf16_families() {
 }
 
 // The families decode-sized calls (up to kComputeBoundRows rows) and larger ones take from now
-// on ("" keeps a class's choice); every family gives the same bits, so this changes only speed.
-void gemm_bf16_select(const std::string& decode, const std::string& prefill) {
+// on ("" keeps a class's choice), and whether decode-sized tiles prefetch in software (-1 keeps
+// it); every family and both prefetch settings give the same bits, so this changes only speed.
+void gemm_bf16_select(const std::string& decode, const std::string& prefill, int64_t prefetch) {
   const int d = decode.empty() ? -2 : static_cast<int>(family_named(decode));
   const int p = prefill.empty() ? -2 : static_cast<int>(family_named(prefill));
   if (d != -2) g_selected[0].store(d);
   if (p != -2) g_selected[1].store(p);
+  if (prefetch >= 0) g_tile_prefetch.store(prefetch != 0);
 }
 
-// (decode family, prefill family) as selected now, and the row count that splits the two.
-std::tuple<std::string, std::string, int64_t> gemm_bf16_selected() {
+// (decode family, prefill family, the largest decode-sized row count, prefetch) as selected now.
+std::tuple<std::string, std::string, int64_t, bool> gemm_bf16_selected() {
   return {kFamilyNames[static_cast<int>(selected_family(1))],
           kFamilyNames[static_cast<int>(selected_family(kComputeBoundRows + 1))],
-          kComputeBoundRows};
+          kComputeBoundRows, g_tile_prefetch.load()};
 }

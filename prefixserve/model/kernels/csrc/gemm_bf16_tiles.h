@@ -24,6 +24,7 @@
 #include <immintrin.h>
 #endif
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -35,6 +36,11 @@ namespace prefixserve::gemm {
 
 constexpr int64_t kPanel = 32;        // output columns per panel
 constexpr int64_t kMaxTileRows = 12;  // rows of the largest register tile
+
+// Whether decode-sized tiles (up to 4 rows) prefetch their panels 16 pairs ahead in software: a
+// gain on some CPUs, a loss on others (AMD Zen 4 streams 1.25x faster without), so the
+// calibration measures it (`gemm_bf16_select`). It changes no sum.
+inline std::atomic<bool> g_tile_prefetch{true};
 
 using prefixserve::bf16_bits_to_float;
 
@@ -252,10 +258,11 @@ inline void tile_kernel(const float* x, int64_t ldx, const uint16_t* panel, int6
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < NP * 2; ++j) acc[r][j] = _mm512_setzero_ps();
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  const bool prefetch = MR <= 4 && g_tile_prefetch.load(std::memory_order_relaxed);
   for (int64_t p = 0; p < pairs; ++p) {
     for (int j = 0; j < NP; ++j) {
       const uint16_t* w = panel + j * panel_stride + p * (2 * kPanel);
-      if (MR <= 4) _mm_prefetch(reinterpret_cast<const char*>(w + 16 * 2 * kPanel), _MM_HINT_T0);
+      if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(w + 16 * 2 * kPanel), _MM_HINT_T0);
       // The four weight vectors of this panel and pair first, then each row's two broadcasts
       // against them (30 registers at 12 rows: no spills).
       const __m512i pair0 = _mm512_loadu_si512(w), pair1 = _mm512_loadu_si512(w + kPanel);
@@ -395,10 +402,11 @@ PREFIXSERVE_TARGET_DOT void tile_kernel(const uint16_t* x, int64_t ldx, const ui
   __m512 acc[MR][NP * 2];
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < NP * 2; ++j) acc[r][j] = _mm512_setzero_ps();
+  const bool prefetch = MR <= 4 && g_tile_prefetch.load(std::memory_order_relaxed);
   for (int64_t p = 0; p < pairs; ++p) {
     for (int j = 0; j < NP; ++j) {
       const uint16_t* w = panel + j * panel_stride + p * (2 * kPanel);
-      if (MR <= 4) _mm_prefetch(reinterpret_cast<const char*>(w + 16 * 2 * kPanel), _MM_HINT_T0);
+      if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(w + 16 * 2 * kPanel), _MM_HINT_T0);
       const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w);
       const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + kPanel);
       for (int r = 0; r < MR; ++r) {
