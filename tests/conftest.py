@@ -20,6 +20,18 @@ def default_model_bf16():
 
 
 @pytest.fixture(scope="session")
+def default_model_exact(request):
+    """The default model in the cheapest dtype whose engine outputs do not depend on batching,
+    chunking or where K/V came from: bf16 where the native kernels run (batch-invariant by
+    default there; faster than float32 on every CPU kind), else float32."""
+    from prefixserve.model.kernels.build import paged_attention_kernel
+
+    if paged_attention_kernel() is not None:
+        return request.getfixturevalue("default_model_bf16")
+    return request.getfixturevalue("default_model_fp32")
+
+
+@pytest.fixture(scope="session")
 def default_model_fp32():
     from prefixserve.model.loader.loading import load_model
 

@@ -80,10 +80,10 @@ def test_embeddings_differing_in_one_position_share_only_the_blocks_before_it(ll
     assert out.num_cached_tokens == 32
 
 
-def test_preempted_embeddings_request_recomputes_from_its_embeddings(default_model_fp32):
+def test_preempted_embeddings_request_recomputes_from_its_embeddings(default_model_exact):
     small = LLM(
-        dtype="float32",
-        loaded_model=default_model_fp32,
+        dtype=default_model_exact.config.dtype,
+        loaded_model=default_model_exact,
         num_kv_blocks=12,
         enable_prompt_embeds=True,
         enable_kv_store=False,

@@ -1,10 +1,12 @@
-"""Speculative decoding through the whole engine, with the packaged default model in float32.
+"""Speculative decoding through the whole engine, with the packaged default model in bf16 (float32
+where the native kernels are not built).
 
 Prompts repeat a random run of tokens, so the model continues the repetition and n-gram drafts
-are really accepted (each test that depends on it asserts so). In float32 a verification pass
-gives the logits a plain decode step gives, so outputs must be identical with speculation on and
-off: greedy, seeded sampling (acceptance is coupled to the plain sampler's random numbers), with
-penalties, logprobs, stop conditions inside an accepted run, caching on and off, eviction and
+are really accepted (each test that depends on it asserts so). The engine is batch-invariant by
+default for bf16, so a verification pass gives the logits a plain decode step gives (in float32
+too, for these prompts), and outputs must be identical with speculation on and off: greedy,
+seeded sampling (acceptance is coupled to the plain sampler's random numbers), with penalties,
+logprobs, stop conditions inside an accepted run, caching on and off, eviction and
 preemption. Every engine ends with `check_no_leaks()`.
 """
 
@@ -37,7 +39,7 @@ def copying_prompt(seed: int, run: int = 24, repeats: int = 3) -> list[int]:
 
 def make_llm(model, spec=None, **kwargs) -> LLM:
     kwargs.setdefault("num_kv_blocks", 256)
-    return LLM(dtype="float32", loaded_model=model, speculative_config=spec, **kwargs)
+    return LLM(dtype=model.config.dtype, loaded_model=model, speculative_config=spec, **kwargs)
 
 
 def generate(llm: LLM, prompts: list[list[int]], params: SamplingParams):
@@ -51,13 +53,18 @@ def tokens_of(outputs) -> list[list[list[int]]]:
 
 
 @pytest.fixture(scope="module")
-def plain(default_model_fp32):
-    return make_llm(default_model_fp32)
+def model(default_model_exact):
+    return default_model_exact
 
 
 @pytest.fixture(scope="module")
-def spec(default_model_fp32):
-    return make_llm(default_model_fp32, SPEC)
+def plain(model):
+    return make_llm(model)
+
+
+@pytest.fixture(scope="module")
+def spec(model):
+    return make_llm(model, SPEC)
 
 
 def test_greedy_speculation_accepts_drafts_and_changes_no_token(plain, spec):
@@ -87,7 +94,7 @@ def test_greedy_speculation_accepts_drafts_and_changes_no_token(plain, spec):
     max_tokens=st.integers(1, 30),
 )
 def test_greedy_outputs_identical_with_speculation_on_and_off(
-    default_model_fp32, plain, seeds, k, lookup, caching, pool, max_tokens
+    model, plain, seeds, k, lookup, caching, pool, max_tokens
 ):
     """Random copying prompts, random k and lookup bounds, caching on and off, and a pool of 24
     blocks that evicts and preempts (four 80-token prompts need 6 blocks each, and drafts their
@@ -100,15 +107,15 @@ def test_greedy_outputs_identical_with_speculation_on_and_off(
         "prompt_lookup_min": lookup[0],
         "prompt_lookup_max": lookup[1],
     }
-    llm = make_llm(default_model_fp32, config, num_kv_blocks=pool, enable_prefix_caching=caching)
+    llm = make_llm(model, config, num_kv_blocks=pool, enable_prefix_caching=caching)
     assert tokens_of(generate(llm, prompts, params)) == tokens_of(generate(plain, prompts, params))
 
 
-def test_preempted_requests_drop_their_drafts_and_outputs_stay_the_same(default_model_fp32, plain):
+def test_preempted_requests_drop_their_drafts_and_outputs_stay_the_same(model, plain):
     # 6 prompts of 40 tokens fit 20 blocks at admission; 60 outputs each do not.
     prompts = [copying_prompt(s, run=12) for s in range(100, 106)]
     params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
-    small = make_llm(default_model_fp32, SPEC, num_kv_blocks=20)
+    small = make_llm(model, SPEC, num_kv_blocks=20)
     assert tokens_of(generate(small, prompts, params)) == tokens_of(
         generate(plain, prompts, params)
     )
@@ -173,7 +180,7 @@ def _permutation_p_value(a: list[tuple], b: list[tuple], rounds: int, seed: int)
     return (at_least + 1) / (rounds + 1)
 
 
-def test_unseeded_sampling_distribution_is_the_target_models(default_model_fp32):
+def test_unseeded_sampling_distribution_is_the_target_models(model):
     """Unseeded rows share the engine's generator, and rows after a rejection draw numbers plain
     decoding never draws, so tokens differ run to run; their distribution must not. 300 samples
     each of the first three tokens (pairs of positions), then a permutation test: a wrong
@@ -181,9 +188,9 @@ def test_unseeded_sampling_distribution_is_the_target_models(default_model_fp32)
     samples explain, while the right one fails the test with probability about 0.001 per pair."""
     prompts = [copying_prompt(31, run=12)] * 5
     params = SamplingParams(temperature=1.0, n=60, max_tokens=3, ignore_eos=True)
-    speculating = make_llm(default_model_fp32, SPEC, seed=1)
+    speculating = make_llm(model, SPEC, seed=1)
     with_spec = generate(speculating, prompts, params)
-    without = generate(make_llm(default_model_fp32, seed=2), prompts, params)
+    without = generate(make_llm(model, seed=2), prompts, params)
     a = [tuple(c.token_ids) for o in with_spec for c in o.outputs]
     b = [tuple(c.token_ids) for o in without for c in o.outputs]
     for position in (slice(0, 1), slice(1, 2), slice(2, 3)):
@@ -237,12 +244,12 @@ def test_logprobs_of_accepted_tokens_are_the_plain_decoding_logprobs(plain, spec
             assert gl[token_id].rank == wl[token_id].rank
 
 
-def test_drafts_never_cached_and_accepted_blocks_cached_in_the_step_they_fill(default_model_fp32):
+def test_drafts_never_cached_and_accepted_blocks_cached_in_the_step_they_fill(model):
     """Step by step: after every step each running request has every block its computed tokens
     fill cached (blocks accepted drafts completed included), nothing beyond; every stored block
     (KV events) holds tokens of a real sequence at a block-aligned place, never a draft that was
     rejected."""
-    llm = make_llm(default_model_fp32, SPEC, enable_kv_events=True, block_size=4)
+    llm = make_llm(model, SPEC, enable_kv_events=True, block_size=4)
     engine = llm.llm_engine
     mgr = engine.kv_cache_manager
     prompts = [copying_prompt(s, run=10) for s in (61, 62, 63)]
@@ -282,19 +289,19 @@ def test_drafts_never_cached_and_accepted_blocks_cached_in_the_step_they_fill(de
 
 
 def test_speculation_with_a_disk_tier_saves_blocks_filled_by_accepted_drafts(
-    default_model_fp32, tmp_path, plain
+    model, tmp_path, plain
 ):
     """Blocks accepted drafts complete are written through like any other; a later engine on the
     same store loads them and answers the same."""
     prompt = copying_prompt(71)
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    first = make_llm(default_model_fp32, SPEC, enable_kv_store=True, kv_store_dir=str(tmp_path))
+    first = make_llm(model, SPEC, enable_kv_store=True, kv_store_dir=str(tmp_path))
     [out] = generate(first, [prompt], params)
     first.llm_engine.close()
     saved = first.get_metrics()["kv_store_saved_blocks"]
     assert saved == (len(prompt) + 40 - 1) // 16
     follow_up = prompt + out.outputs[0].token_ids + random_tokens(5, seed=72)
-    second = make_llm(default_model_fp32, enable_kv_store=True, kv_store_dir=str(tmp_path))
+    second = make_llm(model, enable_kv_store=True, kv_store_dir=str(tmp_path))
     [hit] = generate(second, [follow_up], params)
     assert hit.num_disk_cached_tokens == saved * 16
     assert tokens_of([hit]) == tokens_of(generate(plain, [follow_up], params))
@@ -314,11 +321,11 @@ def test_gemma3_sliding_window_groups_give_the_same_greedy_tokens_with_speculati
     assert spec.get_metrics()["spec_decode_num_accepted_tokens"] > 0
 
 
-def test_drafts_never_starve_the_other_decoders_of_a_tenant_or_of_the_step(default_model_fp32):
+def test_drafts_never_starve_the_other_decoders_of_a_tenant_or_of_the_step(model):
     """Fair shares between two tenants and a budget of 10 tokens for 5 requests: a copying
     decoder's drafts leave a token to every request after it, so a step whose running requests
     all decode schedules every one of them."""
-    llm = make_llm(default_model_fp32, SPEC, max_num_batched_tokens=10)
+    llm = make_llm(model, SPEC, max_num_batched_tokens=10)
     engine = llm.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
     for i in range(4):
