@@ -368,7 +368,6 @@ struct Tiles {
 }  // namespace avx2
 #endif
 
-
 // The build's FMA family (AVX-512, else portable): its largest tile height, the panels a tile
 // of `rows` rows takes at once (enough chains for small batches, at most 24 accumulators), and
 // the tile. `X`: the type of x's rows the tiles read (fp32, or bf16 pairs for the dot product).
