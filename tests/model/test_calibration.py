@@ -138,3 +138,11 @@ def test_the_kernel_runs_the_selected_families_and_says_which():
         MODULE.gemm_bf16_select(choice.decode, choice.prefill, int(choice.prefetch))
     text = calibration.describe_choice(choice)
     assert choice.decode in text and choice.prefill in text
+
+
+def test_a_change_to_the_kernel_sources_measures_again(cache_dir, monkeypatch):
+    """The cache file is per CPU, torch, Python and kernel sources: new tiles are timed anew."""
+    path = calibration._cache_path()
+    assert build.sources_digest() in path.name
+    monkeypatch.setattr(calibration, "sources_digest", lambda: "another-build")
+    assert calibration._cache_path() != path

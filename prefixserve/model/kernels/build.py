@@ -40,6 +40,15 @@ _SOURCES = [
 ]
 
 
+def sources_digest() -> str:
+    """A digest of every file of csrc/: what a build of the kernels computes, and how fast (the
+    calibration's cache is kept per build, `calibration.py`)."""
+    digest = hashlib.sha256()
+    for source in sorted(_CSRC.iterdir()):
+        digest.update(source.name.encode() + source.read_bytes())
+    return digest.hexdigest()[:12]
+
+
 def _headers_digest() -> str:
     """A digest of csrc/'s headers: torch rebuilds an extension when its sources or flags
     change, not its headers, so the digest goes into the flags."""

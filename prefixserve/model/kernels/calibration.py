@@ -1,6 +1,6 @@
 """Choice by measurement: which tile family of the native GEMM (csrc/gemm_bf16_tiles.h) runs
 decode-sized calls and which larger ones on this host, timed once at first start (about a second)
-and cached per CPU model and kernel build under the cache dir.
+and cached per CPU model and kernel build (its sources) under the cache dir.
 
 Every family sums each output in one order, so the choice changes speed only, never a bit: a
 family is a candidate only after its outputs equal the build's FMA tiles' bit for bit on a
@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from prefixserve.model.kernels.build import _build_tag, _module
+from prefixserve.model.kernels.build import _build_tag, _module, sources_digest
 from prefixserve.model.kernels.cpu_paths import cpuinfo
 from prefixserve.settings import cache_root, file_lock, gemm_tiles
 
@@ -57,7 +57,9 @@ class GemmChoice:
 
 
 def _cache_path() -> Path:
-    return cache_root() / "calibration" / f"gemm-{_build_tag()}.json"
+    """One file per CPU, torch and Python (`build._build_tag`) and kernel sources: a change to
+    the tiles measures again."""
+    return cache_root() / "calibration" / f"gemm-{_build_tag()}-{sources_digest()}.json"
 
 
 def _agrees(module: Any, family: str, reference: str) -> bool:
