@@ -64,14 +64,15 @@ def test_the_choice_is_measured_once_then_read_from_the_cache(cache_dir):
     first = calibration._calibrated(MODULE, names)
     assert first.source == "measured"
     assert set(first.seconds) == set(names)
-    for timings in first.seconds.values():
-        assert set(timings) == {"decode", "decode_no_prefetch", "prefill"}
+    variants = {calibration.variant_key(*v) for v in calibration.DECODE_VARIANTS}
+    for family, timings in first.seconds.items():
+        extra = variants if family == first.decode or variants <= set(timings) else set()
+        assert {"decode", "prefill"} <= set(timings) <= {"decode", "prefill"} | variants
+        assert extra <= set(timings), family
     for shape in ("decode", "prefill"):
         picked = getattr(first, shape)
-        assert (
-            first.seconds[picked][shape] * calibration.MIN_GAIN <= first.seconds[names[0]][shape]
-            or picked == names[0]
-        )
+        own, base = first.seconds[picked][shape], first.seconds[names[0]][shape]
+        assert own * calibration.MIN_GAIN <= base or picked == names[0], shape
     path = calibration._cache_path()
     assert path.parent == cache_dir / "calibration"
     data = json.loads(path.read_text())
@@ -79,10 +80,11 @@ def test_the_choice_is_measured_once_then_read_from_the_cache(cache_dir):
     assert "flags" in data and "cpu" in data
     again = calibration._calibrated(MODULE, names)
     assert again.source == "cached"
-    assert (again.decode, again.prefill, again.prefetch) == (
+    assert (again.decode, again.prefill, again.prefetch, again.one_row_panels) == (
         first.decode,
         first.prefill,
         first.prefetch,
+        first.one_row_panels,
     )
     data["version"] = calibration.CALIBRATION_VERSION + 1  # an older or newer format: measure
     path.write_text(json.dumps(data))
@@ -98,16 +100,16 @@ def test_a_tie_keeps_the_builds_tiles():
     assert calibration._fastest(seconds, "avx512", "decode") == "avx512_bf16"
 
 
-def test_decode_keeps_the_prefetch_unless_going_without_is_faster():
-    seconds = {
-        "avx512": {"decode": 1.0, "decode_no_prefetch": 0.99},
-        "avx2": {"decode": 1.2, "decode_no_prefetch": 1.3},
-    }
-    assert calibration._fastest_decode(seconds, "avx512") == ("avx512", True)
-    seconds["avx512"]["decode_no_prefetch"] = 0.8
-    assert calibration._fastest_decode(seconds, "avx512") == ("avx512", False)
-    seconds["avx2"]["decode"] = 0.5
-    assert calibration._fastest_decode(seconds, "avx512") == ("avx2", True)
+def test_decode_keeps_the_default_variant_unless_another_is_faster():
+    key = calibration.variant_key
+    seconds = {"avx512": {"decode": 1.0}, "avx2": {"decode": 0.99}}
+    seconds["avx512"].update({key(*v): 1.0 for v in calibration.DECODE_VARIANTS})
+    seconds["avx512"][key(False, 4)] = 0.99  # ties: the default family and variant stay
+    assert calibration._fastest_decode(seconds, "avx512") == ("avx512", (True, 4))
+    seconds["avx512"][key(False, 2)] = 0.8
+    assert calibration._fastest_decode(seconds, "avx512") == ("avx512", (False, 2))
+    seconds["avx2"]["decode"] = 0.5  # a faster family whose variants were not timed
+    assert calibration._fastest_decode(seconds, "avx512") == ("avx2", (True, 4))
 
 
 def test_the_switch_forces_the_families_or_refuses_one_that_cannot_run(cache_dir):
@@ -125,8 +127,13 @@ def test_the_switch_forces_the_families_or_refuses_one_that_cannot_run(cache_dir
 
 def test_the_kernel_runs_the_selected_families_and_says_which():
     choice = calibration.calibrate_gemm()
-    decode, prefill, split, prefetch = MODULE.gemm_bf16_selected()
-    assert (decode, prefill, prefetch) == (choice.decode, choice.prefill, choice.prefetch)
+    decode, prefill, split, prefetch, panels = MODULE.gemm_bf16_selected()
+    assert (decode, prefill, prefetch, panels) == (
+        choice.decode,
+        choice.prefill,
+        choice.prefetch,
+        choice.one_row_panels,
+    )
     assert split >= 16
     names = families()
     try:
@@ -134,8 +141,12 @@ def test_the_kernel_runs_the_selected_families_and_says_which():
         assert MODULE.gemm_bf16_selected()[:2] == (names[-1], choice.prefill)
         with pytest.raises(RuntimeError, match="unknown GEMM tile family"):
             MODULE.gemm_bf16_select("sse", "")
+        with pytest.raises(RuntimeError, match="2 or 4"):
+            MODULE.gemm_bf16_select("", "", -1, 3)
     finally:
-        MODULE.gemm_bf16_select(choice.decode, choice.prefill, int(choice.prefetch))
+        MODULE.gemm_bf16_select(
+            choice.decode, choice.prefill, int(choice.prefetch), choice.one_row_panels
+        )
     text = calibration.describe_choice(choice)
     assert choice.decode in text and choice.prefill in text
 

@@ -6,10 +6,11 @@ Every family sums each output in one order, so the choice changes speed only, ne
 family is a candidate only after its outputs equal the build's FMA tiles' bit for bit on a
 random problem here (with a bias, a residual, an odd K and several row counts); one that differs
 is never chosen, and a warning says so. The candidates are then timed at a decode shape (1 and 8
-rows over 96 MB of weights, which streams them from memory as decode does), with and without the
-tiles' software prefetch, and at a prefill shape (192 rows over a 2 MB weight,
-arithmetic-bound); each class takes the fastest, the build's FMA tiles with the prefetch on
-unless another is at least `MIN_GAIN` faster (a tie is noise).
+rows over 96 MB of a small model's linears, which streams them from memory as decode does) and
+a prefill shape (192 rows over a 2 MB weight, arithmetic-bound); each class takes the fastest,
+the build's FMA tiles unless another is at least `MIN_GAIN` faster (a tie is noise). Then the
+decode family's variants (the tiles' software prefetch on or off, a lone row's tile on 4 panels
+or 2) are timed at a lone row, the default kept unless another is `MIN_GAIN` faster.
 
 `PREFIXSERVE_GEMM_TILES` overrides it ("avx512_bf16", "avx512,avx512_bf16", or "off" for the
 build's FMA tiles without a measurement). The cache file holds the CPU's model name and flags,
@@ -36,22 +37,26 @@ from prefixserve.settings import cache_root, file_lock, gemm_tiles
 logger = logging.getLogger(__name__)
 
 # Bump when what is measured or how the choice is made changes: older cache files are ignored.
-CALIBRATION_VERSION = 2
+CALIBRATION_VERSION = 4
+# The decode variants: (software prefetch, panels of a lone row's tile); the first is the default.
+DECODE_VARIANTS = ((True, 4), (False, 4), (True, 2), (False, 2))
 # Another family replaces the build's FMA tiles for a class only when it is this much faster.
 MIN_GAIN = 1.05
 
 
 @dataclass(frozen=True, slots=True)
 class GemmChoice:
-    """The families decode-sized and larger calls take, whether decode-sized tiles prefetch in
-    software, and why. `seconds`: per family, the measured time of the decode shape with and
-    without the prefetch and of the prefill shape (None when nothing was measured)."""
+    """The families decode-sized and larger calls take, the decode variant (whether
+    decode-sized tiles prefetch in software, the panels of a lone row's tile), and why.
+    `seconds`: per family, the measured time of the decode shape in each variant
+    (`variant_key`) and of the prefill shape (None when nothing was measured)."""
 
     decode: str
     prefill: str
     source: str  # "measured", "cached", "PREFIXSERVE_GEMM_TILES", "one family", "off"
     families: tuple[str, ...] = ()
     prefetch: bool = True
+    one_row_panels: int = 4
     seconds: dict[str, dict[str, float]] | None = None
     rejected: tuple[str, ...] = ()  # families whose bits differed from the build's here
 
@@ -98,46 +103,72 @@ def _time(fn: Any, repeats: int = 5, min_seconds: float = 0.02) -> float:
     return statistics.median(samples)
 
 
+def variant_key(prefetch: bool, one_row_panels: int) -> str:
+    """The name of a decode variant's timing (a lone row) in `GemmChoice.seconds`."""
+    return f"row_prefetch{int(prefetch)}_panels{one_row_panels}"
+
+
+# The decode shape's weights (out, in): a small model's linears, whose panel counts split
+# unevenly over the threads' jobs, cloned up to 96 MB (more than a last-level cache).
+DECODE_SHAPES = ((576, 576), (960, 576), (3072, 576), (576, 1536), (1024, 1024), (2816, 1024))
+DECODE_BYTES = 96 * 2**20
+
+
+def _decode_stream(module: Any, gen: torch.Generator) -> list[tuple[Any, int, int]]:
+    """(packed, out, in) weights for the decode shape."""
+    base = [
+        (module.pack_bf16_gemm(torch.randn(n, k, generator=gen).bfloat16()), n, k)
+        for n, k in DECODE_SHAPES
+    ]
+    stream, total = [], 0
+    while total < DECODE_BYTES:
+        for packed, n, k in base:
+            stream.append((packed.clone(), n, k))  # the bytes, not the values, matter
+            total += packed.numel() * 2
+    return stream
+
+
 def _measure(module: Any, families: list[str]) -> dict[str, dict[str, float]]:
-    """Seconds per family of the decode shape (1 and 8 rows over 16 weights of 3072 x 1024,
-    96 MB: more than a last-level cache), with the prefetch on ("decode") and off
-    ("decode_no_prefetch"), and of the prefill shape (192 rows, 1024 x 1024)."""
+    """Seconds per family of the decode shape ("decode": 1 and 8 rows over `_decode_stream`, in
+    the default variant) and of the prefill shape (192 rows, 1024 x 1024); and, for the family
+    fastest at decode, of a lone row over the stream in each of DECODE_VARIANTS."""
     threads = torch.get_num_threads()
     gen = torch.Generator().manual_seed(0)
-    first = module.pack_bf16_gemm(torch.randn(3072, 1024, generator=gen).bfloat16())
-    stream = [first] + [first.clone() for _ in range(15)]  # the bytes, not the values, matter
+    stream = _decode_stream(module, gen)
     square = module.pack_bf16_gemm(torch.randn(1024, 1024, generator=gen).bfloat16())
-    small = [torch.randn(rows, 1024, generator=gen).bfloat16() for rows in (1, 8)]
+    rows = {
+        r: {k: torch.randn(r, k, generator=gen).bfloat16() for k in (576, 1024, 1536)}
+        for r in (1, 8)
+    }
+    outs = {
+        r: {n: torch.empty(r, n, dtype=torch.bfloat16) for n, _ in DECODE_SHAPES} for r in (1, 8)
+    }
     big = torch.randn(192, 1024, generator=gen).bfloat16()
-    outs = {x.shape[0]: torch.empty(x.shape[0], 3072, dtype=torch.bfloat16) for x in small}
     big_out = torch.empty(192, 1024, dtype=torch.bfloat16)
     run = module.linear_bf16_packed_on
-    was = module.gemm_bf16_selected()[3]
+    was = module.gemm_bf16_selected()
 
-    def decode(tiles: str, prefetch: bool) -> float:
-        module.gemm_bf16_select("", "", int(prefetch))
+    def decode(tiles: str, counts: tuple[int, ...]) -> None:
+        for r in counts:
+            for packed, n, k in stream:
+                run(outs[r][n], rows[r][k], packed, n, None, threads, tiles)
 
-        def calls() -> None:
-            for x in small:
-                for packed in stream:
-                    run(outs[x.shape[0]], x, packed, 3072, None, threads, tiles)
-
-        return _time(calls)
-
-    def prefill(tiles: str) -> None:
-        run(big_out, big, square, 1024, None, threads, tiles)
-
+    seconds: dict[str, dict[str, float]] = {}
     try:
-        return {
-            tiles: {
-                "decode": decode(tiles, True),
-                "decode_no_prefetch": decode(tiles, False),
-                "prefill": _time(lambda t=tiles: prefill(t)),
+        module.gemm_bf16_select("", "", int(DECODE_VARIANTS[0][0]), DECODE_VARIANTS[0][1])
+        for tiles in families:
+            seconds[tiles] = {
+                "decode": _time(lambda t=tiles: decode(t, (1, 8))),
+                "prefill": _time(lambda t=tiles: run(big_out, big, square, 1024, None, threads, t)),
             }
-            for tiles in families
-        }
+        fastest = min(families, key=lambda tiles: seconds[tiles]["decode"])
+        for prefetch, panels in DECODE_VARIANTS:
+            module.gemm_bf16_select("", "", int(prefetch), panels)
+            key = variant_key(prefetch, panels)
+            seconds[fastest][key] = _time(lambda: decode(fastest, (1,)))
+        return seconds
     finally:
-        module.gemm_bf16_select("", "", int(was))
+        module.gemm_bf16_select("", "", int(was[3]), int(was[4]))
 
 
 def _fastest(seconds: dict[str, dict[str, float]], default: str, shape: str) -> str:
@@ -145,16 +176,20 @@ def _fastest(seconds: dict[str, dict[str, float]], default: str, shape: str) -> 
     return best if seconds[default][shape] >= MIN_GAIN * seconds[best][shape] else default
 
 
-def _fastest_decode(seconds: dict[str, dict[str, float]], default: str) -> tuple[str, bool]:
-    """(family, prefetch) of the fastest decode: the default's with the prefetch unless another
-    is MIN_GAIN faster."""
-    runs = {
-        (tiles, prefetch): seconds[tiles]["decode" if prefetch else "decode_no_prefetch"]
-        for tiles in seconds
-        for prefetch in (True, False)
-    }
+def _fastest_decode(
+    seconds: dict[str, dict[str, float]], default: str
+) -> tuple[str, tuple[bool, int]]:
+    """(family, variant) for decode: the fastest family at the decode shape (the default
+    unless another is MIN_GAIN faster), and its fastest variant at a lone row (the default
+    variant unless another is MIN_GAIN faster)."""
+    family = _fastest(seconds, default, "decode")
+    timings = seconds[family]
+    if variant_key(*DECODE_VARIANTS[0]) not in timings:  # the variants were timed elsewhere
+        return family, DECODE_VARIANTS[0]
+    runs = {variant: timings[variant_key(*variant)] for variant in DECODE_VARIANTS}
     best = min(runs, key=runs.__getitem__)
-    return best if runs[(default, True)] >= MIN_GAIN * runs[best] else (default, True)
+    keep = runs[DECODE_VARIANTS[0]] < MIN_GAIN * runs[best]
+    return family, DECODE_VARIANTS[0] if keep else best
 
 
 def _read_cache(path: Path, families: list[str]) -> GemmChoice | None:
@@ -169,6 +204,7 @@ def _read_cache(path: Path, families: list[str]) -> GemmChoice | None:
             "cached",
             tuple(families),
             bool(choice["prefetch"]),
+            int(choice["one_row_panels"]),
             choice.get("seconds"),
             tuple(choice.get("rejected", ())),
         )
@@ -229,13 +265,14 @@ def _calibrated(module: Any, families: list[str]) -> GemmChoice:
             )
         candidates = [f for f in families if f not in rejected]
         seconds = _measure(module, candidates)
-        decode, prefetch = _fastest_decode(seconds, reference)
+        decode, (prefetch, panels) = _fastest_decode(seconds, reference)
         choice = GemmChoice(
             decode,
             _fastest(seconds, reference, "prefill"),
             "measured",
             tuple(families),
             prefetch,
+            panels,
             seconds,
             rejected,
         )
@@ -258,7 +295,9 @@ def calibrate_gemm() -> GemmChoice | None:
         choice = GemmChoice(families[0], families[0], "one family", tuple(families))
     else:
         choice = _calibrated(module, families)
-    module.gemm_bf16_select(choice.decode, choice.prefill, int(choice.prefetch))
+    module.gemm_bf16_select(
+        choice.decode, choice.prefill, int(choice.prefetch), choice.one_row_panels
+    )
     logger.info("%s", describe_choice(choice))
     return choice
 
@@ -267,18 +306,19 @@ def describe_choice(choice: GemmChoice) -> str:
     """One line: the families chosen, how, and the measured ratios against the build's tiles."""
     prefetch = "with" if choice.prefetch else "without"
     text = (
-        f"native GEMM tiles: decode {choice.decode} ({prefetch} software prefetch), prefill "
-        f"{choice.prefill} ({choice.source}"
+        f"native GEMM tiles: decode {choice.decode} ({prefetch} software prefetch, a lone row "
+        f"on {choice.one_row_panels} panels), prefill {choice.prefill} ({choice.source}"
     )
     if choice.seconds:
         base = choice.seconds[choice.families[0]]
-        decode_key = "decode" if choice.prefetch else "decode_no_prefetch"
-        decode = base["decode"] / choice.seconds[choice.decode][decode_key]
+        decode = base["decode"] / choice.seconds[choice.decode]["decode"]
         prefill = base["prefill"] / choice.seconds[choice.prefill]["prefill"]
-        text += (
-            f"; decode {decode:.2f}x, prefill {prefill:.2f}x the {choice.families[0]} tiles "
-            "with prefetch"
-        )
+        text += f"; decode {decode:.2f}x, prefill {prefill:.2f}x the {choice.families[0]} tiles"
+        timings = choice.seconds[choice.decode]
+        default = variant_key(*DECODE_VARIANTS[0])
+        if default in timings:
+            picked = timings[variant_key(choice.prefetch, choice.one_row_panels)]
+            text += f"; a lone row {timings[default] / picked:.2f}x the default variant"
     if choice.rejected:
         text += f"; rejected for differing bits: {', '.join(choice.rejected)}"
     return text + ")"

@@ -38,11 +38,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_bf16_families", &gemm_bf16_families,
         "every tile family of linear_bf16_packed that runs here (the same sums in each)");
   m.def("gemm_bf16_select", &gemm_bf16_select,
-        "the families decode-sized and larger calls take from now on ('' keeps one), and "
-        "whether decode-sized tiles prefetch in software (-1 keeps it)",
-        py::arg("decode"), py::arg("prefill"), py::arg("prefetch") = -1);
+        "the families decode-sized and larger calls take from now on ('' keeps one), whether "
+        "decode-sized tiles prefetch in software and the panels of a lone row's tile (2 or 4; "
+        "-1 keeps either)",
+        py::arg("decode"), py::arg("prefill"), py::arg("prefetch") = -1,
+        py::arg("one_row_panels") = -1);
   m.def("gemm_bf16_selected", &gemm_bf16_selected,
-        "(decode family, prefill family, the largest decode-sized row count, prefetch)");
+        "(decode family, prefill family, the largest decode-sized row count, prefetch, the "
+        "panels of a lone row's tile)");
   m.def("linear_bf16_packed_on", &linear_bf16_packed_on,
         "linear_bf16_packed on the named tile family whatever the selection (the same sums)",
         py::arg("out"), py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias"),

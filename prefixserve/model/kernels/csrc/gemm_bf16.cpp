@@ -94,12 +94,25 @@ void run_tile(const Problem& pb, int64_t m0, int64_t panel0) {
                            stride, pb.pairs, out);
 }
 
-template <class T, int MR>
-void run_rows(const Problem& pb, int64_t m0, int64_t panel0, int64_t panel1) {
-  constexpr int NP = T::panels_for(MR);
+template <class T, int MR, int NP>
+void run_rows_of(const Problem& pb, int64_t m0, int64_t panel0, int64_t panel1) {
   int64_t j = panel0;
   for (; j + NP <= panel1; j += NP) run_tile<T, MR, NP>(pb, m0, j);
   for (; j < panel1; ++j) run_tile<T, MR, 1>(pb, m0, j);
+}
+
+// Whether a lone row takes 2 panels a tile on family T (g_one_row_panels).
+template <class T>
+bool one_row_narrow() {
+  return T::kOneRowChoice && g_one_row_panels.load(std::memory_order_relaxed) == 2;
+}
+
+template <class T, int MR>
+void run_rows(const Problem& pb, int64_t m0, int64_t panel0, int64_t panel1) {
+  if constexpr (MR == 1 && T::kOneRowChoice) {
+    if (one_row_narrow<T>()) return run_rows_of<T, 1, 2>(pb, m0, panel0, panel1);
+  }
+  run_rows_of<T, MR, T::panels_for(MR)>(pb, m0, panel0, panel1);
 }
 
 // Rows [m0, m0 + mr) (mr <= T::kMaxRows) over panels [panel0, panel1), on T's tile of mr rows.
@@ -353,7 +366,8 @@ Problem prepare_linear(const char* name, torch::Tensor& out, torch::Tensor& x,
 template <class T>
 void run_linear_on(const Problem& pb, int64_t threads) {
   const int64_t panels = (pb.N + kPanel - 1) / kPanel;
-  const int np = T::panels_for(static_cast<int>(std::min(pb.rows, T::kMaxRows)));
+  const int mr = static_cast<int>(std::min(pb.rows, T::kMaxRows));
+  const int np = mr == 1 && one_row_narrow<T>() ? 2 : T::panels_for(mr);
   schedule(pb.rows, panels, pb.pairs, T::kMaxRows, np, 1, threads,
            [&](int64_t m0, int64_t mr, int64_t p0, int64_t p1) {
              run_block<T>(pb, m0, mr, p0, p1);
@@ -454,19 +468,25 @@ std::vector<std::string> gemm_bf16_families() {
 }
 
 // The families decode-sized calls (up to kComputeBoundRows rows) and larger ones take from now
-// on ("" keeps a class's choice), and whether decode-sized tiles prefetch in software (-1 keeps
-// it); every family and both prefetch settings give the same bits, so this changes only speed.
-void gemm_bf16_select(const std::string& decode, const std::string& prefill, int64_t prefetch) {
+// on ("" keeps a class's choice), whether decode-sized tiles prefetch in software and the panels
+// a lone row's tile takes (2 or 4; -1 keeps either); every family and setting gives the same
+// bits, so this changes only speed.
+void gemm_bf16_select(const std::string& decode, const std::string& prefill, int64_t prefetch,
+                      int64_t one_row_panels) {
+  TORCH_CHECK(one_row_panels == -1 || one_row_panels == 2 || one_row_panels == 4,
+              "gemm_bf16_select: one_row_panels is 2 or 4 (or -1 to keep it)");
   const int d = decode.empty() ? -2 : static_cast<int>(family_named(decode));
   const int p = prefill.empty() ? -2 : static_cast<int>(family_named(prefill));
   if (d != -2) g_selected[0].store(d);
   if (p != -2) g_selected[1].store(p);
   if (prefetch >= 0) g_tile_prefetch.store(prefetch != 0);
+  if (one_row_panels > 0) g_one_row_panels.store(static_cast<int>(one_row_panels));
 }
 
-// (decode family, prefill family, the largest decode-sized row count, prefetch) as selected now.
-std::tuple<std::string, std::string, int64_t, bool> gemm_bf16_selected() {
+// (decode family, prefill family, the largest decode-sized row count, prefetch, the panels of a
+// lone row's tile) as selected now.
+std::tuple<std::string, std::string, int64_t, bool, int64_t> gemm_bf16_selected() {
   return {kFamilyNames[static_cast<int>(selected_family(1))],
           kFamilyNames[static_cast<int>(selected_family(kComputeBoundRows + 1))],
-          kComputeBoundRows, g_tile_prefetch.load()};
+          kComputeBoundRows, g_tile_prefetch.load(), g_one_row_panels.load()};
 }

@@ -42,6 +42,11 @@ constexpr int64_t kMaxTileRows = 12;  // rows of the largest register tile
 // calibration measures it (`gemm_bf16_select`). It changes no sum.
 inline std::atomic<bool> g_tile_prefetch{true};
 
+// Panels a lone row's tile takes at once on the AVX-512 families: 4 (8 chains of sums) or 2
+// (half the chains, but jobs of half the weight, which two threads share more evenly: on AMD
+// Zen 4 decode at batch 1 ran ~1.1x with 2). Measured by the calibration; it changes no sum.
+inline std::atomic<int> g_one_row_panels{4};
+
 using prefixserve::bf16_bits_to_float;
 
 // The activations of the gated epilogue (the values the Python side passes).
@@ -357,6 +362,7 @@ struct Tiles {
   // One row takes two panels, two rows one: 8 chains, and with the rows' broadcasts and a
   // weight vector's two halves 15 of the 16 vector registers.
   static constexpr int panels_for(int rows) { return rows == 1 ? 2 : 1; }
+  static constexpr bool kOneRowChoice = false;
   template <int MR, int NP>
   PREFIXSERVE_TARGET_AVX2 static void tile(const float* x, int64_t ldx, const uint16_t* panel,
                                            int64_t panel_stride, int64_t pairs,
@@ -376,6 +382,7 @@ struct BuildTiles {
   static constexpr int64_t kMaxRows = kMaxTileRows;
   static constexpr int64_t kMaxGatedRows = 6;  // two panels: 24 accumulators
   static constexpr int panels_for(int rows) { return rows <= 3 ? 4 : (rows <= 6 ? 2 : 1); }
+  static constexpr bool kOneRowChoice = true;  // a lone row may take 2 panels (g_one_row_panels)
   template <int MR, int NP>
   static void tile(const float* x, int64_t ldx, const uint16_t* panel, int64_t panel_stride,
                    int64_t pairs, const TileOut& out) {
@@ -425,6 +432,7 @@ struct Tiles {
   static constexpr int64_t kMaxRows = kMaxTileRows;
   static constexpr int64_t kMaxGatedRows = BuildTiles::kMaxGatedRows;
   static constexpr int panels_for(int rows) { return BuildTiles::panels_for(rows); }
+  static constexpr bool kOneRowChoice = true;
   template <int MR, int NP>
   PREFIXSERVE_TARGET_DOT static void tile(const uint16_t* x, int64_t ldx, const uint16_t* panel,
                                           int64_t panel_stride, int64_t pairs,

@@ -27,8 +27,9 @@ void linear_bf16_packed_on(torch::Tensor out, torch::Tensor x, torch::Tensor pac
                            c10::optional<torch::Tensor> bias, int64_t threads,
                            const std::string& tiles, c10::optional<torch::Tensor> residual);
 std::vector<std::string> gemm_bf16_families();
-void gemm_bf16_select(const std::string& decode, const std::string& prefill, int64_t prefetch);
-std::tuple<std::string, std::string, int64_t, bool> gemm_bf16_selected();
+void gemm_bf16_select(const std::string& decode, const std::string& prefill, int64_t prefetch,
+                      int64_t one_row_panels);
+std::tuple<std::string, std::string, int64_t, bool, int64_t> gemm_bf16_selected();
 
 // rope_kv.cpp
 void rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t q_heads,
