@@ -125,7 +125,7 @@ class LLMEngine:
             loaded_model.path,
             self.kv_cache_groups,
             kv_layout(self.runner.kv_caches),
-            self.runner.batch_invariant,
+            self.runner.kv_numerics(),
         )
         if self.kv_connector is not None:
             self.scheduler.kv_connector = self.kv_connector

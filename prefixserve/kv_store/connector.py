@@ -272,14 +272,14 @@ def open_engine_kv_store(
     model_dir: str | Path,
     groups: Sequence[KVCacheSpec],
     kv_layout: str,
-    batch_invariant: bool = False,
+    numerics: str = "",
 ) -> tuple[KVStoreConnector | None, bytes | None]:
     """The disk tier `config.kv_store` asks for, opened (created if needed) for this model and
     cache layout with its writer started, and the hash chain's seed derived from the store's
     secret (so a restarted process hits what its predecessor stored); (None, None) when the
     config has no tier or the model cannot use one (logged). Raises ValueError / OSError
-    (UnsafeStoreError for a directory others can reach). `batch_invariant`: the runner's mode
-    (as resolved from `config.batch_invariant`)."""
+    (UnsafeStoreError for a directory others can reach). `numerics`: the runner's name for how
+    its K/V are computed where that changes their bits (`ModelRunner.kv_numerics`)."""
     store_config = config.kv_store
     if store_config is None or not store_config.enabled:
         return None, None
@@ -298,8 +298,7 @@ def open_engine_kv_store(
     secret = load_or_create_seed(store_config.dir)
     # Batch-invariant engines compute K/V on other paths (other roundings): their blocks live
     # apart, or a disk hit would break the bit-for-bit promise.
-    if batch_invariant:
-        kv_layout += "/batch-invariant"
+    kv_layout += numerics
     namespace = store_namespace(
         model_fingerprint(model_dir),
         config.dtype,

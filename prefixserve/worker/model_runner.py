@@ -134,14 +134,17 @@ def resolve_batch_invariant(
     wanted: bool | None, config: ModelConfig, attention_kernel: object
 ) -> bool:
     """The batch-invariant mode this runner takes: `wanted` when given (True raises where the
-    kernels it needs are missing), else on for a bf16 model wherever it can be (the paged
-    attention kernel and a native bf16 GEMM or oneDNN's packed one), off otherwise. fp32 models
-    stay off by default: their linears run MKL's sgemm, whose blocking (and so each output's
-    summation order) follows the row count, and the native GEMM is bf16 only."""
+    kernels it needs are missing), else on for a bf16 model wherever the native kernels run (the
+    paged attention kernel and the native GEMM, whose invariant path is its fast one), off
+    otherwise. fp32 models stay off by default: their linears run MKL's sgemm, whose blocking
+    (and so each output's summation order) follows the row count, and the native GEMM is bf16
+    only."""
     possible_bf16 = bf16_packing_supported() or compiled_kernel("gemm_any") is not None
     if wanted is None:
         return (
-            config.torch_dtype == torch.bfloat16 and attention_kernel is not None and possible_bf16
+            config.torch_dtype == torch.bfloat16
+            and attention_kernel is not None
+            and compiled_kernel("gemm") is not None
         )
     if wanted and attention_kernel is None:
         raise ValueError(
@@ -243,6 +246,15 @@ class ModelRunner:
             gen = seeded_generator(seed)
             self._seeded_generators[request.request_id] = gen
         return gen
+
+    def kv_numerics(self) -> str:
+        """What the disk tier's namespace adds for how this runner computes K/V: nothing
+        outside the batch-invariant mode; in it, its linears' path (the native GEMM's order, or
+        oneDNN's where `PREFIXSERVE_NATIVE_GEMM=0`), so a hit is a cold start's bits."""
+        if not self.batch_invariant:
+            return ""
+        linears = "native-gemm" if compiled_kernel("gemm") is not None else "onednn"
+        return f"/batch-invariant/{linears}"
 
     def gather_blocks(self, block_ids: Sequence[int]) -> list[memoryview]:
         """Copies of these blocks' K/V (every layer) for the disk tier (kv_store/worker.py)."""

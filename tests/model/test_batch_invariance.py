@@ -525,3 +525,25 @@ def test_batch_invariance_is_on_by_default_for_bf16_wherever_the_kernels_run(
     fp32 = dataclasses.replace(config, dtype="float32")
     assert resolve_batch_invariant(None, fp32, kernel) is False
     assert resolve_batch_invariant(True, fp32, kernel) is True
+    from prefixserve.model.layers import kernel_table
+
+    if compiled_kernel("gemm") is not None:  # oneDNN alone: only on request, and named apart
+        monkeypatch.setitem(kernel_table._kernels, "gemm", None)
+        assert resolve_batch_invariant(None, config, kernel) is False
+
+
+def test_the_disk_tier_keeps_apart_blocks_of_each_linear_path(default_model_bf16, monkeypatch):
+    """A batch-invariant engine's K/V carry their linears' order: blocks of the native GEMM
+    and of oneDNN (PREFIXSERVE_NATIVE_GEMM=0 with the flag) never share a namespace, and an
+    engine outside the mode names nothing."""
+    from prefixserve.model.layers import kernel_table
+
+    if paged_attention_kernel() is None or compiled_kernel("gemm") is None:
+        pytest.skip("the native kernels are not built here")
+    config = EngineConfig(dtype="bfloat16", cache=CacheConfig(num_kv_blocks=32))
+    runner = LLMEngine(config, loaded_model=default_model_bf16).runner
+    assert runner.kv_numerics() == "/batch-invariant/native-gemm"
+    monkeypatch.setitem(kernel_table._kernels, "gemm", None)
+    assert runner.kv_numerics() == "/batch-invariant/onednn"
+    runner.batch_invariant = False
+    assert runner.kv_numerics() == ""

@@ -123,6 +123,38 @@ def test_the_switch_forces_the_families_or_refuses_one_that_cannot_run(cache_dir
     assert (off.decode, off.prefill, off.source) == (names[0], names[0], "off")
     with pytest.raises(ValueError, match="does not run here"):
         calibration._forced("amx_tiles", names)
+    spaced = calibration._forced(f"{names[0]} , {last}", names)
+    assert (spaced.decode, spaced.prefill) == (names[0], last)
+    if len(names) > 1:  # a family whose bits differ here is refused even when named
+        with pytest.raises(ValueError, match="bits differ"):
+            calibration._forced(names[1], names, OneBitOff(names[1]))
+        assert calibration._forced(names[1], names, MODULE).decode == names[1]
+
+
+def test_a_family_whose_gated_epilogue_differs_is_not_in_agreement():
+    names = families()
+    if len(names) < 2:
+        pytest.skip("one tile family here")
+
+    class GatedOff(OneBitOff):
+        def linear_bf16_packed_on(self, *args, **kwargs):
+            return MODULE.linear_bf16_packed_on(*args, **kwargs)
+
+        def linear_bf16_packed_gated(self, out, *args):
+            MODULE.linear_bf16_packed_gated(out, *args)
+            if MODULE.gemm_bf16_selected()[0] == self.family:
+                out.view(torch.int16).view(-1)[0] ^= 1
+
+    assert calibration._agrees(MODULE, names[1], names[0])
+    assert not calibration._agrees(GatedOff(names[1]), names[1], names[0])
+
+
+def test_an_unwritable_cache_measures_for_this_process_alone(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("PREFIXSERVE_CACHE_DIR", str(blocker))  # a file: no directory under it
+    choice = calibration._calibrated(MODULE, families())
+    assert choice.source == "measured" and choice.decode in families()
 
 
 def test_the_kernel_runs_the_selected_families_and_says_which():

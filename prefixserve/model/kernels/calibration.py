@@ -19,6 +19,7 @@ the families, the timings and the choice; delete it (or change the build) to mea
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -62,13 +63,45 @@ class GemmChoice:
 
 
 def _cache_path() -> Path:
-    """One file per CPU, torch and Python (`build._build_tag`) and kernel sources: a change to
-    the tiles measures again."""
-    return cache_root() / "calibration" / f"gemm-{_build_tag()}-{sources_digest()}.json"
+    """One file per CPU, torch and Python (`build._build_tag`), kernel sources, calibration
+    version and thread count: a change to any of them measures again."""
+    name = (
+        f"gemm-{_build_tag()}-{sources_digest()}-v{CALIBRATION_VERSION}"
+        f"-t{torch.get_num_threads()}.json"
+    )
+    return cache_root() / "calibration" / name
 
 
 def _agrees(module: Any, family: str, reference: str) -> bool:
-    """Whether `family` gives `reference`'s bits on random problems (odd K, bias, residual)."""
+    """Whether `family` gives `reference`'s bits on random problems: plain linears (odd K, a
+    bias, a residual) and the gated epilogue (SiLU and GELU, a bias)."""
+    return _linears_agree(module, family, reference) and _gated_agree(module, family, reference)
+
+
+def _gated_agree(module: Any, family: str, reference: str) -> bool:
+    gen = torch.Generator().manual_seed(8)
+    k, i = 96, 64
+    w = torch.randn(2 * i, k, generator=gen).bfloat16()
+    bias = torch.randn(2 * i, generator=gen).bfloat16()
+    packed = module.pack_bf16_gemm(w)
+    x = (torch.randn(13, k, generator=gen) * 4).bfloat16()
+    was = module.gemm_bf16_selected()
+    try:
+        for act in (1, 2):
+            outs = []
+            for tiles in (family, reference):
+                module.gemm_bf16_select(tiles, tiles)
+                out = torch.empty(13, i, dtype=torch.bfloat16)
+                module.linear_bf16_packed_gated(out, x, packed, 2 * i, bias, act, 2)
+                outs.append(out)
+            if not torch.equal(outs[0], outs[1]):
+                return False
+        return True
+    finally:
+        module.gemm_bf16_select(was[0], was[1])
+
+
+def _linears_agree(module: Any, family: str, reference: str) -> bool:
     gen = torch.Generator().manual_seed(7)
     for k, n in ((201, 96), (640, 160)):
         w = torch.randn(n, k, generator=gen).bfloat16()
@@ -161,7 +194,7 @@ def _measure(module: Any, families: list[str]) -> dict[str, dict[str, float]]:
                 "decode": _time(lambda t=tiles: decode(t, (1, 8))),
                 "prefill": _time(lambda t=tiles: run(big_out, big, square, 1024, None, threads, t)),
             }
-        fastest = min(families, key=lambda tiles: seconds[tiles]["decode"])
+        fastest = _fastest(seconds, families[0], "decode")  # the family decode will take
         for prefetch, panels in DECODE_VARIANTS:
             module.gemm_bf16_select("", "", int(prefetch), panels)
             key = variant_key(prefetch, panels)
@@ -229,11 +262,12 @@ def _write_cache(path: Path, families: list[str], choice: GemmChoice) -> None:
     tmp.replace(path)
 
 
-def _forced(value: str, families: list[str]) -> GemmChoice:
-    """The choice PREFIXSERVE_GEMM_TILES names ("off": the build's FMA tiles)."""
+def _forced(value: str, families: list[str], module: Any = None) -> GemmChoice:
+    """The choice PREFIXSERVE_GEMM_TILES names ("off": the build's FMA tiles). With `module`,
+    a named family must give the build's tiles' bits here too (the measurement's own check)."""
     if value == "off":
         return GemmChoice(families[0], families[0], "off", tuple(families))
-    decode, _, prefill = value.partition(",")
+    decode, _, prefill = (part.strip() for part in value.partition(","))
     prefill = prefill or decode
     for name in (decode, prefill):
         if name not in families:
@@ -241,43 +275,62 @@ def _forced(value: str, families: list[str]) -> GemmChoice:
                 f"PREFIXSERVE_GEMM_TILES names {name!r}, which does not run here; this host's "
                 f"families are {', '.join(families)} (or 'off', or 'auto')"
             )
+        if module is not None and name != families[0] and not _agrees(module, name, families[0]):
+            raise ValueError(
+                f"PREFIXSERVE_GEMM_TILES names {name!r}, whose bits differ from the "
+                f"{families[0]} tiles' on this CPU: it would break batch invariance"
+            )
     return GemmChoice(decode, prefill, "PREFIXSERVE_GEMM_TILES", tuple(families))
 
 
 def _calibrated(module: Any, families: list[str]) -> GemmChoice:
-    """The cached choice for this CPU and build, else a new measurement (written to the cache)."""
+    """The cached choice for this CPU and build, else a new measurement (written to the cache;
+    where the cache cannot be written, measured for this process alone, with a warning)."""
     path = _cache_path()
     cached = _read_cache(path, families)
     if cached is not None:
         return cached
-    with file_lock(path.with_suffix(".lock")):
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(file_lock(path.with_suffix(".lock")))
+        except OSError as exc:
+            logger.warning("the calibration's cache %s is not writable (%s)", path, exc)
+            return _measured(module, families)
         cached = _read_cache(path, families)  # another process may have measured meanwhile
         if cached is not None:
             return cached
-        reference = families[0]
-        rejected = tuple(f for f in families[1:] if not _agrees(module, f, reference))
-        for family in rejected:
-            logger.warning(
-                "the native GEMM's %s tiles do not give the %s tiles' bits on this CPU; they "
-                "are not used",
-                family,
-                reference,
-            )
-        candidates = [f for f in families if f not in rejected]
-        seconds = _measure(module, candidates)
-        decode, (prefetch, panels) = _fastest_decode(seconds, reference)
-        choice = GemmChoice(
-            decode,
-            _fastest(seconds, reference, "prefill"),
-            "measured",
-            tuple(families),
-            prefetch,
-            panels,
-            seconds,
-            rejected,
-        )
-        _write_cache(path, families, choice)
+        choice = _measured(module, families)
+        try:
+            _write_cache(path, families, choice)
+        except OSError as exc:
+            logger.warning("the calibration's cache %s is not writable (%s)", path, exc)
         return choice
+
+
+def _measured(module: Any, families: list[str]) -> GemmChoice:
+    """A new measurement: the families that give the build's bits, timed."""
+    reference = families[0]
+    rejected = tuple(f for f in families[1:] if not _agrees(module, f, reference))
+    for family in rejected:
+        logger.warning(
+            "the native GEMM's %s tiles do not give the %s tiles' bits on this CPU; they "
+            "are not used",
+            family,
+            reference,
+        )
+    candidates = [f for f in families if f not in rejected]
+    seconds = _measure(module, candidates)
+    decode, (prefetch, panels) = _fastest_decode(seconds, reference)
+    return GemmChoice(
+        decode,
+        _fastest(seconds, reference, "prefill"),
+        "measured",
+        tuple(families),
+        prefetch,
+        panels,
+        seconds,
+        rejected,
+    )
 
 
 @functools.cache
@@ -290,7 +343,7 @@ def calibrate_gemm() -> GemmChoice | None:
     families = list(module.gemm_bf16_families())
     forced = gemm_tiles()
     if forced is not None:
-        choice = _forced(forced, families)
+        choice = _forced(forced, families, module)
     elif len(families) == 1:
         choice = GemmChoice(families[0], families[0], "one family", tuple(families))
     else:

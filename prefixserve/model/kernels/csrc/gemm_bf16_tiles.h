@@ -52,12 +52,13 @@ using prefixserve::bf16_bits_to_float;
 // The activations of the gated epilogue (the values the Python side passes).
 enum Act : int64_t { kNone = 0, kSilu = 1, kGeluTanh = 2 };
 
-// Flush-to-zero and denormals-are-zero for the current thread while it lives (the dot product's
-// rule, for the FMA families): the MXCSR is restored after.
+// Flush-to-zero, denormals-are-zero and rounding to nearest even for the current thread while it
+// lives (the dot product's rules, which ignore the MXCSR, for the FMA families and the scalar
+// epilogue): the MXCSR is restored after. Elsewhere (aarch64) one family runs, the portable one.
 struct FlushDenormals {
 #if defined(__x86_64__)
   unsigned saved = _mm_getcsr();
-  FlushDenormals() { _mm_setcsr(saved | 0x8040u); }
+  FlushDenormals() { _mm_setcsr((saved & ~0x6000u) | 0x8040u); }
   ~FlushDenormals() { _mm_setcsr(saved); }
 #endif
 };
