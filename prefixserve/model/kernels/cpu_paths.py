@@ -67,7 +67,8 @@ CPU_TABLE: dict[str, CpuPaths] = {
     # MKL's fp32 one from a few hundred rows (~155 against ~240 GFLOP/s). The native GEMM
     # (fp32 FMAs on bf16 weights widened in registers) matches fp32 MKL from 512 rows (210-260
     # GFLOP/s on two threads), beats oneDNN 1.1-2.5x at 8-64 rows and the streaming kernel
-    # 1.1-1.7x at 1-8 (2026-12-03, bench_gemm.py --native), so it takes every row count.
+    # 1.1-1.7x at 1-8 (2026-12-03, bench_gemm.py --native); it now takes every CPU kind with
+    # vector tiles, and this row says what happens without it.
     # Attention: the kernel wins 1.7-2.2x at 4-8 queries over a 1,024-token prefix, and the
     # crossover lies between 16 and 32.
     "avx512_bf16_intel": CpuPaths(64, False, 12, "Intel Xeon without AMX, 2026-12-03"),
