@@ -1,6 +1,7 @@
-"""Features composed: hypothesis draws an engine configuration (pins, the disk tier off, fresh or
-shared with earlier engines, eviction policy, scheduling policy, chunked prefill, n-gram
-speculation, LoRA with one slot, prompt embeddings, small pools) and a workload of several tenants
+"""Features composed: hypothesis draws an engine configuration (the dtype: float32, or bf16 in its
+default batch-invariant mode; pins, the disk tier off, fresh or shared with earlier engines of
+either dtype, eviction policy, scheduling policy, chunked prefill, n-gram speculation, LoRA with
+one slot, prompt embeddings, small pools) and a workload of several tenants
 (a shared system prompt, another tenant's exact prompt, prompts too long for what the pins leave,
 aborts, resets of RAM or of every tier, pins and unpins), and checks after every operation:
 
@@ -9,8 +10,9 @@ aborts, resets of RAM or of every tier, pins and unpins), and checks after every
 - no tenant ever hits another tenant's blocks: a request's cached tokens never exceed the longest
   block-aligned prefix it shares with a prompt of its own namespace (tenant, adapter, embeddings);
   tenants send the same tokens, so a cross-tenant hit would show;
-- every request that ran to its length equals a cold float32 reference (no prefix caching, run
-  alone), whether its K/V came from the pool, the disk, a pin, a recompute or speculation.
+- every request that ran to its length equals a cold reference of its dtype (no prefix caching,
+  run alone), whether its K/V came from the pool, the disk, a pin, a recompute or speculation;
+  a dtype's blocks are never another's (the namespace includes the dtype).
 
 The model is a random-weight tiny Llama (tests/model/tiny_hf_models.py). `make test` runs a fixed
 set of examples (derandomized); PREFIXSERVE_COMBINATIONS_EXAMPLES=N runs N random ones (a soak).
@@ -26,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from prefixserve.bench.lora_adapters import write_random_adapter
@@ -70,6 +72,7 @@ class Setup:
     embeds: bool
     pins: bool
     disk: str  # "off" | "fresh" | "shared"
+    dtype: str = "float32"  # or "bfloat16": batch-invariant by default where the kernels run
 
 
 @dataclass(frozen=True)
@@ -102,6 +105,7 @@ setups = st.builds(
     embeds=st.booleans(),
     pins=st.booleans(),
     disk=st.sampled_from(["off", "fresh", "shared"]),
+    dtype=st.sampled_from(["float32", "bfloat16"]),
 )
 sends = st.builds(
     Send,
@@ -133,24 +137,26 @@ def world(tmp_path_factory, default_model_fp32):
     fingerprint), two adapters, the shared store's directory, and a cold reference engine."""
     root = tmp_path_factory.mktemp("combinations")
     hf, config_json = build_hf_model("llama", root / "model")
-    model, config = build_ours(hf, config_json)
-    loaded = LoadedModel(
-        model=model, tokenizer=default_model_fp32.tokenizer, config=config, path=root / "model"
-    )
+    models, references = {}, {}
+    for dtype in ("float32", "bfloat16"):
+        model, config = build_ours(hf, config_json, dtype=dtype)
+        models[dtype] = LoadedModel(
+            model=model, tokenizer=default_model_fp32.tokenizer, config=config, path=root / "model"
+        )
+        references[dtype] = LLMEngine(
+            EngineConfig(
+                dtype=dtype,
+                max_model_len=MAX_MODEL_LEN,
+                cache=CacheConfig(block_size=BLOCK, num_kv_blocks=256, enable_prefix_caching=False),
+                lora=LoRAConfig(max_loras=2, max_lora_rank=8),
+            ),
+            loaded_model=models[dtype],
+        )
     adapters = {
         name: str(write_random_adapter(root / name, config, rank=4, seed=i + 1, std=0.2))
         for i, name in enumerate(ADAPTERS)
     }
-    reference = LLMEngine(
-        EngineConfig(
-            dtype="float32",
-            max_model_len=MAX_MODEL_LEN,
-            cache=CacheConfig(block_size=BLOCK, num_kv_blocks=256, enable_prefix_caching=False),
-            lora=LoRAConfig(max_loras=2, max_lora_rank=8),
-        ),
-        loaded_model=loaded,
-    )
-    return World(loaded, adapters, root / "shared-store", reference)
+    return World(models, adapters, root / "shared-store", references)
 
 
 @dataclass
@@ -175,19 +181,21 @@ class History:
 
 @dataclass
 class World:
-    loaded: LoadedModel
+    models: dict[str, LoadedModel]  # by dtype
     adapters: dict[str, str]
     shared_store: Path
-    reference: LLMEngine
+    references: dict[str, LLMEngine]  # by dtype
     memo: dict = field(default_factory=dict)
     # What was sent into the shared store (it outlives each example's engine).
     shared_history: History = field(default_factory=lambda: History())
 
-    def expected(self, prompt: tuple[int, ...], adapter: str | None, max_tokens: int) -> list:
-        """Greedy tokens of a cold, uncached run of the prompt alone."""
-        key = (prompt, adapter, max_tokens)
+    def expected(
+        self, prompt: tuple[int, ...], adapter: str | None, max_tokens: int, dtype: str
+    ) -> list:
+        """Greedy tokens of a cold, uncached run of the prompt alone in `dtype`."""
+        key = (prompt, adapter, max_tokens, dtype)
         if key not in self.memo:
-            engine = self.reference
+            engine = self.references[dtype]
             engine.add_request(
                 "ref", list(prompt), greedy(max_tokens), lora_request=self.lora(adapter)
             )
@@ -226,7 +234,7 @@ def build_engine(world: World, setup: Setup, tmp_path: Path) -> LLMEngine:
         directory = world.shared_store if setup.disk == "shared" else tmp_path / "store"
         store = KVStoreConfig(dir=directory, capacity_bytes=1 << 30)
     config = EngineConfig(
-        dtype="float32",
+        dtype=setup.dtype,
         max_model_len=MAX_MODEL_LEN,
         cache=CacheConfig(
             block_size=BLOCK,
@@ -245,7 +253,7 @@ def build_engine(world: World, setup: Setup, tmp_path: Path) -> LLMEngine:
         lora=LoRAConfig(max_loras=1, max_lora_rank=8) if setup.lora else None,
         enable_prompt_embeds=setup.embeds,
     )
-    return LLMEngine(config, loaded_model=world.loaded)
+    return LLMEngine(config, loaded_model=world.models[setup.dtype])
 
 
 # ------------------------------------------------------------------------------ one run
@@ -285,7 +293,7 @@ class Run:
         adapter = send.adapter if self.setup.lora else None
         embeds = send.embeds and self.setup.embeds
         prompt = self._prompt(send)
-        namespace = (send.tenant, adapter, embeds)
+        namespace = (self.setup.dtype, send.tenant, adapter, embeds)
         request_id = f"r{len(self.prompts)}-{uuid.uuid4().hex[:8]}"  # unique in the store's history
         self.prompts.append(prompt)
         try:
@@ -354,8 +362,9 @@ class Run:
         warm = f"warm-{uuid.uuid4().hex[:8]}"
         self.engine.add_request(warm, SYSTEM + [1], greedy(1), cache_salt=salt(0), tenant="t0")
         prompt = tuple(SYSTEM + [1])
-        self.sent.append(Sent(warm, (0, None, False), prompt, None, 1, self.history.epoch))
-        self.history.add((0, None, False), prompt, warm)
+        namespace = (self.setup.dtype, 0, None, False)
+        self.sent.append(Sent(warm, namespace, prompt, None, 1, self.history.epoch))
+        self.history.add(namespace, prompt, warm)
         drain(self.engine, self.finals)
         try:
             self.engine.pin_prefix("system", SYSTEM, cache_salt=salt(0))
@@ -382,7 +391,9 @@ class Run:
             self._check_report(sent, final)
             tokens = list(final.outputs[0].token_ids)
             assert len(tokens) == sent.max_tokens, (sent, final.outputs[0].finish_reason)
-            expected = self.world.expected(sent.prompt, sent.adapter, sent.max_tokens)
+            expected = self.world.expected(
+                sent.prompt, sent.adapter, sent.max_tokens, self.setup.dtype
+            )
             assert tokens == expected, (sent, tokens, expected)
         if self.pinned:
             self.engine.unpin_prefix("system")
@@ -446,6 +457,19 @@ SEAMS = [
         [_send(0, adapter="a"), _send(1, adapter="b"), _send(1, adapter="b", embeds=True)]
         + [Op("step", count=4), _send(2, adapter="b", embeds=True)],
     ),
+    # one store shared by a float32 engine, then a bf16 one (batch-invariant by default): the
+    # bf16 engine never loads the float32 blocks, and its own hits, pins, drafts and adapter
+    # rows give its cold reference's tokens
+    (
+        _setup(disk="shared"),
+        [_send(0), Op("step", count=4), _send(1, "copy", tail=0), Op("step", count=4)],
+    ),
+    (
+        _setup(dtype="bfloat16", disk="shared", speculative=True, lora=True, pins=True),
+        [_send(0), Op("step", count=4), Op("pin"), _send(1, "copy", tail=0)]
+        + [_send(0, adapter="a"), Op("reset", flag=True), _send(2, "copy", tail=0)]
+        + [Op("step", count=4), _send(0, "copy", tail=0)],
+    ),
 ]
 
 
@@ -466,6 +490,8 @@ def with_seams(test):
 def test_composed_features_keep_every_invariant(world, tmp_path, setup, workload):
     engine = build_engine(world, setup, tmp_path / uuid.uuid4().hex)  # "fresh": a new store
     try:
+        # bf16 equals its cold reference only where the engine is batch-invariant (the kernels)
+        assume(setup.dtype == "float32" or engine.runner.batch_invariant)
         run = Run(world, setup, engine)
         for op in workload:
             run.apply(op)
