@@ -40,22 +40,24 @@ _SOURCES = [
 ]
 
 
+def _digest(paths: list[Path], length: int) -> str:
+    """A digest of these files' names and bytes."""
+    digest = hashlib.sha256()
+    for path in sorted(paths):
+        digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()[:length]
+
+
 def sources_digest() -> str:
     """A digest of every file of csrc/: what a build of the kernels computes, and how fast (the
     calibration's cache is kept per build, `calibration.py`)."""
-    digest = hashlib.sha256()
-    for source in sorted(_CSRC.iterdir()):
-        digest.update(source.name.encode() + source.read_bytes())
-    return digest.hexdigest()[:12]
+    return _digest(list(_CSRC.iterdir()), 12)
 
 
 def _headers_digest() -> str:
     """A digest of csrc/'s headers: torch rebuilds an extension when its sources or flags
     change, not its headers, so the digest goes into the flags."""
-    digest = hashlib.sha256()
-    for header in sorted(_CSRC.glob("*.h")):
-        digest.update(header.name.encode() + header.read_bytes())
-    return digest.hexdigest()[:16]
+    return _digest(list(_CSRC.glob("*.h")), 16)
 
 
 _lock = threading.Lock()
