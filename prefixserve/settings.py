@@ -5,6 +5,8 @@ read at call time (not import time), so a test or a launcher may change them in-
 
 - PREFIXSERVE_CACHE_DIR (`cache_root`): converted models and kernel builds (~/.cache/prefixserve)
 - PREFIXSERVE_KERNELS (`kernels_enabled`): 0/off never builds or uses the native CPU kernels
+- PREFIXSERVE_KERNEL_MARCH (`kernel_march`): the kernels' `-march` target instead of `native`
+  (e.g. `haswell` builds the AVX2 kernels on an AVX-512 host, to test or time that kind)
 - PREFIXSERVE_FP32_PREFILL (`fp32_prefill`): 1/0 forces the fp32 copy of bf16 linears on/off
 - PREFIXSERVE_NATIVE_GEMM (`native_gemm`): 1/0 forces the native GEMM on/off for bf16 linears
 - PREFIXSERVE_GEMM_TILES (`gemm_tiles`): the native GEMM's tile families instead of the host's
@@ -25,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -53,6 +56,19 @@ def cache_root() -> Path:
 def kernels_enabled() -> bool:
     """False only when PREFIXSERVE_KERNELS turns the native kernels off."""
     return env_flag("PREFIXSERVE_KERNELS") is not False
+
+
+_MARCH = re.compile(r"[a-z0-9][a-z0-9.+_-]{0,39}")
+
+
+def kernel_march() -> str:
+    """PREFIXSERVE_KERNEL_MARCH: the `-march` the kernels are built for ("native" when unset);
+    a value that is not a plain target name (letters, digits, `.+_-`) is refused, since it
+    goes onto the compiler's command line."""
+    value = os.environ.get("PREFIXSERVE_KERNEL_MARCH", "").strip().lower() or "native"
+    if not _MARCH.fullmatch(value):
+        raise ValueError(f"PREFIXSERVE_KERNEL_MARCH={value!r} is not a -march target name")
+    return value
 
 
 def fp32_prefill() -> bool | None:

@@ -42,11 +42,27 @@ def test_a_stale_build_lock_does_not_hang_the_start():
 def test_the_build_flags_name_no_x86_option_on_another_architecture(monkeypatch):
     """-mprefer-vector-width is an x86 option (aarch64's compiler refuses it): on another
     architecture the build asks only for -march=native and the common flags."""
+    monkeypatch.delenv("PREFIXSERVE_KERNEL_MARCH", raising=False)
     monkeypatch.setattr(kernels.platform, "machine", lambda: "aarch64")
     flags = kernels._cflags()
     assert "-march=native" in flags and not any("vector-width" in f for f in flags)
     monkeypatch.setattr(kernels.platform, "machine", lambda: "x86_64")
     assert "-mprefer-vector-width=512" in kernels._cflags()
+
+
+def test_a_kernel_march_builds_for_that_target_under_its_own_tag(monkeypatch):
+    """PREFIXSERVE_KERNEL_MARCH builds another kind's kernels (an AVX2 build on an AVX-512
+    host) in a build directory of its own; a value that is not a target name never reaches the
+    compiler's command line."""
+    monkeypatch.delenv("PREFIXSERVE_KERNEL_MARCH", raising=False)
+    native_tag = kernels._build_tag()
+    monkeypatch.setenv("PREFIXSERVE_KERNEL_MARCH", "Haswell")
+    assert "-march=haswell" in kernels._cflags()
+    assert kernels._build_tag() != native_tag
+    for bad in ("native -fplugin=x.so", "haswell;rm", "../x", "-O0"):
+        monkeypatch.setenv("PREFIXSERVE_KERNEL_MARCH", bad)
+        with pytest.raises(ValueError, match="PREFIXSERVE_KERNEL_MARCH"):
+            kernels._cflags()
 
 
 def reference(q, keys, values, positions, scale, softcap, window):

@@ -18,7 +18,13 @@ from pathlib import Path
 from typing import Any
 
 from prefixserve.model.kernels.cpu_paths import cpuinfo
-from prefixserve.settings import cache_root, file_lock, kernels_enabled, prepend_to_path
+from prefixserve.settings import (
+    cache_root,
+    file_lock,
+    kernel_march,
+    kernels_enabled,
+    prepend_to_path,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -66,12 +72,16 @@ _state: dict[str, Any] = {}
 
 def _build_tag() -> str:
     """A short tag of what a build depends on: this CPU's model and feature flags (it is built
-    with -march=native), torch's version and the Python ABI."""
+    with -march=native, or PREFIXSERVE_KERNEL_MARCH's target, named too), torch's version and
+    the Python ABI."""
     import sys
 
     import torch
 
     text = f"{platform.machine()} torch {torch.__version__} {sys.implementation.cache_tag}\n"
+    march = kernel_march()
+    if march != "native":
+        text += f"march: {march}\n"
     info = cpuinfo()
     for field in ("model name", "flags", "Features"):
         text += f"{field}: {info.get(field, '')}\n"
@@ -79,9 +89,10 @@ def _build_tag() -> str:
 
 
 def _cflags() -> list[str]:
-    """-O3 for this CPU (-march=native), OpenMP, and on x86-64 512-bit vectors where the CPU
-    has them (an x86-only flag: other compilers' targets, such as aarch64's, refuse it)."""
-    flags = ["-O3", "-march=native", "-fopenmp", "-fno-strict-aliasing"]
+    """-O3 for this CPU (-march=native unless PREFIXSERVE_KERNEL_MARCH names another target),
+    OpenMP, and on x86-64 512-bit vectors where the target has them (an x86-only flag: other
+    compilers' targets, such as aarch64's, refuse it)."""
+    flags = ["-O3", f"-march={kernel_march()}", "-fopenmp", "-fno-strict-aliasing"]
     if platform.machine() in ("x86_64", "AMD64"):
         flags.append("-mprefer-vector-width=512")
     return [*flags, f"-DPREFIXSERVE_HEADERS={_headers_digest()}"]
