@@ -54,6 +54,9 @@ constexpr int64_t kJobBytes = 48 * 1024;
 // Batches of more rows than this are arithmetic-bound (decode-sized ones stream the weight): the
 // stream pool keeps its helpers for them however often they stall (stream_pool.h).
 constexpr int64_t kComputeBoundRows = 24;
+// Panels every row tile of a decode-sized job runs before the next few (schedule): a multiple
+// of every family's panels a tile (1, 2 or 4).
+constexpr int64_t kPanelRun = 4;
 // Arithmetic a job of a large batch covers at most (~50-100 us on one core).
 constexpr int64_t kJobFlops = 6 * 1000 * 1000;
 
@@ -162,15 +165,20 @@ template <typename Block>
 void schedule(int64_t rows, int64_t panels, int64_t pairs, int64_t tile_rows, int64_t np,
               int64_t weight_panels, int64_t threads, const Block& block) {
   const int64_t panel_bytes = weight_panels * pairs * 2 * kPanel * 2;
+  // Decode-sized calls stream the weight once, in jobs of ~kJobBytes, with every row in the job
+  // (a family with short tiles, AVX2's, runs its row tiles over each few panels in turn, so a
+  // panel is read from memory once and from cache by the other row tiles).
+  const bool few_rows = rows <= std::max(tile_rows, kComputeBoundRows);
   int64_t per_job = 1;
-  if (rows <= tile_rows) {  // whole tiles of np panels
+  if (few_rows) {  // whole tiles of np panels
     per_job = std::max<int64_t>(np, kJobBytes / std::max<int64_t>(1, panel_bytes));
     per_job = (per_job + np - 1) / np * np;
   }
   per_job = std::min(per_job, std::max<int64_t>(1, (panels + threads - 1) / threads));
   const int64_t panel_jobs = (panels + per_job - 1) / per_job;
   const int64_t tile_flops = 2 * tile_rows * per_job * weight_panels * kPanel * 2 * pairs;
-  const int64_t row_span = tile_rows * std::max<int64_t>(1, kJobFlops / tile_flops);
+  const int64_t row_span =
+      few_rows ? rows : tile_rows * std::max<int64_t>(1, kJobFlops / tile_flops);
   const int64_t row_jobs = (rows + row_span - 1) / row_span;
   prefixserve::stream_pool().run(
       row_jobs * panel_jobs, threads,
@@ -178,8 +186,11 @@ void schedule(int64_t rows, int64_t panels, int64_t pairs, int64_t tile_rows, in
         const FlushDenormals flush;  // every family's rule (gemm_bf16_tiles.h)
         const int64_t p0 = (job % panel_jobs) * per_job, p1 = std::min(panels, p0 + per_job);
         const int64_t r0 = (job / panel_jobs) * row_span, r1 = std::min(rows, r0 + row_span);
-        for (int64_t m0 = r0; m0 < r1; m0 += tile_rows)
-          block(m0, std::min(tile_rows, r1 - m0), p0, p1);
+        // Several row tiles: kPanelRun panels at a time (a multiple of every tile's panels).
+        const int64_t run = r1 - r0 > tile_rows ? kPanelRun : p1 - p0;
+        for (int64_t q0 = p0; q0 < p1; q0 += run)
+          for (int64_t m0 = r0; m0 < r1; m0 += tile_rows)
+            block(m0, std::min(tile_rows, r1 - m0), q0, std::min(p1, q0 + run));
       },
       /*compute_bound=*/rows > kComputeBoundRows);
 }

@@ -332,9 +332,11 @@ PREFIXSERVE_TARGET_AVX2 void tile_kernel(const float* x, int64_t ldx, const uint
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < NP * V; ++j) acc[r][j] = _mm256_setzero_ps();
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  const bool prefetch = MR <= 4 && g_tile_prefetch.load(std::memory_order_relaxed);
   for (int64_t p = 0; p < pairs; ++p) {
     for (int j = 0; j < NP; ++j) {
       const uint16_t* w = panel + j * panel_stride + p * (2 * kPanel);
+      if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(w + 16 * 2 * kPanel), _MM_HINT_T0);
       for (int v = 0; v < V; ++v) {
         // Eight columns' (k, k + 1) pairs: the shift gives k's floats, the mask k + 1's.
         const __m256i pair = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16 * v));
@@ -360,10 +362,12 @@ struct Tiles {
   using X = float;
   static constexpr int64_t kMaxRows = 2;
   static constexpr int64_t kMaxGatedRows = 1;  // two panels: 8 accumulators
-  // One row takes two panels, two rows one: 8 chains, and with the rows' broadcasts and a
-  // weight vector's two halves 15 of the 16 vector registers.
-  static constexpr int panels_for(int rows) { return rows == 1 ? 2 : 1; }
-  static constexpr bool kOneRowChoice = false;
+  // Two rows take one panel: 8 chains, and with the rows' broadcasts and a weight vector's two
+  // halves 15 of the 16 vector registers. A lone row takes four panels (16 chains: four weight
+  // streams in flight, which a memory-bound row needs more than registers; the compiler keeps
+  // the chains it cannot hold in L1) or two (g_one_row_panels), as the calibration measures.
+  static constexpr int panels_for(int rows) { return rows == 1 ? 4 : 1; }
+  static constexpr bool kOneRowChoice = true;
   template <int MR, int NP>
   PREFIXSERVE_TARGET_AVX2 static void tile(const float* x, int64_t ldx, const uint16_t* panel,
                                            int64_t panel_stride, int64_t pairs,
