@@ -250,11 +250,15 @@ class ModelRunner:
     def kv_numerics(self) -> str:
         """What the disk tier's namespace adds for how this runner computes K/V: nothing
         outside the batch-invariant mode; in it, its linears' path (the native GEMM's order, or
-        oneDNN's where `PREFIXSERVE_NATIVE_GEMM=0`), so a hit is a cold start's bits."""
+        oneDNN's where `PREFIXSERVE_NATIVE_GEMM=0`) and its attention's (the bf16 lanes kernels'
+        arithmetic, or the portable path's where the build has no AVX512-BF16: a layer's K/V
+        depend on the earlier layers' attention), so a hit is a cold start's bits, also from
+        a store that hosts of other CPU kinds share."""
         if not self.batch_invariant:
             return ""
         linears = "native-gemm" if compiled_kernel("gemm") is not None else "onednn"
-        return f"/batch-invariant/{linears}"
+        lanes = self.dtype == torch.bfloat16 and attention_kernels_agree()
+        return f"/batch-invariant/{linears}/{'lanes' if lanes else 'portable'}-attention"
 
     def gather_blocks(self, block_ids: Sequence[int]) -> list[memoryview]:
         """Copies of these blocks' K/V (every layer) for the disk tier (kv_store/worker.py)."""

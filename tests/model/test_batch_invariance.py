@@ -533,17 +533,24 @@ def test_batch_invariance_is_on_by_default_for_bf16_wherever_the_kernels_run(
 
 
 def test_the_disk_tier_keeps_apart_blocks_of_each_linear_path(default_model_bf16, monkeypatch):
-    """A batch-invariant engine's K/V carry their linears' order: blocks of the native GEMM
-    and of oneDNN (PREFIXSERVE_NATIVE_GEMM=0 with the flag) never share a namespace, and an
-    engine outside the mode names nothing."""
+    """A batch-invariant engine's K/V carry their linears' order and their attention's: blocks
+    of the native GEMM and of oneDNN (PREFIXSERVE_NATIVE_GEMM=0 with the flag), and of the bf16
+    lanes kernels and of the portable attention (a build without AVX512-BF16, on a host that
+    shares the store), never share a namespace; an engine outside the mode names nothing."""
     from prefixserve.model.layers import kernel_table
+    from prefixserve.worker import model_runner
 
     if paged_attention_kernel() is None or compiled_kernel("gemm") is None:
         pytest.skip("the native kernels are not built here")
     config = EngineConfig(dtype="bfloat16", cache=CacheConfig(num_kv_blocks=32))
     runner = LLMEngine(config, loaded_model=default_model_bf16).runner
-    assert runner.kv_numerics() == "/batch-invariant/native-gemm"
+    attention = "lanes" if model_runner.attention_kernels_agree() else "portable"
+    assert runner.kv_numerics() == f"/batch-invariant/native-gemm/{attention}-attention"
+    monkeypatch.setattr(model_runner, "attention_kernels_agree", lambda: False)
+    assert runner.kv_numerics() == "/batch-invariant/native-gemm/portable-attention"
+    monkeypatch.setattr(model_runner, "attention_kernels_agree", lambda: True)
+    assert runner.kv_numerics() == "/batch-invariant/native-gemm/lanes-attention"
     monkeypatch.setitem(kernel_table._kernels, "gemm", None)
-    assert runner.kv_numerics() == "/batch-invariant/onednn"
+    assert runner.kv_numerics() == "/batch-invariant/onednn/lanes-attention"
     runner.batch_invariant = False
     assert runner.kv_numerics() == ""
