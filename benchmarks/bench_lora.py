@@ -28,9 +28,9 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from prefixserve.bench.lora_adapters import ALL_MODULES, write_random_adapter  # noqa: E402
-from prefixserve.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
+from prefixserve.config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig  # noqa: E402
 from prefixserve.engine.llm_engine import LLMEngine  # noqa: E402
-from prefixserve.lora.config import LoRAConfig, LoRARequest  # noqa: E402
+from prefixserve.lora.config import LoRARequest  # noqa: E402
 from prefixserve.model.kernels.cpu_paths import describe_cpu  # noqa: E402
 from prefixserve.model.loader.loading import load_model  # noqa: E402
 from prefixserve.sampling_params import SamplingParams  # noqa: E402

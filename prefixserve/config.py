@@ -1,24 +1,31 @@
-"""Validated configuration records for the engine: cache, scheduler, and the engine as a whole.
+"""Validated configuration records for the engine: cache, scheduler, disk tier, LoRA,
+speculative decoding, and the engine as a whole.
 
 Every field a user can set is checked on construction; a bad value raises ValueError naming the
-field, the value and what is allowed.
+field, the value and what is allowed. The records hold plain values and names, and this module
+is the bottom floor: it imports nothing of core/, kv_store/, lora/ or spec_decode/ (they import
+it). Checks against those rooms' registries (the hash functions, the eviction policies) are made
+where a config is created from the options, `EngineArgs.create_engine_config`, and again by the
+room that uses the name.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
-from prefixserve.core.kv_cache.eviction.policies import check_eviction_policy
-from prefixserve.core.kv_cache.hashing import get_hash_fn
-from prefixserve.core.kv_cache.reports.ghost import DEFAULT_GHOST_ENTRIES, MAX_GHOST_ENTRIES
 from prefixserve.dtypes import SUPPORTED_DTYPES
-from prefixserve.kv_store import KVStoreConfig
-from prefixserve.lora.config import LoRAConfig
-from prefixserve.spec_decode.config import SpeculativeConfig, speculative_config_from
 
 # Without num_kv_blocks or kv_cache_memory_gb the pool gets this much memory (or less, when the
 # model's context needs less for max_num_seqs requests).
 DEFAULT_KV_CACHE_MEMORY_GB = 1.0
+# Evicted block hashes the cache reports remember (core/kv_cache/reports/ghost.py).
+DEFAULT_GHOST_ENTRIES = 65_536
+MAX_GHOST_ENTRIES = 16_777_216  # ~4 GiB at most: a bound on the flag, not a suggestion
+# OpenAI's `prompt_cache_retention`: how long a block may stay on disk; None = never written there.
+RETENTION_SECONDS: dict[str, float | None] = {"in_memory": None, "24h": 24 * 3600.0}
 
 
 def _invalid(name: str, value: object, allowed: str) -> ValueError:
@@ -87,11 +94,9 @@ class CacheConfig:
                     f"(got num_kv_blocks={self.num_kv_blocks!r}, "
                     f"kv_cache_memory_gb={self.kv_cache_memory_gb!r})"
                 )
-        try:
-            get_hash_fn(self.prefix_caching_hash_algo)
-        except ValueError as e:
-            raise ValueError(f"prefix_caching_hash_algo: {e}") from None
-        check_eviction_policy(self.eviction_policy)
+        for name in ("prefix_caching_hash_algo", "eviction_policy"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise _invalid(name, getattr(self, name), "a name")
         for name in ("enable_prefix_caching", "enable_kv_events"):
             if not isinstance(getattr(self, name), bool):
                 raise _invalid(name, getattr(self, name), "True or False")
@@ -149,6 +154,146 @@ class SchedulerConfig:
             raise _invalid(
                 "scheduling_policy", self.scheduling_policy, f"one of {SCHEDULING_POLICIES}"
             )
+
+
+@dataclass(frozen=True, slots=True)
+class KVStoreConfig:
+    """The disk tier's settings, validated on construction.
+
+    `dir` None is `settings.kv_store_root()` and `capacity_bytes` None is
+    `default_capacity_bytes`, both filled in by `kv_store.resolve_store_config`.
+    `default_retention` applies to requests that ask for none ("in_memory": never written to
+    disk; "24h": kept up to 24 hours).
+    The writer queue bounds how much K/V waits in memory for the disk.
+    """
+
+    dir: Path | None = None
+    capacity_bytes: int | None = None
+    enabled: bool = True
+    default_retention: str = "24h"
+    writer_queue_bytes: int = 256 << 20
+    writer_queue_items: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.dir is not None:
+            if not isinstance(self.dir, str | Path) or not str(self.dir):
+                raise ValueError(f"kv store dir must be a path, got {self.dir!r}")
+            object.__setattr__(self, "dir", Path(self.dir).expanduser())
+        if not isinstance(self.enabled, bool):
+            raise ValueError(f"kv store enabled must be True or False, got {self.enabled!r}")
+        if self.default_retention not in RETENTION_SECONDS:
+            valid = ", ".join(repr(r) for r in RETENTION_SECONDS)
+            raise ValueError(
+                f"unknown prompt cache retention {self.default_retention!r}; valid: {valid}"
+            )
+        for name in ("capacity_bytes", "writer_queue_bytes", "writer_queue_items"):
+            value = getattr(self, name)
+            if value is None and name == "capacity_bytes":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"kv store {name} must be a positive int, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAConfig:
+    """`max_loras`: adapters loaded at once (each keeps its low-rank weights in memory; a step
+    batches requests of all of them with the base model's). `max_lora_rank`: the largest rank
+    accepted (vLLM's default is 16)."""
+
+    max_loras: int = 4
+    max_lora_rank: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_lora_rank > 512:
+            raise ValueError(f"max_lora_rank must be at most 512, got {self.max_lora_rank}")
+
+
+METHODS = ("ngram",)
+_EXAMPLE = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 5}'
+# The most drafts one request may propose a step: each is a row of the verification pass.
+MAX_SPECULATIVE_TOKENS = 32
+# The longest n-gram the proposer looks up (each token indexes one entry per n-gram length).
+MAX_PROMPT_LOOKUP = 16
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """N-gram speculation ("prompt lookup decoding"), with vLLM's field names and defaults.
+
+    Each decode step a request proposes up to `num_speculative_tokens` drafts: the tokens that
+    followed the latest earlier occurrence of its last n tokens, for the largest n in
+    [`prompt_lookup_min`, `prompt_lookup_max`] that occurs. Unset bounds follow vLLM: both
+    unset are 5 and 5; one unset takes the other's value.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(
+                f"speculative_config method must be one of {', '.join(METHODS)}, "
+                f"got {self.method!r}"
+            )
+        _check_int("num_speculative_tokens", self.num_speculative_tokens, MAX_SPECULATIVE_TOKENS)
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if lo is None and hi is None:
+            lo = hi = 5
+        elif lo is None:
+            lo = hi
+        elif hi is None:
+            hi = lo
+        _check_int("prompt_lookup_min", lo, MAX_PROMPT_LOOKUP)
+        _check_int("prompt_lookup_max", hi, MAX_PROMPT_LOOKUP)
+        assert lo is not None and hi is not None
+        if lo > hi:
+            raise ValueError(
+                f"speculative_config prompt_lookup_min ({lo}) must be at most "
+                f"prompt_lookup_max ({hi})"
+            )
+        object.__setattr__(self, "prompt_lookup_min", lo)
+        object.__setattr__(self, "prompt_lookup_max", hi)
+
+
+def _check_int(name: str, value: object, most: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most:
+        raise ValueError(
+            f"speculative_config {name} must be an integer in [1, {most}], got {value!r}"
+        )
+
+
+def speculative_config_from(
+    value: SpeculativeConfig | dict[str, Any] | str | None,
+) -> SpeculativeConfig | None:
+    """A SpeculativeConfig from what a user gives (`LLM(speculative_config=...)`, the server's
+    `--speculative-config` JSON); None stays None (speculation off). A ValueError names an
+    unknown key, a bad value or malformed JSON."""
+    if value is None or isinstance(value, SpeculativeConfig):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
+    known = set(SpeculativeConfig.__dataclass_fields__)
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(
+            f"speculative_config: unknown key(s) {', '.join(map(repr, unknown))}; "
+            f"known: {', '.join(sorted(known))}"
+        )
+    for required in ("method", "num_speculative_tokens"):
+        if required not in value:
+            raise ValueError(f"speculative_config needs {required} (e.g. {_EXAMPLE})")
+    return SpeculativeConfig(**value)
 
 
 @dataclass(slots=True)

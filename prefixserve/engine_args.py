@@ -24,17 +24,24 @@ import prefixserve.settings as settings
 from prefixserve.cluster.policy import DEFAULT_POLICY, POLICIES
 from prefixserve.config import (
     ADMISSION_ORDERS,
+    DEFAULT_GHOST_ENTRIES,
+    RETENTION_SECONDS,
     SCHEDULING_POLICIES,
     CacheConfig,
     EngineConfig,
+    KVStoreConfig,
+    LoRAConfig,
     SchedulerConfig,
 )
-from prefixserve.core.kv_cache.eviction.policies import DEFAULT_EVICTION_POLICY, EVICTION_POLICIES
-from prefixserve.core.kv_cache.hashing import HASH_ALGOS
-from prefixserve.core.kv_cache.reports.ghost import DEFAULT_GHOST_ENTRIES
+from prefixserve.core.kv_cache.eviction.policies import (
+    DEFAULT_EVICTION_POLICY,
+    EVICTION_POLICIES,
+    check_eviction_policy,
+)
+from prefixserve.core.kv_cache.hashing import HASH_ALGOS, get_hash_fn
 from prefixserve.dtypes import SUPPORTED_DTYPES
-from prefixserve.kv_store import RETENTION_SECONDS, KVStoreConfig, capacity_from_gb
-from prefixserve.lora.config import LoRAConfig, check_lora_name
+from prefixserve.kv_store import capacity_from_gb
+from prefixserve.lora.config import check_lora_name
 
 
 def option(
@@ -271,8 +278,14 @@ class EngineArgs:
     # ------------------------------------------------------------------ the config
 
     def create_engine_config(self) -> EngineConfig:
-        """The validated EngineConfig these options ask for; ValueError names a bad value."""
+        """The validated EngineConfig these options ask for; ValueError names a bad value
+        (the records' own checks, then the names the registries of core/ must know)."""
         self._check_exclusive()
+        config = self._engine_config()
+        check_registered_names(config)
+        return config
+
+    def _engine_config(self) -> EngineConfig:
         return EngineConfig(
             model=self.model,
             dtype=self.dtype,
@@ -358,6 +371,16 @@ class EngineArgs:
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         """The options the parsed flags give."""
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+def check_registered_names(config: EngineConfig) -> None:
+    """ValueError unless the names `config` gives are registered: the prefix cache's hash
+    function and eviction policy (config.py's records hold names only)."""
+    try:
+        get_hash_fn(config.cache.prefix_caching_hash_algo)
+    except ValueError as e:
+        raise ValueError(f"prefix_caching_hash_algo: {e}") from None
+    check_eviction_policy(config.cache.eviction_policy)
 
 
 def _flag(f: dataclasses.Field) -> str:

@@ -32,12 +32,12 @@ from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from prefixserve.bench.lora_adapters import write_random_adapter
-from prefixserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from prefixserve.config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig
 from prefixserve.core.kv_cache.reports.report import REASONS
 from prefixserve.core.kv_cache.salts import derive_cache_salt
 from prefixserve.engine.llm_engine import LLMEngine
 from prefixserve.kv_store import KVStoreConfig
-from prefixserve.lora.config import LoRAConfig, LoRARequest
+from prefixserve.lora.config import LoRARequest
 from prefixserve.model.loader.loading import LoadedModel
 from prefixserve.sampling_params import SamplingParams
 from tests.helpers import common_prefix

@@ -143,6 +143,16 @@ def test_core_imports_nothing_of_torch_the_engine_the_worker_the_model_or_the_se
     assert not found, sorted(found)
 
 
+def test_config_is_the_bottom_floor_and_imports_no_room_of_the_package():
+    """config.py's records hold plain values: importing it imports no other module of the
+    package but dtypes.py (so importing core/ never imports the disk tier, LoRA or speculation
+    through the config)."""
+    imported = {
+        name for name in _imported_modules(PACKAGE / "config.py") if name.startswith("prefixserve")
+    }
+    assert imported <= {"prefixserve.dtypes"}, sorted(imported)
+
+
 def test_the_package_root_holds_at_most_a_dozen_modules():
     root_modules = sorted(p.name for p in PACKAGE.glob("*.py"))
     assert len(root_modules) <= 12, root_modules

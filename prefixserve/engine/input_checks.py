@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from prefixserve.kv_store import RETENTION_SECONDS
+from prefixserve.config import RETENTION_SECONDS
 from prefixserve.sampling_params import SamplingParams
 
 

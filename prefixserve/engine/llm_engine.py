@@ -16,7 +16,7 @@ import weakref
 from collections.abc import Iterable
 from typing import Any
 
-from prefixserve.config import DEFAULT_KV_CACHE_MEMORY_GB, EngineConfig
+from prefixserve.config import DEFAULT_KV_CACHE_MEMORY_GB, EngineConfig, SpeculativeConfig
 from prefixserve.core.kv_cache import hashing
 from prefixserve.core.kv_cache.hashing import get_request_block_hasher
 from prefixserve.core.kv_cache.kv_cache_manager import KVCacheManager
@@ -45,7 +45,6 @@ from prefixserve.model.kernels.calibration import describe_calibration
 from prefixserve.model.loader.loading import LoadedModel, load_model
 from prefixserve.outputs import RequestOutput
 from prefixserve.sampling_params import SamplingParams
-from prefixserve.spec_decode.config import SpeculativeConfig
 from prefixserve.spec_decode.ngram import NgramProposer
 from prefixserve.worker.model_runner import ModelRunner
 

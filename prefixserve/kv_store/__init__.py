@@ -30,19 +30,21 @@ What the engine wires in (not done here):
   KV tensors of the group's layers; a miss (False) must turn into recomputation of that block and
   every later one of the request. Per save, copy the block's K/V out of the pool (the block may be
   reused next step), then `writer.submit(key, token_ids, payload, expires_at)`.
-- Start-up: `KVStoreConfig(...).resolved()`, `load_or_create_seed(config.dir)` -> NONE_HASH,
+- Start-up: `resolve_store_config(KVStoreConfig(...))` (the record lives in `config.py`),
+  `load_or_create_seed(config.dir)` -> NONE_HASH,
   `DiskKVStore(config.dir, store_namespace(...), config.capacity_bytes)`, `BackgroundWriter`;
   log the directory and capacity. Shutdown: `writer.close(timeout)`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 import prefixserve.settings as settings
+from prefixserve.config import RETENTION_SECONDS, KVStoreConfig
 from prefixserve.kv_store.disk_store import DiskKVStore, DiskStoreStats
 from prefixserve.kv_store.fingerprint import KV_LAYOUT_VERSION, model_fingerprint, store_namespace
 from prefixserve.kv_store.fs import UnsafeStoreError
@@ -65,13 +67,12 @@ __all__ = [
     "capacity_from_gb",
     "default_capacity_bytes",
     "load_or_create_seed",
+    "resolve_store_config",
     "model_fingerprint",
     "store_namespace",
 ]
 
 GIB = 1 << 30
-# OpenAI's `prompt_cache_retention`: how long a block may stay on disk; None = never written there.
-RETENTION_SECONDS: dict[str, float | None] = {"in_memory": None, "24h": 24 * 3600.0}
 # The default capacity: a quarter of the free disk space, at most this much.
 DEFAULT_MAX_CAPACITY_BYTES = 32 * GIB
 
@@ -92,53 +93,11 @@ def default_capacity_bytes(directory: Path) -> int:
     return max(1, min(DEFAULT_MAX_CAPACITY_BYTES, shutil.disk_usage(existing).free // 4))
 
 
-@dataclass(frozen=True, slots=True)
-class KVStoreConfig:
-    """The disk tier's settings, validated on construction.
-
-    `dir` None is `settings.kv_store_root()` and `capacity_bytes` None is
-    `default_capacity_bytes`, both filled in by `resolved()`. `default_retention` applies to
-    requests that ask for none ("in_memory": never written to disk; "24h": kept up to 24 hours).
-    The writer queue bounds how much K/V waits in memory for the disk.
-    """
-
-    dir: Path | None = None
-    capacity_bytes: int | None = None
-    enabled: bool = True
-    default_retention: str = "24h"
-    writer_queue_bytes: int = 256 << 20
-    writer_queue_items: int = 4096
-
-    def __post_init__(self) -> None:
-        if self.dir is not None:
-            if not isinstance(self.dir, str | Path) or not str(self.dir):
-                raise ValueError(f"kv store dir must be a path, got {self.dir!r}")
-            object.__setattr__(self, "dir", Path(self.dir).expanduser())
-        if not isinstance(self.enabled, bool):
-            raise ValueError(f"kv store enabled must be True or False, got {self.enabled!r}")
-        if self.default_retention not in RETENTION_SECONDS:
-            valid = ", ".join(repr(r) for r in RETENTION_SECONDS)
-            raise ValueError(
-                f"unknown prompt cache retention {self.default_retention!r}; valid: {valid}"
-            )
-        for name in ("capacity_bytes", "writer_queue_bytes", "writer_queue_items"):
-            value = getattr(self, name)
-            if value is None and name == "capacity_bytes":
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"kv store {name} must be a positive int, got {value!r}")
-
-    def resolved(self) -> KVStoreConfig:
-        """This config with `dir` and `capacity_bytes` filled in."""
-        directory = self.dir if self.dir is not None else settings.kv_store_root()
-        capacity = self.capacity_bytes
-        if capacity is None:
-            capacity = default_capacity_bytes(directory)
-        return KVStoreConfig(
-            dir=directory,
-            capacity_bytes=capacity,
-            enabled=self.enabled,
-            default_retention=self.default_retention,
-            writer_queue_bytes=self.writer_queue_bytes,
-            writer_queue_items=self.writer_queue_items,
-        )
+def resolve_store_config(config: KVStoreConfig) -> KVStoreConfig:
+    """`config` with `dir` (`settings.kv_store_root()`) and `capacity_bytes`
+    (`default_capacity_bytes`) filled in where it left them None."""
+    directory = config.dir if config.dir is not None else settings.kv_store_root()
+    capacity = config.capacity_bytes
+    if capacity is None:
+        capacity = default_capacity_bytes(directory)
+    return dataclasses.replace(config, dir=directory, capacity_bytes=capacity)

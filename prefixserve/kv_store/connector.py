@@ -28,9 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from prefixserve.config import RETENTION_SECONDS
 from prefixserve.core.kv_cache.hashing import none_hash_from_secret
 from prefixserve.core.kv_cache.spec import FullAttentionSpec, KVCacheSpec
-from prefixserve.kv_store import RETENTION_SECONDS
+from prefixserve.kv_store import resolve_store_config
 from prefixserve.kv_store.disk_store import BlockKey, DiskKVStore
 from prefixserve.kv_store.fingerprint import model_fingerprint, store_namespace
 from prefixserve.kv_store.seed import load_or_create_seed
@@ -293,7 +294,7 @@ def open_engine_kv_store(
             "sliding-window layers)"
         )
         return None, None
-    store_config = store_config.resolved()
+    store_config = resolve_store_config(store_config)
     assert store_config.dir is not None and store_config.capacity_bytes is not None
     secret = load_or_create_seed(store_config.dir)
     # Batch-invariant engines compute K/V on other paths (other roundings): their blocks live

@@ -1,10 +1,10 @@
 """LoRA serving options and the per-request adapter choice (vLLM's names and shapes).
 
-`LoRAConfig` is the engine's: how many adapters may be loaded at once (`max_loras`) and the
-largest rank it accepts (`max_lora_rank`). `LoRARequest` is a request's: the adapter's name (what
-the server's `model` field selects, and the first extra key of every block hash), an integer id
-(vLLM's `lora_int_id`, kept for API compatibility: the name identifies the adapter) and the PEFT
-directory it is loaded from on first use.
+`LoRAConfig` (a record of `prefixserve/config.py`) is the engine's: how many adapters may be
+loaded at once (`max_loras`) and the largest rank it accepts (`max_lora_rank`). `LoRARequest`
+is a request's: the adapter's name (what the server's `model` field selects, and the first extra
+key of every block hash), an integer id (vLLM's `lora_int_id`, kept for API compatibility: the
+name identifies the adapter) and the PEFT directory it is loaded from on first use.
 """
 
 from __future__ import annotations
@@ -28,24 +28,6 @@ def check_lora_name(name: object) -> str:
             f"LoRA adapter name {name!r} may only hold ASCII letters, digits and -_.:@+"
         )
     return name
-
-
-@dataclass(frozen=True, slots=True)
-class LoRAConfig:
-    """`max_loras`: adapters loaded at once (each keeps its low-rank weights in memory; a step
-    batches requests of all of them with the base model's). `max_lora_rank`: the largest rank
-    accepted (vLLM's default is 16)."""
-
-    max_loras: int = 4
-    max_lora_rank: int = 16
-
-    def __post_init__(self) -> None:
-        for name in ("max_loras", "max_lora_rank"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.max_lora_rank > 512:
-            raise ValueError(f"max_lora_rank must be at most 512, got {self.max_lora_rank}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,9 +19,9 @@ from pathlib import Path
 
 from torch import nn
 
+from prefixserve.config import LoRAConfig
 from prefixserve.lora.adapter import LoRAAdapter, load_adapter
 from prefixserve.lora.config import (
-    LoRAConfig,
     LoRAInUseError,
     LoRARequest,
     LoRASlotsBusyError,

@@ -22,8 +22,8 @@ from collections import Counter
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from prefixserve.config import SpeculativeConfig
 from prefixserve.core.request import Request
-from prefixserve.spec_decode.config import SpeculativeConfig
 
 # Longest pause after rejected drafts, in decode steps.
 MAX_PAUSE_STEPS = 32

@@ -13,19 +13,22 @@ from prefixserve.kv_store import (
     KVStoreConfig,
     capacity_from_gb,
     default_capacity_bytes,
+    resolve_store_config,
 )
 
 
 def test_config_defaults_resolve_under_the_cache_directory(monkeypatch, tmp_path):
     monkeypatch.setenv("PREFIXSERVE_CACHE_DIR", str(tmp_path))
-    config = KVStoreConfig().resolved()
+    config = resolve_store_config(KVStoreConfig())
     assert config.dir == tmp_path / "kv_store" == settings.kv_store_root()
     assert 0 < config.capacity_bytes <= DEFAULT_MAX_CAPACITY_BYTES
     assert config.enabled and config.default_retention == "24h"
 
 
 def test_config_keeps_what_was_given(tmp_path):
-    config = KVStoreConfig(dir=str(tmp_path), capacity_bytes=1000, enabled=False).resolved()
+    config = resolve_store_config(
+        KVStoreConfig(dir=str(tmp_path), capacity_bytes=1000, enabled=False)
+    )
     assert (config.dir, config.capacity_bytes, config.enabled) == (tmp_path, 1000, False)
     assert isinstance(KVStoreConfig(dir="~/x").dir, Path)
 

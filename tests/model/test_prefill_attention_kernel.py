@@ -9,11 +9,10 @@ tests bound its error by that path's error (plus one bf16 rounding of the output
 import sys
 
 import pytest
-
-import prefixserve.settings as settings
 import torch
 import torch.nn.functional as F
 
+import prefixserve.settings as settings
 from prefixserve.model.kernels.build import paged_attention_kernel, prefill_attention_kernel
 from prefixserve.model.kernels.cpu_paths import cpu_kind
 from prefixserve.model.layers.attention import (
@@ -31,7 +30,11 @@ needs_prefill = pytest.mark.skipif(
 def test_prefill_kernel_is_built_where_the_cpu_has_avx512_bf16():
     """Where the CPU has AVX512-BF16 a missing kernel is a build problem, not a skip (unless
     the kernels were built for another kind on purpose, PREFIXSERVE_KERNEL_MARCH)."""
-    if settings.kernel_march() == "native" and cpu_kind() in ("avx512_bf16_amd", "avx512_bf16_intel", "amx") and paged_attention_kernel():
+    if (
+        settings.kernel_march() == "native"
+        and cpu_kind() in ("avx512_bf16_amd", "avx512_bf16_intel", "amx")
+        and paged_attention_kernel()
+    ):
         assert prefill is not None
     elif prefill is None:
         pytest.skip("no AVX512-BF16 here")

@@ -18,14 +18,13 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from prefixserve.bench.lora_adapters import write_random_adapter
-from prefixserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from prefixserve.config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig
 from prefixserve.core.kv_cache.reports.report import REASONS
 from prefixserve.engine.async_llm import AsyncLLMEngine
 from prefixserve.engine.llm_engine import LLMEngine
 from prefixserve.entrypoints.openai.app import build_app
 from prefixserve.entrypoints.openai.auth import ApiKeys
 from prefixserve.kv_store import KVStoreConfig
-from prefixserve.lora.config import LoRAConfig
 from prefixserve.model.loader.loading import LoadedModel
 from tests.helpers import random_tokens
 from tests.helpers.models import VOCAB, build_hf_model, build_ours

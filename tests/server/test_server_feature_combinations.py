@@ -48,14 +48,13 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from prefixserve.bench.lora_adapters import write_random_adapter
-from prefixserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from prefixserve.config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig
 from prefixserve.core.kv_cache.salts import derive_cache_salt
 from prefixserve.engine.async_llm import AsyncLLMEngine
 from prefixserve.engine.llm_engine import LLMEngine
 from prefixserve.entrypoints.openai.app import build_app
 from prefixserve.entrypoints.openai.auth import ApiKeys
 from prefixserve.kv_store import KVStoreConfig
-from prefixserve.lora.config import LoRAConfig
 from prefixserve.model.loader.loading import LoadedModel, load_model
 from tests.helpers import common_prefix, random_tokens
 from tests.helpers.models import tiny_llama_dir

@@ -13,8 +13,10 @@ import sys
 from collections import OrderedDict
 from collections.abc import Iterable
 
-DEFAULT_GHOST_ENTRIES = 65_536
-MAX_GHOST_ENTRIES = 16_777_216  # ~4 GiB at most: a bound on the flag, not a suggestion
+from prefixserve.config import DEFAULT_GHOST_ENTRIES, MAX_GHOST_ENTRIES
+
+__all__ = ["DEFAULT_GHOST_ENTRIES", "MAX_GHOST_ENTRIES", "EvictionGhosts"]
+
 # An OrderedDict entry beyond its key and value: the dict's entry (hash, key, value), up to two
 # index slots of 8 bytes (the table is at most two-thirds full), the ordered dict's node (links,
 # key, hash) and its fast-node slots (as many as the index).
