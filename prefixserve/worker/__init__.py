@@ -1,5 +1,6 @@
 """torch's side of a step: `model_runner.py` (SchedulerOutput -> tensors -> forward ->
-sampled tokens) and `sampler.py`.
+sampled tokens) and `sample/` (the sampler and speculative decoding's verification rows and
+acceptance, together).
 
 May import `model/`, `lora/`, `kv_store/` (moving bytes), `core/` records; never the engine.
 """

@@ -44,8 +44,8 @@ from prefixserve.model.layers.kernel_table import compiled_kernel
 from prefixserve.model.layers.linear import batch_invariant_linears, set_stream_threads
 from prefixserve.model.layers.native_layer import step_takes_native_layers
 from prefixserve.settings import omp_threads_sleep
-from prefixserve.spec_decode.verify import GeneratorRewind, num_accepted, row_views
-from prefixserve.worker.sampler import is_greedy
+from prefixserve.worker.sample.sampler import is_greedy
+from prefixserve.worker.sample.verify import GeneratorRewind, num_accepted, row_views
 
 # Steps of at most this many tokens run on one torch thread while OpenMP threads sleep between
 # parallel regions (OMP_WAIT_POLICY=PASSIVE, the default): a step makes ~300 regions (linears,
@@ -184,7 +184,7 @@ class ModelRunner:
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
         if sampler is None:
-            from prefixserve.worker.sampler import Sampler
+            from prefixserve.worker.sample.sampler import Sampler
 
             sampler = Sampler()
         self.model: nn.Module = model
@@ -399,7 +399,7 @@ class ModelRunner:
         """Prompt logprobs of the requests that asked (each request's rows, its failure its own)."""
         compute = getattr(self.sampler, "compute_prompt_logprobs", None)
         if compute is None:
-            from prefixserve.worker.sampler import compute_prompt_logprobs as compute
+            from prefixserve.worker.sample.sampler import compute_prompt_logprobs as compute
         failed, offset = output.failed, 0
         for req, count in inputs.prompt_owners:
             rows = logits[offset : offset + count]

@@ -9,7 +9,11 @@ from transformers import RepetitionPenaltyLogitsProcessor
 
 from prefixserve.core.request import Request
 from prefixserve.sampling_params import SamplingParams
-from prefixserve.worker.sampler import Sampler, compute_prompt_logprobs, sampling_distribution
+from prefixserve.worker.sample.sampler import (
+    Sampler,
+    compute_prompt_logprobs,
+    sampling_distribution,
+)
 
 # A fixed distribution over 6 tokens: probabilities 0.4, 0.3, 0.15, 0.1, 0.05, 0.0 (=-inf).
 PROBS = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05, 0.0])

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from prefixserve.core.request import Request
-from prefixserve.worker.sampler import draw_uniform, needs_penalties
+from prefixserve.worker.sample.sampler import draw_uniform, needs_penalties
 
 
 @dataclass(slots=True)
