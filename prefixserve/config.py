@@ -26,6 +26,9 @@ DEFAULT_GHOST_ENTRIES = 65_536
 MAX_GHOST_ENTRIES = 16_777_216  # ~4 GiB at most: a bound on the flag, not a suggestion
 # OpenAI's `prompt_cache_retention`: how long a block may stay on disk; None = never written there.
 RETENTION_SECONDS: dict[str, float | None] = {"in_memory": None, "24h": 24 * 3600.0}
+# How the KV cache stores K/V (model/quant/kv_cache.py): "auto" the model's dtype, "bf16" the same
+# for a bf16 model, "int8" and "fp8_e4m3" 8-bit codes with an fp32 scale per token and KV head.
+KV_CACHE_DTYPES = ("auto", "bf16", "int8", "fp8_e4m3")
 
 
 def _invalid(name: str, value: object, allowed: str) -> ValueError:
@@ -59,6 +62,8 @@ class CacheConfig:
     eviction_policy: str = "lru"
     # Evicted block hashes remembered so cache reports can say `evicted` (0: none remembered).
     cache_ghost_entries: int = DEFAULT_GHOST_ENTRIES
+    # How K/V are stored (KV_CACHE_DTYPES): 8-bit formats hold ~1.9x the tokens in the same bytes.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         _check_positive_int("block_size", self.block_size)
@@ -97,6 +102,8 @@ class CacheConfig:
         for name in ("prefix_caching_hash_algo", "eviction_policy"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise _invalid(name, getattr(self, name), "a name")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise _invalid("kv_cache_dtype", self.kv_cache_dtype, f"one of {KV_CACHE_DTYPES}")
         for name in ("enable_prefix_caching", "enable_kv_events"):
             if not isinstance(getattr(self, name), bool):
                 raise _invalid(name, getattr(self, name), "True or False")

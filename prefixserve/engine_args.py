@@ -25,6 +25,7 @@ from prefixserve.cluster.policy import DEFAULT_POLICY, POLICIES
 from prefixserve.config import (
     ADMISSION_ORDERS,
     DEFAULT_GHOST_ENTRIES,
+    KV_CACHE_DTYPES,
     RETENTION_SECONDS,
     SCHEDULING_POLICIES,
     CacheConfig,
@@ -136,6 +137,14 @@ class EngineArgs:
         "at full context need less.",
         group=_CACHE,
         exclusive="pool size",
+    )
+    kv_cache_dtype: str = option(
+        "auto",
+        "How the KV cache stores K/V: auto (the model's dtype), bf16, or 8 bits a value with an "
+        "fp32 scale per token and KV head, int8 or fp8_e4m3 (about 1.9x the tokens in the same "
+        "memory and disk; vLLM's flag).",
+        group=_CACHE,
+        choices=KV_CACHE_DTYPES,
     )
     enable_kv_events: bool = option(
         False,
@@ -301,6 +310,7 @@ class EngineArgs:
                 max_pinned_blocks=self.max_pinned_blocks,
                 eviction_policy=self.eviction_policy,
                 cache_ghost_entries=self.cache_ghost_entries,
+                kv_cache_dtype=self.kv_cache_dtype,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,

@@ -43,6 +43,7 @@ from prefixserve.lora.config import LoRARequest
 from prefixserve.lora.manager import LoRAManager
 from prefixserve.model.kernels.calibration import describe_calibration
 from prefixserve.model.loader.loading import LoadedModel, load_model
+from prefixserve.model.quant.kv_cache import kv_format
 from prefixserve.outputs import RequestOutput
 from prefixserve.sampling_params import SamplingParams
 from prefixserve.spec_decode.ngram import NgramProposer
@@ -118,12 +119,13 @@ class LLMEngine:
             block_size=cache.block_size,
             seed=config.seed,
             batch_invariant=config.batch_invariant,
+            kv_cache_dtype=cache.kv_cache_dtype,
         )
         self.kv_connector, none_hash = open_engine_kv_store(
             config,
             loaded_model.path,
             self.kv_cache_groups,
-            kv_layout(self.runner.kv_caches),
+            kv_layout(self.runner.kv_caches, self.runner.kv_format.name),
             self.runner.kv_numerics(),
         )
         if self.kv_connector is not None:
@@ -165,7 +167,9 @@ class LLMEngine:
             num_kv_blocks=cache.num_kv_blocks,
             kv_cache_memory_gb=cache.kv_cache_memory_gb,
             default_memory_gb=DEFAULT_KV_CACHE_MEMORY_GB,
-            bytes_per_block=self.model_config.kv_cache_bytes_per_block(cache.block_size),
+            bytes_per_block=self.model_config.kv_cache_bytes_per_block(
+                cache.block_size, kv_format(cache.kv_cache_dtype, self.model_config.torch_dtype)
+            ),
             max_num_seqs=self.config.scheduler.max_num_seqs,
             blocks_per_request=blocks_needed(
                 self.kv_cache_groups, self.max_model_len, cache.block_size, self._max_chunk()

@@ -18,13 +18,18 @@ import torch
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
-def kv_layout(kv_caches: KVCaches) -> str:
-    """The payload layout of this cache as a string (part of the store namespace)."""
+def kv_layout(kv_caches: KVCaches, kv_cache_dtype: str) -> str:
+    """The payload layout of this cache as a string (part of the store namespace): its shape,
+    storage dtype and byte order, and the KV dtype it holds (`KVFormat.name`: bf16, float32,
+    int8, fp8_e4m3), so blocks of one KV dtype are never served to an engine of another."""
     k_cache = kv_caches[0][0]
     _, block_size, heads, dim = k_cache.shape
     dtype = str(k_cache.dtype).removeprefix("torch.")
     order = sys.byteorder
-    return f"layers{len(kv_caches)}-kv-bs{block_size}-heads{heads}-dim{dim}-{dtype}-{order}/v1"
+    return (
+        f"layers{len(kv_caches)}-kv-bs{block_size}-heads{heads}-dim{dim}-{dtype}-{order}"
+        f"-kv_{kv_cache_dtype}/v1"
+    )
 
 
 def block_payload_bytes(kv_caches: KVCaches) -> int:

@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from prefixserve.core.kv_cache.spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from prefixserve.dtypes import BYTES_PER_ELEMENT, SUPPORTED_DTYPES
+
+if TYPE_CHECKING:
+    from prefixserve.model.quant.kv_cache import KVFormat
 
 
 @dataclass(slots=True)
@@ -89,10 +92,14 @@ class ModelConfig:
             for kind in self._group_kinds()
         ]
 
-    def kv_cache_bytes_per_block(self, block_size: int) -> int:
-        """Bytes one KV block of `block_size` tokens takes over all layers (K and V)."""
-        elem = BYTES_PER_ELEMENT[self.dtype]
-        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * elem
+    def kv_cache_bytes_per_block(self, block_size: int, kv_format: KVFormat | None = None) -> int:
+        """Bytes one KV block of `block_size` tokens takes over all layers (K and V), in the
+        model's dtype or in `kv_format`'s rows (model/quant/kv_cache.py)."""
+        if kv_format is None:
+            row = self.head_dim * BYTES_PER_ELEMENT[self.dtype]
+        else:
+            row = kv_format.row_bytes(self.head_dim)
+        return 2 * self.num_layers * block_size * self.num_kv_heads * row
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -43,6 +43,7 @@ from prefixserve.model.layers.common import ForwardContext, one_thread
 from prefixserve.model.layers.kernel_table import compiled_kernel
 from prefixserve.model.layers.linear import batch_invariant_linears, set_stream_threads
 from prefixserve.model.layers.native_layer import step_takes_native_layers
+from prefixserve.model.quant.kv_cache import kv_format
 from prefixserve.settings import omp_threads_sleep
 from prefixserve.worker.sample.sampler import is_greedy
 from prefixserve.worker.sample.verify import GeneratorRewind, num_accepted, row_views
@@ -175,6 +176,7 @@ class ModelRunner:
         sampler: SamplerLike | None = None,
         seed: int = 0,
         batch_invariant: bool | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         if not isinstance(num_blocks, int) or num_blocks < 2:
             raise ValueError(
@@ -196,15 +198,23 @@ class ModelRunner:
             spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
             for spec in config.kv_cache_groups()
         ]
-        shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
-        # Zeroed: masked-out slots that were never written are still read, and 0 * NaN = NaN.
-        zeros = functools.partial(torch.zeros, shape, dtype=config.torch_dtype)
+        # How K/V are stored: the model's dtype, or 8-bit rows with their scales
+        # (model/quant/kv_cache.py); `quant` is None for the former.
+        self.kv_format = kv_format(kv_cache_dtype, config.torch_dtype)
+        self.quant = self.kv_format if self.kv_format.quantized else None
+        width = self.kv_format.row_width(config.head_dim)
+        shape = (num_blocks, block_size, config.num_kv_heads, width)
+        # Zeroed: masked-out slots that were never written are still read, and 0 * NaN = NaN
+        # (an 8-bit row of zeros has scale 0: its values are 0 too).
+        zeros = functools.partial(torch.zeros, shape, dtype=self.kv_format.storage)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
             (zeros(), zeros()) for _ in range(config.num_layers)
         ]
         # The compiled paged-attention kernel (built on first use), or None: PyTorch paths.
         self.attention_kernel = paged_attention_kernel()
-        self.prefill_kernel = prefill_kernel_for(config, prefill_attention_kernel())
+        # The long-chunk kernel reads bf16 K/V: an 8-bit cache's chunks go to the paged kernel.
+        prefill = prefill_attention_kernel() if self.quant is None else None
+        self.prefill_kernel = prefill_kernel_for(config, prefill)
         self.kernel_max_queries: int | None = None
         # Where the long-chunk kernel serves this model, the paged kernel's bf16 path has its
         # arithmetic (csrc/attn_lanes_bf16.h) and is faster than SDPA at every chunk length
@@ -234,7 +244,8 @@ class ModelRunner:
         # Whether steps whose every row attends through the paged kernel run each decoder
         # layer as one native call where the model has that form (native_layer.py; the same
         # bits as the Python layers; benchmarks turn it off to compare).
-        self.native_layers = True
+        # (The native layer writes bf16 K/V: an 8-bit cache runs the Python layers.)
+        self.native_layers = self.quant is None
         self._seeded_generators: dict[str, torch.Generator] = {}
 
     def _generator_for(self, request: Request) -> torch.Generator:
@@ -257,7 +268,7 @@ class ModelRunner:
         if not self.batch_invariant:
             return ""
         linears = "native-gemm" if compiled_kernel("gemm") is not None else "onednn"
-        lanes = self.dtype == torch.bfloat16 and attention_kernels_agree()
+        lanes = self.dtype == torch.bfloat16 and self.quant is None and attention_kernels_agree()
         return f"/batch-invariant/{linears}/{'lanes' if lanes else 'portable'}-attention"
 
     def gather_blocks(self, block_ids: Sequence[int]) -> list[memoryview]:
@@ -349,6 +360,8 @@ class ModelRunner:
             )
             for g, window in enumerate(self.group_windows)
         ]
+        for meta in metadata:
+            meta.kv_format = self.quant
         ctx = ForwardContext(
             positions=torch.tensor(inputs.positions, dtype=torch.int64),
             kv_caches=self.kv_caches,

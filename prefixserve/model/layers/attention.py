@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from prefixserve.model.kernels.cpu_paths import cpu_paths_here
+from prefixserve.model.quant.kv_cache import KVFormat, dequantize_rows, quantize_rows
 
 
 @dataclass(slots=True)
@@ -87,6 +88,8 @@ class AttentionMetadata:
     kernel: KernelBatch | None = None
     # The native kernel for long bf16 chunks (`prefill_attention`), or None: SDPA serves them.
     prefill: Callable[..., None] | None = None
+    # The cache's 8-bit format (model/quant/kv_cache.py), or None: K/V in the model's dtype.
+    kv_format: KVFormat | None = None
 
 
 # With the kernel, sequences with fewer new tokens than this go to it; longer chunks to SDPA.
@@ -254,11 +257,20 @@ def write_kv(
     k: torch.Tensor,
     v: torch.Tensor,
     slots: torch.Tensor,
+    kv_format: KVFormat | None = None,
 ) -> None:
-    """Store new keys/values `[num_tokens, num_kv_heads, head_dim]` at their slots."""
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
+    """Store new keys/values `[num_tokens, num_kv_heads, head_dim]` at their slots (as 8-bit
+    rows with their scales where the cache has `kv_format`)."""
+    if kv_format is not None:
+        k, v = quantize_rows(k, kv_format), quantize_rows(v, kv_format)
+    num_kv_heads, width = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, num_kv_heads, width).index_copy_(0, slots, k)
+    v_cache.view(-1, num_kv_heads, width).index_copy_(0, slots, v)
+
+
+def _rows(cache: torch.Tensor, fmt: KVFormat | None, dtype: torch.dtype) -> torch.Tensor:
+    """Rows gathered from a cache, as values of `dtype` (dequantized from an 8-bit cache)."""
+    return cache if fmt is None else dequantize_rows(cache, fmt, dtype)
 
 
 # Chunks with at least this many queries attend in fp32 (see paged_attention).
@@ -288,9 +300,7 @@ def paged_attention(
     batch = meta.kernel
     if decode is None and batch is None and len(meta.spans) == 1:
         # One sequence: its output is the whole output.
-        return _attend_span(
-            q, k_cache, v_cache, meta.spans[0], scale, softcap, k_new, v_new, meta.prefill
-        )
+        return _attend_span(q, k_cache, v_cache, meta.spans[0], scale, softcap, k_new, v_new, meta)
     out = q.new_empty(num_tokens, num_heads * head_dim)
     if batch is not None:
         batch.fn(
@@ -310,14 +320,16 @@ def paged_attention(
         # their shared K/V without repeating it.
         qd = q[:b].view(b, num_kv_heads, group, head_dim)
         blocks = decode.block_table.view(-1)
-        k = k_cache.index_select(0, blocks).view(b, -1, num_kv_heads, head_dim)
-        v = v_cache.index_select(0, blocks).view(b, -1, num_kv_heads, head_dim)
+        k = _rows(k_cache.index_select(0, blocks), meta.kv_format, q.dtype)
+        v = _rows(v_cache.index_select(0, blocks), meta.kv_format, q.dtype)
+        k = k.view(b, -1, num_kv_heads, head_dim)
+        v = v.view(b, -1, num_kv_heads, head_dim)
         o = _attend(qd, _heads_first(k), _heads_first(v), decode.mask, False, scale, softcap)
         out[:b] = o.view(b, num_heads * head_dim)
 
     for span in meta.spans:
         out[span.q_start : span.q_end] = _attend_span(
-            q, k_cache, v_cache, span, scale, softcap, k_new, v_new, meta.prefill
+            q, k_cache, v_cache, span, scale, softcap, k_new, v_new, meta
         )
     return out
 
@@ -331,18 +343,21 @@ def _attend_span(
     softcap: float | None,
     k_new: torch.Tensor | None,
     v_new: torch.Tensor | None,
-    prefill: Callable[..., None] | None = None,
+    meta: AttentionMetadata,
 ) -> torch.Tensor:
-    """One sequence's attention output, `[num_new, num_heads * head_dim]`."""
+    """One sequence's attention output, `[num_new, num_heads * head_dim]`. An 8-bit cache's
+    rows are always read back from the cache (the new rows too: what a later step will read)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = k_cache.shape[2]
+    num_kv_heads, width = k_cache.shape[2], k_cache.shape[3]
     n = span.q_end - span.q_start
-    if span.is_causal and k_new is not None and v_new is not None:
+    prefill, fmt = meta.prefill, meta.kv_format
+    if span.is_causal and k_new is not None and v_new is not None and fmt is None:
         k = k_new[span.q_start : span.q_end]
         v = v_new[span.q_start : span.q_end]
     else:
-        k = k_cache.view(-1, num_kv_heads, head_dim).index_select(0, span.kv_slots)
-        v = v_cache.view(-1, num_kv_heads, head_dim).index_select(0, span.kv_slots)
+        k = k_cache.view(-1, num_kv_heads, width).index_select(0, span.kv_slots)
+        v = v_cache.view(-1, num_kv_heads, width).index_select(0, span.kv_slots)
+        k, v = _rows(k, fmt, q.dtype), _rows(v, fmt, q.dtype)
     qs = q[span.q_start : span.q_end]
     if (
         prefill is not None

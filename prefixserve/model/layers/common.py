@@ -197,9 +197,10 @@ class Attention(nn.Module):
             k = apply_rotary(
                 self.k_norm.forward(k.view(t, self.num_kv_heads, self.head_dim)), cos, sin
             )
-            write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+            write_kv(k_cache, v_cache, k, v, meta.slot_mapping, meta.kv_format)
         elif (
-            t <= rope_kv_max_tokens(qkv.dtype, self.head_dim)
+            meta.kv_format is None
+            and t <= rope_kv_max_tokens(qkv.dtype, self.head_dim)
             and (kernel := _kernel("rope_kv")) is not None
         ):
             # Rotary in place on qkv and the K/V writes, in one native call.
@@ -221,7 +222,7 @@ class Attention(nn.Module):
             qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim)
             qk = apply_rotary(qk, cos, sin)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-            write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+            write_kv(k_cache, v_cache, k, v, meta.slot_mapping, meta.kv_format)
         out = paged_attention(q, k_cache, v_cache, meta, self.scale, self.softcap, k, v)
         if residual is None:
             return self.o_proj.forward(out)

@@ -73,6 +73,42 @@ inline void row_to_float(const c10::BFloat16* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(bits[i]) << 16;
 }
 
+// An 8-bit cache row (model/quant/kv_cache.py): n codes, then the row's fp32 scale; a value is
+// code * scale, the product PyTorch's dequantize_rows computes.
+inline float row_scale(const void* codes_end) {
+  float scale;
+  std::memcpy(&scale, codes_end, sizeof scale);
+  return scale;
+}
+inline void row_to_float(const int8_t* src, float* dst, int64_t n) {
+  const float scale = row_scale(src + n);
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]) * scale;
+}
+
+// fp8 e4m3 (float8_e4m3fn: sign, 4 exponent bits of bias 7, 3 mantissa bits; 0x7f/0xff NaN)
+// to float, exactly, for every byte.
+struct Fp8Table {
+  float value[256];
+  Fp8Table() {
+    for (int b = 0; b < 256; ++b) {
+      const int e = (b >> 3) & 15, m = b & 7;
+      float v = e == 0 ? std::ldexp(static_cast<float>(m), -9)
+                       : std::ldexp(static_cast<float>(8 + m), e - 10);
+      if ((b & 0x7f) == 0x7f) v = std::numeric_limits<float>::quiet_NaN();
+      value[b] = (b & 0x80) ? -v : v;
+    }
+  }
+};
+inline const Fp8Table& fp8_table() {
+  static const Fp8Table table;
+  return table;
+}
+inline void row_to_float(const uint8_t* src, float* dst, int64_t n) {
+  const float scale = row_scale(src + n);
+  const float* lut = fp8_table().value;
+  for (int64_t i = 0; i < n; ++i) dst[i] = lut[src[i]] * scale;
+}
+
 // Bring a row of n elements toward L1 (a hint: never faults, and a no-op without SSE).
 template <typename scalar_t>
 inline void prefetch_row(const scalar_t* row, int64_t n) {
@@ -380,7 +416,9 @@ inline void attend_rows_avx512(const float* qv, int64_t rows, int64_t group, con
 // Keys are converted to fp32 a tile of this many slots at a time (whole blocks).
 constexpr int64_t kKeyTile = 128;
 
-template <typename scalar_t, int HD>
+// scalar_t: q's and out's dtype; cache_t: the cache's (scalar_t, or an 8-bit format's codes,
+// each row followed by its scale: a head's rows are then head_dim + 4 elements apart).
+template <typename scalar_t, typename cache_t, int HD>
 void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
          const torch::Tensor& v_cache, const torch::Tensor& block_tables,
          const torch::Tensor& seq_info, double scale_d, double softcap_d, int64_t window) {
@@ -391,14 +429,15 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
   const int64_t q_row_stride = q.stride(0), q_head_stride = q.stride(1);
   const int64_t out_row_stride = out.stride(0);
   const int64_t cache_block_stride = k_cache.stride(0), cache_slot_stride = k_cache.stride(1);
+  const int64_t head_pitch = k_cache.stride(2);
   const int64_t max_blocks = block_tables.size(1);
   const int64_t tile_blocks = std::max<int64_t>(1, kKeyTile / block_size);
   const int64_t tile_slots = tile_blocks * block_size;
   const float scale = static_cast<float>(scale_d);
   const float softcap = static_cast<float>(softcap_d);
   const scalar_t* q_ptr = q.data_ptr<scalar_t>();
-  const scalar_t* k_ptr = k_cache.data_ptr<scalar_t>();
-  const scalar_t* v_ptr = v_cache.data_ptr<scalar_t>();
+  const cache_t* k_ptr = static_cast<const cache_t*>(k_cache.data_ptr());
+  const cache_t* v_ptr = static_cast<const cache_t*>(v_cache.data_ptr());
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int64_t* info = seq_info.data_ptr<int64_t>();
@@ -423,14 +462,14 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
       for (int64_t j = lo; j < hi; ++j) {
         const int64_t block = table[b0 + j / block_size];
         const int64_t off =
-            block * cache_block_stride + (j % block_size) * cache_slot_stride + kvh * head_dim;
-        prefetch_row(k_ptr + off, head_dim);
-        prefetch_row(v_ptr + off, head_dim);
+            block * cache_block_stride + (j % block_size) * cache_slot_stride + kvh * head_pitch;
+        prefetch_row(k_ptr + off, head_pitch);
+        prefetch_row(v_ptr + off, head_pitch);
       }
       for (int64_t j = lo; j < hi; ++j) {
         const int64_t block = table[b0 + j / block_size];
         const int64_t off =
-            block * cache_block_stride + (j % block_size) * cache_slot_stride + kvh * head_dim;
+            block * cache_block_stride + (j % block_size) * cache_slot_stride + kvh * head_pitch;
         row_to_float(k_ptr + off, kt.data() + j * head_dim, head_dim);
         row_to_float(v_ptr + off, vt.data() + j * head_dim, head_dim);
       }
@@ -529,23 +568,41 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
   });
 }
 
-template <typename scalar_t>
+template <typename scalar_t, typename cache_t>
 void dispatch(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
               const torch::Tensor& v_cache, const torch::Tensor& block_tables,
               const torch::Tensor& seq_info, double scale, double softcap, int64_t window) {
   switch (q.size(2)) {
     case 64:
-      return run<scalar_t, 64>(out, q, k_cache, v_cache, block_tables, seq_info, scale, softcap,
-                               window);
+      return run<scalar_t, cache_t, 64>(out, q, k_cache, v_cache, block_tables, seq_info, scale,
+                                        softcap, window);
     case 128:
-      return run<scalar_t, 128>(out, q, k_cache, v_cache, block_tables, seq_info, scale, softcap,
-                                window);
+      return run<scalar_t, cache_t, 128>(out, q, k_cache, v_cache, block_tables, seq_info, scale,
+                                         softcap, window);
     case 256:
-      return run<scalar_t, 256>(out, q, k_cache, v_cache, block_tables, seq_info, scale, softcap,
-                                window);
+      return run<scalar_t, cache_t, 256>(out, q, k_cache, v_cache, block_tables, seq_info, scale,
+                                         softcap, window);
     default:
-      return run<scalar_t, 0>(out, q, k_cache, v_cache, block_tables, seq_info, scale, softcap,
-                              window);
+      return run<scalar_t, cache_t, 0>(out, q, k_cache, v_cache, block_tables, seq_info, scale,
+                                       softcap, window);
+  }
+}
+
+// The cache's element type for queries of scalar_t: the same, or an 8-bit format's codes.
+template <typename scalar_t>
+void dispatch_cache(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
+                    const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                    const torch::Tensor& seq_info, double scale, double softcap, int64_t window) {
+  switch (k_cache.scalar_type()) {
+    case torch::kChar:
+      return dispatch<scalar_t, int8_t>(out, q, k_cache, v_cache, block_tables, seq_info, scale,
+                                        softcap, window);
+    case torch::kByte:
+      return dispatch<scalar_t, uint8_t>(out, q, k_cache, v_cache, block_tables, seq_info, scale,
+                                         softcap, window);
+    default:
+      return dispatch<scalar_t, scalar_t>(out, q, k_cache, v_cache, block_tables, seq_info, scale,
+                                          softcap, window);
   }
 }
 
@@ -570,14 +627,19 @@ void check_paged_args(const torch::Tensor& out, const torch::Tensor& q,
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   k_cache.sizes() == v_cache.sizes(),
               "caches must be contiguous [blocks, block_size, kv_heads, D] of one shape");
-  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0,
+  const bool quantized =
+      k_cache.scalar_type() == torch::kChar || k_cache.scalar_type() == torch::kByte;
+  // An 8-bit cache's rows hold head_dim codes and a 4-byte scale (model/quant/kv_cache.py).
+  TORCH_CHECK(q.size(2) + (quantized ? 4 : 0) == k_cache.size(3) &&
+                  q.size(1) % k_cache.size(2) == 0,
               "q heads/dim do not match the cache");
   TORCH_CHECK(out.dim() == 2 && out.size(0) == q.size(0) && out.size(1) == q.size(1) * q.size(2) &&
                   out.stride(1) == 1,
               "out must be [T, H * D] with a contiguous last dim");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == out.scalar_type() &&
+  TORCH_CHECK((quantized || q.scalar_type() == k_cache.scalar_type()) &&
+                  q.scalar_type() == out.scalar_type() &&
                   v_cache.scalar_type() == k_cache.scalar_type(),
-              "q, caches and out must share a dtype");
+              "q and out must share a dtype, and the caches q's or one 8-bit format");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt && block_tables.is_contiguous() &&
                   block_tables.dim() == 2,
               "block_tables must be a contiguous int32 [S, max_blocks]");
@@ -610,16 +672,19 @@ void paged_attention_tiles(torch::Tensor out, torch::Tensor q, torch::Tensor k_c
                            torch::Tensor v_cache, torch::Tensor block_tables,
                            torch::Tensor seq_info, double scale, double softcap, int64_t window) {
   if (q.scalar_type() == torch::kFloat) {
-    dispatch<float>(out, q, k_cache, v_cache, block_tables, seq_info, scale, softcap, window);
+    dispatch_cache<float>(out, q, k_cache, v_cache, block_tables, seq_info, scale, softcap,
+                          window);
   } else if (q.scalar_type() == torch::kBFloat16) {
-    dispatch<c10::BFloat16>(out, q, k_cache, v_cache, block_tables, seq_info, scale, softcap, window);
+    dispatch_cache<c10::BFloat16>(out, q, k_cache, v_cache, block_tables, seq_info, scale,
+                                  softcap, window);
   }
 }
 
 }  // namespace
 
 // out [T, H * D] (written), q [T, H, D] (last dim contiguous), caches [blocks, block_size,
-// kv_heads, D] contiguous, block_tables [S, max_blocks] int32, seq_info [S, 3] int64 rows
+// kv_heads, D] contiguous (q's dtype, or int8 / uint8 rows of D codes and a 4-byte scale: the
+// 8-bit KV cache, int8 or fp8 e4m3, read on the portable path), block_tables [S, max_blocks] int32, seq_info [S, 3] int64 rows
 // (q_start, q_end, position of the first query); softcap 0 = none, window 0 = none. bf16 takes
 // the keys-in-lanes path where it is built (paged_lanes_bf16.cpp), else the portable one.
 void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,

@@ -261,7 +261,9 @@ bool paged_attention_lanes(torch::Tensor& out, const torch::Tensor& q,
                            const torch::Tensor& block_tables, const torch::Tensor& seq_info,
                            double scale, double softcap, int64_t window) {
 #if defined(__AVX512BF16__)
-  if (q.scalar_type() != torch::kBFloat16 || softcap > 0.0) return false;
+  if (q.scalar_type() != torch::kBFloat16 || k_cache.scalar_type() != torch::kBFloat16 ||
+      softcap > 0.0)
+    return false;
   const float s = static_cast<float>(scale);
   switch (q.size(2)) {
     case 64: run<64>(out, q, k_cache, v_cache, block_tables, seq_info, s, window); return true;
