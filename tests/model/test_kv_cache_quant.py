@@ -1,0 +1,183 @@
+"""The 8-bit KV cache (model/quant/kv_cache.py): the row format, the paged kernel reading it
+against a float64 reference of the dequantized values, and an engine whose cache hits (pool and
+disk tier) are its cold start's bits in each KV dtype."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from prefixserve import LLM, SamplingParams
+from prefixserve.config import CacheConfig, EngineConfig
+from prefixserve.engine.llm_engine import LLMEngine
+from prefixserve.model.kernels.build import paged_attention_kernel, paged_attention_portable_kernel
+from prefixserve.model.quant.kv_cache import dequantize_rows, kv_format, quantize_rows
+from tests.model.test_paged_attention_kernel import CASES, build_case, reference
+
+FORMATS = ("int8", "fp8_e4m3")
+needs_kernel = pytest.mark.skipif(paged_attention_kernel() is None, reason="no native kernel")
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_a_row_keeps_its_values_within_half_a_code(name):
+    """Every value comes back within half a code step of its row's scale (int8), or within the
+    format's relative precision (fp8 e4m3: 3 mantissa bits); the scale maps the row's largest
+    magnitude to the largest code exactly."""
+    fmt = kv_format(name, torch.bfloat16)
+    x = torch.randn(50, 3, 64, generator=torch.Generator().manual_seed(1)) * 4
+    rows = quantize_rows(x, fmt)
+    assert rows.dtype == fmt.storage and rows.shape == (50, 3, 68)
+    back = dequantize_rows(rows, fmt, torch.float32)
+    amax = x.abs().amax(-1, keepdim=True)
+    if name == "int8":
+        step = amax / 127
+        assert ((back - x).abs() <= step / 2 + 1e-6 * amax).all()
+    else:
+        assert ((back - x).abs() <= x.abs() / 16 + amax / 448 * 2**-9 + 1e-6 * amax).all()
+    torch.testing.assert_close(back.abs().amax(-1, keepdim=True), amax, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_a_row_of_zeros_stays_zero_and_rows_are_independent(name):
+    """A zero row is zeros (scale 1, no division by 0); a row's bytes depend on that row alone,
+    so quantizing rows together or one by one gives the same bytes (what batch invariance and a
+    cache hit need)."""
+    fmt = kv_format(name, torch.float32)
+    x = torch.randn(8, 2, 64, generator=torch.Generator().manual_seed(2))
+    x[3] = 0
+    together = quantize_rows(x, fmt)
+    alone = torch.cat([quantize_rows(x[i : i + 1], fmt) for i in range(8)])
+    assert torch.equal(together, alone)
+    assert (dequantize_rows(together[3], fmt, torch.float32) == 0).all()
+
+
+def test_an_unknown_kv_dtype_or_bf16_for_a_float32_model_is_refused():
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        CacheConfig(kv_cache_dtype="fp4")
+    with pytest.raises(ValueError, match="needs a bfloat16 model"):
+        kv_format("bf16", torch.float32)
+    assert kv_format("auto", torch.float32).name == "float32"
+    assert kv_format("bf16", torch.bfloat16).row_bytes(64) == 128
+    assert kv_format("int8", torch.bfloat16).row_bytes(64) == 68
+
+
+def _quantized_case(case, name, dtype, heads=6, kv_heads=2, head_dim=64, block_size=16):
+    q, kc, vc, tables, info, truths = build_case(
+        CASES[case], heads, kv_heads, head_dim, block_size, torch.float32
+    )
+    fmt = kv_format(name, dtype)
+    kq, vq = quantize_rows(kc, fmt), quantize_rows(vc, fmt)
+    deq = []
+    for row, positions, keys, values in truths:
+        deq.append(
+            (
+                row,
+                positions,
+                dequantize_rows(quantize_rows(keys, fmt), fmt, torch.float64),
+                dequantize_rows(quantize_rows(values, fmt), fmt, torch.float64),
+            )
+        )
+    return q.to(dtype), kq, vq, tables, info, deq
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("window", [0, 24])
+def test_the_kernel_reads_8_bit_rows_as_their_dequantized_values(case, dtype, name, window):
+    """The paged kernel over an 8-bit cache equals attention in float64 over the dequantized
+    K/V (code * scale): decode batches, whole prompts, chunks over a cached prefix, mixed steps,
+    sliding windows, GQA, query dtypes fp32 and bf16."""
+    q, kq, vq, tables, info, truths = _quantized_case(case, name, dtype)
+    heads, head_dim = q.shape[1], q.shape[2]
+    out = torch.full((q.shape[0], heads * head_dim), float("nan"), dtype=dtype)
+    scale = 1 / math.sqrt(head_dim)
+    paged_attention_kernel()(out, q, kq, vq, tables, info, scale, 0.0, window)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for row, positions, keys, values in truths:
+        want = reference(q[row : row + len(positions)], keys, values, positions, scale, 0, window)
+        got = out[row : row + len(positions)].double()
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+@needs_kernel
+def test_every_fp8_byte_reads_as_pytorchs_float8_e4m3fn():
+    """The kernel's fp8 table against PyTorch's conversion for all 256 bytes but the two NaNs:
+    one key and one value row per byte, a query of zeros (uniform weights over one key)."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F]
+    n = codes.numel()  # 254 rows of 64 copies of one byte each, scale 1
+    one = torch.tensor([1.0]).view(torch.uint8)
+    rows = torch.cat([codes.view(n, 1).expand(n, 64), one.expand(n, 4)], dim=1)
+    want = codes.view(torch.float8_e4m3fn).float()
+    kernel = paged_attention_portable_kernel()
+    for i in range(n):  # each row alone in block 1 of a two-block cache (block 0 is null)
+        cache = torch.zeros(2, 1, 1, 68, dtype=torch.uint8)
+        cache[1, 0, 0] = rows[i]
+        out = torch.empty(1, 64)
+        tables = torch.tensor([[1]], dtype=torch.int32)
+        info = torch.tensor([[0, 1, 0]], dtype=torch.int64)
+        kernel(out, torch.zeros(1, 1, 64), cache, cache, tables, info, 1.0, 0.0, 0)
+        assert torch.equal(out[0], want[i].expand(64)), (hex(int(codes[i])), out[0, 0], want[i])
+
+
+PROMPT = "Once upon a time in a small village by the sea, there lived an old fisherman who " * 3
+
+
+def _logprobs(output):
+    return [next(iter(d.values())).logprob for d in output.outputs[0].logprobs]
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_a_cache_hit_is_the_cold_start_in_each_8_bit_dtype(name, default_model_bf16):
+    """Greedy tokens and logprobs of a prompt cold, then from the pool's cached prefix batched
+    with another request, then chunked: the same bits (the rows are written once, with their
+    own scales, and read back by one kernel path)."""
+    sp = SamplingParams(max_tokens=12, temperature=0, logprobs=1)
+    llm = LLM(loaded_model=default_model_bf16, num_kv_blocks=64, kv_cache_dtype=name)
+    cold = llm.generate([PROMPT], sp)[0]
+    warm = llm.generate([PROMPT, PROMPT + "every"], sp)[0]
+    assert warm.num_cached_tokens > 0
+    assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
+    assert _logprobs(warm) == _logprobs(cold)
+
+
+def test_the_pool_holds_about_twice_the_blocks_in_8_bits(default_model_bf16):
+    """The same memory holds (head_dim * 2) / (head_dim + 4) times the blocks: 1.88x at 64."""
+
+    def blocks(name):
+        config = EngineConfig(
+            dtype="bfloat16", cache=CacheConfig(kv_cache_memory_gb=0.05, kv_cache_dtype=name)
+        )
+        return LLMEngine(config, loaded_model=default_model_bf16).num_kv_blocks
+
+    bf16, int8 = blocks("auto"), blocks("int8")
+    assert abs(int8 / bf16 - 128 / 68) < 0.01, (bf16, int8)
+
+
+def test_the_disk_tier_serves_8_bit_blocks_to_their_own_dtype_only(default_model_bf16, tmp_path):
+    """An int8 engine's blocks come back from disk (a fresh engine: its pool is empty) with the
+    cold start's bits; an fp8 or bf16 engine over the same directory finds none of them (the
+    namespace names the KV dtype)."""
+    sp = SamplingParams(max_tokens=8, temperature=0, logprobs=1)
+
+    def engine(name):
+        return LLM(
+            loaded_model=default_model_bf16,
+            num_kv_blocks=64,
+            kv_cache_dtype=name,
+            kv_store_dir=str(tmp_path),
+            kv_store_gb=0.0625,
+        )
+
+    first = engine("int8")
+    cold = first.generate([PROMPT], sp)[0]
+    first.llm_engine.kv_connector.close()
+    again = engine("int8").generate([PROMPT], sp)[0]
+    assert again.num_cached_tokens > 0
+    assert _logprobs(again) == _logprobs(cold)
+    for other in ("fp8_e4m3", "auto"):
+        assert engine(other).generate([PROMPT], sp)[0].num_cached_tokens == 0
