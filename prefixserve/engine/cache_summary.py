@@ -31,9 +31,11 @@ def build_cache_summary(
     explainer: CacheExplainer,
     connector: KVStoreConnector | None,
     decode: Callable[[list[int]], str] | None = None,
+    kv_cache: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """See the module docstring; the shape is docs/cache_reports.md's. `decode` (token ids ->
-    text) adds each prefix's text."""
+    text) adds each prefix's text; `kv_cache` is `LLMEngine.kv_cache_format()` (the KV dtype
+    and bytes per token)."""
     recorder = manager.recorder
     tree, top = prefix_tree(manager, recorder, decode)
     window = window_rates(recorder)
@@ -52,6 +54,7 @@ def build_cache_summary(
     return {
         "time": time.time(),
         "block_size": manager.block_size,
+        "kv_cache": kv_cache,
         "pool": pool,
         "tiers": {
             "ram": {"cached_blocks": pool["cached"], "capacity_blocks": manager.num_kv_blocks},
@@ -94,6 +97,7 @@ def merge_summaries(per_replica: dict[int, dict[str, Any]]) -> dict[str, Any]:
     merged = {
         "time": max(p["time"] for p in parts),
         "block_size": first["block_size"],
+        "kv_cache": first.get("kv_cache"),
         "replicas": sorted(per_replica),
         "pool": pool,
         "tiers": {

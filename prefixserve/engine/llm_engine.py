@@ -455,6 +455,7 @@ class LLMEngine:
             "prefix_cache_preempted_queries": cache.preempted_queries,
             "prefix_cache_preempted_hits": cache.preempted_hits,
             "kv_cache_usage": self.kv_cache_manager.usage,
+            **self.kv_cache_format(),
             "num_kv_blocks": self.num_kv_blocks,
             "num_free_kv_blocks": self.kv_cache_manager.num_free_blocks,
             "num_running": self.scheduler.num_running,
@@ -472,6 +473,14 @@ class LLMEngine:
             **self._cache_report_metrics(),
         }
 
+    def kv_cache_format(self) -> dict[str, Any]:
+        """How the pool stores K/V: `kv_cache_dtype` (bf16, float32, int8, fp8_e4m3) and
+        `kv_cache_bytes_per_token` (every layer's K and V rows of one token, 8-bit scales
+        included)."""
+        fmt, config = self.runner.kv_format, self.model_config
+        per_token = 2 * config.num_layers * config.num_kv_heads * fmt.row_bytes(config.head_dim)
+        return {"kv_cache_dtype": fmt.name, "kv_cache_bytes_per_token": per_token}
+
     def _cache_report_metrics(self) -> dict[str, int]:
         """Requests by the reason of their first missed block (`cache_miss_<reason>`), and the
         pool's cached, pinned and remembered-evicted block counts."""
@@ -487,7 +496,14 @@ class LLMEngine:
         """The cache-wide summary operators read (`engine/cache_summary.py`); prefix text only
         with `include_text`."""
         decode = self.tokenizer.decode if include_text else None
-        return build_cache_summary(self.kv_cache_manager, self.explainer, self.kv_connector, decode)
+        fmt = self.kv_cache_format()
+        kv_cache = {
+            "dtype": fmt["kv_cache_dtype"],
+            "bytes_per_token": fmt["kv_cache_bytes_per_token"],
+        }
+        return build_cache_summary(
+            self.kv_cache_manager, self.explainer, self.kv_connector, decode, kv_cache
+        )
 
     def explain_prompt(
         self,

@@ -26,7 +26,9 @@ SUMMED_GAUGES = frozenset(
 MEAN_GAUGES = frozenset({"kv_cache_usage"})
 # One store directory that every replica on a host counts (replicas on several hosts each have
 # their own: then the largest is a lower bound of the whole).
-SHARED_GAUGES = frozenset({"kv_store_bytes"})
+SHARED_GAUGES = frozenset({"kv_store_bytes", "kv_cache_bytes_per_token"})
+# Names every replica reports alike (one engine configuration): kept when all agree.
+SHARED_NAMES = frozenset({"kv_cache_dtype"})
 RATES = frozenset(
     {"prefix_cache_hit_rate", "spec_decode_acceptance_rate", "spec_decode_mean_accepted_length"}
 )
@@ -44,6 +46,10 @@ def combine_metrics(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
                 total[key] = max(total.get(key, value), value)
             else:
                 total[key] = total.get(key, 0) + value
+    for key in SHARED_NAMES:
+        names = {part.get(key) for part in parts}
+        if len(names) == 1 and None not in names:
+            total[key] = names.pop()
     for key in MEAN_GAUGES & total.keys():
         total[key] /= len(parts)
     if parts:

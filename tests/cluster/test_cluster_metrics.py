@@ -15,6 +15,7 @@ from prefixserve.engine.metrics import (
     MEAN_GAUGES,
     RATES,
     SHARED_GAUGES,
+    SHARED_NAMES,
     SUMMED_GAUGES,
     combine_metrics,
 )
@@ -91,7 +92,7 @@ def test_every_metric_an_engine_reports_has_a_kind(default_model_fp32, tmp_path)
         ),
         loaded_model=default_model_fp32,
     )
-    kinds = SUMMED_GAUGES | MEAN_GAUGES | SHARED_GAUGES | RATES
+    kinds = SUMMED_GAUGES | MEAN_GAUGES | SHARED_GAUGES | SHARED_NAMES | RATES
     counters = {key for key in engine.get_metrics() if key not in kinds}
     # Every other key is a counter since the engine started: it only grows, so summing is right.
     assert all(

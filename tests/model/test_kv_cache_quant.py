@@ -181,3 +181,28 @@ def test_the_disk_tier_serves_8_bit_blocks_to_their_own_dtype_only(default_model
     assert _logprobs(again) == _logprobs(cold)
     for other in ("fp8_e4m3", "auto"):
         assert engine(other).generate([PROMPT], sp)[0].num_cached_tokens == 0
+
+
+def test_metrics_and_the_summary_name_the_kv_dtype_and_bytes_per_token(default_model_bf16):
+    """`get_metrics`, `/metrics` (Prometheus text), the cache summary and replicas' combined
+    metrics all say how the pool stores K/V: 30 layers x 3 KV heads x K and V x 68 bytes."""
+    from prefixserve.engine.metrics import combine_metrics
+    from prefixserve.entrypoints.openai.metrics import ServerMetrics
+
+    llm = LLM(loaded_model=default_model_bf16, num_kv_blocks=16, kv_cache_dtype="int8")
+    engine = llm.llm_engine
+    config = engine.model_config
+    want = 2 * config.num_layers * config.num_kv_heads * (config.head_dim + 4)
+    metrics = engine.get_metrics()
+    assert metrics["kv_cache_dtype"] == "int8"
+    assert metrics["kv_cache_bytes_per_token"] == want
+    summary = engine.cache_summary()
+    assert summary["kv_cache"] == {"dtype": "int8", "bytes_per_token": want}
+    server = ServerMetrics()
+    server.update_engine(metrics)
+    text = server.render().decode()
+    assert 'prefixserve_kv_cache_dtype_info{kv_cache_dtype="int8"} 1.0' in text
+    assert f"prefixserve_kv_cache_bytes_per_token {float(want)}" in text
+    both = combine_metrics([metrics, dict(metrics)])
+    assert both["kv_cache_dtype"] == "int8" and both["kv_cache_bytes_per_token"] == want
+    assert "kv_cache_dtype" not in combine_metrics([metrics, {**metrics, "kv_cache_dtype": "bf16"}])

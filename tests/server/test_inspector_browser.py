@@ -67,6 +67,8 @@ return {
   state: document.getElementById('status').dataset.state,
   hitRateAll: val('hit-rate-all'),
   cached: val('pool-cached'),
+  kvDtype: val('kv-dtype'),
+  kvBytesPerToken: val('kv-bytes-per-token'),
   missCounts: Object.fromEntries(q('#miss-legend li').map(li => [li.dataset.reason,
                                                                  Number(li.dataset.count)])),
   rows: q('#reports tbody tr').map(tr => ({
@@ -156,6 +158,9 @@ def test_inspector_follows_requests_live(server: LiveServer, tmp_path: Path) -> 
         assert all(n["blocks"] >= 1 and n["hash"] for n in page["nodes"]), page["nodes"]
         assert page["missCounts"]["never_seen"] >= before["missCounts"].get("never_seen", 0) + 1
         assert page["state"] == "live"
+        # The pool's KV dtype and bytes per token (the server's default: bf16, 30 layers x 3 KV
+        # heads x K and V x 64 dims x 2 bytes).
+        assert page["kvDtype"] == "bf16" and page["kvBytesPerToken"] == str(30 * 3 * 2 * 64 * 2)
 
         driver.set_window_size(*WINDOW)
         screenshot = (

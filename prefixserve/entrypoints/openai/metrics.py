@@ -49,6 +49,10 @@ ENGINE_GAUGES = {
         "Distinct prefix blocks cached in the RAM pool (hittable, in use or free)",
     ),
     "kv_cache_pinned_blocks": ("kv_cache_pinned_blocks", "Blocks held resident by pins"),
+    "kv_cache_bytes_per_token": (
+        "kv_cache_bytes_per_token",
+        "Bytes of one token's K and V over every layer, as the pool stores them",
+    ),
     "cache_ghost_entries": (
         "cache_ghost_entries",
         "Evicted block hashes remembered for cache reports (bounded by --cache-ghost-entries)",
@@ -87,6 +91,14 @@ class _EngineCollector(Collector):
         for reason in REASONS:
             misses.add_metric([reason], float(latest.get(MISS_REASON_KEY + reason, 0)))
         yield misses
+        if isinstance(latest.get("kv_cache_dtype"), str):
+            info = GaugeMetricFamily(
+                PREFIX + "kv_cache_dtype_info",
+                "How the KV cache stores K/V (--kv-cache-dtype): 1 for the engine's dtype",
+                labels=["kv_cache_dtype"],
+            )
+            info.add_metric([latest["kv_cache_dtype"]], 1.0)
+            yield info
         # Anything else numeric the engine reports, as a gauge under its own name.
         for key, value in sorted(latest.items()):
             if key in ENGINE_COUNTERS or key in ENGINE_GAUGES or key.startswith(MISS_REASON_KEY):

@@ -236,6 +236,9 @@
     setValue("pins-count", pins.count, int(pins.count));
     setValue("pins-blocks", pins.blocks, int(pins.blocks));
     setValue("block-size", s.block_size, int(s.block_size));
+    const kv = s.kv_cache || {};
+    setValue("kv-dtype", kv.dtype, typeof kv.dtype === "string" ? kv.dtype : "—");
+    setValue("kv-bytes-per-token", kv.bytes_per_token, int(kv.bytes_per_token));
   }
 
   function pushHistory(s) {
