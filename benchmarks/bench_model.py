@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/bench_model.py [--repeats 7] [--skip-transformers] [--baseline]
         [--llama-cpp] [--decode-batches 1,16,64] [--batch-invariant] [--no-native-gemm-baseline]
         [--python-layers-baseline] [--portable-attention-baseline] [--before-baseline]
-        [--no-batch-invariant] [--tiles-baseline avx2,avx512]
+        [--no-batch-invariant] [--tiles-baseline avx2,avx512] [--kv-cache-dtypes int8,fp8_e4m3]
 
 Measures (bf16, the default model unless --model): prefill of one 512-token chunk (tok/s), and
 decode at batch 1 and batch 16 (tok/s, summed over the batch) on a 128-token context (all three
@@ -77,6 +77,7 @@ class Ours:
         name: str = "prefixserve",
         batch_invariant: bool | None = None,
         tiles: str | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.name = name
         self.bs = block_size
@@ -87,6 +88,7 @@ class Ours:
             block_size,
             sampler=ArgmaxSampler(),
             batch_invariant=batch_invariant,
+            kv_cache_dtype=kv_cache_dtype,
         )
         self.vocab = loaded.config.vocab_size
         self.next_block = 1
@@ -312,6 +314,12 @@ def main() -> None:
         "wherever the native kernels run) on the same weights, same run",
     )
     ap.add_argument(
+        "--kv-cache-dtypes",
+        default="",
+        help="also run prefixserve with its KV cache in these dtypes (int8, fp8_e4m3, "
+        "comma-separated) on the same weights, same run",
+    )
+    ap.add_argument(
         "--no-batch-invariant",
         action="store_true",
         help="also run prefixserve with batch_invariant=False on the same weights, same run",
@@ -373,6 +381,10 @@ def main() -> None:
     if args.no_batch_invariant:
         engines.append(
             Ours(loaded, num_blocks=blocks, name="no-batch-invariant", batch_invariant=False)
+        )
+    for kv_dtype in filter(None, args.kv_cache_dtypes.split(",")):
+        engines.append(
+            Ours(loaded, num_blocks=blocks, name=f"kv-{kv_dtype}", kv_cache_dtype=kv_dtype)
         )
     for tiles in filter(None, args.tiles_baseline.split(",")):
         engines.append(Ours(loaded, num_blocks=blocks, name=f"{tiles}-tiles", tiles=tiles))

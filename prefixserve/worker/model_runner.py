@@ -268,7 +268,7 @@ class ModelRunner:
         if not self.batch_invariant:
             return ""
         linears = "native-gemm" if compiled_kernel("gemm") is not None else "onednn"
-        lanes = self.dtype == torch.bfloat16 and self.quant is None and attention_kernels_agree()
+        lanes = self.dtype == torch.bfloat16 and attention_kernels_agree()
         return f"/batch-invariant/{linears}/{'lanes' if lanes else 'portable'}-attention"
 
     def gather_blocks(self, block_ids: Sequence[int]) -> list[memoryview]:

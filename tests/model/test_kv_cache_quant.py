@@ -105,23 +105,28 @@ def test_the_kernel_reads_8_bit_rows_as_their_dequantized_values(case, dtype, na
 
 @needs_kernel
 def test_every_fp8_byte_reads_as_pytorchs_float8_e4m3fn():
-    """The kernel's fp8 table against PyTorch's conversion for all 256 bytes but the two NaNs:
-    one key and one value row per byte, a query of zeros (uniform weights over one key)."""
+    """The kernels' fp8 decoding against PyTorch's conversion for all 256 bytes but the two
+    NaNs: one key and one value row per byte, a query of zeros (all weight on the one key); the
+    portable path's table (fp32 queries) and the bf16 lanes path's bit arithmetic (bf16
+    queries, where the build has it: an e4m3 value is exact in bf16)."""
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     codes = codes[(codes & 0x7F) != 0x7F]
     n = codes.numel()  # 254 rows of 64 copies of one byte each, scale 1
     one = torch.tensor([1.0]).view(torch.uint8)
     rows = torch.cat([codes.view(n, 1).expand(n, 64), one.expand(n, 4)], dim=1)
     want = codes.view(torch.float8_e4m3fn).float()
-    kernel = paged_attention_portable_kernel()
-    for i in range(n):  # each row alone in block 1 of a two-block cache (block 0 is null)
-        cache = torch.zeros(2, 1, 1, 68, dtype=torch.uint8)
-        cache[1, 0, 0] = rows[i]
-        out = torch.empty(1, 64)
-        tables = torch.tensor([[1]], dtype=torch.int32)
-        info = torch.tensor([[0, 1, 0]], dtype=torch.int64)
-        kernel(out, torch.zeros(1, 1, 64), cache, cache, tables, info, 1.0, 0.0, 0)
-        assert torch.equal(out[0], want[i].expand(64)), (hex(int(codes[i])), out[0, 0], want[i])
+    tables = torch.tensor([[1]], dtype=torch.int32)
+    info = torch.tensor([[0, 1, 0]], dtype=torch.int64)
+    paths = [(paged_attention_portable_kernel(), torch.float32)]
+    paths.append((paged_attention_kernel(), torch.bfloat16))
+    for kernel, dtype in paths:
+        for i in range(n):  # each row alone in block 1 of a two-block cache (block 0 is null)
+            cache = torch.zeros(2, 1, 1, 68, dtype=torch.uint8)
+            cache[1, 0, 0] = rows[i]
+            out = torch.empty(1, 64, dtype=dtype)
+            kernel(out, torch.zeros(1, 1, 64, dtype=dtype), cache, cache, tables, info, 1.0, 0, 0)
+            got, expected = out[0].float(), want[i].expand(64)
+            assert torch.equal(got, expected), (dtype, hex(int(codes[i])), got[0], want[i])
 
 
 PROMPT = "Once upon a time in a small village by the sea, there lived an old fisherman who " * 3

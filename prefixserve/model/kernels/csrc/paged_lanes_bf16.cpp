@@ -30,11 +30,48 @@ using prefixserve::paged::Item;
 using prefixserve::paged::kCascadeRows;
 using prefixserve::paged::kLongRowTile;
 
+// The caches: bf16 rows, or 8-bit rows (model/quant/kv_cache.py: D codes, then the row's fp32
+// scale) of int8 or fp8 e4m3 codes. Offsets and strides count elements (bytes for 8 bits).
+enum class CacheKind { kBf16, kInt8, kFp8 };
 struct Cache {
-  const uint16_t* k;
-  const uint16_t* v;
-  int64_t block_stride, slot_stride, block_size;
+  const void* k;
+  const void* v;
+  int64_t block_stride, slot_stride, head_pitch, block_size;
+  CacheKind kind;
+  int64_t elem() const { return kind == CacheKind::kBf16 ? 2 : 1; }
+  const char* k_row(int64_t off) const { return static_cast<const char*>(k) + off * elem(); }
+  const char* v_row(int64_t off) const { return static_cast<const char*>(v) + off * elem(); }
 };
+
+// 16 8-bit codes at src as fp32 values (code * scale): int8 exactly; fp8 e4m3 exactly too, its
+// bits moved into a float's (normal codes) or its mantissa scaled by 2^-9 (subnormal codes), the
+// values paged_attention.cpp's table holds (its NaN codes are never written).
+inline __m512 codes16(const char* src, CacheKind kind, __m512 scale) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+  if (kind == CacheKind::kInt8) {
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), scale);
+  }
+  const __m512i b = _mm512_cvtepu8_epi32(bytes);
+  const __m512i magnitude = _mm512_and_si512(b, _mm512_set1_epi32(0x7f));
+  const __m512i normal =
+      _mm512_add_epi32(_mm512_slli_epi32(magnitude, 20), _mm512_set1_epi32(120 << 23));
+  const __m512 subnormal = _mm512_mul_ps(
+      _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(7))), _mm512_set1_ps(0x1p-9f));
+  const __mmask16 tiny = _mm512_cmpeq_epi32_mask(_mm512_and_si512(b, _mm512_set1_epi32(0x78)),
+                                                 _mm512_setzero_si512());
+  __m512 v = _mm512_mask_blend_ps(tiny, _mm512_castsi512_ps(normal), subnormal);
+  v = _mm512_castsi512_ps(
+      _mm512_or_si512(_mm512_castps_si512(v), _mm512_slli_epi32(_mm512_and_si512(
+                                                                   b, _mm512_set1_epi32(0x80)),
+                                                               24)));
+  return _mm512_mul_ps(v, scale);
+}
+
+inline float row_scale(const char* codes_end) {
+  float scale;
+  std::memcpy(&scale, codes_end, sizeof scale);
+  return scale;
+}
 
 // out[p] = lane i of r[i]'s element p, for 16 vectors of 16 32-bit elements (a 16 x 16
 // transpose: unpacks within 128-bit lanes, then two rounds of lane shuffles).
@@ -71,7 +108,8 @@ void tile_rows(const Cache& c, const int32_t* table, int64_t kvh, int64_t t0, in
     const int64_t pos = t0 + j;
     const int64_t slot = pos % c.block_size;
     const int64_t n = std::min(c.block_size - slot, hi - j);
-    const int64_t base = table[pos / c.block_size] * c.block_stride + slot * c.slot_stride + kvh * D;
+    const int64_t base =
+        table[pos / c.block_size] * c.block_stride + slot * c.slot_stride + kvh * c.head_pitch;
     for (int64_t i = 0; i < n; ++i, ++j) rows[j] = base + i * c.slot_stride;
   }
 }
@@ -79,10 +117,11 @@ void tile_rows(const Cache& c, const int32_t* table, int64_t kvh, int64_t t0, in
 // Ask for the K and V rows at rows[lo, hi) toward the cache level `hint`.
 template <int D, int hint>
 void prefetch_rows(const Cache& c, const int64_t* rows, int64_t lo, int64_t hi) {
+  const int64_t bytes = c.head_pitch * c.elem();
   for (int64_t j = lo; j < hi; ++j) {
-    const char* k = reinterpret_cast<const char*>(c.k + rows[j]);
-    const char* v = reinterpret_cast<const char*>(c.v + rows[j]);
-    for (int b = 0; b < D * 2; b += 64) {
+    const char* k = c.k_row(rows[j]);
+    const char* v = c.v_row(rows[j]);
+    for (int64_t b = 0; b < bytes; b += 64) {
       _mm_prefetch(k + b, static_cast<_mm_hint>(hint));
       _mm_prefetch(v + b, static_cast<_mm_hint>(hint));
     }
@@ -99,33 +138,59 @@ void prefetch_tile(const Cache& c, const int32_t* table, int64_t kvh, int64_t t0
   prefetch_rows<D, _MM_HINT_T1>(c, rows, lo, hi);
 }
 
+// An 8-bit tile's rows [lo, hi) as values: K rounded to bf16 into kb[j * D] (what the bf16
+// scores read: the value code * scale in fp32, then to nearest bf16), V in fp32 into vt.
+template <int D>
+void dequantize_tile(const Cache& c, const int64_t* rows, int64_t lo, int64_t hi, uint16_t* kb,
+                     float* vt) {
+  for (int64_t j = lo; j < hi; ++j) {
+    const char* kr = c.k_row(rows[j]);
+    const char* vr = c.v_row(rows[j]);
+    const __m512 ks = _mm512_set1_ps(row_scale(kr + D)), vs = _mm512_set1_ps(row_scale(vr + D));
+    for (int d = 0; d < D; d += 16) {
+      const __m512 kv = codes16(kr + d, c.kind, ks);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(kb + j * D + d),
+                          (__m256i)_mm512_cvtneps_pbh(kv));
+      _mm512_storeu_ps(vt + j * D + d, codes16(vr + d, c.kind, vs));
+    }
+  }
+}
+
 // Keys [t0 + lo, t0 + hi) of a sequence (block table `table`), KV head kvh, into the tile
-// buffers: kp[p * kTileKeys + j] = K pair p of key t0 + j, vt[j * D + d] = V in fp32.
+// buffers: kp[p * kTileKeys + j] = K pair p of key t0 + j, vt[j * D + d] = V in fp32. `kb`
+// (kTileKeys * D bf16) holds an 8-bit tile's keys on their way.
 template <int D>
 void load_tile(const Cache& c, const int32_t* table, int64_t kvh, int64_t t0, int64_t lo,
-               int64_t hi, uint32_t* kp, float* vt) {
+               int64_t hi, uint32_t* kp, float* vt, uint16_t* kb) {
   // Every row asked for at once first (the rows of one KV head are strided: read one after
   // another, each would wait for memory on its own).
   int64_t rows[kTileKeys];
   tile_rows<D>(c, table, kvh, t0, lo, hi, rows);
   prefetch_rows<D, _MM_HINT_T0>(c, rows, lo, hi);
+  const uint16_t* ksrc = static_cast<const uint16_t*>(c.k);
+  if (c.kind != CacheKind::kBf16) {  // values first; then K is packed from kb like a bf16 tile
+    dequantize_tile<D>(c, rows, lo, hi, kb, vt);
+    for (int64_t j = lo; j < hi; ++j) rows[j] = j * D;
+    ksrc = kb;
+  }
   for (int64_t j0 = lo / 16 * 16; j0 < hi; j0 += 16) {
     if (j0 >= lo && j0 + 16 <= hi) {  // 16 keys: 16 pairs of each at a time, transposed
       for (int p0 = 0; p0 < D / 2; p0 += 16) {
         __m512i r[16], t[16];
-        for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(c.k + rows[j0 + i] + 2 * p0);
+        for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(ksrc + rows[j0 + i] + 2 * p0);
         transpose16(r, t);
         for (int p = 0; p < 16; ++p) _mm512_storeu_si512(kp + (p0 + p) * kTileKeys + j0, t[p]);
       }
       continue;
     }
     for (int64_t j = std::max(lo, j0); j < std::min(hi, j0 + 16); ++j) {
-      const uint32_t* kr = reinterpret_cast<const uint32_t*>(c.k + rows[j]);
+      const uint32_t* kr = reinterpret_cast<const uint32_t*>(ksrc + rows[j]);
       for (int p = 0; p < D / 2; ++p) kp[p * kTileKeys + j] = kr[p];
     }
   }
+  if (c.kind != CacheKind::kBf16) return;
   for (int64_t j = lo; j < hi; ++j) {
-    const uint16_t* vr = c.v + rows[j];
+    const uint16_t* vr = static_cast<const uint16_t*>(c.v) + rows[j];
     for (int d = 0; d < D; d += 16) {
       const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(
           reinterpret_cast<const __m256i*>(vr + d)));
@@ -144,9 +209,11 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
   const int64_t group = num_heads / num_kv_heads;
   const int64_t q_row = q.stride(0), q_head = q.stride(1), out_row = out.stride(0);
   const int64_t max_blocks = block_tables.size(1);
-  const Cache cache{reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
-                    reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()),
-                    k_cache.stride(0), k_cache.stride(1), k_cache.size(1)};
+  const CacheKind kind = k_cache.scalar_type() == torch::kChar   ? CacheKind::kInt8
+                         : k_cache.scalar_type() == torch::kByte ? CacheKind::kFp8
+                                                                 : CacheKind::kBf16;
+  const Cache cache{k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
+                    k_cache.stride(2),  k_cache.size(1),     kind};
   const auto* q_ptr = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
   auto* out_ptr = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const int32_t* tables = block_tables.data_ptr<int32_t>();
@@ -160,6 +227,7 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
     const int64_t max_queries = std::max(kLongRowTile, kCascadeRows) * group;
     std::vector<uint32_t> kp(D / 2 * kTileKeys, 0u);
     std::vector<float> vt(kTileKeys * D, 0.0f);
+    std::vector<uint16_t> kb(kind == CacheKind::kBf16 ? 0 : kTileKeys * D);
     std::vector<float> m(max_queries), l(max_queries), acc(max_queries * D);
     std::vector<float> pbuf(max_queries * kTileKeys);
     std::vector<const uint16_t*> qv(max_queries), tq(max_queries);
@@ -191,7 +259,8 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
                            std::min<int64_t>(kTileKeys, last_pos - t0 - kTileKeys + 1));
         }
         load_tile<D>(cache, table, kvh, t0, std::max<int64_t>(0, lo_key - t0),
-                     std::min<int64_t>(kTileKeys, last_pos - t0 + 1), kp.data(), vt.data());
+                     std::min<int64_t>(kTileKeys, last_pos - t0 + 1), kp.data(), vt.data(),
+                     kb.data());
         int64_t nt = 0;
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t qpos = first_pos + r;
@@ -228,7 +297,7 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
           if (t0 + kTileKeys < shared_keys) {
             prefetch_tile<D>(cache, table, kvh, t0 + kTileKeys, 0, kTileKeys);
           }
-          load_tile<D>(cache, table, kvh, t0, 0, kTileKeys, kp.data(), vt.data());
+          load_tile<D>(cache, table, kvh, t0, 0, kTileKeys, kp.data(), vt.data(), kb.data());
           int64_t nt = 0;
           for (int64_t qi = 0; qi < nq; ++qi) add(nt, qi, 0, kTileKeys);
           attend(nt);
@@ -261,8 +330,9 @@ bool paged_attention_lanes(torch::Tensor& out, const torch::Tensor& q,
                            const torch::Tensor& block_tables, const torch::Tensor& seq_info,
                            double scale, double softcap, int64_t window) {
 #if defined(__AVX512BF16__)
-  if (q.scalar_type() != torch::kBFloat16 || k_cache.scalar_type() != torch::kBFloat16 ||
-      softcap > 0.0)
+  const auto cache_type = k_cache.scalar_type();
+  if (q.scalar_type() != torch::kBFloat16 || softcap > 0.0 ||
+      (cache_type != torch::kBFloat16 && cache_type != torch::kChar && cache_type != torch::kByte))
     return false;
   const float s = static_cast<float>(scale);
   switch (q.size(2)) {
