@@ -15,6 +15,7 @@ restart: empty RAM pool), then the same engine again (warm RAM). Prints TTFT p50
 and on disk; W6: its TTFT per pass), which `benchmarks/plot_kv_store.py` draws.
 
     .venv/bin/python benchmarks/bench_kv_store.py --workloads W4,W5,W6 [--scale 1.0] [--json F]
+        [--kv-cache-dtypes int8,fp8_e4m3]
 """
 
 from __future__ import annotations
@@ -34,14 +35,16 @@ from prefixserve import LLM, SamplingParams  # noqa: E402
 from prefixserve.bench.workloads import load_token_pool, make_workload  # noqa: E402
 from prefixserve.model.loader.default_model import ensure_default_model  # noqa: E402
 from prefixserve.model.loader.loading import load_model  # noqa: E402
+from prefixserve.model.quant.kv_cache import kv_format  # noqa: E402
 
 # KV blocks of the RAM pool per workload: W4 ~4 documents (4 x 1,532 tokens), W5 ~16 prompts.
 POOL_BLOCKS = {"W4": 4 * 96 + 16, "W5": 16 * 68 + 16}
 
 
-def _llm(loaded, num_blocks: int | None, store: str | None, args) -> LLM:
+def _llm(loaded, num_blocks: int | None, store: str | None, args, kv: str = "auto") -> LLM:
     return LLM(
         dtype=args.dtype,
+        kv_cache_dtype=kv,
         loaded_model=loaded,
         num_kv_blocks=num_blocks,
         max_num_seqs=args.concurrency,
@@ -51,8 +54,10 @@ def _llm(loaded, num_blocks: int | None, store: str | None, args) -> LLM:
     )
 
 
-def run_pressure(loaded, workload, num_blocks: int | None, store: str | None, args) -> dict:
-    llm = _llm(loaded, num_blocks, store, args)
+def run_pressure(
+    loaded, workload, num_blocks: int | None, store: str | None, args, kv: str = "auto"
+) -> dict:
+    llm = _llm(loaded, num_blocks, store, args, kv)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     requests = workload.requests
     start = time.perf_counter()
@@ -141,6 +146,28 @@ def run_restart(loaded, workload, args) -> dict:
     }
 
 
+def run_same_bytes(loaded, workload, name, blocks, kv, ram, disk, args) -> None:
+    """`name` with the KV cache in `kv` and a pool of the same bytes as `blocks` in the model's
+    dtype, RAM only and with the disk tier; printed beside the runs in the model's dtype."""
+    if blocks is None:
+        return
+    config = loaded.config
+    wide = kv_format("auto", config.torch_dtype).row_bytes(config.head_dim)
+    same_bytes = blocks * wide // kv_format(kv, config.torch_dtype).row_bytes(config.head_dim)
+    for label, store, base in (
+        ("RAM pool only (LRU)", None, ram),
+        ("RAM + disk tier", tempfile.mkdtemp(prefix="kvstore-"), disk),
+    ):
+        r = run_pressure(loaded, workload, same_bytes, store, args, kv)
+        print(
+            f"{name} KV {kv}, pool {same_bytes} blocks (the bytes of {blocks}), {label}: "
+            f"{r['req_s']:.3f} req/s ({r['wall']:.1f} s), hit {r['hit']:.1%} (RAM "
+            f"{r['ram_hit']:.1%}, disk {r['disk_hit']:.1%}); {r['req_s'] / base['req_s']:.2f}x "
+            f"the {args.dtype} KV cache's req/s, hit {base['hit']:.1%} there",
+            flush=True,
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", default="W4,W5,W6")
@@ -149,6 +176,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--store-gb", type=float, default=4.0)
     parser.add_argument("--json", help="write every request's record here")
+    parser.add_argument(
+        "--kv-cache-dtypes",
+        default="",
+        help="W4/W5 also with the KV cache in these 8-bit dtypes (int8, fp8_e4m3), the pool "
+        "given the same bytes (more blocks), RAM only and with the disk tier, same run",
+    )
     args = parser.parse_args()
     results: dict = {}
     cpuinfo = open("/proc/cpuinfo").read()
@@ -200,6 +233,8 @@ def main() -> None:
                 f"{r['computed']}" + (f", load {load:.2f} ms/block" if load else ""),
                 flush=True,
             )
+        for kv in filter(None, args.kv_cache_dtypes.split(",")):
+            run_same_bytes(loaded, workload, name, blocks, kv, ram, disk, args)
         compute_ms_per_block = 1000 * ram["wall"] / max(1, ram["computed"]) * 16
         print(
             f"{name}: disk tier / RAM only = {disk['req_s'] / ram['req_s']:.2f}x req/s; "
