@@ -211,3 +211,35 @@ def test_metrics_and_the_summary_name_the_kv_dtype_and_bytes_per_token(default_m
     both = combine_metrics([metrics, dict(metrics)])
     assert both["kv_cache_dtype"] == "int8" and both["kv_cache_bytes_per_token"] == want
     assert "kv_cache_dtype" not in combine_metrics([metrics, {**metrics, "kv_cache_dtype": "bf16"}])
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_rotary_kernel_writes_int8_rows_as_pytorch_quantizes_them(dtype):
+    """The native layer's K/V write (`rope_write_kv` into an int8 cache) gives quantize_rows'
+    bytes for the rotated K and for V, bit for bit: a token's row is the same whichever path
+    wrote it (a large chunk in PyTorch, a decode step in the kernel)."""
+    from prefixserve.model.kernels.build import rope_write_kv_kernel
+    from prefixserve.model.layers.rotary import apply_rotary
+
+    g = torch.Generator().manual_seed(5)
+    tokens, q_heads, kv_heads, d = 7, 6, 2, 64
+    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * d, generator=g).to(dtype)
+    qkv[2, q_heads * d : (q_heads + 1) * d] = 0  # a K row of zeros
+    angles = torch.rand(tokens, d // 2, generator=g) * 6
+    cos = torch.cat([angles.cos()] * 2, dim=-1).to(dtype)
+    sin = torch.cat([angles.sin()] * 2, dim=-1).to(dtype)
+    fmt = kv_format("int8", dtype)
+    k_cache = torch.zeros(4, 4, kv_heads, d + 4, dtype=torch.int8)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.tensor([3, 0, 5, 9, 10, 14, 15])
+    k = apply_rotary(
+        qkv[:, q_heads * d : (q_heads + kv_heads) * d].view(tokens, kv_heads, d),
+        cos.view(tokens, 1, d),
+        sin.view(tokens, 1, d),
+    )
+    v = qkv[:, (q_heads + kv_heads) * d :].reshape(tokens, kv_heads, d).clone()
+    rope_write_kv_kernel()(qkv, cos, sin, q_heads, kv_heads, k_cache, v_cache, slots)
+    flat_k, flat_v = k_cache.view(-1, kv_heads, d + 4), v_cache.view(-1, kv_heads, d + 4)
+    assert torch.equal(flat_k[slots], quantize_rows(k, fmt))
+    assert torch.equal(flat_v[slots], quantize_rows(v, fmt))

@@ -15,6 +15,8 @@
 #include "torch_lite.h"
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -83,10 +85,36 @@ inline float rounded(float x, c10::BFloat16*) {
   return out;
 }
 
+// One KV head's row as an int8 cache row (model/quant/kv_cache.py quantize_rows, bit for bit):
+// scale = amax / 127 (1 for a row of zeros), code = x / scale rounded half to even, clamped to
+// [-127, 127]; D codes, then the scale's 4 bytes.
+template <typename scalar_t>
+void quantize_row_int8(const scalar_t* x, int64_t D, int8_t* dst) {
+  float amax = 0.0f;
+  for (int64_t i = 0; i < D; ++i) amax = std::max(amax, std::fabs(to_float(x[i])));
+  const float scale = amax > 0.0f ? amax / 127.0f : 1.0f;
+  for (int64_t i = 0; i < D; ++i) {
+    const float code = std::nearbyint(to_float(x[i]) / scale);
+    dst[i] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, code)));
+  }
+  std::memcpy(dst + D, &scale, sizeof scale);
+}
+
+// Where the rotated K and V rows go: the caches in qkv's dtype, or int8 rows (`k8`, `v8`: D
+// codes and a scale each, `pitch` = D + 4 bytes a head).
+template <typename scalar_t>
+struct KVDest {
+  scalar_t* k;
+  scalar_t* v;
+  int8_t* k8;
+  int8_t* v8;
+  int64_t pitch;
+};
+
 template <typename scalar_t>
 void rope_rows(scalar_t* qkv, int64_t row_stride, const scalar_t* cos, const scalar_t* sin,
-               int64_t tokens, int64_t rot_heads, int64_t D, scalar_t* k_cache,
-               scalar_t* v_cache, const int64_t* slots, int64_t kv_heads, int64_t q_heads) {
+               int64_t tokens, int64_t rot_heads, int64_t D, const KVDest<scalar_t>& dest,
+               const int64_t* slots, int64_t kv_heads, int64_t q_heads) {
   const int64_t half = D / 2;
   // ~64 tokens a task: smaller ones cost more to hand out (and wake a thread for) than they save.
   at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
@@ -118,9 +146,17 @@ void rope_rows(scalar_t* qkv, int64_t row_stride, const scalar_t* cos, const sca
           store(head + i, rounded(a + b, static_cast<scalar_t*>(nullptr)));
         }
       }
+      if (dest.k8 != nullptr) {
+        for (int64_t h = 0; h < kv_heads; ++h) {
+          const int64_t off = (slots[t] * kv_heads + h) * dest.pitch;
+          quantize_row_int8(row + (q_heads + h) * D, D, dest.k8 + off);
+          quantize_row_int8(row + (q_heads + kv_heads + h) * D, D, dest.v8 + off);
+        }
+        continue;
+      }
       const int64_t kv_bytes = kv_heads * D * static_cast<int64_t>(sizeof(scalar_t));
-      std::memcpy(k_cache + slots[t] * kv_heads * D, row + q_heads * D, kv_bytes);
-      std::memcpy(v_cache + slots[t] * kv_heads * D, row + (q_heads + kv_heads) * D, kv_bytes);
+      std::memcpy(dest.k + slots[t] * kv_heads * D, row + q_heads * D, kv_bytes);
+      std::memcpy(dest.v + slots[t] * kv_heads * D, row + (q_heads + kv_heads) * D, kv_bytes);
     }
   });
 }
@@ -128,8 +164,9 @@ void rope_rows(scalar_t* qkv, int64_t row_stride, const scalar_t* cos, const sca
 }  // namespace
 
 // qkv [T, >= (q_heads + 2 * kv_heads) * D] with contiguous rows (the fused projection's output);
-// cos, sin [T, D] contiguous; caches [blocks, block_size, kv_heads, D] contiguous; slots [T]
-// int64. Rotates the q and k heads of qkv in place, then copies k and v into their slots.
+// cos, sin [T, D] contiguous; caches [blocks, block_size, kv_heads, D] contiguous (qkv's dtype,
+// or int8 rows of D codes and a scale: [.., D + 4], the 8-bit KV cache); slots [T] int64.
+// Rotates the q and k heads of qkv in place, then copies (or quantizes) k and v into their slots.
 void rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t q_heads,
                    int64_t kv_heads, torch::Tensor k_cache, torch::Tensor v_cache,
                    torch::Tensor slots) {
@@ -140,7 +177,8 @@ void rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int6
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   k_cache.sizes() == v_cache.sizes() && k_cache.size(2) == kv_heads,
               "caches must be contiguous [blocks, block_size, kv_heads, D] of one shape");
-  const int64_t D = k_cache.size(3), T = qkv.size(0);
+  const bool int8 = k_cache.scalar_type() == torch::kChar;
+  const int64_t D = k_cache.size(3) - (int8 ? 4 : 0), T = qkv.size(0);
   TORCH_CHECK(D % 2 == 0 && q_heads > 0 && kv_heads > 0, "rope_write_kv: bad head counts");
   TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) >= (q_heads + 2 * kv_heads) * D,
               "qkv must be [T, (q_heads + 2 * kv_heads) * D] with contiguous rows");
@@ -151,23 +189,30 @@ void rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int6
                   slots.is_contiguous(),
               "slots must be a contiguous int64 [T]");
   TORCH_CHECK(qkv.scalar_type() == cos.scalar_type() && qkv.scalar_type() == sin.scalar_type() &&
-                  qkv.scalar_type() == k_cache.scalar_type() &&
+                  (int8 || qkv.scalar_type() == k_cache.scalar_type()) &&
                   v_cache.scalar_type() == k_cache.scalar_type(),
-              "qkv, cos, sin and the caches must share a dtype");
+              "qkv, cos, sin and the caches must share a dtype (or the caches be int8 rows)");
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
   const int64_t* sp = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) {
     TORCH_CHECK(0 <= sp[t] && sp[t] < num_slots, "slot ", sp[t], " is not in the cache");
   }
+  auto dest = [&](auto* typed) {
+    using T_ = std::remove_pointer_t<decltype(typed)>;
+    if (int8) {
+      return KVDest<T_>{nullptr, nullptr, k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(),
+                        D + 4};
+    }
+    return KVDest<T_>{k_cache.data_ptr<T_>(), v_cache.data_ptr<T_>(), nullptr, nullptr, D};
+  };
   if (qkv.scalar_type() == torch::kFloat) {
     rope_rows<float>(qkv.data_ptr<float>(), qkv.stride(0), cos.data_ptr<float>(),
-                     sin.data_ptr<float>(), T, q_heads + kv_heads, D, k_cache.data_ptr<float>(),
-                     v_cache.data_ptr<float>(), sp, kv_heads, q_heads);
+                     sin.data_ptr<float>(), T, q_heads + kv_heads, D,
+                     dest(static_cast<float*>(nullptr)), sp, kv_heads, q_heads);
   } else if (qkv.scalar_type() == torch::kBFloat16) {
     using bf = c10::BFloat16;
     rope_rows<bf>(qkv.data_ptr<bf>(), qkv.stride(0), cos.data_ptr<bf>(), sin.data_ptr<bf>(), T,
-                  q_heads + kv_heads, D, k_cache.data_ptr<bf>(), v_cache.data_ptr<bf>(), sp,
-                  kv_heads, q_heads);
+                  q_heads + kv_heads, D, dest(static_cast<bf*>(nullptr)), sp, kv_heads, q_heads);
   } else {
     TORCH_CHECK(false, "rope_write_kv supports float32 and bfloat16, got ", qkv.scalar_type());
   }
