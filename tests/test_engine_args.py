@@ -35,6 +35,7 @@ def test_every_option_reaches_the_engine_config_the_same_way_from_both_sides():
         "--max-num-seqs", "3", "--scheduling-policy", "fcfs", "--fair-chunk-tokens", "64",
         "--admission-order", "longest_prefix", "--no-kv-store", "--enable-lora",
         "--max-loras", "2", "--enable-prompt-embeds", "--no-enable-prefix-caching",
+        "--kv-cache-dtype", "int8",
     ]  # fmt: skip
     from_flags = engine_config_from_args(cli.build_parser().parse_args(flags))
     from_keywords = EngineArgs(
@@ -54,8 +55,10 @@ def test_every_option_reaches_the_engine_config_the_same_way_from_both_sides():
         max_loras=2,
         enable_prompt_embeds=True,
         enable_prefix_caching=False,
+        kv_cache_dtype="int8",
     ).create_engine_config()
     assert from_flags == from_keywords
+    assert from_flags.cache.kv_cache_dtype == "int8"
     assert from_flags.cache.max_pinned_blocks == 7 and from_flags.scheduler.fair_chunk_tokens == 64
 
 
