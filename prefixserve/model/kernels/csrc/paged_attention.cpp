@@ -21,6 +21,7 @@
 #endif
 
 #include "exp_avx512.h"
+#include "kv8_rows.h"
 #include "kernels.h"
 #include "paged_items.h"
 
@@ -37,6 +38,7 @@ using prefixserve::paged::Item;
 using prefixserve::paged::build_items;
 using prefixserve::paged::kCascadeRows;
 using prefixserve::paged::kLongRowTile;
+using prefixserve::kv8::row_to_float;
 
 inline void store(float* dst, float x) { *dst = x; }
 inline void store(c10::BFloat16* dst, float x) { *dst = c10::BFloat16(x); }
@@ -73,41 +75,6 @@ inline void row_to_float(const c10::BFloat16* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(bits[i]) << 16;
 }
 
-// An 8-bit cache row (model/quant/kv_cache.py): n codes, then the row's fp32 scale; a value is
-// code * scale, the product PyTorch's dequantize_rows computes.
-inline float row_scale(const void* codes_end) {
-  float scale;
-  std::memcpy(&scale, codes_end, sizeof scale);
-  return scale;
-}
-inline void row_to_float(const int8_t* src, float* dst, int64_t n) {
-  const float scale = row_scale(src + n);
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]) * scale;
-}
-
-// fp8 e4m3 (float8_e4m3fn: sign, 4 exponent bits of bias 7, 3 mantissa bits; 0x7f/0xff NaN)
-// to float, exactly, for every byte.
-struct Fp8Table {
-  float value[256];
-  Fp8Table() {
-    for (int b = 0; b < 256; ++b) {
-      const int e = (b >> 3) & 15, m = b & 7;
-      float v = e == 0 ? std::ldexp(static_cast<float>(m), -9)
-                       : std::ldexp(static_cast<float>(8 + m), e - 10);
-      if ((b & 0x7f) == 0x7f) v = std::numeric_limits<float>::quiet_NaN();
-      value[b] = (b & 0x80) ? -v : v;
-    }
-  }
-};
-inline const Fp8Table& fp8_table() {
-  static const Fp8Table table;
-  return table;
-}
-inline void row_to_float(const uint8_t* src, float* dst, int64_t n) {
-  const float scale = row_scale(src + n);
-  const float* lut = fp8_table().value;
-  for (int64_t i = 0; i < n; ++i) dst[i] = lut[src[i]] * scale;
-}
 
 // Bring a row of n elements toward L1 (a hint: never faults, and a no-op without SSE).
 template <typename scalar_t>

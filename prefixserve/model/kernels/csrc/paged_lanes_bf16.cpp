@@ -12,6 +12,7 @@
 #include <ATen/Parallel.h>
 
 #include "attn_lanes_bf16.h"
+#include "kv8_rows.h"
 #include "paged_items.h"
 
 #include <algorithm>
@@ -24,6 +25,7 @@ namespace {
 
 #if defined(__AVX512BF16__)
 namespace lanes = prefixserve::lanes;
+namespace kv8 = prefixserve::kv8;
 using lanes::kTileKeys;
 using prefixserve::paged::build_items;
 using prefixserve::paged::Item;
@@ -43,35 +45,6 @@ struct Cache {
   const char* v_row(int64_t off) const { return static_cast<const char*>(v) + off * elem(); }
 };
 
-// 16 8-bit codes at src as fp32 values (code * scale): int8 exactly; fp8 e4m3 exactly too, its
-// bits moved into a float's (normal codes) or its mantissa scaled by 2^-9 (subnormal codes), the
-// values paged_attention.cpp's table holds (its NaN codes are never written).
-inline __m512 codes16(const char* src, CacheKind kind, __m512 scale) {
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
-  if (kind == CacheKind::kInt8) {
-    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), scale);
-  }
-  const __m512i b = _mm512_cvtepu8_epi32(bytes);
-  const __m512i magnitude = _mm512_and_si512(b, _mm512_set1_epi32(0x7f));
-  const __m512i normal =
-      _mm512_add_epi32(_mm512_slli_epi32(magnitude, 20), _mm512_set1_epi32(120 << 23));
-  const __m512 subnormal = _mm512_mul_ps(
-      _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(7))), _mm512_set1_ps(0x1p-9f));
-  const __mmask16 tiny = _mm512_cmpeq_epi32_mask(_mm512_and_si512(b, _mm512_set1_epi32(0x78)),
-                                                 _mm512_setzero_si512());
-  __m512 v = _mm512_mask_blend_ps(tiny, _mm512_castsi512_ps(normal), subnormal);
-  v = _mm512_castsi512_ps(
-      _mm512_or_si512(_mm512_castps_si512(v), _mm512_slli_epi32(_mm512_and_si512(
-                                                                   b, _mm512_set1_epi32(0x80)),
-                                                               24)));
-  return _mm512_mul_ps(v, scale);
-}
-
-inline float row_scale(const char* codes_end) {
-  float scale;
-  std::memcpy(&scale, codes_end, sizeof scale);
-  return scale;
-}
 
 // out[p] = lane i of r[i]'s element p, for 16 vectors of 16 32-bit elements (a 16 x 16
 // transpose: unpacks within 128-bit lanes, then two rounds of lane shuffles).
@@ -146,12 +119,14 @@ void dequantize_tile(const Cache& c, const int64_t* rows, int64_t lo, int64_t hi
   for (int64_t j = lo; j < hi; ++j) {
     const char* kr = c.k_row(rows[j]);
     const char* vr = c.v_row(rows[j]);
-    const __m512 ks = _mm512_set1_ps(row_scale(kr + D)), vs = _mm512_set1_ps(row_scale(vr + D));
+    const __m512 ks = _mm512_set1_ps(kv8::row_scale(kr + D));
+    const __m512 vs = _mm512_set1_ps(kv8::row_scale(vr + D));
+    const bool fp8 = c.kind == CacheKind::kFp8;
     for (int d = 0; d < D; d += 16) {
-      const __m512 kv = codes16(kr + d, c.kind, ks);
+      const __m512 kv = kv8::codes16(kr + d, fp8, ks);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(kb + j * D + d),
                           (__m256i)_mm512_cvtneps_pbh(kv));
-      _mm512_storeu_ps(vt + j * D + d, codes16(vr + d, c.kind, vs));
+      _mm512_storeu_ps(vt + j * D + d, kv8::codes16(vr + d, fp8, vs));
     }
   }
 }
