@@ -244,9 +244,9 @@ class ModelRunner:
         # Whether steps whose every row attends through the paged kernel run each decoder
         # layer as one native call where the model has that form (native_layer.py; the same
         # bits as the Python layers; benchmarks turn it off to compare).
-        # (The native layer writes K/V through the rotary kernel, which writes bf16 and int8
-        # rows: an fp8 cache runs the Python layers.)
-        self.native_layers = self.quant is None or self.quant.name == "int8"
+        # (The native layer writes K/V through the rotary kernel, which writes 8-bit rows as
+        # quantize_rows does.)
+        self.native_layers = True
         self._seeded_generators: dict[str, torch.Generator] = {}
 
     def _generator_for(self, request: Request) -> torch.Generator:

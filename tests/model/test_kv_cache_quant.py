@@ -214,11 +214,13 @@ def test_metrics_and_the_summary_name_the_kv_dtype_and_bytes_per_token(default_m
 
 
 @needs_kernel
+@pytest.mark.parametrize("name", FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_rotary_kernel_writes_int8_rows_as_pytorch_quantizes_them(dtype):
-    """The native layer's K/V write (`rope_write_kv` into an int8 cache) gives quantize_rows'
-    bytes for the rotated K and for V, bit for bit: a token's row is the same whichever path
-    wrote it (a large chunk in PyTorch, a decode step in the kernel)."""
+def test_the_rotary_kernel_writes_8_bit_rows_as_pytorch_quantizes_them(dtype, name):
+    """The native layer's K/V write (`rope_write_kv` into an int8 or fp8 cache) gives
+    quantize_rows' bytes for the rotated K and for V, bit for bit: a token's row is the same
+    whichever path wrote it (a large chunk in PyTorch, a decode step in the kernel). Rows
+    include a zero row, tiny values (fp8 subnormals) and values at rounding ties."""
     from prefixserve.model.kernels.build import rope_write_kv_kernel
     from prefixserve.model.layers.rotary import apply_rotary
 
@@ -226,11 +228,17 @@ def test_the_rotary_kernel_writes_int8_rows_as_pytorch_quantizes_them(dtype):
     tokens, q_heads, kv_heads, d = 7, 6, 2, 64
     qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * d, generator=g).to(dtype)
     qkv[2, q_heads * d : (q_heads + 1) * d] = 0  # a K row of zeros
+    qkv[3, (q_heads + kv_heads) * d :] *= torch.logspace(
+        -9, 0, (qkv.shape[1] - (q_heads + kv_heads) * d)
+    )
+    qkv[4, (q_heads + kv_heads) * d : (q_heads + kv_heads) * d + 8] = torch.tensor(
+        [448.0, 13.0, -13.5, 0.5, -0.0, 7.0, 1e-4, -(2.0**-9)]
+    ).to(dtype)
     angles = torch.rand(tokens, d // 2, generator=g) * 6
     cos = torch.cat([angles.cos()] * 2, dim=-1).to(dtype)
     sin = torch.cat([angles.sin()] * 2, dim=-1).to(dtype)
-    fmt = kv_format("int8", dtype)
-    k_cache = torch.zeros(4, 4, kv_heads, d + 4, dtype=torch.int8)
+    fmt = kv_format(name, dtype)
+    k_cache = torch.zeros(4, 4, kv_heads, d + 4, dtype=fmt.storage)
     v_cache = torch.zeros_like(k_cache)
     slots = torch.tensor([3, 0, 5, 9, 10, 14, 15])
     k = apply_rotary(

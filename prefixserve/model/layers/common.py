@@ -199,8 +199,7 @@ class Attention(nn.Module):
             )
             write_kv(k_cache, v_cache, k, v, meta.slot_mapping, meta.kv_format)
         elif (
-            (meta.kv_format is None or meta.kv_format.name == "int8")
-            and t <= rope_kv_max_tokens(qkv.dtype, self.head_dim)
+            t <= rope_kv_max_tokens(qkv.dtype, self.head_dim)
             and (kernel := _kernel("rope_kv")) is not None
         ):
             # Rotary in place on qkv and the K/V writes, in one native call.

@@ -100,8 +100,36 @@ void quantize_row_int8(const scalar_t* x, int64_t D, int8_t* dst) {
   std::memcpy(dst + D, &scale, sizeof scale);
 }
 
+// |y| <= 448 as fp8 e4m3 (float8_e4m3fn) bits, rounded to nearest even as PyTorch converts:
+// below 2^-6 a subnormal (y * 2^9 to an integer: 8 is then the smallest normal's code), else
+// the mantissa's 8 * [1, 2) to an integer (16 carries into the exponent).
+inline uint8_t to_e4m3(float y) {
+  const uint8_t sign = std::signbit(y) ? 0x80 : 0;
+  const float a = std::fabs(y);
+  if (a < 0x1p-6f) return sign | static_cast<uint8_t>(std::nearbyint(a * 0x1p9f));
+  int e;
+  const float mant = std::frexp(a, &e);  // a = mant * 2^e, mant in [0.5, 1)
+  int k = static_cast<int>(std::nearbyint(mant * 16.0f));  // 8 * (2 * mant), in [8, 16]
+  int exponent = e - 1;
+  if (k == 16) k = 8, ++exponent;
+  return sign | static_cast<uint8_t>(((exponent + 7) << 3) | (k - 8));
+}
+
+// One KV head's row as an fp8 e4m3 cache row (quantize_rows, bit for bit): scale = amax / 448
+// (1 for a row of zeros), code = e4m3(x / scale clamped to [-448, 448]); then the scale.
+template <typename scalar_t>
+void quantize_row_fp8(const scalar_t* x, int64_t D, uint8_t* dst) {
+  float amax = 0.0f;
+  for (int64_t i = 0; i < D; ++i) amax = std::max(amax, std::fabs(to_float(x[i])));
+  const float scale = amax > 0.0f ? amax / 448.0f : 1.0f;
+  for (int64_t i = 0; i < D; ++i) {
+    dst[i] = to_e4m3(std::min(448.0f, std::max(-448.0f, to_float(x[i]) / scale)));
+  }
+  std::memcpy(dst + D, &scale, sizeof scale);
+}
+
 // Where the rotated K and V rows go: the caches in qkv's dtype, or int8 rows (`k8`, `v8`: D
-// codes and a scale each, `pitch` = D + 4 bytes a head).
+// codes and a scale each, `pitch` = D + 4 bytes a head; `fp8`: e4m3 codes, else int8).
 template <typename scalar_t>
 struct KVDest {
   scalar_t* k;
@@ -109,6 +137,7 @@ struct KVDest {
   int8_t* k8;
   int8_t* v8;
   int64_t pitch;
+  bool fp8;
 };
 
 template <typename scalar_t>
@@ -149,8 +178,15 @@ void rope_rows(scalar_t* qkv, int64_t row_stride, const scalar_t* cos, const sca
       if (dest.k8 != nullptr) {
         for (int64_t h = 0; h < kv_heads; ++h) {
           const int64_t off = (slots[t] * kv_heads + h) * dest.pitch;
-          quantize_row_int8(row + (q_heads + h) * D, D, dest.k8 + off);
-          quantize_row_int8(row + (q_heads + kv_heads + h) * D, D, dest.v8 + off);
+          const scalar_t* k = row + (q_heads + h) * D;
+          const scalar_t* v = row + (q_heads + kv_heads + h) * D;
+          if (dest.fp8) {
+            quantize_row_fp8(k, D, reinterpret_cast<uint8_t*>(dest.k8 + off));
+            quantize_row_fp8(v, D, reinterpret_cast<uint8_t*>(dest.v8 + off));
+          } else {
+            quantize_row_int8(k, D, dest.k8 + off);
+            quantize_row_int8(v, D, dest.v8 + off);
+          }
         }
         continue;
       }
@@ -165,7 +201,7 @@ void rope_rows(scalar_t* qkv, int64_t row_stride, const scalar_t* cos, const sca
 
 // qkv [T, >= (q_heads + 2 * kv_heads) * D] with contiguous rows (the fused projection's output);
 // cos, sin [T, D] contiguous; caches [blocks, block_size, kv_heads, D] contiguous (qkv's dtype,
-// or int8 rows of D codes and a scale: [.., D + 4], the 8-bit KV cache); slots [T] int64.
+// or int8 / fp8 rows of D codes and a scale: [.., D + 4], the 8-bit KV cache); slots [T] int64.
 // Rotates the q and k heads of qkv in place, then copies (or quantizes) k and v into their slots.
 void rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t q_heads,
                    int64_t kv_heads, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -177,7 +213,9 @@ void rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int6
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   k_cache.sizes() == v_cache.sizes() && k_cache.size(2) == kv_heads,
               "caches must be contiguous [blocks, block_size, kv_heads, D] of one shape");
-  const bool int8 = k_cache.scalar_type() == torch::kChar;
+  // 8-bit rows: int8 (kChar) or fp8 e4m3 (kByte) codes, D + 4 bytes a head.
+  const bool fp8 = k_cache.scalar_type() == torch::kByte;
+  const bool int8 = k_cache.scalar_type() == torch::kChar || fp8;
   const int64_t D = k_cache.size(3) - (int8 ? 4 : 0), T = qkv.size(0);
   TORCH_CHECK(D % 2 == 0 && q_heads > 0 && kv_heads > 0, "rope_write_kv: bad head counts");
   TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) >= (q_heads + 2 * kv_heads) * D,
@@ -200,10 +238,10 @@ void rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int6
   auto dest = [&](auto* typed) {
     using T_ = std::remove_pointer_t<decltype(typed)>;
     if (int8) {
-      return KVDest<T_>{nullptr, nullptr, k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(),
-                        D + 4};
+      return KVDest<T_>{nullptr, nullptr, static_cast<int8_t*>(k_cache.data_ptr()),
+                        static_cast<int8_t*>(v_cache.data_ptr()), D + 4, fp8};
     }
-    return KVDest<T_>{k_cache.data_ptr<T_>(), v_cache.data_ptr<T_>(), nullptr, nullptr, D};
+    return KVDest<T_>{k_cache.data_ptr<T_>(), v_cache.data_ptr<T_>(), nullptr, nullptr, D, false};
   };
   if (qkv.scalar_type() == torch::kFloat) {
     rope_rows<float>(qkv.data_ptr<float>(), qkv.stride(0), cos.data_ptr<float>(),
