@@ -76,7 +76,9 @@ def describe_engine(engine: object, config: EngineConfig, served_names: list[str
         f"architecture {arch}), dtype {config.dtype}, "
         f"max_model_len {getattr(engine, 'max_model_len', '?')}",
         f"KV cache: block size {cache.block_size} tokens, pool {num_blocks} blocks = "
-        f"{num_blocks * cache.block_size if num_blocks else '?'} tokens",
+        f"{num_blocks * cache.block_size if num_blocks else '?'} tokens, K/V stored as "
+        f"{config.dtype if cache.kv_cache_dtype == 'auto' else cache.kv_cache_dtype} "
+        "(--kv-cache-dtype)",
         f"prefix caching: {'on' if cache.enable_prefix_caching else 'off'}"
         + (f" (hash {cache.prefix_caching_hash_algo})" if cache.enable_prefix_caching else "")
         + f", KV events {'on' if cache.enable_kv_events else 'off'}",
