@@ -45,6 +45,7 @@ def _llm(loaded, num_blocks: int | None, store: str | None, args, kv: str = "aut
     return LLM(
         dtype=args.dtype,
         kv_cache_dtype=kv,
+        eviction_policy=args.eviction_policy,
         loaded_model=loaded,
         num_kv_blocks=num_blocks,
         max_num_seqs=args.concurrency,
@@ -155,7 +156,7 @@ def run_same_bytes(loaded, workload, name, blocks, kv, ram, disk, args) -> None:
     wide = kv_format("auto", config.torch_dtype).row_bytes(config.head_dim)
     same_bytes = blocks * wide // kv_format(kv, config.torch_dtype).row_bytes(config.head_dim)
     for label, store, base in (
-        ("RAM pool only (LRU)", None, ram),
+        (f"RAM pool only ({args.eviction_policy})", None, ram),
         ("RAM + disk tier", tempfile.mkdtemp(prefix="kvstore-"), disk),
     ):
         r = run_pressure(loaded, workload, same_bytes, store, args, kv)
@@ -176,6 +177,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--store-gb", type=float, default=4.0)
     parser.add_argument("--json", help="write every request's record here")
+    parser.add_argument("--eviction-policy", default="lru", help="the pool's (lru, slru, cost)")
     parser.add_argument(
         "--kv-cache-dtypes",
         default="",
@@ -224,7 +226,10 @@ def main() -> None:
         results[name] = {"ram_only": ram["requests"], "ram_and_disk": disk["requests"]}
         assert ram["outputs"] == disk["outputs"] or args.dtype != "float32"
         same = sum(a == b for a, b in zip(ram["outputs"], disk["outputs"], strict=True))
-        for label, r in (("RAM pool only (LRU)", ram), ("RAM + disk tier", disk)):
+        for label, r in (
+            (f"RAM pool only ({args.eviction_policy})", ram),
+            ("RAM + disk tier", disk),
+        ):
             load = r["load_ms_per_block"]
             print(
                 f"{name} {len(workload.requests)} req, pool {blocks or 'default'} blocks, {label}: "
