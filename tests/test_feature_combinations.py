@@ -1,18 +1,20 @@
 """Features composed: hypothesis draws an engine configuration (the dtype: float32, or bf16 in its
-default batch-invariant mode; pins, the disk tier off, fresh or shared with earlier engines of
-either dtype, eviction policy, scheduling policy, chunked prefill, n-gram speculation, LoRA with
-one slot, prompt embeddings, small pools) and a workload of several tenants
-(a shared system prompt, another tenant's exact prompt, prompts too long for what the pins leave,
-aborts, resets of RAM or of every tier, pins and unpins), and checks after every operation:
+default batch-invariant mode with its KV cache in bf16, int8 or fp8 e4m3; pins, the disk tier off,
+fresh or shared with earlier engines of other numerics, eviction policy, scheduling policy, chunked
+prefill, n-gram speculation, LoRA with one slot, prompt embeddings, small pools) and a workload of
+several tenants (a shared system prompt, another tenant's exact prompt, prompts too long for what
+the pins leave, aborts, resets of RAM or of every tier, pins and unpins), and checks after every
+operation:
 
 - the engine is alive: a step never raises, and a refusal is a ValueError with a known reason;
 - the pool's invariants hold, and once everything ends and pins are dropped no block leaked;
 - no tenant ever hits another tenant's blocks: a request's cached tokens never exceed the longest
   block-aligned prefix it shares with a prompt of its own namespace (tenant, adapter, embeddings);
   tenants send the same tokens, so a cross-tenant hit would show;
-- every request that ran to its length equals a cold reference of its dtype (no prefix caching,
-  run alone), whether its K/V came from the pool, the disk, a pin, a recompute or speculation;
-  a dtype's blocks are never another's (the namespace includes the dtype).
+- every request that ran to its length equals a cold reference of its dtype and KV dtype (no
+  prefix caching, run alone), whether its K/V came from the pool, the disk, a pin, a recompute
+  or speculation; a dtype's or KV dtype's blocks are never another's (the namespace includes
+  both).
 
 The model is a random-weight tiny Llama (tests/model/tiny_hf_models.py). `make test` runs a fixed
 set of examples (derandomized); PREFIXSERVE_COMBINATIONS_EXAMPLES=N runs N random ones (a soak).
@@ -73,6 +75,14 @@ class Setup:
     pins: bool
     disk: str  # "off" | "fresh" | "shared"
     dtype: str = "float32"  # or "bfloat16": batch-invariant by default where the kernels run
+    # How the pool stores K/V (bf16 engines only: a float32 engine keeps "auto", its linears
+    # not being batch-invariant, so a rounding flip of an 8-bit code could change a token).
+    kv_cache_dtype: str = "auto"
+
+    @property
+    def numerics(self) -> tuple[str, str]:
+        """What sets an engine's bits: its dtype and its KV cache's (a namespace of its own)."""
+        return (self.dtype, self.kv_cache_dtype if self.dtype == "bfloat16" else "auto")
 
 
 @dataclass(frozen=True)
@@ -106,6 +116,7 @@ setups = st.builds(
     pins=st.booleans(),
     disk=st.sampled_from(["off", "fresh", "shared"]),
     dtype=st.sampled_from(["float32", "bfloat16"]),
+    kv_cache_dtype=st.sampled_from(["auto", "int8", "fp8_e4m3"]),
 )
 sends = st.builds(
     Send,
@@ -131,6 +142,15 @@ ops = st.one_of(
 # ------------------------------------------------------------------------------ the model
 
 
+# Every (dtype, KV cache dtype) a Setup may have.
+NUMERICS = [
+    ("float32", "auto"),
+    ("bfloat16", "auto"),
+    ("bfloat16", "int8"),
+    ("bfloat16", "fp8_e4m3"),
+]
+
+
 @pytest.fixture(scope="module")
 def world(tmp_path_factory, default_model_fp32):
     """The tiny model (its directory has config.json and weights, for the disk tier's
@@ -143,11 +163,17 @@ def world(tmp_path_factory, default_model_fp32):
         models[dtype] = LoadedModel(
             model=model, tokenizer=default_model_fp32.tokenizer, config=config, path=root / "model"
         )
-        references[dtype] = LLMEngine(
+    for dtype, kv in NUMERICS:
+        references[(dtype, kv)] = LLMEngine(
             EngineConfig(
                 dtype=dtype,
                 max_model_len=MAX_MODEL_LEN,
-                cache=CacheConfig(block_size=BLOCK, num_kv_blocks=256, enable_prefix_caching=False),
+                cache=CacheConfig(
+                    block_size=BLOCK,
+                    num_kv_blocks=256,
+                    enable_prefix_caching=False,
+                    kv_cache_dtype=kv,
+                ),
                 lora=LoRAConfig(max_loras=2, max_lora_rank=8),
             ),
             loaded_model=models[dtype],
@@ -162,13 +188,18 @@ def world(tmp_path_factory, default_model_fp32):
 @dataclass
 class History:
     """What each namespace sent: (namespace, prompt, epoch, request id); a reset of every tier
-    starts a new epoch, and what it left unfinished is entered again in it (it recomputes)."""
+    starts a new epoch of the resetting engine's numerics (its disk namespace: the blocks of
+    other dtypes and KV dtypes in a shared store stay), and what it left unfinished is entered
+    again in it (it recomputes). A namespace's first element is its numerics."""
 
     entries: list[tuple[tuple, tuple[int, ...], int, str]] = field(default_factory=list)
-    epoch: int = 0
+    epochs: dict = field(default_factory=dict)  # numerics -> epoch
+
+    def epoch(self, numerics: tuple) -> int:
+        return self.epochs.get(numerics, 0)
 
     def add(self, namespace: tuple, prompt: tuple[int, ...], request_id: str) -> None:
-        self.entries.append((namespace, prompt, self.epoch, request_id))
+        self.entries.append((namespace, prompt, self.epoch(namespace[0]), request_id))
 
     def reachable(self, namespace: tuple, epoch: int, request_id: str) -> list[tuple[int, ...]]:
         """The prompts whose blocks a request sent in `epoch` could find in some tier."""
@@ -184,18 +215,19 @@ class World:
     models: dict[str, LoadedModel]  # by dtype
     adapters: dict[str, str]
     shared_store: Path
-    references: dict[str, LLMEngine]  # by dtype
+    references: dict[tuple[str, str], LLMEngine]  # by Setup.numerics
     memo: dict = field(default_factory=dict)
     # What was sent into the shared store (it outlives each example's engine).
     shared_history: History = field(default_factory=lambda: History())
 
     def expected(
-        self, prompt: tuple[int, ...], adapter: str | None, max_tokens: int, dtype: str
+        self, prompt: tuple[int, ...], adapter: str | None, max_tokens: int, numerics: tuple
     ) -> list:
-        """Greedy tokens of a cold, uncached run of the prompt alone in `dtype`."""
-        key = (prompt, adapter, max_tokens, dtype)
+        """Greedy tokens of a cold, uncached run of the prompt alone with these numerics
+        (dtype, KV cache dtype)."""
+        key = (prompt, adapter, max_tokens, numerics)
         if key not in self.memo:
-            engine = self.references[dtype]
+            engine = self.references[numerics]
             engine.add_request(
                 "ref", list(prompt), greedy(max_tokens), lora_request=self.lora(adapter)
             )
@@ -240,6 +272,7 @@ def build_engine(world: World, setup: Setup, tmp_path: Path) -> LLMEngine:
             block_size=BLOCK,
             num_kv_blocks=setup.num_kv_blocks,
             eviction_policy=setup.eviction_policy,
+            kv_cache_dtype=setup.numerics[1],
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=4,
@@ -293,7 +326,7 @@ class Run:
         adapter = send.adapter if self.setup.lora else None
         embeds = send.embeds and self.setup.embeds
         prompt = self._prompt(send)
-        namespace = (self.setup.dtype, send.tenant, adapter, embeds)
+        namespace = (self.setup.numerics, send.tenant, adapter, embeds)
         request_id = f"r{len(self.prompts)}-{uuid.uuid4().hex[:8]}"  # unique in the store's history
         self.prompts.append(prompt)
         try:
@@ -311,7 +344,14 @@ class Run:
             assert any(reason in str(exc) for reason in KNOWN_REFUSALS), str(exc)
             return
         self.sent.append(
-            Sent(request_id, namespace, prompt, adapter, send.max_tokens, self.history.epoch)
+            Sent(
+                request_id,
+                namespace,
+                prompt,
+                adapter,
+                send.max_tokens,
+                self.history.epoch(self.setup.numerics),
+            )
         )
         self.history.add(namespace, prompt, request_id)
 
@@ -352,7 +392,8 @@ class Run:
                 for sent in self.sent
                 if sent.request_id not in self.finals and sent.request_id not in self.aborted
             ]
-            self.history.epoch += 1
+            numerics = self.setup.numerics
+            self.history.epochs[numerics] = self.history.epoch(numerics) + 1
             for sent in unfinished:
                 self.history.add(sent.namespace, sent.prompt, f"{sent.request_id}-again")
 
@@ -362,8 +403,9 @@ class Run:
         warm = f"warm-{uuid.uuid4().hex[:8]}"
         self.engine.add_request(warm, SYSTEM + [1], greedy(1), cache_salt=salt(0), tenant="t0")
         prompt = tuple(SYSTEM + [1])
-        namespace = (self.setup.dtype, 0, None, False)
-        self.sent.append(Sent(warm, namespace, prompt, None, 1, self.history.epoch))
+        namespace = (self.setup.numerics, 0, None, False)
+        epoch = self.history.epoch(self.setup.numerics)
+        self.sent.append(Sent(warm, namespace, prompt, None, 1, epoch))
         self.history.add(namespace, prompt, warm)
         drain(self.engine, self.finals)
         try:
@@ -392,7 +434,7 @@ class Run:
             tokens = list(final.outputs[0].token_ids)
             assert len(tokens) == sent.max_tokens, (sent, final.outputs[0].finish_reason)
             expected = self.world.expected(
-                sent.prompt, sent.adapter, sent.max_tokens, self.setup.dtype
+                sent.prompt, sent.adapter, sent.max_tokens, self.setup.numerics
             )
             assert tokens == expected, (sent, tokens, expected)
         if self.pinned:
@@ -466,6 +508,21 @@ SEAMS = [
     ),
     (
         _setup(dtype="bfloat16", disk="shared", speculative=True, lora=True, pins=True),
+        [_send(0), Op("step", count=4), Op("pin"), _send(1, "copy", tail=0)]
+        + [_send(0, adapter="a"), Op("reset", flag=True), _send(2, "copy", tail=0)]
+        + [Op("step", count=4), _send(0, "copy", tail=0)],
+    ),
+    # then an int8 KV cache on the same store: it never loads the bf16 blocks, and its own hits
+    # (pool and disk), pins, drafts, adapter rows and a reset give its cold int8 reference
+    (
+        _setup(
+            dtype="bfloat16",
+            kv_cache_dtype="int8",
+            disk="shared",
+            speculative=True,
+            lora=True,
+            pins=True,
+        ),
         [_send(0), Op("step", count=4), Op("pin"), _send(1, "copy", tail=0)]
         + [_send(0, adapter="a"), Op("reset", flag=True), _send(2, "copy", tail=0)]
         + [Op("step", count=4), _send(0, "copy", tail=0)],
