@@ -4,8 +4,6 @@ disk tier) are its cold start's bits in each KV dtype."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -14,7 +12,7 @@ from prefixserve.config import CacheConfig, EngineConfig
 from prefixserve.engine.llm_engine import LLMEngine
 from prefixserve.model.kernels.build import paged_attention_kernel, paged_attention_portable_kernel
 from prefixserve.model.quant.kv_cache import dequantize_rows, kv_format, quantize_rows
-from tests.model.test_paged_attention_kernel import CASES, build_case, reference
+from tests.model.test_paged_attention_kernel import CASES, build_case, check_against_reference
 
 FORMATS = ("int8", "fp8_e4m3")
 needs_kernel = pytest.mark.skipif(paged_attention_kernel() is None, reason="no native kernel")
@@ -92,15 +90,7 @@ def test_the_kernel_reads_8_bit_rows_as_their_dequantized_values(case, dtype, na
     K/V (code * scale): decode batches, whole prompts, chunks over a cached prefix, mixed steps,
     sliding windows, GQA, query dtypes fp32 and bf16."""
     q, kq, vq, tables, info, truths = _quantized_case(case, name, dtype)
-    heads, head_dim = q.shape[1], q.shape[2]
-    out = torch.full((q.shape[0], heads * head_dim), float("nan"), dtype=dtype)
-    scale = 1 / math.sqrt(head_dim)
-    paged_attention_kernel()(out, q, kq, vq, tables, info, scale, 0.0, window)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    for row, positions, keys, values in truths:
-        want = reference(q[row : row + len(positions)], keys, values, positions, scale, 0, window)
-        got = out[row : row + len(positions)].double()
-        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    check_against_reference(paged_attention_kernel(), q, kq, vq, tables, info, truths, window)
 
 
 @needs_kernel

@@ -129,10 +129,17 @@ def test_kernel_matches_reference_attention(case, dtype, window):
     q, kc, vc, tables, info, truths = build_case(
         CASES[case], heads, kv_heads, head_dim, block_size, dtype
     )
-    out = torch.full((q.shape[0], heads * head_dim), float("nan"), dtype=dtype)
+    check_against_reference(kernel, q, kc, vc, tables, info, truths, window)
+
+
+def check_against_reference(fn, q, k_cache, v_cache, tables, info, truths, window):
+    """Run the kernel `fn` on a case (build_case's tensors) and compare every sequence's rows
+    with `reference` over its truths (keys and values in float64)."""
+    heads, head_dim = q.shape[1], q.shape[2]
+    out = torch.full((q.shape[0], heads * head_dim), float("nan"), dtype=q.dtype)
     scale = 1 / math.sqrt(head_dim)
-    kernel(out, q, kc, vc, tables, info, scale, 0.0, window)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    fn(out, q, k_cache, v_cache, tables, info, scale, 0.0, window)
+    tol = 1e-5 if q.dtype == torch.float32 else 2e-2
     for row, positions, keys, values in truths:
         want = reference(q[row : row + len(positions)], keys, values, positions, scale, 0, window)
         got = out[row : row + len(positions)].double()

@@ -85,14 +85,21 @@ inline float rounded(float x, c10::BFloat16*) {
   return out;
 }
 
+// An 8-bit row's scale: its largest magnitude over the format's largest code, or 1 for a row of
+// zeros (quantize_rows' rule).
+template <typename scalar_t>
+float row_scale_of(const scalar_t* x, int64_t D, float max_code) {
+  float amax = 0.0f;
+  for (int64_t i = 0; i < D; ++i) amax = std::max(amax, std::fabs(to_float(x[i])));
+  return amax > 0.0f ? amax / max_code : 1.0f;
+}
+
 // One KV head's row as an int8 cache row (model/quant/kv_cache.py quantize_rows, bit for bit):
 // scale = amax / 127 (1 for a row of zeros), code = x / scale rounded half to even, clamped to
 // [-127, 127]; D codes, then the scale's 4 bytes.
 template <typename scalar_t>
 void quantize_row_int8(const scalar_t* x, int64_t D, int8_t* dst) {
-  float amax = 0.0f;
-  for (int64_t i = 0; i < D; ++i) amax = std::max(amax, std::fabs(to_float(x[i])));
-  const float scale = amax > 0.0f ? amax / 127.0f : 1.0f;
+  const float scale = row_scale_of(x, D, 127.0f);
   for (int64_t i = 0; i < D; ++i) {
     const float code = std::nearbyint(to_float(x[i]) / scale);
     dst[i] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, code)));
@@ -119,16 +126,14 @@ inline uint8_t to_e4m3(float y) {
 // (1 for a row of zeros), code = e4m3(x / scale clamped to [-448, 448]); then the scale.
 template <typename scalar_t>
 void quantize_row_fp8(const scalar_t* x, int64_t D, uint8_t* dst) {
-  float amax = 0.0f;
-  for (int64_t i = 0; i < D; ++i) amax = std::max(amax, std::fabs(to_float(x[i])));
-  const float scale = amax > 0.0f ? amax / 448.0f : 1.0f;
+  const float scale = row_scale_of(x, D, 448.0f);
   for (int64_t i = 0; i < D; ++i) {
     dst[i] = to_e4m3(std::min(448.0f, std::max(-448.0f, to_float(x[i]) / scale)));
   }
   std::memcpy(dst + D, &scale, sizeof scale);
 }
 
-// Where the rotated K and V rows go: the caches in qkv's dtype, or int8 rows (`k8`, `v8`: D
+// Where the rotated K and V rows go: the caches in qkv's dtype, or 8-bit rows (`k8`, `v8`: D
 // codes and a scale each, `pitch` = D + 4 bytes a head; `fp8`: e4m3 codes, else int8).
 template <typename scalar_t>
 struct KVDest {
@@ -215,8 +220,8 @@ void rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int6
               "caches must be contiguous [blocks, block_size, kv_heads, D] of one shape");
   // 8-bit rows: int8 (kChar) or fp8 e4m3 (kByte) codes, D + 4 bytes a head.
   const bool fp8 = k_cache.scalar_type() == torch::kByte;
-  const bool int8 = k_cache.scalar_type() == torch::kChar || fp8;
-  const int64_t D = k_cache.size(3) - (int8 ? 4 : 0), T = qkv.size(0);
+  const bool eight_bit = k_cache.scalar_type() == torch::kChar || fp8;
+  const int64_t D = k_cache.size(3) - (eight_bit ? 4 : 0), T = qkv.size(0);
   TORCH_CHECK(D % 2 == 0 && q_heads > 0 && kv_heads > 0, "rope_write_kv: bad head counts");
   TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) >= (q_heads + 2 * kv_heads) * D,
               "qkv must be [T, (q_heads + 2 * kv_heads) * D] with contiguous rows");
@@ -227,9 +232,9 @@ void rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int6
                   slots.is_contiguous(),
               "slots must be a contiguous int64 [T]");
   TORCH_CHECK(qkv.scalar_type() == cos.scalar_type() && qkv.scalar_type() == sin.scalar_type() &&
-                  (int8 || qkv.scalar_type() == k_cache.scalar_type()) &&
+                  (eight_bit || qkv.scalar_type() == k_cache.scalar_type()) &&
                   v_cache.scalar_type() == k_cache.scalar_type(),
-              "qkv, cos, sin and the caches must share a dtype (or the caches be int8 rows)");
+              "qkv, cos, sin and the caches must share a dtype (or the caches be 8-bit rows)");
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
   const int64_t* sp = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) {
@@ -237,7 +242,7 @@ void rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int6
   }
   auto dest = [&](auto* typed) {
     using T_ = std::remove_pointer_t<decltype(typed)>;
-    if (int8) {
+    if (eight_bit) {
       return KVDest<T_>{nullptr, nullptr, static_cast<int8_t*>(k_cache.data_ptr()),
                         static_cast<int8_t*>(v_cache.data_ptr()), D + 4, fp8};
     }
