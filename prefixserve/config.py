@@ -29,6 +29,10 @@ RETENTION_SECONDS: dict[str, float | None] = {"in_memory": None, "24h": 24 * 360
 # How the KV cache stores K/V (model/quant/kv_cache.py): "auto" the model's dtype, "bf16" the same
 # for a bf16 model, "int8" and "fp8_e4m3" 8-bit codes with an fp32 scale per token and KV head.
 KV_CACHE_DTYPES = ("auto", "bf16", "int8", "fp8_e4m3")
+# How the weights are held (model/quant/weights.py): "auto" keeps a GGUF file's Q8_0 weights
+# 8-bit and loads the rest in the model's dtype; "none" loads every weight in the model's dtype;
+# "int8" also quantizes every other linear per channel (symmetric, cached on disk).
+QUANTIZATIONS = ("auto", "none", "int8")
 
 
 def _invalid(name: str, value: object, allowed: str) -> ValueError:
@@ -332,8 +336,16 @@ class EngineConfig:
     # None: on wherever the runner can make it so for a bf16 model (the native kernels are
     # there), off otherwise (worker/model_runner.py `resolve_batch_invariant`).
     batch_invariant: bool | None = None
+    # How the weights are held (QUANTIZATIONS).
+    quantization: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.quantization not in QUANTIZATIONS:
+            raise _invalid("quantization", self.quantization, f"one of {QUANTIZATIONS}")
+        if self.quantization == "int8" and self.dtype != "bfloat16":
+            raise ValueError(
+                f"quantization='int8' computes in bfloat16; got dtype={self.dtype!r}"
+            )
         if self.model is not None and (not isinstance(self.model, str) or not self.model):
             raise _invalid("model", self.model, "None (the default model) or a path")
         if self.dtype not in SUPPORTED_DTYPES:

@@ -26,6 +26,7 @@ from prefixserve.config import (
     ADMISSION_ORDERS,
     DEFAULT_GHOST_ENTRIES,
     KV_CACHE_DTYPES,
+    QUANTIZATIONS,
     RETENTION_SECONDS,
     SCHEDULING_POLICIES,
     CacheConfig,
@@ -91,6 +92,15 @@ class EngineArgs:
         "Weights and KV-cache dtype (float16 is not supported on the CPU).",
         group=_ENGINE,
         choices=SUPPORTED_DTYPES,
+    )
+    quantization: str = option(
+        "auto",
+        "How the weights are held: auto (a GGUF file's Q8_0 weights stay 8-bit, decoded in "
+        "registers; the rest in --dtype), none (every weight in --dtype), int8 (also every other "
+        "linear as int8 per output channel, computed once and cached on disk). 8-bit weights "
+        "need --dtype bfloat16.",
+        group=_ENGINE,
+        choices=QUANTIZATIONS,
     )
     max_model_len: int | None = option(
         None, "Context length (prompt + output tokens). Default: the model's own.", group=_ENGINE
@@ -325,6 +335,7 @@ class EngineArgs:
             lora=LoRAConfig(self.max_loras, self.max_lora_rank) if self.enable_lora else None,
             enable_prompt_embeds=self.enable_prompt_embeds,
             batch_invariant=self._batch_invariant(),
+            quantization=self.quantization,
         )
 
     def _batch_invariant(self) -> bool | None:

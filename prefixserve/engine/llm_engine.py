@@ -61,7 +61,10 @@ class LLMEngine:
         self.config = config
         if loaded_model is None:
             loaded_model = load_model(
-                config.model, dtype=config.dtype, max_model_len=config.max_model_len
+                config.model,
+                dtype=config.dtype,
+                max_model_len=config.max_model_len,
+                quantization=config.quantization,
             )
         elif loaded_model.config.dtype != config.dtype:
             raise ValueError(

@@ -56,6 +56,9 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
     layer_to_group: list[int] = field(default_factory=list)
+    # The 8-bit weight formats the loaded linears hold ("q8_0", "int8", "q8_0+int8"; None: none),
+    # set by the loader (model/loader/quantize.py).
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:

@@ -266,11 +266,12 @@ class ModelRunner:
         arithmetic, or the portable path's where the build has no AVX512-BF16: a layer's K/V
         depend on the earlier layers' attention), so a hit is a cold start's bits, also from
         a store that hosts of other CPU kinds share."""
+        weights = f"/weights-{self.config.quantization}" if self.config.quantization else ""
         if not self.batch_invariant:
-            return ""
+            return weights
         linears = "native-gemm" if compiled_kernel("gemm") is not None else "onednn"
         lanes = self.dtype == torch.bfloat16 and attention_kernels_agree()
-        return f"/batch-invariant/{linears}/{'lanes' if lanes else 'portable'}-attention"
+        return f"/batch-invariant/{linears}/{'lanes' if lanes else 'portable'}-attention{weights}"
 
     def gather_blocks(self, block_ids: Sequence[int]) -> list[memoryview]:
         """Copies of these blocks' K/V (every layer) for the disk tier (kv_store/worker.py)."""

@@ -35,6 +35,7 @@ _SOURCES = [
         "bindings.cpp",
         "paged_attention.cpp",
         "gemv.cpp",
+        "linear_int8.cpp",
         "gemm_bf16.cpp",
         "rope_kv.cpp",
         "lora.cpp",
@@ -181,6 +182,20 @@ def linear_bf16_small_kernel() -> Callable[..., None] | None:
     return None if module is None else module.linear_bf16_small
 
 
+def linear_int8_kernel() -> Callable[..., None] | None:
+    """`linear_int8(out, x, codes, scales, bias, act, residual, threads)`: a linear over 8-bit
+    weight codes with fp32 group scales (csrc/linear_int8.cpp: one summation order per output,
+    on every CPU kind), or None without the kernels."""
+    module = _module()
+    return None if module is None else module.linear_int8
+
+
+def linear_int8_family() -> str | None:
+    """The vector family `linear_int8` was built with ("avx512", "avx2", "portable"), or None."""
+    module = _module()
+    return None if module is None else str(module.linear_int8_family())
+
+
 def linear_bf16_packed_kernels() -> tuple[Callable[..., Any], ...] | None:
     """(`pack_bf16_gemm(weight) -> packed`, `linear_bf16_packed(out, x, packed, N, bias,
     threads)`, `linear_bf16_packed_gated(out, x, packed, N, bias, act, threads)`):
@@ -235,7 +250,7 @@ def decoder_layer_class() -> Any:
     """`DecoderLayerBf16(input_norm, post_norm, eps, qkv, o, gate_up, down, heads, kv_heads,
     head_dim, scale, act)`: a Llama-family decoder layer bound for one native call per layer
     (csrc/decoder_layer.cpp; each linear a (packed, out_features, bias, next_packed) tuple of
-    `linear_bf16_packed`'s), or None without the kernels or the GEMM's vector tiles (the layer
+    `linear_bf16_packed`'s or a (codes, scales, bias) tuple of `linear_int8`'s), or None without the kernels or the GEMM's vector tiles (the layer
     runs on every tile family the GEMM selects: AVX-512, bf16 dot products or AVX2)."""
     module = _module()
     if module is None or module.gemm_bf16_tiles() == "portable":

@@ -9,6 +9,7 @@ from prefixserve.model.kernels.build import (
     gemm_bf16_tiles,
     linear_bf16_packed_kernels,
     linear_bf16_small_kernel,
+    linear_int8_kernel,
     lora_add_kernel,
     rms_norm_kernel,
     rope_write_kv_kernel,
@@ -46,6 +47,7 @@ _KERNEL_LOOKUPS = {
     # where oneDNN cannot pack bf16 (Linear._invariant_gemm).
     "gemm_any": _any_native_gemm_kernels,
     "linear_small": linear_bf16_small_kernel,
+    "linear_int8": linear_int8_kernel,  # 8-bit weights (Linear.set_int8)
     "lora_add": lora_add_kernel,  # lora/layers.py
     "rope_kv": rope_write_kv_kernel,
     "rms_norm": rms_norm_kernel,

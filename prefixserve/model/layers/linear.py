@@ -16,6 +16,7 @@ from torch import nn
 from prefixserve.model.kernels.cpu_paths import bf16_packing_supported, cpu_paths_here
 from prefixserve.model.kernels.hugepages import move_to_huge_pages
 from prefixserve.model.layers.kernel_table import _kernel
+from prefixserve.model.quant.weights import Int8Weight
 from prefixserve.settings import fp32_prefill
 
 
@@ -142,7 +143,47 @@ class Linear(nn.Linear):
             return
         super().reset_parameters()
 
+    # The 8-bit weight (`set_int8`): (codes int8 [N, K], scales fp32 [N, K / group], bias) for
+    # csrc/linear_int8.cpp, which every call of any row count takes (one summation order, so
+    # batch-invariant in every mode); None for a bf16 or float32 weight.
+    _int8: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
+    # The 8-bit weight's format ("int8" per channel, "q8_0" GGUF blocks), or None.
+    int8_format: str | None = None
+
+    def set_int8(self, weight: Int8Weight) -> None:
+        """Compute from 8-bit codes from now on (model/quant/weights.py); the bf16 weight is
+        dropped (an lm_head tied to the embedding leaves the embedding's alone)."""
+        if _kernel("linear_int8") is None:
+            raise RuntimeError("8-bit weights need the native kernels (PREFIXSERVE_KERNELS=1)")
+        if self.weight.dtype != torch.bfloat16:
+            raise ValueError(f"8-bit weights need a bfloat16 model, not {self.weight.dtype}")
+        if tuple(weight.codes.shape) != (self.out_features, self.in_features):
+            raise ValueError(
+                f"8-bit weight of shape {tuple(weight.codes.shape)} for a linear of "
+                f"{(self.out_features, self.in_features)}"
+            )
+        bias = None if self.bias is None else self.bias.detach().contiguous()
+        self._int8 = (weight.codes, weight.scales, bias)
+        self.int8_format = weight.fmt
+        self._packed = self._fp32 = self._stream = self._gemm = self._next_packed = None
+        self._invariant_packed = None
+        self.weight = nn.Parameter(torch.empty(0, dtype=torch.bfloat16), requires_grad=False)
+
+    def _int8_call(
+        self, x: torch.Tensor, act: int = 0, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        codes, scales, bias = self._int8
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        if rows.dtype != torch.bfloat16:
+            raise TypeError(f"an 8-bit linear takes bfloat16 activations, not {rows.dtype}")
+        width = codes.shape[0] // 2 if act else codes.shape[0]
+        out = rows.new_empty(rows.shape[0], width)
+        _kernel("linear_int8")(out, rows, codes, scales, bias, act, residual, STREAM_THREADS[0])
+        return out.view(*x.shape[:-1], width)
+
     def pack(self, fp32_copy: bool = True) -> None:
+        if self._int8 is not None:  # nothing of a bf16 weight to pack
+            return
         self._packed = self._fp32 = self._stream = self._gemm = self._next_packed = None
         self._invariant_packed = None
         gemm = _kernel("gemm") if self.weight.dtype == torch.bfloat16 else None
@@ -181,6 +222,8 @@ class Linear(nn.Linear):
         return self._fp32 is None or x.shape[0] < FP32_MIN_ROWS or _BATCH_INVARIANT.get()
 
     def _base(self, x: torch.Tensor) -> torch.Tensor:
+        if self._int8 is not None:
+            return self._int8_call(x)
         if self._takes_native(x):
             return self._native(x)
         if not _BATCH_INVARIANT.get():
@@ -201,6 +244,8 @@ class Linear(nn.Linear):
         """`self(x) + residual` with the two bf16 roundings of the separate ops (a decoder
         layer's residual add after o_proj or down_proj): in the native GEMM's epilogue where
         this call takes it (no LoRA, 2-D contiguous operands), else the linear then an add."""
+        if self._int8 is not None and self.lora is None and _residual_fits(x, residual):
+            return self._int8_call(x, residual=residual.contiguous())
         if (
             self.lora is None
             and self._takes_native(x)
@@ -228,6 +273,10 @@ class Linear(nn.Linear):
         """For a gated MLP's fused gate_up linear: act(gate) * up in the native GEMM's epilogue
         (`act` as `GATED_ACTS`), [rows, out_features / 2]; None where this call would not take
         the native GEMM (the caller then runs the linear and the activation itself)."""
+        if self._int8 is not None:
+            if self.lora is not None or x.dim() != 2 or self.out_features % 2:
+                return None
+            return self._int8_call(x, act=act)
         if not self._takes_native(x) or x.dim() != 2 or self._gemm[1] % 64:
             return None
         gated = _kernel("gemm")[2]
@@ -286,6 +335,16 @@ class Linear(nn.Linear):
         if self._fp32 is not None and rows >= FP32_MIN_ROWS:
             return F.linear(x.float(), *self._fp32).to(x.dtype)
         return None
+
+
+def _residual_fits(x: torch.Tensor, residual: torch.Tensor) -> bool:
+    """Whether an 8-bit linear's epilogue can add this residual: bf16, one row per row of x."""
+    return (
+        x.dim() == 2
+        and residual.dim() == 2
+        and residual.shape[0] == x.shape[0]
+        and residual.dtype == torch.bfloat16
+    )
 
 
 def pack_linears(model: nn.Module, no_fp32_copy: tuple[nn.Module, ...] = ()) -> None:

@@ -31,6 +31,7 @@ from prefixserve.model.loader.gguf_tokenizer import (
     set_text_special_tokens,
 )
 from prefixserve.model.models.registry import SUPPORTED_ARCHITECTURES
+from prefixserve.model.quant.weights import Q8_0_FILE, recover_q8_0
 from prefixserve.settings import cache_root, file_lock
 
 # Chat-turn end markers: when one of these appears in a model's chat template it ends a reply,
@@ -41,7 +42,8 @@ _END_OF_TURN_TOKENS = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>")
 # directories converted before are converted again on their next use (ensure_converted).
 # 1 (no marker file): the tokenizer added BOS to every text whatever the GGUF said.
 # 2: the tokenizer adds BOS / EOS to text exactly as tokenizer.ggml.add_{bos,eos}_token say.
-CONVERSION_VERSION = 2
+# 3: a file's Q8_0 weights are also kept as codes and scales (Q8_0_FILE).
+CONVERSION_VERSION = 3
 CONVERSION_MARKER = "prefixserve_conversion.json"
 
 # Chat templates for GGUF files that ship without one, by GGUF architecture, in templates/.
@@ -110,6 +112,7 @@ def _convert_gguf(gguf_path: Path, out_dir: Path, chat_template: str | None) -> 
     config.architectures = [type(skeleton).__name__]  # GGUF configs come without it
     parsed = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton)
     expected = set(skeleton.state_dict())
+    q8_0 = q8_0_tensors(parsed["tensors"], expected)
     tensors = {
         key: value.to(torch.bfloat16).contiguous()
         for key, value in parsed["tensors"].items()
@@ -125,7 +128,9 @@ def _convert_gguf(gguf_path: Path, out_dir: Path, chat_template: str | None) -> 
         raise load_error(gguf_path, f"GGUF conversion left weights missing: {sorted(missing)[:5]}")
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    del tensors, parsed
+    if q8_0:
+        save_file(q8_0, str(out_dir / Q8_0_FILE), metadata={"format": "pt"})
+    del tensors, parsed, q8_0
     config.save_pretrained(str(out_dir))
 
     special = parsed_special_token_ids(gguf_path)
@@ -168,6 +173,20 @@ def _convert_gguf(gguf_path: Path, out_dir: Path, chat_template: str | None) -> 
         eos_token_id=eos_ids[0] if len(eos_ids) == 1 else eos_ids,
         pad_token_id=special.get("pad"),
     ).save_pretrained(str(out_dir))
+
+
+def q8_0_tensors(parsed: dict[str, Any], expected: set[str]) -> dict[str, torch.Tensor]:
+    """`<name>.codes` and `<name>.scales` of every 2-D weight the file stores as Q8_0 (as
+    `recover_q8_0` finds them in transformers' fp32 values), by Hugging Face name."""
+    kept: dict[str, torch.Tensor] = {}
+    for name, value in parsed.items():
+        if name not in expected or not isinstance(value, torch.Tensor) or value.dim() != 2:
+            continue
+        weight = recover_q8_0(value)
+        if weight is not None:
+            kept[f"{name}.codes"] = weight.codes
+            kept[f"{name}.scales"] = weight.scales
+    return kept
 
 
 def is_converted(target_dir: Path) -> bool:

@@ -29,6 +29,7 @@ from prefixserve.model.loader.hf_dir import (
     read_hf_config,
     safetensors_files,
 )
+from prefixserve.model.loader.quantize import check_quantization, quantize_model
 from prefixserve.model.models.registry import create_model
 from prefixserve.model.tokenizer import Tokenizer
 
@@ -93,14 +94,23 @@ def read_model_info(
 
 
 def load_hf_dir(
-    model_dir: Path, dtype: torch.dtype, max_model_len: int | None = None
+    model_dir: Path,
+    dtype: torch.dtype,
+    max_model_len: int | None = None,
+    quantization: str = "auto",
 ) -> LoadedModel:
-    """Build our model from a HF directory and stream its safetensors into it."""
+    """Build our model from a HF directory and stream its safetensors into it; then give its
+    linears their 8-bit weights as `quantization` says (`quantize.py`)."""
+    check_quantization(quantization)
     info = read_model_info(model_dir, dtype, max_model_len)
     model = create_model(info.config)
     # The tensors are fresh memory maps of the files (copy-on-write), so parameters may take
     # them as they are: no copy of the unfused weights (the cache dir is replaced atomically).
     model.load_weights(iter_safetensors_weights(model_dir, dtype), assign=True)
+    if dtype == torch.bfloat16:
+        info.config.quantization = quantize_model(model, model_dir, quantization)
+    elif quantization == "int8":
+        raise ValueError(f"quantization='int8' computes in bfloat16, not {dtype}")
     model.eval()
     return LoadedModel(model=model, tokenizer=info.tokenizer, config=info.config, path=model_dir)
 
@@ -130,12 +140,14 @@ def load_model(
     model: str | Path | None = None,
     dtype: str = "bfloat16",
     max_model_len: int | None = None,
+    quantization: str = "auto",
 ) -> LoadedModel:
-    """Load a model: None = the default model, a HF directory, or a .gguf file.
+    """Load a model: None = the default model, a HF directory, or a .gguf file; `quantization`
+    as `EngineConfig.quantization`.
 
     Raises ModelLoadError (a ValueError) naming the path and the supported architectures when
     the path is missing, unreadable or of an unsupported architecture; ValueError for a bad
     dtype or max_model_len.
     """
     torch_dtype = resolve_dtype(dtype)
-    return load_hf_dir(resolve_model_dir(model), torch_dtype, max_model_len)
+    return load_hf_dir(resolve_model_dir(model), torch_dtype, max_model_len, quantization)

@@ -23,6 +23,23 @@ FUSED_SHARDS = {
 }
 
 
+def hf_target(hf_name: str, rename: dict[str, str] | None = None) -> tuple[str, int | None]:
+    """Our parameter for a Hugging Face tensor name, and the shard it fills of a fused
+    projection (None for an unfused parameter). `rename` maps leading name prefixes to ours."""
+    name = hf_name
+    for old, new in (rename or {}).items():
+        if name.startswith(old):
+            name = new + name[len(old) :]
+            break
+    parts = name.split(".")
+    shard = None
+    if len(parts) >= 2 and parts[-2] in FUSED_SHARDS:
+        fused, shard = FUSED_SHARDS[parts[-2]]
+        parts[-2] = fused
+        name = ".".join(parts)
+    return name, shard
+
+
 def load_hf_weights(
     model: nn.Module,
     weights: Iterable[tuple[str, torch.Tensor]],
@@ -44,19 +61,9 @@ def load_hf_weights(
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     for hf_name, tensor in weights:
-        name = hf_name
-        if "rotary_emb.inv_freq" in name or name.startswith(skip_prefixes):
+        if "rotary_emb.inv_freq" in hf_name or hf_name.startswith(skip_prefixes):
             continue
-        for old, new in (rename or {}).items():
-            if name.startswith(old):
-                name = new + name[len(old) :]
-                break
-        parts = name.split(".")
-        shard = None
-        if len(parts) >= 2 and parts[-2] in FUSED_SHARDS:
-            fused, shard = FUSED_SHARDS[parts[-2]]
-            parts[-2] = fused
-            name = ".".join(parts)
+        name, shard = hf_target(hf_name, rename)
         if name not in params:
             raise ValueError(
                 f"checkpoint tensor {hf_name!r} has no place in {type(model).__name__}"

@@ -30,6 +30,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16_small", &linear_bf16_small,
         "bf16 linear for a few rows: a stream over the weight, fp32 accumulation",
         py::call_guard<py::gil_scoped_release>());
+  m.def("linear_int8", &linear_int8,
+        "linear over int8 weight codes with fp32 group scales (csrc/linear_int8.cpp), bf16 x "
+        "and out, optional bias, gated act and residual, one summation order per output",
+        py::arg("out"), py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("bias"),
+        py::arg("act"), py::arg("residual"), py::arg("threads"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("linear_int8_family", &linear_int8_family,
+        "the vector family linear_int8 was built with: avx512, avx2 or portable");
   m.def("gemm_bf16_vectorized", &gemm_bf16_vectorized,
         "whether linear_bf16_packed has its AVX-512 tiles in this build");
   m.def("gemm_bf16_tiles", &gemm_bf16_tiles,

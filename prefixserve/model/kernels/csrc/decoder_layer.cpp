@@ -22,20 +22,46 @@ namespace {
 
 using OptTensor = c10::optional<torch::Tensor>;
 
-// A linear packed for linear_bf16_packed: the packed weight, its out features, its bias, and
-// the packed weight of the linear the forward pass runs next (prefetched after a decode-sized
-// call, as `Linear._next_packed`).
+// A linear of the layer: packed for linear_bf16_packed (the packed weight, its out features, its
+// bias, and the packed weight of the linear the forward pass runs next, prefetched after a
+// decode-sized call, as `Linear._next_packed`), or 8-bit for linear_int8 (codes, scales, bias).
 struct PackedLinear {
-  torch::Tensor packed;
+  bool int8;
+  torch::Tensor packed;  // or the int8 codes
+  torch::Tensor scales;
   int64_t n;
   OptTensor bias;
   OptTensor next;
 };
 
 PackedLinear packed_linear(const py::tuple& t) {
-  TORCH_CHECK(t.size() == 4, "a linear is (packed, out_features, bias, next_packed)");
-  return {t[0].cast<torch::Tensor>(), t[1].cast<int64_t>(), t[2].cast<OptTensor>(),
-          t[3].cast<OptTensor>()};
+  if (t.size() == 3) {
+    auto codes = t[0].cast<torch::Tensor>();
+    return {true, codes, t[1].cast<torch::Tensor>(), codes.size(0), t[2].cast<OptTensor>(),
+            c10::nullopt};
+  }
+  TORCH_CHECK(t.size() == 4,
+              "a linear is (packed, out_features, bias, next_packed) or (codes, scales, bias)");
+  return {false, t[0].cast<torch::Tensor>(), torch::Tensor(), t[1].cast<int64_t>(),
+          t[2].cast<OptTensor>(), t[3].cast<OptTensor>()};
+}
+
+// out = x @ w^T (+ bias) (+ residual, after the rounding), on the linear's kernel.
+void run_linear(const PackedLinear& w, torch::Tensor out, const torch::Tensor& x,
+                int64_t threads, OptTensor residual) {
+  if (w.int8)
+    linear_int8(out, x, w.packed, w.scales, w.bias, 0, residual, threads);
+  else
+    linear_bf16_packed(out, x, w.packed, w.n, w.bias, threads, w.next, residual);
+}
+
+// out = act(gate) * up of a fused gate_up linear, on the linear's kernel.
+void run_gated(const PackedLinear& w, torch::Tensor out, const torch::Tensor& x, int64_t act,
+               int64_t threads) {
+  if (w.int8)
+    linear_int8(out, x, w.packed, w.scales, w.bias, act, c10::nullopt, threads);
+  else
+    linear_bf16_packed_gated(out, x, w.packed, w.n, w.bias, act, threads, w.next);
 }
 
 }  // namespace
@@ -79,20 +105,19 @@ class DecoderLayerBf16 {
     auto x = torch::empty_like(h);
     rms_norm(x, h, input_norm_, eps_, false);
     auto qkv = h.new_empty({t, qkv_.n});
-    linear_bf16_packed(qkv, x, qkv_.packed, qkv_.n, qkv_.bias, threads, qkv_.next, c10::nullopt);
+    run_linear(qkv_, qkv, x, threads, c10::nullopt);
     rope_write_kv(qkv, cos, sin, heads_, kv_heads_, k_cache, v_cache, slots);
     auto q = qkv.narrow(1, 0, q_size).view({t, heads_, head_dim_});
     auto attn = h.new_empty({t, q_size});
     paged_attention(attn, q, k_cache, v_cache, block_tables, seq_info, scale_, 0.0, window);
     auto mid = torch::empty_like(h);
-    linear_bf16_packed(mid, attn, o_.packed, o_.n, o_.bias, threads, o_.next, h);
+    run_linear(o_, mid, attn, threads, h);
     auto x2 = torch::empty_like(h);
     rms_norm(x2, mid, post_norm_, eps_, false);
     auto hidden = h.new_empty({t, gate_up_.n / 2});
-    linear_bf16_packed_gated(hidden, x2, gate_up_.packed, gate_up_.n, gate_up_.bias, act_,
-                             threads, gate_up_.next);
+    run_gated(gate_up_, hidden, x2, act_, threads);
     auto out = torch::empty_like(h);
-    linear_bf16_packed(out, hidden, down_.packed, down_.n, down_.bias, threads, down_.next, mid);
+    run_linear(down_, out, hidden, threads, mid);
     return out;
   }
 

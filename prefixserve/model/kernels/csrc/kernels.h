@@ -52,6 +52,12 @@ void linear_bf16_small(torch::Tensor out, torch::Tensor x, torch::Tensor w,
                        c10::optional<torch::Tensor> bias, int64_t threads);
 int64_t stream_pool_backoffs();
 
+// linear_int8.cpp
+void linear_int8(torch::Tensor out, torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
+                 c10::optional<torch::Tensor> bias, int64_t act,
+                 c10::optional<torch::Tensor> residual, int64_t threads);
+std::string linear_int8_family();
+
 // lora.cpp
 void lora_add(torch::Tensor out, torch::Tensor x, torch::Tensor a, torch::Tensor blocks,
               torch::Tensor meta, torch::Tensor rows);

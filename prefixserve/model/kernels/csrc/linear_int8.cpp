@@ -1,0 +1,375 @@
+// A linear over 8-bit weights: out[m, n] = epilogue(sum over k of x[m, k] w[n, k]) with the weight
+// as int8 codes q [N, K] (nn.Linear's layout) and fp32 scales s [N, K / G] (G the group size: 32
+// for GGUF Q8_0, K for per-channel int8), x bf16 [rows, K]. The weight stays 8-bit in memory,
+// half the bytes of bf16 (decode streams every weight once per step).
+//
+// As llama.cpp multiplies Q8_0 weights, each row of x is quantized too, per group of 32 (scale
+// amax / 127, codes rounded to nearest even, in [-127, 127]), and the products are integer dot
+// products: VPDPBUSD where the CPU has AVX512-VNNI (the weight codes offset to unsigned by 128,
+// the offset's 128 x sum(x codes) taken off in the accumulator's start value), VPMADDUBSW +
+// VPMADDWD on AVX2 (|x| times the weight with x's sign, so no pair saturates), a scalar loop
+// elsewhere. Every family computes the same exact integer sums: sixteen lanes per 64 columns,
+// lane l holding the four products of columns 4l..4l+3. Each lane's sum becomes fp32 (exact) and
+// goes into the lane's accumulator by one fused multiply-add with the scale (weight scale times
+// x scale, one rounding) of the group its columns belong to; the sixteen accumulators then reduce
+// as (l, l + 8), (l, l + 4), (l, l + 2), (l, l + 1). So every family writes the same bits
+// (tests/model/test_linear_int8.py), and a row's result never depends on the other rows of the
+// call: the kernel is batch-invariant by itself. The epilogues (bias, the residual add, the gated
+// MLP's act(gate) * up) are gemm_bf16's scalar ones, with its roundings.
+#include "torch_lite.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "bf16_bits.h"
+#include "gemm_bf16_tiles.h"
+#include "kernels.h"
+#include "stream_pool.h"
+
+namespace {
+
+using prefixserve::gemm::act_scalar;
+using prefixserve::gemm::float_to_bf16_bits;
+using prefixserve::gemm::kGeluTanh;
+using prefixserve::gemm::kNone;
+using prefixserve::gemm::kSilu;
+using prefixserve::gemm::round_bf16_scalar;
+
+constexpr int kLanes = 16;
+constexpr int64_t kChunk = 64;  // columns per sixteen lanes
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define PREFIXSERVE_INT8_VNNI 1
+constexpr const char* kFamily = "avx512-vnni";
+// Weight rows x batch rows of one register tile.
+constexpr int kTileW = 4, kTileX = 2;
+#elif defined(__AVX2__) && defined(__FMA__)
+#define PREFIXSERVE_INT8_AVX2 1
+constexpr const char* kFamily = "avx2";
+constexpr int kTileW = 2, kTileX = 2;
+#else
+constexpr const char* kFamily = "portable";
+constexpr int kTileW = 1, kTileX = 1;
+#endif
+
+// The lane reduction every family makes: (l, l + 8), (l, l + 4), (l, l + 2), (l, l + 1).
+inline float reduce_lanes(const float* a) {
+  float t[8], u[4];
+  for (int l = 0; l < 8; ++l) t[l] = a[l] + a[l + 8];
+  for (int l = 0; l < 4; ++l) u[l] = t[l] + t[l + 4];
+  const float v0 = u[0] + u[2], v1 = u[1] + u[3];
+  return v0 + v1;
+}
+
+#if defined(__AVX2__)
+// reduce_lanes of lanes 0-7 in `lo` and 8-15 in `hi`, step for step.
+inline float reduce_halves(__m256 lo, __m256 hi) {
+  const __m256 t = _mm256_add_ps(lo, hi);
+  const __m128 u = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+  const __m128 v = _mm_add_ps(u, _mm_movehl_ps(u, u));  // [u0 + u2, u1 + u3, ...]
+  return _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
+}
+#endif
+
+// One row of x quantized: codes [K]; per lane (K / 4 of them, 16 per chunk) the x scale of its
+// group and -128 times the sum of its four codes (VPDPBUSD's offset, taken off at the start).
+struct XRows {
+  std::vector<int8_t> codes;
+  std::vector<float> lane_scale;
+  std::vector<int32_t> offset;
+};
+
+XRows quantize_x(const uint16_t* x, int64_t rows, int64_t K) {
+  XRows q{std::vector<int8_t>(rows * K), std::vector<float>(rows * K / 4),
+          std::vector<int32_t>(rows * K / 4)};
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < K; g += 32) {
+      float v[32], amax = 0.0f;
+      for (int t = 0; t < 32; ++t) {
+        v[t] = prefixserve::bf16_bits_to_float(x[r * K + g + t]);
+        amax = std::max(amax, std::fabs(v[t]));
+      }
+      const float scale = amax / 127.0f;
+      int8_t* c = &q.codes[r * K + g];
+      for (int t = 0; t < 32; ++t) {
+        const float code = scale > 0.0f ? std::nearbyint(v[t] / scale) : 0.0f;
+        c[t] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, code)));
+      }
+      for (int l = 0; l < 8; ++l) {
+        const int64_t lane = (r * K + g) / 4 + l;
+        q.lane_scale[lane] = scale;
+        q.offset[lane] = -128 * (c[4 * l] + c[4 * l + 1] + c[4 * l + 2] + c[4 * l + 3]);
+      }
+    }
+  return q;
+}
+
+// The weight scale of each lane of chunk c of a weight row (scales `groups` apart per row).
+inline float weight_scale(const float* s, int64_t G, int64_t c, int lane) {
+  return s[(c * kChunk + 4 * lane) / G];
+}
+
+// Sums of NW weight rows (codes K apart, scales K / G apart) with NX quantized x rows (from row
+// offset x0 of xq) into sums[i * NX + j].
+template <int NW, int NX>
+inline void dot_tile(const int8_t* q, const float* s, int64_t K, int64_t G, const XRows& xq,
+                     int64_t x0, float* sums) {
+  const int64_t groups = K / G, chunks = K / kChunk;
+#if defined(PREFIXSERVE_INT8_VNNI)
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  __m512 acc[NW][NX];
+  for (int i = 0; i < NW; ++i)
+    for (int j = 0; j < NX; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < chunks; ++c) {
+    __m512i w[NW];
+    __m512 ws[NW];
+    for (int i = 0; i < NW; ++i) {
+      // The same columns of the next tile's rows: a tile reads NW short streams (K bytes each),
+      // too short for the hardware prefetchers to follow at decode's bandwidth.
+      if constexpr (NW > 1)
+        _mm_prefetch(reinterpret_cast<const char*>(q + (i + NW) * K + c * kChunk), _MM_HINT_T0);
+      w[i] = _mm512_xor_si512(_mm512_loadu_si512(q + i * K + c * kChunk), flip);
+      const float* si = s + i * groups;
+      if (G == 32) {
+        const __m128 two = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(si + 2 * c)));
+        ws[i] = _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(two));
+      } else {
+        ws[i] = _mm512_set1_ps(si[c * kChunk / G]);
+      }
+    }
+    for (int j = 0; j < NX; ++j) {
+      const int64_t lane0 = ((x0 + j) * K + c * kChunk) / 4;
+      const __m512i xv = _mm512_loadu_si512(&xq.codes[(x0 + j) * K + c * kChunk]);
+      const __m512i start = _mm512_loadu_si512(&xq.offset[lane0]);
+      const __m512 xs = _mm512_loadu_ps(&xq.lane_scale[lane0]);
+      for (int i = 0; i < NW; ++i) {
+        const __m512i dot = _mm512_dpbusd_epi32(start, w[i], xv);
+        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(ws[i], xs), acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < NW; ++i)
+    for (int j = 0; j < NX; ++j)
+      sums[i * NX + j] = reduce_halves(_mm512_castps512_ps256(acc[i][j]),
+                                       _mm256_castpd_ps(_mm512_extractf64x4_pd(
+                                           _mm512_castps_pd(acc[i][j]), 1)));
+#elif defined(PREFIXSERVE_INT8_AVX2)
+  // Lanes 0-7 (columns 0-31 of a chunk) in [0], 8-15 (32-63) in [1].
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[NW][NX][2];
+  for (int i = 0; i < NW; ++i)
+    for (int j = 0; j < NX; ++j) acc[i][j][0] = acc[i][j][1] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < chunks; ++c)
+    for (int h = 0; h < 2; ++h) {
+      const int64_t col = c * kChunk + 32 * h;
+      __m256i w[NW];
+      __m256 ws[NW];
+      for (int i = 0; i < NW; ++i) {
+        if (NW > 1 && h == 0)  // as the VNNI tile: the next tile's rows
+          _mm_prefetch(reinterpret_cast<const char*>(q + (i + NW) * K + col), _MM_HINT_T0);
+        w[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i * K + col));
+        ws[i] = _mm256_set1_ps(s[i * groups + col / G]);
+      }
+      for (int j = 0; j < NX; ++j) {
+        const __m256i xv =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&xq.codes[(x0 + j) * K + col]));
+        const __m256i ax = _mm256_abs_epi8(xv);
+        const __m256 xs = _mm256_loadu_ps(&xq.lane_scale[((x0 + j) * K + col) / 4]);
+        for (int i = 0; i < NW; ++i) {
+          const __m256i pairs = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(w[i], xv));
+          const __m256i dot = _mm256_madd_epi16(pairs, ones);
+          acc[i][j][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(ws[i], xs),
+                                         acc[i][j][h]);
+        }
+      }
+    }
+  for (int i = 0; i < NW; ++i)
+    for (int j = 0; j < NX; ++j) sums[i * NX + j] = reduce_halves(acc[i][j][0], acc[i][j][1]);
+#else
+  for (int i = 0; i < NW; ++i)
+    for (int j = 0; j < NX; ++j) {
+      const int8_t* xr = &xq.codes[(x0 + j) * K];
+      const float* xs = &xq.lane_scale[(x0 + j) * K / 4];
+      float acc[kLanes] = {0.0f};
+      for (int64_t c = 0; c < chunks; ++c)
+        for (int l = 0; l < kLanes; ++l) {
+          int32_t dot = 0;
+          for (int t = 0; t < 4; ++t) {
+            const int64_t col = c * kChunk + 4 * l + t;
+            dot += static_cast<int32_t>(q[i * K + col]) * static_cast<int32_t>(xr[col]);
+          }
+          const float scale = weight_scale(s + i * groups, G, c, l) * xs[c * kLanes + l];
+          acc[l] = std::fma(static_cast<float>(dot), scale, acc[l]);
+        }
+      sums[i * NX + j] = reduce_lanes(acc);
+    }
+#endif
+}
+
+// A tile of up to kTileW weight rows by up to kTileX batch rows (the remainders dispatched to
+// their own instantiations).
+template <int NW>
+inline void dot_rows_x(const int8_t* q, const float* s, int64_t K, int64_t G, const XRows& xq,
+                       int64_t x0, int64_t nx, float* sums) {
+  if constexpr (kTileX >= 2) {
+    if (nx >= 2) return dot_tile<NW, kTileX>(q, s, K, G, xq, x0, sums);
+  }
+  dot_tile<NW, 1>(q, s, K, G, xq, x0, sums);
+}
+
+inline void dot_rows(const int8_t* q, const float* s, int64_t K, int64_t G, const XRows& xq,
+                     int64_t x0, int64_t nw, int64_t nx, float* sums) {
+  if constexpr (kTileW >= 4) {
+    if (nw >= 4) return dot_rows_x<4>(q, s, K, G, xq, x0, nx, sums);
+  }
+  if constexpr (kTileW >= 2) {
+    if (nw >= 2) return dot_rows_x<2>(q, s, K, G, xq, x0, nx, sums);
+  }
+  dot_rows_x<1>(q, s, K, G, xq, x0, nx, sums);
+}
+
+// What follows the sums: out [rows, ldo] from column 0 of this range; `act` != kNone makes
+// out[:, c] = bf16(act(bf16(gate + b)) * bf16(up + b_up)) of the sums of row c and row c + half.
+struct Epilogue {
+  uint16_t* out;
+  int64_t ldo;
+  const float* bias;  // [N] or null
+  int64_t act;
+  const uint16_t* res;  // [rows, ldo] or null
+};
+
+// Sums [rows, width] (ld apart) of weight rows n0.. to outputs: + bias, rounded to bf16, + the
+// residual and rounded again where there is one.
+void store_plain(const float* sums, int64_t ld, int64_t rows, int64_t n0, int64_t width,
+                 const Epilogue& e) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < width; ++c) {
+      float sum = sums[r * ld + c];
+      if (e.bias) sum += e.bias[n0 + c];
+      uint16_t y = float_to_bf16_bits(sum);
+      if (e.res)
+        y = float_to_bf16_bits(prefixserve::bf16_bits_to_float(y) +
+                               prefixserve::bf16_bits_to_float(e.res[r * e.ldo + n0 + c]));
+      e.out[r * e.ldo + n0 + c] = y;
+    }
+}
+
+// Gate sums [rows, width] then up sums [rows, width] (both ld apart) of output columns c0..
+void store_gated_sums(const float* gate, const float* up, int64_t ld, int64_t rows, int64_t c0,
+                      int64_t width, int64_t half, const Epilogue& e) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < width; ++c) {
+      float g = gate[r * ld + c], u = up[r * ld + c];
+      if (e.bias) {
+        g += e.bias[c0 + c];
+        u += e.bias[half + c0 + c];
+      }
+      const float a = round_bf16_scalar(act_scalar(round_bf16_scalar(g), e.act));
+      e.out[r * e.ldo + c0 + c] = float_to_bf16_bits(a * round_bf16_scalar(u));
+    }
+}
+
+// Batches of fewer rows read the weight one row at a time: one sequential stream, which the
+// hardware prefetchers follow (four interleaved rows of K bytes each read at half the speed from
+// memory on AMD Zen 4); larger ones take kTileW rows a tile, so each load serves more x rows.
+// The tile changes no sum.
+constexpr int64_t kStreamRows = 4;
+
+// Sums of weight rows [n0, n0 + width) for every batch row into sums [rows, width].
+void sum_range(const int8_t* q, const float* s, int64_t K, int64_t G, const XRows& xq,
+               int64_t rows, int64_t n0, int64_t width, float* sums) {
+  const int64_t groups = K / G;
+  float tile[kTileW * kTileX];
+  for (int64_t m0 = 0; m0 < rows; m0 += kTileX) {
+    const int64_t nx = std::min<int64_t>(kTileX, rows - m0);
+    const int64_t tx = nx >= 2 ? kTileX : 1;  // the instantiation dot_rows takes
+    for (int64_t n = 0; n < width;) {
+      const int64_t left = std::min(width - n, rows < kStreamRows ? int64_t{1} : int64_t{kTileW});
+      const int64_t nw = left >= 4 ? 4 : left >= 2 ? 2 : 1;
+      dot_rows(q + (n0 + n) * K, s + (n0 + n) * groups, K, G, xq, m0, nw, nx, tile);
+      for (int64_t i = 0; i < nw; ++i)
+        for (int64_t j = 0; j < std::min<int64_t>(nx, tx); ++j)
+          sums[(m0 + j) * width + n + i] = tile[i * tx + j];
+      n += nw;
+    }
+  }
+}
+
+}  // namespace
+
+std::string linear_int8_family() { return kFamily; }
+
+// out [rows, N] (or [rows, N / 2] gated) from x [rows, K] bf16, codes [N, K] int8, scales
+// [N, K / G] fp32; bias [N] bf16 or none; act 0 plain, 1 SiLU, 2 GELU tanh (gated); residual
+// [rows, N] bf16 added after the rounding, or none. Chunks of weight rows run on the caller and
+// up to `threads - 1` helpers of the stream pool.
+void linear_int8(torch::Tensor out, torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
+                 c10::optional<torch::Tensor> bias, int64_t act,
+                 c10::optional<torch::Tensor> residual, int64_t threads) {
+  TORCH_CHECK(x.device().is_cpu() && codes.device().is_cpu() && scales.device().is_cpu() &&
+                  out.device().is_cpu(),
+              "linear_int8 runs on CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16 &&
+                  codes.scalar_type() == torch::kChar && scales.scalar_type() == torch::kFloat,
+              "linear_int8 needs bfloat16 x and out, int8 codes, float32 scales");
+  TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && scales.dim() == 2 && out.dim() == 2 &&
+                  x.is_contiguous() && codes.is_contiguous() && scales.is_contiguous() &&
+                  out.is_contiguous(),
+              "linear_int8 needs contiguous 2-D x, codes, scales and out");
+  const int64_t rows = x.size(0), K = x.size(1), N = codes.size(0);
+  TORCH_CHECK(act == kNone || act == kSilu || act == kGeluTanh, "linear_int8: unknown act");
+  const bool gated = act != kNone;
+  const int64_t width_out = gated ? N / 2 : N;
+  TORCH_CHECK(codes.size(1) == K && K % kChunk == 0 && scales.size(0) == N &&
+                  scales.size(1) > 0 && K % scales.size(1) == 0 &&
+                  (K / scales.size(1) == 32 || (K / scales.size(1)) % kChunk == 0) &&
+                  (!gated || N % 2 == 0) && out.size(0) == rows && out.size(1) == width_out,
+              "linear_int8: shapes x [rows, K], codes [N, K], scales [N, K / G] with K a "
+              "multiple of 64 and G 32 or a multiple of 64, out [rows, N] (gated: [rows, N / 2])");
+  std::vector<float> bias_f;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == torch::kBFloat16 && bias->is_contiguous() &&
+                    bias->dim() == 1 && bias->size(0) == N,
+                "linear_int8: bias must be a contiguous bfloat16 [N]");
+    const auto* b = reinterpret_cast<const uint16_t*>(bias->data_ptr<c10::BFloat16>());
+    bias_f.resize(N);
+    for (int64_t n = 0; n < N; ++n) bias_f[n] = prefixserve::bf16_bits_to_float(b[n]);
+  }
+  const uint16_t* res = nullptr;
+  if (residual.has_value() && residual->defined()) {
+    TORCH_CHECK(!gated && residual->scalar_type() == torch::kBFloat16 &&
+                    residual->is_contiguous() && residual->dim() == 2 &&
+                    residual->size(0) == rows && residual->size(1) == N,
+                "linear_int8: residual must be a contiguous bfloat16 [rows, N], not gated");
+    res = reinterpret_cast<const uint16_t*>(residual->data_ptr<c10::BFloat16>());
+  }
+  // x quantized once per call, per row and group of 32.
+  const XRows xq =
+      quantize_x(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), rows, K);
+  const auto* q = codes.data_ptr<int8_t>();
+  const float* s = scales.data_ptr<float>();
+  const int64_t G = K / scales.size(1);
+  const Epilogue e{reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()), width_out,
+                   bias_f.empty() ? nullptr : bias_f.data(), act, res};
+  // Chunks of output columns: ~32 KB of codes (a multiple of 4 rows), so a chunk's rows stay
+  // in L2 while the batch's rows pass them.
+  const int64_t chunk = std::max<int64_t>(4, ((32 * 1024) / K) / 4 * 4);
+  const int64_t chunks = (width_out + chunk - 1) / chunk;
+  prefixserve::stream_pool().run(chunks, threads, [&](int64_t c) {
+    const int64_t c0 = c * chunk, width = std::min(width_out, c0 + chunk) - c0;
+    std::vector<float> sums(rows * width * (gated ? 2 : 1));
+    sum_range(q, s, K, G, xq, rows, c0, width, sums.data());
+    if (!gated) return store_plain(sums.data(), width, rows, c0, width, e);
+    float* up = sums.data() + rows * width;
+    sum_range(q, s, K, G, xq, rows, width_out + c0, width, up);
+    store_gated_sums(sums.data(), up, width, rows, c0, width, width_out, e);
+  });
+}

@@ -1,0 +1,89 @@
+"""8-bit weights: int8 codes with fp32 scales per group of K, the one layout the native kernel
+multiplies (csrc/linear_int8.cpp). Two ways in:
+
+- per-channel symmetric (`--quantization int8`, from a bf16 checkpoint): one scale per output
+  row, amax / 127, codes round(w / scale), computed at load (the loader caches them on disk);
+- GGUF Q8_0 (32 codes and one fp16 scale per block): kept as the file has them. transformers
+  hands the loader the file's values dequantized to fp32 (code x scale, exact); Q8_0's rule
+  makes the largest code of a block +-127, so the scale is that block's amax / 127 and the codes
+  come back exactly (`recover_q8_0` checks every value and declines a tensor that is not Q8_0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+Q8_0_GROUP = 32
+# Where a GGUF conversion keeps the file's Q8_0 weights (`<hf name>.codes`, `<hf name>.scales`),
+# beside the bf16 model.safetensors: a safetensors file whose name the weight loader's
+# `*.safetensors` does not take.
+Q8_0_FILE = "weights.q8_0"
+_CODE_MAX = 127.0
+
+
+@dataclass(frozen=True, slots=True)
+class Int8Weight:
+    """codes int8 [N, K]; scales fp32 [N, K / group]; `fmt` "int8" (per channel) or "q8_0"."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    fmt: str
+
+    @property
+    def group(self) -> int:
+        return self.codes.shape[1] // self.scales.shape[1]
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 values the codes stand for, [N, K]."""
+        n, k = self.codes.shape
+        blocks = self.codes.float().view(n, -1, self.group) * self.scales.unsqueeze(-1)
+        return blocks.view(n, k)
+
+    def nbytes(self) -> int:
+        return self.codes.numel() + self.scales.numel() * 4
+
+
+def quantizable(weight: torch.Tensor, group: int = 16) -> bool:
+    """Whether the kernel takes this weight: 2-D with K a multiple of 16 (and of the group)."""
+    return weight.dim() == 2 and weight.shape[1] % 16 == 0 and weight.shape[1] % group == 0
+
+
+def quantize_per_channel(weight: torch.Tensor) -> Int8Weight:
+    """Symmetric int8 per output row: scale = amax / 127 (1 for an all-zero row)."""
+    w = weight.detach().float()
+    amax = w.abs().amax(dim=1, keepdim=True)
+    scales = torch.where(amax > 0, amax / _CODE_MAX, torch.ones_like(amax))
+    codes = torch.round(w / scales).clamp_(-_CODE_MAX, _CODE_MAX).to(torch.int8)
+    return Int8Weight(codes.contiguous(), scales.contiguous(), "int8")
+
+
+def recover_q8_0(values: torch.Tensor) -> Int8Weight | None:
+    """The Q8_0 codes and scales of a tensor dequantized from Q8_0 (fp32 [N, K], K a multiple
+    of 32), exactly; None when these values are not Q8_0 blocks (another type, or any value that
+    is not its block's scale times an integer code in [-127, 127])."""
+    if values.dtype != torch.float32 or values.dim() != 2 or values.shape[1] % Q8_0_GROUP:
+        return None
+    n, k = values.shape
+    blocks = values.view(n, k // Q8_0_GROUP, Q8_0_GROUP)
+    scales = blocks.abs().amax(dim=-1) / _CODE_MAX
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    codes = torch.round(blocks / safe.unsqueeze(-1))
+    if not torch.equal(codes * scales.unsqueeze(-1), blocks):
+        return None
+    # A Q8_0 scale is an fp16: a value that fits none is not from such a file.
+    if not torch.equal(scales.half().float(), scales):
+        return None
+    return Int8Weight(codes.to(torch.int8).view(n, k).contiguous(), scales.contiguous(), "q8_0")
+
+
+def fuse(shards: list[Int8Weight]) -> Int8Weight:
+    """One weight of shards stacked along N (q/k/v, gate/up), which share a format and group."""
+    if len({(w.fmt, w.group, w.codes.shape[1]) for w in shards}) != 1:
+        raise ValueError("fused shards must share a format, a group and K")
+    return Int8Weight(
+        torch.cat([w.codes for w in shards]).contiguous(),
+        torch.cat([w.scales for w in shards]).contiguous(),
+        shards[0].fmt,
+    )
