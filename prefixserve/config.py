@@ -339,13 +339,14 @@ class EngineConfig:
     # How the weights are held (QUANTIZATIONS).
     quantization: str = "auto"
 
-    def __post_init__(self) -> None:
+    def _check_quantization(self) -> None:
         if self.quantization not in QUANTIZATIONS:
             raise _invalid("quantization", self.quantization, f"one of {QUANTIZATIONS}")
         if self.quantization == "int8" and self.dtype != "bfloat16":
-            raise ValueError(
-                f"quantization='int8' computes in bfloat16; got dtype={self.dtype!r}"
-            )
+            raise ValueError(f"quantization='int8' computes in bfloat16; got dtype={self.dtype!r}")
+
+    def __post_init__(self) -> None:
+        self._check_quantization()
         if self.model is not None and (not isinstance(self.model, str) or not self.model):
             raise _invalid("model", self.model, "None (the default model) or a path")
         if self.dtype not in SUPPORTED_DTYPES:

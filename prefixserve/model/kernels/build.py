@@ -250,8 +250,9 @@ def decoder_layer_class() -> Any:
     """`DecoderLayerBf16(input_norm, post_norm, eps, qkv, o, gate_up, down, heads, kv_heads,
     head_dim, scale, act)`: a Llama-family decoder layer bound for one native call per layer
     (csrc/decoder_layer.cpp; each linear a (packed, out_features, bias, next_packed) tuple of
-    `linear_bf16_packed`'s or a (codes, scales, bias) tuple of `linear_int8`'s), or None without the kernels or the GEMM's vector tiles (the layer
-    runs on every tile family the GEMM selects: AVX-512, bf16 dot products or AVX2)."""
+    `linear_bf16_packed`'s or a (codes, scales, bias) tuple of `linear_int8`'s), or None without
+    the kernels or the GEMM's vector tiles (the layer runs on every tile family the GEMM
+    selects: AVX-512, bf16 dot products or AVX2)."""
     module = _module()
     if module is None or module.gemm_bf16_tiles() == "portable":
         return None
