@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install llama-cpp-python's OpenAI server in its own venv ($PEERS_DIR/llama_cpp) and make a GGUF
-# of the default model's bf16 weights ($PEERS_DIR/gguf/<model>-bf16.gguf).
+# of the default model's bf16 weights ($PEERS_DIR/gguf/<model>-bf16.gguf), and its Q8_0 and
+# Q4_K_M quantizations by llama.cpp (<model>-Q8_0.gguf, <model>-Q4_K_M.gguf).
 #
 #   scripts/peers/setup_llama_cpp.sh         # then: $PEERS_DIR/llama_cpp/bin/python -m llama_cpp.server ...
 #
@@ -80,5 +81,22 @@ PY
     log "converting $MODEL_DIR -> $OUT (bf16)"
     "$VENV/bin/python" "$CONVERTER" "$VIEW" --outtype bf16 --outfile "$OUT"
 fi
+# The files llama.cpp's users run, quantized from that bf16 file by llama.cpp itself
+# (llama_model_quantize): Q8_0 and Q4_K_M, beside it.
+for QTYPE in Q8_0 Q4_K_M; do
+    QOUT="${OUT%-bf16.gguf}-$QTYPE.gguf"
+    if [[ ! -f "$QOUT" || "$OUT" -nt "$QOUT" ]]; then
+        log "quantizing $OUT -> $QOUT"
+        "$VENV/bin/python" - "$OUT" "$QOUT" "$QTYPE" <<'PY'
+import ctypes, sys
+import llama_cpp
+params = llama_cpp.llama_model_quantize_default_params()
+params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{sys.argv[3]}")
+params.nthread = 2
+sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(),
+                                        ctypes.byref(params)))
+PY
+    fi
+done
 log "llama.cpp peer ready ($((SECONDS - start)) s): $OUT"
 printf '%s\n' "$OUT"

@@ -31,7 +31,7 @@ from prefixserve.model.loader.gguf_tokenizer import (
     set_text_special_tokens,
 )
 from prefixserve.model.models.registry import SUPPORTED_ARCHITECTURES
-from prefixserve.model.quant.weights import Q8_0_FILE, recover_q8_0
+from prefixserve.model.quant.weights import Q8_0_FILE, Q8_0_FILE_TYPE_KEY, recover_q8_0
 from prefixserve.settings import cache_root, file_lock
 
 # Chat-turn end markers: when one of these appears in a model's chat template it ends a reply,
@@ -128,8 +128,7 @@ def _convert_gguf(gguf_path: Path, out_dir: Path, chat_template: str | None) -> 
         raise load_error(gguf_path, f"GGUF conversion left weights missing: {sorted(missing)[:5]}")
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    if q8_0:
-        save_file(q8_0, str(out_dir / Q8_0_FILE), metadata={"format": "pt"})
+    _save_q8_0(gguf_path, out_dir, q8_0)
     del tensors, parsed, q8_0
     config.save_pretrained(str(out_dir))
 
@@ -187,6 +186,16 @@ def q8_0_tensors(parsed: dict[str, Any], expected: set[str]) -> dict[str, torch.
             kept[f"{name}.codes"] = weight.codes
             kept[f"{name}.scales"] = weight.scales
     return kept
+
+
+def _save_q8_0(gguf_path: Path, out_dir: Path, q8_0: dict[str, torch.Tensor]) -> None:
+    """Q8_0_FILE with these tensors and the GGUF file's type (nothing when there are none)."""
+    from safetensors.torch import save_file
+
+    if q8_0:
+        file_type = str(gguf_metadata(gguf_path).get("general.file_type", ""))
+        metadata = {"format": "pt", Q8_0_FILE_TYPE_KEY: file_type}
+        save_file(q8_0, str(out_dir / Q8_0_FILE), metadata=metadata)
 
 
 def is_converted(target_dir: Path) -> bool:

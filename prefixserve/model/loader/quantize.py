@@ -20,7 +20,9 @@ from prefixserve.config import QUANTIZATIONS
 from prefixserve.model.layers.linear import Linear
 from prefixserve.model.loader.weights import hf_target
 from prefixserve.model.quant.weights import (
+    GGUF_MOSTLY_Q8_0,
     Q8_0_FILE,
+    Q8_0_FILE_TYPE_KEY,
     Int8Weight,
     fuse,
     quantizable,
@@ -46,7 +48,7 @@ def quantize_model(model: nn.Module, model_dir: Path, quantization: str) -> str 
     linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
     formats: list[str] = []
     q8_file = model_dir / Q8_0_FILE
-    if q8_file.is_file():
+    if q8_file.is_file() and (quantization == "int8" or _mostly_q8_0(q8_file)):
         for name, weight in _q8_0_weights(model, q8_file).items():
             linears[name].set_int8(weight)
         formats.append("q8_0")
@@ -63,6 +65,15 @@ def quantize_model(model: nn.Module, model_dir: Path, quantization: str) -> str 
         model._native = False  # the linears changed: bind the native layers again
     applied = sorted({m.int8_format for m in linears.values() if m.int8_format})
     return "+".join(applied) if applied else None
+
+
+def _mostly_q8_0(path: Path) -> bool:
+    """Whether the GGUF file the Q8_0 weights came from is a Q8_0 file (its general.file_type)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as handle:
+        metadata = handle.metadata() or {}
+    return metadata.get(Q8_0_FILE_TYPE_KEY) == GGUF_MOSTLY_Q8_0
 
 
 def _q8_0_weights(model: nn.Module, path: Path) -> dict[str, Int8Weight]:
@@ -106,6 +117,7 @@ def _fused_shards(name: str) -> int | None:
 def _cached_per_channel(model_dir: Path, linears: dict[str, Linear]) -> dict[str, Int8Weight]:
     """Per-channel int8 weights of these linears, from the disk cache when an earlier load of the
     same checkpoint wrote them, else quantized now and written there."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file, save_file
 
     if not linears:
@@ -114,7 +126,7 @@ def _cached_per_channel(model_dir: Path, linears: dict[str, Linear]) -> dict[str
     if path.is_file():
         try:
             return _unpack(load_file(str(path)), linears)
-        except (OSError, ValueError, KeyError, RuntimeError):
+        except (OSError, ValueError, KeyError, RuntimeError, SafetensorError):
             pass  # damaged or foreign: quantize again and replace it
     weights = {name: quantize_per_channel(m.weight) for name, m in linears.items()}
     with file_lock(path.parent / ".lock"):

@@ -20,6 +20,11 @@ Q8_0_GROUP = 32
 # beside the bf16 model.safetensors: a safetensors file whose name the weight loader's
 # `*.safetensors` does not take.
 Q8_0_FILE = "weights.q8_0"
+# Its metadata key for the GGUF file's `general.file_type`: 7 (MOSTLY_Q8_0) is a Q8_0 file, whose
+# weights "auto" keeps 8-bit; other files (the default model's Q4_1 has a Q8_0 embedding) keep
+# their Q8_0 tensors 8-bit only with --quantization int8.
+Q8_0_FILE_TYPE_KEY = "gguf_file_type"
+GGUF_MOSTLY_Q8_0 = "7"
 _CODE_MAX = 127.0
 
 

@@ -1,0 +1,258 @@
+"""8-bit weights (model/quant/weights.py, csrc/linear_int8.cpp, model/loader/quantize.py).
+
+The kernel is pinned twice: to a float64 reference of its quantized operands (within bf16's
+rounding), and bit for bit to a Python model of its one summation order (exact integer lane sums,
+one fused multiply-add a lane and chunk, the fixed reduction tree), which every CPU family's
+build must match. A row's bits do not depend on the batch, the epilogues round as gemm_bf16's,
+Q8_0 blocks come back exactly from a GGUF file's values, and an engine over 8-bit weights gives
+a cache hit the cold start's bits, with the native decoder layer or without it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from prefixserve.config import EngineConfig
+from prefixserve.engine_args import EngineArgs
+from prefixserve.llm import LLM
+from prefixserve.model.kernels.build import linear_int8_kernel
+from prefixserve.model.layers.linear import Linear
+from prefixserve.model.loader import quantize as quantize_module
+from prefixserve.model.quant.weights import (
+    Int8Weight,
+    quantize_per_channel,
+    recover_q8_0,
+)
+from prefixserve.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.skipif(linear_int8_kernel() is None, reason="kernels not built")
+
+
+def _run(x, w: Int8Weight, bias=None, act=0, residual=None):
+    n = w.codes.shape[0] // (2 if act else 1)
+    out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
+    linear_int8_kernel()(out, x, w.codes, w.scales, bias, act, residual, 2)
+    return out
+
+
+def _quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's x rule: per 32, scale amax / 127 in fp32, codes rounded half to even."""
+    v = x.float().view(x.shape[0], -1, 32)
+    scale = v.abs().amax(-1, keepdim=True) / 127.0
+    codes = torch.where(scale > 0, torch.round(v / scale), torch.zeros_like(v)).clamp(-127, 127)
+    return codes.view(x.shape).to(torch.int64), scale.squeeze(-1)
+
+
+def _weights(n: int, k: int, fmt: str, seed: int = 0) -> Int8Weight:
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen) * 0.05
+    if fmt == "int8":
+        return quantize_per_channel(w)
+    scales = torch.rand(n, k // 32, generator=gen) * 1e-3
+    codes = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    return Int8Weight(codes, scales, "q8_0")
+
+
+def _x(rows: int, k: int, seed: int = 1) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=gen)
+    x[:, 5] = 0.0  # a zero column, and a whole zero group in the last row
+    x[-1, :32] = 0.0
+    return x.bfloat16()
+
+
+@pytest.mark.parametrize("fmt", ["int8", "q8_0"])
+def test_the_kernel_matches_a_float64_reference_of_its_quantized_operands(fmt):
+    w = _weights(72, 192, fmt)
+    x = _x(5, 192)
+    codes, xscale = _quantize_x(x)
+    xq = (codes.double().view(5, -1, 32) * xscale.double().unsqueeze(-1)).view(5, 192)
+    terms = xq.unsqueeze(1) * w.dequantize().double().unsqueeze(0)  # [rows, N, K]
+    ref, size = terms.sum(-1), terms.abs().sum(-1)
+    got = _run(x, w).double()
+    assert ((got - ref).abs() <= ref.abs() * 2**-8 + size * 1e-6 + 1e-30).all()
+
+
+def _model_of_the_kernel(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
+    """The kernel's documented order in Python: per 64 columns, 16 lanes of 4 exact integer
+    products; lane acc = fma(float(sum), wscale * xscale, acc) in fp32 (the fma as one rounding
+    of the exact float64 value); the lanes reduced (l, l+8), (l, l+4), (l, l+2), (l, l+1)."""
+    codes, xscale = _quantize_x(x)
+    rows, k = codes.shape
+    n, group = w.codes.shape[0], w.group
+    lanes = (codes.view(rows, 1, k // 4, 4) * w.codes.long().view(1, n, k // 4, 4)).sum(-1)
+    lane_cols = torch.arange(k // 4) * 4
+    wscale = w.scales[:, lane_cols // group]  # [N, K/4]
+    scale = (wscale.unsqueeze(0) * xscale[:, lane_cols // 32].unsqueeze(1)).float()
+    acc = torch.zeros(rows, n, 16, dtype=torch.float32)
+    for c in range(k // 64):
+        part = lanes[..., 16 * c : 16 * c + 16].double()
+        exact = part * scale[..., 16 * c : 16 * c + 16].double() + acc.double()
+        acc = exact.float()
+    t = acc[..., :8] + acc[..., 8:]
+    u = t[..., :4] + t[..., 4:]
+    v = u[..., :2] + u[..., 2:]
+    return (v[..., 0] + v[..., 1]).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "q8_0"])
+def test_the_kernel_sums_in_its_one_documented_order_on_every_cpu_family(fmt):
+    w = _weights(40, 256, fmt, seed=3)
+    x = _x(3, 256, seed=4)
+    assert torch.equal(_run(x, w), _model_of_the_kernel(x, w))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "q8_0"])
+def test_a_row_gives_the_same_bits_alone_and_in_any_batch(fmt):
+    w = _weights(150, 320, fmt)
+    x = _x(11, 320)
+    alone = torch.cat([_run(x[i : i + 1].contiguous(), w) for i in range(11)])
+    for rows in (2, 3, 4, 5, 8, 11):
+        assert torch.equal(_run(x[:rows].contiguous(), w), alone[:rows])
+
+
+def test_the_epilogues_round_as_the_separate_ops():
+    w = _weights(64, 128, "q8_0")
+    x = _x(6, 128)
+    plain = _run(x, w)
+    residual = torch.randn(6, 64).bfloat16()
+    assert torch.equal(_run(x, w, residual=residual), (plain.float() + residual.float()).bfloat16())
+    bias = torch.randn(64).bfloat16()
+    with_bias = _run(x, w, bias=bias).float()
+    assert torch.allclose(with_bias, plain.float() + bias.float(), rtol=2**-7, atol=1e-2)
+    gate, up = plain[:, :32].float(), plain[:, 32:].float()
+    gated = _run(x, w, act=1).float()
+    assert torch.allclose(gated, F.silu(gate) * up, rtol=2**-6, atol=1e-3)
+
+
+def test_q8_0_blocks_come_back_exactly_from_their_dequantized_values():
+    from gguf import GGMLQuantizationType, quants
+
+    values = (torch.randn(24, 96) * 0.1).numpy()
+    values[3, :32] = 0.0  # an all-zero block
+    raw = quants.quantize(values, GGMLQuantizationType.Q8_0)
+    dequantized = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType.Q8_0).copy())
+    weight = recover_q8_0(dequantized)
+    assert weight is not None and weight.fmt == "q8_0" and weight.group == 32
+    blocks = raw.reshape(24, 3, 34)
+    scales = blocks[..., :2].copy().view(np.float16).astype(np.float32)[..., 0]
+    codes = blocks[..., 2:].copy().view(np.int8).reshape(24, 96)
+    assert torch.equal(weight.codes, torch.from_numpy(codes))
+    assert torch.equal(weight.scales, torch.from_numpy(scales))
+
+
+def test_values_that_are_not_q8_0_blocks_are_declined():
+    assert recover_q8_0(torch.randn(8, 64)) is None
+    assert recover_q8_0(torch.randn(8, 48)) is None  # K not a multiple of 32
+    q4 = (torch.randint(-8, 8, (8, 64)) * 0.01).float()  # one scale, yet no code reaches 127
+    assert recover_q8_0(q4) is None
+
+
+def test_per_channel_codes_are_within_half_a_step_of_each_weight():
+    w = torch.randn(16, 64)
+    w[2] = 0.0
+    q = quantize_per_channel(w)
+    assert q.group == 64 and q.codes.abs().max() <= 127
+    step = q.scales.expand(16, 64)
+    assert ((q.dequantize() - w).abs() <= step / 2 + 1e-7).all()
+    assert torch.equal(q.dequantize()[2], torch.zeros(64))
+
+
+def test_a_linear_on_8_bit_weights_drops_its_bf16_weight_and_refuses_float32():
+    linear = Linear(64, 32, bias=True).bfloat16()
+    weight = quantize_per_channel(linear.weight)
+    linear.set_int8(weight)
+    assert linear.weight.numel() == 0 and linear.int8_format == "int8"
+    x = _x(3, 64)
+    assert torch.equal(linear(x), _run(x, weight, bias=linear.bias.detach()))
+    with pytest.raises(TypeError, match="bfloat16 activations"):
+        linear(x.float())
+    with pytest.raises(ValueError, match="bfloat16 model"):
+        Linear(64, 32).set_int8(weight)
+
+
+def test_the_per_channel_codes_are_cached_on_disk(default_model_dir, monkeypatch, tmp_path):
+    """A second load of the same checkpoint reads the first load's codes instead of quantizing
+    again; a damaged cache file is quantized again and replaced."""
+    from prefixserve.model.loader.loading import load_model
+
+    monkeypatch.setattr(quantize_module, "cache_root", lambda: tmp_path)
+    first = load_model(None, quantization="int8")
+    cached = list((tmp_path / "quantized").glob("*.safetensors"))
+    assert len(cached) == 1
+
+    def refuse(_):
+        raise AssertionError("quantized again instead of reading the cache")
+
+    monkeypatch.setattr(quantize_module, "quantize_per_channel", refuse)
+    second = load_model(None, quantization="int8")
+    for name in ("lm_head", "model.layers.3.mlp.down_proj"):
+        a, b = first.model.get_submodule(name), second.model.get_submodule(name)
+        assert torch.equal(a._int8[0], b._int8[0]) and torch.equal(a._int8[1], b._int8[1])
+    cached[0].write_bytes(b"not a safetensors file")
+    monkeypatch.undo()
+    monkeypatch.setattr(quantize_module, "cache_root", lambda: tmp_path)
+    third = load_model(None, quantization="int8")
+    assert torch.equal(third.model.lm_head._int8[0], first.model.lm_head._int8[0])
+
+
+@pytest.fixture(scope="module")
+def default_model_int8():
+    from prefixserve.model.loader.loading import load_model
+
+    return load_model(None, quantization="int8")
+
+
+PROMPT = "Once upon a time in a small village by the sea, there lived an old fisherman who " * 3
+
+
+def _logprobs(output):
+    return [next(iter(d.values())).logprob for d in output.outputs[0].logprobs]
+
+
+def test_an_int8_engine_gives_a_cache_hit_the_cold_start_bits(default_model_int8):
+    loaded = default_model_int8
+    assert loaded.config.quantization == "int8+q8_0"  # the default file's embedding is Q8_0
+    assert loaded.model.native_layers() is not None  # the native layer takes 8-bit linears
+    sp = SamplingParams(max_tokens=12, temperature=0, logprobs=1)
+    llm = LLM(loaded_model=loaded, num_kv_blocks=64, quantization="int8")
+    cold = llm.generate([PROMPT], sp)[0]
+    warm = llm.generate([PROMPT, PROMPT + "every"], sp)[0]
+    assert warm.num_cached_tokens > 0
+    assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
+    assert _logprobs(warm) == _logprobs(cold)
+    assert "/weights-int8+q8_0" in llm.llm_engine.runner.kv_numerics()
+
+
+def test_native_and_python_layers_agree_over_8_bit_linears(default_model_int8):
+    sp = SamplingParams(max_tokens=10, temperature=0, logprobs=1)
+    outputs = []
+    for native in (True, False):
+        llm = LLM(loaded_model=default_model_int8, num_kv_blocks=64)
+        llm.llm_engine.runner.native_layers = native
+        outputs.append(llm.generate([PROMPT, PROMPT[:40]], sp))
+    for a, b in zip(*outputs, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert _logprobs(a) == _logprobs(b)
+
+
+def test_the_quantization_option_is_checked_where_it_is_given():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    assert EngineArgs.from_cli_args(parser.parse_args([])).quantization == "auto"
+    assert EngineArgs.from_cli_args(parser.parse_args(["--quantization", "int8"])).quantization == (
+        "int8"
+    )
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--quantization", "q4"])
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        EngineConfig(quantization="q4")
+    with pytest.raises(ValueError, match="computes in bfloat16"):
+        EngineConfig(quantization="int8", dtype="float32")
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        LLM(quantization="fp8")
