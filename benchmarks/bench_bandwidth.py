@@ -50,11 +50,15 @@ def read_bandwidth(gib: float) -> dict[str, float]:
 
 def decode_bytes_per_token(model: nn.Module, config, context: int) -> tuple[int, int]:
     """(weight bytes, K/V bytes) one decode token reads at batch 1: every linear weight once
-    (a tied LM head counted once, as the head) and the K/V of `context` positions."""
+    (a tied LM head counted once, as the head; an 8-bit one as its codes and scales) and the
+    K/V of `context` positions."""
     seen: set[int] = set()
     weights = 0
     for module in model.modules():
-        if isinstance(module, nn.Linear) and id(module.weight) not in seen:
+        int8 = getattr(module, "_int8", None)
+        if int8 is not None:
+            weights += int8[0].numel() + int8[1].numel() * 4
+        elif isinstance(module, nn.Linear) and id(module.weight) not in seen:
             seen.add(id(module.weight))
             weights += module.weight.numel() * module.weight.element_size()
     itemsize = torch.empty(0, dtype=config.torch_dtype).element_size()

@@ -171,6 +171,8 @@ def llama_cpp_rates(model_path, vocab: int, args) -> dict[str, list[tuple[float,
 
     python = peers_dir() / "llama_cpp" / "bin" / "python"
     gguf = peers_dir() / "gguf" / f"{Path(model_path).name}-bf16.gguf"
+    if args.model and str(args.model).endswith(".gguf"):  # the very file our engines run
+        gguf = Path(args.model)
     if not python.exists() or not gguf.exists():
         raise SystemExit(f"--llama-cpp needs scripts/peers/setup_llama_cpp.sh first ({gguf})")
     probe = Path(__file__).with_name("llama_cpp_probe.py")
@@ -250,6 +252,28 @@ def measure(engines: list, args) -> Rates:
     return rates
 
 
+def print_decode_limits(engines: list, args) -> None:
+    """Each of our models' weight bytes per decode token at batch 1 (the K/V of the context
+    beside them) and the tok/s that reading them at this machine's measured read bandwidth
+    allows (benchmarks/bench_bandwidth.py): the physical limit of decode at batch 1."""
+    from bench_bandwidth import decode_bytes_per_token, read_bandwidth
+
+    bandwidth = read_bandwidth(0.5)["sum (read)"]
+    print(f"\nread bandwidth: {bandwidth:.1f} GB/s (bench_bandwidth.py, 0.5 GiB sum)")
+    seen = set()
+    for engine in engines:
+        runner = getattr(engine, "runner", None)
+        if runner is None or id(runner.model) in seen:
+            continue
+        seen.add(id(runner.model))
+        weights, kv = decode_bytes_per_token(runner.model, runner.config, args.context)
+        limit = bandwidth * 1e9 / (weights + kv)
+        print(
+            f"{engine.name}: {weights / 1e6:.1f} MB weights + {kv / 1e6:.1f} MB K/V a decode "
+            f"token -> at most {limit:.0f} tok/s at batch 1"
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="HF dir or .gguf (default: the default model)")
@@ -266,6 +290,12 @@ def main() -> None:
         "in its own process after the others (benchmarks/llama_cpp_probe.py)",
     )
     ap.add_argument("--decode-batches", default="1,16", help="comma-separated decode batch sizes")
+    ap.add_argument(
+        "--quantizations",
+        default="",
+        help="comma-separated --quantization values (e.g. int8,none): also prefixserve on a "
+        "load of the same model with each, same run",
+    )
     ap.add_argument(
         "--baseline",
         action="store_true",
@@ -386,6 +416,9 @@ def main() -> None:
         engines.append(
             Ours(loaded, num_blocks=blocks, name=f"kv-{kv_dtype}", kv_cache_dtype=kv_dtype)
         )
+    for quantization in filter(None, args.quantizations.split(",")):
+        other = load_model(args.model, dtype="bfloat16", quantization=quantization)
+        engines.append(Ours(other, num_blocks=blocks, name=f"weights-{quantization}"))
     for tiles in filter(None, args.tiles_baseline.split(",")):
         engines.append(Ours(loaded, num_blocks=blocks, name=f"{tiles}-tiles", tiles=tiles))
     if args.fp32_rows_baseline is not None:
@@ -398,6 +431,7 @@ def main() -> None:
         rates = measure(engines, args)
     if args.llama_cpp:
         rates["llama.cpp"] = llama_cpp_rates(loaded.path, loaded.config.vocab_size, args)
+    print_decode_limits(engines, args)
 
     print(f"\nload avg after: {os.getloadavg()[0]:.1f}")
     metrics = ("prefill", *(f"decode_b{b}" for b in args.batches))

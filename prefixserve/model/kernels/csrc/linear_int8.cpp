@@ -86,10 +86,11 @@ struct XRows {
   std::vector<int32_t> offset;
 };
 
-XRows quantize_x(const uint16_t* x, int64_t rows, int64_t K) {
+// Rows of x quantized on the caller and up to `threads - 1` helpers (a prefill's x is large).
+XRows quantize_x(const uint16_t* x, int64_t rows, int64_t K, int64_t threads) {
   XRows q{std::vector<int8_t>(rows * K), std::vector<float>(rows * K / 4),
           std::vector<int32_t>(rows * K / 4)};
-  for (int64_t r = 0; r < rows; ++r)
+  prefixserve::stream_pool().run(rows, rows < 8 ? 1 : threads, [&](int64_t r) {
     for (int64_t g = 0; g < K; g += 32) {
       float v[32], amax = 0.0f;
       for (int t = 0; t < 32; ++t) {
@@ -108,6 +109,7 @@ XRows quantize_x(const uint16_t* x, int64_t rows, int64_t K) {
         q.offset[lane] = -128 * (c[4 * l] + c[4 * l + 1] + c[4 * l + 2] + c[4 * l + 3]);
       }
     }
+  });
   return q;
 }
 
@@ -353,7 +355,8 @@ void linear_int8(torch::Tensor out, torch::Tensor x, torch::Tensor codes, torch:
   }
   // x quantized once per call, per row and group of 32.
   const XRows xq =
-      quantize_x(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), rows, K);
+      quantize_x(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), rows, K,
+                 threads);
   const auto* q = codes.data_ptr<int8_t>();
   const float* s = scales.data_ptr<float>();
   const int64_t G = K / scales.size(1);
