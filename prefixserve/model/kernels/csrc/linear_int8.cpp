@@ -250,8 +250,27 @@ struct Epilogue {
 
 // Sums [rows, width] (ld apart) of weight rows n0.. to outputs: + bias, rounded to bf16, + the
 // residual and rounded again where there is one.
+// On AVX-512 builds both epilogues take gemm_bf16's vector forms (the same bits as its scalar
+// ones, which the other builds take), 16 columns at a time.
 void store_plain(const float* sums, int64_t ld, int64_t rows, int64_t n0, int64_t width,
                  const Epilogue& e) {
+#if defined(PREFIXSERVE_GEMM_AVX512)
+  using prefixserve::gemm::store_bf16;
+  using prefixserve::gemm::store_residual;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < width; c += 16) {
+      const int64_t valid = std::min<int64_t>(16, width - c);
+      const __mmask16 mask = valid >= 16 ? __mmask16(0xffff) : __mmask16((1u << valid) - 1);
+      const __m512 sum = _mm512_maskz_loadu_ps(mask, sums + r * ld + c);
+      uint16_t* dst = e.out + r * e.ldo + n0 + c;
+      const float* bias = e.bias ? e.bias + n0 + c : nullptr;
+      if (e.res)
+        store_residual(dst, sum, bias, e.res + r * e.ldo + n0 + c, valid);
+      else
+        store_bf16(dst, sum, bias, valid);
+    }
+  return;
+#endif
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = 0; c < width; ++c) {
       float sum = sums[r * ld + c];
@@ -267,8 +286,19 @@ void store_plain(const float* sums, int64_t ld, int64_t rows, int64_t n0, int64_
 // Gate sums [rows, width] then up sums [rows, width] (both ld apart) of output columns c0..
 void store_gated_sums(const float* gate, const float* up, int64_t ld, int64_t rows, int64_t c0,
                       int64_t width, int64_t half, const Epilogue& e) {
+  int64_t vector_cols = 0;
+#if defined(PREFIXSERVE_GEMM_AVX512)
+  vector_cols = width / 16 * 16;
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < width; ++c) {
+    for (int64_t c = 0; c < vector_cols; c += 16)
+      prefixserve::gemm::store_gated(e.out + r * e.ldo + c0 + c,
+                                     _mm512_loadu_ps(gate + r * ld + c),
+                                     _mm512_loadu_ps(up + r * ld + c),
+                                     e.bias ? e.bias + c0 + c : nullptr,
+                                     e.bias ? e.bias + half + c0 + c : nullptr, e.act);
+#endif
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = vector_cols; c < width; ++c) {
       float g = gate[r * ld + c], u = up[r * ld + c];
       if (e.bias) {
         g += e.bias[c0 + c];
@@ -362,13 +392,16 @@ void linear_int8(torch::Tensor out, torch::Tensor x, torch::Tensor codes, torch:
   const int64_t G = K / scales.size(1);
   const Epilogue e{reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()), width_out,
                    bias_f.empty() ? nullptr : bias_f.data(), act, res};
-  // Chunks of output columns: ~32 KB of codes (a multiple of 4 rows), so a chunk's rows stay
-  // in L2 while the batch's rows pass them.
-  const int64_t chunk = std::max<int64_t>(4, ((32 * 1024) / K) / 4 * 4);
+  // Chunks of output columns: ~32 KB of codes (a multiple of 16 rows, the vector epilogue's
+  // width), so a chunk's rows stay in L2 while the batch's rows pass them.
+  const int64_t chunk = std::max<int64_t>(16, ((32 * 1024) / K) / 16 * 16);
   const int64_t chunks = (width_out + chunk - 1) / chunk;
   prefixserve::stream_pool().run(chunks, threads, [&](int64_t c) {
     const int64_t c0 = c * chunk, width = std::min(width_out, c0 + chunk) - c0;
-    std::vector<float> sums(rows * width * (gated ? 2 : 1));
+    // Each thread's own buffer, grown once and kept: a prefill's sums are hundreds of KB, which
+    // malloc would map and unmap on every chunk.
+    thread_local std::vector<float> sums;
+    sums.resize(rows * width * (gated ? 2 : 1));
     sum_range(q, s, K, G, xq, rows, c0, width, sums.data());
     if (!gated) return store_plain(sums.data(), width, rows, c0, width, e);
     float* up = sums.data() + rows * width;
