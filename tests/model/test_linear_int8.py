@@ -23,6 +23,7 @@ from prefixserve.model.layers.linear import Linear
 from prefixserve.model.loader import quantize as quantize_module
 from prefixserve.model.quant.weights import (
     Int8Weight,
+    pack_codes,
     quantize_per_channel,
     recover_q8_0,
 )
@@ -34,7 +35,7 @@ pytestmark = pytest.mark.skipif(linear_int8_kernel() is None, reason="kernels no
 def _run(x, w: Int8Weight, bias=None, act=0, residual=None):
     n = w.codes.shape[0] // (2 if act else 1)
     out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
-    linear_int8_kernel()(out, x, w.codes, w.scales, bias, act, residual, 2)
+    linear_int8_kernel()(out, x, pack_codes(w.codes), w.scales, bias, act, residual, 2)
     return out
 
 

@@ -16,7 +16,7 @@ from torch import nn
 from prefixserve.model.kernels.cpu_paths import bf16_packing_supported, cpu_paths_here
 from prefixserve.model.kernels.hugepages import move_to_huge_pages
 from prefixserve.model.layers.kernel_table import _kernel
-from prefixserve.model.quant.weights import Int8Weight
+from prefixserve.model.quant.weights import Int8Weight, pack_codes, quantizable
 from prefixserve.settings import fp32_prefill
 
 
@@ -143,7 +143,8 @@ class Linear(nn.Linear):
             return
         super().reset_parameters()
 
-    # The 8-bit weight (`set_int8`): (codes int8 [N, K], scales fp32 [N, K / group], bias) for
+    # The 8-bit weight (`set_int8`): (codes int8 packed by `pack_codes`, scales fp32
+    # [N, K / group], bias) for
     # csrc/linear_int8.cpp, which every call of any row count takes (one summation order, so
     # batch-invariant in every mode); None for a bf16 or float32 weight.
     _int8: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
@@ -162,8 +163,10 @@ class Linear(nn.Linear):
                 f"8-bit weight of shape {tuple(weight.codes.shape)} for a linear of "
                 f"{(self.out_features, self.in_features)}"
             )
+        if not quantizable(weight.codes):
+            raise ValueError(f"8-bit weights need K a multiple of 64, not {self.in_features}")
         bias = None if self.bias is None else self.bias.detach().contiguous()
-        self._int8 = (weight.codes, weight.scales, bias)
+        self._int8 = (pack_codes(weight.codes), weight.scales, bias)
         self.int8_format = weight.fmt
         self._packed = self._fp32 = self._stream = self._gemm = self._next_packed = None
         self._invariant_packed = None
@@ -176,9 +179,10 @@ class Linear(nn.Linear):
         rows = x.reshape(-1, x.shape[-1]).contiguous()
         if rows.dtype != torch.bfloat16:
             raise TypeError(f"an 8-bit linear takes bfloat16 activations, not {rows.dtype}")
-        width = codes.shape[0] // 2 if act else codes.shape[0]
+        width = scales.shape[0] // 2 if act else scales.shape[0]
         out = rows.new_empty(rows.shape[0], width)
-        _kernel("linear_int8")(out, rows, codes, scales, bias, act, residual, STREAM_THREADS[0])
+        run = _kernel("linear_int8")
+        run(out, rows, codes, scales, bias, act, residual, STREAM_THREADS[0], self._next_packed)
         return out.view(*x.shape[:-1], width)
 
     def pack(self, fp32_copy: bool = True) -> None:
@@ -363,8 +367,23 @@ def pack_linears(model: nn.Module, no_fp32_copy: tuple[nn.Module, ...] = ()) -> 
     for module in linears:
         module.pack(fp32_copy=not any(module is m for m in no_fp32_copy))
     move_to_huge_pages(m._gemm[0] for m in linears if m._gemm is not None)
-    # Each native Linear names the next one's weight (module order is the forward order: a
-    # layer's qkv, o, gate_up, down, ..., the LM head, then the first layer's qkv again).
-    native = [m for m in linears if m._gemm is not None]
+    link_next_weights(model)
+
+
+def _streamed_weight(linear: Linear) -> torch.Tensor | None:
+    """The weight a decode step streams through a native kernel: the native GEMM's packed
+    weight or the 8-bit codes; None for the other paths."""
+    if linear._int8 is not None:
+        return linear._int8[0]
+    return None if linear._gemm is None else linear._gemm[0]
+
+
+def link_next_weights(model: nn.Module) -> None:
+    """Each Linear on a native kernel names the next one's weight (`_next_packed`; module order
+    is the forward order: a layer's qkv, o, gate_up, down, ..., the LM head, then the first
+    layer's qkv again), which a decode-sized call has the helper threads prefetch."""
+    native = [
+        m for m in model.modules() if isinstance(m, Linear) and _streamed_weight(m) is not None
+    ]
     for module, following in zip(native, native[1:] + native[:1], strict=True):
-        module._next_packed = following._gemm[0]
+        module._next_packed = _streamed_weight(following)

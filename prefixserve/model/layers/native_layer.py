@@ -29,9 +29,10 @@ from prefixserve.model.layers.linear import Linear
 
 def _packed(linear: Linear) -> tuple | None:
     """(packed weight, out features, bias, next packed weight) of a Linear that takes the native
-    GEMM at every row count in every mode, (codes, scales, bias) of an 8-bit one, or None."""
+    GEMM at every row count in every mode, (codes, scales, bias, next weight) of an 8-bit one,
+    or None."""
     if linear._int8 is not None and linear.lora is None:
-        return linear._int8
+        return (*linear._int8, linear._next_packed)
     if linear._gemm is None or linear._fp32 is not None or linear.lora is not None:
         return None
     packed, out_features, bias = linear._gemm
@@ -52,7 +53,7 @@ def bind_decoder_layer(
         or attn.q_norm is not None
         or attn.softcap is not None
         or not mlp.gated_act
-        or (len(linears[2]) == 4 and linears[2][1] % 64)
+        or (isinstance(linears[2][1], int) and linears[2][1] % 64)
         or attn.head_dim % 32
         or any(n.offset or n.weight.dtype != torch.bfloat16 for n in norms)
         or input_norm.eps != post_norm.eps

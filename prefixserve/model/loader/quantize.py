@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from prefixserve.config import QUANTIZATIONS
-from prefixserve.model.layers.linear import Linear
+from prefixserve.model.kernels.hugepages import move_to_huge_pages
+from prefixserve.model.layers.linear import Linear, link_next_weights
 from prefixserve.model.loader.weights import hf_target
 from prefixserve.model.quant.weights import (
     GGUF_MOSTLY_Q8_0,
@@ -61,6 +62,9 @@ def quantize_model(model: nn.Module, model_dir: Path, quantization: str) -> str 
         for name, weight in _cached_per_channel(model_dir, rest).items():
             linears[name].set_int8(weight)
         formats.append("int8")
+    # Decode streams the codes: huge pages, as the bf16 GEMM's packed weights (fewer TLB misses).
+    move_to_huge_pages(m._int8[0] for m in linears.values() if m._int8 is not None)
+    link_next_weights(model)
     if hasattr(model, "_native"):
         model._native = False  # the linears changed: bind the native layers again
     applied = sorted({m.int8_format for m in linears.values() if m.int8_format})
@@ -106,7 +110,7 @@ def _q8_0_weights(model: nn.Module, path: Path) -> dict[str, Int8Weight]:
             found[name] = parts[None]
         elif set(parts) == set(range(fused)):
             found[name] = fuse([parts[i] for i in range(fused)])
-    return found
+    return {name: w for name, w in found.items() if quantizable(w.codes)}
 
 
 def _fused_shards(name: str) -> int | None:

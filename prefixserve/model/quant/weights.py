@@ -50,9 +50,9 @@ class Int8Weight:
         return self.codes.numel() + self.scales.numel() * 4
 
 
-def quantizable(weight: torch.Tensor, group: int = 16) -> bool:
-    """Whether the kernel takes this weight: 2-D with K a multiple of 16 (and of the group)."""
-    return weight.dim() == 2 and weight.shape[1] % 16 == 0 and weight.shape[1] % group == 0
+def quantizable(weight: torch.Tensor) -> bool:
+    """Whether the kernel takes this weight: 2-D with K a multiple of 64."""
+    return weight.dim() == 2 and weight.shape[1] > 0 and weight.shape[1] % 64 == 0
 
 
 def quantize_per_channel(weight: torch.Tensor) -> Int8Weight:
@@ -81,6 +81,15 @@ def recover_q8_0(values: torch.Tensor) -> Int8Weight | None:
     if not torch.equal(scales.half().float(), scales):
         return None
     return Int8Weight(codes.to(torch.int8).view(n, k).contiguous(), scales.contiguous(), "q8_0")
+
+
+def pack_codes(codes: torch.Tensor) -> torch.Tensor:
+    """int8 codes [N, K] in the kernel's layout (csrc/linear_int8.cpp): groups of four rows (the
+    last padded with zeros), each group's columns 64c..64c+63 of its four rows one after the
+    other, [ceil(N / 4), K / 64, 4, 64], so a tile of four rows reads one contiguous stream."""
+    n, k = codes.shape
+    padded = torch.cat([codes, codes.new_zeros((-n) % 4, k)]) if n % 4 else codes
+    return padded.view(-1, 4, k // 64, 64).permute(0, 2, 1, 3).contiguous()
 
 
 def fuse(shards: list[Int8Weight]) -> Int8Weight:

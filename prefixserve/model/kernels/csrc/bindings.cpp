@@ -35,6 +35,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "and out, optional bias, gated act and residual, one summation order per output",
         py::arg("out"), py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("bias"),
         py::arg("act"), py::arg("residual"), py::arg("threads"),
+        py::arg("prefetch") = py::none(),
         py::call_guard<py::gil_scoped_release>());
   m.def("linear_int8_family", &linear_int8_family,
         "the vector family linear_int8 was built with: avx512, avx2 or portable");

@@ -24,7 +24,8 @@ using OptTensor = c10::optional<torch::Tensor>;
 
 // A linear of the layer: packed for linear_bf16_packed (the packed weight, its out features, its
 // bias, and the packed weight of the linear the forward pass runs next, prefetched after a
-// decode-sized call, as `Linear._next_packed`), or 8-bit for linear_int8 (codes, scales, bias).
+// decode-sized call, as `Linear._next_packed`), or 8-bit for linear_int8 (codes, scales, bias,
+// the next weight).
 struct PackedLinear {
   bool int8;
   torch::Tensor packed;  // or the int8 codes
@@ -35,13 +36,13 @@ struct PackedLinear {
 };
 
 PackedLinear packed_linear(const py::tuple& t) {
-  if (t.size() == 3) {
-    auto codes = t[0].cast<torch::Tensor>();
-    return {true, codes, t[1].cast<torch::Tensor>(), codes.size(0), t[2].cast<OptTensor>(),
-            c10::nullopt};
+  TORCH_CHECK(t.size() == 4, "a linear is (packed, out_features, bias, next_packed) or (codes, "
+                             "scales, bias, next weight)");
+  if (!py::isinstance<py::int_>(t[1])) {
+    auto scales = t[1].cast<torch::Tensor>();  // [N, K / G]: N rows, the codes packed by four
+    return {true, t[0].cast<torch::Tensor>(), scales, scales.size(0), t[2].cast<OptTensor>(),
+            t[3].cast<OptTensor>()};
   }
-  TORCH_CHECK(t.size() == 4,
-              "a linear is (packed, out_features, bias, next_packed) or (codes, scales, bias)");
   return {false, t[0].cast<torch::Tensor>(), torch::Tensor(), t[1].cast<int64_t>(),
           t[2].cast<OptTensor>(), t[3].cast<OptTensor>()};
 }
@@ -50,7 +51,7 @@ PackedLinear packed_linear(const py::tuple& t) {
 void run_linear(const PackedLinear& w, torch::Tensor out, const torch::Tensor& x,
                 int64_t threads, OptTensor residual) {
   if (w.int8)
-    linear_int8(out, x, w.packed, w.scales, w.bias, 0, residual, threads);
+    linear_int8(out, x, w.packed, w.scales, w.bias, 0, residual, threads, w.next);
   else
     linear_bf16_packed(out, x, w.packed, w.n, w.bias, threads, w.next, residual);
 }
@@ -59,7 +60,7 @@ void run_linear(const PackedLinear& w, torch::Tensor out, const torch::Tensor& x
 void run_gated(const PackedLinear& w, torch::Tensor out, const torch::Tensor& x, int64_t act,
                int64_t threads) {
   if (w.int8)
-    linear_int8(out, x, w.packed, w.scales, w.bias, act, c10::nullopt, threads);
+    linear_int8(out, x, w.packed, w.scales, w.bias, act, c10::nullopt, threads, w.next);
   else
     linear_bf16_packed_gated(out, x, w.packed, w.n, w.bias, act, threads, w.next);
 }

@@ -55,7 +55,8 @@ int64_t stream_pool_backoffs();
 // linear_int8.cpp
 void linear_int8(torch::Tensor out, torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
                  c10::optional<torch::Tensor> bias, int64_t act,
-                 c10::optional<torch::Tensor> residual, int64_t threads);
+                 c10::optional<torch::Tensor> residual, int64_t threads,
+                 c10::optional<torch::Tensor> prefetch);
 std::string linear_int8_family();
 
 // lora.cpp

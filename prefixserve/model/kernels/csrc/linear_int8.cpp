@@ -44,6 +44,19 @@ using prefixserve::gemm::round_bf16_scalar;
 
 constexpr int kLanes = 16;
 constexpr int64_t kChunk = 64;  // columns per sixteen lanes
+// The codes are packed in groups of four rows (`pack_int8_codes`): a group's chunk c holds the
+// four rows' columns 64c..64c+63 one after the other, so a tile of the four rows reads one
+// contiguous stream (four rows of K bytes each read at half the speed on AMD Zen 4: streams that
+// short escape the hardware prefetchers).
+constexpr int64_t kGroupRows = 4;
+constexpr int64_t kGroupChunk = kGroupRows * kChunk;
+// How far ahead of a tile's stream its codes are prefetched (bytes).
+constexpr int64_t kPrefetchAhead = 1024;
+// Batches of more rows than this are arithmetic-bound (gemm_bf16.cpp's threshold): the stream
+// pool keeps its helpers for them however long a chunk takes (stream_pool.h).
+constexpr int64_t kComputeBoundRows = 24;
+// Calls of at most this many rows prefetch the next linear's weight (gemm_bf16's kMaxTileRows).
+constexpr int64_t kPrefetchNextRows = 12;
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define PREFIXSERVE_INT8_VNNI 1
@@ -109,7 +122,7 @@ XRows quantize_x(const uint16_t* x, int64_t rows, int64_t K, int64_t threads) {
         q.offset[lane] = -128 * (c[4 * l] + c[4 * l + 1] + c[4 * l + 2] + c[4 * l + 3]);
       }
     }
-  });
+  }, /*compute_bound=*/rows > kComputeBoundRows);
   return q;
 }
 
@@ -118,8 +131,9 @@ inline float weight_scale(const float* s, int64_t G, int64_t c, int lane) {
   return s[(c * kChunk + 4 * lane) / G];
 }
 
-// Sums of NW weight rows (codes K apart, scales K / G apart) with NX quantized x rows (from row
-// offset x0 of xq) into sums[i * NX + j].
+// Sums of NW weight rows of one packed group of four (codes from q, the group's first chunk of
+// the tile's first row; scales K / G apart) with NX quantized x rows (from row x0 of xq) into
+// sums[i * NX + j].
 template <int NW, int NX>
 inline void dot_tile(const int8_t* q, const float* s, int64_t K, int64_t G, const XRows& xq,
                      int64_t x0, float* sums) {
@@ -133,12 +147,13 @@ inline void dot_tile(const int8_t* q, const float* s, int64_t K, int64_t G, cons
   for (int64_t c = 0; c < chunks; ++c) {
     __m512i w[NW];
     __m512 ws[NW];
+    _mm_prefetch(reinterpret_cast<const char*>(q + c * kGroupChunk + kPrefetchAhead),
+                 _MM_HINT_T0);
+    if constexpr (NW == 4)
+      _mm_prefetch(reinterpret_cast<const char*>(q + c * kGroupChunk + kPrefetchAhead + 128),
+                   _MM_HINT_T0);
     for (int i = 0; i < NW; ++i) {
-      // The same columns of the next tile's rows: a tile reads NW short streams (K bytes each),
-      // too short for the hardware prefetchers to follow at decode's bandwidth.
-      if constexpr (NW > 1)
-        _mm_prefetch(reinterpret_cast<const char*>(q + (i + NW) * K + c * kChunk), _MM_HINT_T0);
-      w[i] = _mm512_xor_si512(_mm512_loadu_si512(q + i * K + c * kChunk), flip);
+      w[i] = _mm512_xor_si512(_mm512_loadu_si512(q + i * kChunk + c * kGroupChunk), flip);
       const float* si = s + i * groups;
       if (G == 32) {
         const __m128 two = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(si + 2 * c)));
@@ -175,9 +190,8 @@ inline void dot_tile(const int8_t* q, const float* s, int64_t K, int64_t G, cons
       __m256i w[NW];
       __m256 ws[NW];
       for (int i = 0; i < NW; ++i) {
-        if (NW > 1 && h == 0)  // as the VNNI tile: the next tile's rows
-          _mm_prefetch(reinterpret_cast<const char*>(q + (i + NW) * K + col), _MM_HINT_T0);
-        w[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i * K + col));
+        w[i] = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(q + i * kChunk + c * kGroupChunk + 32 * h));
         ws[i] = _mm256_set1_ps(s[i * groups + col / G]);
       }
       for (int j = 0; j < NX; ++j) {
@@ -205,8 +219,9 @@ inline void dot_tile(const int8_t* q, const float* s, int64_t K, int64_t G, cons
         for (int l = 0; l < kLanes; ++l) {
           int32_t dot = 0;
           for (int t = 0; t < 4; ++t) {
-            const int64_t col = c * kChunk + 4 * l + t;
-            dot += static_cast<int32_t>(q[i * K + col]) * static_cast<int32_t>(xr[col]);
+            const int64_t col = 4 * l + t;
+            dot += static_cast<int32_t>(q[i * kChunk + c * kGroupChunk + col]) *
+                   static_cast<int32_t>(xr[c * kChunk + col]);
           }
           const float scale = weight_scale(s + i * groups, G, c, l) * xs[c * kLanes + l];
           acc[l] = std::fma(static_cast<float>(dot), scale, acc[l]);
@@ -309,13 +324,8 @@ void store_gated_sums(const float* gate, const float* up, int64_t ld, int64_t ro
     }
 }
 
-// Batches of fewer rows read the weight one row at a time: one sequential stream, which the
-// hardware prefetchers follow (four interleaved rows of K bytes each read at half the speed from
-// memory on AMD Zen 4); larger ones take kTileW rows a tile, so each load serves more x rows.
-// The tile changes no sum.
-constexpr int64_t kStreamRows = 4;
-
-// Sums of weight rows [n0, n0 + width) for every batch row into sums [rows, width].
+// Sums of weight rows [n0, n0 + width) for every batch row into sums [rows, width]. Tiles never
+// cross a packed group of four rows (a range that starts inside one takes single rows up to it).
 void sum_range(const int8_t* q, const float* s, int64_t K, int64_t G, const XRows& xq,
                int64_t rows, int64_t n0, int64_t width, float* sums) {
   const int64_t groups = K / G;
@@ -324,9 +334,12 @@ void sum_range(const int8_t* q, const float* s, int64_t K, int64_t G, const XRow
     const int64_t nx = std::min<int64_t>(kTileX, rows - m0);
     const int64_t tx = nx >= 2 ? kTileX : 1;  // the instantiation dot_rows takes
     for (int64_t n = 0; n < width;) {
-      const int64_t left = std::min(width - n, rows < kStreamRows ? int64_t{1} : int64_t{kTileW});
-      const int64_t nw = left >= 4 ? 4 : left >= 2 ? 2 : 1;
-      dot_rows(q + (n0 + n) * K, s + (n0 + n) * groups, K, G, xq, m0, nw, nx, tile);
+      const int64_t r = n0 + n, slot = r % kGroupRows, left = width - n;
+      const int64_t nw = slot == 0 && left >= 4 && kTileW >= 4   ? 4
+                         : slot % 2 == 0 && left >= 2 && kTileW >= 2 ? 2
+                                                                     : 1;
+      const int8_t* base = q + (r / kGroupRows) * kGroupRows * K + slot * kChunk;
+      dot_rows(base, s + r * groups, K, G, xq, m0, nw, nx, tile);
       for (int64_t i = 0; i < nw; ++i)
         for (int64_t j = 0; j < std::min<int64_t>(nx, tx); ++j)
           sums[(m0 + j) * width + n + i] = tile[i * tx + j];
@@ -339,32 +352,35 @@ void sum_range(const int8_t* q, const float* s, int64_t K, int64_t G, const XRow
 
 std::string linear_int8_family() { return kFamily; }
 
-// out [rows, N] (or [rows, N / 2] gated) from x [rows, K] bf16, codes [N, K] int8, scales
+// out [rows, N] (or [rows, N / 2] gated) from x [rows, K] bf16, codes int8 packed in groups of
+// four rows [ceil(N / 4), K / 64, 4, 64] (model/quant/weights.py `pack_codes`), scales
 // [N, K / G] fp32; bias [N] bf16 or none; act 0 plain, 1 SiLU, 2 GELU tanh (gated); residual
 // [rows, N] bf16 added after the rounding, or none. Chunks of weight rows run on the caller and
-// up to `threads - 1` helpers of the stream pool.
+// up to `threads - 1` helpers of the stream pool; `prefetch`: the next linear's weight, or none.
 void linear_int8(torch::Tensor out, torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
                  c10::optional<torch::Tensor> bias, int64_t act,
-                 c10::optional<torch::Tensor> residual, int64_t threads) {
+                 c10::optional<torch::Tensor> residual, int64_t threads,
+                 c10::optional<torch::Tensor> prefetch) {
   TORCH_CHECK(x.device().is_cpu() && codes.device().is_cpu() && scales.device().is_cpu() &&
                   out.device().is_cpu(),
               "linear_int8 runs on CPU tensors only");
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16 &&
                   codes.scalar_type() == torch::kChar && scales.scalar_type() == torch::kFloat,
               "linear_int8 needs bfloat16 x and out, int8 codes, float32 scales");
-  TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && scales.dim() == 2 && out.dim() == 2 &&
+  TORCH_CHECK(x.dim() == 2 && codes.dim() == 4 && scales.dim() == 2 && out.dim() == 2 &&
                   x.is_contiguous() && codes.is_contiguous() && scales.is_contiguous() &&
                   out.is_contiguous(),
-              "linear_int8 needs contiguous 2-D x, codes, scales and out");
-  const int64_t rows = x.size(0), K = x.size(1), N = codes.size(0);
+              "linear_int8 needs contiguous 2-D x, scales and out, and 4-D packed codes");
+  const int64_t rows = x.size(0), K = x.size(1), N = scales.size(0);
   TORCH_CHECK(act == kNone || act == kSilu || act == kGeluTanh, "linear_int8: unknown act");
   const bool gated = act != kNone;
   const int64_t width_out = gated ? N / 2 : N;
-  TORCH_CHECK(codes.size(1) == K && K % kChunk == 0 && scales.size(0) == N &&
+  TORCH_CHECK(codes.size(0) == (N + kGroupRows - 1) / kGroupRows && codes.size(1) * kChunk == K &&
+                  codes.size(2) == kGroupRows && codes.size(3) == kChunk && K % kChunk == 0 &&
                   scales.size(1) > 0 && K % scales.size(1) == 0 &&
                   (K / scales.size(1) == 32 || (K / scales.size(1)) % kChunk == 0) &&
                   (!gated || N % 2 == 0) && out.size(0) == rows && out.size(1) == width_out,
-              "linear_int8: shapes x [rows, K], codes [N, K], scales [N, K / G] with K a "
+              "linear_int8: shapes x [rows, K], codes [N / 4, K / 64, 4, 64], scales [N, K / G] with K a "
               "multiple of 64 and G 32 or a multiple of 64, out [rows, N] (gated: [rows, N / 2])");
   std::vector<float> bias_f;
   if (bias.has_value() && bias->defined()) {
@@ -396,6 +412,7 @@ void linear_int8(torch::Tensor out, torch::Tensor x, torch::Tensor codes, torch:
   // width), so a chunk's rows stay in L2 while the batch's rows pass them.
   const int64_t chunk = std::max<int64_t>(16, ((32 * 1024) / K) / 16 * 16);
   const int64_t chunks = (width_out + chunk - 1) / chunk;
+  const bool compute_bound = rows > kComputeBoundRows;
   prefixserve::stream_pool().run(chunks, threads, [&](int64_t c) {
     const int64_t c0 = c * chunk, width = std::min(width_out, c0 + chunk) - c0;
     // Each thread's own buffer, grown once and kept: a prefill's sums are hundreds of KB, which
@@ -407,5 +424,10 @@ void linear_int8(torch::Tensor out, torch::Tensor x, torch::Tensor codes, torch:
     float* up = sums.data() + rows * width;
     sum_range(q, s, K, G, xq, rows, width_out + c0, width, up);
     store_gated_sums(sums.data(), up, width, rows, c0, width, width_out, e);
-  });
+  }, compute_bound);
+  // A decode-sized call has the pool's helpers bring the next linear's codes toward their caches
+  // while the caller runs what lies between the two (gemm_bf16's prefetch_next).
+  if (rows <= kPrefetchNextRows && prefetch.has_value() && prefetch->defined())
+    prefixserve::stream_pool().prefetch(prefetch->data_ptr(),
+                                        prefetch->numel() * prefetch->element_size());
 }
