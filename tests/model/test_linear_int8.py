@@ -257,3 +257,38 @@ def test_the_quantization_option_is_checked_where_it_is_given():
         EngineConfig(quantization="int8", dtype="float32")
     with pytest.raises(ValueError, match="quantization must be one of"):
         LLM(quantization="fp8")
+
+
+def test_lora_adapters_apply_over_8_bit_linears(tmp_path, default_model_fp32):
+    """The seam of 8-bit weights and LoRA: an adapter's update is added to the 8-bit linear's
+    output (the Python layers; the native layer takes no LoRA), so it changes the outputs, the
+    base requests beside it keep theirs, and a cache hit keeps the cold start's bits."""
+    from pathlib import Path
+
+    from prefixserve.lora.config import LoRARequest
+    from prefixserve.model.loader.loading import LoadedModel
+    from tests.helpers.lora import make_adapter
+    from tests.helpers.models import build_hf_model, build_ours
+
+    shape = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
+    hf, config_json = build_hf_model("llama", tmp_path / "base", intermediate_size=128, **shape)
+    make_adapter(hf, tmp_path / "adapter", rank=4, targets=["q_proj", "v_proj", "down_proj"])
+    model, config = build_ours(hf, config_json, dtype="bfloat16")
+    for module in model.modules():
+        if isinstance(module, Linear) and module.weight.shape[1] % 64 == 0:
+            module.set_int8(quantize_per_channel(module.weight))
+    loaded = LoadedModel(model, default_model_fp32.tokenizer, config, Path("."))
+    llm = LLM(
+        loaded_model=loaded, num_kv_blocks=128, block_size=4, enable_lora=True, max_lora_rank=8
+    )
+    lora = LoRARequest("a", 1, str(tmp_path / "adapter"))
+    sp = SamplingParams(max_tokens=8, temperature=0, logprobs=1, ignore_eos=True)
+    prompt = {"prompt_token_ids": [(5 * i + 3) % 200 for i in range(24)]}
+    base_alone = llm.generate([prompt], sp)[0]
+    cold = llm.generate([prompt], sp, lora_request=lora)[0]
+    assert _logprobs(cold) != _logprobs(base_alone)  # the adapter moves the 8-bit model
+    warm = llm.generate([prompt], sp, lora_request=lora)[0]
+    assert warm.num_cached_tokens > 0
+    assert _logprobs(warm) == _logprobs(cold)
+    assert _logprobs(llm.generate([prompt], sp)[0]) == _logprobs(base_alone)
+    llm.llm_engine.check_no_leaks()

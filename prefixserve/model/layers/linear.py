@@ -144,9 +144,8 @@ class Linear(nn.Linear):
         super().reset_parameters()
 
     # The 8-bit weight (`set_int8`): (codes int8 packed by `pack_codes`, scales fp32
-    # [N, K / group], bias) for
-    # csrc/linear_int8.cpp, which every call of any row count takes (one summation order, so
-    # batch-invariant in every mode); None for a bf16 or float32 weight.
+    # [N, K / group], bias) for csrc/linear_int8.cpp, which every call of any row count takes
+    # (one summation order, so batch-invariant in every mode); None for a bf16 or fp32 weight.
     _int8: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
     # The 8-bit weight's format ("int8" per channel, "q8_0" GGUF blocks), or None.
     int8_format: str | None = None
@@ -171,6 +170,14 @@ class Linear(nn.Linear):
         self._packed = self._fp32 = self._stream = self._gemm = self._next_packed = None
         self._invariant_packed = None
         self.weight = nn.Parameter(torch.empty(0, dtype=torch.bfloat16), requires_grad=False)
+
+    def _residual_fits(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
+        """Whether the 8-bit kernel's epilogue can add this residual: bf16 [rows of x, N]."""
+        return (
+            x.dim() == 2
+            and residual.shape == (x.shape[0], self.out_features)
+            and residual.dtype == torch.bfloat16
+        )
 
     def _int8_call(
         self, x: torch.Tensor, act: int = 0, residual: torch.Tensor | None = None
@@ -248,7 +255,7 @@ class Linear(nn.Linear):
         """`self(x) + residual` with the two bf16 roundings of the separate ops (a decoder
         layer's residual add after o_proj or down_proj): in the native GEMM's epilogue where
         this call takes it (no LoRA, 2-D contiguous operands), else the linear then an add."""
-        if self._int8 is not None and self.lora is None and _residual_fits(x, residual):
+        if self._int8 is not None and self.lora is None and self._residual_fits(x, residual):
             return self._int8_call(x, residual=residual.contiguous())
         if (
             self.lora is None
@@ -339,16 +346,6 @@ class Linear(nn.Linear):
         if self._fp32 is not None and rows >= FP32_MIN_ROWS:
             return F.linear(x.float(), *self._fp32).to(x.dtype)
         return None
-
-
-def _residual_fits(x: torch.Tensor, residual: torch.Tensor) -> bool:
-    """Whether an 8-bit linear's epilogue can add this residual: bf16, one row per row of x."""
-    return (
-        x.dim() == 2
-        and residual.dim() == 2
-        and residual.shape[0] == x.shape[0]
-        and residual.dtype == torch.bfloat16
-    )
 
 
 def pack_linears(model: nn.Module, no_fp32_copy: tuple[nn.Module, ...] = ()) -> None:
