@@ -16,7 +16,12 @@ import weakref
 from collections.abc import Iterable
 from typing import Any
 
-from prefixserve.config import DEFAULT_KV_CACHE_MEMORY_GB, EngineConfig, SpeculativeConfig
+from prefixserve.config import (
+    DEFAULT_KV_CACHE_MEMORY_GB,
+    KV_CACHE_DTYPES,
+    EngineConfig,
+    SpeculativeConfig,
+)
 from prefixserve.core.kv_cache import hashing
 from prefixserve.core.kv_cache.hashing import get_request_block_hasher
 from prefixserve.core.kv_cache.kv_cache_manager import KVCacheManager
@@ -38,7 +43,7 @@ from prefixserve.engine.input_checks import (
 from prefixserve.engine.output_processor import OutputProcessor
 from prefixserve.engine.prompt_embeds import prompt_from_embeds
 from prefixserve.kv_store.connector import open_engine_kv_store
-from prefixserve.kv_store.worker import kv_layout
+from prefixserve.kv_store.worker import kv_layout, layout_string
 from prefixserve.lora.config import LoRARequest
 from prefixserve.lora.manager import LoRAManager
 from prefixserve.model.kernels.calibration import describe_calibration
@@ -130,6 +135,7 @@ class LLMEngine:
             self.kv_cache_groups,
             kv_layout(self.runner.kv_caches, self.runner.kv_format.name),
             self.runner.kv_numerics(),
+            self._other_kv_layouts(),
         )
         if self.kv_connector is not None:
             self.scheduler.kv_connector = self.kv_connector
@@ -159,6 +165,29 @@ class LLMEngine:
         sched = self.config.scheduler
         threshold = sched.long_prefill_token_threshold or sched.max_num_batched_tokens
         return min(sched.max_num_batched_tokens, threshold)
+
+    def _other_kv_layouts(self) -> dict[str, str]:
+        """The disk layouts of this model's other KV dtypes (`kv_layout` as an engine of that
+        dtype would build it), for cache reports that name a block stored in another."""
+        k_cache = self.runner.kv_caches[0][0]
+        _, block_size, heads, _ = k_cache.shape
+        head_dim, own = self.model_config.head_dim, self.runner.kv_format.name
+        layouts = {}
+        for name in KV_CACHE_DTYPES:
+            try:
+                fmt = kv_format(name, self.model_config.torch_dtype)
+            except ValueError:
+                continue  # not a format of this model's dtype
+            if fmt.name != own:
+                layouts[fmt.name] = layout_string(
+                    len(self.runner.kv_caches),
+                    block_size,
+                    heads,
+                    fmt.row_width(head_dim),
+                    fmt.storage,
+                    fmt.name,
+                )
+        return layouts
 
     def _blocks_needed(self, num_tokens: int) -> int:
         """The most KV blocks a sequence of `num_tokens` cached tokens holds at once."""

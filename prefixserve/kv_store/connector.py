@@ -34,6 +34,7 @@ from prefixserve.core.kv_cache.spec import FullAttentionSpec, KVCacheSpec
 from prefixserve.kv_store import resolve_store_config
 from prefixserve.kv_store.disk_store import BlockKey, DiskKVStore
 from prefixserve.kv_store.fingerprint import model_fingerprint, store_namespace
+from prefixserve.kv_store.lookup import StoreLookup
 from prefixserve.kv_store.seed import load_or_create_seed
 from prefixserve.kv_store.writer import BackgroundWriter
 
@@ -187,6 +188,20 @@ class KVStoreConnector:
         (a stat; what a cache report reads)."""
         return self.store.state((block_hash, GROUP))
 
+    # Stat-only views of the namespaces where engines of the other KV dtypes keep the same
+    # prompts' blocks (same model, numerics and hash seed), by KV dtype: set by
+    # `open_engine_kv_store`; read by cache reports only, never loaded from.
+    other_dtypes: dict[str, StoreLookup] = {}
+
+    def other_kv_dtype(self, block_hash: bytes) -> str | None:
+        """The KV dtype of another engine that stored this block in this directory, or None
+        (a stat per other dtype). The hash chains the tenant's salt, so only the same tenant's
+        block can be found."""
+        for name, lookup in self.other_dtypes.items():
+            if lookup.contains((block_hash, GROUP)):
+                return name
+        return None
+
     def loading_pays(self) -> bool:
         """Whether loading a block was measured faster than computing its tokens (True until
         both were measured)."""
@@ -274,13 +289,16 @@ def open_engine_kv_store(
     groups: Sequence[KVCacheSpec],
     kv_layout: str,
     numerics: str = "",
+    other_layouts: dict[str, str] | None = None,
 ) -> tuple[KVStoreConnector | None, bytes | None]:
     """The disk tier `config.kv_store` asks for, opened (created if needed) for this model and
     cache layout with its writer started, and the hash chain's seed derived from the store's
     secret (so a restarted process hits what its predecessor stored); (None, None) when the
     config has no tier or the model cannot use one (logged). Raises ValueError / OSError
     (UnsafeStoreError for a directory others can reach). `numerics`: the runner's name for how
-    its K/V are computed where that changes their bits (`ModelRunner.kv_numerics`)."""
+    its K/V are computed where that changes their bits (`ModelRunner.kv_numerics`).
+    `other_layouts`: the layouts of the other KV dtypes by name, whose namespaces a cache report
+    looks in (`KVStoreConnector.other_kv_dtype`)."""
     store_config = config.kv_store
     if store_config is None or not store_config.enabled:
         return None, None
@@ -299,14 +317,14 @@ def open_engine_kv_store(
     secret = load_or_create_seed(store_config.dir)
     # Batch-invariant engines compute K/V on other paths (other roundings): their blocks live
     # apart, or a disk hit would break the bit-for-bit promise.
-    kv_layout += numerics
-    namespace = store_namespace(
-        model_fingerprint(model_dir),
-        config.dtype,
-        cache.block_size,
-        cache.prefix_caching_hash_algo,
-        kv_layout,
-    )
+    fingerprint = model_fingerprint(model_dir)
+
+    def namespace_of(layout: str) -> str:
+        return store_namespace(
+            fingerprint, config.dtype, cache.block_size, cache.prefix_caching_hash_algo, layout
+        )
+
+    namespace = namespace_of(kv_layout + numerics)
     store = DiskKVStore(store_config.dir, namespace, store_config.capacity_bytes)
     writer = BackgroundWriter(
         store,
@@ -323,4 +341,8 @@ def open_engine_kv_store(
         store.total_bytes / 2**30,
     )
     connector = KVStoreConnector(store, writer, cache.block_size, store_config.default_retention)
+    connector.other_dtypes = {
+        name: StoreLookup(store_config.dir, namespace_of(layout + numerics))
+        for name, layout in (other_layouts or {}).items()
+    }
     return connector, none_hash_from_secret(secret, cache.prefix_caching_hash_algo)

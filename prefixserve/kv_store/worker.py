@@ -24,10 +24,18 @@ def kv_layout(kv_caches: KVCaches, kv_cache_dtype: str) -> str:
     int8, fp8_e4m3), so blocks of one KV dtype are never served to an engine of another."""
     k_cache = kv_caches[0][0]
     _, block_size, heads, dim = k_cache.shape
-    dtype = str(k_cache.dtype).removeprefix("torch.")
+    return layout_string(len(kv_caches), block_size, heads, dim, k_cache.dtype, kv_cache_dtype)
+
+
+def layout_string(
+    layers: int, block_size: int, heads: int, row: int, storage: torch.dtype, kv_cache_dtype: str
+) -> str:
+    """`kv_layout` of a cache of this shape and storage (also for a KV dtype this engine does
+    not use: where another engine's blocks of the same prompt would live)."""
+    dtype = str(storage).removeprefix("torch.")
     order = sys.byteorder
     return (
-        f"layers{len(kv_caches)}-kv-bs{block_size}-heads{heads}-dim{dim}-{dtype}-{order}"
+        f"layers{layers}-kv-bs{block_size}-heads{heads}-dim{row}-{dtype}-{order}"
         f"-kv_{kv_cache_dtype}/v1"
     )
 

@@ -156,7 +156,7 @@ def test_the_pool_holds_about_twice_the_blocks_in_8_bits(default_model_bf16):
 def test_the_disk_tier_serves_8_bit_blocks_to_their_own_dtype_only(default_model_bf16, tmp_path):
     """An int8 engine's blocks come back from disk (a fresh engine: its pool is empty) with the
     cold start's bits; an fp8 or bf16 engine over the same directory finds none of them (the
-    namespace names the KV dtype)."""
+    namespace names the KV dtype), and its cache report names the dtype the block is in."""
     sp = SamplingParams(max_tokens=8, temperature=0, logprobs=1)
 
     def engine(name):
@@ -174,8 +174,13 @@ def test_the_disk_tier_serves_8_bit_blocks_to_their_own_dtype_only(default_model
     again = engine("int8").generate([PROMPT], sp)[0]
     assert again.num_cached_tokens > 0
     assert _logprobs(again) == _logprobs(cold)
+    reported = SamplingParams(max_tokens=8, temperature=0, cache_report=True)
     for other in ("fp8_e4m3", "auto"):
-        assert engine(other).generate([PROMPT], sp)[0].num_cached_tokens == 0
+        out = engine(other).generate([PROMPT], reported)[0]
+        assert out.num_cached_tokens == 0
+        # The report says why: the block is on disk, in the int8 engine's dtype.
+        assert out.cache_report["reason"] == "other_kv_dtype"
+        assert out.cache_report["detail"] == {"kv_dtype": "int8"}
 
 
 def test_metrics_and_the_summary_name_the_kv_dtype_and_bytes_per_token(default_model_bf16):

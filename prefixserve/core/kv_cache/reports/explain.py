@@ -190,7 +190,16 @@ class CacheExplainer:
             if request.cache_retention == "in_memory":
                 detail["retention"] = "in_memory"
             return "evicted"
-        return self._other_namespace(request, index) or "never_seen"
+        other = self._other_namespace(request, index)
+        if other is not None:
+            return other
+        if self.disk is not None:
+            self.num_probes += 1
+            kv_dtype = self.disk.other_kv_dtype(block_hash)
+            if kv_dtype is not None:
+                detail["kv_dtype"] = kv_dtype
+                return "other_kv_dtype"
+        return "never_seen"
 
     def _other_namespace(self, request: Request, index: int) -> str | None:
         """`salt_or_tenant` / `adapter` when block `index` of this prompt is cached under

@@ -193,6 +193,11 @@ inline void dot_tile(const int8_t* q, const float* s, int64_t K, int64_t G, cons
   __m256 acc[NW][NX][2];
   for (int i = 0; i < NW; ++i)
     for (int j = 0; j < NX; ++j) acc[i][j][0] = acc[i][j][1] = _mm256_setzero_ps();
+  // As the VNNI tile: x's pointers and a per-channel row's scale hoisted out of the loop.
+  const int8_t* xc = xq.codes.data() + x0 * K;
+  const float* xl = xq.lane_scale.data() + x0 * K / 4;
+  __m256 row_scale[NW];
+  for (int i = 0; i < NW; ++i) row_scale[i] = _mm256_set1_ps(s[i * groups]);
   for (int64_t c = 0; c < chunks; ++c)
     for (int h = 0; h < 2; ++h) {
       const int64_t col = c * kChunk + 32 * h;
@@ -201,14 +206,16 @@ inline void dot_tile(const int8_t* q, const float* s, int64_t K, int64_t G, cons
       for (int i = 0; i < NW; ++i) {
         w[i] = _mm256_loadu_si256(
             reinterpret_cast<const __m256i*>(q + i * kChunk + c * kGroupChunk + 32 * h));
-        ws[i] = _mm256_set1_ps(
-            s[i * groups + (G == 32 ? 2 * c + h : group_of(c, chunks_per_group, groups))]);
+        if (groups == 1)
+          ws[i] = row_scale[i];
+        else
+          ws[i] = _mm256_set1_ps(
+              s[i * groups + (G == 32 ? 2 * c + h : group_of(c, chunks_per_group, groups))]);
       }
       for (int j = 0; j < NX; ++j) {
-        const __m256i xv =
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&xq.codes[(x0 + j) * K + col]));
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + j * K + col));
         const __m256i ax = _mm256_abs_epi8(xv);
-        const __m256 xs = _mm256_loadu_ps(&xq.lane_scale[((x0 + j) * K + col) / 4]);
+        const __m256 xs = _mm256_loadu_ps(xl + (j * K + col) / 4);
         for (int i = 0; i < NW; ++i) {
           const __m256i pairs = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(w[i], xv));
           const __m256i dot = _mm256_madd_epi16(pairs, ones);

@@ -25,8 +25,9 @@
     cache_disabled: "#54a24b",
     salt_or_tenant: "#eeca3b",
     adapter: "#ff9da6",
+    other_kv_dtype: "#9d755d",
   };
-  const EXTRA_COLORS = ["#9d755d", "#bab0ac", "#439894", "#83bcb6", "#d67195"];
+  const EXTRA_COLORS = ["#bab0ac", "#439894", "#83bcb6", "#d67195"];
   const TENANT_COLORS = ["#4c78a8", "#f58518", "#54a24b", "#b279a2", "#72b7b2", "#eeca3b",
     "#ff9da6", "#9d755d", "#e45756", "#439894"];
 
