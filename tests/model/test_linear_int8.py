@@ -79,13 +79,20 @@ def test_the_kernel_matches_a_float64_reference_of_its_quantized_operands(fmt):
 
 def _model_of_the_kernel(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
     """The kernel's documented order in Python: per 64 columns, 16 lanes of 4 exact integer
-    products; lane acc = fma(float(sum), wscale * xscale, acc) in fp32 (the fma as one rounding
-    of the exact float64 value); the lanes reduced (l, l+8), (l, l+4), (l, l+2), (l, l+1)."""
+    products (lane l: the 4-column unit l // 2 of the chunk's half l % 2); lane acc =
+    fma(float(sum), wscale * xscale, acc) in fp32 (the fma as one rounding of the exact float64
+    value); the lanes reduced (l, l+8), (l, l+4), (l, l+2), (l, l+1)."""
     codes, xscale = _quantize_x(x)
     rows, k = codes.shape
     n, group = w.codes.shape[0], w.group
-    lanes = (codes.view(rows, 1, k // 4, 4) * w.codes.long().view(1, n, k // 4, 4)).sum(-1)
-    lane_cols = torch.arange(k // 4) * 4
+    # Lane l of chunk c: columns 64c + 32 (l % 2) + 4 (l // 2) + [0, 4).
+    lane_cols = torch.tensor(
+        [64 * c + 32 * (lane % 2) + 4 * (lane // 2) for c in range(k // 64) for lane in range(16)]
+    )
+    cols = (lane_cols.view(-1, 1) + torch.arange(4)).view(-1)
+    lanes = (
+        codes[:, cols].view(rows, 1, k // 4, 4) * w.codes.long()[:, cols].view(1, n, k // 4, 4)
+    ).sum(-1)
     wscale = w.scales[:, lane_cols // group]  # [N, K/4]
     scale = (wscale.unsqueeze(0) * xscale[:, lane_cols // 32].unsqueeze(1)).float()
     acc = torch.zeros(rows, n, 16, dtype=torch.float32)

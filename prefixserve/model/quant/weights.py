@@ -86,10 +86,14 @@ def recover_q8_0(values: torch.Tensor) -> Int8Weight | None:
 def pack_codes(codes: torch.Tensor) -> torch.Tensor:
     """int8 codes [N, K] in the kernel's layout (csrc/linear_int8.cpp): groups of four rows (the
     last padded with zeros), each group's columns 64c..64c+63 of its four rows one after the
-    other, [ceil(N / 4), K / 64, 4, 64], so a tile of four rows reads one contiguous stream."""
+    other, [ceil(N / 4), K / 64, 4, 64], so a tile of four rows reads one contiguous stream;
+    within a row's 64, the 4-column units of the two halves interleaved (first half's unit 0,
+    second half's unit 0, first half's unit 1, ...), the kernel's lane order."""
     n, k = codes.shape
     padded = torch.cat([codes, codes.new_zeros((-n) % 4, k)]) if n % 4 else codes
-    return padded.view(-1, 4, k // 64, 64).permute(0, 2, 1, 3).contiguous()
+    # [groups, 4 rows, chunk, half, unit, 4] -> [groups, chunk, 4 rows, unit, half, 4]
+    units = padded.view(-1, 4, k // 64, 2, 8, 4).permute(0, 2, 1, 4, 3, 5)
+    return units.reshape(-1, k // 64, 4, 64).contiguous()
 
 
 def fuse(shards: list[Int8Weight]) -> Int8Weight:

@@ -9,7 +9,10 @@
 // the offset's 128 x sum(x codes) taken off in the accumulator's start value), VPMADDUBSW +
 // VPMADDWD on AVX2 (|x| times the weight with x's sign, so no pair saturates), a scalar loop
 // elsewhere. Every family computes the same exact integer sums: sixteen lanes per 64 columns,
-// lane l holding the four products of columns 4l..4l+3. Each lane's sum becomes fp32 (exact) and
+// lane l holding the four products of columns 4u..4u+3 of the chunk's first (l even) or second
+// (l odd) half, u = l / 2: the codes of x and of the weight are stored in that order (the halves'
+// 4-column units interleaved), so a Q8_0 chunk's two scales fill the lanes as one broadcast pair,
+// (s_first, s_second) repeated. Each lane's sum becomes fp32 (exact) and
 // goes into the lane's accumulator by one fused multiply-add with the scale (weight scale times
 // x scale, one rounding) of the group its columns belong to; the sixteen accumulators then reduce
 // as (l, l + 8), (l, l + 4), (l, l + 2), (l, l + 1). So every family writes the same bits
@@ -25,6 +28,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -109,15 +113,18 @@ XRows quantize_x(const uint16_t* x, int64_t rows, int64_t K, int64_t threads) {
         amax = std::max(amax, std::fabs(v[t]));
       }
       const float scale = amax / 127.0f;
-      int8_t* c = &q.codes[r * K + g];
+      int8_t c[32];
       for (int t = 0; t < 32; ++t) {
         const float code = scale > 0.0f ? std::nearbyint(v[t] / scale) : 0.0f;
         c[t] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, code)));
       }
-      for (int l = 0; l < 8; ++l) {
-        const int64_t lane = (r * K + g) / 4 + l;
+      // The group is half h of its chunk: unit u of it goes to lane 2u + h.
+      const int64_t chunk = (r * K + g) / kChunk, h = (g / 32) % 2;
+      for (int u = 0; u < 8; ++u) {
+        const int64_t lane = chunk * kLanes + 2 * u + h;
+        std::memcpy(&q.codes[lane * 4], &c[4 * u], 4);
         q.lane_scale[lane] = scale;
-        q.offset[lane] = -128 * (c[4 * l] + c[4 * l + 1] + c[4 * l + 2] + c[4 * l + 3]);
+        q.offset[lane] = -128 * (c[4 * u] + c[4 * u + 1] + c[4 * u + 2] + c[4 * u + 3]);
       }
     }
   }, /*compute_bound=*/rows > kComputeBoundRows);
@@ -132,7 +139,7 @@ inline int64_t group_of(int64_t c, int64_t chunks_per_group, int64_t groups) {
 
 // The weight scale of each lane of chunk c of a weight row (scales `groups` apart per row).
 inline float weight_scale(const float* s, int64_t G, int64_t c, int lane) {
-  return s[(c * kChunk + 4 * lane) / G];
+  return s[(c * kChunk + (lane % 2) * 32 + 4 * (lane / 2)) / G];
 }
 
 // Sums of NW weight rows of one packed group of four (codes from q, the group's first chunk of
@@ -145,7 +152,6 @@ inline void dot_tile(const int8_t* q, const float* s, int64_t K, int64_t G, cons
   const int64_t chunks_per_group = G / kChunk;  // 0 for G = 32
 #if defined(PREFIXSERVE_INT8_VNNI)
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
   __m512 acc[NW][NX];
   for (int i = 0; i < NW; ++i)
     for (int j = 0; j < NX; ++j) acc[i][j] = _mm512_setzero_ps();
@@ -166,8 +172,9 @@ inline void dot_tile(const int8_t* q, const float* s, int64_t K, int64_t G, cons
       if (groups == 1) {
         ws[i] = row_scale[i];
       } else if (G == 32) {
-        const __m128 two = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(si + 2 * c)));
-        ws[i] = _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(two));
+        double pair;  // the chunk's two scales, (first half, second half), broadcast
+        std::memcpy(&pair, si + 2 * c, sizeof pair);
+        ws[i] = _mm512_castpd_ps(_mm512_set1_pd(pair));
       } else {
         ws[i] = _mm512_set1_ps(si[group_of(c, chunks_per_group, groups)]);
       }
@@ -206,11 +213,15 @@ inline void dot_tile(const int8_t* q, const float* s, int64_t K, int64_t G, cons
       for (int i = 0; i < NW; ++i) {
         w[i] = _mm256_loadu_si256(
             reinterpret_cast<const __m256i*>(q + i * kChunk + c * kGroupChunk + 32 * h));
-        if (groups == 1)
+        if (groups == 1) {
           ws[i] = row_scale[i];
-        else
-          ws[i] = _mm256_set1_ps(
-              s[i * groups + (G == 32 ? 2 * c + h : group_of(c, chunks_per_group, groups))]);
+        } else if (G == 32) {
+          double pair;  // as the VNNI tile: both halves' lanes alternate the chunk's two scales
+          std::memcpy(&pair, s + i * groups + 2 * c, sizeof pair);
+          ws[i] = _mm256_castpd_ps(_mm256_set1_pd(pair));
+        } else {
+          ws[i] = _mm256_set1_ps(s[i * groups + group_of(c, chunks_per_group, groups)]);
+        }
       }
       for (int j = 0; j < NX; ++j) {
         const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + j * K + col));
