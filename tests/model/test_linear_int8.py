@@ -25,7 +25,7 @@ from prefixserve.model.quant.weights import (
     Int8Weight,
     pack_codes,
     quantize_per_channel,
-    recover_q8_0,
+    recover_gguf_blocks,
 )
 from prefixserve.sampling_params import SamplingParams
 
@@ -136,27 +136,35 @@ def test_the_epilogues_round_as_the_separate_ops():
     assert torch.allclose(gated, F.silu(gate) * up, rtol=2**-6, atol=1e-3)
 
 
-def test_q8_0_blocks_come_back_exactly_from_their_dequantized_values():
+@pytest.mark.parametrize("fmt", ["q8_0", "q5_0", "q4_0"])
+def test_gguf_blocks_come_back_exactly_from_their_dequantized_values(fmt):
+    """Values gguf's own quantizer made (and dequantized) give back their type and their
+    blocks: the scale of each (as the file's fp16 d, up to sign) and codes that times it are
+    the values exactly; Q8_0's codes are the file's bytes."""
     from gguf import GGMLQuantizationType, quants
 
+    qtype = getattr(GGMLQuantizationType, fmt.upper())
     values = (torch.randn(24, 96) * 0.1).numpy()
     values[3, :32] = 0.0  # an all-zero block
-    raw = quants.quantize(values, GGMLQuantizationType.Q8_0)
-    dequantized = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType.Q8_0).copy())
-    weight = recover_q8_0(dequantized)
-    assert weight is not None and weight.fmt == "q8_0" and weight.group == 32
-    blocks = raw.reshape(24, 3, 34)
-    scales = blocks[..., :2].copy().view(np.float16).astype(np.float32)[..., 0]
-    codes = blocks[..., 2:].copy().view(np.int8).reshape(24, 96)
-    assert torch.equal(weight.codes, torch.from_numpy(codes))
-    assert torch.equal(weight.scales, torch.from_numpy(scales))
+    raw = quants.quantize(values, qtype)
+    dequantized = torch.from_numpy(quants.dequantize(raw, qtype).copy())
+    weight = recover_gguf_blocks(dequantized)
+    assert weight is not None and weight.fmt == fmt and weight.group == 32
+    assert torch.equal(weight.dequantize(), dequantized)
+    block_bytes = raw.shape[1] // 3
+    scales = raw.reshape(24, 3, block_bytes)[..., :2].copy().view(np.float16).astype(np.float32)
+    assert torch.equal(weight.scales, torch.from_numpy(np.abs(scales[..., 0])))
+    if fmt == "q8_0":
+        codes = raw.reshape(24, 3, 34)[..., 2:].copy().view(np.int8).reshape(24, 96)
+        assert torch.equal(weight.codes, torch.from_numpy(codes))
 
 
-def test_values_that_are_not_q8_0_blocks_are_declined():
-    assert recover_q8_0(torch.randn(8, 64)) is None
-    assert recover_q8_0(torch.randn(8, 48)) is None  # K not a multiple of 32
-    q4 = (torch.randint(-8, 8, (8, 64)) * 0.01).float()  # one scale, yet no code reaches 127
-    assert recover_q8_0(q4) is None
+def test_values_of_no_block_type_are_declined():
+    assert recover_gguf_blocks(torch.randn(8, 64)) is None
+    assert recover_gguf_blocks(torch.randn(8, 48)) is None  # K not a multiple of 32
+    gen = torch.Generator().manual_seed(0)
+    q4_1 = (torch.randint(0, 16, (8, 64), generator=gen) * 0.01 + 0.003).float()  # an offset
+    assert recover_gguf_blocks(q4_1) is None
 
 
 def test_per_channel_codes_are_within_half_a_step_of_each_weight():

@@ -31,7 +31,12 @@ from prefixserve.model.loader.gguf_tokenizer import (
     set_text_special_tokens,
 )
 from prefixserve.model.models.registry import SUPPORTED_ARCHITECTURES
-from prefixserve.model.quant.weights import Q8_0_FILE, Q8_0_FILE_TYPE_KEY, recover_q8_0
+from prefixserve.model.quant.weights import (
+    BLOCK_FORMATS_KEY,
+    GGUF_BLOCKS_FILE,
+    Int8Weight,
+    recover_gguf_blocks,
+)
 from prefixserve.settings import cache_root, file_lock
 
 # Chat-turn end markers: when one of these appears in a model's chat template it ends a reply,
@@ -42,8 +47,9 @@ _END_OF_TURN_TOKENS = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>")
 # directories converted before are converted again on their next use (ensure_converted).
 # 1 (no marker file): the tokenizer added BOS to every text whatever the GGUF said.
 # 2: the tokenizer adds BOS / EOS to text exactly as tokenizer.ggml.add_{bos,eos}_token say.
-# 3: a file's Q8_0 weights are also kept as codes and scales (Q8_0_FILE).
-CONVERSION_VERSION = 3
+# 3: a file's Q8_0 weights are also kept as codes and scales.
+# 4: so are its Q5_0 and Q4_0 weights (GGUF_BLOCKS_FILE, each tensor's type named).
+CONVERSION_VERSION = 4
 CONVERSION_MARKER = "prefixserve_conversion.json"
 
 # Chat templates for GGUF files that ship without one, by GGUF architecture, in templates/.
@@ -112,7 +118,7 @@ def _convert_gguf(gguf_path: Path, out_dir: Path, chat_template: str | None) -> 
     config.architectures = [type(skeleton).__name__]  # GGUF configs come without it
     parsed = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton)
     expected = set(skeleton.state_dict())
-    q8_0 = q8_0_tensors(parsed["tensors"], expected)
+    blocks = block_tensors(parsed["tensors"], expected)
     tensors = {
         key: value.to(torch.bfloat16).contiguous()
         for key, value in parsed["tensors"].items()
@@ -128,8 +134,8 @@ def _convert_gguf(gguf_path: Path, out_dir: Path, chat_template: str | None) -> 
         raise load_error(gguf_path, f"GGUF conversion left weights missing: {sorted(missing)[:5]}")
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    _save_q8_0(gguf_path, out_dir, q8_0)
-    del tensors, parsed, q8_0
+    _save_blocks(out_dir, blocks)
+    del tensors, parsed, blocks
     config.save_pretrained(str(out_dir))
 
     special = parsed_special_token_ids(gguf_path)
@@ -174,28 +180,30 @@ def _convert_gguf(gguf_path: Path, out_dir: Path, chat_template: str | None) -> 
     ).save_pretrained(str(out_dir))
 
 
-def q8_0_tensors(parsed: dict[str, Any], expected: set[str]) -> dict[str, torch.Tensor]:
-    """`<name>.codes` and `<name>.scales` of every 2-D weight the file stores as Q8_0 (as
-    `recover_q8_0` finds them in transformers' fp32 values), by Hugging Face name."""
-    kept: dict[str, torch.Tensor] = {}
+def block_tensors(parsed: dict[str, Any], expected: set[str]) -> dict[str, Int8Weight]:
+    """Every 2-D weight the file stores in a symmetric block type (Q8_0, Q5_0, Q4_0), as
+    `recover_gguf_blocks` finds them in transformers' fp32 values, by Hugging Face name."""
+    kept: dict[str, Int8Weight] = {}
     for name, value in parsed.items():
         if name not in expected or not isinstance(value, torch.Tensor) or value.dim() != 2:
             continue
-        weight = recover_q8_0(value)
+        weight = recover_gguf_blocks(value)
         if weight is not None:
-            kept[f"{name}.codes"] = weight.codes
-            kept[f"{name}.scales"] = weight.scales
+            kept[name] = weight
     return kept
 
 
-def _save_q8_0(gguf_path: Path, out_dir: Path, q8_0: dict[str, torch.Tensor]) -> None:
-    """Q8_0_FILE with these tensors and the GGUF file's type (nothing when there are none)."""
+def _save_blocks(out_dir: Path, blocks: dict[str, Int8Weight]) -> None:
+    """GGUF_BLOCKS_FILE with these weights and each one's type (nothing when there are none)."""
     from safetensors.torch import save_file
 
-    if q8_0:
-        file_type = str(gguf_metadata(gguf_path).get("general.file_type", ""))
-        metadata = {"format": "pt", Q8_0_FILE_TYPE_KEY: file_type}
-        save_file(q8_0, str(out_dir / Q8_0_FILE), metadata=metadata)
+    if blocks:
+        tensors = {}
+        for name, weight in blocks.items():
+            tensors[f"{name}.codes"], tensors[f"{name}.scales"] = weight.codes, weight.scales
+        formats = json.dumps({name: weight.fmt for name, weight in blocks.items()})
+        metadata = {"format": "pt", BLOCK_FORMATS_KEY: formats}
+        save_file(tensors, str(out_dir / GGUF_BLOCKS_FILE), metadata=metadata)
 
 
 def is_converted(target_dir: Path) -> bool:

@@ -16,7 +16,6 @@ from typing import Any
 # their merges), so the architecture check and the tokenizer repairs share one read of a file.
 _METADATA_KEYS = (
     "general.architecture",
-    "general.file_type",
     "tokenizer.ggml.bos_token_id",
     "tokenizer.ggml.eos_token_id",
     "tokenizer.ggml.unknown_token_id",

@@ -1,5 +1,6 @@
-"""8-bit weights at load (`--quantization`, model/quant/weights.py): a converted GGUF file's Q8_0
-linears as the file has them, and with "int8" every other linear per channel, the codes cached
+"""8-bit weights at load (`--quantization`, model/quant/weights.py): a converted GGUF file's Q8_0,
+Q5_0 and Q4_0 linears as the file has them (as int8 codes), and with "int8" every other linear
+per channel, the codes cached
 on disk keyed by the checkpoint's files (a second load reads them instead of quantizing again).
 
 The LM head counts as a linear: decode reads it every step, and for a model whose head is tied
@@ -9,6 +10,7 @@ to its embedding it takes the embedding's codes (the embedding itself stays bf16
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -21,9 +23,8 @@ from prefixserve.model.kernels.hugepages import move_to_huge_pages
 from prefixserve.model.layers.linear import Linear, link_next_weights
 from prefixserve.model.loader.weights import hf_target
 from prefixserve.model.quant.weights import (
-    GGUF_MOSTLY_Q8_0,
-    Q8_0_FILE,
-    Q8_0_FILE_TYPE_KEY,
+    BLOCK_FORMATS_KEY,
+    GGUF_BLOCKS_FILE,
     Int8Weight,
     fuse,
     quantizable,
@@ -42,17 +43,18 @@ def check_quantization(quantization: str) -> None:
 
 def quantize_model(model: nn.Module, model_dir: Path, quantization: str) -> str | None:
     """Give `model`'s linears their 8-bit weights as `quantization` says; return the weights'
-    format for the disk tier's namespace ("q8_0", "int8", "q8_0+int8") or None (none 8-bit)."""
+    formats for the disk tier's namespace ("q8_0", "int8", "int8+q8_0", "q5_0+q8_0", ...) or
+    None (none 8-bit)."""
     check_quantization(quantization)
     if quantization == "none":
         return None
     linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
-    formats: list[str] = []
-    q8_file = model_dir / Q8_0_FILE
-    if q8_file.is_file() and (quantization == "int8" or _mostly_q8_0(q8_file)):
-        for name, weight in _q8_0_weights(model, q8_file).items():
-            linears[name].set_int8(weight)
-        formats.append("q8_0")
+    blocks_file = model_dir / GGUF_BLOCKS_FILE
+    if blocks_file.is_file():
+        blocks = _block_weights(model, blocks_file)
+        if quantization == "int8" or _mostly_blocks(blocks, linears):
+            for name, weight in blocks.items():
+                linears[name].set_int8(weight)
     if quantization == "int8":
         rest = {
             name: m
@@ -61,7 +63,6 @@ def quantize_model(model: nn.Module, model_dir: Path, quantization: str) -> str 
         }
         for name, weight in _cached_per_channel(model_dir, rest).items():
             linears[name].set_int8(weight)
-        formats.append("int8")
     # Decode streams the codes: huge pages, as the bf16 GEMM's packed weights (fewer TLB misses).
     move_to_huge_pages(m._int8[0] for m in linears.values() if m._int8 is not None)
     link_next_weights(model)
@@ -71,28 +72,28 @@ def quantize_model(model: nn.Module, model_dir: Path, quantization: str) -> str 
     return "+".join(applied) if applied else None
 
 
-def _mostly_q8_0(path: Path) -> bool:
-    """Whether the GGUF file the Q8_0 weights came from is a Q8_0 file (its general.file_type)."""
+def _mostly_blocks(blocks: dict[str, Int8Weight], linears: dict[str, Linear]) -> bool:
+    """Whether a GGUF file's block weights are at least half of the model's linear weights (a
+    Q8_0 file: all of them; the default model's Q4_1 file: only its embedding, which is not):
+    then "auto" keeps them 8-bit, else only "int8" does."""
+    kept = sum(weight.codes.numel() for weight in blocks.values())
+    return 2 * kept >= sum(m.in_features * m.out_features for m in linears.values())
+
+
+def _block_weights(model: nn.Module, path: Path) -> dict[str, Int8Weight]:
+    """The block weights of a converted GGUF file (GGUF_BLOCKS_FILE) by our Linear names: shards
+    of a fused projection joined when the file has all of them in one type, a tied head given
+    the embedding's."""
     from safetensors import safe_open
-
-    with safe_open(str(path), "pt") as handle:
-        metadata = handle.metadata() or {}
-    return metadata.get(Q8_0_FILE_TYPE_KEY) == GGUF_MOSTLY_Q8_0
-
-
-def _q8_0_weights(model: nn.Module, path: Path) -> dict[str, Int8Weight]:
-    """The Q8_0 weights of a converted GGUF file by our Linear names: shards of a fused
-    projection joined when the file has all of them as Q8_0, a tied head given the embedding's."""
     from safetensors.torch import load_file
 
+    with safe_open(str(path), "pt") as handle:
+        formats = json.loads((handle.metadata() or {}).get(BLOCK_FORMATS_KEY, "{}"))
     tensors = load_file(str(path))
     rename = getattr(model, "hf_rename", {})
     shards: dict[str, dict[int | None, Int8Weight]] = {}
-    for key in tensors:
-        if not key.endswith(".codes"):
-            continue
-        hf_name = key[: -len(".codes")]
-        weight = Int8Weight(tensors[key], tensors[f"{hf_name}.scales"], "q8_0")
+    for hf_name, fmt in formats.items():
+        weight = Int8Weight(tensors[f"{hf_name}.codes"], tensors[f"{hf_name}.scales"], fmt)
         name, shard = hf_target(hf_name, rename)
         shards.setdefault(name.removesuffix(".weight"), {})[shard] = weight
     modules = dict(model.named_modules())
@@ -108,7 +109,7 @@ def _q8_0_weights(model: nn.Module, path: Path) -> dict[str, Int8Weight]:
         fused = _fused_shards(name)
         if fused is None:
             found[name] = parts[None]
-        elif set(parts) == set(range(fused)):
+        elif set(parts) == set(range(fused)) and len({p.fmt for p in parts.values()}) == 1:
             found[name] = fuse([parts[i] for i in range(fused)])
     return {name: w for name, w in found.items() if quantizable(w.codes)}
 

@@ -3,10 +3,11 @@ multiplies (csrc/linear_int8.cpp). Two ways in:
 
 - per-channel symmetric (`--quantization int8`, from a bf16 checkpoint): one scale per output
   row, amax / 127, codes round(w / scale), computed at load (the loader caches them on disk);
-- GGUF Q8_0 (32 codes and one fp16 scale per block): kept as the file has them. transformers
-  hands the loader the file's values dequantized to fp32 (code x scale, exact); Q8_0's rule
-  makes the largest code of a block +-127, so the scale is that block's amax / 127 and the codes
-  come back exactly (`recover_q8_0` checks every value and declines a tensor that is not Q8_0).
+- GGUF Q8_0, Q5_0 and Q4_0 (32 codes and one fp16 scale per block): kept as the file has them,
+  in 8-bit codes. transformers hands the loader the file's values dequantized to fp32 (code x
+  scale, exact); ggml's rule makes the largest code of a block +-127 (Q8_0), -16 (Q5_0) or -8
+  (Q4_0), so the scale is that block's amax over it and the codes come back exactly
+  (`recover_gguf_blocks` checks every value and declines a tensor of another type).
 """
 
 from __future__ import annotations
@@ -15,22 +16,23 @@ from dataclasses import dataclass
 
 import torch
 
-Q8_0_GROUP = 32
-# Where a GGUF conversion keeps the file's Q8_0 weights (`<hf name>.codes`, `<hf name>.scales`),
-# beside the bf16 model.safetensors: a safetensors file whose name the weight loader's
-# `*.safetensors` does not take.
-Q8_0_FILE = "weights.q8_0"
-# Its metadata key for the GGUF file's `general.file_type`: 7 (MOSTLY_Q8_0) is a Q8_0 file, whose
-# weights "auto" keeps 8-bit; other files (the default model's Q4_1 has a Q8_0 embedding) keep
-# their Q8_0 tensors 8-bit only with --quantization int8.
-Q8_0_FILE_TYPE_KEY = "gguf_file_type"
-GGUF_MOSTLY_Q8_0 = "7"
+BLOCK_GROUP = 32
+# GGUF's block types whose values are an fp16 scale per 32 times an integer code, by the largest
+# code's magnitude: kept as int8 codes with that scale (exact; Q5_0 and Q4_0 in 8 bits). The
+# fewest codes first: Q4_0's values also fit Q5_0's rule (at half the scale, even codes).
+GGUF_BLOCK_TYPES = (("q4_0", 8.0), ("q5_0", 16.0), ("q8_0", 127.0))
+# Where a GGUF conversion keeps those weights (`<hf name>.codes`, `<hf name>.scales`, the type
+# of each in the metadata's BLOCK_FORMATS_KEY as JSON), beside the bf16 model.safetensors: a
+# safetensors file whose name the weight loader's `*.safetensors` does not take.
+GGUF_BLOCKS_FILE = "weights.gguf_blocks"
+BLOCK_FORMATS_KEY = "formats"
 _CODE_MAX = 127.0
 
 
 @dataclass(frozen=True, slots=True)
 class Int8Weight:
-    """codes int8 [N, K]; scales fp32 [N, K / group]; `fmt` "int8" (per channel) or "q8_0"."""
+    """codes int8 [N, K]; scales fp32 [N, K / group]; `fmt` "int8" (per channel) or the GGUF
+    block type it came from ("q8_0", "q5_0", "q4_0")."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -64,23 +66,29 @@ def quantize_per_channel(weight: torch.Tensor) -> Int8Weight:
     return Int8Weight(codes.contiguous(), scales.contiguous(), "int8")
 
 
-def recover_q8_0(values: torch.Tensor) -> Int8Weight | None:
-    """The Q8_0 codes and scales of a tensor dequantized from Q8_0 (fp32 [N, K], K a multiple
-    of 32), exactly; None when these values are not Q8_0 blocks (another type, or any value that
-    is not its block's scale times an integer code in [-127, 127])."""
-    if values.dtype != torch.float32 or values.dim() != 2 or values.shape[1] % Q8_0_GROUP:
+def recover_gguf_blocks(values: torch.Tensor) -> Int8Weight | None:
+    """The codes and scales of a tensor dequantized from one of GGUF's symmetric block types
+    (`GGUF_BLOCK_TYPES`: Q8_0, Q5_0, Q4_0; fp32 [N, K], K a multiple of 32), exactly, as int8
+    codes with a scale per 32; None when these values are none of them (another type, or any
+    value that is not its block's scale times an integer code)."""
+    if values.dtype != torch.float32 or values.dim() != 2 or values.shape[1] % BLOCK_GROUP:
         return None
     n, k = values.shape
-    blocks = values.view(n, k // Q8_0_GROUP, Q8_0_GROUP)
-    scales = blocks.abs().amax(dim=-1) / _CODE_MAX
-    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    codes = torch.round(blocks / safe.unsqueeze(-1))
-    if not torch.equal(codes * scales.unsqueeze(-1), blocks):
-        return None
-    # A Q8_0 scale is an fp16: a value that fits none is not from such a file.
-    if not torch.equal(scales.half().float(), scales):
-        return None
-    return Int8Weight(codes.to(torch.int8).view(n, k).contiguous(), scales.contiguous(), "q8_0")
+    blocks = values.view(n, k // BLOCK_GROUP, BLOCK_GROUP)
+    amax = blocks.abs().amax(dim=-1)
+    for fmt, top in GGUF_BLOCK_TYPES:
+        # The block's largest value is its scale times the type's largest code (+-127 for Q8_0,
+        # -16 for Q5_0, -8 for Q4_0, by how ggml quantizes), so the scale is amax / top.
+        scales = amax / top
+        safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+        codes = torch.round(blocks / safe.unsqueeze(-1))
+        # Exact, and every scale an fp16 (the types store one): else not this type.
+        if torch.equal(codes * scales.unsqueeze(-1), blocks) and torch.equal(
+            scales.half().float(), scales
+        ):
+            codes = codes.to(torch.int8).view(n, k).contiguous()
+            return Int8Weight(codes, scales.contiguous(), fmt)
+    return None
 
 
 def pack_codes(codes: torch.Tensor) -> torch.Tensor:
