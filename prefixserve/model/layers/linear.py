@@ -147,7 +147,7 @@ class Linear(nn.Linear):
     # [N, K / group], bias) for csrc/linear_int8.cpp, which every call of any row count takes
     # (one summation order, so batch-invariant in every mode); None for a bf16 or fp32 weight.
     _int8: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
-    # The 8-bit weight's format ("int8" per channel, "q8_0" GGUF blocks), or None.
+    # The 8-bit weight's format ("int8" per channel, or its GGUF block type: "q8_0", ...), or None.
     int8_format: str | None = None
 
     def set_int8(self, weight: Int8Weight) -> None:
