@@ -184,8 +184,20 @@ class KVStoreConfig:
     default_retention: str = "24h"
     writer_queue_bytes: int = 256 << 20
     writer_queue_items: int = 4096
+    # The tier shared across hosts (kv_store/remote/): a redis://, rediss:// or unix:// URL, and
+    # the file holding its password (never the URL itself); None: no shared tier.
+    remote_url: str | None = None
+    remote_password_file: Path | None = None
 
     def __post_init__(self) -> None:
+        if self.remote_url is not None and (
+            not isinstance(self.remote_url, str) or not self.remote_url
+        ):
+            raise ValueError(f"kv remote url must be a URL, got {self.remote_url!r}")
+        if self.remote_password_file is not None:
+            object.__setattr__(
+                self, "remote_password_file", Path(self.remote_password_file).expanduser()
+            )
         if self.dir is not None:
             if not isinstance(self.dir, str | Path) or not str(self.dir):
                 raise ValueError(f"kv store dir must be a path, got {self.dir!r}")

@@ -43,6 +43,7 @@ from prefixserve.core.kv_cache.eviction.policies import (
 from prefixserve.core.kv_cache.hashing import HASH_ALGOS, get_hash_fn
 from prefixserve.dtypes import SUPPORTED_DTYPES
 from prefixserve.kv_store import capacity_from_gb
+from prefixserve.kv_store.remote.redis_tier import check_url
 from prefixserve.lora.config import check_lora_name
 
 
@@ -232,6 +233,21 @@ class EngineArgs:
         group=_STORE,
         metavar="DIR",
     )
+    kv_remote: str | None = option(
+        None,
+        "A KV tier shared by every host on a Redis or Valkey server (redis://host:port/db, "
+        "rediss:// with TLS, or unix:///path.sock): blocks one host computed load on the "
+        "others; faults are misses. Needs the disk tier (this version). Document its server with "
+        "maxmemory-policy allkeys-lru.",
+        group=_STORE,
+        metavar="URL",
+    )
+    kv_remote_password_file: str | None = option(
+        None,
+        "File holding the --kv-remote server's password (never on the command line).",
+        group=_STORE,
+        metavar="PATH",
+    )
     kv_store_gb: float | None = option(
         None,
         "Most disk the tier may use, over all models in the directory; least recently used "
@@ -362,11 +378,17 @@ class EngineArgs:
             explicit = self.kv_store_dir is not None or self.kv_store_gb is not None
             enabled = explicit or settings.kv_store_default_enabled()
         if not enabled:
+            if self.kv_remote is not None:
+                raise ValueError("--kv-remote needs the disk tier on (this version)")
             return None
+        if self.kv_remote is not None:
+            check_url(self.kv_remote)
         return KVStoreConfig(
             dir=None if self.kv_store_dir is None else Path(self.kv_store_dir),
             capacity_bytes=None if self.kv_store_gb is None else capacity_from_gb(self.kv_store_gb),
             default_retention=self.kv_store_default_retention,
+            remote_url=self.kv_remote,
+            remote_password_file=self.kv_remote_password_file,
         )
 
     # ------------------------------------------------------------------ the flags

@@ -35,11 +35,12 @@ from prefixserve.kv_store import resolve_store_config
 from prefixserve.kv_store.disk_store import BlockKey, DiskKVStore
 from prefixserve.kv_store.fingerprint import model_fingerprint, store_namespace
 from prefixserve.kv_store.lookup import StoreLookup
+from prefixserve.kv_store.remote.redis_tier import RedisTier
 from prefixserve.kv_store.seed import load_or_create_seed
 from prefixserve.kv_store.writer import BackgroundWriter
 
 if TYPE_CHECKING:
-    from prefixserve.config import EngineConfig
+    from prefixserve.config import EngineConfig, KVStoreConfig
     from prefixserve.core.kv_cache.kv_cache_manager import KVCacheManager
     from prefixserve.core.request import Request
     from prefixserve.core.sched.output import SchedulerOutput
@@ -56,7 +57,8 @@ class KVStoreStats:
     """What the tier did for this engine, cumulative (the store's and writer's own counters are
     in `DiskKVStore.stats()` and `BackgroundWriter.stats()`)."""
 
-    hit_tokens: int = 0  # tokens loaded from disk instead of computed
+    hit_tokens: int = 0  # tokens loaded from disk (or the shared tier) instead of computed
+    remote_hit_tokens: int = 0  # of which from the shared tier
     loaded_blocks: int = 0
     load_failures: int = 0  # stat said yes, the read said no (evicted or damaged meanwhile)
     load_seconds: float = 0.0
@@ -91,6 +93,7 @@ class KVStoreConnector:
         block_size: int,
         default_retention: str = "24h",
         clock: Callable[[], float] = time.time,
+        remote: RedisTier | None = None,
     ) -> None:
         if default_retention not in RETENTION_SECONDS:
             raise ValueError(f"unknown prompt cache retention {default_retention!r}")
@@ -101,6 +104,9 @@ class KVStoreConnector:
         self.stats = KVStoreStats()
         self._speeds = _Speeds()
         self._clock = clock
+        # The tier shared across hosts, after the disk: it continues the disk's run of held
+        # blocks, serves what the disk misses, and receives every block written to disk.
+        self.remote = remote
 
     # ------------------------------------------------------------------ load (scheduler side)
 
@@ -128,7 +134,11 @@ class KVStoreConnector:
         count = self.loadable(request, num_computed_tokens)
         if not count:
             return 0
-        return self.store.count_prefix(request.block_hashes[first : first + count], (GROUP,))
+        hashes = request.block_hashes[first : first + count]
+        held = self.store.count_prefix(hashes, (GROUP,))
+        if self.remote is not None and held < count:
+            held += self.remote.lookup(hashes[held:], GROUP)
+        return held
 
     def load(self, request: Request, first_block: int, num_blocks: int) -> list[bytes]:
         """Read blocks first_block .. first_block + num_blocks - 1 of `request`; stops at the
@@ -138,7 +148,11 @@ class KVStoreConnector:
         start = time.perf_counter()
         for index in range(first_block, first_block + num_blocks):
             key = (request.block_hashes[index], GROUP)
-            payload = self.store.get(key, request.all_token_ids[index * bs : (index + 1) * bs])
+            tokens = request.all_token_ids[index * bs : (index + 1) * bs]
+            payload = self.store.get(key, tokens)
+            if payload is None and self.remote is not None:
+                payload = self.remote.load(key[0], GROUP, tokens)
+                self.stats.remote_hit_tokens += bs if payload is not None else 0
             if payload is None:
                 self.stats.load_failures += 1
                 break
@@ -244,11 +258,15 @@ class KVStoreConnector:
 
     def save(self, saves: Sequence[BlockSave], payloads: Sequence[memoryview]) -> None:
         """Hand the gathered payloads of `saves` to the writer (never blocks)."""
+        now = self._clock()
         for save, payload in zip(saves, payloads, strict=True):
             if self.writer.submit(save.key, save.token_ids, payload, save.expires_at):
                 self.stats.saved_blocks += 1
             else:
                 self.stats.dropped_saves += 1
+            if self.remote is not None:
+                ttl = None if save.expires_at is None else save.expires_at - now
+                self.remote.submit_store(save.key[0], GROUP, save.token_ids, bytes(payload), ttl)
 
     def metrics(self) -> dict[str, int | float]:
         """The tier's counters, as the engine's metrics name them."""
@@ -275,7 +293,10 @@ class KVStoreConnector:
         return self.store.clear()
 
     def close(self, timeout: float | None = 30.0) -> bool:
-        """Write what is queued (up to `timeout` seconds), then stop the writer."""
+        """Write what is queued (up to `timeout` seconds), then stop the writer (and the shared
+        tier's)."""
+        if self.remote is not None:
+            self.remote.close()
         return self.writer.close(timeout)
 
 
@@ -340,9 +361,41 @@ def open_engine_kv_store(
         store.capacity_bytes / 2**30,
         store.total_bytes / 2**30,
     )
-    connector = KVStoreConnector(store, writer, cache.block_size, store_config.default_retention)
+    remote, shared_seed = _open_remote(store_config, namespace)
+    connector = KVStoreConnector(
+        store, writer, cache.block_size, store_config.default_retention, remote=remote
+    )
     connector.other_dtypes = {
         name: StoreLookup(store_config.dir, namespace_of(layout + numerics))
         for name, layout in (other_layouts or {}).items()
     }
-    return connector, none_hash_from_secret(secret, cache.prefix_caching_hash_algo)
+    # Hosts that share a tier hash with the seed kept in it, so their block hashes agree.
+    seed = shared_seed if shared_seed is not None else secret
+    return connector, none_hash_from_secret(seed, cache.prefix_caching_hash_algo)
+
+
+def _open_remote(
+    store_config: KVStoreConfig, namespace: str
+) -> tuple[RedisTier | None, bytes | None]:
+    """The shared tier `store_config.remote_url` names and its shared seed, or (None, None)
+    without one. A server that cannot be reached (or refuses the password) at start-up is
+    logged, and the engine runs without the tier: a host hashing with another seed would never
+    hit it and must not write to it."""
+    if store_config.remote_url is None:
+        return None, None
+    remote = RedisTier(
+        store_config.remote_url, namespace, password_file=store_config.remote_password_file
+    )
+    seed = remote.shared_seed()
+    if seed is None:
+        logger.warning(
+            "KV remote %s: unreachable or refused at start-up (%s); running without it",
+            store_config.remote_url,
+            dict(remote.stats),
+        )
+        remote.close()
+        return None, None
+    logger.info(
+        "KV remote: %s (namespace %s), shared by every host", store_config.remote_url, namespace
+    )
+    return remote, seed

@@ -212,3 +212,62 @@ def test_a_password_from_a_file_authenticates(tmp_path):
         good.close()
         bad.close()
         srv.stop()
+
+
+PROMPT = "Once upon a time in a small village by the sea, there lived an old fisherman who " * 3
+
+
+def _logprobs(output):
+    return [next(iter(d.values())).logprob for d in output.outputs[0].logprobs]
+
+
+def _engine(loaded, directory: Path, url: str):
+    from prefixserve import LLM
+
+    return LLM(
+        loaded_model=loaded,
+        num_kv_blocks=64,
+        kv_store_dir=str(directory),
+        kv_store_gb=0.0625,
+        kv_remote=url,
+    )
+
+
+def test_a_host_that_joins_cold_loads_what_another_host_computed(
+    server, tmp_path, default_model_bf16
+):
+    """Two engines with separate disk directories (two hosts) and one server: the second, with
+    an empty pool and disk, loads the first one's blocks from the shared tier, and its output is
+    the first one's cold start, bit for bit."""
+    from prefixserve import SamplingParams
+
+    sp = SamplingParams(max_tokens=8, temperature=0, logprobs=1)
+    first = _engine(default_model_bf16, tmp_path / "host-a", server.url)
+    cold = first.generate([PROMPT], sp)[0]
+    assert first.llm_engine.kv_connector.remote.flush()
+    second = _engine(default_model_bf16, tmp_path / "host-b", server.url)
+    warm = second.generate([PROMPT], sp)[0]
+    assert warm.num_cached_tokens >= 16 * (len(warm.prompt_token_ids) // 16 - 1)
+    assert second.llm_engine.kv_connector.stats.remote_hit_tokens == warm.num_cached_tokens
+    assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
+    assert _logprobs(warm) == _logprobs(cold)
+    for llm in (first, second):
+        llm.llm_engine.kv_connector.close()
+
+
+def test_an_engine_whose_server_is_down_serves_without_the_tier(tmp_path, default_model_bf16):
+    from prefixserve import SamplingParams
+
+    llm = _engine(default_model_bf16, tmp_path / "host", f"unix://{tmp_path}/none.sock")
+    assert llm.llm_engine.kv_connector.remote is None  # logged, then off
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=4, temperature=0))[0]
+    assert len(out.outputs[0].token_ids) == 4
+
+
+def test_kv_remote_needs_the_disk_tier_and_a_url_without_a_password(default_model_bf16):
+    from prefixserve import LLM
+
+    with pytest.raises(ValueError, match="needs the disk tier"):
+        LLM(loaded_model=default_model_bf16, enable_kv_store=False, kv_remote="redis://h:1/0")
+    with pytest.raises(RemoteConfigError, match="password"):
+        LLM(loaded_model=default_model_bf16, kv_remote="redis://u:pw@h:1/0", kv_store_gb=0.01)
