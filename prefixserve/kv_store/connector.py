@@ -271,7 +271,7 @@ class KVStoreConnector:
     def metrics(self) -> dict[str, int | float]:
         """The tier's counters, as the engine's metrics name them."""
         tier, store, writer = self.stats, self.store.stats(), self.writer.stats()
-        return {
+        return self._remote_metrics() | {
             "kv_store_hit_tokens": tier.hit_tokens,
             "kv_store_loaded_blocks": tier.loaded_blocks,
             "kv_store_load_failures": tier.load_failures,
@@ -283,6 +283,21 @@ class KVStoreConnector:
             "kv_store_bytes_read": store.bytes_read,
             "kv_store_bytes_written": store.bytes_written,
             "kv_store_bytes": self.store.total_bytes,
+        }
+
+    def _remote_metrics(self) -> dict[str, int]:
+        """The shared tier's counters (none without one): tokens loaded from it, blocks it
+        stored, writes dropped by its full queue or failed (a fault, a full server), faults of
+        its lookups and loads, and values that were damaged or foreign."""
+        if self.remote is None:
+            return {}
+        remote = self.remote.stats
+        return {
+            "kv_remote_hit_tokens": self.stats.remote_hit_tokens,
+            "kv_remote_stored_blocks": remote["stored"],
+            "kv_remote_dropped_writes": remote["dropped"] + remote["store_failed"],
+            "kv_remote_faults": sum(v for k, v in remote.items() if k.startswith("fault_")),
+            "kv_remote_bad_values": remote["miss_corrupt"] + remote["miss_foreign"],
         }
 
     def clear(self) -> int:

@@ -249,6 +249,9 @@ def test_a_host_that_joins_cold_loads_what_another_host_computed(
     warm = second.generate([PROMPT], sp)[0]
     assert warm.num_cached_tokens >= 16 * (len(warm.prompt_token_ids) // 16 - 1)
     assert second.llm_engine.kv_connector.stats.remote_hit_tokens == warm.num_cached_tokens
+    metrics = second.llm_engine.get_metrics()
+    assert metrics["kv_remote_hit_tokens"] == warm.num_cached_tokens
+    assert first.llm_engine.get_metrics()["kv_remote_stored_blocks"] >= warm.num_cached_tokens // 16
     assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
     assert _logprobs(warm) == _logprobs(cold)
     for llm in (first, second):

@@ -29,6 +29,23 @@ ENGINE_COUNTERS = {
     "kv_store_bytes_written": ("kv_store_written_bytes", "Bytes written to the disk tier"),
     "kv_store_load_seconds": ("kv_store_load_seconds", "Seconds spent loading from the disk tier"),
     "kv_store_dropped_writes": ("kv_store_dropped_writes", "Writes dropped by a full writer queue"),
+    "kv_remote_hit_tokens": (
+        "prefix_cache_remote_hits",
+        "Prompt tokens loaded from the tier shared across hosts (--kv-remote)",
+    ),
+    "kv_remote_stored_blocks": ("kv_remote_stored_blocks", "Blocks written to the shared tier"),
+    "kv_remote_dropped_writes": (
+        "kv_remote_dropped_writes",
+        "Blocks not written to the shared tier (its queue full, or the server refused)",
+    ),
+    "kv_remote_faults": (
+        "kv_remote_faults",
+        "Shared-tier calls that failed (server down, slow, refused): served as misses",
+    ),
+    "kv_remote_bad_values": (
+        "kv_remote_bad_values",
+        "Shared-tier values that were damaged, truncated or another block's: served as misses",
+    ),
     "prefix_cache_requests": ("prefix_cache_requests", "Requests that queried the prefix cache"),
     "prompt_tokens": ("prompt_tokens", "Prompt tokens of requests admitted by the scheduler"),
     "generation_tokens": ("generation_tokens", "Tokens generated"),
