@@ -266,7 +266,7 @@ class KVStoreConnector:
                 self.stats.dropped_saves += 1
             if self.remote is not None:
                 ttl = None if save.expires_at is None else save.expires_at - now
-                self.remote.submit_store(save.key[0], GROUP, save.token_ids, bytes(payload), ttl)
+                self.remote.submit_store(save.key[0], GROUP, save.token_ids, payload, ttl)
 
     def metrics(self) -> dict[str, int | float]:
         """The tier's counters, as the engine's metrics name them."""

@@ -173,7 +173,7 @@ def read_record(
 
 
 def encode_record(
-    namespace: bytes, block_hash: bytes, group: int, tokens: bytes, payload: bytes
+    namespace: bytes, block_hash: bytes, group: int, tokens: bytes, payload: bytes | memoryview
 ) -> bytes:
     """A whole record as one bytes value (a shared tier's value; no expiry: the tier's TTL
     is the retention)."""

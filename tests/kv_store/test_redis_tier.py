@@ -274,3 +274,45 @@ def test_kv_remote_needs_the_disk_tier_and_a_url_without_a_password(default_mode
         LLM(loaded_model=default_model_bf16, enable_kv_store=False, kv_remote="redis://h:1/0")
     with pytest.raises(RemoteConfigError, match="password"):
         LLM(loaded_model=default_model_bf16, kv_remote="redis://u:pw@h:1/0", kv_store_gb=0.01)
+
+
+def test_another_cache_salt_never_loads_a_block_from_the_shared_tier(
+    server, tmp_path, default_model_bf16
+):
+    """Keys and a shared store: the block hash chains the cache salt (a tenant's namespace), so a
+    host serving the same prompt under another salt finds nothing in the server, and its report
+    says `never_seen`, not where the block is."""
+    from prefixserve import SamplingParams
+
+    sp = SamplingParams(max_tokens=2, temperature=0, cache_report=True)
+    first = _engine(default_model_bf16, tmp_path / "host-a", server.url)
+    first.generate([{"prompt": PROMPT, "cache_salt": "tenant-a"}], sp)
+    assert first.llm_engine.kv_connector.remote.flush()
+    second = _engine(default_model_bf16, tmp_path / "host-b", server.url)
+    other = second.generate([{"prompt": PROMPT, "cache_salt": "tenant-b"}], sp)[0]
+    assert other.num_cached_tokens == 0
+    assert other.cache_report["reason"] == "never_seen"
+    same = second.generate([{"prompt": PROMPT, "cache_salt": "tenant-a"}], sp)[0]
+    assert same.num_cached_tokens > 0
+    for llm in (first, second):
+        llm.llm_engine.kv_connector.close()
+
+
+def test_a_reset_clears_this_hosts_tiers_but_not_the_shared_server(
+    server, tmp_path, default_model_bf16
+):
+    """A tier and a reset (docs/shared-tier.md): the reset forgets the RAM pool and this host's
+    disk namespace; the server, which other hosts use, keeps the blocks, and they load again."""
+    from prefixserve import SamplingParams
+
+    sp = SamplingParams(max_tokens=2, temperature=0)
+    llm = _engine(default_model_bf16, tmp_path / "host", server.url)
+    llm.generate([PROMPT], sp)
+    connector = llm.llm_engine.kv_connector
+    assert connector.remote.flush()
+    assert llm.reset_prefix_cache()
+    assert connector.store.total_bytes == 0
+    again = llm.generate([PROMPT], sp)[0]
+    assert again.num_cached_tokens > 0
+    assert connector.stats.remote_hit_tokens == again.num_cached_tokens
+    connector.close()

@@ -181,6 +181,9 @@ def test_the_disk_tier_serves_8_bit_blocks_to_their_own_dtype_only(default_model
         # The report says why: the block is on disk, in the int8 engine's dtype.
         assert out.cache_report["reason"] == "other_kv_dtype"
         assert out.cache_report["detail"] == {"kv_dtype": "int8"}
+    # Only the same namespace's block is named: under another cache salt it was never seen.
+    salted = engine("auto").generate([{"prompt": PROMPT, "cache_salt": "other"}], reported)[0]
+    assert salted.cache_report["reason"] == "never_seen"
 
 
 def test_metrics_and_the_summary_name_the_kv_dtype_and_bytes_per_token(default_model_bf16):

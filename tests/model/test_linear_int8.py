@@ -255,6 +255,20 @@ def test_native_and_python_layers_agree_over_8_bit_linears(default_model_int8):
         assert _logprobs(a) == _logprobs(b)
 
 
+def test_speculative_decoding_over_8_bit_linears_keeps_the_greedy_output(default_model_int8):
+    """8-bit weights and n-gram speculation: verification rows take the same kernel as decode
+    rows (one summation order whatever the batch), so drafts change no token or logprob."""
+    sp = SamplingParams(max_tokens=24, temperature=0, logprobs=1, ignore_eos=True)
+    prompt = PROMPT + PROMPT[:60]  # repeats, so the drafter finds n-grams
+    outputs = []
+    for spec in (None, {"method": "ngram", "num_speculative_tokens": 3}):
+        llm = LLM(loaded_model=default_model_int8, num_kv_blocks=64, speculative_config=spec)
+        outputs.append(llm.generate([prompt], sp)[0])
+    plain, drafted = outputs
+    assert drafted.outputs[0].token_ids == plain.outputs[0].token_ids
+    assert _logprobs(drafted) == _logprobs(plain)
+
+
 def test_the_quantization_option_is_checked_where_it_is_given():
     import argparse
 

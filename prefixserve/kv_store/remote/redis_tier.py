@@ -70,9 +70,16 @@ def check_url(url: str) -> None:
 
 @dataclass(slots=True)
 class _Store:
+    """A queued write: the record is encoded (and checksummed) on the writer thread, not the
+    step thread that queued it."""
+
     key: bytes
-    value: bytes
+    block_hash: bytes
+    group: int
+    tokens: bytes
+    payload: bytes | memoryview
     ttl_s: int | None
+    nbytes: int
 
 
 class RedisTier:
@@ -168,21 +175,30 @@ class RedisTier:
         payload: bytes,
         ttl_s: float | None = None,
     ) -> bool:
-        """Queue the block for the writer; False (counted `dropped`) when the queue is full."""
-        value = encode_record(
-            self._namespace_raw, block_hash, group, pack_tokens(token_ids), bytes(payload)
-        )
+        """Queue the block for the writer; False (counted `dropped`) when the queue is full. The
+        writer keeps a reference to `payload` until it is sent: pass memory nobody changes (the
+        runner's gathered copies, which the disk writer holds too)."""
+        nbytes = memoryview(payload).nbytes
         with self._lock:
-            if self._queued_bytes + len(value) > self._max_queue_bytes:
+            if self._queued_bytes + nbytes > self._max_queue_bytes:
                 self.stats["dropped"] += 1
                 return False
-            self._queued_bytes += len(value)
+            self._queued_bytes += nbytes
         ttl = None if ttl_s is None else max(1, int(ttl_s))
+        item = _Store(
+            self.key(block_hash, group),
+            block_hash,
+            group,
+            pack_tokens(token_ids),
+            payload,
+            ttl,
+            nbytes,
+        )
         try:
-            self._queue.put_nowait(_Store(self.key(block_hash, group), value, ttl))
+            self._queue.put_nowait(item)
         except queue.Full:
             with self._lock:
-                self._queued_bytes -= len(value)
+                self._queued_bytes -= nbytes
             self.stats["dropped"] += 1
             return False
         return True
@@ -223,7 +239,14 @@ class RedisTier:
         try:
             pipe = self._client.pipeline(transaction=False)
             for item in batch:
-                pipe.set(item.key, item.value, nx=True, ex=item.ttl_s)
+                value = encode_record(
+                    self._namespace_raw,
+                    item.block_hash,
+                    item.group,
+                    item.tokens,
+                    item.payload,
+                )
+                pipe.set(item.key, value, nx=True, ex=item.ttl_s)
             written = pipe.execute(raise_on_error=False)
         except self._errors as exc:
             self._fault("store", exc)
@@ -237,7 +260,7 @@ class RedisTier:
             else:
                 self.stats["store_deduplicated"] += 1  # another host wrote it first
         with self._lock:
-            self._queued_bytes -= sum(len(item.value) for item in batch)
+            self._queued_bytes -= sum(item.nbytes for item in batch)
 
     # ------------------------------------------------------------------ seed
 
