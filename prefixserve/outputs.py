@@ -46,6 +46,9 @@ class RequestOutput:
     num_cached_tokens: int = 0
     # The part of num_cached_tokens loaded from the prefix cache's disk tier (the rest: RAM pool).
     num_disk_cached_tokens: int = 0
+    # Prompt tokens this request wrote to the cache at its breakpoints (Anthropic's
+    # cache_creation_input_tokens): past its hit, up to the furthest breakpoint held.
+    num_cache_write_tokens: int = 0
     finished: bool = False
     # The request's cache report as a dict (docs/cache_reports.md), when its SamplingParams
     # asked for one (`cache_report=True`); set from its first scheduling on.

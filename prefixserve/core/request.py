@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from prefixserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from prefixserve.core.kv_cache.breakpoint_spec import CacheBreakpoint, HoldStatus
     from prefixserve.core.kv_cache.reports.report import CacheReport
 
 
@@ -70,6 +71,9 @@ class Request:
         "hit_when_waited",
         "counted_in_reports",
         "cache_report",
+        "cache_breakpoints",
+        "breakpoint_statuses",
+        "num_cache_write_tokens",
     )
 
     def __init__(
@@ -87,6 +91,7 @@ class Request:
         tenant: str | None = None,
         cache_retention: str | None = None,
         lora_digest: bytes | None = None,
+        cache_breakpoints: tuple[CacheBreakpoint, ...] = (),
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("a request needs at least one prompt token")
@@ -133,6 +138,11 @@ class Request:
         self.max_tokens = sampling_params.max_tokens if max_tokens is None else max_tokens
         # The scheduler checks every sampled token against these: a set, built once.
         self.stop_token_ids = frozenset(sampling_params.stop_token_ids or ())
+        # The prefixes the client asked to keep (breakpoints.py), held when its prompt is
+        # computed; what became of each, and the prompt tokens it wrote to them.
+        self.cache_breakpoints = cache_breakpoints
+        self.breakpoint_statuses: list[HoldStatus] | None = None
+        self.num_cache_write_tokens = 0
         self.block_hashes: list[Any] = []
         self._block_hasher = block_hasher
         if block_hasher is not None:

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from prefixserve.core.kv_cache.breakpoint_spec import CacheBreakpoint
 from prefixserve.lora.config import LoRARequest
 from prefixserve.sampling_params import SamplingParams
 
@@ -38,7 +39,9 @@ class EngineRequest:
     `cache_salt` is the salt the engine hashes with, already derived for the tenant
     (`core/kv_cache/salts.py`); `tenant` is who the request is for (fair scheduling, not a cache
     key); `cache_retention` is OpenAI's `prompt_cache_retention`; `prompt_embeds` replaces the
-    token ids, which must then be empty; `prompt` is the prompt's text, echoed in the outputs.
+    token ids, which must then be empty; `prompt` is the prompt's text, echoed in the outputs;
+    `cache_breakpoints` are prompt prefixes the tenant asks to keep (Anthropic's
+    `cache_control`, `core/kv_cache/breakpoints.py`).
     """
 
     request_id: str
@@ -52,6 +55,7 @@ class EngineRequest:
     prompt_embeds: Any = None
     prompt_cache_key: str | None = None
     final_only: bool = False
+    cache_breakpoints: tuple[CacheBreakpoint, ...] = ()
 
 
 @runtime_checkable

@@ -23,6 +23,7 @@ from prefixserve.config import (
     SpeculativeConfig,
 )
 from prefixserve.core.kv_cache import hashing
+from prefixserve.core.kv_cache.breakpoint_spec import CacheBreakpoint, request_breakpoints
 from prefixserve.core.kv_cache.hashing import get_request_block_hasher
 from prefixserve.core.kv_cache.kv_cache_manager import KVCacheManager
 from prefixserve.core.kv_cache.reports.explain import CacheExplainer
@@ -229,6 +230,7 @@ class LLMEngine:
         lora_request: LoRARequest | None = None,
         prompt_embeds: Any = None,
         lora_read: Any = None,
+        cache_breakpoints: tuple[CacheBreakpoint, ...] = (),
     ) -> None:
         """Queue one prompt for `params.n` samples.
 
@@ -242,7 +244,10 @@ class LLMEngine:
         store's default.
 
         `tenant` names who the request is for: the scheduler shares each step and the waiting
-        queue fairly between tenants (`fair_share.py`). It is not a cache key (`cache_salt` is).
+        queue fairly between tenants (`fair_share.py`). It is not a cache key (`cache_salt` is),
+        but it owns the request's `cache_breakpoints` (`core/kv_cache/breakpoints.py`: prompt
+        prefixes held for a time-to-live within the tenant's budget). A "24h" retention
+        without breakpoints holds the whole prompt's full blocks for 24 hours.
 
         Raises ValueError (naming the field) for a duplicate request_id, an empty prompt, token
         ids outside the vocabulary, a prompt or max_tokens past max_model_len, or a request too
@@ -261,6 +266,7 @@ class LLMEngine:
             )
         prompt_token_ids = check_prompt(prompt_token_ids, self.vocab_size, self.max_model_len)
         num_prompt = len(prompt_token_ids)
+        cache_breakpoints = request_breakpoints(cache_breakpoints, cache_retention, num_prompt)
         max_tokens = effective_max_tokens(params, num_prompt, self.max_model_len)
         # The last sampled token never gets K/V, so the longest sequence caches this many tokens.
         needed = self._blocks_needed(num_prompt + max_tokens - 1)
@@ -299,13 +305,14 @@ class LLMEngine:
                     lora_name=lora_name,
                     lora_digest=lora_digest,
                     prompt_embeds=embeds_bits_,
+                    cache_breakpoints=cache_breakpoints,
                 )
             )
         for request in requests[1:]:
             request.counted_in_reports = False  # a prompt's samples are one request to count
         manager = self.kv_cache_manager  # pinned blocks are not the request's to take
         available = manager.blocks_available_to(requests[0])
-        check_fits_pool(needed, num_prompt, max_tokens, available, manager.pins.num_blocks)
+        check_fits_pool(needed, num_prompt, max_tokens, available, manager.num_held_blocks)
         self.output_processor.add_prompt(request_id, prompt, prompt_token_ids, params, requests)
         for request in requests:
             self.scheduler.add_request(request)
@@ -326,6 +333,7 @@ class LLMEngine:
             lora_request=request.lora_request,
             prompt_embeds=request.prompt_embeds,
             lora_read=lora_read,
+            cache_breakpoints=request.cache_breakpoints,
         )
 
     def lora_in_use(self, name: str) -> int:
@@ -442,7 +450,7 @@ class LLMEngine:
         stuck = self.scheduler.stuck_request()
         if stuck is None:
             return {}
-        pinned = self.kv_cache_manager.pins.num_blocks
+        pinned = self.kv_cache_manager.num_held_blocks
         return {
             stuck.request_id: f"the request ({stuck.num_tokens} tokens) cannot get its KV blocks "
             f"from an idle pool of {self.num_kv_blocks} blocks, {pinned} of them pinned"
@@ -521,6 +529,9 @@ class LLMEngine:
             **{f"cache_miss_{reason}": n for reason, n in self.explainer.counts.items()},
             "kv_cache_cached_blocks": len(manager.block_pool.cached_block_hash_to_block[0]),
             "kv_cache_pinned_blocks": manager.pins.num_blocks,
+            "kv_cache_breakpoint_blocks": manager.breakpoints.num_blocks,
+            "kv_cache_breakpoints": len(manager.breakpoints),
+            "prefix_cache_write_tokens": self.scheduler.stats.num_cache_write_tokens,
             "cache_ghost_entries": len(manager.recorder.ghosts),
         }
 

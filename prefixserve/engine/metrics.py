@@ -20,6 +20,8 @@ SUMMED_GAUGES = frozenset(
         "num_waiting",
         "kv_cache_cached_blocks",
         "kv_cache_pinned_blocks",
+        "kv_cache_breakpoint_blocks",
+        "kv_cache_breakpoints",
         "cache_ghost_entries",
     }
 )

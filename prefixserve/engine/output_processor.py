@@ -9,7 +9,9 @@ scheduler). Nothing here touches the KV cache or the model.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
+from prefixserve.core.kv_cache.breakpoints import breakpoint_report
 from prefixserve.core.request import Request, RequestStatus
 from prefixserve.core.sched.output import PositionLogprobs
 from prefixserve.core.sched.step_results import RequestUpdate
@@ -298,11 +300,20 @@ class OutputProcessor:
             outputs=completions,
             num_cached_tokens=max(0, first.num_cached_tokens),
             num_disk_cached_tokens=first.num_disk_cached_tokens,
-            cache_report=(
-                first.cache_report.to_dict()
-                if first.cache_report is not None and first.sampling_params.cache_report
-                else None
-            ),
+            num_cache_write_tokens=first.num_cache_write_tokens,
+            cache_report=_report_dict(first),
             finished=finished,
             error=entry.error,
         )
+
+
+def _report_dict(request: Request) -> dict[str, Any] | None:
+    """The request's cache report as clients get it, when asked for; with breakpoints, what
+    became of each and `miss_at_breakpoint`: the first one whose prefix was not read from the
+    cache (None when all were, or before they are decided)."""
+    if request.cache_report is None or not request.sampling_params.cache_report:
+        return None
+    report = request.cache_report.to_dict()
+    if request.cache_breakpoints:
+        report.update(breakpoint_report(request))
+    return report

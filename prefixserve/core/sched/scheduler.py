@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from prefixserve.config import SchedulerConfig
+from prefixserve.core.kv_cache.breakpoint_spec import HoldStatus
 from prefixserve.core.request import Request, RequestStatus
 from prefixserve.core.sched.fair_share import (
     WaitingQueue,
@@ -162,6 +163,7 @@ class Scheduler:
         that had to preempt). Allocates KV slots; does not advance `num_computed_tokens`
         (update_from_output does, once the tokens are computed)."""
         plan = _StepPlan(self.config.max_num_batched_tokens)
+        self.kv_cache_manager.expire_breakpoints()
         if self.fair:
             self._give_short_tenant_a_slot()
             plan.shares = self._tenant_shares(plan.token_budget)
@@ -320,6 +322,7 @@ class Scheduler:
             request.num_cached_tokens = num_computed + num_loaded
             request.num_disk_cached_tokens = num_loaded
             self.stats.num_prompt_tokens += request.num_prompt_tokens
+            self.kv_cache_manager.refresh_breakpoints(request, num_computed + num_loaded)
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_computed + num_loaded
 
@@ -402,6 +405,8 @@ class Scheduler:
             token_id = runner_output.sampled_token_ids.get(request.request_id)
             if token_id is not None:
                 assert entry.samples, entry
+                if request.cache_breakpoints and request.breakpoint_statuses is None:
+                    self._hold_breakpoints(request)
                 if self._append_sampled(entry, runner_output, token_id, update):
                     self.running.remove(request)
                     self._free_request(request)
@@ -434,6 +439,34 @@ class Scheduler:
         if accepted:  # (a stop inside the run appended fewer: cache_blocks stops at num_tokens)
             self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
         return stopped
+
+    def _hold_breakpoints(self, request: Request) -> None:
+        """Its prompt is computed (the first sample): hold its breakpoints' prefixes and count
+        the prompt tokens it wrote to them (those past its cache hit, up to the furthest one
+        held)."""
+        statuses = self.kv_cache_manager.hold_breakpoints(
+            request, request.cache_breakpoints, self._held_blocks_fit
+        )
+        request.breakpoint_statuses = statuses
+        held = [
+            bp.num_tokens - bp.num_tokens % self.kv_cache_manager.block_size
+            for bp, status in zip(request.cache_breakpoints, statuses, strict=True)
+            if status in (HoldStatus.HELD, HoldStatus.REFRESHED)
+        ]
+        if held:
+            request.num_cache_write_tokens = max(0, max(held) - max(0, request.num_cached_tokens))
+            if request.counted_in_reports:
+                self.stats.num_cache_write_tokens += request.num_cache_write_tokens
+
+    def _held_blocks_fit(self, num_new_held: int) -> bool:
+        """Whether `num_new_held` more held blocks leave every request here room for its longest
+        sequence (counted without shared blocks: an upper bound of its need)."""
+        mgr = self.kv_cache_manager
+        free_for_requests = mgr.num_kv_blocks - mgr.num_held_blocks - num_new_held
+        longest = max(
+            (r.num_prompt_tokens + r.max_tokens for r in self.requests.values()), default=0
+        )
+        return -(-longest // mgr.block_size) * mgr.num_groups <= free_for_requests
 
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)

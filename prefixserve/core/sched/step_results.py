@@ -34,6 +34,8 @@ class SchedulerStats:
     num_generation_tokens: int = 0
     num_preemptions: int = 0
     num_finished_requests: int = 0
+    # Prompt tokens written to the cache at clients' breakpoints (breakpoints.py).
+    num_cache_write_tokens: int = 0
     # Speculative decoding (vLLM's names): verifications with drafts, drafts, accepted drafts.
     spec_decode_num_drafts: int = 0
     spec_decode_num_draft_tokens: int = 0
