@@ -237,8 +237,8 @@ class EngineArgs:
         None,
         "A KV tier shared by every host on a Redis or Valkey server (redis://host:port/db, "
         "rediss:// with TLS, or unix:///path.sock): blocks one host computed load on the "
-        "others; faults are misses. Needs the disk tier (this version). Document its server with "
-        "maxmemory-policy allkeys-lru.",
+        "others; faults are misses. With the disk tier or without it (--no-kv-store). Run its "
+        "server with maxmemory-policy allkeys-lru.",
         group=_STORE,
         metavar="URL",
     )
@@ -371,21 +371,21 @@ class EngineArgs:
                 raise ValueError(f"give at most one of {', '.join(names)}")
 
     def _kv_store_config(self) -> KVStoreConfig | None:
-        """The disk tier asked for: `enable_kv_store`, or when unset, on if a directory or size
-        is given, else the environment's default (PREFIXSERVE_KV_STORE)."""
+        """The tiers below the RAM pool asked for: the disk tier (`enable_kv_store`, or when
+        unset, on if a directory or size is given, else the environment's default,
+        PREFIXSERVE_KV_STORE) and the shared tier (`kv_remote`), each without the other."""
         enabled = self.enable_kv_store
         if enabled is None:
             explicit = self.kv_store_dir is not None or self.kv_store_gb is not None
             enabled = explicit or settings.kv_store_default_enabled()
-        if not enabled:
-            if self.kv_remote is not None:
-                raise ValueError("--kv-remote needs the disk tier on (this version)")
+        if not enabled and self.kv_remote is None:
             return None
         if self.kv_remote is not None:
             check_url(self.kv_remote)
         return KVStoreConfig(
             dir=None if self.kv_store_dir is None else Path(self.kv_store_dir),
             capacity_bytes=None if self.kv_store_gb is None else capacity_from_gb(self.kv_store_gb),
+            enabled=enabled,
             default_retention=self.kv_store_default_retention,
             remote_url=self.kv_remote,
             remote_password_file=self.kv_remote_password_file,

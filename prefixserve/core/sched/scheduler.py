@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from prefixserve.config import SchedulerConfig
 from prefixserve.core.kv_cache.breakpoint_spec import HoldStatus
+from prefixserve.core.kv_cache.tier_hit import TierHit
 from prefixserve.core.request import Request, RequestStatus
 from prefixserve.core.sched.fair_share import (
     WaitingQueue,
@@ -98,7 +99,8 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.requests: dict[str, Request] = {}
-        # The disk tier's load side (kv_store/connector.py), set by the engine when it has one.
+        # The load side of the tiers below RAM (kv_store/connector.py), set by the engine when it
+        # has one.
         self.kv_connector: KVStoreConnector | None = None
         # Explains each request's hit at its first scheduling (kv_cache/reports/explain.py), set
         # by the engine.
@@ -270,13 +272,14 @@ class Scheduler:
                 deferred.add(self.waiting.key(request))
 
     def _admit(self, request: Request, plan: _StepPlan, in_flight: set[bytes]) -> bool | None:
-        """Schedule a waiting request after its cache hit (RAM, then disk): True when it runs,
-        False when it waits for a running prefill of its next block, None when it does not fit."""
+        """Schedule a waiting request after its cache hit (RAM, then disk and shared tiers): True
+        when it runs, False when it waits for a running prefill of its next block, None when it
+        does not fit."""
         mgr = self.kv_cache_manager
         assert request.num_computed_tokens == 0, request
         computed_blocks, num_computed = mgr.get_computed_blocks(request)
-        num_on_disk = self.kv_connector.match(request, num_computed) if self.kv_connector else 0
-        num_loaded = num_on_disk * mgr.block_size
+        below = self.kv_connector.match(request, num_computed) if self.kv_connector else TierHit()
+        num_loaded = below.tokens
         if waits_for_prefill(request, num_computed + num_loaded, mgr.block_size, in_flight):
             if request.hit_when_waited is None:
                 request.hit_when_waited = num_computed + num_loaded
@@ -284,7 +287,7 @@ class Scheduler:
         report = None
         if self.explainer is not None and request.num_cached_tokens < 0:
             # Before its own allocation, which may evict blocks the report should still see.
-            report = self.explainer.explain(request, num_computed, num_loaded)
+            report = self.explainer.explain(request, num_computed, below)
         num_new_tokens = request.num_tokens - num_computed - num_loaded
         assert num_new_tokens > 0, (request, num_computed, num_loaded)
         threshold = self._threshold(plan.contended)
@@ -304,14 +307,15 @@ class Scheduler:
         self.waiting.pop(request)
         self.running.append(request)
         in_flight |= prefill_in_flight((request,), mgr)
-        if num_on_disk and self.kv_connector is not None:
+        if num_loaded and self.kv_connector is not None:
             # Blocks whose read fails are computed instead, from this chunk on (their slots are
             # allocated already).
-            num_loaded = self.kv_connector.load_into_pool(
-                mgr, request, num_computed, num_on_disk, plan.kv_loads
+            below = self.kv_connector.load_into_pool(
+                mgr, request, num_computed, num_loaded // mgr.block_size, plan.kv_loads
             )
+            num_loaded = below.tokens
         if report is not None:
-            request.cache_report = self.explainer.commit(request, report, num_loaded)
+            request.cache_report = self.explainer.commit(request, report, below)
         self._start_running(request, num_computed, num_loaded)
         plan.scheduled.append(self._scheduled(request, num_new_tokens))
         plan.take(request, num_new_tokens)

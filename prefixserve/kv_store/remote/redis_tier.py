@@ -127,8 +127,12 @@ class RedisTier:
 
     def lookup(self, block_hashes: Sequence[bytes], group: int = 0) -> int:
         """How many leading `block_hashes` the server holds (one round trip); 0 on a fault."""
+        return self.probe(block_hashes, group)[0]
+
+    def probe(self, block_hashes: Sequence[bytes], group: int = 0) -> tuple[int, str | None]:
+        """`lookup`, and "unreachable" when a fault answered it (else None)."""
         if not block_hashes:
-            return 0
+            return 0, None
         try:
             pipe = self._client.pipeline(transaction=False)
             for block_hash in block_hashes:
@@ -136,34 +140,41 @@ class RedisTier:
             held = pipe.execute()
         except self._errors as exc:
             self._fault("lookup", exc)
-            return 0
+            return 0, "unreachable"
         count = 0
         for found in held:
             if not found:
                 break
             count += 1
-        return count
+        return count, None
 
     def load(self, block_hash: bytes, group: int, token_ids: Sequence[int]) -> bytes | None:
         """The block's payload, checked against its identity and tokens; None on a miss of any
         cause (counted in `stats`)."""
+        return self.fetch(block_hash, group, token_ids)[0]
+
+    def fetch(
+        self, block_hash: bytes, group: int, token_ids: Sequence[int]
+    ) -> tuple[bytes | None, str | None]:
+        """`load`, and why it missed: "absent" (not held, or aged out since the lookup),
+        "unreachable" (a fault) or "bad_value" (damaged, truncated, foreign, other tokens)."""
         try:
             value = self._client.get(self.key(block_hash, group))
         except self._errors as exc:
             self._fault("load", exc)
-            return None
+            return None, "unreachable"
         if value is None:
             self.stats["miss_absent"] += 1
-            return None
+            return None, "absent"
         try:
             payload = decode_record(
                 value, self._namespace_raw, block_hash, group, pack_tokens(token_ids)
             )
         except RecordError as exc:
             self.stats[f"miss_{exc.kind}"] += 1
-            return None
+            return None, "bad_value"
         self.stats["hits"] += 1
-        return payload
+        return payload, None
 
     # ------------------------------------------------------------------ writes
 

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from prefixserve.core.kv_cache.reports.recorder import BlockRecorder, Namespace
 from prefixserve.core.kv_cache.reports.report import REASONS, CacheReport
+from prefixserve.core.kv_cache.tier_hit import TierHit
 
 if TYPE_CHECKING:
     from prefixserve.core.kv_cache.kv_cache_manager import KVCacheManager
@@ -48,8 +49,8 @@ class DiskProbe(Protocol):
     def loading_pays(self) -> bool:
         """Whether loading a block was measured faster than computing it."""
 
-    def on_disk(self, request: Any, num_computed_tokens: int) -> int:
-        """Blocks after a RAM hit the store holds, contiguous (what a load would read)."""
+    def held(self, request: Any, num_computed_tokens: int) -> TierHit:
+        """Tokens after a RAM hit the tiers below hold, contiguous (what a load would read)."""
 
 
 @dataclass(slots=True)
@@ -89,19 +90,21 @@ class CacheExplainer:
 
     # ------------------------------------------------------------------ entry points
 
-    def explain(self, request: Request, ram_tokens: int, disk_tokens: int) -> CacheReport:
-        """The report of `request` about to be admitted with this hit (nothing counted yet)."""
+    def explain(self, request: Request, ram_tokens: int, below: TierHit) -> CacheReport:
+        """The report of `request` about to be admitted with this hit: `ram_tokens` from the
+        pool, `below` found in the tiers under it (nothing counted yet)."""
         waited = request.hit_when_waited is not None and (
-            ram_tokens + disk_tokens > request.hit_when_waited
+            ram_tokens + below.tokens > request.hit_when_waited
         )
-        return self._report(request, ram_tokens, disk_tokens, waited)
+        return self._report(request, ram_tokens, below.tokens, waited)
 
-    def commit(self, request: Request, report: CacheReport, disk_loaded: int) -> CacheReport:
-        """`request` was admitted with `report` and read `disk_loaded` tokens from disk: the
+    def commit(self, request: Request, report: CacheReport, loaded: TierHit) -> CacheReport:
+        """`request` was admitted with `report` and read `loaded` from the tiers below RAM: the
         final report, counted (unless the request is a later sample of a prompt), its lookup in
         the recent window, its namespace remembered for its tenant's later reports. Fewer tokens
-        read than found means a file vanished or was damaged between the stat and the read: the
-        first block not read is `evicted` from the disk tier."""
+        read than found means a block vanished or was damaged between the lookup and the read:
+        the first block not read is `evicted` from the disk tier."""
+        disk_loaded = loaded.tokens
         if disk_loaded < report.disk_tokens:
             report.disk_tokens = disk_loaded
             report.hit_blocks = (report.ram_tokens + disk_loaded) // report.block_size
@@ -121,7 +124,7 @@ class CacheExplainer:
         _, ram_tokens = self.manager.get_computed_blocks(request)
         disk_tokens = 0
         if self.disk is not None and self.manager.enable_caching and self.disk.loading_pays():
-            disk_tokens = self.disk.on_disk(request, ram_tokens) * self.manager.block_size
+            disk_tokens = self.disk.held(request, ram_tokens).tokens
         report = self._report(request, ram_tokens, disk_tokens, waited=False)
         if report.first_miss_block is not None and report.reason != "not_full_block":
             differs = self._differs_at(request, report.first_miss_block)
