@@ -49,6 +49,8 @@ class RequestOutput:
     # Prompt tokens this request wrote to the cache at its breakpoints (Anthropic's
     # cache_creation_input_tokens): past its hit, up to the furthest breakpoint held.
     num_cache_write_tokens: int = 0
+    # The same tokens by the ttl (seconds) of the breakpoint they were written for.
+    cache_write_tokens_by_ttl: dict[int, int] = field(default_factory=dict)
     finished: bool = False
     # The request's cache report as a dict (docs/cache_reports.md), when its SamplingParams
     # asked for one (`cache_report=True`); set from its first scheduling on.

@@ -74,6 +74,7 @@ class Request:
         "cache_breakpoints",
         "breakpoint_statuses",
         "num_cache_write_tokens",
+        "cache_write_tokens_by_ttl",
     )
 
     def __init__(
@@ -143,6 +144,7 @@ class Request:
         self.cache_breakpoints = cache_breakpoints
         self.breakpoint_statuses: list[HoldStatus] | None = None
         self.num_cache_write_tokens = 0
+        self.cache_write_tokens_by_ttl: dict[int, int] = {}  # ttl_s -> tokens written
         self.block_hashes: list[Any] = []
         self._block_hasher = block_hasher
         if block_hasher is not None:

@@ -544,9 +544,23 @@ class LLMEngine:
             "dtype": fmt["kv_cache_dtype"],
             "bytes_per_token": fmt["kv_cache_bytes_per_token"],
         }
-        return build_cache_summary(
+        summary = build_cache_summary(
             self.kv_cache_manager, self.explainer, self.kv_connector, decode, kv_cache
         )
+        summary["breakpoints"] = self.describe_breakpoints()
+        return summary
+
+    def describe_breakpoints(self) -> dict[str, Any]:
+        """Clients' held breakpoints: per tenant {"breakpoints", "blocks", "tokens"}, the blocks
+        held in all, the bounds, and the prompt tokens written at breakpoints so far."""
+        held = self.kv_cache_manager.breakpoints
+        return {
+            "tenants": held.describe(),
+            "held_blocks": held.num_blocks,
+            "capacity_blocks": held.capacity_blocks,
+            "tenant_budget_blocks": held.tenant_budget_blocks,
+            "write_tokens": self.scheduler.stats.num_cache_write_tokens,
+        }
 
     def explain_prompt(
         self,

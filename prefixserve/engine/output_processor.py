@@ -301,6 +301,7 @@ class OutputProcessor:
             num_cached_tokens=max(0, first.num_cached_tokens),
             num_disk_cached_tokens=first.num_disk_cached_tokens,
             num_cache_write_tokens=first.num_cache_write_tokens,
+            cache_write_tokens_by_ttl=dict(first.cache_write_tokens_by_ttl),
             cache_report=_report_dict(first),
             finished=finished,
             error=entry.error,

@@ -10,6 +10,7 @@ costs O(1) memory (vLLM's output collector does the same).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -82,10 +83,10 @@ class OutputQueue:
 
 def frozen_copy(output: RequestOutput) -> RequestOutput:
     """A copy whose lists the step thread will not mutate while the loop thread reads them."""
-    return RequestOutput(
-        request_id=output.request_id,
-        prompt=output.prompt,
-        prompt_token_ids=output.prompt_token_ids,
+    # Every other field as it is (the cache report is a fresh dict per output, never changed
+    # after), so a field added to RequestOutput is never dropped here.
+    return dataclasses.replace(
+        output,
         prompt_logprobs=None if output.prompt_logprobs is None else list(output.prompt_logprobs),
         outputs=[
             CompletionOutput(
@@ -98,11 +99,6 @@ def frozen_copy(output: RequestOutput) -> RequestOutput:
             )
             for c in output.outputs
         ],
-        num_cached_tokens=output.num_cached_tokens,
-        num_disk_cached_tokens=output.num_disk_cached_tokens,
-        cache_report=output.cache_report,  # a fresh dict per output, never changed after
-        finished=output.finished,
-        error=output.error,
     )
 
 

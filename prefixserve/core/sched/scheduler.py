@@ -452,15 +452,19 @@ class Scheduler:
             request, request.cache_breakpoints, self._held_blocks_fit
         )
         request.breakpoint_statuses = statuses
-        held = [
-            bp.num_tokens - bp.num_tokens % self.kv_cache_manager.block_size
-            for bp, status in zip(request.cache_breakpoints, statuses, strict=True)
-            if status in (HoldStatus.HELD, HoldStatus.REFRESHED)
-        ]
-        if held:
-            request.num_cache_write_tokens = max(0, max(held) - max(0, request.num_cached_tokens))
-            if request.counted_in_reports:
-                self.stats.num_cache_write_tokens += request.num_cache_write_tokens
+        block_size = self.kv_cache_manager.block_size
+        written = max(0, request.num_cached_tokens)  # the end of what the request read
+        for bp, status in zip(request.cache_breakpoints, statuses, strict=True):
+            end = bp.num_tokens - bp.num_tokens % block_size
+            if status in (HoldStatus.HELD, HoldStatus.REFRESHED) and end > written:
+                # Breakpoints come in prompt order with non-increasing ttls: the tokens up to
+                # this one that no earlier one wrote are written for its ttl.
+                by_ttl = request.cache_write_tokens_by_ttl
+                by_ttl[bp.ttl_s] = by_ttl.get(bp.ttl_s, 0) + end - written
+                written = end
+        request.num_cache_write_tokens = sum(request.cache_write_tokens_by_ttl.values())
+        if request.counted_in_reports:
+            self.stats.num_cache_write_tokens += request.num_cache_write_tokens
 
     def _held_blocks_fit(self, num_new_held: int) -> bool:
         """Whether `num_new_held` more held blocks leave every request here room for its longest

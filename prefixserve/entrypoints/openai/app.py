@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from prefixserve.engine.client import EngineClient
+from prefixserve.entrypoints.anthropic.serving import register_messages_routes
 from prefixserve.entrypoints.openai import protocol as p
 from prefixserve.entrypoints.openai import serving_chat, serving_completion
 from prefixserve.entrypoints.openai.admission import Admission
@@ -156,6 +157,7 @@ def build_app(  # noqa: C901 - its complexity is the routes' closures, each smal
         ok = await engine.reset_prefix_cache(reset_running_requests, ram_only)
         return JSONResponse({"success": bool(ok)})
 
+    register_messages_routes(router, state)
     register_pin_routes(router, state)
     register_cache_routes(router, state)
     register_lora_routes(router, state)

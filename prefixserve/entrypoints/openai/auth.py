@@ -136,6 +136,13 @@ def parse_bearer(authorization: str | None) -> str | None:
     return token.strip()
 
 
+def parse_x_api_key(value: str | None) -> str | None:
+    """The key of an `x-api-key: <key>` header (Anthropic's clients), or None."""
+    if not value or not value.strip():
+        return None
+    return value.strip()
+
+
 # A Basic credential longer than this is refused unread (keys are short; the header is bounded
 # by the server's header limits anyway).
 MAX_BASIC_CREDENTIAL_CHARS = 4096

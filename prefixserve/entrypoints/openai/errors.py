@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from prefixserve.engine.client import NotSupportedByEngine
+from prefixserve.entrypoints.error_shape import anthropic_error_body, is_anthropic_path
 from prefixserve.lora.config import LoRASlotsBusyError
 
 logger = logging.getLogger(__name__)
@@ -224,6 +225,10 @@ def _respond(
 ) -> JSONResponse:
     # The request guard (guard.py) counts the response under this code.
     request.state.error_code = err.code or err.type
+    if is_anthropic_path(request.url.path):
+        headers = {**(err.headers or {}), **(headers or {})} or None
+        body = anthropic_error_body(err.status_code, err.message)
+        return JSONResponse(body, status_code=err.status_code, headers=headers)
     return err.response(headers=headers)
 
 

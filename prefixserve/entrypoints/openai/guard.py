@@ -32,7 +32,13 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from prefixserve.entrypoints.openai.auth import ApiKeys, parse_basic_password, parse_bearer
+from prefixserve.entrypoints.error_shape import anthropic_error_body, is_anthropic_path
+from prefixserve.entrypoints.openai.auth import (
+    ApiKeys,
+    parse_basic_password,
+    parse_bearer,
+    parse_x_api_key,
+)
 from prefixserve.entrypoints.openai.errors import RETRY_AFTER_S, OpenAIError
 from prefixserve.entrypoints.openai.metrics import ServerMetrics
 
@@ -54,7 +60,15 @@ CLOSE = {"Connection": "close"}
 
 # What a tenant key may call; every other path but the public ones takes an operator key (deny
 # by default: a route added later is operator-only until it is listed here).
-TENANT_PATHS = frozenset({"/v1/models", "/v1/completions", "/v1/chat/completions"})
+TENANT_PATHS = frozenset(
+    {
+        "/v1/models",
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/messages",
+        "/v1/messages/count_tokens",
+    }
+)
 
 Refusal = tuple[int, str, str]
 
@@ -173,7 +187,7 @@ class RequestGuard:
             refusal = (503, "server_busy", self._busy_message())
         if refusal is not None:
             status, code, message = refusal
-            await _send_error(send, state, status, code, message)
+            await _send_error(send, state, status, code, message, _route_path(scope))
             return
         if self.timeout_request_body_s is not None:
             body.deadline = asyncio.get_running_loop().time() + self.timeout_request_body_s
@@ -193,7 +207,8 @@ class RequestGuard:
         if self.api_keys is None or path in PUBLIC_PATHS:
             return None
         authorization = _header(scope, b"authorization")
-        token = parse_bearer(authorization)
+        # Anthropic's clients send the key as `x-api-key`; OpenAI's as a bearer token.
+        token = parse_bearer(authorization) or parse_x_api_key(_header(scope, b"x-api-key"))
         if _is_browser_path(scope, path):
             state[BASIC_CHALLENGE_KEY] = True
             token = token or parse_basic_password(authorization)
@@ -315,13 +330,16 @@ def _header(scope: Scope, name: bytes) -> str | None:
 
 
 async def _send_error(
-    send: Send, state: dict[str, Any], status: int, code: str, message: str
+    send: Send, state: dict[str, Any], status: int, code: str, message: str, path: str = ""
 ) -> None:
     state[ERROR_CODE_KEY] = code
     error_type = "server_error" if status >= 500 else "invalid_request_error"
-    body = json.dumps(
-        {"error": {"message": message, "type": error_type, "param": None, "code": code}}
-    ).encode()
+    shaped = (
+        anthropic_error_body(status, message)
+        if is_anthropic_path(path)
+        else {"error": {"message": message, "type": error_type, "param": None, "code": code}}
+    )
+    body = json.dumps(shaped).encode()
     # Connection: close, so a refused client cannot keep the socket by trickling the body.
     headers = [
         (b"content-type", b"application/json"),

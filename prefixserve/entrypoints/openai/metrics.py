@@ -47,6 +47,10 @@ ENGINE_COUNTERS = {
         "Shared-tier values that were damaged, truncated or another block's: served as misses",
     ),
     "prefix_cache_requests": ("prefix_cache_requests", "Requests that queried the prefix cache"),
+    "prefix_cache_write_tokens": (
+        "prefix_cache_write_tokens",
+        "Prompt tokens written to the cache at clients' breakpoints (cache_control, 24h retention)",
+    ),
     "prompt_tokens": ("prompt_tokens", "Prompt tokens of requests admitted by the scheduler"),
     "generation_tokens": ("generation_tokens", "Tokens generated"),
     "num_preemptions": ("num_preemptions", "Requests preempted to free KV-cache blocks"),
@@ -66,6 +70,11 @@ ENGINE_GAUGES = {
         "Distinct prefix blocks cached in the RAM pool (hittable, in use or free)",
     ),
     "kv_cache_pinned_blocks": ("kv_cache_pinned_blocks", "Blocks held resident by pins"),
+    "kv_cache_breakpoint_blocks": (
+        "kv_cache_breakpoint_blocks",
+        "Blocks held resident by clients' cache breakpoints until their ttl runs out",
+    ),
+    "kv_cache_breakpoints": ("kv_cache_breakpoints", "Cache breakpoints held"),
     "kv_cache_bytes_per_token": (
         "kv_cache_bytes_per_token",
         "Bytes of one token's K and V over every layer, as the pool stores them",
@@ -188,6 +197,12 @@ class ServerMetrics:
         self.cached_prompt_tokens = Counter(
             PREFIX + "request_cached_prompt_tokens",
             "Prompt tokens served from the prefix cache, as reported to clients in usage",
+            registry=self.registry,
+        )
+        self.cache_write_prompt_tokens = Counter(
+            PREFIX + "request_cache_write_prompt_tokens",
+            "Prompt tokens written at breakpoints, as reported to clients "
+            "(cache_creation_input_tokens)",
             registry=self.registry,
         )
 

@@ -30,7 +30,7 @@ from prefixserve.engine.async_llm import EngineDeadError
 from prefixserve.engine.client import EngineClient, EngineRequest
 from prefixserve.engine.request_stream import RequestStream, StreamStalledError
 from prefixserve.entrypoints.openai import protocol as p
-from prefixserve.entrypoints.openai.admission import Admission
+from prefixserve.entrypoints.openai.admission import Admission, Ticket
 from prefixserve.entrypoints.openai.auth import ApiKeys
 from prefixserve.entrypoints.openai.errors import (
     RETRY_AFTER_S,
@@ -118,22 +118,39 @@ async def generate(
     adapter its `model` named when it was checked; `prompt_embeds` instead of `prompt_ids`)."""
     cache_salt = derive_cache_salt(raw.state.tenant, body.cache_salt)
     num_prompt = len(prompt_ids) if prompt_embeds is None else prompt_embeds.shape[0]
+    request = EngineRequest(
+        view.request_id,
+        prompt_ids,
+        params,
+        cache_salt=cache_salt,
+        prompt=prompt_text,
+        tenant=raw.state.tenant,
+        cache_retention=body.prompt_cache_retention,
+        prompt_cache_key=body.prompt_cache_key,
+        lora_request=lora_request,
+        prompt_embeds=prompt_embeds,
+        final_only=not body.stream,  # replicas may start it over unseen if one dies
+    )
+    stream, ticket = await start_request(state, raw, request, num_prompt, fields)
+    if body.stream:
+        return stream_response(state, view.stream(stream), ticket)
+    return await collect_response(state, raw, view.collect(stream), stream, ticket)
+
+
+async def start_request(
+    state: ServerState,
+    raw: Request,
+    request: EngineRequest,
+    num_prompt: int,
+    fields: Mapping[str, str] | None = None,
+) -> tuple[RequestStream, Ticket]:
+    """Admit `request` (admission.py: its tenant's share of requests and tokens in flight) and
+    add it to the engine: its stream and admission ticket. The engine's ValueError leaves as a
+    400 naming the endpoint's field (`fields`), a dead engine as a 503 with Retry-After."""
+    params = request.params
     max_tokens = params.max_tokens or max(1, state.engine.max_model_len - num_prompt)
     ticket = state.admission.admit(raw.state.tenant, params.n * (num_prompt + max_tokens))
     try:
-        request = EngineRequest(
-            view.request_id,
-            prompt_ids,
-            params,
-            cache_salt=cache_salt,
-            prompt=prompt_text,
-            tenant=raw.state.tenant,
-            cache_retention=body.prompt_cache_retention,
-            prompt_cache_key=body.prompt_cache_key,
-            lora_request=lora_request,
-            prompt_embeds=prompt_embeds,
-            final_only=not body.stream,  # replicas may start it over unseen if one dies
-        )
         stream = await state.engine.add_request(request)
     except ValueError as exc:
         state.admission.release(ticket)
@@ -141,14 +158,33 @@ async def generate(
     except BaseException as exc:
         state.admission.release(ticket)
         if isinstance(exc, EngineDeadError):
-            raise _engine_stopped_retry_later() from exc
+            raise engine_stopped_retry_later() from exc
         raise
-    if body.stream:
-        chunks = state.admission.released_after(view.stream(stream), ticket)
-        release = BackgroundTask(state.admission.release, ticket)
-        return StreamingResponse(chunks, media_type="text/event-stream", background=release)
+    return stream, ticket
+
+
+def stream_response(
+    state: ServerState, chunks: AsyncIterator[str], ticket: Ticket
+) -> StreamingResponse:
+    """An SSE response of `chunks`, releasing the admission ticket when it ends."""
+    release = BackgroundTask(state.admission.release, ticket)
+    return StreamingResponse(
+        state.admission.released_after(chunks, ticket),
+        media_type="text/event-stream",
+        background=release,
+    )
+
+
+async def collect_response(
+    state: ServerState,
+    raw: Request,
+    work: Awaitable[dict[str, Any]],
+    stream: RequestStream,
+    ticket: Ticket,
+) -> Response:
+    """The JSON body `work` collects, or 499 (the request aborted) when the client goes first."""
     try:
-        final = await _unless_disconnected(raw, view.collect(stream))
+        final = await _unless_disconnected(raw, work)
     finally:
         stream.abort()
         state.admission.release(ticket)
@@ -316,7 +352,7 @@ class ResponseView(ABC):
                 self._observe(output)
                 final = output
         except EngineDeadError as exc:
-            raise _engine_stopped_retry_later() from exc
+            raise engine_stopped_retry_later() from exc
         if final is not None and final.error is not None:
             raise request_failed(final.error)
         if final is None or not final.finished:
@@ -397,7 +433,7 @@ class ResponseView(ABC):
         )
 
 
-def _engine_stopped_retry_later() -> OpenAIError:
+def engine_stopped_retry_later() -> OpenAIError:
     """The 503 of a request its engine could not finish, before anything of it was sent: with
     replicas another one (or a restarted server) can take the retry."""
     error = engine_stopped()

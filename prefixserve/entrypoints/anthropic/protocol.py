@@ -1,0 +1,193 @@
+"""Pydantic models of Anthropic's Messages API as this server takes and answers it.
+
+Taken: `model`, `system` (a string or text blocks), `messages` (text content, as a string or
+text blocks), `max_tokens`, `temperature` (0-1, Anthropic's range), `top_p`, `top_k`,
+`stop_sequences`, `stream`, `metadata`, `tools` (where the chat template renders them), and
+`cache_control: {"type": "ephemeral", "ttl": "5m" | "1h"}` on system blocks, message blocks and
+tools, or at the top level (a breakpoint on the last block): up to four breakpoints. Fields of
+the hosted service with no meaning here (`service_tier`, `speed`, `inference_geo`, ...) are
+accepted and have no effect; `thinking`, `container` and `output_config` are refused. Content blocks of other types (images, documents, tool results)
+are refused with a 400 naming them, never ignored. Unknown top-level fields are refused as
+Anthropic refuses them. prefixserve's extra: `cache_report` (docs/cache_reports.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationInfo, field_validator
+
+from prefixserve.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_TOP_K
+
+# Anthropic sets no count of messages; the body limit bounds them, and this bounds the work of
+# rendering a body of many tiny ones.
+MAX_MESSAGES = 10_000
+MAX_TOOLS = 128
+MAX_METADATA_USER_ID_CHARS = 256
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class CacheControl(_Model):
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] = "5m"
+
+
+class TextBlock(_Model):
+    type: Literal["text"]
+    text: str
+    cache_control: CacheControl | None = None
+    # What the SDK may echo back from an earlier response; nothing here uses it.
+    citations: list[Any] | None = None
+
+
+def _only_text_blocks(value: Any, field: str) -> Any:
+    """A 400 that names a content block type this server does not take (not a pydantic union
+    error listing every model)."""
+    if isinstance(value, list):
+        for i, block in enumerate(value):
+            kind = block.get("type") if isinstance(block, dict) else None
+            if kind != "text":
+                raise ValueError(
+                    f"{field}[{i}] is a {kind!r} content block; this server takes text blocks "
+                    "only (images, documents and tool blocks are not supported)"
+                )
+    return value
+
+
+class InputMessage(_Model):
+    role: Literal["user", "assistant"]
+    content: str | list[TextBlock]
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, value: Any) -> Any:
+        return _only_text_blocks(value, "content")
+
+    def blocks(self) -> list[TextBlock]:
+        if isinstance(self.content, str):
+            return [TextBlock(type="text", text=self.content)]
+        return self.content
+
+
+class Tool(_Model):
+    name: str = Field(min_length=1, max_length=128)
+    description: str | None = None
+    input_schema: dict[str, Any]
+    cache_control: CacheControl | None = None
+    type: Literal["custom"] | None = None
+
+
+class Metadata(_Model):
+    user_id: str | None = Field(None, max_length=MAX_METADATA_USER_ID_CHARS)
+
+
+class _PromptFields(_Model):
+    """What makes the prompt: the fields /v1/messages and /v1/messages/count_tokens share."""
+
+    model: str
+    messages: list[InputMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    system: str | list[TextBlock] | None = None
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: dict[str, Any] | None = None
+    # Anthropic's automatic caching: a breakpoint on the request's last block.
+    cache_control: CacheControl | None = None
+
+    @field_validator("system", mode="before")
+    @classmethod
+    def _system_text_only(cls, value: Any) -> Any:
+        return _only_text_blocks(value, "system")
+
+    def system_blocks(self) -> list[TextBlock]:
+        if self.system is None:
+            return []
+        if isinstance(self.system, str):
+            return [TextBlock(type="text", text=self.system)]
+        return self.system
+
+
+class CountTokensRequest(_PromptFields):
+    pass
+
+
+class MessagesRequest(_PromptFields):
+    max_tokens: int = Field(ge=1)
+    # Accepted and without effect here (one model, one tier of service, one place).
+    service_tier: Literal["auto", "standard_only"] | None = None
+    speed: Literal["standard", "fast"] | None = None
+    inference_geo: str | None = Field(None, max_length=64)
+    diagnostics: dict[str, Any] | None = None
+    user_profile_id: str | None = Field(None, max_length=256)
+    workspace_id: str | None = Field(None, max_length=256)
+    # Refused unless off: this server has no extended thinking, containers or output formats.
+    thinking: dict[str, Any] | None = None
+    container: Any = None
+    output_config: dict[str, Any] | None = None
+    temperature: float | None = Field(None, ge=0.0, le=1.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0, le=MAX_TOP_K)
+    stop_sequences: list[str] | None = Field(None, max_length=MAX_STOP_STRINGS)
+    stream: StrictBool = False
+    metadata: Metadata | None = None
+    # prefixserve's extra: the request's cache report in the response (and the last event).
+    cache_report: StrictBool = False
+
+    @field_validator("thinking")
+    @classmethod
+    def _no_thinking(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and value.get("type") != "disabled":
+            raise ValueError("extended thinking is not supported by this server")
+        return value
+
+    @field_validator("container", "output_config")
+    @classmethod
+    def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None:
+            raise ValueError(f"{info.field_name} is not supported by this server")
+        return value
+
+    @field_validator("stop_sequences")
+    @classmethod
+    def _stop_lengths(cls, value: list[str] | None) -> list[str] | None:
+        for stop in value or ():
+            if not stop or len(stop) > MAX_STOP_STRING_CHARS:
+                raise ValueError(
+                    f"each stop sequence must have 1 to {MAX_STOP_STRING_CHARS} characters"
+                )
+        return value
+
+
+# ------------------------------------------------------------------------------ responses
+class CacheCreation(BaseModel):
+    ephemeral_5m_input_tokens: int = 0
+    ephemeral_1h_input_tokens: int = 0
+
+
+class Usage(BaseModel):
+    """Anthropic's accounting: the prompt's tokens are `cache_read_input_tokens` (read from the
+    cache) + `cache_creation_input_tokens` (written at the request's breakpoints) +
+    `input_tokens` (the rest)."""
+
+    input_tokens: int
+    output_tokens: int
+    cache_creation_input_tokens: int = 0
+    cache_read_input_tokens: int = 0
+    cache_creation: CacheCreation = Field(default_factory=CacheCreation)
+
+
+class TextOut(BaseModel):
+    type: Literal["text"] = "text"
+    text: str
+
+
+class MessageResponse(BaseModel):
+    id: str
+    type: Literal["message"] = "message"
+    role: Literal["assistant"] = "assistant"
+    model: str
+    content: list[TextOut]
+    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence"] | None
+    stop_sequence: str | None = None
+    usage: Usage
