@@ -62,6 +62,10 @@ class CacheConfig:
     enable_kv_events: bool = False
     # Most blocks operators may pin (None: a quarter of the pool).
     max_pinned_blocks: int | None = None
+    # Most blocks clients' cache breakpoints may hold (core/kv_cache/breakpoints.py), in all and
+    # per tenant (None: half and a quarter of the pool).
+    max_breakpoint_blocks: int | None = None
+    max_breakpoint_blocks_per_tenant: int | None = None
     # The eviction policy (the free queue's order): "lru", "slru" or "cost" (kv_cache/eviction/).
     eviction_policy: str = "lru"
     # Evicted block hashes remembered so cache reports can say `evicted` (0: none remembered).
@@ -87,6 +91,12 @@ class CacheConfig:
             or self.max_pinned_blocks < 0
         ):
             raise _invalid("max_pinned_blocks", self.max_pinned_blocks, "None or an integer >= 0")
+        for name in ("max_breakpoint_blocks", "max_breakpoint_blocks_per_tenant"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 0
+            ):
+                raise _invalid(name, value, "None or an integer >= 0")
         if self.block_size > 1024:
             raise _invalid("block_size", self.block_size, "at most 1024")
         _check_positive_int("num_kv_blocks", self.num_kv_blocks, allow_none=True)

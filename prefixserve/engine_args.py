@@ -182,6 +182,18 @@ class EngineArgs:
         "Most KV blocks operators may pin with POST /pins (default: a quarter of the pool).",
         group=_CACHE,
     )
+    max_breakpoint_blocks: int | None = option(
+        None,
+        "Most KV blocks clients' cache breakpoints (Anthropic's cache_control, OpenAI's 24h "
+        "retention) may hold in all (default: half the pool).",
+        group=_CACHE,
+    )
+    max_breakpoint_blocks_per_tenant: int | None = option(
+        None,
+        "Most KV blocks one tenant's cache breakpoints may hold; past it the tenant's own "
+        "soonest-expiring breakpoints age out (default: a quarter of the pool).",
+        group=_CACHE,
+    )
     max_num_seqs: int = option(256, "Most requests running in one step.", group=_SCHED)
     max_num_batched_tokens: int = option(
         4096,
@@ -334,6 +346,8 @@ class EngineArgs:
                 prefix_caching_hash_algo=self.prefix_caching_hash_algo,
                 enable_kv_events=self.enable_kv_events,
                 max_pinned_blocks=self.max_pinned_blocks,
+                max_breakpoint_blocks=self.max_breakpoint_blocks,
+                max_breakpoint_blocks_per_tenant=self.max_breakpoint_blocks_per_tenant,
                 eviction_policy=self.eviction_policy,
                 cache_ghost_entries=self.cache_ghost_entries,
                 kv_cache_dtype=self.kv_cache_dtype,

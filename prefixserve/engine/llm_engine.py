@@ -110,6 +110,8 @@ class LLMEngine:
             ),
             eviction_policy=cache.eviction_policy,
             ghost_entries=cache.cache_ghost_entries,
+            max_breakpoint_blocks=cache.max_breakpoint_blocks,
+            max_breakpoint_blocks_per_tenant=cache.max_breakpoint_blocks_per_tenant,
         )
         eos_ids = set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids)
         spec = config.speculative_config

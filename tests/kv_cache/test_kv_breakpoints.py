@@ -230,3 +230,22 @@ def test_breakpoints_never_leak_and_stay_within_their_bounds(ops):
     mgr.expire_breakpoints()
     assert mgr.breakpoints.num_blocks == 0
     mgr.check_no_leaks()
+
+
+@pytest.mark.parametrize("name", ["max_breakpoint_blocks", "max_breakpoint_blocks_per_tenant"])
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "8"])
+def test_the_breakpoint_bounds_refuse_what_is_not_a_block_count(name, bad):
+    from prefixserve.config import CacheConfig
+
+    with pytest.raises(ValueError, match=name):
+        CacheConfig(**{name: bad})
+
+
+def test_the_breakpoint_bounds_reach_the_manager():
+    from prefixserve.engine_args import EngineArgs
+
+    config = EngineArgs(
+        max_breakpoint_blocks=10, max_breakpoint_blocks_per_tenant=3
+    ).create_engine_config()
+    assert config.cache.max_breakpoint_blocks == 10
+    assert config.cache.max_breakpoint_blocks_per_tenant == 3
