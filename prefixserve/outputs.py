@@ -44,7 +44,8 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobs | None
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0
-    # The part of num_cached_tokens loaded from the prefix cache's disk tier (the rest: RAM pool).
+    # The part of num_cached_tokens loaded from the tiers below the RAM pool (disk and shared:
+    # the cache report splits them); the rest came from the RAM pool.
     num_disk_cached_tokens: int = 0
     # Prompt tokens this request wrote to the cache at its breakpoints (Anthropic's
     # cache_creation_input_tokens): past its hit, up to the furthest breakpoint held.

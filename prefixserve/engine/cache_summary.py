@@ -59,6 +59,7 @@ def build_cache_summary(
         "tiers": {
             "ram": {"cached_blocks": pool["cached"], "capacity_blocks": manager.num_kv_blocks},
             "disk": disk,
+            "remote": connector.remote_summary() if connector is not None else None,
         },
         "pins": {"count": len(pins.describe()), "blocks": pins.num_blocks},
         **window,
@@ -106,8 +107,10 @@ def merge_summaries(per_replica: dict[int, dict[str, Any]]) -> dict[str, Any]:
                 "capacity_blocks": pool["num_blocks"],
             },
             "disk": max(disks, key=lambda d: d["bytes"]) if disks else None,
+            "remote": _merged_remote([p["tiers"].get("remote") for p in parts]),
         },
         "pins": {k: sum(p["pins"][k] for p in parts) for k in ("count", "blocks")},
+        "breakpoints": _merged_breakpoints([p.get("breakpoints") for p in parts]),
         "eviction": {k: sum(p["eviction"][k] for p in parts) for k in ("total", "per_s_60s")},
         "miss_reasons": _summed(parts, "miss_reasons"),
         "ghost": _summed(parts, "ghost"),
@@ -135,6 +138,33 @@ def merge_summaries(per_replica: dict[int, dict[str, Any]]) -> dict[str, Any]:
     }
     merged["hit_rate"] = {key: _rate(t) for key, t in merged["window_tokens"].items()}
     merged["hit_rate"]["all"] = _rate(merged["all_tokens"]) or 0.0
+    return merged
+
+
+def _merged_breakpoints(views: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """Replicas' held breakpoints as one: per tenant and in all, summed (each replica holds
+    its own, within its own bounds)."""
+    present = [v for v in views if v is not None]
+    if not present:
+        return None
+    tenants: dict[str, dict[str, int]] = {}
+    for view in present:
+        for tenant, row in view["tenants"].items():
+            into = tenants.setdefault(tenant, dict.fromkeys(row, 0))
+            for key, value in row.items():
+                into[key] = into.get(key, 0) + value
+    keys = ("held_blocks", "capacity_blocks", "tenant_budget_blocks", "write_tokens")
+    return {"tenants": tenants, **{k: sum(v[k] for v in present) for k in keys}}
+
+
+def _merged_remote(remotes: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """Replicas' views of the shared tier as one: their counts summed, connected when every
+    replica's is (None when none has one)."""
+    present = [r for r in remotes if r is not None]
+    if not present:
+        return None
+    merged = {k: sum(r[k] for r in present) for k in present[0] if k != "connected"}
+    merged["connected"] = all(r["connected"] for r in present)
     return merged
 
 

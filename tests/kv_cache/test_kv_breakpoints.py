@@ -249,3 +249,30 @@ def test_the_breakpoint_bounds_reach_the_manager():
     ).create_engine_config()
     assert config.cache.max_breakpoint_blocks == 10
     assert config.cache.max_breakpoint_blocks_per_tenant == 3
+
+
+def test_replicas_held_breakpoints_merge_into_one_view():
+    from prefixserve.engine.cache_summary import _merged_breakpoints
+
+    one = {
+        "tenants": {"a": {"breakpoints": 1, "blocks": 4, "tokens": 64}},
+        "held_blocks": 4,
+        "capacity_blocks": 10,
+        "tenant_budget_blocks": 5,
+        "write_tokens": 64,
+    }
+    two = {
+        "tenants": {
+            "a": {"breakpoints": 2, "blocks": 3, "tokens": 48},
+            "b": {"breakpoints": 1, "blocks": 1, "tokens": 16},
+        },
+        "held_blocks": 4,
+        "capacity_blocks": 10,
+        "tenant_budget_blocks": 5,
+        "write_tokens": 16,
+    }
+    merged = _merged_breakpoints([one, None, two])
+    assert merged["tenants"]["a"] == {"breakpoints": 3, "blocks": 7, "tokens": 112}
+    assert merged["tenants"]["b"]["blocks"] == 1
+    assert (merged["held_blocks"], merged["capacity_blocks"], merged["write_tokens"]) == (8, 20, 80)
+    assert _merged_breakpoints([None]) is None

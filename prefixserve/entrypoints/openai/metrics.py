@@ -79,6 +79,11 @@ ENGINE_GAUGES = {
         "kv_cache_bytes_per_token",
         "Bytes of one token's K and V over every layer, as the pool stores them",
     ),
+    "kv_remote_connected": (
+        "kv_remote_connected",
+        "1 when the shared tier's latest call reached its server, 0 after a fault (with "
+        "replicas: how many are connected)",
+    ),
     "cache_ghost_entries": (
         "cache_ghost_entries",
         "Evicted block hashes remembered for cache reports (bounded by --cache-ghost-entries)",

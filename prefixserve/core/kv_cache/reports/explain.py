@@ -5,7 +5,8 @@ time, after its lookups (RAM pool, then disk tier) and before its own allocation
 anything, then `commit` once it is admitted and its disk reads are done (a read that failed
 turns into `evicted` on the disk tier): only committed reports are counted.
 `LLMEngine.explain_prompt` calls `explain_prompt` for a dry run (nothing scheduled, nothing
-counted). The checks for a missed block, in order: the disk
+counted). The checks for a missed block, in order: a fault of the shared tier on this
+request's own lookup or read (`tier_fault`), the disk
 tier (a stat: live but not loaded -> `disk_load_skipped`, past its expiry -> `expired`), the
 eviction ghosts (`evicted`), the same tenant's other namespaces (`salt_or_tenant`, `adapter`),
 else `never_seen`.
@@ -30,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from prefixserve.core.kv_cache.reports.recorder import BlockRecorder, Namespace
 from prefixserve.core.kv_cache.reports.report import REASONS, CacheReport
 from prefixserve.core.kv_cache.tier_hit import TierHit
+from prefixserve.core.kv_cache.tier_hit import TierHit
 
 if TYPE_CHECKING:
     from prefixserve.core.kv_cache.kv_cache_manager import KVCacheManager
@@ -48,6 +50,10 @@ class DiskProbe(Protocol):
 
     def loading_pays(self) -> bool:
         """Whether loading a block was measured faster than computing it."""
+
+    @property
+    def shares_tier(self) -> bool:
+        """Whether a tier shared across hosts is below the disk (or alone)."""
 
     def held(self, request: Any, num_computed_tokens: int) -> TierHit:
         """Tokens after a RAM hit the tiers below hold, contiguous (what a load would read)."""
@@ -80,6 +86,8 @@ class CacheExplainer:
         self.recorder = recorder
         self.block_hasher = block_hasher
         self.disk = disk
+        # Reports count the shared tier's tokens apart when the engine has one.
+        self.shares_tier = disk is not None and disk.shares_tier
         self.counts: dict[str, int] = dict.fromkeys(REASONS, 0)
         self.num_probes = 0
         # (request id, tenant, unix time, report) of the latest first schedulings, oldest first.
@@ -96,24 +104,27 @@ class CacheExplainer:
         waited = request.hit_when_waited is not None and (
             ram_tokens + below.tokens > request.hit_when_waited
         )
-        return self._report(request, ram_tokens, below.tokens, waited)
+        return self._report(request, ram_tokens, below, waited)
 
     def commit(self, request: Request, report: CacheReport, loaded: TierHit) -> CacheReport:
         """`request` was admitted with `report` and read `loaded` from the tiers below RAM: the
         final report, counted (unless the request is a later sample of a prompt), its lookup in
         the recent window, its namespace remembered for its tenant's later reports. Fewer tokens
         read than found means a block vanished or was damaged between the lookup and the read:
-        the first block not read is `evicted` from the disk tier."""
-        disk_loaded = loaded.tokens
-        if disk_loaded < report.disk_tokens:
-            report.disk_tokens = disk_loaded
-            report.hit_blocks = (report.ram_tokens + disk_loaded) // report.block_size
-            report.reason, report.first_miss_block = "evicted", report.hit_blocks
-            report.detail = {"tier": "disk"}
+        the first block not read is `evicted` from the tier it was found in (`detail.tier`), or
+        a `tier_fault` when the shared tier's fault lost it."""
+        found_on_disk, found = report.disk_tokens, report.disk_tokens + (report.remote_tokens or 0)
+        report.disk_tokens = loaded.disk_tokens
+        if report.remote_tokens is not None:
+            report.remote_tokens = loaded.remote_tokens
+        if loaded.tokens < found:
+            report.hit_blocks = report.cached_tokens // report.block_size
+            report.first_miss_block = report.hit_blocks
+            report.reason, report.detail = _lost_read(loaded, found_on_disk)
         if request.counted_in_reports:
             self.counts[report.reason] += 1
             self.recent.append((request.request_id, request.tenant, self.recorder.clock(), report))
-            self.recorder.on_lookup(report.prompt_tokens, report.ram_tokens + report.disk_tokens)
+            self.recorder.on_lookup(report.prompt_tokens, report.cached_tokens)
         self._remember(request)
         return report
 
@@ -122,10 +133,10 @@ class CacheExplainer:
         block that a cached sibling (same parent, same namespace) shares some tokens with gets
         `detail["differs_at_token"]`: the first prompt position where they part."""
         _, ram_tokens = self.manager.get_computed_blocks(request)
-        disk_tokens = 0
+        below = TierHit()
         if self.disk is not None and self.manager.enable_caching and self.disk.loading_pays():
-            disk_tokens = self.disk.held(request, ram_tokens).tokens
-        report = self._report(request, ram_tokens, disk_tokens, waited=False)
+            below = self.disk.held(request, ram_tokens)
+        report = self._report(request, ram_tokens, below, waited=False)
         if report.first_miss_block is not None and report.reason != "not_full_block":
             differs = self._differs_at(request, report.first_miss_block)
             if differs is not None:
@@ -135,11 +146,11 @@ class CacheExplainer:
     # ------------------------------------------------------------------ the reason
 
     def _report(
-        self, request: Request, ram_tokens: int, disk_tokens: int, waited: bool
+        self, request: Request, ram_tokens: int, below: TierHit, waited: bool
     ) -> CacheReport:
         bs = self.manager.block_size
         num_tokens = request.num_prompt_tokens
-        hit_blocks = (ram_tokens + disk_tokens) // bs
+        hit_blocks = (ram_tokens + below.tokens) // bs
         detail: dict[str, Any] = {}
         first_miss: int | None = hit_blocks
         if not self.manager.enable_caching or request.skip_reading_prefix_cache:
@@ -152,6 +163,9 @@ class CacheExplainer:
             # The block of the last token is never served, cached or not; say which.
             reason = "last_token_rule"
             detail["cached"] = self._cached(request, hit_blocks)
+        elif below.remote_fault is not None:
+            reason = "tier_fault"
+            detail.update(tier="remote", fault=below.remote_fault)
         else:
             reason = self._why_missed(request, hit_blocks, detail)
         return CacheReport(
@@ -159,7 +173,8 @@ class CacheExplainer:
             prompt_tokens=num_tokens,
             hit_blocks=hit_blocks,
             ram_tokens=ram_tokens,
-            disk_tokens=disk_tokens,
+            disk_tokens=below.disk_tokens,
+            remote_tokens=below.remote_tokens if self.shares_tier else None,
             reason=reason,
             first_miss_block=first_miss,
             detail=detail,
@@ -265,6 +280,15 @@ class CacheExplainer:
             if same < len(wanted):
                 best = max(best, same)
         return None if best < 0 else index * bs + best
+
+
+def _lost_read(loaded: TierHit, found_on_disk: int) -> tuple[str, dict[str, Any]]:
+    """The reason and detail of a run found below RAM that read only `loaded`: the shared
+    tier's fault, else `evicted` from the tier the lookup found the first unread block in (the
+    disk's run of `found_on_disk` tokens comes first, then the shared tier's)."""
+    if loaded.remote_fault is not None:
+        return "tier_fault", {"tier": "remote", "fault": loaded.remote_fault}
+    return "evicted", {"tier": "disk" if loaded.tokens < found_on_disk else "remote"}
 
 
 def _owner(request: Request) -> Any:

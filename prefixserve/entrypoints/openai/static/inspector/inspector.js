@@ -26,6 +26,7 @@
     salt_or_tenant: "#eeca3b",
     adapter: "#ff9da6",
     other_kv_dtype: "#9d755d",
+    tier_fault: "#d62728",
   };
   const EXTRA_COLORS = ["#bab0ac", "#439894", "#83bcb6", "#d67195"];
   const TENANT_COLORS = ["#4c78a8", "#f58518", "#54a24b", "#b279a2", "#72b7b2", "#eeca3b",
@@ -454,6 +455,32 @@
       drawBar($("tier-disk-bar"), [], 0);
       setValue("tier-disk", null, "disk tier off");
     }
+    renderRemoteTier(tiers.remote);
+  }
+
+  // The shared tier (--kv-remote): its counts since start, and whether its latest call
+  // reached the server; the bar: blocks it stored against writes it dropped.
+  function renderRemoteTier(remote) {
+    const row = $("tier-remote-row");
+    if (!remote || typeof remote !== "object") {
+      row.dataset.enabled = "false";
+      row.dataset.connected = "";
+      drawBar($("tier-remote-bar"), [], 0);
+      setValue("tier-remote", null, "shared tier off");
+      return;
+    }
+    row.dataset.enabled = "true";
+    row.dataset.connected = remote.connected ? "true" : "false";
+    const stored = isNum(remote.stored_blocks) ? remote.stored_blocks : 0;
+    const dropped = isNum(remote.dropped_writes) ? remote.dropped_writes : 0;
+    drawBar($("tier-remote-bar"), [
+      { label: "stored blocks", value: stored, color: "#54a24b" },
+      { label: "dropped writes", value: dropped, color: "#e45756" },
+    ], stored + dropped);
+    setValue("tier-remote", remote.hit_tokens, (remote.connected ? "connected" : "NOT connected") +
+      ", " + int(remote.hit_tokens) + " tokens served, " + int(stored) + " blocks stored, " +
+      int(dropped) + " writes dropped, " + int(remote.faults) + " faults, " +
+      int(remote.bad_values) + " bad values");
   }
 
   // ---- the prefix tree: nested lists, a <details> per node with children
@@ -563,6 +590,7 @@
       tr.appendChild(el("td", null, tenantLabel(entry.tenant)));
       tr.appendChild(el("td", "n", int(tok.ram)));
       tr.appendChild(el("td", "n", int(tok.disk)));
+      tr.appendChild(el("td", "n", int(tok.remote)));
       tr.appendChild(el("td", "n", int(tok.computed)));
       tr.appendChild(el("td", "n", int(rep.hit_blocks) + " / " + int(rep.prompt_full_blocks)));
       const reason = el("td", "reason");
