@@ -345,7 +345,8 @@ class KVStoreConnector:
     def _remote_metrics(self) -> dict[str, int]:
         """The shared tier's counters (none without one): tokens loaded from it, blocks it
         stored, writes dropped by its full queue or failed (a fault, a full server), faults of
-        its lookups and loads, and values that were damaged or foreign."""
+        its calls, values that were damaged or foreign, and whether its latest call reached the
+        server (`kv_remote_connected`, 1 or 0)."""
         if self.remote is None:
             return {}
         remote = self.remote.stats
@@ -355,7 +356,22 @@ class KVStoreConnector:
             "kv_remote_dropped_writes": remote["dropped"] + remote["store_failed"],
             "kv_remote_faults": sum(v for k, v in remote.items() if k.startswith("fault_")),
             "kv_remote_bad_values": remote["miss_corrupt"] + remote["miss_foreign"],
+            "kv_remote_connected": int(self.remote.connected),
         }
+
+    def remote_summary(self) -> dict[str, int | bool] | None:
+        """The shared tier as the operators' cache summary shows it (None without one): whether
+        it is connected, tokens loaded from it, blocks stored, dropped writes, faults, bad
+        values."""
+        metrics = self._remote_metrics()
+        if not metrics:
+            return None
+        prefix = "kv_remote_"
+        summary: dict[str, int | bool] = {
+            key.removeprefix(prefix): value for key, value in metrics.items()
+        }
+        summary["connected"] = bool(summary["connected"])
+        return summary
 
     def clear(self) -> int:
         """Forget the tier (a prefix-cache reset): drop the queued writes, wait for the one in

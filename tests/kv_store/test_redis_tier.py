@@ -35,7 +35,7 @@ def server(tmp_path):
 
 @pytest.fixture
 def tier(server):
-    t = RedisTier(server.url, NAMESPACE, socket_timeout_s=0.5)
+    t = RedisTier(server.url, NAMESPACE, socket_timeout_s=0.5, retry_after_s=0.0)
     yield t
     t.close()
 
@@ -102,6 +102,55 @@ def test_a_server_killed_and_restarted_is_a_miss_then_serves_again(tier, server)
     tier.submit_store(h, 0, TOKENS, b"kv")
     assert tier.flush()
     assert tier.lookup([h]) == 1  # reconnected by itself
+
+
+def test_after_a_fault_the_tier_is_not_called_for_a_while_and_counts_the_skipped_calls(server):
+    """A server that is down costs one socket timeout per back-off, not one per request: the
+    calls meanwhile are misses at once, counted; none is an error."""
+    tier = RedisTier(server.url, NAMESPACE, retry_after_s=3600.0)
+    try:
+        h = _hashes(1)[0]
+        server.stop()
+        assert tier.probe([h]) == (0, "unreachable")
+        assert tier.fetch(h, 0, TOKENS) == (None, "unreachable")
+        tier.submit_store(h, 0, TOKENS, b"kv")
+        assert tier.flush()
+        assert tier.stats["fault_lookup"] == 1 and tier.stats["fault_load"] == 0
+        assert tier.stats["skipped_down"] == 2 and tier.stats["store_failed"] == 1
+        assert not tier.connected
+    finally:
+        tier.close()
+
+
+def test_a_restarted_server_gets_this_hosts_seed_back(tier, server):
+    """A restarted server is empty: the first call that reaches it again puts the seed back,
+    so a host that joins after the restart hashes like the running ones."""
+    seed = tier.shared_seed()
+    server.stop()
+    assert tier.lookup(_hashes(1)) == 0 and not tier.connected
+    server.start()
+    assert tier.lookup(_hashes(1)) == 0 and tier.connected
+    assert server.client().get(b"psk:seed") == seed
+    joining = RedisTier(server.url, OTHER_NAMESPACE)
+    try:
+        assert joining.shared_seed() == seed
+    finally:
+        joining.close()
+
+
+def test_a_server_that_holds_another_seed_after_a_restart_is_not_used_again(tier, server):
+    """Another host created another seed in the restarted server first: this host's hashes no
+    longer match the server's, so it stops using it (misses, counted), never mixes them."""
+    tier.shared_seed()
+    h = _hashes(1)[0]
+    server.stop()
+    tier.lookup([h])
+    server.start()
+    server.client().set(b"psk:seed", b"s" * 32)
+    tier.submit_store(h, 0, TOKENS, b"kv")
+    assert tier.flush()
+    assert tier.seed_mismatch and not tier.connected
+    assert tier.lookup([h]) == 0 and tier.stats["skipped_seed_mismatch"] >= 1
 
 
 def test_a_server_down_at_start_is_a_miss_not_an_error(tmp_path):

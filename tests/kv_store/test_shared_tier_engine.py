@@ -128,3 +128,188 @@ def test_a_reset_without_a_disk_tier_keeps_the_shared_tier(server, default_model
     assert again.num_cached_tokens == _loadable_tokens(again)
     assert _bits(again) == _bits(first)
     _close(llm)
+
+
+# ---------------------------------------------------------------------- reports (tier: remote)
+
+REPORT = SamplingParams(max_tokens=8, temperature=0, logprobs=1, cache_report=True)
+
+
+def _report(llm: LLM, prompt) -> tuple[dict, object]:
+    output = llm.generate([prompt], REPORT, use_tqdm=False)[0]
+    return output.cache_report, output
+
+
+def test_the_cache_report_counts_tokens_from_the_shared_tier_apart(
+    server, tmp_path, default_model_fp32
+):
+    """A host whose disk holds the first blocks of a prompt and whose server holds the rest
+    loads each block from the nearest tier: its report says how many came from each, and its
+    outputs are a cold start's bits."""
+    cold = _run(_host(default_model_fp32, None))
+    ids = list(cold.prompt_token_ids)
+    short = {"prompt_token_ids": ids[: 2 * BLOCK + 1]}  # its 2 full blocks reach the disk
+    disk_host = _host(default_model_fp32, server.url, tmp_path / "disk")
+    _run(disk_host, short)
+    disk_host.llm_engine.close()
+    computing = _host(default_model_fp32, server.url)  # diskless: its blocks reach the server
+    _run(computing)
+    _flush(computing)
+    rejoined = _host(default_model_fp32, server.url, tmp_path / "disk")  # same disk, empty RAM
+    report, warm = _report(rejoined, {"prompt_token_ids": ids})
+    loadable = _loadable_tokens(warm)
+    assert report["tokens"] == {
+        "ram": 0,
+        "disk": 2 * BLOCK,
+        "remote": loadable - 2 * BLOCK,
+        "computed": len(ids) - loadable,
+    }
+    assert _bits(warm) == _bits(cold)
+    metrics = rejoined.llm_engine.get_metrics()
+    assert metrics["kv_store_hit_tokens"] == 2 * BLOCK
+    assert metrics["kv_remote_hit_tokens"] == loadable - 2 * BLOCK
+    _close(computing, rejoined)
+
+
+def test_an_engine_without_a_shared_tier_reports_no_remote_tokens(default_model_fp32):
+    report, _ = _report(_host(default_model_fp32, None), PROMPT)
+    assert "remote" not in report["tokens"]
+
+
+def test_a_shared_tier_down_mid_run_is_a_tier_fault_miss_counted_by_reason(
+    server, default_model_fp32
+):
+    """The server killed between two requests: the second completes with the cold start's bits,
+    computed; its report says `tier_fault` (remote, unreachable), and the reason, the faults and
+    the lost connection are counted in the metrics and the summary."""
+    llm = _host(default_model_fp32, server.url)
+    first = _run(llm)
+    _flush(llm)
+    server.stop()
+    assert llm.reset_prefix_cache()  # the RAM pool forgets: the next lookup goes to the server
+    report, again = _report(llm, PROMPT)
+    assert again.num_cached_tokens == 0 and _bits(again) == _bits(first)
+    assert report["reason"] == "tier_fault"
+    assert report["detail"] == {"tier": "remote", "fault": "unreachable"}
+    assert report["tokens"]["remote"] == 0
+    metrics = llm.llm_engine.get_metrics()
+    assert metrics["cache_miss_tier_fault"] == 1
+    assert metrics["kv_remote_faults"] >= 1 and metrics["kv_remote_connected"] == 0
+    remote = llm.llm_engine.cache_summary()["tiers"]["remote"]
+    assert remote["connected"] is False and remote["faults"] >= 1
+    _close(llm)
+
+
+def test_a_damaged_value_on_the_shared_tier_is_a_tier_fault_bad_value(server, default_model_fp32):
+    """Every value on the server damaged after it was written: the lookup finds the blocks, the
+    read rejects the first one (checksum), the request computes it and every later one, and its
+    report says `tier_fault` (remote, bad_value)."""
+    llm = _host(default_model_fp32, server.url)
+    first = _run(llm)
+    _flush(llm)
+    raw = server.client()
+    for key in raw.scan_iter(match="psk:*:*"):
+        value = raw.get(key)
+        raw.set(key, value[:-8] + bytes(8))
+    assert llm.reset_prefix_cache()
+    report, again = _report(llm, PROMPT)
+    assert again.num_cached_tokens == 0 and _bits(again) == _bits(first)
+    assert report["reason"] == "tier_fault"
+    assert report["detail"] == {"tier": "remote", "fault": "bad_value"}
+    metrics = llm.llm_engine.get_metrics()
+    assert metrics["kv_remote_bad_values"] == 1 and metrics["cache_miss_tier_fault"] == 1
+    _close(llm)
+
+
+def test_a_tenant_cannot_tell_another_tenants_prefix_on_the_shared_tier_from_one_never_seen(
+    server, default_model_fp32
+):
+    """Tenant a's prompt sits on the server; tenant b's report of the same prompt is the report
+    of a prompt nobody sent (same reason, tokens, detail), with the same probes made."""
+    writer = _host(default_model_fp32, server.url)
+    writer.generate([{"prompt": PROMPT, "cache_salt": "tenant-a"}], PARAMS, use_tqdm=False)
+    _flush(writer)
+    reader = _host(default_model_fp32, server.url)
+    explainer = reader.llm_engine.explainer
+
+    def seen_by_b(prompt: str) -> tuple[dict, int]:
+        probes = explainer.num_probes
+        report, _ = _report(reader, {"prompt": prompt, "cache_salt": "tenant-b"})
+        return report, explainer.num_probes - probes
+
+    other_tenants, probes_a = seen_by_b(PROMPT)
+    never_sent, probes_never = seen_by_b(PROMPT.replace("lighthouse", "windmill"))
+    assert other_tenants["reason"] == never_sent["reason"] == "never_seen"
+    assert other_tenants["tokens"]["remote"] == never_sent["tokens"]["remote"] == 0
+    assert other_tenants["detail"] == never_sent["detail"] and probes_a == probes_never
+    _close(writer, reader)
+
+
+# ---------------------------------------------------------------------- reconnection
+
+PROMPTS = [f"Story {i}: " + PROMPT for i in range(4)]
+
+
+def _drain(llm: LLM) -> dict:
+    """Step the engine until every request finished; their last outputs by request id."""
+    engine, finished = llm.llm_engine, {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+    return finished
+
+
+def _hit_from_the_server_again(llm: LLM, deadline_s: float = 120.0) -> dict:
+    """Send fresh prompts (computed, written, the RAM pool reset, sent again) until one loads
+    from the server: the tier backs off after faults, then reconnects by itself. The deadline
+    only keeps a broken engine from hanging the test."""
+    import time
+
+    stop = time.monotonic() + deadline_s
+    attempt = 0
+    while time.monotonic() < stop:
+        attempt += 1
+        prompt = f"Attempt {attempt}: " + OTHER
+        _run(llm, prompt)
+        llm.llm_engine.kv_connector.remote.flush()
+        assert llm.reset_prefix_cache()
+        report, _ = _report(llm, prompt)
+        if report["tokens"]["remote"] > 0:
+            return report
+        time.sleep(0.2)
+    raise AssertionError("the engine never loaded from the restarted server")
+
+
+def test_the_engine_reconnects_by_itself_after_the_server_is_killed_and_restarted(
+    server, default_model_fp32
+):
+    """The server killed by its PID while requests run: every request completes with its cold
+    start's greedy tokens, those admitted after the kill are `tier_fault` misses, counted; the
+    server restarted on the same socket (empty): the engine reconnects by itself and hits
+    return."""
+    llm = _host(default_model_fp32, server.url)
+    cold = {p: _bits(_run(llm, p))[0] for p in PROMPTS}
+    _flush(llm)
+    assert llm.reset_prefix_cache()
+    engine = llm.llm_engine
+    ids = {p: llm.get_tokenizer().encode(p) for p in PROMPTS}
+    for p in PROMPTS[:2]:
+        engine.add_request(p, ids[p], REPORT)
+    engine.step()  # admitted: their blocks load from the server
+    server.stop()
+    for p in PROMPTS[2:]:
+        engine.add_request(p, ids[p], REPORT)
+    finished = _drain(llm)
+    assert sorted(finished) == sorted(PROMPTS)
+    for p, output in finished.items():
+        assert _bits(output)[0] == cold[p], p  # greedy tokens (run in another batch)
+    assert all(finished[p].cache_report["tokens"]["remote"] > 0 for p in PROMPTS[:2])
+    assert [finished[p].cache_report["reason"] for p in PROMPTS[2:]] == ["tier_fault"] * 2
+    metrics = engine.get_metrics()
+    assert metrics["cache_miss_tier_fault"] == 2 and metrics["kv_remote_connected"] == 0
+    server.start()
+    report = _hit_from_the_server_again(llm)
+    assert report["reason"] != "tier_fault"
+    assert engine.get_metrics()["kv_remote_connected"] == 1
+    _close(llm)

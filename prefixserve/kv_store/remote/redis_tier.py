@@ -15,7 +15,14 @@ check), payload and checksum; a value that is not exactly the asked-for block is
 
 Faults are misses, never errors: a server that is down, slow (socket timeout), full (OOM
 errors), or that holds damaged, truncated or foreign values makes `lookup` return 0 and `load`
-None, and counts the cause in `stats`; redis-py's pool reconnects by itself on the next call.
+None, and counts the cause in `stats`. After a fault the tier is not called for `retry_after_s`
+(doubling on each fault in a row, up to `MAX_RETRY_AFTER_S`): every call meanwhile is a miss
+at once (counted `skipped_down`), so a server that is down costs the step thread one socket
+timeout per back-off, not one per request. The call after it reconnects (redis-py's pool opens a
+new connection) and, when it succeeds, puts this host's seed back if the server lost it (a
+restarted server is empty): hosts that join later then hash like the running ones. A server
+that holds another seed by then is not used again (`seed_mismatch`): its blocks hash
+otherwise.
 The password, if any, comes from a file (never from the URL or the command line).
 """
 
@@ -41,6 +48,10 @@ KEY_PREFIX = b"psk:"
 DEFAULT_SOCKET_TIMEOUT_S = 0.5
 DEFAULT_QUEUE_ITEMS = 1024
 DEFAULT_QUEUE_BYTES = 256 * 2**20
+# Seconds the tier is not called after a fault (doubled on each fault in a row, up to the max).
+DEFAULT_RETRY_AFTER_S = 1.0
+MAX_RETRY_AFTER_S = 8.0
+SEED_KEY = KEY_PREFIX + b"seed"
 
 
 class RemoteConfigError(ValueError):
@@ -94,6 +105,7 @@ class RedisTier:
         socket_timeout_s: float = DEFAULT_SOCKET_TIMEOUT_S,
         max_queue_items: int = DEFAULT_QUEUE_ITEMS,
         max_queue_bytes: int = DEFAULT_QUEUE_BYTES,
+        retry_after_s: float = DEFAULT_RETRY_AFTER_S,
     ) -> None:
         import redis
 
@@ -111,6 +123,14 @@ class RedisTier:
         )
         self._errors = (redis.RedisError, OSError)
         self.stats: Counter[str] = Counter()
+        # Whether the latest call reached the server (False until one did, and after a fault).
+        self.connected = False
+        self.retry_after_s = retry_after_s
+        self._backoff_s = retry_after_s
+        self._retry_at = 0.0  # monotonic time before which the server is not called
+        self._seed: bytes | None = None  # the seed this host hashes with (`shared_seed`)
+        self._seed_lost = False  # a fault since: check the server still holds it
+        self.seed_mismatch = False
         self._max_queue_bytes = max_queue_bytes
         self._queued_bytes = 0
         self._lock = threading.Lock()
@@ -133,6 +153,8 @@ class RedisTier:
         """`lookup`, and "unreachable" when a fault answered it (else None)."""
         if not block_hashes:
             return 0, None
+        if not self._callable():
+            return 0, "unreachable"
         try:
             pipe = self._client.pipeline(transaction=False)
             for block_hash in block_hashes:
@@ -141,6 +163,7 @@ class RedisTier:
         except self._errors as exc:
             self._fault("lookup", exc)
             return 0, "unreachable"
+        self._reached()
         count = 0
         for found in held:
             if not found:
@@ -157,12 +180,17 @@ class RedisTier:
         self, block_hash: bytes, group: int, token_ids: Sequence[int]
     ) -> tuple[bytes | None, str | None]:
         """`load`, and why it missed: "absent" (not held, or aged out since the lookup),
-        "unreachable" (a fault) or "bad_value" (damaged, truncated, foreign, other tokens)."""
+        "unreachable" (a fault) or "bad_value" (damaged, truncated, foreign, other tokens: the
+        value is deleted, so that the next host to compute the block writes it again)."""
+        key = self.key(block_hash, group)
+        if not self._callable():
+            return None, "unreachable"
         try:
-            value = self._client.get(self.key(block_hash, group))
+            value = self._client.get(key)
         except self._errors as exc:
             self._fault("load", exc)
             return None, "unreachable"
+        self._reached()
         if value is None:
             self.stats["miss_absent"] += 1
             return None, "absent"
@@ -172,6 +200,7 @@ class RedisTier:
             )
         except RecordError as exc:
             self.stats[f"miss_{exc.kind}"] += 1
+            self._drop(key)
             return None, "bad_value"
         self.stats["hits"] += 1
         return payload, None
@@ -247,6 +276,23 @@ class RedisTier:
                 self._queue.task_done()
 
     def _send(self, batch: list[_Store]) -> None:
+        if not self._callable():
+            self.stats["store_failed"] += len(batch)
+            written = []
+        else:
+            written = self._send_pipeline(batch)
+        for result in written:
+            if isinstance(result, Exception):
+                self.stats["store_failed"] += 1  # e.g. OOM: maxmemory without an eviction policy
+            elif result:
+                self.stats["stored"] += 1
+            else:
+                self.stats["store_deduplicated"] += 1  # another host wrote it first
+        with self._lock:
+            self._queued_bytes -= sum(item.nbytes for item in batch)
+
+    def _send_pipeline(self, batch: list[_Store]) -> list:
+        """The results of one pipeline of `SET NX` for `batch` ([] after a fault, counted)."""
         try:
             pipe = self._client.pipeline(transaction=False)
             for item in batch:
@@ -262,16 +308,9 @@ class RedisTier:
         except self._errors as exc:
             self._fault("store", exc)
             self.stats["store_failed"] += len(batch)
-            written = []
-        for result in written:
-            if isinstance(result, Exception):
-                self.stats["store_failed"] += 1  # e.g. OOM: maxmemory without an eviction policy
-            elif result:
-                self.stats["stored"] += 1
-            else:
-                self.stats["store_deduplicated"] += 1  # another host wrote it first
-        with self._lock:
-            self._queued_bytes -= sum(item.nbytes for item in batch)
+            return []
+        self._reached()
+        return written
 
     # ------------------------------------------------------------------ seed
 
@@ -279,10 +318,19 @@ class RedisTier:
         """The hash chain's seed the hosts share: created once in the server (`SET NX`), then
         read by every host; None when the server cannot be reached (the caller then runs
         without the tier: a host whose seed differs would never hit, and must not write)."""
-        key = KEY_PREFIX + b"seed"
+        seed = self._put_seed(secrets.token_bytes(32))
+        if seed is None:
+            return None
+        self._seed = seed
+        self.connected = True
+        return seed
+
+    def _put_seed(self, candidate: bytes) -> bytes | None:
+        """`SET NX` the seed, then the server's (`candidate` unless another was there); None on
+        a fault or a value that is not a seed."""
         try:
-            self._client.set(key, secrets.token_bytes(32), nx=True)
-            seed = self._client.get(key)
+            self._client.set(SEED_KEY, candidate, nx=True)
+            seed = self._client.get(SEED_KEY)
         except self._errors as exc:
             self._fault("seed", exc)
             return None
@@ -290,6 +338,35 @@ class RedisTier:
             self.stats["miss_foreign"] += 1
             return None
         return seed
+
+    # ------------------------------------------------------------------ faults and reconnection
+
+    def _callable(self) -> bool:
+        """Whether to call the server now: not while backing off after a fault (nor ever again
+        once it holds another seed); a skipped call is counted."""
+        if self.seed_mismatch:
+            self.stats["skipped_seed_mismatch"] += 1
+            return False
+        if time.monotonic() < self._retry_at:
+            self.stats["skipped_down"] += 1
+            return False
+        return True
+
+    def _reached(self) -> None:
+        """A call succeeded: connected again, the back-off reset, and after a fault the seed
+        checked (put back where the server lost it)."""
+        self.connected = True
+        self._backoff_s = self.retry_after_s
+        if self._seed_lost and self._seed is not None:
+            self._seed_lost = False
+            seed = self._put_seed(self._seed)
+            if seed is not None and seed != self._seed:
+                self.seed_mismatch = True
+                self.connected = False
+                logger.warning(
+                    "kv-remote: the server holds another hash seed since it came back (another "
+                    "host created it after a restart); this host no longer uses it"
+                )
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -302,6 +379,17 @@ class RedisTier:
         self._writer.join(timeout=10.0)
         self._client.close()
 
+    def _drop(self, key: bytes) -> None:
+        """Delete a value that failed its checks (a fault here is only counted)."""
+        try:
+            self._client.delete(key)
+        except self._errors as exc:
+            self._fault("delete", exc)
+
     def _fault(self, what: str, exc: BaseException) -> None:
+        self.connected = False
+        self._seed_lost = True
+        self._retry_at = time.monotonic() + self._backoff_s
+        self._backoff_s = min(MAX_RETRY_AFTER_S, max(self._backoff_s * 2, self.retry_after_s))
         self.stats[f"fault_{what}"] += 1
         logger.debug("kv-remote %s failed: %s", what, exc)
