@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 from prefixserve.core.kv_cache.reports.recorder import BlockRecorder, Namespace
 from prefixserve.core.kv_cache.reports.report import REASONS, CacheReport
 from prefixserve.core.kv_cache.tier_hit import TierHit
-from prefixserve.core.kv_cache.tier_hit import TierHit
 
 if TYPE_CHECKING:
     from prefixserve.core.kv_cache.kv_cache_manager import KVCacheManager
