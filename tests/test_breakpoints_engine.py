@@ -126,3 +126,22 @@ def test_a_breakpoint_is_refused_rather_than_strand_a_queued_request(engine):
     assert finals["big"].error is None
     assert finals["holder"].num_cache_write_tokens == 0
     assert engine.kv_cache_manager.breakpoints.num_blocks == 0
+
+
+def test_a_prompts_samples_write_its_breakpoint_once(engine):
+    system = random_tokens(5 * BLOCK, seed=13)
+    params = SamplingParams(temperature=0.8, seed=1, n=3, max_tokens=2)
+    engine.add_request(
+        "n3",
+        system + [5, 6],
+        params,
+        tenant="t",
+        cache_breakpoints=(CacheBreakpoint(len(system), 300),),
+    )
+    finals = []
+    while engine.has_unfinished_requests():
+        finals += [out for out in engine.step() if out.finished]
+    [final] = finals
+    assert final.num_cache_write_tokens == 5 * BLOCK
+    assert engine.get_metrics()["prefix_cache_write_tokens"] == 5 * BLOCK
+    assert len(engine.kv_cache_manager.breakpoints) == 1

@@ -276,3 +276,20 @@ def test_replicas_held_breakpoints_merge_into_one_view():
     assert merged["tenants"]["b"]["blocks"] == 1
     assert (merged["held_blocks"], merged["capacity_blocks"], merged["write_tokens"]) == (8, 20, 80)
     assert _merged_breakpoints([None]) is None
+
+
+def test_a_pin_and_a_breakpoint_on_one_prefix_each_hold_it_until_both_let_go():
+    mgr, clock = _manager()
+    mgr.pins.capacity_blocks = 4
+    _run_and_hold(mgr, "sys", SYSTEM + [9], ttl=300)
+    assert mgr.pin_prefix("pin", make_request("probe", SYSTEM)) == 8
+    assert mgr.num_held_blocks == 2
+    assert mgr.pins.unpin("pin")
+    _fill(mgr, 6)
+    assert _hit(mgr, SYSTEM) == 8  # the breakpoint still holds it
+    clock.now += 301
+    mgr.expire_breakpoints()
+    mgr.pin_prefix("pin2", make_request("probe", SYSTEM))
+    _fill(mgr, 7)
+    assert _hit(mgr, SYSTEM) == 8  # and now the pin alone
+    mgr.check_no_leaks()
