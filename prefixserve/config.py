@@ -39,6 +39,12 @@ def _invalid(name: str, value: object, allowed: str) -> ValueError:
     return ValueError(f"{name} must be {allowed}, got {value!r}")
 
 
+def _check_optional_count(name: str, value: object) -> None:
+    """None or an int >= 0 (a count of blocks)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise _invalid(name, value, "None or an integer >= 0")
+
+
 def _check_positive_int(name: str, value: object, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
@@ -85,18 +91,12 @@ class CacheConfig:
                 self.cache_ghost_entries,
                 f"an integer in [0, {MAX_GHOST_ENTRIES}]",
             )
-        if self.max_pinned_blocks is not None and (
-            isinstance(self.max_pinned_blocks, bool)
-            or not isinstance(self.max_pinned_blocks, int)
-            or self.max_pinned_blocks < 0
+        for name in (
+            "max_pinned_blocks",
+            "max_breakpoint_blocks",
+            "max_breakpoint_blocks_per_tenant",
         ):
-            raise _invalid("max_pinned_blocks", self.max_pinned_blocks, "None or an integer >= 0")
-        for name in ("max_breakpoint_blocks", "max_breakpoint_blocks_per_tenant"):
-            value = getattr(self, name)
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int) or value < 0
-            ):
-                raise _invalid(name, value, "None or an integer >= 0")
+            _check_optional_count(name, getattr(self, name))
         if self.block_size > 1024:
             raise _invalid("block_size", self.block_size, "at most 1024")
         _check_positive_int("num_kv_blocks", self.num_kv_blocks, allow_none=True)
