@@ -356,3 +356,27 @@ def test_openais_24h_retention_holds_the_prompt_for_the_openai_sdk(server):
 
 def test_no_block_leaks_after_the_messages_tests(server):
     server.check_no_leaks()
+
+
+def test_the_inspector_shows_writes_reads_and_each_tenants_held_breakpoints(server):
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from tests.helpers.browser import chromium, send_key
+
+    _ask(_client(server, KEY_BETA), _system(), "Q")
+    with chromium() as driver:
+        send_key(driver, KEY_ADMIN)
+        driver.get(server.url + "/inspector")
+        shown = WebDriverWait(driver, 60, poll_frequency=0.2).until(
+            lambda d: d.execute_script(
+                "const row = document.querySelector('#breakpoints tr[data-tenant=\"beta\"]');"
+                "const writes = document.getElementById('cache-writes').dataset.value;"
+                "return row && Number(writes) > 0 ? {"
+                " blocks: Number(row.children[2].textContent.replace(/,/g, '')),"
+                " writes: Number(writes),"
+                " reads: document.getElementById('cache-reads').dataset.value} : null;"
+            ),
+            message="the inspector never showed beta's held breakpoint",
+        )
+    assert shown["blocks"] >= 12 and shown["writes"] >= 200
+    assert shown["reads"] != ""

@@ -219,6 +219,7 @@
     drawMissReasons();
     renderPool(s);
     renderTiers(s);
+    renderBreakpoints(s.breakpoints);
     renderTree(s.tree);
     renderReports(s.recent_reports || []);
   }
@@ -237,6 +238,10 @@
     const pins = s.pins || {};
     setValue("pins-count", pins.count, int(pins.count));
     setValue("pins-blocks", pins.blocks, int(pins.blocks));
+    const bp = s.breakpoints || {};
+    setValue("cache-writes", bp.write_tokens, int(bp.write_tokens));
+    const all = s.all_tokens || {};
+    setValue("cache-reads", all.hits, int(all.hits));
     setValue("block-size", s.block_size, int(s.block_size));
     const kv = s.kv_cache || {};
     setValue("kv-dtype", kv.dtype, typeof kv.dtype === "string" ? kv.dtype : "—");
@@ -433,6 +438,30 @@
       li.appendChild(el("b", null, int(seg.value)));
       legend.appendChild(li);
     });
+  }
+
+  // Clients' held breakpoints: the bounds, then one row per tenant holding any.
+  function renderBreakpoints(bp) {
+    bp = bp || {};
+    setValue("breakpoint-blocks", bp.held_blocks, int(bp.held_blocks));
+    setValue("breakpoint-capacity", bp.capacity_blocks, int(bp.capacity_blocks));
+    setValue("breakpoint-budget", bp.tenant_budget_blocks, int(bp.tenant_budget_blocks));
+    const table = $("breakpoints");
+    const body = table.querySelector("tbody");
+    clear(body);
+    const tenants = bp.tenants && typeof bp.tenants === "object" ? bp.tenants : {};
+    const names = Object.keys(tenants).sort((a, b) => (tenants[b].blocks || 0) - (tenants[a].blocks || 0));
+    names.forEach((name) => {
+      const row = tenants[name] || {};
+      const tr = el("tr");
+      tr.dataset.tenant = name;
+      tr.appendChild(el("td", null, tenantLabel(name === "" ? null : name)));
+      tr.appendChild(el("td", "n", int(row.breakpoints)));
+      tr.appendChild(el("td", "n", int(row.blocks)));
+      tr.appendChild(el("td", "n", int(row.tokens)));
+      body.appendChild(tr);
+    });
+    table.dataset.rows = String(names.length);
   }
 
   function renderTiers(s) {
