@@ -222,8 +222,8 @@ class LLM:
     ) -> list[LoRARequest | None]:
         if lora_request is None or isinstance(lora_request, LoRARequest):
             return [lora_request] * num_prompts
-        loras = list(lora_request)
-        if len(loras) != num_prompts or not all(
+        loras = list(lora_request) if isinstance(lora_request, Sequence) else None
+        if loras is None or len(loras) != num_prompts or not all(
             r is None or isinstance(r, LoRARequest) for r in loras
         ):
             raise ValueError(
@@ -289,8 +289,9 @@ class LLM:
         ids, _, salt, embeds = self._parse_prompt(prompt, 0)
         if embeds is not None:
             raise ValueError("explain takes token ids or text, not prompt_embeds")
+        [lora] = self._lora_list(lora_request, 1)
         report = self.llm_engine.explain_prompt(
-            ids, cache_salt=derive_cache_salt(None, salt), lora_request=lora_request
+            ids, cache_salt=derive_cache_salt(None, salt), lora_request=lora
         )
         return {**report.to_dict(), "summary": describe_report(report)}
 

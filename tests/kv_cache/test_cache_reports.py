@@ -362,3 +362,15 @@ def test_a_prompts_samples_count_once(tiny):
     finals = [o for _ in range(50) for o in engine.step() if o.finished]
     assert finals[0].cache_report["reason"] == "never_seen"
     assert sum(engine.explainer.counts.values()) == 1 and len(engine.explainer.recent) == 1
+
+
+@pytest.mark.parametrize("bad", ["x", 3, [None, None]])
+def test_explain_refuses_a_lora_request_that_is_not_one_as_generate_does(tiny, bad):
+    loaded, _ = tiny
+    llm = LLM(loaded_model=loaded, dtype="float32", block_size=BLOCK, num_kv_blocks=64)
+    prompt = {"prompt_token_ids": tokens(2 * BLOCK, seed=3)}
+    with pytest.raises(ValueError, match="lora_request must be None") as from_generate:
+        llm.generate([prompt], SamplingParams(max_tokens=1), lora_request=bad)
+    with pytest.raises(ValueError, match="lora_request must be None") as from_explain:
+        llm.explain(prompt, lora_request=bad)
+    assert str(from_explain.value) == str(from_generate.value)
