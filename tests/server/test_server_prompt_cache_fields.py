@@ -51,3 +51,17 @@ def test_prompt_cache_key_is_accepted_within_its_bound_and_handed_on_as_a_routin
     assert engine.added[0].prompt_cache_key == "k" * MAX_PROMPT_CACHE_KEY_CHARS
     result = _post(app, path, prompt_cache_key="k" * (MAX_PROMPT_CACHE_KEY_CHARS + 1))
     assert result.status == 400 and "prompt_cache_key" in result.body.decode()
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("bad", ["yes", "on", "true", 1, 0, None])
+def test_cache_report_takes_a_json_bool_only_as_the_offline_api_does(path, bad):
+    from prefixserve.sampling_params import SamplingParams
+
+    with pytest.raises(ValueError, match="cache_report"):
+        SamplingParams(cache_report=bad)
+    engine = RecordingEngine()
+    app = build_app(engine, ["m"])  # type: ignore[arg-type]
+    result = _post(app, path, cache_report=bad)
+    assert result.status == 400 and not engine.added
+    assert result.json()["error"]["param"] == "cache_report"

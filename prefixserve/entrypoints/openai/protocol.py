@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationInfo, field_validator
 
 from prefixserve.core.kv_cache.salts import validate_cache_salt
 from prefixserve.sampling_params import (
@@ -78,7 +78,8 @@ class _SamplingFields(_Request):
     prompt_cache_key: str | None = Field(None, max_length=MAX_PROMPT_CACHE_KEY_CHARS)
     # prefixserve's extra: where the prompt's tokens came from and why the first missed block
     # missed (docs/cache_reports.md), as `cache_report` in the response or the last chunk.
-    cache_report: bool = False
+    # Strict, as SamplingParams checks it offline: "yes", "on", 1 and 0 are refused.
+    cache_report: StrictBool = False
 
     @field_validator("seed")
     @classmethod
