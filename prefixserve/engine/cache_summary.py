@@ -97,6 +97,7 @@ def merge_summaries(per_replica: dict[int, dict[str, Any]]) -> dict[str, Any]:
     disks = [p["tiers"]["disk"] for p in parts if p["tiers"]["disk"] is not None]
     merged = {
         "time": max(p["time"] for p in parts),
+        "build_s": max(p.get("build_s", 0.0) for p in parts),
         "block_size": first["block_size"],
         "kv_cache": first.get("kv_cache"),
         "replicas": sorted(per_replica),

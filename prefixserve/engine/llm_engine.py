@@ -539,7 +539,8 @@ class LLMEngine:
 
     def cache_summary(self, include_text: bool = False) -> dict[str, Any]:
         """The cache-wide summary operators read (`engine/cache_summary.py`); prefix text only
-        with `include_text`."""
+        with `include_text`. `build_s`: the seconds building it took (on the step thread)."""
+        start = time.perf_counter()
         decode = self.tokenizer.decode if include_text else None
         fmt = self.kv_cache_format()
         kv_cache = {
@@ -550,6 +551,8 @@ class LLMEngine:
             self.kv_cache_manager, self.explainer, self.kv_connector, decode, kv_cache
         )
         summary["breakpoints"] = self.describe_breakpoints()
+        # Its own time, for the callers that space rebuilds by it (serving_cache.SummaryFeed).
+        summary["build_s"] = time.perf_counter() - start
         return summary
 
     def describe_breakpoints(self) -> dict[str, Any]:

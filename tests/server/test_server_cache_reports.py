@@ -325,6 +325,8 @@ def test_event_streams_are_bounded_and_given_back(live):
                 extra = open_stream(http)
                 extra.close()
                 assert extra.status_code == 429
+                # A capacity refusal, as every other 429 of the server: when to come back.
+                assert int(extra.headers["Retry-After"]) >= 1
             finally:
                 for s in streams:
                     s.close()
@@ -337,3 +339,27 @@ def test_event_streams_are_bounded_and_given_back(live):
                     break
                 time.sleep(0.2)
             assert status == 200
+
+
+def test_a_summary_build_counts_its_own_time_not_the_wait_for_a_long_step(live):
+    """The feed spaces rebuilds by the build's own time; a build queued behind a long step
+    (here the step thread held for 3 s) must not count that wait, or the inspector freezes for
+    20x that step after one long prompt."""
+    from prefixserve.entrypoints.openai.serving_cache import SummaryFeed
+
+    engine = live.engine
+    feed = SummaryFeed(engine)
+
+    async def build_behind_a_long_step() -> float:
+        hold = asyncio.ensure_future(engine.run_in_engine(lambda e: time.sleep(3.0)))
+        await asyncio.sleep(0.2)  # the step thread is in the long "step" now
+        start = time.monotonic()
+        await feed.get(False)
+        waited = time.monotonic() - start
+        await hold
+        return waited
+
+    waited = asyncio.run(build_behind_a_long_step())
+    assert waited >= 2.0  # the build really waited behind the step
+    assert feed.build_s < 1.0  # and its own time is what the feed counts
+    assert feed.current_interval_s < 20.0

@@ -11,8 +11,9 @@ Operator-only, like every route that is not a tenant's (guard.py); the /inspecto
 take the key as HTTP Basic (a browser's login prompt: any user name, the key as the password).
 The summary names tenants and request ids, so no tenant key reads it. The summary is built on the
 engine's step thread, so however many pages and callers ask, each kind (with or without text)
-is built at most once per interval, and the interval grows with the build's time
-(`SummaryFeed`); at most MAX_EVENT_STREAMS streams are served at once (429 past it). Without API
+is built at most once per interval, and the interval grows with the build's own time, as the
+engine measures it (`SummaryFeed`); at most MAX_EVENT_STREAMS streams are served at once (429
+with Retry-After past it). Without API
 keys every route is open to the one trusted user, but prefix text is refused (it would cross
 the clients' salts).
 """
@@ -31,7 +32,7 @@ from fastapi.responses import FileResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
 from prefixserve.engine.client import EngineClient
-from prefixserve.entrypoints.openai.errors import OpenAIError
+from prefixserve.entrypoints.openai.errors import OpenAIError, capacity_refusal
 from prefixserve.entrypoints.openai.serving import ServerState
 
 STATIC_DIR = Path(__file__).parent / "static" / "inspector"
@@ -81,9 +82,10 @@ class SummaryFeed:
             if cached is not None and now - cached[0] < self.current_interval_s:
                 return cached[1]
             summary = await self.engine.cache_summary(include_text)
-            done = time.monotonic()
-            self.build_s = done - now
-            self._latest[include_text] = (done, summary)
+            # The build's own time, measured by the engine: not the wait for the step thread
+            # (behind a long step), which would space rebuilds by 20x that step.
+            self.build_s = float(summary["build_s"])
+            self._latest[include_text] = (time.monotonic(), summary)
             return summary
 
 
@@ -123,11 +125,8 @@ def register_cache_routes(router: APIRouter, state: ServerState) -> None:
     async def inspector_events(raw: Request, text: bool = False) -> StreamingResponse:
         check_text(text)
         if feed.num_streams >= MAX_EVENT_STREAMS:
-            raise OpenAIError(
-                f"at most {MAX_EVENT_STREAMS} inspector streams at once",
-                status_code=429,
-                type="rate_limit_error",
-                code="too_many_streams",
+            raise capacity_refusal(
+                f"at most {MAX_EVENT_STREAMS} inspector streams at once", "too_many_streams"
             )
         feed.num_streams += 1  # counted now, so streams opened together cannot pass the bound
         stream = _Stream(feed)
