@@ -374,3 +374,21 @@ def test_explain_refuses_a_lora_request_that_is_not_one_as_generate_does(tiny, b
     with pytest.raises(ValueError, match="lora_request must be None") as from_explain:
         llm.explain(prompt, lora_request=bad)
     assert str(from_explain.value) == str(from_generate.value)
+
+
+def test_the_summary_tree_goes_at_most_max_tree_depth_levels_below_the_root():
+    from prefixserve.core.kv_cache.reports.summary import MAX_TREE_DEPTH, prefix_tree
+    from tests.helpers.kv_cache import make_manager, make_request, schedule
+
+    mgr = make_manager(num_blocks=96)
+    chain = list(range(1000, 1000 + 4 * 40))
+    for level in range(1, 40):  # a branch at every level: each node is one block
+        request = make_request(f"r{level}", chain[: 4 * level] + [5000 + level] * 4 + [7])
+        assert schedule(mgr, request) is not None
+        mgr.free(request)
+    tree, _ = prefix_tree(mgr, mgr.recorder)
+
+    def depth(node: dict) -> int:
+        return 1 + max((depth(child) for child in node["children"]), default=0)
+
+    assert depth(tree) - 1 == MAX_TREE_DEPTH  # levels below the root

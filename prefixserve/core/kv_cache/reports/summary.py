@@ -156,6 +156,8 @@ class _Render:
         return item
 
     def nodes(self, nodes: list[_Node], budget: list[int], depth: int) -> list[dict[str, Any]]:
+        """`nodes` at `depth` levels below the root's children (0: the root's own); their
+        children down to MAX_TREE_DEPTH levels below the root in all."""
         out = []
         for node in sorted(nodes, key=lambda n: -n.size):
             if budget[0] <= 0:
@@ -163,7 +165,7 @@ class _Render:
             budget[0] -= 1
             item = self.node(node)
             item["children"] = (
-                self.nodes(node.children, budget, depth + 1) if depth < MAX_TREE_DEPTH else []
+                self.nodes(node.children, budget, depth + 1) if depth + 1 < MAX_TREE_DEPTH else []
             )
             out.append(item)
         return out
