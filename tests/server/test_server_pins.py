@@ -129,3 +129,41 @@ def test_a_pin_refuses_an_unknown_retention():
     body = {"prompt": "x", "tenant": "tenant", "prompt_cache_retention": "forever"}
     result = call(app, "POST", "/pins", key=ADMIN_KEY, body=body)
     assert result.status == 400 and not engine.added
+
+
+def test_a_pin_made_for_a_tenant_is_that_tenants_in_the_summary_and_its_reports(
+    server: LiveServer,
+):
+    import uuid
+
+    prompt = f"[{uuid.uuid4().hex}] " + "Berth rules for the night shift. " * 12
+    with server.http(KEY_ADMIN) as http:
+        r = http.post("/pins", json={"prompt": prompt, "tenant": "beta", "id": "night"})
+        assert r.status_code == 200, r.text
+    try:
+        with server.http(KEY_ADMIN) as http:
+            summary = http.get("/v1/cache/summary").json()
+        reports = [
+            entry
+            for entry in summary["recent_reports"]
+            if entry["request_id"].startswith("night-warm")
+        ]
+        assert reports and all(entry["tenant"] == "beta" for entry in reports)
+        owners = {row["tenant"] for row in summary["pool"]["by_tenant"]}
+        assert "beta" in owners
+        # Another salt of the same tenant now explains its miss with the pinned prefix: beta's.
+        with server.http(KEY_BETA) as http:
+            report = http.post(
+                "/v1/completions",
+                json={
+                    "model": "test-model",
+                    "prompt": prompt,
+                    "max_tokens": 1,
+                    "cache_salt": "other",
+                    "cache_report": True,
+                },
+            ).json()["cache_report"]
+        assert report["reason"] == "salt_or_tenant"
+    finally:
+        with server.http(KEY_ADMIN) as http:
+            http.delete("/pins/night")

@@ -66,6 +66,8 @@ def register_pin_routes(router: APIRouter, state: ServerState) -> None:
             ids,
             SamplingParams(max_tokens=1),
             cache_salt=salt,
+            # The tenant the pin is for: the summary and the reports name its blocks' owner.
+            tenant=body.tenant,
             cache_retention=body.prompt_cache_retention,
         )
         try:
