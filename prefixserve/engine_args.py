@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import inspect
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -56,9 +57,10 @@ def option(
     choices: typing.Sequence[Any] | None = None,
     metavar: str | None = None,
     exclusive: str | None = None,
+    minimum: int | None = None,
 ) -> Any:
     """A field of `EngineArgs` with what its flag needs; fields of one `exclusive` name may not
-    be given together."""
+    be given together; a number field's `minimum`, checked as its kind is (`_check_kinds`)."""
     meta = {
         "help": help,
         "group": group,
@@ -66,6 +68,7 @@ def option(
         "choices": choices,
         "metavar": metavar,
         "exclusive": exclusive,
+        "minimum": minimum,
     }
     return field(default=default, metadata=meta)
 
@@ -310,9 +313,10 @@ class EngineArgs:
         group=_REPLICAS,
         flag="--replicas",
         metavar="N",
+        minimum=1,
     )
     threads_per_replica: int = option(
-        1, "CPU threads (and Ray CPUs) of each replica.", group=_REPLICAS, metavar="T"
+        1, "CPU threads (and Ray CPUs) of each replica.", group=_REPLICAS, metavar="T", minimum=1
     )
     routing_policy: str = option(
         DEFAULT_POLICY,
@@ -327,6 +331,7 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         """The validated EngineConfig these options ask for; ValueError names a bad value
         (the records' own checks, then the names the registries of core/ must know)."""
+        _check_kinds(self)
         self._check_exclusive()
         config = self._engine_config()
         check_registered_names(config)
@@ -428,6 +433,48 @@ class EngineArgs:
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         """The options the parsed flags give."""
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+def _check_kinds(args: EngineArgs) -> None:
+    """ValueError naming the first option whose value is not of its kind: a bool option takes
+    True or False (not "false", not 0), an int option an int (not a bool, not 64.0), a float
+    option a finite number, each at least its `minimum`; None where the option allows it. The
+    same check, with the same message, for an `LLM(...)` keyword and a `serve` flag."""
+    hints = typing.get_type_hints(EngineArgs)
+    for f in dataclasses.fields(EngineArgs):
+        value = getattr(args, f.name)
+        kinds = _kinds(hints[f.name])
+        if value is None and type(None) in kinds:
+            continue
+        problem = _kind_problem(value, kinds, f.metadata["minimum"])
+        if problem is not None:
+            name = f.name if f.name == "model" else f"{f.name} ({_flag(f)})"
+            raise ValueError(f"{name} must be {problem}, got {value!r}")
+
+
+def _kinds(annotation: Any) -> tuple[Any, ...]:
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        return typing.get_args(annotation)
+    return (annotation,)
+
+
+def _kind_problem(value: Any, kinds: tuple[Any, ...], minimum: int | None) -> str | None:
+    """What `value` must be when it is not of `kinds` (bool, int or float options only; other
+    kinds are their records' to check), else None."""
+    if bool in kinds:
+        return None if isinstance(value, bool) else "True or False"
+    if int in kinds:
+        wanted = "an integer"
+        fits = isinstance(value, int) and not isinstance(value, bool)
+    elif float in kinds:
+        wanted = "a finite number"
+        fits = isinstance(value, int | float) and not isinstance(value, bool)
+        fits = fits and math.isfinite(value)
+    else:
+        return None
+    if fits and (minimum is None or value >= minimum):
+        return None
+    return wanted if minimum is None else f"{wanted} >= {minimum}"
 
 
 def check_registered_names(config: EngineConfig) -> None:

@@ -70,3 +70,50 @@ def test_llm_refuses_an_unknown_option_by_name():
 def test_lora_modules_imply_enable_lora():
     args = cli.build_parser().parse_args(["serve", "--lora-modules", "a=/x", "--no-kv-store"])
     assert engine_config_from_args(args).lora is not None
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("enable_kv_store", "false"),
+        ("enable_lora", "no"),
+        ("enable_prefix_caching", 0),
+        ("batch_invariant", "yes"),
+        ("num_kv_blocks", 64.0),
+        ("max_num_seqs", True),
+        ("kv_cache_memory_gb", "1"),
+        ("kv_cache_memory_gb", float("nan")),
+    ],
+)
+def test_a_keyword_of_the_wrong_kind_is_refused_naming_it(name, value):
+    with pytest.raises(ValueError, match=name):
+        EngineArgs(**{name: value}).create_engine_config()
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "flag", "text"),
+    [
+        ("num_replicas", 0, "--replicas", "0"),
+        ("threads_per_replica", 0, "--threads-per-replica", "0"),
+        ("kv_cache_memory_gb", float("inf"), "--kv-cache-memory-gb", "inf"),
+        ("kv_store_gb", float("inf"), "--kv-store-gb", "inf"),
+    ],
+)
+def test_the_keyword_and_the_flag_refuse_the_same_values_with_the_same_message(
+    name, value, flag, text, capsys
+):
+    import argparse
+
+    from prefixserve import cli
+    from prefixserve.engine_args import engine_config_from_args
+
+    with pytest.raises(ValueError) as from_keyword:
+        EngineArgs(**{name: value}).create_engine_config()
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    with pytest.raises(ValueError) as from_flag:
+        engine_config_from_args(parser.parse_args([flag, text]))
+    assert str(from_flag.value) == str(from_keyword.value)
+    assert name in str(from_keyword.value)
+    assert cli.main(["serve", flag, text]) == 2  # a message, never a traceback
+    assert str(from_keyword.value) in capsys.readouterr().err
