@@ -8,11 +8,11 @@ chromium-driver or the selenium package is missing; `make browser` installs the 
 
 Login: the operator key goes as HTTP Basic credentials in an Authorization header that the
 DevTools protocol adds to every request of the page (Network.setExtraHTTPHeaders,
-tests.helpers.browser.send_key), the page's EventSource included. Credentials in the URL
-(http://operator:<key>@127.0.0.1:<port>/inspector) worked as well in Chromium 150: it answers the
-server's 401 challenge with them and sends them again from its auth cache on the page's own
-requests. The header is kept because a test can swap the key on an open page, and because its
-requests carry the key from the first one on, without a 401 round trip.
+tests.helpers.browser.send_key), the page's EventSource included. The login path a person uses,
+credentials in the URL (http://operator:<key>@127.0.0.1:<port>/inspector), has its own test: a
+browser may send those with the page load only, and the page load's session cookie
+(inspector_sessions.py) is what lets the page's event stream in. The header is kept because a
+test can swap the key on an open page.
 
 `PREFIXSERVE_WRITE_SCREENSHOT=1` writes the first test's screenshot to docs/inspector.png (the one
 the README shows); otherwise it goes to the test's tmp_path, so a run leaves the tree clean.
@@ -254,3 +254,59 @@ def test_inspector_loads_nothing_from_elsewhere(server: LiveServer) -> None:
     assert not re.search(r"https?://|@import|url\(", css)
     for sink in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", "eval("):
         assert sink not in js, sink
+
+
+def test_the_inspector_goes_live_when_the_operator_logs_in_with_the_key_in_the_url(
+    server: LiveServer,
+) -> None:
+    """The login path a person uses: `http://user:KEY@host/inspector`. Chromium sends those
+    credentials with the page load only, never with the page's EventSource; the page load's
+    session cookie (HttpOnly, SameSite=Strict, read-only) is what lets the stream in."""
+    with chromium() as driver:
+        host = urlsplit(server.url)
+        driver.get(f"{host.scheme}://operator:{KEY_ADMIN}@{host.netloc}/inspector")
+        _wait(
+            driver,
+            "the inspector logged in by URL never went live",
+            lambda d: _page(d)["state"] == "live" and _page(d)["hitRateAll"] not in ("", None),
+        )
+        cookies = {c["name"]: c for c in driver.get_cookies()}
+    [session] = [c for name, c in cookies.items() if name.startswith("prefixserve_inspector")]
+    assert session["httpOnly"] and session["sameSite"] == "Strict"
+
+
+def test_the_inspector_session_cookie_opens_the_read_only_routes_and_nothing_else(
+    server: LiveServer,
+) -> None:
+    """Issued to a page load with the operator key; HttpOnly, SameSite=Strict, Path=/inspector;
+    with it alone the page and its event stream answer, every other route still wants a key."""
+    from prefixserve.entrypoints.openai.inspector_sessions import COOKIE_NAME
+
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        page = http.get("/inspector", headers={"Authorization": basic_auth(KEY_ADMIN)})
+        assert page.status_code == 200
+        set_cookie = page.headers["set-cookie"]
+        for attribute in ("HttpOnly", "SameSite=Strict", "Path=/inspector", "Max-Age="):
+            assert attribute in set_cookie, set_cookie
+        token = http.cookies[COOKIE_NAME]
+    cookie = {"Cookie": f"{COOKIE_NAME}={token}"}
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        assert http.get("/inspector", headers=cookie).status_code == 200
+        assert "set-cookie" not in http.get("/inspector", headers=cookie).headers
+        with http.stream("GET", "/inspector/events", headers=cookie) as events:
+            assert events.status_code == 200
+            assert next(events.iter_lines()).startswith("retry:")
+        for method, path in (
+            ("GET", "/v1/cache/summary"),
+            ("GET", "/metrics"),
+            ("POST", "/reset_prefix_cache"),
+            ("POST", "/pins"),
+            ("POST", "/v1/completions"),
+            ("POST", "/inspector/events"),
+        ):
+            assert http.request(method, path, headers=cookie).status_code == 401, (method, path)
+        forged = {"Cookie": f"{COOKIE_NAME}=not-a-token"}
+        assert http.get("/inspector/events", headers=forged).status_code == 401
+        # A tenant's page load gets no session.
+        refused = http.get("/inspector", headers={"Authorization": basic_auth(KEY_ALPHA)})
+        assert refused.status_code == 403 and "set-cookie" not in refused.headers

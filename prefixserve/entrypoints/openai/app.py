@@ -32,6 +32,7 @@ from prefixserve.entrypoints.openai.guard import (
     RequestGuard,
     render_refusal,
 )
+from prefixserve.entrypoints.openai.inspector_sessions import InspectorSessions
 from prefixserve.entrypoints.openai.models import model_list
 from prefixserve.entrypoints.openai.serving import ServerState
 from prefixserve.entrypoints.openai.serving_cache import register_cache_routes
@@ -79,6 +80,7 @@ def build_app(  # noqa: C901 - its complexity is the routes' closures, each smal
         served_model_names=list(served_model_names),
         api_keys=api_keys,
         admission=admission or Admission(),
+        inspector_sessions=None if api_keys is None else InspectorSessions(),
         lora_modules={
             name: (i, path) for i, (name, path) in enumerate((lora_modules or {}).items(), 1)
         },
@@ -104,6 +106,7 @@ def build_app(  # noqa: C901 - its complexity is the routes' closures, each smal
         metrics=state.metrics,
         timeout_request_body_s=timeout_request_body_s,
         max_body_bytes_in_flight=max_body_bytes_in_flight or None,
+        inspector_sessions=state.inspector_sessions,
     )
 
     @app.get("/health")

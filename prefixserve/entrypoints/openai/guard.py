@@ -40,6 +40,7 @@ from prefixserve.entrypoints.openai.auth import (
     parse_x_api_key,
 )
 from prefixserve.entrypoints.openai.errors import RETRY_AFTER_S, OpenAIError
+from prefixserve.entrypoints.openai.inspector_sessions import InspectorSessions, cookie_token
 from prefixserve.entrypoints.openai.metrics import ServerMetrics
 
 Scope = MutableMapping[str, Any]
@@ -84,6 +85,9 @@ INSPECTOR_PATH = "/inspector"
 BASIC_REALM = b'Basic realm="prefixserve inspector", charset="UTF-8"'
 # Where _authenticate leaves whether a 401 should ask a browser for Basic credentials.
 BASIC_CHALLENGE_KEY = "basic_challenge"
+# Where _authenticate leaves whether an inspector route was called with the operator key (not a
+# session cookie): the page load then gets a session (serving_cache.py).
+KEY_LOGIN_KEY = "inspector_key_login"
 
 
 def _is_browser_path(scope: Scope, path: str) -> bool:
@@ -155,9 +159,13 @@ class RequestGuard:
         metrics: ServerMetrics,
         timeout_request_body_s: float | None = None,
         max_body_bytes_in_flight: int | None = None,
+        inspector_sessions: InspectorSessions | None = None,
     ) -> None:
         self.app = app
         self.api_keys = api_keys
+        # The inspector's browser sessions (inspector_sessions.py): its read-only routes take a
+        # session cookie as well as the key.
+        self.inspector_sessions = inspector_sessions
         self.max_body_bytes = max_body_bytes
         self.metrics = metrics
         self.timeout_request_body_s = timeout_request_body_s
@@ -209,14 +217,18 @@ class RequestGuard:
         authorization = _header(scope, b"authorization")
         # Anthropic's clients send the key as `x-api-key`; OpenAI's as a bearer token.
         token = parse_bearer(authorization) or parse_x_api_key(_header(scope, b"x-api-key"))
-        if _is_browser_path(scope, path):
+        browser = _is_browser_path(scope, path)
+        if browser:
             state[BASIC_CHALLENGE_KEY] = True
             token = token or parse_basic_password(authorization)
+            if token is None and self._has_session(scope):
+                return None  # the inspector's session cookie: read-only routes only
         if token is None:
             return 401, "invalid_api_key", "missing API key: send 'Authorization: Bearer <key>'"
         operator = _is_operator_path(path)
         if self.api_keys.is_admin(token):
             if operator:
+                state[KEY_LOGIN_KEY] = browser
                 return None
             return 403, "insufficient_permissions", "an operator key cannot call this endpoint"
         tenant = self.api_keys.tenant_for(token)
@@ -226,6 +238,10 @@ class RequestGuard:
             return 403, "insufficient_permissions", "this endpoint needs an operator key"
         state["tenant"] = tenant
         return None
+
+    def _has_session(self, scope: Scope) -> bool:
+        sessions = self.inspector_sessions
+        return sessions is not None and sessions.valid(cookie_token(_header(scope, b"cookie")))
 
     def _check_content_length(self, scope: Scope) -> int | Refusal | None:
         """The declared body length, None without the header, or the refusal of a bad one."""

@@ -39,6 +39,7 @@ from prefixserve.entrypoints.openai.errors import (
     from_value_error,
     request_failed,
 )
+from prefixserve.entrypoints.openai.inspector_sessions import InspectorSessions
 from prefixserve.entrypoints.openai.metrics import RequestTimer, ServerMetrics
 from prefixserve.lora.config import LoRARequest
 from prefixserve.outputs import CompletionOutput, Logprob, RequestOutput
@@ -62,6 +63,8 @@ class ServerState:
     lora_modules: dict[str, tuple[int, str]] = field(default_factory=dict)
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     admission: Admission = field(default_factory=Admission)
+    # The inspector's browser sessions (with API keys only: inspector_sessions.py).
+    inspector_sessions: InspectorSessions | None = None
     # Tokenizing and chat-template rendering run here, off the event loop, one at a time (a
     # tokenizer is not safe to call from several threads at once).
     tokenizer_executor: ThreadPoolExecutor = field(

@@ -33,6 +33,7 @@ from starlette.background import BackgroundTask
 
 from prefixserve.engine.client import EngineClient
 from prefixserve.entrypoints.openai.errors import OpenAIError, capacity_refusal
+from prefixserve.entrypoints.openai.guard import KEY_LOGIN_KEY
 from prefixserve.entrypoints.openai.serving import ServerState
 
 STATIC_DIR = Path(__file__).parent / "static" / "inspector"
@@ -111,8 +112,15 @@ def register_cache_routes(router: APIRouter, state: ServerState) -> None:
         return await feed.get(text)
 
     @router.get("/inspector", include_in_schema=False)
-    async def inspector_page() -> FileResponse:
-        return FileResponse(STATIC_DIR / "index.html", media_type="text/html", headers=PAGE_HEADERS)
+    async def inspector_page(raw: Request) -> FileResponse:
+        headers = dict(PAGE_HEADERS)
+        sessions = state.inspector_sessions
+        if sessions is not None and getattr(raw.state, KEY_LOGIN_KEY, False):
+            # Logged in with the key: a session for the page's own requests (its event stream),
+            # which a browser may send without the credentials (inspector_sessions.py).
+            secure = raw.url.scheme == "https"
+            headers["Set-Cookie"] = sessions.cookie(sessions.issue(), secure)
+        return FileResponse(STATIC_DIR / "index.html", media_type="text/html", headers=headers)
 
     @router.get("/inspector/static/{name}", include_in_schema=False)
     async def inspector_static(name: str) -> FileResponse:
