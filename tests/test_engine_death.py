@@ -11,8 +11,9 @@ import time
 import pytest
 
 from prefixserve.config import CacheConfig, EngineConfig
-from prefixserve.engine.async_llm import AsyncLLMEngine, EngineDeadError
+from prefixserve.engine.async_llm import AsyncLLMEngine
 from prefixserve.engine.client import EngineRequest
+from prefixserve.engine.exceptions import EngineDeadError
 from prefixserve.engine.llm_engine import LLMEngine
 from prefixserve.sampling_params import SamplingParams
 from tests.helpers import random_tokens

@@ -165,3 +165,24 @@ def test_every_folder_says_what_it_holds():
         if not ast.get_docstring(ast.parse(init.read_text()))
     ]
     assert not missing, missing
+
+
+def test_the_server_and_the_cluster_import_the_engines_errors_not_its_implementation():
+    """entrypoints/ and cluster/ know an engine through engine/client.py (EngineClient,
+    EngineRequest), engine/exceptions.py (its errors) and engine/request_stream.py (its
+    streams); the step loop's files are the CLI's and a replica's to build, nobody's to import
+    from (cluster/replica.py builds one, inside the function that does)."""
+    implementation = ("prefixserve.engine.async_llm", "prefixserve.engine.llm_engine")
+    found = set()
+    for room in ("entrypoints", "cluster"):
+        for path in sorted((PACKAGE / room).rglob("*.py")):
+            top_level = {
+                node.module
+                for node in ast.parse(path.read_text()).body
+                if isinstance(node, ast.ImportFrom) and node.module
+            }
+            found |= {
+                f"{path.relative_to(PACKAGE)} imports {name}"
+                for name in top_level & set(implementation)
+            }
+    assert not found, sorted(found)

@@ -11,8 +11,8 @@ import pytest
 from prefixserve.config import CacheConfig, EngineConfig
 from prefixserve.engine.async_llm import AsyncLLMEngine
 from prefixserve.engine.client import EngineRequest
+from prefixserve.engine.exceptions import StreamStalledError
 from prefixserve.engine.llm_engine import LLMEngine
-from prefixserve.engine.request_stream import StreamStalledError
 from prefixserve.sampling_params import SamplingParams
 from tests.helpers import random_tokens
 

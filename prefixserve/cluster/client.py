@@ -31,9 +31,9 @@ from prefixserve.cluster.route_inputs import LoraDigests, route_args
 from prefixserve.cluster.router import NoReplicaError, Route, Router
 from prefixserve.cluster.store_probe import open_store_probe
 from prefixserve.config import EngineConfig
-from prefixserve.engine.async_llm import MAX_BUFFERED_KV_EVENTS, EngineDeadError
 from prefixserve.engine.cache_summary import merge_summaries
-from prefixserve.engine.client import EngineRequest, NotSupportedByEngine, generate_outputs
+from prefixserve.engine.client import MAX_BUFFERED_KV_EVENTS, EngineRequest, generate_outputs
+from prefixserve.engine.exceptions import EngineDeadError, NotSupportedByEngine
 from prefixserve.engine.metrics import combine_metrics
 from prefixserve.engine.request_stream import ABORTED, Aborted, OutputQueue, RequestStream
 from prefixserve.lora.config import LoRASlotsBusyError

@@ -28,14 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from prefixserve.engine.client import EngineRequest, generate_outputs
-from prefixserve.engine.request_stream import (
-    ABORTED,
-    OutputQueue,
-    RequestStream,
-    StreamStalledError,
-    frozen_copy,
-)
+from prefixserve.engine.client import MAX_BUFFERED_KV_EVENTS, EngineRequest, generate_outputs
+from prefixserve.engine.exceptions import EngineDeadError, StreamStalledError
+from prefixserve.engine.request_stream import ABORTED, OutputQueue, RequestStream, frozen_copy
 from prefixserve.engine.stats_log import StatsLog
 from prefixserve.lora.config import LoRARequest
 from prefixserve.lora.manager import read_off_thread
@@ -48,12 +43,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEFAULT_LOG_STATS_INTERVAL_S = 10.0
-MAX_BUFFERED_KV_EVENTS = 100_000
 DEFAULT_STALL_TIMEOUT_S = 300.0
-
-
-class EngineDeadError(RuntimeError):
-    """The engine's step loop failed or was shut down; no request can be served."""
 
 
 @dataclass(slots=True)

@@ -15,7 +15,7 @@ start the request over elsewhere, unseen, if the one serving it dies.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -28,8 +28,8 @@ if TYPE_CHECKING:
     from prefixserve.outputs import RequestOutput
 
 
-class NotSupportedByEngine(Exception):  # noqa: N818 - reads as the sentence it raises
-    """This engine client cannot do what was asked (e.g. pins with replicas): a typed refusal."""
+# The most KV events an engine client keeps for `take_kv_events` (the oldest go first past it).
+MAX_BUFFERED_KV_EVENTS = 100_000
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -78,6 +78,11 @@ class EngineClient(Protocol):
     def enable_prompt_embeds(self) -> bool: ...
 
     # ------------------------------------------------------------------------ lifecycle
+    # Called once, with what killed it, when the engine dies of a failure (never after
+    # `shutdown()`); the CLI's death watch sets it before `start()` (supervision.py). Replicas
+    # fail one at a time and are replaced, so a cluster keeps it and never calls it.
+    on_dead: Callable[[BaseException], None] | None
+
     def start(self) -> None: ...
     def shutdown(self, timeout: float = 30.0) -> None: ...
     @property

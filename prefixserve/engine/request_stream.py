@@ -25,10 +25,6 @@ class Aborted:
 ABORTED = Aborted()
 
 
-class StreamStalledError(RuntimeError):
-    """The request was aborted because its reader took no output for the stall timeout."""
-
-
 class OutputQueue:
     """One request's latest unread output, then possibly its end (ABORTED or an exception).
 

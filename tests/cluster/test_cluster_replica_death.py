@@ -13,8 +13,8 @@ import pytest
 
 from prefixserve.cluster.client import ClusterEngine, ReplicaDiedError
 from prefixserve.cluster.policy import ReplicaLoad
-from prefixserve.engine.async_llm import EngineDeadError
 from prefixserve.engine.client import EngineRequest
+from prefixserve.engine.exceptions import EngineDeadError
 from prefixserve.entrypoints.openai.app import build_app
 from prefixserve.lora.config import LoRASlotsBusyError
 from prefixserve.outputs import RequestOutput

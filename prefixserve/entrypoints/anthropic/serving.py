@@ -21,9 +21,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from prefixserve.core.kv_cache.salts import derive_cache_salt
-from prefixserve.engine.async_llm import EngineDeadError
 from prefixserve.engine.client import EngineRequest
-from prefixserve.engine.request_stream import RequestStream, StreamStalledError
+from prefixserve.engine.exceptions import EngineDeadError, StreamStalledError
+from prefixserve.engine.request_stream import RequestStream
 from prefixserve.entrypoints.anthropic import protocol as a
 from prefixserve.entrypoints.anthropic.render import Rendered, RenderError, render
 from prefixserve.entrypoints.error_shape import anthropic_error_body

@@ -18,7 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from prefixserve.engine.client import NotSupportedByEngine
+from prefixserve.engine.exceptions import NotSupportedByEngine
 from prefixserve.entrypoints.error_shape import anthropic_error_body, is_anthropic_path
 from prefixserve.lora.config import LoRASlotsBusyError
 

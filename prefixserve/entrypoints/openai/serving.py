@@ -26,9 +26,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from prefixserve.core.kv_cache.salts import derive_cache_salt
-from prefixserve.engine.async_llm import EngineDeadError
 from prefixserve.engine.client import EngineClient, EngineRequest
-from prefixserve.engine.request_stream import RequestStream, StreamStalledError
+from prefixserve.engine.exceptions import EngineDeadError, StreamStalledError
+from prefixserve.engine.request_stream import RequestStream
 from prefixserve.entrypoints.openai import protocol as p
 from prefixserve.entrypoints.openai.admission import Admission, Ticket
 from prefixserve.entrypoints.openai.auth import ApiKeys
