@@ -16,6 +16,19 @@ import pytest
 
 from tests.helpers.server import KEY_ADMIN, KEY_ALPHA, KEY_BETA, MODEL_NAME, ssl_context
 
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_breakpoints(server):
+    """These tests hold breakpoints for 5 minutes in the session's shared engine; a reset at the
+    end releases them, so later tests find an idle pool idle."""
+    yield
+    server.wait_idle()
+    with httpx.Client(base_url=server.url, timeout=60, verify=ssl_context()) as http:
+        reset = http.post("/reset_prefix_cache", headers={"Authorization": f"Bearer {KEY_ADMIN}"})
+    assert reset.json() == {"success": True}
+    assert server.run_in_engine(lambda e: len(e.kv_cache_manager.breakpoints)) == 0
+
+
 EPHEMERAL = {"type": "ephemeral"}
 ONE_HOUR = {"type": "ephemeral", "ttl": "1h"}
 
@@ -352,6 +365,29 @@ def test_openais_24h_retention_holds_the_prompt_for_the_openai_sdk(server):
     assert held["alpha"]["breakpoints"] >= 1
     again = client.chat.completions.create(messages=[{"role": "user", "content": prompt}], **kwargs)
     assert again.usage.prompt_tokens_details.cached_tokens >= 200
+
+
+def test_the_async_openai_sdk_streams_and_reads_a_24h_retention(server):
+    prompt = _system()
+
+    async def stream_once() -> int:
+        client = server.async_client()
+        stream = await client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=2,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"prompt_cache_retention": "24h"},
+        )
+        usage = None
+        async for chunk in stream:
+            usage = chunk.usage or usage
+        await client.close()
+        return usage.prompt_tokens_details.cached_tokens
+
+    assert asyncio.run(stream_once()) < 16
+    assert asyncio.run(stream_once()) >= 200
 
 
 def test_no_block_leaks_after_the_messages_tests(server):
