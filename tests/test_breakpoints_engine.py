@@ -52,10 +52,10 @@ def test_a_1h_breakpoint_survives_a_flood_that_evicts_everything_else(engine):
     )
     assert first.num_cache_write_tokens == 20 * BLOCK
     assert first.cache_write_tokens_by_ttl == {ONE_HOUR: 20 * BLOCK}
-    # W4-style: many prompts of their own, together several times the pool.
-    for i in range(12):
-        _run(engine, f"flood{i}", random_tokens(40 * BLOCK, seed=100 + i), tenant="other")
-    other_first = random_tokens(40 * BLOCK, seed=100)
+    # W4-style: prompts of their own, together more than the blocks the breakpoint leaves.
+    for i in range(7):
+        _run(engine, f"flood{i}", random_tokens(16 * BLOCK, seed=100 + i), tenant="other")
+    other_first = random_tokens(16 * BLOCK, seed=100)
     assert (
         _run(engine, "probe", other_first[: 8 * BLOCK] + [7], tenant="other").num_cached_tokens == 0
     )
