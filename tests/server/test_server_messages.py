@@ -386,8 +386,8 @@ def test_the_async_openai_sdk_streams_and_reads_a_24h_retention(server):
         await client.close()
         return usage.prompt_tokens_details.cached_tokens
 
-    assert asyncio.run(stream_once()) < 16
-    assert asyncio.run(stream_once()) >= 200
+    first = asyncio.run(stream_once())  # at most the chat template's shared head
+    assert asyncio.run(stream_once()) >= first + 200
 
 
 def test_no_block_leaks_after_the_messages_tests(server):
