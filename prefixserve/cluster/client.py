@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from prefixserve.cluster.event_feed import EventFeed
+from prefixserve.cluster.remote_probe import open_remote_probe
 from prefixserve.cluster.route_inputs import LoraDigests, route_args
 from prefixserve.cluster.router import NoReplicaError, Route, Router
 from prefixserve.cluster.store_probe import open_store_probe
@@ -136,8 +137,13 @@ class ClusterEngine:
             self.router.register(info)
             self._infos[info.replica_id] = info
         index = self.router.index
+        infos = list(self._infos.values())
+        remote = open_remote_probe(infos, index.block_size, index.hash_algo)
+        self.router.remote_probe = remote
+        # With a shared tier the replicas chain from its seed, and so do their disk files.
+        shared = None if remote is None else remote.none_hash
         self.router.store_probe = open_store_probe(
-            list(self._infos.values()), index.block_size, index.hash_algo
+            infos, index.block_size, index.hash_algo, none_hash=shared
         )
 
     def _ensure_feeds(self) -> None:
@@ -172,6 +178,8 @@ class ClusterEngine:
         self._stopping = True
         for task in [*self._feed_tasks, *self._tasks.values()]:
             task.cancel()
+        if self.router.remote_probe is not None:
+            self.router.remote_probe.close()
         if self.on_stop is not None:
             self.on_stop()
 
@@ -415,6 +423,7 @@ class ClusterEngine:
         stats = self.router.index.stats
         total["router_event_gaps"] = stats.gaps
         total["router_store_lookups"] = self.router.store_lookups
+        total["router_remote_lookups"] = self.router.remote_lookups
         total["router_snapshots"] = stats.snapshots
         return total
 

@@ -29,6 +29,17 @@ class StoreInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class RemoteInfo:
+    """Where a replica's shared tier lives (`--kv-remote`): the server's URL (never with a
+    password), the file its password comes from (a path on the replica's host: the router
+    reads the same path on its own), and the namespace its blocks are keyed under."""
+
+    url: str
+    namespace: str
+    password_file: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class ReplicaInfo:
     """What a replica registers with the router (again after every restart)."""
 
@@ -46,6 +57,9 @@ class ReplicaInfo:
     # A digest of the engine configuration and threads it was started with: a router that
     # reattaches to running replicas (ray_cluster.py) refuses ones started differently.
     config_digest: str = ""
+    # The shared tier it loads from (None without one, or when it could not reach it at its
+    # start): the router prices the blocks that tier holds for this replica (remote_probe.py).
+    remote: RemoteInfo | None = None
 
 
 @dataclass(frozen=True, slots=True)

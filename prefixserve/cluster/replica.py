@@ -25,6 +25,7 @@ from prefixserve.cluster.event_log import DEFAULT_RING_BATCHES, EventLog
 from prefixserve.cluster.messages import (
     EventBatch,
     Heartbeat,
+    RemoteInfo,
     ReplicaInfo,
     Snapshot,
     StoreInfo,
@@ -48,6 +49,15 @@ def store_info(connector: Any) -> StoreInfo | None:
     if connector is None or connector.store is None:
         return None
     return StoreInfo(str(connector.store.root), connector.store.namespace)
+
+
+def remote_info(connector: Any) -> RemoteInfo | None:
+    """The replica's shared tier, or None without one (none asked for, or unreachable at its
+    start: the engine then runs without it)."""
+    remote = None if connector is None else connector.remote
+    if remote is None:
+        return None
+    return RemoteInfo(remote.url, remote.namespace, remote.password_file)
 
 
 class EngineReplica:
@@ -80,6 +90,7 @@ class EngineReplica:
         self._config_digest = config_digest(config, threads)
         self._cache_config = config.cache
         self._store = store_info(engine.kv_connector)  # fixed once the engine is built
+        self._remote = remote_info(engine.kv_connector)
 
     # --------------------------------------------------------------------- registration
     async def info(self) -> ReplicaInfo:
@@ -94,6 +105,7 @@ class EngineReplica:
             max_model_len=self.engine.max_model_len,
             store=self._store,
             config_digest=self._config_digest,
+            remote=self._remote,
         )
 
     def pid(self) -> int:

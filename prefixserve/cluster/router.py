@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from prefixserve.cluster.index import PrefixIndex, PromptView
-from prefixserve.cluster.messages import ReplicaInfo
+from prefixserve.cluster.messages import RemoteInfo, ReplicaInfo
 from prefixserve.cluster.policy import Candidate, ReplicaLoad, RouteInput, RoutingPolicy
 
 
@@ -27,6 +27,19 @@ class StoreBlocks(Protocol):
 # A prompt's blocks in the replicas' shared disk store (store_probe.py; set by client.py when
 # every replica shares one store the router's host can see).
 StoreProbe = Callable[[PromptView], StoreBlocks]
+
+
+class RemoteProbe(Protocol):
+    """A prompt's blocks on a shared tier across hosts (remote_probe.py; set by client.py when
+    replicas use one): priced for the replicas that registered with that tier."""
+
+    info: RemoteInfo
+
+    def __call__(self, view: PromptView) -> StoreBlocks: ...
+
+    def close(self) -> None:
+        """Close its connections (the router stops)."""
+        ...
 
 
 @dataclass(slots=True)
@@ -67,6 +80,9 @@ class Router:
         self.decision_seconds = 0.0
         self.store_probe: StoreProbe | None = None
         self.store_lookups = 0
+        self.remote_probe: RemoteProbe | None = None
+        self.remote_lookups = 0
+        self._remotes: dict[int, RemoteInfo | None] = {}  # each replica's shared tier
 
     # ------------------------------------------------------------------------ replicas
     def register(self, info: ReplicaInfo) -> None:
@@ -75,6 +91,7 @@ class Router:
         new_epoch = not known or self.index.epoch(info.replica_id) != info.epoch
         self.index.register(info)
         self.loads.setdefault(info.replica_id, ReplicaLoad())
+        self._remotes[info.replica_id] = info.remote
         if new_epoch:
             self.policy.forget(info.replica_id)
 
@@ -108,11 +125,8 @@ class Router:
         now = time.monotonic()
         held = self.index.match(keys, now)
         candidates = [Candidate(rid, self.loads[rid], held.get(rid, 0)) for rid in ids]
-        if self.store_probe is not None and keys:
-            in_store = self.store_probe(view)
-            self.store_lookups += 1
-            for c in candidates:
-                c.store_blocks = in_store.count_from(c.cached_blocks)
+        if keys:
+            self._price_tiers(view, candidates)
         if self.max_in_flight is not None:
             below = [c for c in candidates if c.load.in_flight < self.max_in_flight]
             candidates = below or candidates
@@ -129,6 +143,28 @@ class Router:
         self.decisions += 1
         self.decision_seconds += time.perf_counter() - started
         return Route(replica_id, keys, num_tokens, cached, load, prefill)
+
+    def _price_tiers(self, view: PromptView, candidates: list[Candidate]) -> None:
+        """Each candidate's `store_blocks`: the blocks past those it holds that it could load,
+        contiguous, in the order its connector loads them: the shared disk store's run, then
+        the shared tier's continuation of it (for the replicas that use that tier)."""
+        disk = remote = None
+        if self.store_probe is not None:
+            disk = self.store_probe(view)
+            self.store_lookups += 1
+        tier = None if self.remote_probe is None else self.remote_probe.info
+        if self.remote_probe is not None and any(
+            self._remotes[c.replica_id] == tier for c in candidates
+        ):
+            remote = self.remote_probe(view)
+            self.remote_lookups += 1
+        for c in candidates:
+            first = c.cached_blocks
+            on_disk = disk.count_from(first) if disk is not None else 0
+            on_remote = 0
+            if remote is not None and self._remotes[c.replica_id] == tier:
+                on_remote = remote.count_from(first + on_disk)
+            c.store_blocks = on_disk + on_remote
 
     def first_output(self, route: Route) -> None:
         """The request's prefill is done: its load becomes a running decode."""

@@ -59,8 +59,15 @@ class SharedStoreProbe:
 
 
 def open_store_probe(
-    infos: Sequence[ReplicaInfo], block_size: int, hash_algo: str
+    infos: Sequence[ReplicaInfo],
+    block_size: int,
+    hash_algo: str,
+    *,
+    none_hash: bytes | None = None,
 ) -> SharedStoreProbe | None:
+    """A probe of the one store every replica shares, or None (logged). `none_hash`: the
+    replicas' chain seed when it is not the store's own (a shared tier across hosts gives them
+    its seed, remote_probe.py); else the store's seed file is read."""
     stores = {info.store for info in infos}
     if not infos or None in stores:
         return None  # no store, or not on every replica: nothing to share
@@ -77,12 +84,13 @@ def open_store_probe(
             store.dir,
         )
         return None
-    try:
-        secret = load_or_create_seed(Path(store.dir))
-    except OSError as exc:
-        logger.warning("store-aware routing off: cannot read the store's seed (%s)", exc)
-        return None
-    none_hash = none_hash_from_secret(secret, hash_algo)
+    if none_hash is None:
+        try:
+            secret = load_or_create_seed(Path(store.dir))
+        except OSError as exc:
+            logger.warning("store-aware routing off: cannot read the store's seed (%s)", exc)
+            return None
+        none_hash = none_hash_from_secret(secret, hash_algo)
     fingerprints = {info.seed_fingerprint for info in infos}
     if fingerprints != {seed_fingerprint(none_hash)}:
         logger.warning(

@@ -158,3 +158,21 @@ def test_lora_digests_are_read_once_per_version_and_bounded(
     (Path(paths[2]) / "adapter_model.safetensors").write_bytes(b"changed")
     digests.get(paths[2])
     assert len(reads) == 5  # a new version of the files is read again
+
+
+def test_the_store_is_priced_with_the_shared_tiers_seed_when_the_replicas_chain_from_it(
+    tmp_path: Path,
+) -> None:
+    """Replicas with a shared tier across hosts chain from its seed, not the store's file: the
+    router prices their store with that seed (remote_probe.py reads it from the server)."""
+    store, _ = _store(tmp_path)
+    shared = none_hash_from_secret(b"s" * 32, "sha256")
+    replicas = [info(0, seed=seed_fingerprint(shared), store=store)]
+    assert open_store_probe(replicas, BS, "sha256") is None  # the store's own seed: not theirs
+    probe = open_store_probe(replicas, BS, "sha256", none_hash=shared)
+    assert probe is not None
+    disk = DiskKVStore(store.dir, NAMESPACE, 1 << 20)
+    tokens = list(range(8))
+    hashes = get_request_block_hasher(BS, "sha256", none_hash=shared)(PromptView(tokens))
+    disk.put((hashes[0], 0), tokens[:BS], b"\0" * 64)
+    assert probe(PromptView(tokens)).count_from(0) == 1

@@ -1,9 +1,13 @@
-"""KV tiers shared across hosts (issue 39): `redis_tier.py`, blocks on Redis or Valkey.
+"""KV tiers shared across hosts (issue 39): blocks on Redis or Valkey.
 
-`--kv-remote URL` (`KVStoreConfig.remote_url`) opens one beside the disk tier
-(`connector.open_engine_kv_store`): the connector looks there for the blocks after the disk's run,
-loads from it what the disk misses, and writes it every block it writes to disk; the hosts hash
-with the seed kept in the server. Still to come: one tier interface for disk and shared tiers,
-the tier with the disk tier off, its own load-or-compute measure, cache reports and metrics that
-name it, and the router's view of it (docs/shared-tier.md).
+- `lookup.py`: `RemoteLookup`, the read-only face of one namespace on the server (keys, the
+  pipelined EXISTS lookup, the hosts' seed read, faults as misses with a back-off); the cluster
+  router opens one to price what the server holds (cluster/remote_probe.py).
+- `redis_tier.py`: `RedisTier`, the engine's tier on it (loads, the bounded writer, the seed
+  created once and put back after a restart).
+
+`--kv-remote URL` (`KVStoreConfig.remote_url`) opens one beside the disk tier, or alone
+(`connector.open_engine_kv_store`): the connector looks there for the blocks after the disk's
+run, loads from it what the disk misses, and writes it every block it writes to disk; the hosts
+hash with the seed kept in the server (docs/shared-tier.md).
 """

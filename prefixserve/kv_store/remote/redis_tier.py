@@ -6,7 +6,8 @@ block hash already chains the tenant's salt, so a key names one tenant's block o
 Values: the disk tier's record (record.py `encode_record`): identity, token ids (the collision
 check), payload and checksum; a value that is not exactly the asked-for block is a miss.
 
-- `lookup`: how many leading blocks the server holds, one pipelined round trip of EXISTS.
+- `lookup`: how many leading blocks the server holds, one pipelined round trip of EXISTS
+  (`RemoteLookup`, remote/lookup.py: the read-only face the cluster router opens too).
 - `load`: one GET, checked.
 - `submit_store`: queued for a writer thread (bounded in items and bytes: a full queue drops
   the block and counts it, the step never waits); the writer sends pipelined `SET NX` with the
@@ -15,14 +16,13 @@ check), payload and checksum; a value that is not exactly the asked-for block is
 
 Faults are misses, never errors: a server that is down, slow (socket timeout), full (OOM
 errors), or that holds damaged, truncated or foreign values makes `lookup` return 0 and `load`
-None, and counts the cause in `stats`. After a fault the tier is not called for `retry_after_s`
-(doubling on each fault in a row, up to `MAX_RETRY_AFTER_S`): every call meanwhile is a miss
-at once (counted `skipped_down`), so a server that is down costs the step thread one socket
-timeout per back-off, not one per request. The call after it reconnects (redis-py's pool opens a
-new connection) and, when it succeeds, puts this host's seed back if the server lost it (a
-restarted server is empty): hosts that join later then hash like the running ones. A server
-that holds another seed by then is not used again (`seed_mismatch`): its blocks hash
-otherwise.
+None, and counts the cause in `stats`. After a fault the tier is not called for a while
+(`RemoteLookup`'s back-off): every call meanwhile is a miss at once (counted `skipped_down`),
+so a server that is down costs the step thread one socket timeout per back-off, not one per
+request. The call after it reconnects (redis-py's pool opens a new connection) and, when it
+succeeds, puts this host's seed back if the server lost it (a restarted server is empty): hosts
+that join later then hash like the running ones. A server that holds another seed by then is
+not used again (`seed_mismatch`): its blocks hash otherwise.
 The password, if any, comes from a file (never from the URL or the command line).
 """
 
@@ -33,50 +33,39 @@ import queue
 import secrets
 import threading
 import time
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlsplit
 
 from prefixserve.kv_store.record import RecordError, decode_record, encode_record, pack_tokens
+from prefixserve.kv_store.remote.lookup import (
+    DEFAULT_RETRY_AFTER_S,
+    DEFAULT_SOCKET_TIMEOUT_S,
+    KEY_PREFIX,
+    MAX_RETRY_AFTER_S,
+    SEED_KEY,
+    RemoteConfigError,
+    RemoteLookup,
+    check_url,
+    read_password,
+)
+
+__all__ = [
+    "DEFAULT_RETRY_AFTER_S",
+    "DEFAULT_SOCKET_TIMEOUT_S",
+    "KEY_PREFIX",
+    "MAX_RETRY_AFTER_S",
+    "SEED_KEY",
+    "RedisTier",
+    "RemoteConfigError",
+    "check_url",
+    "read_password",
+]
 
 logger = logging.getLogger(__name__)
 
-KEY_PREFIX = b"psk:"
-# Seconds one command may take before it counts as a fault (a miss).
-DEFAULT_SOCKET_TIMEOUT_S = 0.5
 DEFAULT_QUEUE_ITEMS = 1024
 DEFAULT_QUEUE_BYTES = 256 * 2**20
-# Seconds the tier is not called after a fault (doubled on each fault in a row, up to the max).
-DEFAULT_RETRY_AFTER_S = 1.0
-MAX_RETRY_AFTER_S = 8.0
-SEED_KEY = KEY_PREFIX + b"seed"
-
-
-class RemoteConfigError(ValueError):
-    """A `--kv-remote` URL or password file that cannot be used."""
-
-
-def read_password(path: str | Path | None) -> str | None:
-    """The password in `path` (one line; surrounding whitespace dropped), or None."""
-    if path is None:
-        return None
-    text = Path(path).read_text(encoding="utf-8").strip()
-    if not text:
-        raise RemoteConfigError(f"password file {path} is empty")
-    return text
-
-
-def check_url(url: str) -> None:
-    """RemoteConfigError unless `url` is redis://, rediss:// or unix:// without a password."""
-    parts = urlsplit(url)
-    if parts.scheme not in ("redis", "rediss", "unix"):
-        raise RemoteConfigError(f"--kv-remote must be redis://, rediss:// or unix://, got {url!r}")
-    if parts.password:
-        raise RemoteConfigError(
-            "--kv-remote must not carry a password: give it in a file (--kv-remote-password-file)"
-        )
 
 
 @dataclass(slots=True)
@@ -93,8 +82,9 @@ class _Store:
     nbytes: int
 
 
-class RedisTier:
-    """One namespace of blocks on a Redis/Valkey server (`url`), shared by every host."""
+class RedisTier(RemoteLookup):
+    """One namespace of blocks on a Redis/Valkey server (`url`), shared by every host: the
+    lookups of `RemoteLookup`, and loads, writes and the seed."""
 
     def __init__(
         self,
@@ -107,29 +97,15 @@ class RedisTier:
         max_queue_bytes: int = DEFAULT_QUEUE_BYTES,
         retry_after_s: float = DEFAULT_RETRY_AFTER_S,
     ) -> None:
-        import redis
-
-        check_url(url)
-        if len(namespace) != 32:
-            raise ValueError(f"namespace must be 32 hex digits, got {namespace!r}")
-        self.namespace = namespace
-        self._namespace_raw = bytes.fromhex(namespace)
-        self._client = redis.Redis.from_url(
+        super().__init__(
             url,
-            password=read_password(password_file),
-            socket_timeout=socket_timeout_s,
-            socket_connect_timeout=socket_timeout_s,
-            health_check_interval=30,
+            namespace,
+            password_file=password_file,
+            socket_timeout_s=socket_timeout_s,
+            retry_after_s=retry_after_s,
         )
-        self._errors = (redis.RedisError, OSError)
-        self.stats: Counter[str] = Counter()
-        # Whether the latest call reached the server (False until one did, and after a fault).
-        self.connected = False
-        self.retry_after_s = retry_after_s
-        self._backoff_s = retry_after_s
-        self._retry_at = 0.0  # monotonic time before which the server is not called
+        self._namespace_raw = bytes.fromhex(namespace)
         self._seed: bytes | None = None  # the seed this host hashes with (`shared_seed`)
-        self._seed_lost = False  # a fault since: check the server still holds it
         self.seed_mismatch = False
         self._max_queue_bytes = max_queue_bytes
         self._queued_bytes = 0
@@ -138,38 +114,7 @@ class RedisTier:
         self._writer = threading.Thread(target=self._write_loop, name="kv-remote", daemon=True)
         self._writer.start()
 
-    # ------------------------------------------------------------------ keys
-
-    def key(self, block_hash: bytes, group: int) -> bytes:
-        return KEY_PREFIX + f"{self.namespace}:{block_hash.hex()}:g{group}".encode()
-
     # ------------------------------------------------------------------ reads
-
-    def lookup(self, block_hashes: Sequence[bytes], group: int = 0) -> int:
-        """How many leading `block_hashes` the server holds (one round trip); 0 on a fault."""
-        return self.probe(block_hashes, group)[0]
-
-    def probe(self, block_hashes: Sequence[bytes], group: int = 0) -> tuple[int, str | None]:
-        """`lookup`, and "unreachable" when a fault answered it (else None)."""
-        if not block_hashes:
-            return 0, None
-        if not self._callable():
-            return 0, "unreachable"
-        try:
-            pipe = self._client.pipeline(transaction=False)
-            for block_hash in block_hashes:
-                pipe.exists(self.key(block_hash, group))
-            held = pipe.execute()
-        except self._errors as exc:
-            self._fault("lookup", exc)
-            return 0, "unreachable"
-        self._reached()
-        count = 0
-        for found in held:
-            if not found:
-                break
-            count += 1
-        return count, None
 
     def load(self, block_hash: bytes, group: int, token_ids: Sequence[int]) -> bytes | None:
         """The block's payload, checked against its identity and tokens; None on a miss of any
@@ -342,23 +287,18 @@ class RedisTier:
     # ------------------------------------------------------------------ faults and reconnection
 
     def _callable(self) -> bool:
-        """Whether to call the server now: not while backing off after a fault (nor ever again
-        once it holds another seed); a skipped call is counted."""
+        """`RemoteLookup._callable`, and never again once the server holds another seed."""
         if self.seed_mismatch:
             self.stats["skipped_seed_mismatch"] += 1
             return False
-        if time.monotonic() < self._retry_at:
-            self.stats["skipped_down"] += 1
-            return False
-        return True
+        return super()._callable()
 
     def _reached(self) -> None:
         """A call succeeded: connected again, the back-off reset, and after a fault the seed
         checked (put back where the server lost it)."""
-        self.connected = True
-        self._backoff_s = self.retry_after_s
-        if self._seed_lost and self._seed is not None:
-            self._seed_lost = False
+        super()._reached()
+        if self.seed_lost and self._seed is not None:
+            self.seed_lost = False
             seed = self._put_seed(self._seed)
             if seed is not None and seed != self._seed:
                 self.seed_mismatch = True
@@ -377,7 +317,7 @@ class RedisTier:
         except queue.Full:
             pass  # the writer is stuck on a dead server: a daemon thread, left behind
         self._writer.join(timeout=10.0)
-        self._client.close()
+        super().close()
 
     def _drop(self, key: bytes) -> None:
         """Delete a value that failed its checks (a fault here is only counted)."""
@@ -385,11 +325,3 @@ class RedisTier:
             self._client.delete(key)
         except self._errors as exc:
             self._fault("delete", exc)
-
-    def _fault(self, what: str, exc: BaseException) -> None:
-        self.connected = False
-        self._seed_lost = True
-        self._retry_at = time.monotonic() + self._backoff_s
-        self._backoff_s = min(MAX_RETRY_AFTER_S, max(self._backoff_s * 2, self.retry_after_s))
-        self.stats[f"fault_{what}"] += 1
-        logger.debug("kv-remote %s failed: %s", what, exc)

@@ -1,0 +1,175 @@
+"""`RemoteLookup`: the read-only face of one namespace on a shared Redis/Valkey server.
+
+What every reader of the shared tier needs and nothing more: the key of a block, the lookup
+(how many leading blocks the server holds, one pipelined round trip of EXISTS), the hash seed
+the hosts share (read, never created), and faults as misses with a back-off. `RedisTier`
+(redis_tier.py) builds the engine's tier on it (loads, writes, the seed created and put back);
+the cluster router opens one on the replicas' server to price the blocks it holds
+(cluster/remote_probe.py), as it opens a `StoreLookup` on a shared disk store.
+
+Faults are misses, never errors: a call that fails (down, slow past the socket timeout,
+refused) answers "none held", counts `fault_<what>` in `stats`, and the server is not called
+for `retry_after_s` (doubling on each fault in a row, up to `MAX_RETRY_AFTER_S`); calls
+meanwhile are misses at once, counted `skipped_down`. `seed_lost` says a fault happened since:
+the server may have restarted empty, so the seed is worth checking again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from urllib.parse import urlsplit
+
+logger = logging.getLogger(__name__)
+
+KEY_PREFIX = b"psk:"
+SEED_KEY = KEY_PREFIX + b"seed"
+SEED_BYTES = 32
+# Seconds one command may take before it counts as a fault (a miss).
+DEFAULT_SOCKET_TIMEOUT_S = 0.5
+# Seconds the server is not called after a fault (doubled on each fault in a row, up to the max).
+DEFAULT_RETRY_AFTER_S = 1.0
+MAX_RETRY_AFTER_S = 8.0
+
+
+class RemoteConfigError(ValueError):
+    """A `--kv-remote` URL or password file that cannot be used."""
+
+
+def read_password(path: str | Path | None) -> str | None:
+    """The password in `path` (one line; surrounding whitespace dropped), or None."""
+    if path is None:
+        return None
+    text = Path(path).read_text(encoding="utf-8").strip()
+    if not text:
+        raise RemoteConfigError(f"password file {path} is empty")
+    return text
+
+
+def check_url(url: str) -> None:
+    """RemoteConfigError unless `url` is redis://, rediss:// or unix:// without a password."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("redis", "rediss", "unix"):
+        raise RemoteConfigError(f"--kv-remote must be redis://, rediss:// or unix://, got {url!r}")
+    if parts.password:
+        raise RemoteConfigError(
+            "--kv-remote must not carry a password: give it in a file (--kv-remote-password-file)"
+        )
+
+
+class RemoteLookup:
+    """Lookups in one namespace (32 hex digits) of the server at `url`; nothing written."""
+
+    def __init__(
+        self,
+        url: str,
+        namespace: str,
+        *,
+        password_file: str | Path | None = None,
+        socket_timeout_s: float = DEFAULT_SOCKET_TIMEOUT_S,
+        retry_after_s: float = DEFAULT_RETRY_AFTER_S,
+    ) -> None:
+        import redis
+
+        check_url(url)
+        if len(namespace) != 32:
+            raise ValueError(f"namespace must be 32 hex digits, got {namespace!r}")
+        self.url = url
+        self.namespace = namespace
+        # A path, kept so that a reader of the same server can be opened elsewhere (the router).
+        self.password_file = None if password_file is None else str(password_file)
+        self._client = redis.Redis.from_url(
+            url,
+            password=read_password(password_file),
+            socket_timeout=socket_timeout_s,
+            socket_connect_timeout=socket_timeout_s,
+            health_check_interval=30,
+        )
+        self._errors = (redis.RedisError, OSError)
+        self.stats: Counter[str] = Counter()
+        # Whether the latest call reached the server (False until one did, and after a fault).
+        self.connected = False
+        self.retry_after_s = retry_after_s
+        self._backoff_s = retry_after_s
+        self._retry_at = 0.0  # monotonic time before which the server is not called
+        self.seed_lost = False  # a fault since the seed was last checked
+
+    def key(self, block_hash: bytes, group: int) -> bytes:
+        return KEY_PREFIX + f"{self.namespace}:{block_hash.hex()}:g{group}".encode()
+
+    def lookup(self, block_hashes: Sequence[bytes], group: int = 0) -> int:
+        """How many leading `block_hashes` the server holds (one round trip); 0 on a fault."""
+        return self.probe(block_hashes, group)[0]
+
+    def probe(self, block_hashes: Sequence[bytes], group: int = 0) -> tuple[int, str | None]:
+        """`lookup`, and "unreachable" when a fault answered it (else None)."""
+        held, fault = self.held(block_hashes, group)
+        count = 0
+        for found in held:
+            if not found:
+                break
+            count += 1
+        return count, fault
+
+    def held(self, block_hashes: Sequence[bytes], group: int = 0) -> tuple[list[bool], str | None]:
+        """Whether the server holds each of `block_hashes` (one pipelined round trip of EXISTS),
+        and "unreachable" when a fault answered it (then none is held)."""
+        if not block_hashes:
+            return [], None
+        if not self._callable():
+            return [False] * len(block_hashes), "unreachable"
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for block_hash in block_hashes:
+                pipe.exists(self.key(block_hash, group))
+            found = pipe.execute()
+        except self._errors as exc:
+            self._fault("lookup", exc)
+            return [False] * len(block_hashes), "unreachable"
+        self._reached()
+        return [bool(n) for n in found], None
+
+    def read_seed(self) -> bytes | None:
+        """The hash seed the server keeps for the hosts (`SEED_KEY`), without creating one;
+        None when there is none, it is not a seed, or the server cannot be reached."""
+        if not self._callable():
+            return None
+        try:
+            seed = self._client.get(SEED_KEY)
+        except self._errors as exc:
+            self._fault("seed", exc)
+            return None
+        self._reached()
+        if not isinstance(seed, bytes) or len(seed) != SEED_BYTES:
+            return None
+        self.seed_lost = False
+        return seed
+
+    # ------------------------------------------------------------------ faults
+
+    def _callable(self) -> bool:
+        """Whether to call the server now: not while backing off after a fault (a skipped call
+        is counted)."""
+        if time.monotonic() < self._retry_at:
+            self.stats["skipped_down"] += 1
+            return False
+        return True
+
+    def _reached(self) -> None:
+        """A call succeeded: connected again, the back-off reset."""
+        self.connected = True
+        self._backoff_s = self.retry_after_s
+
+    def _fault(self, what: str, exc: BaseException) -> None:
+        self.connected = False
+        self.seed_lost = True
+        self._retry_at = time.monotonic() + self._backoff_s
+        self._backoff_s = min(MAX_RETRY_AFTER_S, max(self._backoff_s * 2, self.retry_after_s))
+        self.stats[f"fault_{what}"] += 1
+        logger.debug("kv-remote %s failed: %s", what, exc)
+
+    def close(self) -> None:
+        self._client.close()
