@@ -15,6 +15,8 @@ Each engine is an OpenAI-compatible server started from the command line:
 - ``prefixserve-2x1-<policy>``: ``prefixserve serve --replicas 2 --threads-per-replica 1`` (Ray)
   with ``--routing-policy <policy>``, each replica half the KV pool (the RAM pool only);
   ``prefixserve-2x1-prefix-store``: the prefix policy with one disk tier the replicas share.
+  ``prefixserve-2x1-<policy>-remote`` (prefix, round_robin): no disk tier, a KV tier shared
+  on a Valkey server (``--kv-remote``) that the harness starts for the engine and stops by PID.
 - ``<engine>+ngram`` (prefixserve, prefixserve-ram, prefixserve-nocache and vllm): the same server
   with speculative decoding by n-gram drafts, ``--speculative-config <JSON>`` (the flag and the
   JSON are vLLM's, and prefixserve's the same): ``ServerContext.speculative_config``, by default
