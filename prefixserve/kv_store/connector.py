@@ -16,9 +16,11 @@ either may run without the other.
   pass. A read that fails (a block evicted or damaged since the lookup, a shared tier that went
   down) ends the run there: the scheduler computes the rest. Never past `num_tokens - 1`: the
   last token is always computed, for its logits.
-- Whether a load is worth it: the connector keeps the measured seconds per loaded block and the
-  engine reports the seconds per computed token; when loading a block costs more than computing
-  its tokens, nothing is loaded (a slow disk or server must not make requests slower).
+- Whether a load is worth it, per tier: the connector measures the seconds per block each tier
+  served (`LoadSpeeds`) and the engine reports the seconds per computed token; a tier whose
+  block costs more than computing its tokens is left out of the lookup and the load (a slow
+  disk or server must not make requests slower), and the others still serve: a slow server
+  does not stop disk loads, nor a slow disk the server's (which then continues the RAM hit).
 - Save (`blocks_to_save`, then `save`): write-through. After a step's update, every block that step
   completed (all its tokens computed) goes to every tier unless its request asked for `in_memory`
   retention or the disk holds it already. Payloads go to each tier's bounded writer
@@ -31,7 +33,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Container, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -56,6 +58,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 GROUP = 0  # the one full-attention KV-cache group the tier serves
+DISK, REMOTE = "disk", "remote"  # the tiers below the RAM pool, nearest first
 # Exponential moving average weight of a new measurement of load or compute speed.
 _EWMA = 0.2
 
@@ -70,7 +73,7 @@ class KVStoreStats:
     loaded_blocks: int = 0
     load_failures: int = 0  # stat said yes, the read said no (evicted or damaged meanwhile)
     load_seconds: float = 0.0
-    skipped_slow: int = 0  # admissions that did not load because computing was faster
+    skipped_slow: int = 0  # admissions that left a tier out because computing was faster
     saved_blocks: int = 0  # handed to the writer
     dropped_saves: int = 0  # the writer was full
 
@@ -86,9 +89,29 @@ class BlockSave:
 
 
 @dataclass(slots=True)
-class _Speeds:
-    load_s_per_block: float | None = None
+class LoadSpeeds:
+    """What loading and computing were measured to cost: seconds per block each tier served
+    (by tier name, absent until it served one) and seconds per computed token, each a moving
+    average."""
+
+    load_s_per_block: dict[str, float] = field(default_factory=dict)
     compute_s_per_token: float | None = None
+
+    def record_load(self, tier: str, seconds: float, num_blocks: int) -> None:
+        self.load_s_per_block[tier] = _average(
+            self.load_s_per_block.get(tier), seconds / num_blocks
+        )
+
+    def record_compute(self, seconds: float, num_tokens: int) -> None:
+        self.compute_s_per_token = _average(self.compute_s_per_token, seconds / num_tokens)
+
+    def pays(self, tier: str, block_size: int) -> bool:
+        """Whether loading a block from `tier` was measured faster than computing its tokens
+        (True until both were measured)."""
+        load, compute = self.load_s_per_block.get(tier), self.compute_s_per_token
+        if load is None or compute is None:
+            return True  # measure first
+        return load < compute * block_size
 
 
 class KVStoreConnector:
@@ -116,7 +139,7 @@ class KVStoreConnector:
         self.block_size = block_size
         self.default_retention = default_retention
         self.stats = KVStoreStats()
-        self._speeds = _Speeds()
+        self._speeds = LoadSpeeds()
         self._clock = clock
         # The tier shared across hosts, after the disk: it continues the disk's run of held
         # blocks, serves what the disk misses, and receives every block the disk would.
@@ -130,16 +153,29 @@ class KVStoreConnector:
 
     # ------------------------------------------------------------------ load (scheduler side)
 
+    @property
+    def tiers(self) -> tuple[str, ...]:
+        """The tiers this engine has, nearest first."""
+        return tuple(
+            name for name, tier in ((DISK, self.store), (REMOTE, self.remote)) if tier is not None
+        )
+
+    def paying_tiers(self) -> tuple[str, ...]:
+        """The tiers whose loads were measured to pay (or not measured yet), nearest first."""
+        return tuple(t for t in self.tiers if self._speeds.pays(t, self.block_size))
+
     def match(self, request: Request, num_computed_tokens: int) -> TierHit:
         """The run of blocks after the first `num_computed_tokens` (a RAM hit, block-aligned)
-        that the tiers hold, contiguous from there (`held`); nothing when the request may not
-        read the cache or loading is slower than computing."""
+        that the tiers whose loads pay hold, contiguous from there (`held`); nothing when the
+        request may not read the cache."""
         if request.skip_reading_prefix_cache:
             return TierHit()
-        if not self.loading_pays():
+        tiers = self.paying_tiers()
+        if len(tiers) < len(self.tiers):
             self.stats.skipped_slow += int(self.loadable(request, num_computed_tokens) > 0)
+        if not tiers:
             return TierHit()
-        return self.held(request, num_computed_tokens)
+        return self.held(request, num_computed_tokens, tiers)
 
     def loadable(self, request: Request, num_computed_tokens: int) -> int:
         """Blocks that may be loaded after a RAM hit of `num_computed_tokens`: up to, not
@@ -147,63 +183,89 @@ class KVStoreConnector:
         bs = self.block_size
         return max(0, (request.num_tokens - 1) // bs - num_computed_tokens // bs)
 
-    def held(self, request: Request, num_computed_tokens: int) -> TierHit:
-        """How many of the `loadable` blocks each tier holds, contiguous from the RAM hit: the
-        disk's run (a stat each), then the shared tier's continuation of it (one round trip);
-        what `match` loads when loading pays, and what a dry-run report counts."""
+    def held(
+        self,
+        request: Request,
+        num_computed_tokens: int,
+        tiers: Container[str] | None = None,
+    ) -> TierHit:
+        """How many of the `loadable` blocks each of `tiers` holds, contiguous from the RAM hit:
+        the disk's run (a stat each), then the shared tier's continuation of it (one round
+        trip); what `match` loads, and what a dry-run report counts. `tiers` None: the tiers
+        whose loads pay (`paying_tiers`)."""
+        tiers = self.paying_tiers() if tiers is None else tiers
         first = num_computed_tokens // self.block_size
         count = self.loadable(request, num_computed_tokens)
         if not count:
             return TierHit()
         hashes = request.block_hashes[first : first + count]
-        on_disk = self.store.count_prefix(hashes, (GROUP,)) if self.store is not None else 0
+        on_disk = 0
+        if self.store is not None and DISK in tiers:
+            on_disk = self.store.count_prefix(hashes, (GROUP,))
         remote, fault = 0, None
-        if self.remote is not None and on_disk < count:
+        if self.remote is not None and REMOTE in tiers and on_disk < count:
             remote, fault = self.remote.probe(hashes[on_disk:], GROUP)
         bs = self.block_size
         return TierHit(on_disk * bs, remote * bs, fault)
 
     def load(
-        self, request: Request, first_block: int, num_blocks: int
+        self,
+        request: Request,
+        first_block: int,
+        num_blocks: int,
+        tiers: Container[str] | None = None,
     ) -> tuple[list[bytes], TierHit]:
         """Read blocks first_block .. first_block + num_blocks - 1 of `request`, each from the
-        nearest tier that holds it (disk, then shared); stops at the first miss, so the result
-        may be shorter (the caller computes the rest). The `TierHit` says which tier served how
-        many tokens, and the shared tier's fault if one ended the run."""
+        nearest of `tiers` that holds it (disk, then shared; None: the tiers whose loads pay,
+        as `match` chose them); stops at the first miss, so the result may be shorter (the
+        caller computes the rest). The `TierHit` says which tier served how many tokens, and
+        the shared tier's fault if one ended the run. Each tier's reads of the blocks it served
+        are timed apart (its load speed)."""
+        tiers = self.paying_tiers() if tiers is None else tiers
         bs = self.block_size
         payloads: list[bytes] = []
         hit = TierHit()
-        start = time.perf_counter()
+        timing = _TierTiming()
         for index in range(first_block, first_block + num_blocks):
             tokens = request.all_token_ids[index * bs : (index + 1) * bs]
-            payload = self._read(request.block_hashes[index], tokens, hit)
+            payload = self._read(request.block_hashes[index], tokens, hit, tiers, timing)
             if payload is None:
                 self.stats.load_failures += 1
                 break
             payloads.append(payload)
-        elapsed = time.perf_counter() - start
         if payloads:
             self.stats.loaded_blocks += len(payloads)
             self.stats.hit_tokens += hit.disk_tokens
             self.stats.remote_hit_tokens += hit.remote_tokens
-            self.stats.load_seconds += elapsed
-            self._speeds.load_s_per_block = _average(
-                self._speeds.load_s_per_block, elapsed / len(payloads)
-            )
+            self.stats.load_seconds += sum(timing.seconds.values())
+            for tier, blocks in timing.blocks.items():
+                self._speeds.record_load(tier, timing.seconds[tier], blocks)
         return payloads, hit
 
-    def _read(self, block_hash: bytes, tokens: list[int], hit: TierHit) -> bytes | None:
-        """One block from the disk, else the shared tier, counted in `hit` by where it came
-        from (a shared-tier fault noted there); None when neither served it."""
-        if self.store is not None:
+    def _read(
+        self,
+        block_hash: bytes,
+        tokens: list[int],
+        hit: TierHit,
+        tiers: Container[str],
+        timing: _TierTiming,
+    ) -> bytes | None:
+        """One block from the disk, else the shared tier (those of `tiers`), counted in `hit`
+        by where it came from (a shared-tier fault noted there) and timed in `timing` for the
+        tier that served it; None when neither served it."""
+        if self.store is not None and DISK in tiers:
+            start = time.perf_counter()
             payload = self.store.get((block_hash, GROUP), tokens)
             if payload is not None:
+                timing.add(DISK, time.perf_counter() - start)
                 hit.disk_tokens += self.block_size
                 return payload
-        if self.remote is None:
+        if self.remote is None or REMOTE not in tiers:
             return None
+        start = time.perf_counter()
         payload, miss = self.remote.fetch(block_hash, GROUP, tokens)
         if payload is not None:
+            timing.add(REMOTE, time.perf_counter() - start)
             hit.remote_tokens += self.block_size
         elif miss in REMOTE_FAULTS:
             hit.remote_fault = miss
@@ -235,9 +297,7 @@ class KVStoreConnector:
     def record_compute(self, seconds: float, num_tokens: int) -> None:
         """A forward pass computed `num_tokens` tokens in `seconds` (the engine reports it)."""
         if num_tokens >= self.block_size:  # decode-only steps say little about prefill speed
-            self._speeds.compute_s_per_token = _average(
-                self._speeds.compute_s_per_token, seconds / num_tokens
-            )
+            self._speeds.record_compute(seconds, num_tokens)
 
     def block_state(self, block_hash: bytes) -> str | None:
         """Whether the disk holds this block of the served group: "live", "expired", or None
@@ -258,13 +318,13 @@ class KVStoreConnector:
                 return name
         return None
 
-    def loading_pays(self) -> bool:
-        """Whether loading a block was measured faster than computing its tokens (True until
-        both were measured)."""
-        load, compute = self._speeds.load_s_per_block, self._speeds.compute_s_per_token
-        if load is None or compute is None:
-            return True  # measure first
-        return load < compute * self.block_size
+    def loading_pays(self, tier: str | None = None) -> bool:
+        """Whether loading a block from `tier` ("disk", "remote"; None: from any tier this
+        engine has) was measured faster than computing its tokens (True until both were
+        measured)."""
+        if tier is None:
+            return bool(self.paying_tiers())
+        return self._speeds.pays(tier, self.block_size)
 
     # ------------------------------------------------------------------ save (after a step)
 
@@ -388,6 +448,18 @@ class KVStoreConnector:
         if self.remote is not None:
             self.remote.close()
         return self.writer.close(timeout) if self.writer is not None else True
+
+
+@dataclass(slots=True)
+class _TierTiming:
+    """One load's reads, by the tier that served them: seconds and blocks."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+    blocks: dict[str, int] = field(default_factory=dict)
+
+    def add(self, tier: str, seconds: float) -> None:
+        self.seconds[tier] = self.seconds.get(tier, 0.0) + seconds
+        self.blocks[tier] = self.blocks.get(tier, 0) + 1
 
 
 def _average(previous: float | None, sample: float) -> float:

@@ -211,7 +211,7 @@ def test_disk_load_skipped_when_loading_is_measured_slower(tiny, tmp_path):
     assert run(engine, "b", prompt)["tokens"]["disk"] == 3 * BLOCK  # loading pays: loaded
     assert engine.reset_prefix_cache(ram_only=True)
     speeds = engine.kv_connector._speeds
-    speeds.load_s_per_block, speeds.compute_s_per_token = 1.0, 1e-6
+    speeds.load_s_per_block, speeds.compute_s_per_token = {"disk": 1.0}, 1e-6
     report = run(engine, "c", prompt)
     assert report["reason"] == "disk_load_skipped" and report["tokens"]["disk"] == 0
     engine.close()

@@ -232,7 +232,7 @@ def test_loading_is_skipped_when_computing_the_tokens_is_faster(load_s, compute_
     sched, runner, connector, store = tier_scheduler(num_blocks=8)
     run_alone(sched, runner, connector, make_request("a1", PROMPT_A, 4))
     _evict_everything(sched, runner, connector)
-    connector._speeds.load_s_per_block = load_s
+    connector._speeds.load_s_per_block = {"disk": load_s}
     connector._speeds.compute_s_per_token = compute_s / BLOCK  # a block's tokens take compute_s
     again = make_request("a2", PROMPT_A, 4)
     sched.add_request(again)

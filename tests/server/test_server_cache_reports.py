@@ -169,7 +169,7 @@ def test_disk_load_skipped_and_expired(live):
     def slow_disk(engine: LLMEngine) -> tuple:
         speeds = engine.kv_connector._speeds
         before = (speeds.load_s_per_block, speeds.compute_s_per_token)
-        speeds.load_s_per_block, speeds.compute_s_per_token = 1.0, 1e-6
+        speeds.load_s_per_block, speeds.compute_s_per_token = {"disk": 1.0}, 1e-6
         return before
 
     before = live.run_in_engine(slow_disk)

@@ -47,8 +47,9 @@ class DiskProbe(Protocol):
     def block_state(self, block_hash: bytes) -> str | None:
         """ "live", "expired", or None (no file)."""
 
-    def loading_pays(self) -> bool:
-        """Whether loading a block was measured faster than computing it."""
+    def loading_pays(self, tier: str | None = None) -> bool:
+        """Whether loading a block from `tier` ("disk", "remote"; None: any tier) was measured
+        faster than computing it."""
 
     @property
     def shares_tier(self) -> bool:
@@ -194,7 +195,7 @@ class CacheExplainer:
         if self.disk is not None:
             self.num_probes += 1
             state = self.disk.block_state(block_hash)
-            if state == "live" and not self.disk.loading_pays():
+            if state == "live" and not self.disk.loading_pays("disk"):
                 return "disk_load_skipped"
             if state == "expired":
                 return "expired"
