@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import base64
 import importlib.util
+import json
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -44,8 +46,9 @@ def skip_if_missing() -> None:
 
 
 @contextmanager
-def chromium() -> Iterator[Any]:
-    """A headless Chromium WebDriver, WINDOW sized; quit on exit. Skips when a part is missing."""
+def chromium(network_log: bool = False) -> Iterator[Any]:
+    """A headless Chromium WebDriver, WINDOW sized; quit on exit. Skips when a part is missing.
+    With `network_log`, `sent_headers` reads the headers of the requests the browser sent."""
     skip_if_missing()
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
@@ -55,6 +58,8 @@ def chromium() -> Iterator[Any]:
     for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage"):
         options.add_argument(arg)
     options.add_argument(f"--window-size={WINDOW[0]},{WINDOW[1]}")
+    if network_log:
+        options.set_capability("goog:loggingPrefs", {"performance": "ALL"})
     # The system chromedriver, given by path: Selenium Manager then downloads nothing.
     driver = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
     try:
@@ -75,3 +80,24 @@ def send_key(driver: Any, key: str) -> None:
     driver.execute_cdp_cmd(
         "Network.setExtraHTTPHeaders", {"headers": {"Authorization": basic_auth(key)}}
     )
+
+
+def sent_headers(driver: Any, path: str) -> list[dict[str, str]]:
+    """The headers (names in lower case) of each request the browser sent to `path` since the
+    last call, as it put them on the wire (DevTools' requestWillBeSentExtraInfo, which carries
+    cookies). Needs a driver made by `chromium(network_log=True)`."""
+    urls: dict[str, str] = {}
+    headers: dict[str, dict[str, str]] = {}
+    for entry in driver.get_log("performance"):
+        message = json.loads(entry["message"])["message"]
+        params = message.get("params", {})
+        if message.get("method") == "Network.requestWillBeSent":
+            urls[params["requestId"]] = params["request"]["url"]
+        elif message.get("method") == "Network.requestWillBeSentExtraInfo":
+            sent = {k.lower(): v for k, v in params.get("headers", {}).items()}
+            headers.setdefault(params["requestId"], {}).update(sent)
+    return [
+        headers.get(request_id, {})
+        for request_id, url in urls.items()
+        if urlsplit(url).path == path
+    ]

@@ -32,7 +32,7 @@ from urllib.parse import urljoin, urlsplit
 
 import httpx
 
-from tests.helpers.browser import WINDOW, basic_auth, chromium, send_key
+from tests.helpers.browser import WINDOW, basic_auth, chromium, send_key, sent_headers
 from tests.helpers.server import BLOCK_SIZE, KEY_ADMIN, KEY_ALPHA, KEY_BETA, MODEL_NAME, LiveServer
 
 REASONS = {
@@ -262,7 +262,7 @@ def test_the_inspector_goes_live_when_the_operator_logs_in_with_the_key_in_the_u
     """The login path a person uses: `http://user:KEY@host/inspector`. Chromium sends those
     credentials with the page load only, never with the page's EventSource; the page load's
     session cookie (HttpOnly, SameSite=Strict, read-only) is what lets the stream in."""
-    with chromium() as driver:
+    with chromium(network_log=True) as driver:
         host = urlsplit(server.url)
         driver.get(f"{host.scheme}://operator:{KEY_ADMIN}@{host.netloc}/inspector")
         _wait(
@@ -271,8 +271,15 @@ def test_the_inspector_goes_live_when_the_operator_logs_in_with_the_key_in_the_u
             lambda d: _page(d)["state"] == "live" and _page(d)["hitRateAll"] not in ("", None),
         )
         cookies = {c["name"]: c for c in driver.get_cookies()}
+        stream_requests = sent_headers(driver, "/inspector/events")
     [session] = [c for name, c in cookies.items() if name.startswith("prefixserve_inspector")]
     assert session["httpOnly"] and session["sameSite"] == "Strict"
+    assert session["path"] == "/inspector"
+    # The page's own EventSource sent the session: what lets it in where the browser does not
+    # send the URL's credentials with it (the session alone opens the stream: the next test).
+    assert stream_requests, "the page opened no event stream"
+    expected = f"{session['name']}={session['value']}"
+    assert all(expected in h.get("cookie", "") for h in stream_requests), stream_requests
 
 
 def test_the_inspector_session_cookie_opens_the_read_only_routes_and_nothing_else(

@@ -342,24 +342,33 @@ def test_event_streams_are_bounded_and_given_back(live):
 
 
 def test_a_summary_build_counts_its_own_time_not_the_wait_for_a_long_step(live):
-    """The feed spaces rebuilds by the build's own time; a build queued behind a long step
-    (here the step thread held for 3 s) must not count that wait, or the inspector freezes for
-    20x that step after one long prompt."""
-    from prefixserve.entrypoints.openai.serving_cache import SummaryFeed
+    """The feed spaces rebuilds by the build's own time; a build queued behind a long step must
+    not count that wait, or the inspector freezes for 20x that step after one long prompt. The
+    step thread is held until the feed's build is queued behind it: the build time the feed
+    records must fit in what the call took after the release (counting the wait, it would not)."""
+    from prefixserve.entrypoints.openai.serving_cache import BUSY_SHARE_DIVISOR, SummaryFeed
 
     engine = live.engine
     feed = SummaryFeed(engine)
+    holding, release = threading.Event(), threading.Event()
 
-    async def build_behind_a_long_step() -> float:
-        hold = asyncio.ensure_future(engine.run_in_engine(lambda e: time.sleep(3.0)))
-        await asyncio.sleep(0.2)  # the step thread is in the long "step" now
-        start = time.monotonic()
-        await feed.get(False)
-        waited = time.monotonic() - start
+    def long_step(_engine: LLMEngine) -> None:
+        holding.set()
+        assert release.wait(timeout=120), "the test never released the step thread"
+
+    async def build_behind_a_long_step() -> tuple[float, float]:
+        hold = asyncio.ensure_future(engine.run_in_engine(long_step))
+        assert await asyncio.to_thread(holding.wait, 120), "the step thread never ran the hold"
+        build = asyncio.ensure_future(feed.get(False))
+        await asyncio.sleep(0.5)  # the build is queued behind the held step thread
+        assert not build.done()
+        released = time.perf_counter()
+        release.set()
+        await build
+        done = time.perf_counter()
         await hold
-        return waited
+        return released, done
 
-    waited = asyncio.run(build_behind_a_long_step())
-    assert waited >= 2.0  # the build really waited behind the step
-    assert feed.build_s < 1.0  # and its own time is what the feed counts
-    assert feed.current_interval_s < 20.0
+    released, done = asyncio.run(build_behind_a_long_step())
+    assert 0.0 < feed.build_s <= done - released
+    assert feed.current_interval_s <= max(feed.interval_s, BUSY_SHARE_DIVISOR * (done - released))
