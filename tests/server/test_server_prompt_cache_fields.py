@@ -65,3 +65,50 @@ def test_cache_report_takes_a_json_bool_only_as_the_offline_api_does(path, bad):
     result = _post(app, path, cache_report=bad)
     assert result.status == 400 and not engine.added
     assert result.json()["error"]["param"] == "cache_report"
+
+
+def _json_bool_fields() -> list[tuple[str, str]]:
+    """(path, field) for every bool field of the completions and chat request bodies (the
+    stream options' as `stream_options.<name>`)."""
+    from prefixserve.entrypoints.openai.protocol import (
+        ChatCompletionRequest,
+        CompletionRequest,
+        StreamOptions,
+    )
+
+    def bools(model: type) -> list[str]:
+        return [name for name, f in model.model_fields.items() if f.annotation is bool]
+
+    nested = [f"stream_options.{name}" for name in bools(StreamOptions)]
+    return [
+        (path, name)
+        for path, model in (
+            ("/v1/completions", CompletionRequest),
+            ("/v1/chat/completions", ChatCompletionRequest),
+        )
+        for name in bools(model) + nested
+    ]
+
+
+@pytest.mark.parametrize(("path", "name"), _json_bool_fields())
+@pytest.mark.parametrize("bad", ["yes", "on", 1, 0])
+def test_every_bool_of_a_request_body_takes_a_json_bool_only(path, name, bad):
+    """As cache_report (and OpenAI's API): a JSON bool, never a string or a number."""
+    engine = RecordingEngine()
+    app = build_app(engine, ["m"])  # type: ignore[arg-type]
+    field, _, sub = name.partition(".")
+    value = {sub: bad} if sub else bad
+    extra = {"stream": True} if sub else {}
+    result = _post(app, path, **extra, **{field: value})
+    assert result.status == 400 and not engine.added, (name, bad, result.status)
+    assert sub or name in result.body.decode()
+
+
+@pytest.mark.parametrize("name", ["reset_running_requests", "ram_only"])
+def test_a_reset_body_takes_json_bools_only_and_its_query_string_text(name):
+    engine = RecordingEngine()
+    app = build_app(engine, ["m"])  # type: ignore[arg-type]
+    refused = call(app, "POST", "/reset_prefix_cache", body={name: "yes"})
+    assert refused.status == 400 and name in refused.body.decode()
+    assert call(app, "POST", "/reset_prefix_cache", query=f"{name}=true").status == 200
+    assert engine.resets == [(name == "reset_running_requests", name == "ram_only")]

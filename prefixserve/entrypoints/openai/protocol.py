@@ -40,13 +40,16 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 
 class _Request(BaseModel):
     # NaN and infinities (which Python's JSON parser accepts) are refused in every float field.
+    # A JSON body's bool fields are StrictBool, as OpenAI's API and the offline API
+    # (SamplingParams) take them: a JSON bool, never "yes", "on", 1 or 0 (a query string's
+    # flags, /reset_prefix_cache's, are text: FastAPI reads those).
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(_Request):
-    include_usage: bool = False
+    include_usage: StrictBool = False
     # vLLM's extension: a usage object on every chunk, not only on the last one.
-    continuous_usage_stats: bool = False
+    continuous_usage_stats: StrictBool = False
 
 
 class _SamplingFields(_Request):
@@ -54,7 +57,7 @@ class _SamplingFields(_Request):
 
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
@@ -69,7 +72,7 @@ class _SamplingFields(_Request):
     repetition_penalty: float | None = Field(
         None, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1]
     )
-    ignore_eos: bool = False
+    ignore_eos: StrictBool = False
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     cache_salt: str | None = None
@@ -78,7 +81,6 @@ class _SamplingFields(_Request):
     prompt_cache_key: str | None = Field(None, max_length=MAX_PROMPT_CACHE_KEY_CHARS)
     # prefixserve's extra: where the prompt's tokens came from and why the first missed block
     # missed (docs/cache_reports.md), as `cache_report` in the response or the last chunk.
-    # Strict, as SamplingParams checks it offline: "yes", "on", 1 and 0 are refused.
     cache_report: StrictBool = False
 
     @field_validator("seed")
@@ -126,7 +128,7 @@ class CompletionRequest(_SamplingFields):
     # Absent or null: 16, as OpenAI and vLLM do (never "to the end of the context").
     max_tokens: int | None = Field(DEFAULT_COMPLETION_MAX_TOKENS, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
+    echo: StrictBool = False
     suffix: str | None = None
     best_of: int | None = None
     logit_bias: dict[str, float] | None = None
@@ -229,9 +231,9 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
+    logprobs: StrictBool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    add_generation_prompt: bool = True
+    add_generation_prompt: StrictBool = True
 
     @field_validator("top_logprobs")
     @classmethod
@@ -253,8 +255,8 @@ class ResetPrefixCacheRequest(_Request):
     # A misspelt option must not pass as a full reset (the disk tier is cleared by default).
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    reset_running_requests: bool = False
-    ram_only: bool = False  # keep the disk tier (default: it is cleared too)
+    reset_running_requests: StrictBool = False
+    ram_only: StrictBool = False  # keep the disk tier (default: it is cleared too)
 
 
 class LoadLoRAAdapterRequest(_Request):
