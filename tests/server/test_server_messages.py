@@ -416,3 +416,14 @@ def test_the_inspector_shows_writes_reads_and_each_tenants_held_breakpoints(serv
         )
     assert shown["blocks"] >= 12 and shown["writes"] >= 200
     assert shown["reads"] != ""
+
+
+def test_count_tokens_is_a_tenant_route_bounded_like_the_messages_route(server):
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "q"}]}
+    with httpx.Client(base_url=server.url, timeout=60, verify=ssl_context()) as http:
+        for key, status in ((KEY_ALPHA, 200), (KEY_ADMIN, 403), ("sk-wrong", 401)):
+            r = http.post("/v1/messages/count_tokens", headers={"x-api-key": key}, json=body)
+            assert r.status_code == status, (key, r.text)
+        too_long = {**body, "messages": [{"role": "user", "content": "x" * 10_000_000}]}
+        r = http.post("/v1/messages/count_tokens", headers={"x-api-key": KEY_ALPHA}, json=too_long)
+        assert r.status_code in (400, 413) and r.json()["type"] == "error"

@@ -39,7 +39,7 @@ from prefixserve.entrypoints.openai.prompts import check_prompt_text, off_loop
 from prefixserve.entrypoints.openai.serving import (
     ServerState,
     collect_response,
-    engine_stopped_retry_later,
+    final_output,
     start_request,
     stream_response,
 )
@@ -166,19 +166,7 @@ class MessageView:
 
     # ------------------------------------------------------------------------ non-streaming
     async def collect(self, stream: RequestStream) -> dict[str, Any]:
-        final: RequestOutput | None = None
-        try:
-            async for output in stream:
-                self._observe(output)
-                final = output
-        except EngineDeadError as exc:
-            raise engine_stopped_retry_later() from exc
-        if final is not None and final.error is not None:
-            raise request_failed(final.error)
-        if final is None or not final.finished:
-            raise OpenAIError(
-                "the request was aborted before it finished", status_code=503, type="server_error"
-            )
+        final = await final_output(stream, self._observe)
         self._finish(final)
         completion = final.outputs[0]
         stop_reason, stop_sequence = stop_reason_of(completion)

@@ -16,7 +16,7 @@ import json
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Awaitable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
@@ -349,19 +349,7 @@ class ResponseView(ABC):
 
     # ------------------------------------------------------------------------ non-streaming
     async def collect(self, stream: RequestStream) -> dict[str, Any]:
-        final: RequestOutput | None = None
-        try:
-            async for output in stream:
-                self._observe(output)
-                final = output
-        except EngineDeadError as exc:
-            raise engine_stopped_retry_later() from exc
-        if final is not None and final.error is not None:
-            raise request_failed(final.error)
-        if final is None or not final.finished:
-            raise OpenAIError(
-                "the request was aborted before it finished", status_code=503, type="server_error"
-            )
+        final = await final_output(stream, self._observe)
         self._finish(final)
         body = self.response(final).model_dump(mode="json")
         if final.cache_report is not None:
@@ -434,6 +422,28 @@ class ResponseView(ABC):
             finish_reason=finish_reason,
             stop_reason=completion.stop_reason,
         )
+
+
+async def final_output(
+    stream: RequestStream, observe: Callable[[RequestOutput], object]
+) -> RequestOutput:
+    """The finished output of `stream`, `observe` called on each on the way; a dead engine is
+    a 503 with Retry-After, the request's own failure a 500, an abort a 503 (both APIs' views
+    collect through this)."""
+    final: RequestOutput | None = None
+    try:
+        async for output in stream:
+            observe(output)
+            final = output
+    except EngineDeadError as exc:
+        raise engine_stopped_retry_later() from exc
+    if final is not None and final.error is not None:
+        raise request_failed(final.error)
+    if final is None or not final.finished:
+        raise OpenAIError(
+            "the request was aborted before it finished", status_code=503, type="server_error"
+        )
+    return final
 
 
 def engine_stopped_retry_later() -> OpenAIError:
