@@ -5,7 +5,8 @@ rounding), and bit for bit to a Python model of its one summation order (exact i
 one fused multiply-add a lane and chunk, the fixed reduction tree), which every CPU family's
 build must match. A row's bits do not depend on the batch, the epilogues round as gemm_bf16's,
 Q8_0 blocks come back exactly from a GGUF file's values, and an engine over 8-bit weights gives
-a cache hit the cold start's bits, with the native decoder layer or without it.
+a cache hit the cold start's bits, with the native decoder layer or without it. Q4_0's and Q5_0's
+codes, read in 4 and 5 bits, give the bits their 8-bit codes give.
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ from prefixserve.model.kernels.build import linear_int8_kernel
 from prefixserve.model.layers.linear import Linear
 from prefixserve.model.loader import quantize as quantize_module
 from prefixserve.model.quant.weights import (
+    LOW_BIT_FORMATS,
     Int8Weight,
     pack_codes,
+    packed_weight,
     quantize_per_channel,
     recover_gguf_blocks,
 )
@@ -35,7 +38,15 @@ pytestmark = pytest.mark.skipif(linear_int8_kernel() is None, reason="kernels no
 def _run(x, w: Int8Weight, bias=None, act=0, residual=None):
     n = w.codes.shape[0] // (2 if act else 1)
     out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
-    linear_int8_kernel()(out, x, pack_codes(w.codes), w.scales, bias, act, residual, 2)
+    codes, scales = packed_weight(w)
+    linear_int8_kernel()(out, x, codes, scales, bias, act, residual, 2)
+    return out
+
+
+def _run_8_bit(x, w: Int8Weight):
+    """The same weight's codes in 8 bits, whatever its format."""
+    out = torch.empty(x.shape[0], w.codes.shape[0], dtype=torch.bfloat16)
+    linear_int8_kernel()(out, x, pack_codes(w.codes), w.scales, None, 0, None, 2)
     return out
 
 
@@ -53,8 +64,19 @@ def _weights(n: int, k: int, fmt: str, seed: int = 0) -> Int8Weight:
     if fmt == "int8":
         return quantize_per_channel(w)
     scales = torch.rand(n, k // 32, generator=gen) * 1e-3
-    codes = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
-    return Int8Weight(codes, scales, "q8_0")
+    if fmt == "q8_0":
+        codes = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+        return Int8Weight(codes, scales, "q8_0")
+    # Q4_0 / Q5_0 as recovered from a file: each block's codes in [-z, z - 1] or, where the
+    # block's largest value was positive, [-z + 1, z] (z = 8 or 16).
+    zero = 1 << (LOW_BIT_FORMATS[fmt] - 1)
+    codes = torch.randint(-zero, zero, (n, k), generator=gen, dtype=torch.int8)
+    flip = torch.rand(n, k // 32, 1, generator=gen) < 0.5
+    codes = torch.where(flip, -codes.view(n, -1, 32), codes.view(n, -1, 32)).view(n, k)
+    return Int8Weight(codes, scales, fmt)
+
+
+ALL_FORMATS = ["int8", "q8_0", "q5_0", "q4_0"]
 
 
 def _x(rows: int, k: int, seed: int = 1) -> torch.Tensor:
@@ -65,7 +87,7 @@ def _x(rows: int, k: int, seed: int = 1) -> torch.Tensor:
     return x.bfloat16()
 
 
-@pytest.mark.parametrize("fmt", ["int8", "q8_0"])
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
 def test_the_kernel_matches_a_float64_reference_of_its_quantized_operands(fmt):
     w = _weights(72, 192, fmt)
     x = _x(5, 192)
@@ -106,20 +128,43 @@ def _model_of_the_kernel(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
     return (v[..., 0] + v[..., 1]).to(torch.bfloat16)
 
 
-@pytest.mark.parametrize("fmt", ["int8", "q8_0"])
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
 def test_the_kernel_sums_in_its_one_documented_order_on_every_cpu_family(fmt):
     w = _weights(40, 256, fmt, seed=3)
     x = _x(3, 256, seed=4)
     assert torch.equal(_run(x, w), _model_of_the_kernel(x, w))
 
 
-@pytest.mark.parametrize("fmt", ["int8", "q8_0"])
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
 def test_a_row_gives_the_same_bits_alone_and_in_any_batch(fmt):
     w = _weights(150, 320, fmt)
     x = _x(11, 320)
     alone = torch.cat([_run(x[i : i + 1].contiguous(), w) for i in range(11)])
     for rows in (2, 3, 4, 5, 8, 11):
         assert torch.equal(_run(x[:rows].contiguous(), w), alone[:rows])
+
+
+@pytest.mark.parametrize("fmt", ["q5_0", "q4_0"])
+def test_4_and_5_bit_codes_give_the_bits_of_the_same_codes_in_8_bits(fmt):
+    w = _weights(36, 448, fmt, seed=5)  # N not a multiple of 4: a padded group
+    codes, _ = packed_weight(w)
+    bits = LOW_BIT_FORMATS[fmt]
+    assert codes.dtype == torch.uint8 and codes.shape == (9, 7, 4, 8 * bits)
+    for rows in (1, 2, 5, 30):
+        x = _x(rows, 448, seed=rows)
+        assert torch.equal(_run(x, w), _run_8_bit(x, w))
+
+
+def test_codes_that_do_not_fit_their_bits_stay_8_bit_or_are_refused():
+    w = _weights(8, 64, "q4_0")
+    spans = w.codes.clone()
+    spans[0, :2] = torch.tensor([-8, 8], dtype=torch.int8)  # a block that reaches both ends
+    codes, scales = packed_weight(Int8Weight(spans, w.scales, "q4_0"))
+    assert codes.dtype == torch.int8 and torch.equal(scales, w.scales)
+    with pytest.raises(ValueError, match="do not fit 4 bits"):
+        pack_codes(spans, 4)
+    with pytest.raises(ValueError, match="4, 5 or 8 bits"):
+        pack_codes(w.codes, 6)
 
 
 def test_the_epilogues_round_as_the_separate_ops():
@@ -144,19 +189,56 @@ def test_gguf_blocks_come_back_exactly_from_their_dequantized_values(fmt):
     from gguf import GGMLQuantizationType, quants
 
     qtype = getattr(GGMLQuantizationType, fmt.upper())
-    values = (torch.randn(24, 96) * 0.1).numpy()
+    values = (torch.randn(24, 128) * 0.1).numpy()
     values[3, :32] = 0.0  # an all-zero block
     raw = quants.quantize(values, qtype)
     dequantized = torch.from_numpy(quants.dequantize(raw, qtype).copy())
     weight = recover_gguf_blocks(dequantized)
     assert weight is not None and weight.fmt == fmt and weight.group == 32
     assert torch.equal(weight.dequantize(), dequantized)
-    block_bytes = raw.shape[1] // 3
-    scales = raw.reshape(24, 3, block_bytes)[..., :2].copy().view(np.float16).astype(np.float32)
+    block_bytes = raw.shape[1] // 4
+    scales = raw.reshape(24, 4, block_bytes)[..., :2].copy().view(np.float16).astype(np.float32)
     assert torch.equal(weight.scales, torch.from_numpy(np.abs(scales[..., 0])))
     if fmt == "q8_0":
-        codes = raw.reshape(24, 3, 34)[..., 2:].copy().view(np.int8).reshape(24, 96)
+        codes = raw.reshape(24, 4, 34)[..., 2:].copy().view(np.int8).reshape(24, 128)
         assert torch.equal(weight.codes, torch.from_numpy(codes))
+    else:  # every block of gguf's own quantizer fits its bits: the kernel reads 4 or 5 of them
+        packed, _ = packed_weight(weight)
+        assert packed.dtype == torch.uint8
+        x = _x(3, 128)
+        assert torch.equal(_run(x, weight), _run_8_bit(x, weight))
+
+
+def _q6_k_values(rows: int, k: int, seed: int = 0) -> torch.Tensor:
+    """Random Q6_K blocks (ql, qh, int8 sub-scales of either sign and some 0, an fp16 d),
+    dequantized by gguf's own dequantizer: [rows, k] fp32."""
+    from gguf import GGMLQuantizationType, quants
+
+    rng = np.random.default_rng(seed)
+    blocks = rows * k // 256
+    ql = rng.integers(0, 256, (blocks, 128), dtype=np.uint8)
+    qh = rng.integers(0, 256, (blocks, 64), dtype=np.uint8)
+    sub = rng.integers(-128, 128, (blocks, 16)).astype(np.int8)
+    sub[0, 3] = 0  # a sub-block of zeros
+    d = (rng.random((blocks, 1)) * 1e-3).astype(np.float16)
+    raw = np.concatenate([ql, qh, sub.view(np.uint8), d.view(np.uint8)], axis=1)
+    values = quants.dequantize(raw.reshape(rows, -1), GGMLQuantizationType.Q6_K)
+    return torch.from_numpy(values.copy()).float()
+
+
+def test_q6_k_blocks_come_back_exactly_with_a_scale_per_16():
+    values = _q6_k_values(12, 512)
+    weight = recover_gguf_blocks(values)
+    assert weight is not None and weight.fmt == "q6_k" and weight.group == 16
+    assert torch.equal(weight.dequantize(), values)
+    assert int(weight.codes.abs().max()) <= 32
+
+
+@pytest.mark.parametrize("rows", [1, 3, 17])
+def test_the_kernel_reads_a_scale_per_16_in_its_one_documented_order(rows):
+    weight = recover_gguf_blocks(_q6_k_values(40, 256, seed=rows))
+    x = _x(rows, 256, seed=rows)
+    assert torch.equal(_run(x, weight), _model_of_the_kernel(x, weight))
 
 
 def test_values_of_no_block_type_are_declined():

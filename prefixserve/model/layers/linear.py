@@ -16,7 +16,7 @@ from torch import nn
 from prefixserve.model.kernels.cpu_paths import bf16_packing_supported, cpu_paths_here
 from prefixserve.model.kernels.hugepages import move_to_huge_pages
 from prefixserve.model.layers.kernel_table import _kernel
-from prefixserve.model.quant.weights import Int8Weight, pack_codes, quantizable
+from prefixserve.model.quant.weights import Int8Weight, packed_weight, quantizable
 from prefixserve.settings import fp32_prefill
 
 
@@ -143,9 +143,10 @@ class Linear(nn.Linear):
             return
         super().reset_parameters()
 
-    # The 8-bit weight (`set_int8`): (codes int8 packed by `pack_codes`, scales fp32
-    # [N, K / group], bias) for csrc/linear_int8.cpp, which every call of any row count takes
-    # (one summation order, so batch-invariant in every mode); None for a bf16 or fp32 weight.
+    # The 8-bit weight (`set_int8`): (codes packed by `packed_weight`, in 8 bits or Q4_0's and
+    # Q5_0's 4 and 5, scales fp32 [N, K / group], bias) for csrc/linear_int8.cpp, which every
+    # call of any row count takes (one summation order, so batch-invariant in every mode); None
+    # for a bf16 or fp32 weight.
     _int8: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
     # The 8-bit weight's format ("int8" per channel, or its GGUF block type: "q8_0", ...), or None.
     int8_format: str | None = None
@@ -165,7 +166,8 @@ class Linear(nn.Linear):
         if not quantizable(weight.codes):
             raise ValueError(f"8-bit weights need K a multiple of 64, not {self.in_features}")
         bias = None if self.bias is None else self.bias.detach().contiguous()
-        self._int8 = (pack_codes(weight.codes), weight.scales, bias)
+        codes, scales = packed_weight(weight)
+        self._int8 = (codes, scales, bias)
         self.int8_format = weight.fmt
         self._packed = self._fp32 = self._stream = self._gemm = self._next_packed = None
         self._invariant_packed = None

@@ -4,10 +4,14 @@ multiplies (csrc/linear_int8.cpp). Two ways in:
 - per-channel symmetric (`--quantization int8`, from a bf16 checkpoint): one scale per output
   row, amax / 127, codes round(w / scale), computed at load (the loader caches them on disk);
 - GGUF Q8_0, Q5_0 and Q4_0 (32 codes and one fp16 scale per block): kept as the file has them,
-  in 8-bit codes. transformers hands the loader the file's values dequantized to fp32 (code x
+  in 8-bit codes; Q6_K (a scale per 16, the super-block's fp16 d times an int8 sub-scale, times a
+  code in [-32, 31]) too, with a scale per 16. transformers hands the loader the file's values dequantized to fp32 (code x
   scale, exact); ggml's rule makes the largest code of a block +-127 (Q8_0), -16 (Q5_0) or -8
   (Q4_0), so the scale is that block's amax over it and the codes come back exactly
   (`recover_gguf_blocks` checks every value and declines a tensor of another type).
+
+The kernel reads Q4_0's and Q5_0's codes in 4 and 5 bits (`packed_weight`): the same integers, so
+the same bits out, from half or five eighths of the bytes.
 """
 
 from __future__ import annotations
@@ -21,18 +25,24 @@ BLOCK_GROUP = 32
 # code's magnitude: kept as int8 codes with that scale (exact; Q5_0 and Q4_0 in 8 bits). The
 # fewest codes first: Q4_0's values also fit Q5_0's rule (at half the scale, even codes).
 GGUF_BLOCK_TYPES = (("q4_0", 8.0), ("q5_0", 16.0), ("q8_0", 127.0))
+# GGUF's Q6_K: a scale per 16 values, codes in [-32, 31] (up to sign, as recovered: +-32 at most).
+Q6_K_GROUP = 16
+Q6_K_TOP = 32.0
 # Where a GGUF conversion keeps those weights (`<hf name>.codes`, `<hf name>.scales`, the type
 # of each in the metadata's BLOCK_FORMATS_KEY as JSON), beside the bf16 model.safetensors: a
 # safetensors file whose name the weight loader's `*.safetensors` does not take.
 GGUF_BLOCKS_FILE = "weights.gguf_blocks"
 BLOCK_FORMATS_KEY = "formats"
 _CODE_MAX = 127.0
+# The formats whose codes the kernel reads in fewer bits, by their bits: the codes of a block lie
+# in [-2^(b-1), 2^(b-1) - 1] once the block's sign is chosen so (`_narrow_codes`).
+LOW_BIT_FORMATS = {"q4_0": 4, "q5_0": 5}
 
 
 @dataclass(frozen=True, slots=True)
 class Int8Weight:
     """codes int8 [N, K]; scales fp32 [N, K / group]; `fmt` "int8" (per channel) or the GGUF
-    block type it came from ("q8_0", "q5_0", "q4_0")."""
+    block type it came from ("q8_0", "q5_0", "q4_0", "q6_k")."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -68,11 +78,16 @@ def quantize_per_channel(weight: torch.Tensor) -> Int8Weight:
 
 def recover_gguf_blocks(values: torch.Tensor) -> Int8Weight | None:
     """The codes and scales of a tensor dequantized from one of GGUF's symmetric block types
-    (`GGUF_BLOCK_TYPES`: Q8_0, Q5_0, Q4_0; fp32 [N, K], K a multiple of 32), exactly, as int8
-    codes with a scale per 32; None when these values are none of them (another type, or any
-    value that is not its block's scale times an integer code)."""
+    (`GGUF_BLOCK_TYPES`: Q8_0, Q5_0, Q4_0, with a scale per 32; then Q6_K, with a scale per 16;
+    fp32 [N, K], K a multiple of 32), exactly, as int8 codes; None when these values are none of
+    them (another type, or any value that is not its block's scale times an integer code)."""
     if values.dtype != torch.float32 or values.dim() != 2 or values.shape[1] % BLOCK_GROUP:
         return None
+    return _recover_per_32(values) or _recover_q6_k(values)
+
+
+def _recover_per_32(values: torch.Tensor) -> Int8Weight | None:
+    """Q8_0, Q5_0 or Q4_0 blocks of these values (`recover_gguf_blocks`), or None."""
     n, k = values.shape
     blocks = values.view(n, k // BLOCK_GROUP, BLOCK_GROUP)
     amax = blocks.abs().amax(dim=-1)
@@ -91,17 +106,100 @@ def recover_gguf_blocks(values: torch.Tensor) -> Int8Weight | None:
     return None
 
 
-def pack_codes(codes: torch.Tensor) -> torch.Tensor:
+def _recover_q6_k(values: torch.Tensor) -> Int8Weight | None:
+    """Q6_K blocks of these values: per 16, a scale times codes in [-32, 31]. llama.cpp picks a
+    sub-block's scale by a search, so its largest value's code is any of 1..32: each is tried,
+    and a block takes the first that gives back its values exactly. Row 0 alone first: a tensor
+    of another type is declined after one row's tries."""
+    if _per_16_codes(values[:1]) is None:
+        return None
+    found = _per_16_codes(values)
+    if found is None:
+        return None
+    codes, scales = found
+    return Int8Weight(codes, scales, "q6_k")
+
+
+def _per_16_codes(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(int8 codes [N, K], fp32 scales [N, K / 16]) giving back these values exactly, each block
+    of 16 a scale times codes in [-Q6_K_TOP, Q6_K_TOP], or None."""
+    n, k = values.shape
+    blocks = values.reshape(n, k // Q6_K_GROUP, Q6_K_GROUP)
+    amax = blocks.abs().amax(dim=-1)
+    found = amax == 0  # all-zero blocks: codes 0, scale 0
+    codes = torch.zeros_like(blocks)
+    scales = torch.zeros_like(amax)
+    for top in range(int(Q6_K_TOP), 0, -1):
+        scale = amax / top
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        tried = torch.round(blocks / safe.unsqueeze(-1))
+        exact = (tried * scale.unsqueeze(-1) == blocks).all(dim=-1) & ~found
+        codes = torch.where(exact.unsqueeze(-1), tried, codes)
+        scales = torch.where(exact, scale, scales)
+        found |= exact
+        if bool(found.all()):
+            return codes.to(torch.int8).view(n, k).contiguous(), scales.contiguous()
+    return None
+
+
+def pack_codes(codes: torch.Tensor, bits: int = 8) -> torch.Tensor:
     """int8 codes [N, K] in the kernel's layout (csrc/linear_int8.cpp): groups of four rows (the
     last padded with zeros), each group's columns 64c..64c+63 of its four rows one after the
     other, [ceil(N / 4), K / 64, 4, 64], so a tile of four rows reads one contiguous stream;
     within a row's 64, the 4-column units of the two halves interleaved (first half's unit 0,
-    second half's unit 0, first half's unit 1, ...), the kernel's lane order."""
+    second half's unit 0, first half's unit 1, ...), the kernel's lane order.
+
+    `bits` 4 or 5 (codes in [-2^(b-1), 2^(b-1) - 1]): each row's 64 stored unsigned (code +
+    2^(b-1)) as uint8 [.., 32] of nibble pairs (byte i: lane-order code i low, code i + 32 high),
+    5-bit codes followed by their fifth bits in 8 bytes (bit p of the little-endian 64: code p's),
+    [.., 40]."""
     n, k = codes.shape
     padded = torch.cat([codes, codes.new_zeros((-n) % 4, k)]) if n % 4 else codes
     # [groups, 4 rows, chunk, half, unit, 4] -> [groups, chunk, 4 rows, unit, half, 4]
     units = padded.view(-1, 4, k // 64, 2, 8, 4).permute(0, 2, 1, 4, 3, 5)
-    return units.reshape(-1, k // 64, 4, 64).contiguous()
+    lanes = units.reshape(-1, k // 64, 4, 64).contiguous()
+    if bits == 8:
+        return lanes
+    if bits not in (4, 5):
+        raise ValueError(f"codes are packed in 4, 5 or 8 bits, not {bits}")
+    zero = 1 << (bits - 1)
+    if int(lanes.min()) < -zero or int(lanes.max()) >= zero:
+        raise ValueError(f"codes outside [{-zero}, {zero - 1}] do not fit {bits} bits")
+    stored = (lanes.to(torch.int16) + zero).to(torch.uint8)
+    nibbles = (stored[..., :32] & 0x0F) | ((stored[..., 32:] & 0x0F) << 4)
+    if bits == 4:
+        return nibbles.contiguous()
+    fifth = ((stored >> 4) & 1).view(*stored.shape[:-1], 8, 8)
+    place = torch.tensor([1 << b for b in range(8)], dtype=torch.uint8)
+    fifth_bytes = (fifth * place).sum(-1, dtype=torch.int32).to(torch.uint8)
+    return torch.cat([nibbles, fifth_bytes], dim=-1).contiguous()
+
+
+def _narrow_codes(weight: Int8Weight, bits: int) -> Int8Weight | None:
+    """The weight with each block's codes in [-2^(b-1), 2^(b-1) - 1], or None where they cannot
+    be. ggml's Q4_0 and Q5_0 give the block's largest value the code -2^(b-1) with a scale of
+    either sign; recovered with a positive scale, a block whose largest value was positive has
+    codes in [-2^(b-1) + 1, 2^(b-1)]: such blocks take the negated codes and scale (the same
+    values, and the same products: negation is exact)."""
+    zero = 1 << (bits - 1)
+    n, k = weight.codes.shape
+    blocks = weight.codes.view(n, -1, weight.group)
+    flip = blocks.amax(dim=-1) >= zero  # [N, groups]
+    codes = torch.where(flip.unsqueeze(-1), -blocks, blocks)
+    if int(codes.min()) < -zero or int(codes.max()) >= zero:
+        return None
+    scales = torch.where(flip, -weight.scales, weight.scales)
+    return Int8Weight(codes.view(n, k).contiguous(), scales.contiguous(), weight.fmt)
+
+
+def packed_weight(weight: Int8Weight) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed codes, scales) for the kernel: Q4_0 and Q5_0 in 4 and 5 bits where their codes
+    fit (`LOW_BIT_FORMATS`), the rest in 8."""
+    bits = LOW_BIT_FORMATS.get(weight.fmt, 8)
+    narrow = _narrow_codes(weight, bits) if bits < 8 else None
+    if narrow is None:
+        return pack_codes(weight.codes), weight.scales
+    return pack_codes(narrow.codes, bits), narrow.scales
 
 
 def fuse(shards: list[Int8Weight]) -> Int8Weight:

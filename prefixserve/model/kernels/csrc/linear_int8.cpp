@@ -1,6 +1,6 @@
 // A linear over 8-bit weights: out[m, n] = epilogue(sum over k of x[m, k] w[n, k]) with the weight
 // as int8 codes q [N, K] (nn.Linear's layout) and fp32 scales s [N, K / G] (G the group size: 32
-// for GGUF Q8_0, K for per-channel int8), x bf16 [rows, K]. The weight stays 8-bit in memory,
+// for GGUF Q8_0, Q5_0 and Q4_0, 16 for Q6_K, K for per-channel int8), x bf16 [rows, K]. The weight stays 8-bit in memory,
 // half the bytes of bf16 (decode streams every weight once per step).
 //
 // As llama.cpp multiplies Q8_0 weights, each row of x is quantized too, per group of 32 (scale
@@ -19,6 +19,15 @@
 // (tests/model/test_linear_int8.py), and a row's result never depends on the other rows of the
 // call: the kernel is batch-invariant by itself. The epilogues (bias, the residual add, the gated
 // MLP's act(gate) * up) are gemm_bf16's scalar ones, with its roundings.
+//
+// The codes may also be stored in 4 or 5 bits (GGUF Q4_0 and Q5_0, whose codes lie in [-8, 7] and
+// [-16, 15]): unsigned, offset by the zero point z (8 or 16), a row's 64 codes of a chunk in 32
+// bytes (byte b: code b in the low nibble, code b + 32 in the high one, in the lane order above),
+// Q5_0's fifth bits after them in 8 bytes (bit p of the little-endian 64: code p's). The kernel
+// widens them to bytes in registers (a mask and a shift; the fifth bit by a byte mask) and takes
+// z x sum(x codes) off in the accumulator's start value, as the 8-bit codes' 128: the lanes' integer
+// sums are the same exact integers, so a weight gives the same bits in 4, 5 or 8 bits, at a half
+// or five eighths of the bytes.
 #include "torch_lite.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -53,7 +62,14 @@ constexpr int64_t kChunk = 64;  // columns per sixteen lanes
 // contiguous stream (four rows of K bytes each read at half the speed on AMD Zen 4: streams that
 // short escape the hardware prefetchers).
 constexpr int64_t kGroupRows = 4;
-constexpr int64_t kGroupChunk = kGroupRows * kChunk;
+
+// How a row's 64 codes of a chunk are stored: B bits each (8, 5 or 4) in kBytes<B> bytes, and
+// the zero point the stored (unsigned) codes carry; 8-bit codes are signed, flipped to unsigned
+// (+128) in registers.
+template <int B>
+constexpr int64_t kBytes = B == 8 ? 64 : B == 5 ? 40 : 32;
+template <int B>
+constexpr int32_t kZero = B == 8 ? 128 : B == 5 ? 16 : 8;
 // Batches of more rows than this are arithmetic-bound (gemm_bf16.cpp's threshold): the stream
 // pool keeps its helpers for them however long a chunk takes (stream_pool.h).
 constexpr int64_t kComputeBoundRows = 24;
@@ -94,7 +110,8 @@ inline float reduce_halves(__m256 lo, __m256 hi) {
 #endif
 
 // One row of x quantized: codes [K]; per lane (K / 4 of them, 16 per chunk) the x scale of its
-// group and -128 times the sum of its four codes (VPDPBUSD's offset, taken off at the start).
+// group and -z times the sum of its four codes (z the weight codes' zero point: the unsigned
+// codes' offset, taken off at the start).
 struct XRows {
   std::vector<int8_t> codes;
   std::vector<float> lane_scale;
@@ -102,7 +119,7 @@ struct XRows {
 };
 
 // Rows of x quantized on the caller and up to `threads - 1` helpers (a prefill's x is large).
-XRows quantize_x(const uint16_t* x, int64_t rows, int64_t K, int64_t threads) {
+XRows quantize_x(const uint16_t* x, int64_t rows, int64_t K, int64_t threads, int32_t zero) {
   XRows q{std::vector<int8_t>(rows * K), std::vector<float>(rows * K / 4),
           std::vector<int32_t>(rows * K / 4)};
   prefixserve::stream_pool().run(rows, rows < 8 ? 1 : threads, [&](int64_t r) {
@@ -124,7 +141,7 @@ XRows quantize_x(const uint16_t* x, int64_t rows, int64_t K, int64_t threads) {
         const int64_t lane = chunk * kLanes + 2 * u + h;
         std::memcpy(&q.codes[lane * 4], &c[4 * u], 4);
         q.lane_scale[lane] = scale;
-        q.offset[lane] = -128 * (c[4 * u] + c[4 * u + 1] + c[4 * u + 2] + c[4 * u + 3]);
+        q.offset[lane] = -zero * (c[4 * u] + c[4 * u + 1] + c[4 * u + 2] + c[4 * u + 3]);
       }
     }
   }, /*compute_bound=*/rows > kComputeBoundRows);
@@ -142,16 +159,78 @@ inline float weight_scale(const float* s, int64_t G, int64_t c, int lane) {
   return s[(c * kChunk + (lane % 2) * 32 + 4 * (lane / 2)) / G];
 }
 
+#if defined(PREFIXSERVE_INT8_VNNI)
+// A row's 64 codes of a chunk as unsigned bytes (code + z), in the lane order.
+template <int B>
+inline __m512i load_codes(const uint8_t* p) {
+  if constexpr (B == 8) {
+    return _mm512_xor_si512(_mm512_loadu_si512(p), _mm512_set1_epi8(static_cast<char>(0x80)));
+  } else {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, low)),
+                                   _mm256_and_si256(_mm256_srli_epi16(v, 4), low), 1);
+    if constexpr (B == 5) {
+      uint64_t fifth;
+      std::memcpy(&fifth, p + 32, sizeof fifth);
+      u = _mm512_or_si512(u, _mm512_maskz_set1_epi8(fifth, 0x10));
+    }
+    return u;
+  }
+}
+#elif defined(PREFIXSERVE_INT8_AVX2)
+// Byte j of the result 0xFF where bit j of `bits` is set, else 0.
+inline __m256i bits_to_bytes(uint32_t bits) {
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(bits)),
+      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3,
+                       3, 3, 3, 3, 3, 3));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  return _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+}
+
+// Half h (lanes 8h..8h + 7) of a row's 64 codes of a chunk: the signed codes where B = 8, else
+// the unsigned stored ones (code + z).
+template <int B>
+inline __m256i load_half(const uint8_t* p, int h) {
+  if constexpr (B == 8) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * h));
+  } else {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    __m256i u = _mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, low);
+    if constexpr (B == 5) {
+      uint32_t fifth;
+      std::memcpy(&fifth, p + 32 + 4 * h, sizeof fifth);
+      u = _mm256_or_si256(u, _mm256_and_si256(bits_to_bytes(fifth), _mm256_set1_epi8(0x10)));
+    }
+    return u;
+  }
+}
+#endif
+
+// Code `col` (in the lane order) of a row's chunk, signed: the portable loop's.
+template <int B>
+inline int32_t code_at(const uint8_t* p, int64_t col) {
+  if constexpr (B == 8) {
+    return static_cast<int8_t>(p[col]);
+  } else {
+    int32_t u = (p[col % 32] >> (4 * (col / 32))) & 0x0F;
+    if constexpr (B == 5) u |= ((p[32 + col / 8] >> (col % 8)) & 1) << 4;
+    return u - kZero<B>;
+  }
+}
+
 // Sums of NW weight rows of one packed group of four (codes from q, the group's first chunk of
-// the tile's first row; scales K / G apart) with NX quantized x rows (from row x0 of xq) into
-// sums[i * NX + j].
-template <int NW, int NX>
-inline void dot_tile(const int8_t* q, const float* s, int64_t K, int64_t G, const XRows& xq,
+// the tile's first row, B bits a code; scales K / G apart) with NX quantized x rows (from row x0
+// of xq) into sums[i * NX + j].
+template <int B, int NW, int NX>
+inline void dot_tile(const uint8_t* q, const float* s, int64_t K, int64_t G, const XRows& xq,
                      int64_t x0, float* sums) {
   const int64_t groups = K / G, chunks = K / kChunk;
   const int64_t chunks_per_group = G / kChunk;  // 0 for G = 32
+  constexpr int64_t row_bytes = kBytes<B>, group_chunk = kGroupRows * row_bytes;
 #if defined(PREFIXSERVE_INT8_VNNI)
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   __m512 acc[NW][NX];
   for (int i = 0; i < NW; ++i)
     for (int j = 0; j < NX; ++j) acc[i][j] = _mm512_setzero_ps();
@@ -163,11 +242,13 @@ inline void dot_tile(const int8_t* q, const float* s, int64_t K, int64_t G, cons
   const float* xl = xq.lane_scale.data() + x0 * K / 4;
   __m512 row_scale[NW];
   for (int i = 0; i < NW; ++i) row_scale[i] = _mm512_set1_ps(s[i * groups]);
+  // Lane l's group of 16 in its chunk: 2 (l % 2) + (l >= 8), its columns' half and quarter.
+  const __m512i by_16 = _mm512_setr_epi32(0, 2, 0, 2, 0, 2, 0, 2, 1, 3, 1, 3, 1, 3, 1, 3);
   for (int64_t c = 0; c < chunks; ++c) {
     __m512i w[NW];
     __m512 ws[NW];
     for (int i = 0; i < NW; ++i) {
-      w[i] = _mm512_xor_si512(_mm512_loadu_si512(q + i * kChunk + c * kGroupChunk), flip);
+      w[i] = load_codes<B>(q + i * row_bytes + c * group_chunk);
       const float* si = s + i * groups;
       if (groups == 1) {
         ws[i] = row_scale[i];
@@ -175,6 +256,8 @@ inline void dot_tile(const int8_t* q, const float* s, int64_t K, int64_t G, cons
         double pair;  // the chunk's two scales, (first half, second half), broadcast
         std::memcpy(&pair, si + 2 * c, sizeof pair);
         ws[i] = _mm512_castpd_ps(_mm512_set1_pd(pair));
+      } else if (G == 16) {  // the chunk's four scales, each to the lanes of its 16 columns
+        ws[i] = _mm512_permutexvar_ps(by_16, _mm512_castps128_ps512(_mm_loadu_ps(si + 4 * c)));
       } else {
         ws[i] = _mm512_set1_ps(si[group_of(c, chunks_per_group, groups)]);
       }
@@ -202,34 +285,45 @@ inline void dot_tile(const int8_t* q, const float* s, int64_t K, int64_t G, cons
     for (int j = 0; j < NX; ++j) acc[i][j][0] = acc[i][j][1] = _mm256_setzero_ps();
   // As the VNNI tile: x's pointers and a per-channel row's scale hoisted out of the loop.
   const int8_t* xc = xq.codes.data() + x0 * K;
+  const int32_t* xo = xq.offset.data() + x0 * K / 4;
   const float* xl = xq.lane_scale.data() + x0 * K / 4;
   __m256 row_scale[NW];
   for (int i = 0; i < NW; ++i) row_scale[i] = _mm256_set1_ps(s[i * groups]);
+  const __m256i by_16[2] = {_mm256_setr_epi32(0, 2, 0, 2, 0, 2, 0, 2),
+                            _mm256_setr_epi32(1, 3, 1, 3, 1, 3, 1, 3)};
   for (int64_t c = 0; c < chunks; ++c)
     for (int h = 0; h < 2; ++h) {
       const int64_t col = c * kChunk + 32 * h;
       __m256i w[NW];
       __m256 ws[NW];
       for (int i = 0; i < NW; ++i) {
-        w[i] = _mm256_loadu_si256(
-            reinterpret_cast<const __m256i*>(q + i * kChunk + c * kGroupChunk + 32 * h));
+        w[i] = load_half<B>(q + i * row_bytes + c * group_chunk, h);
         if (groups == 1) {
           ws[i] = row_scale[i];
         } else if (G == 32) {
           double pair;  // as the VNNI tile: both halves' lanes alternate the chunk's two scales
           std::memcpy(&pair, s + i * groups + 2 * c, sizeof pair);
           ws[i] = _mm256_castpd_ps(_mm256_set1_pd(pair));
+        } else if (G == 16) {  // as the VNNI tile: lane 8h + k takes scale 2 (k % 2) + h
+          ws[i] = _mm256_permutevar8x32_ps(
+              _mm256_castps128_ps256(_mm_loadu_ps(s + i * groups + 4 * c)), by_16[h]);
         } else {
           ws[i] = _mm256_set1_ps(s[i * groups + group_of(c, chunks_per_group, groups)]);
         }
       }
       for (int j = 0; j < NX; ++j) {
         const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + j * K + col));
-        const __m256i ax = _mm256_abs_epi8(xv);
         const __m256 xs = _mm256_loadu_ps(xl + (j * K + col) / 4);
+        // 8-bit codes: |x| times the code with x's sign (no pair saturates). Stored unsigned
+        // codes (<= 31): the code times x, then the zero point's z x sum(x) taken off.
+        const __m256i ax = B == 8 ? _mm256_abs_epi8(xv) : xv;
+        const __m256i start = B == 8 ? _mm256_setzero_si256()
+                                     : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                                           xo + (j * K + col) / 4));
         for (int i = 0; i < NW; ++i) {
-          const __m256i pairs = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(w[i], xv));
-          const __m256i dot = _mm256_madd_epi16(pairs, ones);
+          const __m256i pairs = B == 8 ? _mm256_maddubs_epi16(ax, _mm256_sign_epi8(w[i], xv))
+                                       : _mm256_maddubs_epi16(w[i], xv);
+          const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(pairs, ones), start);
           acc[i][j][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(ws[i], xs),
                                          acc[i][j][h]);
         }
@@ -248,7 +342,7 @@ inline void dot_tile(const int8_t* q, const float* s, int64_t K, int64_t G, cons
           int32_t dot = 0;
           for (int t = 0; t < 4; ++t) {
             const int64_t col = 4 * l + t;
-            dot += static_cast<int32_t>(q[i * kChunk + c * kGroupChunk + col]) *
+            dot += code_at<B>(q + i * row_bytes + c * group_chunk, col) *
                    static_cast<int32_t>(xr[c * kChunk + col]);
           }
           const float scale = weight_scale(s + i * groups, G, c, l) * xs[c * kLanes + l];
@@ -261,24 +355,25 @@ inline void dot_tile(const int8_t* q, const float* s, int64_t K, int64_t G, cons
 
 // A tile of up to kTileW weight rows by up to kTileX batch rows (the remainders dispatched to
 // their own instantiations).
-template <int NW>
-inline void dot_rows_x(const int8_t* q, const float* s, int64_t K, int64_t G, const XRows& xq,
+template <int B, int NW>
+inline void dot_rows_x(const uint8_t* q, const float* s, int64_t K, int64_t G, const XRows& xq,
                        int64_t x0, int64_t nx, float* sums) {
   if constexpr (kTileX >= 2) {
-    if (nx >= 2) return dot_tile<NW, kTileX>(q, s, K, G, xq, x0, sums);
+    if (nx >= 2) return dot_tile<B, NW, kTileX>(q, s, K, G, xq, x0, sums);
   }
-  dot_tile<NW, 1>(q, s, K, G, xq, x0, sums);
+  dot_tile<B, NW, 1>(q, s, K, G, xq, x0, sums);
 }
 
-inline void dot_rows(const int8_t* q, const float* s, int64_t K, int64_t G, const XRows& xq,
+template <int B>
+inline void dot_rows(const uint8_t* q, const float* s, int64_t K, int64_t G, const XRows& xq,
                      int64_t x0, int64_t nw, int64_t nx, float* sums) {
   if constexpr (kTileW >= 4) {
-    if (nw >= 4) return dot_rows_x<4>(q, s, K, G, xq, x0, nx, sums);
+    if (nw >= 4) return dot_rows_x<B, 4>(q, s, K, G, xq, x0, nx, sums);
   }
   if constexpr (kTileW >= 2) {
-    if (nw >= 2) return dot_rows_x<2>(q, s, K, G, xq, x0, nx, sums);
+    if (nw >= 2) return dot_rows_x<B, 2>(q, s, K, G, xq, x0, nx, sums);
   }
-  dot_rows_x<1>(q, s, K, G, xq, x0, nx, sums);
+  dot_rows_x<B, 1>(q, s, K, G, xq, x0, nx, sums);
 }
 
 // What follows the sums: out [rows, ldo] from column 0 of this range; `act` != kNone makes
@@ -354,7 +449,8 @@ void store_gated_sums(const float* gate, const float* up, int64_t ld, int64_t ro
 
 // Sums of weight rows [n0, n0 + width) for every batch row into sums [rows, width]. Tiles never
 // cross a packed group of four rows (a range that starts inside one takes single rows up to it).
-void sum_range(const int8_t* q, const float* s, int64_t K, int64_t G, const XRows& xq,
+template <int B>
+void sum_range(const uint8_t* q, const float* s, int64_t K, int64_t G, const XRows& xq,
                int64_t rows, int64_t n0, int64_t width, float* sums) {
   const int64_t groups = K / G;
   float tile[kTileW * kTileX];
@@ -366,8 +462,9 @@ void sum_range(const int8_t* q, const float* s, int64_t K, int64_t G, const XRow
       const int64_t nw = slot == 0 && left >= 4 && kTileW >= 4   ? 4
                          : slot % 2 == 0 && left >= 2 && kTileW >= 2 ? 2
                                                                      : 1;
-      const int8_t* base = q + (r / kGroupRows) * kGroupRows * K + slot * kChunk;
-      dot_rows(base, s + r * groups, K, G, xq, m0, nw, nx, tile);
+      const uint8_t* base =
+          q + (r / kGroupRows) * kGroupRows * (K / kChunk) * kBytes<B> + slot * kBytes<B>;
+      dot_rows<B>(base, s + r * groups, K, G, xq, m0, nw, nx, tile);
       for (int64_t i = 0; i < nw; ++i)
         for (int64_t j = 0; j < std::min<int64_t>(nx, tx); ++j)
           sums[(m0 + j) * width + n + i] = tile[i * tx + j];
@@ -376,15 +473,48 @@ void sum_range(const int8_t* q, const float* s, int64_t K, int64_t G, const XRow
   }
 }
 
+// The call's sums and epilogues over codes of B bits: chunks of output columns of ~32 KB of
+// codes (a multiple of 16 rows, the vector epilogue's width), so a chunk's rows stay in L2 while
+// the batch's rows pass them, on the caller and up to `threads - 1` helpers.
+template <int B>
+void run_chunks(const uint8_t* q, const float* s, int64_t K, int64_t G, const XRows& xq,
+                int64_t rows, int64_t width_out, bool gated, const Epilogue& e,
+                int64_t threads) {
+  const int64_t chunk = std::max<int64_t>(16, ((32 * 1024) / K) / 16 * 16);
+  const int64_t chunks = (width_out + chunk - 1) / chunk;
+  prefixserve::stream_pool().run(chunks, threads, [&](int64_t c) {
+    const int64_t c0 = c * chunk, width = std::min(width_out, c0 + chunk) - c0;
+    // Each thread's own buffer, grown once and kept: a prefill's sums are hundreds of KB, which
+    // malloc would map and unmap on every chunk.
+    thread_local std::vector<float> sums;
+    sums.resize(rows * width * (gated ? 2 : 1));
+    sum_range<B>(q, s, K, G, xq, rows, c0, width, sums.data());
+    if (!gated) return store_plain(sums.data(), width, rows, c0, width, e);
+    float* up = sums.data() + rows * width;
+    sum_range<B>(q, s, K, G, xq, rows, width_out + c0, width, up);
+    store_gated_sums(sums.data(), up, width, rows, c0, width, width_out, e);
+  }, /*compute_bound=*/rows > kComputeBoundRows);
+}
+
+// The bits of a code by the packed tensor's type and last dimension: int8 [.., 64] 8 bits,
+// uint8 [.., 40] 5 bits, uint8 [.., 32] 4 bits; 0 for anything else.
+int code_bits(const torch::Tensor& codes) {
+  if (codes.dim() != 4) return 0;
+  if (codes.scalar_type() == torch::kChar) return codes.size(3) == kBytes<8> ? 8 : 0;
+  if (codes.scalar_type() != torch::kByte) return 0;
+  return codes.size(3) == kBytes<5> ? 5 : codes.size(3) == kBytes<4> ? 4 : 0;
+}
+
 }  // namespace
 
 std::string linear_int8_family() { return kFamily; }
 
-// out [rows, N] (or [rows, N / 2] gated) from x [rows, K] bf16, codes int8 packed in groups of
-// four rows [ceil(N / 4), K / 64, 4, 64] (model/quant/weights.py `pack_codes`), scales
-// [N, K / G] fp32; bias [N] bf16 or none; act 0 plain, 1 SiLU, 2 GELU tanh (gated); residual
-// [rows, N] bf16 added after the rounding, or none. Chunks of weight rows run on the caller and
-// up to `threads - 1` helpers of the stream pool; `prefetch`: the next linear's weight, or none.
+// out [rows, N] (or [rows, N / 2] gated) from x [rows, K] bf16, codes packed in groups of four
+// rows [ceil(N / 4), K / 64, 4, bytes] (model/quant/weights.py `pack_codes`: int8 with 64 bytes,
+// or uint8 with 40 (5-bit) or 32 (4-bit)), scales [N, K / G] fp32; bias [N] bf16 or none; act 0
+// plain, 1 SiLU, 2 GELU tanh (gated); residual [rows, N] bf16 added after the rounding, or none.
+// Chunks of weight rows run on the caller and up to `threads - 1` helpers of the stream pool;
+// `prefetch`: the next linear's weight, or none.
 void linear_int8(torch::Tensor out, torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
                  c10::optional<torch::Tensor> bias, int64_t act,
                  c10::optional<torch::Tensor> residual, int64_t threads,
@@ -392,24 +522,27 @@ void linear_int8(torch::Tensor out, torch::Tensor x, torch::Tensor codes, torch:
   TORCH_CHECK(x.device().is_cpu() && codes.device().is_cpu() && scales.device().is_cpu() &&
                   out.device().is_cpu(),
               "linear_int8 runs on CPU tensors only");
+  const int bits = code_bits(codes);
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16 &&
-                  codes.scalar_type() == torch::kChar && scales.scalar_type() == torch::kFloat,
-              "linear_int8 needs bfloat16 x and out, int8 codes, float32 scales");
-  TORCH_CHECK(x.dim() == 2 && codes.dim() == 4 && scales.dim() == 2 && out.dim() == 2 &&
-                  x.is_contiguous() && codes.is_contiguous() && scales.is_contiguous() &&
-                  out.is_contiguous(),
+                  bits != 0 && scales.scalar_type() == torch::kFloat,
+              "linear_int8 needs bfloat16 x and out, packed codes (int8 [.., 64], uint8 [.., 40] "
+              "or [.., 32]), float32 scales");
+  TORCH_CHECK(x.dim() == 2 && scales.dim() == 2 && out.dim() == 2 && x.is_contiguous() &&
+                  codes.is_contiguous() && scales.is_contiguous() && out.is_contiguous(),
               "linear_int8 needs contiguous 2-D x, scales and out, and 4-D packed codes");
   const int64_t rows = x.size(0), K = x.size(1), N = scales.size(0);
   TORCH_CHECK(act == kNone || act == kSilu || act == kGeluTanh, "linear_int8: unknown act");
   const bool gated = act != kNone;
   const int64_t width_out = gated ? N / 2 : N;
   TORCH_CHECK(codes.size(0) == (N + kGroupRows - 1) / kGroupRows && codes.size(1) * kChunk == K &&
-                  codes.size(2) == kGroupRows && codes.size(3) == kChunk && K % kChunk == 0 &&
+                  codes.size(2) == kGroupRows && K % kChunk == 0 &&
                   scales.size(1) > 0 && K % scales.size(1) == 0 &&
-                  (K / scales.size(1) == 32 || (K / scales.size(1)) % kChunk == 0) &&
+                  (K / scales.size(1) == 16 || K / scales.size(1) == 32 ||
+                   (K / scales.size(1)) % kChunk == 0) &&
                   (!gated || N % 2 == 0) && out.size(0) == rows && out.size(1) == width_out,
-              "linear_int8: shapes x [rows, K], codes [N / 4, K / 64, 4, 64], scales [N, K / G] with K a "
-              "multiple of 64 and G 32 or a multiple of 64, out [rows, N] (gated: [rows, N / 2])");
+              "linear_int8: shapes x [rows, K], codes [N / 4, K / 64, 4, bytes], scales [N, K / G] "
+              "with K a multiple of 64 and G 16, 32 or a multiple of 64, out [rows, N] (gated: "
+              "[rows, N / 2])");
   std::vector<float> bias_f;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->scalar_type() == torch::kBFloat16 && bias->is_contiguous() &&
@@ -427,32 +560,22 @@ void linear_int8(torch::Tensor out, torch::Tensor x, torch::Tensor codes, torch:
                 "linear_int8: residual must be a contiguous bfloat16 [rows, N], not gated");
     res = reinterpret_cast<const uint16_t*>(residual->data_ptr<c10::BFloat16>());
   }
-  // x quantized once per call, per row and group of 32.
+  // x quantized once per call, per row and group of 32, with the codes' zero point.
+  const int32_t zero = bits == 8 ? kZero<8> : bits == 5 ? kZero<5> : kZero<4>;
   const XRows xq =
       quantize_x(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), rows, K,
-                 threads);
-  const auto* q = codes.data_ptr<int8_t>();
+                 threads, zero);
+  const auto* q = static_cast<const uint8_t*>(codes.data_ptr());
   const float* s = scales.data_ptr<float>();
   const int64_t G = K / scales.size(1);
   const Epilogue e{reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()), width_out,
                    bias_f.empty() ? nullptr : bias_f.data(), act, res};
-  // Chunks of output columns: ~32 KB of codes (a multiple of 16 rows, the vector epilogue's
-  // width), so a chunk's rows stay in L2 while the batch's rows pass them.
-  const int64_t chunk = std::max<int64_t>(16, ((32 * 1024) / K) / 16 * 16);
-  const int64_t chunks = (width_out + chunk - 1) / chunk;
-  const bool compute_bound = rows > kComputeBoundRows;
-  prefixserve::stream_pool().run(chunks, threads, [&](int64_t c) {
-    const int64_t c0 = c * chunk, width = std::min(width_out, c0 + chunk) - c0;
-    // Each thread's own buffer, grown once and kept: a prefill's sums are hundreds of KB, which
-    // malloc would map and unmap on every chunk.
-    thread_local std::vector<float> sums;
-    sums.resize(rows * width * (gated ? 2 : 1));
-    sum_range(q, s, K, G, xq, rows, c0, width, sums.data());
-    if (!gated) return store_plain(sums.data(), width, rows, c0, width, e);
-    float* up = sums.data() + rows * width;
-    sum_range(q, s, K, G, xq, rows, width_out + c0, width, up);
-    store_gated_sums(sums.data(), up, width, rows, c0, width, width_out, e);
-  }, compute_bound);
+  if (bits == 8)
+    run_chunks<8>(q, s, K, G, xq, rows, width_out, gated, e, threads);
+  else if (bits == 5)
+    run_chunks<5>(q, s, K, G, xq, rows, width_out, gated, e, threads);
+  else
+    run_chunks<4>(q, s, K, G, xq, rows, width_out, gated, e, threads);
   // A decode-sized call has the pool's helpers bring the next linear's codes toward their caches
   // while the caller runs what lies between the two (gemm_bf16's prefetch_next).
   if (rows <= kPrefetchNextRows && prefetch.has_value() && prefetch->defined())
