@@ -4,11 +4,12 @@ multiplies (csrc/linear_int8.cpp). Two ways in:
 - per-channel symmetric (`--quantization int8`, from a bf16 checkpoint): one scale per output
   row, amax / 127, codes round(w / scale), computed at load (the loader caches them on disk);
 - GGUF Q8_0, Q5_0 and Q4_0 (32 codes and one fp16 scale per block): kept as the file has them,
-  in 8-bit codes; Q6_K (a scale per 16, the super-block's fp16 d times an int8 sub-scale, times a
-  code in [-32, 31]) too, with a scale per 16. transformers hands the loader the file's values dequantized to fp32 (code x
+  in 8-bit codes. transformers hands the loader the file's values dequantized to fp32 (code x
   scale, exact); ggml's rule makes the largest code of a block +-127 (Q8_0), -16 (Q5_0) or -8
   (Q4_0), so the scale is that block's amax over it and the codes come back exactly
-  (`recover_gguf_blocks` checks every value and declines a tensor of another type).
+  (`recover_gguf_blocks` checks every value and declines a tensor of another type);
+- GGUF Q6_K (a scale per 16, the super-block's fp16 d times an int8 sub-scale, times a code in
+  [-32, 31]): kept too, as int8 codes with a scale per 16 (the largest code found by trying each).
 
 The kernel reads Q4_0's and Q5_0's codes in 4 and 5 bits (`packed_weight`): the same integers, so
 the same bits out, from half or five eighths of the bytes.
