@@ -223,8 +223,10 @@ class LLM:
         if lora_request is None or isinstance(lora_request, LoRARequest):
             return [lora_request] * num_prompts
         loras = list(lora_request) if isinstance(lora_request, Sequence) else None
-        if loras is None or len(loras) != num_prompts or not all(
-            r is None or isinstance(r, LoRARequest) for r in loras
+        if (
+            loras is None
+            or len(loras) != num_prompts
+            or not all(r is None or isinstance(r, LoRARequest) for r in loras)
         ):
             raise ValueError(
                 "lora_request must be None, one LoRARequest or one (or None) per prompt"
