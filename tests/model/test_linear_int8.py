@@ -67,6 +67,10 @@ def _weights(n: int, k: int, fmt: str, seed: int = 0) -> Int8Weight:
     if fmt == "q8_0":
         codes = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
         return Int8Weight(codes, scales, "q8_0")
+    if fmt == "q4_k":  # affine: codes in [0, 15], a scale and a min per 32
+        codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int8)
+        mins = (torch.rand(n, k // 32, generator=gen) - 0.5) * 1e-2
+        return Int8Weight(codes, scales, "q4_k", mins)
     # Q4_0 / Q5_0 as recovered from a file: each block's codes in [-z, z - 1] or, where the
     # block's largest value was positive, [-z + 1, z] (z = 8 or 16).
     zero = 1 << (LOW_BIT_FORMATS[fmt] - 1)
@@ -76,7 +80,7 @@ def _weights(n: int, k: int, fmt: str, seed: int = 0) -> Int8Weight:
     return Int8Weight(codes, scales, fmt)
 
 
-ALL_FORMATS = ["int8", "q8_0", "q5_0", "q4_0"]
+ALL_FORMATS = ["int8", "q8_0", "q5_0", "q4_0", "q4_k"]
 
 
 def _x(rows: int, k: int, seed: int = 1) -> torch.Tensor:
@@ -103,7 +107,8 @@ def _model_of_the_kernel(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
     """The kernel's documented order in Python: per 64 columns, 16 lanes of 4 exact integer
     products (lane l: the 4-column unit l // 2 of the chunk's half l % 2); lane acc =
     fma(float(sum), wscale * xscale, acc) in fp32 (the fma as one rounding of the exact float64
-    value); the lanes reduced (l, l+8), (l, l+4), (l, l+2), (l, l+1)."""
+    value); an affine weight's lanes then acc = fma(float(sum of the 4 x codes), wmin * xscale,
+    acc); the lanes reduced (l, l+8), (l, l+4), (l, l+2), (l, l+1)."""
     codes, xscale = _quantize_x(x)
     rows, k = codes.shape
     n, group = w.codes.shape[0], w.group
@@ -116,12 +121,19 @@ def _model_of_the_kernel(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
         codes[:, cols].view(rows, 1, k // 4, 4) * w.codes.long()[:, cols].view(1, n, k // 4, 4)
     ).sum(-1)
     wscale = w.scales[:, lane_cols // group]  # [N, K/4]
-    scale = (wscale.unsqueeze(0) * xscale[:, lane_cols // 32].unsqueeze(1)).float()
+    lane_xscale = xscale[:, lane_cols // 32].unsqueeze(1)
+    scale = (wscale.unsqueeze(0) * lane_xscale).float()
+    if w.mins is not None:
+        xsum = codes[:, cols].view(rows, 1, k // 4, 4).sum(-1).double()
+        mscale = (w.mins[:, lane_cols // group].unsqueeze(0) * lane_xscale).float().double()
     acc = torch.zeros(rows, n, 16, dtype=torch.float32)
     for c in range(k // 64):
         part = lanes[..., 16 * c : 16 * c + 16].double()
         exact = part * scale[..., 16 * c : 16 * c + 16].double() + acc.double()
         acc = exact.float()
+        if w.mins is not None:
+            lane = slice(16 * c, 16 * c + 16)
+            acc = (xsum[..., lane] * mscale[..., lane] + acc.double()).float()
     t = acc[..., :8] + acc[..., 8:]
     u = t[..., :4] + t[..., 4:]
     v = u[..., :2] + u[..., 2:]
@@ -241,12 +253,31 @@ def test_the_kernel_reads_a_scale_per_16_in_its_one_documented_order(rows):
     assert torch.equal(_run(x, weight), _model_of_the_kernel(x, weight))
 
 
+def test_q4_1_blocks_of_ggufs_quantizer_come_back_as_affine_4_bit_codes():
+    """gguf's own Q4_1 quantizer: each block's min and scale found exactly (value = code x scale
+    + min), read by the kernel in 4 bits, as its float64 reference says."""
+    from gguf import GGMLQuantizationType, quants
+
+    values = (torch.randn(24, 128) * 0.1).numpy()
+    values[5, 32:64] = 0.25  # a block of one value
+    qtype = GGMLQuantizationType.Q4_1
+    dequantized = torch.from_numpy(quants.dequantize(quants.quantize(values, qtype), qtype).copy())
+    weight = recover_gguf_blocks(dequantized)
+    assert weight is not None and weight.fmt == "q4_k" and weight.mins is not None
+    assert torch.equal(weight.dequantize(), dequantized)
+    assert int(weight.codes.min()) >= 0 and int(weight.codes.max()) <= 15
+    codes, scales = packed_weight(weight)
+    assert codes.dtype == torch.uint8 and codes.shape[-1] == 32 and scales.shape == (2, 24, 4)
+    x = _x(4, 128)
+    assert torch.equal(_run(x, weight), _model_of_the_kernel(x, weight))
+
+
 def test_values_of_no_block_type_are_declined():
     assert recover_gguf_blocks(torch.randn(8, 64)) is None
     assert recover_gguf_blocks(torch.randn(8, 48)) is None  # K not a multiple of 32
-    gen = torch.Generator().manual_seed(0)
-    q4_1 = (torch.randint(0, 16, (8, 64), generator=gen) * 0.01 + 0.003).float()  # an offset
-    assert recover_gguf_blocks(q4_1) is None
+    # An offset and 32 levels a block: more than Q4_K's / Q4_1's 16 codes.
+    levels = (torch.arange(64).repeat(8, 1) * 0.01 + 0.003).float()
+    assert recover_gguf_blocks(levels) is None
 
 
 def test_per_channel_codes_are_within_half_a_step_of_each_weight():

@@ -188,7 +188,7 @@ class Linear(nn.Linear):
         rows = x.reshape(-1, x.shape[-1]).contiguous()
         if rows.dtype != torch.bfloat16:
             raise TypeError(f"an 8-bit linear takes bfloat16 activations, not {rows.dtype}")
-        width = scales.shape[0] // 2 if act else scales.shape[0]
+        width = scales.shape[-2] // 2 if act else scales.shape[-2]
         out = rows.new_empty(rows.shape[0], width)
         run = _kernel("linear_int8")
         run(out, rows, codes, scales, bias, act, residual, STREAM_THREADS[0], self._next_packed)

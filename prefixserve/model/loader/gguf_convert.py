@@ -49,7 +49,7 @@ _END_OF_TURN_TOKENS = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>")
 # 2: the tokenizer adds BOS / EOS to text exactly as tokenizer.ggml.add_{bos,eos}_token say.
 # 3: a file's Q8_0 weights are also kept as codes and scales.
 # 4: so are its Q5_0 and Q4_0 weights (GGUF_BLOCKS_FILE, each tensor's type named).
-# 5: and its Q6_K weights (a scale per 16).
+# 5: and its Q6_K weights (a scale per 16) and Q4_K / Q4_1 ones (`<hf name>.mins` too).
 CONVERSION_VERSION = 5
 CONVERSION_MARKER = "prefixserve_conversion.json"
 
@@ -182,8 +182,9 @@ def _convert_gguf(gguf_path: Path, out_dir: Path, chat_template: str | None) -> 
 
 
 def block_tensors(parsed: dict[str, Any], expected: set[str]) -> dict[str, Int8Weight]:
-    """Every 2-D weight the file stores in a symmetric block type (Q8_0, Q5_0, Q4_0, Q6_K), as
-    `recover_gguf_blocks` finds them in transformers' fp32 values, by Hugging Face name."""
+    """Every 2-D weight the file stores in a block type the kernel reads (Q8_0, Q5_0, Q4_0, Q6_K;
+    Q4_K and Q4_1 with their mins), as `recover_gguf_blocks` finds them in transformers' fp32
+    values, by Hugging Face name."""
     kept: dict[str, Int8Weight] = {}
     for name, value in parsed.items():
         if name not in expected or not isinstance(value, torch.Tensor) or value.dim() != 2:
@@ -202,6 +203,8 @@ def _save_blocks(out_dir: Path, blocks: dict[str, Int8Weight]) -> None:
         tensors = {}
         for name, weight in blocks.items():
             tensors[f"{name}.codes"], tensors[f"{name}.scales"] = weight.codes, weight.scales
+            if weight.mins is not None:
+                tensors[f"{name}.mins"] = weight.mins
         formats = json.dumps({name: weight.fmt for name, weight in blocks.items()})
         metadata = {"format": "pt", BLOCK_FORMATS_KEY: formats}
         save_file(tensors, str(out_dir / GGUF_BLOCKS_FILE), metadata=metadata)

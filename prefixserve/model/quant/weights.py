@@ -9,7 +9,10 @@ multiplies (csrc/linear_int8.cpp). Two ways in:
   (Q4_0), so the scale is that block's amax over it and the codes come back exactly
   (`recover_gguf_blocks` checks every value and declines a tensor of another type);
 - GGUF Q6_K (a scale per 16, the super-block's fp16 d times an int8 sub-scale, times a code in
-  [-32, 31]): kept too, as int8 codes with a scale per 16 (the largest code found by trying each).
+  [-32, 31]): kept too, as int8 codes with a scale per 16 (the largest code found by trying each);
+- GGUF Q4_K and Q4_1 (a scale and a min per 32, codes in [0, 15]): kept as "q4_k", codes with a
+  scale and a min per 32 (`mins`), read in 4 bits; the min of a block's values is its min and its
+  range over some code up to 15 its scale, checked exactly.
 
 The kernel reads Q4_0's and Q5_0's codes in 4 and 5 bits (`packed_weight`): the same integers, so
 the same bits out, from half or five eighths of the bytes.
@@ -43,11 +46,13 @@ LOW_BIT_FORMATS = {"q4_0": 4, "q5_0": 5}
 @dataclass(frozen=True, slots=True)
 class Int8Weight:
     """codes int8 [N, K]; scales fp32 [N, K / group]; `fmt` "int8" (per channel) or the GGUF
-    block type it came from ("q8_0", "q5_0", "q4_0", "q6_k")."""
+    block type it came from ("q8_0", "q5_0", "q4_0", "q6_k", "q4_k"); mins fp32 [N, K / group]
+    for an affine one ("q4_k": value = code x scale + min, codes in [0, 15]), else None."""
 
     codes: torch.Tensor
     scales: torch.Tensor
     fmt: str
+    mins: torch.Tensor | None = None
 
     @property
     def group(self) -> int:
@@ -57,10 +62,13 @@ class Int8Weight:
         """The fp32 values the codes stand for, [N, K]."""
         n, k = self.codes.shape
         blocks = self.codes.float().view(n, -1, self.group) * self.scales.unsqueeze(-1)
+        if self.mins is not None:
+            blocks = blocks + self.mins.unsqueeze(-1)
         return blocks.view(n, k)
 
     def nbytes(self) -> int:
-        return self.codes.numel() + self.scales.numel() * 4
+        mins = 0 if self.mins is None else self.mins.numel() * 4
+        return self.codes.numel() + self.scales.numel() * 4 + mins
 
 
 def quantizable(weight: torch.Tensor) -> bool:
@@ -84,7 +92,7 @@ def recover_gguf_blocks(values: torch.Tensor) -> Int8Weight | None:
     them (another type, or any value that is not its block's scale times an integer code)."""
     if values.dtype != torch.float32 or values.dim() != 2 or values.shape[1] % BLOCK_GROUP:
         return None
-    return _recover_per_32(values) or _recover_q6_k(values)
+    return _recover_per_32(values) or _recover_q6_k(values) or _recover_affine_4(values)
 
 
 def _recover_per_32(values: torch.Tensor) -> Int8Weight | None:
@@ -119,6 +127,44 @@ def _recover_q6_k(values: torch.Tensor) -> Int8Weight | None:
         return None
     codes, scales = found
     return Int8Weight(codes, scales, "q6_k")
+
+
+def _recover_affine_4(values: torch.Tensor) -> Int8Weight | None:
+    """Q4_K or Q4_1 blocks of these values: per 32, codes in [0, 15] times a scale plus a min.
+    The block's least value is its min (code 0), its range over the largest code its scale:
+    each largest code is tried, and a block takes the first that gives back its values exactly
+    (value = code x scale + min, as fp32 computes it). Row 0 alone first, as `_recover_q6_k`."""
+    if _affine_codes(values[:1]) is None:
+        return None
+    found = _affine_codes(values)
+    if found is None:
+        return None
+    codes, scales, mins = found
+    return Int8Weight(codes, scales, "q4_k", mins)
+
+
+def _affine_codes(
+    values: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(codes int8 in [0, 15], scales, mins) giving back these values exactly, or None."""
+    n, k = values.shape
+    blocks = values.reshape(n, k // BLOCK_GROUP, BLOCK_GROUP)
+    low, high = blocks.amin(dim=-1), blocks.amax(dim=-1)
+    found = high == low  # one value: code 0, scale 0
+    codes = torch.zeros_like(blocks)
+    scales = torch.zeros_like(low)
+    for top in range(15, 0, -1):
+        scale = (high - low) / top
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        tried = torch.round((blocks - low.unsqueeze(-1)) / safe.unsqueeze(-1))
+        exact = (tried * scale.unsqueeze(-1) + low.unsqueeze(-1) == blocks).all(dim=-1)
+        exact &= (tried <= 15).all(dim=-1) & ~found
+        codes = torch.where(exact.unsqueeze(-1), tried, codes)
+        scales = torch.where(exact, scale, scales)
+        found |= exact
+        if bool(found.all()):
+            return codes.to(torch.int8).view(n, k).contiguous(), scales.contiguous(), low
+    return None
 
 
 def _per_16_codes(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -195,7 +241,12 @@ def _narrow_codes(weight: Int8Weight, bits: int) -> Int8Weight | None:
 
 def packed_weight(weight: Int8Weight) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed codes, scales) for the kernel: Q4_0 and Q5_0 in 4 and 5 bits where their codes
-    fit (`LOW_BIT_FORMATS`), the rest in 8."""
+    fit (`LOW_BIT_FORMATS`), an affine weight's in 4 with its mins after its scales
+    ([2, N, K / 32]), the rest in 8."""
+    if weight.mins is not None:
+        # Stored as they are (the kernel's zero point 0 for them): pack_codes adds back the 8.
+        codes = pack_codes(weight.codes.to(torch.int16).sub(8).to(torch.int8), 4)
+        return codes, torch.stack([weight.scales, weight.mins]).contiguous()
     bits = LOW_BIT_FORMATS.get(weight.fmt, 8)
     narrow = _narrow_codes(weight, bits) if bits < 8 else None
     if narrow is None:
@@ -207,8 +258,10 @@ def fuse(shards: list[Int8Weight]) -> Int8Weight:
     """One weight of shards stacked along N (q/k/v, gate/up), which share a format and group."""
     if len({(w.fmt, w.group, w.codes.shape[1]) for w in shards}) != 1:
         raise ValueError("fused shards must share a format, a group and K")
+    mins = None if shards[0].mins is None else torch.cat([w.mins for w in shards]).contiguous()
     return Int8Weight(
         torch.cat([w.codes for w in shards]).contiguous(),
         torch.cat([w.scales for w in shards]).contiguous(),
         shards[0].fmt,
+        mins,
     )

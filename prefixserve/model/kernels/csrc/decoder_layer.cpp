@@ -39,8 +39,10 @@ PackedLinear packed_linear(const py::tuple& t) {
   TORCH_CHECK(t.size() == 4, "a linear is (packed, out_features, bias, next_packed) or (codes, "
                              "scales, bias, next weight)");
   if (!py::isinstance<py::int_>(t[1])) {
-    auto scales = t[1].cast<torch::Tensor>();  // [N, K / G]: N rows, the codes packed by four
-    return {true, t[0].cast<torch::Tensor>(), scales, scales.size(0), t[2].cast<OptTensor>(),
+    // [N, K / G] (or [2, N, K / 32], scales and mins): N rows, the codes packed by four
+    auto scales = t[1].cast<torch::Tensor>();
+    return {true, t[0].cast<torch::Tensor>(), scales, scales.size(scales.dim() - 2),
+            t[2].cast<OptTensor>(),
             t[3].cast<OptTensor>()};
   }
   return {false, t[0].cast<torch::Tensor>(), torch::Tensor(), t[1].cast<int64_t>(),

@@ -28,6 +28,11 @@
 // z x sum(x codes) off in the accumulator's start value, as the 8-bit codes' 128: the lanes' integer
 // sums are the same exact integers, so a weight gives the same bits in 4, 5 or 8 bits, at a half
 // or five eighths of the bytes.
+//
+// Affine 4-bit weights (GGUF Q4_K and Q4_1: value = scale x code + min, codes in [0, 15], a scale
+// and a min per 32) are stored as the 4-bit ones with z = 0 and their mins beside the scales
+// (scales [2, N, K / 32]): each lane also adds min x x scale x (the sum of its four x codes), one
+// more fused multiply-add after the codes' one.
 #include "torch_lite.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -110,18 +115,19 @@ inline float reduce_halves(__m256 lo, __m256 hi) {
 #endif
 
 // One row of x quantized: codes [K]; per lane (K / 4 of them, 16 per chunk) the x scale of its
-// group and -z times the sum of its four codes (z the weight codes' zero point: the unsigned
-// codes' offset, taken off at the start).
+// group, -z times the sum of its four codes (z the weight codes' zero point: the unsigned
+// codes' offset, taken off at the start) and that sum as a float (affine weights' min term).
 struct XRows {
   std::vector<int8_t> codes;
   std::vector<float> lane_scale;
   std::vector<int32_t> offset;
+  std::vector<float> lane_sum;
 };
 
 // Rows of x quantized on the caller and up to `threads - 1` helpers (a prefill's x is large).
 XRows quantize_x(const uint16_t* x, int64_t rows, int64_t K, int64_t threads, int32_t zero) {
   XRows q{std::vector<int8_t>(rows * K), std::vector<float>(rows * K / 4),
-          std::vector<int32_t>(rows * K / 4)};
+          std::vector<int32_t>(rows * K / 4), std::vector<float>(rows * K / 4)};
   prefixserve::stream_pool().run(rows, rows < 8 ? 1 : threads, [&](int64_t r) {
     for (int64_t g = 0; g < K; g += 32) {
       float v[32], amax = 0.0f;
@@ -141,7 +147,9 @@ XRows quantize_x(const uint16_t* x, int64_t rows, int64_t K, int64_t threads, in
         const int64_t lane = chunk * kLanes + 2 * u + h;
         std::memcpy(&q.codes[lane * 4], &c[4 * u], 4);
         q.lane_scale[lane] = scale;
-        q.offset[lane] = -zero * (c[4 * u] + c[4 * u + 1] + c[4 * u + 2] + c[4 * u + 3]);
+        const int32_t sum = c[4 * u] + c[4 * u + 1] + c[4 * u + 2] + c[4 * u + 3];
+        q.offset[lane] = -zero * sum;
+        q.lane_sum[lane] = static_cast<float>(sum);
       }
     }
   }, /*compute_bound=*/rows > kComputeBoundRows);
@@ -222,11 +230,11 @@ inline int32_t code_at(const uint8_t* p, int64_t col) {
 }
 
 // Sums of NW weight rows of one packed group of four (codes from q, the group's first chunk of
-// the tile's first row, B bits a code; scales K / G apart) with NX quantized x rows (from row x0
-// of xq) into sums[i * NX + j].
-template <int B, int NW, int NX>
-inline void dot_tile(const uint8_t* q, const float* s, int64_t K, int64_t G, const XRows& xq,
-                     int64_t x0, float* sums) {
+// the tile's first row, B bits a code; scales K / G apart, and where A (affine, G = 32) the mins
+// `min_at` floats after them) with NX quantized x rows (from row x0 of xq) into sums[i * NX + j].
+template <int B, bool A, int NW, int NX>
+inline void dot_tile(const uint8_t* q, const float* s, int64_t min_at, int64_t K, int64_t G,
+                     const XRows& xq, int64_t x0, float* sums) {
   const int64_t groups = K / G, chunks = K / kChunk;
   const int64_t chunks_per_group = G / kChunk;  // 0 for G = 32
   constexpr int64_t row_bytes = kBytes<B>, group_chunk = kGroupRows * row_bytes;
@@ -246,9 +254,14 @@ inline void dot_tile(const uint8_t* q, const float* s, int64_t K, int64_t G, con
   const __m512i by_16 = _mm512_setr_epi32(0, 2, 0, 2, 0, 2, 0, 2, 1, 3, 1, 3, 1, 3, 1, 3);
   for (int64_t c = 0; c < chunks; ++c) {
     __m512i w[NW];
-    __m512 ws[NW];
+    __m512 ws[NW], wm[NW];
     for (int i = 0; i < NW; ++i) {
       w[i] = load_codes<B>(q + i * row_bytes + c * group_chunk);
+      if constexpr (A) {
+        double pair;  // the chunk's two mins, as its two scales
+        std::memcpy(&pair, s + min_at + i * groups + 2 * c, sizeof pair);
+        wm[i] = _mm512_castpd_ps(_mm512_set1_pd(pair));
+      }
       const float* si = s + i * groups;
       if (groups == 1) {
         ws[i] = row_scale[i];
@@ -269,6 +282,10 @@ inline void dot_tile(const uint8_t* q, const float* s, int64_t K, int64_t G, con
       for (int i = 0; i < NW; ++i) {
         const __m512i dot = _mm512_dpbusd_epi32(start, w[i], xv);
         acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(ws[i], xs), acc[i][j]);
+        if constexpr (A)
+          acc[i][j] = _mm512_fmadd_ps(_mm512_loadu_ps(xq.lane_sum.data() + (x0 + j) * K / 4 +
+                                                      c * kLanes),
+                                      _mm512_mul_ps(wm[i], xs), acc[i][j]);
       }
     }
   }
@@ -295,9 +312,14 @@ inline void dot_tile(const uint8_t* q, const float* s, int64_t K, int64_t G, con
     for (int h = 0; h < 2; ++h) {
       const int64_t col = c * kChunk + 32 * h;
       __m256i w[NW];
-      __m256 ws[NW];
+      __m256 ws[NW], wm[NW];
       for (int i = 0; i < NW; ++i) {
         w[i] = load_half<B>(q + i * row_bytes + c * group_chunk, h);
+        if constexpr (A) {
+          double pair;  // as the VNNI tile
+          std::memcpy(&pair, s + min_at + i * groups + 2 * c, sizeof pair);
+          wm[i] = _mm256_castpd_ps(_mm256_set1_pd(pair));
+        }
         if (groups == 1) {
           ws[i] = row_scale[i];
         } else if (G == 32) {
@@ -326,6 +348,10 @@ inline void dot_tile(const uint8_t* q, const float* s, int64_t K, int64_t G, con
           const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(pairs, ones), start);
           acc[i][j][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(ws[i], xs),
                                          acc[i][j][h]);
+          if constexpr (A)
+            acc[i][j][h] = _mm256_fmadd_ps(
+                _mm256_loadu_ps(xq.lane_sum.data() + (x0 + j) * K / 4 + col / 4),
+                _mm256_mul_ps(wm[i], xs), acc[i][j][h]);
         }
       }
     }
@@ -342,11 +368,16 @@ inline void dot_tile(const uint8_t* q, const float* s, int64_t K, int64_t G, con
           int32_t dot = 0;
           for (int t = 0; t < 4; ++t) {
             const int64_t col = 4 * l + t;
-            dot += code_at<B>(q + i * row_bytes + c * group_chunk, col) *
-                   static_cast<int32_t>(xr[c * kChunk + col]);
+            const int32_t code =
+                code_at<B>(q + i * row_bytes + c * group_chunk, col) + (A ? kZero<B> : 0);
+            dot += code * static_cast<int32_t>(xr[c * kChunk + col]);
           }
           const float scale = weight_scale(s + i * groups, G, c, l) * xs[c * kLanes + l];
           acc[l] = std::fma(static_cast<float>(dot), scale, acc[l]);
+          if constexpr (A) {
+            const float min = weight_scale(s + min_at + i * groups, G, c, l) * xs[c * kLanes + l];
+            acc[l] = std::fma(xq.lane_sum[(x0 + j) * K / 4 + c * kLanes + l], min, acc[l]);
+          }
         }
       sums[i * NX + j] = reduce_lanes(acc);
     }
@@ -355,25 +386,25 @@ inline void dot_tile(const uint8_t* q, const float* s, int64_t K, int64_t G, con
 
 // A tile of up to kTileW weight rows by up to kTileX batch rows (the remainders dispatched to
 // their own instantiations).
-template <int B, int NW>
-inline void dot_rows_x(const uint8_t* q, const float* s, int64_t K, int64_t G, const XRows& xq,
-                       int64_t x0, int64_t nx, float* sums) {
+template <int B, bool A, int NW>
+inline void dot_rows_x(const uint8_t* q, const float* s, int64_t min_at, int64_t K, int64_t G,
+                       const XRows& xq, int64_t x0, int64_t nx, float* sums) {
   if constexpr (kTileX >= 2) {
-    if (nx >= 2) return dot_tile<B, NW, kTileX>(q, s, K, G, xq, x0, sums);
+    if (nx >= 2) return dot_tile<B, A, NW, kTileX>(q, s, min_at, K, G, xq, x0, sums);
   }
-  dot_tile<B, NW, 1>(q, s, K, G, xq, x0, sums);
+  dot_tile<B, A, NW, 1>(q, s, min_at, K, G, xq, x0, sums);
 }
 
-template <int B>
-inline void dot_rows(const uint8_t* q, const float* s, int64_t K, int64_t G, const XRows& xq,
-                     int64_t x0, int64_t nw, int64_t nx, float* sums) {
+template <int B, bool A>
+inline void dot_rows(const uint8_t* q, const float* s, int64_t min_at, int64_t K, int64_t G,
+                     const XRows& xq, int64_t x0, int64_t nw, int64_t nx, float* sums) {
   if constexpr (kTileW >= 4) {
-    if (nw >= 4) return dot_rows_x<B, 4>(q, s, K, G, xq, x0, nx, sums);
+    if (nw >= 4) return dot_rows_x<B, A, 4>(q, s, min_at, K, G, xq, x0, nx, sums);
   }
   if constexpr (kTileW >= 2) {
-    if (nw >= 2) return dot_rows_x<B, 2>(q, s, K, G, xq, x0, nx, sums);
+    if (nw >= 2) return dot_rows_x<B, A, 2>(q, s, min_at, K, G, xq, x0, nx, sums);
   }
-  dot_rows_x<B, 1>(q, s, K, G, xq, x0, nx, sums);
+  dot_rows_x<B, A, 1>(q, s, min_at, K, G, xq, x0, nx, sums);
 }
 
 // What follows the sums: out [rows, ldo] from column 0 of this range; `act` != kNone makes
@@ -449,9 +480,9 @@ void store_gated_sums(const float* gate, const float* up, int64_t ld, int64_t ro
 
 // Sums of weight rows [n0, n0 + width) for every batch row into sums [rows, width]. Tiles never
 // cross a packed group of four rows (a range that starts inside one takes single rows up to it).
-template <int B>
-void sum_range(const uint8_t* q, const float* s, int64_t K, int64_t G, const XRows& xq,
-               int64_t rows, int64_t n0, int64_t width, float* sums) {
+template <int B, bool A>
+void sum_range(const uint8_t* q, const float* s, int64_t min_at, int64_t K, int64_t G,
+               const XRows& xq, int64_t rows, int64_t n0, int64_t width, float* sums) {
   const int64_t groups = K / G;
   float tile[kTileW * kTileX];
   for (int64_t m0 = 0; m0 < rows; m0 += kTileX) {
@@ -464,7 +495,7 @@ void sum_range(const uint8_t* q, const float* s, int64_t K, int64_t G, const XRo
                                                                      : 1;
       const uint8_t* base =
           q + (r / kGroupRows) * kGroupRows * (K / kChunk) * kBytes<B> + slot * kBytes<B>;
-      dot_rows<B>(base, s + r * groups, K, G, xq, m0, nw, nx, tile);
+      dot_rows<B, A>(base, s + r * groups, min_at, K, G, xq, m0, nw, nx, tile);
       for (int64_t i = 0; i < nw; ++i)
         for (int64_t j = 0; j < std::min<int64_t>(nx, tx); ++j)
           sums[(m0 + j) * width + n + i] = tile[i * tx + j];
@@ -476,9 +507,9 @@ void sum_range(const uint8_t* q, const float* s, int64_t K, int64_t G, const XRo
 // The call's sums and epilogues over codes of B bits: chunks of output columns of ~32 KB of
 // codes (a multiple of 16 rows, the vector epilogue's width), so a chunk's rows stay in L2 while
 // the batch's rows pass them, on the caller and up to `threads - 1` helpers.
-template <int B>
-void run_chunks(const uint8_t* q, const float* s, int64_t K, int64_t G, const XRows& xq,
-                int64_t rows, int64_t width_out, bool gated, const Epilogue& e,
+template <int B, bool A = false>
+void run_chunks(const uint8_t* q, const float* s, int64_t min_at, int64_t K, int64_t G,
+                const XRows& xq, int64_t rows, int64_t width_out, bool gated, const Epilogue& e,
                 int64_t threads) {
   const int64_t chunk = std::max<int64_t>(16, ((32 * 1024) / K) / 16 * 16);
   const int64_t chunks = (width_out + chunk - 1) / chunk;
@@ -488,10 +519,10 @@ void run_chunks(const uint8_t* q, const float* s, int64_t K, int64_t G, const XR
     // malloc would map and unmap on every chunk.
     thread_local std::vector<float> sums;
     sums.resize(rows * width * (gated ? 2 : 1));
-    sum_range<B>(q, s, K, G, xq, rows, c0, width, sums.data());
+    sum_range<B, A>(q, s, min_at, K, G, xq, rows, c0, width, sums.data());
     if (!gated) return store_plain(sums.data(), width, rows, c0, width, e);
     float* up = sums.data() + rows * width;
-    sum_range<B>(q, s, K, G, xq, rows, width_out + c0, width, up);
+    sum_range<B, A>(q, s, min_at, K, G, xq, rows, width_out + c0, width, up);
     store_gated_sums(sums.data(), up, width, rows, c0, width, width_out, e);
   }, /*compute_bound=*/rows > kComputeBoundRows);
 }
@@ -511,7 +542,8 @@ std::string linear_int8_family() { return kFamily; }
 
 // out [rows, N] (or [rows, N / 2] gated) from x [rows, K] bf16, codes packed in groups of four
 // rows [ceil(N / 4), K / 64, 4, bytes] (model/quant/weights.py `pack_codes`: int8 with 64 bytes,
-// or uint8 with 40 (5-bit) or 32 (4-bit)), scales [N, K / G] fp32; bias [N] bf16 or none; act 0
+// or uint8 with 40 (5-bit) or 32 (4-bit)), scales [N, K / G] fp32 (affine 4-bit codes: scales
+// then mins, [2, N, K / 32]); bias [N] bf16 or none; act 0
 // plain, 1 SiLU, 2 GELU tanh (gated); residual [rows, N] bf16 added after the rounding, or none.
 // Chunks of weight rows run on the caller and up to `threads - 1` helpers of the stream pool;
 // `prefetch`: the next linear's weight, or none.
@@ -527,18 +559,23 @@ void linear_int8(torch::Tensor out, torch::Tensor x, torch::Tensor codes, torch:
                   bits != 0 && scales.scalar_type() == torch::kFloat,
               "linear_int8 needs bfloat16 x and out, packed codes (int8 [.., 64], uint8 [.., 40] "
               "or [.., 32]), float32 scales");
-  TORCH_CHECK(x.dim() == 2 && scales.dim() == 2 && out.dim() == 2 && x.is_contiguous() &&
-                  codes.is_contiguous() && scales.is_contiguous() && out.is_contiguous(),
-              "linear_int8 needs contiguous 2-D x, scales and out, and 4-D packed codes");
-  const int64_t rows = x.size(0), K = x.size(1), N = scales.size(0);
+  const bool affine = scales.dim() == 3;
+  TORCH_CHECK(x.dim() == 2 && (scales.dim() == 2 || (affine && scales.size(0) == 2)) &&
+                  out.dim() == 2 && x.is_contiguous() && codes.is_contiguous() &&
+                  scales.is_contiguous() && out.is_contiguous(),
+              "linear_int8 needs contiguous 2-D x and out, 2-D scales (or [2, N, K / G] scales "
+              "and mins), and 4-D packed codes");
+  const int64_t rows = x.size(0), K = x.size(1), N = scales.size(affine ? 1 : 0);
+  const int64_t groups = scales.size(affine ? 2 : 1);
+  TORCH_CHECK(!affine || (bits == 4 && groups * 32 == K),
+              "linear_int8: mins go with 4-bit codes and a scale per 32");
   TORCH_CHECK(act == kNone || act == kSilu || act == kGeluTanh, "linear_int8: unknown act");
   const bool gated = act != kNone;
   const int64_t width_out = gated ? N / 2 : N;
   TORCH_CHECK(codes.size(0) == (N + kGroupRows - 1) / kGroupRows && codes.size(1) * kChunk == K &&
                   codes.size(2) == kGroupRows && K % kChunk == 0 &&
-                  scales.size(1) > 0 && K % scales.size(1) == 0 &&
-                  (K / scales.size(1) == 16 || K / scales.size(1) == 32 ||
-                   (K / scales.size(1)) % kChunk == 0) &&
+                  groups > 0 && K % groups == 0 &&
+                  (K / groups == 16 || K / groups == 32 || (K / groups) % kChunk == 0) &&
                   (!gated || N % 2 == 0) && out.size(0) == rows && out.size(1) == width_out,
               "linear_int8: shapes x [rows, K], codes [N / 4, K / 64, 4, bytes], scales [N, K / G] "
               "with K a multiple of 64 and G 16, 32 or a multiple of 64, out [rows, N] (gated: "
@@ -560,22 +597,25 @@ void linear_int8(torch::Tensor out, torch::Tensor x, torch::Tensor codes, torch:
                 "linear_int8: residual must be a contiguous bfloat16 [rows, N], not gated");
     res = reinterpret_cast<const uint16_t*>(residual->data_ptr<c10::BFloat16>());
   }
-  // x quantized once per call, per row and group of 32, with the codes' zero point.
-  const int32_t zero = bits == 8 ? kZero<8> : bits == 5 ? kZero<5> : kZero<4>;
+  // x quantized once per call, per row and group of 32, with the codes' zero point (affine
+  // codes are stored as they are).
+  const int32_t zero = affine ? 0 : bits == 8 ? kZero<8> : bits == 5 ? kZero<5> : kZero<4>;
   const XRows xq =
       quantize_x(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), rows, K,
                  threads, zero);
   const auto* q = static_cast<const uint8_t*>(codes.data_ptr());
   const float* s = scales.data_ptr<float>();
-  const int64_t G = K / scales.size(1);
+  const int64_t G = K / groups, min_at = affine ? N * groups : 0;
   const Epilogue e{reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()), width_out,
                    bias_f.empty() ? nullptr : bias_f.data(), act, res};
-  if (bits == 8)
-    run_chunks<8>(q, s, K, G, xq, rows, width_out, gated, e, threads);
+  if (affine)
+    run_chunks<4, true>(q, s, min_at, K, G, xq, rows, width_out, gated, e, threads);
+  else if (bits == 8)
+    run_chunks<8>(q, s, min_at, K, G, xq, rows, width_out, gated, e, threads);
   else if (bits == 5)
-    run_chunks<5>(q, s, K, G, xq, rows, width_out, gated, e, threads);
+    run_chunks<5>(q, s, min_at, K, G, xq, rows, width_out, gated, e, threads);
   else
-    run_chunks<4>(q, s, K, G, xq, rows, width_out, gated, e, threads);
+    run_chunks<4>(q, s, min_at, K, G, xq, rows, width_out, gated, e, threads);
   // A decode-sized call has the pool's helpers bring the next linear's codes toward their caches
   // while the caller runs what lies between the two (gemm_bf16's prefetch_next).
   if (rows <= kPrefetchNextRows && prefetch.has_value() && prefetch->defined())
