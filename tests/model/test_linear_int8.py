@@ -25,6 +25,7 @@ from prefixserve.model.loader import quantize as quantize_module
 from prefixserve.model.quant.weights import (
     LOW_BIT_FORMATS,
     Int8Weight,
+    fuse,
     pack_codes,
     packed_weight,
     quantize_per_channel,
@@ -270,6 +271,19 @@ def test_q4_1_blocks_of_ggufs_quantizer_come_back_as_affine_4_bit_codes():
     assert codes.dtype == torch.uint8 and codes.shape[-1] == 32 and scales.shape == (2, 24, 4)
     x = _x(4, 128)
     assert torch.equal(_run(x, weight), _model_of_the_kernel(x, weight))
+
+
+def test_shards_of_q4_0_q5_0_and_q8_0_fuse_as_8_bit_codes_exactly():
+    """llama.cpp's Q4_K_M gives v more bits than q and k: the fused qkv keeps every shard's
+    values as int8 codes with a scale per 32; other mixes are refused."""
+    shards = [_weights(8, 64, fmt, seed=i) for i, fmt in enumerate(["q5_0", "q4_0", "q8_0"])]
+    fused = fuse(shards)
+    assert fused.fmt == "q8_0" and fused.group == 32
+    assert torch.equal(fused.dequantize(), torch.cat([w.dequantize() for w in shards]))
+    x = _x(3, 64)
+    assert torch.equal(_run(x, fused), torch.cat([_run(x, w) for w in shards], dim=1))
+    with pytest.raises(ValueError, match="share a format"):
+        fuse([_weights(8, 64, "q5_0"), _weights(8, 64, "q4_k")])
 
 
 def test_values_of_no_block_type_are_declined():

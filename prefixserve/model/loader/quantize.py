@@ -26,6 +26,7 @@ from prefixserve.model.quant.weights import (
     BLOCK_FORMATS_KEY,
     GGUF_BLOCKS_FILE,
     Int8Weight,
+    fusable,
     fuse,
     quantizable,
     quantize_per_channel,
@@ -110,7 +111,7 @@ def _block_weights(model: nn.Module, path: Path) -> dict[str, Int8Weight]:
         fused = _fused_shards(name)
         if fused is None:
             found[name] = parts[None]
-        elif set(parts) == set(range(fused)) and len({p.fmt for p in parts.values()}) == 1:
+        elif set(parts) == set(range(fused)) and fusable(list(parts.values())):
             found[name] = fuse([parts[i] for i in range(fused)])
     return {name: w for name, w in found.items() if quantizable(w.codes)}
 

@@ -41,6 +41,8 @@ _CODE_MAX = 127.0
 # The formats whose codes the kernel reads in fewer bits, by their bits: the codes of a block lie
 # in [-2^(b-1), 2^(b-1) - 1] once the block's sign is chosen so (`_narrow_codes`).
 LOW_BIT_FORMATS = {"q4_0": 4, "q5_0": 5}
+# The formats of int8 codes with a scale per 32, symmetric: shards of them fuse as one.
+_PER_32_SYMMETRIC = {fmt for fmt, _ in GGUF_BLOCK_TYPES}
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,14 +256,23 @@ def packed_weight(weight: Int8Weight) -> tuple[torch.Tensor, torch.Tensor]:
     return pack_codes(narrow.codes, bits), narrow.scales
 
 
+def fusable(shards: list[Int8Weight]) -> bool:
+    """Whether `fuse` takes these shards: one format, or symmetric ones with a scale per 32."""
+    fmts = {w.fmt for w in shards}
+    shapes = {(w.group, w.codes.shape[1]) for w in shards}
+    return len(shapes) == 1 and (len(fmts) == 1 or fmts <= _PER_32_SYMMETRIC)
+
+
 def fuse(shards: list[Int8Weight]) -> Int8Weight:
-    """One weight of shards stacked along N (q/k/v, gate/up), which share a format and group."""
-    if len({(w.fmt, w.group, w.codes.shape[1]) for w in shards}) != 1:
-        raise ValueError("fused shards must share a format, a group and K")
+    """One weight of shards stacked along N (q/k/v, gate/up), which share a format and group;
+    or, of Q4_0 / Q5_0 / Q8_0 shards mixed (llama.cpp's Q4_K_M gives v more bits than q and k),
+    one "q8_0" weight: all are int8 codes with a scale per 32, exactly."""
+    if not fusable(shards):
+        raise ValueError("fused shards must share a format (or mix Q4_0, Q5_0, Q8_0), group and K")
     mins = None if shards[0].mins is None else torch.cat([w.mins for w in shards]).contiguous()
     return Int8Weight(
         torch.cat([w.codes for w in shards]).contiguous(),
         torch.cat([w.scales for w in shards]).contiguous(),
-        shards[0].fmt,
+        shards[0].fmt if len({w.fmt for w in shards}) == 1 else "q8_0",
         mins,
     )
