@@ -174,14 +174,16 @@ inline __m512i load_codes(const uint8_t* p) {
   if constexpr (B == 8) {
     return _mm512_xor_si512(_mm512_loadu_si512(p), _mm512_set1_epi8(static_cast<char>(0x80)));
   } else {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    const __m256i low = _mm256_set1_epi8(0x0F);
-    __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, low)),
-                                   _mm256_and_si256(_mm256_srli_epi16(v, 4), low), 1);
-    if constexpr (B == 5) {
-      uint64_t fifth;
+    // The 32 bytes in both halves, the upper half shifted right by 4: low nibbles below, high
+    // ones above (one broadcast load, one variable shift, one mask).
+    const __m512i both =
+        _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+    __m512i u = _mm512_and_si512(_mm512_srlv_epi16(both, shift), _mm512_set1_epi8(0x0F));
+    if constexpr (B == 5) {  // + 16 where the fifth bit is set (the mask read from memory)
+      __mmask64 fifth;
       std::memcpy(&fifth, p + 32, sizeof fifth);
-      u = _mm512_or_si512(u, _mm512_maskz_set1_epi8(fifth, 0x10));
+      u = _mm512_mask_add_epi8(u, fifth, u, _mm512_set1_epi8(0x10));
     }
     return u;
   }
