@@ -252,6 +252,13 @@ def measure(engines: list, args) -> Rates:
     return rates
 
 
+def decode_ratio(rates: Rates, ours: str, peer: str) -> float:
+    """The median wall decode-batch-1 rate of `ours` over `peer`'s, within one round."""
+    return statistics.median(x[0] for x in rates[ours]["decode_b1"]) / statistics.median(
+        x[0] for x in rates[peer]["decode_b1"]
+    )
+
+
 def print_decode_limits(engines: list, args) -> None:
     """Each of our models' weight bytes per decode token at batch 1 (the K/V of the context
     beside them) and the tok/s that reading them at this machine's measured read bandwidth
@@ -278,6 +285,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="HF dir or .gguf (default: the default model)")
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="measure the engines (and llama.cpp after them) this many times over, pooling the "
+        "samples and printing each round's decode-batch-1 ratio to llama.cpp: on a noisy "
+        "machine a ratio within a round holds better than one across the whole run",
+    )
     ap.add_argument("--prefill-len", type=int, default=512)
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--decode-steps", type=int, default=16)
@@ -427,11 +442,24 @@ def main() -> None:
         )
     if not args.skip_transformers:
         engines.append(Transformers(loaded.path, loaded.config.vocab_size))
-    with torch.inference_mode():
-        rates = measure(engines, args)
-    if args.llama_cpp:
-        rates["llama.cpp"] = llama_cpp_rates(loaded.path, loaded.config.vocab_size, args)
+    rates: Rates = {}
+    ratios: list[float] = []
+    for _ in range(args.rounds):
+        with torch.inference_mode():
+            round_rates = measure(engines, args)
+        if args.llama_cpp:
+            round_rates["llama.cpp"] = llama_cpp_rates(loaded.path, loaded.config.vocab_size, args)
+            ratios.append(decode_ratio(round_rates, engines[0].name, "llama.cpp"))
+        for name, r in round_rates.items():
+            for metric, samples in r.items():
+                rates.setdefault(name, {}).setdefault(metric, []).extend(samples)
     print_decode_limits(engines, args)
+    if len(ratios) > 1:
+        print(
+            f"decode batch 1, {engines[0].name} / llama.cpp by round (medians of each round's "
+            f"repeats, wall): {', '.join(f'{x:.2f}' for x in ratios)}; median "
+            f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
+        )
 
     print(f"\nload avg after: {os.getloadavg()[0]:.1f}")
     metrics = ("prefill", *(f"decode_b{b}" for b in args.batches))
