@@ -98,22 +98,31 @@ def recover_gguf_blocks(values: torch.Tensor) -> Int8Weight | None:
 
 
 def _recover_per_32(values: torch.Tensor) -> Int8Weight | None:
-    """Q8_0, Q5_0 or Q4_0 blocks of these values (`recover_gguf_blocks`), or None."""
-    n, k = values.shape
-    blocks = values.view(n, k // BLOCK_GROUP, BLOCK_GROUP)
-    amax = blocks.abs().amax(dim=-1)
+    """Q8_0, Q5_0 or Q4_0 blocks of these values (`recover_gguf_blocks`), or None. Each type is
+    tried on row 0 first, the whole tensor only for the type row 0 fits (a large embedding is
+    one pass, not three)."""
     for fmt, top in GGUF_BLOCK_TYPES:
-        # The block's largest value is its scale times the type's largest code (+-127 for Q8_0,
-        # -16 for Q5_0, -8 for Q4_0, by how ggml quantizes), so the scale is amax / top.
-        scales = amax / top
-        safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-        codes = torch.round(blocks / safe.unsqueeze(-1))
-        # Exact, and every scale an fp16 (the types store one): else not this type.
-        if torch.equal(codes * scales.unsqueeze(-1), blocks) and torch.equal(
-            scales.half().float(), scales
-        ):
-            codes = codes.to(torch.int8).view(n, k).contiguous()
-            return Int8Weight(codes, scales.contiguous(), fmt)
+        if _per_32_codes(values[:1], top) is None:
+            continue
+        found = _per_32_codes(values, top)
+        if found is not None:
+            return Int8Weight(*found, fmt)
+    return None
+
+
+def _per_32_codes(values: torch.Tensor, top: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(int8 codes, scales per 32) of values whose every block's largest is its scale times
+    `top` (+-127 for Q8_0, -16 for Q5_0, -8 for Q4_0, by how ggml quantizes), or None."""
+    n, k = values.shape
+    blocks = values.reshape(n, k // BLOCK_GROUP, BLOCK_GROUP)
+    scales = blocks.abs().amax(dim=-1) / top
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    codes = torch.round(blocks / safe.unsqueeze(-1))
+    # Exact, and every scale an fp16 (the types store one): else not this type.
+    if torch.equal(codes * scales.unsqueeze(-1), blocks) and torch.equal(
+        scales.half().float(), scales
+    ):
+        return codes.to(torch.int8).view(n, k).contiguous(), scales.contiguous()
     return None
 
 
