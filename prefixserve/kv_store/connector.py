@@ -5,7 +5,8 @@ Pure Python (no torch): the scheduler and the engine call it, the runner moves t
 (`worker.py`). One KV-cache group of full attention only (models with sliding-window layers run
 without the tiers; the engine says so at start-up). The tiers cascade RAM -> local disk (if on:
 `DiskKVStore`) -> the tier shared by every host (if on: `remote/redis_tier.py` `RedisTier`);
-either may run without the other.
+either may run without the other. Loads and saves reach them through one interface (`tier.py`
+`KVTier`: probe, read, holds, submit_store; the disk as `DiskTier`).
 
 - Load (`match`, then `load`): after the RAM pool's hit, the request's next block hashes are looked
   up on disk (a stat each: `DiskKVStore.count_prefix`), and the shared tier continues the disk's
@@ -40,13 +41,14 @@ from typing import TYPE_CHECKING
 from prefixserve.config import RETENTION_SECONDS
 from prefixserve.core.kv_cache.hashing import none_hash_from_secret
 from prefixserve.core.kv_cache.spec import FullAttentionSpec, KVCacheSpec
-from prefixserve.core.kv_cache.tier_hit import REMOTE_FAULTS, TierHit
+from prefixserve.core.kv_cache.tier_hit import TierHit
 from prefixserve.kv_store import resolve_store_config
 from prefixserve.kv_store.disk_store import BlockKey, DiskKVStore
 from prefixserve.kv_store.fingerprint import model_fingerprint, store_namespace
 from prefixserve.kv_store.lookup import StoreLookup
 from prefixserve.kv_store.remote.redis_tier import RedisTier
 from prefixserve.kv_store.seed import load_or_create_seed
+from prefixserve.kv_store.tier import DISK, DiskTier, KVTier
 from prefixserve.kv_store.writer import BackgroundWriter
 
 if TYPE_CHECKING:
@@ -58,7 +60,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 GROUP = 0  # the one full-attention KV-cache group the tier serves
-DISK, REMOTE = "disk", "remote"  # the tiers below the RAM pool, nearest first
 # Exponential moving average weight of a new measurement of load or compute speed.
 _EWMA = 0.2
 
@@ -144,6 +145,9 @@ class KVStoreConnector:
         # The tier shared across hosts, after the disk: it continues the disk's run of held
         # blocks, serves what the disk misses, and receives every block the disk would.
         self.remote = remote
+        # Every tier on the one interface, nearest first: loads and saves go through these.
+        disk = None if store is None or writer is None else DiskTier(store, writer)
+        self._tiers: tuple[KVTier, ...] = tuple(t for t in (disk, remote) if t is not None)
 
     @property
     def shares_tier(self) -> bool:
@@ -156,9 +160,7 @@ class KVStoreConnector:
     @property
     def tiers(self) -> tuple[str, ...]:
         """The tiers this engine has, nearest first."""
-        return tuple(
-            name for name, tier in ((DISK, self.store), (REMOTE, self.remote)) if tier is not None
-        )
+        return tuple(tier.name for tier in self._tiers)
 
     def paying_tiers(self) -> tuple[str, ...]:
         """The tiers whose loads were measured to pay (or not measured yet), nearest first."""
@@ -190,23 +192,25 @@ class KVStoreConnector:
         tiers: Container[str] | None = None,
     ) -> TierHit:
         """How many of the `loadable` blocks each of `tiers` holds, contiguous from the RAM hit:
-        the disk's run (a stat each), then the shared tier's continuation of it (one round
-        trip); what `match` loads, and what a dry-run report counts. `tiers` None: the tiers
-        whose loads pay (`paying_tiers`)."""
+        each tier's `probe` continues the run of the tiers before it (the disk's a stat a
+        block, the shared tier's one round trip); what `match` loads, and what a dry-run report
+        counts. `tiers` None: the tiers whose loads pay (`paying_tiers`)."""
         tiers = self.paying_tiers() if tiers is None else tiers
         first = num_computed_tokens // self.block_size
         count = self.loadable(request, num_computed_tokens)
-        if not count:
-            return TierHit()
+        hit = TierHit()
         hashes = request.block_hashes[first : first + count]
-        on_disk = 0
-        if self.store is not None and DISK in tiers:
-            on_disk = self.store.count_prefix(hashes, (GROUP,))
-        remote, fault = 0, None
-        if self.remote is not None and REMOTE in tiers and on_disk < count:
-            remote, fault = self.remote.probe(hashes[on_disk:], GROUP)
-        bs = self.block_size
-        return TierHit(on_disk * bs, remote * bs, fault)
+        held = 0
+        for tier in self._tiers:
+            if held == count:
+                break
+            if tier.name not in tiers:
+                continue
+            found, fault = tier.probe(hashes[held:], GROUP)
+            hit.add(tier.name, found * self.block_size)
+            hit.note_miss(tier.name, fault)
+            held += found
+        return hit
 
     def load(
         self,
@@ -250,26 +254,20 @@ class KVStoreConnector:
         tiers: Container[str],
         timing: _TierTiming,
     ) -> bytes | None:
-        """One block from the disk, else the shared tier (those of `tiers`), counted in `hit`
-        by where it came from (a shared-tier fault noted there) and timed in `timing` for the
-        tier that served it; None when neither served it."""
-        if self.store is not None and DISK in tiers:
+        """One block from the nearest of `tiers` that holds it, counted in `hit` by where it
+        came from (a shared-tier fault noted there) and timed in `timing` for the tier that
+        served it; None when none served it."""
+        for tier in self._tiers:
+            if tier.name not in tiers:
+                continue
             start = time.perf_counter()
-            payload = self.store.get((block_hash, GROUP), tokens)
+            payload, miss = tier.read(block_hash, GROUP, tokens)
             if payload is not None:
-                timing.add(DISK, time.perf_counter() - start)
-                hit.disk_tokens += self.block_size
+                timing.add(tier.name, time.perf_counter() - start)
+                hit.add(tier.name, self.block_size)
                 return payload
-        if self.remote is None or REMOTE not in tiers:
-            return None
-        start = time.perf_counter()
-        payload, miss = self.remote.fetch(block_hash, GROUP, tokens)
-        if payload is not None:
-            timing.add(REMOTE, time.perf_counter() - start)
-            hit.remote_tokens += self.block_size
-        elif miss in REMOTE_FAULTS:
-            hit.remote_fault = miss
-        return payload
+            hit.note_miss(tier.name, miss)
+        return None
 
     def load_into_pool(
         self,
@@ -332,11 +330,11 @@ class KVStoreConnector:
         self, scheduler_output: SchedulerOutput, failed: Container[str]
     ) -> list[BlockSave]:
         """Blocks the step completed that belong on the tiers: not of a failed request, not of
-        an `in_memory` request, not on disk already (with a disk tier: what the disk holds, it
-        sent to the shared tier when it wrote it). Called after `Scheduler.update_from_output`:
-        a request's blocks from its scheduled `num_computed_tokens` up to its computed tokens now
-        (accepted drafts included, whose hashes the update added; drafts that were not accepted
-        are never computed tokens)."""
+        an `in_memory` request, not held by the nearest tier already (`holds`; with a disk
+        tier: what the disk holds, it sent to the shared tier when it wrote it). Called after
+        `Scheduler.update_from_output`: a request's blocks from its scheduled
+        `num_computed_tokens` up to its computed tokens now (accepted drafts included, whose
+        hashes the update added; drafts that were not accepted are never computed tokens)."""
         bs = self.block_size
         now = self._clock()
         saves: list[BlockSave] = []
@@ -353,24 +351,26 @@ class KVStoreConnector:
             table = entry.block_ids[GROUP]
             for index in range(first, end):
                 key = (request.block_hashes[index], GROUP)
-                if self.store is not None and self.store.contains(key):
+                if self._tiers[0].holds(*key):
                     continue
                 tokens = request.all_token_ids[index * bs : (index + 1) * bs]
                 saves.append(BlockSave(table[index], key, tokens, now + lifetime))
         return saves
 
     def save(self, saves: Sequence[BlockSave], payloads: Sequence[memoryview]) -> None:
-        """Hand the gathered payloads of `saves` to every tier's writer (never blocks)."""
-        now = self._clock()
+        """Hand the gathered payloads of `saves` to every tier's writer (never blocks); the
+        disk's accepted and dropped writes are counted here, the shared tier counts its own."""
         for save, payload in zip(saves, payloads, strict=True):
-            if self.writer is not None:
-                if self.writer.submit(save.key, save.token_ids, payload, save.expires_at):
-                    self.stats.saved_blocks += 1
-                else:
-                    self.stats.dropped_saves += 1
-            if self.remote is not None:
-                ttl = None if save.expires_at is None else save.expires_at - now
-                self.remote.submit_store(save.key[0], GROUP, save.token_ids, payload, ttl)
+            block_hash, group = save.key
+            for tier in self._tiers:
+                stored = tier.submit_store(
+                    block_hash, group, save.token_ids, payload, save.expires_at
+                )
+                if tier.name == DISK:
+                    if stored:
+                        self.stats.saved_blocks += 1
+                    else:
+                        self.stats.dropped_saves += 1
 
     def metrics(self) -> dict[str, int | float]:
         """The tiers' counters, as the engine's metrics name them (`kv_store_hit_tokens`: every

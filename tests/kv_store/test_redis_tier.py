@@ -6,6 +6,7 @@ damaged, truncated or foreign values) is a counted miss, never an error."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -47,7 +48,7 @@ def _hashes(n: int) -> list[bytes]:
 def test_stored_blocks_are_found_in_order_and_load_back(tier):
     hashes = _hashes(4)
     for h in hashes[:3]:
-        assert tier.submit_store(h, 0, TOKENS, h * 4, ttl_s=60)
+        assert tier.submit_store(h, 0, TOKENS, h * 4, expires_at=time.time() + 60)
     assert tier.flush()
     assert tier.lookup(hashes) == 3
     assert tier.lookup([hashes[3], hashes[0]]) == 0  # leading blocks only
@@ -57,8 +58,8 @@ def test_stored_blocks_are_found_in_order_and_load_back(tier):
 
 def test_a_block_is_written_once_and_keeps_its_retention_as_ttl(tier, server):
     h = _hashes(1)[0]
-    tier.submit_store(h, 0, TOKENS, b"first", ttl_s=30)
-    tier.submit_store(h, 0, TOKENS, b"second", ttl_s=30)
+    tier.submit_store(h, 0, TOKENS, b"first", expires_at=time.time() + 30)
+    tier.submit_store(h, 0, TOKENS, b"second", expires_at=time.time() + 30)
     assert tier.flush()
     assert tier.load(h, 0, TOKENS) == b"first"
     assert tier.stats["store_deduplicated"] == 1

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 # reached (down, killed, timed out, refused), or the value it held was damaged, truncated or
 # another block's. Either is a miss, never an error.
 REMOTE_FAULTS: tuple[str, ...] = ("unreachable", "bad_value")
+# The tiers below the RAM pool, nearest first, by the names `kv_store/tier.py` gives them.
+DISK, REMOTE = "disk", "remote"
 
 
 @dataclass(slots=True)
@@ -32,6 +34,21 @@ class TierHit:
     def __post_init__(self) -> None:
         if self.remote_fault is not None and self.remote_fault not in REMOTE_FAULTS:
             raise ValueError(f"unknown shared-tier fault {self.remote_fault!r}")
+
+    def add(self, tier: str, tokens: int) -> None:
+        """`tokens` more served by `tier` (DISK or REMOTE)."""
+        if tier == DISK:
+            self.disk_tokens += tokens
+        elif tier == REMOTE:
+            self.remote_tokens += tokens
+        else:
+            raise ValueError(f"unknown tier {tier!r}")
+
+    def note_miss(self, tier: str, reason: str | None) -> None:
+        """Why `tier` served nothing more: a shared-tier fault is kept, anything else is a
+        plain miss."""
+        if tier == REMOTE and reason in REMOTE_FAULTS:
+            self.remote_fault = reason
 
     @property
     def tokens(self) -> int:

