@@ -62,6 +62,9 @@ logger = logging.getLogger(__name__)
 GROUP = 0  # the one full-attention KV-cache group the tier serves
 # Exponential moving average weight of a new measurement of load or compute speed.
 _EWMA = 0.2
+# A tier left out as slower than computing is tried again after this many seconds (one load,
+# whose measurement replaces the old one): a server that was slow for a while is not lost.
+RETRY_SLOW_TIER_S = 60.0
 
 
 @dataclass(slots=True)
@@ -93,26 +96,42 @@ class BlockSave:
 class LoadSpeeds:
     """What loading and computing were measured to cost: seconds per block each tier served
     (by tier name, absent until it served one) and seconds per computed token, each a moving
-    average."""
+    average. A tier measured slower than computing is left out, and put on trial again
+    `retry_after_s` (monotonic clock) after it was left out: it pays until its next load is
+    measured, and that measurement replaces the old average."""
 
     load_s_per_block: dict[str, float] = field(default_factory=dict)
     compute_s_per_token: float | None = None
+    retry_after_s: float = RETRY_SLOW_TIER_S
+    clock: Callable[[], float] = time.monotonic
+    _left_out_at: dict[str, float] = field(default_factory=dict)
+    _on_trial: set[str] = field(default_factory=set)
 
     def record_load(self, tier: str, seconds: float, num_blocks: int) -> None:
-        self.load_s_per_block[tier] = _average(
-            self.load_s_per_block.get(tier), seconds / num_blocks
-        )
+        previous = None if tier in self._on_trial else self.load_s_per_block.get(tier)
+        self._on_trial.discard(tier)
+        self.load_s_per_block[tier] = _average(previous, seconds / num_blocks)
 
     def record_compute(self, seconds: float, num_tokens: int) -> None:
         self.compute_s_per_token = _average(self.compute_s_per_token, seconds / num_tokens)
 
     def pays(self, tier: str, block_size: int) -> bool:
         """Whether loading a block from `tier` was measured faster than computing its tokens
-        (True until both were measured)."""
+        (True until both were measured, and while the tier is on trial)."""
         load, compute = self.load_s_per_block.get(tier), self.compute_s_per_token
         if load is None or compute is None:
             return True  # measure first
-        return load < compute * block_size
+        if load < compute * block_size:
+            self._left_out_at.pop(tier, None)
+            return True
+        if tier in self._on_trial:
+            return True
+        now = self.clock()
+        if now - self._left_out_at.setdefault(tier, now) < self.retry_after_s:
+            return False
+        self._left_out_at[tier] = now  # the next trial counts from this one
+        self._on_trial.add(tier)
+        return True
 
 
 class KVStoreConnector:

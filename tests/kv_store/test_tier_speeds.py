@@ -116,3 +116,37 @@ def test_a_tier_is_judged_by_its_own_measure_only(connector):
     connector._speeds.load_s_per_block[REMOTE] = FAST
     connector._speeds.record_load(DISK, 100.0, 1)
     assert connector.paying_tiers() == (REMOTE,)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_slow_tier_is_tried_again_after_a_while_and_comes_back_when_fast(connector, server):
+    """Left out as slow, the shared tier gets one trial `retry_after_s` later: its next load is
+    measured afresh (not averaged into the slow past), and a fast one brings it back; a slow
+    one leaves it out for another while."""
+    clock = FakeClock()
+    connector._speeds.clock = clock
+    measured(connector, disk_s=FAST, remote_s=SLOW)
+    request = make_request("a", PROMPT)
+    assert connector.match(request, 0) == TierHit(ON_DISK * BS, 0)  # left out from now
+    clock.now += connector._speeds.retry_after_s - 1
+    assert connector.paying_tiers() == (DISK,)
+    clock.now += 1
+    assert connector.paying_tiers() == (DISK, REMOTE)  # on trial until its next load
+    assert connector.match(request, 0) == TierHit(ON_DISK * BS, (ON_SERVER - ON_DISK) * BS)
+    connector._speeds.record_load(REMOTE, FAST, 1)  # the trial load was fast
+    assert connector.paying_tiers() == (DISK, REMOTE)
+    connector._speeds.record_load(REMOTE, SLOW * 10, 1)  # slow again (averaged: still slow)
+    assert connector.paying_tiers() == (DISK,)
+    clock.now += connector._speeds.retry_after_s
+    assert connector.paying_tiers() == (DISK, REMOTE)
+    connector._speeds.record_load(REMOTE, SLOW, 1)  # the trial measured slow: out again
+    assert connector.paying_tiers() == (DISK,)
+    clock.now += connector._speeds.retry_after_s / 2
+    assert connector.paying_tiers() == (DISK,)  # the next trial counts from the last one
