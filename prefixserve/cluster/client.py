@@ -28,7 +28,7 @@ from typing import Any
 
 from prefixserve.cluster.event_feed import EventFeed
 from prefixserve.cluster.remote_probe import open_remote_probe
-from prefixserve.cluster.route_inputs import LoraDigests, route_args
+from prefixserve.cluster.route_inputs import PROBE_ARGS, LoraDigests, route_args
 from prefixserve.cluster.router import NoReplicaError, Route, Router
 from prefixserve.cluster.store_probe import open_store_probe
 from prefixserve.config import EngineConfig
@@ -275,10 +275,16 @@ class ClusterEngine:
         excluded: set[int] = set()
         last: RequestOutput | None = None
         route: Route | None = None
+        # The tiers' lookups (disk stats, a round trip to the shared tier) off the event loop,
+        # once: a retry routes on the same runs.
+        probed = None
+        if self.router.probes_tiers:
+            probe_args = {k: v for k, v in route_kwargs.items() if k in PROBE_ARGS}
+            probed = await asyncio.to_thread(self.router.probe_tiers, **probe_args)
         try:
             while True:
                 try:
-                    route = self.router.route(exclude=excluded, **route_kwargs)
+                    route = self.router.route(exclude=excluded, probed=probed, **route_kwargs)
                 except NoReplicaError as exc:
                     return self._fail(accepted, queue, last, EngineDeadError(str(exc)))
                 self._routes[request_id] = route

@@ -19,6 +19,10 @@ MAX_LORA_DIGESTS = 256
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
+# The keywords of `route_args` that `Router.probe_tiers` takes too (what identifies the blocks).
+PROBE_ARGS = frozenset({"token_ids", "cache_salt", "lora_name", "lora_digest", "prompt_embeds"})
+
+
 def route_args(request: EngineRequest, lora_digest: bytes | None, dtype: Any) -> dict[str, Any]:
     """Router.route's keyword arguments for a request."""
     lora = request.lora_request

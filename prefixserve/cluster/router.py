@@ -43,6 +43,17 @@ class RemoteProbe(Protocol):
 
 
 @dataclass(slots=True)
+class Probed:
+    """A prompt's view and router keys, and its runs in the tiers the router prices (None where
+    it has no such tier): what `Router.probe_tiers` computed off the caller's event loop."""
+
+    view: PromptView
+    keys: list[bytes]
+    disk: StoreBlocks | None = None
+    remote: StoreBlocks | None = None
+
+
+@dataclass(slots=True)
 class Route:
     """One routing decision, and what the router counted for it."""
 
@@ -114,19 +125,29 @@ class Router:
         cache_key: str | None = None,
         exclude: Collection[int] = (),
         num_prompt_tokens: int | None = None,
+        probed: Probed | None = None,
     ) -> Route:
-        """Pick a replica for a prompt and count it as sent there. Raises NoReplicaError."""
+        """Pick a replica for a prompt and count it as sent there. Raises NoReplicaError.
+        `probed`: this prompt's `probe_tiers`, made beforehand (off an event loop); without it
+        the tiers are probed here."""
         started = time.perf_counter()
         ids = [rid for rid in self.index.replica_ids if rid not in exclude]
         if not ids:
             raise NoReplicaError("no engine replica is up to take the request")
-        view = PromptView(list(token_ids), cache_salt, lora_name, lora_digest, prompt_embeds)
-        keys = self.index.keys_of(view)
+        if probed is None:
+            probed = self.probe_tiers(
+                token_ids,
+                cache_salt=cache_salt,
+                lora_name=lora_name,
+                lora_digest=lora_digest,
+                prompt_embeds=prompt_embeds,
+            )
+        keys = probed.keys
         now = time.monotonic()
         held = self.index.match(keys, now)
         candidates = [Candidate(rid, self.loads[rid], held.get(rid, 0)) for rid in ids]
         if keys:
-            self._price_tiers(view, candidates)
+            self._price_tiers(probed, candidates)
         if self.max_in_flight is not None:
             below = [c for c in candidates if c.load.in_flight < self.max_in_flight]
             candidates = below or candidates
@@ -144,20 +165,44 @@ class Router:
         self.decision_seconds += time.perf_counter() - started
         return Route(replica_id, keys, num_tokens, cached, load, prefill)
 
-    def _price_tiers(self, view: PromptView, candidates: list[Candidate]) -> None:
+    @property
+    def probes_tiers(self) -> bool:
+        """Whether `probe_tiers` does any I/O (a shared disk store or a shared tier to price):
+        else an async caller need not leave its event loop for it."""
+        return self.store_probe is not None or self.remote_probe is not None
+
+    def probe_tiers(
+        self,
+        token_ids: Sequence[int],
+        *,
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+        lora_digest: str | None = None,
+        prompt_embeds: Any = None,
+    ) -> Probed:
+        """The prompt's keys and its runs in the tiers the router prices: the shared disk
+        store's stats, and the shared tier's one round trip (bounded by its timeout; asked only
+        when a replica uses it). Hashing and I/O, no routing state changed: an async caller runs
+        this in a worker thread and passes the result to `route`."""
+        view = PromptView(list(token_ids), cache_salt, lora_name, lora_digest, prompt_embeds)
+        probed = Probed(view, self.index.keys_of(view))
+        if not probed.keys:
+            return probed
+        if self.store_probe is not None:
+            probed.disk = self.store_probe(view)
+            self.store_lookups += 1
+        remote = self.remote_probe
+        if remote is not None and remote.info in self._remotes.values():
+            probed.remote = remote(view)
+            self.remote_lookups += 1
+        return probed
+
+    def _price_tiers(self, probed: Probed, candidates: list[Candidate]) -> None:
         """Each candidate's `store_blocks`: the blocks past those it holds that it could load,
         contiguous, in the order its connector loads them: the shared disk store's run, then
         the shared tier's continuation of it (for the replicas that use that tier)."""
-        disk = remote = None
-        if self.store_probe is not None:
-            disk = self.store_probe(view)
-            self.store_lookups += 1
+        disk, remote = probed.disk, probed.remote
         tier = None if self.remote_probe is None else self.remote_probe.info
-        if self.remote_probe is not None and any(
-            self._remotes[c.replica_id] == tier for c in candidates
-        ):
-            remote = self.remote_probe(view)
-            self.remote_lookups += 1
         for c in candidates:
             first = c.cached_blocks
             on_disk = disk.count_from(first) if disk is not None else 0

@@ -89,6 +89,21 @@ def test_a_prefix_on_the_shared_tier_is_a_cheap_load_on_every_replica_that_uses_
     assert probe is not None and probe.lookup.stats["fault_lookup"] == 0
 
 
+def test_the_tiers_are_probed_apart_from_the_routing_decision(writer):
+    """`probe_tiers` (what the async client runs in a worker thread, off its event loop) does
+    the round trip and changes no routing state; `route` given its result prices the same and
+    asks the server nothing more."""
+    router, seen = router_over([replica(0, writer), replica(1, writer)])
+    assert router.probes_tiers
+    probed = router.probe_tiers(PROMPT)
+    assert router.remote_lookups == 1 and router.decisions == 0 and not seen
+    assert probed.remote is not None and probed.remote.count_from(0) == LOADABLE
+    route = router.route(PROMPT, probed=probed)
+    assert router.remote_lookups == 1  # not probed again
+    assert sorted(seen[0]) == [(0, 0, LOADABLE), (1, 0, LOADABLE)]
+    assert route.keys == probed.keys
+
+
 def test_the_shared_tier_continues_what_a_replica_holds(writer):
     """A replica holding the first block is credited with the server's blocks after it: the
     run its connector would load."""
