@@ -85,7 +85,7 @@ constexpr int64_t kPrefetchNextRows = 12;
 #define PREFIXSERVE_INT8_VNNI 1
 constexpr const char* kFamily = "avx512-vnni";
 // Weight rows x batch rows of one register tile.
-constexpr int kTileW = 4, kTileX = 2;
+constexpr int kTileW = 4, kTileX = 4;
 #elif defined(__AVX2__) && defined(__FMA__)
 #define PREFIXSERVE_INT8_AVX2 1
 constexpr const char* kFamily = "avx2";
@@ -391,8 +391,11 @@ inline void dot_tile(const uint8_t* q, const float* s, int64_t min_at, int64_t K
 template <int B, bool A, int NW>
 inline void dot_rows_x(const uint8_t* q, const float* s, int64_t min_at, int64_t K, int64_t G,
                        const XRows& xq, int64_t x0, int64_t nx, float* sums) {
+  if constexpr (kTileX >= 4) {
+    if (nx >= 4) return dot_tile<B, A, NW, 4>(q, s, min_at, K, G, xq, x0, sums);
+  }
   if constexpr (kTileX >= 2) {
-    if (nx >= 2) return dot_tile<B, A, NW, kTileX>(q, s, min_at, K, G, xq, x0, sums);
+    if (nx >= 2) return dot_tile<B, A, NW, 2>(q, s, min_at, K, G, xq, x0, sums);
   }
   dot_tile<B, A, NW, 1>(q, s, min_at, K, G, xq, x0, sums);
 }
@@ -487,9 +490,10 @@ void sum_range(const uint8_t* q, const float* s, int64_t min_at, int64_t K, int6
                const XRows& xq, int64_t rows, int64_t n0, int64_t width, float* sums) {
   const int64_t groups = K / G;
   float tile[kTileW * kTileX];
-  for (int64_t m0 = 0; m0 < rows; m0 += kTileX) {
-    const int64_t nx = std::min<int64_t>(kTileX, rows - m0);
-    const int64_t tx = nx >= 2 ? kTileX : 1;  // the instantiation dot_rows takes
+  for (int64_t m0 = 0; m0 < rows;) {
+    // The batch rows of this tile, as the instantiation dot_rows takes them: 4, 2 or 1.
+    const int64_t more = rows - m0;
+    const int64_t tx = kTileX >= 4 && more >= 4 ? 4 : kTileX >= 2 && more >= 2 ? 2 : 1;
     for (int64_t n = 0; n < width;) {
       const int64_t r = n0 + n, slot = r % kGroupRows, left = width - n;
       const int64_t nw = slot == 0 && left >= 4 && kTileW >= 4   ? 4
@@ -497,12 +501,12 @@ void sum_range(const uint8_t* q, const float* s, int64_t min_at, int64_t K, int6
                                                                      : 1;
       const uint8_t* base =
           q + (r / kGroupRows) * kGroupRows * (K / kChunk) * kBytes<B> + slot * kBytes<B>;
-      dot_rows<B, A>(base, s + r * groups, min_at, K, G, xq, m0, nw, nx, tile);
+      dot_rows<B, A>(base, s + r * groups, min_at, K, G, xq, m0, nw, tx, tile);
       for (int64_t i = 0; i < nw; ++i)
-        for (int64_t j = 0; j < std::min<int64_t>(nx, tx); ++j)
-          sums[(m0 + j) * width + n + i] = tile[i * tx + j];
+        for (int64_t j = 0; j < tx; ++j) sums[(m0 + j) * width + n + i] = tile[i * tx + j];
       n += nw;
     }
+    m0 += tx;
   }
 }
 
