@@ -50,7 +50,8 @@ _END_OF_TURN_TOKENS = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>")
 # 3: a file's Q8_0 weights are also kept as codes and scales.
 # 4: so are its Q5_0 and Q4_0 weights (GGUF_BLOCKS_FILE, each tensor's type named).
 # 5: and its Q6_K weights (a scale per 16) and Q4_K / Q4_1 ones (`<hf name>.mins` too).
-CONVERSION_VERSION = 5
+# 6: not Q4_1 ones (the default model's file: its numerics stay its bf16 values).
+CONVERSION_VERSION = 6
 CONVERSION_MARKER = "prefixserve_conversion.json"
 
 # Chat templates for GGUF files that ship without one, by GGUF architecture, in templates/.
@@ -183,7 +184,7 @@ def _convert_gguf(gguf_path: Path, out_dir: Path, chat_template: str | None) -> 
 
 def block_tensors(parsed: dict[str, Any], expected: set[str]) -> dict[str, Int8Weight]:
     """Every 2-D weight the file stores in a block type the kernel reads (Q8_0, Q5_0, Q4_0, Q6_K;
-    Q4_K and Q4_1 with their mins), as `recover_gguf_blocks` finds them in transformers' fp32
+    Q4_K with its mins), as `recover_gguf_blocks` finds them in transformers' fp32
     values, by Hugging Face name."""
     kept: dict[str, Int8Weight] = {}
     for name, value in parsed.items():

@@ -10,9 +10,11 @@ multiplies (csrc/linear_int8.cpp). Two ways in:
   (`recover_gguf_blocks` checks every value and declines a tensor of another type);
 - GGUF Q6_K (a scale per 16, the super-block's fp16 d times an int8 sub-scale, times a code in
   [-32, 31]): kept too, as int8 codes with a scale per 16 (the largest code found by trying each);
-- GGUF Q4_K and Q4_1 (a scale and a min per 32, codes in [0, 15]): kept as "q4_k", codes with a
-  scale and a min per 32 (`mins`), read in 4 bits; the min of a block's values is its min and its
-  range over some code up to 15 its scale, checked exactly.
+- GGUF Q4_K (a scale and a min per 32, codes in [0, 15]): kept as "q4_k", codes with a scale and
+  a min per 32 (`mins`), read in 4 bits; the min of a block's values is its min and its range
+  over some code up to 15 its scale, checked exactly. Q4_1 has the same form with fp16 scales
+  and mins, and is declined: the default model's file is Q4_1, and keeping it would change the
+  default model's numerics (its bf16 values) in every mode.
 
 The kernel reads Q4_0's and Q5_0's codes in 4 and 5 bits (`packed_weight`): the same integers, so
 the same bits out, from half or five eighths of the bytes.
@@ -141,17 +143,24 @@ def _recover_q6_k(values: torch.Tensor) -> Int8Weight | None:
 
 
 def _recover_affine_4(values: torch.Tensor) -> Int8Weight | None:
-    """Q4_K or Q4_1 blocks of these values: per 32, codes in [0, 15] times a scale plus a min.
-    The block's least value is its min (code 0), its range over the largest code its scale:
-    each largest code is tried, and a block takes the first that gives back its values exactly
-    (value = code x scale + min, as fp32 computes it). Row 0 alone first, as `_recover_q6_k`."""
+    """Q4_K blocks of these values: per 32, codes in [0, 15] times a scale plus a min. The
+    block's least value is its min (code 0), its range over the largest code its scale: each
+    largest code is tried, and a block takes the first that gives back its values exactly
+    (value = code x scale + min, as fp32 computes it). Row 0 alone first, as `_recover_q6_k`.
+    Values whose every scale and min is an fp16 are Q4_1's, declined (the module's note)."""
     if _affine_codes(values[:1]) is None:
         return None
     found = _affine_codes(values)
     if found is None:
         return None
     codes, scales, mins = found
+    if _all_fp16(scales) and _all_fp16(mins):
+        return None
     return Int8Weight(codes, scales, "q4_k", mins)
+
+
+def _all_fp16(values: torch.Tensor) -> bool:
+    return torch.equal(values.half().float(), values)
 
 
 def _affine_codes(
