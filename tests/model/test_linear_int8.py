@@ -390,6 +390,48 @@ def test_native_and_python_layers_agree_over_8_bit_linears(default_model_int8):
         assert _logprobs(a) == _logprobs(b)
 
 
+def _blocks_of(weight: torch.Tensor, fmt: str) -> Int8Weight:
+    """A bf16 weight quantized into one of the kept GGUF forms (for tests: not ggml's search)."""
+    w = weight.detach().float()
+    n, k = w.shape
+    if fmt == "q4_k":
+        blocks = w.view(n, k // 32, 32)
+        low, high = blocks.amin(-1), blocks.amax(-1)
+        scales = torch.where(high > low, (high - low) / 15, torch.ones_like(low))
+        codes = torch.round((blocks - low.unsqueeze(-1)) / scales.unsqueeze(-1)).clamp(0, 15)
+        return Int8Weight(codes.to(torch.int8).view(n, k), scales, fmt, low)
+    group, top = {"q5_0": (32, 16), "q4_0": (32, 8), "q6_k": (16, 32)}[fmt]
+    blocks = w.view(n, k // group, group)
+    scales = blocks.abs().amax(-1).clamp_min(1e-12) / top
+    codes = torch.round(blocks / scales.unsqueeze(-1)).clamp(-top, top - 1)
+    return Int8Weight(codes.to(torch.int8).view(n, k), scales, fmt)
+
+
+def test_native_and_python_layers_agree_over_4_5_and_6_bit_linears():
+    """The native decoder layer passes 4/5-bit codes and an affine weight's [2, N, K / 32]
+    scales and mins to the kernel as the Python layer does: the same tokens and logprobs."""
+    from prefixserve.model.layers.linear import link_next_weights
+    from prefixserve.model.loader.loading import load_model
+
+    loaded = load_model(None)
+    forms = {"qkv_proj": "q5_0", "o_proj": "q4_k", "gate_up_proj": "q4_0", "down_proj": "q6_k"}
+    for name, module in loaded.model.named_modules():
+        fmt = forms.get(name.rsplit(".", 1)[-1])
+        if fmt is not None and isinstance(module, Linear):
+            module.set_int8(_blocks_of(module.weight, fmt))
+    link_next_weights(loaded.model)
+    loaded.model._native = False
+    sp = SamplingParams(max_tokens=10, temperature=0, logprobs=1)
+    outputs = []
+    for native in (True, False):
+        llm = LLM(loaded_model=loaded, num_kv_blocks=64)
+        llm.llm_engine.runner.native_layers = native
+        outputs.append(llm.generate([PROMPT, PROMPT[:40]], sp))
+    for a, b in zip(*outputs, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert _logprobs(a) == _logprobs(b)
+
+
 def test_speculative_decoding_over_8_bit_linears_keeps_the_greedy_output(default_model_int8):
     """8-bit weights and n-gram speculation: verification rows take the same kernel as decode
     rows (one summation order whatever the batch), so drafts change no token or logprob."""
