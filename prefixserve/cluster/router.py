@@ -182,8 +182,9 @@ class Router:
     ) -> Probed:
         """The prompt's keys and its runs in the tiers the router prices: the shared disk
         store's stats, and the shared tier's one round trip (bounded by its timeout; asked only
-        when a replica uses it). Hashing and I/O, no routing state changed: an async caller runs
-        this in a worker thread and passes the result to `route`."""
+        when a replica uses it). Hashing and I/O, and the lookup counters; no routing state
+        changed: an async caller runs this in a worker thread and passes the result to
+        `route`."""
         view = PromptView(list(token_ids), cache_salt, lora_name, lora_digest, prompt_embeds)
         probed = Probed(view, self.index.keys_of(view))
         if not probed.keys:

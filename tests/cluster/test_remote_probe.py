@@ -33,11 +33,8 @@ PARAMS = SamplingParams(max_tokens=2, temperature=0)
 
 
 @pytest.fixture
-def server(tmp_path: Path):
-    srv = Server(tmp_path)
-    srv.start()
-    yield srv
-    srv.stop()
+def server(valkey_server: Server) -> Server:
+    return valkey_server
 
 
 @pytest.fixture

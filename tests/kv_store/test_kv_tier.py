@@ -25,27 +25,22 @@ TOKENS = list(range(BLOCK_SIZE))
 HASHES = [bytes([i]) * 16 for i in range(1, 5)]
 
 
-def _disk(tmp_path: Path) -> tuple[KVTier, object]:
+def _disk(tmp_path: Path) -> DiskTier:
     store = open_store(tmp_path / "disk")
-    tier = DiskTier(store, BackgroundWriter(store, max_queue_bytes=1 << 20, max_queue_items=64))
-    return tier, tier.writer
-
-
-def _shared(tmp_path: Path) -> tuple[KVTier, object]:
-    server = Server(tmp_path)
-    server.start()
-    return RedisTier(server.url, NAMESPACE, retry_after_s=0.0), server
+    return DiskTier(store, BackgroundWriter(store, max_queue_bytes=1 << 20, max_queue_items=64))
 
 
 @pytest.fixture(params=[DISK, REMOTE])
 def tier(request, tmp_path: Path) -> Iterator[KVTier]:
-    made, owner = (_disk if request.param == DISK else _shared)(tmp_path)
-    yield made
     if request.param == DISK:
-        owner.close(5.0)
-    else:
-        made.close()
-        owner.stop()
+        disk = _disk(tmp_path)
+        yield disk
+        disk.writer.close(5.0)
+        return
+    server: Server = request.getfixturevalue("valkey_server")
+    remote = RedisTier(server.url, NAMESPACE, retry_after_s=0.0)
+    yield remote
+    remote.close()
 
 
 def _flush(tier: KVTier) -> None:
@@ -75,15 +70,14 @@ def test_only_the_disk_says_it_holds_a_block_a_save_may_skip(tier):
     assert not tier.holds(HASHES[1], 0)
 
 
-def test_the_connector_cascades_its_tiers_nearest_first(tmp_path: Path):
-    disk, writer = _disk(tmp_path)
-    remote, server = _shared(tmp_path)
+def test_the_connector_cascades_its_tiers_nearest_first(tmp_path: Path, valkey_server: Server):
+    disk = _disk(tmp_path)
+    remote = RedisTier(valkey_server.url, NAMESPACE, retry_after_s=0.0)
     try:
-        conn = KVStoreConnector(disk.store, writer, BLOCK_SIZE, remote=remote)
+        conn = KVStoreConnector(disk.store, disk.writer, BLOCK_SIZE, remote=remote)
         assert conn.tiers == (DISK, REMOTE)
         only_remote = KVStoreConnector(None, None, BLOCK_SIZE, remote=remote)
         assert only_remote.tiers == (REMOTE,)
     finally:
-        writer.close(5.0)
+        disk.writer.close(5.0)
         remote.close()
-        server.stop()

@@ -27,11 +27,8 @@ TOKENS = list(range(16))
 
 
 @pytest.fixture
-def server(tmp_path):
-    srv = Server(tmp_path)
-    srv.start()
-    yield srv
-    srv.stop()
+def server(valkey_server: Server) -> Server:
+    return valkey_server
 
 
 @pytest.fixture

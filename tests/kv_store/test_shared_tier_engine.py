@@ -22,11 +22,8 @@ PARAMS = SamplingParams(max_tokens=8, temperature=0, logprobs=1)
 
 
 @pytest.fixture
-def server(tmp_path):
-    srv = Server(tmp_path)
-    srv.start()
-    yield srv
-    srv.stop()
+def server(valkey_server: Server) -> Server:
+    return valkey_server
 
 
 def _host(model, url: str | None, disk: Path | None = None) -> LLM:

@@ -31,11 +31,8 @@ COMPUTE_S_PER_TOKEN = 1e-3  # a block's tokens: 0.016 s
 
 
 @pytest.fixture
-def server(tmp_path: Path):
-    srv = Server(tmp_path)
-    srv.start()
-    yield srv
-    srv.stop()
+def server(valkey_server: Server) -> Server:
+    return valkey_server
 
 
 @pytest.fixture

@@ -378,16 +378,21 @@ def test_an_int8_engine_gives_a_cache_hit_the_cold_start_bits(default_model_int8
     assert "/weights-int8+q8_0" in llm.llm_engine.runner.kv_numerics()
 
 
-def test_native_and_python_layers_agree_over_8_bit_linears(default_model_int8):
+def _native_and_python_layers_agree(loaded) -> None:
+    """The same tokens and logprobs with the native decoder layers and the Python ones."""
     sp = SamplingParams(max_tokens=10, temperature=0, logprobs=1)
     outputs = []
     for native in (True, False):
-        llm = LLM(loaded_model=default_model_int8, num_kv_blocks=64)
+        llm = LLM(loaded_model=loaded, num_kv_blocks=64)
         llm.llm_engine.runner.native_layers = native
         outputs.append(llm.generate([PROMPT, PROMPT[:40]], sp))
     for a, b in zip(*outputs, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert _logprobs(a) == _logprobs(b)
+
+
+def test_native_and_python_layers_agree_over_8_bit_linears(default_model_int8):
+    _native_and_python_layers_agree(default_model_int8)
 
 
 def _blocks_of(weight: torch.Tensor, fmt: str) -> Int8Weight:
@@ -421,15 +426,7 @@ def test_native_and_python_layers_agree_over_4_5_and_6_bit_linears():
             module.set_int8(_blocks_of(module.weight, fmt))
     link_next_weights(loaded.model)
     loaded.model._native = False
-    sp = SamplingParams(max_tokens=10, temperature=0, logprobs=1)
-    outputs = []
-    for native in (True, False):
-        llm = LLM(loaded_model=loaded, num_kv_blocks=64)
-        llm.llm_engine.runner.native_layers = native
-        outputs.append(llm.generate([PROMPT, PROMPT[:40]], sp))
-    for a, b in zip(*outputs, strict=True):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        assert _logprobs(a) == _logprobs(b)
+    _native_and_python_layers_agree(loaded)
 
 
 def test_speculative_decoding_over_8_bit_linears_keeps_the_greedy_output(default_model_int8):
