@@ -45,6 +45,7 @@ from prefixserve.core.kv_cache.tier_hit import TierHit
 from prefixserve.kv_store import resolve_store_config
 from prefixserve.kv_store.disk_store import BlockKey, DiskKVStore
 from prefixserve.kv_store.fingerprint import model_fingerprint, store_namespace
+from prefixserve.kv_store.loads import BackgroundLoads
 from prefixserve.kv_store.lookup import StoreLookup
 from prefixserve.kv_store.remote.redis_tier import RedisTier
 from prefixserve.kv_store.seed import load_or_create_seed
@@ -147,6 +148,7 @@ class KVStoreConnector:
         default_retention: str = "24h",
         clock: Callable[[], float] = time.time,
         remote: RedisTier | None = None,
+        overlap_loads: bool = True,
     ) -> None:
         if default_retention not in RETENTION_SECONDS:
             raise ValueError(f"unknown prompt cache retention {default_retention!r}")
@@ -167,6 +169,10 @@ class KVStoreConnector:
         # Every tier on the one interface, nearest first: loads and saves go through these.
         disk = None if store is None or writer is None else DiskTier(store, writer)
         self._tiers: tuple[KVTier, ...] = tuple(t for t in (disk, remote) if t is not None)
+        # Reads overlapped with the running requests' compute (`start_load`); off: every read
+        # at admission, on the step thread.
+        self.overlap_loads = overlap_loads
+        self._loads: BackgroundLoads[_TierRun] = BackgroundLoads()
 
     @property
     def shares_tier(self) -> bool:
@@ -187,10 +193,14 @@ class KVStoreConnector:
 
     def match(self, request: Request, num_computed_tokens: int) -> TierHit:
         """The run of blocks after the first `num_computed_tokens` (a RAM hit, block-aligned)
-        that the tiers whose loads pay hold, contiguous from there (`held`); nothing when the
-        request may not read the cache."""
+        that the tiers whose loads pay hold, contiguous from there (`held`), or what its
+        finished background read (`start_load`) got; nothing when the request may not read
+        the cache."""
         if request.skip_reading_prefix_cache:
             return TierHit()
+        finished = self._finished_read(request, num_computed_tokens)
+        if finished is not None:
+            return finished.head(self.loadable(request, num_computed_tokens), self.block_size).hit
         tiers = self.paying_tiers()
         if len(tiers) < len(self.tiers):
             self.stats.skipped_slow += int(self.loadable(request, num_computed_tokens) > 0)
@@ -238,55 +248,66 @@ class KVStoreConnector:
         num_blocks: int,
         tiers: Container[str] | None = None,
     ) -> tuple[list[bytes], TierHit]:
-        """Read blocks first_block .. first_block + num_blocks - 1 of `request`, each from the
-        nearest of `tiers` that holds it (disk, then shared; None: the tiers whose loads pay,
-        as `match` chose them); stops at the first miss, so the result may be shorter (the
-        caller computes the rest). The `TierHit` says which tier served how many tokens, and
-        the shared tier's fault if one ended the run. Each tier's reads of the blocks it served
-        are timed apart (its load speed)."""
+        """Read blocks first_block .. first_block + num_blocks - 1 of `request` on this thread,
+        each from the nearest of `tiers` that holds it (disk, then shared; None: the tiers whose
+        loads pay, as `match` chose them); stops at the first miss, so the result may be
+        shorter (the caller computes the rest). The `TierHit` says which tier served how many
+        tokens, and the shared tier's fault if one ended the run. Counted in `stats` and in the
+        tiers' load speeds."""
         tiers = self.paying_tiers() if tiers is None else tiers
-        bs = self.block_size
-        payloads: list[bytes] = []
-        hit = TierHit()
-        timing = _TierTiming()
-        for index in range(first_block, first_block + num_blocks):
-            tokens = request.all_token_ids[index * bs : (index + 1) * bs]
-            payload = self._read(request.block_hashes[index], tokens, hit, tiers, timing)
-            if payload is None:
-                self.stats.load_failures += 1
-                break
-            payloads.append(payload)
-        if payloads:
-            self.stats.loaded_blocks += len(payloads)
-            self.stats.hit_tokens += hit.disk_tokens
-            self.stats.remote_hit_tokens += hit.remote_tokens
-            self.stats.load_seconds += sum(timing.seconds.values())
-            for tier, blocks in timing.blocks.items():
-                self._speeds.record_load(tier, timing.seconds[tier], blocks)
-        return payloads, hit
+        run = self._read_run(self._blocks(request, first_block, num_blocks), tiers)
+        self._account(run)
+        return run.payloads, run.hit
 
-    def _read(
-        self,
-        block_hash: bytes,
-        tokens: list[int],
-        hit: TierHit,
-        tiers: Container[str],
-        timing: _TierTiming,
-    ) -> bytes | None:
-        """One block from the nearest of `tiers` that holds it, counted in `hit` by where it
-        came from (a shared-tier fault noted there) and timed in `timing` for the tier that
-        served it; None when none served it."""
+    def _blocks(
+        self, request: Request, first_block: int, num_blocks: int
+    ) -> list[tuple[bytes, list[int]]]:
+        """(block hash, token ids) of `request`'s blocks first_block .. + num_blocks - 1."""
+        bs = self.block_size
+        return [
+            (request.block_hashes[i], request.all_token_ids[i * bs : (i + 1) * bs])
+            for i in range(first_block, first_block + num_blocks)
+        ]
+
+    def _read_run(
+        self, blocks: Sequence[tuple[bytes, Sequence[int]]], tiers: Container[str]
+    ) -> _TierRun:
+        """The leading `blocks` the tiers hold: each tier of `tiers`, nearest first, reads on
+        from where the one before stopped, in one call (`KVTier.read_run`). Touches no state
+        of the connector: it runs on the background loads' thread too."""
+        run = _TierRun(num_blocks=len(blocks))
         for tier in self._tiers:
+            if len(run.payloads) == len(blocks):
+                break
             if tier.name not in tiers:
                 continue
             start = time.perf_counter()
-            payload, miss = tier.read(block_hash, GROUP, tokens)
-            if payload is not None:
-                timing.add(tier.name, time.perf_counter() - start)
-                hit.add(tier.name, self.block_size)
-                return payload
-            hit.note_miss(tier.name, miss)
-        return None
+            payloads, miss = tier.read_run(blocks[len(run.payloads) :], GROUP)
+            if payloads:
+                run.timing.add(tier.name, time.perf_counter() - start, len(payloads))
+                run.hit.add(tier.name, len(payloads) * self.block_size)
+                run.payloads.extend(payloads)
+                run.served_by.extend([tier.name] * len(payloads))
+            if miss is not None:
+                run.hit.note_miss(tier.name, miss)
+        return run
+
+    def _account(self, run: _TierRun) -> None:
+        """Count a read in `stats` and in the tiers' load speeds (on the step thread)."""
+        self.stats.load_failures += int(len(run.payloads) < run.num_blocks)
+        self._count_loaded(run)
+
+    def _count_loaded(self, run: _TierRun) -> None:
+        """Count the blocks of `run` that go into the pool, and the time of the read they came
+        from in the tiers' load speeds."""
+        if not run.payloads:
+            return
+        self.stats.loaded_blocks += len(run.payloads)
+        self.stats.hit_tokens += run.hit.disk_tokens
+        self.stats.remote_hit_tokens += run.hit.remote_tokens
+        self.stats.load_seconds += sum(run.timing.seconds.values())
+        for tier, blocks in run.timing.blocks.items():
+            self._speeds.record_load(tier, run.timing.seconds[tier], blocks)
 
     def load_into_pool(
         self,
@@ -298,18 +319,76 @@ class KVStoreConnector:
     ) -> TierHit:
         """After `allocate_slots` made room for them: read the `num_blocks` blocks `match` found
         after the RAM hit of `num_computed` tokens into `kv_loads` as (block id, payload), for
-        the runner; returns the tokens loaded, by tier. A block whose read fails, and every one
+        the runner (the background read's bytes when `match` answered from one, else read
+        here); returns the tokens loaded, by tier. A block whose read fails, and every one
         after it, was cached in the pool when its slots were allocated: those hashes are
         forgotten (the request's cached count goes back with them), and the scheduler computes
         them."""
         bs = self.block_size
         first = num_computed // bs
-        payloads, hit = self.load(request, first, num_blocks)
+        finished = self._finished_read(request, num_computed)
+        self._loads.discard(request.request_id)
+        if finished is not None:
+            used = finished.head(num_blocks, bs)
+            self._count_loaded(used)
+            payloads, hit = used.payloads, used.hit
+        else:
+            payloads, hit = self.load(request, first, num_blocks)
         table = kv_cache_manager.get_block_ids(request)[GROUP]
         kv_loads.extend(zip(table[first : first + len(payloads)], payloads, strict=True))
         if len(payloads) < num_blocks:
             kv_cache_manager.uncache_uncomputed_blocks(request, num_computed + hit.tokens)
         return hit
+
+    # ---- reads overlapped with the running requests' compute (loads.py)
+
+    def loading(self, request: Request) -> bool:
+        """Whether `request`'s blocks are being read in the background (it waits meanwhile)."""
+        return self._loads.pending(request.request_id)
+
+    def wait_for_load(self, request: Request) -> None:
+        """Wait until `request`'s background read is done (nothing else to compute meanwhile)."""
+        self._loads.result(request.request_id, timeout=None)
+
+    def start_load(self, request: Request, num_computed: int, hit: TierHit) -> bool:
+        """Read the blocks of `hit` (what `match` found after a RAM hit of `num_computed`
+        tokens) in the background, while the running requests compute; False when the read
+        is not started (overlap off, the bound reached, a read held already): the caller
+        reads at admission instead."""
+        if not self.overlap_loads or self._loads.held(request.request_id):
+            return False
+        first = num_computed // self.block_size
+        blocks = self._blocks(request, first, hit.tokens // self.block_size)
+        tiers = self.paying_tiers()
+
+        def read() -> _TierRun:
+            run = self._read_run(blocks, tiers)
+            run.first_block = first
+            return run
+
+        return self._loads.submit(request.request_id, read)
+
+    def forget_load(self, request: Request) -> None:
+        """Drop `request`'s background read, if any (it finished, was aborted or preempted)."""
+        self._loads.discard(request.request_id)
+
+    def _finished_read(self, request: Request, num_computed: int) -> _TierRun | None:
+        """`request`'s finished background read, from the block after a RAM hit of
+        `num_computed` tokens on (its leading blocks dropped when the RAM hit grew meanwhile),
+        its short read counted the first time it is seen (its blocks when they are used); None
+        without one, or when the RAM hit shrank below its first block (then it is dropped, and
+        a read at admission replaces it)."""
+        run = self._loads.result(request.request_id)
+        if run is None:
+            return None
+        if not run.accounted:
+            self.stats.load_failures += int(len(run.payloads) < run.num_blocks)
+            run.accounted = True
+        offset = num_computed // self.block_size - run.first_block
+        if offset < 0:
+            self._loads.discard(request.request_id)
+            return None
+        return run.tail(offset, self.block_size)
 
     def record_compute(self, seconds: float, num_tokens: int) -> None:
         """A forward pass computed `num_tokens` tokens in `seconds` (the engine reports it)."""
@@ -456,6 +535,7 @@ class KVStoreConnector:
         """Forget the tier (a prefix-cache reset): drop the queued writes, wait for the one in
         progress, then delete every block of this namespace from the store; returns how many
         files went. The shared tier is not cleared: other hosts use it."""
+        self._loads.clear()
         if self.store is None or self.writer is None:
             return 0
         self.writer.discard()
@@ -463,7 +543,8 @@ class KVStoreConnector:
 
     def close(self, timeout: float | None = 30.0) -> bool:
         """Write what is queued (up to `timeout` seconds), then stop the writer (and the shared
-        tier's)."""
+        tier's); background reads are dropped."""
+        self._loads.close()
         if self.remote is not None:
             self.remote.close()
         return self.writer.close(timeout) if self.writer is not None else True
@@ -476,9 +557,50 @@ class _TierTiming:
     seconds: dict[str, float] = field(default_factory=dict)
     blocks: dict[str, int] = field(default_factory=dict)
 
-    def add(self, tier: str, seconds: float) -> None:
+    def add(self, tier: str, seconds: float, blocks: int = 1) -> None:
         self.seconds[tier] = self.seconds.get(tier, 0.0) + seconds
-        self.blocks[tier] = self.blocks.get(tier, 0) + 1
+        self.blocks[tier] = self.blocks.get(tier, 0) + blocks
+
+
+@dataclass(slots=True)
+class _TierRun:
+    """One read of a run of blocks from the tiers: the payloads in order (`num_blocks` were
+    asked for), the tier that served each, the tokens by tier (`hit`, with the shared tier's
+    fault when one ended the run), the time each tier took (a part keeps its whole read's);
+    for a background read also its first block and whether `stats` counted a short read yet."""
+
+    num_blocks: int = 0
+    payloads: list[bytes] = field(default_factory=list)
+    served_by: list[str] = field(default_factory=list)
+    hit: TierHit = field(default_factory=TierHit)
+    timing: _TierTiming = field(default_factory=_TierTiming)
+    first_block: int = 0
+    accounted: bool = False
+
+    def tail(self, offset: int, block_size: int) -> _TierRun:
+        """The run from its `offset`-th block on."""
+        return self._part(offset, len(self.payloads), block_size)
+
+    def head(self, count: int, block_size: int) -> _TierRun:
+        """The run's first `count` blocks."""
+        return self._part(0, min(count, len(self.payloads)), block_size)
+
+    def _part(self, start: int, stop: int, block_size: int) -> _TierRun:
+        """Blocks start .. stop - 1, their tokens recounted by tier; the fault kept only when
+        the part reaches the run's end, where the fault stopped it."""
+        part = _TierRun(
+            num_blocks=stop - start,
+            payloads=self.payloads[start:stop],
+            served_by=self.served_by[start:stop],
+            timing=self.timing,
+            first_block=self.first_block + start,
+            accounted=self.accounted,
+        )
+        for tier in part.served_by:
+            part.hit.add(tier, block_size)
+        if stop == len(self.payloads):
+            part.hit.remote_fault = self.hit.remote_fault
+        return part
 
 
 def _average(previous: float | None, sample: float) -> float:

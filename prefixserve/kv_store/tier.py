@@ -1,9 +1,9 @@
 """One interface for every tier below the RAM pool (`KVTier`), in the shape of vLLM's secondary
 tiers: a lookup (`probe`) that answers how many leading blocks the tier holds in one call (one
-round trip for a server), reads of one
-block checked against its tokens, and stores handed to the tier's own bounded writer (never
-blocking the caller). Each tier owns its eviction (the disk's LRU and retention sweep, the
-server's `maxmemory-policy` and TTLs) and says why a read missed.
+round trip for a server), reads of a run of blocks in one call, each checked against its tokens
+(`read_run`), and stores handed to the tier's own bounded writer (never blocking the caller).
+Each tier owns its eviction (the disk's LRU and retention sweep, the server's
+`maxmemory-policy` and TTLs) and says why a read missed.
 
 `DiskTier` puts the local disk (`DiskKVStore` and its `BackgroundWriter`) on it; the shared tier
 (`remote/redis_tier.py` `RedisTier`) implements it itself. The connector (`connector.py`)
@@ -33,10 +33,13 @@ class KVTier(Protocol):
         the run early (None: a plain miss, or every block held)."""
         ...
 
-    def read(
-        self, block_hash: bytes, group: int, token_ids: Sequence[int]
-    ) -> tuple[bytes | None, str | None]:
-        """One block's payload, checked against its identity and tokens, or (None, why)."""
+    def read_run(
+        self, blocks: Sequence[tuple[bytes, Sequence[int]]], group: int
+    ) -> tuple[list[bytes], str | None]:
+        """The payloads of the leading `blocks` (block hash, token ids) the tier holds, each
+        checked against its identity and tokens, in one call (one round trip for a server);
+        the run stops at the first block that misses, with why (None: every block was read).
+        Safe to call from a thread other than the step's (the connector's background loads)."""
         ...
 
     def holds(self, block_hash: bytes, group: int) -> bool:
@@ -71,11 +74,16 @@ class DiskTier:
     def probe(self, block_hashes: Sequence[bytes], group: int = 0) -> tuple[int, str | None]:
         return self.store.count_prefix(block_hashes, (group,)), None
 
-    def read(
-        self, block_hash: bytes, group: int, token_ids: Sequence[int]
-    ) -> tuple[bytes | None, str | None]:
-        payload = self.store.get((block_hash, group), token_ids)
-        return payload, None if payload is not None else "absent"
+    def read_run(
+        self, blocks: Sequence[tuple[bytes, Sequence[int]]], group: int
+    ) -> tuple[list[bytes], str | None]:
+        payloads: list[bytes] = []
+        for block_hash, token_ids in blocks:
+            payload = self.store.get((block_hash, group), token_ids)
+            if payload is None:
+                return payloads, "absent"
+            payloads.append(payload)
+        return payloads, None
 
     def holds(self, block_hash: bytes, group: int) -> bool:
         return self.store.contains((block_hash, group))

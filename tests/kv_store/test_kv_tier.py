@@ -55,11 +55,14 @@ def test_every_tier_stores_probes_and_reads_by_the_one_interface(tier):
     _flush(tier)
     assert tier.probe(HASHES) == (3, None)  # the leading run, in one call
     assert tier.probe([HASHES[3], HASHES[0]]) == (0, None)  # leading blocks only
-    assert tier.read(HASHES[1], 0, TOKENS) == (HASHES[1] * 8, None)
-    payload, why = tier.read(HASHES[3], 0, TOKENS)
-    assert payload is None and why == "absent"
+    assert tier.read_run([(HASHES[1], TOKENS)], 0) == ([HASHES[1] * 8], None)
+    # A run is read in one call and stops at its first miss, saying why.
+    run = [(h, TOKENS) for h in (HASHES[0], HASHES[1], HASHES[3], HASHES[2])]
+    assert tier.read_run(run, 0) == ([HASHES[0] * 8, HASHES[1] * 8], "absent")
+    assert tier.read_run([], 0) == ([], None)
     other_tokens = [t + 1 for t in TOKENS]  # another block under the same hash: never served
-    assert tier.read(HASHES[0], 0, other_tokens)[0] is None
+    payloads, why = tier.read_run([(HASHES[2], TOKENS), (HASHES[0], other_tokens)], 0)
+    assert payloads == [HASHES[2] * 8] and why is not None
 
 
 def test_only_the_disk_says_it_holds_a_block_a_save_may_skip(tier):

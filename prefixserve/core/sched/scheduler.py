@@ -273,10 +273,13 @@ class Scheduler:
 
     def _admit(self, request: Request, plan: _StepPlan, in_flight: set[bytes]) -> bool | None:
         """Schedule a waiting request after its cache hit (RAM, then disk and shared tiers): True
-        when it runs, False when it waits for a running prefill of its next block, None when it
-        does not fit."""
+        when it runs, False when it waits for a running prefill of its next block or for its
+        blocks' background read (`KVStoreConnector.start_load`: the read overlaps the running
+        requests' compute), None when it does not fit."""
         mgr = self.kv_cache_manager
         assert request.num_computed_tokens == 0, request
+        if self._reading_below(request):
+            return False
         computed_blocks, num_computed = mgr.get_computed_blocks(request)
         below = self.kv_connector.match(request, num_computed) if self.kv_connector else TierHit()
         num_loaded = below.tokens
@@ -284,6 +287,12 @@ class Scheduler:
             if request.hit_when_waited is None:
                 request.hit_when_waited = num_computed + num_loaded
             return False
+        if (
+            num_loaded
+            and self.running
+            and self.kv_connector.start_load(request, num_computed, below)
+        ):
+            return False  # it waits while its blocks are read and the running requests compute
         report = None
         if self.explainer is not None and request.num_cached_tokens < 0:
             # Before its own allocation, which may evict blocks the report should still see.
@@ -320,6 +329,16 @@ class Scheduler:
         plan.scheduled.append(self._scheduled(request, num_new_tokens))
         plan.take(request, num_new_tokens)
         return True
+
+    def _reading_below(self, request: Request) -> bool:
+        """Whether `request` waits for its background read of the tiers below RAM: while
+        others run; with nothing else to compute, the step waits for the read instead."""
+        if self.kv_connector is None or not self.kv_connector.loading(request):
+            return False
+        if self.running:
+            return True
+        self.kv_connector.wait_for_load(request)
+        return False
 
     def _start_running(self, request: Request, num_computed: int, num_loaded: int) -> None:
         if request.num_cached_tokens < 0:  # its first scheduling
@@ -478,6 +497,8 @@ class Scheduler:
 
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
+        if self.kv_connector is not None:
+            self.kv_connector.forget_load(request)
         if self.proposer is not None:
             self.proposer.drop((request.request_id,))
         del self.requests[request.request_id]

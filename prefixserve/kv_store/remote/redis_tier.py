@@ -8,7 +8,7 @@ check), payload and checksum; a value that is not exactly the asked-for block is
 
 - `lookup`: how many leading blocks the server holds, one pipelined round trip of EXISTS
   (`RemoteLookup`, remote/lookup.py: the read-only face the cluster router opens too).
-- `load`: one GET, checked.
+- `read_run`: the blocks of a run in one MGET (one round trip), each checked; `load`: one GET.
 - `submit_store`: queued for a writer thread (bounded in items and bytes: a full queue drops
   the block and counts it, the step never waits); the writer sends pipelined `SET NX` with the
   retention as TTL, so hosts storing the same block write it once.
@@ -118,10 +118,29 @@ class RedisTier(RemoteLookup):
 
     name = "remote"  # on the `KVTier` interface (kv_store/tier.py): probe, read, holds, stores
 
-    def read(
-        self, block_hash: bytes, group: int, token_ids: Sequence[int]
-    ) -> tuple[bytes | None, str | None]:
-        return self.fetch(block_hash, group, token_ids)
+    def read_run(
+        self, blocks: Sequence[tuple[bytes, Sequence[int]]], group: int
+    ) -> tuple[list[bytes], str | None]:
+        """The leading `blocks` the server holds, in one MGET, each checked as `fetch` checks
+        one; the run stops at the first miss, with its reason."""
+        if not blocks:
+            return [], None
+        if not self._callable():
+            return [], "unreachable"
+        keys = [self.key(block_hash, group) for block_hash, _ in blocks]
+        try:
+            values = self._client.mget(keys)
+        except self._errors as exc:
+            self._fault("load", exc)
+            return [], "unreachable"
+        self._reached()
+        payloads: list[bytes] = []
+        for key, (block_hash, token_ids), value in zip(keys, blocks, values, strict=True):
+            payload, why = self._checked(key, value, block_hash, group, token_ids)
+            if payload is None:
+                return payloads, why
+            payloads.append(payload)
+        return payloads, None
 
     def holds(self, block_hash: bytes, group: int) -> bool:
         """False: a write of a block the server holds is deduplicated there (`SET NX`)."""
@@ -147,6 +166,18 @@ class RedisTier(RemoteLookup):
             self._fault("load", exc)
             return None, "unreachable"
         self._reached()
+        return self._checked(key, value, block_hash, group, token_ids)
+
+    def _checked(
+        self,
+        key: bytes,
+        value: bytes | None,
+        block_hash: bytes,
+        group: int,
+        token_ids: Sequence[int],
+    ) -> tuple[bytes | None, str | None]:
+        """The payload of a value read at `key`, or (None, why) as `fetch` says (a value that
+        fails its checks is deleted)."""
         if value is None:
             self.stats["miss_absent"] += 1
             return None, "absent"
