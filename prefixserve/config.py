@@ -198,6 +198,9 @@ class KVStoreConfig:
     # the file holding its password (never the URL itself); None: no shared tier.
     remote_url: str | None = None
     remote_password_file: Path | None = None
+    # Reads of a waiting request's blocks on their own thread while others compute
+    # (kv_store/loads.py); False: at admission, on the step thread.
+    overlap_loads: bool = True
 
     def __post_init__(self) -> None:
         if self.remote_url is not None and (

@@ -257,6 +257,14 @@ class EngineArgs:
         group=_STORE,
         metavar="URL",
     )
+    kv_load_overlap: bool = option(
+        True,
+        "Read a request's blocks from the disk or shared tier on a thread of their own while "
+        "the running requests compute; the request waits meanwhile (stalls of the running "
+        "requests' tokens halve, its own first token comes later). --no-kv-load-overlap: read "
+        "them when the request is admitted, on the step thread.",
+        group=_STORE,
+    )
     kv_remote_password_file: str | None = option(
         None,
         "File holding the --kv-remote server's password (never on the command line).",
@@ -408,6 +416,7 @@ class EngineArgs:
             default_retention=self.kv_store_default_retention,
             remote_url=self.kv_remote,
             remote_password_file=self.kv_remote_password_file,
+            overlap_loads=self.kv_load_overlap,
         )
 
     # ------------------------------------------------------------------ the flags

@@ -649,7 +649,12 @@ def open_engine_kv_store(
     if store is None and remote is None:
         return None, None
     connector = KVStoreConnector(
-        store, writer, cache.block_size, store_config.default_retention, remote=remote
+        store,
+        writer,
+        cache.block_size,
+        store_config.default_retention,
+        remote=remote,
+        overlap_loads=store_config.overlap_loads,
     )
     if store_config.dir is not None and store is not None:
         connector.other_dtypes = {

@@ -132,9 +132,9 @@ def test_without_overlap_or_with_nothing_running_the_hit_runs_in_its_first_step(
 ):
     expected = _stored(default_model_fp32, tmp_path)
     for overlap in (False, True):
-        llm = _llm(default_model_fp32, tmp_path)
+        llm = _llm(default_model_fp32, tmp_path, kv_load_overlap=overlap)
         engine = llm.llm_engine
-        engine.kv_connector.overlap_loads = overlap
+        assert engine.kv_connector.overlap_loads is overlap
         if not overlap:
             engine.add_request("running", _ids(llm, OTHER), LONG)
             engine.step()
