@@ -260,9 +260,10 @@ class EngineArgs:
     kv_load_overlap: bool = option(
         True,
         "Read a request's blocks from the disk or shared tier on a thread of their own while "
-        "the running requests compute; the request waits meanwhile (stalls of the running "
-        "requests' tokens halve, its own first token comes later). --no-kv-load-overlap: read "
-        "them when the request is admitted, on the step thread.",
+        "the running requests compute, when the read was measured to outlast a step; the "
+        "request waits meanwhile (stalls of the running requests' tokens halve, its own first "
+        "token comes later). --no-kv-load-overlap: read them when the request is admitted, on "
+        "the step thread.",
         group=_STORE,
     )
     kv_remote_password_file: str | None = option(

@@ -49,7 +49,7 @@ from prefixserve.kv_store.loads import BackgroundLoads
 from prefixserve.kv_store.lookup import StoreLookup
 from prefixserve.kv_store.remote.redis_tier import RedisTier
 from prefixserve.kv_store.seed import load_or_create_seed
-from prefixserve.kv_store.tier import DISK, DiskTier, KVTier
+from prefixserve.kv_store.tier import DISK, REMOTE, DiskTier, KVTier
 from prefixserve.kv_store.writer import BackgroundWriter
 
 if TYPE_CHECKING:
@@ -103,6 +103,7 @@ class LoadSpeeds:
 
     load_s_per_block: dict[str, float] = field(default_factory=dict)
     compute_s_per_token: float | None = None
+    step_s: float | None = None  # a forward pass's seconds, any step
     retry_after_s: float = RETRY_SLOW_TIER_S
     clock: Callable[[], float] = time.monotonic
     _left_out_at: dict[str, float] = field(default_factory=dict)
@@ -115,6 +116,24 @@ class LoadSpeeds:
 
     def record_compute(self, seconds: float, num_tokens: int) -> None:
         self.compute_s_per_token = _average(self.compute_s_per_token, seconds / num_tokens)
+
+    def record_step(self, seconds: float) -> None:
+        self.step_s = _average(self.step_s, seconds)
+
+    def read_outlasts_a_step(self, hit: TierHit, block_size: int) -> bool:
+        """Whether reading `hit`'s blocks was measured to take longer than a step (True until
+        the step and each tier it reads from were measured): a shorter read stalls the running
+        requests less than waiting a step boundary delays the one that reads."""
+        if self.step_s is None:
+            return True
+        seconds = 0.0
+        for tier, tokens in ((DISK, hit.disk_tokens), (REMOTE, hit.remote_tokens)):
+            if tokens:
+                per_block = self.load_s_per_block.get(tier)
+                if per_block is None:
+                    return True
+                seconds += per_block * tokens / block_size
+        return seconds > self.step_s
 
     def pays(self, tier: str, block_size: int) -> bool:
         """Whether loading a block from `tier` was measured faster than computing its tokens
@@ -353,9 +372,11 @@ class KVStoreConnector:
     def start_load(self, request: Request, num_computed: int, hit: TierHit) -> bool:
         """Read the blocks of `hit` (what `match` found after a RAM hit of `num_computed`
         tokens) in the background, while the running requests compute; False when the read
-        is not started (overlap off, the bound reached, a read held already): the caller
-        reads at admission instead."""
+        is not started (overlap off, a read measured shorter than a step, the bound reached, a
+        read held already): the caller reads at admission instead."""
         if not self.overlap_loads or self._loads.held(request.request_id):
+            return False
+        if not self._speeds.read_outlasts_a_step(hit, self.block_size):
             return False
         first = num_computed // self.block_size
         blocks = self._blocks(request, first, hit.tokens // self.block_size)
@@ -392,6 +413,7 @@ class KVStoreConnector:
 
     def record_compute(self, seconds: float, num_tokens: int) -> None:
         """A forward pass computed `num_tokens` tokens in `seconds` (the engine reports it)."""
+        self._speeds.record_step(seconds)
         if num_tokens >= self.block_size:  # decode-only steps say little about prefill speed
             self._speeds.record_compute(seconds, num_tokens)
 

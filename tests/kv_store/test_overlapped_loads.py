@@ -172,3 +172,29 @@ def test_an_abort_or_a_reset_while_a_read_is_held_leaves_nothing_behind(
     assert tokens["reset"] == expected
     engine.check_no_leaks()
     engine.close()
+
+
+# ---- which reads overlap: those measured to outlast a step
+
+
+def test_a_read_overlaps_only_when_it_was_measured_to_outlast_a_step():
+    from prefixserve.core.kv_cache.tier_hit import TierHit
+    from prefixserve.kv_store.connector import LoadSpeeds
+    from prefixserve.kv_store.tier import DISK, REMOTE
+
+    speeds = LoadSpeeds()
+    hit = TierHit(disk_tokens=4 * BLOCK, remote_tokens=6 * BLOCK)
+    assert speeds.read_outlasts_a_step(hit, BLOCK)  # nothing measured: overlap
+    speeds.record_step(0.010)
+    assert speeds.read_outlasts_a_step(hit, BLOCK)  # the tiers not measured yet
+    speeds.record_load(DISK, 0.004, 4)  # 1 ms a block
+    speeds.record_load(REMOTE, 0.003, 6)  # 0.5 ms a block
+    assert not speeds.read_outlasts_a_step(hit, BLOCK)  # 4 + 3 ms < a 10 ms step
+    assert speeds.read_outlasts_a_step(TierHit(remote_tokens=30 * BLOCK), BLOCK)  # 15 ms
+    assert not speeds.read_outlasts_a_step(TierHit(disk_tokens=9 * BLOCK), BLOCK)
+    # A tier that serves none of the hit needs no measure.
+    fresh = LoadSpeeds()
+    fresh.record_step(0.010)
+    fresh.record_load(DISK, 0.001, 1)
+    assert not fresh.read_outlasts_a_step(TierHit(disk_tokens=2 * BLOCK), BLOCK)
+    assert fresh.read_outlasts_a_step(TierHit(disk_tokens=BLOCK, remote_tokens=BLOCK), BLOCK)
