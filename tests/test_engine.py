@@ -27,8 +27,9 @@ def token_prompts(*prompts: list[int], salt: str | None = None) -> list[dict]:
 
 
 @pytest.fixture
-def llm(default_model_fp32):
-    llm = LLM(dtype="float32", loaded_model=default_model_fp32, num_kv_blocks=256)
+def llm(default_model_exact):
+    model = default_model_exact
+    llm = LLM(dtype=model.config.dtype, loaded_model=model, num_kv_blocks=256)
     yield llm
     llm.llm_engine.check_no_leaks()
 

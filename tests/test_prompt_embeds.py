@@ -13,10 +13,10 @@ from tests.helpers import random_tokens
 
 
 @pytest.fixture(scope="module")
-def llm(default_model_fp32):
+def llm(default_model_exact):
     return LLM(
-        dtype="float32",
-        loaded_model=default_model_fp32,
+        dtype=default_model_exact.config.dtype,
+        loaded_model=default_model_exact,
         num_kv_blocks=96,
         enable_prompt_embeds=True,
         enable_kv_store=False,
@@ -48,12 +48,12 @@ def test_embeddings_of_the_tokens_give_the_token_ids_output(llm):
         assert b.num_cached_tokens == 0  # token ids' blocks never serve embeddings
 
 
-def test_gemma3_embeddings_are_taken_after_its_embedding_scale(default_model_fp32, tmp_path):
+def test_gemma3_embeddings_are_taken_after_its_embedding_scale(default_model_exact, tmp_path):
     from tests.helpers.lora import build_hf_model, our_llm
 
     hf, config = build_hf_model("gemma3", tmp_path)
     tiny = our_llm(
-        hf, config, default_model_fp32.tokenizer, enable_lora=False, enable_prompt_embeds=True
+        hf, config, default_model_exact.tokenizer, enable_lora=False, enable_prompt_embeds=True
     )
     prompt = [t % 128 for t in random_tokens(11, seed=4)]
     by_ids = generate(tiny, [{"prompt_token_ids": prompt}], greedy())
@@ -146,14 +146,16 @@ def test_sparse_and_nested_prompt_embeds_are_refused_by_layout_first(llm, make, 
 
 
 def test_embeds_with_token_ids_or_prompt_logprobs_or_when_disabled_are_refused(
-    llm, default_model_fp32
+    llm, default_model_exact
 ):
     embeds = embed(llm, [1, 2, 3])
     with pytest.raises(ValueError, match="not both"):
         llm.generate([{"prompt_embeds": embeds, "prompt_token_ids": [1]}], use_tqdm=False)
     with pytest.raises(ValueError, match="prompt_logprobs are not available"):
         llm.generate([{"prompt_embeds": embeds}], SamplingParams(prompt_logprobs=1), use_tqdm=False)
-    off = LLM(dtype="float32", loaded_model=default_model_fp32, num_kv_blocks=16)
+    off = LLM(
+        dtype=default_model_exact.config.dtype, loaded_model=default_model_exact, num_kv_blocks=16
+    )
     with pytest.raises(ValueError, match="enable_prompt_embeds=True"):
         off.generate([{"prompt_embeds": embeds}], use_tqdm=False)
     llm.llm_engine.check_no_leaks()

@@ -18,7 +18,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=2)
 
 def _llm(model, store: Path) -> LLM:
     return LLM(
-        dtype="float32",
+        dtype=model.config.dtype,
         loaded_model=model,
         enable_kv_store=True,
         kv_store_dir=str(store),
@@ -37,16 +37,16 @@ def _warm(llm: LLM) -> None:
     assert llm.llm_engine.kv_connector.store.total_bytes > 0
 
 
-def test_a_reset_forgets_the_disk_tier_too(default_model_fp32, tmp_path):
-    llm = _llm(default_model_fp32, tmp_path)
+def test_a_reset_forgets_the_disk_tier_too(default_model_exact, tmp_path):
+    llm = _llm(default_model_exact, tmp_path)
     _warm(llm)
     assert llm.reset_prefix_cache()
     assert _cached(llm) == (0, 0)  # computed again: neither the pool nor the disk had it
     llm.llm_engine.check_no_leaks()
 
 
-def test_a_ram_only_reset_keeps_the_disk_tier(default_model_fp32, tmp_path):
-    llm = _llm(default_model_fp32, tmp_path)
+def test_a_ram_only_reset_keeps_the_disk_tier(default_model_exact, tmp_path):
+    llm = _llm(default_model_exact, tmp_path)
     _warm(llm)
     assert llm.reset_prefix_cache(ram_only=True)
     cached, from_disk = _cached(llm)
@@ -54,11 +54,11 @@ def test_a_ram_only_reset_keeps_the_disk_tier(default_model_fp32, tmp_path):
 
 
 def test_a_reset_also_forgets_what_another_process_stored_in_the_namespace(
-    default_model_fp32, tmp_path
+    default_model_exact, tmp_path
 ):
-    first = _llm(default_model_fp32, tmp_path)
+    first = _llm(default_model_exact, tmp_path)
     _warm(first)
-    second = _llm(default_model_fp32, tmp_path)  # shares the store, as two servers of one user
+    second = _llm(default_model_exact, tmp_path)  # shares the store, as two servers of one user
     assert second.reset_prefix_cache()
     store = first.llm_engine.kv_connector.store
     assert namespace_records(str(store.root / store.namespace)) == []

