@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Container, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -45,11 +45,13 @@ from prefixserve.core.kv_cache.tier_hit import TierHit
 from prefixserve.kv_store import resolve_store_config
 from prefixserve.kv_store.disk_store import BlockKey, DiskKVStore
 from prefixserve.kv_store.fingerprint import model_fingerprint, store_namespace
+from prefixserve.kv_store.load_speeds import LoadSpeeds
 from prefixserve.kv_store.loads import BackgroundLoads
 from prefixserve.kv_store.lookup import StoreLookup
 from prefixserve.kv_store.remote.redis_tier import RedisTier
 from prefixserve.kv_store.seed import load_or_create_seed
 from prefixserve.kv_store.tier import DISK, REMOTE, DiskTier, KVTier
+from prefixserve.kv_store.tier_run import TierRun
 from prefixserve.kv_store.writer import BackgroundWriter
 
 if TYPE_CHECKING:
@@ -61,11 +63,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 GROUP = 0  # the one full-attention KV-cache group the tier serves
-# Exponential moving average weight of a new measurement of load or compute speed.
-_EWMA = 0.2
-# A tier left out as slower than computing is tried again after this many seconds (one load,
-# whose measurement replaces the old one): a server that was slow for a while is not lost.
-RETRY_SLOW_TIER_S = 60.0
 
 
 @dataclass(slots=True)
@@ -91,67 +88,6 @@ class BlockSave:
     key: BlockKey
     token_ids: list[int]
     expires_at: float | None
-
-
-@dataclass(slots=True)
-class LoadSpeeds:
-    """What loading and computing were measured to cost: seconds per block each tier served
-    (by tier name, absent until it served one) and seconds per computed token, each a moving
-    average. A tier measured slower than computing is left out, and put on trial again
-    `retry_after_s` (monotonic clock) after it was left out: it pays until its next load is
-    measured, and that measurement replaces the old average."""
-
-    load_s_per_block: dict[str, float] = field(default_factory=dict)
-    compute_s_per_token: float | None = None
-    step_s: float | None = None  # a forward pass's seconds, any step
-    retry_after_s: float = RETRY_SLOW_TIER_S
-    clock: Callable[[], float] = time.monotonic
-    _left_out_at: dict[str, float] = field(default_factory=dict)
-    _on_trial: set[str] = field(default_factory=set)
-
-    def record_load(self, tier: str, seconds: float, num_blocks: int) -> None:
-        previous = None if tier in self._on_trial else self.load_s_per_block.get(tier)
-        self._on_trial.discard(tier)
-        self.load_s_per_block[tier] = _average(previous, seconds / num_blocks)
-
-    def record_compute(self, seconds: float, num_tokens: int) -> None:
-        self.compute_s_per_token = _average(self.compute_s_per_token, seconds / num_tokens)
-
-    def record_step(self, seconds: float) -> None:
-        self.step_s = _average(self.step_s, seconds)
-
-    def read_outlasts_a_step(self, hit: TierHit, block_size: int) -> bool:
-        """Whether reading `hit`'s blocks was measured to take longer than a step (True until
-        the step and each tier it reads from were measured): a shorter read stalls the running
-        requests less than waiting a step boundary delays the one that reads."""
-        if self.step_s is None:
-            return True
-        seconds = 0.0
-        for tier, tokens in ((DISK, hit.disk_tokens), (REMOTE, hit.remote_tokens)):
-            if tokens:
-                per_block = self.load_s_per_block.get(tier)
-                if per_block is None:
-                    return True
-                seconds += per_block * tokens / block_size
-        return seconds > self.step_s
-
-    def pays(self, tier: str, block_size: int) -> bool:
-        """Whether loading a block from `tier` was measured faster than computing its tokens
-        (True until both were measured, and while the tier is on trial)."""
-        load, compute = self.load_s_per_block.get(tier), self.compute_s_per_token
-        if load is None or compute is None:
-            return True  # measure first
-        if load < compute * block_size:
-            self._left_out_at.pop(tier, None)
-            return True
-        if tier in self._on_trial:
-            return True
-        now = self.clock()
-        if now - self._left_out_at.setdefault(tier, now) < self.retry_after_s:
-            return False
-        self._left_out_at[tier] = now  # the next trial counts from this one
-        self._on_trial.add(tier)
-        return True
 
 
 class KVStoreConnector:
@@ -191,7 +127,7 @@ class KVStoreConnector:
         # Reads overlapped with the running requests' compute (`start_load`); off: every read
         # at admission, on the step thread.
         self.overlap_loads = overlap_loads
-        self._loads: BackgroundLoads[_TierRun] = BackgroundLoads()
+        self._loads: BackgroundLoads[TierRun] = BackgroundLoads()
 
     @property
     def shares_tier(self) -> bool:
@@ -290,11 +226,11 @@ class KVStoreConnector:
 
     def _read_run(
         self, blocks: Sequence[tuple[bytes, Sequence[int]]], tiers: Container[str]
-    ) -> _TierRun:
+    ) -> TierRun:
         """The leading `blocks` the tiers hold: each tier of `tiers`, nearest first, reads on
         from where the one before stopped, in one call (`KVTier.read_run`). Touches no state
         of the connector: it runs on the background loads' thread too."""
-        run = _TierRun(num_blocks=len(blocks))
+        run = TierRun(num_blocks=len(blocks))
         for tier in self._tiers:
             if len(run.payloads) == len(blocks):
                 break
@@ -311,12 +247,12 @@ class KVStoreConnector:
                 run.hit.note_miss(tier.name, miss)
         return run
 
-    def _account(self, run: _TierRun) -> None:
+    def _account(self, run: TierRun) -> None:
         """Count a read in `stats` and in the tiers' load speeds (on the step thread)."""
         self.stats.load_failures += int(len(run.payloads) < run.num_blocks)
         self._count_loaded(run)
 
-    def _count_loaded(self, run: _TierRun) -> None:
+    def _count_loaded(self, run: TierRun) -> None:
         """Count the blocks of `run` that go into the pool, and the time of the read they came
         from in the tiers' load speeds."""
         if not run.payloads:
@@ -382,7 +318,7 @@ class KVStoreConnector:
         blocks = self._blocks(request, first, hit.tokens // self.block_size)
         tiers = self.paying_tiers()
 
-        def read() -> _TierRun:
+        def read() -> TierRun:
             run = self._read_run(blocks, tiers)
             run.first_block = first
             return run
@@ -393,7 +329,7 @@ class KVStoreConnector:
         """Drop `request`'s background read, if any (it finished, was aborted or preempted)."""
         self._loads.discard(request.request_id)
 
-    def _finished_read(self, request: Request, num_computed: int) -> _TierRun | None:
+    def _finished_read(self, request: Request, num_computed: int) -> TierRun | None:
         """`request`'s finished background read, from the block after a RAM hit of
         `num_computed` tokens on (its leading blocks dropped when the RAM hit grew meanwhile),
         its short read counted the first time it is seen (its blocks when they are used); None
@@ -494,139 +430,50 @@ class KVStoreConnector:
 
     def metrics(self) -> dict[str, int | float]:
         """The tiers' counters, as the engine's metrics name them (`kv_store_hit_tokens`: every
-        token loaded from below the RAM pool; the disk's own counters only with a disk tier)."""
-        tier = self.stats
-        return (
-            self._remote_metrics()
-            | self._disk_metrics()
-            | {
-                "kv_store_hit_tokens": tier.hit_tokens,
-                "kv_store_loaded_blocks": tier.loaded_blocks,
-                "kv_store_load_failures": tier.load_failures,
-                "kv_store_load_seconds": tier.load_seconds,
-            }
-        )
-
-    def _disk_metrics(self) -> dict[str, int | float]:
-        """The disk tier's counters (none without one)."""
-        if self.store is None or self.writer is None:
-            return {}
-        tier, store, writer = self.stats, self.store.stats(), self.writer.stats()
-        return {
-            "kv_store_saved_blocks": tier.saved_blocks,
-            "kv_store_dropped_writes": writer.dropped,
-            "kv_store_write_errors": writer.errors,
-            "kv_store_bad_files_dropped": store.corrupt_dropped + store.foreign_dropped,
-            "kv_store_bytes_read": store.bytes_read,
-            "kv_store_bytes_written": store.bytes_written,
-            "kv_store_bytes": self.store.total_bytes,
+        token loaded from below the RAM pool): each tier's own (`KVTier.metrics`), with the
+        blocks handed to the disk's writer and the tokens loaded from the shared tier."""
+        stats = self.stats
+        metrics: dict[str, int | float] = {
+            "kv_store_hit_tokens": stats.hit_tokens,
+            "kv_store_loaded_blocks": stats.loaded_blocks,
+            "kv_store_load_failures": stats.load_failures,
+            "kv_store_load_seconds": stats.load_seconds,
         }
-
-    def _remote_metrics(self) -> dict[str, int]:
-        """The shared tier's counters (none without one): tokens loaded from it, blocks it
-        stored, writes dropped by its full queue or failed (a fault, a full server), faults of
-        its calls, values that were damaged or foreign, and whether its latest call reached the
-        server (`kv_remote_connected`, 1 or 0)."""
-        if self.remote is None:
-            return {}
-        remote = self.remote.stats
-        return {
-            "kv_remote_hit_tokens": self.stats.remote_hit_tokens,
-            "kv_remote_stored_blocks": remote["stored"],
-            "kv_remote_dropped_writes": remote["dropped"] + remote["store_failed"],
-            "kv_remote_faults": sum(v for k, v in remote.items() if k.startswith("fault_")),
-            "kv_remote_bad_values": remote["miss_corrupt"] + remote["miss_foreign"],
-            "kv_remote_connected": int(self.remote.connected),
-        }
+        for tier in self._tiers:
+            metrics |= tier.metrics()
+            if tier.name == DISK:
+                metrics["kv_store_saved_blocks"] = stats.saved_blocks
+            elif tier.name == REMOTE:
+                metrics["kv_remote_hit_tokens"] = stats.remote_hit_tokens
+        return metrics
 
     def remote_summary(self) -> dict[str, int | bool] | None:
         """The shared tier as the operators' cache summary shows it (None without one): whether
         it is connected, tokens loaded from it, blocks stored, dropped writes, faults, bad
         values."""
-        metrics = self._remote_metrics()
-        if not metrics:
+        if self.remote is None:
             return None
         prefix = "kv_remote_"
         summary: dict[str, int | bool] = {
-            key.removeprefix(prefix): value for key, value in metrics.items()
+            key.removeprefix(prefix): value
+            for key, value in self.metrics().items()
+            if key.startswith(prefix)
         }
         summary["connected"] = bool(summary["connected"])
         return summary
 
     def clear(self) -> int:
-        """Forget the tier (a prefix-cache reset): drop the queued writes, wait for the one in
-        progress, then delete every block of this namespace from the store; returns how many
-        files went. The shared tier is not cleared: other hosts use it."""
+        """Forget this host's tiers (a prefix-cache reset): the background reads, and each
+        tier's blocks as `KVTier.clear` says (the disk's namespace; the shared tier is not
+        cleared: other hosts use it); returns how many blocks went."""
         self._loads.clear()
-        if self.store is None or self.writer is None:
-            return 0
-        self.writer.discard()
-        return self.store.clear()
+        return sum(tier.clear() for tier in self._tiers)
 
     def close(self, timeout: float | None = 30.0) -> bool:
-        """Write what is queued (up to `timeout` seconds), then stop the writer (and the shared
-        tier's); background reads are dropped."""
+        """Write what each tier has queued (up to `timeout` seconds), then stop their writers;
+        background reads are dropped."""
         self._loads.close()
-        if self.remote is not None:
-            self.remote.close()
-        return self.writer.close(timeout) if self.writer is not None else True
-
-
-@dataclass(slots=True)
-class _TierTiming:
-    """One load's reads, by the tier that served them: seconds and blocks."""
-
-    seconds: dict[str, float] = field(default_factory=dict)
-    blocks: dict[str, int] = field(default_factory=dict)
-
-    def add(self, tier: str, seconds: float, blocks: int = 1) -> None:
-        self.seconds[tier] = self.seconds.get(tier, 0.0) + seconds
-        self.blocks[tier] = self.blocks.get(tier, 0) + blocks
-
-
-@dataclass(slots=True)
-class _TierRun:
-    """One read of a run of blocks from the tiers: the payloads in order (`num_blocks` were
-    asked for), the tier that served each, the tokens by tier (`hit`, with the shared tier's
-    fault when one ended the run), the time each tier took (a part keeps its whole read's);
-    for a background read also its first block and whether `stats` counted a short read yet."""
-
-    num_blocks: int = 0
-    payloads: list[bytes] = field(default_factory=list)
-    served_by: list[str] = field(default_factory=list)
-    hit: TierHit = field(default_factory=TierHit)
-    timing: _TierTiming = field(default_factory=_TierTiming)
-    first_block: int = 0
-    accounted: bool = False
-
-    def tail(self, offset: int, block_size: int) -> _TierRun:
-        """The run from its `offset`-th block on."""
-        return self._part(offset, len(self.payloads), block_size)
-
-    def head(self, count: int, block_size: int) -> _TierRun:
-        """The run's first `count` blocks."""
-        return self._part(0, min(count, len(self.payloads)), block_size)
-
-    def _part(self, start: int, stop: int, block_size: int) -> _TierRun:
-        """Blocks start .. stop - 1, their tokens recounted by tier; the fault kept only when
-        the part reaches the run's end, where the fault stopped it."""
-        part = _TierRun(
-            num_blocks=stop - start,
-            payloads=self.payloads[start:stop],
-            served_by=self.served_by[start:stop],
-            timing=self.timing,
-            first_block=self.first_block + start,
-            accounted=self.accounted,
-        )
-        for tier in part.served_by:
-            part.hit.add(tier, block_size)
-        if stop == len(self.payloads):
-            part.hit.remote_fault = self.hit.remote_fault
-        return part
-
-
-def _average(previous: float | None, sample: float) -> float:
-    return sample if previous is None else (1 - _EWMA) * previous + _EWMA * sample
+        return all([tier.close(timeout) for tier in self._tiers])
 
 
 def open_engine_kv_store(

