@@ -1,4 +1,5 @@
-"""The disk tier with the packaged default model in float32: outputs are identical whether a
+"""The disk tier with the packaged default model (float32, or the exact dtype of
+`default_model_exact` where the test is not the float32 invariant): outputs are identical whether a
 block's K/V came from the RAM pool, from the store or from a recompute (greedy and seeded
 sampling), also in a new process; damaged and foreign files are misses; `in_memory` requests write
 nothing."""
@@ -25,9 +26,9 @@ PARAMS = [
 
 def _llm(model, store: Path | None, **kwargs) -> LLM:
     if store is None:
-        return LLM(dtype="float32", loaded_model=model, enable_kv_store=False, **kwargs)
+        return LLM(dtype=model.config.dtype, loaded_model=model, enable_kv_store=False, **kwargs)
     return LLM(
-        dtype="float32",
+        dtype=model.config.dtype,
         loaded_model=model,
         enable_kv_store=True,
         kv_store_dir=str(store),
@@ -72,7 +73,7 @@ _CHILD = textwrap.dedent(
     """
     import json, sys
     from prefixserve import LLM, SamplingParams
-    llm = LLM(dtype="float32", enable_kv_store=True, kv_store_dir=sys.argv[1], kv_store_gb=1)
+    llm = LLM(dtype=sys.argv[3], enable_kv_store=True, kv_store_dir=sys.argv[1], kv_store_gb=1)
     params = [SamplingParams(temperature=0.0, max_tokens=10),
               SamplingParams(temperature=0.9, top_k=40, seed=1234, max_tokens=10)]
     outs = llm.generate([sys.argv[2]] * 2, params, use_tqdm=False)
@@ -83,11 +84,13 @@ _CHILD = textwrap.dedent(
 
 
 def test_a_new_process_on_the_same_store_hits_what_its_predecessor_stored(
-    default_model_fp32, tmp_path
+    default_model_exact, tmp_path
 ):
+    model = default_model_exact
+
     def run() -> list:
         done = subprocess.run(
-            [sys.executable, "-c", _CHILD, str(tmp_path), PROMPT],
+            [sys.executable, "-c", _CHILD, str(tmp_path), PROMPT, model.config.dtype],
             capture_output=True,
             text=True,
             timeout=600,
@@ -95,17 +98,21 @@ def test_a_new_process_on_the_same_store_hits_what_its_predecessor_stored(
         )
         return json.loads(done.stdout.strip().splitlines()[-1])
 
-    cold, warm = run(), run()
-    assert cold[0][1] == 0  # (the second sample may hit the first's blocks in the same step)
+    # The predecessor: this process, its writes flushed when it closes.
+    predecessor = _llm(model, tmp_path)
+    cold = _generate(predecessor)
+    predecessor.llm_engine.close()
+    assert cold[0].num_cached_tokens == 0  # (the second sample may hit the first's blocks)
+    warm = run()
     assert all(cached > 0 for _, cached in warm)
-    recomputed = _tokens(_generate(_llm(default_model_fp32, None)))
-    assert [t for t, _ in cold] == [t for t, _ in warm] == recomputed
+    recomputed = _tokens(_generate(_llm(model, None)))
+    assert _tokens(cold) == [t for t, _ in warm] == recomputed
 
 
 def test_a_damaged_file_is_a_miss_that_is_recomputed_and_written_again(
-    default_model_fp32, tmp_path
+    default_model_exact, tmp_path
 ):
-    writer = _llm(default_model_fp32, tmp_path)
+    writer = _llm(default_model_exact, tmp_path)
     expected = _tokens(_generate(writer))
     writer.llm_engine.close()
     files = sorted(tmp_path.glob("*/*/*.kv"))
@@ -116,7 +123,7 @@ def test_a_damaged_file_is_a_miss_that_is_recomputed_and_written_again(
         data[len(data) // 2] ^= 0xFF
         path.write_bytes(bytes(data))
         os.utime(path, ns=(times.st_atime_ns, times.st_mtime_ns))
-    reader = _llm(default_model_fp32, tmp_path)
+    reader = _llm(default_model_exact, tmp_path)
     outputs = _generate(reader)
     metrics = reader.llm_engine.get_metrics()
     assert _tokens(outputs) == expected
@@ -124,7 +131,7 @@ def test_a_damaged_file_is_a_miss_that_is_recomputed_and_written_again(
     assert metrics["kv_store_load_failures"] >= 1
     reader.llm_engine.close()
     # The bad record was removed, the block recomputed and written again: the next process hits.
-    third = _llm(default_model_fp32, tmp_path)
+    third = _llm(default_model_exact, tmp_path)
     assert _tokens(_generate(third)) == expected
     assert third.llm_engine.get_metrics()["kv_store_hit_tokens"] > 0
 
@@ -147,19 +154,19 @@ def test_a_store_written_in_another_dtype_never_hits(
     assert fp32.llm_engine.get_metrics()["kv_store_hit_tokens"] == 0
 
 
-def test_in_memory_retention_leaves_no_file(default_model_fp32, tmp_path):
-    llm = _llm(default_model_fp32, tmp_path)
+def test_in_memory_retention_leaves_no_file(default_model_exact, tmp_path):
+    llm = _llm(default_model_exact, tmp_path)
     _generate(llm, prompt_cache_retention="in_memory")
     llm.llm_engine.close()
     assert not list(tmp_path.glob("*/*/*.kv"))
-    llm2 = _llm(default_model_fp32, tmp_path)
+    llm2 = _llm(default_model_exact, tmp_path)
     _generate(llm2, prompt_cache_retention="24h")
     llm2.llm_engine.close()
     assert list(tmp_path.glob("*/*/*.kv"))
 
 
-def test_an_unknown_retention_is_refused(default_model_fp32, tmp_path):
-    llm = _llm(default_model_fp32, tmp_path)
+def test_an_unknown_retention_is_refused(default_model_exact, tmp_path):
+    llm = _llm(default_model_exact, tmp_path)
     with pytest.raises(ValueError, match="prompt_cache_retention"):
         _generate(llm, prompt_cache_retention="forever")
     llm.llm_engine.check_no_leaks()
