@@ -2,7 +2,7 @@
 resets mixed in. Afterwards no leaked block, no stuck request, bounded memory, and no tenant ever
 saw a cache hit on a prefix only the other tenant had sent.
 
-Short in `make test` (20 s); `make soak SOAK_SECONDS=1800` runs it longer.
+Short in `make test` (10 s); `make soak SOAK_SECONDS=1800` runs it longer.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 
 from tests.helpers.server import KEY_ADMIN, KEY_ALPHA, KEY_BETA, MODEL_NAME
 
-SOAK_SECONDS = float(os.environ.get("PREFIXSERVE_SOAK_SECONDS", "20"))
+SOAK_SECONDS = float(os.environ.get("PREFIXSERVE_SOAK_SECONDS", "10"))
 WORKERS_PER_TENANT = 3
 RSS_GROWTH_LIMIT_MB = 512
 
