@@ -670,10 +670,13 @@ class LLMEngine:
 
     def check_no_leaks(self) -> None:
         """Raise AssertionError naming what leaked: a request still queued or known to the
-        KV-cache manager, or a block not back in the free pool."""
+        KV-cache manager, a block not back in the free pool, or a tier read still held."""
         unfinished = self.output_processor.prompt_ids()
         assert not unfinished, f"prompts still in the engine: {unfinished}"
         assert not self.scheduler.requests, (
             f"requests still in the scheduler: {sorted(self.scheduler.requests)}"
         )
+        if self.kv_connector is not None:
+            held = self.kv_connector.held_loads()
+            assert not held, f"tier reads still held: {held}"
         self.kv_cache_manager.check_no_leaks()

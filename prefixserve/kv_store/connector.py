@@ -6,22 +6,26 @@ Pure Python (no torch): the scheduler and the engine call it, the runner moves t
 without the tiers; the engine says so at start-up). The tiers cascade RAM -> local disk (if on:
 `DiskKVStore`) -> the tier shared by every host (if on: `remote/redis_tier.py` `RedisTier`);
 either may run without the other. Loads and saves reach them through one interface (`tier.py`
-`KVTier`: probe, read, holds, submit_store; the disk as `DiskTier`).
+`KVTier`: probe, read_run, holds, submit_store, metrics, clear, close; the disk as `DiskTier`).
 
 - Load (`match`, then `load`): after the RAM pool's hit, the request's next block hashes are looked
   up on disk (a stat each: `DiskKVStore.count_prefix`), and the shared tier continues the disk's
   run (one pipelined round trip: `RedisTier.probe`); the answer (`TierHit`) says how many leading
-  blocks each tier holds. The scheduler allocates pool blocks for that run as if it were
-  computed this step, and `load` reads each block from the nearest tier that holds it
-  (checksummed, token ids compared). The runner writes them into the blocks before the forward
-  pass. A read that fails (a block evicted or damaged since the lookup, a shared tier that went
-  down) ends the run there: the scheduler computes the rest. Never past `num_tokens - 1`: the
-  last token is always computed, for its logits.
+  blocks each tier holds. While other requests run, `start_load` reads that run on a thread
+  of its own (`loads.py`) and the request waits; otherwise, or once the read is done, the
+  scheduler allocates pool blocks for the run as if it were computed this step, and the bytes
+  come from the finished read or from `load`, each tier reading on from where the nearer one
+  stopped (`KVTier.read_run`; checksummed, token ids compared). The runner writes them into
+  the blocks before the forward pass. A read that fails (a block evicted or damaged since the
+  lookup, a shared tier that went down) ends the run there: the scheduler computes the rest.
+  Never past `num_tokens - 1`: the last token is always computed, for its logits.
 - Whether a load is worth it, per tier: the connector measures the seconds per block each tier
   served (`LoadSpeeds`) and the engine reports the seconds per computed token; a tier whose
   block costs more than computing its tokens is left out of the lookup and the load (a slow
   disk or server must not make requests slower), and the others still serve: a slow server
   does not stop disk loads, nor a slow disk the server's (which then continues the RAM hit).
+  A read in the background is timed as the request waited for it (it shares the cores with
+  the step), so a tier whose reads only overlap is judged by what they cost the reader.
 - Save (`blocks_to_save`, then `save`): write-through. After a step's update, every block that step
   completed (all its tokens computed) goes to every tier unless its request asked for `in_memory`
   retention or the disk holds it already. Payloads go to each tier's bounded writer
@@ -324,6 +328,11 @@ class KVStoreConnector:
             return run
 
         return self._loads.submit(request.request_id, read)
+
+    def held_loads(self) -> int:
+        """Background reads in flight or finished and not taken (none once every request
+        ended)."""
+        return len(self._loads)
 
     def forget_load(self, request: Request) -> None:
         """Drop `request`'s background read, if any (it finished, was aborted or preempted)."""

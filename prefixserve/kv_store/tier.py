@@ -12,6 +12,7 @@ cascades its tiers nearest first through this interface alone.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
@@ -20,6 +21,8 @@ from prefixserve.kv_store.disk_store import DiskKVStore
 from prefixserve.kv_store.writer import BackgroundWriter
 
 __all__ = ["DISK", "REMOTE", "DiskTier", "KVTier"]
+
+logger = logging.getLogger(__name__)
 
 
 @runtime_checkable
@@ -93,7 +96,11 @@ class DiskTier:
     ) -> tuple[list[bytes], str | None]:
         payloads: list[bytes] = []
         for block_hash, token_ids in blocks:
-            payload = self.store.get((block_hash, group), token_ids)
+            try:
+                payload = self.store.get((block_hash, group), token_ids)
+            except OSError as exc:  # an I/O error is a miss, never the step's failure
+                logger.warning("kv-store: reading a block failed: %s", exc)
+                payload = None
             if payload is None:
                 return payloads, "absent"
             payloads.append(payload)

@@ -101,3 +101,27 @@ def test_every_tier_reports_its_metrics_clears_and_closes_by_the_one_interface(t
     assert cleared == (2 if tier.name == DISK else 0)
     assert tier.probe(HASHES[:2]) == ((0 if tier.name == DISK else 2), None)
     assert tier.close(5.0) is True
+
+
+def test_the_shared_tier_reads_a_run_in_one_round_trip(valkey_server: Server):
+    """`read_run` is one MGET for a run (up to READ_RUN_KEYS keys), not a GET a block: counted
+    by the server itself."""
+    from prefixserve.kv_store.remote.redis_tier import READ_RUN_KEYS
+
+    remote = RedisTier(valkey_server.url, NAMESPACE, retry_after_s=0.0)
+    try:
+        count = READ_RUN_KEYS + 3
+        hashes = [i.to_bytes(2, "big") * 8 for i in range(count)]
+        for h in hashes:
+            assert remote.submit_store(h, 0, TOKENS, h)
+        assert remote.flush()
+
+        def calls(command: str) -> int:
+            return remote._client.info("commandstats").get(f"cmdstat_{command}", {}).get("calls", 0)
+
+        mgets, gets = calls("mget"), calls("get")
+        payloads, why = remote.read_run([(h, TOKENS) for h in hashes], 0)
+        assert payloads == hashes and why is None
+        assert calls("mget") - mgets == 2 and calls("get") == gets  # 64 keys, then 3
+    finally:
+        remote.close()

@@ -198,3 +198,35 @@ def test_a_read_overlaps_only_when_it_was_measured_to_outlast_a_step():
     fresh.record_load(DISK, 0.001, 1)
     assert not fresh.read_outlasts_a_step(TierHit(disk_tokens=2 * BLOCK), BLOCK)
     assert fresh.read_outlasts_a_step(TierHit(disk_tokens=BLOCK, remote_tokens=BLOCK), BLOCK)
+
+
+def test_a_read_whose_blocks_came_into_ram_meanwhile_is_dropped_at_admission(
+    default_model_exact, tmp_path
+):
+    """While A's read runs, another tenant's request computes the same prompt (prompt logprobs
+    skip the cache read, so it never reads a tier): A is admitted on RAM hits, and its read is
+    dropped then, not held for the rest of its run."""
+    model = default_model_exact
+    expected = _stored(model, tmp_path)
+    llm = _llm(model, tmp_path, scheduling_policy="fair")
+    engine, connector = llm.llm_engine, llm.llm_engine.kv_connector
+    engine.add_request("running", _ids(llm, OTHER), LONG, tenant="r")
+    engine.step()
+    prompt = _ids(llm, PROMPT)
+    engine.add_request("a", prompt, GREEDY, tenant="a")
+    with_prompt_logprobs = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+    engine.add_request("c", prompt, with_prompt_logprobs, tenant="c")
+    engine.step()  # a's read starts; c computes the whole prompt
+    assert connector._loads.held("a")
+    a = engine.scheduler.requests["a"]
+    tokens: dict[str, list[int]] = {}
+    while a.status != RequestStatus.RUNNING:
+        for output in engine.step():
+            tokens[output.request_id] = list(output.outputs[0].token_ids)
+    assert connector.held_loads() == 0  # dropped at admission
+    assert a.num_cached_tokens == _loadable(len(prompt)) and a.num_disk_cached_tokens == 0
+    engine.abort_request("running")
+    tokens.update(_run_to_end(engine))
+    assert tokens["a"] == expected
+    engine.check_no_leaks()
+    engine.close()

@@ -392,6 +392,10 @@ def test_a_real_model_gives_a_cache_hit_the_cold_starts_bf16_output(real_bf16, m
     same tokens and logprobs, bit for bit. With the flag, and in the default configuration,
     which is batch-invariant for bf16 on every CPU kind the native kernels run on."""
     loaded, items = real_bf16
+    if mode == "batch_invariant" and loaded.config.sliding_window is not None:
+        # The flag and the default run the same kernels (the runner is invariant in both,
+        # asserted below); the default model takes both, Gemma's 15 s the default only.
+        pytest.skip("Gemma 3 runs the default configuration only")
     tokenizer = loaded.tokenizer
     document = " ".join(
         f"Item {i} weighs {3 * i % 17} kilograms and is {i % 5} years old." for i in range(items)

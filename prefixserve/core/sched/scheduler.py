@@ -184,6 +184,9 @@ class Scheduler:
         slot = slot_preemption_victim(self.running, self.waiting, self.config.max_num_seqs)
         if slot is not None:
             victim, short_tenant = slot
+            head = next(self.waiting.requests_of(short_tenant, 1), None)
+            if head is not None and self._reading_below(head):
+                return  # its head waits for its read: preempting now would only churn
             self.running.remove(victim)
             self._preempt(victim, turn_next=False)
             self.waiting.take_turn_next(short_tenant)
@@ -315,6 +318,8 @@ class Scheduler:
             return None
         self.waiting.pop(request)
         self.running.append(request)
+        if self.kv_connector is not None and not num_loaded:
+            self.kv_connector.forget_load(request)  # a read it no longer needs (RAM hit grew)
         in_flight |= prefill_in_flight((request,), mgr)
         if num_loaded and self.kv_connector is not None:
             # Blocks whose read fails are computed instead, from this chunk on (their slots are

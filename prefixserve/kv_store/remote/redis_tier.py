@@ -65,6 +65,10 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 DEFAULT_QUEUE_ITEMS = 1024
+# Keys of one MGET of `read_run`: 64 blocks of the default model are ~23 MB a reply.
+READ_RUN_KEYS = 64
+# The most `close` waits for the queue, then for the writer, in seconds.
+CLOSE_TIMEOUT_S = 10.0
 DEFAULT_QUEUE_BYTES = 256 * 2**20
 
 
@@ -121,26 +125,37 @@ class RedisTier(RemoteLookup):
     def read_run(
         self, blocks: Sequence[tuple[bytes, Sequence[int]]], group: int
     ) -> tuple[list[bytes], str | None]:
-        """The leading `blocks` the server holds, in one MGET, each checked as `fetch` checks
-        one; the run stops at the first miss, with its reason."""
-        if not blocks:
-            return [], None
+        """The leading `blocks` the server holds, `READ_RUN_KEYS` a MGET (one round trip for
+        most prompts; each reply, and the time it holds the server, bounded), each checked as
+        `fetch` checks one; the run stops at the first miss, with its reason."""
+        payloads: list[bytes] = []
+        for start in range(0, len(blocks), READ_RUN_KEYS):
+            chunk = blocks[start : start + READ_RUN_KEYS]
+            why = self._read_chunk(chunk, group, payloads)
+            if why is not None:
+                return payloads, why
+        return payloads, None
+
+    def _read_chunk(
+        self, blocks: Sequence[tuple[bytes, Sequence[int]]], group: int, payloads: list[bytes]
+    ) -> str | None:
+        """One MGET of `blocks`, their checked payloads appended to `payloads` up to the first
+        miss, whose reason it returns (None: every block read)."""
         if not self._callable():
-            return [], "unreachable"
+            return "unreachable"
         keys = [self.key(block_hash, group) for block_hash, _ in blocks]
         try:
             values = self._client.mget(keys)
         except self._errors as exc:
             self._fault("load", exc)
-            return [], "unreachable"
+            return "unreachable"
         self._reached()
-        payloads: list[bytes] = []
         for key, (block_hash, token_ids), value in zip(keys, blocks, values, strict=True):
             payload, why = self._checked(key, value, block_hash, group, token_ids)
             if payload is None:
-                return payloads, why
+                return why
             payloads.append(payload)
-        return payloads, None
+        return None
 
     def holds(self, block_hash: bytes, group: int) -> bool:
         """False: a write of a block the server holds is deduplicated there (`SET NX`)."""
@@ -370,14 +385,17 @@ class RedisTier(RemoteLookup):
         """A prefix-cache reset forgets this host's tiers, not this one: other hosts use it."""
         return 0
 
-    def close(self, timeout: float | None = 10.0) -> bool:
-        """Stop the writer after what is queued (up to `timeout` seconds), and close the
-        connections; False when the writer did not finish in time."""
+    def close(self, timeout: float | None = CLOSE_TIMEOUT_S) -> bool:
+        """Stop the writer after what is queued (up to `timeout` seconds for each of the
+        queue and the writer, never more than `CLOSE_TIMEOUT_S`: a writer stuck on a dead
+        server is left behind, a daemon thread), and close the connections; False when the
+        writer did not finish in time."""
+        wait = CLOSE_TIMEOUT_S if timeout is None else min(timeout, CLOSE_TIMEOUT_S)
         try:
-            self._queue.put(None, timeout=timeout)
+            self._queue.put(None, timeout=wait)
         except queue.Full:
-            pass  # the writer is stuck on a dead server: a daemon thread, left behind
-        self._writer.join(timeout=timeout)
+            pass
+        self._writer.join(timeout=wait)
         super().close()
         return not self._writer.is_alive()
 
