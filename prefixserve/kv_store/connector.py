@@ -54,7 +54,7 @@ from prefixserve.kv_store.loads import BackgroundLoads
 from prefixserve.kv_store.lookup import StoreLookup
 from prefixserve.kv_store.remote.redis_tier import RedisTier
 from prefixserve.kv_store.seed import load_or_create_seed
-from prefixserve.kv_store.tier import DISK, REMOTE, DiskTier, KVTier
+from prefixserve.kv_store.tier import DISK, REMOTE, BlockRead, DiskTier, KVTier
 from prefixserve.kv_store.tier_run import TierRun
 from prefixserve.kv_store.writer import BackgroundWriter
 
@@ -92,6 +92,7 @@ class BlockSave:
     key: BlockKey
     token_ids: list[int]
     expires_at: float | None
+    parent: bytes = b""  # the hash of the block before it (`KVStoreConnector.parent_of`)
 
 
 class KVStoreConnector:
@@ -131,6 +132,9 @@ class KVStoreConnector:
         # Reads overlapped with the running requests' compute (`start_load`); off: every read
         # at admission, on the step thread.
         self.overlap_loads = overlap_loads
+        # The parent hash of a prompt's first block: the hash chain's seed
+        # (`open_engine_kv_store` sets it; b"" for a connector built without one).
+        self.root_parent = b""
         self._loads: BackgroundLoads[TierRun] = BackgroundLoads()
 
     @property
@@ -218,19 +222,25 @@ class KVStoreConnector:
         self._account(run)
         return run.payloads, run.hit
 
-    def _blocks(
-        self, request: Request, first_block: int, num_blocks: int
-    ) -> list[tuple[bytes, list[int]]]:
-        """(block hash, token ids) of `request`'s blocks first_block .. + num_blocks - 1."""
+    def _blocks(self, request: Request, first_block: int, num_blocks: int) -> list[BlockRead]:
+        """(block hash, token ids, parent hash) of `request`'s blocks first_block .. +
+        num_blocks - 1."""
         bs = self.block_size
         return [
-            (request.block_hashes[i], request.all_token_ids[i * bs : (i + 1) * bs])
+            (
+                request.block_hashes[i],
+                request.all_token_ids[i * bs : (i + 1) * bs],
+                self.parent_of(request, i),
+            )
             for i in range(first_block, first_block + num_blocks)
         ]
 
-    def _read_run(
-        self, blocks: Sequence[tuple[bytes, Sequence[int]]], tiers: Container[str]
-    ) -> TierRun:
+    def parent_of(self, request: Request, index: int) -> bytes:
+        """The hash of the block before block `index` of `request`: `root_parent` (the hash
+        chain's seed) for its first block. Stored with each block and checked at each read."""
+        return request.block_hashes[index - 1] if index else self.root_parent
+
+    def _read_run(self, blocks: Sequence[BlockRead], tiers: Container[str]) -> TierRun:
         """The leading `blocks` the tiers hold: each tier of `tiers`, nearest first, reads on
         from where the one before stopped, in one call (`KVTier.read_run`). Touches no state
         of the connector: it runs on the background loads' thread too."""
@@ -419,7 +429,8 @@ class KVStoreConnector:
                 if self._tiers[0].holds(*key):
                     continue
                 tokens = request.all_token_ids[index * bs : (index + 1) * bs]
-                saves.append(BlockSave(table[index], key, tokens, now + lifetime))
+                parent = self.parent_of(request, index)
+                saves.append(BlockSave(table[index], key, tokens, now + lifetime, parent))
         return saves
 
     def save(self, saves: Sequence[BlockSave], payloads: Sequence[memoryview]) -> None:
@@ -429,7 +440,7 @@ class KVStoreConnector:
             block_hash, group = save.key
             for tier in self._tiers:
                 stored = tier.submit_store(
-                    block_hash, group, save.token_ids, payload, save.expires_at
+                    block_hash, group, save.token_ids, payload, save.expires_at, save.parent
                 )
                 if tier.name == DISK:
                     if stored:
@@ -542,7 +553,9 @@ def open_engine_kv_store(
     # Hosts that share a tier hash with the seed kept in it, so their block hashes agree.
     seed = shared_seed if shared_seed is not None else secret
     assert seed is not None
-    return connector, none_hash_from_secret(seed, cache.prefix_caching_hash_algo)
+    none_hash = none_hash_from_secret(seed, cache.prefix_caching_hash_algo)
+    connector.root_parent = none_hash  # a first block's parent: the chain's seed
+    return connector, none_hash
 
 
 def _tiers_serve(config: EngineConfig, groups: Sequence[KVCacheSpec]) -> bool:

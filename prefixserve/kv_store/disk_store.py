@@ -135,8 +135,10 @@ class DiskKVStore(StoreLookup):
         token_ids: Sequence[int],
         payload: bytes | bytearray | memoryview,
         expires_at: float | None = None,
+        parent: bytes = b"",
     ) -> int:
-        """Store `payload` (the block's K/V, C-contiguous) for `key` and its `token_ids`, replacing
+        """Store `payload` (the block's K/V, C-contiguous) for `key`, its `token_ids` and the
+        hash of the block before it (`parent`: a reader must name the same one), replacing
         any file of that key; it expires at unix time `expires_at` (None: never, only evicted).
         Returns the bytes written: 0 when nothing was stored (already expired, or larger than
         the capacity). Atomic: readers see the old file, the new one or none, never a part.
@@ -149,11 +151,11 @@ class DiskKVStore(StoreLookup):
         body = body.cast("B")
         now_ns = self._now_ns()
         expires_ns = 0 if expires_at is None else max(1, int(expires_at * 1e9))
-        size = record.record_length(len(block_hash), len(tokens) // 4, body.nbytes)
+        size = record.record_length(len(block_hash), len(tokens) // 4, body.nbytes, len(parent))
         if record.is_expired(expires_ns, now_ns) or size > self.capacity_bytes:
             return 0
         header = record.encode_header(
-            self._namespace_raw, block_hash, group, tokens, body.nbytes, expires_ns
+            self._namespace_raw, block_hash, group, tokens, body.nbytes, expires_ns, parent
         )
         digest = record.checksum(header, body)
         final = self.path(key)
@@ -184,11 +186,11 @@ class DiskKVStore(StoreLookup):
         self._maintain()
         return size
 
-    def get(self, key: BlockKey, token_ids: Sequence[int]) -> bytes | None:
-        """The payload stored for `key` with exactly these `token_ids`, or None (a miss). A
-        damaged, truncated, foreign or expired file is removed and counted; a hit refreshes the
-        file's recency."""
-        return self._read(key, token_ids, None)
+    def get(self, key: BlockKey, token_ids: Sequence[int], parent: bytes = b"") -> bytes | None:
+        """The payload stored for `key` with exactly these `token_ids` after `parent`, or None
+        (a miss). A damaged, truncated, foreign or expired file is removed and counted; a hit
+        refreshes the file's recency."""
+        return self._read(key, token_ids, None, parent)
 
     def get_into(
         self, key: BlockKey, token_ids: Sequence[int], out: memoryview | bytearray
@@ -202,7 +204,11 @@ class DiskKVStore(StoreLookup):
         return self._read(key, token_ids, view.cast("B")) is not None
 
     def _read(
-        self, key: BlockKey, token_ids: Sequence[int], out: memoryview | None
+        self,
+        key: BlockKey,
+        token_ids: Sequence[int],
+        out: memoryview | None,
+        parent: bytes = b"",
     ) -> bytes | None:
         block_hash, group = check_key(key)
         tokens = record.pack_tokens(token_ids)
@@ -219,7 +225,15 @@ class DiskKVStore(StoreLookup):
             st = os.fstat(fd)
             try:
                 payload = record.read_record(
-                    fd, st, self._namespace_raw, block_hash, group, tokens, out, self._now_ns()
+                    fd,
+                    st,
+                    self._namespace_raw,
+                    block_hash,
+                    group,
+                    tokens,
+                    out,
+                    self._now_ns(),
+                    parent,
                 )
             except record.RecordError as exc:
                 self._drop(path, st, exc.kind)

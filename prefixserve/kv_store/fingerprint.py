@@ -28,7 +28,9 @@ import xxhash
 # string (e.g. the runner's per-block K/V packing, or the kernels' arithmetic that computes it);
 # every existing store then stops hitting. 2: the native GEMM's summation order of pairs of k
 # (k + 1 before k, gemm_bf16_tiles.h), so blocks stored before it are not a new cold start's bits.
-KV_LAYOUT_VERSION = 2
+# 3: records of format 2 (record.py, the parent hash), kept apart from format 1's so that an
+# upgraded host neither counts the old files as damaged nor reads them (they age out).
+KV_LAYOUT_VERSION = 3
 
 _CHUNK = 8 << 20
 _digests: dict[tuple[str, int, int, int, int], str] = {}

@@ -20,7 +20,10 @@ from prefixserve.core.kv_cache.tier_hit import DISK, REMOTE
 from prefixserve.kv_store.disk_store import DiskKVStore
 from prefixserve.kv_store.writer import BackgroundWriter
 
-__all__ = ["DISK", "REMOTE", "DiskTier", "KVTier"]
+__all__ = ["DISK", "REMOTE", "BlockRead", "DiskTier", "KVTier"]
+
+# One block of a read: its hash, its token ids and the hash of the block before it.
+BlockRead = tuple[bytes, Sequence[int], bytes]
 
 logger = logging.getLogger(__name__)
 
@@ -36,11 +39,10 @@ class KVTier(Protocol):
         the run early (None: a plain miss, or every block held)."""
         ...
 
-    def read_run(
-        self, blocks: Sequence[tuple[bytes, Sequence[int]]], group: int
-    ) -> tuple[list[bytes], str | None]:
-        """The payloads of the leading `blocks` (block hash, token ids) the tier holds, each
-        checked against its identity and tokens, in one call (one round trip for a server);
+    def read_run(self, blocks: Sequence[BlockRead], group: int) -> tuple[list[bytes], str | None]:
+        """The payloads of the leading `blocks` (block hash, token ids, parent hash) the tier
+        holds, each checked against its identity, tokens and parent, in one call (one round trip
+        for a server);
         the run stops at the first block that misses, with why (None: every block was read).
         Safe to call from a thread other than the step's (the connector's background loads)."""
         ...
@@ -57,10 +59,11 @@ class KVTier(Protocol):
         token_ids: Sequence[int],
         payload: bytes,
         expires_at: float | None = None,
+        parent: bytes = b"",
     ) -> bool:
-        """Queue the block for the tier's writer, kept until `expires_at` (wall-clock seconds;
-        None: no expiry); False when the writer's bounded queue is full (the write is dropped
-        and counted)."""
+        """Queue the block (after `parent`) for the tier's writer, kept until `expires_at`
+        (wall-clock seconds; None: no expiry); False when the writer's bounded queue is full
+        (the write is dropped and counted)."""
         ...
 
     def metrics(self) -> dict[str, int | float]:
@@ -91,13 +94,11 @@ class DiskTier:
     def probe(self, block_hashes: Sequence[bytes], group: int = 0) -> tuple[int, str | None]:
         return self.store.count_prefix(block_hashes, (group,)), None
 
-    def read_run(
-        self, blocks: Sequence[tuple[bytes, Sequence[int]]], group: int
-    ) -> tuple[list[bytes], str | None]:
+    def read_run(self, blocks: Sequence[BlockRead], group: int) -> tuple[list[bytes], str | None]:
         payloads: list[bytes] = []
-        for block_hash, token_ids in blocks:
+        for block_hash, token_ids, parent in blocks:
             try:
-                payload = self.store.get((block_hash, group), token_ids)
+                payload = self.store.get((block_hash, group), token_ids, parent)
             except OSError as exc:  # an I/O error is a miss, never the step's failure
                 logger.warning("kv-store: reading a block failed: %s", exc)
                 payload = None
@@ -116,8 +117,9 @@ class DiskTier:
         token_ids: Sequence[int],
         payload: bytes,
         expires_at: float | None = None,
+        parent: bytes = b"",
     ) -> bool:
-        return self.writer.submit((block_hash, group), token_ids, payload, expires_at)
+        return self.writer.submit((block_hash, group), token_ids, payload, expires_at, parent)
 
     def metrics(self) -> dict[str, int | float]:
         store, writer = self.store.stats(), self.writer.stats()

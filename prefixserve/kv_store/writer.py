@@ -48,6 +48,7 @@ class _Write:
     payload: bytes | bytearray | memoryview
     expires_at: float | None
     nbytes: int
+    parent: bytes = b""
 
 
 class BackgroundWriter:
@@ -96,9 +97,11 @@ class BackgroundWriter:
         token_ids: Sequence[int],
         payload: bytes | bytearray | memoryview,
         expires_at: float | None = None,
+        parent: bytes = b"",
     ) -> bool:
-        """Queue a `store.put`; never blocks. False when the write was dropped (the writes queued
-        or in progress would exceed the bound in items or bytes, or the writer is closed). The
+        """Queue a `store.put` (of a block after `parent`); never blocks. False when the write
+        was dropped (the writes queued or in progress would exceed the bound in items or bytes,
+        or the writer is closed). The
         writer keeps references to `token_ids` and `payload` until it is written: the caller must
         not change them (pass a copy of memory the runner will reuse)."""
         nbytes = memoryview(payload).nbytes
@@ -116,7 +119,7 @@ class BackgroundWriter:
             ):
                 stats.dropped += 1
                 return False
-            self._queue.append(_Write(key, token_ids, payload, expires_at, nbytes))
+            self._queue.append(_Write(key, token_ids, payload, expires_at, nbytes, parent))
             self._keys.add(key)
             stats.queued += 1
             stats.pending_items += 1
@@ -209,7 +212,9 @@ class BackgroundWriter:
                 with self._cond:
                     self._stats.skipped += 1
                 return
-            written = self.store.put(job.key, job.token_ids, job.payload, job.expires_at)
+            written = self.store.put(
+                job.key, job.token_ids, job.payload, job.expires_at, parent=job.parent
+            )
         except Exception as exc:
             self._error(exc, "writing a block to the KV store")
             return

@@ -29,7 +29,7 @@ class FakeStore:
     """DiskKVStore's scheduler-side and worker-side calls over a dict."""
 
     def __init__(self) -> None:
-        self.files: dict[tuple[bytes, int], tuple[tuple[int, ...], bytes]] = {}
+        self.files: dict[tuple[bytes, int], tuple[tuple[int, ...], bytes, bytes]] = {}
         self.fail_reads: set[tuple[bytes, int]] = set()  # stat says yes, the read says no
         self.reads = 0
 
@@ -42,12 +42,12 @@ class FakeStore:
                 return i
         return len(block_hashes)
 
-    def get(self, key, token_ids) -> bytes | None:
+    def get(self, key, token_ids, parent=b"") -> bytes | None:
         self.reads += 1
         entry = self.files.get(key)
         if key in self.fail_reads or entry is None or entry[0] != tuple(token_ids):
             return None
-        return entry[1]
+        return entry[1] if entry[2] == parent else None
 
 
 class FakeWriter:
@@ -56,8 +56,8 @@ class FakeWriter:
     def __init__(self, store: FakeStore) -> None:
         self.store = store
 
-    def submit(self, key, token_ids, payload, expires_at) -> bool:
-        self.store.files[key] = (tuple(token_ids), bytes(payload))
+    def submit(self, key, token_ids, payload, expires_at, parent=b"") -> bool:
+        self.store.files[key] = (tuple(token_ids), bytes(payload), parent)
         return True
 
     def close(self, timeout=None) -> bool:
@@ -194,9 +194,9 @@ def test_24h_retention_writes_blocks_that_expire_a_day_later():
     expiries = []
     writer_submit = connector.writer.submit
 
-    def spy(key, token_ids, payload, expires_at):
+    def spy(key, token_ids, payload, expires_at, parent=b""):
         expiries.append(expires_at)
-        return writer_submit(key, token_ids, payload, expires_at)
+        return writer_submit(key, token_ids, payload, expires_at, parent)
 
     connector.writer.submit = spy  # type: ignore[method-assign]
     request = make_request("a1", PROMPT_A, 4)

@@ -26,7 +26,7 @@ class BlockingStore:
     def contains(self, key):
         return False
 
-    def put(self, key, token_ids, payload, expires_at=None):
+    def put(self, key, token_ids, payload, expires_at=None, parent=b""):
         self.entered.set()
         assert self.release.wait(WAIT_S)
         self.puts.append(key)
@@ -42,7 +42,7 @@ class FailingStore(BlockingStore):
         self.error = error
         self.release.set()
 
-    def put(self, key, token_ids, payload, expires_at=None):
+    def put(self, key, token_ids, payload, expires_at=None, parent=b""):
         raise self.error
 
 

@@ -55,13 +55,13 @@ def test_every_tier_stores_probes_and_reads_by_the_one_interface(tier):
     _flush(tier)
     assert tier.probe(HASHES) == (3, None)  # the leading run, in one call
     assert tier.probe([HASHES[3], HASHES[0]]) == (0, None)  # leading blocks only
-    assert tier.read_run([(HASHES[1], TOKENS)], 0) == ([HASHES[1] * 8], None)
+    assert tier.read_run([(HASHES[1], TOKENS, b"")], 0) == ([HASHES[1] * 8], None)
     # A run is read in one call and stops at its first miss, saying why.
-    run = [(h, TOKENS) for h in (HASHES[0], HASHES[1], HASHES[3], HASHES[2])]
+    run = [(h, TOKENS, b"") for h in (HASHES[0], HASHES[1], HASHES[3], HASHES[2])]
     assert tier.read_run(run, 0) == ([HASHES[0] * 8, HASHES[1] * 8], "absent")
     assert tier.read_run([], 0) == ([], None)
     other_tokens = [t + 1 for t in TOKENS]  # another block under the same hash: never served
-    payloads, why = tier.read_run([(HASHES[2], TOKENS), (HASHES[0], other_tokens)], 0)
+    payloads, why = tier.read_run([(HASHES[2], TOKENS, b""), (HASHES[0], other_tokens, b"")], 0)
     assert payloads == [HASHES[2] * 8] and why is not None
 
 
@@ -120,8 +120,23 @@ def test_the_shared_tier_reads_a_run_in_one_round_trip(valkey_server: Server):
             return remote._client.info("commandstats").get(f"cmdstat_{command}", {}).get("calls", 0)
 
         mgets, gets = calls("mget"), calls("get")
-        payloads, why = remote.read_run([(h, TOKENS) for h in hashes], 0)
+        payloads, why = remote.read_run([(h, TOKENS, b"") for h in hashes], 0)
         assert payloads == hashes and why is None
         assert calls("mget") - mgets == 2 and calls("get") == gets  # 64 keys, then 3
     finally:
         remote.close()
+
+
+def test_every_tier_serves_a_block_only_after_the_parent_it_was_stored_after(tier):
+    """The record carries the hash of the block before it: a read that names another parent
+    (the same block hash after another block: a collision of the chained hash) is a miss, on
+    both tiers."""
+    parent, other = b"p" * 16, b"q" * 16
+    assert tier.submit_store(HASHES[0], 0, TOKENS, b"kv" * 8, None, parent)
+    assert tier.submit_store(HASHES[1], 0, TOKENS, b"vk" * 8, None, parent)
+    _flush(tier)
+    assert tier.read_run([(HASHES[0], TOKENS, parent)], 0) == ([b"kv" * 8], None)
+    payloads, why = tier.read_run([(HASHES[1], TOKENS, other)], 0)
+    assert payloads == [] and why is not None
+    payloads, why = tier.read_run([(HASHES[0], TOKENS, b"")], 0)  # no parent named: a miss too
+    assert payloads == [] and why is not None

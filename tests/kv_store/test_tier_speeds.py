@@ -45,9 +45,10 @@ def connector(tmp_path: Path, server: Server):
     request = make_request("r", PROMPT)
     for index, block_hash in enumerate(request.block_hashes[:ON_SERVER]):
         tokens = PROMPT[index * BS : (index + 1) * BS]
+        parent = conn.parent_of(request, index)
         if index < ON_DISK:
-            store.put((block_hash, GROUP), tokens, b"d" * 64)
-        remote.submit_store(block_hash, GROUP, tokens, b"r" * 64)
+            store.put((block_hash, GROUP), tokens, b"d" * 64, parent=parent)
+        remote.submit_store(block_hash, GROUP, tokens, b"r" * 64, parent=parent)
     assert remote.flush()
     yield conn
     conn.close()

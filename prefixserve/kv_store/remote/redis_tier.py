@@ -3,8 +3,9 @@
 Keys: `psk:<namespace hex>:<block hash hex>:g<group>`. The namespace is the disk tier's
 (fingerprint.py `store_namespace`: model, weights digest, dtype, block size, KV layout), and the
 block hash already chains the tenant's salt, so a key names one tenant's block of one model.
-Values: the disk tier's record (record.py `encode_record`): identity, token ids (the collision
-check), payload and checksum; a value that is not exactly the asked-for block is a miss.
+Values: the disk tier's record (record.py `encode_record`): identity, the parent block's hash
+and the token ids (the collision checks), payload and checksum; a value that is not exactly the
+asked-for block is a miss.
 
 - `lookup`: how many leading blocks the server holds, one pipelined round trip of EXISTS
   (`RemoteLookup`, remote/lookup.py: the read-only face the cluster router opens too).
@@ -49,6 +50,7 @@ from prefixserve.kv_store.remote.lookup import (
     check_url,
     read_password,
 )
+from prefixserve.kv_store.tier import BlockRead
 
 __all__ = [
     "DEFAULT_RETRY_AFTER_S",
@@ -84,6 +86,7 @@ class _Store:
     payload: bytes | memoryview
     ttl_s: int | None
     nbytes: int
+    parent: bytes = b""
 
 
 class RedisTier(RemoteLookup):
@@ -122,9 +125,7 @@ class RedisTier(RemoteLookup):
 
     name = "remote"  # on the `KVTier` interface (kv_store/tier.py): probe, read, holds, stores
 
-    def read_run(
-        self, blocks: Sequence[tuple[bytes, Sequence[int]]], group: int
-    ) -> tuple[list[bytes], str | None]:
+    def read_run(self, blocks: Sequence[BlockRead], group: int) -> tuple[list[bytes], str | None]:
         """The leading `blocks` the server holds, `READ_RUN_KEYS` a MGET (one round trip for
         most prompts; each reply, and the time it holds the server, bounded), each checked as
         `fetch` checks one; the run stops at the first miss, with its reason."""
@@ -137,21 +138,21 @@ class RedisTier(RemoteLookup):
         return payloads, None
 
     def _read_chunk(
-        self, blocks: Sequence[tuple[bytes, Sequence[int]]], group: int, payloads: list[bytes]
+        self, blocks: Sequence[BlockRead], group: int, payloads: list[bytes]
     ) -> str | None:
         """One MGET of `blocks`, their checked payloads appended to `payloads` up to the first
         miss, whose reason it returns (None: every block read)."""
         if not self._callable():
             return "unreachable"
-        keys = [self.key(block_hash, group) for block_hash, _ in blocks]
+        keys = [self.key(block_hash, group) for block_hash, _, _ in blocks]
         try:
             values = self._client.mget(keys)
         except self._errors as exc:
             self._fault("load", exc)
             return "unreachable"
         self._reached()
-        for key, (block_hash, token_ids), value in zip(keys, blocks, values, strict=True):
-            payload, why = self._checked(key, value, block_hash, group, token_ids)
+        for key, (block_hash, token_ids, parent), value in zip(keys, blocks, values, strict=True):
+            payload, why = self._checked(key, value, block_hash, group, token_ids, parent)
             if payload is None:
                 return why
             payloads.append(payload)
@@ -161,13 +162,15 @@ class RedisTier(RemoteLookup):
         """False: a write of a block the server holds is deduplicated there (`SET NX`)."""
         return False
 
-    def load(self, block_hash: bytes, group: int, token_ids: Sequence[int]) -> bytes | None:
-        """The block's payload, checked against its identity and tokens; None on a miss of any
-        cause (counted in `stats`)."""
-        return self.fetch(block_hash, group, token_ids)[0]
+    def load(
+        self, block_hash: bytes, group: int, token_ids: Sequence[int], parent: bytes = b""
+    ) -> bytes | None:
+        """The block's payload, checked against its identity, tokens and parent; None on a miss
+        of any cause (counted in `stats`)."""
+        return self.fetch(block_hash, group, token_ids, parent)[0]
 
     def fetch(
-        self, block_hash: bytes, group: int, token_ids: Sequence[int]
+        self, block_hash: bytes, group: int, token_ids: Sequence[int], parent: bytes = b""
     ) -> tuple[bytes | None, str | None]:
         """`load`, and why it missed: "absent" (not held, or aged out since the lookup),
         "unreachable" (a fault) or "bad_value" (damaged, truncated, foreign, other tokens: the
@@ -181,7 +184,7 @@ class RedisTier(RemoteLookup):
             self._fault("load", exc)
             return None, "unreachable"
         self._reached()
-        return self._checked(key, value, block_hash, group, token_ids)
+        return self._checked(key, value, block_hash, group, token_ids, parent)
 
     def _checked(
         self,
@@ -190,6 +193,7 @@ class RedisTier(RemoteLookup):
         block_hash: bytes,
         group: int,
         token_ids: Sequence[int],
+        parent: bytes = b"",
     ) -> tuple[bytes | None, str | None]:
         """The payload of a value read at `key`, or (None, why) as `fetch` says (a value that
         fails its checks is deleted)."""
@@ -198,7 +202,7 @@ class RedisTier(RemoteLookup):
             return None, "absent"
         try:
             payload = decode_record(
-                value, self._namespace_raw, block_hash, group, pack_tokens(token_ids)
+                value, self._namespace_raw, block_hash, group, pack_tokens(token_ids), parent
             )
         except RecordError as exc:
             self.stats[f"miss_{exc.kind}"] += 1
@@ -216,9 +220,11 @@ class RedisTier(RemoteLookup):
         token_ids: Sequence[int],
         payload: bytes,
         expires_at: float | None = None,
+        parent: bytes = b"",
     ) -> bool:
-        """Queue the block for the writer, its key's TTL the seconds left until `expires_at`
-        (wall clock; None: none); False (counted `dropped`) when the queue is full. The writer
+        """Queue the block (after `parent`) for the writer, its key's TTL the seconds left until
+        `expires_at` (wall clock; None: none); False (counted `dropped`) when the queue is full.
+        The writer
         keeps a reference to `payload` until it is sent: pass memory nobody changes (the
         runner's gathered copies, which the disk writer holds too)."""
         nbytes = memoryview(payload).nbytes
@@ -236,6 +242,7 @@ class RedisTier(RemoteLookup):
             payload,
             ttl,
             nbytes,
+            parent,
         )
         try:
             self._queue.put_nowait(item)
@@ -305,6 +312,7 @@ class RedisTier(RemoteLookup):
                     item.group,
                     item.tokens,
                     item.payload,
+                    item.parent,
                 )
                 pipe.set(item.key, value, nx=True, ex=item.ttl_s)
             written = pipe.execute(raise_on_error=False)
