@@ -148,6 +148,8 @@ class LLMEngine:
             cache.block_size, cache.prefix_caching_hash_algo, none_hash=none_hash
         )
         self._none_hash = none_hash
+        # Pins whose blocks the tiers below RAM keep without expiry: (probe, blocks) by pin id.
+        self._pinned_on_tiers: dict[str, tuple[Request, int]] = {}
         # Every request's cache report, at its first scheduling (kv_cache/reports/).
         self.explainer = CacheExplainer(
             self.kv_cache_manager,
@@ -632,7 +634,17 @@ class LLMEngine:
                 f"pinning {pin_id!r} would leave queued request {unfit!r} unable to ever get "
                 "its KV blocks; pin it when that request has finished"
             )
+        self._retain_on_tiers(pin_id, probe, num_tokens)
         return num_tokens
+
+    def _retain_on_tiers(self, pin_id: str, probe: Request, num_tokens: int) -> None:
+        """A pin reaches the tiers below RAM too: its blocks there lose their expiry (the
+        shared tier's TTL, the disk record's) until it is released."""
+        if self.kv_connector is None or not num_tokens:
+            return
+        num_blocks = num_tokens // self.kv_connector.block_size
+        self._pinned_on_tiers[pin_id] = (probe, num_blocks)
+        self.kv_connector.retain(probe, num_blocks, None)
 
     def _first_unfit_request(self) -> str | None:
         """The id of an unfinished request that needs more blocks than it can hold with the
@@ -645,7 +657,12 @@ class LLMEngine:
         return None
 
     def unpin_prefix(self, pin_id: str) -> bool:
-        """Release a pin (its blocks stay cached, evictable again); False when there is none."""
+        """Release a pin (its blocks stay cached, evictable again; on the tiers below RAM they
+        expire a retention (24 h) from now); False when there is none."""
+        pinned = self._pinned_on_tiers.pop(pin_id, None)
+        if pinned is not None and self.kv_connector is not None:
+            probe, num_blocks = pinned
+            self.kv_connector.retain(probe, num_blocks, self.kv_connector.released_expiry())
         return self.kv_cache_manager.pins.unpin(pin_id)
 
     def describe_pins(self) -> dict[str, Any]:

@@ -339,6 +339,19 @@ class KVStoreConnector:
 
         return self._loads.submit(request.request_id, read)
 
+    def retain(self, request: Request, num_blocks: int, expires_at: float | None) -> dict[str, int]:
+        """Keep `request`'s first `num_blocks` blocks on every tier until `expires_at` (None:
+        until retained again; a pinned prefix, `LLMEngine.pin_prefix`); how many each tier
+        held, by tier name."""
+        blocks = self._blocks(request, 0, num_blocks)
+        return {tier.name: tier.retain(blocks, GROUP, expires_at) for tier in self._tiers}
+
+    def released_expiry(self) -> float:
+        """When a block whose pin is released now expires on the tiers (wall clock): a
+        retention that writes (24 h) from now, as if it were saved again."""
+        lifetime = max(s for s in RETENTION_SECONDS.values() if s is not None)
+        return self._clock() + lifetime
+
     def held_loads(self) -> int:
         """Background reads in flight or finished and not taken (none once every request
         ended)."""

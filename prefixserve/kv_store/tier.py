@@ -27,6 +27,9 @@ BlockRead = tuple[bytes, Sequence[int], bytes]
 
 logger = logging.getLogger(__name__)
 
+# The most `DiskTier.retain` waits for the writer's queued writes, in seconds.
+RETAIN_FLUSH_S = 5.0
+
 
 @runtime_checkable
 class KVTier(Protocol):
@@ -64,6 +67,11 @@ class KVTier(Protocol):
         """Queue the block (after `parent`) for the tier's writer, kept until `expires_at`
         (wall-clock seconds; None: no expiry); False when the writer's bounded queue is full
         (the write is dropped and counted)."""
+        ...
+
+    def retain(self, blocks: Sequence[BlockRead], group: int, expires_at: float | None) -> int:
+        """Keep the held ones of `blocks` until `expires_at` (wall-clock seconds; None: until
+        told otherwise; a pinned prefix); how many it held."""
         ...
 
     def metrics(self) -> dict[str, int | float]:
@@ -120,6 +128,23 @@ class DiskTier:
         parent: bytes = b"",
     ) -> bool:
         return self.writer.submit((block_hash, group), token_ids, payload, expires_at, parent)
+
+    def retain(self, blocks: Sequence[BlockRead], group: int, expires_at: float | None) -> int:
+        """Each held block's record written again with the new expiry (it is checksummed), on
+        this thread, after the writer's queued writes (up to `RETAIN_FLUSH_S` seconds, so that
+        none of them lands after it with the old expiry): an operator's pin, not a step's work.
+        An I/O error leaves a block as it was."""
+        self.writer.flush(RETAIN_FLUSH_S)
+        held = 0
+        for block_hash, token_ids, parent in blocks:
+            key = (block_hash, group)
+            try:
+                payload = self.store.get(key, token_ids, parent)
+                if payload is not None:
+                    held += self.store.put(key, token_ids, payload, expires_at, parent) > 0
+            except OSError as exc:
+                logger.warning("kv-store: retaining a block failed: %s", exc)
+        return held
 
     def metrics(self) -> dict[str, int | float]:
         store, writer = self.store.stats(), self.writer.stats()

@@ -376,6 +376,29 @@ class RedisTier(RemoteLookup):
 
     # ------------------------------------------------------------------ lifecycle
 
+    def retain(self, blocks: Sequence[BlockRead], group: int, expires_at: float | None) -> int:
+        """One pipeline: each held key's TTL set to the seconds left until `expires_at`, or
+        removed (None: kept until the server's eviction, a pinned prefix); how many were held
+        (0 after a fault, counted)."""
+        if not blocks or not self._callable():
+            return 0
+        ttl = None if expires_at is None else max(1, int(expires_at - time.time()))
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for block_hash, _, _ in blocks:
+                key = self.key(block_hash, group)
+                pipe.exists(key)
+                if ttl is None:
+                    pipe.persist(key)
+                else:
+                    pipe.expire(key, ttl)
+            results = pipe.execute()
+        except self._errors as exc:
+            self._fault("retain", exc)
+            return 0
+        self._reached()
+        return sum(1 for held in results[::2] if held)
+
     def metrics(self) -> dict[str, int]:
         """Its counters as the engine's metrics name them: blocks stored, writes dropped by the
         full queue or failed (a fault, a full server), faults of its calls, values that were
