@@ -348,7 +348,8 @@ def test_a_disk_read_that_fails_reads_as_evicted_from_the_disk_tier(tiny, tmp_pa
     run(engine, "a", prompt)
     engine.kv_connector.writer.flush(timeout=30)
     assert engine.reset_prefix_cache(ram_only=True)
-    engine.kv_connector.store.get = lambda key, token_ids: None  # stat says yes, read says no
+    # The stat says yes, the read says no.
+    engine.kv_connector.store.get = lambda key, token_ids, parent=b"": None
     report = run(engine, "b", prompt)
     assert report["reason"] == "evicted" and report["detail"] == {"tier": "disk"}
     assert report["tokens"] == {"ram": 0, "disk": 0, "computed": 3 * BLOCK + 1}
