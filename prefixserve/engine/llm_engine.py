@@ -477,8 +477,10 @@ class LLMEngine:
             self.kv_connector.save(saves, payloads)
 
     def close(self) -> None:
-        """Write what the disk tier's writer holds, then stop it (idempotent)."""
+        """Release this engine's pins on the tiers, write what the disk tier's writer holds,
+        then stop it (idempotent)."""
         if self.kv_connector is not None:
+            self._release_tier_pins(*self._pinned_on_tiers)
             self.kv_connector.close()
 
     # ----------------------------------------------------------------- cache and metrics
@@ -613,6 +615,7 @@ class LLMEngine:
             return False
         if self.kv_connector is not None and not ram_only:
             self.kv_connector.clear()
+        self._release_tier_pins(*self._pinned_on_tiers)  # the reset dropped every pin
         return True
 
     def pin_prefix(
@@ -659,11 +662,17 @@ class LLMEngine:
     def unpin_prefix(self, pin_id: str) -> bool:
         """Release a pin (its blocks stay cached, evictable again; on the tiers below RAM they
         expire a retention (24 h) from now); False when there is none."""
-        pinned = self._pinned_on_tiers.pop(pin_id, None)
-        if pinned is not None and self.kv_connector is not None:
-            probe, num_blocks = pinned
-            self.kv_connector.retain(probe, num_blocks, self.kv_connector.released_expiry())
+        self._release_tier_pins(pin_id)
         return self.kv_cache_manager.pins.unpin(pin_id)
+
+    def _release_tier_pins(self, *pin_ids: str) -> None:
+        """The tiers below RAM let these pins' blocks expire again, a retention from now (an
+        unpin, a reset that dropped every pin, the engine's close)."""
+        for pin_id in pin_ids:
+            pinned = self._pinned_on_tiers.pop(pin_id, None)
+            if pinned is not None and self.kv_connector is not None:
+                probe, num_blocks = pinned
+                self.kv_connector.retain(probe, num_blocks, self.kv_connector.released_expiry())
 
     def describe_pins(self) -> dict[str, Any]:
         """{"pins": {id: {"num_tokens", "num_blocks"}}, "pinned_blocks", "capacity_blocks"}."""

@@ -289,14 +289,14 @@ class KVStoreConnector:
         """After `allocate_slots` made room for them: read the `num_blocks` blocks `match` found
         after the RAM hit of `num_computed` tokens into `kv_loads` as (block id, payload), for
         the runner (the background read's bytes when `match` answered from one, else read
-        here); returns the tokens loaded, by tier. A block whose read fails, and every one
+        here; the scheduler drops the read after admission); returns the tokens loaded, by
+        tier. A block whose read fails, and every one
         after it, was cached in the pool when its slots were allocated: those hashes are
         forgotten (the request's cached count goes back with them), and the scheduler computes
         them."""
         bs = self.block_size
         first = num_computed // bs
         finished = self._finished_read(request, num_computed)
-        self._loads.discard(request.request_id)
         if finished is not None:
             used = finished.head(num_blocks, bs)
             self._count_loaded(used)

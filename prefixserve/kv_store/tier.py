@@ -45,8 +45,8 @@ class KVTier(Protocol):
     def read_run(self, blocks: Sequence[BlockRead], group: int) -> tuple[list[bytes], str | None]:
         """The payloads of the leading `blocks` (block hash, token ids, parent hash) the tier
         holds, each checked against its identity, tokens and parent, in one call (one round trip
-        for a server);
-        the run stops at the first block that misses, with why (None: every block was read).
+        for a server); the run stops at the first block that misses, with why (None: every
+        block was read).
         Safe to call from a thread other than the step's (the connector's background loads)."""
         ...
 

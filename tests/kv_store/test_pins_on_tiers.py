@@ -34,44 +34,53 @@ def _expiries(llm: LLM, hashes: list[bytes]) -> tuple[list[int], list[int]]:
     return ttls, disk
 
 
+def _host(model, tmp_path: Path, url: str) -> LLM:
+    """An engine with a disk tier at `tmp_path` and the shared tier at `url`."""
+    return LLM(
+        dtype=model.config.dtype,
+        loaded_model=model,
+        enable_kv_store=True,
+        kv_store_dir=str(tmp_path),
+        kv_store_gb=0.25,
+        kv_remote=url,
+    )
+
+
+def _pinned(llm: LLM, ids: list[int], pin_id: str) -> list[bytes]:
+    """Run `ids`, flush both tiers' writers, pin it; the pinned blocks' hashes."""
+    engine, connector = llm.llm_engine, llm.llm_engine.kv_connector
+    llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1), use_tqdm=False)
+    assert connector.writer.flush(10.0) and connector.remote.flush()
+    pinned = engine.pin_prefix(pin_id, ids)
+    probe, num_blocks = engine._pinned_on_tiers[pin_id]
+    assert num_blocks == pinned // 16 > 0
+    return list(probe.block_hashes[:num_blocks])
+
+
+def _released(llm: LLM, hashes: list[bytes], since: float) -> bool:
+    """Whether every block expires a day from about `since` on both tiers again."""
+    ttls, disk = _expiries(llm, hashes)
+    in_a_day = all(DAY - 60 < ttl <= DAY for ttl in ttls)
+    return in_a_day and all(since + DAY - 60 < at <= time.time() + DAY + 1 for at in disk)
+
+
 def test_a_pin_keeps_its_blocks_on_every_tier_until_it_is_released(
     valkey_server: Server, default_model_exact, tmp_path
 ):
     model = default_model_exact
-    llm = LLM(
-        dtype=model.config.dtype,
-        loaded_model=model,
-        enable_kv_store=True,
-        kv_store_dir=str(tmp_path),
-        kv_store_gb=0.25,
-        kv_remote=valkey_server.url,
-    )
-    engine, connector = llm.llm_engine, llm.llm_engine.kv_connector
+    llm = _host(model, tmp_path, valkey_server.url)
+    engine = llm.llm_engine
     ids = engine.tokenizer.encode(PROMPT)
-    llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1), use_tqdm=False)
-    assert connector.writer.flush(10.0) and connector.remote.flush()
     now = time.time()
-    pinned = engine.pin_prefix("docs", ids)
-    probe, num_blocks = engine._pinned_on_tiers["docs"]
-    assert num_blocks == pinned // 16 > 0
-    hashes = list(probe.block_hashes[:num_blocks])
+    hashes = _pinned(llm, ids, "docs")
     ttls, disk = _expiries(llm, hashes)
-    assert ttls == [-1] * num_blocks  # no TTL on the server
-    assert disk == [0] * num_blocks  # never expires on disk
+    assert ttls == [-1] * len(hashes)  # no TTL on the server
+    assert disk == [0] * len(hashes)  # never expires on disk
 
     assert engine.unpin_prefix("docs")
-    ttls, disk = _expiries(llm, hashes)
-    assert all(DAY - 60 < ttl <= DAY for ttl in ttls)
-    assert all(now + DAY - 60 < at <= time.time() + DAY + 1 for at in disk)
+    assert _released(llm, hashes, now)
     # Still served: the rewritten records keep their parent and tokens.
-    fresh = LLM(
-        dtype=model.config.dtype,
-        loaded_model=model,
-        enable_kv_store=True,
-        kv_store_dir=str(tmp_path),
-        kv_store_gb=0.25,
-        kv_remote=valkey_server.url,
-    )
+    fresh = _host(model, tmp_path, valkey_server.url)
     [out] = fresh.generate(
         [{"prompt_token_ids": ids}], SamplingParams(max_tokens=1), use_tqdm=False
     )
@@ -79,3 +88,25 @@ def test_a_pin_keeps_its_blocks_on_every_tier_until_it_is_released(
     engine.check_no_leaks()
     for one in (llm, fresh):
         one.llm_engine.close()
+
+
+def test_a_reset_or_a_close_releases_the_pins_on_the_tiers(
+    valkey_server: Server, default_model_exact, tmp_path
+):
+    """A reset drops every pin, and an engine's pins end with it: neither may leave blocks on
+    the shared server without a TTL for good."""
+    model = default_model_exact
+    llm = _host(model, tmp_path, valkey_server.url)
+    engine = llm.llm_engine
+    ids = engine.tokenizer.encode(PROMPT)
+    now = time.time()
+    hashes = _pinned(llm, ids, "reset")
+    assert engine.reset_prefix_cache(ram_only=True)
+    assert engine._pinned_on_tiers == {} and _released(llm, hashes, now)
+
+    other = engine.tokenizer.encode("Another document, pinned until its engine closes. " * 4)
+    hashes = _pinned(llm, other, "close")
+    remote = engine.kv_connector.remote
+    engine.close()
+    client = valkey_server.client()
+    assert all(DAY - 60 < client.ttl(remote.key(h, 0)) <= DAY for h in hashes)

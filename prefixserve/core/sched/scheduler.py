@@ -318,8 +318,6 @@ class Scheduler:
             return None
         self.waiting.pop(request)
         self.running.append(request)
-        if self.kv_connector is not None and not num_loaded:
-            self.kv_connector.forget_load(request)  # a read it no longer needs (RAM hit grew)
         in_flight |= prefill_in_flight((request,), mgr)
         if num_loaded and self.kv_connector is not None:
             # Blocks whose read fails are computed instead, from this chunk on (their slots are
@@ -328,6 +326,8 @@ class Scheduler:
                 mgr, request, num_computed, num_loaded // mgr.block_size, plan.kv_loads
             )
             num_loaded = below.tokens
+        if self.kv_connector is not None:
+            self.kv_connector.forget_load(request)  # admitted: its background read is spent
         if report is not None:
             request.cache_report = self.explainer.commit(request, report, below)
         self._start_running(request, num_computed, num_loaded)
