@@ -148,8 +148,6 @@ class LLMEngine:
             cache.block_size, cache.prefix_caching_hash_algo, none_hash=none_hash
         )
         self._none_hash = none_hash
-        # Pins whose blocks the tiers below RAM keep without expiry: (probe, blocks) by pin id.
-        self._pinned_on_tiers: dict[str, tuple[Request, int]] = {}
         # Every request's cache report, at its first scheduling (kv_cache/reports/).
         self.explainer = CacheExplainer(
             self.kv_cache_manager,
@@ -480,7 +478,6 @@ class LLMEngine:
         """Release this engine's pins on the tiers, write what the disk tier's writer holds,
         then stop it (idempotent)."""
         if self.kv_connector is not None:
-            self._release_tier_pins(*self._pinned_on_tiers)
             self.kv_connector.close()
 
     # ----------------------------------------------------------------- cache and metrics
@@ -615,7 +612,8 @@ class LLMEngine:
             return False
         if self.kv_connector is not None and not ram_only:
             self.kv_connector.clear()
-        self._release_tier_pins(*self._pinned_on_tiers)  # the reset dropped every pin
+        if self.kv_connector is not None:
+            self.kv_connector.release_pins()  # the reset dropped every pin
         return True
 
     def pin_prefix(
@@ -637,17 +635,9 @@ class LLMEngine:
                 f"pinning {pin_id!r} would leave queued request {unfit!r} unable to ever get "
                 "its KV blocks; pin it when that request has finished"
             )
-        self._retain_on_tiers(pin_id, probe, num_tokens)
+        if self.kv_connector is not None:  # the tiers below RAM keep its blocks too
+            self.kv_connector.pin(pin_id, probe, num_tokens)
         return num_tokens
-
-    def _retain_on_tiers(self, pin_id: str, probe: Request, num_tokens: int) -> None:
-        """A pin reaches the tiers below RAM too: its blocks there lose their expiry (the
-        shared tier's TTL, the disk record's) until it is released."""
-        if self.kv_connector is None or not num_tokens:
-            return
-        num_blocks = num_tokens // self.kv_connector.block_size
-        self._pinned_on_tiers[pin_id] = (probe, num_blocks)
-        self.kv_connector.retain(probe, num_blocks, None)
 
     def _first_unfit_request(self) -> str | None:
         """The id of an unfinished request that needs more blocks than it can hold with the
@@ -662,17 +652,9 @@ class LLMEngine:
     def unpin_prefix(self, pin_id: str) -> bool:
         """Release a pin (its blocks stay cached, evictable again; on the tiers below RAM they
         expire a retention (24 h) from now); False when there is none."""
-        self._release_tier_pins(pin_id)
+        if self.kv_connector is not None:
+            self.kv_connector.release_pins(pin_id)
         return self.kv_cache_manager.pins.unpin(pin_id)
-
-    def _release_tier_pins(self, *pin_ids: str) -> None:
-        """The tiers below RAM let these pins' blocks expire again, a retention from now (an
-        unpin, a reset that dropped every pin, the engine's close)."""
-        for pin_id in pin_ids:
-            pinned = self._pinned_on_tiers.pop(pin_id, None)
-            if pinned is not None and self.kv_connector is not None:
-                probe, num_blocks = pinned
-                self.kv_connector.retain(probe, num_blocks, self.kv_connector.released_expiry())
 
     def describe_pins(self) -> dict[str, Any]:
         """{"pins": {id: {"num_tokens", "num_blocks"}}, "pinned_blocks", "capacity_blocks"}."""

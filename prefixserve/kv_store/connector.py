@@ -136,6 +136,8 @@ class KVStoreConnector:
         # (`open_engine_kv_store` sets it; b"" for a connector built without one).
         self.root_parent = b""
         self._loads: BackgroundLoads[TierRun] = BackgroundLoads()
+        # Pins the tiers keep without expiry: (the pinned prompt, its blocks), by pin id.
+        self.pinned: dict[str, tuple[Request, int]] = {}
 
     @property
     def shares_tier(self) -> bool:
@@ -339,18 +341,33 @@ class KVStoreConnector:
 
         return self._loads.submit(request.request_id, read)
 
-    def retain(self, request: Request, num_blocks: int, expires_at: float | None) -> dict[str, int]:
-        """Keep `request`'s first `num_blocks` blocks on every tier until `expires_at` (None:
-        until retained again; a pinned prefix, `LLMEngine.pin_prefix`); how many each tier
-        held, by tier name."""
+    # ---- pins (`LLMEngine.pin_prefix`): the tiers keep a pinned prefix's blocks too
+
+    def pin(self, pin_id: str, probe: Request, num_tokens: int) -> dict[str, int]:
+        """Keep the first `num_tokens` (block-aligned) of `probe` on every tier without expiry
+        until `release_pins(pin_id)`; how many blocks each tier held, by tier name."""
+        num_blocks = num_tokens // self.block_size
+        if not num_blocks:
+            return {}
+        self.pinned[pin_id] = (probe, num_blocks)
+        return self._retain(probe, num_blocks, None)
+
+    def release_pins(self, *pin_ids: str) -> None:
+        """Let these pins' blocks expire again on every tier, a retention that writes (24 h)
+        from now, as if saved again (none named: every pin; a reset dropped them all)."""
+        lifetime = max(s for s in RETENTION_SECONDS.values() if s is not None)
+        for pin_id in pin_ids or list(self.pinned):
+            pinned = self.pinned.pop(pin_id, None)
+            if pinned is not None:
+                self._retain(*pinned, self._clock() + lifetime)
+
+    def _retain(
+        self, request: Request, num_blocks: int, expires_at: float | None
+    ) -> dict[str, int]:
+        """Every tier keeps `request`'s first `num_blocks` blocks until `expires_at`; how many
+        each held."""
         blocks = self._blocks(request, 0, num_blocks)
         return {tier.name: tier.retain(blocks, GROUP, expires_at) for tier in self._tiers}
-
-    def released_expiry(self) -> float:
-        """When a block whose pin is released now expires on the tiers (wall clock): a
-        retention that writes (24 h) from now, as if it were saved again."""
-        lifetime = max(s for s in RETENTION_SECONDS.values() if s is not None)
-        return self._clock() + lifetime
 
     def held_loads(self) -> int:
         """Background reads in flight or finished and not taken (none once every request
@@ -503,9 +520,10 @@ class KVStoreConnector:
         return sum(tier.clear() for tier in self._tiers)
 
     def close(self, timeout: float | None = 30.0) -> bool:
-        """Write what each tier has queued (up to `timeout` seconds), then stop their writers;
-        background reads are dropped."""
+        """Release the pins on the tiers (the engine's end), write what each tier has queued
+        (up to `timeout` seconds), then stop their writers; background reads are dropped."""
         self._loads.close()
+        self.release_pins()
         return all([tier.close(timeout) for tier in self._tiers])
 
 

