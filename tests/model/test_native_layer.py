@@ -3,8 +3,9 @@
 The native layer calls the Python layer's kernels in the same order with the same arguments, so
 an engine gives the same bits with it and without it: greedy tokens and logprobs over decode
 batches, chunks over cached prefixes and n-gram verification steps, for Llama (tied and not),
-Qwen2 (q/k/v biases) and Mistral (a sliding window). A step or a model it cannot serve runs the
-Python layers: a chunk on the prefill kernel, LoRA, q/k norms (Qwen3).
+Qwen2 (q/k/v biases), Mistral (a sliding window), Qwen3 (q/k norms) and Gemma 3 (its (1 + weight)
+norms, post norms, and sliding and global layers with their own rotary bases). A step or a model
+it cannot serve runs the Python layers: a chunk on the prefill kernel, LoRA, soft-capping.
 """
 
 from __future__ import annotations
@@ -107,6 +108,9 @@ def _count_native_calls(model) -> list[int]:
         ("llama_tied", {}, True),
         ("qwen2", {}, False),  # q/k/v biases
         ("mistral", {"sliding_window": 12}, True),  # chunks and drafts past the window
+        ("qwen3", {"head_dim": 64}, False),  # per-head q/k norms
+        # (1 + weight) norms, q/k norms, post norms, sliding and global layers
+        ("gemma3", {"head_dim": 64, "sliding_window": 12}, True),
     ],
 )
 def test_native_layers_give_the_python_layers_bits(tiny, family, changes, spec):
@@ -153,15 +157,15 @@ def test_a_step_with_the_pytorch_rmsnorm_swapped_in_runs_the_python_layers(tiny,
 
 
 def test_models_without_the_native_form_bind_nothing(tiny):
-    """q/k norms (Qwen3), Gemma 3's layers and linears with LoRA keep the Python layers."""
+    """Linears with LoRA, and attention soft-capping (Gemma 2 style), keep the Python layers."""
     _native_or_skip()
-    qwen3 = tiny("qwen3", head_dim=64)
-    assert qwen3.model.native_layers() is None
-    gemma = tiny("gemma3", head_dim=64)
-    assert gemma.model.native_layers() is None
     llama = tiny("llama")
     llama.model.model.layers[1].mlp.down_proj.lora = object()
     assert llama.model.native_layers() is None
+    gemma = tiny("gemma3", head_dim=64)
+    assert gemma.model.native_layers() is not None
+    gemma = tiny("gemma3", head_dim=64, attn_logit_softcapping=30.0)
+    assert gemma.model.native_layers() is None
 
 
 def test_the_native_layer_refuses_a_malformed_hidden_state(tiny):

@@ -98,6 +98,24 @@ class RMSNorm(nn.Module):
                 out = torch.empty_like(x)
                 kernel(out, x, self.weight, self.eps, self.offset)
                 return out
+        return self._pytorch(x)
+
+    def forward_(self, x: torch.Tensor) -> torch.Tensor:
+        """RMSNorm of x [rows, dim] or [outer, inner, dim] in place, through the kernel where it
+        takes x (a contiguous last dim, other strides free: q/k heads inside a fused qkv); x."""
+        kernel = _kernel("rms_norm")
+        if (
+            kernel is not None
+            and x.dim() in (2, 3)
+            and x.stride(-1) == 1
+            and x.dtype == self.weight.dtype
+            and x.dtype in (torch.bfloat16, torch.float32)
+        ):
+            kernel(x, x, self.weight, self.eps, self.offset)
+            return x
+        return x.copy_(self._pytorch(x))
+
+    def _pytorch(self, x: torch.Tensor) -> torch.Tensor:
         xf = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
         if self.offset:
             return (xf * (1.0 + self.weight.float())).to(x.dtype)
@@ -190,15 +208,11 @@ class Attention(nn.Module):
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
         meta = ctx.groups[self.group]
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = qkv[:, : self.q_size + self.kv_size].split((self.q_size, self.kv_size), dim=-1)
-            q = apply_rotary(
-                self.q_norm.forward(q.view(t, self.num_heads, self.head_dim)), cos, sin
-            )
-            k = apply_rotary(
-                self.k_norm.forward(k.view(t, self.num_kv_heads, self.head_dim)), cos, sin
-            )
-            write_kv(k_cache, v_cache, k, v, meta.slot_mapping, meta.kv_format)
-        elif (
+            # Per head, in place in qkv: the rotary below then takes the normed q and k.
+            self.q_norm.forward_(qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim))
+            k_part = qkv[:, self.q_size : self.q_size + self.kv_size]
+            self.k_norm.forward_(k_part.view(t, self.num_kv_heads, self.head_dim))
+        if (
             t <= rope_kv_max_tokens(qkv.dtype, self.head_dim)
             and (kernel := _kernel("rope_kv")) is not None
         ):

@@ -6,9 +6,10 @@ The native layer calls the kernels the Python layer calls, in the same order wit
 arguments, so a layer's output is the same bits either way (tests/model/test_native_layer.py);
 it binds a layer's weights once and takes only the step's tensors. It runs on every CPU kind
 with the GEMM's vector tiles (the rotary kernel is PyTorch's bits with or without its AVX512-BF16
-loop, so the Python layer's choice between the two changes nothing). Where any condition fails
-(no vector tiles, LoRA, q/k norms, soft-capping, a chunk on another attention path), the layer
-runs in Python."""
+loop, so the Python layer's choice between the two changes nothing). Llama-family layers take it,
+with q/k norms (Qwen3) and with Gemma 3's (1 + weight) norms and post norms. Where any condition
+fails (no vector tiles, LoRA, soft-capping, a chunk on another attention path), the layer runs in
+Python."""
 
 from __future__ import annotations
 
@@ -40,28 +41,38 @@ def _packed(linear: Linear) -> tuple | None:
 
 
 def bind_decoder_layer(
-    attn: Attention, mlp: GatedMLP, input_norm: RMSNorm, post_norm: RMSNorm
+    attn: Attention,
+    mlp: GatedMLP,
+    input_norm: RMSNorm,
+    mlp_norm: RMSNorm,
+    out_norms: tuple[RMSNorm, RMSNorm] | None = None,
 ) -> object | None:
-    """The native form of a Llama-family decoder layer made of these blocks (pre-norm, fused
-    qkv, rotary, paged attention, gated MLP, residual adds), or None where it cannot take it."""
+    """The native form of a decoder layer made of these blocks (pre-norm, fused qkv, q/k norms
+    where `attn` has them, rotary, paged attention, gated MLP, residual adds; `out_norms`: norms
+    on attention's and the MLP's outputs before their adds, Gemma 3's), or None where it cannot
+    take it."""
     cls = _kernel("decoder_layer")
     linears = [_packed(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-    norms = (input_norm, post_norm)
+    qk_norms = (attn.q_norm, attn.k_norm) if attn.q_norm is not None else (None, None)
+    norms = [n for n in (input_norm, mlp_norm, *qk_norms, *(out_norms or ())) if n is not None]
     if (
         cls is None
         or any(p is None for p in linears)
-        or attn.q_norm is not None
+        or (attn.q_norm is None) != (attn.k_norm is None)
         or attn.softcap is not None
         or not mlp.gated_act
         or (isinstance(linears[2][1], int) and linears[2][1] % 64)
         or attn.head_dim % 32
-        or any(n.offset or n.weight.dtype != torch.bfloat16 for n in norms)
-        or input_norm.eps != post_norm.eps
+        or any(n.weight.dtype != torch.bfloat16 for n in norms)
+        or len({(n.eps, n.offset) for n in norms}) != 1
     ):
         return None
+    weights = [n.weight.detach() for n in norms]  # input, mlp, then q, k, then the outputs'
+    q_norm, k_norm = (weights[2], weights[3]) if attn.q_norm is not None else (None, None)
+    attn_out, mlp_out = (weights[-2], weights[-1]) if out_norms is not None else (None, None)
     return cls(
-        input_norm.weight.detach(),
-        post_norm.weight.detach(),
+        weights[0],
+        weights[1],
         input_norm.eps,
         *linears,
         attn.num_heads,
@@ -69,6 +80,11 @@ def bind_decoder_layer(
         attn.head_dim,
         attn.scale,
         mlp.gated_act,
+        q_norm=q_norm,
+        k_norm=k_norm,
+        attn_out_norm=attn_out,
+        mlp_out_norm=mlp_out,
+        offset=input_norm.offset,
     )
 
 

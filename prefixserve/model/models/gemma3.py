@@ -15,8 +15,9 @@ from torch import nn
 
 from prefixserve.model.config import ModelConfig
 from prefixserve.model.layers.common import Attention, ForwardContext, GatedMLP, RMSNorm
+from prefixserve.model.layers.native_layer import bind_decoder_layer
 from prefixserve.model.layers.rotary import RotaryEmbedding
-from prefixserve.model.models.llama import LlamaForCausalLM
+from prefixserve.model.models.llama import LlamaForCausalLM, Rope
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -39,6 +40,16 @@ class Gemma3DecoderLayer(nn.Module):
         h = self.post_attention_layernorm.forward(a).add_(h)
         m = self.mlp.forward(self.pre_feedforward_layernorm.forward(h))
         return self.post_feedforward_layernorm.forward(m).add_(h)
+
+    def bind_native(self) -> object | None:
+        """This layer as one native call (`native_layer.bind_decoder_layer`), or None."""
+        return bind_decoder_layer(
+            self.self_attn,
+            self.mlp,
+            self.input_layernorm,
+            self.pre_feedforward_layernorm,
+            (self.post_attention_layernorm, self.post_feedforward_layernorm),
+        )
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
@@ -72,11 +83,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         h = self.model.embed_tokens(input_ids)
         return h * torch.tensor(self.embed_scale, dtype=h.dtype)
 
-    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        h = self.input_embeddings(input_ids, ctx)
-        rope_global = self.rotary.cos_sin(ctx.positions, h.dtype)
-        rope_local = self.rotary_local.cos_sin(ctx.positions, h.dtype)
-        for layer in self.model.layers:
-            cos, sin = rope_local if layer.is_sliding else rope_global
-            h = layer.forward(h, cos, sin, ctx)
-        return self.model.norm(h)
+    def layer_ropes(self, ctx: ForwardContext, dtype: torch.dtype) -> list[Rope]:
+        """Sliding layers rotate by the local base, global ones by the global base."""
+        rope_global = self.rotary.cos_sin(ctx.positions, dtype)
+        rope_local = self.rotary_local.cos_sin(ctx.positions, dtype)
+        return [rope_local if layer.is_sliding else rope_global for layer in self.model.layers]

@@ -30,6 +30,9 @@ from prefixserve.model.layers.native_layer import bind_decoder_layer
 from prefixserve.model.layers.rotary import RotaryEmbedding
 from prefixserve.model.loader.weights import check_all_loaded, load_hf_weights
 
+# A layer's rotary rows for a step: (cos, sin), RotaryEmbedding.cos_sin's.
+Rope = tuple[torch.Tensor, torch.Tensor]
+
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
@@ -124,14 +127,18 @@ class LlamaForCausalLM(nn.Module):
             h.index_copy_(0, rows, values.to(h.dtype))
         return h
 
+    def layer_ropes(self, ctx: ForwardContext, dtype: torch.dtype) -> list[Rope]:
+        """Each layer's (cos, sin) rows for this step's positions: one pair for every layer."""
+        return [self.rotary.cos_sin(ctx.positions, dtype)] * len(self.model.layers)
+
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         h = self.input_embeddings(input_ids, ctx)
-        cos, sin = self.rotary.cos_sin(ctx.positions, h.dtype)
+        ropes = self.layer_ropes(ctx, h.dtype)
         native = self.native_layers() if ctx.native_layers else None
         if native is not None:
-            h = self._native_forward(native, h, cos, sin, ctx)
+            h = self._native_forward(native, h, ropes, ctx)
         else:
-            for layer in self.model.layers:
+            for layer, (cos, sin) in zip(self.model.layers, ropes, strict=True):
                 h = layer.forward(h, cos, sin, ctx)
         return self.model.norm.forward(h)
 
@@ -140,28 +147,22 @@ class LlamaForCausalLM(nn.Module):
     _native: list[object] | None | bool = False
 
     def native_layers(self) -> list[object] | None:
-        """Every decoder layer as one native call (`LlamaDecoderLayer.bind_native`), bound on
-        first use after loading; None unless every layer has that form."""
+        """Every decoder layer as one native call (its `bind_native`), bound on first use after
+        loading; None unless every layer has that form."""
         if self._native is False:
             bound = [
-                layer.bind_native() if isinstance(layer, LlamaDecoderLayer) else None
+                layer.bind_native() if hasattr(layer, "bind_native") else None
                 for layer in self.model.layers
             ]
             self._native = None if any(b is None for b in bound) else bound
         return self._native
 
     def _native_forward(
-        self,
-        native: list[object],
-        h: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        ctx: ForwardContext,
+        self, native: list[object], h: torch.Tensor, ropes: list[Rope], ctx: ForwardContext
     ) -> torch.Tensor:
         """The decoder layers as native calls over a step whose every row attends through the
         paged kernel (the runner's `ForwardContext.native_layers`)."""
         t = h.shape[0]
-        cos, sin = cos.view(t, -1), sin.view(t, -1)
         threads = STREAM_THREADS[0]
         steps = [
             (meta.slot_mapping, meta.kernel.block_tables, meta.kernel.info, meta.kernel.window)
@@ -171,7 +172,19 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(native):
             slots, tables, info, window = steps[layer_to_group[i]]
             k_cache, v_cache = ctx.kv_caches[i]
-            h = layer.forward(h, cos, sin, k_cache, v_cache, slots, tables, info, window, threads)
+            cos, sin = ropes[i]
+            h = layer.forward(
+                h,
+                cos.view(t, -1),
+                sin.view(t, -1),
+                k_cache,
+                v_cache,
+                slots,
+                tables,
+                info,
+                window,
+                threads,
+            )
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,12 +1,14 @@
-// One decoder layer of the Llama family in one native call, for steps whose every row attends
-// through the paged kernel (decode, verification, chunks over a cached prefix): RMSNorm, the
-// fused qkv linear, rotary and the K/V writes, paged attention, o_proj with the residual add in
-// its epilogue, RMSNorm, gate_up with act(gate) * up in its epilogue, down_proj with the
-// residual add. The same kernels, called in the same order with the same arguments, as
-// `LlamaDecoderLayer.forward` makes from Python, so the output is that path's, bit for bit;
-// what goes away is the Python between them (~8 calls, ~20 tensor views and allocations, the
-// argument conversions of each binding): 2.4-5.9 ms of a batch-1 decode step over the default
-// model's 30 layers, 1.19-1.37x in two same-run measurements (BENCHMARKS.md).
+// One decoder layer in one native call, for steps whose every row attends through the paged
+// kernel (decode, verification, chunks over a cached prefix): RMSNorm, the fused qkv linear, the
+// per-head q/k norms where the model has them (Qwen3, Gemma 3), rotary and the K/V writes, paged
+// attention, o_proj with the residual add in its epilogue, RMSNorm, gate_up with act(gate) * up
+// in its epilogue, down_proj with the residual add. Gemma 3's layers norm attention's and the
+// MLP's outputs before their residual adds, and scale every norm by (1 + weight). The same
+// kernels, called in the same order with the same arguments, as the Python layers
+// (`LlamaDecoderLayer.forward`, `Gemma3DecoderLayer.forward`) make, so the output is that path's,
+// bit for bit; what goes away is the Python between them (~8 calls, ~20 tensor views and
+// allocations, the argument conversions of each binding): 2.4-5.9 ms of a batch-1 decode step
+// over the default model's 30 layers, 1.19-1.37x in two same-run measurements (BENCHMARKS.md).
 //
 // The layer's weights are bound once (`DecoderLayerBf16`, built by
 // prefixserve/model/layers/native_layer.py after the linears are packed); a step passes only its
@@ -67,17 +69,30 @@ void run_gated(const PackedLinear& w, torch::Tensor out, const torch::Tensor& x,
     linear_bf16_packed_gated(out, x, w.packed, w.n, w.bias, act, threads, w.next);
 }
 
+// A norm of the layer: its weight, or an undefined tensor where the layer has none.
+torch::Tensor optional_norm(const OptTensor& w) { return w.has_value() ? *w : torch::Tensor(); }
+
 }  // namespace
 
 class DecoderLayerBf16 {
  public:
-  DecoderLayerBf16(torch::Tensor input_norm, torch::Tensor post_norm, double eps,
+  // The norms: `input_norm` before attention, `mlp_norm` before the MLP; optional `q_norm` /
+  // `k_norm` per head after the qkv linear (Qwen3, Gemma 3), and `attn_out_norm` /
+  // `mlp_out_norm` on attention's and the MLP's outputs before their residual adds (Gemma 3's
+  // post norms). `offset`: every norm scales by (1 + weight) (Gemma).
+  DecoderLayerBf16(torch::Tensor input_norm, torch::Tensor mlp_norm, double eps,
                    const py::tuple& qkv, const py::tuple& o, const py::tuple& gate_up,
                    const py::tuple& down, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                   double scale, int64_t act)
+                   double scale, int64_t act, const OptTensor& q_norm, const OptTensor& k_norm,
+                   const OptTensor& attn_out_norm, const OptTensor& mlp_out_norm, bool offset)
       : input_norm_(std::move(input_norm)),
-        post_norm_(std::move(post_norm)),
+        mlp_norm_(std::move(mlp_norm)),
+        q_norm_(optional_norm(q_norm)),
+        k_norm_(optional_norm(k_norm)),
+        attn_out_norm_(optional_norm(attn_out_norm)),
+        mlp_out_norm_(optional_norm(mlp_out_norm)),
         eps_(eps),
+        offset_(offset),
         qkv_(packed_linear(qkv)),
         o_(packed_linear(o)),
         gate_up_(packed_linear(gate_up)),
@@ -92,6 +107,8 @@ class DecoderLayerBf16 {
     TORCH_CHECK(qkv_.n == (heads + 2 * kv_heads) * head_dim && o_.n == input_norm_.size(0) &&
                     down_.n == o_.n && gate_up_.n % 2 == 0,
                 "DecoderLayerBf16: the linears' shapes do not make a decoder layer");
+    TORCH_CHECK(q_norm_.defined() == k_norm_.defined(),
+                "DecoderLayerBf16: q and k norms come together");
   }
 
   // h [T, hidden] bf16 contiguous -> the layer's output [T, hidden]. cos/sin [T, head_dim]
@@ -106,27 +123,46 @@ class DecoderLayerBf16 {
                 "DecoderLayerBf16: h must be a contiguous bfloat16 [T, hidden]");
     const int64_t t = h.size(0), q_size = heads_ * head_dim_;
     auto x = torch::empty_like(h);
-    rms_norm(x, h, input_norm_, eps_, false);
+    rms_norm(x, h, input_norm_, eps_, offset_);
     auto qkv = h.new_empty({t, qkv_.n});
     run_linear(qkv_, qkv, x, threads, c10::nullopt);
+    if (q_norm_.defined()) {  // per head, in place in qkv (Attention.forward's order)
+      auto q = qkv.narrow(1, 0, q_size).view({t, heads_, head_dim_});
+      rms_norm(q, q, q_norm_, eps_, offset_);
+      auto k = qkv.narrow(1, q_size, kv_heads_ * head_dim_).view({t, kv_heads_, head_dim_});
+      rms_norm(k, k, k_norm_, eps_, offset_);
+    }
     rope_write_kv(qkv, cos, sin, heads_, kv_heads_, k_cache, v_cache, slots);
     auto q = qkv.narrow(1, 0, q_size).view({t, heads_, head_dim_});
     auto attn = h.new_empty({t, q_size});
     paged_attention(attn, q, k_cache, v_cache, block_tables, seq_info, scale_, 0.0, window);
-    auto mid = torch::empty_like(h);
-    run_linear(o_, mid, attn, threads, h);
+    auto mid = add_normed(o_, attn_out_norm_, attn, h, threads);
     auto x2 = torch::empty_like(h);
-    rms_norm(x2, mid, post_norm_, eps_, false);
+    rms_norm(x2, mid, mlp_norm_, eps_, offset_);
     auto hidden = h.new_empty({t, gate_up_.n / 2});
     run_gated(gate_up_, hidden, x2, act_, threads);
-    auto out = torch::empty_like(h);
-    run_linear(down_, out, hidden, threads, mid);
-    return out;
+    return add_normed(down_, mlp_out_norm_, hidden, mid, threads);
   }
 
  private:
-  torch::Tensor input_norm_, post_norm_;
+  // residual + w(x): the add in the linear's epilogue, or, with a norm on the linear's output
+  // (Gemma 3), norm(w(x)) + residual as the Python layer's `norm.forward(a).add_(residual)`.
+  torch::Tensor add_normed(const PackedLinear& w, const torch::Tensor& norm, const torch::Tensor& x,
+                           const torch::Tensor& residual, int64_t threads) const {
+    auto out = torch::empty_like(residual);
+    if (!norm.defined()) {
+      run_linear(w, out, x, threads, residual);
+      return out;
+    }
+    auto a = torch::empty_like(residual);
+    run_linear(w, a, x, threads, c10::nullopt);
+    rms_norm(out, a, norm, eps_, offset_);
+    return out.add_(residual);
+  }
+
+  torch::Tensor input_norm_, mlp_norm_, q_norm_, k_norm_, attn_out_norm_, mlp_out_norm_;
   double eps_;
+  bool offset_;
   PackedLinear qkv_, o_, gate_up_, down_;
   int64_t heads_, kv_heads_, head_dim_;
   double scale_;
@@ -135,14 +171,18 @@ class DecoderLayerBf16 {
 
 void register_decoder_layer(py::module& m) {
   py::class_<DecoderLayerBf16>(m, "DecoderLayerBf16",
-                               "a Llama-family decoder layer's weights, bound for one native "
-                               "call per layer (csrc/decoder_layer.cpp)")
+                               "a Llama-family (or Qwen3, Gemma 3) decoder layer's weights, bound "
+                               "for one native call per layer (csrc/decoder_layer.cpp)")
       .def(py::init<torch::Tensor, torch::Tensor, double, const py::tuple&, const py::tuple&,
                     const py::tuple&, const py::tuple&, int64_t, int64_t, int64_t, double,
-                    int64_t>(),
-           py::arg("input_norm"), py::arg("post_norm"), py::arg("eps"), py::arg("qkv"),
+                    int64_t, const OptTensor&, const OptTensor&, const OptTensor&,
+                    const OptTensor&, bool>(),
+           py::arg("input_norm"), py::arg("mlp_norm"), py::arg("eps"), py::arg("qkv"),
            py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("heads"),
-           py::arg("kv_heads"), py::arg("head_dim"), py::arg("scale"), py::arg("act"))
+           py::arg("kv_heads"), py::arg("head_dim"), py::arg("scale"), py::arg("act"),
+           py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none(),
+           py::arg("attn_out_norm") = py::none(), py::arg("mlp_out_norm") = py::none(),
+           py::arg("offset") = false)
       .def("forward", &DecoderLayerBf16::forward, py::arg("h"), py::arg("cos"), py::arg("sin"),
            py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"), py::arg("block_tables"),
            py::arg("seq_info"), py::arg("window"), py::arg("threads"),

@@ -1,4 +1,4 @@
-// RMSNorm of contiguous rows with transformers' roundings: Llama-style
+// RMSNorm of rows with transformers' roundings: Llama-style
 // `w * cast(x_f32 * rsqrt(mean(x^2) + eps))` (the normalized row rounded to the dtype, then
 // scaled by the weight and rounded again), Gemma-style (offset) `cast(x_f32 * rsqrt(...) * (1 +
 // w))`. Each row's result depends on that row alone.
@@ -106,44 +106,75 @@ void rms_norm_row_bf16(c10::BFloat16* dst, const c10::BFloat16* x, const float* 
 }
 #endif
 
+// Rows of `dim` contiguous values: row (i, j) at x + i * xs[0] + j * xs[1] (and out's at its own
+// strides), for i < outer, j < inner. Each row is read whole before it is written, so out may be x.
+struct Rows {
+  int64_t outer, inner, dim;
+  int64_t xs[2], os[2];
+};
+
 template <typename scalar_t>
-void rms_norm_rows(scalar_t* out, const scalar_t* x, const scalar_t* weight, int64_t rows,
-                   int64_t dim, float eps, bool offset) {
+void rms_norm_rows(scalar_t* out, const scalar_t* x, const scalar_t* weight, const Rows& r,
+                   float eps, bool offset) {
+  const int64_t dim = r.dim;
   std::vector<float> w(dim);
   for (int64_t d = 0; d < dim; ++d) w[d] = to_float(weight[d]);
   const int64_t grain = std::max<int64_t>(1, kGrainElements / std::max<int64_t>(dim, 1));
-  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
+  at::parallel_for(0, r.outer * r.inner, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t i = row / r.inner, j = row % r.inner;
+      const scalar_t* src = x + i * r.xs[0] + j * r.xs[1];
+      scalar_t* dst = out + i * r.os[0] + j * r.os[1];
 #if defined(PREFIXSERVE_RMS_AVX512)
       if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-        rms_norm_row_bf16(out + r * dim, x + r * dim, w.data(), dim, eps, offset);
+        rms_norm_row_bf16(dst, src, w.data(), dim, eps, offset);
         continue;
       }
 #endif
-      rms_norm_row(out + r * dim, x + r * dim, w.data(), dim, eps, offset);
+      rms_norm_row(dst, src, w.data(), dim, eps, offset);
     }
   });
 }
 
 }  // namespace
 
-// out = RMSNorm(x) over the last dim of a contiguous [rows, dim] x; x, weight and out share a
-// dtype (float32 or bfloat16).
+namespace {
+
+// The rows of a [rows, dim] or [outer, inner, dim] tensor whose last dim is contiguous (a view of
+// per-head rows inside a fused qkv, for q/k norms, has outer strides of its own).
+Rows rows_of(const torch::Tensor& x, const torch::Tensor& out) {
+  const bool three = x.dim() == 3;
+  Rows r{x.size(0), three ? x.size(1) : 1, x.size(x.dim() - 1), {x.stride(0), 0}, {out.stride(0), 0}};
+  if (three) {
+    r.xs[1] = x.stride(1);
+    r.os[1] = out.stride(1);
+  }
+  return r;
+}
+
+}  // namespace
+
+// out = RMSNorm(x) over the last dim of x [rows, dim] or [outer, inner, dim], each with a
+// contiguous last dim (other strides free; out may be x itself: a norm in place); x, weight and
+// out share a dtype (float32 or bfloat16).
 void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps, bool offset) {
   TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu() && weight.device().is_cpu(),
               "rms_norm runs on CPU tensors only");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.is_contiguous() && weight.is_contiguous() &&
-                  out.sizes() == x.sizes() && weight.dim() == 1 && weight.size(0) == x.size(1),
-              "rms_norm needs contiguous x/out [rows, dim] and weight [dim]");
+  TORCH_CHECK((x.dim() == 2 || x.dim() == 3) && x.stride(-1) == 1 && out.stride(-1) == 1 &&
+                  weight.is_contiguous() && out.sizes() == x.sizes() && weight.dim() == 1 &&
+                  weight.size(0) == x.size(-1),
+              "rms_norm needs x/out [rows, dim] or [outer, inner, dim] with a contiguous last dim "
+              "and weight [dim]");
   TORCH_CHECK(x.scalar_type() == out.scalar_type() && x.scalar_type() == weight.scalar_type(),
               "x, weight and out must share a dtype");
+  const Rows r = rows_of(x, out);
   if (x.scalar_type() == torch::kFloat) {
-    rms_norm_rows<float>(out.data_ptr<float>(), x.data_ptr<float>(), weight.data_ptr<float>(),
-                         x.size(0), x.size(1), static_cast<float>(eps), offset);
+    rms_norm_rows<float>(out.data_ptr<float>(), x.data_ptr<float>(), weight.data_ptr<float>(), r,
+                         static_cast<float>(eps), offset);
   } else if (x.scalar_type() == torch::kBFloat16) {
     rms_norm_rows<c10::BFloat16>(out.data_ptr<c10::BFloat16>(), x.data_ptr<c10::BFloat16>(),
-                                 weight.data_ptr<c10::BFloat16>(), x.size(0), x.size(1),
-                                 static_cast<float>(eps), offset);
+                                 weight.data_ptr<c10::BFloat16>(), r, static_cast<float>(eps),
+                                 offset);
   } else {
     TORCH_CHECK(false, "rms_norm supports float32 and bfloat16, got ", x.scalar_type());
   }
