@@ -57,7 +57,7 @@ def decode_bytes_per_token(model: nn.Module, config, context: int) -> tuple[int,
     for module in model.modules():
         int8 = getattr(module, "_int8", None)
         if int8 is not None:
-            weights += int8[0].numel() + int8[1].numel() * 4
+            weights += int8[0].numel() + int8[1].numel() * int8[1].element_size()
         elif isinstance(module, nn.Linear) and id(module.weight) not in seen:
             seen.add(id(module.weight))
             weights += module.weight.numel() * module.weight.element_size()

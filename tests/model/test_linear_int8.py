@@ -168,6 +168,36 @@ def test_4_and_5_bit_codes_give_the_bits_of_the_same_codes_in_8_bits(fmt):
         assert torch.equal(_run(x, w), _run_8_bit(x, w))
 
 
+@pytest.mark.parametrize("fmt", ["q8_0", "q5_0", "q4_0"])
+def test_scales_float16_holds_are_read_in_float16_with_the_same_bits(fmt):
+    """GGUF's own scales are fp16: packed in fp16 (half their bytes), the kernel gives the bits
+    of the same scales in fp32, in its one documented order."""
+    w = _weights(36, 256, fmt, seed=7)
+    w = Int8Weight(w.codes, w.scales.half().float(), fmt)  # what a GGUF file's scales are
+    codes, scales = packed_weight(w)
+    assert scales.dtype == torch.float16 and torch.equal(scales.float().abs(), w.scales)
+    for rows in (1, 3, 6):
+        x = _x(rows, 256, seed=rows)
+        out = torch.empty(rows, 36, dtype=torch.bfloat16)
+        linear_int8_kernel()(out, x, codes, scales.float(), None, 0, None, 2)
+        assert torch.equal(_run(x, w), out)
+        assert torch.equal(_run(x, w), _model_of_the_kernel(x, w))
+
+
+def test_scales_float16_cannot_hold_stay_float32_and_the_kernel_refuses_them_elsewhere():
+    """Scales fp16 would round (a per-channel int8 weight's amax / 127, random ones) stay fp32;
+    fp16 scales are refused where the kernel reads them otherwise (a scale per 16, mins)."""
+    for fmt in ("int8", "q8_0", "q4_k"):
+        assert packed_weight(_weights(8, 128, fmt))[1].dtype == torch.float32
+    x = _x(1, 128)
+    for fmt in ("int8", "q4_k"):
+        codes, scales = packed_weight(_weights(8, 128, fmt))
+        with pytest.raises(RuntimeError, match="float16 scales go with a scale per 32"):
+            linear_int8_kernel()(
+                torch.empty(1, 8, dtype=torch.bfloat16), x, codes, scales.half(), None, 0, None, 1
+            )
+
+
 def test_codes_that_do_not_fit_their_bits_stay_8_bit_or_are_refused():
     w = _weights(8, 64, "q4_0")
     spans = w.codes.clone()

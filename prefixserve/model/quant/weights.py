@@ -262,7 +262,7 @@ def _narrow_codes(weight: Int8Weight, bits: int) -> Int8Weight | None:
 def packed_weight(weight: Int8Weight) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed codes, scales) for the kernel: Q4_0 and Q5_0 in 4 and 5 bits where their codes
     fit (`LOW_BIT_FORMATS`), an affine weight's in 4 with its mins after its scales
-    ([2, N, K / 32]), the rest in 8."""
+    ([2, N, K / 32]), the rest in 8; scales per 32 in float16 where it holds them exactly."""
     if weight.mins is not None:
         # Stored as they are (the kernel's zero point 0 for them): pack_codes adds back the 8.
         codes = pack_codes(weight.codes.to(torch.int16).sub(8).to(torch.int8), 4)
@@ -270,8 +270,18 @@ def packed_weight(weight: Int8Weight) -> tuple[torch.Tensor, torch.Tensor]:
     bits = LOW_BIT_FORMATS.get(weight.fmt, 8)
     narrow = _narrow_codes(weight, bits) if bits < 8 else None
     if narrow is None:
-        return pack_codes(weight.codes), weight.scales
-    return pack_codes(narrow.codes, bits), narrow.scales
+        return pack_codes(weight.codes), _kernel_scales(weight.scales, weight.group)
+    return pack_codes(narrow.codes, bits), _kernel_scales(narrow.scales, narrow.group)
+
+
+def _kernel_scales(scales: torch.Tensor, group: int) -> torch.Tensor:
+    """Scales per 32 that float16 holds exactly (GGUF Q8_0's, Q5_0's and Q4_0's: the file's own
+    fp16) in float16, which the kernel reads as they are: the same values in half the bytes
+    (Q8_0 at 8.5 bits a weight, not 9); others as they are, float32."""
+    if group != BLOCK_GROUP or scales.dtype != torch.float32:
+        return scales
+    half = scales.half()
+    return half.contiguous() if torch.equal(half.float(), scales) else scales
 
 
 def fusable(shards: list[Int8Weight]) -> bool:

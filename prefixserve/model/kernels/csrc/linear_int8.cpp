@@ -162,8 +162,38 @@ inline int64_t group_of(int64_t c, int64_t chunks_per_group, int64_t groups) {
   return groups == 1 ? 0 : chunks_per_group == 1 ? c : c / chunks_per_group;
 }
 
+// A weight's scales from some row on: float32, or float16 where every scale is one (GGUF Q8_0,
+// Q5_0 and Q4_0 store theirs so: the same values in half the bytes, read as the pair of a chunk's
+// two groups). Affine weights' mins and G = 16 scales are float32 always.
+struct Scales {
+  const float* f = nullptr;
+  const uint16_t* h = nullptr;
+
+  Scales operator+(int64_t n) const { return {f ? f + n : nullptr, h ? h + n : nullptr}; }
+  float operator[](int64_t i) const {
+    return h ? static_cast<float>(c10::Half(h[i], c10::Half::from_bits())) : f[i];
+  }
+  // Scales i and i + 1 as one 64-bit pair of floats (broadcast over a chunk's lanes).
+  double pair(int64_t i) const {
+    double out;
+    if (!h) {
+      std::memcpy(&out, f + i, sizeof out);
+      return out;
+    }
+#if defined(__F16C__) && defined(__AVX2__)
+    uint32_t bits;
+    std::memcpy(&bits, h + i, sizeof bits);
+    return _mm_cvtsd_f64(_mm_castps_pd(_mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(bits)))));
+#else
+    const float two[2] = {(*this)[i], (*this)[i + 1]};
+    std::memcpy(&out, two, sizeof out);
+    return out;
+#endif
+  }
+};
+
 // The weight scale of each lane of chunk c of a weight row (scales `groups` apart per row).
-inline float weight_scale(const float* s, int64_t G, int64_t c, int lane) {
+inline float weight_scale(Scales s, int64_t G, int64_t c, int lane) {
   return s[(c * kChunk + (lane % 2) * 32 + 4 * (lane / 2)) / G];
 }
 
@@ -235,7 +265,7 @@ inline int32_t code_at(const uint8_t* p, int64_t col) {
 // the tile's first row, B bits a code; scales K / G apart, and where A (affine, G = 32) the mins
 // `min_at` floats after them) with NX quantized x rows (from row x0 of xq) into sums[i * NX + j].
 template <int B, bool A, int NW, int NX>
-inline void dot_tile(const uint8_t* q, const float* s, int64_t min_at, int64_t K, int64_t G,
+inline void dot_tile(const uint8_t* q, Scales s, int64_t min_at, int64_t K, int64_t G,
                      const XRows& xq, int64_t x0, float* sums) {
   const int64_t groups = K / G, chunks = K / kChunk;
   const int64_t chunks_per_group = G / kChunk;  // 0 for G = 32
@@ -261,18 +291,16 @@ inline void dot_tile(const uint8_t* q, const float* s, int64_t min_at, int64_t K
       w[i] = load_codes<B>(q + i * row_bytes + c * group_chunk);
       if constexpr (A) {
         double pair;  // the chunk's two mins, as its two scales
-        std::memcpy(&pair, s + min_at + i * groups + 2 * c, sizeof pair);
+        std::memcpy(&pair, s.f + min_at + i * groups + 2 * c, sizeof pair);
         wm[i] = _mm512_castpd_ps(_mm512_set1_pd(pair));
       }
-      const float* si = s + i * groups;
+      const Scales si = s + i * groups;
       if (groups == 1) {
         ws[i] = row_scale[i];
-      } else if (G == 32) {
-        double pair;  // the chunk's two scales, (first half, second half), broadcast
-        std::memcpy(&pair, si + 2 * c, sizeof pair);
-        ws[i] = _mm512_castpd_ps(_mm512_set1_pd(pair));
+      } else if (G == 32) {  // the chunk's two scales, (first half, second half), broadcast
+        ws[i] = _mm512_castpd_ps(_mm512_set1_pd(si.pair(2 * c)));
       } else if (G == 16) {  // the chunk's four scales, each to the lanes of its 16 columns
-        ws[i] = _mm512_permutexvar_ps(by_16, _mm512_castps128_ps512(_mm_loadu_ps(si + 4 * c)));
+        ws[i] = _mm512_permutexvar_ps(by_16, _mm512_castps128_ps512(_mm_loadu_ps(si.f + 4 * c)));
       } else {
         ws[i] = _mm512_set1_ps(si[group_of(c, chunks_per_group, groups)]);
       }
@@ -319,18 +347,16 @@ inline void dot_tile(const uint8_t* q, const float* s, int64_t min_at, int64_t K
         w[i] = load_half<B>(q + i * row_bytes + c * group_chunk, h);
         if constexpr (A) {
           double pair;  // as the VNNI tile
-          std::memcpy(&pair, s + min_at + i * groups + 2 * c, sizeof pair);
+          std::memcpy(&pair, s.f + min_at + i * groups + 2 * c, sizeof pair);
           wm[i] = _mm256_castpd_ps(_mm256_set1_pd(pair));
         }
         if (groups == 1) {
           ws[i] = row_scale[i];
-        } else if (G == 32) {
-          double pair;  // as the VNNI tile: both halves' lanes alternate the chunk's two scales
-          std::memcpy(&pair, s + i * groups + 2 * c, sizeof pair);
-          ws[i] = _mm256_castpd_ps(_mm256_set1_pd(pair));
+        } else if (G == 32) {  // as the VNNI tile: both halves' lanes alternate the two scales
+          ws[i] = _mm256_castpd_ps(_mm256_set1_pd((s + i * groups).pair(2 * c)));
         } else if (G == 16) {  // as the VNNI tile: lane 8h + k takes scale 2 (k % 2) + h
           ws[i] = _mm256_permutevar8x32_ps(
-              _mm256_castps128_ps256(_mm_loadu_ps(s + i * groups + 4 * c)), by_16[h]);
+              _mm256_castps128_ps256(_mm_loadu_ps(s.f + i * groups + 4 * c)), by_16[h]);
         } else {
           ws[i] = _mm256_set1_ps(s[i * groups + group_of(c, chunks_per_group, groups)]);
         }
@@ -377,7 +403,7 @@ inline void dot_tile(const uint8_t* q, const float* s, int64_t min_at, int64_t K
           const float scale = weight_scale(s + i * groups, G, c, l) * xs[c * kLanes + l];
           acc[l] = std::fma(static_cast<float>(dot), scale, acc[l]);
           if constexpr (A) {
-            const float min = weight_scale(s + min_at + i * groups, G, c, l) * xs[c * kLanes + l];
+            const float min = weight_scale(Scales{s.f + min_at + i * groups}, G, c, l) * xs[c * kLanes + l];
             acc[l] = std::fma(xq.lane_sum[(x0 + j) * K / 4 + c * kLanes + l], min, acc[l]);
           }
         }
@@ -389,7 +415,7 @@ inline void dot_tile(const uint8_t* q, const float* s, int64_t min_at, int64_t K
 // A tile of up to kTileW weight rows by up to kTileX batch rows (the remainders dispatched to
 // their own instantiations).
 template <int B, bool A, int NW>
-inline void dot_rows_x(const uint8_t* q, const float* s, int64_t min_at, int64_t K, int64_t G,
+inline void dot_rows_x(const uint8_t* q, Scales s, int64_t min_at, int64_t K, int64_t G,
                        const XRows& xq, int64_t x0, int64_t nx, float* sums) {
   if constexpr (kTileX >= 4) {
     if (nx >= 4) return dot_tile<B, A, NW, 4>(q, s, min_at, K, G, xq, x0, sums);
@@ -401,7 +427,7 @@ inline void dot_rows_x(const uint8_t* q, const float* s, int64_t min_at, int64_t
 }
 
 template <int B, bool A>
-inline void dot_rows(const uint8_t* q, const float* s, int64_t min_at, int64_t K, int64_t G,
+inline void dot_rows(const uint8_t* q, Scales s, int64_t min_at, int64_t K, int64_t G,
                      const XRows& xq, int64_t x0, int64_t nw, int64_t nx, float* sums) {
   if constexpr (kTileW >= 4) {
     if (nw >= 4) return dot_rows_x<B, A, 4>(q, s, min_at, K, G, xq, x0, nx, sums);
@@ -486,7 +512,7 @@ void store_gated_sums(const float* gate, const float* up, int64_t ld, int64_t ro
 // Sums of weight rows [n0, n0 + width) for every batch row into sums [rows, width]. Tiles never
 // cross a packed group of four rows (a range that starts inside one takes single rows up to it).
 template <int B, bool A>
-void sum_range(const uint8_t* q, const float* s, int64_t min_at, int64_t K, int64_t G,
+void sum_range(const uint8_t* q, Scales s, int64_t min_at, int64_t K, int64_t G,
                const XRows& xq, int64_t rows, int64_t n0, int64_t width, float* sums) {
   const int64_t groups = K / G;
   float tile[kTileW * kTileX];
@@ -514,7 +540,7 @@ void sum_range(const uint8_t* q, const float* s, int64_t min_at, int64_t K, int6
 // codes (a multiple of 16 rows, the vector epilogue's width), so a chunk's rows stay in L2 while
 // the batch's rows pass them, on the caller and up to `threads - 1` helpers.
 template <int B, bool A = false>
-void run_chunks(const uint8_t* q, const float* s, int64_t min_at, int64_t K, int64_t G,
+void run_chunks(const uint8_t* q, Scales s, int64_t min_at, int64_t K, int64_t G,
                 const XRows& xq, int64_t rows, int64_t width_out, bool gated, const Epilogue& e,
                 int64_t threads) {
   const int64_t chunk = std::max<int64_t>(16, ((32 * 1024) / K) / 16 * 16);
@@ -548,8 +574,8 @@ std::string linear_int8_family() { return kFamily; }
 
 // out [rows, N] (or [rows, N / 2] gated) from x [rows, K] bf16, codes packed in groups of four
 // rows [ceil(N / 4), K / 64, 4, bytes] (model/quant/weights.py `pack_codes`: int8 with 64 bytes,
-// or uint8 with 40 (5-bit) or 32 (4-bit)), scales [N, K / G] fp32 (affine 4-bit codes: scales
-// then mins, [2, N, K / 32]); bias [N] bf16 or none; act 0
+// or uint8 with 40 (5-bit) or 32 (4-bit)), scales [N, K / G] fp32, or fp16 for a scale per 32
+// (`Scales`; affine 4-bit codes: scales then mins, [2, N, K / 32], fp32); bias [N] bf16 or none; act 0
 // plain, 1 SiLU, 2 GELU tanh (gated); residual [rows, N] bf16 added after the rounding, or none.
 // Chunks of weight rows run on the caller and up to `threads - 1` helpers of the stream pool;
 // `prefetch`: the next linear's weight, or none.
@@ -562,9 +588,10 @@ void linear_int8(torch::Tensor out, torch::Tensor x, torch::Tensor codes, torch:
               "linear_int8 runs on CPU tensors only");
   const int bits = code_bits(codes);
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16 &&
-                  bits != 0 && scales.scalar_type() == torch::kFloat,
+                  bits != 0 &&
+                  (scales.scalar_type() == torch::kFloat || scales.scalar_type() == torch::kHalf),
               "linear_int8 needs bfloat16 x and out, packed codes (int8 [.., 64], uint8 [.., 40] "
-              "or [.., 32]), float32 scales");
+              "or [.., 32]), float32 (or float16) scales");
   const bool affine = scales.dim() == 3;
   TORCH_CHECK(x.dim() == 2 && (scales.dim() == 2 || (affine && scales.size(0) == 2)) &&
                   out.dim() == 2 && x.is_contiguous() && codes.is_contiguous() &&
@@ -610,8 +637,12 @@ void linear_int8(torch::Tensor out, torch::Tensor x, torch::Tensor codes, torch:
       quantize_x(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), rows, K,
                  threads, zero);
   const auto* q = static_cast<const uint8_t*>(codes.data_ptr());
-  const float* s = scales.data_ptr<float>();
   const int64_t G = K / groups, min_at = affine ? N * groups : 0;
+  const bool half = scales.scalar_type() == torch::kHalf;
+  TORCH_CHECK(!half || (G == 32 && !affine),
+              "linear_int8: float16 scales go with a scale per 32 and no mins");
+  const Scales s = half ? Scales{nullptr, reinterpret_cast<const uint16_t*>(scales.data_ptr())}
+                        : Scales{scales.data_ptr<float>(), nullptr};
   const Epilogue e{reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()), width_out,
                    bias_f.empty() ? nullptr : bias_f.data(), act, res};
   if (affine)
