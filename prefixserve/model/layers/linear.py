@@ -144,9 +144,9 @@ class Linear(nn.Linear):
         super().reset_parameters()
 
     # The 8-bit weight (`set_int8`): (codes packed by `packed_weight`, in 8 bits or Q4_0's and
-    # Q5_0's 4 and 5, scales [N, K / group] fp32 or, per 32 where exact, fp16, bias) for csrc/linear_int8.cpp, which every
-    # call of any row count takes (one summation order, so batch-invariant in every mode); None
-    # for a bf16 or fp32 weight.
+    # Q5_0's 4 and 5, scales [N, K / group] fp32 or, per 32 where fp16 holds them, fp16, bias)
+    # for csrc/linear_int8.cpp, which every call of any row count takes (one summation order, so
+    # batch-invariant in every mode); None for a bf16 or fp32 weight.
     _int8: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
     # The 8-bit weight's format ("int8" per channel, or its GGUF block type: "q8_0", ...), or None.
     int8_format: str | None = None

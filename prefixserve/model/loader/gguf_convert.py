@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from prefixserve.model.errors import load_error
+from prefixserve.model.loader.gguf_reader import GGUFFileReader
 from prefixserve.model.loader.gguf_tokenizer import (
     gemma_tokenizer_from_gguf,
     gguf_add_special_token_flags,
@@ -77,7 +78,8 @@ def _one_reader_per_file() -> Iterator[None]:
     loading opens the file once for the config, once for the tokenizer and once for the weights
     (each time parsing its metadata: the default model's 49,152 vocabulary strings, ~6 s here),
     and the special-token reads open it again; a reader is read-only over a memory map, so they
-    can share it (the default model's conversion: 54 -> ~30 s)."""
+    can share it (the default model's conversion: 54 -> ~30 s). It is `GGUFFileReader`, which
+    opens a file ~3x faster."""
     import gguf
 
     original = gguf.GGUFReader
@@ -86,7 +88,7 @@ def _one_reader_per_file() -> Iterator[None]:
     def shared(path: Any, mode: str = "r") -> Any:
         key = (os.path.realpath(path), mode)
         if key not in readers:
-            readers[key] = original(path, mode)
+            readers[key] = GGUFFileReader(path, mode) if mode == "r" else original(path, mode)
         return readers[key]
 
     gguf.GGUFReader = shared

@@ -34,9 +34,9 @@ def gguf_metadata(gguf_path: Path) -> dict[str, Any]:
 
 @functools.lru_cache(maxsize=8)
 def _read_metadata(path: str, size: int, mtime_ns: int) -> dict[str, Any]:
-    from gguf import GGUFReader
+    from prefixserve.model.loader.gguf_reader import open_gguf
 
-    fields = GGUFReader(path).fields
+    fields = open_gguf(path).fields
     return {key: fields[key].contents() for key in _METADATA_KEYS if key in fields}
 
 

@@ -22,6 +22,7 @@ from prefixserve.model.loader.gguf_convert import (
     ensure_converted,
     fallback_chat_template,
     gguf_cache_dir,
+    is_converted,
 )
 from prefixserve.model.loader.hf_config import model_config_from_hf
 from prefixserve.model.loader.hf_dir import (
@@ -126,9 +127,12 @@ def resolve_model_dir(model: str | Path | None = None) -> Path:
     if path.is_dir():
         return path
     if path.suffix.lower() == ".gguf":
+        target = gguf_cache_dir(path)
+        if is_converted(target):  # its architecture was checked before it was converted
+            return target
         arch = check_gguf_architecture(path)
         try:
-            return ensure_converted(path, gguf_cache_dir(path), fallback_chat_template(arch))
+            return ensure_converted(path, target, fallback_chat_template(arch))
         except ModelLoadError:
             raise
         except (OSError, ValueError, KeyError) as exc:

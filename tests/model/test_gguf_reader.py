@@ -1,0 +1,66 @@
+"""GGUF files opened through `GGUFFileReader` (model/loader/gguf_reader.py): the `gguf` package's
+reader over plain array views, the same fields and tensors; and a converted file is not opened
+again to be loaded."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGUFReader
+
+from prefixserve.model.loader import gguf_convert, loading
+from prefixserve.model.loader.default_model import default_model_gguf
+from prefixserve.model.loader.gguf_reader import GGUFFileReader, open_gguf
+
+
+def test_the_reader_gives_the_gguf_packages_fields_and_tensors():
+    path = default_model_gguf()
+    ours, theirs = open_gguf(path), GGUFReader(path)
+    assert isinstance(ours, GGUFFileReader) and type(ours.data) is np.ndarray
+    assert list(ours.fields) == list(theirs.fields)
+    for name, field in theirs.fields.items():
+        mine = ours.fields[name]
+        assert (mine.offset, mine.name, mine.types, mine.data) == (
+            field.offset,
+            field.name,
+            field.types,
+            field.data,
+        ), name
+        assert mine.contents() == field.contents(), name
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for mine, tensor in zip(ours.tensors, theirs.tensors, strict=True):
+        assert (mine.tensor_type, list(mine.shape), mine.data_offset) == (
+            tensor.tensor_type,
+            list(tensor.shape),
+            tensor.data_offset,
+        )
+        assert type(mine.data) is np.ndarray and np.array_equal(mine.data, tensor.data)
+
+
+def test_the_reader_is_read_only():
+    reader = open_gguf(default_model_gguf())
+    with pytest.raises(ValueError, match="read-only"):
+        reader.data[0] = 0
+
+
+def test_a_converted_file_is_loaded_without_reading_its_metadata_again(
+    tmp_path, monkeypatch, default_model_dir
+):
+    """The architecture is checked before a file is converted; loading a converted one does not
+    parse the file again (Gemma 3's 262,144-token vocabulary took seconds on every load)."""
+    gguf = tmp_path / "model.gguf"
+    gguf.symlink_to(default_model_gguf())
+    monkeypatch.setenv("PREFIXSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    target = gguf_convert.gguf_cache_dir(gguf)
+    target.mkdir(parents=True)
+    for name in ("config.json", gguf_convert.CONVERSION_MARKER):
+        (target / name).write_text((default_model_dir / name).read_text())
+
+    def parsed(path):
+        raise AssertionError(f"{path} was parsed again")
+
+    monkeypatch.setattr(loading, "check_gguf_architecture", parsed)
+    assert loading.resolve_model_dir(gguf) == target
+    target.joinpath(gguf_convert.CONVERSION_MARKER).unlink()  # not converted: checked first
+    with pytest.raises(AssertionError, match="parsed again"):
+        loading.resolve_model_dir(gguf)
