@@ -64,3 +64,18 @@ def test_a_converted_file_is_loaded_without_reading_its_metadata_again(
     target.joinpath(gguf_convert.CONVERSION_MARKER).unlink()  # not converted: checked first
     with pytest.raises(AssertionError, match="parsed again"):
         loading.resolve_model_dir(gguf)
+
+
+def test_inside_a_conversion_every_reader_of_a_file_is_one():
+    import gguf
+
+    from prefixserve.model.loader.gguf_reader import one_reader_per_file
+
+    path = default_model_gguf()
+    original = gguf.GGUFReader
+    with one_reader_per_file():
+        first = open_gguf(path)
+        assert gguf.GGUFReader(str(path)) is first  # transformers' reads too
+        assert open_gguf(path) is first
+    assert gguf.GGUFReader is original
+    assert open_gguf(path) is not first

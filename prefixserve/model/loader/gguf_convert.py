@@ -9,21 +9,19 @@ Chat templates for files that ship without one are `templates/<gguf architecture
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import hashlib
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from prefixserve.model.errors import load_error
-from prefixserve.model.loader.gguf_reader import GGUFFileReader
+from prefixserve.model.loader.gguf_reader import one_reader_per_file
 from prefixserve.model.loader.gguf_tokenizer import (
     gemma_tokenizer_from_gguf,
     gguf_add_special_token_flags,
@@ -72,32 +70,6 @@ def fallback_chat_template(gguf_architecture: str) -> str | None:
     return (_TEMPLATES_DIR / name).read_text(encoding="utf-8")
 
 
-@contextlib.contextmanager
-def _one_reader_per_file() -> Iterator[None]:
-    """Inside the block, every `gguf.GGUFReader` of one file is one object. transformers' GGUF
-    loading opens the file once for the config, once for the tokenizer and once for the weights
-    (each time parsing its metadata: the default model's 49,152 vocabulary strings, ~6 s here),
-    and the special-token reads open it again; a reader is read-only over a memory map, so they
-    can share it (the default model's conversion: 54 -> ~30 s). It is `GGUFFileReader`, which
-    opens a file ~3x faster."""
-    import gguf
-
-    original = gguf.GGUFReader
-    readers: dict[tuple[str, str], Any] = {}
-
-    def shared(path: Any, mode: str = "r") -> Any:
-        key = (os.path.realpath(path), mode)
-        if key not in readers:
-            readers[key] = GGUFFileReader(path, mode) if mode == "r" else original(path, mode)
-        return readers[key]
-
-    gguf.GGUFReader = shared
-    try:
-        yield
-    finally:
-        gguf.GGUFReader = original
-
-
 def convert_gguf(gguf_path: Path, out_dir: Path, chat_template: str | None = None) -> None:
     """Write a HF directory (bf16 model.safetensors, config, tokenizer, generation config).
 
@@ -105,7 +77,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, chat_template: str | None = Non
     dequantization (through the `gguf` package). `chat_template` is used when the file carries
     none. Embeddings stay tied when the file has no separate output matrix.
     """
-    with _one_reader_per_file():
+    with one_reader_per_file():
         _convert_gguf(gguf_path, out_dir, chat_template)
 
 

@@ -11,6 +11,8 @@ import functools
 from pathlib import Path
 from typing import Any
 
+from prefixserve.model.loader.gguf_reader import open_gguf
+
 # The scalar metadata the conversion reads besides what transformers reads. Opening a GGUF file
 # parses every field, the vocabulary's arrays included (about 6 s for SmolLM2's 49,152 tokens and
 # their merges), so the architecture check and the tokenizer repairs share one read of a file.
@@ -34,8 +36,6 @@ def gguf_metadata(gguf_path: Path) -> dict[str, Any]:
 
 @functools.lru_cache(maxsize=8)
 def _read_metadata(path: str, size: int, mtime_ns: int) -> dict[str, Any]:
-    from prefixserve.model.loader.gguf_reader import open_gguf
-
     fields = open_gguf(path).fields
     return {key: fields[key].contents() for key in _METADATA_KEYS if key in fields}
 
@@ -49,14 +49,13 @@ def gemma_tokenizer_from_gguf(gguf_path: Path, special: dict[str, int]) -> Any:
     builds from the SentencePiece file: a byte-fallback BPE whose merges are ordered by the
     piece scores (`generate_merges`), control and user-defined pieces as added tokens.
     """
-    from gguf import GGUFReader
     from tokenizers import AddedToken, decoders, normalizers, pre_tokenizers, processors
     from tokenizers import Tokenizer as RawTokenizer
     from tokenizers.models import BPE
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import generate_merges
 
-    fields = GGUFReader(str(gguf_path)).fields
+    fields = open_gguf(gguf_path).fields
     pieces = [str(p) for p in fields["tokenizer.ggml.tokens"].contents()]
     scores = [float(s) for s in fields["tokenizer.ggml.scores"].contents()]
     # 3 = control (<bos>, <start_of_turn>), 4 = user-defined (newline runs, <start_of_image>).
