@@ -13,20 +13,48 @@ from prefixserve.model.loader.default_model import default_model_gguf
 from prefixserve.model.loader.gguf_reader import GGUFFileReader, open_gguf
 
 
+@pytest.fixture
+def small_gguf(tmp_path):
+    """A small GGUF file: a few metadata fields, a vocabulary, two tensors."""
+    import gguf
+
+    path = tmp_path / "small.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_uint32("test.count", 7)
+    writer.add_token_list([f"tok{i}" for i in range(300)])
+    writer.add_tensor("a", np.arange(64, dtype=np.float32).reshape(4, 16))
+    writer.add_tensor("b", np.ones((2, 32), dtype=np.float16))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _same_field(mine, field, spot: int = 50) -> None:
+    assert (mine.offset, mine.name, mine.types, len(mine.parts)) == (
+        field.offset,
+        field.name,
+        field.types,
+        len(field.parts),
+    ), field.name
+    if len(field.data) <= spot:
+        assert mine.data == field.data and mine.contents() == field.contents(), field.name
+        return
+    # A vocabulary: its indices, and the values at both ends (contents() of 49,152 strings twice
+    # would be most of this test's time).
+    assert mine.data == field.data, field.name
+    for index in (*range(spot), *range(len(field.data) - spot, len(field.data))):
+        assert mine.contents(index) == field.contents(index), (field.name, index)
+
+
 def test_the_reader_gives_the_gguf_packages_fields_and_tensors():
     path = default_model_gguf()
     ours, theirs = open_gguf(path), GGUFReader(path)
     assert isinstance(ours, GGUFFileReader) and type(ours.data) is np.ndarray
     assert list(ours.fields) == list(theirs.fields)
     for name, field in theirs.fields.items():
-        mine = ours.fields[name]
-        assert (mine.offset, mine.name, mine.types, mine.data) == (
-            field.offset,
-            field.name,
-            field.types,
-            field.data,
-        ), name
-        assert mine.contents() == field.contents(), name
+        _same_field(ours.fields[name], field)
     assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
     for mine, tensor in zip(ours.tensors, theirs.tensors, strict=True):
         assert (mine.tensor_type, list(mine.shape), mine.data_offset) == (
@@ -37,10 +65,17 @@ def test_the_reader_gives_the_gguf_packages_fields_and_tensors():
         assert type(mine.data) is np.ndarray and np.array_equal(mine.data, tensor.data)
 
 
-def test_the_reader_is_read_only():
-    reader = open_gguf(default_model_gguf())
+def test_the_reader_reads_a_small_file_whole_and_read_only(small_gguf):
+    ours, theirs = open_gguf(small_gguf), GGUFReader(small_gguf)
+    assert list(ours.fields) == list(theirs.fields)
+    for name, field in theirs.fields.items():
+        _same_field(ours.fields[name], field, spot=1000)
+    assert ours.fields["test.count"].contents() == 7
+    assert [np.asarray(t.data).tolist() for t in ours.tensors] == [
+        np.asarray(t.data).tolist() for t in theirs.tensors
+    ]
     with pytest.raises(ValueError, match="read-only"):
-        reader.data[0] = 0
+        ours.data[0] = 0
 
 
 def test_a_converted_file_is_loaded_without_reading_its_metadata_again(
@@ -66,12 +101,12 @@ def test_a_converted_file_is_loaded_without_reading_its_metadata_again(
         loading.resolve_model_dir(gguf)
 
 
-def test_inside_a_conversion_every_reader_of_a_file_is_one():
+def test_inside_a_conversion_every_reader_of_a_file_is_one(small_gguf):
     import gguf
 
     from prefixserve.model.loader.gguf_reader import one_reader_per_file
 
-    path = default_model_gguf()
+    path = small_gguf
     original = gguf.GGUFReader
     with one_reader_per_file():
         first = open_gguf(path)
