@@ -80,6 +80,11 @@ constexpr int32_t kZero = B == 8 ? 128 : B == 5 ? 16 : 8;
 constexpr int64_t kComputeBoundRows = 24;
 // Calls of at most this many rows prefetch the next linear's weight (gemm_bf16's kMaxTileRows).
 constexpr int64_t kPrefetchNextRows = 12;
+// Bytes of codes a chunk of the call covers (`chunk_columns`): calls of at most kStreamRows rows
+// stream the weight once, in chunks of ~kStreamChunkBytes; larger ones in ~kBatchChunkBytes.
+constexpr int64_t kStreamRows = 4;
+constexpr int64_t kStreamChunkBytes = 192 * 1024;
+constexpr int64_t kBatchChunkBytes = 32 * 1024;
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define PREFIXSERVE_INT8_VNNI 1
@@ -536,14 +541,28 @@ void sum_range(const uint8_t* q, Scales s, int64_t min_at, int64_t K, int64_t G,
   }
 }
 
-// The call's sums and epilogues over codes of B bits: chunks of output columns of ~32 KB of
-// codes (a multiple of 16 rows, the vector epilogue's width), so a chunk's rows stay in L2 while
-// the batch's rows pass them, on the caller and up to `threads - 1` helpers.
+// Output columns a chunk of the call covers (a multiple of 16 rows, the vector epilogue's width):
+// ~32 KB of codes where several batch rows pass a chunk's rows (they stay in L2 meanwhile); for a
+// decode-sized call, which reads each weight row once, ~192 KB, but at least two chunks a thread
+// so the threads' shares stay even. A chunk's start costs the pool's claim and the hardware
+// prefetcher's ramp on a new stream: at batch 1 a 32 KB chunk is ~1.4 us of reading, and SmolLM2
+// Q8_0's LM head took 1.27-1.44 ms in 32 KB chunks against 0.84-1.02 in these (BENCHMARKS.md).
+int64_t chunk_columns(int64_t rows, int64_t width_out, int64_t K, bool gated, int64_t threads) {
+  if (rows > kStreamRows) return std::max<int64_t>(16, (kBatchChunkBytes / K) / 16 * 16);
+  const int64_t column_bytes = gated ? 2 * K : K;  // a gated column reads its gate and up rows
+  const int64_t parts = 2 * std::max<int64_t>(1, threads);
+  const int64_t even = (width_out + parts - 1) / parts;
+  const int64_t columns = std::min(kStreamChunkBytes / column_bytes, (even + 15) / 16 * 16);
+  return std::max<int64_t>(16, columns / 16 * 16);
+}
+
+// The call's sums and epilogues over codes of B bits, chunk by chunk (`chunk_columns`) on the
+// caller and up to `threads - 1` helpers.
 template <int B, bool A = false>
 void run_chunks(const uint8_t* q, Scales s, int64_t min_at, int64_t K, int64_t G,
                 const XRows& xq, int64_t rows, int64_t width_out, bool gated, const Epilogue& e,
                 int64_t threads) {
-  const int64_t chunk = std::max<int64_t>(16, ((32 * 1024) / K) / 16 * 16);
+  const int64_t chunk = chunk_columns(rows, width_out, K, gated, threads);
   const int64_t chunks = (width_out + chunk - 1) / chunk;
   prefixserve::stream_pool().run(chunks, threads, [&](int64_t c) {
     const int64_t c0 = c * chunk, width = std::min(width_out, c0 + chunk) - c0;
