@@ -91,14 +91,25 @@ constexpr int64_t kBatchChunkBytes = 32 * 1024;
 constexpr const char* kFamily = "avx512-vnni";
 // Weight rows x batch rows of one register tile.
 constexpr int kTileW = 4, kTileX = 4;
+constexpr int kTileW1 = 4;  // weight rows of a tile with one batch row
 #elif defined(__AVX2__) && defined(__FMA__)
 #define PREFIXSERVE_INT8_AVX2 1
 constexpr const char* kFamily = "avx2";
 constexpr int kTileW = 2, kTileX = 2;
+// One batch row (decode at batch 1) over 8-bit codes: four weight rows a tile, so each x chunk's
+// load and |x| serve four rows (eight accumulators, as the 2 x 2 tile's). Q8_0's gate_up took
+// 39 us against 53-72 with two rows; the 4- and 5-bit codes' widening leaves no registers for it
+// (Q5_0's LM head 1.15-1.21 ms against 0.91), so they keep two.
+constexpr int kTileW1 = 4;
 #else
 constexpr const char* kFamily = "portable";
 constexpr int kTileW = 1, kTileX = 1;
+constexpr int kTileW1 = 1;
 #endif
+
+// Weight rows of a tile with one batch row, for codes of B bits (affine: A).
+template <int B, bool A>
+constexpr int kTileW1Of = B == 8 && !A ? std::max(kTileW, kTileW1) : kTileW;
 
 // The lane reduction every family makes: (l, l + 8), (l, l + 4), (l, l + 2), (l, l + 1).
 inline float reduce_lanes(const float* a) {
@@ -422,10 +433,10 @@ inline void dot_tile(const uint8_t* q, Scales s, int64_t min_at, int64_t K, int6
 template <int B, bool A, int NW>
 inline void dot_rows_x(const uint8_t* q, Scales s, int64_t min_at, int64_t K, int64_t G,
                        const XRows& xq, int64_t x0, int64_t nx, float* sums) {
-  if constexpr (kTileX >= 4) {
+  if constexpr (kTileX >= 4 && NW <= kTileW) {
     if (nx >= 4) return dot_tile<B, A, NW, 4>(q, s, min_at, K, G, xq, x0, sums);
   }
-  if constexpr (kTileX >= 2) {
+  if constexpr (kTileX >= 2 && NW <= kTileW) {
     if (nx >= 2) return dot_tile<B, A, NW, 2>(q, s, min_at, K, G, xq, x0, sums);
   }
   dot_tile<B, A, NW, 1>(q, s, min_at, K, G, xq, x0, sums);
@@ -434,7 +445,7 @@ inline void dot_rows_x(const uint8_t* q, Scales s, int64_t min_at, int64_t K, in
 template <int B, bool A>
 inline void dot_rows(const uint8_t* q, Scales s, int64_t min_at, int64_t K, int64_t G,
                      const XRows& xq, int64_t x0, int64_t nw, int64_t nx, float* sums) {
-  if constexpr (kTileW >= 4) {
+  if constexpr (kTileW1Of<B, A> >= 4) {  // (four with more than one batch row: kTileW >= 4)
     if (nw >= 4) return dot_rows_x<B, A, 4>(q, s, min_at, K, G, xq, x0, nx, sums);
   }
   if constexpr (kTileW >= 2) {
@@ -520,15 +531,16 @@ template <int B, bool A>
 void sum_range(const uint8_t* q, Scales s, int64_t min_at, int64_t K, int64_t G,
                const XRows& xq, int64_t rows, int64_t n0, int64_t width, float* sums) {
   const int64_t groups = K / G;
-  float tile[kTileW * kTileX];
+  float tile[std::max(kTileW * kTileX, kTileW1)];
   for (int64_t m0 = 0; m0 < rows;) {
     // The batch rows of this tile, as the instantiation dot_rows takes them: 4, 2 or 1.
     const int64_t more = rows - m0;
     const int64_t tx = kTileX >= 4 && more >= 4 ? 4 : kTileX >= 2 && more >= 2 ? 2 : 1;
     for (int64_t n = 0; n < width;) {
       const int64_t r = n0 + n, slot = r % kGroupRows, left = width - n;
-      const int64_t nw = slot == 0 && left >= 4 && kTileW >= 4   ? 4
-                         : slot % 2 == 0 && left >= 2 && kTileW >= 2 ? 2
+      const int64_t tile_w = tx == 1 ? kTileW1Of<B, A> : kTileW;
+      const int64_t nw = slot == 0 && left >= 4 && tile_w >= 4   ? 4
+                         : slot % 2 == 0 && left >= 2 && tile_w >= 2 ? 2
                                                                      : 1;
       const uint8_t* base =
           q + (r / kGroupRows) * kGroupRows * (K / kChunk) * kBytes<B> + slot * kBytes<B>;
