@@ -114,3 +114,31 @@ def test_inside_a_conversion_every_reader_of_a_file_is_one(small_gguf):
         assert open_gguf(path) is first
     assert gguf.GGUFReader is original
     assert open_gguf(path) is not first
+
+
+def test_conversions_on_two_threads_take_turns_and_restore_the_package_class(small_gguf):
+    """Two files converted at once in one process (their file locks differ): each block has its
+    own shared readers, and the package's class is back once both are done."""
+    import threading
+
+    import gguf
+
+    from prefixserve.model.loader.gguf_reader import one_reader_per_file
+
+    original, seen, errors = gguf.GGUFReader, [], []
+
+    def convert() -> None:
+        try:
+            with one_reader_per_file():
+                first = open_gguf(small_gguf)
+                seen.append(gguf.GGUFReader(str(small_gguf)) is first)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=convert) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and seen == [True, True]
+    assert gguf.GGUFReader is original

@@ -299,9 +299,46 @@ def test_rms_norm_kernel_matches_the_pytorch_norm(dtype, offset, dim, monkeypatc
         # tips an element across a bf16 rounding boundary, rarely; a missing or extra rounding
         # would change a large share of them.
         assert (fused == plain).float().mean() > 0.99
-    # Non-contiguous and 3-D inputs (q/k norms over heads) take the PyTorch path.
+    # Non-contiguous 2-D inputs take the PyTorch path.
     monkeypatch.setitem(kernel_table._kernels, "rms_norm", kernels.rms_norm_kernel())
     torch.testing.assert_close(norm(x.t().contiguous().t()), plain, atol=tol, rtol=tol)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("offset", [False, True])
+def test_rms_norm_kernel_norms_heads_inside_qkv_in_place_as_rows(dtype, offset):
+    """q/k norms (Qwen3, Gemma 3): each head's rows inside a fused qkv [T, (H + 2 KV) D], normed in
+    place through their strides, get the bits of the same rows normed as a contiguous 2-D
+    tensor; the v part and the other heads' bytes stay as they were."""
+    from prefixserve.model.layers import common as layers
+
+    torch.manual_seed(1)
+    t, heads, kv_heads, d = 5, 3, 1, 64
+    norm = layers.RMSNorm(d, 1e-6, offset=offset)
+    with torch.no_grad():
+        norm.weight.normal_()
+    norm = norm.to(dtype)
+    qkv = (torch.randn(t, (heads + 2 * kv_heads) * d) * 2).to(dtype)
+    before = qkv.clone()
+    q = qkv[:, : heads * d].view(t, heads, d)
+    assert norm.forward_(q) is q
+    expected = norm(before[:, : heads * d].reshape(t * heads, d)).view(t, heads * d)
+    assert torch.equal(qkv[:, : heads * d], expected)
+    assert torch.equal(qkv[:, heads * d :], before[:, heads * d :])
+
+
+@needs_kernel
+def test_rms_norm_kernel_refuses_overlapping_rows():
+    kernel = kernels.rms_norm_kernel()
+    weight = torch.ones(8)
+    x = torch.randn(4, 8)
+    overlapping = torch.empty(16).as_strided((4, 8), (2, 1))  # rows 2 apart, 8 long
+    with pytest.raises(RuntimeError, match="overlap"):
+        kernel(overlapping, x, weight, 1e-6, False)
+    buffer = torch.randn(40)
+    with pytest.raises(RuntimeError, match="single memory location"):
+        kernel(buffer[:32].view(4, 8), buffer[4:36].view(4, 8), weight, 1e-6, False)
 
 
 @needs_kernel

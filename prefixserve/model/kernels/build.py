@@ -184,7 +184,7 @@ def linear_bf16_small_kernel() -> Callable[..., None] | None:
 
 def linear_int8_kernel() -> Callable[..., None] | None:
     """`linear_int8(out, x, codes, scales, bias, act, residual, threads)`: a linear over 8-bit
-    weight codes with fp32 group scales (csrc/linear_int8.cpp: one summation order per output,
+    weight codes with group scales (csrc/linear_int8.cpp: one summation order per output,
     on every CPU kind), or None without the kernels."""
     module = _module()
     return None if module is None else module.linear_int8
@@ -260,7 +260,7 @@ def decoder_layer_class() -> Any:
 
 
 def rms_norm_kernel() -> Callable[..., None] | None:
-    """`rms_norm(out, x, weight, eps, offset)` over contiguous rows, or None."""
+    """`rms_norm(out, x, weight, eps, offset)` over rows with a contiguous last dim, or None."""
     module = _module()
     return None if module is None else module.rms_norm
 

@@ -83,7 +83,8 @@ def rope_kv_max_tokens(dtype: torch.dtype, head_dim: int) -> int:
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32. Gemma scales by (1 + weight) and casts after scaling;
     Llama-style norms cast first and scale by weight (as transformers does for each). Contiguous
-    2-D inputs go through the compiled kernel when it is available (same roundings)."""
+    2-D inputs go through the compiled kernel when it is available (same roundings), and so do
+    `forward_`'s in-place ones with a contiguous last dim (per-head q/k rows inside qkv)."""
 
     def __init__(self, dim: int, eps: float, offset: bool = False) -> None:
         super().__init__()

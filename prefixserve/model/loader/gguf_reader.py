@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -40,17 +41,23 @@ class GGUFFileReader(gguf.GGUFReader):
         self._plain = value.view(np.ndarray)
 
 
+# The package's own class, restored after each block whatever else patched it meanwhile.
+_ORIGINAL_READER = gguf.GGUFReader
+# Held for the whole of a `one_reader_per_file` block: conversions of different files in one
+# process (their file locks differ) take turns over the module-wide patch.
+_BLOCK = threading.Lock()
 # Inside `one_reader_per_file`: the readers opened so far, by (real path, mode); else None.
 _shared: dict[tuple[str, str], GGUFFileReader] | None = None
 
 
 def _reader(path: str | os.PathLike[str], mode: str = "r") -> GGUFFileReader:
-    if _shared is None:
+    shared = _shared  # read once: the block may end meanwhile on another thread
+    if shared is None:
         return GGUFFileReader(path, mode)
     key = (os.path.realpath(path), mode)
-    if key not in _shared:
-        _shared[key] = GGUFFileReader(path, mode)
-    return _shared[key]
+    if key not in shared:
+        shared[key] = GGUFFileReader(path, mode)
+    return shared[key]
 
 
 def open_gguf(path: str | os.PathLike[str]) -> GGUFFileReader:
@@ -61,14 +68,14 @@ def open_gguf(path: str | os.PathLike[str]) -> GGUFFileReader:
 @contextlib.contextmanager
 def one_reader_per_file() -> Iterator[None]:
     """Inside the block, every reader of one file (`open_gguf`, and `gguf.GGUFReader` as
-    transformers calls it) is one object; they are dropped at its end. One conversion at a time
-    (the caller holds the file lock)."""
+    transformers calls it) is one object; they are dropped at its end. One block at a time in a
+    process (a lock: the patch of `gguf.GGUFReader` is module-wide)."""
     global _shared
-    original = gguf.GGUFReader
-    _shared = {}
-    gguf.GGUFReader = _reader
-    try:
-        yield
-    finally:
-        gguf.GGUFReader = original
-        _shared = None
+    with _BLOCK:
+        _shared = {}
+        gguf.GGUFReader = _reader
+        try:
+            yield
+        finally:
+            gguf.GGUFReader = _ORIGINAL_READER
+            _shared = None

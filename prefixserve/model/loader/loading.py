@@ -127,11 +127,11 @@ def resolve_model_dir(model: str | Path | None = None) -> Path:
     if path.is_dir():
         return path
     if path.suffix.lower() == ".gguf":
-        target = gguf_cache_dir(path)
-        if is_converted(target):  # its architecture was checked before it was converted
-            return target
-        arch = check_gguf_architecture(path)
         try:
+            target = gguf_cache_dir(path)
+            if is_converted(target):  # its architecture was checked before it was converted
+                return target
+            arch = check_gguf_architecture(path)
             return ensure_converted(path, target, fallback_chat_template(arch))
         except ModelLoadError:
             raise

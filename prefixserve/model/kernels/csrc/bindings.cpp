@@ -31,7 +31,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "bf16 linear for a few rows: a stream over the weight, fp32 accumulation",
         py::call_guard<py::gil_scoped_release>());
   m.def("linear_int8", &linear_int8,
-        "linear over int8 weight codes with fp32 group scales (csrc/linear_int8.cpp), bf16 x "
+        "linear over int8 weight codes with fp32 or fp16 group scales (csrc/linear_int8.cpp), bf16 x "
         "and out, optional bias, gated act and residual, one summation order per output",
         py::arg("out"), py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("bias"),
         py::arg("act"), py::arg("residual"), py::arg("threads"),
@@ -81,5 +81,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention_lanes_ready", &paged_attention_lanes_ready,
         "whether bf16 paged_attention has its keys-in-lanes path (prefill_attention's "
         "arithmetic) in this build");
-  m.def("rms_norm", &rms_norm, "RMSNorm of contiguous rows with transformers' roundings");
+  m.def("rms_norm", &rms_norm, "RMSNorm of rows (contiguous last dim, any outer strides) with transformers' roundings");
 }

@@ -1,7 +1,8 @@
 // A linear over 8-bit weights: out[m, n] = epilogue(sum over k of x[m, k] w[n, k]) with the weight
-// as int8 codes q [N, K] (nn.Linear's layout) and fp32 scales s [N, K / G] (G the group size: 32
-// for GGUF Q8_0, Q5_0 and Q4_0, 16 for Q6_K, K for per-channel int8), x bf16 [rows, K]. The weight stays 8-bit in memory,
-// half the bytes of bf16 (decode streams every weight once per step).
+// as int8 codes q [N, K] (nn.Linear's layout) and scales s [N, K / G] (G the group size: 32 for GGUF
+// Q8_0, Q5_0 and Q4_0, 16 for Q6_K, K for per-channel int8; fp32, or fp16 for a scale per 32 where
+// fp16 holds them: `Scales`), x bf16 [rows, K]. The weight stays 8-bit in memory, half the bytes of
+// bf16 (decode streams every weight once per step).
 //
 // As llama.cpp multiplies Q8_0 weights, each row of x is quantized too, per group of 32 (scale
 // amax / 127, codes rounded to nearest even, in [-127, 127]), and the products are integer dot
@@ -559,9 +560,11 @@ void sum_range(const uint8_t* q, Scales s, int64_t min_at, int64_t K, int64_t G,
 // so the threads' shares stay even. A chunk's start costs the pool's claim and the hardware
 // prefetcher's ramp on a new stream: at batch 1 a 32 KB chunk is ~1.4 us of reading, and SmolLM2
 // Q8_0's LM head took 1.27-1.44 ms in 32 KB chunks against 0.84-1.02 in these (BENCHMARKS.md).
-int64_t chunk_columns(int64_t rows, int64_t width_out, int64_t K, bool gated, int64_t threads) {
+int64_t chunk_columns(int64_t rows, int64_t width_out, int64_t K, int64_t code_bytes, bool gated,
+                      int64_t threads) {
   if (rows > kStreamRows) return std::max<int64_t>(16, (kBatchChunkBytes / K) / 16 * 16);
-  const int64_t column_bytes = gated ? 2 * K : K;  // a gated column reads its gate and up rows
+  // A row's codes (B bits each), twice for a gated column (its gate and up rows).
+  const int64_t column_bytes = std::max<int64_t>(1, (gated ? 2 : 1) * code_bytes);
   const int64_t parts = 2 * std::max<int64_t>(1, threads);
   const int64_t even = (width_out + parts - 1) / parts;
   const int64_t columns = std::min(kStreamChunkBytes / column_bytes, (even + 15) / 16 * 16);
@@ -574,7 +577,8 @@ template <int B, bool A = false>
 void run_chunks(const uint8_t* q, Scales s, int64_t min_at, int64_t K, int64_t G,
                 const XRows& xq, int64_t rows, int64_t width_out, bool gated, const Epilogue& e,
                 int64_t threads) {
-  const int64_t chunk = chunk_columns(rows, width_out, K, gated, threads);
+  const int64_t chunk =
+      chunk_columns(rows, width_out, K, K / kChunk * kBytes<B>, gated, threads);
   const int64_t chunks = (width_out + chunk - 1) / chunk;
   prefixserve::stream_pool().run(chunks, threads, [&](int64_t c) {
     const int64_t c0 = c * chunk, width = std::min(width_out, c0 + chunk) - c0;

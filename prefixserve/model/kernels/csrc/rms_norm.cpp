@@ -10,6 +10,7 @@
 // 0x7fc0, subnormals kept). Decode-sized calls stay on the calling thread (at::parallel_for's
 // wake-up costs more than the rows).
 #include "torch_lite.h"
+#include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -152,6 +153,15 @@ Rows rows_of(const torch::Tensor& x, const torch::Tensor& out) {
   return r;
 }
 
+// Whether no two rows of t (each its last dim's `dim` values) share an element, for non-negative
+// strides: inner rows at least a row apart, outer ones past the inner rows' whole span.
+bool rows_apart(const torch::Tensor& t) {
+  const int64_t dim = t.size(-1);
+  if (t.dim() == 2) return t.size(0) <= 1 || t.stride(0) >= dim;
+  const int64_t inner_span = (t.size(1) - 1) * t.stride(1) + dim;
+  return (t.size(1) <= 1 || t.stride(1) >= dim) && (t.size(0) <= 1 || t.stride(0) >= inner_span);
+}
+
 }  // namespace
 
 // out = RMSNorm(x) over the last dim of x [rows, dim] or [outer, inner, dim], each with a
@@ -167,6 +177,11 @@ void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double e
               "and weight [dim]");
   TORCH_CHECK(x.scalar_type() == out.scalar_type() && x.scalar_type() == weight.scalar_type(),
               "x, weight and out must share a dtype");
+  // Rows with strides of their own: out's rows must not overlap one another (threads write them
+  // at once), and out is either x itself (in place: each row is read before it is written) or
+  // apart from it.
+  TORCH_CHECK(rows_apart(out), "rms_norm: out's rows overlap one another");
+  if (!out.is_same(x)) at::assert_no_overlap(out, x);
   const Rows r = rows_of(x, out);
   if (x.scalar_type() == torch::kFloat) {
     rms_norm_rows<float>(out.data_ptr<float>(), x.data_ptr<float>(), weight.data_ptr<float>(), r,
