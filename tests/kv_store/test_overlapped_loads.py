@@ -230,3 +230,34 @@ def test_a_read_whose_blocks_came_into_ram_meanwhile_is_dropped_at_admission(
     assert tokens["a"] == expected
     engine.check_no_leaks()
     engine.close()
+
+
+def test_a_tenant_whose_head_waits_for_its_read_takes_no_running_slot_meanwhile(
+    default_model_exact, tmp_path
+):
+    """Fair scheduling and overlapped loads: tenant a's request waits for its read while tenant
+    r holds both running slots. Its turn preempts one of r's requests once; while the read is
+    held, no further slot is taken from r (a preemption each step would only recompute r's
+    request again and again), and a runs with the read's bytes once it is done."""
+    model = default_model_exact
+    expected = _stored(model, tmp_path)
+    llm = _llm(model, tmp_path, scheduling_policy="fair", max_num_seqs=2)
+    engine, connector = llm.llm_engine, llm.llm_engine.kv_connector
+    gate = threading.Event()
+    disk = connector._tiers[0]
+    read_run = disk.read_run
+    disk.read_run = lambda blocks, group: gate.wait(30) and read_run(blocks, group)
+    for name in ("r1", "r2"):
+        engine.add_request(name, _ids(llm, OTHER), LONG, tenant="r")
+    engine.step()
+    engine.add_request("a", _ids(llm, PROMPT), GREEDY, tenant="a")
+    for _ in range(4):  # the read is held: a waits
+        engine.step()
+    assert connector._loads.held("a")
+    assert engine.scheduler.requests["a"].status == RequestStatus.WAITING
+    assert engine.scheduler.stats.num_preemptions <= 1
+    gate.set()
+    tokens = _run_to_end(engine)
+    assert tokens["a"] == expected
+    engine.check_no_leaks()
+    engine.close()
