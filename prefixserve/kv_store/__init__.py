@@ -12,28 +12,26 @@ like vLLM's KV connector, and this package holds the parts both sides use, torch
   (0600). NONE_HASH is derived from it so that block hashes are stable across restarts yet not
   guessable; the salts stay in every hash, so tenants stay apart in this tier too.
 - The store (`disk_store.py`): `DiskKVStore(root, namespace, capacity_bytes)`; key = (block hash,
-  group). `contains` / `count_prefix` are stats only; `get` / `get_into` verify everything
+  group), each record also naming its parent block's hash. `contains` / `count_prefix` are stats
+  only; `get` / `get_into` (given the token ids and the parent) verify everything
   (`record.py`) and treat any doubt as a miss that removes the file; `put` is atomic. Capacity
   (LRU by atime, over the whole root), expiry (mtime; `sweep_expired`) and the files of other
   processes (`scan.py`) are handled inside.
 - Writing (`writer.py`): `BackgroundWriter(store, ...)`, a bounded queue and one thread: `submit`
   never blocks (full => dropped and counted); `flush` at shutdown.
 
-What the engine wires in (not done here):
-- Scheduler side (pure Python, every step): after `KVCacheManager.get_computed_blocks`, continue
-  the chain on disk: `store.count_prefix(request.block_hashes[num_ram_hits:], group_ids)` (for
-  sliding-window groups only the blocks inside the window matter); allocate pool blocks for those
-  and carry "load (key, token ids) into block id" in `SchedulerOutput`; count them as computed.
-  Choose what to save (blocks the pool evicts, from its events; or write-through when cached),
-  skipping blocks of `in_memory` requests and blocks already on disk.
-- Worker side (the runner): per load, `store.get_into(key, token_ids, staging)` then copy into the
-  KV tensors of the group's layers; a miss (False) must turn into recomputation of that block and
-  every later one of the request. Per save, copy the block's K/V out of the pool (the block may be
-  reused next step), then `writer.submit(key, token_ids, payload, expires_at)`.
-- Start-up: `resolve_store_config(KVStoreConfig(...))` (the record lives in `config.py`),
-  `load_or_create_seed(config.dir)` -> NONE_HASH,
-  `DiskKVStore(config.dir, store_namespace(...), config.capacity_bytes)`, `BackgroundWriter`;
-  log the directory and capacity. Shutdown: `writer.close(timeout)`.
+How the engine wires it in (`connector.py` `KVStoreConnector`, the tiers behind `tier.py`
+`KVTier`; docs/cache.md and docs/shared-tier.md tell the whole flow):
+- Scheduler side (pure Python, every step): after the RAM pool's hit, `match` continues the chain
+  on disk (`count_prefix`) and on the shared tier; the run is read (`load`, or on a thread of its
+  own while others run: `start_load`) as (block id, payload) pairs in `SchedulerOutput.kv_loads`,
+  counted as computed. Saves are write-through: `blocks_to_save` after each step, skipping blocks
+  of `in_memory` requests and blocks already on disk, then `save` to each tier's writer.
+- Worker side (the runner): scatters the loaded payloads into the KV tensors before the forward
+  pass, and gathers the saved blocks' K/V out of the pool after it (a block may be reused next
+  step).
+- Start-up: `open_engine_kv_store` (`resolve_store_config`, `load_or_create_seed` -> NONE_HASH,
+  `DiskKVStore`, `BackgroundWriter`, the shared tier); shutdown: `KVStoreConnector.close`.
 """
 
 from __future__ import annotations

@@ -193,15 +193,19 @@ class DiskKVStore(StoreLookup):
         return self._read(key, token_ids, None, parent)
 
     def get_into(
-        self, key: BlockKey, token_ids: Sequence[int], out: memoryview | bytearray
+        self,
+        key: BlockKey,
+        token_ids: Sequence[int],
+        out: memoryview | bytearray,
+        parent: bytes = b"",
     ) -> bool:
-        """Like `get`, reading the payload straight into `out` (a writable buffer of exactly the
-        payload's size, e.g. a staging tensor's memory). False is a miss, and then `out`'s
-        content is undefined: the caller must not use it."""
+        """Like `get` (the same checks, `parent` included), reading the payload straight into
+        `out` (a writable buffer of exactly the payload's size, e.g. a staging tensor's memory).
+        False is a miss, and then `out`'s content is undefined: the caller must not use it."""
         view = memoryview(out)
         if view.readonly or not view.c_contiguous:
             raise ValueError("out must be a writable C-contiguous buffer")
-        return self._read(key, token_ids, view.cast("B")) is not None
+        return self._read(key, token_ids, view.cast("B"), parent) is not None
 
     def _read(
         self,

@@ -53,8 +53,14 @@ def bind_decoder_layer(
     take it."""
     cls = _kernel("decoder_layer")
     linears = [_packed(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-    qk_norms = (attn.q_norm, attn.k_norm) if attn.q_norm is not None else (None, None)
-    norms = [n for n in (input_norm, mlp_norm, *qk_norms, *(out_norms or ())) if n is not None]
+    attn_out, mlp_out = out_norms if out_norms is not None else (None, None)
+    optional = {
+        "q_norm": attn.q_norm,
+        "k_norm": attn.k_norm,
+        "attn_out_norm": attn_out,
+        "mlp_out_norm": mlp_out,
+    }
+    norms = [input_norm, mlp_norm, *(n for n in optional.values() if n is not None)]
     if (
         cls is None
         or any(p is None for p in linears)
@@ -67,12 +73,9 @@ def bind_decoder_layer(
         or len({(n.eps, n.offset) for n in norms}) != 1
     ):
         return None
-    weights = [n.weight.detach() for n in norms]  # input, mlp, then q, k, then the outputs'
-    q_norm, k_norm = (weights[2], weights[3]) if attn.q_norm is not None else (None, None)
-    attn_out, mlp_out = (weights[-2], weights[-1]) if out_norms is not None else (None, None)
     return cls(
-        weights[0],
-        weights[1],
+        input_norm.weight.detach(),
+        mlp_norm.weight.detach(),
         input_norm.eps,
         *linears,
         attn.num_heads,
@@ -80,11 +83,8 @@ def bind_decoder_layer(
         attn.head_dim,
         attn.scale,
         mlp.gated_act,
-        q_norm=q_norm,
-        k_norm=k_norm,
-        attn_out_norm=attn_out,
-        mlp_out_norm=mlp_out,
         offset=input_norm.offset,
+        **{name: n.weight.detach() for name, n in optional.items() if n is not None},
     )
 
 

@@ -168,23 +168,15 @@ class LlamaForCausalLM(nn.Module):
             (meta.slot_mapping, meta.kernel.block_tables, meta.kernel.info, meta.kernel.window)
             for meta in ctx.groups
         ]
+        # Each distinct (cos, sin) as the kernel's [T, head_dim] rows, viewed once a step.
+        distinct = {id(rope): rope for rope in ropes}
+        rows = {key: (cos.view(t, -1), sin.view(t, -1)) for key, (cos, sin) in distinct.items()}
         layer_to_group = self.config.layer_to_group
         for i, layer in enumerate(native):
             slots, tables, info, window = steps[layer_to_group[i]]
             k_cache, v_cache = ctx.kv_caches[i]
-            cos, sin = ropes[i]
-            h = layer.forward(
-                h,
-                cos.view(t, -1),
-                sin.view(t, -1),
-                k_cache,
-                v_cache,
-                slots,
-                tables,
-                info,
-                window,
-                threads,
-            )
+            cos, sin = rows[id(ropes[i])]
+            h = layer.forward(h, cos, sin, k_cache, v_cache, slots, tables, info, window, threads)
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -446,7 +446,7 @@ inline void dot_rows_x(const uint8_t* q, Scales s, int64_t min_at, int64_t K, in
 template <int B, bool A>
 inline void dot_rows(const uint8_t* q, Scales s, int64_t min_at, int64_t K, int64_t G,
                      const XRows& xq, int64_t x0, int64_t nw, int64_t nx, float* sums) {
-  if constexpr (kTileW1Of<B, A> >= 4) {  // (four with more than one batch row: kTileW >= 4)
+  if constexpr (kTileW1Of<B, A> >= 4) {  // VNNI's tiles; AVX2's one-row tiles of 8-bit codes
     if (nw >= 4) return dot_rows_x<B, A, 4>(q, s, min_at, K, G, xq, x0, nx, sums);
   }
   if constexpr (kTileW >= 2) {
