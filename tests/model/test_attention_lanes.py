@@ -18,6 +18,7 @@ from prefixserve.model.kernels.build import (
     paged_attention_portable_kernel,
     prefill_attention_kernel,
 )
+from prefixserve.model.quant.kv_cache import dequantize_rows, kv_format, quantize_rows
 
 paged = paged_attention_kernel()
 portable = paged_attention_portable_kernel()
@@ -148,6 +149,33 @@ def test_a_row_gets_the_same_bits_whatever_shares_its_call():
     paged(out, qs, kc, vc, table.repeat(4, 1), info, d**-0.5, 0.0, 0)
     assert torch.equal(out[0:1], alone)
     assert torch.equal(out[3:23], run_chunks(paged, q, kc, vc, table, [0, 300, 320, 400])[300:320])
+
+
+@needs_lanes
+@pytest.mark.parametrize("name", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("window", [0, 70])
+def test_an_8_bit_cache_gives_a_query_the_same_bits_however_it_is_grouped(name, window):
+    """An 8-bit cache (int8: integer dot products where the build has VNNI): a 300-token
+    prompt in one call, chunk by chunk, every position as a decode row in one call (cascades,
+    and enough rows that a work unit takes all three KV heads) and some rows alone: the same
+    bits, within bf16 rounding of fp64 attention over the dequantized K/V."""
+    q, kc, vc, table, _, _ = prompt_case(300, 9, 3, 64, 16, seed=3)
+    fmt = kv_format(name, torch.bfloat16)
+    kq, vq = quantize_rows(kc, fmt), quantize_rows(vc, fmt)
+    whole = run_chunks(paged, q, kq, vq, table, [0, 300], window)
+    assert torch.equal(
+        whole, run_chunks(paged, q, kq, vq, table, [0, 63, 64, 129, 200, 300], window)
+    )
+    assert torch.equal(whole, run_decode_rows(q, kq, vq, table, window))
+    for p in (0, 63, 64, 150, 299):
+        assert torch.equal(
+            whole[p : p + 1], run_chunks(paged, q, kq, vq, table, [p, p + 1], window)[p : p + 1]
+        )
+    blocks = table[0].long()
+    slots = (blocks.unsqueeze(1) * 16 + torch.arange(16)).view(-1)[:300]
+    keys = dequantize_rows(kq.view(-1, 3, 68)[slots], fmt, torch.float64)
+    values = dequantize_rows(vq.view(-1, 3, 68)[slots], fmt, torch.float64)
+    assert (whole.double() - exact(q, keys, values, window)).abs().max().item() < 0.02
 
 
 @needs_lanes

@@ -12,6 +12,7 @@
 #include <ATen/Parallel.h>
 
 #include "attn_lanes_bf16.h"
+#include "attn_lanes_int8.h"
 #include "kv8_rows.h"
 #include "paged_items.h"
 
@@ -25,6 +26,9 @@ namespace {
 
 #if defined(__AVX512BF16__)
 namespace lanes = prefixserve::lanes;
+#if defined(__AVX512VNNI__)
+namespace lanes_int8 = prefixserve::lanes_int8;
+#endif
 namespace kv8 = prefixserve::kv8;
 using lanes::kTileKeys;
 using prefixserve::paged::build_items;
@@ -48,7 +52,7 @@ struct Cache {
 
 // out[p] = lane i of r[i]'s element p, for 16 vectors of 16 32-bit elements (a 16 x 16
 // transpose: unpacks within 128-bit lanes, then two rounds of lane shuffles).
-inline void transpose16(const __m512i* r, __m512i* out) {
+__attribute__((always_inline)) inline void transpose16(const __m512i* r, __m512i* out) {
   __m512i t[16], u[16], v[16];
   for (int i = 0; i < 8; ++i) {
     t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
@@ -131,17 +135,86 @@ void dequantize_tile(const Cache& c, const int64_t* rows, int64_t lo, int64_t hi
   }
 }
 
+#if defined(__AVX512VNNI__)
+constexpr bool kIntegerInt8 = true;  // int8 caches take attn_lanes_int8.h's integer tiles
+
+// An int8 tile's rows [lo, hi) in attn_lanes_int8.h's layouts: K codes widened to int16 pairs
+// of dims, keys in lanes, into kp; V codes widened and interleaved in pairs of keys into vp (a
+// key outside [lo, hi) reads as zeros there); the rows' scales into ks and vs.
+template <int D>
+void load_tile_int8(const Cache& c, const int64_t* rows, int64_t lo, int64_t hi, uint32_t* kp,
+                    float* ks, uint32_t* vp, float* vs) {
+  auto codes32 = [](const char* src) {  // 32 codes widened to int16
+    return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+  };
+  for (int64_t j0 = lo / 16 * 16; j0 < hi; j0 += 16) {
+    if (j0 >= lo && j0 + 16 <= hi) {  // 16 keys: 16 pairs of each at a time, transposed
+      for (int h = 0; h < D / 32; ++h) {
+        __m512i r[16], t[16];
+        for (int i = 0; i < 16; ++i) r[i] = codes32(c.k_row(rows[j0 + i]) + 32 * h);
+        if (h == 0) {
+          for (int i = 0; i < 16; ++i) ks[j0 + i] = kv8::row_scale(c.k_row(rows[j0 + i]) + D);
+        }
+        transpose16(r, t);
+        for (int p = 0; p < 16; ++p) _mm512_storeu_si512(kp + (16 * h + p) * kTileKeys + j0, t[p]);
+      }
+      continue;
+    }
+    for (int64_t j = std::max(lo, j0); j < std::min(hi, j0 + 16); ++j) {
+      const auto* kr = reinterpret_cast<const int8_t*>(c.k_row(rows[j]));
+      ks[j] = kv8::row_scale(kr + D);
+      for (int p = 0; p < D / 2; ++p) {
+        const auto lo16 = static_cast<uint16_t>(static_cast<int16_t>(kr[2 * p]));
+        const auto hi16 = static_cast<uint16_t>(static_cast<int16_t>(kr[2 * p + 1]));
+        kp[p * kTileKeys + j] = lo16 | (static_cast<uint32_t>(hi16) << 16);
+      }
+    }
+  }
+  for (int64_t jp = lo / 2; jp < (hi + 1) / 2; ++jp) {
+    const char* a = 2 * jp >= lo ? c.v_row(rows[2 * jp]) : nullptr;
+    const char* b = 2 * jp + 1 < hi ? c.v_row(rows[2 * jp + 1]) : nullptr;
+    if (a != nullptr) vs[2 * jp] = kv8::row_scale(a + D);
+    if (b != nullptr) vs[2 * jp + 1] = kv8::row_scale(b + D);
+    for (int h = 0; h < D / 32; ++h) {
+      const __m512i va = a != nullptr ? codes32(a + 32 * h) : _mm512_setzero_si512();
+      const __m512i vb = b != nullptr ? codes32(b + 32 * h) : _mm512_setzero_si512();
+      _mm512_storeu_si512(vp + jp * D + 32 * h, _mm512_unpacklo_epi16(va, vb));
+      _mm512_storeu_si512(vp + jp * D + 32 * h + 16, _mm512_unpackhi_epi16(va, vb));
+    }
+  }
+}
+#else
+constexpr bool kIntegerInt8 = false;
+#endif
+
+// The integer tile's buffers (int8 caches with VNNI).
+struct IntTile {
+  std::vector<float> kscale, vscale;
+  std::vector<uint32_t> vp;
+  explicit IntTile(int64_t d) : kscale(kTileKeys, 0.0f), vscale(kTileKeys, 0.0f),
+                                vp(kTileKeys / 2 * d, 0u) {}
+};
+
 // Keys [t0 + lo, t0 + hi) of a sequence (block table `table`), KV head kvh, into the tile
 // buffers: kp[p * kTileKeys + j] = K pair p of key t0 + j, vt[j * D + d] = V in fp32. `kb`
-// (kTileKeys * D bf16) holds an 8-bit tile's keys on their way.
+// (kTileKeys * D bf16) holds an 8-bit tile's keys on their way. An int8 tile where the build
+// has VNNI goes into kp and `it` instead (load_tile_int8).
 template <int D>
 void load_tile(const Cache& c, const int32_t* table, int64_t kvh, int64_t t0, int64_t lo,
-               int64_t hi, uint32_t* kp, float* vt, uint16_t* kb) {
+               int64_t hi, uint32_t* kp, float* vt, uint16_t* kb, IntTile& it) {
   // Every row asked for at once first (the rows of one KV head are strided: read one after
   // another, each would wait for memory on its own).
   int64_t rows[kTileKeys];
   tile_rows<D>(c, table, kvh, t0, lo, hi, rows);
   prefetch_rows<D, _MM_HINT_T0>(c, rows, lo, hi);
+#if defined(__AVX512VNNI__)
+  if (c.kind == CacheKind::kInt8) {
+    load_tile_int8<D>(c, rows, lo, hi, kp, it.kscale.data(), it.vp.data(), it.vscale.data());
+    return;
+  }
+#else
+  (void)it;
+#endif
   const uint16_t* ksrc = static_cast<const uint16_t*>(c.k);
   if (c.kind != CacheKind::kBf16) {  // values first; then K is packed from kb like a bf16 tile
     dequantize_tile<D>(c, rows, lo, hi, kb, vt);
@@ -196,98 +269,148 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
   const int64_t bs = cache.block_size;
   const std::vector<Item> items =
       build_items(info, num_seqs, tables, max_blocks, bs, window, kTileKeys, true);
-  const int64_t num_items = static_cast<int64_t>(items.size()) * num_kv_heads;
+  const bool integer = kIntegerInt8 && kind == CacheKind::kInt8;
+  int64_t max_entries = 1;  // the most query rows of one item
+  for (const Item& item : items) max_entries = std::max(max_entries, item.entries());
+  // A unit of work is an item and `heads` of its KV heads: all of them where the items are
+  // decode-sized and many enough to give every thread several, else one. A tile's rows of all
+  // KV heads share cache lines (a block slot holds the heads side by side; an 8-bit row of D + 4
+  // bytes straddles lines with its neighbors'), so a unit reads each line it fetches at once.
+  // Each head's queries meet the same tiles in the same order either way.
+  const int64_t heads = max_entries <= kCascadeRows &&
+                                static_cast<int64_t>(items.size()) >= 4 * at::get_num_threads()
+                            ? num_kv_heads
+                            : 1;
+  const int64_t units_per_item = num_kv_heads / heads;
+  const int64_t num_units = static_cast<int64_t>(items.size()) * units_per_item;
 
-  at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
-    const int64_t max_queries = std::max(kLongRowTile, kCascadeRows) * group;
+  at::parallel_for(0, num_units, 1, [&](int64_t begin, int64_t end) {
+    const int64_t max_queries = max_entries * group * heads;
     std::vector<uint32_t> kp(D / 2 * kTileKeys, 0u);
-    std::vector<float> vt(kTileKeys * D, 0.0f);
-    std::vector<uint16_t> kb(kind == CacheKind::kBf16 ? 0 : kTileKeys * D);
+    std::vector<float> vt(integer ? 0 : kTileKeys * D, 0.0f);
+    std::vector<uint16_t> kb(kind == CacheKind::kBf16 || integer ? 0 : kTileKeys * D);
+    IntTile it(integer ? D : 0);
+    std::vector<int16_t> q16(integer ? max_queries * D : 0);
+    std::vector<int16_t> wbuf(integer ? max_queries * kTileKeys : 0);
+    std::vector<float> qfac(max_queries), tf(max_queries);
+    std::vector<const int16_t*> t16(max_queries);
     std::vector<float> m(max_queries), l(max_queries), acc(max_queries * D);
     std::vector<float> pbuf(max_queries * kTileKeys);
     std::vector<const uint16_t*> qv(max_queries), tq(max_queries);
     std::vector<int64_t> lo(max_queries), hi(max_queries);
     std::vector<float*> tm(max_queries), tl(max_queries), ta(max_queries);
 
-    // The query vectors of item entry e (a row): index e * group + g.
+    // The queries of a unit: index h * nq + e * group + g for its head h (KV head kvh0 + h),
+    // item entry e (a row) and query head g of the KV head's group.
     auto attend = [&](int64_t nt) {
+#if defined(__AVX512VNNI__)
+      if (integer) {
+        const lanes_int8::Tile tile{kp.data(), it.kscale.data(), it.vp.data(), it.vscale.data()};
+        lanes_int8::attend_tile<D>(nt, t16.data(), tf.data(), lo.data(), hi.data(), tile,
+                                   tm.data(), tl.data(), ta.data(), pbuf.data(), wbuf.data());
+        return;
+      }
+#endif
       lanes::attend_tile<D>(nt, tq.data(), lo.data(), hi.data(), kp.data(), kTileKeys, vt.data(),
                             scale, tm.data(), tl.data(), ta.data(), pbuf.data());
     };
     auto add = [&](int64_t& nt, int64_t qi, int64_t jl, int64_t jh) {
       tq[nt] = qv[qi], lo[nt] = jl, hi[nt] = jh;
       tm[nt] = &m[qi], tl[nt] = &l[qi], ta[nt] = acc.data() + qi * D;
+      if (integer) t16[nt] = q16.data() + qi * D, tf[nt] = qfac[qi];
       ++nt;
     };
-    // Rows [row0, row0 + rows) of sequence `seq` (query vectors from index e0 * group on)
-    // against its keys from `start_key` (a tile boundary) on, each row up to its own position.
-    auto own_keys = [&](int64_t seq, int64_t row0, int64_t rows, int64_t e0, int64_t kvh,
-                        int64_t start_key) {
+    // Keys [t0 + jl, t0 + jh) of KV head kvh (block table `table`) into the tile buffers, the
+    // next tile's [0, next) asked for meanwhile.
+    auto load = [&](const int32_t* table, int64_t kvh, int64_t t0, int64_t jl, int64_t jh,
+                    int64_t next) {
+      if (next > 0) prefetch_tile<D>(cache, table, kvh, t0 + kTileKeys, 0, next);
+      load_tile<D>(cache, table, kvh, t0, jl, jh, kp.data(), vt.data(), kb.data(), it);
+    };
+    // Rows [row0, row0 + rows) of sequence `seq` (entries from e0 on) against its keys from
+    // `start_key` (a tile boundary) on, each row up to its own position.
+    auto own_keys = [&](int64_t seq, int64_t row0, int64_t rows, int64_t e0, int64_t kvh0,
+                        int64_t nq, int64_t start_key) {
       const int64_t first_pos = info[3 * seq + 2] + (row0 - info[3 * seq]);
       const int64_t last_pos = first_pos + rows - 1;
       const int32_t* table = tables + seq * max_blocks;
       const int64_t lo_key = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
       const int64_t t_start = std::max(lo_key / kTileKeys * kTileKeys, start_key);
       for (int64_t t0 = t_start; t0 <= last_pos; t0 += kTileKeys) {
-        if (t0 + kTileKeys <= last_pos) {
-          prefetch_tile<D>(cache, table, kvh, t0 + kTileKeys, 0,
-                           std::min<int64_t>(kTileKeys, last_pos - t0 - kTileKeys + 1));
+        const int64_t next = std::clamp<int64_t>(last_pos - t0 - kTileKeys + 1, 0, kTileKeys);
+        for (int64_t h = 0; h < heads; ++h) {
+          load(table, kvh0 + h, t0, std::max<int64_t>(0, lo_key - t0),
+               std::min<int64_t>(kTileKeys, last_pos - t0 + 1), next);
+          int64_t nt = 0;
+          for (int64_t r = 0; r < rows; ++r) {
+            const int64_t qpos = first_pos + r;
+            const int64_t vis_lo = window > 0 ? std::max<int64_t>(0, qpos - window + 1) : 0;
+            const int64_t jl = std::max<int64_t>(0, vis_lo - t0);
+            const int64_t jh = std::min<int64_t>(kTileKeys, qpos - t0 + 1);
+            if (jl >= jh) continue;
+            for (int64_t g = 0; g < group; ++g) add(nt, h * nq + (e0 + r) * group + g, jl, jh);
+          }
+          attend(nt);
         }
-        load_tile<D>(cache, table, kvh, t0, std::max<int64_t>(0, lo_key - t0),
-                     std::min<int64_t>(kTileKeys, last_pos - t0 + 1), kp.data(), vt.data(),
-                     kb.data());
-        int64_t nt = 0;
-        for (int64_t r = 0; r < rows; ++r) {
-          const int64_t qpos = first_pos + r;
-          const int64_t vis_lo = window > 0 ? std::max<int64_t>(0, qpos - window + 1) : 0;
-          const int64_t jl = std::max<int64_t>(0, vis_lo - t0);
-          const int64_t jh = std::min<int64_t>(kTileKeys, qpos - t0 + 1);
-          if (jl >= jh) continue;
-          for (int64_t g = 0; g < group; ++g) add(nt, (e0 + r) * group + g, jl, jh);
-        }
-        attend(nt);
       }
     };
 
-    for (int64_t idx = begin; idx < end; ++idx) {
-      const Item& item = items[idx / num_kv_heads];
-      const int64_t kvh = idx % num_kv_heads;
-      const bool cascade = item.cascade();
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const Item& item = items[unit / units_per_item];
+      const int64_t kvh0 = unit % units_per_item * heads;
       const int64_t entries = item.entries();
       auto row_of = [&](int64_t e) { return item.row_of(e, info); };
-      const int64_t nq = entries * group;
-      for (int64_t e = 0; e < entries; ++e) {
-        for (int64_t g = 0; g < group; ++g) {
-          qv[e * group + g] = q_ptr + row_of(e) * q_row + (kvh * group + g) * q_head;
+      auto out_of = [&](int64_t h, int64_t e, int64_t g) {
+        return out_ptr + row_of(e) * out_row + ((kvh0 + h) * group + g) * D;
+      };
+      const int64_t nq = entries * group, units_q = heads * nq;
+      for (int64_t h = 0; h < heads; ++h) {
+        for (int64_t e = 0; e < entries; ++e) {
+          for (int64_t g = 0; g < group; ++g) {
+            qv[h * nq + e * group + g] = q_ptr + row_of(e) * q_row + ((kvh0 + h) * group + g) * q_head;
+          }
         }
       }
-      std::fill(acc.begin(), acc.begin() + nq * D, 0.0f);
-      std::fill(m.begin(), m.begin() + nq, -std::numeric_limits<float>::infinity());
-      std::fill(l.begin(), l.begin() + nq, 0.0f);
-      if (cascade) {
+#if defined(__AVX512VNNI__)
+      for (int64_t qi = 0; integer && qi < units_q; ++qi) {
+        qfac[qi] = lanes_int8::quantize_query<D>(qv[qi], q16.data() + qi * D) * scale;
+      }
+#endif
+      std::fill(acc.begin(), acc.begin() + units_q * D, 0.0f);
+      std::fill(m.begin(), m.begin() + units_q, -std::numeric_limits<float>::infinity());
+      std::fill(l.begin(), l.begin() + units_q, 0.0f);
+      if (item.cascade()) {
         // The shared keys: every query of the cascade sees all of them.
         const int64_t shared_keys = item.shared_blocks * bs;
         const int32_t* table = tables + item.seqs[0] * max_blocks;
         for (int64_t t0 = 0; t0 < shared_keys; t0 += kTileKeys) {
-          if (t0 + kTileKeys < shared_keys) {
-            prefetch_tile<D>(cache, table, kvh, t0 + kTileKeys, 0, kTileKeys);
+          const int64_t next = t0 + kTileKeys < shared_keys ? kTileKeys : 0;
+          for (int64_t h = 0; h < heads; ++h) {
+            load(table, kvh0 + h, t0, 0, kTileKeys, next);
+            int64_t nt = 0;
+            for (int64_t qi = h * nq; qi < (h + 1) * nq; ++qi) add(nt, qi, 0, kTileKeys);
+            attend(nt);
           }
-          load_tile<D>(cache, table, kvh, t0, 0, kTileKeys, kp.data(), vt.data(), kb.data());
-          int64_t nt = 0;
-          for (int64_t qi = 0; qi < nq; ++qi) add(nt, qi, 0, kTileKeys);
-          attend(nt);
         }
         for (int64_t e = 0; e < entries; ++e) {
-          own_keys(item.seqs[e], row_of(e), 1, e, kvh, shared_keys);
+          own_keys(item.seqs[e], row_of(e), 1, e, kvh0, nq, shared_keys);
         }
       } else {
-        own_keys(item.seqs[0], item.row0, item.rows, 0, kvh, 0);
+        own_keys(item.seqs[0], item.row0, item.rows, 0, kvh0, nq, 0);
       }
-      for (int64_t e = 0; e < entries; ++e) {
-        for (int64_t g = 0; g < group; ++g) {
-          const int64_t qi = e * group + g;
-          lanes::finish<D>(acc.data() + qi * D, l[qi],
-                           out_ptr + row_of(e) * out_row + (kvh * group + g) * D);
+      for (int64_t h = 0; h < heads; ++h) {
+        for (int64_t e = 0; e < entries; ++e) {
+          for (int64_t g = 0; g < group; ++g) {
+            const float* a = acc.data() + (h * nq + e * group + g) * D;
+            const float lsum = l[h * nq + e * group + g];
+#if defined(__AVX512VNNI__)
+            if (integer) {
+              lanes_int8::finish<D>(a, lsum, out_of(h, e, g));
+              continue;
+            }
+#endif
+            lanes::finish<D>(a, lsum, out_of(h, e, g));
+          }
         }
       }
     }
