@@ -147,13 +147,15 @@ void load_tile_int8(const Cache& c, const int64_t* rows, int64_t lo, int64_t hi,
   auto codes32 = [](const char* src) {  // 32 codes widened to int16
     return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
   };
+  const char* kbase = static_cast<const char*>(c.k);  // rows[] counts bytes here
+  const char* vbase = static_cast<const char*>(c.v);
   for (int64_t j0 = lo / 16 * 16; j0 < hi; j0 += 16) {
     if (j0 >= lo && j0 + 16 <= hi) {  // 16 keys: 16 pairs of each at a time, transposed
       for (int h = 0; h < D / 32; ++h) {
         __m512i r[16], t[16];
-        for (int i = 0; i < 16; ++i) r[i] = codes32(c.k_row(rows[j0 + i]) + 32 * h);
+        for (int i = 0; i < 16; ++i) r[i] = codes32(kbase + rows[j0 + i] + 32 * h);
         if (h == 0) {
-          for (int i = 0; i < 16; ++i) ks[j0 + i] = kv8::row_scale(c.k_row(rows[j0 + i]) + D);
+          for (int i = 0; i < 16; ++i) ks[j0 + i] = kv8::row_scale(kbase + rows[j0 + i] + D);
         }
         transpose16(r, t);
         for (int p = 0; p < 16; ++p) _mm512_storeu_si512(kp + (16 * h + p) * kTileKeys + j0, t[p]);
@@ -161,7 +163,7 @@ void load_tile_int8(const Cache& c, const int64_t* rows, int64_t lo, int64_t hi,
       continue;
     }
     for (int64_t j = std::max(lo, j0); j < std::min(hi, j0 + 16); ++j) {
-      const auto* kr = reinterpret_cast<const int8_t*>(c.k_row(rows[j]));
+      const auto* kr = reinterpret_cast<const int8_t*>(kbase + rows[j]);
       ks[j] = kv8::row_scale(kr + D);
       for (int p = 0; p < D / 2; ++p) {
         const auto lo16 = static_cast<uint16_t>(static_cast<int16_t>(kr[2 * p]));
@@ -171,8 +173,8 @@ void load_tile_int8(const Cache& c, const int64_t* rows, int64_t lo, int64_t hi,
     }
   }
   for (int64_t jp = lo / 2; jp < (hi + 1) / 2; ++jp) {
-    const char* a = 2 * jp >= lo ? c.v_row(rows[2 * jp]) : nullptr;
-    const char* b = 2 * jp + 1 < hi ? c.v_row(rows[2 * jp + 1]) : nullptr;
+    const char* a = 2 * jp >= lo ? vbase + rows[2 * jp] : nullptr;
+    const char* b = 2 * jp + 1 < hi ? vbase + rows[2 * jp + 1] : nullptr;
     if (a != nullptr) vs[2 * jp] = kv8::row_scale(a + D);
     if (b != nullptr) vs[2 * jp + 1] = kv8::row_scale(b + D);
     for (int h = 0; h < D / 32; ++h) {
