@@ -22,6 +22,7 @@
 
 #include "exp_avx512.h"
 #include "kv8_rows.h"
+#include "line_sweep.h"
 #include "kernels.h"
 #include "paged_items.h"
 
@@ -39,6 +40,7 @@ using prefixserve::paged::build_items;
 using prefixserve::paged::kCascadeRows;
 using prefixserve::paged::kLongRowTile;
 using prefixserve::kv8::row_to_float;
+using prefixserve::touch_lines;
 
 inline void store(float* dst, float x) { *dst = x; }
 inline void store(c10::BFloat16* dst, float x) { *dst = c10::BFloat16(x); }
@@ -432,6 +434,13 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
             block * cache_block_stride + (j % block_size) * cache_slot_stride + kvh * head_pitch;
         prefetch_row(k_ptr + off, head_pitch);
         prefetch_row(v_ptr + off, head_pitch);
+      }
+      for (int64_t j = lo; j < hi; ++j) {  // then read them in one burst (line_sweep.h)
+        const int64_t block = table[b0 + j / block_size];
+        const int64_t off =
+            block * cache_block_stride + (j % block_size) * cache_slot_stride + kvh * head_pitch;
+        touch_lines(reinterpret_cast<const char*>(k_ptr + off),
+                    reinterpret_cast<const char*>(v_ptr + off), head_pitch * sizeof(cache_t));
       }
       for (int64_t j = lo; j < hi; ++j) {
         const int64_t block = table[b0 + j / block_size];

@@ -14,6 +14,7 @@
 #include "attn_lanes_bf16.h"
 #include "attn_lanes_int8.h"
 #include "kv8_rows.h"
+#include "line_sweep.h"
 #include "paged_items.h"
 
 #include <algorithm>
@@ -31,6 +32,7 @@ namespace lanes_int8 = prefixserve::lanes_int8;
 #endif
 namespace kv8 = prefixserve::kv8;
 using lanes::kTileKeys;
+using prefixserve::touch_lines;
 using prefixserve::paged::build_items;
 using prefixserve::paged::Item;
 using prefixserve::paged::kCascadeRows;
@@ -105,28 +107,12 @@ void prefetch_rows(const Cache& c, const int64_t* rows, int64_t lo, int64_t hi) 
   }
 }
 
-// How a tile's loader first reads its lines from memory: a burst of independent loads, every
-// line once in address order, before the rows are gathered (then from L1/L2). Gathered
-// straight from memory, row after strided row between the shuffles, the rows arrived at a
-// third of the read bandwidth; software prefetches alone did not help (AMD Zen 4, 2 vCPUs).
+// Which lines a tile's loader reads first in one burst (line_sweep.h).
 enum class Sweep {
   kNone,   // the lines are already near (a unit's later KV heads, after kSlots)
   kRows,   // the unit's own rows: each row's lines
   kSlots,  // whole slots, every KV head's rows (a unit that takes all heads): a run per block
 };
-
-// Read 4 bytes of every 64 in [p, p + bytes) and of its last 4; the loads are kept by the asm.
-inline void touch_lines(const char* k, const char* v, int64_t bytes) {
-  uint32_t sink = 0;
-  auto word = [](const char* p) {
-    uint32_t w;
-    std::memcpy(&w, p, sizeof w);
-    return w;
-  };
-  for (int64_t b = 0; b < bytes - 4; b += 64) sink |= word(k + b) | word(v + b);
-  sink |= word(k + bytes - 4) | word(v + bytes - 4);
-  asm volatile("" : : "r"(sink));
-}
 
 // The sweep `how` of keys [t0 + lo, t0 + hi) (their element offsets rows[lo, hi) for kRows).
 template <int D>
