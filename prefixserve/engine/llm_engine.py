@@ -170,8 +170,9 @@ class LLMEngine:
         return min(sched.max_num_batched_tokens, threshold)
 
     def _other_kv_layouts(self) -> dict[str, str]:
-        """The disk layouts of this model's other KV dtypes (`kv_layout` as an engine of that
-        dtype would build it), for cache reports that name a block stored in another."""
+        """The disk layouts of this model's other KV dtypes (`kv_layout` and `kv_numerics` as an
+        engine of that dtype would build them), for cache reports that name a block stored in
+        another."""
         k_cache = self.runner.kv_caches[0][0]
         _, block_size, heads, _ = k_cache.shape
         head_dim, own = self.model_config.head_dim, self.runner.kv_format.name
@@ -189,7 +190,7 @@ class LLMEngine:
                     fmt.row_width(head_dim),
                     fmt.storage,
                     fmt.name,
-                )
+                ) + self.runner.kv_numerics(fmt.name)
         return layouts
 
     def _blocks_needed(self, num_tokens: int) -> int:

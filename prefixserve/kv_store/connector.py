@@ -543,8 +543,8 @@ def open_engine_kv_store(
     and it cannot be reached (logged). Raises ValueError / OSError (UnsafeStoreError for a
     directory others can reach). `numerics`: the runner's name for how its K/V are computed
     where that changes their bits (`ModelRunner.kv_numerics`). `other_layouts`: the layouts
-    of the other KV dtypes by name, whose disk namespaces a cache report looks in
-    (`KVStoreConnector.other_kv_dtype`)."""
+    of the other KV dtypes by name, each with its own numerics, whose disk namespaces a cache
+    report looks in (`KVStoreConnector.other_kv_dtype`)."""
     store_config = config.kv_store
     if store_config is None or not (store_config.enabled or store_config.remote_url):
         return None, None
@@ -578,7 +578,7 @@ def open_engine_kv_store(
     )
     if store_config.dir is not None and store is not None:
         connector.other_dtypes = {
-            name: StoreLookup(store_config.dir, namespace_of(layout + numerics))
+            name: StoreLookup(store_config.dir, namespace_of(layout))
             for name, layout in (other_layouts or {}).items()
         }
     # Hosts that share a tier hash with the seed kept in it, so their block hashes agree.

@@ -29,6 +29,7 @@ from prefixserve.engine.prompt_embeds import embeds_rows
 from prefixserve.kv_store.worker import gather_blocks, scatter_blocks
 from prefixserve.model.config import ModelConfig
 from prefixserve.model.kernels.build import (
+    attention_int8_dot,
     attention_kernels_agree,
     paged_attention_kernel,
     prefill_attention_kernel,
@@ -259,19 +260,24 @@ class ModelRunner:
             self._seeded_generators[request.request_id] = gen
         return gen
 
-    def kv_numerics(self) -> str:
+    def kv_numerics(self, kv_dtype: str | None = None) -> str:
         """What the disk tier's namespace adds for how this runner computes K/V: nothing
         outside the batch-invariant mode; in it, its linears' path (the native GEMM's order, or
         oneDNN's where `PREFIXSERVE_NATIVE_GEMM=0`) and its attention's (the bf16 lanes kernels'
-        arithmetic, or the portable path's where the build has no AVX512-BF16: a layer's K/V
-        depend on the earlier layers' attention), so a hit is a cold start's bits, also from
-        a store that hosts of other CPU kinds share."""
+        arithmetic, its int8 caches' integer one where the build has it, or the portable path's
+        where the build has no AVX512-BF16: a layer's K/V depend on the earlier layers'
+        attention), so a hit is a cold start's bits, also from
+        a store that hosts of other CPU kinds share. `kv_dtype`: as an engine of that KV dtype
+        would name it (the runner's own by default)."""
         weights = f"/weights-{self.config.quantization}" if self.config.quantization else ""
         if not self.batch_invariant:
             return weights
         linears = "native-gemm" if compiled_kernel("gemm") is not None else "onednn"
         lanes = self.dtype == torch.bfloat16 and attention_kernels_agree()
-        return f"/batch-invariant/{linears}/{'lanes' if lanes else 'portable'}-attention{weights}"
+        attention = "lanes" if lanes else "portable"
+        if lanes and (kv_dtype or self.kv_format.name) == "int8" and attention_int8_dot():
+            attention = "lanes-int8-dot"  # attn_lanes_int8.h: its own arithmetic
+        return f"/batch-invariant/{linears}/{attention}-attention{weights}"
 
     def gather_blocks(self, block_ids: Sequence[int]) -> list[memoryview]:
         """Copies of these blocks' K/V (every layer) for the disk tier (kv_store/worker.py)."""

@@ -152,30 +152,49 @@ def test_a_row_gets_the_same_bits_whatever_shares_its_call():
 
 
 @needs_lanes
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), SHAPES)
 @pytest.mark.parametrize("name", ["int8", "fp8_e4m3"])
 @pytest.mark.parametrize("window", [0, 70])
-def test_an_8_bit_cache_gives_a_query_the_same_bits_however_it_is_grouped(name, window):
+def test_an_8_bit_cache_gives_a_query_the_same_bits_however_it_is_grouped(
+    heads, kv_heads, head_dim, name, window
+):
     """An 8-bit cache (int8: integer dot products where the build has VNNI): a 300-token
     prompt in one call, chunk by chunk, every position as a decode row in one call (cascades,
-    and enough rows that a work unit takes all three KV heads) and some rows alone: the same
-    bits, within bf16 rounding of fp64 attention over the dequantized K/V."""
-    q, kc, vc, table, _, _ = prompt_case(300, 9, 3, 64, 16, seed=3)
+    and enough rows that a work unit takes all KV heads on up to 18 threads) and some rows
+    alone: the same bits, within bf16 rounding of fp64 attention over the dequantized K/V."""
+    q, kc, vc, table, _, _ = prompt_case(300, heads, kv_heads, head_dim, 16, seed=3)
     fmt = kv_format(name, torch.bfloat16)
     kq, vq = quantize_rows(kc, fmt), quantize_rows(vc, fmt)
     whole = run_chunks(paged, q, kq, vq, table, [0, 300], window)
-    assert torch.equal(
-        whole, run_chunks(paged, q, kq, vq, table, [0, 63, 64, 129, 200, 300], window)
-    )
+    cuts = [0, 63, 64, 129, 200, 300]
+    assert torch.equal(whole, run_chunks(paged, q, kq, vq, table, cuts, window))
     assert torch.equal(whole, run_decode_rows(q, kq, vq, table, window))
     for p in (0, 63, 64, 150, 299):
-        assert torch.equal(
-            whole[p : p + 1], run_chunks(paged, q, kq, vq, table, [p, p + 1], window)[p : p + 1]
-        )
-    blocks = table[0].long()
-    slots = (blocks.unsqueeze(1) * 16 + torch.arange(16)).view(-1)[:300]
-    keys = dequantize_rows(kq.view(-1, 3, 68)[slots], fmt, torch.float64)
-    values = dequantize_rows(vq.view(-1, 3, 68)[slots], fmt, torch.float64)
+        alone = run_chunks(paged, q, kq, vq, table, [p, p + 1], window)[p : p + 1]
+        assert torch.equal(whole[p : p + 1], alone)
+    slots = (table[0].long().unsqueeze(1) * 16 + torch.arange(16)).view(-1)[:300]
+    rows = kq.shape[-1]
+    keys = dequantize_rows(kq.view(-1, kv_heads, rows)[slots], fmt, torch.float64)
+    values = dequantize_rows(vq.view(-1, kv_heads, rows)[slots], fmt, torch.float64)
     assert (whole.double() - exact(q, keys, values, window)).abs().max().item() < 0.02
+
+
+@needs_lanes
+def test_a_nan_scale_in_an_int8_row_the_query_cannot_see_stays_out():
+    """A NaN scale in the K and V rows of a slot after the query's position, in the same
+    64-key tile (a corrupted unwritten tail): the rows before it get the clean cache's bits."""
+    q, kc, vc, table, _, _ = prompt_case(40, 9, 3, 64, 16, seed=7)
+    fmt = kv_format("int8", torch.bfloat16)
+    kq, vq = quantize_rows(kc, fmt), quantize_rows(vc, fmt)
+    clean = run_chunks(paged, q, kq, vq, table, [0, 40])
+    slot = table[0, 30 // 16].item(), 30 % 16
+    nan = torch.tensor([float("nan")]).view(torch.int8)
+    kq[slot][:, 64:] = nan
+    vq[slot][:, 64:] = nan
+    out = run_chunks(paged, q, kq, vq, table, [0, 40])
+    assert torch.equal(out[:30], clean[:30])
+    decode = run_decode_rows(q, kq, vq, table)
+    assert torch.equal(decode[:30], clean[:30])
 
 
 @needs_lanes

@@ -558,3 +558,32 @@ def test_the_disk_tier_keeps_apart_blocks_of_each_linear_path(default_model_bf16
     assert runner.kv_numerics() == "/batch-invariant/onednn/lanes-attention"
     runner.batch_invariant = False
     assert runner.kv_numerics() == ""
+
+
+def test_an_int8_cache_of_the_integer_kernel_keeps_its_disk_blocks_apart(
+    default_model_bf16, monkeypatch
+):
+    """An int8 KV cache meets bf16 queries in integer dot products where the build has VNNI
+    (csrc/attn_lanes_int8.h), in dequantized tiles on a lanes build without it: two
+    arithmetics, so two namespaces for a batch-invariant engine; a bf16 cache is not renamed."""
+    from prefixserve.worker import model_runner
+
+    if paged_attention_kernel() is None or compiled_kernel("gemm") is None:
+        pytest.skip("the native kernels are not built here")
+    monkeypatch.setattr(model_runner, "attention_kernels_agree", lambda: True)
+    cache = CacheConfig(num_kv_blocks=32, kv_cache_dtype="int8")
+    runner = LLMEngine(
+        EngineConfig(dtype="bfloat16", cache=cache), loaded_model=default_model_bf16
+    ).runner
+    monkeypatch.setattr(model_runner, "attention_int8_dot", lambda: True)
+    assert runner.kv_numerics() == "/batch-invariant/native-gemm/lanes-int8-dot-attention"
+    # As an engine of another KV dtype would name it (its namespace for cache reports).
+    assert runner.kv_numerics("bf16") == "/batch-invariant/native-gemm/lanes-attention"
+    monkeypatch.setattr(model_runner, "attention_int8_dot", lambda: False)
+    assert runner.kv_numerics() == "/batch-invariant/native-gemm/lanes-attention"
+    monkeypatch.setattr(model_runner, "attention_kernels_agree", lambda: False)
+    assert runner.kv_numerics() == "/batch-invariant/native-gemm/portable-attention"
+    runner.kv_format = model_runner.kv_format("auto", runner.dtype)
+    monkeypatch.setattr(model_runner, "attention_kernels_agree", lambda: True)
+    monkeypatch.setattr(model_runner, "attention_int8_dot", lambda: True)
+    assert runner.kv_numerics() == "/batch-invariant/native-gemm/lanes-attention"

@@ -117,7 +117,8 @@ CASES = {
     "prefill_whole": [(0, 45)],
     "chunk_over_cached_prefix": [(64, 33), (17, 3)],
     "mixed_step": [(100, 1), (31, 1), (0, 20), (48, 40)],
-    # Enough decode rows that a work unit of the lanes path takes all KV heads of its row.
+    # Decode rows of 12 sequences: on up to 3 threads, enough that a work unit of the lanes path
+    # takes all KV heads of its row (test_attention_lanes.py reaches it on more).
     "large_decode_batch": [(n, 1) for n in (3, 64, 65, 200, 17, 128, 90, 1, 33, 150, 77, 0)],
 }
 

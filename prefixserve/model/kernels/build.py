@@ -165,6 +165,14 @@ def attention_kernels_agree() -> bool:
     return module is not None and bool(module.paged_attention_lanes_ready())
 
 
+def attention_int8_dot() -> bool:
+    """Whether bf16 queries over an int8 KV cache meet it in integer dot products in this build
+    (csrc/attn_lanes_int8.h, AVX512-BF16 and VNNI), not over dequantized tiles: another
+    arithmetic, so another disk-tier namespace for batch-invariant engines."""
+    module = _module()
+    return module is not None and bool(module.paged_attention_int8_dot())
+
+
 def prefill_attention_kernel() -> Callable[..., None] | None:
     """`prefill_attention(out, q, k, v, scale)`: causal attention of one long bf16 chunk over
     contiguous K/V rows (csrc/prefill_attention.cpp), or None when the kernels are unavailable

@@ -81,5 +81,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention_lanes_ready", &paged_attention_lanes_ready,
         "whether bf16 paged_attention has its keys-in-lanes path (prefill_attention's "
         "arithmetic) in this build");
+  m.def("paged_attention_int8_dot", &paged_attention_int8_dot,
+        "whether bf16 queries over an int8 cache take integer dot products (attn_lanes_int8.h) "
+        "in this build");
   m.def("rms_norm", &rms_norm, "RMSNorm of rows (contiguous last dim, any outer strides) with transformers' roundings");
 }

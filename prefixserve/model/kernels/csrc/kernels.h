@@ -46,6 +46,7 @@ void paged_attention_portable(torch::Tensor out, torch::Tensor q, torch::Tensor 
                               torch::Tensor seq_info, double scale, double softcap,
                               int64_t window);
 bool paged_attention_lanes_ready();
+bool paged_attention_int8_dot();
 
 // gemv.cpp
 void linear_bf16_small(torch::Tensor out, torch::Tensor x, torch::Tensor w,

@@ -690,3 +690,11 @@ bool paged_attention_lanes_ready() {
   return false;
 #endif
 }
+
+bool paged_attention_int8_dot() {
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+  return true;  // paged_lanes_bf16.cpp's kIntegerInt8
+#else
+  return false;
+#endif
+}
