@@ -274,9 +274,11 @@ class ModelRunner:
             return weights
         linears = "native-gemm" if compiled_kernel("gemm") is not None else "onednn"
         lanes = self.dtype == torch.bfloat16 and attention_kernels_agree()
-        attention = "lanes" if lanes else "portable"
-        if lanes and (kv_dtype or self.kv_format.name) == "int8" and attention_int8_dot():
+        attention, kv = ("lanes" if lanes else "portable"), kv_dtype or self.kv_format.name
+        if lanes and kv == "int8" and attention_int8_dot():
             attention = "lanes-int8-dot"  # attn_lanes_int8.h: its own arithmetic
+        elif lanes and kv == "fp8_e4m3":
+            attention = "lanes-fp8-codes"  # exact codes, row scales after (lanes::RowScales)
         return f"/batch-invariant/{linears}/{attention}-attention{weights}"
 
     def gather_blocks(self, block_ids: Sequence[int]) -> list[memoryview]:

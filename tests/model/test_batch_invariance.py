@@ -577,8 +577,12 @@ def test_an_int8_cache_of_the_integer_kernel_keeps_its_disk_blocks_apart(
     ).runner
     monkeypatch.setattr(model_runner, "attention_int8_dot", lambda: True)
     assert runner.kv_numerics() == "/batch-invariant/native-gemm/lanes-int8-dot-attention"
-    # As an engine of another KV dtype would name it (its namespace for cache reports).
+    # As an engine of another KV dtype would name it (its namespace for cache reports); fp8
+    # caches meet queries as exact codes with the row scales after, another arithmetic too.
     assert runner.kv_numerics("bf16") == "/batch-invariant/native-gemm/lanes-attention"
+    assert (
+        runner.kv_numerics("fp8_e4m3") == "/batch-invariant/native-gemm/lanes-fp8-codes-attention"
+    )
     monkeypatch.setattr(model_runner, "attention_int8_dot", lambda: False)
     assert runner.kv_numerics() == "/batch-invariant/native-gemm/lanes-attention"
     monkeypatch.setattr(model_runner, "attention_kernels_agree", lambda: False)

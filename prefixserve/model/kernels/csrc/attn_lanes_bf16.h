@@ -165,13 +165,22 @@ inline void tile_values(int n, float* const* acc, const float* const* p, const f
   }
 }
 
+// A tile of 8-bit codes held as their exact values (fp8 e4m3: every code is exact in bf16):
+// key j's scores are multiplied by kscale[j] after `scale`, and a query's weight of value j by
+// vscale[j] after the softmax (its sum l is of the unscaled weights), each rounded once.
+struct RowScales {
+  const float* kscale;  // [kTileKeys]
+  const float* vscale;  // [kTileKeys]
+};
+
 // A batch of queries meeting one tile: query i is q[i] (bf16 [D]) with visible keys
 // [lo[i], hi[i]) of the tile (0 <= lo < hi <= 64), running state m[i], l[i], acc[i] ([D]).
-// `pbuf` holds n rows of 64 floats.
+// `pbuf` holds n rows of 64 floats. `rows`: the tile's row scales, or nullptr (bf16 values).
 template <int D>
 inline void attend_tile(int64_t n, const uint16_t* const* q, const int64_t* lo, const int64_t* hi,
                         const uint32_t* kp, int64_t kstride, const float* v, float scale,
-                        float* const* m, float* const* l, float* const* acc, float* pbuf) {
+                        float* const* m, float* const* l, float* const* acc, float* pbuf,
+                        const RowScales* rows = nullptr) {
   constexpr int VG = value_group<D>();
   for (int64_t i0 = 0; i0 < n; i0 += kScoreGroup) {
     const int g = static_cast<int>(std::min<int64_t>(kScoreGroup, n - i0));
@@ -182,11 +191,22 @@ inline void attend_tile(int64_t n, const uint16_t* const* q, const int64_t* lo, 
       case 3: tile_scores<D, 3>(q + i0, kp, kstride, scale, s); break;
       default: tile_scores<D, 4>(q + i0, kp, kstride, scale, s); break;
     }
+    if (rows != nullptr) {
+      for (int i = 0; i < g; ++i)
+        for (int c = 0; c < 4; ++c)
+          s[i][c] = _mm512_mul_round_ps(s[i][c], _mm512_loadu_ps(rows->kscale + 16 * c), kRound);
+    }
     float corr[kScoreGroup];
     const float* prow[kScoreGroup];
     for (int i = 0; i < g; ++i) {
       float* pr = pbuf + (i0 + i) * kTileKeys;
       corr[i] = tile_softmax(s[i], lo[i0 + i], hi[i0 + i], *m[i0 + i], *l[i0 + i], pr);
+      for (int c = 0; rows != nullptr && c < 4; ++c) {
+        const __mmask16 k = lanes_in(16 * c, lo[i0 + i], hi[i0 + i]);
+        const __m512 w = _mm512_maskz_mul_round_ps(k, _mm512_loadu_ps(pr + 16 * c),
+                                                   _mm512_loadu_ps(rows->vscale + 16 * c), kRound);
+        _mm512_storeu_ps(pr + 16 * c, w);
+      }
       prow[i] = pr;
     }
     for (int i = 0; i < g; i += VG) {

@@ -143,8 +143,8 @@ void prefetch_tile(const Cache& c, const int32_t* table, int64_t kvh, int64_t t0
   prefetch_rows<D, _MM_HINT_T1>(c, rows, lo, hi);
 }
 
-// An 8-bit tile's rows [lo, hi) as values: K rounded to bf16 into kb[j * D] (what the bf16
-// scores read: the value code * scale in fp32, then to nearest bf16), V in fp32 into vt.
+// An int8 tile's rows [lo, hi) as values where the build has no VNNI: K rounded to bf16 into
+// kb[j * D] (what the bf16 scores read: code * scale in fp32, then to nearest bf16), V in fp32.
 template <int D>
 void dequantize_tile(const Cache& c, const int64_t* rows, int64_t lo, int64_t hi, uint16_t* kb,
                      float* vt) {
@@ -153,12 +153,51 @@ void dequantize_tile(const Cache& c, const int64_t* rows, int64_t lo, int64_t hi
     const char* vr = c.v_row(rows[j]);
     const __m512 ks = _mm512_set1_ps(kv8::row_scale(kr + D));
     const __m512 vs = _mm512_set1_ps(kv8::row_scale(vr + D));
-    const bool fp8 = c.kind == CacheKind::kFp8;
     for (int d = 0; d < D; d += 16) {
-      const __m512 kv = kv8::codes16(kr + d, fp8, ks);
+      const __m512 kv = kv8::codes16(kr + d, false, ks);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(kb + j * D + d),
                           (__m256i)_mm512_cvtneps_pbh(kv));
-      _mm512_storeu_ps(vt + j * D + d, kv8::codes16(vr + d, fp8, vs));
+      _mm512_storeu_ps(vt + j * D + d, kv8::codes16(vr + d, false, vs));
+    }
+  }
+}
+
+// 32 fp8 e4m3 codes as bf16 bits, exactly (every e4m3 value is a bf16 one): normal codes keep
+// their sign and mantissa with the exponent rebiased (7 to 127), subnormal ones (m * 2^-9) come
+// from a table; the two NaN codes are never written.
+inline __m512i fp8_to_bf16(const char* src) {
+  const __m512i b =
+      _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+  const __m512i normal = _mm512_add_epi16(
+      _mm512_slli_epi16(_mm512_and_si512(b, _mm512_set1_epi16(0x7f)), 4), _mm512_set1_epi16(0x3C00));
+  const __m512i subnormals = _mm512_set_epi16(  // bf16(m * 2^-9) at index m < 8
+      0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x3C60, 0x3C40,
+      0x3C20, 0x3C00, 0x3BC0, 0x3B80, 0x3B00, 0);
+  const __m512i sub = _mm512_permutexvar_epi16(_mm512_and_si512(b, _mm512_set1_epi16(7)), subnormals);
+  const __mmask32 tiny = _mm512_cmpeq_epi16_mask(_mm512_and_si512(b, _mm512_set1_epi16(0x78)),
+                                                 _mm512_setzero_si512());
+  const __m512i magnitude = _mm512_mask_blend_epi16(tiny, normal, sub);
+  return _mm512_or_si512(magnitude,
+                         _mm512_slli_epi16(_mm512_and_si512(b, _mm512_set1_epi16(0x80)), 8));
+}
+
+// An fp8 tile's rows [lo, hi) as their codes' exact values, the scales apart (lanes::RowScales):
+// K as bf16 into kb[j * D], V in fp32 into vt, the rows' scales into ks and vs.
+template <int D>
+void fp8_tile(const Cache& c, const int64_t* rows, int64_t lo, int64_t hi, uint16_t* kb,
+              float* vt, float* ks, float* vs) {
+  for (int64_t j = lo; j < hi; ++j) {
+    const char* kr = c.k_row(rows[j]);
+    const char* vr = c.v_row(rows[j]);
+    ks[j] = kv8::row_scale(kr + D);
+    vs[j] = kv8::row_scale(vr + D);
+    for (int d = 0; d < D; d += 32) {
+      _mm512_storeu_si512(kb + j * D + d, fp8_to_bf16(kr + d));
+      const __m512i v = fp8_to_bf16(vr + d);
+      const __m512i lo16 = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(v));
+      const __m512i hi16 = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1));
+      _mm512_storeu_si512(vt + j * D + d, _mm512_slli_epi32(lo16, 16));
+      _mm512_storeu_si512(vt + j * D + d + 16, _mm512_slli_epi32(hi16, 16));
     }
   }
 }
@@ -248,7 +287,11 @@ void load_tile(const Cache& c, const int32_t* table, int64_t kvh, int64_t t0, in
 #endif
   const uint16_t* ksrc = static_cast<const uint16_t*>(c.k);
   if (c.kind != CacheKind::kBf16) {  // values first; then K is packed from kb like a bf16 tile
-    dequantize_tile<D>(c, rows, lo, hi, kb, vt);
+    if (c.kind == CacheKind::kFp8) {
+      fp8_tile<D>(c, rows, lo, hi, kb, vt, it.kscale.data(), it.vscale.data());
+    } else {
+      dequantize_tile<D>(c, rows, lo, hi, kb, vt);  // int8 without VNNI
+    }
     for (int64_t j = lo; j < hi; ++j) rows[j] = j * D;
     ksrc = kb;
   }
@@ -342,8 +385,10 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
         return;
       }
 #endif
+      const lanes::RowScales fp8_rows{it.kscale.data(), it.vscale.data()};
       lanes::attend_tile<D>(nt, tq.data(), lo.data(), hi.data(), kp.data(), kTileKeys, vt.data(),
-                            scale, tm.data(), tl.data(), ta.data(), pbuf.data());
+                            scale, tm.data(), tl.data(), ta.data(), pbuf.data(),
+                            kind == CacheKind::kFp8 ? &fp8_rows : nullptr);
     };
     auto add = [&](int64_t& nt, int64_t qi, int64_t jl, int64_t jh) {
       tq[nt] = qv[qi], lo[nt] = jl, hi[nt] = jh;
