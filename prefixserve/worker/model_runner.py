@@ -274,8 +274,11 @@ class ModelRunner:
             return weights
         linears = "native-gemm" if compiled_kernel("gemm") is not None else "onednn"
         lanes = self.dtype == torch.bfloat16 and attention_kernels_agree()
-        attention, kv = ("lanes" if lanes else "portable"), kv_dtype or self.kv_format.name
-        if lanes and kv == "int8" and attention_int8_dot():
+        kv = kv_dtype or self.kv_format.name
+        if lanes and kv == "int8":  # the lanes path takes int8 in integer tiles, where it can
+            lanes = attention_int8_dot()
+        attention = "lanes" if lanes else "portable"
+        if lanes and kv == "int8":
             attention = "lanes-int8-dot"  # attn_lanes_int8.h: its own arithmetic
         elif lanes and kv == "fp8_e4m3":
             attention = "lanes-fp8-codes"  # exact codes, row scales after (lanes::RowScales)

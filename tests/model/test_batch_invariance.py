@@ -564,7 +564,7 @@ def test_an_int8_cache_of_the_integer_kernel_keeps_its_disk_blocks_apart(
     default_model_bf16, monkeypatch
 ):
     """An int8 KV cache meets bf16 queries in integer dot products where the build has VNNI
-    (csrc/attn_lanes_int8.h), in dequantized tiles on a lanes build without it: two
+    (csrc/attn_lanes_int8.h), on the portable path on a lanes build without it: two
     arithmetics, so two namespaces for a batch-invariant engine; a bf16 cache is not renamed."""
     from prefixserve.worker import model_runner
 
@@ -583,8 +583,9 @@ def test_an_int8_cache_of_the_integer_kernel_keeps_its_disk_blocks_apart(
     assert (
         runner.kv_numerics("fp8_e4m3") == "/batch-invariant/native-gemm/lanes-fp8-codes-attention"
     )
+    # A lanes build without VNNI attends int8 caches on the portable path.
     monkeypatch.setattr(model_runner, "attention_int8_dot", lambda: False)
-    assert runner.kv_numerics() == "/batch-invariant/native-gemm/lanes-attention"
+    assert runner.kv_numerics() == "/batch-invariant/native-gemm/portable-attention"
     monkeypatch.setattr(model_runner, "attention_kernels_agree", lambda: False)
     assert runner.kv_numerics() == "/batch-invariant/native-gemm/portable-attention"
     runner.kv_format = model_runner.kv_format("auto", runner.dtype)

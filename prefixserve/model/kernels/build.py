@@ -167,7 +167,7 @@ def attention_kernels_agree() -> bool:
 
 def attention_int8_dot() -> bool:
     """Whether bf16 queries over an int8 KV cache meet it in integer dot products in this build
-    (csrc/attn_lanes_int8.h, AVX512-BF16 and VNNI), not over dequantized tiles: another
+    (csrc/attn_lanes_int8.h, AVX512-BF16 and VNNI); elsewhere on the portable path: another
     arithmetic, so another disk-tier namespace for batch-invariant engines."""
     module = _module()
     return module is not None and bool(module.paged_attention_int8_dot())

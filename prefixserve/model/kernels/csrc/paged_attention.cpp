@@ -425,29 +425,25 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
 
     // Convert slots [lo, hi) of the tile starting at block b0 of `table` into kt/vt.
     auto load_tile = [&](const int32_t* table, int64_t kvh, int64_t b0, int64_t lo, int64_t hi) {
+      auto offset = [&](int64_t j) {  // of slot j's row of head kvh, in elements
+        return table[b0 + j / block_size] * cache_block_stride +
+               (j % block_size) * cache_slot_stride + kvh * head_pitch;
+      };
       // Ask for every row of the tile first: the rows of one KV head are strided (the other
       // heads lie between them), and read one after another each waits for memory on its own
-      // (decode from a cold cache: 36 us a layer without this at 129 slots, BENCHMARKS.md).
+      // (decode from a cold cache: 36 us a layer without this at 129 slots, BENCHMARKS.md);
+      // then read them in one burst (line_sweep.h).
       for (int64_t j = lo; j < hi; ++j) {
-        const int64_t block = table[b0 + j / block_size];
-        const int64_t off =
-            block * cache_block_stride + (j % block_size) * cache_slot_stride + kvh * head_pitch;
-        prefetch_row(k_ptr + off, head_pitch);
-        prefetch_row(v_ptr + off, head_pitch);
-      }
-      for (int64_t j = lo; j < hi; ++j) {  // then read them in one burst (line_sweep.h)
-        const int64_t block = table[b0 + j / block_size];
-        const int64_t off =
-            block * cache_block_stride + (j % block_size) * cache_slot_stride + kvh * head_pitch;
-        touch_lines(reinterpret_cast<const char*>(k_ptr + off),
-                    reinterpret_cast<const char*>(v_ptr + off), head_pitch * sizeof(cache_t));
+        prefetch_row(k_ptr + offset(j), head_pitch);
+        prefetch_row(v_ptr + offset(j), head_pitch);
       }
       for (int64_t j = lo; j < hi; ++j) {
-        const int64_t block = table[b0 + j / block_size];
-        const int64_t off =
-            block * cache_block_stride + (j % block_size) * cache_slot_stride + kvh * head_pitch;
-        row_to_float(k_ptr + off, kt.data() + j * head_dim, head_dim);
-        row_to_float(v_ptr + off, vt.data() + j * head_dim, head_dim);
+        touch_lines(reinterpret_cast<const char*>(k_ptr + offset(j)),
+                    reinterpret_cast<const char*>(v_ptr + offset(j)), head_pitch * sizeof(cache_t));
+      }
+      for (int64_t j = lo; j < hi; ++j) {
+        row_to_float(k_ptr + offset(j), kt.data() + j * head_dim, head_dim);
+        row_to_float(v_ptr + offset(j), vt.data() + j * head_dim, head_dim);
       }
     };
     // Rows [row0, row0 + rows) of sequence `seq` (query vectors from index e0 * group on)
@@ -693,7 +689,7 @@ bool paged_attention_lanes_ready() {
 
 bool paged_attention_int8_dot() {
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
-  return true;  // paged_lanes_bf16.cpp's kIntegerInt8
+  return true;  // paged_lanes_bf16.cpp's kIntegerInt8: int8 caches take the lanes path
 #else
   return false;
 #endif

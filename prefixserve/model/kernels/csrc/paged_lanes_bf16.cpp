@@ -143,37 +143,20 @@ void prefetch_tile(const Cache& c, const int32_t* table, int64_t kvh, int64_t t0
   prefetch_rows<D, _MM_HINT_T1>(c, rows, lo, hi);
 }
 
-// An int8 tile's rows [lo, hi) as values where the build has no VNNI: K rounded to bf16 into
-// kb[j * D] (what the bf16 scores read: code * scale in fp32, then to nearest bf16), V in fp32.
-template <int D>
-void dequantize_tile(const Cache& c, const int64_t* rows, int64_t lo, int64_t hi, uint16_t* kb,
-                     float* vt) {
-  for (int64_t j = lo; j < hi; ++j) {
-    const char* kr = c.k_row(rows[j]);
-    const char* vr = c.v_row(rows[j]);
-    const __m512 ks = _mm512_set1_ps(kv8::row_scale(kr + D));
-    const __m512 vs = _mm512_set1_ps(kv8::row_scale(vr + D));
-    for (int d = 0; d < D; d += 16) {
-      const __m512 kv = kv8::codes16(kr + d, false, ks);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(kb + j * D + d),
-                          (__m256i)_mm512_cvtneps_pbh(kv));
-      _mm512_storeu_ps(vt + j * D + d, kv8::codes16(vr + d, false, vs));
-    }
-  }
-}
-
 // 32 fp8 e4m3 codes as bf16 bits, exactly (every e4m3 value is a bf16 one): normal codes keep
 // their sign and mantissa with the exponent rebiased (7 to 127), subnormal ones (m * 2^-9) come
 // from a table; the two NaN codes are never written.
 inline __m512i fp8_to_bf16(const char* src) {
   const __m512i b =
       _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
-  const __m512i normal = _mm512_add_epi16(
-      _mm512_slli_epi16(_mm512_and_si512(b, _mm512_set1_epi16(0x7f)), 4), _mm512_set1_epi16(0x3C00));
+  const __m512i magnitude_bits = _mm512_and_si512(b, _mm512_set1_epi16(0x7f));  // e << 3 | m
+  const __m512i normal =
+      _mm512_add_epi16(_mm512_slli_epi16(magnitude_bits, 4), _mm512_set1_epi16(0x3C00));
   const __m512i subnormals = _mm512_set_epi16(  // bf16(m * 2^-9) at index m < 8
       0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x3C60, 0x3C40,
       0x3C20, 0x3C00, 0x3BC0, 0x3B80, 0x3B00, 0);
-  const __m512i sub = _mm512_permutexvar_epi16(_mm512_and_si512(b, _mm512_set1_epi16(7)), subnormals);
+  const __m512i sub =
+      _mm512_permutexvar_epi16(_mm512_and_si512(b, _mm512_set1_epi16(7)), subnormals);
   const __mmask32 tiny = _mm512_cmpeq_epi16_mask(_mm512_and_si512(b, _mm512_set1_epi16(0x78)),
                                                  _mm512_setzero_si512());
   const __m512i magnitude = _mm512_mask_blend_epi16(tiny, normal, sub);
@@ -225,7 +208,9 @@ void load_tile_int8(const Cache& c, const int64_t* rows, int64_t lo, int64_t hi,
           for (int i = 0; i < 16; ++i) ks[j0 + i] = kv8::row_scale(kbase + rows[j0 + i] + D);
         }
         transpose16(r, t);
-        for (int p = 0; p < 16; ++p) _mm512_storeu_si512(kp + (16 * h + p) * kTileKeys + j0, t[p]);
+        for (int p = 0; p < 16; ++p) {
+          _mm512_storeu_si512(kp + (16 * h + p) * kTileKeys + j0, t[p]);
+        }
       }
       continue;
     }
@@ -267,7 +252,7 @@ struct IntTile {
 // Keys [t0 + lo, t0 + hi) of a sequence (block table `table`), KV head kvh, into the tile
 // buffers: kp[p * kTileKeys + j] = K pair p of key t0 + j, vt[j * D + d] = V in fp32. `kb`
 // (kTileKeys * D bf16) holds an 8-bit tile's keys on their way. An int8 tile where the build
-// has VNNI goes into kp and `it` instead (load_tile_int8).
+// has VNNI goes into kp and `it` instead (load_tile_int8; int8 takes this path only then).
 template <int D>
 void load_tile(const Cache& c, const int32_t* table, int64_t kvh, int64_t t0, int64_t lo,
                int64_t hi, uint32_t* kp, float* vt, uint16_t* kb, IntTile& it, Sweep sweep) {
@@ -286,12 +271,8 @@ void load_tile(const Cache& c, const int32_t* table, int64_t kvh, int64_t t0, in
   (void)it;
 #endif
   const uint16_t* ksrc = static_cast<const uint16_t*>(c.k);
-  if (c.kind != CacheKind::kBf16) {  // values first; then K is packed from kb like a bf16 tile
-    if (c.kind == CacheKind::kFp8) {
-      fp8_tile<D>(c, rows, lo, hi, kb, vt, it.kscale.data(), it.vscale.data());
-    } else {
-      dequantize_tile<D>(c, rows, lo, hi, kb, vt);  // int8 without VNNI
-    }
+  if (c.kind == CacheKind::kFp8) {  // values first; then K is packed from kb like a bf16 tile
+    fp8_tile<D>(c, rows, lo, hi, kb, vt, it.kscale.data(), it.vscale.data());
     for (int64_t j = lo; j < hi; ++j) rows[j] = j * D;
     ksrc = kb;
   }
@@ -310,7 +291,7 @@ void load_tile(const Cache& c, const int32_t* table, int64_t kvh, int64_t t0, in
       for (int p = 0; p < D / 2; ++p) kp[p * kTileKeys + j] = kr[p];
     }
   }
-  if (c.kind != CacheKind::kBf16) return;
+  if (c.kind == CacheKind::kFp8) return;
   for (int64_t j = lo; j < hi; ++j) {
     const uint16_t* vr = static_cast<const uint16_t*>(c.v) + rows[j];
     for (int d = 0; d < D; d += 16) {
@@ -446,7 +427,8 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
       for (int64_t h = 0; h < heads; ++h) {
         for (int64_t e = 0; e < entries; ++e) {
           for (int64_t g = 0; g < group; ++g) {
-            qv[h * nq + e * group + g] = q_ptr + row_of(e) * q_row + ((kvh0 + h) * group + g) * q_head;
+            const int64_t head = (kvh0 + h) * group + g;
+            qv[h * nq + e * group + g] = q_ptr + row_of(e) * q_row + head * q_head;
           }
         }
       }
@@ -499,9 +481,10 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
 
 }  // namespace
 
-// paged_attention's bf16 path with keys in lanes, where this build has it (AVX512-BF16), the
-// head dim is 64, 128 or 256 and there is no soft-capping; returns false (nothing written)
-// otherwise. The caller has checked the shapes and the block tables.
+// paged_attention's bf16 path with keys in lanes, where this build has it (AVX512-BF16; for
+// an int8 cache, VNNI too), the head dim is 64, 128 or 256 and there is no soft-capping;
+// returns false (nothing written) otherwise. The caller has checked the shapes and the block
+// tables.
 bool paged_attention_lanes(torch::Tensor& out, const torch::Tensor& q,
                            const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                            const torch::Tensor& block_tables, const torch::Tensor& seq_info,
@@ -509,7 +492,8 @@ bool paged_attention_lanes(torch::Tensor& out, const torch::Tensor& q,
 #if defined(__AVX512BF16__)
   const auto cache_type = k_cache.scalar_type();
   if (q.scalar_type() != torch::kBFloat16 || softcap > 0.0 ||
-      (cache_type != torch::kBFloat16 && cache_type != torch::kChar && cache_type != torch::kByte))
+      (cache_type != torch::kBFloat16 && cache_type != torch::kByte &&
+       !(cache_type == torch::kChar && kIntegerInt8)))
     return false;
   const float s = static_cast<float>(scale);
   switch (q.size(2)) {
