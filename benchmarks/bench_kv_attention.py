@@ -28,13 +28,27 @@ from prefixserve.model.kernels.build import (  # noqa: E402
     paged_attention_portable_kernel,
 )
 from prefixserve.model.kernels.cpu_paths import describe_cpu  # noqa: E402
+from prefixserve.model.kernels.hugepages import huge_page_arena  # noqa: E402
 from prefixserve.model.quant.kv_cache import kv_format, quantize_rows  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 
 
-def caches(dtype: str, layers: int, blocks: int, seed: int) -> list[tuple[torch.Tensor, ...]]:
-    """`layers` (K, V) cache pairs of random rows, in `dtype` ("bf16" or an 8-bit KV dtype)."""
+def in_huge_pages(t: torch.Tensor) -> torch.Tensor:
+    """A copy of `t` in transparent huge pages (`t` itself where they cannot be had)."""
+    arena = huge_page_arena(t.numel() * t.element_size())
+    if arena is None:
+        return t
+    view = arena[: t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+    view.copy_(t)
+    return view
+
+
+def caches(
+    dtype: str, layers: int, blocks: int, seed: int, huge: bool = False
+) -> list[tuple[torch.Tensor, ...]]:
+    """`layers` (K, V) cache pairs of random rows, in `dtype` ("bf16" or an 8-bit KV dtype),
+    in huge pages if `huge`."""
     g = torch.Generator().manual_seed(seed)
     shape = (blocks, BLOCK, KV_HEADS, HEAD_DIM)
     out = []
@@ -46,6 +60,8 @@ def caches(dtype: str, layers: int, blocks: int, seed: int) -> list[tuple[torch.
         if dtype != "bf16":
             fmt = kv_format(dtype, torch.bfloat16)
             pair = tuple(quantize_rows(c, fmt) for c in pair)
+        if huge:
+            pair = tuple(in_huge_pages(c) for c in pair)
         out.append(pair)
     return out
 
@@ -60,6 +76,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4, help="steps timed per repeat")
     ap.add_argument("--contiguous", action="store_true")
     ap.add_argument("--portable", action="store_true")
+    ap.add_argument("--huge-pages", action="store_true", help="caches in transparent huge pages")
     args = ap.parse_args()
     kernel = paged_attention_portable_kernel() if args.portable else paged_attention_kernel()
     if kernel is None:
@@ -75,7 +92,7 @@ def main() -> None:
     q = q.bfloat16()
     out = torch.empty(args.batch, HEADS * HEAD_DIM, dtype=torch.bfloat16)
     dtypes = args.kv_cache_dtypes.split(",")
-    kv = {d: caches(d, args.layers, blocks, seed=i) for i, d in enumerate(dtypes)}
+    kv = {d: caches(d, args.layers, blocks, seed=i, huge=args.huge_pages) for i, d in enumerate(dtypes)}
 
     def step(dtype: str) -> None:
         for k_cache, v_cache in kv[dtype]:
@@ -95,7 +112,8 @@ def main() -> None:
     )
     print(
         f"batch {args.batch}, context {args.context}, {args.layers} layers, "
-        f"{'contiguous' if args.contiguous else 'shuffled'} blocks, {path} path"
+        f"{'contiguous' if args.contiguous else 'shuffled'} blocks, {path} path, "
+        f"{'huge' if args.huge_pages else 'ordinary'} pages"
     )
     print("| KV cache | K/V read a step (MB) | ms a step, median (min-max) | vs first |")
     print("|---|---:|---:|---:|")

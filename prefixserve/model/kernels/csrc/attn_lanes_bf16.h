@@ -29,6 +29,7 @@
 #include <limits>
 
 #include "exp_avx512.h"
+#include "line_sweep.h"
 
 namespace prefixserve::lanes {
 
@@ -58,10 +59,11 @@ inline float exp1(float x) {
 // The raw scores of N queries against the tile's 64 keys: s[i][c] holds keys 16c .. 16c + 15.
 template <int D, int N>
 inline void tile_scores(const uint16_t* const* q, const uint32_t* kp, int64_t kstride,
-                        float scale, __m512 (*s)[4]) {
+                        float scale, __m512 (*s)[4], LineDrip* drip) {
   for (int i = 0; i < N; ++i)
     for (int c = 0; c < 4; ++c) s[i][c] = _mm512_setzero_ps();
   for (int p = 0; p < D / 2; ++p) {
+    if (drip != nullptr) drip->step(4);
     const uint32_t* kt = kp + p * kstride;
     __m512bh k4[4];
     for (int c = 0; c < 4; ++c) k4[c] = (__m512bh)_mm512_loadu_si512(kt + 16 * c);
@@ -105,7 +107,7 @@ inline float tile_softmax(const __m512* s, int64_t lo, int64_t hi, float& m, flo
 // ascending, N queries at once (each V row loaded once for all of them).
 template <int D, int N>
 inline void values_pass(float* const* acc, const float* const* p, const float* corr, int64_t j0,
-                        int64_t j1, const float* v) {
+                        int64_t j1, const float* v, LineDrip* drip = nullptr) {
   constexpr int C = D / 16;
   __m512 a[N][C];
   for (int i = 0; i < N; ++i) {
@@ -116,6 +118,7 @@ inline void values_pass(float* const* acc, const float* const* p, const float* c
     }
   }
   for (int64_t j = j0; j < j1; ++j) {
+    if (drip != nullptr) drip->step(4);
     __m512 vv[C];
     for (int c = 0; c < C; ++c) vv[c] = _mm512_loadu_ps(v + j * D + 16 * c);
     for (int i = 0; i < N; ++i) {
@@ -129,18 +132,21 @@ inline void values_pass(float* const* acc, const float* const* p, const float* c
 
 template <int D>
 inline void values_pass_n(int n, float* const* acc, const float* const* p, const float* corr,
-                          int64_t j0, int64_t j1, const float* v) {
+                          int64_t j0, int64_t j1, const float* v, LineDrip* drip) {
   switch (n) {
-    case 1: return values_pass<D, 1>(acc, p, corr, j0, j1, v);
-    case 2: if constexpr (value_group<D>() >= 2) return values_pass<D, 2>(acc, p, corr, j0, j1, v);
+    case 1: return values_pass<D, 1>(acc, p, corr, j0, j1, v, drip);
+    case 2: if constexpr (value_group<D>() >= 2)
+              return values_pass<D, 2>(acc, p, corr, j0, j1, v, drip);
             break;
-    case 3: if constexpr (value_group<D>() >= 3) return values_pass<D, 3>(acc, p, corr, j0, j1, v);
+    case 3: if constexpr (value_group<D>() >= 3)
+              return values_pass<D, 3>(acc, p, corr, j0, j1, v, drip);
             break;
-    case 4: if constexpr (value_group<D>() >= 4) return values_pass<D, 4>(acc, p, corr, j0, j1, v);
+    case 4: if constexpr (value_group<D>() >= 4)
+              return values_pass<D, 4>(acc, p, corr, j0, j1, v, drip);
             break;
   }
   for (int i = 0; i < n; ++i)
-    values_pass<D, 1>(acc + i, p + i, corr == nullptr ? nullptr : corr + i, j0, j1, v);
+    values_pass<D, 1>(acc + i, p + i, corr == nullptr ? nullptr : corr + i, j0, j1, v, drip);
 }
 
 // The value update of n <= value_group queries: each query's own range [lo_i, hi_i), split as
@@ -148,18 +154,18 @@ inline void values_pass_n(int n, float* const* acc, const float* const* p, const
 // same FMAs in the same order as one query alone.
 template <int D>
 inline void tile_values(int n, float* const* acc, const float* const* p, const float* corr,
-                        const int64_t* lo, const int64_t* hi, const float* v) {
+                        const int64_t* lo, const int64_t* hi, const float* v, LineDrip* drip) {
   int64_t common_lo = lo[0], common_hi = hi[0];
   for (int i = 1; i < n; ++i) {
     common_lo = std::max(common_lo, lo[i]);
     common_hi = std::min(common_hi, hi[i]);
   }
   if (n == 1 || common_lo >= common_hi) {
-    for (int i = 0; i < n; ++i) values_pass<D, 1>(acc + i, p + i, corr + i, lo[i], hi[i], v);
+    for (int i = 0; i < n; ++i) values_pass<D, 1>(acc + i, p + i, corr + i, lo[i], hi[i], v, drip);
     return;
   }
   for (int i = 0; i < n; ++i) values_pass<D, 1>(acc + i, p + i, corr + i, lo[i], common_lo, v);
-  values_pass_n<D>(n, acc, p, nullptr, common_lo, common_hi, v);
+  values_pass_n<D>(n, acc, p, nullptr, common_lo, common_hi, v, drip);
   for (int i = 0; i < n; ++i) {
     if (hi[i] > common_hi) values_pass<D, 1>(acc + i, p + i, nullptr, common_hi, hi[i], v);
   }
@@ -176,20 +182,21 @@ struct RowScales {
 // A batch of queries meeting one tile: query i is q[i] (bf16 [D]) with visible keys
 // [lo[i], hi[i]) of the tile (0 <= lo < hi <= 64), running state m[i], l[i], acc[i] ([D]).
 // `pbuf` holds n rows of 64 floats. `rows`: the tile's row scales, or nullptr (bf16 values).
+// `drip`: the next tile's lines to ask for on the way (line_sweep.h), or nullptr.
 template <int D>
 inline void attend_tile(int64_t n, const uint16_t* const* q, const int64_t* lo, const int64_t* hi,
                         const uint32_t* kp, int64_t kstride, const float* v, float scale,
                         float* const* m, float* const* l, float* const* acc, float* pbuf,
-                        const RowScales* rows = nullptr) {
+                        const RowScales* rows = nullptr, LineDrip* drip = nullptr) {
   constexpr int VG = value_group<D>();
   for (int64_t i0 = 0; i0 < n; i0 += kScoreGroup) {
     const int g = static_cast<int>(std::min<int64_t>(kScoreGroup, n - i0));
     __m512 s[kScoreGroup][4];
     switch (g) {
-      case 1: tile_scores<D, 1>(q + i0, kp, kstride, scale, s); break;
-      case 2: tile_scores<D, 2>(q + i0, kp, kstride, scale, s); break;
-      case 3: tile_scores<D, 3>(q + i0, kp, kstride, scale, s); break;
-      default: tile_scores<D, 4>(q + i0, kp, kstride, scale, s); break;
+      case 1: tile_scores<D, 1>(q + i0, kp, kstride, scale, s, drip); break;
+      case 2: tile_scores<D, 2>(q + i0, kp, kstride, scale, s, drip); break;
+      case 3: tile_scores<D, 3>(q + i0, kp, kstride, scale, s, drip); break;
+      default: tile_scores<D, 4>(q + i0, kp, kstride, scale, s, drip); break;
     }
     if (rows != nullptr) {
       for (int i = 0; i < g; ++i)
@@ -211,7 +218,7 @@ inline void attend_tile(int64_t n, const uint16_t* const* q, const int64_t* lo, 
     }
     for (int i = 0; i < g; i += VG) {
       const int nv = std::min(VG, g - i);
-      tile_values<D>(nv, acc + i0 + i, prow + i, corr + i, lo + i0 + i, hi + i0 + i, v);
+      tile_values<D>(nv, acc + i0 + i, prow + i, corr + i, lo + i0 + i, hi + i0 + i, v, drip);
     }
   }
 }

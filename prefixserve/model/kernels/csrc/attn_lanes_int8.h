@@ -29,6 +29,7 @@
 #include <cstdint>
 
 #include "attn_lanes_bf16.h"
+#include "line_sweep.h"
 
 namespace prefixserve::lanes_int8 {
 
@@ -74,11 +75,12 @@ inline float quantize_query(const uint16_t* q, int16_t* q16) {
 // The scores of N queries against the tile's 64 keys: s[i][c] holds keys 16c .. 16c + 15.
 template <int D, int N>
 inline void tile_scores(const int16_t* const* q16, const float* qfac, const uint32_t* kp,
-                        const float* kscale, __m512 (*s)[4]) {
+                        const float* kscale, __m512 (*s)[4], LineDrip* drip) {
   __m512i acc[N][4];
   for (int i = 0; i < N; ++i)
     for (int c = 0; c < 4; ++c) acc[i][c] = _mm512_setzero_si512();
   for (int p = 0; p < D / 2; ++p) {
+    if (drip != nullptr) drip->step(4);
     __m512i k4[4];
     for (int c = 0; c < 4; ++c) k4[c] = _mm512_loadu_si512(kp + p * kTileKeys + 16 * c);
     for (int i = 0; i < N; ++i) {
@@ -123,12 +125,14 @@ inline float quantize_weights(const float* p, const float* vscale, int64_t lo, i
 // N queries at once (each V pair row loaded once for all of them).
 template <int D, int N>
 inline void values_pass(float* const* acc, const int16_t* const* w16, const float* wscale,
-                        const float* corr, int64_t jp0, int64_t jp1, const uint32_t* vp) {
+                        const float* corr, int64_t jp0, int64_t jp1, const uint32_t* vp,
+                        LineDrip* drip) {
   constexpr int C = D / 16;
   __m512i a[N][C];
   for (int i = 0; i < N; ++i)
     for (int c = 0; c < C; ++c) a[i][c] = _mm512_setzero_si512();
   for (int64_t jp = jp0; jp < jp1; ++jp) {
+    if (drip != nullptr) drip->step(4);
     const uint32_t* row = vp + jp * D;
     for (int c = 0; c < C; ++c) {
       const __m512i v = _mm512_loadu_si512(row + 16 * c);
@@ -152,21 +156,21 @@ inline void values_pass(float* const* acc, const int16_t* const* w16, const floa
 template <int D>
 inline void values_pass_n(int n, float* const* acc, const int16_t* const* w16,
                           const float* wscale, const float* corr, int64_t jp0, int64_t jp1,
-                          const uint32_t* vp) {
+                          const uint32_t* vp, LineDrip* drip) {
   switch (n) {
-    case 1: return values_pass<D, 1>(acc, w16, wscale, corr, jp0, jp1, vp);
+    case 1: return values_pass<D, 1>(acc, w16, wscale, corr, jp0, jp1, vp, drip);
     case 2: if constexpr (value_group<D>() >= 2)
-              return values_pass<D, 2>(acc, w16, wscale, corr, jp0, jp1, vp);
+              return values_pass<D, 2>(acc, w16, wscale, corr, jp0, jp1, vp, drip);
             break;
     case 3: if constexpr (value_group<D>() >= 3)
-              return values_pass<D, 3>(acc, w16, wscale, corr, jp0, jp1, vp);
+              return values_pass<D, 3>(acc, w16, wscale, corr, jp0, jp1, vp, drip);
             break;
     case 4: if constexpr (value_group<D>() >= 4)
-              return values_pass<D, 4>(acc, w16, wscale, corr, jp0, jp1, vp);
+              return values_pass<D, 4>(acc, w16, wscale, corr, jp0, jp1, vp, drip);
             break;
   }
   for (int i = 0; i < n; ++i)
-    values_pass<D, 1>(acc + i, w16 + i, wscale + i, corr + i, jp0, jp1, vp);
+    values_pass<D, 1>(acc + i, w16 + i, wscale + i, corr + i, jp0, jp1, vp, drip);
 }
 
 // A tile of int8 K/V as the loaders (paged_lanes_bf16.cpp) leave it.
@@ -183,16 +187,17 @@ struct Tile {
 template <int D>
 inline void attend_tile(int64_t n, const int16_t* const* q16, const float* qfac,
                         const int64_t* lo, const int64_t* hi, const Tile& t, float* const* m,
-                        float* const* l, float* const* acc, float* pbuf, int16_t* wbuf) {
+                        float* const* l, float* const* acc, float* pbuf, int16_t* wbuf,
+                        LineDrip* drip = nullptr) {
   constexpr int VG = value_group<D>();
   for (int64_t i0 = 0; i0 < n; i0 += kScoreGroup) {
     const int g = static_cast<int>(std::min<int64_t>(kScoreGroup, n - i0));
     __m512 s[kScoreGroup][4];
     switch (g) {
-      case 1: tile_scores<D, 1>(q16 + i0, qfac + i0, t.kp, t.kscale, s); break;
-      case 2: tile_scores<D, 2>(q16 + i0, qfac + i0, t.kp, t.kscale, s); break;
-      case 3: tile_scores<D, 3>(q16 + i0, qfac + i0, t.kp, t.kscale, s); break;
-      default: tile_scores<D, 4>(q16 + i0, qfac + i0, t.kp, t.kscale, s); break;
+      case 1: tile_scores<D, 1>(q16 + i0, qfac + i0, t.kp, t.kscale, s, drip); break;
+      case 2: tile_scores<D, 2>(q16 + i0, qfac + i0, t.kp, t.kscale, s, drip); break;
+      case 3: tile_scores<D, 3>(q16 + i0, qfac + i0, t.kp, t.kscale, s, drip); break;
+      default: tile_scores<D, 4>(q16 + i0, qfac + i0, t.kp, t.kscale, s, drip); break;
     }
     float corr[kScoreGroup], wscale[kScoreGroup];
     const int16_t* wrow[kScoreGroup];
@@ -212,7 +217,7 @@ inline void attend_tile(int64_t n, const int16_t* const* q16, const float* qfac,
         jhi = std::max(jhi, hi[i0 + i + k]);
       }
       values_pass_n<D>(nv, acc + i0 + i, wrow + i, wscale + i, corr + i, jlo / 2, (jhi + 1) / 2,
-                       t.vp);
+                       t.vp, drip);
     }
   }
 }

@@ -31,3 +31,51 @@ inline void touch_lines(const char* k, const char* v, int64_t bytes) {
 }
 
 }  // namespace prefixserve
+
+#if defined(__SSE__)
+#include <immintrin.h>
+#endif
+
+#include <vector>
+
+namespace prefixserve {
+
+// The next tile's cache lines, asked for a few at a time while this tile is computed: a burst of
+// hundreds of prefetches at once (or of demand loads) leaves the arithmetic waiting; spread
+// through it, they arrive before the tile's own burst read (BENCHMARKS.md).
+class LineDrip {
+ public:
+  explicit LineDrip(size_t max_lines = 4096) { line_.reserve(max_lines); }
+  void clear() {
+    line_.clear();
+    next_ = 0;
+  }
+  // Every line of [k, k + bytes) and [v, v + bytes) (rows of one layout, alike modulo 64), in
+  // address order, K's and V's in turn; past max_lines, nothing more.
+  void add_runs(const char* k, const char* v, int64_t bytes) {
+    const uintptr_t mask = ~static_cast<uintptr_t>(63);
+    const uintptr_t k0 = reinterpret_cast<uintptr_t>(k) & mask;
+    const uintptr_t v0 = reinterpret_cast<uintptr_t>(v) & mask;
+    const uintptr_t k1 = reinterpret_cast<uintptr_t>(k + bytes - 1) & mask;
+    for (uintptr_t o = 0; k0 + o <= k1 && line_.size() + 2 <= line_.capacity(); o += 64) {
+      line_.push_back(reinterpret_cast<const char*>(k0 + o));
+      line_.push_back(reinterpret_cast<const char*>(v0 + o));
+    }
+  }
+  // Ask for the next n lines toward L2 (none left: nothing). T1, not T0: measured faster.
+  inline void step(int n) {
+#if defined(__SSE__)
+    for (int i = 0; i < n && next_ < line_.size(); ++i) {
+      _mm_prefetch(line_[next_++], _MM_HINT_T1);
+    }
+#else
+    (void)n;
+#endif
+  }
+
+ private:
+  std::vector<const char*> line_;
+  size_t next_ = 0;
+};
+
+}  // namespace prefixserve

@@ -40,7 +40,11 @@ using prefixserve::paged::build_items;
 using prefixserve::paged::kCascadeRows;
 using prefixserve::paged::kLongRowTile;
 using prefixserve::kv8::row_to_float;
+using prefixserve::LineDrip;
 using prefixserve::touch_lines;
+
+// Lines of the next tile asked for at each coarse step of the arithmetic (a query group).
+constexpr int kDripLines = 8;
 
 inline void store(float* dst, float x) { *dst = x; }
 inline void store(c10::BFloat16* dst, float x) { *dst = c10::BFloat16(x); }
@@ -261,15 +265,19 @@ inline void attend_tile_avx512(const float* qv, const float* kt, const float* vt
 template <int HD>
 inline void attend_tile(const float* qv, const float* kt, const float* vt, int64_t head_dim,
                         int64_t lo, int64_t hi, float softcap, float* s, float& m, float& l,
-                        float* acc) {
+                        float* acc, LineDrip* drip) {
 #if defined(__AVX512F__)
   if constexpr (HD > 0 && HD % 16 == 0) {
+    if (drip != nullptr) drip->step(kDripLines);
     attend_tile_avx512<HD>(qv, kt, vt, lo, hi, softcap, s, m, l, acc);
     return;
   }
 #endif
   if constexpr (HD > 0) head_dim = HD;
-  for (int64_t j = lo; j < hi; ++j) s[j] = dot<HD>(qv, kt + j * head_dim, head_dim);
+  for (int64_t j = lo; j < hi; ++j) {
+    if (drip != nullptr) drip->step(1);
+    s[j] = dot<HD>(qv, kt + j * head_dim, head_dim);
+  }
   if (softcap > 0.0f) {
     for (int64_t j = lo; j < hi; ++j) s[j] = softcap * std::tanh(s[j] / softcap);
   }
@@ -280,6 +288,7 @@ inline void attend_tile(const float* qv, const float* kt, const float* vt, int64
   m = m_new;
   for (int64_t d = 0; d < head_dim; ++d) acc[d] *= correction;
   for (int64_t j = lo; j < hi; ++j) {
+    if (drip != nullptr) drip->step(1);
     const float pj = s[j];
     const float* vr = vt + j * head_dim;
     for (int64_t d = 0; d < head_dim; ++d) acc[d] += pj * vr[d];
@@ -296,11 +305,12 @@ constexpr int64_t kQueryGroup = 4;
 template <int HD>
 inline void attend_tiles(const float* qv, int64_t nq, const float* kt, const float* vt,
                          int64_t head_dim, int64_t lo, int64_t hi, float softcap, float* s,
-                         int64_t s_stride, float* m, float* l, float* acc) {
+                         int64_t s_stride, float* m, float* l, float* acc, LineDrip* drip) {
 #if defined(__AVX512F__)
   if constexpr (HD > 0 && HD % 16 == 0) {
     for (int64_t q0 = 0; q0 < nq; q0 += kQueryGroup) {
       const int64_t n = std::min(kQueryGroup, nq - q0);
+      if (drip != nullptr) drip->step(kDripLines);
       float correction[kQueryGroup];
       for (int64_t i = 0; i < n; ++i) {
         const int64_t qi = q0 + i;
@@ -321,7 +331,7 @@ inline void attend_tiles(const float* qv, int64_t nq, const float* kt, const flo
   (void)s_stride;
   for (int64_t qi = 0; qi < nq; ++qi)
     attend_tile<HD>(qv + qi * head_dim, kt, vt, head_dim, lo, hi, softcap, s, m[qi], l[qi],
-                    acc + qi * head_dim);
+                    acc + qi * head_dim, drip);
 }
 
 #if defined(__AVX512F__)
@@ -423,12 +433,24 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
     std::vector<float> m(max_queries), l(max_queries), s(max_queries * s_stride);
     std::vector<int64_t> his(kLongRowTile);
 
-    // Convert slots [lo, hi) of the tile starting at block b0 of `table` into kt/vt.
-    auto load_tile = [&](const int32_t* table, int64_t kvh, int64_t b0, int64_t lo, int64_t hi) {
-      auto offset = [&](int64_t j) {  // of slot j's row of head kvh, in elements
-        return table[b0 + j / block_size] * cache_block_stride +
+    LineDrip drip;
+    // Convert slots [lo, hi) of the tile starting at block b0 of `table` into kt/vt; the next
+    // tile's slots [0, next) go into the drip, asked for while this one is computed.
+    auto load_tile = [&](const int32_t* table, int64_t kvh, int64_t b0, int64_t lo, int64_t hi,
+                         int64_t next) {
+      auto row_at = [&](int64_t b, int64_t j) {  // of slot j's row of head kvh, in elements
+        return table[b + j / block_size] * cache_block_stride +
                (j % block_size) * cache_slot_stride + kvh * head_pitch;
       };
+      auto offset = [&](int64_t j) { return row_at(b0, j); };
+      drip.clear();
+      // 8-bit rows: the conversions bound the tile here, not the reads (extra prefetches measured
+      // slower on the AVX2 build, BENCHMARKS.md), so none.
+      for (int64_t j = 0; sizeof(cache_t) > 1 && j < next; ++j) {
+        const int64_t row = row_at(b0 + tile_blocks, j);
+        drip.add_runs(reinterpret_cast<const char*>(k_ptr + row),
+                      reinterpret_cast<const char*>(v_ptr + row), head_pitch * sizeof(cache_t));
+      }
       // Ask for every row of the tile first: the rows of one KV head are strided (the other
       // heads lie between them), and read one after another each waits for memory on its own
       // (decode from a cold cache: 36 us a layer without this at 129 slots, BENCHMARKS.md);
@@ -442,6 +464,7 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
                     reinterpret_cast<const char*>(v_ptr + offset(j)), head_pitch * sizeof(cache_t));
       }
       for (int64_t j = lo; j < hi; ++j) {
+        drip.step(1);
         row_to_float(k_ptr + offset(j), kt.data() + j * head_dim, head_dim);
         row_to_float(v_ptr + offset(j), vt.data() + j * head_dim, head_dim);
       }
@@ -462,7 +485,8 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
         // Slots of this tile any query of the rows can see.
         const int64_t used_lo = std::max<int64_t>(0, lo - kpos0);
         const int64_t used_hi = std::min<int64_t>(tile_slots, last_pos - kpos0 + 1);
-        load_tile(table, kvh, b0, used_lo, used_hi);
+        const int64_t next = std::clamp<int64_t>(last_pos - kpos0 - tile_slots + 1, 0, tile_slots);
+        load_tile(table, kvh, b0, used_lo, used_hi, next);
 #if defined(__AVX512F__)
         if constexpr (HD > 0 && HD % 16 == 0) {
           if (window == 0 && rows > 1) {  // every row sees the tile from slot 0
@@ -486,7 +510,7 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
           const int64_t qi = (e0 + r) * group;  // the row's query heads, consecutive
           attend_tiles<HD>(qf.data() + qi * head_dim, group, kt.data(), vt.data(), head_dim, j_lo,
                            j_hi, softcap, s.data(), s_stride, m.data() + qi, l.data() + qi,
-                           acc.data() + qi * head_dim);
+                           acc.data() + qi * head_dim, &drip);
         }
       }
     };
@@ -516,9 +540,12 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
         const int32_t* table = tables + item.seqs[0] * max_blocks;
         for (int64_t b0 = 0; b0 < item.shared_blocks; b0 += tile_blocks) {
           const int64_t slots = (std::min(b0 + tile_blocks, item.shared_blocks) - b0) * block_size;
-          load_tile(table, kvh, b0, 0, slots);
+          const int64_t next =
+              std::clamp<int64_t>((item.shared_blocks - b0 - tile_blocks) * block_size, 0,
+                                  tile_slots);
+          load_tile(table, kvh, b0, 0, slots, next);
           attend_tiles<HD>(qf.data(), nq, kt.data(), vt.data(), head_dim, 0, slots, softcap,
-                           s.data(), s_stride, m.data(), l.data(), acc.data());
+                           s.data(), s_stride, m.data(), l.data(), acc.data(), &drip);
         }
         for (int64_t e = 0; e < entries; ++e) {
           own_blocks(item.seqs[e], row_of(e), 1, e, kvh, item.shared_blocks);

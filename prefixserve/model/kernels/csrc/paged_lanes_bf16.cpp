@@ -7,7 +7,8 @@
 //
 // Per tile of 64 key positions, the keys any query of the item sees are read from their blocks
 // once (K packed in pairs of dims with keys in lanes, V widened to fp32), then every query of
-// the item meets the tile.
+// the item meets the tile. While a tile is computed, the next one's lines are asked for a few
+// at a time (line_sweep.h's LineDrip), so a decode batch's memory reads overlap its arithmetic.
 #include "torch_lite.h"
 #include <ATen/Parallel.h>
 
@@ -32,6 +33,7 @@ namespace lanes_int8 = prefixserve::lanes_int8;
 #endif
 namespace kv8 = prefixserve::kv8;
 using lanes::kTileKeys;
+using prefixserve::LineDrip;
 using prefixserve::touch_lines;
 using prefixserve::paged::build_items;
 using prefixserve::paged::Item;
@@ -93,20 +95,6 @@ void tile_rows(const Cache& c, const int32_t* table, int64_t kvh, int64_t t0, in
   }
 }
 
-// Ask for the K and V rows at rows[lo, hi) toward the cache level `hint`.
-template <int D, int hint>
-void prefetch_rows(const Cache& c, const int64_t* rows, int64_t lo, int64_t hi) {
-  const int64_t bytes = c.head_pitch * c.elem();
-  for (int64_t j = lo; j < hi; ++j) {
-    const char* k = c.k_row(rows[j]);
-    const char* v = c.v_row(rows[j]);
-    for (int64_t b = 0; b < bytes; b += 64) {
-      _mm_prefetch(k + b, static_cast<_mm_hint>(hint));
-      _mm_prefetch(v + b, static_cast<_mm_hint>(hint));
-    }
-  }
-}
-
 // Which lines a tile's loader reads first in one burst (line_sweep.h).
 enum class Sweep {
   kNone,   // the lines are already near (a unit's later KV heads, after kSlots)
@@ -133,14 +121,27 @@ void sweep_tile(const Cache& c, const int32_t* table, int64_t t0, int64_t lo, in
   }
 }
 
-// Ask for keys [t0 + lo, t0 + hi)'s K and V rows toward L2 (the next tile's, while this one is
-// computed: the rows of one KV head are strided, so the hardware prefetchers miss them).
+// Every KV head's rows of keys [t0 + lo, t0 + hi) as runs of whole slots, into `drip`.
+inline void slot_runs(const Cache& c, const int32_t* table, int64_t t0, int64_t lo, int64_t hi,
+                      LineDrip* drip) {
+  for (int64_t j = lo; j < hi;) {
+    const int64_t pos = t0 + j, slot = pos % c.block_size;
+    const int64_t count = std::min(c.block_size - slot, hi - j);
+    const int64_t first = table[pos / c.block_size] * c.block_stride + slot * c.slot_stride;
+    drip->add_runs(c.k_row(first), c.v_row(first), count * c.slot_stride * c.elem());
+    j += count;
+  }
+}
+
+// KV head kvh's rows of keys [t0 + lo, t0 + hi), each a run, into `drip`.
 template <int D>
-void prefetch_tile(const Cache& c, const int32_t* table, int64_t kvh, int64_t t0, int64_t lo,
-                   int64_t hi) {
+inline void own_rows(const Cache& c, const int32_t* table, int64_t kvh, int64_t t0, int64_t lo,
+                     int64_t hi, LineDrip* drip) {
   int64_t rows[kTileKeys];
   tile_rows<D>(c, table, kvh, t0, lo, hi, rows);
-  prefetch_rows<D, _MM_HINT_T1>(c, rows, lo, hi);
+  for (int64_t j = lo; j < hi; ++j) {
+    drip->add_runs(c.k_row(rows[j]), c.v_row(rows[j]), c.head_pitch * c.elem());
+  }
 }
 
 // 32 fp8 e4m3 codes as bf16 bits, exactly (every e4m3 value is a bf16 one): normal codes keep
@@ -193,7 +194,7 @@ constexpr bool kIntegerInt8 = true;  // int8 caches take attn_lanes_int8.h's int
 // key outside [lo, hi) reads as zeros there); the rows' scales into ks and vs.
 template <int D>
 void load_tile_int8(const Cache& c, const int64_t* rows, int64_t lo, int64_t hi, uint32_t* kp,
-                    float* ks, uint32_t* vp, float* vs) {
+                    float* ks, uint32_t* vp, float* vs, LineDrip* drip) {
   auto codes32 = [](const char* src) {  // 32 codes widened to int16
     return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
   };
@@ -225,6 +226,7 @@ void load_tile_int8(const Cache& c, const int64_t* rows, int64_t lo, int64_t hi,
     }
   }
   for (int64_t jp = lo / 2; jp < (hi + 1) / 2; ++jp) {
+    if (drip != nullptr) drip->step(1);
     const char* a = 2 * jp >= lo ? vbase + rows[2 * jp] : nullptr;
     const char* b = 2 * jp + 1 < hi ? vbase + rows[2 * jp + 1] : nullptr;
     if (a != nullptr) vs[2 * jp] = kv8::row_scale(a + D);
@@ -255,16 +257,18 @@ struct IntTile {
 // has VNNI goes into kp and `it` instead (load_tile_int8; int8 takes this path only then).
 template <int D>
 void load_tile(const Cache& c, const int32_t* table, int64_t kvh, int64_t t0, int64_t lo,
-               int64_t hi, uint32_t* kp, float* vt, uint16_t* kb, IntTile& it, Sweep sweep) {
-  // Every row asked for at once first (the rows of one KV head are strided: read one after
-  // another, each would wait for memory on its own).
+               int64_t hi, uint32_t* kp, float* vt, uint16_t* kb, IntTile& it, Sweep sweep,
+               LineDrip* drip) {
+  // The tile's lines read in one burst first (the rows of one KV head are strided: read one
+  // after another, each would wait for memory on its own); mostly in L2 already, asked for by
+  // the drip during the last tile. `drip` is asked on during the conversions too.
   int64_t rows[kTileKeys];
   tile_rows<D>(c, table, kvh, t0, lo, hi, rows);
-  prefetch_rows<D, _MM_HINT_T0>(c, rows, lo, hi);
   sweep_tile<D>(c, table, t0, lo, hi, rows, sweep);
 #if defined(__AVX512VNNI__)
   if (c.kind == CacheKind::kInt8) {
-    load_tile_int8<D>(c, rows, lo, hi, kp, it.kscale.data(), it.vp.data(), it.vscale.data());
+    load_tile_int8<D>(c, rows, lo, hi, kp, it.kscale.data(), it.vp.data(), it.vscale.data(),
+                      drip);
     return;
   }
 #else
@@ -293,6 +297,7 @@ void load_tile(const Cache& c, const int32_t* table, int64_t kvh, int64_t t0, in
   }
   if (c.kind == CacheKind::kFp8) return;
   for (int64_t j = lo; j < hi; ++j) {
+    if (drip != nullptr) drip->step(1);
     const uint16_t* vr = static_cast<const uint16_t*>(c.v) + rows[j];
     for (int d = 0; d < D; d += 16) {
       const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(
@@ -354,6 +359,8 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
     std::vector<const uint16_t*> qv(max_queries), tq(max_queries);
     std::vector<int64_t> lo(max_queries), hi(max_queries);
     std::vector<float*> tm(max_queries), tl(max_queries), ta(max_queries);
+    LineDrip drip_lines;  // the next tile's lines, asked for while this one is computed
+    LineDrip* drip = &drip_lines;
 
     // The queries of a unit: index h * nq + e * group + g for its head h (KV head kvh0 + h),
     // item entry e (a row) and query head g of the KV head's group.
@@ -362,14 +369,15 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
       if (integer) {
         const lanes_int8::Tile tile{kp.data(), it.kscale.data(), it.vp.data(), it.vscale.data()};
         lanes_int8::attend_tile<D>(nt, t16.data(), tf.data(), lo.data(), hi.data(), tile,
-                                   tm.data(), tl.data(), ta.data(), pbuf.data(), wbuf.data());
+                                   tm.data(), tl.data(), ta.data(), pbuf.data(), wbuf.data(),
+                                   drip);
         return;
       }
 #endif
       const lanes::RowScales fp8_rows{it.kscale.data(), it.vscale.data()};
       lanes::attend_tile<D>(nt, tq.data(), lo.data(), hi.data(), kp.data(), kTileKeys, vt.data(),
                             scale, tm.data(), tl.data(), ta.data(), pbuf.data(),
-                            kind == CacheKind::kFp8 ? &fp8_rows : nullptr);
+                            kind == CacheKind::kFp8 ? &fp8_rows : nullptr, drip);
     };
     auto add = [&](int64_t& nt, int64_t qi, int64_t jl, int64_t jh) {
       tq[nt] = qv[qi], lo[nt] = jl, hi[nt] = jh;
@@ -382,10 +390,17 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
     // slots with its first head; a unit of one head, its own rows.
     auto load = [&](const int32_t* table, int64_t kvh, int64_t t0, int64_t jl, int64_t jh,
                     int64_t next) {
-      if (next > 0) prefetch_tile<D>(cache, table, kvh, t0 + kTileKeys, 0, next);
       const Sweep sweep = heads == 1 ? Sweep::kRows : kvh % heads == 0 ? Sweep::kSlots
                                                                         : Sweep::kNone;
-      load_tile<D>(cache, table, kvh, t0, jl, jh, kp.data(), vt.data(), kb.data(), it, sweep);
+      if (sweep == Sweep::kSlots) {
+        drip->clear();
+        slot_runs(cache, table, t0 + kTileKeys, 0, next, drip);
+      } else if (sweep == Sweep::kRows) {
+        drip->clear();
+        own_rows<D>(cache, table, kvh, t0 + kTileKeys, 0, next, drip);
+      }
+      load_tile<D>(cache, table, kvh, t0, jl, jh, kp.data(), vt.data(), kb.data(), it, sweep,
+                   drip);
     };
     // Rows [row0, row0 + rows) of sequence `seq` (entries from e0 on) against its keys from
     // `start_key` (a tile boundary) on, each row up to its own position.
