@@ -92,7 +92,10 @@ def main() -> None:
     q = q.bfloat16()
     out = torch.empty(args.batch, HEADS * HEAD_DIM, dtype=torch.bfloat16)
     dtypes = args.kv_cache_dtypes.split(",")
-    kv = {d: caches(d, args.layers, blocks, seed=i, huge=args.huge_pages) for i, d in enumerate(dtypes)}
+    kv = {
+        d: caches(d, args.layers, blocks, seed=i, huge=args.huge_pages)
+        for i, d in enumerate(dtypes)
+    }
 
     def step(dtype: str) -> None:
         for k_cache, v_cache in kv[dtype]:
