@@ -180,6 +180,32 @@ def test_an_8_bit_cache_gives_a_query_the_same_bits_however_it_is_grouped(
 
 
 @needs_lanes
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_int8_sums_at_their_largest_stay_exact(head_dim):
+    """Every int8 code at +-127 and a query of one magnitude (its int16 copy at +-32767), some
+    keys equal to the query's signs: the integer score sums reach 32767 * 127 * head_dim (~2^30
+    at 256 dims) and the value sums their largest too; the output stays within bf16 rounding
+    of fp64 attention over the dequantized K/V (an int32 overflow would not)."""
+    g = torch.Generator().manual_seed(11)
+    length, heads, kv_heads = 70, 2, 1
+    q, kc, vc, table, _, _ = prompt_case(length, heads, kv_heads, head_dim, 16, seed=5)
+    signs = lambda t: torch.where(torch.rand(t.shape, generator=g) < 0.5, -1.0, 1.0)  # noqa: E731
+    q = signs(q).bfloat16()
+    kc, vc = signs(kc).bfloat16(), signs(vc).bfloat16()
+    slots = (table[0].long().unsqueeze(1) * 16 + torch.arange(16)).view(-1)[:length]
+    flat = kc.view(-1, kv_heads, head_dim)
+    flat[slots[::3]] = q[::3, :1].float().sign().bfloat16()  # keys aligned with their query
+    fmt = kv_format("int8", torch.bfloat16)
+    kq, vq = quantize_rows(kc, fmt), quantize_rows(vc, fmt)
+    assert kq[..., :head_dim].abs().min().item() == 127
+    out = run_chunks(paged, q, kq, vq, table, [0, length])
+    rows = kq.shape[-1]
+    keys = dequantize_rows(kq.view(-1, kv_heads, rows)[slots], fmt, torch.float64)
+    values = dequantize_rows(vq.view(-1, kv_heads, rows)[slots], fmt, torch.float64)
+    assert (out.double() - exact(q, keys, values)).abs().max().item() < 0.02
+
+
+@needs_lanes
 def test_a_nan_scale_in_an_int8_row_the_query_cannot_see_stays_out():
     """A NaN scale in the K and V rows of a slot after the query's position, in the same
     64-key tile (a corrupted unwritten tail): the rows before it get the clean cache's bits."""

@@ -6,20 +6,28 @@
 //   q16[d] = round(q[d] * (32767 / max|q|)) in int16, qfac = (max|q| / 32767) * scale.
 // Per tile of kTileKeys keys (the same tiles, in the same order, as the bf16 path):
 //   scores  s[j] = (float(sum over d of q16[d] * code_k[j][d]) * kscale[j]) * qfac, the sum in
-//           int32 (VPDPWSSD over pairs of dims: exact, so its order cannot matter);
+//           int32 (exact, so its order cannot matter);
 //   softmax lanes::tile_softmax, as for bf16 (m, l, corr, p[j] = exp(s[j] - m'), 0 outside the
 //           query's visible keys [lo, hi));
 //   values  w[j] = p[j] * vscale[j]; wmax = max w; w16[j] = round(w[j] * (32767 / wmax));
 //           acc = fma(float(sum over j of w16[j] * code_v[j][d]), wmax / 32767, acc * corr),
-//           the sum in int32 again (VPDPWSSD over pairs of keys).
+//           the sum in int32 again.
 // Integer sums are exact: a query's output does not depend on which keys beside its own the
 // tile holds (their w16 is 0), on the other queries of the call, nor on whether its keys were
 // cached (batch invariance). The int16 query keeps ~15 bits against bf16's 8; the weights keep
 // 15 bits of the tile's largest.
 //
-// Tile layouts: K as int16 pairs of dims with keys in lanes, kp[p * kTileKeys + j] = (k[j][2p],
-// k[j][2p + 1]) (as the bf16 tiles); V as int16 pairs of keys, vp[jp * D + slot] = (v[2jp][d],
-// v[2jp + 1][d]) with d = value_dim(slot) (VPUNPCK's interleaving, undone by `finish`).
+// The sums run on the codes as the cache holds them, 4 per 32-bit lane (VPDPBUSD: unsigned
+// bytes times signed bytes), each 16-bit factor split in bytes, x = 256 * hi + lo:
+//   scores  sum q16 * k = 256 * (sum hi * (k + 128) - 128 * sum hi) + sum lo * k, with hi signed
+//           and lo in [0, 256) (k + 128 is k's byte with its top bit flipped);
+//   values  sum w16 * v = 256 * sum hi * v + sum lo * v (w16 >= 0: both bytes unsigned);
+// each in two passes over the tile sharing one accumulator (the first pass shifted by 8 bits).
+// Every partial sum fits int32 (|sum| < 2^31 for D <= 256), so the total is the exact sum.
+//
+// Tile layouts: K as quads of dims with keys in lanes, kq[p * kTileKeys + j] = bytes
+// (k[j][4p] .. k[j][4p + 3]); V as quads of keys, vq[jq * D + slot] = bytes (v[4jq][d] ..
+// v[4jq + 3][d]) with d = value_dim(slot) (VPUNPCK's interleaving, undone by `finish`).
 #pragma once
 
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
@@ -27,6 +35,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 #include "attn_lanes_bf16.h"
 #include "line_sweep.h"
@@ -38,11 +47,12 @@ using lanes::kTileKeys;
 
 constexpr float kMaxCode16 = 32767.0f;
 
-// The value dim held in slot `slot` of a V pair row: within each 32 dims, unpacklo's (dims
-// 8L .. 8L + 3 of each 128-bit lane L) then unpackhi's (8L + 4 .. 8L + 7).
+// The value dim held in slot `slot` of a V quad row: within each 64 dims, vector v (16 slots) of
+// the four that VPUNPCKLBW/HBW then LWD/HWD make holds dims 16L + 4v .. 16L + 4v + 3 of each
+// 128-bit lane L.
 constexpr int value_dim(int slot) {
-  const int h = slot / 32, s = slot % 32, hi = s / 16, lane = s % 16;
-  return 32 * h + 8 * (lane / 4) + 4 * hi + lane % 4;
+  const int h = slot / 64, r = slot % 64, v = r / 16, s = r % 16;
+  return 64 * h + 16 * (s / 4) + 4 * v + s % 4;
 }
 
 // Queries whose integer accumulators stay in registers together.
@@ -52,9 +62,17 @@ constexpr int value_group() {
 }
 constexpr int kScoreGroup = lanes::kScoreGroup;
 
-// q (bf16 bits, D dims) as int16 codes into q16; returns max|q| / 32767 (0 for a zero query).
+// A quantized query's bytes: q16's high bytes [D] (signed), low bytes [D], then the int32
+// -128 * (sum of the high bytes).
 template <int D>
-inline float quantize_query(const uint16_t* q, int16_t* q16) {
+constexpr int64_t query_bytes() {
+  return 2 * D + 4;
+}
+
+// q (bf16 bits, D dims) as int16 codes, split into `out` (query_bytes<D>()); returns
+// max|q| / 32767 (0 for a zero query).
+template <int D>
+inline float quantize_query(const uint16_t* q, uint8_t* out) {
   __m512 x[D / 16];
   __m512 amax = _mm512_setzero_ps();
   for (int c = 0; c < D / 16; ++c) {
@@ -65,29 +83,57 @@ inline float quantize_query(const uint16_t* q, int16_t* q16) {
   }
   const float m = _mm512_reduce_max_ps(amax);
   const __m512 inv = _mm512_set1_ps(m > 0.0f ? kMaxCode16 / m : 0.0f);
+  __m512i hsum = _mm512_setzero_si512();
   for (int c = 0; c < D / 16; ++c) {
     const __m512i v = _mm512_cvt_roundps_epi32(_mm512_mul_round_ps(x[c], inv, kRound), kRound);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q16 + 16 * c), _mm512_cvtsepi32_epi16(v));
+    const __m512i hi = _mm512_srai_epi32(v, 8);
+    hsum = _mm512_add_epi32(hsum, hi);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16 * c), _mm512_cvtepi32_epi8(hi));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + D + 16 * c),
+                     _mm512_cvtepi32_epi8(_mm512_and_si512(v, _mm512_set1_epi32(0xff))));
   }
+  const int32_t bias = -128 * _mm512_reduce_add_epi32(hsum);
+  std::memcpy(out + 2 * D, &bias, sizeof bias);
   return m / kMaxCode16;
 }
 
-// The scores of N queries against the tile's 64 keys: s[i][c] holds keys 16c .. 16c + 15.
+inline __m512i quad(const uint8_t* p) {  // 4 bytes broadcast to every 32-bit lane
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return _mm512_set1_epi32(v);
+}
+
+// The scores of N queries (bytes qb[i]) against the tile's 64 keys: s[i][c] holds keys
+// 16c .. 16c + 15.
 template <int D, int N>
-inline void tile_scores(const int16_t* const* q16, const float* qfac, const uint32_t* kp,
+inline void tile_scores(const uint8_t* const* qb, const float* qfac, const uint32_t* kq,
                         const float* kscale, __m512 (*s)[4], LineDrip* drip) {
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   __m512i acc[N][4];
+  for (int i = 0; i < N; ++i) {
+    int32_t bias;
+    std::memcpy(&bias, qb[i] + 2 * D, sizeof bias);
+    for (int c = 0; c < 4; ++c) acc[i][c] = _mm512_set1_epi32(bias);
+  }
+  for (int p = 0; p < D / 4; ++p) {  // high bytes against k + 128
+    if (drip != nullptr) drip->step(4);
+    __m512i ku[4];
+    for (int c = 0; c < 4; ++c)
+      ku[c] = _mm512_xor_si512(_mm512_loadu_si512(kq + p * kTileKeys + 16 * c), flip);
+    for (int i = 0; i < N; ++i) {
+      const __m512i qh = quad(qb[i] + 4 * p);
+      for (int c = 0; c < 4; ++c) acc[i][c] = _mm512_dpbusd_epi32(acc[i][c], ku[c], qh);
+    }
+  }
   for (int i = 0; i < N; ++i)
-    for (int c = 0; c < 4; ++c) acc[i][c] = _mm512_setzero_si512();
-  for (int p = 0; p < D / 2; ++p) {
+    for (int c = 0; c < 4; ++c) acc[i][c] = _mm512_slli_epi32(acc[i][c], 8);
+  for (int p = 0; p < D / 4; ++p) {  // low bytes against k
     if (drip != nullptr) drip->step(4);
     __m512i k4[4];
-    for (int c = 0; c < 4; ++c) k4[c] = _mm512_loadu_si512(kp + p * kTileKeys + 16 * c);
+    for (int c = 0; c < 4; ++c) k4[c] = _mm512_loadu_si512(kq + p * kTileKeys + 16 * c);
     for (int i = 0; i < N; ++i) {
-      int32_t pair;
-      std::memcpy(&pair, q16[i] + 2 * p, sizeof pair);
-      const __m512i qp = _mm512_set1_epi32(pair);
-      for (int c = 0; c < 4; ++c) acc[i][c] = _mm512_dpwssd_epi32(acc[i][c], qp, k4[c]);
+      const __m512i ql = quad(qb[i] + D + 4 * p);
+      for (int c = 0; c < 4; ++c) acc[i][c] = _mm512_dpbusd_epi32(acc[i][c], ql, k4[c]);
     }
   }
   for (int i = 0; i < N; ++i) {
@@ -101,9 +147,10 @@ inline void tile_scores(const int16_t* const* q16, const float* qfac, const uint
 }
 
 // A query's weights of the tile's values: w16[j] = round(p[j] * vscale[j] * 32767 / wmax) for
-// j in [lo, hi), 0 elsewhere; returns wmax / 32767 (0 when every weight is 0).
+// j in [lo, hi), 0 elsewhere, as bytes into wb (high bytes [64], then low bytes [64]); returns
+// wmax / 32767 (0 when every weight is 0).
 inline float quantize_weights(const float* p, const float* vscale, int64_t lo, int64_t hi,
-                              int16_t* w16) {
+                              uint8_t* wb) {
   __m512 w[4];
   __m512 wmax = _mm512_setzero_ps();
   for (int c = 0; c < 4; ++c) {
@@ -116,30 +163,36 @@ inline float quantize_weights(const float* p, const float* vscale, int64_t lo, i
   const __m512 inv = _mm512_set1_ps(m > 0.0f ? kMaxCode16 / m : 0.0f);
   for (int c = 0; c < 4; ++c) {
     const __m512i v = _mm512_cvt_roundps_epi32(_mm512_mul_round_ps(w[c], inv, kRound), kRound);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(w16 + 16 * c), _mm512_cvtsepi32_epi16(v));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(wb + 16 * c),
+                     _mm512_cvtepi32_epi8(_mm512_srli_epi32(v, 8)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(wb + kTileKeys + 16 * c),
+                     _mm512_cvtepi32_epi8(_mm512_and_si512(v, _mm512_set1_epi32(0xff))));
   }
   return m / kMaxCode16;
 }
 
-// acc_i = fma(float(sum over key pairs [jp0, jp1) of w16_i . v), wscale_i, acc_i * corr_i) for
-// N queries at once (each V pair row loaded once for all of them).
+// acc_i = fma(float(sum over key quads [jq0, jq1) of w16_i . v), wscale_i, acc_i * corr_i) for
+// N queries at once (each V quad row loaded once a pass for all of them).
 template <int D, int N>
-inline void values_pass(float* const* acc, const int16_t* const* w16, const float* wscale,
-                        const float* corr, int64_t jp0, int64_t jp1, const uint32_t* vp,
+inline void values_pass(float* const* acc, const uint8_t* const* wb, const float* wscale,
+                        const float* corr, int64_t jq0, int64_t jq1, const uint32_t* vq,
                         LineDrip* drip) {
   constexpr int C = D / 16;
   __m512i a[N][C];
   for (int i = 0; i < N; ++i)
     for (int c = 0; c < C; ++c) a[i][c] = _mm512_setzero_si512();
-  for (int64_t jp = jp0; jp < jp1; ++jp) {
-    if (drip != nullptr) drip->step(4);
-    const uint32_t* row = vp + jp * D;
-    for (int c = 0; c < C; ++c) {
-      const __m512i v = _mm512_loadu_si512(row + 16 * c);
-      for (int i = 0; i < N; ++i) {
-        int32_t pair;
-        std::memcpy(&pair, w16[i] + 2 * jp, sizeof pair);
-        a[i][c] = _mm512_dpwssd_epi32(a[i][c], _mm512_set1_epi32(pair), v);
+  for (int half = 0; half < 2; ++half) {  // the high bytes, then (shifted) the low ones
+    if (half == 1) {
+      for (int i = 0; i < N; ++i)
+        for (int c = 0; c < C; ++c) a[i][c] = _mm512_slli_epi32(a[i][c], 8);
+    }
+    for (int64_t jq = jq0; jq < jq1; ++jq) {
+      if (drip != nullptr) drip->step(4);
+      const uint32_t* row = vq + jq * D;
+      for (int c = 0; c < C; ++c) {
+        const __m512i v = _mm512_loadu_si512(row + 16 * c);
+        for (int i = 0; i < N; ++i)
+          a[i][c] = _mm512_dpbusd_epi32(a[i][c], quad(wb[i] + half * kTileKeys + 4 * jq), v);
       }
     }
   }
@@ -154,58 +207,59 @@ inline void values_pass(float* const* acc, const int16_t* const* w16, const floa
 }
 
 template <int D>
-inline void values_pass_n(int n, float* const* acc, const int16_t* const* w16,
-                          const float* wscale, const float* corr, int64_t jp0, int64_t jp1,
-                          const uint32_t* vp, LineDrip* drip) {
+inline void values_pass_n(int n, float* const* acc, const uint8_t* const* wb,
+                          const float* wscale, const float* corr, int64_t jq0, int64_t jq1,
+                          const uint32_t* vq, LineDrip* drip) {
   switch (n) {
-    case 1: return values_pass<D, 1>(acc, w16, wscale, corr, jp0, jp1, vp, drip);
+    case 1: return values_pass<D, 1>(acc, wb, wscale, corr, jq0, jq1, vq, drip);
     case 2: if constexpr (value_group<D>() >= 2)
-              return values_pass<D, 2>(acc, w16, wscale, corr, jp0, jp1, vp, drip);
+              return values_pass<D, 2>(acc, wb, wscale, corr, jq0, jq1, vq, drip);
             break;
     case 3: if constexpr (value_group<D>() >= 3)
-              return values_pass<D, 3>(acc, w16, wscale, corr, jp0, jp1, vp, drip);
+              return values_pass<D, 3>(acc, wb, wscale, corr, jq0, jq1, vq, drip);
             break;
     case 4: if constexpr (value_group<D>() >= 4)
-              return values_pass<D, 4>(acc, w16, wscale, corr, jp0, jp1, vp, drip);
+              return values_pass<D, 4>(acc, wb, wscale, corr, jq0, jq1, vq, drip);
             break;
   }
   for (int i = 0; i < n; ++i)
-    values_pass<D, 1>(acc + i, w16 + i, wscale + i, corr + i, jp0, jp1, vp, drip);
+    values_pass<D, 1>(acc + i, wb + i, wscale + i, corr + i, jq0, jq1, vq, drip);
 }
 
 // A tile of int8 K/V as the loaders (paged_lanes_bf16.cpp) leave it.
 struct Tile {
-  const uint32_t* kp;      // [D / 2][kTileKeys] int16 pairs of dims, keys in lanes
+  const uint32_t* kq;      // [D / 4][kTileKeys] quads of dims' codes, keys in lanes
   const float* kscale;     // [kTileKeys]
-  const uint32_t* vp;      // [kTileKeys / 2][D] int16 pairs of keys
+  const uint32_t* vq;      // [kTileKeys / 4][D] quads of keys' codes
   const float* vscale;     // [kTileKeys]
 };
 
-// A batch of queries meeting one tile: query i is q16[i] with factor qfac[i] and visible keys
-// [lo[i], hi[i]) of the tile, running state m[i], l[i], acc[i] ([D], value_dim's order).
-// `pbuf` holds n rows of kTileKeys floats, `wbuf` n rows of kTileKeys int16.
+// A batch of queries meeting one tile: query i is qb[i] (quantize_query's bytes) with factor
+// qfac[i] and visible keys [lo[i], hi[i]) of the tile, running state m[i], l[i], acc[i] ([D],
+// value_dim's order). `pbuf` holds n rows of kTileKeys floats, `wbuf` n rows of 2 * kTileKeys
+// bytes. `drip`: the next tile's lines to ask for on the way (line_sweep.h), or nullptr.
 template <int D>
-inline void attend_tile(int64_t n, const int16_t* const* q16, const float* qfac,
+inline void attend_tile(int64_t n, const uint8_t* const* qb, const float* qfac,
                         const int64_t* lo, const int64_t* hi, const Tile& t, float* const* m,
-                        float* const* l, float* const* acc, float* pbuf, int16_t* wbuf,
+                        float* const* l, float* const* acc, float* pbuf, uint8_t* wbuf,
                         LineDrip* drip = nullptr) {
   constexpr int VG = value_group<D>();
   for (int64_t i0 = 0; i0 < n; i0 += kScoreGroup) {
     const int g = static_cast<int>(std::min<int64_t>(kScoreGroup, n - i0));
     __m512 s[kScoreGroup][4];
     switch (g) {
-      case 1: tile_scores<D, 1>(q16 + i0, qfac + i0, t.kp, t.kscale, s, drip); break;
-      case 2: tile_scores<D, 2>(q16 + i0, qfac + i0, t.kp, t.kscale, s, drip); break;
-      case 3: tile_scores<D, 3>(q16 + i0, qfac + i0, t.kp, t.kscale, s, drip); break;
-      default: tile_scores<D, 4>(q16 + i0, qfac + i0, t.kp, t.kscale, s, drip); break;
+      case 1: tile_scores<D, 1>(qb + i0, qfac + i0, t.kq, t.kscale, s, drip); break;
+      case 2: tile_scores<D, 2>(qb + i0, qfac + i0, t.kq, t.kscale, s, drip); break;
+      case 3: tile_scores<D, 3>(qb + i0, qfac + i0, t.kq, t.kscale, s, drip); break;
+      default: tile_scores<D, 4>(qb + i0, qfac + i0, t.kq, t.kscale, s, drip); break;
     }
     float corr[kScoreGroup], wscale[kScoreGroup];
-    const int16_t* wrow[kScoreGroup];
+    const uint8_t* wrow[kScoreGroup];
     for (int i = 0; i < g; ++i) {
       const int64_t qi = i0 + i;
       float* pr = pbuf + qi * kTileKeys;
       corr[i] = lanes::tile_softmax(s[i], lo[qi], hi[qi], *m[qi], *l[qi], pr);
-      int16_t* wr = wbuf + qi * kTileKeys;
+      uint8_t* wr = wbuf + qi * 2 * kTileKeys;
       wscale[i] = quantize_weights(pr, t.vscale, lo[qi], hi[qi], wr);
       wrow[i] = wr;
     }
@@ -216,8 +270,8 @@ inline void attend_tile(int64_t n, const int16_t* const* q16, const float* qfac,
         jlo = std::min(jlo, lo[i0 + i + k]);
         jhi = std::max(jhi, hi[i0 + i + k]);
       }
-      values_pass_n<D>(nv, acc + i0 + i, wrow + i, wscale + i, corr + i, jlo / 2, (jhi + 1) / 2,
-                       t.vp, drip);
+      values_pass_n<D>(nv, acc + i0 + i, wrow + i, wscale + i, corr + i, jlo / 4, (jhi + 3) / 4,
+                       t.vq, drip);
     }
   }
 }

@@ -189,53 +189,53 @@ void fp8_tile(const Cache& c, const int64_t* rows, int64_t lo, int64_t hi, uint1
 #if defined(__AVX512VNNI__)
 constexpr bool kIntegerInt8 = true;  // int8 caches take attn_lanes_int8.h's integer tiles
 
-// An int8 tile's rows [lo, hi) in attn_lanes_int8.h's layouts: K codes widened to int16 pairs
-// of dims, keys in lanes, into kp; V codes widened and interleaved in pairs of keys into vp (a
+// An int8 tile's rows [lo, hi) in attn_lanes_int8.h's layouts, the codes as the cache holds
+// them: K in quads of dims, keys in lanes, into kq; V interleaved in quads of keys into vq (a
 // key outside [lo, hi) reads as zeros there); the rows' scales into ks and vs.
 template <int D>
-void load_tile_int8(const Cache& c, const int64_t* rows, int64_t lo, int64_t hi, uint32_t* kp,
-                    float* ks, uint32_t* vp, float* vs, LineDrip* drip) {
-  auto codes32 = [](const char* src) {  // 32 codes widened to int16
-    return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
-  };
+void load_tile_int8(const Cache& c, const int64_t* rows, int64_t lo, int64_t hi, uint32_t* kq,
+                    float* ks, uint32_t* vq, float* vs, LineDrip* drip) {
+  auto codes64 = [](const char* src) { return _mm512_loadu_si512(src); };
   const char* kbase = static_cast<const char*>(c.k);  // rows[] counts bytes here
   const char* vbase = static_cast<const char*>(c.v);
   for (int64_t j0 = lo / 16 * 16; j0 < hi; j0 += 16) {
-    if (j0 >= lo && j0 + 16 <= hi) {  // 16 keys: 16 pairs of each at a time, transposed
-      for (int h = 0; h < D / 32; ++h) {
+    if (j0 >= lo && j0 + 16 <= hi) {  // 16 keys: 16 quads of each at a time, transposed
+      for (int i = 0; i < 16; ++i) ks[j0 + i] = kv8::row_scale(kbase + rows[j0 + i] + D);
+      for (int h = 0; h < D / 64; ++h) {
         __m512i r[16], t[16];
-        for (int i = 0; i < 16; ++i) r[i] = codes32(kbase + rows[j0 + i] + 32 * h);
-        if (h == 0) {
-          for (int i = 0; i < 16; ++i) ks[j0 + i] = kv8::row_scale(kbase + rows[j0 + i] + D);
-        }
+        for (int i = 0; i < 16; ++i) r[i] = codes64(kbase + rows[j0 + i] + 64 * h);
         transpose16(r, t);
         for (int p = 0; p < 16; ++p) {
-          _mm512_storeu_si512(kp + (16 * h + p) * kTileKeys + j0, t[p]);
+          _mm512_storeu_si512(kq + (16 * h + p) * kTileKeys + j0, t[p]);
         }
       }
       continue;
     }
     for (int64_t j = std::max(lo, j0); j < std::min(hi, j0 + 16); ++j) {
-      const auto* kr = reinterpret_cast<const int8_t*>(kbase + rows[j]);
+      const char* kr = kbase + rows[j];
       ks[j] = kv8::row_scale(kr + D);
-      for (int p = 0; p < D / 2; ++p) {
-        const auto lo16 = static_cast<uint16_t>(static_cast<int16_t>(kr[2 * p]));
-        const auto hi16 = static_cast<uint16_t>(static_cast<int16_t>(kr[2 * p + 1]));
-        kp[p * kTileKeys + j] = lo16 | (static_cast<uint32_t>(hi16) << 16);
-      }
+      for (int p = 0; p < D / 4; ++p) std::memcpy(kq + p * kTileKeys + j, kr + 4 * p, 4);
     }
   }
-  for (int64_t jp = lo / 2; jp < (hi + 1) / 2; ++jp) {
-    if (drip != nullptr) drip->step(1);
-    const char* a = 2 * jp >= lo ? vbase + rows[2 * jp] : nullptr;
-    const char* b = 2 * jp + 1 < hi ? vbase + rows[2 * jp + 1] : nullptr;
-    if (a != nullptr) vs[2 * jp] = kv8::row_scale(a + D);
-    if (b != nullptr) vs[2 * jp + 1] = kv8::row_scale(b + D);
-    for (int h = 0; h < D / 32; ++h) {
-      const __m512i va = a != nullptr ? codes32(a + 32 * h) : _mm512_setzero_si512();
-      const __m512i vb = b != nullptr ? codes32(b + 32 * h) : _mm512_setzero_si512();
-      _mm512_storeu_si512(vp + jp * D + 32 * h, _mm512_unpacklo_epi16(va, vb));
-      _mm512_storeu_si512(vp + jp * D + 32 * h + 16, _mm512_unpackhi_epi16(va, vb));
+  for (int64_t jq = lo / 4; jq < (hi + 3) / 4; ++jq) {
+    if (drip != nullptr) drip->step(2);
+    const char* r[4];
+    for (int k = 0; k < 4; ++k) {
+      const int64_t j = 4 * jq + k;
+      r[k] = j >= lo && j < hi ? vbase + rows[j] : nullptr;
+      if (r[k] != nullptr) vs[j] = kv8::row_scale(r[k] + D);
+    }
+    for (int h = 0; h < D / 64; ++h) {
+      __m512i v[4];
+      for (int k = 0; k < 4; ++k)
+        v[k] = r[k] != nullptr ? codes64(r[k] + 64 * h) : _mm512_setzero_si512();
+      const __m512i ab_lo = _mm512_unpacklo_epi8(v[0], v[1]), ab_hi = _mm512_unpackhi_epi8(v[0], v[1]);
+      const __m512i cd_lo = _mm512_unpacklo_epi8(v[2], v[3]), cd_hi = _mm512_unpackhi_epi8(v[2], v[3]);
+      uint32_t* out = vq + jq * D + 64 * h;
+      _mm512_storeu_si512(out, _mm512_unpacklo_epi16(ab_lo, cd_lo));
+      _mm512_storeu_si512(out + 16, _mm512_unpackhi_epi16(ab_lo, cd_lo));
+      _mm512_storeu_si512(out + 32, _mm512_unpacklo_epi16(ab_hi, cd_hi));
+      _mm512_storeu_si512(out + 48, _mm512_unpackhi_epi16(ab_hi, cd_hi));
     }
   }
 }
@@ -246,9 +246,9 @@ constexpr bool kIntegerInt8 = false;
 // The integer tile's buffers (int8 caches with VNNI).
 struct IntTile {
   std::vector<float> kscale, vscale;
-  std::vector<uint32_t> vp;
+  std::vector<uint32_t> vq;
   explicit IntTile(int64_t d) : kscale(kTileKeys, 0.0f), vscale(kTileKeys, 0.0f),
-                                vp(kTileKeys / 2 * d, 0u) {}
+                                vq(kTileKeys / 4 * d, 0u) {}
 };
 
 // Keys [t0 + lo, t0 + hi) of a sequence (block table `table`), KV head kvh, into the tile
@@ -267,7 +267,7 @@ void load_tile(const Cache& c, const int32_t* table, int64_t kvh, int64_t t0, in
   sweep_tile<D>(c, table, t0, lo, hi, rows, sweep);
 #if defined(__AVX512VNNI__)
   if (c.kind == CacheKind::kInt8) {
-    load_tile_int8<D>(c, rows, lo, hi, kp, it.kscale.data(), it.vp.data(), it.vscale.data(),
+    load_tile_int8<D>(c, rows, lo, hi, kp, it.kscale.data(), it.vq.data(), it.vscale.data(),
                       drip);
     return;
   }
@@ -350,10 +350,15 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
     std::vector<float> vt(integer ? 0 : kTileKeys * D, 0.0f);
     std::vector<uint16_t> kb(kind == CacheKind::kBf16 || integer ? 0 : kTileKeys * D);
     IntTile it(integer ? D : 0);
-    std::vector<int16_t> q16(integer ? max_queries * D : 0);
-    std::vector<int16_t> wbuf(integer ? max_queries * kTileKeys : 0);
+#if defined(__AVX512VNNI__)
+    constexpr int64_t kQueryBytes = lanes_int8::query_bytes<D>();
+#else
+    constexpr int64_t kQueryBytes = 0;
+#endif
+    std::vector<uint8_t> qbytes(integer ? max_queries * kQueryBytes : 0);
+    std::vector<uint8_t> wbuf(integer ? max_queries * 2 * kTileKeys : 0);
     std::vector<float> qfac(max_queries), tf(max_queries);
-    std::vector<const int16_t*> t16(max_queries);
+    std::vector<const uint8_t*> tqb(max_queries);
     std::vector<float> m(max_queries), l(max_queries), acc(max_queries * D);
     std::vector<float> pbuf(max_queries * kTileKeys);
     std::vector<const uint16_t*> qv(max_queries), tq(max_queries);
@@ -367,8 +372,8 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
     auto attend = [&](int64_t nt) {
 #if defined(__AVX512VNNI__)
       if (integer) {
-        const lanes_int8::Tile tile{kp.data(), it.kscale.data(), it.vp.data(), it.vscale.data()};
-        lanes_int8::attend_tile<D>(nt, t16.data(), tf.data(), lo.data(), hi.data(), tile,
+        const lanes_int8::Tile tile{kp.data(), it.kscale.data(), it.vq.data(), it.vscale.data()};
+        lanes_int8::attend_tile<D>(nt, tqb.data(), tf.data(), lo.data(), hi.data(), tile,
                                    tm.data(), tl.data(), ta.data(), pbuf.data(), wbuf.data(),
                                    drip);
         return;
@@ -382,7 +387,7 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
     auto add = [&](int64_t& nt, int64_t qi, int64_t jl, int64_t jh) {
       tq[nt] = qv[qi], lo[nt] = jl, hi[nt] = jh;
       tm[nt] = &m[qi], tl[nt] = &l[qi], ta[nt] = acc.data() + qi * D;
-      if (integer) t16[nt] = q16.data() + qi * D, tf[nt] = qfac[qi];
+      if (integer) tqb[nt] = qbytes.data() + qi * kQueryBytes, tf[nt] = qfac[qi];
       ++nt;
     };
     // Keys [t0 + jl, t0 + jh) of KV head kvh (block table `table`) into the tile buffers, the
@@ -449,7 +454,7 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
       }
 #if defined(__AVX512VNNI__)
       for (int64_t qi = 0; integer && qi < units_q; ++qi) {
-        qfac[qi] = lanes_int8::quantize_query<D>(qv[qi], q16.data() + qi * D) * scale;
+        qfac[qi] = lanes_int8::quantize_query<D>(qv[qi], qbytes.data() + qi * kQueryBytes) * scale;
       }
 #endif
       std::fill(acc.begin(), acc.begin() + units_q * D, 0.0f);
