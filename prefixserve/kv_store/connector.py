@@ -52,6 +52,7 @@ from prefixserve.kv_store.fingerprint import model_fingerprint, store_namespace
 from prefixserve.kv_store.load_speeds import LoadSpeeds
 from prefixserve.kv_store.loads import BackgroundLoads
 from prefixserve.kv_store.lookup import StoreLookup
+from prefixserve.kv_store.remote.lookup import RemoteLookup
 from prefixserve.kv_store.remote.redis_tier import RedisTier
 from prefixserve.kv_store.seed import load_or_create_seed
 from prefixserve.kv_store.tier import DISK, REMOTE, BlockRead, DiskTier, KVTier
@@ -407,17 +408,23 @@ class KVStoreConnector:
         (a stat; what a cache report reads; None without a disk tier)."""
         return None if self.store is None else self.store.state((block_hash, GROUP))
 
-    # Stat-only views of the namespaces where engines of the other KV dtypes keep the same
-    # prompts' blocks (same model, numerics and hash seed), by KV dtype: set by
-    # `open_engine_kv_store`; read by cache reports only, never loaded from.
+    # Lookups in the namespaces where engines of the other KV dtypes keep the same prompts'
+    # blocks (same model, numerics and hash seed), by KV dtype, on the disk (stat-only) and on
+    # the shared tier (EXISTS): set by `open_engine_kv_store`; read by cache reports only,
+    # never loaded from.
     other_dtypes: dict[str, StoreLookup] = {}
+    other_remote_dtypes: dict[str, RemoteLookup] = {}
 
     def other_kv_dtype(self, block_hash: bytes) -> str | None:
-        """The KV dtype of another engine that stored this block in this directory, or None
-        (a stat per other dtype). The hash chains the tenant's salt, so only the same tenant's
+        """The KV dtype of another engine that stored this block in this directory or on the
+        shared tier, or None (a stat per other dtype; on the shared tier, one EXISTS per other
+        dtype, a fault a miss). The hash chains the tenant's salt, so only the same tenant's
         block can be found."""
         for name, lookup in self.other_dtypes.items():
             if lookup.contains((block_hash, GROUP)):
+                return name
+        for name, remote in self.other_remote_dtypes.items():
+            if remote.held([block_hash], GROUP)[0][0]:
                 return name
         return None
 
@@ -544,7 +551,7 @@ def open_engine_kv_store(
     directory others can reach). `numerics`: the runner's name for how its K/V are computed
     where that changes their bits (`ModelRunner.kv_numerics`). `other_layouts`: the layouts
     of the other KV dtypes by name, each with its own numerics, whose disk namespaces a cache
-    report looks in (`KVStoreConnector.other_kv_dtype`)."""
+    report looks in, on the disk and the shared tier (`KVStoreConnector.other_kv_dtype`)."""
     store_config = config.kv_store
     if store_config is None or not (store_config.enabled or store_config.remote_url):
         return None, None
@@ -579,6 +586,11 @@ def open_engine_kv_store(
     if store_config.dir is not None and store is not None:
         connector.other_dtypes = {
             name: StoreLookup(store_config.dir, namespace_of(layout))
+            for name, layout in (other_layouts or {}).items()
+        }
+    if remote is not None:
+        connector.other_remote_dtypes = {
+            name: remote.sibling(namespace_of(layout))
             for name, layout in (other_layouts or {}).items()
         }
     # Hosts that share a tier hash with the seed kept in it, so their block hashes agree.

@@ -311,3 +311,35 @@ def test_the_engine_reconnects_by_itself_after_the_server_is_killed_and_restarte
     assert report["reason"] != "tier_fault"
     assert engine.get_metrics()["kv_remote_connected"] == 1
     _close(llm)
+
+
+def _host_8_bit(model, url: str, kv_cache_dtype: str) -> LLM:
+    return LLM(loaded_model=model, num_kv_blocks=64, kv_cache_dtype=kv_cache_dtype, kv_remote=url)
+
+
+def test_the_shared_tier_serves_8_bit_blocks_to_their_own_kv_dtype_only(
+    server, default_model_bf16
+):
+    """Two int8 hosts on one server: the second loads every loadable block the first computed,
+    with the int8 cold start's bits; an fp8 host and a bf16 host on the same server load none
+    of them (the namespace names the KV dtype, on the shared tier as on disk), and their cache
+    reports name the dtype the blocks are in."""
+    cold = _run(LLM(loaded_model=default_model_bf16, num_kv_blocks=64, kv_cache_dtype="int8"))
+    first = _host_8_bit(default_model_bf16, server.url, "int8")
+    computed = _run(first)
+    _flush(first)
+    second = _host_8_bit(default_model_bf16, server.url, "int8")
+    warm = _run(second)
+    assert warm.num_cached_tokens == _loadable_tokens(warm) > 0
+    assert second.llm_engine.kv_connector.stats.remote_hit_tokens == warm.num_cached_tokens
+    assert _bits(warm) == _bits(computed) == _bits(cold)
+    for other in ("fp8_e4m3", "auto"):
+        host = _host_8_bit(default_model_bf16, server.url, other)
+        out = host.generate([PROMPT], REPORT, use_tqdm=False)[0]
+        assert out.num_cached_tokens == 0
+        assert host.llm_engine.kv_connector.stats.remote_hit_tokens == 0
+        # The report says why: the block is on the shared tier, in the int8 hosts' dtype.
+        assert out.cache_report["reason"] == "other_kv_dtype"
+        assert out.cache_report["detail"] == {"kv_dtype": "int8"}
+        _close(host)
+    _close(first, second)

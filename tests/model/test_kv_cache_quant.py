@@ -97,8 +97,8 @@ def test_the_kernel_reads_8_bit_rows_as_their_dequantized_values(case, dtype, na
 def test_every_fp8_byte_reads_as_pytorchs_float8_e4m3fn():
     """The kernels' fp8 decoding against PyTorch's conversion for all 256 bytes but the two
     NaNs: one key and one value row per byte, a query of zeros (all weight on the one key); the
-    portable path's branch-free decoding (fp32 queries) and the bf16 lanes path's bit arithmetic (bf16
-    queries, where the build has it: an e4m3 value is exact in bf16)."""
+    portable path's branch-free arithmetic (fp32 queries) and the bf16 lanes path's bit
+    arithmetic (bf16 queries, where the build has it: an e4m3 value is exact in bf16)."""
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     codes = codes[(codes & 0x7F) != 0x7F]
     n = codes.numel()  # 254 rows of 64 copies of one byte each, scale 1

@@ -75,12 +75,7 @@ class RemoteLookup:
         import redis
 
         check_url(url)
-        if len(namespace) != 32:
-            raise ValueError(f"namespace must be 32 hex digits, got {namespace!r}")
-        self.url = url
-        self.namespace = namespace
-        # A path, kept so that a reader of the same server can be opened elsewhere (the router).
-        self.password_file = None if password_file is None else str(password_file)
+        self._init_state(url, namespace, password_file, retry_after_s)
         self._client = redis.Redis.from_url(
             url,
             password=read_password(password_file),
@@ -89,6 +84,17 @@ class RemoteLookup:
             health_check_interval=30,
         )
         self._errors = (redis.RedisError, OSError)
+
+    def _init_state(
+        self, url: str, namespace: str, password_file: str | Path | None, retry_after_s: float
+    ) -> None:
+        """Everything but the client: the namespace, the fault counts, the back-off."""
+        if len(namespace) != 32:
+            raise ValueError(f"namespace must be 32 hex digits, got {namespace!r}")
+        self.url = url
+        self.namespace = namespace
+        # A path, kept so that a reader of the same server can be opened elsewhere (the router).
+        self.password_file = None if password_file is None else str(password_file)
         self.stats: Counter[str] = Counter()
         # Whether the latest call reached the server (False until one did, and after a fault).
         self.connected = False
@@ -96,6 +102,15 @@ class RemoteLookup:
         self._backoff_s = retry_after_s
         self._retry_at = 0.0  # monotonic time before which the server is not called
         self.seed_lost = False  # a fault since the seed was last checked
+
+    def sibling(self, namespace: str) -> RemoteLookup:
+        """A lookup in another namespace of the same server over this one's connections (its
+        own fault counts and back-off): how a cache report looks where engines of another KV
+        dtype keep their blocks. Never closed itself (the connections are this one's)."""
+        other = object.__new__(RemoteLookup)  # not __init__: no new client
+        other._init_state(self.url, namespace, self.password_file, self.retry_after_s)
+        other._client, other._errors = self._client, self._errors
+        return other
 
     def key(self, block_hash: bytes, group: int) -> bytes:
         return KEY_PREFIX + f"{self.namespace}:{block_hash.hex()}:g{group}".encode()

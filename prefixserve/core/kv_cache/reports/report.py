@@ -18,8 +18,8 @@ one, since at least its last token is always computed:
 - `salt_or_tenant` / `adapter`: the same prefix is cached under another cache salt / another LoRA
   adapter of the same tenant (never another tenant's: that is `never_seen`; without tenants, a
   salt is a client's own namespace, so only `adapter` is looked for);
-- `other_kv_dtype`: the disk tier holds the block as an engine with another `--kv-cache-dtype`
-  stored it (`detail.kv_dtype`), which this engine cannot read;
+- `other_kv_dtype`: the disk tier or the shared tier holds the block as an engine with another
+  `--kv-cache-dtype` stored it (`detail.kv_dtype`), which this engine cannot read;
 - `never_seen`: none of the above.
 """
 
@@ -113,7 +113,7 @@ REASON_TEXT = {
     "evicted": "it was cached and evicted",
     "salt_or_tenant": "it is cached under another cache salt of yours",
     "adapter": "it is cached under another LoRA adapter (or without one)",
-    "other_kv_dtype": "the disk tier holds it in another KV cache dtype (--kv-cache-dtype)",
+    "other_kv_dtype": "a tier holds it in another KV cache dtype (--kv-cache-dtype)",
     "never_seen": "no cached prompt has it",
 }
 
