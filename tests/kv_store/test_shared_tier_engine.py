@@ -317,9 +317,7 @@ def _host_8_bit(model, url: str, kv_cache_dtype: str) -> LLM:
     return LLM(loaded_model=model, num_kv_blocks=64, kv_cache_dtype=kv_cache_dtype, kv_remote=url)
 
 
-def test_the_shared_tier_serves_8_bit_blocks_to_their_own_kv_dtype_only(
-    server, default_model_bf16
-):
+def test_the_shared_tier_serves_8_bit_blocks_to_their_own_kv_dtype_only(server, default_model_bf16):
     """Two int8 hosts on one server: the second loads every loadable block the first computed,
     with the int8 cold start's bits; an fp8 host and a bf16 host on the same server load none
     of them (the namespace names the KV dtype, on the shared tier as on disk), and their cache
