@@ -229,8 +229,10 @@ void load_tile_int8(const Cache& c, const int64_t* rows, int64_t lo, int64_t hi,
       __m512i v[4];
       for (int k = 0; k < 4; ++k)
         v[k] = r[k] != nullptr ? codes64(r[k] + 64 * h) : _mm512_setzero_si512();
-      const __m512i ab_lo = _mm512_unpacklo_epi8(v[0], v[1]), ab_hi = _mm512_unpackhi_epi8(v[0], v[1]);
-      const __m512i cd_lo = _mm512_unpacklo_epi8(v[2], v[3]), cd_hi = _mm512_unpackhi_epi8(v[2], v[3]);
+      const __m512i ab_lo = _mm512_unpacklo_epi8(v[0], v[1]);
+      const __m512i ab_hi = _mm512_unpackhi_epi8(v[0], v[1]);
+      const __m512i cd_lo = _mm512_unpacklo_epi8(v[2], v[3]);
+      const __m512i cd_hi = _mm512_unpackhi_epi8(v[2], v[3]);
       uint32_t* out = vq + jq * D + 64 * h;
       _mm512_storeu_si512(out, _mm512_unpacklo_epi16(ab_lo, cd_lo));
       _mm512_storeu_si512(out + 16, _mm512_unpackhi_epi16(ab_lo, cd_lo));
@@ -365,7 +367,7 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
     std::vector<int64_t> lo(max_queries), hi(max_queries);
     std::vector<float*> tm(max_queries), tl(max_queries), ta(max_queries);
     LineDrip drip_lines;  // the next tile's lines, asked for while this one is computed
-    LineDrip* drip = &drip_lines;
+    LineDrip* const drip = &drip_lines;
 
     // The queries of a unit: index h * nq + e * group + g for its head h (KV head kvh0 + h),
     // item entry e (a row) and query head g of the KV head's group.
