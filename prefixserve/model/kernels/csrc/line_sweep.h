@@ -3,10 +3,17 @@
 // (paged_attention.cpp, paged_lanes_bf16.cpp). Gathered straight from memory, row after strided
 // row between the conversions, the rows of a decode batch at long context arrived at a third of
 // the read bandwidth, and software prefetches alone did not change that (AMD Zen 4; BENCHMARKS.md).
+// While a tile is computed, LineDrip asks for the next one's lines a few at a time, so that
+// those reads find them in L2.
 #pragma once
+
+#if defined(__SSE__)
+#include <immintrin.h>
+#endif
 
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace prefixserve {
 
@@ -29,16 +36,6 @@ inline void touch_lines(const char* k, const char* v, int64_t bytes) {
   sink |= word(k + bytes - 4) | word(v + bytes - 4);
   asm volatile("" : : "r"(sink));
 }
-
-}  // namespace prefixserve
-
-#if defined(__SSE__)
-#include <immintrin.h>
-#endif
-
-#include <vector>
-
-namespace prefixserve {
 
 // The next tile's cache lines, asked for a few at a time while this tile is computed: a burst of
 // hundreds of prefetches at once (or of demand loads) leaves the arithmetic waiting; spread
