@@ -210,6 +210,28 @@ inline void attend_tile_avx512(const float* qv, const float* kt, const float* vt
 }
 #endif
 
+// Dims of the accumulator kept in registers over a whole tile (8 AVX2 vectors).
+constexpr int kValueChunk = 64;
+
+// acc[d] += s[j] * vt[j][d] for j ascending in [lo, hi), every d: the same operations in the same
+// order as the plain loop, kValueChunk dims at a time over all of j, so the chunk's accumulator
+// stays in registers instead of going through memory at every key.
+template <int HD>
+inline void values_in_chunks(const float* vt, const float* s, int64_t lo, int64_t hi, float* acc,
+                             LineDrip* drip) {
+  for (int d0 = 0; d0 < HD; d0 += kValueChunk) {
+    float a[kValueChunk];
+    std::memcpy(a, acc + d0, sizeof a);
+    for (int64_t j = lo; j < hi; ++j) {
+      if (drip != nullptr && d0 == 0) drip->step(1);
+      const float pj = s[j];
+      const float* vr = vt + j * HD + d0;
+      for (int d = 0; d < kValueChunk; ++d) a[d] += pj * vr[d];
+    }
+    std::memcpy(acc + d0, a, sizeof a);
+  }
+}
+
 // One query vector against key slots [lo, hi) of a converted tile (rows of `head_dim` floats):
 // the online-softmax update of its running max `m`, sum `l` and unnormalized output `acc`.
 // HD > 0 fixes head_dim at compile time.
@@ -238,6 +260,10 @@ inline void attend_tile(const float* qv, const float* kt, const float* vt, int64
   l = std::fma(l, correction, sum16(s, lo, hi, false));
   m = m_new;
   for (int64_t d = 0; d < head_dim; ++d) acc[d] *= correction;
+  if constexpr (HD > 0 && HD % kValueChunk == 0) {
+    values_in_chunks<HD>(vt, s, lo, hi, acc, drip);
+    return;
+  }
   for (int64_t j = lo; j < hi; ++j) {
     if (drip != nullptr) drip->step(1);
     const float pj = s[j];
