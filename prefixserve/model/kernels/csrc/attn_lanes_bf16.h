@@ -1,7 +1,8 @@
 // One tile of bf16 attention with keys in lanes: the arithmetic that the long-chunk kernel
-// (prefill_attention.cpp) and the paged kernel's bf16 path (paged_attention.cpp) share, so a
-// query gets the same bits from either, whichever rows it shared a call with and whether its
-// keys were cached or computed this step (batch invariance with the fast prefill kernel on).
+// (prefill_attention.cpp) and the paged kernel's keys-in-lanes path (paged_lanes_bf16.cpp)
+// share, so a query gets the same bits from either, whichever rows it shared a call with and
+// whether its keys were cached or computed this step (batch invariance with the fast prefill
+// kernel on).
 //
 // A tile is the kTileKeys keys at absolute positions [t0, t0 + kTileKeys), t0 a multiple of
 // kTileKeys. A query meets each tile it sees once, tiles in ascending order, and only its own
