@@ -266,22 +266,22 @@ class ModelRunner:
         oneDNN's where `PREFIXSERVE_NATIVE_GEMM=0`) and its attention's (the bf16 lanes kernels'
         arithmetic, its int8 caches' integer one where the build has it, or the portable path's
         where the build has no AVX512-BF16: a layer's K/V depend on the earlier layers'
-        attention), so a hit is a cold start's bits, also from
-        a store that hosts of other CPU kinds share. `kv_dtype`: as an engine of that KV dtype
-        would name it (the runner's own by default)."""
+        attention), so a hit is a cold start's bits, also from a store that hosts of other CPU
+        kinds share. `kv_dtype`: as an engine of that KV dtype would name it (the runner's own
+        by default)."""
         weights = f"/weights-{self.config.quantization}" if self.config.quantization else ""
         if not self.batch_invariant:
             return weights
         linears = "native-gemm" if compiled_kernel("gemm") is not None else "onednn"
-        lanes = self.dtype == torch.bfloat16 and attention_kernels_agree()
         kv = kv_dtype or self.kv_format.name
-        if lanes and kv == "int8":  # the lanes path takes int8 in integer tiles, where it can
-            lanes = attention_int8_dot()
-        attention = "lanes" if lanes else "portable"
-        if lanes and kv == "int8":
-            attention = "lanes-int8-dot"  # attn_lanes_int8.h: its own arithmetic
-        elif lanes and kv == "fp8_e4m3":
+        if not (self.dtype == torch.bfloat16 and attention_kernels_agree()):
+            attention = "portable"
+        elif kv == "int8":  # integer tiles (attn_lanes_int8.h) where the build has VNNI
+            attention = "lanes-int8-dot" if attention_int8_dot() else "portable"
+        elif kv == "fp8_e4m3":
             attention = "lanes-fp8-codes"  # exact codes, row scales after (lanes::RowScales)
+        else:
+            attention = "lanes"
         return f"/batch-invariant/{linears}/{attention}-attention{weights}"
 
     def gather_blocks(self, block_ids: Sequence[int]) -> list[memoryview]:

@@ -36,6 +36,8 @@ namespace {
 
 using prefixserve::paged::Item;
 using prefixserve::paged::build_items;
+using prefixserve::paged::first_visible;
+using prefixserve::paged::visible_slots;
 using prefixserve::paged::kCascadeRows;
 using prefixserve::paged::kLongRowTile;
 using prefixserve::kv8::row_to_float;
@@ -160,7 +162,7 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
       const int64_t first_pos = info[3 * seq + 2] + (row0 - info[3 * seq]);
       const int64_t last_pos = first_pos + rows - 1;
       const int32_t* table = tables + seq * max_blocks;
-      const int64_t lo = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
+      const int64_t lo = first_visible(first_pos, window);
       // Tiles start at multiples of tile_blocks (absolute key positions), whatever rows this
       // item holds: a sliding window's first visible slot lies inside a tile, not at its start.
       const int64_t b_start = std::max(lo / block_size / tile_blocks * tile_blocks, start_block);
@@ -185,11 +187,7 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
         }
 #endif
         for (int64_t r = 0; r < rows; ++r) {
-          const int64_t qpos = first_pos + r;
-          const int64_t vis_lo = window > 0 ? std::max<int64_t>(0, qpos - window + 1) : 0;
-          // Visible slots [j_lo, j_hi) of this tile for this query row.
-          const int64_t j_lo = std::max<int64_t>(0, vis_lo - kpos0);
-          const int64_t j_hi = std::min<int64_t>(tile_slots, qpos - kpos0 + 1);
+          const auto [j_lo, j_hi] = visible_slots(first_pos + r, window, kpos0, tile_slots);
           if (j_lo >= j_hi) continue;
           const int64_t qi = (e0 + r) * group;  // the row's query heads, consecutive
           attend_tiles<HD>(qf.data() + qi * head_dim, group, kt.data(), vt.data(), head_dim, j_lo,

@@ -1,7 +1,7 @@
 // The work items of a paged-attention call (paged_attention.cpp, paged_lanes_bf16.cpp), each run
 // once per KV head: a tile of query rows of one sequence, or a cascade: up to kCascadeRows
 // single-token sequences whose block tables start with the same blocks (a shared cached prefix),
-// whose shared blocks are read once for all their queries.
+// whose shared blocks are read once for all their queries; and which keys of a tile a query sees.
 #pragma once
 
 #include <algorithm>
@@ -20,6 +20,22 @@ constexpr int64_t kLongRowTile = 64;
 // Decode sequences sharing a cached prefix are attended together, this many at most per work
 // item (a cap that keeps several items per KV head for a batch of 8+ rows on two threads).
 constexpr int64_t kCascadeRows = 4;
+
+// The first key position a query at `pos` sees: 0 under full attention (window 0), else the
+// start of its sliding window.
+inline int64_t first_visible(int64_t pos, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+}
+
+// The slots [lo, hi) of the tile of `slots` keys from position t0 that a query at `pos` sees
+// (lo >= hi: none).
+struct SlotRange {
+  int64_t lo, hi;
+};
+inline SlotRange visible_slots(int64_t pos, int64_t window, int64_t t0, int64_t slots) {
+  return {std::max<int64_t>(0, first_visible(pos, window) - t0),
+          std::min<int64_t>(slots, pos - t0 + 1)};
+}
 
 struct Item {
   std::vector<int64_t> seqs;    // a cascade's sequences; one sequence otherwise

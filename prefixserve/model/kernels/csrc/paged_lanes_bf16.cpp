@@ -36,6 +36,8 @@ using lanes::kTileKeys;
 using prefixserve::LineDrip;
 using prefixserve::touch_lines;
 using prefixserve::paged::build_items;
+using prefixserve::paged::first_visible;
+using prefixserve::paged::visible_slots;
 using prefixserve::paged::Item;
 using prefixserve::paged::kCascadeRows;
 using prefixserve::paged::kLongRowTile;
@@ -399,12 +401,10 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
                     int64_t next) {
       const Sweep sweep = heads == 1 ? Sweep::kRows : kvh % heads == 0 ? Sweep::kSlots
                                                                         : Sweep::kNone;
-      if (sweep == Sweep::kSlots) {
+      if (sweep != Sweep::kNone) {  // a unit's first load of the tile: list the next one's
         drip->clear();
-        slot_runs(cache, table, t0 + kTileKeys, 0, next, drip);
-      } else if (sweep == Sweep::kRows) {
-        drip->clear();
-        own_rows<D>(cache, table, kvh, t0 + kTileKeys, 0, next, drip);
+        if (sweep == Sweep::kSlots) slot_runs(cache, table, t0 + kTileKeys, 0, next, drip);
+        else own_rows<D>(cache, table, kvh, t0 + kTileKeys, 0, next, drip);
       }
       load_tile<D>(cache, table, kvh, t0, jl, jh, kp.data(), vt.data(), kb.data(), it, sweep,
                    drip);
@@ -416,7 +416,7 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
       const int64_t first_pos = info[3 * seq + 2] + (row0 - info[3 * seq]);
       const int64_t last_pos = first_pos + rows - 1;
       const int32_t* table = tables + seq * max_blocks;
-      const int64_t lo_key = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
+      const int64_t lo_key = first_visible(first_pos, window);
       const int64_t t_start = std::max(lo_key / kTileKeys * kTileKeys, start_key);
       for (int64_t t0 = t_start; t0 <= last_pos; t0 += kTileKeys) {
         const int64_t next = std::clamp<int64_t>(last_pos - t0 - kTileKeys + 1, 0, kTileKeys);
@@ -425,10 +425,7 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
                std::min<int64_t>(kTileKeys, last_pos - t0 + 1), next);
           int64_t nt = 0;
           for (int64_t r = 0; r < rows; ++r) {
-            const int64_t qpos = first_pos + r;
-            const int64_t vis_lo = window > 0 ? std::max<int64_t>(0, qpos - window + 1) : 0;
-            const int64_t jl = std::max<int64_t>(0, vis_lo - t0);
-            const int64_t jh = std::min<int64_t>(kTileKeys, qpos - t0 + 1);
+            const auto [jl, jh] = visible_slots(first_pos + r, window, t0, kTileKeys);
             if (jl >= jh) continue;
             for (int64_t g = 0; g < group; ++g) add(nt, h * nq + (e0 + r) * group + g, jl, jh);
           }
