@@ -274,10 +274,12 @@ class ModelRunner:
             return weights
         linears = "native-gemm" if compiled_kernel("gemm") is not None else "onednn"
         kv = kv_dtype or self.kv_format.name
-        if not (self.dtype == torch.bfloat16 and attention_kernels_agree()):
+        if self.dtype != torch.bfloat16:
             attention = "portable"
-        elif kv == "int8":  # integer tiles (attn_lanes_int8.h) where the build has VNNI
+        elif kv == "int8":  # integer tiles (AVX512-VNNI or AVX2: the same bits) where built
             attention = "lanes-int8-dot" if attention_int8_dot() else "portable"
+        elif not attention_kernels_agree():
+            attention = "portable"
         elif kv == "fp8_e4m3":
             attention = "lanes-fp8-codes"  # exact codes, row scales after (lanes::RowScales)
         else:

@@ -2,7 +2,9 @@
 kernel (csrc/prefill_attention.cpp) share their arithmetic (csrc/attn_lanes_bf16.h): a query's
 output is the same bits from either, however its prompt was chunked, whatever rows shared its
 call, whether it was a decode row of a cascade over a shared prefix, and within a sliding window.
-Both are also checked against an fp64 reference and against the portable path.
+Both are also checked against an fp64 reference and against the portable path. An int8 cache
+takes integer tiles (csrc/attn_lanes_int8.h with AVX512-VNNI, csrc/attn_lanes_int8_avx2.h with
+AVX2), the same bits from both: where a build has the wider, its int8 tests run on both.
 """
 
 import math
@@ -13,7 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from prefixserve.model.kernels.build import (
+    attention_int8_width,
     attention_kernels_agree,
+    paged_attention_int8_avx2_kernel,
     paged_attention_kernel,
     paged_attention_portable_kernel,
     prefill_attention_kernel,
@@ -27,6 +31,21 @@ needs_lanes = pytest.mark.skipif(
     paged is None or not attention_kernels_agree(),
     reason="this build has no keys-in-lanes path (no AVX512-BF16)",
 )
+int8_width = 0 if paged is None else attention_int8_width()
+needs_int8_tiles = pytest.mark.skipif(
+    int8_width == 0, reason="this build has no integer tiles for int8 caches (no AVX2)"
+)
+int8_avx2 = paged_attention_int8_avx2_kernel()
+
+
+def paged_int8_avx2(out, q, kc, vc, table, info, scale, softcap, window):
+    """The paged kernel over an int8 cache on its 256-bit integer tiles, whatever the build."""
+    assert softcap == 0.0
+    assert int8_avx2(out, q, kc, vc, table, info, scale, window)
+
+
+# Each int8 test on the build's widest integer tiles and on the 256-bit ones.
+INT8_KERNELS = pytest.mark.parametrize("kernel", [paged, paged_int8_avx2], ids=["widest", "avx2"])
 
 
 def prompt_case(length, heads, kv_heads, head_dim, block_size, seed):
@@ -60,13 +79,13 @@ def run_chunks(fn, q, kc, vc, table, cuts, window=0, softcap=0.0):
     return out
 
 
-def run_decode_rows(q, kc, vc, table, window=0):
+def run_decode_rows(q, kc, vc, table, window=0, fn=None):
     """Every position as its own one-token sequence, all in one call (a decode batch whose rows
-    share the prompt's blocks: cascades)."""
+    share the prompt's blocks: cascades); `fn`: the kernel (paged by default)."""
     length, heads, d = q.shape
     out = torch.empty(length, heads * d, dtype=torch.bfloat16)
     info = torch.tensor([[i, i + 1, i] for i in range(length)])
-    paged(out, q, kc, vc, table.repeat(length, 1), info, d**-0.5, 0.0, window)
+    (fn or paged)(out, q, kc, vc, table.repeat(length, 1), info, d**-0.5, 0.0, window)
     return out
 
 
@@ -151,26 +170,33 @@ def test_a_row_gets_the_same_bits_whatever_shares_its_call():
     assert torch.equal(out[3:23], run_chunks(paged, q, kc, vc, table, [0, 300, 320, 400])[300:320])
 
 
-@needs_lanes
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), SHAPES)
-@pytest.mark.parametrize("name", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize(
+    ("name", "kernel"),
+    [
+        pytest.param("int8", paged, marks=needs_int8_tiles, id="int8-widest"),
+        pytest.param("int8", paged_int8_avx2, marks=needs_int8_tiles, id="int8-avx2"),
+        pytest.param("fp8_e4m3", paged, marks=needs_lanes, id="fp8_e4m3"),
+    ],
+)
 @pytest.mark.parametrize("window", [0, 70])
 def test_an_8_bit_cache_gives_a_query_the_same_bits_however_it_is_grouped(
-    heads, kv_heads, head_dim, name, window
+    heads, kv_heads, head_dim, name, kernel, window
 ):
-    """An 8-bit cache (int8: integer dot products where the build has VNNI): a 300-token
-    prompt in one call, chunk by chunk, every position as a decode row in one call (cascades,
-    and enough rows that a work unit takes all KV heads on up to 18 threads) and some rows
-    alone: the same bits, within bf16 rounding of fp64 attention over the dequantized K/V."""
+    """An 8-bit cache (int8: integer dot products, on the build's widest tiles and on the
+    256-bit ones): a 300-token prompt in one call, chunk by chunk, every position as a decode
+    row in one call (cascades, and enough rows that a work unit takes all KV heads on up to 18
+    threads) and some rows alone: the same bits, within bf16 rounding of fp64 attention over
+    the dequantized K/V."""
     q, kc, vc, table, _, _ = prompt_case(300, heads, kv_heads, head_dim, 16, seed=3)
     fmt = kv_format(name, torch.bfloat16)
     kq, vq = quantize_rows(kc, fmt), quantize_rows(vc, fmt)
-    whole = run_chunks(paged, q, kq, vq, table, [0, 300], window)
+    whole = run_chunks(kernel, q, kq, vq, table, [0, 300], window)
     cuts = [0, 63, 64, 129, 200, 300]
-    assert torch.equal(whole, run_chunks(paged, q, kq, vq, table, cuts, window))
-    assert torch.equal(whole, run_decode_rows(q, kq, vq, table, window))
+    assert torch.equal(whole, run_chunks(kernel, q, kq, vq, table, cuts, window))
+    assert torch.equal(whole, run_decode_rows(q, kq, vq, table, window, kernel))
     for p in (0, 63, 64, 150, 299):
-        alone = run_chunks(paged, q, kq, vq, table, [p, p + 1], window)[p : p + 1]
+        alone = run_chunks(kernel, q, kq, vq, table, [p, p + 1], window)[p : p + 1]
         assert torch.equal(whole[p : p + 1], alone)
     slots = (table[0].long().unsqueeze(1) * 16 + torch.arange(16)).view(-1)[:300]
     rows = kq.shape[-1]
@@ -179,9 +205,10 @@ def test_an_8_bit_cache_gives_a_query_the_same_bits_however_it_is_grouped(
     assert (whole.double() - exact(q, keys, values, window)).abs().max().item() < 0.02
 
 
-@needs_lanes
+@needs_int8_tiles
+@INT8_KERNELS
 @pytest.mark.parametrize("head_dim", [64, 256])
-def test_int8_sums_at_their_largest_stay_exact(head_dim):
+def test_int8_sums_at_their_largest_stay_exact(kernel, head_dim):
     """Every int8 code at +-127 and a query of one magnitude (its int16 copy at +-32767), some
     keys equal to the query's signs: the integer score sums reach 32767 * 127 * head_dim (~2^30
     at 256 dims) and the value sums their largest too; the output stays within bf16 rounding
@@ -198,28 +225,29 @@ def test_int8_sums_at_their_largest_stay_exact(head_dim):
     fmt = kv_format("int8", torch.bfloat16)
     kq, vq = quantize_rows(kc, fmt), quantize_rows(vc, fmt)
     assert kq[..., :head_dim].abs().min().item() == 127
-    out = run_chunks(paged, q, kq, vq, table, [0, length])
+    out = run_chunks(kernel, q, kq, vq, table, [0, length])
     rows = kq.shape[-1]
     keys = dequantize_rows(kq.view(-1, kv_heads, rows)[slots], fmt, torch.float64)
     values = dequantize_rows(vq.view(-1, kv_heads, rows)[slots], fmt, torch.float64)
     assert (out.double() - exact(q, keys, values)).abs().max().item() < 0.02
 
 
-@needs_lanes
-def test_a_nan_scale_in_an_int8_row_the_query_cannot_see_stays_out():
+@needs_int8_tiles
+@INT8_KERNELS
+def test_a_nan_scale_in_an_int8_row_the_query_cannot_see_stays_out(kernel):
     """A NaN scale in the K and V rows of a slot after the query's position, in the same
     64-key tile (a corrupted unwritten tail): the rows before it get the clean cache's bits."""
     q, kc, vc, table, _, _ = prompt_case(40, 9, 3, 64, 16, seed=7)
     fmt = kv_format("int8", torch.bfloat16)
     kq, vq = quantize_rows(kc, fmt), quantize_rows(vc, fmt)
-    clean = run_chunks(paged, q, kq, vq, table, [0, 40])
+    clean = run_chunks(kernel, q, kq, vq, table, [0, 40])
     slot = table[0, 30 // 16].item(), 30 % 16
     nan = torch.tensor([float("nan")]).view(torch.int8)
     kq[slot][:, 64:] = nan
     vq[slot][:, 64:] = nan
-    out = run_chunks(paged, q, kq, vq, table, [0, 40])
+    out = run_chunks(kernel, q, kq, vq, table, [0, 40])
     assert torch.equal(out[:30], clean[:30])
-    decode = run_decode_rows(q, kq, vq, table)
+    decode = run_decode_rows(q, kq, vq, table, fn=kernel)
     assert torch.equal(decode[:30], clean[:30])
 
 
@@ -246,3 +274,21 @@ def test_the_paged_kernel_keeps_its_portable_path_for_soft_capping():
     b = run_chunks(portable, q, kc, vc, table, [0, 50], softcap=5.0)
     assert torch.equal(a, b)
     assert math.isfinite(a.float().abs().max().item())
+
+
+@pytest.mark.skipif(int8_width != 512, reason="this build has only one kind of integer tiles")
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [*SHAPES, (8, 8, 128), (4, 4, 64)])
+@pytest.mark.parametrize("window", [0, 100])
+def test_the_256_bit_int8_tiles_give_the_512_bit_tiles_bits(heads, kv_heads, head_dim, window):
+    """An int8 cache on the AVX2 tiles (int16 pairs, VPMADDWD, the softmax in 8-lane halves)
+    and on the AVX512-VNNI ones (bytes, VPDPBUSD): the same bits for a prompt in chunks, a
+    decode batch over a shared prefix (cascades) and rows at tile edges, so an int8 engine's
+    cache is one namespace for both kinds of host."""
+    q, kc, vc, table, _, _ = prompt_case(260, heads, kv_heads, head_dim, 16, seed=13)
+    fmt = kv_format("int8", torch.bfloat16)
+    kq, vq = quantize_rows(kc, fmt), quantize_rows(vc, fmt)
+    for cuts in ([0, 260], [0, 1, 63, 64, 65, 200, 260]):
+        wide = run_chunks(paged, q, kq, vq, table, cuts, window)
+        assert torch.equal(wide, run_chunks(paged_int8_avx2, q, kq, vq, table, cuts, window))
+    wide = run_decode_rows(q, kq, vq, table, window)
+    assert torch.equal(wide, run_decode_rows(q, kq, vq, table, window, paged_int8_avx2))

@@ -563,9 +563,11 @@ def test_the_disk_tier_keeps_apart_blocks_of_each_linear_path(default_model_bf16
 def test_an_int8_cache_of_the_integer_kernel_keeps_its_disk_blocks_apart(
     default_model_bf16, monkeypatch
 ):
-    """An int8 KV cache meets bf16 queries in integer dot products where the build has VNNI
-    (csrc/attn_lanes_int8.h), on the portable path on a lanes build without it: two
-    arithmetics, so two namespaces for a batch-invariant engine; a bf16 cache is not renamed."""
+    """An int8 KV cache meets bf16 queries in integer dot products where the build has AVX2
+    (csrc/attn_lanes_int8.h with VNNI, csrc/attn_lanes_int8_avx2.h otherwise: the same bits,
+    so one name whether or not the build has the bf16 lanes path), on the portable path
+    elsewhere: two arithmetics, so two namespaces for a batch-invariant engine; a bf16 cache is
+    not renamed."""
     from prefixserve.worker import model_runner
 
     if paged_attention_kernel() is None or compiled_kernel("gemm") is None:
@@ -583,10 +585,14 @@ def test_an_int8_cache_of_the_integer_kernel_keeps_its_disk_blocks_apart(
     assert (
         runner.kv_numerics("fp8_e4m3") == "/batch-invariant/native-gemm/lanes-fp8-codes-attention"
     )
-    # A lanes build without VNNI attends int8 caches on the portable path.
+    # An AVX2 build (no bf16 lanes path) has the same integer tiles' bits: the same name.
+    monkeypatch.setattr(model_runner, "attention_kernels_agree", lambda: False)
+    assert runner.kv_numerics() == "/batch-invariant/native-gemm/lanes-int8-dot-attention"
+    assert runner.kv_numerics("bf16") == "/batch-invariant/native-gemm/portable-attention"
+    # A build without the integer tiles attends int8 caches on the portable path.
     monkeypatch.setattr(model_runner, "attention_int8_dot", lambda: False)
     assert runner.kv_numerics() == "/batch-invariant/native-gemm/portable-attention"
-    monkeypatch.setattr(model_runner, "attention_kernels_agree", lambda: False)
+    monkeypatch.setattr(model_runner, "attention_kernels_agree", lambda: True)
     assert runner.kv_numerics() == "/batch-invariant/native-gemm/portable-attention"
     runner.kv_format = model_runner.kv_format("auto", runner.dtype)
     monkeypatch.setattr(model_runner, "attention_kernels_agree", lambda: True)

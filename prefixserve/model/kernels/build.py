@@ -167,10 +167,25 @@ def attention_kernels_agree() -> bool:
 
 def attention_int8_dot() -> bool:
     """Whether bf16 queries over an int8 KV cache meet it in integer dot products in this build
-    (csrc/attn_lanes_int8.h, AVX512-BF16 and VNNI); elsewhere on the portable path: another
-    arithmetic, so another disk-tier namespace for batch-invariant engines."""
+    (csrc/attn_lanes_int8.h with AVX512-BF16 and VNNI, csrc/attn_lanes_int8_avx2.h with AVX2:
+    the same bits from both); elsewhere on the portable path: another arithmetic, so another
+    disk-tier namespace for batch-invariant engines."""
+    return attention_int8_width() > 0
+
+
+def attention_int8_width() -> int:
+    """The width of the integer tiles an int8 KV cache takes in this build: 512, 256 or 0 (none:
+    the portable path)."""
     module = _module()
-    return module is not None and bool(module.paged_attention_int8_dot())
+    return 0 if module is None else int(module.paged_attention_int8_width())
+
+
+def paged_attention_int8_avx2_kernel() -> Callable[..., bool] | None:
+    """`paged_attention` over an int8 cache on the 256-bit integer tiles whatever the build's
+    widest (returns False, nothing written, where they do not serve the call): for tests that
+    compare their bits with the 512-bit tiles'. None when the kernels are unavailable."""
+    module = _module()
+    return None if module is None else module.paged_attention_int8_avx2
 
 
 def prefill_attention_kernel() -> Callable[..., None] | None:

@@ -14,6 +14,7 @@
 
 #include "attn_lanes_bf16.h"
 #include "attn_lanes_int8.h"
+#include "attn_lanes_int8_avx2.h"
 #include "kv8_rows.h"
 #include "line_sweep.h"
 #include "paged_items.h"
@@ -26,13 +27,13 @@
 
 namespace {
 
+#if defined(__AVX2__) && defined(__FMA__)  // (every AVX512-BF16 CPU has both)
 #if defined(__AVX512BF16__)
 namespace lanes = prefixserve::lanes;
-#if defined(__AVX512VNNI__)
-namespace lanes_int8 = prefixserve::lanes_int8;
+static_assert(lanes::kTileKeys == prefixserve::lanes_int8_avx2::kTileKeys);
 #endif
 namespace kv8 = prefixserve::kv8;
-using lanes::kTileKeys;
+using prefixserve::lanes_int8_avx2::kTileKeys;
 using prefixserve::LineDrip;
 using prefixserve::touch_lines;
 using prefixserve::paged::build_items;
@@ -55,32 +56,6 @@ struct Cache {
   const char* v_row(int64_t off) const { return static_cast<const char*>(v) + off * elem(); }
 };
 
-
-// out[p] = lane i of r[i]'s element p, for 16 vectors of 16 32-bit elements (a 16 x 16
-// transpose: unpacks within 128-bit lanes, then two rounds of lane shuffles).
-__attribute__((always_inline)) inline void transpose16(const __m512i* r, __m512i* out) {
-  __m512i t[16], u[16], v[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {  // u[4i + c]: rows 4i .. 4i + 3, column c of each 128-bit lane
-    u[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  for (int h = 0; h < 2; ++h) {
-    for (int c = 0; c < 4; ++c) {
-      v[8 * h + c] = _mm512_shuffle_i32x4(u[8 * h + c], u[8 * h + 4 + c], 0x88);
-      v[8 * h + 4 + c] = _mm512_shuffle_i32x4(u[8 * h + c], u[8 * h + 4 + c], 0xdd);
-    }
-  }
-  for (int c = 0; c < 8; ++c) {
-    out[c] = _mm512_shuffle_i32x4(v[c], v[8 + c], 0x88);
-    out[8 + c] = _mm512_shuffle_i32x4(v[c], v[8 + c], 0xdd);
-  }
-}
 
 // The element offsets of keys [t0 + lo, t0 + hi)'s rows (KV head kvh) in the caches, into
 // rows[lo, hi): one block lookup per block.
@@ -146,6 +121,33 @@ inline void own_rows(const Cache& c, const int32_t* table, int64_t kvh, int64_t 
   }
 }
 
+#if defined(__AVX512BF16__)
+// out[p] = lane i of r[i]'s element p, for 16 vectors of 16 32-bit elements (a 16 x 16
+// transpose: unpacks within 128-bit lanes, then two rounds of lane shuffles).
+__attribute__((always_inline)) inline void transpose16(const __m512i* r, __m512i* out) {
+  __m512i t[16], u[16], v[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // u[4i + c]: rows 4i .. 4i + 3, column c of each 128-bit lane
+    u[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int h = 0; h < 2; ++h) {
+    for (int c = 0; c < 4; ++c) {
+      v[8 * h + c] = _mm512_shuffle_i32x4(u[8 * h + c], u[8 * h + 4 + c], 0x88);
+      v[8 * h + 4 + c] = _mm512_shuffle_i32x4(u[8 * h + c], u[8 * h + 4 + c], 0xdd);
+    }
+  }
+  for (int c = 0; c < 8; ++c) {
+    out[c] = _mm512_shuffle_i32x4(v[c], v[8 + c], 0x88);
+    out[8 + c] = _mm512_shuffle_i32x4(v[c], v[8 + c], 0xdd);
+  }
+}
+
 // 32 fp8 e4m3 codes as bf16 bits, exactly (every e4m3 value is a bf16 one): normal codes keep
 // their sign and mantissa with the exponent rebiased (7 to 127), subnormal ones (m * 2^-9) come
 // from a table; the two NaN codes are never written.
@@ -189,17 +191,15 @@ void fp8_tile(const Cache& c, const int64_t* rows, int64_t lo, int64_t hi, uint1
 }
 
 #if defined(__AVX512VNNI__)
-constexpr bool kIntegerInt8 = true;  // int8 caches take attn_lanes_int8.h's integer tiles
-
-// An int8 tile's rows [lo, hi) in attn_lanes_int8.h's layouts, the codes as the cache holds
-// them: K in quads of dims, keys in lanes, into kq; V interleaved in quads of keys into vq (a
-// key outside [lo, hi) reads as zeros there); the rows' scales into ks and vs.
+// An int8 tile's rows [lo, hi) (byte offsets rows[j] into kbase / vbase) in attn_lanes_int8.h's
+// layouts, the codes as the cache holds them: K in quads of dims, keys in lanes, into kq; V
+// interleaved in quads of keys into vq (a key outside [lo, hi) reads as zeros there); the rows'
+// scales into ks and vs.
 template <int D>
-void load_tile_int8(const Cache& c, const int64_t* rows, int64_t lo, int64_t hi, uint32_t* kq,
-                    float* ks, uint32_t* vq, float* vs, LineDrip* drip) {
+void load_tile_int8(const char* kbase, const char* vbase, const int64_t* rows, int64_t lo,
+                    int64_t hi, uint32_t* kq, float* ks, uint32_t* vq, float* vs,
+                    LineDrip* drip) {
   auto codes64 = [](const char* src) { return _mm512_loadu_si512(src); };
-  const char* kbase = static_cast<const char*>(c.k);  // rows[] counts bytes here
-  const char* vbase = static_cast<const char*>(c.v);
   for (int64_t j0 = lo / 16 * 16; j0 < hi; j0 += 16) {
     if (j0 >= lo && j0 + 16 <= hi) {  // 16 keys: 16 quads of each at a time, transposed
       for (int i = 0; i < 16; ++i) ks[j0 + i] = kv8::row_scale(kbase + rows[j0 + i] + D);
@@ -243,41 +243,77 @@ void load_tile_int8(const Cache& c, const int64_t* rows, int64_t lo, int64_t hi,
     }
   }
 }
+#endif  // __AVX512VNNI__
+#endif  // __AVX512BF16__
+
+// The integer tiles of an int8 cache, one kind per build's widest: attn_lanes_int8.h's
+// (AVX512-VNNI bytes) or attn_lanes_int8_avx2.h's (AVX2 int16 pairs); the same bits from both.
+struct Int8Tiles256 {
+  static constexpr int kWidth = 256;
+  static constexpr int64_t kKeysPerWord = 2;  // V words: pairs of keys
+  template <int D>
+  static constexpr int64_t query_bytes() { return prefixserve::lanes_int8_avx2::query_bytes<D>(); }
+  using Tile = prefixserve::lanes_int8_avx2::Tile;
+  template <int D>
+  static float quantize_query(const uint16_t* q, uint8_t* out) {
+    return prefixserve::lanes_int8_avx2::quantize_query<D>(q, out);
+  }
+  template <int D>
+  static void load(const char* kbase, const char* vbase, const int64_t* rows, int64_t lo,
+                   int64_t hi, uint32_t* kp, float* ks, uint32_t* vp, float* vs, LineDrip* drip) {
+    prefixserve::lanes_int8_avx2::load_tile<D>(kbase, vbase, rows, lo, hi, kp, ks, vp, vs, drip);
+  }
+  template <int D, class... Args>
+  static void attend(Args... args) { prefixserve::lanes_int8_avx2::attend_tile<D>(args...); }
+  template <int D>
+  static void finish(const float* acc, float l, uint16_t* out) {
+    prefixserve::lanes_int8_avx2::finish<D>(acc, l, out);
+  }
+};
+
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+struct Int8Tiles512 {
+  static constexpr int kWidth = 512;
+  static constexpr int64_t kKeysPerWord = 4;  // V words: quads of keys
+  template <int D>
+  static constexpr int64_t query_bytes() { return prefixserve::lanes_int8::query_bytes<D>(); }
+  using Tile = prefixserve::lanes_int8::Tile;
+  template <int D>
+  static float quantize_query(const uint16_t* q, uint8_t* out) {
+    return prefixserve::lanes_int8::quantize_query<D>(q, out);
+  }
+  template <int D>
+  static void load(const char* kbase, const char* vbase, const int64_t* rows, int64_t lo,
+                   int64_t hi, uint32_t* kq, float* ks, uint32_t* vq, float* vs, LineDrip* drip) {
+    load_tile_int8<D>(kbase, vbase, rows, lo, hi, kq, ks, vq, vs, drip);
+  }
+  template <int D, class... Args>
+  static void attend(Args... args) { prefixserve::lanes_int8::attend_tile<D>(args...); }
+  template <int D>
+  static void finish(const float* acc, float l, uint16_t* out) {
+    prefixserve::lanes_int8::finish<D>(acc, l, out);
+  }
+};
+using Int8Tiles = Int8Tiles512;
 #else
-constexpr bool kIntegerInt8 = false;
+using Int8Tiles = Int8Tiles256;
 #endif
 
-// The integer tile's buffers (int8 caches with VNNI).
+// The integer tile's buffers (int8 caches), and an fp8 tile's row scales.
 struct IntTile {
   std::vector<float> kscale, vscale;
   std::vector<uint32_t> vq;
-  explicit IntTile(int64_t d) : kscale(kTileKeys, 0.0f), vscale(kTileKeys, 0.0f),
-                                vq(kTileKeys / 4 * d, 0u) {}
+  IntTile(int64_t d, int64_t keys_per_word)
+      : kscale(kTileKeys, 0.0f), vscale(kTileKeys, 0.0f), vq(kTileKeys / keys_per_word * d, 0u) {}
 };
 
-// Keys [t0 + lo, t0 + hi) of a sequence (block table `table`), KV head kvh, into the tile
-// buffers: kp[p * kTileKeys + j] = K pair p of key t0 + j, vt[j * D + d] = V in fp32. `kb`
-// (kTileKeys * D bf16) holds an 8-bit tile's keys on their way. An int8 tile where the build
-// has VNNI goes into kp and `it` instead (load_tile_int8; int8 takes this path only then).
+#if defined(__AVX512BF16__)
+// A bf16 or fp8 tile's rows [lo, hi) (element offsets rows[j], overwritten for fp8) into the
+// tile buffers: kp[p * kTileKeys + j] = K pair p of key j, vt[j * D + d] = V in fp32. `kb`
+// (kTileKeys * D bf16) holds an fp8 tile's keys on their way, `it` its row scales.
 template <int D>
-void load_tile(const Cache& c, const int32_t* table, int64_t kvh, int64_t t0, int64_t lo,
-               int64_t hi, uint32_t* kp, float* vt, uint16_t* kb, IntTile& it, Sweep sweep,
-               LineDrip* drip) {
-  // The tile's lines read in one burst first (the rows of one KV head are strided: read one
-  // after another, each would wait for memory on its own); mostly in L2 already, asked for by
-  // the drip during the last tile. `drip` is asked on during the conversions too.
-  int64_t rows[kTileKeys];
-  tile_rows<D>(c, table, kvh, t0, lo, hi, rows);
-  sweep_tile<D>(c, table, t0, lo, hi, rows, sweep);
-#if defined(__AVX512VNNI__)
-  if (c.kind == CacheKind::kInt8) {
-    load_tile_int8<D>(c, rows, lo, hi, kp, it.kscale.data(), it.vq.data(), it.vscale.data(),
-                      drip);
-    return;
-  }
-#else
-  (void)it;
-#endif
+void load_tile_16(const Cache& c, int64_t* rows, int64_t lo, int64_t hi, uint32_t* kp,
+                  float* vt, uint16_t* kb, IntTile& it, LineDrip* drip) {
   const uint16_t* ksrc = static_cast<const uint16_t*>(c.k);
   if (c.kind == CacheKind::kFp8) {  // values first; then K is packed from kb like a bf16 tile
     fp8_tile<D>(c, rows, lo, hi, kb, vt, it.kscale.data(), it.vscale.data());
@@ -311,7 +347,33 @@ void load_tile(const Cache& c, const int32_t* table, int64_t kvh, int64_t t0, in
   }
 }
 
-template <int D>
+#endif  // __AVX512BF16__
+
+// Keys [t0 + lo, t0 + hi) of a sequence (block table `table`), KV head kvh, into the tile
+// buffers: an int8 tile into kp and `it` in Int8's layouts, a bf16 or fp8 one by load_tile_16.
+template <int D, class Int8>
+void load_tile(const Cache& c, const int32_t* table, int64_t kvh, int64_t t0, int64_t lo,
+               int64_t hi, uint32_t* kp, float* vt, uint16_t* kb, IntTile& it, Sweep sweep,
+               LineDrip* drip) {
+  // The tile's lines read in one burst first (the rows of one KV head are strided: read one
+  // after another, each would wait for memory on its own); mostly in L2 already, asked for by
+  // the drip during the last tile. `drip` is asked on during the conversions too.
+  int64_t rows[kTileKeys];
+  tile_rows<D>(c, table, kvh, t0, lo, hi, rows);
+  sweep_tile<D>(c, table, t0, lo, hi, rows, sweep);
+  if (c.kind == CacheKind::kInt8) {  // rows[] counts bytes here
+    Int8::template load<D>(static_cast<const char*>(c.k), static_cast<const char*>(c.v), rows,
+                           lo, hi, kp, it.kscale.data(), it.vq.data(), it.vscale.data(), drip);
+    return;
+  }
+#if defined(__AVX512BF16__)
+  load_tile_16<D>(c, rows, lo, hi, kp, vt, kb, it, drip);
+#else
+  (void)vt, (void)kb;
+#endif
+}
+
+template <int D, class Int8>
 void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
          const torch::Tensor& v_cache, const torch::Tensor& block_tables,
          const torch::Tensor& seq_info, float scale, int64_t window) {
@@ -333,7 +395,7 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
   const int64_t bs = cache.block_size;
   const std::vector<Item> items =
       build_items(info, num_seqs, tables, max_blocks, bs, window, kTileKeys, true);
-  const bool integer = kIntegerInt8 && kind == CacheKind::kInt8;
+  const bool integer = kind == CacheKind::kInt8;
   int64_t max_entries = 1;  // the most query rows of one item
   for (const Item& item : items) max_entries = std::max(max_entries, item.entries());
   // A unit of work is an item and `heads` of its KV heads: all of them where the items are
@@ -353,12 +415,8 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
     std::vector<uint32_t> kp(D / 2 * kTileKeys, 0u);
     std::vector<float> vt(integer ? 0 : kTileKeys * D, 0.0f);
     std::vector<uint16_t> kb(kind == CacheKind::kBf16 || integer ? 0 : kTileKeys * D);
-    IntTile it(integer ? D : 0);
-#if defined(__AVX512VNNI__)
-    constexpr int64_t kQueryBytes = lanes_int8::query_bytes<D>();
-#else
-    constexpr int64_t kQueryBytes = 0;
-#endif
+    IntTile it(integer ? D : 0, Int8::kKeysPerWord);
+    constexpr int64_t kQueryBytes = Int8::template query_bytes<D>();
     std::vector<uint8_t> qbytes(integer ? max_queries * kQueryBytes : 0);
     std::vector<uint8_t> wbuf(integer ? max_queries * 2 * kTileKeys : 0);
     std::vector<float> qfac(max_queries), tf(max_queries);
@@ -374,19 +432,19 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
     // The queries of a unit: index h * nq + e * group + g for its head h (KV head kvh0 + h),
     // item entry e (a row) and query head g of the KV head's group.
     auto attend = [&](int64_t nt) {
-#if defined(__AVX512VNNI__)
       if (integer) {
-        const lanes_int8::Tile tile{kp.data(), it.kscale.data(), it.vq.data(), it.vscale.data()};
-        lanes_int8::attend_tile<D>(nt, tqb.data(), tf.data(), lo.data(), hi.data(), tile,
-                                   tm.data(), tl.data(), ta.data(), pbuf.data(), wbuf.data(),
-                                   drip);
+        const typename Int8::Tile tile{kp.data(), it.kscale.data(), it.vq.data(),
+                                       it.vscale.data()};
+        Int8::template attend<D>(nt, tqb.data(), tf.data(), lo.data(), hi.data(), tile,
+                                 tm.data(), tl.data(), ta.data(), pbuf.data(), wbuf.data(), drip);
         return;
       }
-#endif
+#if defined(__AVX512BF16__)
       const lanes::RowScales fp8_rows{it.kscale.data(), it.vscale.data()};
       lanes::attend_tile<D>(nt, tq.data(), lo.data(), hi.data(), kp.data(), kTileKeys, vt.data(),
                             scale, tm.data(), tl.data(), ta.data(), pbuf.data(),
                             kind == CacheKind::kFp8 ? &fp8_rows : nullptr, drip);
+#endif
     };
     auto add = [&](int64_t& nt, int64_t qi, int64_t jl, int64_t jh) {
       tq[nt] = qv[qi], lo[nt] = jl, hi[nt] = jh;
@@ -406,7 +464,7 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
         if (sweep == Sweep::kSlots) slot_runs(cache, table, t0 + kTileKeys, 0, next, drip);
         else own_rows<D>(cache, table, kvh, t0 + kTileKeys, 0, next, drip);
       }
-      load_tile<D>(cache, table, kvh, t0, jl, jh, kp.data(), vt.data(), kb.data(), it, sweep,
+      load_tile<D, Int8>(cache, table, kvh, t0, jl, jh, kp.data(), vt.data(), kb.data(), it, sweep,
                    drip);
     };
     // Rows [row0, row0 + rows) of sequence `seq` (entries from e0 on) against its keys from
@@ -451,11 +509,10 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
           }
         }
       }
-#if defined(__AVX512VNNI__)
       for (int64_t qi = 0; integer && qi < units_q; ++qi) {
-        qfac[qi] = lanes_int8::quantize_query<D>(qv[qi], qbytes.data() + qi * kQueryBytes) * scale;
+        qfac[qi] = Int8::template quantize_query<D>(qv[qi], qbytes.data() + qi * kQueryBytes) *
+                   scale;
       }
-#endif
       std::fill(acc.begin(), acc.begin() + units_q * D, 0.0f);
       std::fill(m.begin(), m.begin() + units_q, -std::numeric_limits<float>::infinity());
       std::fill(l.begin(), l.begin() + units_q, 0.0f);
@@ -483,47 +540,88 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
           for (int64_t g = 0; g < group; ++g) {
             const float* a = acc.data() + (h * nq + e * group + g) * D;
             const float lsum = l[h * nq + e * group + g];
-#if defined(__AVX512VNNI__)
             if (integer) {
-              lanes_int8::finish<D>(a, lsum, out_of(h, e, g));
+              Int8::template finish<D>(a, lsum, out_of(h, e, g));
               continue;
             }
-#endif
+#if defined(__AVX512BF16__)
             lanes::finish<D>(a, lsum, out_of(h, e, g));
+#endif
           }
         }
       }
     }
   });
 }
-#endif  // __AVX512BF16__
+
+// run<D, Int8> for q's head dim (64, 128 or 256); false for another.
+template <class Int8>
+bool run_head_dim(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
+                  const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                  const torch::Tensor& seq_info, double scale, int64_t window) {
+  const float s = static_cast<float>(scale);
+  switch (q.size(2)) {
+    case 64: run<64, Int8>(out, q, k_cache, v_cache, block_tables, seq_info, s, window); break;
+    case 128: run<128, Int8>(out, q, k_cache, v_cache, block_tables, seq_info, s, window); break;
+    case 256: run<256, Int8>(out, q, k_cache, v_cache, block_tables, seq_info, s, window); break;
+    default: return false;
+  }
+  return true;
+}
+#endif  // __AVX2__ && __FMA__
 
 }  // namespace
 
-// paged_attention's bf16 path with keys in lanes, where this build has it (AVX512-BF16; for
-// an int8 cache, VNNI too), the head dim is 64, 128 or 256 and there is no soft-capping;
-// returns false (nothing written) otherwise. The caller has checked the shapes and the block
-// tables.
+// paged_attention with keys in lanes, where this build has it: bf16 and fp8 caches with
+// AVX512-BF16, int8 caches with AVX2 (Int8Tiles: the AVX512-VNNI tiles where the build has
+// them); bf16 queries, a head dim of 64, 128 or 256 and no soft-capping. Returns false
+// (nothing written) otherwise. The caller has checked the shapes and the block tables.
 bool paged_attention_lanes(torch::Tensor& out, const torch::Tensor& q,
                            const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                            const torch::Tensor& block_tables, const torch::Tensor& seq_info,
                            double scale, double softcap, int64_t window) {
-#if defined(__AVX512BF16__)
+#if defined(__AVX2__) && defined(__FMA__)
   const auto cache_type = k_cache.scalar_type();
-  if (q.scalar_type() != torch::kBFloat16 || softcap > 0.0 ||
-      (cache_type != torch::kBFloat16 && cache_type != torch::kByte &&
-       !(cache_type == torch::kChar && kIntegerInt8)))
-    return false;
-  const float s = static_cast<float>(scale);
-  switch (q.size(2)) {
-    case 64: run<64>(out, q, k_cache, v_cache, block_tables, seq_info, s, window); return true;
-    case 128: run<128>(out, q, k_cache, v_cache, block_tables, seq_info, s, window); return true;
-    case 256: run<256>(out, q, k_cache, v_cache, block_tables, seq_info, s, window); return true;
-    default: return false;
-  }
+#if defined(__AVX512BF16__)
+  const bool served = cache_type == torch::kBFloat16 || cache_type == torch::kByte ||
+                      cache_type == torch::kChar;
+#else
+  const bool served = cache_type == torch::kChar;
+#endif
+  if (q.scalar_type() != torch::kBFloat16 || softcap > 0.0 || !served) return false;
+  return run_head_dim<Int8Tiles>(out, q, k_cache, v_cache, block_tables, seq_info, scale,
+                                 window);
 #else
   (void)out, (void)q, (void)k_cache, (void)v_cache, (void)block_tables, (void)seq_info;
   (void)scale, (void)softcap, (void)window;
   return false;
+#endif
+}
+
+// The same over an int8 cache on the 256-bit integer tiles whatever the build's widest (tests
+// compare their bits with the 512-bit ones'); false (nothing written) where paged_attention_lanes
+// would not serve the call or the build has no AVX2.
+bool paged_attention_int8_256(torch::Tensor& out, const torch::Tensor& q,
+                              const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                              const torch::Tensor& block_tables, const torch::Tensor& seq_info,
+                              double scale, int64_t window) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (q.scalar_type() != torch::kBFloat16 || k_cache.scalar_type() != torch::kChar) return false;
+  return run_head_dim<Int8Tiles256>(out, q, k_cache, v_cache, block_tables, seq_info, scale,
+                                    window);
+#else
+  (void)out, (void)q, (void)k_cache, (void)v_cache, (void)block_tables, (void)seq_info;
+  (void)scale, (void)window;
+  return false;
+#endif
+}
+
+// The width of the integer tiles an int8 cache takes in this build: 512 (AVX512-VNNI), 256
+// (AVX2), or 0 (the portable path's fp32 arithmetic).
+int64_t paged_attention_int8_width() {
+#if defined(__AVX2__) && defined(__FMA__)
+  return Int8Tiles::kWidth;
+#else
+  return 0;
 #endif
 }
