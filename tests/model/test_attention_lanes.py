@@ -1,4 +1,4 @@
-"""The paged kernel's bf16 keys-in-lanes path (csrc/paged_lanes_bf16.cpp) and the long-chunk
+"""The paged kernel's bf16 keys-in-lanes path (csrc/paged_lanes.cpp) and the long-chunk
 kernel (csrc/prefill_attention.cpp) share their arithmetic (csrc/attn_lanes_bf16.h): a query's
 output is the same bits from either, however its prompt was chunked, whatever rows shared its
 call, whether it was a decode row of a cascade over a shared prefix, and within a sliding window.

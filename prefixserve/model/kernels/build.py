@@ -40,7 +40,7 @@ _SOURCES = [
         "rope_kv.cpp",
         "lora.cpp",
         "prefill_attention.cpp",
-        "paged_lanes_bf16.cpp",
+        "paged_lanes.cpp",
         "decoder_layer.cpp",
         "rms_norm.cpp",
     )

@@ -1,5 +1,5 @@
 // One tile of bf16 attention with keys in lanes: the arithmetic that the long-chunk kernel
-// (prefill_attention.cpp) and the paged kernel's keys-in-lanes path (paged_lanes_bf16.cpp)
+// (prefill_attention.cpp) and the paged kernel's keys-in-lanes path (paged_lanes.cpp)
 // share, so a query gets the same bits from either, whichever rows it shared a call with and
 // whether its keys were cached or computed this step (batch invariance with the fast prefill
 // kernel on).

@@ -1,5 +1,5 @@
 // One tile of attention over an int8 KV cache in integer dot products (AVX512-VNNI): the paged
-// kernel's int8 path (paged_lanes_bf16.cpp). A cache row is D int8 codes and its fp32 scale
+// kernel's int8 path (paged_lanes.cpp). A cache row is D int8 codes and its fp32 scale
 // (model/quant/kv_cache.py); its values are code * scale.
 //
 // Per query (bf16, D dims), once per work item:
@@ -226,7 +226,7 @@ inline void values_pass_n(int n, float* const* acc, const uint8_t* const* wb,
     values_pass<D, 1>(acc + i, wb + i, wscale + i, corr + i, jq0, jq1, vq, drip);
 }
 
-// A tile of int8 K/V as the loaders (paged_lanes_bf16.cpp) leave it.
+// A tile of int8 K/V as the loaders (paged_lanes.cpp) leave it.
 struct Tile {
   const uint32_t* kq;      // [D / 4][kTileKeys] quads of dims' codes, keys in lanes
   const float* kscale;     // [kTileKeys]

@@ -1,7 +1,7 @@
 // The 8-bit KV cache's rows (model/quant/kv_cache.py): head_dim codes, int8 or fp8 e4m3, then
 // the row's fp32 scale; a value is code * scale in fp32. The portable paged path's decoders,
 // row by row (paged_attention.cpp), giving every finite code its exact value; the lanes path
-// reads the codes in registers (paged_lanes_bf16.cpp: int8 as integers, fp8 as exact bf16).
+// reads the codes in registers (paged_lanes.cpp: int8 as integers, fp8 as exact bf16).
 #pragma once
 
 #include <bit>

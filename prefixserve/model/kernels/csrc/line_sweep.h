@@ -1,6 +1,6 @@
 // Reading a tile's cache lines from memory in one burst of independent loads, every line once in
 // address order, before its rows are gathered (then from L1/L2): the paged kernels' loaders
-// (paged_attention.cpp, paged_lanes_bf16.cpp). Gathered straight from memory, row after strided
+// (paged_attention.cpp, paged_lanes.cpp). Gathered straight from memory, row after strided
 // row between the conversions, the rows of a decode batch at long context arrived at a third of
 // the read bandwidth, and software prefetches alone did not change that (AMD Zen 4; BENCHMARKS.md).
 // While a tile is computed, LineDrip asks for the next one's lines a few at a time, so that

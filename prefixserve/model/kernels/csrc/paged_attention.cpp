@@ -290,7 +290,7 @@ void dispatch_cache(torch::Tensor& out, const torch::Tensor& q, const torch::Ten
 
 }  // namespace
 
-// paged_lanes_bf16.cpp
+// paged_lanes.cpp
 bool paged_attention_lanes(torch::Tensor& out, const torch::Tensor& q,
                            const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                            const torch::Tensor& block_tables, const torch::Tensor& seq_info,
@@ -372,7 +372,7 @@ void paged_attention_tiles(torch::Tensor out, torch::Tensor q, torch::Tensor k_c
 // kv_heads, D] contiguous (q's dtype, or int8 / uint8 rows of D codes and a 4-byte scale: the
 // 8-bit KV cache, int8 or fp8 e4m3), block_tables [S, max_blocks] int32, seq_info [S, 3] int64
 // rows (q_start, q_end, position of the first query); softcap 0 = none, window 0 = none. bf16
-// queries take the keys-in-lanes path where it is built (paged_lanes_bf16.cpp: bf16 and fp8
+// queries take the keys-in-lanes path where it is built (paged_lanes.cpp: bf16 and fp8
 // caches with AVX512-BF16, int8 caches with AVX2), else the portable one.
 void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
                      torch::Tensor v_cache, torch::Tensor block_tables, torch::Tensor seq_info,

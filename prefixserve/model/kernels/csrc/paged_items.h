@@ -1,4 +1,4 @@
-// The work items of a paged-attention call (paged_attention.cpp, paged_lanes_bf16.cpp), each run
+// The work items of a paged-attention call (paged_attention.cpp, paged_lanes.cpp), each run
 // once per KV head: a tile of query rows of one sequence, or a cascade: up to kCascadeRows
 // single-token sequences whose block tables start with the same blocks (a shared cached prefix),
 // whose shared blocks are read once for all their queries; and which keys of a tile a query sees.
