@@ -7,9 +7,9 @@ One decode step's attention calls of SmolLM2-135M's shape (9 query heads, 3 KV h
 memory, as a model's step does, not from the last level cache), `--batch` decode rows at
 `--context`, their blocks shuffled over the cache (`--contiguous`: each sequence's blocks in
 order). The paged kernel as the engine calls it (`--portable`: its portable path, what CPUs
-without AVX512-BF16 run for bf16 and fp8 caches; `int8-avx2` among the dtypes: an int8 cache on
-the 256-bit integer tiles, what AVX2 hosts run, beside the build's widest). Milliseconds per
-step, median (min-max) over `--repeats`, the dtypes measured in turn within each repeat.
+without AVX2 run; a dtype with `-avx2` appended, e.g. `int8-avx2`: that cache on the 256-bit
+keys-in-lanes tiles, what AVX2 hosts run, beside the build's widest). Milliseconds per step,
+median (min-max) over `--repeats`, the dtypes measured in turn within each repeat.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import time  # noqa: E402
 import torch  # noqa: E402
 
 from prefixserve.model.kernels.build import (  # noqa: E402
-    paged_attention_int8_avx2_kernel,
+    paged_attention_avx2_kernel,
     paged_attention_kernel,
     paged_attention_portable_kernel,
 )
@@ -59,7 +59,7 @@ def caches(
             torch.randn(shape, generator=g).bfloat16(),
             torch.randn(shape, generator=g).bfloat16(),
         )
-        if dtype != "bf16":
+        if dtype.removesuffix("-avx2") != "bf16":
             fmt = kv_format(dtype.removesuffix("-avx2"), torch.bfloat16)
             pair = tuple(quantize_rows(c, fmt) for c in pair)
         if huge:
@@ -99,12 +99,12 @@ def main() -> None:
         for i, d in enumerate(dtypes)
     }
 
-    int8_avx2 = paged_attention_int8_avx2_kernel()
+    avx2_tiles = paged_attention_avx2_kernel()
 
     def step(dtype: str) -> None:
         for k_cache, v_cache in kv[dtype]:
-            if dtype == "int8-avx2":
-                assert int8_avx2(out, q, k_cache, v_cache, tables, info, HEAD_DIM**-0.5, 0)
+            if dtype.endswith("-avx2"):
+                assert avx2_tiles(out, q, k_cache, v_cache, tables, info, HEAD_DIM**-0.5, 0.0, 0)
             else:
                 kernel(out, q, k_cache, v_cache, tables, info, HEAD_DIM**-0.5, 0.0, 0)
 

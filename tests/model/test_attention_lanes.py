@@ -2,9 +2,10 @@
 kernel (csrc/prefill_attention.cpp) share their arithmetic (csrc/attn_lanes_bf16.h): a query's
 output is the same bits from either, however its prompt was chunked, whatever rows shared its
 call, whether it was a decode row of a cascade over a shared prefix, and within a sliding window.
-Both are also checked against an fp64 reference and against the portable path. An int8 cache
-takes integer tiles (csrc/attn_lanes_int8.h with AVX512-VNNI, csrc/attn_lanes_int8_avx2.h with
-AVX2), the same bits from both: where a build has the wider, its int8 tests run on both.
+Both are also checked against an fp64 reference and against the portable path. The tiles come
+in two widths with the same bits: 512-bit (AVX512-BF16 and VNNI: attn_lanes_bf16.h,
+attn_lanes_int8.h) and 256-bit (AVX2: attn_lanes_bf16_avx2.h, attn_lanes_int8_avx2.h); where a
+build has the wider, the paged kernel's tests run on both and their bits are compared.
 """
 
 import math
@@ -15,9 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from prefixserve.model.kernels.build import (
-    attention_int8_width,
     attention_kernels_agree,
-    paged_attention_int8_avx2_kernel,
+    attention_lanes_width,
+    paged_attention_avx2_kernel,
     paged_attention_kernel,
     paged_attention_portable_kernel,
     prefill_attention_kernel,
@@ -29,23 +30,22 @@ portable = paged_attention_portable_kernel()
 prefill = prefill_attention_kernel()
 needs_lanes = pytest.mark.skipif(
     paged is None or not attention_kernels_agree(),
-    reason="this build has no keys-in-lanes path (no AVX512-BF16)",
+    reason="this build has no keys-in-lanes path (no AVX2)",
 )
-int8_width = 0 if paged is None else attention_int8_width()
-needs_int8_tiles = pytest.mark.skipif(
-    int8_width == 0, reason="this build has no integer tiles for int8 caches (no AVX2)"
+needs_prefill = pytest.mark.skipif(
+    prefill is None, reason="this build has no long-chunk kernel (no AVX512-BF16)"
 )
-int8_avx2 = paged_attention_int8_avx2_kernel()
+lanes_width = 0 if paged is None else attention_lanes_width()
+avx2_tiles = paged_attention_avx2_kernel()
 
 
-def paged_int8_avx2(out, q, kc, vc, table, info, scale, softcap, window):
-    """The paged kernel over an int8 cache on its 256-bit integer tiles, whatever the build."""
-    assert softcap == 0.0
-    assert int8_avx2(out, q, kc, vc, table, info, scale, window)
+def paged_avx2(out, q, kc, vc, table, info, scale, softcap, window):
+    """The paged kernel on its 256-bit keys-in-lanes tiles, whatever the build's widest."""
+    assert avx2_tiles(out, q, kc, vc, table, info, scale, softcap, window)
 
 
-# Each int8 test on the build's widest integer tiles and on the 256-bit ones.
-INT8_KERNELS = pytest.mark.parametrize("kernel", [paged, paged_int8_avx2], ids=["widest", "avx2"])
+# A paged-kernel test on the build's widest tiles and on the 256-bit ones.
+PAGED_KERNELS = pytest.mark.parametrize("kernel", [paged, paged_avx2], ids=["widest", "avx2"])
 
 
 def prompt_case(length, heads, kv_heads, head_dim, block_size, seed):
@@ -108,21 +108,24 @@ SHAPES = [(9, 3, 64), (4, 2, 128), (4, 1, 256)]
 
 
 @needs_lanes
+@PAGED_KERNELS
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), SHAPES)
-def test_paged_and_prefill_kernels_give_the_same_bits(heads, kv_heads, head_dim):
-    """A 300-token prompt: one paged call, the prefill kernel over its gathered K/V, the paged
-    kernel chunk by chunk, the prefill kernel on its last chunk over the rest, every position as
-    a decode row: all equal, bit for bit, and within bf16 rounding of fp64 attention."""
+def test_paged_and_prefill_kernels_give_the_same_bits(kernel, heads, kv_heads, head_dim):
+    """A 300-token prompt: one paged call, the prefill kernel over its gathered K/V (where the
+    build has it), the paged kernel chunk by chunk, the prefill kernel on its last chunk over
+    the rest, every position as a decode row: all equal, bit for bit, and within bf16 rounding
+    of fp64 attention; the paged kernel's 256-bit tiles too."""
     q, kc, vc, table, keys, values = prompt_case(300, heads, kv_heads, head_dim, 16, seed=1)
-    whole = run_chunks(paged, q, kc, vc, table, [0, 300])
-    gathered = torch.empty_like(whole)
-    prefill(gathered, q, keys, values, head_dim**-0.5)
-    assert torch.equal(whole, gathered)
-    assert torch.equal(whole, run_chunks(paged, q, kc, vc, table, [0, 100, 107, 108, 170, 300]))
-    tail = torch.empty(130, heads * head_dim, dtype=torch.bfloat16)
-    prefill(tail, q[170:], keys, values, head_dim**-0.5)
-    assert torch.equal(whole[170:], tail)
-    assert torch.equal(whole, run_decode_rows(q, kc, vc, table))
+    whole = run_chunks(kernel, q, kc, vc, table, [0, 300])
+    if prefill is not None:
+        gathered = torch.empty_like(whole)
+        prefill(gathered, q, keys, values, head_dim**-0.5)
+        assert torch.equal(whole, gathered)
+        tail = torch.empty(130, heads * head_dim, dtype=torch.bfloat16)
+        prefill(tail, q[170:], keys, values, head_dim**-0.5)
+        assert torch.equal(whole[170:], tail)
+    assert torch.equal(whole, run_chunks(kernel, q, kc, vc, table, [0, 100, 107, 108, 170, 300]))
+    assert torch.equal(whole, run_decode_rows(q, kc, vc, table, fn=kernel))
     truth = exact(q, keys, values)
     assert (whole.double() - truth).abs().max().item() < 0.02
     slow = run_chunks(portable, q, kc, vc, table, [0, 300])
@@ -147,43 +150,40 @@ def test_any_chunking_gives_the_same_bits(length, cuts, block_size, window, seed
     assert torch.equal(whole, run_chunks(paged, q, kc, vc, table, bounds, window))
     assert torch.equal(whole, run_decode_rows(q, kc, vc, table, window))
     assert (whole.double() - exact(q, keys, values, window)).abs().max().item() < 0.02
-    if window == 0 and length >= 1:
+    if window == 0 and length >= 1 and prefill is not None:
         gathered = torch.empty_like(whole)
         prefill(gathered, q, keys, values, 64**-0.5)
         assert torch.equal(whole, gathered)
 
 
 @needs_lanes
-def test_a_row_gets_the_same_bits_whatever_shares_its_call():
+@PAGED_KERNELS
+def test_a_row_gets_the_same_bits_whatever_shares_its_call(kernel):
     """A decode row alone, then in a batch with other sequences' decode rows and chunks (some
     sharing its prefix blocks, so it joins a cascade): the same bits."""
     q, kc, vc, table, _, _ = prompt_case(400, 9, 3, 64, 16, seed=5)
     d = 64
     alone = torch.empty(1, 9 * d, dtype=torch.bfloat16)
-    paged(alone, q[390:391], kc, vc, table, torch.tensor([[0, 1, 390]]), d**-0.5, 0.0, 0)
+    kernel(alone, q[390:391], kc, vc, table, torch.tensor([[0, 1, 390]]), d**-0.5, 0.0, 0)
     # Rows: three decode rows over the same blocks, then a chunk of 20 over the first 300 tokens.
     qs = torch.cat([q[390:391], q[250:251], q[399:400], q[300:320]])
     info = torch.tensor([[0, 1, 390], [1, 2, 250], [2, 3, 399], [3, 23, 300]])
     out = torch.empty(23, 9 * d, dtype=torch.bfloat16)
-    paged(out, qs, kc, vc, table.repeat(4, 1), info, d**-0.5, 0.0, 0)
+    kernel(out, qs, kc, vc, table.repeat(4, 1), info, d**-0.5, 0.0, 0)
     assert torch.equal(out[0:1], alone)
-    assert torch.equal(out[3:23], run_chunks(paged, q, kc, vc, table, [0, 300, 320, 400])[300:320])
+    chunks = run_chunks(kernel, q, kc, vc, table, [0, 300, 320, 400])
+    assert torch.equal(out[3:23], chunks[300:320])
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), SHAPES)
-@pytest.mark.parametrize(
-    ("name", "kernel"),
-    [
-        pytest.param("int8", paged, marks=needs_int8_tiles, id="int8-widest"),
-        pytest.param("int8", paged_int8_avx2, marks=needs_int8_tiles, id="int8-avx2"),
-        pytest.param("fp8_e4m3", paged, marks=needs_lanes, id="fp8_e4m3"),
-    ],
-)
+@needs_lanes
+@PAGED_KERNELS
+@pytest.mark.parametrize("name", ["int8", "fp8_e4m3"])
 @pytest.mark.parametrize("window", [0, 70])
 def test_an_8_bit_cache_gives_a_query_the_same_bits_however_it_is_grouped(
     heads, kv_heads, head_dim, name, kernel, window
 ):
-    """An 8-bit cache (int8: integer dot products, on the build's widest tiles and on the
+    """An 8-bit cache (int8: integer dot products; on the build's widest tiles and on the
     256-bit ones): a 300-token prompt in one call, chunk by chunk, every position as a decode
     row in one call (cascades, and enough rows that a work unit takes all KV heads on up to 18
     threads) and some rows alone: the same bits, within bf16 rounding of fp64 attention over
@@ -205,8 +205,8 @@ def test_an_8_bit_cache_gives_a_query_the_same_bits_however_it_is_grouped(
     assert (whole.double() - exact(q, keys, values, window)).abs().max().item() < 0.02
 
 
-@needs_int8_tiles
-@INT8_KERNELS
+@needs_lanes
+@PAGED_KERNELS
 @pytest.mark.parametrize("head_dim", [64, 256])
 def test_int8_sums_at_their_largest_stay_exact(kernel, head_dim):
     """Every int8 code at +-127 and a query of one magnitude (its int16 copy at +-32767), some
@@ -232,8 +232,8 @@ def test_int8_sums_at_their_largest_stay_exact(kernel, head_dim):
     assert (out.double() - exact(q, keys, values)).abs().max().item() < 0.02
 
 
-@needs_int8_tiles
-@INT8_KERNELS
+@needs_lanes
+@PAGED_KERNELS
 def test_a_nan_scale_in_an_int8_row_the_query_cannot_see_stays_out(kernel):
     """A NaN scale in the K and V rows of a slot after the query's position, in the same
     64-key tile (a corrupted unwritten tail): the rows before it get the clean cache's bits."""
@@ -252,7 +252,8 @@ def test_a_nan_scale_in_an_int8_row_the_query_cannot_see_stays_out(kernel):
 
 
 @needs_lanes
-def test_a_nan_in_a_key_the_query_cannot_see_stays_out():
+@PAGED_KERNELS
+def test_a_nan_in_a_key_the_query_cannot_see_stays_out(kernel):
     """A NaN key and value in a slot after the query's position (a block's unwritten tail, in
     the same 64-key tile) does not reach the output; one it can see does."""
     q, kc, vc, table, _, _ = prompt_case(40, 9, 3, 64, 16, seed=7)
@@ -260,7 +261,7 @@ def test_a_nan_in_a_key_the_query_cannot_see_stays_out():
     kc[slot] = float("nan")
     vc[slot] = float("nan")
     out = torch.empty(40, 9 * 64, dtype=torch.bfloat16)
-    paged(out, q, kc, vc, table, torch.tensor([[0, 40, 0]]), 0.125, 0.0, 0)
+    kernel(out, q, kc, vc, table, torch.tensor([[0, 40, 0]]), 0.125, 0.0, 0)
     assert not out[:30].isnan().any()
     assert out[30:].isnan().all()
 
@@ -276,19 +277,21 @@ def test_the_paged_kernel_keeps_its_portable_path_for_soft_capping():
     assert math.isfinite(a.float().abs().max().item())
 
 
-@pytest.mark.skipif(int8_width != 512, reason="this build has only one kind of integer tiles")
+@pytest.mark.skipif(lanes_width != 512, reason="this build has only one width of tiles")
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [*SHAPES, (8, 8, 128), (4, 4, 64)])
+@pytest.mark.parametrize("name", ["bf16", "int8", "fp8_e4m3"])
 @pytest.mark.parametrize("window", [0, 100])
-def test_the_256_bit_int8_tiles_give_the_512_bit_tiles_bits(heads, kv_heads, head_dim, window):
-    """An int8 cache on the AVX2 tiles (int16 pairs, VPMADDWD, the softmax in 8-lane halves)
-    and on the AVX512-VNNI ones (bytes, VPDPBUSD): the same bits for a prompt in chunks, a
-    decode batch over a shared prefix (cascades) and rows at tile edges, so an int8 engine's
-    cache is one namespace for both kinds of host."""
+def test_the_256_bit_tiles_give_the_512_bit_tiles_bits(heads, kv_heads, head_dim, name, window):
+    """Each KV dtype on the AVX2 tiles (VDPBF16PS as two FMAs under FTZ/DAZ, int8 as int16
+    pairs, the softmax in 8-lane halves) and on the AVX-512 ones: the same bits for a prompt in
+    chunks, a decode batch over a shared prefix (cascades) and rows at tile edges, so an
+    engine's cache is one namespace for both kinds of host."""
     q, kc, vc, table, _, _ = prompt_case(260, heads, kv_heads, head_dim, 16, seed=13)
-    fmt = kv_format("int8", torch.bfloat16)
-    kq, vq = quantize_rows(kc, fmt), quantize_rows(vc, fmt)
+    if name != "bf16":
+        fmt = kv_format(name, torch.bfloat16)
+        kc, vc = quantize_rows(kc, fmt), quantize_rows(vc, fmt)
     for cuts in ([0, 260], [0, 1, 63, 64, 65, 200, 260]):
-        wide = run_chunks(paged, q, kq, vq, table, cuts, window)
-        assert torch.equal(wide, run_chunks(paged_int8_avx2, q, kq, vq, table, cuts, window))
-    wide = run_decode_rows(q, kq, vq, table, window)
-    assert torch.equal(wide, run_decode_rows(q, kq, vq, table, window, paged_int8_avx2))
+        wide = run_chunks(paged, q, kc, vc, table, cuts, window)
+        assert torch.equal(wide, run_chunks(paged_avx2, q, kc, vc, table, cuts, window))
+    wide = run_decode_rows(q, kc, vc, table, window)
+    assert torch.equal(wide, run_decode_rows(q, kc, vc, table, window, paged_avx2))

@@ -539,8 +539,9 @@ def test_batch_invariance_is_on_by_default_for_bf16_wherever_the_kernels_run(
 def test_the_disk_tier_keeps_apart_blocks_of_each_linear_path(default_model_bf16, monkeypatch):
     """A batch-invariant engine's K/V carry their linears' order and their attention's: blocks
     of the native GEMM and of oneDNN (PREFIXSERVE_NATIVE_GEMM=0 with the flag), and of the bf16
-    lanes kernels and of the portable attention (a build without AVX512-BF16, on a host that
-    shares the store), never share a namespace; an engine outside the mode names nothing."""
+    lanes kernels (512- or 256-bit tiles, the same bits) and of the portable attention (a build
+    without AVX2, on a host that shares the store), never share a namespace; an engine outside
+    the mode names nothing."""
     from prefixserve.model.layers import kernel_table
     from prefixserve.worker import model_runner
 
@@ -563,11 +564,10 @@ def test_the_disk_tier_keeps_apart_blocks_of_each_linear_path(default_model_bf16
 def test_an_int8_cache_of_the_integer_kernel_keeps_its_disk_blocks_apart(
     default_model_bf16, monkeypatch
 ):
-    """An int8 KV cache meets bf16 queries in integer dot products where the build has AVX2
-    (csrc/attn_lanes_int8.h with VNNI, csrc/attn_lanes_int8_avx2.h otherwise: the same bits,
-    so one name whether or not the build has the bf16 lanes path), on the portable path
-    elsewhere: two arithmetics, so two namespaces for a batch-invariant engine; a bf16 cache is
-    not renamed."""
+    """An int8 KV cache meets bf16 queries in integer dot products wherever the build has the
+    keys-in-lanes tiles (csrc/attn_lanes_int8.h with AVX512-VNNI, csrc/attn_lanes_int8_avx2.h
+    with AVX2: the same bits, one name), on the portable path elsewhere: two arithmetics, so
+    two namespaces for a batch-invariant engine; fp8 and bf16 caches are named apart too."""
     from prefixserve.worker import model_runner
 
     if paged_attention_kernel() is None or compiled_kernel("gemm") is None:
@@ -577,7 +577,6 @@ def test_an_int8_cache_of_the_integer_kernel_keeps_its_disk_blocks_apart(
     runner = LLMEngine(
         EngineConfig(dtype="bfloat16", cache=cache), loaded_model=default_model_bf16
     ).runner
-    monkeypatch.setattr(model_runner, "attention_int8_dot", lambda: True)
     assert runner.kv_numerics() == "/batch-invariant/native-gemm/lanes-int8-dot-attention"
     # As an engine of another KV dtype would name it (its namespace for cache reports); fp8
     # caches meet queries as exact codes with the row scales after, another arithmetic too.
@@ -585,16 +584,7 @@ def test_an_int8_cache_of_the_integer_kernel_keeps_its_disk_blocks_apart(
     assert (
         runner.kv_numerics("fp8_e4m3") == "/batch-invariant/native-gemm/lanes-fp8-codes-attention"
     )
-    # An AVX2 build (no bf16 lanes path) has the same integer tiles' bits: the same name.
+    # A build without the keys-in-lanes tiles (no AVX2) attends on the portable path.
     monkeypatch.setattr(model_runner, "attention_kernels_agree", lambda: False)
-    assert runner.kv_numerics() == "/batch-invariant/native-gemm/lanes-int8-dot-attention"
+    assert runner.kv_numerics() == "/batch-invariant/native-gemm/portable-attention"
     assert runner.kv_numerics("bf16") == "/batch-invariant/native-gemm/portable-attention"
-    # A build without the integer tiles attends int8 caches on the portable path.
-    monkeypatch.setattr(model_runner, "attention_int8_dot", lambda: False)
-    assert runner.kv_numerics() == "/batch-invariant/native-gemm/portable-attention"
-    monkeypatch.setattr(model_runner, "attention_kernels_agree", lambda: True)
-    assert runner.kv_numerics() == "/batch-invariant/native-gemm/portable-attention"
-    runner.kv_format = model_runner.kv_format("auto", runner.dtype)
-    monkeypatch.setattr(model_runner, "attention_kernels_agree", lambda: True)
-    monkeypatch.setattr(model_runner, "attention_int8_dot", lambda: True)
-    assert runner.kv_numerics() == "/batch-invariant/native-gemm/lanes-attention"

@@ -158,34 +158,26 @@ def paged_attention_portable_kernel() -> Callable[..., None] | None:
 
 
 def attention_kernels_agree() -> bool:
-    """Whether the paged kernel's bf16 path and the long-chunk kernel share their arithmetic in
-    this build (csrc/attn_lanes_bf16.h, AVX512-BF16): then a query gets the same bits from
-    either, so batch-invariant runs may use the long-chunk kernel."""
+    """Whether the paged kernel's bf16 path has the long-chunk kernel's arithmetic in this build
+    (csrc/attn_lanes_bf16.h; on 256-bit vectors with the same bits where the CPU has AVX2 but
+    not AVX512-BF16): then a query gets the same bits from either, and from any kind of CPU
+    with these tiles, so batch-invariant runs may use the long-chunk kernel where it is built."""
+    return attention_lanes_width() > 0
+
+
+def attention_lanes_width() -> int:
+    """The width of the paged kernel's keys-in-lanes tiles in this build: 512 (AVX512-BF16 and
+    VNNI), 256 (AVX2 and FMA: the same bits) or 0 (none: the portable path)."""
     module = _module()
-    return module is not None and bool(module.paged_attention_lanes_ready())
+    return 0 if module is None else int(module.paged_attention_lanes_width())
 
 
-def attention_int8_dot() -> bool:
-    """Whether bf16 queries over an int8 KV cache meet it in integer dot products in this build
-    (csrc/attn_lanes_int8.h with AVX512-BF16 and VNNI, csrc/attn_lanes_int8_avx2.h with AVX2:
-    the same bits from both); elsewhere on the portable path: another arithmetic, so another
-    disk-tier namespace for batch-invariant engines."""
-    return attention_int8_width() > 0
-
-
-def attention_int8_width() -> int:
-    """The width of the integer tiles an int8 KV cache takes in this build: 512, 256 or 0 (none:
-    the portable path)."""
+def paged_attention_avx2_kernel() -> Callable[..., bool] | None:
+    """`paged_attention` on the 256-bit keys-in-lanes tiles whatever the build's widest (returns
+    False, nothing written, where they do not serve the call): for tests and benchmarks that
+    compare them with the 512-bit tiles. None when the kernels are unavailable."""
     module = _module()
-    return 0 if module is None else int(module.paged_attention_int8_width())
-
-
-def paged_attention_int8_avx2_kernel() -> Callable[..., bool] | None:
-    """`paged_attention` over an int8 cache on the 256-bit integer tiles whatever the build's
-    widest (returns False, nothing written, where they do not serve the call): for tests that
-    compare their bits with the 512-bit tiles'. None when the kernels are unavailable."""
-    module = _module()
-    return None if module is None else module.paged_attention_int8_avx2
+    return None if module is None else module.paged_attention_avx2
 
 
 def prefill_attention_kernel() -> Callable[..., None] | None:

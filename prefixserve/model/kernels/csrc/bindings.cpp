@@ -78,14 +78,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged attention over a block-structured KV cache");
   m.def("paged_attention_portable", &paged_attention_portable,
         "paged_attention on its portable path (fp32 tiles, tree-summed scores) on every CPU");
-  m.def("paged_attention_lanes_ready", &paged_attention_lanes_ready,
-        "whether bf16 paged_attention has its keys-in-lanes path (prefill_attention's "
-        "arithmetic) in this build");
-  m.def("paged_attention_int8_width", &paged_attention_int8_width,
-        "the width of the integer tiles bf16 queries over an int8 cache take in this build: 512 "
-        "(attn_lanes_int8.h), 256 (attn_lanes_int8_avx2.h) or 0 (the portable path)");
-  m.def("paged_attention_int8_avx2", &paged_attention_int8_avx2,
-        "paged_attention over an int8 cache on the 256-bit integer tiles whatever the build's "
-        "widest; false (nothing written) where they do not serve the call");
+  m.def("paged_attention_lanes_width", &paged_attention_lanes_width,
+        "the width of paged_attention's keys-in-lanes tiles in this build (prefill_attention's "
+        "arithmetic, the same bits at each width): 512, 256, or 0 (the portable path)");
+  m.def("paged_attention_avx2", &paged_attention_avx2,
+        "paged_attention on the 256-bit keys-in-lanes tiles whatever the build's widest; false "
+        "(nothing written) where they do not serve the call");
   m.def("rms_norm", &rms_norm, "RMSNorm of rows (contiguous last dim, any outer strides) with transformers' roundings");
 }

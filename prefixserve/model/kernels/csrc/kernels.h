@@ -45,11 +45,10 @@ void paged_attention_portable(torch::Tensor out, torch::Tensor q, torch::Tensor 
                               torch::Tensor v_cache, torch::Tensor block_tables,
                               torch::Tensor seq_info, double scale, double softcap,
                               int64_t window);
-bool paged_attention_lanes_ready();
-bool paged_attention_int8_avx2(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
-                               torch::Tensor v_cache, torch::Tensor block_tables,
-                               torch::Tensor seq_info, double scale, int64_t window);
-int64_t paged_attention_int8_width();
+bool paged_attention_avx2(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
+                          torch::Tensor v_cache, torch::Tensor block_tables,
+                          torch::Tensor seq_info, double scale, double softcap, int64_t window);
+int64_t paged_attention_lanes_width();
 
 // gemv.cpp
 void linear_bf16_small(torch::Tensor out, torch::Tensor x, torch::Tensor w,

@@ -295,10 +295,10 @@ bool paged_attention_lanes(torch::Tensor& out, const torch::Tensor& q,
                            const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                            const torch::Tensor& block_tables, const torch::Tensor& seq_info,
                            double scale, double softcap, int64_t window);
-bool paged_attention_int8_256(torch::Tensor& out, const torch::Tensor& q,
-                              const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                              const torch::Tensor& block_tables, const torch::Tensor& seq_info,
-                              double scale, int64_t window);
+bool paged_attention_256(torch::Tensor& out, const torch::Tensor& q,
+                         const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                         const torch::Tensor& block_tables, const torch::Tensor& seq_info,
+                         double scale, double softcap, int64_t window);
 
 namespace {
 
@@ -372,8 +372,8 @@ void paged_attention_tiles(torch::Tensor out, torch::Tensor q, torch::Tensor k_c
 // kv_heads, D] contiguous (q's dtype, or int8 / uint8 rows of D codes and a 4-byte scale: the
 // 8-bit KV cache, int8 or fp8 e4m3), block_tables [S, max_blocks] int32, seq_info [S, 3] int64
 // rows (q_start, q_end, position of the first query); softcap 0 = none, window 0 = none. bf16
-// queries take the keys-in-lanes path where it is built (paged_lanes.cpp: bf16 and fp8
-// caches with AVX512-BF16, int8 caches with AVX2), else the portable one.
+// queries take the keys-in-lanes path where it is built (paged_lanes.cpp: CPUs with AVX2 and
+// FMA), else the portable one.
 void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
                      torch::Tensor v_cache, torch::Tensor block_tables, torch::Tensor seq_info,
                      double scale, double softcap, int64_t window) {
@@ -394,20 +394,13 @@ void paged_attention_portable(torch::Tensor out, torch::Tensor q, torch::Tensor 
   paged_attention_tiles(out, q, k_cache, v_cache, block_tables, seq_info, scale, softcap, window);
 }
 
-bool paged_attention_lanes_ready() {
-#if defined(__AVX512BF16__)
-  return true;
-#else
-  return false;
-#endif
-}
 
-// An int8 cache on the 256-bit integer tiles whatever the build's widest (tests compare their
+// The keys-in-lanes path on its 256-bit tiles whatever the build's widest (tests compare their
 // bits with the 512-bit tiles'); false (nothing written) where they do not serve the call.
-bool paged_attention_int8_avx2(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
-                               torch::Tensor v_cache, torch::Tensor block_tables,
-                               torch::Tensor seq_info, double scale, int64_t window) {
+bool paged_attention_avx2(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
+                          torch::Tensor v_cache, torch::Tensor block_tables,
+                          torch::Tensor seq_info, double scale, double softcap, int64_t window) {
   check_paged_args(out, q, k_cache, v_cache, block_tables, seq_info);
-  return paged_attention_int8_256(out, q, k_cache, v_cache, block_tables, seq_info, scale,
-                                  window);
+  return paged_attention_256(out, q, k_cache, v_cache, block_tables, seq_info, scale, softcap,
+                             window);
 }

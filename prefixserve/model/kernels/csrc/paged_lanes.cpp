@@ -1,9 +1,12 @@
-// The paged kernel's bf16 path where the CPU has AVX512-BF16: the same work items as
-// paged_attention.cpp (row tiles, cascades over a shared prefix; paged_items.h), with the
-// tile arithmetic of the long-chunk kernel (attn_lanes_bf16.h: keys in lanes, VDPBF16PS scores,
-// 64-key tiles at absolute positions). A query's output is therefore the same bits whether it
-// is served here (decode, verification, a short chunk, a sliding window) or by
-// prefill_attention.cpp (a long chunk with its K/V gathered), and whatever else shares the call.
+// The paged kernel's keys-in-lanes path, on every CPU with AVX2 and FMA: the same work items as
+// paged_attention.cpp (row tiles, cascades over a shared prefix; paged_items.h), with the tile
+// arithmetic of the long-chunk kernel (attn_lanes_bf16.h: keys in lanes, VDPBF16PS scores, 64-key
+// tiles at absolute positions; int8 caches in integer dot products, attn_lanes_int8.h). A query's
+// output is therefore the same bits whether it is served here (decode, verification, a short
+// chunk, a sliding window) or by prefill_attention.cpp (a long chunk with its K/V gathered),
+// whatever else shares the call, and whichever width of tiles serves it: a CPU without
+// AVX512-BF16 runs the same arithmetic on 256-bit vectors (attn_lanes_bf16_avx2.h,
+// attn_lanes_int8_avx2.h).
 //
 // Per tile of 64 key positions, the keys any query of the item sees are read from their blocks
 // once (K packed in pairs of dims with keys in lanes, V widened to fp32), then every query of
@@ -12,10 +15,13 @@
 #include "torch_lite.h"
 #include <ATen/Parallel.h>
 
+#include "attn_lanes_avx2.h"
 #include "attn_lanes_bf16.h"
+#include "attn_lanes_bf16_avx2.h"
 #include "attn_lanes_int8.h"
 #include "attn_lanes_int8_avx2.h"
 #include "kv8_rows.h"
+#include "lanes_tiles_avx512.h"
 #include "line_sweep.h"
 #include "paged_items.h"
 
@@ -29,11 +35,9 @@ namespace {
 
 #if defined(__AVX2__) && defined(__FMA__)  // (every AVX512-BF16 CPU has both)
 #if defined(__AVX512BF16__)
-namespace lanes = prefixserve::lanes;
-static_assert(lanes::kTileKeys == prefixserve::lanes_int8_avx2::kTileKeys);
+static_assert(prefixserve::lanes::kTileKeys == prefixserve::lanes_avx2::kTileKeys);
 #endif
-namespace kv8 = prefixserve::kv8;
-using prefixserve::lanes_int8_avx2::kTileKeys;
+using prefixserve::lanes_avx2::kTileKeys;
 using prefixserve::LineDrip;
 using prefixserve::touch_lines;
 using prefixserve::paged::build_items;
@@ -121,182 +125,85 @@ inline void own_rows(const Cache& c, const int32_t* table, int64_t kvh, int64_t 
   }
 }
 
-#if defined(__AVX512BF16__)
-// out[p] = lane i of r[i]'s element p, for 16 vectors of 16 32-bit elements (a 16 x 16
-// transpose: unpacks within 128-bit lanes, then two rounds of lane shuffles).
-__attribute__((always_inline)) inline void transpose16(const __m512i* r, __m512i* out) {
-  __m512i t[16], u[16], v[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {  // u[4i + c]: rows 4i .. 4i + 3, column c of each 128-bit lane
-    u[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  for (int h = 0; h < 2; ++h) {
-    for (int c = 0; c < 4; ++c) {
-      v[8 * h + c] = _mm512_shuffle_i32x4(u[8 * h + c], u[8 * h + 4 + c], 0x88);
-      v[8 * h + 4 + c] = _mm512_shuffle_i32x4(u[8 * h + c], u[8 * h + 4 + c], 0xdd);
-    }
-  }
-  for (int c = 0; c < 8; ++c) {
-    out[c] = _mm512_shuffle_i32x4(v[c], v[8 + c], 0x88);
-    out[8 + c] = _mm512_shuffle_i32x4(v[c], v[8 + c], 0xdd);
-  }
-}
-
-// 32 fp8 e4m3 codes as bf16 bits, exactly (every e4m3 value is a bf16 one): normal codes keep
-// their sign and mantissa with the exponent rebiased (7 to 127), subnormal ones (m * 2^-9) come
-// from a table; the two NaN codes are never written.
-inline __m512i fp8_to_bf16(const char* src) {
-  const __m512i b =
-      _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
-  const __m512i magnitude_bits = _mm512_and_si512(b, _mm512_set1_epi16(0x7f));  // e << 3 | m
-  const __m512i normal =
-      _mm512_add_epi16(_mm512_slli_epi16(magnitude_bits, 4), _mm512_set1_epi16(0x3C00));
-  const __m512i subnormals = _mm512_set_epi16(  // bf16(m * 2^-9) at index m < 8
-      0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x3C60, 0x3C40,
-      0x3C20, 0x3C00, 0x3BC0, 0x3B80, 0x3B00, 0);
-  const __m512i sub =
-      _mm512_permutexvar_epi16(_mm512_and_si512(b, _mm512_set1_epi16(7)), subnormals);
-  const __mmask32 tiny = _mm512_cmpeq_epi16_mask(_mm512_and_si512(b, _mm512_set1_epi16(0x78)),
-                                                 _mm512_setzero_si512());
-  const __m512i magnitude = _mm512_mask_blend_epi16(tiny, normal, sub);
-  return _mm512_or_si512(magnitude,
-                         _mm512_slli_epi16(_mm512_and_si512(b, _mm512_set1_epi16(0x80)), 8));
-}
-
-// An fp8 tile's rows [lo, hi) as their codes' exact values, the scales apart (lanes::RowScales):
-// K as bf16 into kb[j * D], V in fp32 into vt, the rows' scales into ks and vs.
-template <int D>
-void fp8_tile(const Cache& c, const int64_t* rows, int64_t lo, int64_t hi, uint16_t* kb,
-              float* vt, float* ks, float* vs) {
-  for (int64_t j = lo; j < hi; ++j) {
-    const char* kr = c.k_row(rows[j]);
-    const char* vr = c.v_row(rows[j]);
-    ks[j] = kv8::row_scale(kr + D);
-    vs[j] = kv8::row_scale(vr + D);
-    for (int d = 0; d < D; d += 32) {
-      _mm512_storeu_si512(kb + j * D + d, fp8_to_bf16(kr + d));
-      const __m512i v = fp8_to_bf16(vr + d);
-      const __m512i lo16 = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(v));
-      const __m512i hi16 = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1));
-      _mm512_storeu_si512(vt + j * D + d, _mm512_slli_epi32(lo16, 16));
-      _mm512_storeu_si512(vt + j * D + d + 16, _mm512_slli_epi32(hi16, 16));
-    }
-  }
-}
-
-#if defined(__AVX512VNNI__)
-// An int8 tile's rows [lo, hi) (byte offsets rows[j] into kbase / vbase) in attn_lanes_int8.h's
-// layouts, the codes as the cache holds them: K in quads of dims, keys in lanes, into kq; V
-// interleaved in quads of keys into vq (a key outside [lo, hi) reads as zeros there); the rows'
-// scales into ks and vs.
-template <int D>
-void load_tile_int8(const char* kbase, const char* vbase, const int64_t* rows, int64_t lo,
-                    int64_t hi, uint32_t* kq, float* ks, uint32_t* vq, float* vs,
-                    LineDrip* drip) {
-  auto codes64 = [](const char* src) { return _mm512_loadu_si512(src); };
-  for (int64_t j0 = lo / 16 * 16; j0 < hi; j0 += 16) {
-    if (j0 >= lo && j0 + 16 <= hi) {  // 16 keys: 16 quads of each at a time, transposed
-      for (int i = 0; i < 16; ++i) ks[j0 + i] = kv8::row_scale(kbase + rows[j0 + i] + D);
-      for (int h = 0; h < D / 64; ++h) {
-        __m512i r[16], t[16];
-        for (int i = 0; i < 16; ++i) r[i] = codes64(kbase + rows[j0 + i] + 64 * h);
-        transpose16(r, t);
-        for (int p = 0; p < 16; ++p) {
-          _mm512_storeu_si512(kq + (16 * h + p) * kTileKeys + j0, t[p]);
-        }
-      }
-      continue;
-    }
-    for (int64_t j = std::max(lo, j0); j < std::min(hi, j0 + 16); ++j) {
-      const char* kr = kbase + rows[j];
-      ks[j] = kv8::row_scale(kr + D);
-      for (int p = 0; p < D / 4; ++p) std::memcpy(kq + p * kTileKeys + j, kr + 4 * p, 4);
-    }
-  }
-  for (int64_t jq = lo / 4; jq < (hi + 3) / 4; ++jq) {
-    if (drip != nullptr) drip->step(2);
-    const char* r[4];
-    for (int k = 0; k < 4; ++k) {
-      const int64_t j = 4 * jq + k;
-      r[k] = j >= lo && j < hi ? vbase + rows[j] : nullptr;
-      if (r[k] != nullptr) vs[j] = kv8::row_scale(r[k] + D);
-    }
-    for (int h = 0; h < D / 64; ++h) {
-      __m512i v[4];
-      for (int k = 0; k < 4; ++k)
-        v[k] = r[k] != nullptr ? codes64(r[k] + 64 * h) : _mm512_setzero_si512();
-      const __m512i ab_lo = _mm512_unpacklo_epi8(v[0], v[1]);
-      const __m512i ab_hi = _mm512_unpackhi_epi8(v[0], v[1]);
-      const __m512i cd_lo = _mm512_unpacklo_epi8(v[2], v[3]);
-      const __m512i cd_hi = _mm512_unpackhi_epi8(v[2], v[3]);
-      uint32_t* out = vq + jq * D + 64 * h;
-      _mm512_storeu_si512(out, _mm512_unpacklo_epi16(ab_lo, cd_lo));
-      _mm512_storeu_si512(out + 16, _mm512_unpackhi_epi16(ab_lo, cd_lo));
-      _mm512_storeu_si512(out + 32, _mm512_unpacklo_epi16(ab_hi, cd_hi));
-      _mm512_storeu_si512(out + 48, _mm512_unpackhi_epi16(ab_hi, cd_hi));
-    }
-  }
-}
-#endif  // __AVX512VNNI__
-#endif  // __AVX512BF16__
-
-// The integer tiles of an int8 cache, one kind per build's widest: attn_lanes_int8.h's
-// (AVX512-VNNI bytes) or attn_lanes_int8_avx2.h's (AVX2 int16 pairs); the same bits from both.
-struct Int8Tiles256 {
+// The tile arithmetic and loaders of one vector width: Tiles512 (AVX512-BF16 and VNNI:
+// attn_lanes_bf16.h, attn_lanes_int8.h, lanes_tiles_avx512.h) or Tiles256 (AVX2 and FMA:
+// attn_lanes_bf16_avx2.h, attn_lanes_int8_avx2.h), the same bits from both. A build runs its
+// widest (`Tiles`); an AVX-512 build runs Tiles256 too where a test asks (paged_attention_avx2).
+struct Tiles256 {
   static constexpr int kWidth = 256;
-  static constexpr int64_t kKeysPerWord = 2;  // V words: pairs of keys
+  static constexpr int64_t kKeysPerWord = 2;  // int8 V words: pairs of keys
+  using Int8Tile = prefixserve::lanes_int8_avx2::Tile;
+  using RowScales = prefixserve::lanes_bf16_avx2::RowScales;
   template <int D>
   static constexpr int64_t query_bytes() { return prefixserve::lanes_int8_avx2::query_bytes<D>(); }
-  using Tile = prefixserve::lanes_int8_avx2::Tile;
   template <int D>
   static float quantize_query(const uint16_t* q, uint8_t* out) {
     return prefixserve::lanes_int8_avx2::quantize_query<D>(q, out);
   }
+  template <int D, class... Args>
+  static void load_int8(Args... args) { prefixserve::lanes_int8_avx2::load_tile<D>(args...); }
+  template <int D, class... Args>
+  static void attend_int8(Args... args) { prefixserve::lanes_int8_avx2::attend_tile<D>(args...); }
   template <int D>
-  static void load(const char* kbase, const char* vbase, const int64_t* rows, int64_t lo,
-                   int64_t hi, uint32_t* kp, float* ks, uint32_t* vp, float* vs, LineDrip* drip) {
-    prefixserve::lanes_int8_avx2::load_tile<D>(kbase, vbase, rows, lo, hi, kp, ks, vp, vs, drip);
+  static void finish_int8(const float* acc, float l, uint16_t* out) {
+    prefixserve::lanes_int8_avx2::finish<D>(acc, l, out);
   }
   template <int D, class... Args>
-  static void attend(Args... args) { prefixserve::lanes_int8_avx2::attend_tile<D>(args...); }
+  static void load_bf16(Args... args) { prefixserve::lanes_bf16_avx2::load_bf16<D>(args...); }
+  template <int D, class... Args>
+  static void load_fp8(Args... args) { prefixserve::lanes_bf16_avx2::load_fp8<D>(args...); }
+  template <int D, class... Args>
+  static void attend_16(Args... args) { prefixserve::lanes_bf16_avx2::attend_tile<D>(args...); }
   template <int D>
-  static void finish(const float* acc, float l, uint16_t* out) {
-    prefixserve::lanes_int8_avx2::finish<D>(acc, l, out);
+  static void finish_16(const float* acc, float l, uint16_t* out) {
+    prefixserve::lanes_bf16_avx2::finish<D>(acc, l, out);
   }
 };
 
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
-struct Int8Tiles512 {
+struct Tiles512 {
   static constexpr int kWidth = 512;
-  static constexpr int64_t kKeysPerWord = 4;  // V words: quads of keys
+  static constexpr int64_t kKeysPerWord = 4;  // int8 V words: quads of keys
+  using Int8Tile = prefixserve::lanes_int8::Tile;
+  using RowScales = prefixserve::lanes::RowScales;
   template <int D>
   static constexpr int64_t query_bytes() { return prefixserve::lanes_int8::query_bytes<D>(); }
-  using Tile = prefixserve::lanes_int8::Tile;
   template <int D>
   static float quantize_query(const uint16_t* q, uint8_t* out) {
     return prefixserve::lanes_int8::quantize_query<D>(q, out);
   }
-  template <int D>
-  static void load(const char* kbase, const char* vbase, const int64_t* rows, int64_t lo,
-                   int64_t hi, uint32_t* kq, float* ks, uint32_t* vq, float* vs, LineDrip* drip) {
-    load_tile_int8<D>(kbase, vbase, rows, lo, hi, kq, ks, vq, vs, drip);
-  }
   template <int D, class... Args>
-  static void attend(Args... args) { prefixserve::lanes_int8::attend_tile<D>(args...); }
+  static void load_int8(Args... args) { prefixserve::lanes::load_int8<D>(args...); }
+  template <int D, class... Args>
+  static void attend_int8(Args... args) { prefixserve::lanes_int8::attend_tile<D>(args...); }
   template <int D>
-  static void finish(const float* acc, float l, uint16_t* out) {
+  static void finish_int8(const float* acc, float l, uint16_t* out) {
     prefixserve::lanes_int8::finish<D>(acc, l, out);
   }
+  template <int D, class... Args>
+  static void load_bf16(Args... args) { prefixserve::lanes::load_bf16<D>(args...); }
+  template <int D, class... Args>
+  static void load_fp8(Args... args) { prefixserve::lanes::load_fp8<D>(args...); }
+  template <int D, class... Args>
+  static void attend_16(Args... args) { lanes_16_tile<D>(args...); }
+  template <int D>
+  static void finish_16(const float* acc, float l, uint16_t* out) {
+    prefixserve::lanes::finish<D>(acc, l, out);
+  }
+
+ private:  // attn_lanes_bf16.h's attend_tile takes its K tile's stride: the tile's
+  template <int D>
+  static void lanes_16_tile(int64_t n, const uint16_t* const* q, const int64_t* lo,
+                            const int64_t* hi, const uint32_t* kp, const float* v, float scale,
+                            float* const* m, float* const* l, float* const* acc, float* pbuf,
+                            const RowScales* rows, LineDrip* drip) {
+    prefixserve::lanes::attend_tile<D>(n, q, lo, hi, kp, kTileKeys, v, scale, m, l, acc, pbuf,
+                                       rows, drip);
+  }
 };
-using Int8Tiles = Int8Tiles512;
+using Tiles = Tiles512;
 #else
-using Int8Tiles = Int8Tiles256;
+using Tiles = Tiles256;
 #endif
 
 // The integer tile's buffers (int8 caches), and an fp8 tile's row scales.
@@ -307,51 +214,10 @@ struct IntTile {
       : kscale(kTileKeys, 0.0f), vscale(kTileKeys, 0.0f), vq(kTileKeys / keys_per_word * d, 0u) {}
 };
 
-#if defined(__AVX512BF16__)
-// A bf16 or fp8 tile's rows [lo, hi) (element offsets rows[j], overwritten for fp8) into the
-// tile buffers: kp[p * kTileKeys + j] = K pair p of key j, vt[j * D + d] = V in fp32. `kb`
-// (kTileKeys * D bf16) holds an fp8 tile's keys on their way, `it` its row scales.
-template <int D>
-void load_tile_16(const Cache& c, int64_t* rows, int64_t lo, int64_t hi, uint32_t* kp,
-                  float* vt, uint16_t* kb, IntTile& it, LineDrip* drip) {
-  const uint16_t* ksrc = static_cast<const uint16_t*>(c.k);
-  if (c.kind == CacheKind::kFp8) {  // values first; then K is packed from kb like a bf16 tile
-    fp8_tile<D>(c, rows, lo, hi, kb, vt, it.kscale.data(), it.vscale.data());
-    for (int64_t j = lo; j < hi; ++j) rows[j] = j * D;
-    ksrc = kb;
-  }
-  for (int64_t j0 = lo / 16 * 16; j0 < hi; j0 += 16) {
-    if (j0 >= lo && j0 + 16 <= hi) {  // 16 keys: 16 pairs of each at a time, transposed
-      for (int p0 = 0; p0 < D / 2; p0 += 16) {
-        __m512i r[16], t[16];
-        for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(ksrc + rows[j0 + i] + 2 * p0);
-        transpose16(r, t);
-        for (int p = 0; p < 16; ++p) _mm512_storeu_si512(kp + (p0 + p) * kTileKeys + j0, t[p]);
-      }
-      continue;
-    }
-    for (int64_t j = std::max(lo, j0); j < std::min(hi, j0 + 16); ++j) {
-      const uint32_t* kr = reinterpret_cast<const uint32_t*>(ksrc + rows[j]);
-      for (int p = 0; p < D / 2; ++p) kp[p * kTileKeys + j] = kr[p];
-    }
-  }
-  if (c.kind == CacheKind::kFp8) return;
-  for (int64_t j = lo; j < hi; ++j) {
-    if (drip != nullptr) drip->step(1);
-    const uint16_t* vr = static_cast<const uint16_t*>(c.v) + rows[j];
-    for (int d = 0; d < D; d += 16) {
-      const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(vr + d)));
-      _mm512_storeu_ps(vt + j * D + d, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
-    }
-  }
-}
-
-#endif  // __AVX512BF16__
-
 // Keys [t0 + lo, t0 + hi) of a sequence (block table `table`), KV head kvh, into the tile
-// buffers: an int8 tile into kp and `it` in Int8's layouts, a bf16 or fp8 one by load_tile_16.
-template <int D, class Int8>
+// buffers in T's layouts: K into kp; V into vt (bf16, fp8: fp32 rows) or it.vq (int8); an 8-bit
+// tile's row scales into `it`; `kb` (kTileKeys * D bf16) holds an fp8 tile's keys on their way.
+template <int D, class T>
 void load_tile(const Cache& c, const int32_t* table, int64_t kvh, int64_t t0, int64_t lo,
                int64_t hi, uint32_t* kp, float* vt, uint16_t* kb, IntTile& it, Sweep sweep,
                LineDrip* drip) {
@@ -361,19 +227,21 @@ void load_tile(const Cache& c, const int32_t* table, int64_t kvh, int64_t t0, in
   int64_t rows[kTileKeys];
   tile_rows<D>(c, table, kvh, t0, lo, hi, rows);
   sweep_tile<D>(c, table, t0, lo, hi, rows, sweep);
-  if (c.kind == CacheKind::kInt8) {  // rows[] counts bytes here
-    Int8::template load<D>(static_cast<const char*>(c.k), static_cast<const char*>(c.v), rows,
-                           lo, hi, kp, it.kscale.data(), it.vq.data(), it.vscale.data(), drip);
-    return;
+  const char* k = static_cast<const char*>(c.k);  // rows[] counts bytes for 8-bit caches
+  const char* v = static_cast<const char*>(c.v);
+  if (c.kind == CacheKind::kInt8) {
+    T::template load_int8<D>(k, v, rows, lo, hi, kp, it.kscale.data(), it.vq.data(),
+                             it.vscale.data(), drip);
+  } else if (c.kind == CacheKind::kFp8) {
+    T::template load_fp8<D>(k, v, rows, lo, hi, kp, vt, kb, it.kscale.data(), it.vscale.data(),
+                            drip);
+  } else {
+    T::template load_bf16<D>(static_cast<const uint16_t*>(c.k),
+                             static_cast<const uint16_t*>(c.v), rows, lo, hi, kp, vt, drip);
   }
-#if defined(__AVX512BF16__)
-  load_tile_16<D>(c, rows, lo, hi, kp, vt, kb, it, drip);
-#else
-  (void)vt, (void)kb;
-#endif
 }
 
-template <int D, class Int8>
+template <int D, class T>
 void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
          const torch::Tensor& v_cache, const torch::Tensor& block_tables,
          const torch::Tensor& seq_info, float scale, int64_t window) {
@@ -415,8 +283,8 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
     std::vector<uint32_t> kp(D / 2 * kTileKeys, 0u);
     std::vector<float> vt(integer ? 0 : kTileKeys * D, 0.0f);
     std::vector<uint16_t> kb(kind == CacheKind::kBf16 || integer ? 0 : kTileKeys * D);
-    IntTile it(integer ? D : 0, Int8::kKeysPerWord);
-    constexpr int64_t kQueryBytes = Int8::template query_bytes<D>();
+    IntTile it(integer ? D : 0, T::kKeysPerWord);
+    constexpr int64_t kQueryBytes = T::template query_bytes<D>();
     std::vector<uint8_t> qbytes(integer ? max_queries * kQueryBytes : 0);
     std::vector<uint8_t> wbuf(integer ? max_queries * 2 * kTileKeys : 0);
     std::vector<float> qfac(max_queries), tf(max_queries);
@@ -433,18 +301,17 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
     // item entry e (a row) and query head g of the KV head's group.
     auto attend = [&](int64_t nt) {
       if (integer) {
-        const typename Int8::Tile tile{kp.data(), it.kscale.data(), it.vq.data(),
+        const typename T::Int8Tile tile{kp.data(), it.kscale.data(), it.vq.data(),
                                        it.vscale.data()};
-        Int8::template attend<D>(nt, tqb.data(), tf.data(), lo.data(), hi.data(), tile,
-                                 tm.data(), tl.data(), ta.data(), pbuf.data(), wbuf.data(), drip);
+        T::template attend_int8<D>(nt, tqb.data(), tf.data(), lo.data(), hi.data(), tile,
+                                   tm.data(), tl.data(), ta.data(), pbuf.data(), wbuf.data(),
+                                   drip);
         return;
       }
-#if defined(__AVX512BF16__)
-      const lanes::RowScales fp8_rows{it.kscale.data(), it.vscale.data()};
-      lanes::attend_tile<D>(nt, tq.data(), lo.data(), hi.data(), kp.data(), kTileKeys, vt.data(),
-                            scale, tm.data(), tl.data(), ta.data(), pbuf.data(),
-                            kind == CacheKind::kFp8 ? &fp8_rows : nullptr, drip);
-#endif
+      const typename T::RowScales fp8_rows{it.kscale.data(), it.vscale.data()};
+      T::template attend_16<D>(nt, tq.data(), lo.data(), hi.data(), kp.data(), vt.data(), scale,
+                               tm.data(), tl.data(), ta.data(), pbuf.data(),
+                               kind == CacheKind::kFp8 ? &fp8_rows : nullptr, drip);
     };
     auto add = [&](int64_t& nt, int64_t qi, int64_t jl, int64_t jh) {
       tq[nt] = qv[qi], lo[nt] = jl, hi[nt] = jh;
@@ -464,7 +331,7 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
         if (sweep == Sweep::kSlots) slot_runs(cache, table, t0 + kTileKeys, 0, next, drip);
         else own_rows<D>(cache, table, kvh, t0 + kTileKeys, 0, next, drip);
       }
-      load_tile<D, Int8>(cache, table, kvh, t0, jl, jh, kp.data(), vt.data(), kb.data(), it, sweep,
+      load_tile<D, T>(cache, table, kvh, t0, jl, jh, kp.data(), vt.data(), kb.data(), it, sweep,
                    drip);
     };
     // Rows [row0, row0 + rows) of sequence `seq` (entries from e0 on) against its keys from
@@ -510,7 +377,7 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
         }
       }
       for (int64_t qi = 0; integer && qi < units_q; ++qi) {
-        qfac[qi] = Int8::template quantize_query<D>(qv[qi], qbytes.data() + qi * kQueryBytes) *
+        qfac[qi] = T::template quantize_query<D>(qv[qi], qbytes.data() + qi * kQueryBytes) *
                    scale;
       }
       std::fill(acc.begin(), acc.begin() + units_q * D, 0.0f);
@@ -541,12 +408,10 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
             const float* a = acc.data() + (h * nq + e * group + g) * D;
             const float lsum = l[h * nq + e * group + g];
             if (integer) {
-              Int8::template finish<D>(a, lsum, out_of(h, e, g));
-              continue;
+              T::template finish_int8<D>(a, lsum, out_of(h, e, g));
+            } else {
+              T::template finish_16<D>(a, lsum, out_of(h, e, g));
             }
-#if defined(__AVX512BF16__)
-            lanes::finish<D>(a, lsum, out_of(h, e, g));
-#endif
           }
         }
       }
@@ -554,16 +419,16 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
   });
 }
 
-// run<D, Int8> for q's head dim (64, 128 or 256); false for another.
-template <class Int8>
+// run<D, T> for q's head dim (64, 128 or 256); false for another.
+template <class T>
 bool run_head_dim(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
                   const torch::Tensor& v_cache, const torch::Tensor& block_tables,
                   const torch::Tensor& seq_info, double scale, int64_t window) {
   const float s = static_cast<float>(scale);
   switch (q.size(2)) {
-    case 64: run<64, Int8>(out, q, k_cache, v_cache, block_tables, seq_info, s, window); break;
-    case 128: run<128, Int8>(out, q, k_cache, v_cache, block_tables, seq_info, s, window); break;
-    case 256: run<256, Int8>(out, q, k_cache, v_cache, block_tables, seq_info, s, window); break;
+    case 64: run<64, T>(out, q, k_cache, v_cache, block_tables, seq_info, s, window); break;
+    case 128: run<128, T>(out, q, k_cache, v_cache, block_tables, seq_info, s, window); break;
+    case 256: run<256, T>(out, q, k_cache, v_cache, block_tables, seq_info, s, window); break;
     default: return false;
   }
   return true;
@@ -572,25 +437,17 @@ bool run_head_dim(torch::Tensor& out, const torch::Tensor& q, const torch::Tenso
 
 }  // namespace
 
-// paged_attention with keys in lanes, where this build has it: bf16 and fp8 caches with
-// AVX512-BF16, int8 caches with AVX2 (Int8Tiles: the AVX512-VNNI tiles where the build has
-// them); bf16 queries, a head dim of 64, 128 or 256 and no soft-capping. Returns false
-// (nothing written) otherwise. The caller has checked the shapes and the block tables.
+// paged_attention with keys in lanes, where this build has it (AVX2 and FMA; Tiles: the
+// AVX-512 tiles where the build has AVX512-BF16 and VNNI): bf16 queries, a head dim of 64, 128
+// or 256 and no soft-capping. Returns false (nothing written) otherwise. The caller has checked
+// the shapes and the block tables.
 bool paged_attention_lanes(torch::Tensor& out, const torch::Tensor& q,
                            const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                            const torch::Tensor& block_tables, const torch::Tensor& seq_info,
                            double scale, double softcap, int64_t window) {
 #if defined(__AVX2__) && defined(__FMA__)
-  const auto cache_type = k_cache.scalar_type();
-#if defined(__AVX512BF16__)
-  const bool served = cache_type == torch::kBFloat16 || cache_type == torch::kByte ||
-                      cache_type == torch::kChar;
-#else
-  const bool served = cache_type == torch::kChar;
-#endif
-  if (q.scalar_type() != torch::kBFloat16 || softcap > 0.0 || !served) return false;
-  return run_head_dim<Int8Tiles>(out, q, k_cache, v_cache, block_tables, seq_info, scale,
-                                 window);
+  if (q.scalar_type() != torch::kBFloat16 || softcap > 0.0) return false;
+  return run_head_dim<Tiles>(out, q, k_cache, v_cache, block_tables, seq_info, scale, window);
 #else
   (void)out, (void)q, (void)k_cache, (void)v_cache, (void)block_tables, (void)seq_info;
   (void)scale, (void)softcap, (void)window;
@@ -598,29 +455,27 @@ bool paged_attention_lanes(torch::Tensor& out, const torch::Tensor& q,
 #endif
 }
 
-// The same over an int8 cache on the 256-bit integer tiles whatever the build's widest (tests
-// compare their bits with the 512-bit ones'); false (nothing written) where paged_attention_lanes
-// would not serve the call or the build has no AVX2.
-bool paged_attention_int8_256(torch::Tensor& out, const torch::Tensor& q,
-                              const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                              const torch::Tensor& block_tables, const torch::Tensor& seq_info,
-                              double scale, int64_t window) {
+// The same on the 256-bit tiles whatever the build's widest (tests compare their bits with the
+// 512-bit tiles'); false (nothing written) where they would not serve the call.
+bool paged_attention_256(torch::Tensor& out, const torch::Tensor& q,
+                         const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                         const torch::Tensor& block_tables, const torch::Tensor& seq_info,
+                         double scale, double softcap, int64_t window) {
 #if defined(__AVX2__) && defined(__FMA__)
-  if (q.scalar_type() != torch::kBFloat16 || k_cache.scalar_type() != torch::kChar) return false;
-  return run_head_dim<Int8Tiles256>(out, q, k_cache, v_cache, block_tables, seq_info, scale,
-                                    window);
+  if (q.scalar_type() != torch::kBFloat16 || softcap > 0.0) return false;
+  return run_head_dim<Tiles256>(out, q, k_cache, v_cache, block_tables, seq_info, scale, window);
 #else
   (void)out, (void)q, (void)k_cache, (void)v_cache, (void)block_tables, (void)seq_info;
-  (void)scale, (void)window;
+  (void)scale, (void)softcap, (void)window;
   return false;
 #endif
 }
 
-// The width of the integer tiles an int8 cache takes in this build: 512 (AVX512-VNNI), 256
-// (AVX2), or 0 (the portable path's fp32 arithmetic).
-int64_t paged_attention_int8_width() {
+// The width of the keys-in-lanes tiles in this build: 512 (AVX512-BF16 and VNNI), 256 (AVX2 and
+// FMA), or 0 (none: the portable path serves every call).
+int64_t paged_attention_lanes_width() {
 #if defined(__AVX2__) && defined(__FMA__)
-  return Int8Tiles::kWidth;
+  return Tiles::kWidth;
 #else
   return 0;
 #endif
