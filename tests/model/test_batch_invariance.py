@@ -343,24 +343,32 @@ def test_an_avx2_only_cpu_gives_every_request_its_cold_alone_output(
     tmp_path, monkeypatch, default_model_fp32
 ):
     """The engine on a simulated AVX2-only CPU in batch-invariant mode: linears on the AVX2 tiles,
-    attention on the paged kernel's portable path (no AVX512-BF16 there). Chunked, batched,
-    warm and speculating, every request gets its cold, alone, unchunked bits."""
-    from prefixserve.model.kernels.build import paged_attention_portable_kernel
+    attention on the paged kernel's 256-bit keys-in-lanes tiles (a head dim of 64; no
+    AVX512-BF16 there, so no long-chunk kernel). Chunked, batched, warm and speculating, every
+    request gets its cold, alone, unchunked bits."""
+    from prefixserve.model.kernels.build import paged_attention_avx2_kernel
 
     calls, _ = _simulate_avx2_only(monkeypatch)
-    hf, config_json = build_hf_model("llama", tmp_path / "model")
+    avx2_tiles = paged_attention_avx2_kernel()
+    served = []
+
+    def attention_on_avx2_tiles(*args) -> None:
+        served.append(avx2_tiles(*args))
+
+    hf, config_json = build_hf_model("llama", tmp_path / "model", head_dim=64)
     model, config = build_ours(hf, config_json, dtype="bfloat16")
     loaded = LoadedModel(model, default_model_fp32.tokenizer, config, tmp_path / "model")
 
     def engine(**options) -> LLMEngine:
         eng = _engine(loaded, **options)
-        eng.runner.attention_kernel = paged_attention_portable_kernel()
+        eng.runner.attention_kernel = attention_on_avx2_tiles
         eng.runner.prefill_kernel = None
         return eng
 
     cold = engine(caching=False)
     alone = [_serve(cold, [(f"c{i}", p)])[f"c{i}"] for i, p in enumerate(PROMPTS)]
     assert calls, "the AVX2 tiles never ran"
+    assert served and all(served), "the 256-bit attention tiles did not serve every call"
     spec = {"method": "ngram", "num_speculative_tokens": 3}
     warm = engine(budget=13, max_num_seqs=8, speculative_config=spec)
     for i in (0, 4):
