@@ -51,17 +51,27 @@ class Vdpbf16Rounding {
 };
 
 // The raw scores times `scale` of N queries (bf16 bits q[i]) against the tile's 64 keys:
-// s[i][c] holds keys 8c .. 8c + 7. Two halves of 32 keys (the accumulators fit the registers).
+// s[i][c] holds keys 8c .. 8c + 7. In N passes of 8 / N key vectors: 8 accumulators, as many
+// chains of dependent FMAs as hide an FMA's latency, for one query as for two.
 template <int D, int N>
 inline void tile_scores(const uint16_t* const* q, const uint32_t* kp, float scale,
                         __m256 (*s)[8], LineDrip* drip) {
+  constexpr int V = 8 / N;
   const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xffff0000u));
-  for (int half = 0; half < 2; ++half) {
-    __m256 acc[N][4];
+  alignas(32) float qf[N][D];  // the queries in fp32 (bf16 values are exact there)
+  for (int i = 0; i < N; ++i) {
+    for (int d = 0; d < D; d += 8) {
+      const __m256i w =
+          _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q[i] + d)));
+      _mm256_store_ps(qf[i] + d, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+    }
+  }
+  for (int pass = 0; pass < N; ++pass) {
+    __m256 acc[N][V];
     {
       const Vdpbf16Rounding rounding;
       for (int i = 0; i < N; ++i) {
-        for (int c = 0; c < 4; ++c) {
+        for (int c = 0; c < V; ++c) {
           acc[i][c] = _mm256_setzero_ps();
           Vdpbf16Rounding::pin(acc[i][c]);
         }
@@ -70,11 +80,11 @@ inline void tile_scores(const uint16_t* const* q, const uint32_t* kp, float scal
         if (drip != nullptr) drip->step(4);
         __m256 q_odd[N], q_even[N];
         for (int i = 0; i < N; ++i) {
-          q_odd[i] = _mm256_set1_ps(c10::BFloat16(q[i][2 * p + 1], c10::BFloat16::from_bits()));
-          q_even[i] = _mm256_set1_ps(c10::BFloat16(q[i][2 * p], c10::BFloat16::from_bits()));
+          q_odd[i] = _mm256_broadcast_ss(qf[i] + 2 * p + 1);
+          q_even[i] = _mm256_broadcast_ss(qf[i] + 2 * p);
         }
-        const uint32_t* kt = kp + p * kTileKeys + 32 * half;
-        for (int c = 0; c < 4; ++c) {
+        const uint32_t* kt = kp + p * kTileKeys + 8 * V * pass;
+        for (int c = 0; c < V; ++c) {
           const __m256i k = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kt + 8 * c));
           const __m256 k_odd = _mm256_castsi256_ps(_mm256_and_si256(k, high));
           const __m256 k_even = _mm256_castsi256_ps(_mm256_slli_epi32(k, 16));
@@ -85,11 +95,11 @@ inline void tile_scores(const uint16_t* const* q, const uint32_t* kp, float scal
         }
       }
       for (int i = 0; i < N; ++i)
-        for (int c = 0; c < 4; ++c) Vdpbf16Rounding::pin(acc[i][c]);
+        for (int c = 0; c < V; ++c) Vdpbf16Rounding::pin(acc[i][c]);
     }
     const __m256 sc = _mm256_set1_ps(scale);
     for (int i = 0; i < N; ++i)
-      for (int c = 0; c < 4; ++c) s[i][4 * half + c] = held(_mm256_mul_ps(acc[i][c], sc));
+      for (int c = 0; c < V; ++c) s[i][V * pass + c] = held(_mm256_mul_ps(acc[i][c], sc));
   }
 }
 
