@@ -123,6 +123,50 @@ inline void values_pass(float* acc, const float* p, float corr, int64_t j0, int6
   }
 }
 
+// acc_i += p_i[j] * v[j] for j in [j0, j1) ascending, two queries at once (each V vector loaded
+// once for both), in chunks of 32 dims: per query the FMAs of values_pass, in its order.
+template <int D>
+inline void values_pair(float* const* acc, const float* const* p, int64_t j0, int64_t j1,
+                        const float* v, LineDrip* drip) {
+  constexpr int C = D < 32 ? D / 8 : 4;
+  for (int d0 = 0; d0 < D; d0 += 8 * C) {
+    __m256 a[2][C];
+    for (int i = 0; i < 2; ++i)
+      for (int c = 0; c < C; ++c) a[i][c] = _mm256_loadu_ps(acc[i] + d0 + 8 * c);
+    for (int64_t j = j0; j < j1; ++j) {
+      if (drip != nullptr) drip->step(2);
+      const __m256 p0 = _mm256_set1_ps(p[0][j]), p1 = _mm256_set1_ps(p[1][j]);
+      const float* row = v + j * D + d0;
+      for (int c = 0; c < C; ++c) {
+        const __m256 vv = _mm256_loadu_ps(row + 8 * c);
+        a[0][c] = _mm256_fmadd_ps(p0, vv, a[0][c]);
+        a[1][c] = _mm256_fmadd_ps(p1, vv, a[1][c]);
+      }
+    }
+    for (int i = 0; i < 2; ++i)
+      for (int c = 0; c < C; ++c) _mm256_storeu_ps(acc[i] + d0 + 8 * c, a[i][c]);
+  }
+}
+
+// The value update of n (1 or 2) queries, as attn_lanes_bf16.h's tile_values: each query's head
+// up to the common range (its correction applied first), the common range for both together,
+// each one's tail (a correction of 1: exact); the same FMAs in the same order as one alone.
+template <int D>
+inline void tile_values(int n, float* const* acc, const float* const* p, const float* corr,
+                        const int64_t* lo, const int64_t* hi, const float* v, LineDrip* drip) {
+  const int64_t common_lo = n == 2 ? std::max(lo[0], lo[1]) : lo[0];
+  const int64_t common_hi = n == 2 ? std::min(hi[0], hi[1]) : hi[0];
+  if (n == 1 || common_lo >= common_hi) {
+    for (int i = 0; i < n; ++i) values_pass<D>(acc[i], p[i], corr[i], lo[i], hi[i], v, drip);
+    return;
+  }
+  for (int i = 0; i < 2; ++i) values_pass<D>(acc[i], p[i], corr[i], lo[i], common_lo, v, nullptr);
+  values_pair<D>(acc, p, common_lo, common_hi, v, drip);
+  for (int i = 0; i < 2; ++i) {
+    if (hi[i] > common_hi) values_pass<D>(acc[i], p[i], 1.0f, common_hi, hi[i], v, nullptr);
+  }
+}
+
 // attn_lanes_bf16.h's RowScales: an 8-bit tile's row scales (fp8 codes held as exact values).
 struct RowScales {
   const float* kscale;  // [kTileKeys]
@@ -142,6 +186,8 @@ inline void attend_tile(int64_t n, const uint16_t* const* q, const int64_t* lo, 
     __m256 s[kScoreGroup][8];
     if (g == 1) tile_scores<D, 1>(q + i0, kp, scale, s, drip);
     else tile_scores<D, 2>(q + i0, kp, scale, s, drip);
+    float corr[kScoreGroup];
+    const float* prow[kScoreGroup];
     for (int i = 0; i < g; ++i) {
       const int64_t qi = i0 + i;
       if (rows != nullptr) {
@@ -149,14 +195,15 @@ inline void attend_tile(int64_t n, const uint16_t* const* q, const int64_t* lo, 
           s[i][c] = held(_mm256_mul_ps(s[i][c], _mm256_loadu_ps(rows->kscale + 8 * c)));
       }
       float* pr = pbuf + qi * kTileKeys;
-      const float corr = lanes_avx2::tile_softmax(s[i], lo[qi], hi[qi], *m[qi], *l[qi], pr);
+      corr[i] = lanes_avx2::tile_softmax(s[i], lo[qi], hi[qi], *m[qi], *l[qi], pr);
       for (int c = 0; rows != nullptr && c < 8; ++c) {
         const __m256 w = held(
             _mm256_mul_ps(_mm256_loadu_ps(pr + 8 * c), _mm256_loadu_ps(rows->vscale + 8 * c)));
         _mm256_storeu_ps(pr + 8 * c, _mm256_and_ps(lanes_in(8 * c, lo[qi], hi[qi]), w));
       }
-      values_pass<D>(acc[qi], pr, corr, lo[qi], hi[qi], v, drip);
+      prow[i] = pr;
     }
+    tile_values<D>(g, acc + i0, prow, corr, lo + i0, hi + i0, v, drip);
   }
 }
 
