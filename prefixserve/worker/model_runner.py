@@ -30,6 +30,7 @@ from prefixserve.kv_store.worker import gather_blocks, scatter_blocks
 from prefixserve.model.config import ModelConfig
 from prefixserve.model.kernels.build import (
     attention_kernels_agree,
+    attention_portable_width,
     paged_attention_kernel,
     prefill_attention_kernel,
 )
@@ -37,6 +38,7 @@ from prefixserve.model.kernels.cpu_paths import bf16_packing_supported
 from prefixserve.model.layers.attention import (
     ScheduledSpan,
     build_attention_metadata,
+    lanes_serve,
     prefill_kernel_for,
 )
 from prefixserve.model.layers.common import ForwardContext, one_thread
@@ -263,18 +265,19 @@ class ModelRunner:
         """What the disk tier's namespace adds for how this runner computes K/V: nothing
         outside the batch-invariant mode; in it, its linears' path (the native GEMM's order, or
         oneDNN's where `PREFIXSERVE_NATIVE_GEMM=0`) and its attention's (the bf16 lanes kernels'
-        arithmetic, its int8 caches' integer one, the same bits on 512- or 256-bit tiles, or the
-        portable path's where the build has neither: a layer's K/V depend on the earlier
-        layers' attention), so a hit is a cold start's bits, also from a store that hosts of
-        other CPU kinds share. `kv_dtype`: as an engine of that KV dtype would name it (the
-        runner's own by default)."""
+        arithmetic, its int8 caches' integer one, the same bits on 512- or 256-bit tiles; or,
+        where the build has no such tiles or they do not serve the model, the portable path's,
+        named with its vectors' width: a layer's K/V depend on the earlier layers' attention),
+        so a hit is a cold start's bits, also from a store that hosts of other CPU kinds share.
+        `kv_dtype`: as an engine of that KV dtype would name it (the runner's own by default)."""
         weights = f"/weights-{self.config.quantization}" if self.config.quantization else ""
         if not self.batch_invariant:
             return weights
         linears = "native-gemm" if compiled_kernel("gemm") is not None else "onednn"
         kv = kv_dtype or self.kv_format.name
-        if not (self.dtype == torch.bfloat16 and attention_kernels_agree()):
-            attention = "portable"
+        if not (attention_kernels_agree() and lanes_serve(self.config)):
+            width = attention_portable_width()
+            attention = f"portable{width}" if width else "portable"
         elif kv == "int8":  # integer tiles (attn_lanes_int8.h, attn_lanes_int8_avx2.h)
             attention = "lanes-int8-dot"
         elif kv == "fp8_e4m3":

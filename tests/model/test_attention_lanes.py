@@ -23,7 +23,9 @@ from prefixserve.model.kernels.build import (
     paged_attention_portable_kernel,
     prefill_attention_kernel,
 )
+from prefixserve.model.kernels.cpu_paths import cpuinfo
 from prefixserve.model.quant.kv_cache import dequantize_rows, kv_format, quantize_rows
+from prefixserve.settings import kernel_march
 
 paged = paged_attention_kernel()
 portable = paged_attention_portable_kernel()
@@ -31,9 +33,6 @@ prefill = prefill_attention_kernel()
 needs_lanes = pytest.mark.skipif(
     paged is None or not attention_kernels_agree(),
     reason="this build has no keys-in-lanes path (no AVX2)",
-)
-needs_prefill = pytest.mark.skipif(
-    prefill is None, reason="this build has no long-chunk kernel (no AVX512-BF16)"
 )
 lanes_width = 0 if paged is None else attention_lanes_width()
 avx2_tiles = paged_attention_avx2_kernel()
@@ -277,15 +276,30 @@ def test_the_paged_kernel_keeps_its_portable_path_for_soft_capping():
     assert math.isfinite(a.float().abs().max().item())
 
 
-@pytest.mark.skipif(lanes_width != 512, reason="this build has only one width of tiles")
+def test_a_native_build_has_the_widest_tiles_its_cpu_can_run():
+    """Where the kernels are built for this CPU, one with AVX512-BF16 and VNNI gets the 512-bit
+    tiles and the long-chunk kernel, and one with AVX2 and FMA at least the 256-bit tiles (the
+    tests that compare the paths would otherwise pass on a fallback without comparing)."""
+    if paged is None or kernel_march() != "native":
+        pytest.skip("the kernels are not built for this CPU here")
+    flags = set(cpuinfo().get("flags", "").split())
+    if {"avx512_bf16", "avx512_vnni"} <= flags:
+        assert lanes_width == 512
+        assert prefill is not None
+    elif {"avx2", "fma"} <= flags:
+        assert lanes_width == 256
+
+
+@pytest.mark.skipif(lanes_width == 0, reason="this build has no keys-in-lanes tiles")
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [*SHAPES, (8, 8, 128), (4, 4, 64)])
 @pytest.mark.parametrize("name", ["bf16", "int8", "fp8_e4m3"])
 @pytest.mark.parametrize("window", [0, 100])
 def test_the_256_bit_tiles_give_the_512_bit_tiles_bits(heads, kv_heads, head_dim, name, window):
     """Each KV dtype on the AVX2 tiles (VDPBF16PS as two FMAs under FTZ/DAZ, int8 as int16
-    pairs, the softmax in 8-lane halves) and on the AVX-512 ones: the same bits for a prompt in
-    chunks, a decode batch over a shared prefix (cascades) and rows at tile edges, so an
-    engine's cache is one namespace for both kinds of host."""
+    pairs, the softmax in 8-lane halves) and on the build's widest (the AVX-512 ones where it
+    has them; on an AVX2 build, that the kernel serves the call from the 256-bit tiles): the
+    same bits for a prompt in chunks, a decode batch over a shared prefix (cascades) and rows
+    at tile edges, so an engine's cache is one namespace for both kinds of host."""
     q, kc, vc, table, _, _ = prompt_case(260, heads, kv_heads, head_dim, 16, seed=13)
     if name != "bf16":
         fmt = kv_format(name, torch.bfloat16)
@@ -295,3 +309,37 @@ def test_the_256_bit_tiles_give_the_512_bit_tiles_bits(heads, kv_heads, head_dim
         assert torch.equal(wide, run_chunks(paged_avx2, q, kc, vc, table, cuts, window))
     wide = run_decode_rows(q, kc, vc, table, window)
     assert torch.equal(wide, run_decode_rows(q, kc, vc, table, window, paged_avx2))
+
+
+@pytest.mark.skipif(lanes_width == 0, reason="this build has no keys-in-lanes tiles")
+@pytest.mark.parametrize("name", ["bf16", "fp8_e4m3"])
+def test_subnormal_queries_and_keys_give_the_512_bit_tiles_bits(name):
+    """VDPBF16PS reads subnormal inputs as zero and flushes subnormal results: the 256-bit
+    tiles' FMAs run under DAZ and FTZ for the scores. Queries and keys of subnormal magnitude
+    (and products that underflow) give the widest tiles' bits on both widths."""
+    q, kc, vc, table, _, _ = prompt_case(150, 4, 2, 64, 16, seed=21)
+    tiny = torch.tensor(1e-39).bfloat16()  # subnormal in bf16 and fp32
+    q = torch.where(torch.arange(q.numel()).view(q.shape) % 3 == 0, q * tiny, q)
+    kc = torch.where(torch.arange(kc.numel()).view(kc.shape) % 5 == 0, kc * tiny, kc)
+    kc[0] = float("nan")
+    assert ((q.float().abs() < 1.2e-38) & (q != 0)).any()  # nonzero subnormals
+    if name != "bf16":
+        fmt = kv_format(name, torch.bfloat16)
+        kc, vc = quantize_rows(kc, fmt), quantize_rows(vc, fmt)
+    wide = run_chunks(paged, q, kc, vc, table, [0, 150])
+    assert torch.equal(wide, run_chunks(paged_avx2, q, kc, vc, table, [0, 150]))
+    assert torch.equal(wide, run_decode_rows(q, kc, vc, table, fn=paged_avx2))
+
+
+@pytest.mark.skipif(lanes_width == 0, reason="this build has no keys-in-lanes tiles")
+def test_the_tiles_leave_the_callers_denormals_as_they_were():
+    """The 256-bit tiles set FTZ and DAZ only around their score loops: after a call, on the
+    calling thread and on torch's worker threads, a product that underflows is still a
+    subnormal, not zero."""
+    q, kc, vc, table, _, _ = prompt_case(150, 4, 2, 64, 16, seed=22)
+    run_chunks(paged_avx2, q, kc, vc, table, [0, 150])
+    run_decode_rows(q, kc, vc, table, fn=paged_avx2)
+    small = torch.full((1 << 20,), 1e-30)  # many elements: torch's threads take part
+    product = small * small.new_full((1,), 1e-10)
+    assert (product > 0).all()
+    assert product[0].item() < 1.2e-38

@@ -23,7 +23,7 @@ from prefixserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from prefixserve.engine.llm_engine import LLMEngine
 from prefixserve.engine_args import EngineArgs
 from prefixserve.kv_store import KVStoreConfig
-from prefixserve.model.kernels.build import paged_attention_kernel
+from prefixserve.model.kernels.build import attention_portable_width, paged_attention_kernel
 from prefixserve.model.layers.kernel_table import compiled_kernel
 from prefixserve.model.layers.linear import Linear, batch_invariant_linears
 from prefixserve.model.loader.loading import LoadedModel
@@ -544,6 +544,11 @@ def test_batch_invariance_is_on_by_default_for_bf16_wherever_the_kernels_run(
         assert resolve_batch_invariant(None, config, kernel) is False
 
 
+def portable_name() -> str:
+    """The portable attention's name in a namespace: with its vectors' width in this build."""
+    return "portable512" if attention_portable_width() == 512 else "portable"
+
+
 def test_the_disk_tier_keeps_apart_blocks_of_each_linear_path(default_model_bf16, monkeypatch):
     """A batch-invariant engine's K/V carry their linears' order and their attention's: blocks
     of the native GEMM and of oneDNN (PREFIXSERVE_NATIVE_GEMM=0 with the flag), and of the bf16
@@ -557,10 +562,10 @@ def test_the_disk_tier_keeps_apart_blocks_of_each_linear_path(default_model_bf16
         pytest.skip("the native kernels are not built here")
     config = EngineConfig(dtype="bfloat16", cache=CacheConfig(num_kv_blocks=32))
     runner = LLMEngine(config, loaded_model=default_model_bf16).runner
-    attention = "lanes" if model_runner.attention_kernels_agree() else "portable"
+    attention = "lanes" if model_runner.attention_kernels_agree() else portable_name()
     assert runner.kv_numerics() == f"/batch-invariant/native-gemm/{attention}-attention"
     monkeypatch.setattr(model_runner, "attention_kernels_agree", lambda: False)
-    assert runner.kv_numerics() == "/batch-invariant/native-gemm/portable-attention"
+    assert runner.kv_numerics() == f"/batch-invariant/native-gemm/{portable_name()}-attention"
     monkeypatch.setattr(model_runner, "attention_kernels_agree", lambda: True)
     assert runner.kv_numerics() == "/batch-invariant/native-gemm/lanes-attention"
     monkeypatch.setitem(kernel_table._kernels, "gemm", None)
@@ -573,8 +578,9 @@ def test_an_int8_cache_of_the_integer_kernel_keeps_its_disk_blocks_apart(
     default_model_bf16, monkeypatch
 ):
     """An int8 KV cache meets bf16 queries in integer dot products wherever the build has the
-    keys-in-lanes tiles (csrc/attn_lanes_int8.h with AVX512-VNNI, csrc/attn_lanes_int8_avx2.h
-    with AVX2: the same bits, one name), on the portable path elsewhere: two arithmetics, so
+    keys-in-lanes tiles (csrc/attn_lanes_int8.h with AVX512-BF16 and VNNI,
+    csrc/attn_lanes_int8_avx2.h with AVX2: the same bits, one name), on the portable path
+    elsewhere: two arithmetics, so
     two namespaces for a batch-invariant engine; fp8 and bf16 caches are named apart too."""
     from prefixserve.worker import model_runner
 
@@ -594,5 +600,32 @@ def test_an_int8_cache_of_the_integer_kernel_keeps_its_disk_blocks_apart(
     )
     # A build without the keys-in-lanes tiles (no AVX2) attends on the portable path.
     monkeypatch.setattr(model_runner, "attention_kernels_agree", lambda: False)
-    assert runner.kv_numerics() == "/batch-invariant/native-gemm/portable-attention"
-    assert runner.kv_numerics("bf16") == "/batch-invariant/native-gemm/portable-attention"
+    portable = f"/batch-invariant/native-gemm/{portable_name()}-attention"
+    assert runner.kv_numerics() == portable
+    assert runner.kv_numerics("bf16") == portable
+
+
+@pytest.mark.parametrize(
+    "change", [{"head_dim": 96}, {"attn_logit_softcapping": 50.0}], ids=["head-dim-96", "softcap"]
+)
+def test_a_model_the_lanes_tiles_do_not_serve_is_named_for_the_portable_path(
+    default_model_bf16, monkeypatch, change
+):
+    """Where the build has the keys-in-lanes tiles but they do not serve the model (a head dim
+    other than 64, 128 or 256, or logit soft-capping), its attention runs the portable path, whose
+    bits depend on the build's vectors: its namespace says the portable path and their width,
+    never the lanes (which hosts of every kind share)."""
+    from prefixserve.worker import model_runner
+
+    if paged_attention_kernel() is None or compiled_kernel("gemm") is None:
+        pytest.skip("the native kernels are not built here")
+    monkeypatch.setattr(model_runner, "attention_kernels_agree", lambda: True)
+    runner = LLMEngine(
+        EngineConfig(dtype="bfloat16", cache=CacheConfig(num_kv_blocks=32)),
+        loaded_model=default_model_bf16,
+    ).runner
+    assert runner.kv_numerics() == "/batch-invariant/native-gemm/lanes-attention"
+    runner.config = dataclasses.replace(runner.config, **change)
+    expected = f"/batch-invariant/native-gemm/{portable_name()}-attention"
+    assert runner.kv_numerics() == expected
+    assert runner.kv_numerics("int8") == expected

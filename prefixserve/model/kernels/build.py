@@ -172,6 +172,14 @@ def attention_lanes_width() -> int:
     return 0 if module is None else int(module.paged_attention_lanes_width())
 
 
+def attention_portable_width() -> int:
+    """The width of the paged kernel's portable-path vectors in this build: 512 (its fp32 tiles
+    in AVX-512 intrinsics) or 0 (loops the compiler vectorizes, which may round otherwise): two
+    builds' portable paths are one arithmetic only at the same width. 0 without kernels."""
+    module = _module()
+    return 0 if module is None else int(module.paged_attention_portable_width())
+
+
 def paged_attention_avx2_kernel() -> Callable[..., bool] | None:
     """`paged_attention` on the 256-bit keys-in-lanes tiles whatever the build's widest (returns
     False, nothing written, where they do not serve the call): for tests and benchmarks that

@@ -105,18 +105,24 @@ PREFILL_MIN_QUERIES = 32
 PREFILL_HEAD_DIMS = (64, 128, 256)
 
 
+def lanes_serve(config: Any) -> bool:
+    """Whether the keys-in-lanes arithmetic (the prefill kernel, and the paged kernel's lanes
+    path where the build has its tiles) serves a model of this ModelConfig: bf16, a head dim it
+    is built for, no logit soft-capping. Other models attend on the paged kernel's portable
+    path (and SDPA)."""
+    return (
+        config.torch_dtype == torch.bfloat16
+        and config.head_dim in PREFILL_HEAD_DIMS
+        and config.attn_logit_softcapping is None
+    )
+
+
 def prefill_kernel_for(
     config: Any, kernel: Callable[..., None] | None
 ) -> Callable[..., None] | None:
-    """`kernel` (the native prefill kernel) where it serves a model of this ModelConfig: bf16,
-    a head dim it is built for, no logit soft-capping; else None."""
-    if (
-        config.torch_dtype != torch.bfloat16
-        or config.head_dim not in PREFILL_HEAD_DIMS
-        or config.attn_logit_softcapping is not None
-    ):
-        return None
-    return kernel
+    """`kernel` (the native prefill kernel) where it serves a model of this ModelConfig
+    (`lanes_serve`); else None."""
+    return kernel if lanes_serve(config) else None
 
 
 @dataclass(slots=True)

@@ -35,11 +35,14 @@ using lanes_avx2::lanes_in;
 constexpr int kScoreGroup = 2;  // queries sharing each K load (16 ymm registers)
 
 // VDPBF16PS's rounding for the FMAs between construction and destruction: MXCSR's FTZ and DAZ
-// on, the caller's MXCSR back after. `pin` keeps a value's computation between the two (an
+// on and rounding to nearest even (the instruction's, whatever the caller's rounding control),
+// the caller's MXCSR back after. `pin` keeps a value's computation between the two (an
 // empty volatile asm: the compiler keeps volatile operations in their order).
 class Vdpbf16Rounding {
  public:
-  Vdpbf16Rounding() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ | kFtzDaz); }
+  Vdpbf16Rounding() : saved_(_mm_getcsr()) {
+    _mm_setcsr((saved_ & ~kRoundingControl) | kFtzDaz);
+  }
   ~Vdpbf16Rounding() { _mm_setcsr(saved_); }
   Vdpbf16Rounding(const Vdpbf16Rounding&) = delete;
   Vdpbf16Rounding& operator=(const Vdpbf16Rounding&) = delete;
@@ -47,6 +50,7 @@ class Vdpbf16Rounding {
 
  private:
   static constexpr unsigned kFtzDaz = 0x8040;
+  static constexpr unsigned kRoundingControl = 0x6000;  // 00: to nearest even
   unsigned saved_;
 };
 

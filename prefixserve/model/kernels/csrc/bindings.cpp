@@ -81,6 +81,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention_lanes_width", &paged_attention_lanes_width,
         "the width of paged_attention's keys-in-lanes tiles in this build (prefill_attention's "
         "arithmetic, the same bits at each width): 512, 256, or 0 (the portable path)");
+  m.def("paged_attention_portable_width", &paged_attention_portable_width,
+        "the width of the portable path's vectors in this build: 512 (AVX-512 intrinsics) or 0 "
+        "(compiler-vectorized loops), which may round otherwise");
   m.def("paged_attention_avx2", &paged_attention_avx2,
         "paged_attention on the 256-bit keys-in-lanes tiles whatever the build's widest; false "
         "(nothing written) where they do not serve the call");

@@ -49,6 +49,7 @@ bool paged_attention_avx2(torch::Tensor out, torch::Tensor q, torch::Tensor k_ca
                           torch::Tensor v_cache, torch::Tensor block_tables,
                           torch::Tensor seq_info, double scale, double softcap, int64_t window);
 int64_t paged_attention_lanes_width();
+int64_t paged_attention_portable_width();
 
 // gemv.cpp
 void linear_bf16_small(torch::Tensor out, torch::Tensor x, torch::Tensor w,

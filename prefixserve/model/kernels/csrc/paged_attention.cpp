@@ -394,6 +394,16 @@ void paged_attention_portable(torch::Tensor out, torch::Tensor q, torch::Tensor 
   paged_attention_tiles(out, q, k_cache, v_cache, block_tables, seq_info, scale, softcap, window);
 }
 
+// The width of the portable path's vectors in this build: 512 where its fp32 tiles take AVX-512
+// intrinsics (head dims 64, 128 and 256), else 0 (loops the compiler vectorizes): two builds'
+// portable paths give the same bits only where this is the same.
+int64_t paged_attention_portable_width() {
+#if defined(__AVX512F__)
+  return 512;
+#else
+  return 0;
+#endif
+}
 
 // The keys-in-lanes path on its 256-bit tiles whatever the build's widest (tests compare their
 // bits with the 512-bit tiles'); false (nothing written) where they do not serve the call.
