@@ -375,6 +375,7 @@ def test_an_avx2_only_cpu_gives_every_request_its_cold_alone_output(
         assert _serve(warm, [(f"w{i}", PROMPTS[i])])[f"w{i}"] == alone[i]
     finals = _serve(warm, [(f"r{i}", p) for i, p in enumerate(PROMPTS)])
     assert [finals[f"r{i}"] for i in range(len(PROMPTS))] == alone
+    assert all(served), "the 256-bit tiles did not serve every call of the warm engine"
     warm.check_no_leaks()
 
 

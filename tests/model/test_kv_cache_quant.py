@@ -10,7 +10,12 @@ import torch
 from prefixserve import LLM, SamplingParams
 from prefixserve.config import CacheConfig, EngineConfig
 from prefixserve.engine.llm_engine import LLMEngine
-from prefixserve.model.kernels.build import paged_attention_kernel, paged_attention_portable_kernel
+from prefixserve.model.kernels.build import (
+    attention_lanes_width,
+    paged_attention_avx2_kernel,
+    paged_attention_kernel,
+    paged_attention_portable_kernel,
+)
 from prefixserve.model.quant.kv_cache import dequantize_rows, kv_format, quantize_rows
 from tests.model.test_paged_attention_kernel import CASES, build_case, check_against_reference
 
@@ -98,7 +103,8 @@ def test_every_fp8_byte_reads_as_pytorchs_float8_e4m3fn():
     """The kernels' fp8 decoding against PyTorch's conversion for all 256 bytes but the two
     NaNs: one key and one value row per byte, a query of zeros (all weight on the one key); the
     portable path's branch-free arithmetic (fp32 queries) and the bf16 lanes path's bit
-    arithmetic (bf16 queries, where the build has it: an e4m3 value is exact in bf16)."""
+    arithmetic (bf16 queries, where the build has it: an e4m3 value is exact in bf16), on its
+    256-bit tiles too where the build's widest are the 512-bit ones."""
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     codes = codes[(codes & 0x7F) != 0x7F]
     n = codes.numel()  # 254 rows of 64 copies of one byte each, scale 1
@@ -109,6 +115,8 @@ def test_every_fp8_byte_reads_as_pytorchs_float8_e4m3fn():
     info = torch.tensor([[0, 1, 0]], dtype=torch.int64)
     paths = [(paged_attention_portable_kernel(), torch.float32)]
     paths.append((paged_attention_kernel(), torch.bfloat16))
+    if attention_lanes_width() == 512:
+        paths.append((paged_attention_avx2_kernel(), torch.bfloat16))
     for kernel, dtype in paths:
         for i in range(n):  # each row alone in block 1 of a two-block cache (block 0 is null)
             cache = torch.zeros(2, 1, 1, 68, dtype=torch.uint8)
