@@ -3,8 +3,9 @@
     .venv/bin/python benchmarks/bench_kv_attention.py --kv-cache-dtypes bf16,int8,fp8_e4m3
 
 One decode step's attention calls of SmolLM2-135M's shape (9 query heads, 3 KV heads, head dim
-64, block size 16): `--layers` layers, each with its own K/V caches (so a step reads them from
-memory, as a model's step does, not from the last level cache), `--batch` decode rows at
+64, block size 16; `--shape gemma3`: Gemma 3 270M's, 4 query heads, 1 KV head, head dim 256):
+`--layers` layers, each with its own K/V caches (so a step reads them from memory, as a
+model's step does, not from the last level cache), `--batch` decode rows at
 `--context`, their blocks shuffled over the cache (`--contiguous`: each sequence's blocks in
 order). The paged kernel as the engine calls it (`--portable`: its portable path, what CPUs
 without AVX2 run; a dtype with `-avx2` appended, e.g. `int8-avx2`: that cache on the 256-bit
@@ -33,7 +34,8 @@ from prefixserve.model.kernels.cpu_paths import describe_cpu  # noqa: E402
 from prefixserve.model.kernels.hugepages import huge_page_arena  # noqa: E402
 from prefixserve.model.quant.kv_cache import kv_format, quantize_rows  # noqa: E402
 
-HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
+BLOCK = 16
+SHAPES = {"smollm2": (9, 3, 64), "gemma3": (4, 1, 256)}  # query heads, KV heads, head dim
 
 
 def in_huge_pages(t: torch.Tensor) -> torch.Tensor:
@@ -47,12 +49,12 @@ def in_huge_pages(t: torch.Tensor) -> torch.Tensor:
 
 
 def caches(
-    dtype: str, layers: int, blocks: int, seed: int, huge: bool = False
+    dtype: str, layers: int, blocks: int, seed: int, kv_heads: int, head_dim: int, huge: bool
 ) -> list[tuple[torch.Tensor, ...]]:
     """`layers` (K, V) cache pairs of random rows, in `dtype` ("bf16" or an 8-bit KV dtype),
     in huge pages if `huge`."""
     g = torch.Generator().manual_seed(seed)
-    shape = (blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    shape = (blocks, BLOCK, kv_heads, head_dim)
     out = []
     for _ in range(layers):
         pair = (
@@ -79,7 +81,9 @@ def main() -> None:
     ap.add_argument("--contiguous", action="store_true")
     ap.add_argument("--portable", action="store_true")
     ap.add_argument("--huge-pages", action="store_true", help="caches in transparent huge pages")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2")
     args = ap.parse_args()
+    heads, kv_heads, head_dim = SHAPES[args.shape]
     kernel = paged_attention_portable_kernel() if args.portable else paged_attention_kernel()
     if kernel is None:
         raise SystemExit("the native kernels are not built here")
@@ -90,12 +94,12 @@ def main() -> None:
         order = order[torch.randperm(blocks - 1, generator=torch.Generator().manual_seed(1))]
     tables = order.to(torch.int32).view(args.batch, per_seq)
     info = torch.tensor([(i, i + 1, args.context) for i in range(args.batch)], dtype=torch.int64)
-    q = torch.randn(args.batch, HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(2))
+    q = torch.randn(args.batch, heads, head_dim, generator=torch.Generator().manual_seed(2))
     q = q.bfloat16()
-    out = torch.empty(args.batch, HEADS * HEAD_DIM, dtype=torch.bfloat16)
+    out = torch.empty(args.batch, heads * head_dim, dtype=torch.bfloat16)
     dtypes = args.kv_cache_dtypes.split(",")
     kv = {
-        d: caches(d, args.layers, blocks, seed=i, huge=args.huge_pages)
+        d: caches(d, args.layers, blocks, i, kv_heads, head_dim, args.huge_pages)
         for i, d in enumerate(dtypes)
     }
 
@@ -104,10 +108,10 @@ def main() -> None:
     def step(dtype: str) -> None:
         for k_cache, v_cache in kv[dtype]:
             if dtype.endswith("-avx2"):
-                if not avx2_tiles(out, q, k_cache, v_cache, tables, info, HEAD_DIM**-0.5, 0.0, 0):
+                if not avx2_tiles(out, q, k_cache, v_cache, tables, info, head_dim**-0.5, 0.0, 0):
                     raise SystemExit(f"the 256-bit tiles do not serve {dtype} here")
             else:
-                kernel(out, q, k_cache, v_cache, tables, info, HEAD_DIM**-0.5, 0.0, 0)
+                kernel(out, q, k_cache, v_cache, tables, info, head_dim**-0.5, 0.0, 0)
 
     samples: dict[str, list[float]] = {d: [] for d in dtypes}
     for _ in range(args.repeats):
@@ -122,7 +126,7 @@ def main() -> None:
         f"{describe_cpu()} | threads {torch.get_num_threads()} | load avg {os.getloadavg()[0]:.1f}"
     )
     print(
-        f"batch {args.batch}, context {args.context}, {args.layers} layers, "
+        f"{args.shape} shape, batch {args.batch}, context {args.context}, {args.layers} layers, "
         f"{'contiguous' if args.contiguous else 'shuffled'} blocks, {path} path, "
         f"{'huge' if args.huge_pages else 'ordinary'} pages"
     )
@@ -132,7 +136,7 @@ def main() -> None:
     for d in dtypes:
         k_cache, _ = kv[d][0]
         row = k_cache[0, 0, 0].numel() * k_cache.element_size()
-        read = 2 * args.batch * (args.context + 1) * KV_HEADS * row * args.layers / 1e6
+        read = 2 * args.batch * (args.context + 1) * kv_heads * row * args.layers / 1e6
         ms = statistics.median(samples[d])
         spread = f"{min(samples[d]):.1f}-{max(samples[d]):.1f}"
         print(f"| {d} | {read:.0f} | {ms:.2f} ({spread}) | {first / ms:.2f}x |")
