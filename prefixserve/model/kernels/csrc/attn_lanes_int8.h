@@ -1,4 +1,5 @@
-// One tile of attention over an int8 KV cache in integer dot products (AVX512-VNNI): the paged
+// One tile of attention over an int8 KV cache in integer dot products (builds with AVX512-BF16
+// and VNNI; attn_lanes_int8_avx2.h elsewhere on AVX2, the same bits): the paged
 // kernel's int8 path (paged_lanes.cpp). A cache row is D int8 codes and its fp32 scale
 // (model/quant/kv_cache.py); its values are code * scale.
 //

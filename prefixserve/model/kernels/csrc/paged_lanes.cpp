@@ -20,14 +20,12 @@
 #include "attn_lanes_bf16_avx2.h"
 #include "attn_lanes_int8.h"
 #include "attn_lanes_int8_avx2.h"
-#include "kv8_rows.h"
 #include "lanes_tiles_avx512.h"
 #include "line_sweep.h"
 #include "paged_items.h"
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -63,7 +61,6 @@ struct Cache {
 
 // The element offsets of keys [t0 + lo, t0 + hi)'s rows (KV head kvh) in the caches, into
 // rows[lo, hi): one block lookup per block.
-template <int D>
 void tile_rows(const Cache& c, const int32_t* table, int64_t kvh, int64_t t0, int64_t lo,
                int64_t hi, int64_t* rows) {
   for (int64_t j = lo; j < hi;) {
@@ -84,7 +81,6 @@ enum class Sweep {
 };
 
 // The sweep `how` of keys [t0 + lo, t0 + hi) (their element offsets rows[lo, hi) for kRows).
-template <int D>
 void sweep_tile(const Cache& c, const int32_t* table, int64_t t0, int64_t lo, int64_t hi,
                 const int64_t* rows, Sweep how) {
   if (how == Sweep::kRows) {
@@ -115,11 +111,10 @@ inline void slot_runs(const Cache& c, const int32_t* table, int64_t t0, int64_t 
 }
 
 // KV head kvh's rows of keys [t0 + lo, t0 + hi), each a run, into `drip`.
-template <int D>
 inline void own_rows(const Cache& c, const int32_t* table, int64_t kvh, int64_t t0, int64_t lo,
                      int64_t hi, LineDrip* drip) {
   int64_t rows[kTileKeys];
-  tile_rows<D>(c, table, kvh, t0, lo, hi, rows);
+  tile_rows(c, table, kvh, t0, lo, hi, rows);
   for (int64_t j = lo; j < hi; ++j) {
     drip->add_runs(c.k_row(rows[j]), c.v_row(rows[j]), c.head_pitch * c.elem());
   }
@@ -225,8 +220,8 @@ void load_tile(const Cache& c, const int32_t* table, int64_t kvh, int64_t t0, in
   // after another, each would wait for memory on its own); mostly in L2 already, asked for by
   // the drip during the last tile. `drip` is asked on during the conversions too.
   int64_t rows[kTileKeys];
-  tile_rows<D>(c, table, kvh, t0, lo, hi, rows);
-  sweep_tile<D>(c, table, t0, lo, hi, rows, sweep);
+  tile_rows(c, table, kvh, t0, lo, hi, rows);
+  sweep_tile(c, table, t0, lo, hi, rows, sweep);
   const char* k = static_cast<const char*>(c.k);  // rows[] counts bytes for 8-bit caches
   const char* v = static_cast<const char*>(c.v);
   if (c.kind == CacheKind::kInt8) {
@@ -329,7 +324,7 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
       if (sweep != Sweep::kNone) {  // a unit's first load of the tile: list the next one's
         drip->clear();
         if (sweep == Sweep::kSlots) slot_runs(cache, table, t0 + kTileKeys, 0, next, drip);
-        else own_rows<D>(cache, table, kvh, t0 + kTileKeys, 0, next, drip);
+        else own_rows(cache, table, kvh, t0 + kTileKeys, 0, next, drip);
       }
       load_tile<D, T>(cache, table, kvh, t0, jl, jh, kp.data(), vt.data(), kb.data(), it, sweep,
                    drip);
