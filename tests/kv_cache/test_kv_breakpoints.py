@@ -138,6 +138,64 @@ def test_a_breakpoint_larger_than_the_tenant_budget_is_refused_and_holds_nothing
     mgr.check_no_leaks()
 
 
+def test_a_breakpoint_larger_than_the_budget_is_refused_first_and_releases_nothing():
+    mgr, _ = _manager(per_tenant=2, capacity=8)
+    small = [300 + j for j in range(4)]
+    assert _run_and_hold(mgr, "small", small + [9], ttl=3600) is HoldStatus.HELD
+    big = [400 + j for j in range(12)]  # three blocks: past the budget of two, whatever it frees
+    assert _run_and_hold(mgr, "big", big + [9]) is HoldStatus.REFUSED_BUDGET
+    assert len(mgr.breakpoints) == 1 and mgr.breakpoints.tenant_blocks("a") == 1
+    _fill(mgr, 8)
+    assert _hit(mgr, small) == 4
+    mgr.check_no_leaks()
+
+
+def test_a_breakpoint_refused_for_the_shared_capacity_releases_nothing_of_its_tenant():
+    mgr, _ = _manager(per_tenant=4, capacity=6)
+    others = [500 + j for j in range(16)]  # four blocks of b's
+    assert _run_and_hold(mgr, "b", others + [9], tenant="b") is HoldStatus.HELD
+    own = [600 + j for j in range(8)]  # a's 1h breakpoint: the capacity's last two blocks
+    assert _run_and_hold(mgr, "a1", own + [9], ttl=3600) is HoldStatus.HELD
+    wanted = [700 + j for j in range(16)]  # within a's budget once a's own go, never within 6
+    assert _run_and_hold(mgr, "a2", wanted + [9]) is HoldStatus.REFUSED_BUDGET
+    assert mgr.breakpoints.tenant_blocks("a") == 2 and len(mgr.breakpoints) == 2
+    _fill(mgr, 9)
+    assert (_hit(mgr, own), _hit(mgr, others)) == (8, 16)
+    mgr.check_no_leaks()
+
+
+def test_a_breakpoint_refused_for_the_pool_releases_nothing_of_its_tenant():
+    mgr, _ = _manager(per_tenant=2, capacity=8)
+    assert _run_and_hold(mgr, "own", SYSTEM + [9], ttl=3600) is HoldStatus.HELD
+    request = make_request("r", [800 + j for j in range(8)] + [9], tenant="a")
+    assert schedule(mgr, request) is not None
+    statuses = mgr.hold_breakpoints(request, (CacheBreakpoint(8, 300),), lambda _: False)
+    mgr.free(request)
+    assert statuses == [HoldStatus.REFUSED_POOL]
+    assert mgr.breakpoints.tenant_blocks("a") == 2
+    _fill(mgr, 10)
+    assert _hit(mgr, SYSTEM) == 8
+    mgr.check_no_leaks()
+
+
+def test_a_breakpoint_replacing_its_tenants_own_counts_only_the_net_held_blocks_for_the_pool():
+    mgr, _ = _manager(per_tenant=2, capacity=8)
+    assert _run_and_hold(mgr, "own", SYSTEM + [9], ttl=300) is HoldStatus.HELD
+    request = make_request("r", [900 + j for j in range(8)] + [9], tenant="a")
+    assert schedule(mgr, request) is not None
+    asked: list[int] = []
+
+    def fits_pool(num_new_held: int) -> bool:
+        asked.append(num_new_held)
+        return mgr.num_held_blocks + num_new_held <= 2  # room for two held blocks, no more
+
+    statuses = mgr.hold_breakpoints(request, (CacheBreakpoint(8, 300),), fits_pool)
+    mgr.free(request)
+    assert statuses == [HoldStatus.HELD] and mgr.breakpoints.tenant_blocks("a") == 2
+    assert mgr.num_held_blocks == 2
+    mgr.check_no_leaks()
+
+
 def test_a_breakpoint_that_would_strand_a_queued_request_is_refused():
     mgr, _ = _manager()
     request = make_request("r", SYSTEM + [9], tenant="a")
@@ -215,13 +273,16 @@ def test_openai_24h_retention_is_a_breakpoint_at_the_prompt_end():
         max_size=25,
     )
 )
-def test_breakpoints_never_leak_and_stay_within_their_bounds(ops):
+def test_breakpoints_never_leak_stay_within_their_bounds_and_a_refusal_releases_nothing(ops):
     mgr, clock = _manager(num_blocks=17, capacity=8, per_tenant=4)
     for i, (tenant, prompt, ttl, wait) in enumerate(ops):
         clock.now += wait
         mgr.expire_breakpoints()
         tokens = [prompt * 100 + j for j in range(4 * (1 + prompt % 3))] + [9]
-        _run_and_hold(mgr, f"r{i}", tokens, ttl=ttl, tenant=tenant)
+        before = (mgr.breakpoints.describe(), mgr.breakpoints.holders())
+        status = _run_and_hold(mgr, f"r{i}", tokens, ttl=ttl, tenant=tenant)
+        if status in (HoldStatus.REFUSED_BUDGET, HoldStatus.REFUSED_POOL):
+            assert (mgr.breakpoints.describe(), mgr.breakpoints.holders()) == before
         assert mgr.breakpoints.num_blocks <= 8
         for t in "abc":
             assert mgr.breakpoints.tenant_blocks(t) <= 4

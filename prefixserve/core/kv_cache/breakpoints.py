@@ -11,9 +11,10 @@ Bounds, and what happens at them (docs/anthropic.md, "Breakpoints"):
   most `capacity_blocks`;
 - a breakpoint that does not fit ages out the *same tenant's* held breakpoints, soonest expiry
   first, until it fits; another tenant's breakpoints are never released to make room;
-- one that still does not fit (larger than the budget alone, or the capacity is held by other
-  tenants), or whose blocks would leave a queued request unable to ever get its KV blocks, is
-  refused: the request runs as usual and its blocks stay ordinary cached blocks.
+- one that would not fit even then (larger than the budget alone, or the capacity is held by
+  other tenants), or whose blocks would leave a queued request unable to ever get its KV blocks,
+  is refused: the request runs as usual and its blocks stay ordinary cached blocks;
+- the refusal is decided first: a refused breakpoint releases none of its tenant's held ones.
 """
 
 from __future__ import annotations
@@ -54,6 +55,14 @@ def breakpoint_report(request: Request) -> dict[str, Any]:
             }
         )
     return {"breakpoints": entries, "miss_at_breakpoint": miss_at}
+
+
+def _subtract(holders: Counter[int], blocks: list[KVCacheBlock]) -> None:
+    """Take one hold of each of `blocks` off `holders` (block id -> holds), dropping zeros."""
+    for block in blocks:
+        holders[block.block_id] -= 1
+        if holders[block.block_id] <= 0:
+            del holders[block.block_id]
 
 
 class _Hold:
@@ -130,8 +139,10 @@ class HeldBreakpoints:
         fits_pool: Callable[[int], bool] = lambda _: True,
     ) -> HoldStatus:
         """Hold `blocks` (the prefix's cached blocks, every group) for `ttl_s` after now, under
-        (tenant, key). `fits_pool(n)` says whether n more held blocks leave every queued request
-        room; a hold that would not is refused."""
+        (tenant, key). `fits_pool(n)` says whether n more held blocks (the net change, after the
+        tenant's own holds aged out to make room; 0 or less when those free as many) leave every
+        queued request room; a hold that would not is refused. Both refusals are decided before
+        anything is released."""
         now = self.clock()
         existing = self._holds.get((tenant, key))
         if existing is not None:
@@ -141,10 +152,13 @@ class HeldBreakpoints:
         blocks = [block for block in blocks if not block.is_null]
         if not blocks or any(block.block_hash is None for block in blocks):
             return HoldStatus.NOT_CACHED
-        if not self._make_room(tenant, blocks):
+        victims = self._victims_to_fit(tenant, blocks)
+        if victims is None:
             return HoldStatus.REFUSED_BUDGET
-        if not fits_pool(sum(1 for b in blocks if b.block_id not in self._holders)):
+        if not fits_pool(self._net_new_held(victims, blocks)):
             return HoldStatus.REFUSED_POOL
+        for victim in victims:
+            self._release(victim)
         self.block_pool.touch(blocks)
         hold = _Hold(tenant, blocks, num_tokens, ttl_s, now)
         self._holds[(tenant, key)] = hold
@@ -153,26 +167,58 @@ class HeldBreakpoints:
         self._next_expiry = min(self._next_expiry, hold.expires_at)
         return HoldStatus.HELD
 
-    def _make_room(self, tenant: Hashable, blocks: list[KVCacheBlock]) -> bool:
-        """Age out `tenant`'s own holds, soonest expiry first, until `blocks` fit its budget and
-        the shared capacity; False (after releasing what it released) when they cannot."""
-        while True:
-            own = self._tenant_holders.get(tenant, Counter())
-            new_for_tenant = sum(1 for b in blocks if b.block_id not in own)
-            new_overall = sum(1 for b in blocks if b.block_id not in self._holders)
-            if (
-                len(own) + new_for_tenant <= self.tenant_budget_blocks
-                and len(self._holders) + new_overall <= self.capacity_blocks
-            ):
-                return True
-            victim = self._soonest_expiring(tenant)
-            if victim is None:
-                return False
-            self._release(victim)
+    def _victims_to_fit(
+        self, tenant: Hashable, blocks: list[KVCacheBlock]
+    ) -> list[tuple[Hashable, Hashable]] | None:
+        """The keys of `tenant`'s own holds, soonest expiry first, whose release lets `blocks`
+        fit the tenant's budget and the shared capacity (empty when they fit already); None
+        when even releasing all of them would not. Releases nothing: a breakpoint that will be
+        refused costs its tenant none of its held ones."""
+        own = Counter(self._tenant_holders.get(tenant, ()))
+        overall = Counter(self._holders)
+        candidates = sorted(
+            (k for k, hold in self._holds.items() if hold.tenant == tenant),
+            key=lambda k: self._holds[k].expires_at,
+        )
+        victims: list[tuple[Hashable, Hashable]] = []
+        while not self._fits(blocks, own, overall):
+            if len(victims) == len(candidates):
+                return None
+            victim = candidates[len(victims)]
+            victims.append(victim)
+            _subtract(own, self._holds[victim].blocks)
+            _subtract(overall, self._holds[victim].blocks)
+        return victims
 
-    def _soonest_expiring(self, tenant: Hashable) -> tuple[Hashable, Hashable] | None:
-        own = [(hold.expires_at, k) for k, hold in self._holds.items() if hold.tenant == tenant]
-        return min(own, key=lambda item: item[0])[1] if own else None
+    def _fits(self, blocks: list[KVCacheBlock], own: Counter[int], overall: Counter[int]) -> bool:
+        """Whether `blocks` fit the tenant's budget and the shared capacity, with the tenant
+        holding `own` and all tenants `overall` (block id -> holds)."""
+        ids = {block.block_id for block in blocks}
+        return (
+            len(own) + len(ids - own.keys()) <= self.tenant_budget_blocks
+            and len(overall) + len(ids - overall.keys()) <= self.capacity_blocks
+        )
+
+    def _net_new_held(
+        self, victims: list[tuple[Hashable, Hashable]], blocks: list[KVCacheBlock]
+    ) -> int:
+        """How many more blocks stay held once `victims` are released and `blocks` held (less
+        than 0 when the release frees more than the hold takes). A victim's block counts as
+        freed only where nothing else references it (no pin, request or other hold), so the
+        pool check never counts on room the release would not give."""
+        victim_refs: Counter[int] = Counter()
+        victim_blocks: dict[int, KVCacheBlock] = {}
+        for victim in victims:
+            for block in self._holds[victim].blocks:
+                victim_refs[block.block_id] += 1
+                victim_blocks[block.block_id] = block
+        ids = {block.block_id for block in blocks}
+        freed = sum(
+            1
+            for i, block in victim_blocks.items()
+            if i not in ids and block.ref_cnt == victim_refs[i]
+        )
+        return len(ids - self._holders.keys()) - freed
 
     # ------------------------------------------------------------------ refreshing, expiring
     def refresh_read(self, block_hashes: Sequence[Hashable]) -> int:
