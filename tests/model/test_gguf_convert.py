@@ -1,15 +1,21 @@
-"""GGUF conversion: once per file and version, atomic under races, tokenizer flags honoured."""
+"""GGUF conversion: once per file and version, atomic under races, tokenizer flags honoured, a
+tensor type it cannot read refused before any weight is."""
 
 import json
 import threading
 import time
 from pathlib import Path
 
+import gguf
+import numpy as np
 import pytest
 
+from prefixserve import cli
+from prefixserve.model.errors import ModelLoadError
 from prefixserve.model.loader import gguf_convert
 from prefixserve.model.loader.gguf_convert import ensure_converted
 from prefixserve.model.loader.gguf_tokenizer import set_text_special_tokens
+from prefixserve.model.loader.loading import load_model
 
 # --- the conversion cache -------------------------------------------------------------------------
 
@@ -173,3 +179,91 @@ def test_a_listed_template_missing_from_the_install_is_an_error(tmp_path, monkey
     monkeypatch.setattr(gguf_convert, "_TEMPLATES_DIR", tmp_path)
     with pytest.raises(FileNotFoundError):
         gguf_convert.fallback_chat_template("gemma3")
+
+
+# --- tensor types ---------------------------------------------------------------------------------
+
+
+def _tiny_llama_gguf(path: Path, qtype: gguf.GGMLQuantizationType) -> Path:
+    """A one-layer llama GGUF whose config and vocabulary transformers converts, with one weight
+    of type `qtype` (zero blocks) beside an F32 embedding."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(64)
+    writer.add_embedding_length(32)
+    writer.add_block_count(1)
+    writer.add_feed_forward_length(64)
+    writer.add_head_count(2)
+    writer.add_head_count_kv(2)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_dimension_count(16)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(["<unk>", "<s>", "</s>"] + [f"t{i}" for i in range(61)])
+    writer.add_token_scores([0.0] * 64)
+    writer.add_token_types([2, 3, 3] + [1] * 61)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_tensor("token_embd.weight", np.zeros((64, 32), dtype=np.float32))
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = np.zeros((32, 32 // block_size * type_size), dtype=np.uint8)
+    writer.add_tensor("blk.0.attn_q.weight", blocks, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+_UNREADABLE = [gguf.GGMLQuantizationType.Q8_1, gguf.GGMLQuantizationType.Q8_K]
+
+
+@pytest.mark.parametrize("qtype", _UNREADABLE, ids=lambda t: t.name)
+def test_a_tensor_type_the_conversion_cannot_read_is_one_load_error_naming_file_and_type(
+    tmp_path, monkeypatch, qtype
+):
+    """Refused before transformers reads a weight (it raised NotImplementedError from its
+    dequantization): the error names the file, the type, a tensor of it and the readable types;
+    nothing is left in the cache."""
+    from transformers import modeling_gguf_pytorch_utils
+
+    read, real = [], modeling_gguf_pytorch_utils.load_gguf_checkpoint
+
+    def load_gguf_checkpoint(*args, **kwargs):
+        read.append(kwargs.get("return_tensors"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(modeling_gguf_pytorch_utils, "load_gguf_checkpoint", load_gguf_checkpoint)
+    monkeypatch.setenv("PREFIXSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    path = _tiny_llama_gguf(tmp_path / "tiny.gguf", qtype)
+    with pytest.raises(ModelLoadError) as exc_info:
+        load_model(path)
+    assert True not in read, "the weights were read"
+    message = str(exc_info.value)
+    assert str(path) in message
+    assert f"unsupported GGUF tensor type {qtype.name} (tensor 'blk.0.attn_q.weight')" in message
+    readable = message.split("the GGUF tensor types prefixserve converts: ")[1].split(".")[0]
+    assert {"F32", "F16", "BF16", "Q8_0", "Q4_K", "Q6_K"} <= set(readable.split(", "))
+    assert qtype.name not in readable.split(", ")
+    target = gguf_convert.gguf_cache_dir(path)
+    assert not target.exists()
+    assert [p.name for p in target.parent.iterdir() if ".tmp-" in p.name] == []
+
+
+def test_a_file_of_readable_tensor_types_passes_the_type_check(tmp_path):
+    for qtype in (gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.Q8_0):
+        gguf_convert.check_gguf_tensor_types(
+            _tiny_llama_gguf(tmp_path / f"{qtype.name}.gguf", qtype)
+        )
+
+
+def test_serve_on_a_gguf_of_an_unreadable_tensor_type_prints_one_error_line_and_exits_2(
+    tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setenv("PREFIXSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    path = _tiny_llama_gguf(tmp_path / "tiny.gguf", gguf.GGMLQuantizationType.Q8_1)
+    assert cli.main(["serve", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    errors = [line for line in err.splitlines() if "error" in line]
+    assert len(errors) == 1
+    assert errors[0].startswith(f"prefixserve serve: error: cannot load model {str(path)!r}: ")
+    assert "unsupported GGUF tensor type Q8_1" in errors[0]

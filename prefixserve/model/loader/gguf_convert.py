@@ -4,12 +4,15 @@ transformers does the GGUF work (config and tokenizer conversion, tensor-name ma
 dequantization through the `gguf` package); `gguf_tokenizer.py` repairs the tokenizer. A
 converted directory carries `prefixserve_conversion.json` with the conversion's format version;
 one written by an older conversion (or none) is converted again, in place and atomically.
+A file with a tensor type the `gguf` package cannot dequantize is refused before any weight is
+read (`check_gguf_tensor_types`).
 Chat templates for files that ship without one are `templates/<gguf architecture>.jinja`.
 """
 
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import json
 import os
@@ -18,10 +21,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from prefixserve.model.errors import load_error
-from prefixserve.model.loader.gguf_reader import one_reader_per_file
+from prefixserve.model.loader.gguf_reader import one_reader_per_file, open_gguf
 from prefixserve.model.loader.gguf_tokenizer import (
     gemma_tokenizer_from_gguf,
     gguf_add_special_token_flags,
@@ -82,6 +87,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, chat_template: str | None = Non
 
 
 def _convert_gguf(gguf_path: Path, out_dir: Path, chat_template: str | None) -> None:
+    check_gguf_tensor_types(gguf_path)  # before transformers is imported or any weight is read
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
@@ -154,6 +160,39 @@ def _convert_gguf(gguf_path: Path, out_dir: Path, chat_template: str | None) -> 
         eos_token_id=eos_ids[0] if len(eos_ids) == 1 else eos_ids,
         pad_token_id=special.get("pad"),
     ).save_pretrained(str(out_dir))
+
+
+def check_gguf_tensor_types(gguf_path: Path) -> None:
+    """ModelLoadError naming the file, each tensor type in it the conversion cannot dequantize
+    (with one tensor of that type) and the types it can; nothing when it can read them all."""
+    unreadable: dict[str, str] = {}
+    for tensor in open_gguf(gguf_path).tensors:
+        if not _dequantizable(tensor.tensor_type):
+            unreadable.setdefault(tensor.tensor_type.name, tensor.name)
+    if unreadable:
+        found = ", ".join(f"{qtype} (tensor {name!r})" for qtype, name in unreadable.items())
+        noun = "type" if len(unreadable) == 1 else "types"
+        readable = ", ".join(t.name for t in GGMLQuantizationType if _dequantizable(t))
+        raise load_error(
+            gguf_path,
+            f"unsupported GGUF tensor {noun} {found}; the GGUF tensor types prefixserve "
+            f"converts: {readable}",
+        )
+
+
+@functools.cache
+def _dequantizable(qtype: GGMLQuantizationType) -> bool:
+    """Whether the installed `gguf` package dequantizes this type, asked with one zero block:
+    transformers dequantizes every tensor through it, and its set of types grows by version."""
+    from gguf.quants import dequantize
+
+    if qtype not in GGML_QUANT_SIZES:
+        return False
+    try:
+        dequantize(np.zeros((1, GGML_QUANT_SIZES[qtype][1]), dtype=np.uint8), qtype)
+    except NotImplementedError:
+        return False
+    return True
 
 
 def block_tensors(parsed: dict[str, Any], expected: set[str]) -> dict[str, Int8Weight]:

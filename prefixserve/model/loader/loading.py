@@ -135,7 +135,8 @@ def resolve_model_dir(model: str | Path | None = None) -> Path:
             return ensure_converted(path, target, fallback_chat_template(arch))
         except ModelLoadError:
             raise
-        except (OSError, ValueError, KeyError) as exc:
+        # NotImplementedError: what transformers and `gguf` raise for what they cannot read.
+        except (OSError, ValueError, KeyError, NotImplementedError) as exc:
             raise load_error(path, f"GGUF conversion failed ({exc})") from exc
     raise load_error(path, "a file that is not .gguf")
 
