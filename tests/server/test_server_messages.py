@@ -306,6 +306,93 @@ def test_a_1h_breakpoint_after_a_5m_one_is_refused_as_anthropic_refuses_it(serve
         )
 
 
+def test_a_1h_breakpoint_and_the_automatic_5m_one_on_one_token_are_one_1h_breakpoint(server):
+    message = _client(server).messages.create(
+        model=MODEL_NAME,
+        max_tokens=2,
+        system=_system(),
+        messages=[
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "What is rule 5?", "cache_control": ONE_HOUR}],
+            }
+        ],
+        cache_control=EPHEMERAL,  # Anthropic's automatic caching: the same last block
+        extra_body={"cache_report": True},
+    )
+    [entry] = message.model_extra["cache_report"]["breakpoints"]
+    assert (entry["ttl_s"], entry["status"]) == (3600, "held")
+    usage = message.usage
+    assert usage.cache_creation_input_tokens >= 200
+    assert usage.cache_creation.ephemeral_1h_input_tokens == usage.cache_creation_input_tokens
+    assert usage.cache_creation.ephemeral_5m_input_tokens == 0
+
+
+_TTL_ALLOWED = "'5m' or '1h'"
+_SHAPE_ALLOWED = '"type": "ephemeral"'
+
+
+@pytest.mark.parametrize(
+    ("cache_control", "field", "allowed"),
+    [
+        ({"type": "ephemeral", "ttl": "2h"}, "cache_control.ttl", _TTL_ALLOWED),
+        ({"type": "ephemeral", "ttl": 300}, "cache_control.ttl", _TTL_ALLOWED),
+        ({"type": "persistent"}, "cache_control.type", "'ephemeral'"),
+        ("ephemeral", "cache_control", _SHAPE_ALLOWED),
+        (["ephemeral"], "cache_control", _SHAPE_ALLOWED),
+    ],
+)
+@pytest.mark.parametrize(
+    ("where", "prefix"),
+    [
+        ("messages", "messages[0].content[0]."),
+        ("system", "system[0]."),
+        ("tools", "tools[0]."),
+        ("top level", ""),
+    ],
+)
+def test_a_malformed_cache_control_is_a_400_naming_the_field_and_what_is_allowed(
+    server, cache_control, field, allowed, where, prefix
+):
+    block = {"type": "text", "text": "q"}
+    body = {"model": MODEL_NAME, "max_tokens": 2, "messages": [{"role": "user", "content": "q"}]}
+    if where == "messages":
+        body["messages"] = [
+            {"role": "user", "content": [{**block, "cache_control": cache_control}]}
+        ]
+    elif where == "system":
+        body["system"] = [{**block, "cache_control": cache_control}]
+    elif where == "tools":
+        body["tools"] = [
+            {"name": "t", "input_schema": {"type": "object"}, "cache_control": cache_control}
+        ]
+    else:
+        body["cache_control"] = cache_control
+    with httpx.Client(base_url=server.url, timeout=60, verify=ssl_context()) as http:
+        response = http.post("/v1/messages", headers={"x-api-key": KEY_ALPHA}, json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["message"].startswith(prefix + field + ":"), error["message"]
+    assert allowed in error["message"], error["message"]
+
+
+def test_the_sdk_gets_a_bad_request_naming_the_ttl_of_a_malformed_cache_control(server):
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        _ask(_client(server), _system(), "q", ttl={"type": "ephemeral", "ttl": "2h"})
+    message = caught.value.body["error"]["message"]
+    assert message.startswith("system[0].cache_control.ttl:") and _TTL_ALLOWED in message
+
+
+def test_content_that_is_neither_a_string_nor_blocks_is_a_400_saying_what_is_allowed(server):
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        _client(server).messages.create(
+            model=MODEL_NAME, max_tokens=2, messages=[{"role": "user", "content": 5}]
+        )
+    message = caught.value.body["error"]["message"]
+    assert message.startswith("messages[0].content:") and "a string or a list" in message
+
+
 def test_sdk_error_classes_for_a_bad_key_an_unknown_model_and_an_operator_key(server):
     with pytest.raises(anthropic.AuthenticationError) as caught:
         _ask(_client(server, "sk-wrong"), "s", "q")

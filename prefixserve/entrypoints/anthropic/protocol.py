@@ -16,7 +16,15 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from prefixserve.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_TOP_K
 
@@ -35,6 +43,17 @@ class CacheControl(_Model):
     type: Literal["ephemeral"]
     ttl: Literal["5m", "1h"] = "5m"
 
+    @model_validator(mode="before")
+    @classmethod
+    def _an_object(cls, value: Any) -> Any:
+        """A 400 that shows the allowed shape (pydantic's would name this class instead)."""
+        if not isinstance(value, dict | CacheControl):
+            raise ValueError(
+                'cache_control must be an object, {"type": "ephemeral"} with an optional '
+                '"ttl" of "5m" or "1h"'
+            )
+        return value
+
 
 class TextBlock(_Model):
     type: Literal["text"]
@@ -44,32 +63,35 @@ class TextBlock(_Model):
     citations: list[Any] | None = None
 
 
-def _only_text_blocks(value: Any, field: str) -> Any:
-    """A 400 that names a content block type this server does not take (not a pydantic union
-    error listing every model)."""
-    if isinstance(value, list):
-        for i, block in enumerate(value):
-            kind = block.get("type") if isinstance(block, dict) else None
-            if kind != "text":
-                raise ValueError(
-                    f"{field}[{i}] is a {kind!r} content block; this server takes text blocks "
-                    "only (images, documents and tool blocks are not supported)"
-                )
+def _text_blocks(value: Any, field: str) -> Any:
+    """`field` (a string or text blocks) as text blocks: a string is one block. Text blocks are
+    the field's only type, so a bad block's error points into it (`content[0].cache_control.ttl`)
+    rather than at a union's first member ("Input should be a valid string"). A 400 names a
+    content block type this server does not take, and what the field may be."""
+    if isinstance(value, str):
+        return [{"type": "text", "text": value}]
+    if not isinstance(value, list):
+        raise ValueError(f"{field} must be a string or a list of text blocks")
+    for i, block in enumerate(value):
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind != "text" and not isinstance(block, TextBlock):
+            raise ValueError(
+                f"{field}[{i}] is a {kind!r} content block; this server takes text blocks "
+                "only (images, documents and tool blocks are not supported)"
+            )
     return value
 
 
 class InputMessage(_Model):
     role: Literal["user", "assistant"]
-    content: str | list[TextBlock]
+    content: list[TextBlock]  # a string arrives as one text block
 
     @field_validator("content", mode="before")
     @classmethod
     def _text_only(cls, value: Any) -> Any:
-        return _only_text_blocks(value, "content")
+        return _text_blocks(value, "content")
 
     def blocks(self) -> list[TextBlock]:
-        if isinstance(self.content, str):
-            return [TextBlock(type="text", text=self.content)]
         return self.content
 
 
@@ -90,7 +112,7 @@ class _PromptFields(_Model):
 
     model: str
     messages: list[InputMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
-    system: str | list[TextBlock] | None = None
+    system: list[TextBlock] | None = None  # a string arrives as one text block
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: dict[str, Any] | None = None
     # Anthropic's automatic caching: a breakpoint on the request's last block.
@@ -99,14 +121,10 @@ class _PromptFields(_Model):
     @field_validator("system", mode="before")
     @classmethod
     def _system_text_only(cls, value: Any) -> Any:
-        return _only_text_blocks(value, "system")
+        return None if value is None else _text_blocks(value, "system")
 
     def system_blocks(self) -> list[TextBlock]:
-        if self.system is None:
-            return []
-        if isinstance(self.system, str):
-            return [TextBlock(type="text", text=self.system)]
-        return self.system
+        return self.system or []
 
 
 class CountTokensRequest(_PromptFields):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import bisect
 import os
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,7 +67,7 @@ def render(tokenizer: Any, body: _PromptFields) -> Rendered:
     encoding = tokenizer.hf_tokenizer(plain, add_special_tokens=False, return_offsets_mapping=True)
     token_ids = list(encoding["input_ids"])
     ends = [end for _, end in encoding["offset_mapping"]]
-    points = sorted(
+    points = _one_per_token(
         (bisect.bisect_right(ends, boundary), TTL_SECONDS[ttl])
         for boundary, ttl in zip(boundaries, marks.ttls, strict=True)
     )
@@ -149,6 +150,16 @@ def _boundary(marked: str, plain: str, marks: _Marks, index: int) -> int:
     for other in range(len(marks.ttls)):
         prefix = prefix.replace(marks.marker(other), "")
     return len(os.path.commonprefix([prefix, plain]))
+
+
+def _one_per_token(points: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(token count, ttl_s) breakpoints in prompt order, one per token count with the longest
+    ttl asked for it: breakpoints that end at one token keep one prefix, one cache entry (an
+    explicit `1h` on the last block and the top-level automatic `5m` are one `1h` breakpoint)."""
+    longest: dict[int, int] = {}
+    for num_tokens, ttl_s in points:
+        longest[num_tokens] = max(longest.get(num_tokens, 0), ttl_s)
+    return sorted(longest.items())
 
 
 def _check_ttl_order(points: list[tuple[int, int]]) -> None:
