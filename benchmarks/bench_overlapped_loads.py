@@ -38,13 +38,19 @@ from prefixserve.model.loader.loading import load_model  # noqa: E402
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16")
 
 
-def host(loaded, url: str, overlap: bool = True) -> LLM:
-    return LLM(loaded_model=loaded, enable_kv_store=False, kv_remote=url, kv_load_overlap=overlap)
+def host(loaded, server: ValkeyServer, overlap: bool = True) -> LLM:
+    return LLM(
+        loaded_model=loaded,
+        enable_kv_store=False,
+        kv_remote=server.url,
+        kv_remote_key_file=str(server.key_file),
+        kv_load_overlap=overlap,
+    )
 
 
-def one_round(loaded, url: str, prompts: list[list[int]], args, overlap: bool) -> dict:
+def one_round(loaded, server: ValkeyServer, prompts: list[list[int]], args, overlap: bool) -> dict:
     """Host B's run: the decoders start, then one prompt arrives every `args.every` steps."""
-    llm = host(loaded, url, overlap)
+    llm = host(loaded, server, overlap)
     engine = llm.llm_engine
     decode = SamplingParams(temperature=0.0, max_tokens=4_000, ignore_eos=True)
     for i in range(args.decoders):
@@ -104,7 +110,7 @@ def main() -> None:
     server.start("--maxmemory", "2gb", "--maxmemory-policy", "allkeys-lru")
     results: dict[bool, list[dict]] = {True: [], False: []}
     try:
-        writer = host(loaded, server.url)
+        writer = host(loaded, server)
         writer.generate(
             [{"prompt_token_ids": p} for p in prompts[: args.prompts]],
             SamplingParams(max_tokens=1),
@@ -114,7 +120,7 @@ def main() -> None:
         writer.llm_engine.close()
         for r in range(args.rounds):
             for overlap in (True, False) if r % 2 == 0 else (False, True):
-                results[overlap].append(one_round(loaded, server.url, prompts, args, overlap))
+                results[overlap].append(one_round(loaded, server, prompts, args, overlap))
     finally:
         server.stop()
     report(args, results)

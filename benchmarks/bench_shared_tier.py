@@ -51,12 +51,13 @@ def one_pass(llm: LLM, workload) -> dict:
     }
 
 
-def engine(loaded, directory: Path, url: str | None) -> LLM:
+def engine(loaded, directory: Path, server: ValkeyServer | None) -> LLM:
     return LLM(
         loaded_model=loaded,
         kv_store_dir=str(directory),
         kv_store_gb=1.0,
-        kv_remote=url,
+        kv_remote=None if server is None else server.url,
+        kv_remote_key_file=None if server is None else str(server.key_file),
     )
 
 
@@ -72,13 +73,12 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="bench-shared-tier-"))
     server = ValkeyServer(root)
     server.start("--maxmemory", "2gb", "--maxmemory-policy", "allkeys-lru")
-    url = server.url
     try:
-        host_a = engine(loaded, root / "a", url)
+        host_a = engine(loaded, root / "a", server)
         cold = one_pass(host_a, workload)
         assert host_a.llm_engine.kv_connector.remote.flush(60)
         host_a.llm_engine.close()
-        host_b = engine(loaded, root / "b", url)
+        host_b = engine(loaded, root / "b", server)
         joined = one_pass(host_b, workload)
         connector = host_b.llm_engine.kv_connector
         metrics = host_b.llm_engine.get_metrics()

@@ -79,11 +79,21 @@ def main() -> None:
     server.start()
     url = server.url
     try:
-        host_a = LLM(loaded_model=loaded, enable_kv_store=False, kv_remote=url)
+        host_a = LLM(
+            loaded_model=loaded,
+            enable_kv_store=False,
+            kv_remote=url,
+            kv_remote_key_file=str(server.key_file),
+        )
         serve(host_a, requests, reset_ram=False)
         assert host_a.llm_engine.kv_connector.remote.flush(60)
         host_a.llm_engine.close()
-        host_b = LLM(loaded_model=loaded, enable_kv_store=False, kv_remote=url)
+        host_b = LLM(
+            loaded_model=loaded,
+            enable_kv_store=False,
+            kv_remote=url,
+            kv_remote_key_file=str(server.key_file),
+        )
         third = len(requests) // 3
         up = serve(host_b, requests[:third], reset_ram=True)
         server.stop()  # SIGKILL by its PID

@@ -195,9 +195,14 @@ class KVStoreConfig:
     writer_queue_bytes: int = 256 << 20
     writer_queue_items: int = 4096
     # The tier shared across hosts (kv_store/remote/): a redis://, rediss:// or unix:// URL, and
-    # the file holding its password (never the URL itself); None: no shared tier.
+    # the file holding its password (never the URL itself); None: no shared tier. Its values are
+    # MACed with the key in `remote_key_file` (kv_store/tier_key.py), required with a URL.
     remote_url: str | None = None
     remote_password_file: Path | None = None
+    remote_key_file: Path | None = None
+    # The disk tier's own key (a directory others can write): its records MACed, its hash seed
+    # derived from the key rather than read from the directory; None: checksums and the seed file.
+    key_file: Path | None = None
     # Reads of a waiting request's blocks on their own thread while others compute
     # (kv_store/loads.py); False: at admission, on the step thread.
     overlap_loads: bool = True
@@ -207,10 +212,15 @@ class KVStoreConfig:
             not isinstance(self.remote_url, str) or not self.remote_url
         ):
             raise ValueError(f"kv remote url must be a URL, got {self.remote_url!r}")
-        if self.remote_password_file is not None:
-            object.__setattr__(
-                self, "remote_password_file", Path(self.remote_password_file).expanduser()
+        if self.remote_url is not None and self.remote_key_file is None:
+            raise ValueError(
+                "--kv-remote needs --kv-remote-key-file (kv_remote_key_file): the file holding "
+                "the key the hosts share, which authenticates every value on the server and "
+                "never goes to it (docs/shared-tier.md)"
             )
+        for name in ("remote_password_file", "remote_key_file", "key_file"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, Path(getattr(self, name)).expanduser())
         if self.dir is not None:
             if not isinstance(self.dir, str | Path) or not str(self.dir):
                 raise ValueError(f"kv store dir must be a path, got {self.dir!r}")

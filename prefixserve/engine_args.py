@@ -44,7 +44,8 @@ from prefixserve.core.kv_cache.eviction.policies import (
 from prefixserve.core.kv_cache.hashing import HASH_ALGOS, get_hash_fn
 from prefixserve.dtypes import SUPPORTED_DTYPES
 from prefixserve.kv_store import capacity_from_gb
-from prefixserve.kv_store.remote.redis_tier import check_url
+from prefixserve.kv_store.remote.lookup import check_url, read_password
+from prefixserve.kv_store.tier_key import read_key_file
 from prefixserve.lora.config import check_lora_name
 
 
@@ -272,6 +273,23 @@ class EngineArgs:
         group=_STORE,
         metavar="PATH",
     )
+    kv_remote_key_file: str | None = option(
+        None,
+        "File (mode 600) holding the secret every host of the deployment shares, 32 bytes or "
+        "more (openssl rand -hex 32): each value on the --kv-remote server carries its MAC, so "
+        "whoever can write to the server cannot change an answer, and the hosts' hash seed "
+        "derives from it. Required with --kv-remote; never sent to the server.",
+        group=_STORE,
+        metavar="PATH",
+    )
+    kv_store_key_file: str | None = option(
+        None,
+        "File (mode 600) holding a secret of 32 bytes or more for the disk tier, where its "
+        "directory is shared with other hosts: its records carry a MAC under it instead of a "
+        "checksum, and its hash seed derives from it instead of the directory's seed file.",
+        group=_STORE,
+        metavar="PATH",
+    )
     kv_store_gb: float | None = option(
         None,
         "Most disk the tier may use, over all models in the directory; least recently used "
@@ -408,8 +426,7 @@ class EngineArgs:
             enabled = explicit or settings.kv_store_default_enabled()
         if not enabled and self.kv_remote is None:
             return None
-        if self.kv_remote is not None:
-            check_url(self.kv_remote)
+        self._check_store_files()
         return KVStoreConfig(
             dir=None if self.kv_store_dir is None else Path(self.kv_store_dir),
             capacity_bytes=None if self.kv_store_gb is None else capacity_from_gb(self.kv_store_gb),
@@ -417,8 +434,21 @@ class EngineArgs:
             default_retention=self.kv_store_default_retention,
             remote_url=self.kv_remote,
             remote_password_file=self.kv_remote_password_file,
+            remote_key_file=self.kv_remote_key_file,
+            key_file=self.kv_store_key_file,
             overlap_loads=self.kv_load_overlap,
         )
+
+    def _check_store_files(self) -> None:
+        """The shared tier's URL, password and key files, and the disk's key file, checked now
+        (before any model loads): ValueError naming the flag."""
+        if self.kv_remote is not None:
+            check_url(self.kv_remote)
+            read_password(self.kv_remote_password_file)
+            if self.kv_remote_key_file is not None:
+                read_key_file(self.kv_remote_key_file, "--kv-remote-key-file")
+        if self.kv_store_key_file is not None:
+            read_key_file(self.kv_store_key_file, "--kv-store-key-file")
 
     # ------------------------------------------------------------------ the flags
 

@@ -321,10 +321,12 @@ def _shared_tier(spec: EngineSpec, ctx: ServerContext) -> Iterator[None]:
     server = ValkeyServer(directory)
     server.start("--maxmemory", "2gb", "--maxmemory-policy", "allkeys-lru")
     ctx.kv_remote_url = server.url
+    ctx.kv_remote_key_file = server.key_file
     try:
         yield
     finally:
         ctx.kv_remote_url = None
+        ctx.kv_remote_key_file = None
         server.stop()
         shutil.rmtree(directory, ignore_errors=True)
 

@@ -76,6 +76,8 @@ class ServerContext:
     kv_store_dir: Path | None = None
     # The shared KV tier's URL (engines with `uses_remote`: a Valkey server the harness starts).
     kv_remote_url: str | None = None
+    # The key file the shared tier's hosts share (`--kv-remote-key-file`), with the URL.
+    kv_remote_key_file: Path | None = None
     # `--speculative-config` JSON of the `+ngram` engines; None: DEFAULT_NGRAM_CONFIG.
     speculative_config: str | None = None
     # LoRA adapters (name -> PEFT directory) every engine serves, and the adapter each prompt
@@ -181,9 +183,9 @@ def _prefixserve_cmd(caching: bool, store: bool) -> Callable[[ServerContext], li
 
 
 def _remote_flags(ctx: ServerContext) -> list[str]:
-    if ctx.kv_remote_url is None:
+    if ctx.kv_remote_url is None or ctx.kv_remote_key_file is None:
         raise ValueError("a shared-tier engine needs the harness's Valkey server")
-    return ["--kv-remote", ctx.kv_remote_url]
+    return ["--kv-remote", ctx.kv_remote_url, "--kv-remote-key-file", str(ctx.kv_remote_key_file)]
 
 
 def _prefixserve_replicas_cmd(

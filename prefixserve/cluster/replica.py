@@ -48,16 +48,17 @@ def store_info(connector: Any) -> StoreInfo | None:
     """The replica's disk store, or None without one (no tier, or the shared tier alone)."""
     if connector is None or connector.store is None:
         return None
-    return StoreInfo(str(connector.store.root), connector.store.namespace)
+    store = connector.store
+    key_file = None if store.tier_key is None else store.tier_key.path
+    return StoreInfo(str(store.root), store.namespace, key_file)
 
 
 def remote_info(connector: Any) -> RemoteInfo | None:
-    """The replica's shared tier, or None without one (none asked for, or unreachable at its
-    start: the engine then runs without it)."""
+    """The replica's shared tier, or None without one."""
     remote = None if connector is None else connector.remote
     if remote is None:
         return None
-    return RemoteInfo(remote.url, remote.namespace, remote.password_file)
+    return RemoteInfo(remote.url, remote.namespace, remote.password_file, remote.tier_key.path)
 
 
 class EngineReplica:

@@ -26,6 +26,7 @@ from prefixserve.core.kv_cache.hashing import get_request_block_hasher, none_has
 from prefixserve.kv_store.connector import GROUP
 from prefixserve.kv_store.lookup import StoreLookup
 from prefixserve.kv_store.seed import SEED_FILE, load_or_create_seed
+from prefixserve.kv_store.tier_key import TierKey
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,17 @@ class SharedStoreProbe:
         return StoreRun(self.lookup, list(self._hasher(view)))
 
 
+def _store_secret(root: str, key_file: str | None) -> bytes:
+    """The replicas' chain seed for the store at `root`: its key's, else its seed file's;
+    OSError (TierKeyError a ValueError made one) when it cannot be read."""
+    if key_file is None:
+        return load_or_create_seed(Path(root))
+    try:
+        return TierKey.from_file(key_file, "--kv-store-key-file").seed
+    except ValueError as exc:
+        raise OSError(str(exc)) from None
+
+
 def open_store_probe(
     infos: Sequence[ReplicaInfo],
     block_size: int,
@@ -77,7 +89,7 @@ def open_store_probe(
     (store,) = stores
     assert store is not None
     seed_path = Path(store.dir) / SEED_FILE
-    if not seed_path.is_file():
+    if not (seed_path.is_file() or (Path(store.dir) / store.namespace).is_dir()):
         logger.info(
             "store-aware routing off: %s is not visible from the router's host (replicas on "
             "other hosts keep their own stores)",
@@ -86,8 +98,8 @@ def open_store_probe(
         return None
     if none_hash is None:
         try:
-            secret = load_or_create_seed(Path(store.dir))
-        except OSError as exc:
+            secret = _store_secret(store.dir, store.key_file)
+        except OSError as exc:  # TierKeyError is a ValueError; both are the store's seed unread
             logger.warning("store-aware routing off: cannot read the store's seed (%s)", exc)
             return None
         none_hash = none_hash_from_secret(secret, hash_algo)

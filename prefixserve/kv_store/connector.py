@@ -56,6 +56,7 @@ from prefixserve.kv_store.remote.lookup import RemoteLookup
 from prefixserve.kv_store.remote.redis_tier import RedisTier
 from prefixserve.kv_store.seed import load_or_create_seed
 from prefixserve.kv_store.tier import DISK, REMOTE, BlockRead, DiskTier, KVTier
+from prefixserve.kv_store.tier_key import TierKey
 from prefixserve.kv_store.tier_run import TierRun
 from prefixserve.kv_store.writer import BackgroundWriter
 
@@ -543,15 +544,17 @@ def open_engine_kv_store(
     other_layouts: dict[str, str] | None = None,
 ) -> tuple[KVStoreConnector | None, bytes | None]:
     """The tiers `config.kv_store` asks for (the disk, the shared tier, or both), opened for
-    this model and cache layout with their writers started, and the hash chain's NONE_HASH: from
-    the shared tier's seed when there is one (so hosts agree), else from the disk store's
-    secret (so a restarted process hits what its predecessor stored); (None, None) when the
-    config has no tier, the model cannot use one, or the only tier asked for is the shared one
-    and it cannot be reached (logged). Raises ValueError / OSError (UnsafeStoreError for a
-    directory others can reach). `numerics`: the runner's name for how its K/V are computed
-    where that changes their bits (`ModelRunner.kv_numerics`). `other_layouts`: the layouts
-    of the other KV dtypes by name, each with its own numerics, whose disk namespaces a cache
-    report looks in, on the disk and the shared tier (`KVStoreConnector.other_kv_dtype`)."""
+    this model and cache layout with their writers started, and the hash chain's NONE_HASH:
+    from the shared tier's key when there is one (so the hosts of a deployment agree), else
+    from the disk tier's key, else from the disk store's secret seed file (so a restarted
+    process hits what its predecessor stored); (None, None) when the config has no tier or the
+    model cannot use one. A shared tier that cannot be reached now is used once it answers.
+    Raises ValueError / OSError (UnsafeStoreError for a directory others can reach,
+    TierKeyError for a key file that cannot be used). `numerics`: the runner's name for how its
+    K/V are computed where that changes their bits (`ModelRunner.kv_numerics`).
+    `other_layouts`: the layouts of the other KV dtypes by name, each with its own numerics,
+    whose namespaces a cache report looks in, on the disk and the shared tier
+    (`KVStoreConnector.other_kv_dtype`)."""
     store_config = config.kv_store
     if store_config is None or not (store_config.enabled or store_config.remote_url):
         return None, None
@@ -568,13 +571,14 @@ def open_engine_kv_store(
         )
 
     namespace = namespace_of(kv_layout + numerics)
-    store, writer, secret = None, None, None
+    store, writer, seed = None, None, None
     if store_config.enabled:
         store_config = resolve_store_config(store_config)
-        store, writer, secret = _open_disk(store_config, namespace)
-    remote, shared_seed = _open_remote(store_config, namespace)
-    if store is None and remote is None:
-        return None, None
+        store, writer, seed = _open_disk(store_config, namespace)
+    remote = _open_remote(store_config, namespace)
+    if remote is not None:
+        seed = remote.seed  # the hosts sharing the tier hash alike: the seed of their key
+    assert seed is not None
     connector = KVStoreConnector(
         store,
         writer,
@@ -593,9 +597,6 @@ def open_engine_kv_store(
             name: remote.sibling(namespace_of(layout))
             for name, layout in (other_layouts or {}).items()
         }
-    # Hosts that share a tier hash with the seed kept in it, so their block hashes agree.
-    seed = shared_seed if shared_seed is not None else secret
-    assert seed is not None
     none_hash = none_hash_from_secret(seed, cache.prefix_caching_hash_algo)
     connector.root_parent = none_hash  # a first block's parent: the chain's seed
     return connector, none_hash
@@ -620,10 +621,13 @@ def _open_disk(
     store_config: KVStoreConfig, namespace: str
 ) -> tuple[DiskKVStore, BackgroundWriter, bytes]:
     """The disk tier of a resolved `store_config` in `namespace`, its writer started, and the
-    store's secret seed."""
+    hash chain's seed: its key's (`key_file`: records MACed) or the store's secret seed file."""
     assert store_config.dir is not None and store_config.capacity_bytes is not None
-    secret = load_or_create_seed(store_config.dir)
-    store = DiskKVStore(store_config.dir, namespace, store_config.capacity_bytes)
+    key = None
+    if store_config.key_file is not None:
+        key = TierKey.from_file(store_config.key_file, "--kv-store-key-file")
+    secret = load_or_create_seed(store_config.dir) if key is None else key.seed
+    store = DiskKVStore(store_config.dir, namespace, store_config.capacity_bytes, key=key)
     writer = BackgroundWriter(
         store,
         max_queue_bytes=store_config.writer_queue_bytes,
@@ -641,28 +645,26 @@ def _open_disk(
     return store, writer, secret
 
 
-def _open_remote(
-    store_config: KVStoreConfig, namespace: str
-) -> tuple[RedisTier | None, bytes | None]:
-    """The shared tier `store_config.remote_url` names and its shared seed, or (None, None)
-    without one. A server that cannot be reached (or refuses the password) at start-up is
-    logged, and the engine runs without the tier: a host hashing with another seed would never
-    hit it and must not write to it."""
+def _open_remote(store_config: KVStoreConfig, namespace: str) -> RedisTier | None:
+    """The shared tier `store_config.remote_url` names, its values MACed under the key of
+    `remote_key_file`, or None without one. A server that cannot be reached (or refuses the
+    password) now is logged; the tier is used once it answers (its lookups back off meanwhile)."""
     if store_config.remote_url is None:
-        return None, None
+        return None
+    assert store_config.remote_key_file is not None  # KVStoreConfig requires it with a URL
+    key = TierKey.from_file(store_config.remote_key_file, "--kv-remote-key-file")
     remote = RedisTier(
-        store_config.remote_url, namespace, password_file=store_config.remote_password_file
+        store_config.remote_url,
+        namespace,
+        key,
+        password_file=store_config.remote_password_file,
     )
-    seed = remote.shared_seed()
-    if seed is None:
-        logger.warning(
-            "KV remote %s: unreachable or refused at start-up (%s); running without it",
-            store_config.remote_url,
-            dict(remote.stats),
-        )
-        remote.close()
-        return None, None
-    logger.info(
-        "KV remote: %s (namespace %s), shared by every host", store_config.remote_url, namespace
+    answers = remote.ping()
+    logger.log(
+        logging.INFO if answers else logging.WARNING,
+        "KV remote: %s (namespace %s), shared by every host with the same key: %s",
+        store_config.remote_url,
+        namespace,
+        "connected" if answers else f"not answering ({dict(remote.stats)}); used once it answers",
     )
-    return remote, seed
+    return remote

@@ -46,6 +46,7 @@ from prefixserve.kv_store.fs import (
 )
 from prefixserve.kv_store.lookup import BlockKey, StoreLookup, check_key
 from prefixserve.kv_store.scan import ScanResult, namespace_records, scan_store
+from prefixserve.kv_store.tier_key import TierKey
 
 
 @dataclass(slots=True)
@@ -56,6 +57,7 @@ class DiskStoreStats:
     misses: int = 0
     corrupt_dropped: int = 0  # damaged or truncated files removed
     foreign_dropped: int = 0  # valid records of something else (namespace, format, collision)
+    unauthenticated_dropped: int = 0  # with a key: records whose MAC failed (forged or damaged)
     bytes_read: int = 0
     bytes_written: int = 0
     evictions: int = 0
@@ -81,11 +83,13 @@ class DiskKVStore(StoreLookup):
         rescan_interval_s: float = 60.0,
         fsync: bool = False,
         clock: Callable[[], float] = time.time,
+        key: TierKey | None = None,
     ) -> None:
         """Open (creating if needed) the store at `root` for `namespace` (fingerprint.py's
         `store_namespace`); scans it once. `fsync` is off by default: a record damaged by a
         power loss fails its checksum and is a miss, so durability costs nothing in safety.
-        `clock` gives unix time (a test may pass a fake one).
+        `clock` gives unix time (a test may pass a fake one). `key`: records carry its MAC
+        instead of a checksum (a directory others can write: `--kv-store-key-file`).
 
         Raises ValueError for bad arguments, UnsafeStoreError for a root others can access.
         """
@@ -100,6 +104,7 @@ class DiskKVStore(StoreLookup):
         self.low_watermark = low_watermark
         self.rescan_interval_s = rescan_interval_s
         self._fsync = fsync
+        self.tier_key = key
         self._namespace_raw = bytes.fromhex(namespace)
         self._lock = threading.Lock()  # stats and the byte total
         self._maintenance = threading.Lock()  # one scan / eviction at a time
@@ -157,7 +162,7 @@ class DiskKVStore(StoreLookup):
         header = record.encode_header(
             self._namespace_raw, block_hash, group, tokens, body.nbytes, expires_ns, parent
         )
-        digest = record.checksum(header, body)
+        digest = record.checksum(header, body, self.tier_key)
         final = self.path(key)
         shard, name = final.rsplit("/", 1)
         self._make_shard(shard)
@@ -238,6 +243,7 @@ class DiskKVStore(StoreLookup):
                     out,
                     self._now_ns(),
                     parent,
+                    self.tier_key,
                 )
             except record.RecordError as exc:
                 self._drop(path, st, exc.kind)
@@ -266,8 +272,7 @@ class DiskKVStore(StoreLookup):
                 st = None
         if st is not None:
             self._unlink_same(path, st)
-        field = "corrupt_dropped" if kind == record.CORRUPT else "foreign_dropped"
-        self._count(misses=1, **{field: 1})
+        self._count(misses=1, **{f"{kind}_dropped": 1})
 
     def _unlink_same(self, path: str, st: os.stat_result) -> bool:
         """Unlink `path` if it is still the file `st` describes; True when this call removed it."""

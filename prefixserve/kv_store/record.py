@@ -8,24 +8,29 @@
                    chain's seed for a first block), a second check beside the chained hash
     token ids      number of tokens x int32, little-endian
     payload        payload length bytes: the block's K/V for the group's layers (opaque here)
-    checksum       xxh3-128 of everything above (16 bytes)
+    checksum       xxh3-128 of everything above (16 bytes); on a tier with a key (tier_key.py),
+                   the keyed BLAKE3 MAC of everything above instead, its first 16 bytes
 
 All integers are little-endian. A reader knows the hash, the parent and the token ids it asks
 for, so it knows the header's length before reading it and the record's exact length after;
 anything else (another length, magic, version, namespace, hash, parent, group, token ids, or
 checksum) is a `RecordError`, whose
-`kind` says whether the file is corrupt (damaged or truncated) or foreign (a valid record of
-something else: another namespace, format, or a hash collision).
+`kind` says whether the file is corrupt (damaged or truncated), foreign (a valid record of
+something else: another namespace, format, or a hash collision) or, on a keyed tier,
+unauthenticated (its MAC does not verify: damaged, or written by someone without the key).
 """
 
 from __future__ import annotations
 
 import functools
+import hmac
 import os
 import stat
 import struct
 
 import xxhash
+
+from prefixserve.kv_store.tier_key import TierKey
 
 MAGIC = b"PSKVBLK\x00"
 FORMAT_VERSION = 2  # 2: the parent hash
@@ -37,6 +42,7 @@ NAMESPACE_BYTES = 16
 
 CORRUPT = "corrupt"
 FOREIGN = "foreign"
+UNAUTHENTICATED = "unauthenticated"
 
 
 class RecordError(ValueError):
@@ -100,11 +106,25 @@ def encode_header(
     return fixed + block_hash + parent + tokens
 
 
-def checksum(header: bytes, payload: bytes | memoryview) -> bytes:
-    """xxh3-128 of header + payload."""
+def checksum(header: bytes, payload: bytes | memoryview, key: TierKey | None = None) -> bytes:
+    """xxh3-128 of header + payload, or their MAC under `key`."""
+    if key is not None:
+        return key.tag(header, payload)
     digest = xxhash.xxh3_128(header)
     digest.update(payload)
     return digest.digest()
+
+
+def verify(
+    tail: bytes, header: bytes, payload: bytes | memoryview, key: TierKey | None = None
+) -> None:
+    """RecordError unless `tail` is the checksum (or, with `key`, the MAC) of header + payload:
+    CORRUPT for a checksum, UNAUTHENTICATED for a MAC (compared in constant time)."""
+    if key is None:
+        if tail != checksum(header, payload):
+            raise RecordError(CORRUPT, "checksum mismatch")
+    elif not hmac.compare_digest(tail, key.tag(header, payload)):
+        raise RecordError(UNAUTHENTICATED, "MAC mismatch (damaged, or written without the key)")
 
 
 def parse_header(
@@ -164,10 +184,12 @@ def read_record(
     out: memoryview | None,
     now_ns: int,
     parent: bytes = b"",
+    key: TierKey | None = None,
 ) -> bytes | None:
     """Read and verify the record open at `fd` (fstat `st`) as block (`block_hash`, `group`) with
     `tokens`: its payload (or b"" once it is read into `out`, a byte view of the payload's exact
-    size), None when it has expired. RecordError for anything that is not exactly this block."""
+    size), None when it has expired. RecordError for anything that is not exactly this block
+    (with `key`, also a record whose MAC does not verify)."""
     if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
         raise RecordError(FOREIGN, "not a regular file of this user")
     num_tokens = len(tokens) // 4
@@ -185,8 +207,9 @@ def read_record(
         payload = out
         got = os.preadv(fd, [out], head_len) if payload_len else 0
     tail = os.pread(fd, CHECKSUM_BYTES, head_len + payload_len)
-    if got != payload_len or tail != checksum(head, payload):
-        raise RecordError(CORRUPT, "checksum mismatch")
+    if got != payload_len:
+        raise RecordError(CORRUPT, f"{got} payload bytes read, not {payload_len}")
+    verify(tail, head, payload, key)
     check_identity(head, namespace, block_hash, group, tokens, parent)
     if is_expired(expires_at_ns, now_ns):
         return None
@@ -200,11 +223,12 @@ def encode_record(
     tokens: bytes,
     payload: bytes | memoryview,
     parent: bytes = b"",
+    key: TierKey | None = None,
 ) -> bytes:
     """A whole record as one bytes value (a shared tier's value; no expiry: the tier's TTL
-    is the retention)."""
+    is the retention), checksummed, or with `key` MACed."""
     header = encode_header(namespace, block_hash, group, tokens, len(payload), 0, parent)
-    return header + payload + checksum(header, payload)
+    return b"".join((header, payload, checksum(header, payload, key)))
 
 
 def decode_record(
@@ -214,9 +238,11 @@ def decode_record(
     group: int,
     tokens: bytes,
     parent: bytes = b"",
+    key: TierKey | None = None,
 ) -> bytes:
     """The payload of a record held as one bytes value, checked as `read_record` checks a file:
-    RecordError for anything that is not exactly this block (damaged, truncated, foreign)."""
+    RecordError for anything that is not exactly this block (damaged, truncated, foreign; with
+    `key`, a MAC that does not verify)."""
     num_tokens = len(tokens) // 4
     head_len = header_length(len(block_hash), num_tokens, len(parent))
     head = value[:head_len]
@@ -224,7 +250,6 @@ def decode_record(
     if len(value) != record_length(len(block_hash), num_tokens, payload_len, len(parent)):
         raise RecordError(CORRUPT, f"length {len(value)} (truncated?)")
     payload = value[head_len : head_len + payload_len]
-    if value[head_len + payload_len :] != checksum(head, payload):
-        raise RecordError(CORRUPT, "checksum mismatch")
+    verify(value[head_len + payload_len :], head, payload, key)
     check_identity(head, namespace, block_hash, group, tokens, parent)
     return payload

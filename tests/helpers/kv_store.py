@@ -8,10 +8,13 @@ from pathlib import Path
 
 from prefixserve.kv_store.disk_store import DiskKVStore
 from prefixserve.kv_store.fingerprint import store_namespace
+from prefixserve.kv_store.tier_key import TierKey
 
 NAMESPACE = store_namespace("model-a", "bfloat16", 16, "sha256", "layout-1")
 OTHER_NAMESPACE = store_namespace("model-b", "bfloat16", 16, "sha256", "layout-1")
 BLOCK_SIZE = 16
+# The deployment key of tests that build a shared tier by hand (engines read a key file).
+TEST_KEY = TierKey(b"prefixserve tests: a key for the shared tier, not secret", "tests")
 
 
 def block_hash(i: int) -> bytes:

@@ -18,7 +18,7 @@ from prefixserve.kv_store.connector import KVStoreConnector  # noqa: E402
 from prefixserve.kv_store.remote.redis_tier import RedisTier  # noqa: E402
 from prefixserve.kv_store.tier import DISK, REMOTE, DiskTier, KVTier  # noqa: E402
 from prefixserve.kv_store.writer import BackgroundWriter  # noqa: E402
-from tests.helpers.kv_store import BLOCK_SIZE, NAMESPACE, open_store  # noqa: E402
+from tests.helpers.kv_store import BLOCK_SIZE, NAMESPACE, TEST_KEY, open_store  # noqa: E402
 from tests.helpers.valkey import Server  # noqa: E402
 
 TOKENS = list(range(BLOCK_SIZE))
@@ -38,7 +38,7 @@ def tier(request, tmp_path: Path) -> Iterator[KVTier]:
         disk.writer.close(5.0)
         return
     server: Server = request.getfixturevalue("valkey_server")
-    remote = RedisTier(server.url, NAMESPACE, retry_after_s=0.0)
+    remote = RedisTier(server.url, NAMESPACE, TEST_KEY, retry_after_s=0.0)
     yield remote
     remote.close()
 
@@ -75,7 +75,7 @@ def test_only_the_disk_says_it_holds_a_block_a_save_may_skip(tier):
 
 def test_the_connector_cascades_its_tiers_nearest_first(tmp_path: Path, valkey_server: Server):
     disk = _disk(tmp_path)
-    remote = RedisTier(valkey_server.url, NAMESPACE, retry_after_s=0.0)
+    remote = RedisTier(valkey_server.url, NAMESPACE, TEST_KEY, retry_after_s=0.0)
     try:
         conn = KVStoreConnector(disk.store, disk.writer, BLOCK_SIZE, remote=remote)
         assert conn.tiers == (DISK, REMOTE)
@@ -108,7 +108,7 @@ def test_the_shared_tier_reads_a_run_in_one_round_trip(valkey_server: Server):
     by the server itself."""
     from prefixserve.kv_store.remote.redis_tier import READ_RUN_KEYS
 
-    remote = RedisTier(valkey_server.url, NAMESPACE, retry_after_s=0.0)
+    remote = RedisTier(valkey_server.url, NAMESPACE, TEST_KEY, retry_after_s=0.0)
     try:
         count = READ_RUN_KEYS + 3
         hashes = [i.to_bytes(2, "big") * 8 for i in range(count)]

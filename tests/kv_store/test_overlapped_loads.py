@@ -14,6 +14,7 @@ import pytest
 from prefixserve import LLM, SamplingParams
 from prefixserve.core.request import RequestStatus
 from prefixserve.kv_store.loads import BackgroundLoads
+from tests.helpers.valkey import Server
 
 BLOCK = 16
 PROMPT = "The history of the printing press begins in the fifteenth century. " * 8
@@ -62,16 +63,16 @@ def test_a_read_that_raised_raises_on_the_callers_thread_and_is_forgotten():
 # ---- in a real engine over a disk tier (or the shared tier on a real Valkey server)
 
 
-def _llm(model, store: Path | None, remote: str | None = None, **kwargs) -> LLM:
+def _llm(model, store: Path | None, remote: Server | None = None, **kwargs) -> LLM:
     tiers: dict = {"enable_kv_store": store is not None}
     if store is not None:
         tiers.update(kv_store_dir=str(store), kv_store_gb=0.25)
     if remote is not None:
-        tiers["kv_remote"] = remote
+        tiers.update(kv_remote=remote.url, kv_remote_key_file=str(remote.key_file))
     return LLM(dtype=model.config.dtype, loaded_model=model, num_kv_blocks=96, **tiers, **kwargs)
 
 
-def _stored(model, store: Path | None, remote: str | None = None) -> list[int]:
+def _stored(model, store: Path | None, remote: Server | None = None) -> list[int]:
     """PROMPT computed once and written to the tier at `store` (or `remote`); its greedy
     tokens."""
     writer = _llm(model, store, remote)
@@ -103,7 +104,7 @@ def test_a_tier_hit_waits_for_its_read_while_the_running_request_steps(
     store, remote = tmp_path, None
     if tier == "remote":
         pytest.importorskip("redis")
-        store, remote = None, request.getfixturevalue("valkey_server").url
+        store, remote = None, request.getfixturevalue("valkey_server")
     expected = _stored(default_model_exact, store, remote)
     llm = _llm(default_model_exact, store, remote)
     engine, connector = llm.llm_engine, llm.llm_engine.kv_connector

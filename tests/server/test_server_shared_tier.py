@@ -49,7 +49,9 @@ def live(valkey, default_model_fp32):
         dtype="float32",
         max_model_len=512,
         cache=CacheConfig(block_size=BLOCK, num_kv_blocks=128),
-        kv_store=KVStoreConfig(enabled=False, remote_url=valkey.url),
+        kv_store=KVStoreConfig(
+            enabled=False, remote_url=valkey.url, remote_key_file=valkey.key_file
+        ),
     )
     engine = LLMEngine(config, loaded_model=default_model_fp32)
     async_engine = AsyncLLMEngine(engine, log_stats_interval_s=None)

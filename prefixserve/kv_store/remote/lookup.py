@@ -1,17 +1,17 @@
 """`RemoteLookup`: the read-only face of one namespace on a shared Redis/Valkey server.
 
 What every reader of the shared tier needs and nothing more: the key of a block, the lookup
-(how many leading blocks the server holds, one pipelined round trip of EXISTS), the hash seed
-the hosts share (read, never created), and faults as misses with a back-off. `RedisTier`
-(redis_tier.py) builds the engine's tier on it (loads, writes, the seed created and put back);
-the cluster router opens one on the replicas' server to price the blocks it holds
-(cluster/remote_probe.py), as it opens a `StoreLookup` on a shared disk store.
+(how many leading blocks the server holds, one pipelined round trip of EXISTS), and faults as
+misses with a back-off. `RedisTier` (redis_tier.py) builds the engine's tier on it (loads and
+writes); the cluster router opens one on the replicas' server to price the blocks it holds
+(cluster/remote_probe.py), as it opens a `StoreLookup` on a shared disk store. Neither reads a
+seed from the server: the hash chain's seed comes from the deployment's key file
+(kv_store/tier_key.py), which the server never sees.
 
 Faults are misses, never errors: a call that fails (down, slow past the socket timeout,
 refused) answers "none held", counts `fault_<what>` in `stats`, and the server is not called
 for `retry_after_s` (doubling on each fault in a row, up to `MAX_RETRY_AFTER_S`); calls
-meanwhile are misses at once, counted `skipped_down`. `seed_lost` says a fault happened since:
-the server may have restarted empty, so the seed is worth checking again.
+meanwhile are misses at once, counted `skipped_down`.
 """
 
 from __future__ import annotations
@@ -21,13 +21,11 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlsplit
 
 logger = logging.getLogger(__name__)
 
 KEY_PREFIX = b"psk:"
-SEED_KEY = KEY_PREFIX + b"seed"
-SEED_BYTES = 32
 # Seconds one command may take before it counts as a fault (a miss).
 DEFAULT_SOCKET_TIMEOUT_S = 0.5
 # Seconds the server is not called after a fault (doubled on each fault in a row, up to the max).
@@ -40,24 +38,51 @@ class RemoteConfigError(ValueError):
 
 
 def read_password(path: str | Path | None) -> str | None:
-    """The password in `path` (one line; surrounding whitespace dropped), or None."""
+    """The password in `path` (one line; surrounding whitespace dropped), or None;
+    RemoteConfigError, naming the flag, for a file that is missing, not a file, or empty."""
     if path is None:
         return None
-    text = Path(path).read_text(encoding="utf-8").strip()
+    flag = "--kv-remote-password-file"
+    try:
+        text = Path(path).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        raise RemoteConfigError(f"{flag} {path}: cannot read it ({reason})") from None
     if not text:
-        raise RemoteConfigError(f"password file {path} is empty")
+        raise RemoteConfigError(f"{flag} {path}: the file is empty")
     return text
 
 
+# Query parameters redis-py would take as credentials (it reads any of its connection keywords
+# from the query string, and the URL's value wins over the password file's).
+_SECRET_QUERY_NAMES = ("password", "passwd", "pass", "auth", "credential", "token", "secret")
+
+
 def check_url(url: str) -> None:
-    """RemoteConfigError unless `url` is redis://, rediss:// or unix:// without a password."""
+    """RemoteConfigError, naming `--kv-remote`, unless `url` is redis://, rediss:// or unix://
+    without a password anywhere in it (user info or query string) and with a valid port."""
     parts = urlsplit(url)
     if parts.scheme not in ("redis", "rediss", "unix"):
         raise RemoteConfigError(f"--kv-remote must be redis://, rediss:// or unix://, got {url!r}")
-    if parts.password:
+    query_names = [name.lower() for name, _ in parse_qsl(parts.query, keep_blank_values=True)]
+    if parts.password is not None or any(
+        secret in name for name in query_names for secret in _SECRET_QUERY_NAMES
+    ):
         raise RemoteConfigError(
-            "--kv-remote must not carry a password: give it in a file (--kv-remote-password-file)"
+            "--kv-remote must not carry a password (in the user info or the query string): give "
+            "it in a file (--kv-remote-password-file)"
         )
+    try:
+        parts.port  # noqa: B018  (urlsplit checks the port only when asked for it)
+    except ValueError as exc:
+        raise RemoteConfigError(f"--kv-remote: {exc} in {_redacted(parts)!r}") from None
+    if parts.scheme != "unix" and not parts.hostname:
+        raise RemoteConfigError(f"--kv-remote: no host in {_redacted(parts)!r}")
+
+
+def _redacted(parts) -> str:  # noqa: ANN001  (a SplitResult)
+    """The URL without its query string (where a secret could hide)."""
+    return parts._replace(query="", fragment="").geturl()
 
 
 class RemoteLookup:
@@ -101,7 +126,6 @@ class RemoteLookup:
         self.retry_after_s = retry_after_s
         self._backoff_s = retry_after_s
         self._retry_at = 0.0  # monotonic time before which the server is not called
-        self.seed_lost = False  # a fault since the seed was last checked
 
     def sibling(self, namespace: str) -> RemoteLookup:
         """A lookup in another namespace of the same server over this one's connections (its
@@ -147,21 +171,17 @@ class RemoteLookup:
         self._reached()
         return [bool(n) for n in found], None
 
-    def read_seed(self) -> bytes | None:
-        """The hash seed the server keeps for the hosts (`SEED_KEY`), without creating one;
-        None when there is none, it is not a seed, or the server cannot be reached."""
+    def ping(self) -> bool:
+        """Whether the server answers now (a fault is counted, and backs off, as any call's)."""
         if not self._callable():
-            return None
+            return False
         try:
-            seed = self._client.get(SEED_KEY)
+            self._client.ping()
         except self._errors as exc:
-            self._fault("seed", exc)
-            return None
+            self._fault("ping", exc)
+            return False
         self._reached()
-        if not isinstance(seed, bytes) or len(seed) != SEED_BYTES:
-            return None
-        self.seed_lost = False
-        return seed
+        return True
 
     # ------------------------------------------------------------------ faults
 
@@ -180,7 +200,6 @@ class RemoteLookup:
 
     def _fault(self, what: str, exc: BaseException) -> None:
         self.connected = False
-        self.seed_lost = True
         self._retry_at = time.monotonic() + self._backoff_s
         self._backoff_s = min(MAX_RETRY_AFTER_S, max(self._backoff_s * 2, self.retry_after_s))
         self.stats[f"fault_{what}"] += 1

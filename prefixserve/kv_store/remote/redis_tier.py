@@ -4,8 +4,10 @@ Keys: `psk:<namespace hex>:<block hash hex>:g<group>`. The namespace is the disk
 (fingerprint.py `store_namespace`: model, weights digest, dtype, block size, KV layout), and the
 block hash already chains the tenant's salt, so a key names one tenant's block of one model.
 Values: the disk tier's record (record.py `encode_record`): identity, the parent block's hash
-and the token ids (the collision checks), payload and checksum; a value that is not exactly the
-asked-for block is a miss.
+and the token ids (the collision checks), payload, and a MAC under the deployment's key
+(tier_key.py, `--kv-remote-key-file`) where the disk has a checksum; a value that is not exactly
+the asked-for block, or whose MAC does not verify (written by someone without the key), is a
+miss, counted and deleted.
 
 - `lookup`: how many leading blocks the server holds, one pipelined round trip of EXISTS
   (`RemoteLookup`, remote/lookup.py: the read-only face the cluster router opens too).
@@ -13,17 +15,16 @@ asked-for block is a miss.
 - `submit_store`: queued for a writer thread (bounded in items and bytes: a full queue drops
   the block and counts it, the step never waits); the writer sends pipelined `SET NX` with the
   retention as TTL, so hosts storing the same block write it once.
-- `shared_seed`: the hash chain's seed the hosts share, created once in the server (`SET NX`).
+The hash chain's seed is the key's (`TierKey.seed`), never read from the server: hosts with
+one key file hash alike, and nothing on the server can change how a host hashes.
 
 Faults are misses, never errors: a server that is down, slow (socket timeout), full (OOM
-errors), or that holds damaged, truncated or foreign values makes `lookup` return 0 and `load`
-None, and counts the cause in `stats`. After a fault the tier is not called for a while
+errors), or that holds damaged, truncated, foreign or forged values makes `lookup` return 0 and
+`load` None, and counts the cause in `stats`. After a fault the tier is not called for a while
 (`RemoteLookup`'s back-off): every call meanwhile is a miss at once (counted `skipped_down`),
 so a server that is down costs the step thread one socket timeout per back-off, not one per
-request. The call after it reconnects (redis-py's pool opens a new connection) and, when it
-succeeds, puts this host's seed back if the server lost it (a restarted server is empty): hosts
-that join later then hash like the running ones. A server that holds another seed by then is
-not used again (`seed_mismatch`): its blocks hash otherwise.
+request. The call after it reconnects (redis-py's pool opens a new connection): a host started
+while the server was down, or that saw it restart, uses it again by itself.
 The password, if any, comes from a file (never from the URL or the command line).
 """
 
@@ -31,7 +32,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import secrets
 import threading
 import time
 from collections.abc import Sequence
@@ -44,20 +44,19 @@ from prefixserve.kv_store.remote.lookup import (
     DEFAULT_SOCKET_TIMEOUT_S,
     KEY_PREFIX,
     MAX_RETRY_AFTER_S,
-    SEED_KEY,
     RemoteConfigError,
     RemoteLookup,
     check_url,
     read_password,
 )
 from prefixserve.kv_store.tier import BlockRead
+from prefixserve.kv_store.tier_key import TierKey
 
 __all__ = [
     "DEFAULT_RETRY_AFTER_S",
     "DEFAULT_SOCKET_TIMEOUT_S",
     "KEY_PREFIX",
     "MAX_RETRY_AFTER_S",
-    "SEED_KEY",
     "RedisTier",
     "RemoteConfigError",
     "check_url",
@@ -91,12 +90,13 @@ class _Store:
 
 class RedisTier(RemoteLookup):
     """One namespace of blocks on a Redis/Valkey server (`url`), shared by every host: the
-    lookups of `RemoteLookup`, and loads, writes and the seed."""
+    lookups of `RemoteLookup`, and loads and writes, each value MACed under `key`."""
 
     def __init__(
         self,
         url: str,
         namespace: str,
+        key: TierKey,
         *,
         password_file: str | Path | None = None,
         socket_timeout_s: float = DEFAULT_SOCKET_TIMEOUT_S,
@@ -112,8 +112,8 @@ class RedisTier(RemoteLookup):
             retry_after_s=retry_after_s,
         )
         self._namespace_raw = bytes.fromhex(namespace)
-        self._seed: bytes | None = None  # the seed this host hashes with (`shared_seed`)
-        self.seed_mismatch = False
+        self.tier_key = key
+        self.seed = key.seed  # the hash chain's seed of every host holding this key
         self._max_queue_bytes = max_queue_bytes
         self._queued_bytes = 0
         self._lock = threading.Lock()
@@ -141,7 +141,9 @@ class RedisTier(RemoteLookup):
         self, blocks: Sequence[BlockRead], group: int, payloads: list[bytes]
     ) -> str | None:
         """One MGET of `blocks`, their checked payloads appended to `payloads` up to the first
-        miss, whose reason it returns (None: every block read)."""
+        miss, whose reason it returns (None: every block read). After a bad value the rest of
+        the reply is checked too, and its bad values deleted: a writer who damaged or forged a
+        prompt's run has all of it written again by the host that computes it."""
         if not self._callable():
             return "unreachable"
         keys = [self.key(block_hash, group) for block_hash, _, _ in blocks]
@@ -151,12 +153,21 @@ class RedisTier(RemoteLookup):
             self._fault("load", exc)
             return "unreachable"
         self._reached()
-        for key, (block_hash, token_ids, parent), value in zip(keys, blocks, values, strict=True):
+        items = list(zip(keys, blocks, values, strict=True))
+        for i, (key, (block_hash, token_ids, parent), value) in enumerate(items):
             payload, why = self._checked(key, value, block_hash, group, token_ids, parent)
             if payload is None:
+                if why == "bad_value":
+                    self._drop_bad(items[i + 1 :], group)
                 return why
             payloads.append(payload)
         return None
+
+    def _drop_bad(self, items: Sequence[tuple[bytes, BlockRead, bytes | None]], group: int) -> None:
+        """Check values read but not used (after a bad one), deleting and counting the bad."""
+        for key, (block_hash, token_ids, parent), value in items:
+            if value is not None:
+                self._checked(key, value, block_hash, group, token_ids, parent, count_hit=False)
 
     def holds(self, block_hash: bytes, group: int) -> bool:
         """False: a write of a block the server holds is deduplicated there (`SET NX`)."""
@@ -173,8 +184,9 @@ class RedisTier(RemoteLookup):
         self, block_hash: bytes, group: int, token_ids: Sequence[int], parent: bytes = b""
     ) -> tuple[bytes | None, str | None]:
         """`load`, and why it missed: "absent" (not held, or aged out since the lookup),
-        "unreachable" (a fault) or "bad_value" (damaged, truncated, foreign, other tokens: the
-        value is deleted, so that the next host to compute the block writes it again)."""
+        "unreachable" (a fault) or "bad_value" (damaged, truncated, foreign, other tokens, a MAC
+        that does not verify: the value is deleted, so that the next host to compute the block
+        writes it again)."""
         key = self.key(block_hash, group)
         if not self._callable():
             return None, "unreachable"
@@ -194,21 +206,28 @@ class RedisTier(RemoteLookup):
         group: int,
         token_ids: Sequence[int],
         parent: bytes = b"",
+        count_hit: bool = True,
     ) -> tuple[bytes | None, str | None]:
         """The payload of a value read at `key`, or (None, why) as `fetch` says (a value that
-        fails its checks is deleted)."""
+        fails its checks is deleted); a good one counts as a hit unless `count_hit` is False."""
         if value is None:
             self.stats["miss_absent"] += 1
             return None, "absent"
         try:
             payload = decode_record(
-                value, self._namespace_raw, block_hash, group, pack_tokens(token_ids), parent
+                value,
+                self._namespace_raw,
+                block_hash,
+                group,
+                pack_tokens(token_ids),
+                parent,
+                self.tier_key,
             )
         except RecordError as exc:
             self.stats[f"miss_{exc.kind}"] += 1
             self._drop(key)
             return None, "bad_value"
-        self.stats["hits"] += 1
+        self.stats["hits"] += count_hit
         return payload, None
 
     # ------------------------------------------------------------------ writes
@@ -313,6 +332,7 @@ class RedisTier(RemoteLookup):
                     item.tokens,
                     item.payload,
                     item.parent,
+                    self.tier_key,
                 )
                 pipe.set(item.key, value, nx=True, ex=item.ttl_s)
             written = pipe.execute(raise_on_error=False)
@@ -322,57 +342,6 @@ class RedisTier(RemoteLookup):
             return []
         self._reached()
         return written
-
-    # ------------------------------------------------------------------ seed
-
-    def shared_seed(self) -> bytes | None:
-        """The hash chain's seed the hosts share: created once in the server (`SET NX`), then
-        read by every host; None when the server cannot be reached (the caller then runs
-        without the tier: a host whose seed differs would never hit, and must not write)."""
-        seed = self._put_seed(secrets.token_bytes(32))
-        if seed is None:
-            return None
-        self._seed = seed
-        self.connected = True
-        return seed
-
-    def _put_seed(self, candidate: bytes) -> bytes | None:
-        """`SET NX` the seed, then the server's (`candidate` unless another was there); None on
-        a fault or a value that is not a seed."""
-        try:
-            self._client.set(SEED_KEY, candidate, nx=True)
-            seed = self._client.get(SEED_KEY)
-        except self._errors as exc:
-            self._fault("seed", exc)
-            return None
-        if not isinstance(seed, bytes) or len(seed) != 32:
-            self.stats["miss_foreign"] += 1
-            return None
-        return seed
-
-    # ------------------------------------------------------------------ faults and reconnection
-
-    def _callable(self) -> bool:
-        """`RemoteLookup._callable`, and never again once the server holds another seed."""
-        if self.seed_mismatch:
-            self.stats["skipped_seed_mismatch"] += 1
-            return False
-        return super()._callable()
-
-    def _reached(self) -> None:
-        """A call succeeded: connected again, the back-off reset, and after a fault the seed
-        checked (put back where the server lost it)."""
-        super()._reached()
-        if self.seed_lost and self._seed is not None:
-            self.seed_lost = False
-            seed = self._put_seed(self._seed)
-            if seed is not None and seed != self._seed:
-                self.seed_mismatch = True
-                self.connected = False
-                logger.warning(
-                    "kv-remote: the server holds another hash seed since it came back (another "
-                    "host created it after a restart); this host no longer uses it"
-                )
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -402,13 +371,16 @@ class RedisTier(RemoteLookup):
     def metrics(self) -> dict[str, int]:
         """Its counters as the engine's metrics name them: blocks stored, writes dropped by the
         full queue or failed (a fault, a full server), faults of its calls, values that were
-        damaged or foreign, and whether its latest call reached the server (1 or 0)."""
+        damaged, foreign or forged (a MAC that does not verify), and whether its latest call
+        reached the server (1 or 0)."""
         stats = self.stats
         return {
             "kv_remote_stored_blocks": stats["stored"],
             "kv_remote_dropped_writes": stats["dropped"] + stats["store_failed"],
             "kv_remote_faults": sum(v for k, v in stats.items() if k.startswith("fault_")),
-            "kv_remote_bad_values": stats["miss_corrupt"] + stats["miss_foreign"],
+            "kv_remote_bad_values": (
+                stats["miss_corrupt"] + stats["miss_foreign"] + stats["miss_unauthenticated"]
+            ),
             "kv_remote_connected": int(self.connected),
         }
 
