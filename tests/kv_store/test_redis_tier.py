@@ -443,3 +443,34 @@ def test_a_reset_clears_this_hosts_tiers_but_not_the_shared_server(
     assert again.num_cached_tokens > 0
     assert connector.stats.remote_hit_tokens == again.num_cached_tokens
     connector.close()
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--kv-remote", "redis://localhost:99999/0"], "--kv-remote: Port out of range"),
+        (["--kv-remote", "redis://localhost:notaport/0"], "--kv-remote: Port could not be cast"),
+        (["--kv-remote", "redis://h:1/0?password=pw"], "--kv-remote must not carry a password"),
+        (["--kv-remote-password-file", "{tmp}/missing"], "--kv-remote-password-file"),
+        (["--kv-remote-password-file", "{tmp}"], "--kv-remote-password-file"),
+        (["--kv-remote-key-file", "{tmp}/missing"], "--kv-remote-key-file"),
+    ],
+)
+def test_serve_refuses_a_bad_shared_tier_flag_in_one_line_before_loading(
+    flags, named, tmp_path, capsys
+):
+    """Checked with the config, before any model loads: exit 2 and one line naming the flag
+    (the model named here does not exist: loading it would be another error)."""
+    from prefixserve import cli
+
+    key = tmp_path / "kv.key"
+    key.write_text("k" * 64)
+    key.chmod(0o600)
+    base = ["serve", str(tmp_path / "no-model"), "--no-kv-store", "--kv-remote"]
+    args = [*base, "unix:///tmp/none.sock", "--kv-remote-key-file", str(key)]
+    args += [f.replace("{tmp}", str(tmp_path)) for f in flags]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "error" in line]
+    assert len(lines) == 1 and named in lines[0] and "Traceback" not in err
+    assert "password=pw" not in err  # the refusal never echoes the secret
