@@ -170,3 +170,49 @@ def test_an_unknown_retention_is_refused(default_model_exact, tmp_path):
     with pytest.raises(ValueError, match="prompt_cache_retention"):
         _generate(llm, prompt_cache_retention="forever")
     llm.llm_engine.check_no_leaks()
+
+
+def test_a_disk_tier_with_a_key_loads_only_what_carries_its_mac(default_model_exact, tmp_path):
+    """`--kv-store-key-file` (a directory others can write): the hash seed is the key's (no seed
+    file), a process with the key hits what another stored, and a record forged where it sits
+    (another record's K/V, its xxh3 checksum recomputed: anyone can) is a miss, dropped and
+    counted, and the answer is the cold start's."""
+    key = tmp_path / "disk.key"
+    key.write_text("a key for the disk tier, 32 bytes or more\n")
+    key.chmod(0o600)
+    store = tmp_path / "store"
+    cold = _tokens(_generate(_llm(default_model_exact, None)))
+    writer = _llm(default_model_exact, store, kv_store_key_file=str(key))
+    assert _tokens(_generate(writer)) == cold
+    writer.llm_engine.close()
+    assert not (store / "seed").exists()
+    reader = _llm(default_model_exact, store, kv_store_key_file=str(key))
+    assert _tokens(_generate(reader)) == cold
+    assert reader.llm_engine.get_metrics()["kv_store_hit_tokens"] > 0
+    reader.llm_engine.close()
+    files = sorted(store.glob("*/*/*.kv"))
+    donor = files[-1].read_bytes()
+    for path in files:  # every record's payload replaced by the donor's, checksum recomputed
+        _forge_file(path, donor)
+    forged = _llm(default_model_exact, store, kv_store_key_file=str(key))
+    assert _tokens(_generate(forged)) == cold
+    metrics = forged.llm_engine.get_metrics()
+    assert metrics["kv_store_hit_tokens"] == 0 and metrics["kv_store_bad_files_dropped"] >= 1
+    assert forged.llm_engine.kv_connector.store.stats().unauthenticated_dropped >= 1
+    forged.llm_engine.close()
+
+
+def _forge_file(path: Path, donor: bytes) -> None:
+    """The record at `path` with `donor`'s payload (same size) and a fresh xxh3 checksum, its
+    file times kept (so that a stat sees nothing)."""
+    import xxhash
+
+    from prefixserve.kv_store import record
+
+    times = path.stat()
+    data = path.read_bytes()
+    payload_len = record.FIXED.unpack_from(data)[7]
+    head = data[: len(data) - payload_len - record.CHECKSUM_BYTES]
+    payload = donor[len(donor) - payload_len - record.CHECKSUM_BYTES : -record.CHECKSUM_BYTES]
+    path.write_bytes(head + payload + xxhash.xxh3_128(head + payload).digest())
+    os.utime(path, ns=(times.st_atime_ns, times.st_mtime_ns))
