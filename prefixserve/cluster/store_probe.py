@@ -61,13 +61,10 @@ class SharedStoreProbe:
 
 def _store_secret(root: str, key_file: str | None) -> bytes:
     """The replicas' chain seed for the store at `root`: its key's, else its seed file's;
-    OSError (TierKeyError a ValueError made one) when it cannot be read."""
+    OSError or ValueError (a key file that cannot be used) when it cannot be read."""
     if key_file is None:
         return load_or_create_seed(Path(root))
-    try:
-        return TierKey.from_file(key_file, "--kv-store-key-file").seed
-    except ValueError as exc:
-        raise OSError(str(exc)) from None
+    return TierKey.from_file(key_file, "--kv-store-key-file").seed
 
 
 def open_store_probe(
@@ -99,7 +96,7 @@ def open_store_probe(
     if none_hash is None:
         try:
             secret = _store_secret(store.dir, store.key_file)
-        except OSError as exc:  # TierKeyError is a ValueError; both are the store's seed unread
+        except (OSError, ValueError) as exc:
             logger.warning("store-aware routing off: cannot read the store's seed (%s)", exc)
             return None
         none_hash = none_hash_from_secret(secret, hash_algo)
