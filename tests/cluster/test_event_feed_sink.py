@@ -22,6 +22,7 @@ from prefixserve.cluster.store_probe import open_store_probe
 from prefixserve.core.kv_cache.events import AllBlocksCleared, BlockStored
 from prefixserve.core.kv_cache.hashing import get_request_block_hasher, none_hash_from_secret
 from prefixserve.kv_store import DiskKVStore, load_or_create_seed
+from prefixserve.kv_store.tier_key import TierKey
 from tests.helpers.router import BS, stored
 
 NAMESPACE = "ab" * 16
@@ -176,3 +177,26 @@ def test_the_store_is_priced_with_the_shared_tiers_seed_when_the_replicas_chain_
     hashes = get_request_block_hasher(BS, "sha256", none_hash=shared)(PromptView(tokens))
     disk.put((hashes[0], 0), tokens[:BS], b"\0" * 64)
     assert probe(PromptView(tokens)).count_from(0) == 1
+
+
+def test_a_store_with_a_key_is_priced_with_the_seed_of_its_key_file(tmp_path: Path) -> None:
+    """Replicas whose disk tier has `--kv-store-key-file` chain from the key's seed (their store
+    has no seed file): the router reads the key file at the replicas' path and prices the
+    store's records, MACed or not (a stat is all it does)."""
+    key_file = tmp_path / "disk.key"
+    key_file.write_text("a disk key of 32 bytes or more, for the router\n")
+    key_file.chmod(0o600)
+    key = TierKey.from_file(key_file, "--kv-store-key-file")
+    root = tmp_path / "store"
+    disk = DiskKVStore(root, NAMESPACE, 1 << 20, key=key)
+    none_hash = none_hash_from_secret(key.seed, "sha256")
+    store = StoreInfo(str(root), NAMESPACE, str(key_file))
+    probe = open_store_probe([info(0, seed=seed_fingerprint(none_hash), store=store)], BS, "sha256")
+    assert probe is not None and not (root / "seed").exists()
+    tokens = list(range(8))
+    hashes = get_request_block_hasher(BS, "sha256", none_hash=none_hash)(PromptView(tokens))
+    disk.put((hashes[0], 0), tokens[:BS], b"\0" * 64)
+    assert probe(PromptView(tokens)).count_from(0) == 1
+    elsewhere = StoreInfo(str(root), NAMESPACE, str(tmp_path / "missing.key"))
+    fingerprint = seed_fingerprint(none_hash)
+    assert open_store_probe([info(0, seed=fingerprint, store=elsewhere)], BS, "sha256") is None
