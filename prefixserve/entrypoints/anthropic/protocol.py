@@ -117,6 +117,16 @@ class _PromptFields(_Model):
     tool_choice: dict[str, Any] | None = None
     # Anthropic's automatic caching: a breakpoint on the request's last block.
     cache_control: CacheControl | None = None
+    # Refused unless off, on both routes (Anthropic's count_tokens takes it as /v1/messages
+    # does): this server has no extended thinking.
+    thinking: dict[str, Any] | None = None
+
+    @field_validator("thinking")
+    @classmethod
+    def _no_thinking(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and value.get("type") != "disabled":
+            raise ValueError("extended thinking is not supported by this server")
+        return value
 
     @field_validator("system", mode="before")
     @classmethod
@@ -140,8 +150,7 @@ class MessagesRequest(_PromptFields):
     diagnostics: dict[str, Any] | None = None
     user_profile_id: str | None = Field(None, max_length=256)
     workspace_id: str | None = Field(None, max_length=256)
-    # Refused unless off: this server has no extended thinking, containers or output formats.
-    thinking: dict[str, Any] | None = None
+    # Refused: this server has no containers or output formats (`thinking`: _PromptFields).
     container: Any = None
     output_config: dict[str, Any] | None = None
     temperature: float | None = Field(None, ge=0.0, le=1.0)
@@ -152,13 +161,6 @@ class MessagesRequest(_PromptFields):
     metadata: Metadata | None = None
     # prefixserve's extra: the request's cache report in the response (and the last event).
     cache_report: StrictBool = False
-
-    @field_validator("thinking")
-    @classmethod
-    def _no_thinking(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value is not None and value.get("type") != "disabled":
-            raise ValueError("extended thinking is not supported by this server")
-        return value
 
     @field_validator("container", "output_config")
     @classmethod

@@ -2,7 +2,9 @@
 
 It runs before FastAPI reads a byte of the body:
 - the `Authorization` header is checked first (no key or an unknown one: 401; a tenant key on an
-  operator route, or an operator key on a tenant route: 403);
+  operator route, or an operator key on a tenant route: 403); the Messages API's routes also take
+  the key as `x-api-key` (Anthropic's clients), and no other route does: there the header is no
+  credential;
 - `Content-Length` is parsed strictly (ASCII digits only, at most 20 of them, every copy of the
   header equal; else 400) and bounded (over `--max-request-body-bytes`: 413 at once; a body
   streamed without one is counted chunk by chunk and refused when it passes the limit);
@@ -73,6 +75,10 @@ TENANT_PATHS = frozenset(
 
 Refusal = tuple[int, str, str]
 
+# The routes that take the key as `x-api-key` (Anthropic's clients send it so); everywhere else
+# only `Authorization` carries a credential (docs/security.md).
+X_API_KEY_PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
+
 
 def _is_operator_path(path: str) -> bool:
     return path not in TENANT_PATHS
@@ -104,7 +110,7 @@ def _route_path(scope: Scope) -> str:
 
 class BodyRefused(HTTPException):
     """Raised from the guarded `receive` (FastAPI re-raises an HTTPException from the body read);
-    `render_refusal` turns it into an OpenAI error that closes the connection."""
+    `render_refusal` turns it into an error that closes the connection."""
 
     def __init__(
         self, status: int, code: str, message: str, error_type: str = "invalid_request_error"
@@ -118,14 +124,19 @@ class BodyRefused(HTTPException):
 
 
 async def render_refusal(request: Request, exc: Exception) -> JSONResponse:
-    """The exception handler of `BodyRefused` (installed by app.py)."""
+    """The exception handler of `BodyRefused` (installed by app.py): in the route's API's error
+    shape (Anthropic's on the Messages API), as the refusals before the body are."""
     if not isinstance(exc, BodyRefused):
         raise exc
     request.state.error_code = exc.code
+    headers = dict(exc.headers or {})
+    if is_anthropic_path(_route_path(request.scope)):
+        body = anthropic_error_body(exc.status_code, str(exc.detail))
+        return JSONResponse(body, status_code=exc.status_code, headers=headers)
     err = OpenAIError(
         str(exc.detail), status_code=exc.status_code, type=exc.error_type, code=exc.code
     )
-    return err.response(headers=dict(exc.headers or {}))
+    return err.response(headers=headers)
 
 
 class _Body:
@@ -215,8 +226,9 @@ class RequestGuard:
         if self.api_keys is None or path in PUBLIC_PATHS:
             return None
         authorization = _header(scope, b"authorization")
-        # Anthropic's clients send the key as `x-api-key`; OpenAI's as a bearer token.
-        token = parse_bearer(authorization) or parse_x_api_key(_header(scope, b"x-api-key"))
+        token = parse_bearer(authorization)
+        if token is None and path in X_API_KEY_PATHS:
+            token = parse_x_api_key(_header(scope, b"x-api-key"))
         browser = _is_browser_path(scope, path)
         if browser:
             state[BASIC_CHALLENGE_KEY] = True
