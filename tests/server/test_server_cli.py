@@ -36,6 +36,7 @@ SERVE_FLAGS = [
     "--max-requests",
     "--max-requests-per-tenant",
     "--max-tokens-per-tenant",
+    "--max-render-jobs-per-tenant",
     "--h11-max-incomplete-event-size",
     "--timeout-request-headers",
     "--timeout-request-body",

@@ -58,18 +58,20 @@ def register_messages_routes(router: APIRouter, state: ServerState) -> None:
         return await _create_message(state, body, raw, time.monotonic())
 
     @router.post("/v1/messages/count_tokens")
-    async def count_tokens(body: a.CountTokensRequest) -> JSONResponse:
+    async def count_tokens(body: a.CountTokensRequest, raw: Request) -> JSONResponse:
         check_model(state, body.model)
-        rendered = await _render(state, body)
+        rendered = await _render(state, raw.state.tenant, body)
         return JSONResponse({"input_tokens": len(rendered.token_ids)})
 
 
-async def _render(state: ServerState, body: a._PromptFields) -> Rendered:
+async def _render(state: ServerState, tenant: str | None, body: a._PromptFields) -> Rendered:
+    """The prompt of `body`, rendered in `tenant`'s turn on the tokenizer thread (a 429 past
+    its bound of jobs there: prompts.off_loop)."""
     texts = [b.text for b in body.system_blocks()]
     texts += [b.text for m in body.messages for b in m.blocks()]
     check_prompt_text(state, texts, "messages")
     try:
-        return await off_loop(state, render, state.engine.tokenizer, body)
+        return await off_loop(state, tenant, render, state.engine.tokenizer, body)
     except RenderError as exc:
         raise OpenAIError(str(exc), param="messages") from exc
 
@@ -79,7 +81,7 @@ async def _create_message(
 ) -> Response:
     model = check_model(state, body.model)
     lora = lora_request_for(state, model)
-    rendered = await _render(state, body)
+    rendered = await _render(state, raw.state.tenant, body)
     params = _sampling_params(body)
     view = MessageView(state, model, body, arrival)
     request = EngineRequest(

@@ -8,6 +8,11 @@ waiting queue without bound:
 - `max_requests_per_tenant`, `max_tokens_per_tenant`: one tenant's share, so its flood leaves
   room for the others' requests (without API keys every request is the one tenant `None`).
 A ticket is released when the response ends (finished, failed, aborted or disconnected).
+
+Rendering and tokenizing come before that, on the one tokenizer thread (tokenizer_queue.py), for
+every request including `/v1/messages/count_tokens`, which never reaches the engine:
+- `max_render_jobs_per_tenant`: one tenant's jobs waiting for or running on that thread; past it
+  a 429 before the job is queued, so a tenant's flood of large bodies is bounded where it costs.
 """
 
 from __future__ import annotations
@@ -33,9 +38,11 @@ class Admission:
     max_requests: int | None = None
     max_requests_per_tenant: int | None = None
     max_tokens_per_tenant: int | None = None
+    max_render_jobs_per_tenant: int | None = None
     num_requests: int = 0
     requests_of: dict[str | None, int] = field(default_factory=dict)
     tokens_of: dict[str | None, int] = field(default_factory=dict)
+    render_jobs_of: dict[str | None, int] = field(default_factory=dict)
 
     def admit(self, tenant: str | None, tokens: int) -> Ticket:
         if self.max_requests is not None and self.num_requests >= self.max_requests:
@@ -69,6 +76,25 @@ class Admission:
             self.requests_of[ticket.tenant], self.tokens_of[ticket.tenant] = left, tokens
         else:  # no entry per tenant that has nothing in flight: bounded by the tenants active
             del self.requests_of[ticket.tenant], self.tokens_of[ticket.tenant]
+
+    def admit_render(self, tenant: str | None) -> None:
+        """Count one render or tokenize job of `tenant`; OpenAIError(429) past its bound. The
+        caller calls `release_render` once the job is done, however it ends."""
+        held = self.render_jobs_of.get(tenant, 0)
+        limit = self.max_render_jobs_per_tenant
+        if limit is not None and held >= limit:
+            raise _busy(
+                f"you have {held} prompts waiting to be tokenized, the limit per tenant "
+                "(--max-render-jobs-per-tenant)"
+            )
+        self.render_jobs_of[tenant] = held + 1
+
+    def release_render(self, tenant: str | None) -> None:
+        left = self.render_jobs_of[tenant] - 1
+        if left:
+            self.render_jobs_of[tenant] = left
+        else:
+            del self.render_jobs_of[tenant]
 
     async def released_after(
         self, chunks: AsyncIterator[str], ticket: Ticket

@@ -116,6 +116,15 @@ def add_server_limit_arguments(group: argparse._ArgumentGroup) -> None:
         "KV pool's tokens, so one tenant's flood leaves the other half to the rest (0: no limit).",
     )
     group.add_argument(
+        "--max-render-jobs-per-tenant",
+        type=int,
+        default=None,
+        metavar="N",
+        help="Most prompts one tenant has waiting for or on the tokenizer thread (chat-template "
+        "rendering and tokenizing, /v1/messages/count_tokens included; the thread takes tenants "
+        "in turn); beyond it a 429. Default: --max-num-seqs (0: no limit).",
+    )
+    group.add_argument(
         "--h11-max-incomplete-event-size",
         type=int,
         default=DEFAULT_H11_MAX_INCOMPLETE_EVENT_SIZE,
@@ -137,6 +146,7 @@ def check_limit_arguments(args: argparse.Namespace) -> None:
         ("--max-requests", args.max_requests),
         ("--max-requests-per-tenant", args.max_requests_per_tenant),
         ("--max-tokens-per-tenant", args.max_tokens_per_tenant),
+        ("--max-render-jobs-per-tenant", args.max_render_jobs_per_tenant),
     ):
         if value is not None and value < 0:
             raise ValueError(f"{flag} must be >= 0 (0: no limit), got {value}")
@@ -192,4 +202,5 @@ def admission_from_args(
         max_requests=bound(args.max_requests, 4 * max_num_seqs),
         max_requests_per_tenant=bound(args.max_requests_per_tenant, max_num_seqs),
         max_tokens_per_tenant=bound(args.max_tokens_per_tenant, max(1, kv_pool_tokens // 2)),
+        max_render_jobs_per_tenant=bound(args.max_render_jobs_per_tenant, max_num_seqs),
     )

@@ -2,12 +2,13 @@
 
 A text prompt is checked on its characters first (a lone surrogate; more characters than any
 legal prompt can have), then tokenized (or rendered with the chat template) on the app's
-tokenizer thread, so a long prompt never stalls the event loop that serves everyone else.
+tokenizer thread, so a long prompt never stalls the event loop that serves everyone else; that
+thread takes the tenants' jobs in turn, and each tenant may have a bounded number there.
 """
 
 from __future__ import annotations
 
-import asyncio
+import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -45,7 +46,14 @@ def check_prompt_text(state: ServerState, texts: list[str], param: str) -> None:
             ) from exc
 
 
-async def off_loop(state: ServerState, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """`fn(*args, **kwargs)` on the tokenizer thread, so the event loop goes on serving."""
-    loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(state.tokenizer_executor, lambda: fn(*args, **kwargs))
+async def off_loop(
+    state: ServerState, tenant: str | None, fn: Callable[..., T], *args: Any, **kwargs: Any
+) -> T:
+    """`fn(*args, **kwargs)` on the tokenizer thread, so the event loop goes on serving, in
+    `tenant`'s turn (tokenizer_queue.py). A 429 when `tenant` already has its bound of jobs
+    there (`--max-render-jobs-per-tenant`)."""
+    state.admission.admit_render(tenant)
+    try:
+        return await state.tokenizer_queue.run(tenant, functools.partial(fn, *args, **kwargs))
+    finally:
+        state.admission.release_render(tenant)

@@ -17,7 +17,6 @@ import time
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
@@ -41,6 +40,7 @@ from prefixserve.entrypoints.openai.errors import (
 )
 from prefixserve.entrypoints.openai.inspector_sessions import InspectorSessions
 from prefixserve.entrypoints.openai.metrics import RequestTimer, ServerMetrics
+from prefixserve.entrypoints.openai.tokenizer_queue import TokenizerQueue
 from prefixserve.lora.config import LoRARequest
 from prefixserve.outputs import CompletionOutput, Logprob, RequestOutput
 from prefixserve.sampling_params import SamplingParams
@@ -66,10 +66,8 @@ class ServerState:
     # The inspector's browser sessions (with API keys only: inspector_sessions.py).
     inspector_sessions: InspectorSessions | None = None
     # Tokenizing and chat-template rendering run here, off the event loop, one at a time (a
-    # tokenizer is not safe to call from several threads at once).
-    tokenizer_executor: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
-    )
+    # tokenizer is not safe to call from several threads at once), tenants taken in turn.
+    tokenizer_queue: TokenizerQueue = field(default_factory=TokenizerQueue)
 
 
 def sampling_params(

@@ -26,7 +26,7 @@ async def create_chat_completion(
     model = check_model(state, body.model)
     # Taken now: an adapter unloaded while the prompt is rendered must not turn into the base model.
     lora = lora_request_for(state, model)
-    prompt_ids = await _prompt(state, body)
+    prompt_ids = await _prompt(state, raw.state.tenant, body)
     # The fields the engine's errors name, as this endpoint calls them.
     fields = {
         "prompt": "messages",
@@ -44,13 +44,16 @@ async def create_chat_completion(
     )
 
 
-async def _prompt(state: ServerState, body: p.ChatCompletionRequest) -> list[int]:
+async def _prompt(
+    state: ServerState, tenant: str | None, body: p.ChatCompletionRequest
+) -> list[int]:
     """The messages rendered by the chat template. The engine checks the ids."""
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     check_prompt_text(state, [m["content"] for m in messages], "messages")
     try:
         ids = await off_loop(
             state,
+            tenant,
             state.engine.tokenizer.apply_chat_template,
             messages,
             add_generation_prompt=body.add_generation_prompt,

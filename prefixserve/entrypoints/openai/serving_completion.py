@@ -36,10 +36,10 @@ async def create_completion(
                 "prompt_embeds are not enabled on this server (--enable-prompt-embeds)",
                 param="prompt_embeds",
             )
-        embeds = await off_loop(state, decode_prompt_embeds, body.prompt_embeds)
+        embeds = await off_loop(state, raw.state.tenant, decode_prompt_embeds, body.prompt_embeds)
         prompt_ids, prompt_text = [], None
     else:
-        prompt_ids, prompt_text = await _prompt(state, body)
+        prompt_ids, prompt_text = await _prompt(state, raw.state.tenant, body)
     params = sampling_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs)
     view = CompletionView(state, model, body, params.logprobs, arrival)
     return await generate(
@@ -55,7 +55,9 @@ async def create_completion(
     )
 
 
-async def _prompt(state: ServerState, body: p.CompletionRequest) -> tuple[list[int], str | None]:
+async def _prompt(
+    state: ServerState, tenant: str | None, body: p.CompletionRequest
+) -> tuple[list[int], str | None]:
     """The prompt's token ids, and its text when it came as text. The engine checks the ids."""
     prompt = body.prompt
     if isinstance(prompt, str):
@@ -63,7 +65,7 @@ async def _prompt(state: ServerState, body: p.CompletionRequest) -> tuple[list[i
         if not prompt:
             raise OpenAIError("prompt must not be empty", param="prompt")
         check_prompt_text(state, [prompt], "prompt")
-        return await off_loop(state, state.engine.tokenizer.encode, prompt), prompt
+        return await off_loop(state, tenant, state.engine.tokenizer.encode, prompt), prompt
     return list(prompt), None
 
 

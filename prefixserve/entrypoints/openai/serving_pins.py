@@ -34,6 +34,9 @@ from prefixserve.entrypoints.openai.serving import ServerState
 from prefixserve.sampling_params import SamplingParams
 
 MAX_PIN_ID_CHARS = 128
+# Whose turn a pin's prompt takes on the tokenizer thread: the operators' (the tenant None, which
+# with keys no tenant is; without keys every caller is the one user None).
+OPERATOR = None
 PIN_ID_PATTERN = r"^[A-Za-z0-9._~-]+$"
 
 
@@ -118,14 +121,18 @@ async def _prompt_ids(state: ServerState, body: PinRequest) -> list[int]:
         if not body.prompt:
             raise OpenAIError("prompt must not be empty", param="prompt")
         check_prompt_text(state, [body.prompt], "prompt")
-        return await off_loop(state, tokenizer.encode, body.prompt)
+        return await off_loop(state, OPERATOR, tokenizer.encode, body.prompt)
     texts = [m.get("content") for m in body.messages or []]
     if not texts or not all(isinstance(t, str) for t in texts):
         raise OpenAIError("messages must be {role, content} objects with text", param="messages")
     check_prompt_text(state, texts, "messages")  # type: ignore[arg-type]
     try:
         return await off_loop(
-            state, tokenizer.apply_chat_template, body.messages, add_generation_prompt=False
+            state,
+            OPERATOR,
+            tokenizer.apply_chat_template,
+            body.messages,
+            add_generation_prompt=False,
         )
     except Exception as exc:
         raise OpenAIError(f"cannot render messages: {exc}", param="messages") from exc
