@@ -6,7 +6,8 @@ text blocks), `max_tokens`, `temperature` (0-1, Anthropic's range), `top_p`, `to
 `cache_control: {"type": "ephemeral", "ttl": "5m" | "1h"}` on system blocks, message blocks and
 tools, or at the top level (a breakpoint on the last block): up to four breakpoints. Fields of
 the hosted service with no meaning here (`service_tier`, `speed`, `inference_geo`, ...) are
-accepted and have no effect; `thinking`, `container` and `output_config` are refused. Content
+accepted and have no effect; `thinking` is taken only as `{"type": "disabled"}` (on
+`count_tokens` too), and `container` and `output_config` are refused. Content
 blocks of other types (images, documents, tool results) are refused with a 400 naming them,
 never ignored. Unknown top-level fields are refused as Anthropic refuses them. prefixserve's
 extra: `cache_report` (docs/cache_reports.md).
