@@ -200,7 +200,8 @@ class KVStoreConfig:
     remote_url: str | None = None
     remote_password_file: Path | None = None
     remote_key_file: Path | None = None
-    # The disk tier's own key (a directory others can write): its records MACed, its hash seed
+    # The disk tier's own key (a directory other hosts write, under the same user id, on a network
+    # filesystem): its records MACed, its hash seed
     # derived from the key rather than read from the directory; None: checksums and the seed file.
     key_file: Path | None = None
     # Reads of a waiting request's blocks on their own thread while others compute

@@ -423,7 +423,9 @@ class EngineArgs:
         enabled = self.enable_kv_store
         if enabled is None:
             explicit = self.kv_store_dir is not None or self.kv_store_gb is not None
+            explicit = explicit or self.kv_store_key_file is not None
             enabled = explicit or settings.kv_store_default_enabled()
+        self._check_tier_flags(enabled)
         if not enabled and self.kv_remote is None:
             return None
         self._check_store_files()
@@ -438,6 +440,18 @@ class EngineArgs:
             key_file=self.kv_store_key_file,
             overlap_loads=self.kv_load_overlap,
         )
+
+    def _check_tier_flags(self, disk_enabled: bool) -> None:
+        """ValueError for a tier's file flag without its tier (it would be silently ignored)."""
+        if self.kv_remote is None:
+            for flag, value in (
+                ("--kv-remote-key-file", self.kv_remote_key_file),
+                ("--kv-remote-password-file", self.kv_remote_password_file),
+            ):
+                if value is not None:
+                    raise ValueError(f"{flag} needs --kv-remote (the shared tier it is for)")
+        if self.kv_store_key_file is not None and not disk_enabled:
+            raise ValueError("--kv-store-key-file needs the disk tier (--no-kv-store turns it off)")
 
     def _check_store_files(self) -> None:
         """The shared tier's URL, password and key files, and the disk's key file, checked now

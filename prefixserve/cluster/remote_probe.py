@@ -25,7 +25,7 @@ from prefixserve.cluster.index import PromptView
 from prefixserve.cluster.messages import RemoteInfo, ReplicaInfo, seed_fingerprint
 from prefixserve.core.kv_cache.hashing import get_request_block_hasher, none_hash_from_secret
 from prefixserve.kv_store.connector import GROUP
-from prefixserve.kv_store.remote.lookup import RemoteLookup
+from prefixserve.kv_store.remote.lookup import RemoteLookup, redacted_url
 from prefixserve.kv_store.tier_key import TierKey
 
 logger = logging.getLogger(__name__)
@@ -113,9 +113,11 @@ def open_remote_probe(
             socket_timeout_s=ROUTER_SOCKET_TIMEOUT_S,
         )
     except (ValueError, OSError) as exc:
-        logger.warning("remote-aware routing off: cannot open %s (%s)", remote.url, exc)
+        logger.warning(
+            "remote-aware routing off: cannot open %s (%s)", redacted_url(remote.url), exc
+        )
         return None
-    logger.info("remote-aware routing on: the replicas share %s", remote.url)
+    logger.info("remote-aware routing on: the replicas share %s", redacted_url(remote.url))
     return SharedTierProbe(lookup, remote, block_size, hash_algo, none_hash)
 
 

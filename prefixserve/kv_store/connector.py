@@ -52,7 +52,7 @@ from prefixserve.kv_store.fingerprint import model_fingerprint, store_namespace
 from prefixserve.kv_store.load_speeds import LoadSpeeds
 from prefixserve.kv_store.loads import BackgroundLoads
 from prefixserve.kv_store.lookup import StoreLookup
-from prefixserve.kv_store.remote.lookup import RemoteLookup
+from prefixserve.kv_store.remote.lookup import RemoteLookup, redacted_url
 from prefixserve.kv_store.remote.redis_tier import RedisTier
 from prefixserve.kv_store.seed import load_or_create_seed
 from prefixserve.kv_store.tier import DISK, REMOTE, BlockRead, DiskTier, KVTier
@@ -663,7 +663,7 @@ def _open_remote(store_config: KVStoreConfig, namespace: str) -> RedisTier | Non
     logger.log(
         logging.INFO if answers else logging.WARNING,
         "KV remote: %s (namespace %s), shared by every host with the same key: %s",
-        store_config.remote_url,
+        redacted_url(store_config.remote_url),
         namespace,
         "connected" if answers else f"not answering ({dict(remote.stats)}); used once it answers",
     )

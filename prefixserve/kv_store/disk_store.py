@@ -89,7 +89,7 @@ class DiskKVStore(StoreLookup):
         `store_namespace`); scans it once. `fsync` is off by default: a record damaged by a
         power loss fails its checksum and is a miss, so durability costs nothing in safety.
         `clock` gives unix time (a test may pass a fake one). `key`: records carry its MAC
-        instead of a checksum (a directory others can write: `--kv-store-key-file`).
+        instead of a checksum (a directory other hosts write: `--kv-store-key-file`).
 
         Raises ValueError for bad arguments, UnsafeStoreError for a root others can access.
         """

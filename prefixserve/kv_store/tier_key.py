@@ -1,22 +1,23 @@
 """`TierKey`: the secret that makes a tier's values unforgeable, from a key file the hosts share.
 
-A tier that others can write (a Redis/Valkey server shared by the hosts, a disk directory
-shared by several machines) must not let whoever can write it choose a tenant's K/V: a value's
-xxh3 checksum is public arithmetic, and anyone can recompute it over a forged payload. So a
-value on such a tier carries a keyed MAC instead (BLAKE3 in keyed mode, its first 16 bytes, in
-the record's checksum field), computed with a key that never goes to the tier. A value whose
-MAC does not verify is a miss, counted and deleted (record.py `UNAUTHENTICATED`).
+A tier that others can write (a Redis/Valkey server shared by the hosts, a disk directory that
+several hosts mount, under one user id, from a network filesystem) must not let whoever can
+write it choose a tenant's K/V: a value's xxh3 checksum is public arithmetic, and anyone can
+recompute it over a forged payload. So a value on such a tier carries a keyed MAC instead
+(BLAKE3 in keyed mode, its first 16 bytes, in the record's checksum field), computed with a key
+that never goes to the tier. A value whose MAC does not verify is a miss, counted and deleted
+(record.py `UNAUTHENTICATED`).
 
 The key file holds at least 32 bytes of secret (e.g. `openssl rand -hex 32`), surrounding
-whitespace dropped, and must be readable by its owner alone. Two keys are derived from it
-(BLAKE3's key derivation, one context string each): the MAC key, and the hash chain's seed,
-so the hosts that share the file hash alike without reading a seed from the tier (where a
-writer could change it, and from where a host started while the tier is down could not read
-it).
+whitespace dropped, and must be readable by its owner alone (this user, or root). Two keys are
+derived from it (BLAKE3's key derivation, one context string each): the MAC key, and the hash
+chain's seed, so the hosts that share the file hash alike without reading a seed from the tier
+(where a writer could change it, and from where a host started while the tier is down could
+not read it).
 
-BLAKE3 (the `blake3` package) MACs ~7.8 GB/s on one AVX-512 core here (xxh3 ~49, HMAC-SHA256
-~1.7, keyed BLAKE2b ~1.0): the load's other costs (the round trip, copying into the pool) stay
-the larger part (BENCHMARKS.md, "Shared tier: the MAC's cost").
+BLAKE3 (the `blake3` package) MACs ~7.6 GB/s over a block on one AVX-512 core (xxh3 ~49,
+HMAC-SHA256 ~1.7, keyed BLAKE2b ~1.0): a joining host's loads keep 0.84-0.87x of their speed,
+~50x what a prefill of the same tokens costs (BENCHMARKS.md, "Shared tier: the MAC's cost").
 """
 
 from __future__ import annotations
@@ -74,14 +75,16 @@ def read_key_file(path: str | Path, flag: str) -> bytes:
     `flag` when the file is missing, not a regular file, readable or writable by group or
     others, or of the wrong length."""
     path = Path(path).expanduser()
-    try:
-        fd = os.open(path, os.O_RDONLY)
+    try:  # symbolic links followed (a Kubernetes secret is one); a FIFO never blocks the start
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as exc:
         raise TierKeyError(f"{flag} {path}: cannot open it ({exc.strerror})") from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise TierKeyError(f"{flag} {path}: not a regular file")
+        if st.st_uid not in (os.geteuid(), 0):
+            raise TierKeyError(f"{flag} {path}: owned by another user (uid {st.st_uid})")
         if st.st_mode & 0o077:
             raise TierKeyError(
                 f"{flag} {path}: mode {stat.S_IMODE(st.st_mode):o} lets others read or change "

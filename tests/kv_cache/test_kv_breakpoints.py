@@ -191,6 +191,7 @@ def test_a_breakpoint_replacing_its_tenants_own_counts_only_the_net_held_blocks_
 
     statuses = mgr.hold_breakpoints(request, (CacheBreakpoint(8, 300),), fits_pool)
     mgr.free(request)
+    assert asked == [0]  # two blocks held, two of its own released: no net growth
     assert statuses == [HoldStatus.HELD] and mgr.breakpoints.tenant_blocks("a") == 2
     assert mgr.num_held_blocks == 2
     mgr.check_no_leaks()

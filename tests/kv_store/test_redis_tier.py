@@ -7,6 +7,7 @@ an error, and the hash seed is the key's, never the server's."""
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -262,6 +263,9 @@ def test_a_password_never_comes_from_the_url(tmp_path):
         assert "secret" not in str(err.value)
     with pytest.raises(RemoteConfigError, match="redis://"):
         check_url("http://localhost:6379")
+    with pytest.raises(RemoteConfigError, match="redis://") as err:
+        check_url("valkey://user:s3cret@h/0?password=s3cret")  # the scheme refused first
+    assert "s3cret" not in str(err.value)
     check_url("rediss://user@localhost:6380/1")
     check_url("redis://localhost:6379/0?socket_timeout=1")
 
@@ -272,6 +276,33 @@ def test_a_bad_port_is_refused_naming_the_flag():
             check_url(url)
     with pytest.raises(RemoteConfigError, match="--kv-remote: no host"):
         check_url("redis:///0")
+
+
+def test_a_key_file_of_another_user_is_refused(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("needs root to give the file to another user")
+    key = tmp_path / "kv.key"
+    key.write_text("k" * 64)
+    key.chmod(0o600)
+    os.chown(key, 12345, 12345)
+    with pytest.raises(ValueError, match="--kv-remote-key-file .*another user"):
+        TierKey.from_file(key, "--kv-remote-key-file")
+
+
+def test_a_tier_file_flag_without_its_tier_is_refused(tmp_path, default_model_bf16):
+    """A key or password file for a tier that is off would be silently ignored: refused."""
+    from prefixserve import LLM
+
+    key = tmp_path / "kv.key"
+    key.write_text("k" * 64)
+    key.chmod(0o600)
+    for kwargs, flag in (
+        ({"kv_remote_key_file": str(key)}, "--kv-remote-key-file needs --kv-remote"),
+        ({"kv_remote_password_file": str(key)}, "--kv-remote-password-file needs --kv-remote"),
+        ({"kv_store_key_file": str(key), "enable_kv_store": False}, "--kv-store-key-file needs"),
+    ):
+        with pytest.raises(ValueError, match=flag):
+            LLM(loaded_model=default_model_bf16, **kwargs)
 
 
 def test_a_password_file_that_cannot_be_read_is_refused_naming_the_flag(tmp_path):

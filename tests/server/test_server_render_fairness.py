@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -146,6 +147,21 @@ def test_a_failing_job_raises_in_its_caller_and_frees_the_thread():
         return await queue.run("beta", lambda: "next")
 
     assert asyncio.run(scenario()) == "next"
+
+
+def test_a_job_the_executor_refuses_gives_the_turn_back():
+    """`run_in_executor` itself failing (a shut-down executor) must not leave the thread's turn
+    taken: every later prompt would wait for ever."""
+
+    async def scenario() -> int:
+        queue = TokenizerQueue()
+        queue.executor.shutdown()
+        with pytest.raises(RuntimeError):
+            await queue.run("alpha", lambda: 0)
+        queue.executor = ThreadPoolExecutor(max_workers=1)
+        return await asyncio.wait_for(queue.run("beta", lambda: 1), timeout=10)
+
+    assert asyncio.run(scenario()) == 1
 
 
 # ------------------------------------------------------------------------- over a live server

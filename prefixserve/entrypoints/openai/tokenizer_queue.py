@@ -54,12 +54,18 @@ class TokenizerQueue:
     async def run(self, tenant: Tenant, fn: Callable[[], T]) -> T:
         """`fn()` on the thread once it is `tenant`'s turn; its result or its exception."""
         await self._take_turn(tenant)
-        future = asyncio.get_running_loop().run_in_executor(self.executor, fn)
+        try:
+            future = asyncio.get_running_loop().run_in_executor(self.executor, fn)
+        except BaseException:  # a shut-down executor, a closed loop: the turn must not stick
+            self._pass_turn()
+            raise
         try:
             # Shielded: a cancelled caller must not give the turn back while `fn` still runs.
             return await asyncio.shield(future)
         finally:
             if future.done():
+                if not future.cancelled():
+                    future.exception()  # read, so a cancelled caller's failure is not logged
                 self._pass_turn()
             else:
                 future.add_done_callback(self._abandoned_job_ended)

@@ -63,7 +63,9 @@ def check_url(url: str) -> None:
     without a password anywhere in it (user info or query string) and with a valid port."""
     parts = urlsplit(url)
     if parts.scheme not in ("redis", "rediss", "unix"):
-        raise RemoteConfigError(f"--kv-remote must be redis://, rediss:// or unix://, got {url!r}")
+        raise RemoteConfigError(
+            f"--kv-remote must be redis://, rediss:// or unix://, got {_redacted(parts)!r}"
+        )
     query_names = [name.lower() for name, _ in parse_qsl(parts.query, keep_blank_values=True)]
     if parts.password is not None or any(
         secret in name for name in query_names for secret in _SECRET_QUERY_NAMES
@@ -81,8 +83,14 @@ def check_url(url: str) -> None:
 
 
 def _redacted(parts) -> str:  # noqa: ANN001  (a SplitResult)
-    """The URL without its query string (where a secret could hide)."""
-    return parts._replace(query="", fragment="").geturl()
+    """The URL without its user info and query string (where a secret could hide)."""
+    netloc = parts.netloc.rpartition("@")[2]
+    return parts._replace(netloc=netloc, query="", fragment="").geturl()
+
+
+def redacted_url(url: str) -> str:
+    """`url` as it may be logged or sent: no user info, no query string."""
+    return _redacted(urlsplit(url))
 
 
 class RemoteLookup:
