@@ -5,9 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-# vLLM's shape: per position, {token_id: Logprob}.
-from prefixserve.core.sched.output import PositionLogprobs
-
 
 @dataclass(slots=True)
 class Logprob:
@@ -16,13 +13,9 @@ class Logprob:
     decoded_token: str | None = None
 
 
+# vLLM's shape: per position, {token_id: Logprob}.
 SampleLogprobs = list[dict[int, Logprob]]
 PromptLogprobs = list[dict[int, Logprob] | None]
-
-
-def to_logprob_dict(entry: PositionLogprobs) -> dict[int, Logprob]:
-    """Turn a runner (token_id, logprob, rank) list into vLLM's {token_id: Logprob} dict."""
-    return {token_id: Logprob(logprob, rank) for token_id, logprob, rank in entry}
 
 
 @dataclass(slots=True)

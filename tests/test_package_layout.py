@@ -132,7 +132,10 @@ def _imported_modules(path: Path) -> set[str]:
 
 
 def test_core_imports_nothing_of_torch_the_engine_the_worker_the_model_or_the_server():
+    """Nor of the tiers or the proposers: the scheduler names them through the protocols of
+    core/sched/interfaces.py, which they implement."""
     above = ("engine", "worker", "model", "entrypoints", "cluster", "lora", "llm", "cli", "bench")
+    above += ("kv_store", "spec_decode", "inputs")
     forbidden = ("torch",) + tuple(f"prefixserve.{room}" for room in above)
     found = {
         f"{path.relative_to(PACKAGE)} imports {name}"
@@ -185,4 +188,68 @@ def test_the_server_and_the_cluster_import_the_engines_errors_not_its_implementa
                 f"{path.relative_to(PACKAGE)} imports {name}"
                 for name in top_level & set(implementation)
             }
+    assert not found, sorted(found)
+
+
+def _room(module: str) -> str:
+    """The top-level room of a module of the package (`prefixserve.core.sched.scheduler` ->
+    `core`); a root module is its own room (`prefixserve.outputs` -> `outputs`)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def room_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The import graph collapsed to top-level rooms (a room's imports of itself dropped)."""
+    rooms: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        room = _room(module)
+        rooms.setdefault(room, set()).update(_room(t) for t in targets if _room(t) != room)
+    for targets in list(rooms.values()):
+        for target in targets:
+            rooms.setdefault(target, set())
+    return rooms
+
+
+def test_no_cycle_among_the_top_level_rooms():
+    """Collapsed to its rooms (core, kv_store, spec_decode, engine, worker, ...), the package's
+    imports form no cycle: every arrow points down (imports inside functions count)."""
+    cycle = find_cycle(room_graph(import_graph(PACKAGE)))
+    assert cycle is None, "rooms import each other: " + " -> ".join(cycle)
+
+
+def test_the_room_check_finds_a_cycle_between_two_rooms_that_modules_alone_hide(tmp_path):
+    pkg = tmp_path / "pkg"
+    for room in ("low", "high"):
+        (pkg / room).mkdir(parents=True)
+        (pkg / room / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "low" / "a.py").write_text("from pkg.high import b\n")
+    (pkg / "high" / "b.py").write_text("import json\n")
+    (pkg / "high" / "c.py").write_text("from pkg.low import d\n")
+    (pkg / "low" / "d.py").write_text("import json\n")
+    graph = import_graph(pkg)
+    assert find_cycle(graph) is None  # no module cycle...
+    assert find_cycle(room_graph(graph)) is not None  # ...but low and high import each other
+
+
+def test_the_worker_never_imports_the_engine():
+    found = {
+        f"{path.relative_to(PACKAGE)} imports {name}"
+        for path in sorted((PACKAGE / "worker").rglob("*.py"))
+        for name in _imported_modules(path)
+        if name == "prefixserve.engine" or name.startswith("prefixserve.engine.")
+    }
+    assert not found, sorted(found)
+
+
+def test_the_root_records_import_no_room():
+    """outputs.py and sampling_params.py are records every room reads: they import no room of
+    the package (config.py's records and dtypes.py at most)."""
+    allowed = {"prefixserve.config", "prefixserve.dtypes"}
+    found = {
+        f"{name} imports {imported}"
+        for name in ("outputs.py", "sampling_params.py")
+        for imported in _imported_modules(PACKAGE / name)
+        if imported.startswith("prefixserve") and imported not in allowed
+    }
     assert not found, sorted(found)

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from prefixserve.spec_decode.metrics import acceptance
+from prefixserve.core.sched.spec_metrics import acceptance
 
 # Field -> the counter's exposed name, per engine, in the order they are looked up.
 SPEC_DECODE_COUNTERS: dict[str, tuple[str, ...]] = {

@@ -24,8 +24,8 @@ from typing import Any
 from prefixserve.cluster.index import PromptView
 from prefixserve.cluster.messages import RemoteInfo, ReplicaInfo, seed_fingerprint
 from prefixserve.core.kv_cache.hashing import get_request_block_hasher, none_hash_from_secret
-from prefixserve.kv_store.connector import GROUP
 from prefixserve.kv_store.remote.lookup import RemoteLookup, redacted_url
+from prefixserve.kv_store.tier import GROUP
 from prefixserve.kv_store.tier_key import TierKey
 
 logger = logging.getLogger(__name__)

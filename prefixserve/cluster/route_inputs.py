@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from prefixserve.engine.client import EngineRequest
-from prefixserve.engine.prompt_embeds import embeds_bits
+from prefixserve.inputs.prompt_embeds import embeds_bits
 from prefixserve.lora.adapter import adapter_digest
 
 MAX_LORA_DIGESTS = 256

@@ -23,9 +23,9 @@ from pathlib import Path
 from prefixserve.cluster.index import PromptView
 from prefixserve.cluster.messages import ReplicaInfo, seed_fingerprint
 from prefixserve.core.kv_cache.hashing import get_request_block_hasher, none_hash_from_secret
-from prefixserve.kv_store.connector import GROUP
 from prefixserve.kv_store.lookup import StoreLookup
 from prefixserve.kv_store.seed import SEED_FILE, load_or_create_seed
+from prefixserve.kv_store.tier import GROUP
 from prefixserve.kv_store.tier_key import TierKey
 
 logger = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from prefixserve.spec_decode.metrics import acceptance
+from prefixserve.core.sched.spec_metrics import acceptance
 
 # How each metric combines over replicas. Counters (every key not named here) are summed; these
 # are state: summed where the replicas' parts add up, averaged where each is a fraction of its

@@ -55,7 +55,7 @@ from prefixserve.kv_store.lookup import StoreLookup
 from prefixserve.kv_store.remote.lookup import RemoteLookup, redacted_url
 from prefixserve.kv_store.remote.redis_tier import RedisTier
 from prefixserve.kv_store.seed import load_or_create_seed
-from prefixserve.kv_store.tier import DISK, REMOTE, BlockRead, DiskTier, KVTier
+from prefixserve.kv_store.tier import DISK, GROUP, REMOTE, BlockRead, DiskTier, KVTier
 from prefixserve.kv_store.tier_key import TierKey
 from prefixserve.kv_store.tier_run import TierRun
 from prefixserve.kv_store.writer import BackgroundWriter
@@ -68,7 +68,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-GROUP = 0  # the one full-attention KV-cache group the tier serves
 
 
 @dataclass(slots=True)

@@ -20,7 +20,9 @@ from prefixserve.core.kv_cache.tier_hit import DISK, REMOTE
 from prefixserve.kv_store.disk_store import DiskKVStore
 from prefixserve.kv_store.writer import BackgroundWriter
 
-__all__ = ["DISK", "REMOTE", "BlockRead", "DiskTier", "KVTier"]
+__all__ = ["DISK", "GROUP", "REMOTE", "BlockRead", "DiskTier", "KVTier"]
+
+GROUP = 0  # the one full-attention KV-cache group the tiers serve
 
 # One block of a read: its hash, its token ids and the hash of the block before it.
 BlockRead = tuple[bytes, Sequence[int], bytes]

@@ -2,5 +2,6 @@
 sampled tokens) and `sample/` (the sampler and speculative decoding's verification rows and
 acceptance, together).
 
-May import `model/`, `lora/`, `kv_store/` (moving bytes), `core/` records; never the engine.
+May import `model/`, `lora/`, `kv_store/` (moving bytes), `inputs/` (prompt embeddings' rows),
+`core/` records; never the engine.
 """

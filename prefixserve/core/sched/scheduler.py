@@ -52,8 +52,7 @@ from prefixserve.core.sched.step_results import (
 if TYPE_CHECKING:
     from prefixserve.core.kv_cache.kv_cache_manager import KVCacheManager
     from prefixserve.core.kv_cache.reports.explain import CacheExplainer
-    from prefixserve.kv_store.connector import KVStoreConnector
-    from prefixserve.spec_decode.ngram import NgramProposer
+    from prefixserve.core.sched.interfaces import DraftProposer, TierConnector
 
 
 @dataclass(slots=True)
@@ -79,10 +78,10 @@ class Scheduler:
     `eos_token_ids` are the model's end-of-sequence ids; a request stops on any of them unless
     its params say `ignore_eos`.
 
-    With a `proposer` (spec_decode/ngram.py), each decoding request may carry drafts: they are
-    counted in the token budget and its tenant's share (leaving a token to every running request
-    after it), get lookahead slots (never cached), and a request whose drafts' slots do not fit
-    drops them rather than preempt anyone for its own allocation.
+    With a `proposer` (a `DraftProposer`: spec_decode/ngram.py's), each decoding request may
+    carry drafts: they are counted in the token budget and its tenant's share (leaving a token to
+    every running request after it), get lookahead slots (never cached), and a request whose
+    drafts' slots do not fit drops them rather than preempt anyone for its own allocation.
     """
 
     def __init__(
@@ -91,7 +90,7 @@ class Scheduler:
         kv_cache_manager: KVCacheManager,
         max_model_len: int,
         eos_token_ids: Iterable[int] = (),
-        proposer: NgramProposer | None = None,
+        proposer: DraftProposer | None = None,
     ) -> None:
         self.config = config
         self.proposer = proposer
@@ -99,9 +98,9 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.requests: dict[str, Request] = {}
-        # The load side of the tiers below RAM (kv_store/connector.py), set by the engine when it
-        # has one.
-        self.kv_connector: KVStoreConnector | None = None
+        # The load side of the tiers below RAM (a `TierConnector`: kv_store/connector.py's), set
+        # by the engine when it has one.
+        self.kv_connector: TierConnector | None = None
         # Explains each request's hit at its first scheduling (kv_cache/reports/explain.py), set
         # by the engine.
         self.explainer: CacheExplainer | None = None
@@ -277,7 +276,7 @@ class Scheduler:
     def _admit(self, request: Request, plan: _StepPlan, in_flight: set[bytes]) -> bool | None:
         """Schedule a waiting request after its cache hit (RAM, then disk and shared tiers): True
         when it runs, False when it waits for a running prefill of its next block or for its
-        blocks' background read (`KVStoreConnector.start_load`: the read overlaps the running
+        blocks' background read (`TierConnector.start_load`: the read overlaps the running
         requests' compute), None when it does not fit."""
         mgr = self.kv_cache_manager
         assert request.num_computed_tokens == 0, request

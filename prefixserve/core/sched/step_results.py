@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from prefixserve.core.request import Request, RequestStatus
 from prefixserve.core.sched.output import ModelRunnerOutput, PositionLogprobs
-from prefixserve.spec_decode.metrics import acceptance
+from prefixserve.core.sched.spec_metrics import acceptance
 
 
 @dataclass(slots=True)

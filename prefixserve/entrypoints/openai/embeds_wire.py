@@ -1,6 +1,6 @@
 """`prompt_embeds` over HTTP (vLLM's wire form): a base64 string of `torch.save` bytes holding one
 2-D float tensor. Decoded here, off the event loop, before anything reaches the engine (which then
-checks shape, dtype and values: engine/prompt_embeds.py).
+checks shape, dtype and values: inputs/prompt_embeds.py).
 
 What an attacker controls is a zip archive and a pickle: the bytes must start as a zip archive
 does (torch.load picks its reader from the first bytes, zipfile looks at the end), the archive
@@ -23,8 +23,8 @@ import zipfile
 
 import torch
 
-from prefixserve.engine.prompt_embeds import layout_problem
 from prefixserve.entrypoints.openai.errors import OpenAIError
+from prefixserve.inputs.prompt_embeds import layout_problem
 
 _ZIP_MAGIC = b"PK\x03\x04"
 # Zip entries besides the tensor's bytes (pickle, version, byteorder...): a few KB in practice.

@@ -1,5 +1,6 @@
-"""Speculative decoding's derived numbers, from vLLM's three counters (the engine reports them,
-the benchmark reads them from any server's /metrics)."""
+"""Speculative decoding's derived numbers, from vLLM's three counters (the scheduler counts them
+in `step_results.py`, the engine reports them, the benchmark reads them from any server's
+/metrics). Here, below the scheduler, so that `core/` imports nothing of `spec_decode/`."""
 
 from __future__ import annotations
 
