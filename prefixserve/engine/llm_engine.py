@@ -43,7 +43,7 @@ from prefixserve.engine.input_checks import (
 )
 from prefixserve.engine.output_processor import OutputProcessor
 from prefixserve.inputs.prompt_embeds import prompt_from_embeds
-from prefixserve.kv_store.connector import open_engine_kv_store
+from prefixserve.kv_store.open_tiers import open_engine_kv_store
 from prefixserve.kv_store.worker import kv_layout, layout_string
 from prefixserve.lora.config import LoRARequest
 from prefixserve.lora.manager import LoRAManager

@@ -1,15 +1,19 @@
-"""The prefix cache's second tier: K/V blocks on local disk, shared by processes, kept on restart.
+"""The tiers below the RAM pool: K/V blocks on local disk (shared by processes, kept on restart)
+and on a Redis/Valkey server shared by hosts (`remote/`), behind one interface (`tier.py`).
 
-The RAM block pool (`kv_cache/`) is the first tier. This package is the second: a directory of
-files, one block of one KV-cache group each, content-addressed by the block's hash. It is split
-like vLLM's KV connector, and this package holds the parts both sides use, torch-free:
+The RAM block pool (`kv_cache/`) is the first tier. The disk is a directory of files, one block
+of one KV-cache group each, content-addressed by the block's hash; the shared tier keeps the
+same records as values (docs/shared-tier.md). Values on a tier others write carry a MAC under a
+key the hosts share (`tier_key.py`). It is split like vLLM's KV connector, and this package
+holds the parts both sides use, torch-free:
 
 - Compatibility (`fingerprint.py`): `model_fingerprint(model_dir)` digests config.json and the
   weights; `store_namespace(fingerprint, dtype, block_size, hash_algo, kv_layout)` names the
   subdirectory, so a store written by another model, dtype, block size, hash or KV layout can never
   be looked up (records also carry their namespace).
 - The hash chain's seed (`seed.py`): `load_or_create_seed(root)`, the store's own 32-byte secret
-  (0600). NONE_HASH is derived from it so that block hashes are stable across restarts yet not
+  (0600), or a key file's (`tier_key.py`, with the shared tier or `--kv-store-key-file`).
+  NONE_HASH is derived from it so that block hashes are stable across restarts yet not
   guessable; the salts stay in every hash, so tenants stay apart in this tier too.
 - The store (`disk_store.py`): `DiskKVStore(root, namespace, capacity_bytes)`; key = (block hash,
   group), each record also naming its parent block's hash. `contains` / `count_prefix` are stats
@@ -30,8 +34,10 @@ How the engine wires it in (`connector.py` `KVStoreConnector`, the tiers behind 
 - Worker side (the runner): scatters the loaded payloads into the KV tensors before the forward
   pass, and gathers the saved blocks' K/V out of the pool after it (a block may be reused next
   step).
-- Start-up: `open_engine_kv_store` (`resolve_store_config`, `load_or_create_seed` -> NONE_HASH,
-  `DiskKVStore`, `BackgroundWriter`, the shared tier); shutdown: `KVStoreConnector.close`.
+- Start-up: `open_tiers.py` `open_engine_kv_store` (`resolve_store_config`, the seed -> NONE_HASH:
+  the shared tier's key, the disk's key or `load_or_create_seed`; `DiskKVStore`,
+  `BackgroundWriter`, the shared tier; the connector built over them); shutdown:
+  `KVStoreConnector.close`.
 """
 
 from __future__ import annotations

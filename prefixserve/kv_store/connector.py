@@ -39,35 +39,26 @@ import logging
 import time
 from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from prefixserve.config import RETENTION_SECONDS
-from prefixserve.core.kv_cache.hashing import none_hash_from_secret
-from prefixserve.core.kv_cache.spec import FullAttentionSpec, KVCacheSpec
 from prefixserve.core.kv_cache.tier_hit import TierHit
-from prefixserve.kv_store import resolve_store_config
 from prefixserve.kv_store.disk_store import BlockKey, DiskKVStore
-from prefixserve.kv_store.fingerprint import model_fingerprint, store_namespace
 from prefixserve.kv_store.load_speeds import LoadSpeeds
 from prefixserve.kv_store.loads import BackgroundLoads
 from prefixserve.kv_store.lookup import StoreLookup
-from prefixserve.kv_store.remote.lookup import RemoteLookup, redacted_url
+from prefixserve.kv_store.remote.lookup import RemoteLookup
 from prefixserve.kv_store.remote.redis_tier import RedisTier
-from prefixserve.kv_store.seed import load_or_create_seed
 from prefixserve.kv_store.tier import DISK, GROUP, REMOTE, BlockRead, DiskTier, KVTier
-from prefixserve.kv_store.tier_key import TierKey
 from prefixserve.kv_store.tier_run import TierRun
 from prefixserve.kv_store.writer import BackgroundWriter
 
 if TYPE_CHECKING:
-    from prefixserve.config import EngineConfig, KVStoreConfig
     from prefixserve.core.kv_cache.kv_cache_manager import KVCacheManager
     from prefixserve.core.request import Request
     from prefixserve.core.sched.output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
-
 
 
 @dataclass(slots=True)
@@ -110,7 +101,16 @@ class KVStoreConnector:
         clock: Callable[[], float] = time.time,
         remote: RedisTier | None = None,
         overlap_loads: bool = True,
+        *,
+        root_parent: bytes = b"",
+        other_dtypes: dict[str, StoreLookup] | None = None,
+        other_remote_dtypes: dict[str, RemoteLookup] | None = None,
     ) -> None:
+        """`root_parent`: the hash chain's seed, a first block's parent (stored with each block
+        and checked at each read). `other_dtypes` / `other_remote_dtypes`: lookups, by KV dtype,
+        in the namespaces where engines of the other KV dtypes keep the same prompts' blocks,
+        on the disk (stat-only) and the shared tier (EXISTS); read by cache reports only,
+        never loaded from (`open_tiers.py` opens them)."""
         if default_retention not in RETENTION_SECONDS:
             raise ValueError(f"unknown prompt cache retention {default_retention!r}")
         if (store is None) != (writer is None):
@@ -133,9 +133,9 @@ class KVStoreConnector:
         # Reads overlapped with the running requests' compute (`start_load`); off: every read
         # at admission, on the step thread.
         self.overlap_loads = overlap_loads
-        # The parent hash of a prompt's first block: the hash chain's seed
-        # (`open_engine_kv_store` sets it; b"" for a connector built without one).
-        self.root_parent = b""
+        self.root_parent = root_parent
+        self.other_dtypes = other_dtypes or {}
+        self.other_remote_dtypes = other_remote_dtypes or {}
         self._loads: BackgroundLoads[TierRun] = BackgroundLoads()
         # Pins the tiers keep without expiry: (the pinned prompt, its blocks), by pin id.
         self.pinned: dict[str, tuple[Request, int]] = {}
@@ -408,13 +408,6 @@ class KVStoreConnector:
         (a stat; what a cache report reads; None without a disk tier)."""
         return None if self.store is None else self.store.state((block_hash, GROUP))
 
-    # Lookups in the namespaces where engines of the other KV dtypes keep the same prompts'
-    # blocks (same model, numerics and hash seed), by KV dtype, on the disk (stat-only) and on
-    # the shared tier (EXISTS): set by `open_engine_kv_store`; read by cache reports only,
-    # never loaded from.
-    other_dtypes: dict[str, StoreLookup] = {}
-    other_remote_dtypes: dict[str, RemoteLookup] = {}
-
     def other_kv_dtype(self, block_hash: bytes) -> str | None:
         """The KV dtype of another engine that stored this block in this directory or on the
         shared tier, or None (a stat per other dtype; on the shared tier, one EXISTS per other
@@ -532,138 +525,3 @@ class KVStoreConnector:
         self._loads.close()
         self.release_pins()
         return all([tier.close(timeout) for tier in self._tiers])
-
-
-def open_engine_kv_store(
-    config: EngineConfig,
-    model_dir: str | Path,
-    groups: Sequence[KVCacheSpec],
-    kv_layout: str,
-    numerics: str = "",
-    other_layouts: dict[str, str] | None = None,
-) -> tuple[KVStoreConnector | None, bytes | None]:
-    """The tiers `config.kv_store` asks for (the disk, the shared tier, or both), opened for
-    this model and cache layout with their writers started, and the hash chain's NONE_HASH:
-    from the shared tier's key when there is one (so the hosts of a deployment agree), else
-    from the disk tier's key, else from the disk store's secret seed file (so a restarted
-    process hits what its predecessor stored); (None, None) when the config has no tier or the
-    model cannot use one. A shared tier that cannot be reached now is used once it answers.
-    Raises ValueError / OSError (UnsafeStoreError for a directory others can reach,
-    TierKeyError for a key file that cannot be used). `numerics`: the runner's name for how its
-    K/V are computed where that changes their bits (`ModelRunner.kv_numerics`).
-    `other_layouts`: the layouts of the other KV dtypes by name, each with its own numerics,
-    whose namespaces a cache report looks in, on the disk and the shared tier
-    (`KVStoreConnector.other_kv_dtype`)."""
-    store_config = config.kv_store
-    if store_config is None or not (store_config.enabled or store_config.remote_url):
-        return None, None
-    cache = config.cache
-    if not _tiers_serve(config, groups):
-        return None, None
-    # Batch-invariant engines compute K/V on other paths (other roundings): their blocks live
-    # apart, or a hit would break the bit-for-bit promise.
-    fingerprint = model_fingerprint(model_dir)
-
-    def namespace_of(layout: str) -> str:
-        return store_namespace(
-            fingerprint, config.dtype, cache.block_size, cache.prefix_caching_hash_algo, layout
-        )
-
-    namespace = namespace_of(kv_layout + numerics)
-    store, writer, seed = None, None, None
-    if store_config.enabled:
-        store_config = resolve_store_config(store_config)
-        store, writer, seed = _open_disk(store_config, namespace)
-    remote = _open_remote(store_config, namespace)
-    if remote is not None:
-        seed = remote.seed  # the hosts sharing the tier hash alike: the seed of their key
-    assert seed is not None
-    connector = KVStoreConnector(
-        store,
-        writer,
-        cache.block_size,
-        store_config.default_retention,
-        remote=remote,
-        overlap_loads=store_config.overlap_loads,
-    )
-    if store_config.dir is not None and store is not None:
-        connector.other_dtypes = {
-            name: StoreLookup(store_config.dir, namespace_of(layout))
-            for name, layout in (other_layouts or {}).items()
-        }
-    if remote is not None:
-        connector.other_remote_dtypes = {
-            name: remote.sibling(namespace_of(layout))
-            for name, layout in (other_layouts or {}).items()
-        }
-    none_hash = none_hash_from_secret(seed, cache.prefix_caching_hash_algo)
-    connector.root_parent = none_hash  # a first block's parent: the chain's seed
-    return connector, none_hash
-
-
-def _tiers_serve(config: EngineConfig, groups: Sequence[KVCacheSpec]) -> bool:
-    """Whether this engine can use a tier below the RAM pool (logged when not): prefix caching
-    on, full-attention layers only."""
-    if not config.cache.enable_prefix_caching:
-        logger.info("KV store off: prefix caching is off")
-        return False
-    if any(not isinstance(spec, FullAttentionSpec) for spec in groups):
-        logger.warning(
-            "KV store off: it serves full-attention models only (this model has "
-            "sliding-window layers)"
-        )
-        return False
-    return True
-
-
-def _open_disk(
-    store_config: KVStoreConfig, namespace: str
-) -> tuple[DiskKVStore, BackgroundWriter, bytes]:
-    """The disk tier of a resolved `store_config` in `namespace`, its writer started, and the
-    hash chain's seed: its key's (`key_file`: records MACed) or the store's secret seed file."""
-    assert store_config.dir is not None and store_config.capacity_bytes is not None
-    key = None
-    if store_config.key_file is not None:
-        key = TierKey.from_file(store_config.key_file, "--kv-store-key-file")
-    secret = load_or_create_seed(store_config.dir) if key is None else key.seed
-    store = DiskKVStore(store_config.dir, namespace, store_config.capacity_bytes, key=key)
-    writer = BackgroundWriter(
-        store,
-        max_queue_bytes=store_config.writer_queue_bytes,
-        max_queue_items=store_config.writer_queue_items,
-    )
-    logger.info(
-        "KV store: %s (namespace %s), capacity %.2f GiB, %.2f GiB in use; shared with every "
-        "process of this user that opens it (a prefix-cache reset clears this namespace; "
-        "--no-kv-store / enable_kv_store=False runs without it)",
-        store.root,
-        namespace,
-        store.capacity_bytes / 2**30,
-        store.total_bytes / 2**30,
-    )
-    return store, writer, secret
-
-
-def _open_remote(store_config: KVStoreConfig, namespace: str) -> RedisTier | None:
-    """The shared tier `store_config.remote_url` names, its values MACed under the key of
-    `remote_key_file`, or None without one. A server that cannot be reached (or refuses the
-    password) now is logged; the tier is used once it answers (its lookups back off meanwhile)."""
-    if store_config.remote_url is None:
-        return None
-    assert store_config.remote_key_file is not None  # KVStoreConfig requires it with a URL
-    key = TierKey.from_file(store_config.remote_key_file, "--kv-remote-key-file")
-    remote = RedisTier(
-        store_config.remote_url,
-        namespace,
-        key,
-        password_file=store_config.remote_password_file,
-    )
-    answers = remote.ping()
-    logger.log(
-        logging.INFO if answers else logging.WARNING,
-        "KV remote: %s (namespace %s), shared by every host with the same key: %s",
-        redacted_url(store_config.remote_url),
-        namespace,
-        "connected" if answers else f"not answering ({dict(remote.stats)}); used once it answers",
-    )
-    return remote

@@ -7,7 +7,7 @@
   created once and put back after a restart).
 
 `--kv-remote URL` (`KVStoreConfig.remote_url`) opens one beside the disk tier, or alone
-(`connector.open_engine_kv_store`): the connector looks there for the blocks after the disk's
+(`open_tiers.open_engine_kv_store`): the connector looks there for the blocks after the disk's
 run, loads from it what the disk misses, and writes it every block it writes to disk; the hosts
 hash with the seed kept in the server (docs/shared-tier.md).
 """
