@@ -253,3 +253,45 @@ def test_the_root_records_import_no_room():
         if imported.startswith("prefixserve") and imported not in allowed
     }
     assert not found, sorted(found)
+
+
+def _attribute_assignments(tree: ast.AST) -> list[str]:
+    """`a.b = ...` targets in `tree` whose object is not `self` itself (`self.x = ...` is a
+    field of the object being built; `part.x = ...` wires one part into another)."""
+    found = []
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else []
+        if isinstance(node, ast.AugAssign | ast.AnnAssign):
+            targets = [node.target]
+        for target in targets:
+            for item in target.elts if isinstance(target, ast.Tuple) else [target]:
+                is_self = isinstance(item, ast.Attribute) and (
+                    isinstance(item.value, ast.Name) and item.value.id == "self"
+                )
+                if isinstance(item, ast.Attribute) and not is_self:
+                    found.append(f"line {node.lineno}: {ast.unparse(item)}")
+    return found
+
+
+def test_an_engines_parts_are_wired_through_their_constructors():
+    """The builders (engine/builder.py, kv_store/open_tiers.py) set no attribute of a part they
+    built, and LLMEngine.__init__ sets only its own fields: what a part uses is an argument of
+    its constructor, never an attribute set after it."""
+    found = {
+        f"{name}: {line}"
+        for name in ("engine/builder.py", "kv_store/open_tiers.py")
+        for line in _attribute_assignments(ast.parse((PACKAGE / name).read_text()))
+    }
+    engine = ast.parse((PACKAGE / "engine" / "llm_engine.py").read_text())
+    init = next(
+        node
+        for node in ast.walk(engine)
+        if isinstance(node, ast.FunctionDef) and node.name == "__init__"
+    )
+    found |= {f"LLMEngine.__init__: {line}" for line in _attribute_assignments(init)}
+    assert not found, sorted(found)
+
+
+def test_the_wiring_check_sees_a_part_set_after_construction():
+    tree = ast.parse("s = Scheduler()\ns.kv_connector = c\nself.a = self.b.c = 1\n")
+    assert _attribute_assignments(tree) == ["line 2: s.kv_connector", "line 3: self.b.c"]

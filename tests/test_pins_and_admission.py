@@ -84,7 +84,7 @@ def test_a_request_that_cannot_get_blocks_from_an_idle_pool_fails_alone(engine):
     drain(engine)
     engine.add_request("big", random_tokens(80 * BLOCK - 2, seed=2), params())
     # A pin made below the engine's check (as a bug might): the request is stuck, not the engine.
-    probe = Request("probe", system, SamplingParams(), block_hasher=engine._block_hasher)
+    probe = Request("probe", system, SamplingParams(), block_hasher=engine.parts.block_hasher)
     engine.kv_cache_manager.pin_prefix("system", probe)
     finals = drain(engine)
     assert "cannot get its KV blocks" in finals["big"].error

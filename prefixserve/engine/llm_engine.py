@@ -1,59 +1,35 @@
 """The step loop: requests in, one scheduled forward pass per step, RequestOutputs out.
 
-LLMEngine owns the model runner, the KV-cache manager, the scheduler and the output processor.
-`add_request` validates a prompt and turns it into one Request per sample (`n > 1` fans out into
-n Requests whose prompt blocks are shared through the prefix cache); `step` schedules, runs the
-model, applies the sampled tokens in the scheduler and hands the updates to the output processor
-(text, stop strings, logprobs), finishing in the scheduler what a stop string ended.
+LLMEngine holds the parts `builder.py` builds (the model runner, the KV-cache manager, the
+scheduler, the tiers below RAM), the input processor (`input_processor.py`: a request checked and
+turned into one Request per sample), the output processor and the operator's controls
+(`operator_controls.py`). `step` schedules, runs the model, applies the sampled tokens in the
+scheduler and hands the updates to the output processor (text, stop strings, logprobs),
+finishing in the scheduler what a stop string ended.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
-import uuid
-import weakref
 from collections.abc import Iterable
 from typing import Any
 
-from prefixserve.config import (
-    DEFAULT_KV_CACHE_MEMORY_GB,
-    KV_CACHE_DTYPES,
-    EngineConfig,
-    SpeculativeConfig,
-)
+from prefixserve.config import EngineConfig
 from prefixserve.core.kv_cache import hashing
-from prefixserve.core.kv_cache.breakpoint_spec import CacheBreakpoint, request_breakpoints
-from prefixserve.core.kv_cache.hashing import get_request_block_hasher
-from prefixserve.core.kv_cache.kv_cache_manager import KVCacheManager
-from prefixserve.core.kv_cache.reports.explain import CacheExplainer
+from prefixserve.core.kv_cache.breakpoint_spec import CacheBreakpoint
 from prefixserve.core.kv_cache.reports.report import CacheReport
-from prefixserve.core.kv_cache.sizing import blocks_needed, size_kv_pool
-from prefixserve.core.kv_cache.spec import KVCacheConfig, KVCacheSpec
-from prefixserve.core.request import Request, RequestStatus
+from prefixserve.core.request import RequestStatus
 from prefixserve.core.sched.output import ModelRunnerOutput, SchedulerOutput
-from prefixserve.core.sched.scheduler import Scheduler
-from prefixserve.engine.cache_summary import build_cache_summary
+from prefixserve.engine.builder import build_engine_parts, close_with
 from prefixserve.engine.client import EngineRequest
-from prefixserve.engine.input_checks import (
-    check_fits_pool,
-    check_prompt,
-    check_request_fields,
-    effective_max_tokens,
-)
+from prefixserve.engine.input_processor import InputProcessor
+from prefixserve.engine.operator_controls import OperatorControls
 from prefixserve.engine.output_processor import OutputProcessor
-from prefixserve.inputs.prompt_embeds import prompt_from_embeds
-from prefixserve.kv_store.open_tiers import open_engine_kv_store
-from prefixserve.kv_store.worker import kv_layout, layout_string
 from prefixserve.lora.config import LoRARequest
-from prefixserve.lora.manager import LoRAManager
 from prefixserve.model.kernels.calibration import describe_calibration
-from prefixserve.model.loader.loading import LoadedModel, load_model
-from prefixserve.model.quant.kv_cache import kv_format
+from prefixserve.model.loader.loading import LoadedModel
 from prefixserve.outputs import RequestOutput
 from prefixserve.sampling_params import SamplingParams
-from prefixserve.spec_decode.ngram import NgramProposer
-from prefixserve.worker.model_runner import ModelRunner
 
 
 class LLMEngine:
@@ -65,151 +41,30 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, loaded_model: LoadedModel | None = None) -> None:
         self.config = config
-        if loaded_model is None:
-            loaded_model = load_model(
-                config.model,
-                dtype=config.dtype,
-                max_model_len=config.max_model_len,
-                quantization=config.quantization,
-            )
-        elif loaded_model.config.dtype != config.dtype:
-            raise ValueError(
-                f"dtype={config.dtype!r} but the given model was loaded in "
-                f"{loaded_model.config.dtype!r}"
-            )
-        self.loaded_model = loaded_model
-        self.tokenizer = loaded_model.tokenizer
-        self.model_config = loaded_model.config
-        model_len = self.model_config.max_model_len
-        if config.max_model_len is not None and config.max_model_len > model_len:
-            raise ValueError(
-                f"max_model_len must be at most the model's context length {model_len}, "
-                f"got {config.max_model_len}"
-            )
-        self.max_model_len = config.max_model_len or model_len
+        self.parts = parts = build_engine_parts(config, loaded_model)
+        self.loaded_model = parts.loaded_model
+        self.tokenizer = parts.loaded_model.tokenizer
+        self.model_config = parts.loaded_model.config
+        self.max_model_len = parts.max_model_len
         self.vocab_size = self.model_config.vocab_size
-
-        cache = config.cache
-        self.block_size = cache.block_size
-        self.kv_cache_groups: list[KVCacheSpec] = list(self.model_config.kv_cache_groups())
-        self.num_kv_blocks = self._num_kv_blocks()
-        kv_config = KVCacheConfig(
-            num_blocks=self.num_kv_blocks + 1,
-            block_size=cache.block_size,
-            groups=self.kv_cache_groups,
-            hash_algo=cache.prefix_caching_hash_algo,
-        )
-        self.kv_cache_manager = KVCacheManager(
-            kv_config,
-            enable_caching=cache.enable_prefix_caching,
-            enable_kv_cache_events=cache.enable_kv_events,
-            max_pinned_blocks=(
-                self.num_kv_blocks // 4
-                if cache.max_pinned_blocks is None
-                else cache.max_pinned_blocks
-            ),
-            eviction_policy=cache.eviction_policy,
-            ghost_entries=cache.cache_ghost_entries,
-            max_breakpoint_blocks=cache.max_breakpoint_blocks,
-            max_breakpoint_blocks_per_tenant=cache.max_breakpoint_blocks_per_tenant,
-        )
-        eos_ids = set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids)
-        spec = config.speculative_config
-        assert spec is None or isinstance(spec, SpeculativeConfig)  # EngineConfig parsed it
-        self.scheduler = Scheduler(
-            config.scheduler,
-            self.kv_cache_manager,
-            self.max_model_len,
-            eos_token_ids=eos_ids,
-            proposer=NgramProposer(spec) if spec is not None else None,
-        )
-        self.runner = ModelRunner(
-            loaded_model.model,
-            self.model_config,
-            num_blocks=self.num_kv_blocks + 1,
-            block_size=cache.block_size,
-            seed=config.seed,
-            batch_invariant=config.batch_invariant,
-            kv_cache_dtype=cache.kv_cache_dtype,
-        )
-        self.kv_connector, none_hash = open_engine_kv_store(
-            config,
-            loaded_model.path,
-            self.kv_cache_groups,
-            kv_layout(self.runner.kv_caches, self.runner.kv_format.name),
-            self.runner.kv_numerics(),
-            self._other_kv_layouts(),
-        )
-        if self.kv_connector is not None:
-            self.scheduler.kv_connector = self.kv_connector
-            # Queued writes reach the disk when the engine is collected or the process exits.
-            weakref.finalize(self, self.kv_connector.close)
-        self._block_hasher = get_request_block_hasher(
-            cache.block_size, cache.prefix_caching_hash_algo, none_hash=none_hash
-        )
-        self._none_hash = none_hash
-        # Every request's cache report, at its first scheduling (kv_cache/reports/).
-        self.explainer = CacheExplainer(
-            self.kv_cache_manager,
-            self.kv_cache_manager.recorder,
-            self._block_hasher,
-            disk=self.kv_connector,
-        )
-        self.scheduler.explainer = self.explainer
+        self.block_size = config.cache.block_size
+        self.kv_cache_groups = parts.kv_cache_groups
+        self.num_kv_blocks = parts.num_kv_blocks
+        self.kv_cache_manager = parts.kv_cache_manager
+        self.scheduler = parts.scheduler
+        self.runner = parts.runner
+        self.kv_connector = parts.kv_connector
+        self.explainer = parts.explainer
+        self.lora = parts.lora
+        close_with(self, self.kv_connector)
+        self.processor = InputProcessor(config, parts)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.lora: LoRAManager | None = None
-        if config.lora is not None:
-            self.lora = self.runner.lora = LoRAManager(
-                loaded_model.model, self.model_config, config.lora
-            )
-
-    def _max_chunk(self) -> int:
-        """The most tokens one request computes in one step (a prefill or recompute chunk)."""
-        sched = self.config.scheduler
-        threshold = sched.long_prefill_token_threshold or sched.max_num_batched_tokens
-        return min(sched.max_num_batched_tokens, threshold)
-
-    def _other_kv_layouts(self) -> dict[str, str]:
-        """The disk layouts of this model's other KV dtypes (`kv_layout` and `kv_numerics` as an
-        engine of that dtype would build them), for cache reports that name a block stored in
-        another."""
-        k_cache = self.runner.kv_caches[0][0]
-        _, block_size, heads, _ = k_cache.shape
-        head_dim, own = self.model_config.head_dim, self.runner.kv_format.name
-        layouts = {}
-        for name in KV_CACHE_DTYPES:
-            try:
-                fmt = kv_format(name, self.model_config.torch_dtype)
-            except ValueError:
-                continue  # not a format of this model's dtype
-            if fmt.name != own:
-                layouts[fmt.name] = layout_string(
-                    len(self.runner.kv_caches),
-                    block_size,
-                    heads,
-                    fmt.row_width(head_dim),
-                    fmt.storage,
-                    fmt.name,
-                ) + self.runner.kv_numerics(fmt.name)
-        return layouts
-
-    def _blocks_needed(self, num_tokens: int) -> int:
-        """The most KV blocks a sequence of `num_tokens` cached tokens holds at once."""
-        return blocks_needed(self.kv_cache_groups, num_tokens, self.block_size, self._max_chunk())
-
-    def _num_kv_blocks(self) -> int:
-        cache = self.config.cache
-        return size_kv_pool(
-            num_kv_blocks=cache.num_kv_blocks,
-            kv_cache_memory_gb=cache.kv_cache_memory_gb,
-            default_memory_gb=DEFAULT_KV_CACHE_MEMORY_GB,
-            bytes_per_block=self.model_config.kv_cache_bytes_per_block(
-                cache.block_size, kv_format(cache.kv_cache_dtype, self.model_config.torch_dtype)
-            ),
-            max_num_seqs=self.config.scheduler.max_num_seqs,
-            blocks_per_request=blocks_needed(
-                self.kv_cache_groups, self.max_model_len, cache.block_size, self._max_chunk()
-            ),
+        fmt = self.kv_cache_format()
+        self.controls = OperatorControls(
+            parts,
+            self.processor,
+            self.tokenizer.decode,
+            {"dtype": fmt["kv_cache_dtype"], "bytes_per_token": fmt["kv_cache_bytes_per_token"]},
         )
 
     # ----------------------------------------------------------------- requests in
@@ -256,88 +111,35 @@ class LLMEngine:
         ids outside the vocabulary, a prompt or max_tokens past max_model_len, or a request too
         long for the KV pool.
         """
-        check_request_fields(request_id, params, cache_salt, cache_retention)
-        embeds_bits_ = None
-        if prompt_embeds is not None:
-            if not self.config.enable_prompt_embeds:
-                raise ValueError(
-                    "prompt_embeds are not enabled: build the engine with "
-                    "enable_prompt_embeds=True (--enable-prompt-embeds)"
-                )
-            prompt_token_ids, embeds_bits_ = prompt_from_embeds(
-                prompt_token_ids, prompt_embeds, params, self.model_config, self.max_model_len
-            )
-        prompt_token_ids = check_prompt(prompt_token_ids, self.vocab_size, self.max_model_len)
-        num_prompt = len(prompt_token_ids)
-        cache_breakpoints = request_breakpoints(cache_breakpoints, cache_retention, num_prompt)
-        max_tokens = effective_max_tokens(params, num_prompt, self.max_model_len)
-        # The last sampled token never gets K/V, so the longest sequence caches this many tokens.
-        needed = self._blocks_needed(num_prompt + max_tokens - 1)
-        check_fits_pool(needed, num_prompt, max_tokens, self.num_kv_blocks)
-        lora_name = lora_digest = None  # the adapter is loaded only for a request that fits
-        if lora_request is not None:
-            if self.lora is None:
-                raise ValueError(
-                    "this engine serves no LoRA adapters: build it with enable_lora=True"
-                )
-            adapter = self.lora.resolve(lora_request, self.lora_in_use, lora_read)
-            lora_name, lora_digest = adapter.name, adapter.digest
-
-        requests = []
-        for index in range(params.n):
-            child_id = request_id if params.n == 1 else f"{index}_{request_id}"
-            child_params = params
-            if params.n > 1:
-                seed = None if params.seed is None else params.seed + index
-                # Only sample 0's prompt logprobs are reported: the others neither compute them
-                # nor skip the prefix cache for them.
-                prompt_logprobs = params.prompt_logprobs if index == 0 else None
-                child_params = dataclasses.replace(
-                    params, n=1, seed=seed, prompt_logprobs=prompt_logprobs
-                )
-            requests.append(
-                Request(
-                    child_id,
-                    prompt_token_ids,
-                    child_params,
-                    block_hasher=self._block_hasher,
-                    cache_salt=cache_salt,
-                    max_tokens=max_tokens,
-                    tenant=tenant,
-                    cache_retention=cache_retention,
-                    lora_name=lora_name,
-                    lora_digest=lora_digest,
-                    prompt_embeds=embeds_bits_,
-                    cache_breakpoints=cache_breakpoints,
-                )
-            )
-        for request in requests[1:]:
-            request.counted_in_reports = False  # a prompt's samples are one request to count
-        manager = self.kv_cache_manager  # pinned blocks are not the request's to take
-        available = manager.blocks_available_to(requests[0])
-        check_fits_pool(needed, num_prompt, max_tokens, available, manager.num_held_blocks)
-        self.output_processor.add_prompt(request_id, prompt, prompt_token_ids, params, requests)
-        for request in requests:
-            self.scheduler.add_request(request)
-
-    # ----------------------------------------------------------------- LoRA adapters
+        self.add(
+            EngineRequest(
+                request_id,
+                prompt_token_ids,
+                params,
+                cache_salt=cache_salt,
+                prompt=prompt,
+                tenant=tenant,
+                cache_retention=cache_retention,
+                lora_request=lora_request,
+                prompt_embeds=prompt_embeds,
+                cache_breakpoints=cache_breakpoints,
+            ),
+            lora_read,
+        )
 
     def add(self, request: EngineRequest, lora_read: Any = None) -> None:
-        """`add_request` for an `EngineRequest` (what engine clients pass around); its routing
-        fields (`prompt_cache_key`, `final_only`) mean nothing to one engine."""
-        self.add_request(
-            request.request_id,
-            request.prompt_token_ids,
-            request.params,
-            cache_salt=request.cache_salt,
-            prompt=request.prompt,
-            tenant=request.tenant,
-            cache_retention=request.cache_retention,
-            lora_request=request.lora_request,
-            prompt_embeds=request.prompt_embeds,
-            lora_read=lora_read,
-            cache_breakpoints=request.cache_breakpoints,
+        """Queue an `EngineRequest` (what engine clients pass around; its routing fields,
+        `prompt_cache_key` and `final_only`, mean nothing to one engine): its samples checked
+        and made by the input processor, then handed to the output processor and the
+        scheduler."""
+        prompt_ids, requests = self.processor.requests_for(request, self.lora_in_use, lora_read)
+        self.output_processor.add_prompt(
+            request.request_id, request.prompt, prompt_ids, request.params, requests
         )
+        for sample in requests:
+            self.scheduler.add_request(sample)
+
+    # ----------------------------------------------------------------- LoRA adapters
 
     def lora_in_use(self, name: str) -> int:
         """Unfinished requests that run with the LoRA adapter `name`."""
@@ -539,35 +341,15 @@ class LLMEngine:
             "cache_ghost_entries": len(manager.recorder.ghosts),
         }
 
+    # ----------------------------------------------------------------- operator controls
+
     def cache_summary(self, include_text: bool = False) -> dict[str, Any]:
-        """The cache-wide summary operators read (`engine/cache_summary.py`); prefix text only
-        with `include_text`. `build_s`: the seconds building it took (on the step thread)."""
-        start = time.perf_counter()
-        decode = self.tokenizer.decode if include_text else None
-        fmt = self.kv_cache_format()
-        kv_cache = {
-            "dtype": fmt["kv_cache_dtype"],
-            "bytes_per_token": fmt["kv_cache_bytes_per_token"],
-        }
-        summary = build_cache_summary(
-            self.kv_cache_manager, self.explainer, self.kv_connector, decode, kv_cache
-        )
-        summary["breakpoints"] = self.describe_breakpoints()
-        # Its own time, for the callers that space rebuilds by it (serving_cache.SummaryFeed).
-        summary["build_s"] = time.perf_counter() - start
-        return summary
+        """`OperatorControls.cache_summary`."""
+        return self.controls.cache_summary(include_text)
 
     def describe_breakpoints(self) -> dict[str, Any]:
-        """Clients' held breakpoints: per tenant {"breakpoints", "blocks", "tokens"}, the blocks
-        held in all, the bounds, and the prompt tokens written at breakpoints so far."""
-        held = self.kv_cache_manager.breakpoints
-        return {
-            "tenants": held.describe(),
-            "held_blocks": held.num_blocks,
-            "capacity_blocks": held.capacity_blocks,
-            "tenant_budget_blocks": held.tenant_budget_blocks,
-            "write_tokens": self.scheduler.stats.num_cache_write_tokens,
-        }
+        """`OperatorControls.describe_breakpoints`."""
+        return self.controls.describe_breakpoints()
 
     def explain_prompt(
         self,
@@ -576,100 +358,34 @@ class LLMEngine:
         lora_request: LoRARequest | None = None,
         tenant: str | None = None,
     ) -> CacheReport:
-        """The cache report this prompt would get now, without running it: what it would hit,
-        and why its first missed block would miss (with, when a cached sibling shares some of
-        its tokens, the first position where they part). Nothing is scheduled or counted."""
-        check_request_fields("explain", SamplingParams(), cache_salt, None)
-        ids = check_prompt(prompt_token_ids, self.vocab_size, self.max_model_len)
-        lora_name = lora_digest = None
-        if lora_request is not None:
-            adapter = self.lora.adapters.get(lora_request.lora_name) if self.lora else None
-            if adapter is None:  # nothing loaded, nothing changed: no block of it is cached
-                raise ValueError(
-                    f"LoRA adapter {lora_request.lora_name!r} is not loaded: load it (or run a "
-                    "request with it) first"
-                )
-            lora_name, lora_digest = adapter.name, adapter.digest
-        probe = Request(
-            f"explain-{uuid.uuid4().hex}",  # never a real request id
-            ids,
-            SamplingParams(),
-            block_hasher=self._block_hasher,
-            cache_salt=cache_salt,
-            tenant=tenant,
-            lora_name=lora_name,
-            lora_digest=lora_digest,
-        )
-        return self.explainer.explain_prompt(probe)
+        """`OperatorControls.explain_prompt`: this prompt's cache report, without running it."""
+        return self.controls.explain_prompt(prompt_token_ids, cache_salt, lora_request, tenant)
 
     def reset_prefix_cache(
         self, reset_running_requests: bool = False, ram_only: bool = False
     ) -> bool:
-        """Forget all cached blocks, in the RAM pool and (unless `ram_only`) in the disk tier,
-        whose namespace for this model is cleared for every process sharing the store. Returns
-        False (and changes nothing) while requests hold blocks, unless `reset_running_requests`
-        preempts them first (they recompute later)."""
-        if not self.scheduler.reset_prefix_cache(reset_running_requests):
-            return False
-        if self.kv_connector is not None and not ram_only:
-            self.kv_connector.clear()
-        if self.kv_connector is not None:
-            self.kv_connector.release_pins()  # the reset dropped every pin
-        return True
+        """`OperatorControls.reset_prefix_cache`."""
+        return self.controls.reset_prefix_cache(reset_running_requests, ram_only)
 
     def pin_prefix(
         self, pin_id: str, prompt_token_ids: list[int], cache_salt: str | None = None
     ) -> int:
-        """Keep the cached blocks of this prompt (under `cache_salt`) resident in the pool until
-        `unpin_prefix`; returns the tokens pinned. Run the prompt first so it is cached.
-        ValueError for bad input, nothing cached, a used id or a full pinned capacity."""
-        check_request_fields(pin_id, SamplingParams(), cache_salt, None)
-        ids = check_prompt(prompt_token_ids, self.vocab_size, self.max_model_len)
-        probe = Request(
-            pin_id, ids, SamplingParams(), block_hasher=self._block_hasher, cache_salt=cache_salt
-        )
-        num_tokens = self.kv_cache_manager.pin_prefix(pin_id, probe)
-        unfit = self._first_unfit_request()
-        if unfit is not None:
-            self.unpin_prefix(pin_id)
-            raise ValueError(
-                f"pinning {pin_id!r} would leave queued request {unfit!r} unable to ever get "
-                "its KV blocks; pin it when that request has finished"
-            )
-        if self.kv_connector is not None:  # the tiers below RAM keep its blocks too
-            self.kv_connector.pin(pin_id, probe, num_tokens)
-        return num_tokens
-
-    def _first_unfit_request(self) -> str | None:
-        """The id of an unfinished request that needs more blocks than it can hold with the
-        current pins (see `check_fits_pool`), or None."""
-        manager = self.kv_cache_manager
-        for request in self.scheduler.requests.values():
-            needed = self._blocks_needed(request.num_prompt_tokens + request.max_tokens - 1)
-            if needed > manager.blocks_available_to(request):
-                return request.request_id
-        return None
+        """`OperatorControls.pin_prefix`: the tokens pinned."""
+        return self.controls.pin_prefix(pin_id, prompt_token_ids, cache_salt)
 
     def unpin_prefix(self, pin_id: str) -> bool:
-        """Release a pin (its blocks stay cached, evictable again; on the tiers below RAM they
-        expire a retention (24 h) from now); False when there is none."""
-        if self.kv_connector is not None:
-            self.kv_connector.release_pins(pin_id)
-        return self.kv_cache_manager.pins.unpin(pin_id)
+        """`OperatorControls.unpin_prefix`."""
+        return self.controls.unpin_prefix(pin_id)
 
     def describe_pins(self) -> dict[str, Any]:
-        """{"pins": {id: {"num_tokens", "num_blocks"}}, "pinned_blocks", "capacity_blocks"}."""
-        pins = self.kv_cache_manager.pins
-        return {
-            "pins": pins.describe(),
-            "pinned_blocks": pins.num_blocks,
-            "capacity_blocks": pins.capacity_blocks,
-        }
+        """`OperatorControls.describe_pins`."""
+        return self.controls.describe_pins()
 
     @property
     def none_hash(self) -> bytes:
         """The seed of this engine's hash chains: its disk store's, else the process's."""
-        return self._none_hash if self._none_hash is not None else hashing.NONE_HASH
+        none_hash = self.parts.none_hash
+        return none_hash if none_hash is not None else hashing.NONE_HASH
 
     def take_kv_events(self) -> list:
         """KV-cache events since the last call (empty unless enable_kv_events was set)."""

@@ -179,7 +179,10 @@ class ModelRunner:
         seed: int = 0,
         batch_invariant: bool | None = None,
         kv_cache_dtype: str = "auto",
+        lora: LoRARows | None = None,
     ) -> None:
+        """`lora`: the engine's LoRAManager when LoRA is on (lora/manager.py), told each step
+        which rows run under which adapter."""
         if not isinstance(num_blocks, int) or num_blocks < 2:
             raise ValueError(
                 "num_blocks must be an integer >= 2 (block 0 is the null block), "
@@ -240,9 +243,7 @@ class ModelRunner:
         set_stream_threads(torch.get_num_threads())
         self.generator = torch.Generator().manual_seed(seed)
         self.dtype = config.torch_dtype
-        # The engine's LoRAManager when LoRA is on (lora/manager.py): told each step which rows
-        # run under which adapter.
-        self.lora: LoRARows | None = None
+        self.lora = lora
         # Whether steps whose every row attends through the paged kernel run each decoder
         # layer as one native call where the model has that form (native_layer.py; the same
         # bits as the Python layers; benchmarks turn it off to compare).

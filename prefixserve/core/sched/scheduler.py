@@ -91,19 +91,20 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: Iterable[int] = (),
         proposer: DraftProposer | None = None,
+        kv_connector: TierConnector | None = None,
+        explainer: CacheExplainer | None = None,
     ) -> None:
+        """`kv_connector`: the load side of the tiers below RAM (a `TierConnector`:
+        kv_store/connector.py's), when the engine has one. `explainer`: what explains each
+        request's hit at its first scheduling (kv_cache/reports/explain.py)."""
         self.config = config
         self.proposer = proposer
         self.kv_cache_manager = kv_cache_manager
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.requests: dict[str, Request] = {}
-        # The load side of the tiers below RAM (a `TierConnector`: kv_store/connector.py's), set
-        # by the engine when it has one.
-        self.kv_connector: TierConnector | None = None
-        # Explains each request's hit at its first scheduling (kv_cache/reports/explain.py), set
-        # by the engine.
-        self.explainer: CacheExplainer | None = None
+        self.kv_connector = kv_connector
+        self.explainer = explainer
         self.fair = config.scheduling_policy == "fair"
         self.waiting = WaitingQueue(per_tenant=self.fair)
         self.running: list[Request] = []
