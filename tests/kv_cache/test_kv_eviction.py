@@ -13,9 +13,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from prefixserve.core.kv_cache.block import KVCacheBlock
 from prefixserve.core.kv_cache.block_pool import BlockPool
 from prefixserve.core.kv_cache.eviction.cost_aware import ATTENTION_DEPTH_BLOCKS, CostAwareQueue
-from prefixserve.core.kv_cache.eviction.lru import KVCacheBlock
 from prefixserve.core.kv_cache.eviction.policies import EVICTION_POLICIES, make_free_queue
 from prefixserve.core.kv_cache.eviction.slru import SegmentedLRUQueue
 from prefixserve.engine_args import EngineArgs

@@ -1,6 +1,6 @@
 """The hash -> block map and the BlockPool that owns it, the blocks and their free queue.
 
-KVCacheBlock and the LRU free queue are in eviction/lru.py (the queue's links live on the
+KVCacheBlock is block.py's, the LRU free queue eviction/lru.py's (the queue's links live on the
 blocks); the free queue is an eviction policy picked by name (eviction/policies.py: "lru", "slru",
 "cost"). The pool calls the policy's hooks at the moments policies.py lists (on_cache, on_hit,
 append_n when blocks are freed, on_evict) and never asks which policy it has.
@@ -18,13 +18,14 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
+from prefixserve.core.kv_cache.block import KVCacheBlock
 from prefixserve.core.kv_cache.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVCacheEvent,
 )
-from prefixserve.core.kv_cache.eviction.lru import FreeKVCacheBlockQueue, KVCacheBlock
+from prefixserve.core.kv_cache.eviction.lru import FreeKVCacheBlockQueue
 from prefixserve.core.kv_cache.eviction.policies import DEFAULT_EVICTION_POLICY, make_free_queue
 
 if TYPE_CHECKING:

@@ -36,7 +36,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from heapq import heapify, heappop, heappush
 
-from prefixserve.core.kv_cache.eviction.lru import KVCacheBlock
+from prefixserve.core.kv_cache.block import KVCacheBlock
 
 ATTENTION_DEPTH_BLOCKS = 192.0
 PRIORITY_SCALE = 256  # priorities are kept in 1/256ths of one block's value

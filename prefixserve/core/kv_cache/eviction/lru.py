@@ -1,49 +1,17 @@
-"""KVCacheBlock and the LRU free queue: the blocks nobody references, in eviction order.
+"""The LRU free queue: the blocks nobody references, in eviction order.
 
-The queue is intrusive: its links live in the blocks' own slots, which is why the block type is
-defined here. The BlockPool (block_pool.py) owns one queue and goes through these methods and
-hooks only; `policies.py` names what every eviction policy has and picks a policy by name. LRU is
-the default; `slru.py` and `cost_aware.py` are the others (SLRU reuses this class per segment).
-LRU keeps no state beyond the links: its hooks do nothing.
+The queue is intrusive: its links live in the blocks' own slots (`prev_free`, `next_free` of
+`kv_cache/block.py` `KVCacheBlock`). The BlockPool (block_pool.py) owns one queue and goes
+through these methods and hooks only; `policies.py` names what every eviction policy has and
+picks a policy by name. LRU is the default; `slru.py` and `cost_aware.py` are the others (SLRU
+reuses this class per segment). LRU keeps no state beyond the links: its hooks do nothing.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-
-class KVCacheBlock:
-    """One physical KV block. Created once by the pool; never copied."""
-
-    __slots__ = (
-        "block_id",
-        "ref_cnt",
-        "block_hash",
-        "group_id",
-        "token_ids",
-        "prev_free",
-        "next_free",
-        "is_null",
-    )
-
-    def __init__(self, block_id: int) -> None:
-        self.block_id = block_id
-        self.ref_cnt = 0
-        # Set while cached: the block's hash, its KV-cache group and its token ids (kept to
-        # detect hash collisions).
-        self.block_hash: bytes | None = None
-        self.group_id = -1
-        self.token_ids: list[int] | None = None
-        # Free-queue links; None when the block is not in the queue.
-        self.prev_free: KVCacheBlock | None = None
-        self.next_free: KVCacheBlock | None = None
-        self.is_null = False
-        # Nothing else: a policy that keeps more per block (hit counts, chain depths, a segment
-        # mark, a heap key) keeps it itself, indexed by block_id (policies.py).
-
-    def __repr__(self) -> str:
-        cached = "" if self.block_hash is None else f", hash={self.block_hash[:4].hex()}"
-        return f"KVCacheBlock({self.block_id}, ref={self.ref_cnt}{cached})"
+from prefixserve.core.kv_cache.block import KVCacheBlock
 
 
 class FreeKVCacheBlockQueue:

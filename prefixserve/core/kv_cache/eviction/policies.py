@@ -71,8 +71,9 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Protocol
 
+from prefixserve.core.kv_cache.block import KVCacheBlock
 from prefixserve.core.kv_cache.eviction.cost_aware import CostAwareQueue
-from prefixserve.core.kv_cache.eviction.lru import FreeKVCacheBlockQueue, KVCacheBlock
+from prefixserve.core.kv_cache.eviction.lru import FreeKVCacheBlockQueue
 from prefixserve.core.kv_cache.eviction.slru import SegmentedLRUQueue
 
 DEFAULT_EVICTION_POLICY = "lru"

@@ -31,7 +31,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from prefixserve.core.kv_cache.eviction.lru import FreeKVCacheBlockQueue, KVCacheBlock
+from prefixserve.core.kv_cache.block import KVCacheBlock
+from prefixserve.core.kv_cache.eviction.lru import FreeKVCacheBlockQueue
 
 PROTECTED_FRACTION = 0.8
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from prefixserve.core.kv_cache.reports.ghost import EvictionGhosts
 
 if TYPE_CHECKING:
-    from prefixserve.core.kv_cache.eviction.lru import KVCacheBlock
+    from prefixserve.core.kv_cache.block import KVCacheBlock
     from prefixserve.core.request import Request
 
 WINDOW_SECONDS = 300  # the longest recent window the summary reports

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from prefixserve.core.kv_cache.eviction.lru import KVCacheBlock
+    from prefixserve.core.kv_cache.block import KVCacheBlock
     from prefixserve.core.kv_cache.kv_cache_manager import KVCacheManager
     from prefixserve.core.kv_cache.reports.recorder import BlockRecorder
 
