@@ -10,9 +10,9 @@ of the weight (input cast up, output cast back to bf16, as `Linear` does for bat
 row threshold or more). Prints GFLOP/s of each and the ratio; median of 7 repeats of >= 50 ms
 each.
 
-`--native` adds the native GEMM (csrc/gemm_bf16.cpp: one summation order at every row count, on
-the tile families the host's calibration chose, printed first) and, for up to 16 rows, the
-streaming kernel (csrc/gemv.cpp), both on as many threads as torch has, and the native GEMM's
+`--native` adds the native GEMM (csrc/linear/gemm_bf16.cpp: one summation order at every row count,
+on the tile families the host's calibration chose, printed first) and, for up to 16 rows, the
+streaming kernel (csrc/linear/gemv.cpp), both on as many threads as torch has, and the native GEMM's
 ratio to the best of the others. `--families` (with `--native`) adds the native GEMM on each
 tile family that runs here (the same sums: AVX-512 FMAs, bf16 dot products, AVX2 FMAs), as
 GFLOP/s.

@@ -1,4 +1,4 @@
-"""The 8-, 5- and 4-bit weight kernel alone (`linear_int8`, csrc/linear_int8.cpp) at batch 1:
+"""The 8-, 5- and 4-bit weight kernel alone (`linear_int8`, csrc/linear/linear_int8.cpp) at batch 1:
 microseconds per call and GB/s of weight bytes, per format, for the default model's shapes
 (gate_up 3,072 x 576 from cache, the 49,152 x 576 LM head from memory), on the build this
 process loads (`PREFIXSERVE_KERNEL_MARCH=x86-64-v3` times the AVX2 build on an AVX-512 host).

@@ -78,8 +78,8 @@ def fp32_prefill() -> bool | None:
 
 
 def native_gemm() -> bool | None:
-    """PREFIXSERVE_NATIVE_GEMM as a switch; None: bf16 linears take csrc/gemm_bf16.cpp wherever
-    its vector tiles run (model/kernels/cpu_paths.py `native_gemm_wanted`)."""
+    """PREFIXSERVE_NATIVE_GEMM as a switch; None: bf16 linears take csrc/linear/gemm_bf16.cpp
+    wherever its vector tiles run (model/kernels/cpu_paths.py `native_gemm_wanted`)."""
     return env_flag("PREFIXSERVE_NATIVE_GEMM")
 
 

@@ -107,8 +107,8 @@ class LoRAWeights:
 
     `a` [sum r, in] stacks the slices' A; `b` [out, sum r] places each slice's scaled B in its
     rows and columns, zero elsewhere (the PyTorch path's one matmul). For the native kernel
-    (csrc/lora.cpp), which skips the zero blocks: `blocks` holds each slice's B in blocks of 64
-    output columns (`expand_blocks`), slices one after the other, and `meta` int64 [S, 4] gives
+    (csrc/linear/lora.cpp), which skips the zero blocks: `blocks` holds each slice's B in blocks of
+    64 output columns (`expand_blocks`), slices one after the other, and `meta` int64 [S, 4] gives
     per slice (first output column, first column of x @ a.T, width, offset in `blocks`)."""
 
     a: torch.Tensor
@@ -122,7 +122,7 @@ class LoRAWeights:
 
 
 def expand_blocks(b: torch.Tensor) -> torch.Tensor:
-    """One slice's B [width, r] as csrc/lora.cpp reads it: [ceil(width / 64), r, 64], block k
+    """One slice's B [width, r] as csrc/linear/lora.cpp reads it: [ceil(width / 64), r, 64], block k
     holding output columns 64k..64k+63 (zero past width), each block's r rows one after the
     other, so the kernel reads it front to back."""
     width, rank = b.shape

@@ -25,7 +25,7 @@ from prefixserve.model.layers.linear import linears_batch_invariant
 TARGET_LINEARS = {"self_attn": ("qkv_proj", "o_proj"), "mlp": ("gate_up_proj", "down_proj")}
 
 # bf16 groups of at most this many rows take the native kernel (`compiled_kernel("lora_add")`,
-# csrc/lora.cpp) for both products and the add, in one call and no PyTorch op: oneDNN's bf16
+# csrc/linear/lora.cpp) for both products and the add, in one call and no PyTorch op: oneDNN's bf16
 # matmul costs 15-23 us a call at these shapes whatever the rows (AMD Zen 5, one thread,
 # [1-16, 576] x [576, 48]), and each PyTorch op of a multi-row step can wake OpenMP's sleeping
 # threads (35 us an add at batch 16); through them, one adapter on every projection cost 1.6x

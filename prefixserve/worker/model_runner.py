@@ -222,7 +222,8 @@ class ModelRunner:
         self.prefill_kernel = prefill_kernel_for(config, prefill)
         self.kernel_max_queries: int | None = None
         # Where the long-chunk kernel serves this model, the paged kernel's bf16 path has its
-        # arithmetic (csrc/attn_lanes_bf16.h) and is faster than SDPA at every chunk length
+        # arithmetic (csrc/attention/attn_lanes_bf16_avx512.h) and is faster than SDPA at every
+        # chunk length
         # (BENCHMARKS.md): every chunk attends through one of the two, so a query's output does
         # not depend on how its prompt was chunked, cached or batched, in any mode.
         kernels_agree = self.prefill_kernel is not None and attention_kernels_agree()
@@ -279,7 +280,7 @@ class ModelRunner:
         if not (attention_kernels_agree() and lanes_serve(self.config)):
             width = attention_portable_width()
             attention = f"portable{width}" if width else "portable"
-        elif kv == "int8":  # integer tiles (attn_lanes_int8.h, attn_lanes_int8_avx2.h)
+        elif kv == "int8":  # integer tiles (attn_lanes_int8_avx512.h, attn_lanes_int8_avx2.h)
             attention = "lanes-int8-dot"
         elif kv == "fp8_e4m3":
             attention = "lanes-fp8-codes"  # exact codes, row scales after (lanes::RowScales)

@@ -275,7 +275,7 @@ def test_lora_request_without_enable_lora_is_refused(llama_with_adapters, tokeni
 def test_bf16_adapter_through_the_native_kernel_tracks_the_fp32_adapter(
     default_model_fp32, default_model_bf16, tmp_path
 ):
-    """The packaged model in bf16, where LoRA runs in csrc/lora.cpp (decode rows and prompts
+    """The packaged model in bf16, where LoRA runs in csrc/linear/lora.cpp (decode rows and prompts
     of up to 64 tokens): its prompt logprobs with the adapter sit near fp32's with the adapter
     (bf16 rounding) and far from the base model's."""
     from prefixserve import LLM

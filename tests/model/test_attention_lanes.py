@@ -1,11 +1,12 @@
-"""The paged kernel's bf16 keys-in-lanes path (csrc/paged_lanes.cpp) and the long-chunk
-kernel (csrc/prefill_attention.cpp) share their arithmetic (csrc/attn_lanes_bf16.h): a query's
+"""The paged kernel's bf16 keys-in-lanes path (csrc/attention/paged_lanes.cpp) and the long-chunk
+kernel (csrc/attention/prefill_attention.cpp) share their arithmetic
+(csrc/attention/attn_lanes_bf16_avx512.h): a query's
 output is the same bits from either, however its prompt was chunked, whatever rows shared its
 call, whether it was a decode row of a cascade over a shared prefix, and within a sliding window.
 Both are also checked against an fp64 reference and against the portable path. The tiles come
-in two widths with the same bits: 512-bit (AVX512-BF16 and VNNI: attn_lanes_bf16.h,
-attn_lanes_int8.h) and 256-bit (AVX2: attn_lanes_bf16_avx2.h, attn_lanes_int8_avx2.h); where a
-build has the wider, the paged kernel's tests run on both and their bits are compared.
+in two widths with the same bits: 512-bit (AVX512-BF16 and VNNI: attn_lanes_bf16_avx512.h,
+attn_lanes_int8_avx512.h) and 256-bit (AVX2: attn_lanes_bf16_avx2.h, attn_lanes_int8_avx2.h); where
+a build has the wider, the paged kernel's tests run on both and their bits are compared.
 """
 
 import math

@@ -122,7 +122,7 @@ def test_a_batch_invariant_linear_where_onednn_cannot_pack_bf16_takes_the_avx2_t
 
 @pytest.mark.parametrize(("in_features", "out_features"), [(77, 33), (576, 1536), (2048, 640)])
 def test_the_streaming_kernel_sums_each_row_alike_in_any_batch(in_features, out_features):
-    """csrc/gemv.cpp: a row's output is the same bits in a call of 1 to 13 rows, wherever the
+    """csrc/linear/gemv.cpp: a row's output is the same bits in a call of 1 to 13 rows, wherever the
     row falls in its group of four, with a bias and a K that is no multiple of 32."""
     kernel = compiled_kernel("linear_small")
     if kernel is None:
@@ -579,8 +579,8 @@ def test_an_int8_cache_of_the_integer_kernel_keeps_its_disk_blocks_apart(
     default_model_bf16, monkeypatch
 ):
     """An int8 KV cache meets bf16 queries in integer dot products wherever the build has the
-    keys-in-lanes tiles (csrc/attn_lanes_int8.h with AVX512-BF16 and VNNI,
-    csrc/attn_lanes_int8_avx2.h with AVX2: the same bits, one name), on the portable path
+    keys-in-lanes tiles (csrc/attention/attn_lanes_int8_avx512.h with AVX512-BF16 and VNNI,
+    csrc/attention/attn_lanes_int8_avx2.h with AVX2: the same bits, one name), on the portable path
     elsewhere: two arithmetics, so
     two namespaces for a batch-invariant engine; fp8 and bf16 caches are named apart too."""
     from prefixserve.worker import model_runner

@@ -1,4 +1,4 @@
-"""8-bit weights (model/quant/weights.py, csrc/linear_int8.cpp, model/loader/quantize.py).
+"""8-bit weights (model/quant/weights.py, csrc/linear/linear_int8.cpp, model/loader/quantize.py).
 
 The kernel is pinned twice: to a float64 reference of its quantized operands (within bf16's
 rounding), and bit for bit to a Python model of its one summation order (exact integer lane sums,

@@ -1,4 +1,5 @@
-"""The native bf16 GEMM (csrc/gemm_bf16.cpp): one summation order per output at every row count,
+"""The native bf16 GEMM (csrc/linear/gemm_bf16.cpp): one summation order per output at every row
+count,
 against float64 with error bounds, and the Linear's use of it where the CPU table takes it."""
 
 import pytest

@@ -1,4 +1,4 @@
-"""One native call per decoder layer (csrc/decoder_layer.cpp, layers/native_layer.py).
+"""One native call per decoder layer (csrc/layer/decoder_layer.cpp, layers/native_layer.py).
 
 The native layer calls the Python layer's kernels in the same order with the same arguments, so
 an engine gives the same bits with it and without it: greedy tokens and logprobs over decode

@@ -1,5 +1,5 @@
-"""The native long-chunk attention kernel (csrc/prefill_attention.cpp) against an fp64 reference,
-and the attention path that hands it chunks (model/attention.py).
+"""The native long-chunk attention kernel (csrc/attention/prefill_attention.cpp) against an fp64
+reference, and the attention path that hands it chunks (model/attention.py).
 
 Its scores are bf16 x bf16 products summed in fp32 and its softmax and P @ V are in fp32, so it
 must be as close to the exact result as PyTorch's fp32 flash SDPA on the same bf16 inputs: the

@@ -29,42 +29,49 @@ from prefixserve.settings import (
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
+# csrc/ by purpose (csrc/README.md): each folder is on the include path, so a source includes
+# a header by its name alone.
+_GROUPS = ("attention", "linear", "layer", "common")
 _SOURCES = [
     _CSRC / name
     for name in (
         "bindings.cpp",
-        "paged_attention.cpp",
-        "gemv.cpp",
-        "linear_int8.cpp",
-        "gemm_bf16.cpp",
-        "rope_kv.cpp",
-        "lora.cpp",
-        "prefill_attention.cpp",
-        "paged_lanes.cpp",
-        "decoder_layer.cpp",
-        "rms_norm.cpp",
+        "attention/paged_attention.cpp",
+        "attention/paged_lanes.cpp",
+        "attention/prefill_attention.cpp",
+        "linear/gemv.cpp",
+        "linear/linear_int8.cpp",
+        "linear/gemm_bf16.cpp",
+        "linear/lora.cpp",
+        "layer/rope_kv.cpp",
+        "layer/decoder_layer.cpp",
+        "layer/rms_norm.cpp",
     )
 ]
 
 
 def _digest(paths: list[Path], length: int) -> str:
-    """A digest of these files' names and bytes."""
+    """A digest of these files' paths (under csrc/) and bytes."""
     digest = hashlib.sha256()
     for path in sorted(paths):
-        digest.update(path.name.encode() + path.read_bytes())
+        digest.update(path.relative_to(_CSRC).as_posix().encode() + path.read_bytes())
     return digest.hexdigest()[:length]
 
 
+def _native_files(pattern: str) -> list[Path]:
+    return [path for path in _CSRC.rglob(pattern) if path.suffix in (".cpp", ".h")]
+
+
 def sources_digest() -> str:
-    """A digest of every file of csrc/: what a build of the kernels computes, and how fast (the
-    calibration's cache is kept per build, `calibration.py`)."""
-    return _digest(list(_CSRC.iterdir()), 12)
+    """A digest of every source and header of csrc/: what a build of the kernels computes, and
+    how fast (the calibration's cache is kept per build, `calibration.py`)."""
+    return _digest(_native_files("*"), 12)
 
 
 def _headers_digest() -> str:
     """A digest of csrc/'s headers: torch rebuilds an extension when its sources or flags
     change, not its headers, so the digest goes into the flags."""
-    return _digest(list(_CSRC.glob("*.h")), 16)
+    return _digest(_native_files("*.h"), 16)
 
 
 _lock = threading.Lock()
@@ -116,6 +123,7 @@ def _build() -> Any:
         return cpp_extension.load(
             name="prefixserve_paged_attention",
             sources=[str(source) for source in _SOURCES],
+            extra_include_paths=[str(_CSRC / group) for group in _GROUPS],
             extra_cflags=_cflags(),
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
@@ -159,7 +167,8 @@ def paged_attention_portable_kernel() -> Callable[..., None] | None:
 
 def attention_kernels_agree() -> bool:
     """Whether the paged kernel's bf16 path has the long-chunk kernel's arithmetic in this build
-    (csrc/attn_lanes_bf16.h; on 256-bit vectors with the same bits where the CPU has AVX2 but
+    (csrc/attention/attn_lanes_bf16_avx512.h; on 256-bit vectors with the same bits where the CPU
+    has AVX2 but
     not AVX512-BF16): then a query gets the same bits from either, and from any kind of CPU
     with these tiles, so batch-invariant runs may use the long-chunk kernel where it is built."""
     return attention_lanes_width() > 0
@@ -190,8 +199,8 @@ def paged_attention_avx2_kernel() -> Callable[..., bool] | None:
 
 def prefill_attention_kernel() -> Callable[..., None] | None:
     """`prefill_attention(out, q, k, v, scale)`: causal attention of one long bf16 chunk over
-    contiguous K/V rows (csrc/prefill_attention.cpp), or None when the kernels are unavailable
-    or this build has no AVX512-BF16 loop for it."""
+    contiguous K/V rows (csrc/attention/prefill_attention.cpp), or None when the kernels are
+    unavailable or this build has no AVX512-BF16 loop for it."""
     module = _module()
     if module is None or not module.prefill_attention_ready():
         return None
@@ -200,14 +209,14 @@ def prefill_attention_kernel() -> Callable[..., None] | None:
 
 def linear_bf16_small_kernel() -> Callable[..., None] | None:
     """`linear_bf16_small(out, x, weight, bias, threads)`: a bf16 linear for a few rows, on the
-    caller and `threads - 1` helper threads of its own (csrc/stream_pool.h), or None."""
+    caller and `threads - 1` helper threads of its own (csrc/common/stream_pool.h), or None."""
     module = _module()
     return None if module is None else module.linear_bf16_small
 
 
 def linear_int8_kernel() -> Callable[..., None] | None:
     """`linear_int8(out, x, codes, scales, bias, act, residual, threads)`: a linear over 8-bit
-    weight codes with group scales (csrc/linear_int8.cpp: one summation order per output,
+    weight codes with group scales (csrc/linear/linear_int8.cpp: one summation order per output,
     on every CPU kind), or None without the kernels."""
     module = _module()
     return None if module is None else module.linear_int8
@@ -222,7 +231,7 @@ def linear_int8_family() -> str | None:
 def linear_bf16_packed_kernels() -> tuple[Callable[..., Any], ...] | None:
     """(`pack_bf16_gemm(weight) -> packed`, `linear_bf16_packed(out, x, packed, N, bias,
     threads)`, `linear_bf16_packed_gated(out, x, packed, N, bias, act, threads)`):
-    csrc/gemm_bf16.cpp's bf16 linear for every row count, one summation order per output
+    csrc/linear/gemm_bf16.cpp's bf16 linear for every row count, one summation order per output
     (batch-invariant), on the stream pool's threads, and its gated-MLP form (out = act(gate) *
     up, act 1 SiLU, 2 GELU tanh); or None."""
     module = _module()
@@ -248,7 +257,7 @@ def gemm_bf16_tiles() -> str | None:
 
 def lora_add_kernel() -> Callable[..., None] | None:
     """`lora_add(out, x, a, blocks, meta, rows)`: one adapter's LoRA update of one linear for a
-    few bf16 rows (csrc/lora.cpp; the layout of `blocks` and `meta`:
+    few bf16 rows (csrc/linear/lora.cpp; the layout of `blocks` and `meta`:
     `lora.adapter.LoRAWeights`), or None."""
     module = _module()
     return None if module is None else module.lora_add
@@ -272,7 +281,7 @@ def rope_kv_vectorized() -> bool:
 def decoder_layer_class() -> Any:
     """`DecoderLayerBf16(input_norm, post_norm, eps, qkv, o, gate_up, down, heads, kv_heads,
     head_dim, scale, act)`: a Llama-family decoder layer bound for one native call per layer
-    (csrc/decoder_layer.cpp; each linear a (packed, out_features, bias, next_packed) tuple of
+    (csrc/layer/decoder_layer.cpp; each linear a (packed, out_features, bias, next_packed) tuple of
     `linear_bf16_packed`'s or a (codes, scales, bias) tuple of `linear_int8`'s), or None without
     the kernels or the GEMM's vector tiles (the layer runs on every tile family the GEMM
     selects: AVX-512, bf16 dot products or AVX2)."""

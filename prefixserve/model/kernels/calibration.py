@@ -1,4 +1,4 @@
-"""Choice by measurement: which tile family of the native GEMM (csrc/gemm_bf16_tiles.h) runs
+"""Choice by measurement: which tile family of the native GEMM (csrc/linear/gemm_bf16_tiles.h) runs
 decode-sized calls and which larger ones on this host, timed once at first start (about a second)
 and cached per CPU model and kernel build (its sources) under the cache dir.
 

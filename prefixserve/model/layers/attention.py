@@ -15,8 +15,8 @@ copies, online softmax in fp32. Where the native prefill kernel is built (AVX512
 models with head dims 64/128/256 without soft-capping), a chunk of `PREFILL_MIN_QUERIES` or more
 from position 0 with full attention goes to it instead (a tiled causal kernel over the chunk's
 own K/V); it shares its tile arithmetic with the paged kernel's bf16 path
-(csrc/attn_lanes_bf16.h), so the split never changes a query's bits. Other long chunks use the
-span path below: the prefill kernel over the gathered K/V where it applies,
+(csrc/attention/attn_lanes_bf16_avx512.h), so the split never changes a query's bits. Other long
+chunks use the span path below: the prefill kernel over the gathered K/V where it applies,
 otherwise PyTorch's flash SDPA serves them. Without the paged kernel, two paths:
 - decode batch: the leading run of sequences with one new token each (at least two of them) is
   padded to a common number of blocks and served by one batched SDPA call with a padding mask;
@@ -96,8 +96,8 @@ class AttentionMetadata:
 # Per kind of CPU, measured with benchmarks/bench_attention.py (cpu_paths.CPU_TABLE): 12 on the
 # Intel hosts, 513 on AMD Zen 5.
 KERNEL_MAX_QUERIES = cpu_paths_here().kernel_max_queries
-# With the native prefill kernel (csrc/prefill_attention.cpp: AVX512-BF16 builds, bf16 models
-# with these head dims, no soft-capping, no sliding window), chunks of at least this many
+# With the native prefill kernel (csrc/attention/prefill_attention.cpp: AVX512-BF16 builds, bf16
+# models with these head dims, no soft-capping, no sliding window), chunks of at least this many
 # queries go to it instead, whatever KERNEL_MAX_QUERIES says: on AMD Zen 5 it beats the paged
 # kernel from 32 queries (0.63 against 0.82 ms over a 1,024 prefix, 1.59 against 3.70 for a
 # 512 prompt) and flash SDPA everywhere (14.3 against 38.6 ms for 2,048: bench_attention.py).

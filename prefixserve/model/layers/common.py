@@ -131,7 +131,7 @@ _ACTIVATIONS = {
 }
 
 
-# The activations the native GEMM's gated epilogue computes (csrc/gemm_bf16.cpp's Act).
+# The activations the native GEMM's gated epilogue computes (csrc/linear/gemm_bf16.cpp's Act).
 GATED_ACTS = {"silu": 1, "gelu_pytorch_tanh": 2, "gelu_tanh": 2}
 
 

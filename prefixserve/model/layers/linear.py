@@ -1,5 +1,6 @@
-"""The bf16 linear and its paths: the native GEMM (csrc/gemm_bf16.cpp) wherever its vector tiles
-run; without it oneDNN's packed GEMM, the streaming kernel for a few rows (csrc/gemv.cpp), an
+"""The bf16 linear and its paths: the native GEMM (csrc/linear/gemm_bf16.cpp) wherever its vector
+tiles
+run; without it oneDNN's packed GEMM, the streaming kernel for a few rows (csrc/linear/gemv.cpp), an
 fp32 copy for many (the fallback row of cpu_paths.CPU_TABLE); the batch-invariant switch (one
 path at every row count); packing a model's linears at load."""
 
@@ -108,7 +109,7 @@ class Linear(nn.Linear):
 
     Wherever the native GEMM's vector tiles run (`cpu_paths.native_gemm_wanted`: every x86 CPU
     with AVX2 or AVX-512), `pack()` packs the weight into its panels instead and every bf16 call
-    of any row count goes through it (csrc/gemm_bf16.cpp: one summation order, so
+    of any row count goes through it (csrc/linear/gemm_bf16.cpp: one summation order, so
     batch-invariant in every mode); the rest of this paragraph is about the fallback paths
     (`PREFIXSERVE_NATIVE_GEMM=0`, no kernels, other CPUs).
     oneDNN repacks a plain weight on every call; packing once (`pack()`, done by the models'
@@ -145,8 +146,8 @@ class Linear(nn.Linear):
 
     # The 8-bit weight (`set_int8`): (codes packed by `packed_weight`, in 8 bits or Q4_0's and
     # Q5_0's 4 and 5, scales [N, K / group] fp32 or, per 32 where fp16 holds them, fp16, bias)
-    # for csrc/linear_int8.cpp, which every call of any row count takes (one summation order, so
-    # batch-invariant in every mode); None for a bf16 or fp32 weight.
+    # for csrc/linear/linear_int8.cpp, which every call of any row count takes (one summation
+    # order, so batch-invariant in every mode); None for a bf16 or fp32 weight.
     _int8: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
     # The 8-bit weight's format ("int8" per channel, or its GGUF block type: "q8_0", ...), or None.
     int8_format: str | None = None

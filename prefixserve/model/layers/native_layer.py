@@ -1,4 +1,5 @@
-"""One native call per decoder layer (csrc/decoder_layer.cpp) for the steps where Python between
+"""One native call per decoder layer (csrc/layer/decoder_layer.cpp) for the steps where Python
+between
 the kernels shows: every row attends through the paged kernel (decode, verification, chunks over
 a cached prefix) and every linear takes the native GEMM.
 

@@ -12,7 +12,7 @@ row's last 4 bytes, so a row is `head_dim + 4` bytes (68 for a 64-dim head, agai
 - int8 codes are round(x / scale) (ties to even), clamped to [-127, 127]; fp8 codes are
   PyTorch's float8_e4m3fn of x / scale (round to nearest even).
 - Read back, a value is code * scale in fp32: here (`dequantize_rows`, the PyTorch paths) and in
-  the paged-attention kernel (`csrc/paged_attention.cpp`, the same products in registers).
+  the paged-attention kernel (`csrc/attention/paged_attention.cpp`, the same products in registers).
 - With the scale in the row, a cache is still one tensor per layer and K/V each, of shape
   [blocks, block_size, kv_heads, head_dim + 4], dtype int8 for int8 codes and uint8 for fp8
   e4m3 bits (so the kernels and the disk tier's layout tell the two apart): block copies (the

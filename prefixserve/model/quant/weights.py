@@ -1,5 +1,5 @@
 """8-bit weights: int8 codes with fp32 scales per group of K, the one layout the native kernel
-multiplies (csrc/linear_int8.cpp). Two ways in:
+multiplies (csrc/linear/linear_int8.cpp). Two ways in:
 
 - per-channel symmetric (`--quantization int8`, from a bf16 checkpoint): one scale per output
   row, amax / 127, codes round(w / scale), computed at load (the loader caches them on disk);
@@ -210,8 +210,8 @@ def _per_16_codes(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | N
 
 
 def pack_codes(codes: torch.Tensor, bits: int = 8) -> torch.Tensor:
-    """int8 codes [N, K] in the kernel's layout (csrc/linear_int8.cpp): groups of four rows (the
-    last padded with zeros), each group's columns 64c..64c+63 of its four rows one after the
+    """int8 codes [N, K] in the kernel's layout (csrc/linear/linear_int8.cpp): groups of four rows
+    (the last padded with zeros), each group's columns 64c..64c+63 of its four rows one after the
     other, [ceil(N / 4), K / 64, 4, 64], so a tile of four rows reads one contiguous stream;
     within a row's 64, the 4-column units of the two halves interleaved (first half's unit 0,
     second half's unit 0, first half's unit 1, ...), the kernel's lane order.

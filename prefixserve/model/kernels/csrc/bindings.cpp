@@ -31,7 +31,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "bf16 linear for a few rows: a stream over the weight, fp32 accumulation",
         py::call_guard<py::gil_scoped_release>());
   m.def("linear_int8", &linear_int8,
-        "linear over int8 weight codes with fp32 or fp16 group scales (csrc/linear_int8.cpp), bf16 x "
+        "linear over int8 weight codes with fp32 or fp16 group scales (csrc/linear/linear_int8.cpp), bf16 x "
         "and out, optional bias, gated act and residual, one summation order per output",
         py::arg("out"), py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("bias"),
         py::arg("act"), py::arg("residual"), py::arg("threads"),

@@ -8,7 +8,7 @@
 //
 // Why native: PyTorch's flash SDPA on this CPU runs a 2,048-token prompt at ~120 GFLOP/s in fp32
 // (its bf16 path is slower), so a long prompt spent more time in attention than in the linears.
-// The arithmetic of a tile is attn_lanes_bf16.h's, shared with the paged kernel's bf16 path:
+// The arithmetic of a tile is attn_lanes_bf16_avx512.h's, shared with the paged kernel's bf16 path:
 // VDPBF16PS scores with keys in lanes (exact products, fp32 sums), the online softmax in fp32
 // per 64-key tile, P @ V in fp32 FMAs over V converted once per call. So a query's output is the
 // paged kernel's, bit for bit, whatever chunk it came in. K is packed once per call in pairs of
@@ -29,7 +29,7 @@
 #include <immintrin.h>
 #endif
 
-#include "attn_lanes_bf16.h"
+#include "attn_lanes_bf16_avx512.h"
 #include "kernels.h"
 
 #include <algorithm>

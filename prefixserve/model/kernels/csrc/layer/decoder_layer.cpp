@@ -172,7 +172,7 @@ class DecoderLayerBf16 {
 void register_decoder_layer(py::module& m) {
   py::class_<DecoderLayerBf16>(m, "DecoderLayerBf16",
                                "a Llama-family (or Qwen3, Gemma 3) decoder layer's weights, bound "
-                               "for one native call per layer (csrc/decoder_layer.cpp)")
+                               "for one native call per layer (csrc/layer/decoder_layer.cpp)")
       .def(py::init<torch::Tensor, torch::Tensor, double, const py::tuple&, const py::tuple&,
                     const py::tuple&, const py::tuple&, int64_t, int64_t, int64_t, double,
                     int64_t, const OptTensor&, const OptTensor&, const OptTensor&,

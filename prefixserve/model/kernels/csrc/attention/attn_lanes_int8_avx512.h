@@ -38,7 +38,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "attn_lanes_bf16.h"
+#include "attn_lanes_bf16_avx512.h"
 #include "line_sweep.h"
 
 namespace prefixserve::lanes_int8 {
