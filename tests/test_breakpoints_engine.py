@@ -125,7 +125,7 @@ def test_a_breakpoint_is_refused_rather_than_strand_a_queued_request(engine):
                 finals[out.request_id] = out
     assert finals["big"].error is None
     assert finals["holder"].num_cache_write_tokens == 0
-    assert engine.kv_cache_manager.breakpoints.num_blocks == 0
+    assert engine.kv_cache_manager.held.breakpoints.num_blocks == 0
 
 
 def test_a_prompts_samples_write_its_breakpoint_once(engine):
@@ -144,4 +144,4 @@ def test_a_prompts_samples_write_its_breakpoint_once(engine):
     [final] = finals
     assert final.num_cache_write_tokens == 5 * BLOCK
     assert engine.get_metrics()["prefix_cache_write_tokens"] == 5 * BLOCK
-    assert len(engine.kv_cache_manager.breakpoints) == 1
+    assert len(engine.kv_cache_manager.held.breakpoints) == 1

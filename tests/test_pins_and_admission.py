@@ -74,7 +74,7 @@ def test_a_pin_that_would_strand_a_queued_request_is_refused(engine):
     engine.add_request("big", random_tokens(80 * BLOCK - 2, seed=2), params())
     with pytest.raises(ValueError, match="would leave queued request 'big'"):
         engine.pin_prefix("system", system)
-    assert engine.kv_cache_manager.pins.num_blocks == 0
+    assert engine.kv_cache_manager.held.pins.num_blocks == 0
     assert drain(engine)["big"].error is None
 
 
@@ -85,7 +85,7 @@ def test_a_request_that_cannot_get_blocks_from_an_idle_pool_fails_alone(engine):
     engine.add_request("big", random_tokens(80 * BLOCK - 2, seed=2), params())
     # A pin made below the engine's check (as a bug might): the request is stuck, not the engine.
     probe = Request("probe", system, SamplingParams(), block_hasher=engine.parts.block_hasher)
-    engine.kv_cache_manager.pin_prefix("system", probe)
+    engine.kv_cache_manager.held.pin_prefix("system", probe)
     finals = drain(engine)
     assert "cannot get its KV blocks" in finals["big"].error
     assert finals["big"].outputs[0].finish_reason == "error"

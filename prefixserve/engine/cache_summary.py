@@ -50,7 +50,7 @@ def build_cache_summary(
             "capacity_bytes": connector.store.capacity_bytes,
             "hit_tokens": connector.stats.hit_tokens,
         }
-    pins = manager.pins
+    pins = manager.held.pins
     return {
         "time": time.time(),
         "block_size": manager.block_size,

@@ -79,8 +79,8 @@ class InputProcessor:
         for sample in requests[1:]:
             sample.counted_in_reports = False  # a prompt's samples are one request to count
         manager = self.parts.kv_cache_manager  # pinned blocks are not the request's to take
-        available = manager.blocks_available_to(requests[0])
-        check_fits_pool(needed, num_prompt, max_tokens, available, manager.num_held_blocks)
+        available = manager.held.blocks_available_to(requests[0])
+        check_fits_pool(needed, num_prompt, max_tokens, available, manager.held.num_blocks)
         return prompt_ids, requests
 
     def probe(

@@ -255,7 +255,7 @@ class LLMEngine:
         stuck = self.scheduler.stuck_request()
         if stuck is None:
             return {}
-        pinned = self.kv_cache_manager.num_held_blocks
+        pinned = self.kv_cache_manager.held.num_blocks
         return {
             stuck.request_id: f"the request ({stuck.num_tokens} tokens) cannot get its KV blocks "
             f"from an idle pool of {self.num_kv_blocks} blocks, {pinned} of them pinned"
@@ -334,9 +334,9 @@ class LLMEngine:
         return {
             **{f"cache_miss_{reason}": n for reason, n in self.explainer.counts.items()},
             "kv_cache_cached_blocks": len(manager.block_pool.cached_block_hash_to_block[0]),
-            "kv_cache_pinned_blocks": manager.pins.num_blocks,
-            "kv_cache_breakpoint_blocks": manager.breakpoints.num_blocks,
-            "kv_cache_breakpoints": len(manager.breakpoints),
+            "kv_cache_pinned_blocks": manager.held.pins.num_blocks,
+            "kv_cache_breakpoint_blocks": manager.held.breakpoints.num_blocks,
+            "kv_cache_breakpoints": len(manager.held.breakpoints),
             "prefix_cache_write_tokens": self.scheduler.stats.num_cache_write_tokens,
             "cache_ghost_entries": len(manager.recorder.ghosts),
         }

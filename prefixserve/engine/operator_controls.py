@@ -56,7 +56,7 @@ class OperatorControls:
     def describe_breakpoints(self) -> dict[str, Any]:
         """Clients' held breakpoints: per tenant {"breakpoints", "blocks", "tokens"}, the blocks
         held in all, the bounds, and the prompt tokens written at breakpoints so far."""
-        held = self.manager.breakpoints
+        held = self.manager.held.breakpoints
         return {
             "tenants": held.describe(),
             "held_blocks": held.num_blocks,
@@ -106,7 +106,7 @@ class OperatorControls:
         `unpin_prefix`; returns the tokens pinned. Run the prompt first so it is cached.
         ValueError for bad input, nothing cached, a used id or a full pinned capacity."""
         probe = self.processor.probe(pin_id, prompt_token_ids, cache_salt)
-        num_tokens = self.manager.pin_prefix(pin_id, probe)
+        num_tokens = self.manager.held.pin_prefix(pin_id, probe)
         unfit = self._first_unfit_request()
         if unfit is not None:
             self.unpin_prefix(pin_id)
@@ -123,7 +123,7 @@ class OperatorControls:
         current pins (see `check_fits_pool`), or None."""
         for request in self.scheduler.requests.values():
             needed = self.blocks_needed(request.num_prompt_tokens + request.max_tokens - 1)
-            if needed > self.manager.blocks_available_to(request):
+            if needed > self.manager.held.blocks_available_to(request):
                 return request.request_id
         return None
 
@@ -132,11 +132,11 @@ class OperatorControls:
         expire a retention (24 h) from now); False when there is none."""
         if self.connector is not None:
             self.connector.release_pins(pin_id)
-        return self.manager.pins.unpin(pin_id)
+        return self.manager.held.pins.unpin(pin_id)
 
     def describe_pins(self) -> dict[str, Any]:
         """{"pins": {id: {"num_tokens", "num_blocks"}}, "pinned_blocks", "capacity_blocks"}."""
-        pins = self.manager.pins
+        pins = self.manager.held.pins
         return {
             "pins": pins.describe(),
             "pinned_blocks": pins.num_blocks,

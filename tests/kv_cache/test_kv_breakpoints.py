@@ -32,9 +32,9 @@ class Clock:
 def _manager(num_blocks: int = 13, capacity: int = 6, per_tenant: int = 4) -> tuple:
     mgr = make_manager(num_blocks=num_blocks)
     clock = Clock()
-    mgr.breakpoints.capacity_blocks = capacity
-    mgr.breakpoints.tenant_budget_blocks = per_tenant
-    mgr.breakpoints.clock = clock
+    mgr.held.breakpoints.capacity_blocks = capacity
+    mgr.held.breakpoints.tenant_budget_blocks = per_tenant
+    mgr.held.breakpoints.clock = clock
     return mgr, clock
 
 
@@ -46,7 +46,7 @@ def _run_and_hold(
     request = make_request(request_id, tokens, tenant=tenant)
     assert schedule(mgr, request) is not None
     bp = CacheBreakpoint(len(tokens) if at is None else at, ttl)
-    (status,) = mgr.hold_breakpoints(request, (bp,), lambda _: True)
+    (status,) = mgr.held.hold_breakpoints(request, (bp,), lambda _: True)
     mgr.free(request)
     return status
 
@@ -83,12 +83,12 @@ def test_a_breakpoint_is_released_when_its_ttl_runs_out_after_its_last_use():
     # A read of the prefix is a use: the expiry moves to now + 300.
     reader = make_request("reader", SYSTEM + [10], tenant="a")
     assert schedule(mgr, reader) == 8
-    mgr.refresh_breakpoints(reader, 8)
+    mgr.held.refresh_breakpoints(reader, 8)
     mgr.free(reader)
     clock.now += 250  # 450 s after the hold, 250 after the read
-    assert mgr.expire_breakpoints() == 0 and len(mgr.breakpoints) == 1
+    assert mgr.held.expire_breakpoints() == 0 and len(mgr.held.breakpoints) == 1
     clock.now += 51
-    assert mgr.expire_breakpoints() == 1 and len(mgr.breakpoints) == 0
+    assert mgr.held.expire_breakpoints() == 1 and len(mgr.held.breakpoints) == 0
     _fill(mgr, 2)
     assert _hit(mgr, SYSTEM) == 0  # an ordinary cached block again, evicted
     mgr.check_no_leaks()
@@ -100,8 +100,8 @@ def test_asking_for_a_held_breakpoint_again_refreshes_it_and_writes_nothing():
     clock.now += 299
     assert _run_and_hold(mgr, "again", SYSTEM + [9], ttl=300) is HoldStatus.REFRESHED
     clock.now += 299
-    assert mgr.expire_breakpoints() == 0
-    assert mgr.breakpoints.num_blocks == 2
+    assert mgr.held.expire_breakpoints() == 0
+    assert mgr.held.breakpoints.num_blocks == 2
     mgr.check_no_leaks()
 
 
@@ -111,7 +111,7 @@ def test_a_tenant_over_its_budget_ages_out_its_own_soonest_expiring_breakpoint()
     _run_and_hold(mgr, "1", first + [9], ttl=3600)
     clock.now += 1
     _run_and_hold(mgr, "2", second + [9], ttl=300)  # expires first
-    assert mgr.breakpoints.tenant_blocks("a") == 4
+    assert mgr.held.breakpoints.tenant_blocks("a") == 4
     assert _run_and_hold(mgr, "3", third + [9], ttl=300) is HoldStatus.HELD
     _fill(mgr, 3)
     assert (_hit(mgr, first), _hit(mgr, second), _hit(mgr, third)) == (8, 0, 8)
@@ -127,14 +127,14 @@ def test_another_tenants_breakpoints_are_never_released_to_make_room():
     assert _run_and_hold(mgr, "b", tenant_b + [9], tenant="b") is HoldStatus.REFUSED_BUDGET
     _fill(mgr, 4)
     assert _hit(mgr, tenant_a) == 16
-    assert len(mgr.breakpoints) == 1
+    assert len(mgr.held.breakpoints) == 1
     mgr.check_no_leaks()
 
 
 def test_a_breakpoint_larger_than_the_tenant_budget_is_refused_and_holds_nothing():
     mgr, _ = _manager(per_tenant=1)
     assert _run_and_hold(mgr, "big", SYSTEM + [9]) is HoldStatus.REFUSED_BUDGET
-    assert mgr.breakpoints.num_blocks == 0
+    assert mgr.held.breakpoints.num_blocks == 0
     mgr.check_no_leaks()
 
 
@@ -144,7 +144,7 @@ def test_a_breakpoint_larger_than_the_budget_is_refused_first_and_releases_nothi
     assert _run_and_hold(mgr, "small", small + [9], ttl=3600) is HoldStatus.HELD
     big = [400 + j for j in range(12)]  # three blocks: past the budget of two, whatever it frees
     assert _run_and_hold(mgr, "big", big + [9]) is HoldStatus.REFUSED_BUDGET
-    assert len(mgr.breakpoints) == 1 and mgr.breakpoints.tenant_blocks("a") == 1
+    assert len(mgr.held.breakpoints) == 1 and mgr.held.breakpoints.tenant_blocks("a") == 1
     _fill(mgr, 8)
     assert _hit(mgr, small) == 4
     mgr.check_no_leaks()
@@ -158,7 +158,7 @@ def test_a_breakpoint_refused_for_the_shared_capacity_releases_nothing_of_its_te
     assert _run_and_hold(mgr, "a1", own + [9], ttl=3600) is HoldStatus.HELD
     wanted = [700 + j for j in range(16)]  # within a's budget once a's own go, never within 6
     assert _run_and_hold(mgr, "a2", wanted + [9]) is HoldStatus.REFUSED_BUDGET
-    assert mgr.breakpoints.tenant_blocks("a") == 2 and len(mgr.breakpoints) == 2
+    assert mgr.held.breakpoints.tenant_blocks("a") == 2 and len(mgr.held.breakpoints) == 2
     _fill(mgr, 9)
     assert (_hit(mgr, own), _hit(mgr, others)) == (8, 16)
     mgr.check_no_leaks()
@@ -169,10 +169,10 @@ def test_a_breakpoint_refused_for_the_pool_releases_nothing_of_its_tenant():
     assert _run_and_hold(mgr, "own", SYSTEM + [9], ttl=3600) is HoldStatus.HELD
     request = make_request("r", [800 + j for j in range(8)] + [9], tenant="a")
     assert schedule(mgr, request) is not None
-    statuses = mgr.hold_breakpoints(request, (CacheBreakpoint(8, 300),), lambda _: False)
+    statuses = mgr.held.hold_breakpoints(request, (CacheBreakpoint(8, 300),), lambda _: False)
     mgr.free(request)
     assert statuses == [HoldStatus.REFUSED_POOL]
-    assert mgr.breakpoints.tenant_blocks("a") == 2
+    assert mgr.held.breakpoints.tenant_blocks("a") == 2
     _fill(mgr, 10)
     assert _hit(mgr, SYSTEM) == 8
     mgr.check_no_leaks()
@@ -187,13 +187,13 @@ def test_a_breakpoint_replacing_its_tenants_own_counts_only_the_net_held_blocks_
 
     def fits_pool(num_new_held: int) -> bool:
         asked.append(num_new_held)
-        return mgr.num_held_blocks + num_new_held <= 2  # room for two held blocks, no more
+        return mgr.held.num_blocks + num_new_held <= 2  # room for two held blocks, no more
 
-    statuses = mgr.hold_breakpoints(request, (CacheBreakpoint(8, 300),), fits_pool)
+    statuses = mgr.held.hold_breakpoints(request, (CacheBreakpoint(8, 300),), fits_pool)
     mgr.free(request)
     assert asked == [0]  # two blocks held, two of its own released: no net growth
-    assert statuses == [HoldStatus.HELD] and mgr.breakpoints.tenant_blocks("a") == 2
-    assert mgr.num_held_blocks == 2
+    assert statuses == [HoldStatus.HELD] and mgr.held.breakpoints.tenant_blocks("a") == 2
+    assert mgr.held.num_blocks == 2
     mgr.check_no_leaks()
 
 
@@ -201,7 +201,7 @@ def test_a_breakpoint_that_would_strand_a_queued_request_is_refused():
     mgr, _ = _manager()
     request = make_request("r", SYSTEM + [9], tenant="a")
     assert schedule(mgr, request) is not None
-    statuses = mgr.hold_breakpoints(request, (CacheBreakpoint(8, 300),), lambda n: n == 0)
+    statuses = mgr.held.hold_breakpoints(request, (CacheBreakpoint(8, 300),), lambda n: n == 0)
     assert statuses == [HoldStatus.REFUSED_POOL]
     mgr.free(request)
     mgr.check_no_leaks()
@@ -210,13 +210,13 @@ def test_a_breakpoint_that_would_strand_a_queued_request_is_refused():
 def test_a_breakpoint_shorter_than_a_block_holds_nothing():
     mgr, _ = _manager()
     assert _run_and_hold(mgr, "short", SYSTEM + [9], at=3) is HoldStatus.NOT_CACHED
-    assert mgr.breakpoints.num_blocks == 0
+    assert mgr.held.breakpoints.num_blocks == 0
 
 
 def test_a_breakpoint_holds_full_blocks_only_up_to_its_position():
     mgr, _ = _manager()
     _run_and_hold(mgr, "mid", SYSTEM + [9], at=7)  # one full block before token 7
-    assert mgr.breakpoints.num_blocks == 1
+    assert mgr.held.breakpoints.num_blocks == 1
     _fill(mgr, 5)
     assert _hit(mgr, SYSTEM) == 4
 
@@ -225,16 +225,16 @@ def test_a_cache_reset_releases_every_breakpoint():
     mgr, _ = _manager()
     _run_and_hold(mgr, "sys", SYSTEM + [9])
     assert mgr.reset_prefix_cache()
-    assert len(mgr.breakpoints) == 0
+    assert len(mgr.held.breakpoints) == 0
     mgr.check_no_leaks()
 
 
 def test_held_breakpoints_shrink_the_blocks_available_to_a_request():
     mgr, _ = _manager()
     _run_and_hold(mgr, "sys", SYSTEM + [9])
-    assert mgr.blocks_available_to(make_request("x", [500, 501, 502])) == mgr.num_kv_blocks - 2
+    assert mgr.held.blocks_available_to(make_request("x", [500, 501, 502])) == mgr.num_kv_blocks - 2
     # Its own prompt's held blocks cost it nothing.
-    assert mgr.blocks_available_to(make_request("y", SYSTEM + [9])) == mgr.num_kv_blocks
+    assert mgr.held.blocks_available_to(make_request("y", SYSTEM + [9])) == mgr.num_kv_blocks
 
 
 @pytest.mark.parametrize(
@@ -278,19 +278,19 @@ def test_breakpoints_never_leak_stay_within_their_bounds_and_a_refusal_releases_
     mgr, clock = _manager(num_blocks=17, capacity=8, per_tenant=4)
     for i, (tenant, prompt, ttl, wait) in enumerate(ops):
         clock.now += wait
-        mgr.expire_breakpoints()
+        mgr.held.expire_breakpoints()
         tokens = [prompt * 100 + j for j in range(4 * (1 + prompt % 3))] + [9]
-        before = (mgr.breakpoints.describe(), mgr.breakpoints.holders())
+        before = (mgr.held.breakpoints.describe(), mgr.held.breakpoints.holders())
         status = _run_and_hold(mgr, f"r{i}", tokens, ttl=ttl, tenant=tenant)
         if status in (HoldStatus.REFUSED_BUDGET, HoldStatus.REFUSED_POOL):
-            assert (mgr.breakpoints.describe(), mgr.breakpoints.holders()) == before
-        assert mgr.breakpoints.num_blocks <= 8
+            assert (mgr.held.breakpoints.describe(), mgr.held.breakpoints.holders()) == before
+        assert mgr.held.breakpoints.num_blocks <= 8
         for t in "abc":
-            assert mgr.breakpoints.tenant_blocks(t) <= 4
+            assert mgr.held.breakpoints.tenant_blocks(t) <= 4
         mgr.check_no_leaks()
     clock.now += 10**6
-    mgr.expire_breakpoints()
-    assert mgr.breakpoints.num_blocks == 0
+    mgr.held.expire_breakpoints()
+    assert mgr.held.breakpoints.num_blocks == 0
     mgr.check_no_leaks()
 
 
@@ -342,16 +342,16 @@ def test_replicas_held_breakpoints_merge_into_one_view():
 
 def test_a_pin_and_a_breakpoint_on_one_prefix_each_hold_it_until_both_let_go():
     mgr, clock = _manager()
-    mgr.pins.capacity_blocks = 4
+    mgr.held.pins.capacity_blocks = 4
     _run_and_hold(mgr, "sys", SYSTEM + [9], ttl=300)
-    assert mgr.pin_prefix("pin", make_request("probe", SYSTEM)) == 8
-    assert mgr.num_held_blocks == 2
-    assert mgr.pins.unpin("pin")
+    assert mgr.held.pin_prefix("pin", make_request("probe", SYSTEM)) == 8
+    assert mgr.held.num_blocks == 2
+    assert mgr.held.pins.unpin("pin")
     _fill(mgr, 6)
     assert _hit(mgr, SYSTEM) == 8  # the breakpoint still holds it
     clock.now += 301
-    mgr.expire_breakpoints()
-    mgr.pin_prefix("pin2", make_request("probe", SYSTEM))
+    mgr.held.expire_breakpoints()
+    mgr.held.pin_prefix("pin2", make_request("probe", SYSTEM))
     _fill(mgr, 7)
     assert _hit(mgr, SYSTEM) == 8  # and now the pin alone
     mgr.check_no_leaks()

@@ -315,7 +315,7 @@ class NeverEvictsWhatIsHeld(RuleBasedStateMachine):
     def _allocate(self, request, *args) -> bool:
         """allocate_slots, checking that no block it hands out had a holder."""
         held = {b.block_id for b in self.mgr.block_pool.blocks if b.ref_cnt > 0}
-        pinned = set(self.mgr.pins.holders())
+        pinned = set(self.mgr.held.pins.holders())
         assert pinned <= held
         new = self.mgr.allocate_slots(request, *args)
         if new is None:
@@ -361,13 +361,13 @@ class NeverEvictsWhatIsHeld(RuleBasedStateMachine):
     @rule(prefix=st.sampled_from(SHARED[1:]), pin_id=st.sampled_from(["p", "q"]))
     def pin(self, prefix, pin_id):
         try:
-            self.mgr.pin_prefix(pin_id, make_request("pin", prefix))
+            self.mgr.held.pin_prefix(pin_id, make_request("pin", prefix))
         except ValueError:
             pass  # nothing cached, the id is used, or past the capacity
 
     @rule(pin_id=st.sampled_from(["p", "q"]))
     def unpin(self, pin_id):
-        self.mgr.pins.unpin(pin_id)
+        self.mgr.held.pins.unpin(pin_id)
 
     @rule()
     def reset(self):

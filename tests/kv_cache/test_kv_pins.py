@@ -27,9 +27,9 @@ def _fill(mgr: KVCacheManager, start: int) -> None:
 
 def test_a_pinned_prefix_is_never_evicted():
     mgr = make_manager(num_blocks=9, groups=None)  # 8 allocatable blocks
-    mgr.pins.capacity_blocks = 4
+    mgr.held.pins.capacity_blocks = 4
     _run(mgr, "warm", SYSTEM + [9])
-    assert mgr.pin_prefix("sys", make_request("probe", SYSTEM)) == 8
+    assert mgr.held.pin_prefix("sys", make_request("probe", SYSTEM)) == 8
     _fill(mgr, 1)
     hit = make_request("again", SYSTEM + [9, 10])
     assert mgr.get_computed_blocks(hit)[1] == 8
@@ -38,10 +38,10 @@ def test_a_pinned_prefix_is_never_evicted():
 
 def test_unpinning_makes_the_blocks_evictable_again():
     mgr = make_manager(num_blocks=9)
-    mgr.pins.capacity_blocks = 4
+    mgr.held.pins.capacity_blocks = 4
     _run(mgr, "warm", SYSTEM + [9])
-    mgr.pin_prefix("sys", make_request("probe", SYSTEM))
-    assert mgr.pins.unpin("sys") and not mgr.pins.unpin("sys")
+    mgr.held.pin_prefix("sys", make_request("probe", SYSTEM))
+    assert mgr.held.pins.unpin("sys") and not mgr.held.pins.unpin("sys")
     _fill(mgr, 2)
     assert mgr.get_computed_blocks(make_request("again", SYSTEM + [9]))[1] == 0
     mgr.check_no_leaks()
@@ -49,54 +49,54 @@ def test_unpinning_makes_the_blocks_evictable_again():
 
 def test_pinning_past_the_capacity_is_refused_and_holds_nothing():
     mgr = make_manager(num_blocks=9)
-    mgr.pins.capacity_blocks = 1
+    mgr.held.pins.capacity_blocks = 1
     _run(mgr, "warm", SYSTEM + [9])
     with pytest.raises(ValueError, match="0 of 1 blocks are pinned"):
-        mgr.pin_prefix("sys", make_request("probe", SYSTEM))
-    assert len(mgr.pins) == 0 and mgr.num_free_blocks == mgr.num_kv_blocks
+        mgr.held.pin_prefix("sys", make_request("probe", SYSTEM))
+    assert len(mgr.held.pins) == 0 and mgr.num_free_blocks == mgr.num_kv_blocks
 
 
 def test_a_prefix_that_is_not_cached_cannot_be_pinned():
     mgr = make_manager(num_blocks=9)
-    mgr.pins.capacity_blocks = 4
+    mgr.held.pins.capacity_blocks = 4
     with pytest.raises(ValueError, match="nothing to pin"):
-        mgr.pin_prefix("sys", make_request("probe", SYSTEM))
+        mgr.held.pin_prefix("sys", make_request("probe", SYSTEM))
 
 
 def test_two_pins_of_one_prefix_share_its_blocks_and_ids_are_unique():
     mgr = make_manager(num_blocks=9)
-    mgr.pins.capacity_blocks = 2
+    mgr.held.pins.capacity_blocks = 2
     _run(mgr, "warm", SYSTEM + [9])
-    mgr.pin_prefix("a", make_request("p1", SYSTEM))
-    mgr.pin_prefix("b", make_request("p2", SYSTEM))  # the same 2 blocks: within capacity 2
-    assert mgr.pins.num_blocks == 2
+    mgr.held.pin_prefix("a", make_request("p1", SYSTEM))
+    mgr.held.pin_prefix("b", make_request("p2", SYSTEM))  # the same 2 blocks: within capacity 2
+    assert mgr.held.pins.num_blocks == 2
     with pytest.raises(ValueError, match="exists"):
-        mgr.pin_prefix("a", make_request("p3", SYSTEM))
+        mgr.held.pin_prefix("a", make_request("p3", SYSTEM))
     mgr.check_invariants()
-    mgr.pins.unpin("a")
+    mgr.held.pins.unpin("a")
     _fill(mgr, 3)
     assert mgr.get_computed_blocks(make_request("again", SYSTEM + [9]))[1] == 8  # b holds them
 
 
 def test_a_cache_reset_drops_every_pin():
     mgr = make_manager(num_blocks=9)
-    mgr.pins.capacity_blocks = 4
+    mgr.held.pins.capacity_blocks = 4
     _run(mgr, "warm", SYSTEM + [9])
-    mgr.pin_prefix("sys", make_request("probe", SYSTEM))
+    mgr.held.pin_prefix("sys", make_request("probe", SYSTEM))
     assert mgr.reset_prefix_cache()
-    assert len(mgr.pins) == 0 and mgr.num_free_blocks == mgr.num_kv_blocks
+    assert len(mgr.held.pins) == 0 and mgr.num_free_blocks == mgr.num_kv_blocks
     assert mgr.get_computed_blocks(make_request("again", SYSTEM + [9]))[1] == 0
 
 
 def test_a_reset_refused_while_a_request_holds_blocks_keeps_the_pins():
     mgr = make_manager(num_blocks=9)
-    mgr.pins.capacity_blocks = 4
+    mgr.held.pins.capacity_blocks = 4
     _run(mgr, "warm", SYSTEM + [9])
-    mgr.pin_prefix("sys", make_request("probe", SYSTEM))
+    mgr.held.pin_prefix("sys", make_request("probe", SYSTEM))
     running = make_request("running", [50, 51, 52, 53, 54])
     schedule(mgr, running)
     assert not mgr.reset_prefix_cache()
-    assert len(mgr.pins) == 1
+    assert len(mgr.held.pins) == 1
 
 
 @settings(max_examples=60, deadline=None)
@@ -107,7 +107,7 @@ def test_a_reset_refused_while_a_request_holds_blocks_keeps_the_pins():
 )
 def test_no_sequence_of_requests_evicts_a_pinned_block(ops):
     mgr = make_manager(num_blocks=13)
-    mgr.pins.capacity_blocks = 6
+    mgr.held.pins.capacity_blocks = 6
     prompts = [[10 * p + j for j in range(9)] for p in range(6)]
     pinned: dict[str, list[int]] = {}
     for step, (op, p) in enumerate(ops):
@@ -117,7 +117,7 @@ def test_no_sequence_of_requests_evicts_a_pinned_block(ops):
             probe = make_request(f"probe{step}", prompts[p][:8])
             cached = mgr.get_computed_blocks(make_request(f"c{step}", prompts[p][:8] + [0]))[1]
             try:
-                mgr.pin_prefix(f"pin{p}", probe)
+                mgr.held.pin_prefix(f"pin{p}", probe)
                 pinned[f"pin{p}"] = prompts[p][:8]
             except ValueError as exc:  # only for these reasons, each of them true
                 reason = str(exc)
@@ -127,15 +127,15 @@ def test_no_sequence_of_requests_evicts_a_pinned_block(ops):
                     assert cached == 0
                 else:
                     assert "pinned capacity" in reason, reason
-                    assert mgr.pins.num_blocks + cached // mgr.block_size > 6
+                    assert mgr.held.pins.num_blocks + cached // mgr.block_size > 6
         else:
-            mgr.pins.unpin(f"pin{p}")
+            mgr.held.pins.unpin(f"pin{p}")
             pinned.pop(f"pin{p}", None)
         mgr.check_invariants()
         for pin_id, tokens in pinned.items():
-            tokens_pinned = mgr.pins.describe()[pin_id]["num_tokens"]
+            tokens_pinned = mgr.held.pins.describe()[pin_id]["num_tokens"]
             hit = mgr.get_computed_blocks(make_request(f"check{step}", tokens + [0]))[1]
             assert hit >= tokens_pinned, (pin_id, hit, tokens_pinned)
-        assert mgr.pins.num_blocks <= 6
-    mgr.pins.clear()
+        assert mgr.held.pins.num_blocks <= 6
+    mgr.held.pins.clear()
     mgr.check_no_leaks()

@@ -26,7 +26,7 @@ def _release_breakpoints(server):
     with httpx.Client(base_url=server.url, timeout=60, verify=ssl_context()) as http:
         reset = http.post("/reset_prefix_cache", headers={"Authorization": f"Bearer {KEY_ADMIN}"})
     assert reset.json() == {"success": True}
-    assert server.run_in_engine(lambda e: len(e.kv_cache_manager.breakpoints)) == 0
+    assert server.run_in_engine(lambda e: len(e.kv_cache_manager.held.breakpoints)) == 0
 
 
 EPHEMERAL = {"type": "ephemeral"}
@@ -448,7 +448,7 @@ def test_openais_24h_retention_holds_the_prompt_for_the_openai_sdk(server):
         extra_body={"prompt_cache_retention": "24h"},
         **kwargs,
     )
-    held = server.run_in_engine(lambda e: e.kv_cache_manager.breakpoints.describe())
+    held = server.run_in_engine(lambda e: e.kv_cache_manager.held.breakpoints.describe())
     assert held["alpha"]["breakpoints"] >= 1
     again = client.chat.completions.create(messages=[{"role": "user", "content": prompt}], **kwargs)
     assert again.usage.prompt_tokens_details.cached_tokens >= 200

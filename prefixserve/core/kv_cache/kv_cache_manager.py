@@ -4,18 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import partial
 
 from prefixserve.core.kv_cache.block_pool import BlockPool, KVCacheBlock
-from prefixserve.core.kv_cache.breakpoint_spec import CacheBreakpoint, HoldStatus
-from prefixserve.core.kv_cache.breakpoints import HeldBreakpoints
 from prefixserve.core.kv_cache.coordinator import KVCacheCoordinator
 from prefixserve.core.kv_cache.events import KVCacheEvent
 from prefixserve.core.kv_cache.eviction.policies import DEFAULT_EVICTION_POLICY
 from prefixserve.core.kv_cache.hashing import generate_block_extra_keys, get_hash_fn
-from prefixserve.core.kv_cache.pins import PinnedPrefixes
+from prefixserve.core.kv_cache.held_prefixes import HeldPrefixes
 from prefixserve.core.kv_cache.reports.ghost import DEFAULT_GHOST_ENTRIES
 from prefixserve.core.kv_cache.reports.recorder import BlockRecorder
 from prefixserve.core.kv_cache.spec import KVCacheConfig
@@ -100,16 +98,16 @@ class KVCacheManager:
         self.coordinator = KVCacheCoordinator(config, self.block_pool, extra_keys_fn)
         self.num_groups = len(config.groups)
         self._stats = PrefixCacheStats()
-        self.pins = PinnedPrefixes(self.block_pool, max_pinned_blocks)
-        # Clients' cache breakpoints (`breakpoints.py`); by default at most half the pool, a
-        # quarter per tenant.
-        num_kv = self.block_pool.num_kv_blocks
-        self.breakpoints = HeldBreakpoints(
+        # The operator's pins and the clients' cache breakpoints (`held_prefixes.py`): blocks
+        # no request owns that the pool keeps.
+        self.held = HeldPrefixes(
             self.block_pool,
-            num_kv // 2 if max_breakpoint_blocks is None else max_breakpoint_blocks,
-            num_kv // 4
-            if max_breakpoint_blocks_per_tenant is None
-            else max_breakpoint_blocks_per_tenant,
+            self.coordinator,
+            self.block_size,
+            enable_caching,
+            max_pinned_blocks,
+            max_breakpoint_blocks,
+            max_breakpoint_blocks_per_tenant,
         )
         # Per-block history for cache reports and the summary (`reports/`); `ghost_entries`
         # bounds the memory of evicted hashes.
@@ -291,95 +289,12 @@ class KVCacheManager:
         snapshot.hash_collisions = self.block_pool.num_hash_collisions
         return snapshot
 
-    def pin_prefix(self, pin_id: str, request: Request) -> int:
-        """Keep the cached blocks of `request`'s prompt resident (`pins.py`); returns the tokens
-        pinned (its full blocks that are cached, from the start). ValueError when none is
-        cached, for a used id, or past the pinned capacity."""
-        if not self.enable_caching:
-            raise ValueError("cannot pin a prefix with prefix caching off")
-        groups, num_tokens = self.coordinator.find_longest_cache_hit(
-            request.block_hashes, request.num_tokens, request.all_token_ids
-        )
-        self.pins.pin(pin_id, groups, num_tokens)
-        return num_tokens
-
-    # ------------------------------------------------------------------ held prefixes
-
-    def held_holders(self) -> Counter[int]:
-        """Block id -> holders among pins and breakpoints (blocks no request can take)."""
-        return self.pins.holders() + self.breakpoints.holders()
-
-    @property
-    def num_held_blocks(self) -> int:
-        """Distinct blocks held by pins or breakpoints."""
-        if not len(self.breakpoints):
-            return self.pins.num_blocks
-        return len(self.held_holders())
-
-    def hold_breakpoints(
-        self,
-        request: Request,
-        breakpoints: tuple[CacheBreakpoint, ...],
-        fits_pool: Callable[[int], bool],
-    ) -> list[HoldStatus]:
-        """Hold the cached full blocks of each breakpoint's prefix of `request` (its blocks are
-        in its table now, cached) for its ttl (`breakpoints.py`). `fits_pool(n)`: whether n
-        more held blocks leave every queued request room."""
-        statuses = []
-        for bp in breakpoints:
-            num_blocks = bp.num_tokens // self.block_size
-            if not self.enable_caching or num_blocks == 0:
-                statuses.append(HoldStatus.NOT_CACHED)
-                continue
-            blocks = [
-                block
-                for manager in self.coordinator.managers
-                for block in manager.req_to_blocks.get(request.request_id, ())[:num_blocks]
-            ]
-            if len(request.block_hashes) < num_blocks:
-                statuses.append(HoldStatus.NOT_CACHED)
-                continue
-            key = request.block_hashes[num_blocks - 1]
-            statuses.append(
-                self.breakpoints.hold(
-                    request.tenant, key, blocks, num_blocks * self.block_size, bp.ttl_s, fits_pool
-                )
-            )
-        return statuses
-
-    def expire_breakpoints(self) -> int:
-        """Release the breakpoints past their expiry; how many."""
-        return self.breakpoints.expire()
-
-    def refresh_breakpoints(self, request: Request, num_hit_tokens: int) -> None:
-        """`request` read its first `num_hit_tokens` from the cache: the breakpoints ending
-        inside that run were used (their expiry moves on)."""
-        num_blocks = num_hit_tokens // self.block_size
-        if num_blocks and len(self.breakpoints):
-            self.breakpoints.refresh_read(request.block_hashes[:num_blocks])
-
-    def blocks_available_to(self, request: Request) -> int:
-        """The most blocks `request` can ever hold at once: the pool less the pinned blocks
-        (pins and held breakpoints), plus the pinned blocks its own prompt hits (it shares
-        those, so they cost it nothing).
-
-        A request that needs more can never run, however long it waits."""
-        pinned = self.held_holders()
-        available = self.num_kv_blocks - len(pinned)
-        if not pinned or not self.enable_caching or request.skip_reading_prefix_cache:
-            return available
-        groups, _ = self.coordinator.find_longest_cache_hit(
-            request.block_hashes, request.num_tokens - 1, request.all_token_ids
-        )
-        return available + sum(1 for group in groups for block in group if block.block_id in pinned)
-
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block, drop every pin and breakpoint; False (and nothing changed)
         while a request holds blocks."""
         if self.coordinator.request_ids():
             return False
-        self.pins.clear()
-        self.breakpoints.clear()
+        self.held.clear()
         return self.block_pool.reset_prefix_cache()
 
     def take_events(self) -> list[KVCacheEvent]:
@@ -394,7 +309,7 @@ class KVCacheManager:
         of block tables holding it; a table's cached prefix carries hashes; nulls only lead.
         """
         self.block_pool.check_invariants()
-        holders: Counter[int] = self.pins.holders() + self.breakpoints.holders()
+        holders: Counter[int] = self.held.holders()
         for manager in self.coordinator.managers:
             for request_id, blocks in manager.req_to_blocks.items():
                 num_cached = manager.num_cached_block[request_id]
@@ -425,7 +340,7 @@ class KVCacheManager:
         holders = self.coordinator.request_ids()
         assert not holders, f"the KV-cache manager still holds block tables of {sorted(holders)}"
         self.check_invariants()
-        pinned = self.num_held_blocks
+        pinned = self.held.num_blocks
         assert self.num_free_blocks + pinned == self.num_kv_blocks, (
             f"{self.num_kv_blocks - self.num_free_blocks - pinned} of {self.num_kv_blocks} "
             f"KV blocks are neither free nor pinned with no request running"

@@ -165,7 +165,7 @@ class Scheduler:
         that had to preempt). Allocates KV slots; does not advance `num_computed_tokens`
         (update_from_output does, once the tokens are computed)."""
         plan = _StepPlan(self.config.max_num_batched_tokens)
-        self.kv_cache_manager.expire_breakpoints()
+        self.kv_cache_manager.held.expire_breakpoints()
         if self.fair:
             self._give_short_tenant_a_slot()
             plan.shares = self._tenant_shares(plan.token_budget)
@@ -350,7 +350,7 @@ class Scheduler:
             request.num_cached_tokens = num_computed + num_loaded
             request.num_disk_cached_tokens = num_loaded
             self.stats.num_prompt_tokens += request.num_prompt_tokens
-            self.kv_cache_manager.refresh_breakpoints(request, num_computed + num_loaded)
+            self.kv_cache_manager.held.refresh_breakpoints(request, num_computed + num_loaded)
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_computed + num_loaded
 
@@ -472,7 +472,7 @@ class Scheduler:
         """Its prompt is computed (the first sample): hold its breakpoints' prefixes and count
         the prompt tokens it wrote to them (those past its cache hit, up to the furthest one
         held)."""
-        statuses = self.kv_cache_manager.hold_breakpoints(
+        statuses = self.kv_cache_manager.held.hold_breakpoints(
             request, request.cache_breakpoints, self._held_blocks_fit
         )
         request.breakpoint_statuses = statuses
@@ -494,7 +494,7 @@ class Scheduler:
         """Whether `num_new_held` more held blocks leave every request here room for its longest
         sequence (counted without shared blocks: an upper bound of its need)."""
         mgr = self.kv_cache_manager
-        free_for_requests = mgr.num_kv_blocks - mgr.num_held_blocks - num_new_held
+        free_for_requests = mgr.num_kv_blocks - mgr.held.num_blocks - num_new_held
         longest = max(
             (r.num_prompt_tokens + r.max_tokens for r in self.requests.values()), default=0
         )

@@ -50,7 +50,7 @@ def pool_summary(manager: KVCacheManager, recorder: BlockRecorder) -> dict[str, 
         "in_use": in_use,
         "cached": cached,
         "free": manager.num_free_blocks,
-        "pinned": manager.pins.num_blocks,
+        "pinned": manager.held.pins.num_blocks,
         "by_tenant": [
             {"tenant": tenant, "blocks": count}
             for tenant, count in sorted(by_tenant.items(), key=lambda kv: (-kv[1], str(kv[0])))
