@@ -127,8 +127,10 @@ def use_ray_cluster_token() -> None:
 def default_omp_wait_policy() -> None:
     """Make OpenMP threads sleep rather than spin while they wait, unless the user chose.
 
-    Spinning threads make small matmuls 10-50x slower whenever the cores are shared with anything
-    else; libgomp reads the variable once, when torch loads, so this runs before torch is imported.
+    Spinning threads make small matmuls many times slower whenever the cores are shared with
+    anything else (BENCHMARKS.md, "Intel Xeon (AVX-512 BF16, no AMX): where the 64-row threshold
+    comes from"); libgomp reads the variable once, when torch loads, so this runs before torch is
+    imported.
     """
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 

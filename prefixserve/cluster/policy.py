@@ -29,8 +29,9 @@ from dataclasses import dataclass
 DECODE_TOKENS = 16
 # A prompt token to compute weighs this many queued tokens: computing a prefix a second time
 # costs that replica the compute now and a second copy in the pools, which evicts other
-# prefixes and makes later misses (W8 at weight 1: hit rate 64-79% against one engine's 89%,
-# the load term spreading tenants over both replicas once queues grew; BENCHMARKS.md).
+# prefixes and makes later misses (W8 at weight 1: a hit rate well below one engine's, the load
+# term spreading tenants over both replicas once queues grew; BENCHMARKS.md, "Replicas on Ray,
+# routed by where the prefix is cached").
 MISS_WEIGHT = 4
 # A block in the shared store costs this fraction of computing it (a read instead of a forward).
 STORE_COST = 0.25

@@ -26,13 +26,14 @@ TARGET_LINEARS = {"self_attn": ("qkv_proj", "o_proj"), "mlp": ("gate_up_proj", "
 
 # bf16 groups of at most this many rows take the native kernel (`compiled_kernel("lora_add")`,
 # csrc/linear/lora.cpp) for both products and the add, in one call and no PyTorch op: oneDNN's bf16
-# matmul costs 15-23 us a call at these shapes whatever the rows (AMD Zen 5, one thread,
+# matmul costs the same setup a call at these shapes whatever the rows (AMD Zen 5, one thread,
 # [1-16, 576] x [576, 48]), and each PyTorch op of a multi-row step can wake OpenMP's sleeping
-# threads (35 us an add at batch 16); through them, one adapter on every projection cost 1.6x
-# the base model's decode step at batch 1 and 1.8x at batch 16 (BENCHMARKS.md, LoRA). Larger
-# groups (prefill chunks) amortize the matmuls' setup and keep PyTorch, as fp32 models do: the
-# kernel for every group made a W1-shaped run over 4 adapters slower (8.99 s against 8.36, median
-# of 4 alternating runs, `LLM.generate` of 32 prompts of 1,088 tokens). In batch-invariant runs
+# threads; through them, one adapter on every projection made the base model's decode step much
+# slower at batch 1 and at batch 16 (BENCHMARKS.md, "LoRA adapters: step cost, and W1 over 4
+# adapters against vLLM"; `benchmarks/bench_lora.py`). Larger groups (prefill chunks) amortize
+# the matmuls' setup and keep PyTorch, as fp32 models do: the kernel for every group made a
+# W1-shaped run over 4 adapters slower (same entry: alternating runs, `LLM.generate` of 32
+# prompts of 1,088 tokens). In batch-invariant runs
 # every bf16 group takes the kernel, whose sums for a row do not depend on the other rows (each
 # row's own FMA chains, 4 rows sharing only the weight loads), so a row's update is the same
 # in a decode step as in a prompt of any length.

@@ -53,15 +53,16 @@ from prefixserve.worker.sample.verify import GeneratorRewind, num_accepted, row_
 # Steps of at most this many tokens run on one torch thread while OpenMP threads sleep between
 # parallel regions (OMP_WAIT_POLICY=PASSIVE, the default): a step makes ~300 regions (linears,
 # attention, norms), and waking the second thread for each costs more than it brings at decode
-# sizes. Measured on the default model (AMD EPYC Zen 5, same run; BENCHMARKS.md "Model speed"):
-# decode at batch 1 11.6 ms on one thread against 14.3 on two, batch 8 23.0 against 23.3,
-# batch 16 35.4 against 32.9. With spinning threads (OMP_WAIT_POLICY unset or ACTIVE) every step
-# uses them all.
+# sizes. Measured on the default model (AMD EPYC Zen 5, same run): decode on one thread is
+# faster at batch 1, even at batch 8 and slower at batch 16 (BENCHMARKS.md, "Per-CPU paths, a
+# streaming decode kernel and the llama.cpp peer"). With spinning threads (OMP_WAIT_POLICY unset
+# or ACTIVE) every step uses them all.
 ONE_THREAD_MAX_TOKENS = 8
 # ... and attend to at most this many keys in all (the sum of their sequences' lengths): at long
-# contexts attention outweighs the wake-ups. Same host, default model, decode at batch 8: context
-# 1,500 (12,000 keys) 67-70 ms a step on one thread against 48-58 on two, the attention kernel
-# 46 ms against 31; contexts 128-512 (1,000-4,000 keys) and batch 1-4 at 1,500 even.
+# contexts attention outweighs the wake-ups. Same host, default model, decode at batch 8: at
+# context 1,500 (12,000 keys) two threads are faster, most of the gap in the attention kernel;
+# at contexts 128-512 (1,000-4,000 keys), and at batch 1-4 at 1,500, even (`bench_model.py
+# --context 1500`; the numbers are in commit c47e281's message, not in BENCHMARKS.md).
 ONE_THREAD_MAX_KEYS = 4096
 
 
@@ -223,9 +224,9 @@ class ModelRunner:
         self.kernel_max_queries: int | None = None
         # Where the long-chunk kernel serves this model, the paged kernel's bf16 path has its
         # arithmetic (csrc/attention/attn_lanes_bf16_avx512.h) and is faster than SDPA at every
-        # chunk length
-        # (BENCHMARKS.md): every chunk attends through one of the two, so a query's output does
-        # not depend on how its prompt was chunked, cached or batched, in any mode.
+        # chunk length (BENCHMARKS.md, "Model speed"): every chunk attends through one of the
+        # two, so a query's output does not depend on how its prompt was chunked, cached or
+        # batched, in any mode.
         kernels_agree = self.prefill_kernel is not None and attention_kernels_agree()
         if kernels_agree:
             self.kernel_max_queries = sys.maxsize

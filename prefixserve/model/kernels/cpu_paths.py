@@ -47,40 +47,43 @@ class CpuPaths:
     measured: str  # where the row's numbers come from
 
 
-# Keyed by `cpu_kind()`. GFLOP/s are 2 threads, bench_gemm.py's shapes of the default model.
+# Keyed by `cpu_kind()`. Each row's reasons were measured on 2 threads (GEMMs:
+# `benchmarks/bench_gemm.py` on the default model's shapes; attention:
+# `benchmarks/bench_attention.py`); the numbers are in the BENCHMARKS.md entry each row names.
 CPU_TABLE: dict[str, CpuPaths] = {
     # Intel Sapphire Rapids and later: AMX tiles make bf16 the fast path (issue 13: transformers'
-    # plain bf16 prefill beat our fp32 one 1.43x on such a host). Attention: as the Intel row
-    # (not measured on AMX).
+    # plain bf16 prefill beat our fp32 one on such a host, `benchmarks/bench_model.py`).
+    # Attention: as the Intel row (not measured on AMX).
     "amx": CpuPaths(None, False, 12, "AMX host, issue 13's run"),
     # AMD Zen 5 (EPYC, family 26): full-width AVX-512 with native bf16 dot products. Packed bf16
-    # reaches 840-940 GFLOP/s from 512 rows against 180-195 in fp32 (4.8x), and wins at every
-    # row count from 4 (65 against 21 at 4 rows of 576 x 960); the whole model's 512-token
-    # prefill ran 642 tok/s with the fp32 copy from 64 rows, 1,598 without. Zen 4 double-pumps
-    # the same instructions: bf16 keeps its 2x FLOPs per instruction over fp32 FMAs (reasoned,
-    # not measured). Attention: the kernel beats SDPA 1.3-2.4x for chunks of 4-64 queries over
-    # a 1,024-token prefix and 1.2x on a 512-token prompt, and loses on a 2,048-token prompt
-    # (0.72x). Since the native prefill kernel (attention.PREFILL_MIN_QUERIES), chunks of 32+
+    # beats the fp32 copy at every row count from 4, by most at prefill sizes, and the whole
+    # model's 512-token prefill ran much faster without the fp32 copy from 64 rows than with it.
+    # Zen 4 double-pumps the same instructions: bf16 keeps its 2x FLOPs per instruction over
+    # fp32 FMAs (reasoned, not measured). Attention: the kernel beats SDPA for chunks of 4-64
+    # queries over a 1,024-token prefix and on a 512-token prompt, and loses on a 2,048-token
+    # prompt (all: BENCHMARKS.md, "Per-CPU paths, a streaming decode kernel and the llama.cpp
+    # peer"). Since the native prefill kernel (attention.PREFILL_MIN_QUERIES), chunks of 32+
     # queries go to that instead wherever it is built: this number only matters without it.
     "avx512_bf16_amd": CpuPaths(None, False, 513, "AMD EPYC Zen 5, 2026-12-02"),
-    # Intel Xeon with avx512_bf16 and no AMX: a VDPBF16PS retires at about a quarter of an fp32
-    # FMA's rate (60-66 against 118-136 GFLOP/s a core), so oneDNN's bf16 GEMM runs 0.6-0.8x of
-    # MKL's fp32 one from a few hundred rows (~155 against ~240 GFLOP/s). The native GEMM
-    # (fp32 FMAs on bf16 weights widened in registers) matches fp32 MKL from 512 rows (210-260
-    # GFLOP/s on two threads), beats oneDNN 1.1-2.5x at 8-64 rows and the streaming kernel
-    # 1.1-1.7x at 1-8 (2026-12-03, bench_gemm.py --native); it now takes every CPU kind with
-    # vector tiles, and this row says what happens without it.
-    # Attention: the kernel wins 1.7-2.2x at 4-8 queries over a 1,024-token prefix, and the
-    # crossover lies between 16 and 32.
+    # Intel Xeon with avx512_bf16 and no AMX: a VDPBF16PS retires at a fraction of an fp32
+    # FMA's rate (a register loop's peaks: BENCHMARKS.md, "The native GEMM: one bf16 linear for
+    # every row count"), so oneDNN's bf16 GEMM runs slower than MKL's fp32 one from a few
+    # hundred rows (BENCHMARKS.md, "After the CPU kernels (quiet machine)"). The native GEMM
+    # (fp32 FMAs on bf16 weights widened in registers) matches fp32 MKL from 512 rows, beats
+    # oneDNN at 8-64 rows and the streaming kernel at 1-8 (BENCHMARKS.md, "The native GEMM: one
+    # bf16 linear for every row count"; `bench_gemm.py --native`); it now takes every CPU kind
+    # with vector tiles, and this row says what happens without it.
+    # Attention: the kernel wins at 4-8 queries over a 1,024-token prefix, and the crossover
+    # lies between 16 and 32 (BENCHMARKS.md, "After the CPU kernels (quiet machine)").
     "avx512_bf16_intel": CpuPaths(64, False, 12, "Intel Xeon without AMX, 2026-12-03"),
     # AVX-512 without bf16 instructions (Skylake-X, Ice Lake): taken to behave as the Intel row
     # (not measured on such a host).
     "avx512": CpuPaths(64, False, 12, "not measured: as avx512_bf16_intel"),
     # AVX2 only (AMD EPYC without AVX-512): oneDNN cannot pack bf16 and plain bf16 `F.linear`
-    # tops out at ~15 GFLOP/s; fp32 reaches 45-60 at 16 rows. The whole model's decode at batch
-    # 8 ran 44.5 tok/s in bf16 against 39.5 in fp32 (twice the bytes), at batch 16 44.4 against
-    # 60.2. SmolLM2's LM head ran 1.44x faster in fp32 at 16 rows (0.30x at 1 row). Attention:
-    # the Intel threshold (not measured here).
+    # runs several times slower than fp32 from 16 rows. The whole model's decode at batch 8 ran
+    # faster in bf16 than in fp32 (twice the bytes), at batch 16 slower; SmolLM2's LM head ran
+    # faster in fp32 at 16 rows, slower at 1 row (BENCHMARKS.md, "fp32 from 16 rows on
+    # AVX2-only CPUs"). Attention: the Intel threshold (not measured here).
     "avx2": CpuPaths(16, True, 12, "AMD EPYC, AVX2 only, 2026-12-02"),
     # Not x86 (aarch64 with NEON, ...): the kernels' portable loops; taken to behave as the AVX2
     # row (not measured on such a host).

@@ -4,9 +4,9 @@ one per 4 KiB.
 
 A bf16 decode step reads every weight once (~270 MB for the default model) and is bound by
 memory bandwidth; with 4 KiB pages that is ~66,000 TLB misses a token. Measured on AMD Zen 5
-(BENCHMARKS.md, "Model speed"): the streaming kernel over all the default model's linears read
-35.8 GB/s from ordinary pages and 38.4 GB/s from huge ones (20 sweeps, alternating), and the
-engine's decode step at batch 1 took 0.89-0.92x the time. Linux with THP in "madvise" or
+(BENCHMARKS.md, "Weights in transparent huge pages"): the streaming kernel over all the default
+model's linears read faster from huge pages than from ordinary ones, and the engine's decode
+step at batch 1 took less time. Linux with THP in "madvise" or
 "always" mode only; elsewhere (or when madvise fails) the weights stay where they are.
 """
 

@@ -99,8 +99,8 @@ KERNEL_MAX_QUERIES = cpu_paths_here().kernel_max_queries
 # With the native prefill kernel (csrc/attention/prefill_attention.cpp: AVX512-BF16 builds, bf16
 # models with these head dims, no soft-capping, no sliding window), chunks of at least this many
 # queries go to it instead, whatever KERNEL_MAX_QUERIES says: on AMD Zen 5 it beats the paged
-# kernel from 32 queries (0.63 against 0.82 ms over a 1,024 prefix, 1.59 against 3.70 for a
-# 512 prompt) and flash SDPA everywhere (14.3 against 38.6 ms for 2,048: bench_attention.py).
+# kernel from 32 queries and flash SDPA everywhere (BENCHMARKS.md, "A native attention kernel
+# for long chunks"; `benchmarks/bench_attention.py`).
 PREFILL_MIN_QUERIES = 32
 PREFILL_HEAD_DIMS = (64, 128, 256)
 
@@ -383,7 +383,8 @@ def _attend_span(
         return _attend(qs, k, v, None, False, scale, softcap).view(1, num_heads * head_dim)
     qs = qs.transpose(0, 1).unsqueeze(0)
     if n >= _UPCAST_MIN_QUERIES and q.dtype == torch.bfloat16:
-        # The CPU flash kernel runs long query blocks ~1.5x faster in fp32 than in bf16.
+        # The CPU flash kernel runs long query blocks faster in fp32 than in bf16 (BENCHMARKS.md,
+        # "Intel Xeon (AVX-512 BF16, no AMX): where the 64-row threshold comes from").
         qs, k, v = qs.float(), k.float(), v.float()
     o = _attend(qs, k, v, span.mask, span.is_causal, scale, softcap, gqa=num_heads > num_kv_heads)
     return o[0].transpose(0, 1).reshape(n, num_heads * head_dim).to(q.dtype)

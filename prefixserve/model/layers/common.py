@@ -4,8 +4,9 @@ rotary: rotary.py).
 Mapping checkpoint tensors onto these blocks' (fused) parameters is `weights.py`'s job.
 
 Inside a forward pass, submodules are called through `.forward`: nn.Module.__call__'s hook
-bookkeeping costs 1-2 us a call, and a decode step of the default model makes ~270 of them
-(0.3-0.5 ms of a ~10 ms step). None of these modules takes hooks."""
+bookkeeping costs time on every call, and a decode step of the default model makes ~270 of them
+(BENCHMARKS.md, "Per-CPU paths, a streaming decode kernel and the llama.cpp peer"). None of
+these modules takes hooks."""
 
 from __future__ import annotations
 
@@ -64,11 +65,12 @@ def one_thread() -> Iterator[None]:
 
 
 # Steps of at most this many tokens rotate q/k and write K/V in one native call per layer
-# (`kernels.rope_write_kv`, bit for bit PyTorch's result) where only its scalar loop runs:
-# 4.6 against 31 us at 1 token, 29 against 26 at 8. In bf16, with a head dim that is a multiple
-# of 32, where the build has its AVX512-BF16 vector loop (`kernels.rope_kv_vectorized`), it
-# takes every step: 0.7 against 18 us at 1 token, 51 against 333 at 512, 206 against 1,579 at
-# 2,048 (one thread, the default model's shapes).
+# (`kernels.rope_write_kv`, bit for bit PyTorch's result) where only its scalar loop runs: it
+# beats PyTorch's ops at 1 token, not at 8. In bf16, with a head dim that is a multiple of 32,
+# where the build has its AVX512-BF16 vector loop (`kernels.rope_kv_vectorized`), it takes every
+# step: faster than PyTorch's ops from 1 to 2,048 tokens (one thread, the default model's
+# shapes; both: BENCHMARKS.md, "Per-CPU paths, a streaming decode kernel and the llama.cpp
+# peer").
 ROPE_KV_MAX_TOKENS = 4
 
 

@@ -58,10 +58,10 @@ def lm_head_fp32_copy(lm_head: nn.Linear) -> bool:
 
 
 # Batches of at most this many rows run a bf16 Linear through the native streaming kernel
-# (`kernels.linear_bf16_small`). Weights from memory, AMD Zen 5 (BENCHMARKS.md "Model speed"):
-# at 1-4 rows it reads 33-38 GB/s on one thread against oneDNN's packed GEMM's 25-31, 49 on two
-# against 37-40; at 8 rows 24.6 against 21.7 (one thread), 41 against 33 (two); at 16 rows
-# oneDNN's blocked GEMM is faster (16.4 against 13.6, 26.7 against 25.1).
+# (`kernels.linear_bf16_small`). Weights from memory, AMD Zen 5: at 1-8 rows it reads them
+# faster than oneDNN's packed GEMM, on one thread and on two; at 16 rows oneDNN's blocked GEMM
+# is faster (BENCHMARKS.md, "Per-CPU paths, a streaming decode kernel and the llama.cpp peer";
+# `benchmarks/bench_gemm.py`).
 STREAM_MAX_ROWS = 8
 
 # Threads that stream a small batch's linear (the caller and helpers of the kernel's own pool,
@@ -113,7 +113,8 @@ class Linear(nn.Linear):
     batch-invariant in every mode); the rest of this paragraph is about the fallback paths
     (`PREFIXSERVE_NATIVE_GEMM=0`, no kernels, other CPUs).
     oneDNN repacks a plain weight on every call; packing once (`pack()`, done by the models'
-    `load_weights`) makes decode-sized matmuls ~25% faster and prefill ones ~5%. On CPUs whose
+    `load_weights`) makes decode-sized matmuls faster, and prefill ones a little (BENCHMARKS.md,
+    "Intel Xeon (AVX-512 BF16, no AMX): where the 64-row threshold comes from"). On CPUs whose
     bf16 arithmetic is slower than fp32 (`cpu_paths.CPU_TABLE`: Intel without AMX, AVX2 only),
     `pack()` also keeps an fp32 copy of the weight: batches of `FP32_MIN_ROWS` rows or more are
     computed in fp32 from it and the result is rounded back to bf16. Batches of up to
@@ -129,7 +130,8 @@ class Linear(nn.Linear):
     _fp32: tuple[torch.Tensor, torch.Tensor | None] | None = None
     # (weight, bias) for the streaming kernel: a bf16 contiguous weight, taken at pack() time as
     # plain attributes (a parameter is looked up through nn.Module.__getattr__ on every access,
-    # ~0.5 us, a few times for each of a decode step's ~120 linears).
+    # a few times for each of a decode step's ~120 linears: BENCHMARKS.md, "Per-CPU paths, a
+    # streaming decode kernel and the llama.cpp peer").
     _stream: tuple[torch.Tensor, torch.Tensor | None] | None = None
     # (packed weight, out features, bias) for the native GEMM, where the CPU takes it.
     _gemm: tuple[torch.Tensor, int, torch.Tensor | None] | None = None
