@@ -307,9 +307,9 @@ def test_a_request_passed_over_often_enough_is_admitted_first():
     queue.append(old)
     queue.append(newer)
     newer.prompt_token_ids = old.prompt_token_ids  # (no hit either way: aging decides alone)
-    old.num_passed_over = 3
+    old.cache.num_passed_over = 3
     assert promote_longest_prefix(queue, old, mgr, age_limit=3) is old
-    old.num_passed_over = 0
+    old.cache.num_passed_over = 0
     # Equal hits: arrival order stands, nobody is passed over.
     assert promote_longest_prefix(queue, old, mgr, age_limit=3) is old
-    assert newer.num_passed_over == 0
+    assert newer.cache.num_passed_over == 0

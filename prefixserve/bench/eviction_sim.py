@@ -124,7 +124,7 @@ def simulate(
         "done_mean": completion[0],
         "done_p99": completion[1],
         "done_max": completion[2],
-        "max_passed_over": max(r.num_passed_over for r in added),
+        "max_passed_over": max(r.cache.num_passed_over for r in added),
         "steps": step,
         "hit_rate": stats.hit_rate,
         "computed": scheduler.stats.num_computed_prompt_tokens,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from prefixserve.sampling_params import SamplingParams
@@ -41,6 +42,30 @@ class RequestStatus(enum.IntEnum):
 BlockHasher = Callable[["Request"], list[Any]]
 
 
+@dataclass(slots=True)
+class CacheAccounting:
+    """What the prefix cache did for one request, in one record (`Request.cache`): filled by the
+    scheduler and the explainer, read by the output processor and the reports."""
+
+    # The part of `Request.num_cached_tokens` loaded from the tiers below RAM.
+    num_disk_cached_tokens: int = 0
+    # Times cache-aware admission (prefix_order.py) admitted a later request before it.
+    num_passed_over: int = 0
+    # Its cache hit (tokens) when it was first held back for another request's prefill
+    # (prefill_dedup.py; None: never).
+    hit_when_waited: int | None = None
+    # Of a prompt's n samples only the first is counted in the reports' metrics (the input
+    # processor clears this for the others).
+    counted_in_reports: bool = True
+    # Its cache report at its first scheduling (kv_cache/reports/).
+    report: CacheReport | None = None
+    # What became of each of its breakpoints (breakpoints.py), once decided, and the prompt
+    # tokens it wrote to them, in all and by ttl (seconds).
+    breakpoint_statuses: list[HoldStatus] | None = None
+    num_write_tokens: int = 0
+    write_tokens_by_ttl: dict[int, int] = field(default_factory=dict)
+
+
 class Request:
     """One sequence being generated. `n > 1` prompts become n Requests sharing a prompt."""
 
@@ -54,8 +79,6 @@ class Request:
         "cache_salt",
         "tenant",
         "cache_retention",
-        "num_disk_cached_tokens",
-        "num_passed_over",
         "prompt_embeds",
         "all_token_ids",
         "output_token_ids",
@@ -68,13 +91,8 @@ class Request:
         "_block_hasher",
         "max_tokens",
         "stop_token_ids",
-        "hit_when_waited",
-        "counted_in_reports",
-        "cache_report",
         "cache_breakpoints",
-        "breakpoint_statuses",
-        "num_cache_write_tokens",
-        "cache_write_tokens_by_ttl",
+        "cache",
     )
 
     def __init__(
@@ -111,10 +129,6 @@ class Request:
         # OpenAI's prompt_cache_retention ("in_memory": never written to disk; "24h"), or None
         # for the engine's default.
         self.cache_retention = cache_retention
-        # The part of num_cached_tokens loaded from the disk tier at first scheduling.
-        self.num_disk_cached_tokens = 0
-        # Times cache-aware admission (prefix_order.py) admitted a later request before it.
-        self.num_passed_over = 0
         # The prompt's embeddings when the request brought them instead of token ids (its
         # prompt_token_ids are then placeholders): the raw bits as a numpy array of shape
         # [num_prompt_tokens, hidden] (prompt_embeds.py); each full block's hash includes a
@@ -126,13 +140,8 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 = not yet
         self.num_preemptions = 0
-        # Set by the scheduler: its cache hit (tokens) when it was first held back for another
-        # request's prefill (prefill_dedup.py; None: never), and its cache report at its first
-        # scheduling (kv_cache/reports/). Of a prompt's n samples only the first is counted in
-        # the reports' metrics (the engine clears `counted_in_reports` for the others).
-        self.hit_when_waited: int | None = None
-        self.counted_in_reports = True
-        self.cache_report: CacheReport | None = None
+        # What the prefix cache did for it: loads, reports, breakpoints' writes.
+        self.cache = CacheAccounting()
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         # The effective output cap (sampling max_tokens clipped by the context length).
@@ -140,11 +149,8 @@ class Request:
         # The scheduler checks every sampled token against these: a set, built once.
         self.stop_token_ids = frozenset(sampling_params.stop_token_ids or ())
         # The prefixes the client asked to keep (breakpoints.py), held when its prompt is
-        # computed; what became of each, and the prompt tokens it wrote to them.
+        # computed (what became of each: `cache.breakpoint_statuses`).
         self.cache_breakpoints = cache_breakpoints
-        self.breakpoint_statuses: list[HoldStatus] | None = None
-        self.num_cache_write_tokens = 0
-        self.cache_write_tokens_by_ttl: dict[int, int] = {}  # ttl_s -> tokens written
         self.block_hashes: list[Any] = []
         self._block_hasher = block_hasher
         if block_hasher is not None:

@@ -77,7 +77,7 @@ class InputProcessor:
             for child_id, child_params in _samples(request.request_id, params)
         ]
         for sample in requests[1:]:
-            sample.counted_in_reports = False  # a prompt's samples are one request to count
+            sample.cache.counted_in_reports = False  # a prompt's samples are one request to count
         manager = self.parts.kv_cache_manager  # pinned blocks are not the request's to take
         available = manager.held.blocks_available_to(requests[0])
         check_fits_pool(needed, num_prompt, max_tokens, available, manager.held.num_blocks)

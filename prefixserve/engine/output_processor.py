@@ -299,9 +299,9 @@ class OutputProcessor:
             prompt_logprobs=list(entry.prompt_logprobs) if entry.prompt_logprobs else None,
             outputs=completions,
             num_cached_tokens=max(0, first.num_cached_tokens),
-            num_disk_cached_tokens=first.num_disk_cached_tokens,
-            num_cache_write_tokens=first.num_cache_write_tokens,
-            cache_write_tokens_by_ttl=dict(first.cache_write_tokens_by_ttl),
+            num_disk_cached_tokens=first.cache.num_disk_cached_tokens,
+            num_cache_write_tokens=first.cache.num_write_tokens,
+            cache_write_tokens_by_ttl=dict(first.cache.write_tokens_by_ttl),
             cache_report=_report_dict(first),
             finished=finished,
             error=entry.error,
@@ -312,9 +312,9 @@ def _report_dict(request: Request) -> dict[str, Any] | None:
     """The request's cache report as clients get it, when asked for; with breakpoints, what
     became of each and `miss_at_breakpoint`: the first one whose prefix was not read from the
     cache (None when all were, or before they are decided)."""
-    if request.cache_report is None or not request.sampling_params.cache_report:
+    if request.cache.report is None or not request.sampling_params.cache_report:
         return None
-    report = request.cache_report.to_dict()
+    report = request.cache.report.to_dict()
     if request.cache_breakpoints:
         report.update(breakpoint_report(request))
     return report

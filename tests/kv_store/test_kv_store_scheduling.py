@@ -123,7 +123,7 @@ def test_a_block_evicted_from_the_pool_comes_back_from_disk():
     sched.add_request(again)
     out = tier_step(sched, runner, connector)
     # 19 tokens may be reused (the last is computed): 4 full blocks from disk.
-    assert again.num_cached_tokens == again.num_disk_cached_tokens == 16
+    assert again.num_cached_tokens == again.cache.num_disk_cached_tokens == 16
     assert len(out.kv_loads) == 4 and out.scheduled[0].num_new_tokens == 4
     run_alone(sched, runner, connector, make_request("noop", [7], 1))
     assert again.output_token_ids == first.output_token_ids
@@ -138,7 +138,7 @@ def test_the_last_token_is_always_computed_even_when_disk_holds_every_block():
     again = make_request("a2", prompt, 4)
     sched.add_request(again)
     out = tier_step(sched, runner, connector)
-    assert again.num_disk_cached_tokens == 12 and out.scheduled[0].num_new_tokens == 4
+    assert again.cache.num_disk_cached_tokens == 12 and out.scheduled[0].num_new_tokens == 4
 
 
 def test_ram_hits_come_first_and_disk_continues_the_chain():
@@ -155,7 +155,7 @@ def test_ram_hits_come_first_and_disk_continues_the_chain():
     again = make_request("a2", PROMPT_A, 4)
     sched.add_request(again)
     out = tier_step(sched, runner, connector)
-    assert again.num_cached_tokens == 16 and again.num_disk_cached_tokens == 8
+    assert again.num_cached_tokens == 16 and again.cache.num_disk_cached_tokens == 8
     assert len(out.kv_loads) == 2
 
 
@@ -169,7 +169,7 @@ def test_a_read_that_fails_after_the_lookup_is_computed_instead():
     again = make_request("a2", PROMPT_A, 4)
     sched.add_request(again)
     out = tier_step(sched, runner, connector)
-    assert again.num_disk_cached_tokens == 8 and len(out.kv_loads) == 2
+    assert again.cache.num_disk_cached_tokens == 8 and len(out.kv_loads) == 2
     # The step computes its planned chunk from where the loads stopped; the rest comes later.
     assert out.scheduled[0].num_computed_tokens == 8 and out.scheduled[0].num_new_tokens == 4
     assert connector.stats.load_failures == 1
@@ -222,7 +222,7 @@ def test_a_request_that_skips_reading_the_cache_loads_nothing_from_disk():
     reads = store.reads
     again = make_request("a2", PROMPT_A, 4, prompt_logprobs=1)
     run_alone(sched, runner, connector, again)
-    assert again.num_disk_cached_tokens == 0 and store.reads == reads
+    assert again.cache.num_disk_cached_tokens == 0 and store.reads == reads
 
 
 @pytest.mark.parametrize(
@@ -237,7 +237,7 @@ def test_loading_is_skipped_when_computing_the_tokens_is_faster(load_s, compute_
     again = make_request("a2", PROMPT_A, 4)
     sched.add_request(again)
     tier_step(sched, runner, connector)
-    assert (again.num_disk_cached_tokens > 0) is loads
+    assert (again.cache.num_disk_cached_tokens > 0) is loads
     assert connector.stats.skipped_slow == (0 if loads else 1)
 
 

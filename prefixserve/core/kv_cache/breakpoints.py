@@ -35,9 +35,9 @@ def breakpoint_report(request: Request) -> dict[str, Any]:
     """The cache report's part on breakpoints: per breakpoint its tokens (full blocks), ttl,
     whether the request read it from the cache, and what became of it (`HoldStatus`, None until
     the prompt is computed); `miss_at_breakpoint`: the index of the first one not read."""
-    block_size = request.cache_report.block_size if request.cache_report is not None else 1
+    block_size = request.cache.report.block_size if request.cache.report is not None else 1
     cached = max(0, request.num_cached_tokens)
-    statuses = request.breakpoint_statuses or [None] * len(request.cache_breakpoints)
+    statuses = request.cache.breakpoint_statuses or [None] * len(request.cache_breakpoints)
     entries = []
     miss_at = None
     for index, (bp, status) in enumerate(zip(request.cache_breakpoints, statuses, strict=True)):

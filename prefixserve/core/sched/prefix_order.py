@@ -32,7 +32,7 @@ def promote_longest_prefix(
     candidates = list(waiting.requests_of(waiting.key(head), window))
     if len(candidates) < 2:
         return head
-    chosen = next((r for r in candidates if r.num_passed_over >= age_limit), None)
+    chosen = next((r for r in candidates if r.cache.num_passed_over >= age_limit), None)
     if chosen is None:
         best = -1
         for request in candidates:
@@ -45,6 +45,6 @@ def promote_longest_prefix(
     for request in candidates:
         if request is chosen:
             break
-        request.num_passed_over += 1
+        request.cache.num_passed_over += 1
     waiting.promote(chosen)
     return chosen

@@ -287,8 +287,8 @@ class Scheduler:
         below = self.kv_connector.match(request, num_computed) if self.kv_connector else TierHit()
         num_loaded = below.tokens
         if waits_for_prefill(request, num_computed + num_loaded, mgr.block_size, in_flight):
-            if request.hit_when_waited is None:
-                request.hit_when_waited = num_computed + num_loaded
+            if request.cache.hit_when_waited is None:
+                request.cache.hit_when_waited = num_computed + num_loaded
             return False
         if (
             num_loaded
@@ -329,7 +329,7 @@ class Scheduler:
         if self.kv_connector is not None:
             self.kv_connector.forget_load(request)  # admitted: its background read is spent
         if report is not None:
-            request.cache_report = self.explainer.commit(request, report, below)
+            request.cache.report = self.explainer.commit(request, report, below)
         self._start_running(request, num_computed, num_loaded)
         plan.scheduled.append(self._scheduled(request, num_new_tokens))
         plan.take(request, num_new_tokens)
@@ -348,7 +348,7 @@ class Scheduler:
     def _start_running(self, request: Request, num_computed: int, num_loaded: int) -> None:
         if request.num_cached_tokens < 0:  # its first scheduling
             request.num_cached_tokens = num_computed + num_loaded
-            request.num_disk_cached_tokens = num_loaded
+            request.cache.num_disk_cached_tokens = num_loaded
             self.stats.num_prompt_tokens += request.num_prompt_tokens
             self.kv_cache_manager.held.refresh_breakpoints(request, num_computed + num_loaded)
         request.status = RequestStatus.RUNNING
@@ -433,7 +433,7 @@ class Scheduler:
             token_id = runner_output.sampled_token_ids.get(request.request_id)
             if token_id is not None:
                 assert entry.samples, entry
-                if request.cache_breakpoints and request.breakpoint_statuses is None:
+                if request.cache_breakpoints and request.cache.breakpoint_statuses is None:
                     self._hold_breakpoints(request)
                 if self._append_sampled(entry, runner_output, token_id, update):
                     self.running.remove(request)
@@ -475,7 +475,7 @@ class Scheduler:
         statuses = self.kv_cache_manager.held.hold_breakpoints(
             request, request.cache_breakpoints, self._held_blocks_fit
         )
-        request.breakpoint_statuses = statuses
+        request.cache.breakpoint_statuses = statuses
         block_size = self.kv_cache_manager.block_size
         written = max(0, request.num_cached_tokens)  # the end of what the request read
         for bp, status in zip(request.cache_breakpoints, statuses, strict=True):
@@ -483,12 +483,12 @@ class Scheduler:
             if status in (HoldStatus.HELD, HoldStatus.REFRESHED) and end > written:
                 # Breakpoints come in prompt order with non-increasing ttls: the tokens up to
                 # this one that no earlier one wrote are written for its ttl.
-                by_ttl = request.cache_write_tokens_by_ttl
+                by_ttl = request.cache.write_tokens_by_ttl
                 by_ttl[bp.ttl_s] = by_ttl.get(bp.ttl_s, 0) + end - written
                 written = end
-        request.num_cache_write_tokens = sum(request.cache_write_tokens_by_ttl.values())
-        if request.counted_in_reports:
-            self.stats.num_cache_write_tokens += request.num_cache_write_tokens
+        request.cache.num_write_tokens = sum(request.cache.write_tokens_by_ttl.values())
+        if request.cache.counted_in_reports:
+            self.stats.num_cache_write_tokens += request.cache.num_write_tokens
 
     def _held_blocks_fit(self, num_new_held: int) -> bool:
         """Whether `num_new_held` more held blocks leave every request here room for its longest

@@ -101,8 +101,8 @@ class CacheExplainer:
     def explain(self, request: Request, ram_tokens: int, below: TierHit) -> CacheReport:
         """The report of `request` about to be admitted with this hit: `ram_tokens` from the
         pool, `below` found in the tiers under it (nothing counted yet)."""
-        waited = request.hit_when_waited is not None and (
-            ram_tokens + below.tokens > request.hit_when_waited
+        waited = request.cache.hit_when_waited is not None and (
+            ram_tokens + below.tokens > request.cache.hit_when_waited
         )
         return self._report(request, ram_tokens, below, waited)
 
@@ -121,7 +121,7 @@ class CacheExplainer:
             report.hit_blocks = report.cached_tokens // report.block_size
             report.first_miss_block = report.hit_blocks
             report.reason, report.detail = _lost_read(loaded, found_on_disk)
-        if request.counted_in_reports:
+        if request.cache.counted_in_reports:
             self.counts[report.reason] += 1
             self.recent.append((request.request_id, request.tenant, self.recorder.clock(), report))
             self.recorder.on_lookup(report.prompt_tokens, report.cached_tokens)
