@@ -23,6 +23,7 @@ from pathlib import Path
 
 from prefixserve.bench.valkey import ValkeyServer
 from prefixserve.kv_store import record
+from prefixserve.kv_store.block_write import BlockWrite
 from prefixserve.kv_store.remote.redis_tier import RedisTier
 from prefixserve.kv_store.tier_key import TierKey
 from prefixserve.model.kernels.cpu_paths import cpuinfo
@@ -47,7 +48,7 @@ def fill(tier: RedisTier, server: ValkeyServer, n: int) -> tuple[list, list[byte
     for i in range(n):
         block_hash = i.to_bytes(4, "little") * 8
         payload = os.urandom(PAYLOAD_BYTES)
-        tier.submit_store(block_hash, 0, TOKENS, payload)
+        tier.submit_store(BlockWrite(block_hash, 0, TOKENS, payload))
         plain_key = b"plain:" + block_hash.hex().encode()
         value = record.encode_record(
             bytes.fromhex(NAMESPACE), block_hash, 0, record.pack_tokens(TOKENS), payload

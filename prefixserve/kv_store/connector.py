@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING
 
 from prefixserve.config import RETENTION_SECONDS
 from prefixserve.core.kv_cache.tier_hit import TierHit
+from prefixserve.kv_store.block_write import BlockWrite
 from prefixserve.kv_store.disk_store import BlockKey, DiskKVStore
 from prefixserve.kv_store.load_speeds import LoadSpeeds
 from prefixserve.kv_store.loads import BackgroundLoads
@@ -467,11 +468,9 @@ class KVStoreConnector:
         """Hand the gathered payloads of `saves` to every tier's writer (never blocks); the
         disk's accepted and dropped writes are counted here, the shared tier counts its own."""
         for save, payload in zip(saves, payloads, strict=True):
-            block_hash, group = save.key
+            write = BlockWrite.at(save.key, save.token_ids, payload, save.expires_at, save.parent)
             for tier in self._tiers:
-                stored = tier.submit_store(
-                    block_hash, group, save.token_ids, payload, save.expires_at, save.parent
-                )
+                stored = tier.submit_store(write)
                 if tier.name == DISK:
                     if stored:
                         self.stats.saved_blocks += 1

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 from prefixserve.core.kv_cache.tier_hit import DISK, REMOTE
+from prefixserve.kv_store.block_write import BlockWrite
 from prefixserve.kv_store.disk_store import DiskKVStore
 from prefixserve.kv_store.writer import BackgroundWriter
 
@@ -57,18 +58,9 @@ class KVTier(Protocol):
         deduplicates its own writes may always answer False)."""
         ...
 
-    def submit_store(
-        self,
-        block_hash: bytes,
-        group: int,
-        token_ids: Sequence[int],
-        payload: bytes,
-        expires_at: float | None = None,
-        parent: bytes = b"",
-    ) -> bool:
-        """Queue the block (after `parent`) for the tier's writer, kept until `expires_at`
-        (wall-clock seconds; None: no expiry); False when the writer's bounded queue is full
-        (the write is dropped and counted)."""
+    def submit_store(self, write: BlockWrite) -> bool:
+        """Queue `write` for the tier's writer, the block kept until its `expires_at`; False
+        when the writer's bounded queue is full (the write is dropped and counted)."""
         ...
 
     def retain(self, blocks: Sequence[BlockRead], group: int, expires_at: float | None) -> int:
@@ -120,16 +112,8 @@ class DiskTier:
     def holds(self, block_hash: bytes, group: int) -> bool:
         return self.store.contains((block_hash, group))
 
-    def submit_store(
-        self,
-        block_hash: bytes,
-        group: int,
-        token_ids: Sequence[int],
-        payload: bytes,
-        expires_at: float | None = None,
-        parent: bytes = b"",
-    ) -> bool:
-        return self.writer.submit((block_hash, group), token_ids, payload, expires_at, parent)
+    def submit_store(self, write: BlockWrite) -> bool:
+        return self.writer.submit(write)
 
     def retain(self, blocks: Sequence[BlockRead], group: int, expires_at: float | None) -> int:
         """Each held block's record written again with the new expiry (it is checksummed), on

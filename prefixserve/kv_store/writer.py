@@ -18,9 +18,9 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from prefixserve.kv_store.block_write import BlockWrite
 from prefixserve.kv_store.disk_store import BlockKey, DiskKVStore
 
 logger = logging.getLogger(__name__)
@@ -43,12 +43,8 @@ class WriterStats:
 
 @dataclass(slots=True)
 class _Write:
-    key: BlockKey
-    token_ids: Sequence[int]
-    payload: bytes | bytearray | memoryview
-    expires_at: float | None
+    write: BlockWrite
     nbytes: int
-    parent: bytes = b""
 
 
 class BackgroundWriter:
@@ -91,20 +87,13 @@ class BackgroundWriter:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(
-        self,
-        key: BlockKey,
-        token_ids: Sequence[int],
-        payload: bytes | bytearray | memoryview,
-        expires_at: float | None = None,
-        parent: bytes = b"",
-    ) -> bool:
-        """Queue a `store.put` (of a block after `parent`); never blocks. False when the write
-        was dropped (the writes queued or in progress would exceed the bound in items or bytes,
-        or the writer is closed). The
-        writer keeps references to `token_ids` and `payload` until it is written: the caller must
-        not change them (pass a copy of memory the runner will reuse)."""
-        nbytes = memoryview(payload).nbytes
+    def submit(self, write: BlockWrite) -> bool:
+        """Queue a `store.put` of `write`; never blocks. False when the write was dropped (the
+        writes queued or in progress would exceed the bound in items or bytes, or the writer is
+        closed). The writer keeps references to its `token_ids` and `payload` until it is
+        written: the caller must not change them (pass a copy of memory the runner will
+        reuse)."""
+        key, nbytes = write.key, write.nbytes
         with self._cond:
             if self._closed:
                 self._stats.dropped += 1
@@ -119,7 +108,7 @@ class BackgroundWriter:
             ):
                 stats.dropped += 1
                 return False
-            self._queue.append(_Write(key, token_ids, payload, expires_at, nbytes, parent))
+            self._queue.append(_Write(write, nbytes))
             self._keys.add(key)
             stats.queued += 1
             stats.pending_items += 1
@@ -163,7 +152,7 @@ class BackgroundWriter:
         return dropped
 
     def _forget(self, job: _Write) -> None:
-        self._keys.discard(job.key)
+        self._keys.discard(job.write.key)
         self._stats.pending_items -= 1
         self._stats.pending_bytes -= job.nbytes
 
@@ -208,12 +197,13 @@ class BackgroundWriter:
 
     def _write(self, job: _Write) -> None:
         try:
-            if self._skip_present and self.store.contains(job.key):
+            write = job.write
+            if self._skip_present and self.store.contains(write.key):
                 with self._cond:
                     self._stats.skipped += 1
                 return
             written = self.store.put(
-                job.key, job.token_ids, job.payload, job.expires_at, parent=job.parent
+                write.key, write.token_ids, write.payload, write.expires_at, parent=write.parent
             )
         except Exception as exc:
             self._error(exc, "writing a block to the KV store")

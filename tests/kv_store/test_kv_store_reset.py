@@ -10,6 +10,7 @@ from pathlib import Path
 
 from prefixserve import LLM, SamplingParams
 from prefixserve.kv_store import BackgroundWriter, DiskKVStore
+from prefixserve.kv_store.block_write import BlockWrite
 from prefixserve.kv_store.scan import namespace_records
 
 PROMPT = "A reset must forget the disk tier as well as the pool. " * 10
@@ -86,7 +87,7 @@ def test_writes_queued_before_a_clear_never_land_after_it(tmp_path):
     assert other.put((b"\x02" * 16, 0), [1] * 16, b"x" * 64)
     writer = BackgroundWriter(store, max_queue_bytes=1 << 20, max_queue_items=16)
     for i in range(4):
-        assert writer.submit((bytes([i + 1]) * 16, 0), [i] * 16, b"y" * 64)
+        assert writer.submit(BlockWrite.at((bytes([i + 1]) * 16, 0), [i] * 16, b"y" * 64))
     assert store.entered.wait(30)  # one write is in progress, three are queued
     discarding = threading.Thread(target=writer.discard)
     discarding.start()

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from prefixserve.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from prefixserve.core.sched.scheduler import Scheduler
+from prefixserve.kv_store.block_write import BlockWrite
 from prefixserve.kv_store.connector import KVStoreConnector
 from tests.helpers.scheduler import (
     BLOCK,
@@ -56,8 +57,8 @@ class FakeWriter:
     def __init__(self, store: FakeStore) -> None:
         self.store = store
 
-    def submit(self, key, token_ids, payload, expires_at, parent=b"") -> bool:
-        self.store.files[key] = (tuple(token_ids), bytes(payload), parent)
+    def submit(self, write: BlockWrite) -> bool:
+        self.store.files[write.key] = (tuple(write.token_ids), bytes(write.payload), write.parent)
         return True
 
     def close(self, timeout=None) -> bool:
@@ -194,9 +195,9 @@ def test_24h_retention_writes_blocks_that_expire_a_day_later():
     expiries = []
     writer_submit = connector.writer.submit
 
-    def spy(key, token_ids, payload, expires_at, parent=b""):
-        expiries.append(expires_at)
-        return writer_submit(key, token_ids, payload, expires_at, parent)
+    def spy(write: BlockWrite) -> bool:
+        expiries.append(write.expires_at)
+        return writer_submit(write)
 
     connector.writer.submit = spy  # type: ignore[method-assign]
     request = make_request("a1", PROMPT_A, 4)

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from prefixserve.kv_store.block_write import BlockWrite
 from prefixserve.kv_store.writer import BackgroundWriter
 from tests.helpers.kv_store import FakeClock, key, open_store, payload, record_files, tokens
 
@@ -50,7 +51,7 @@ def test_writer_writes_everything_submitted_by_flush(tmp_path):
     store = open_store(tmp_path)
     writer = BackgroundWriter(store, max_queue_bytes=1 << 20, max_queue_items=100)
     for i in range(20):
-        assert writer.submit(key(i), tokens(i), payload(i))
+        assert writer.submit(BlockWrite.at(key(i), tokens(i), payload(i)))
     assert writer.flush(WAIT_S)
     for i in range(20):
         assert store.get(key(i), tokens(i)) == payload(i)
@@ -64,11 +65,13 @@ def test_writer_writes_everything_submitted_by_flush(tmp_path):
 def test_submit_never_blocks_a_full_queue_drops_and_counts():
     store = BlockingStore()
     writer = BackgroundWriter(store, max_queue_bytes=1 << 20, max_queue_items=3)
-    assert writer.submit(key(0), tokens(0), payload(0))
+    assert writer.submit(BlockWrite.at(key(0), tokens(0), payload(0)))
     assert store.entered.wait(WAIT_S)  # the thread is stuck in put, still holding one item
-    assert writer.submit(key(1), tokens(1), payload(1))
-    assert writer.submit(key(2), tokens(2), payload(2))
-    assert not writer.submit(key(3), tokens(3), payload(3))  # returns at once, dropped
+    assert writer.submit(BlockWrite.at(key(1), tokens(1), payload(1)))
+    assert writer.submit(BlockWrite.at(key(2), tokens(2), payload(2)))
+    assert not writer.submit(
+        BlockWrite.at(key(3), tokens(3), payload(3))
+    )  # returns at once, dropped
     assert writer.stats().dropped == 1
     store.release.set()
     assert writer.flush(WAIT_S)
@@ -79,12 +82,14 @@ def test_submit_never_blocks_a_full_queue_drops_and_counts():
 def test_submit_beyond_the_byte_bound_is_dropped():
     store = BlockingStore()
     writer = BackgroundWriter(store, max_queue_bytes=3000, max_queue_items=100)
-    assert writer.submit(key(0), tokens(0), payload(0, 10))
+    assert writer.submit(BlockWrite.at(key(0), tokens(0), payload(0, 10)))
     assert store.entered.wait(WAIT_S)
-    assert writer.submit(key(1), tokens(1), payload(1, 2000))
-    assert not writer.submit(key(2), tokens(2), payload(2, 1001))
-    assert writer.submit(key(3), tokens(3), payload(3, 990))  # the one being written counts
-    assert not writer.submit(key(4), tokens(4), payload(4, 4000))  # never fits
+    assert writer.submit(BlockWrite.at(key(1), tokens(1), payload(1, 2000)))
+    assert not writer.submit(BlockWrite.at(key(2), tokens(2), payload(2, 1001)))
+    assert writer.submit(
+        BlockWrite.at(key(3), tokens(3), payload(3, 990))
+    )  # the one being written counts
+    assert not writer.submit(BlockWrite.at(key(4), tokens(4), payload(4, 4000)))  # never fits
     assert writer.stats().pending_bytes == 3000
     store.release.set()
     assert writer.flush(WAIT_S)
@@ -100,7 +105,7 @@ def test_write_errors_are_counted_and_logged_once_never_raised(error, caplog):
     writer = BackgroundWriter(FailingStore(error), max_queue_bytes=1 << 20, max_queue_items=100)
     with caplog.at_level(logging.WARNING, logger="prefixserve.kv_store.writer"):
         for i in range(5):
-            assert writer.submit(key(i), tokens(i), payload(i))
+            assert writer.submit(BlockWrite.at(key(i), tokens(i), payload(i)))
         assert writer.flush(WAIT_S)
     stats = writer.stats()
     assert (stats.errors, stats.written) == (5, 0)
@@ -122,7 +127,7 @@ def test_a_real_disk_error_does_not_stop_the_writer(tmp_path, monkeypatch):
 
     monkeypatch.setattr(store, "put", put_failing_once)
     for i in range(3):
-        writer.submit(key(i), tokens(i), payload(i))
+        writer.submit(BlockWrite.at(key(i), tokens(i), payload(i)))
     assert writer.flush(WAIT_S)
     assert [store.contains(key(i)) for i in range(3)] == [False, True, True]
     assert writer.stats().errors == 1
@@ -133,16 +138,16 @@ def test_blocks_already_in_the_store_or_in_the_queue_are_not_written_twice(tmp_p
     store = open_store(tmp_path)
     store.put(key(0), tokens(0), payload(0))
     writer = BackgroundWriter(store, max_queue_bytes=1 << 20, max_queue_items=100)
-    assert writer.submit(key(0), tokens(0), payload(0))
+    assert writer.submit(BlockWrite.at(key(0), tokens(0), payload(0)))
     assert writer.flush(WAIT_S)
     assert writer.stats().skipped == 1 and writer.stats().written == 0
     blocking = BlockingStore()
     queued = BackgroundWriter(blocking, max_queue_bytes=1 << 20, max_queue_items=100)
-    queued.submit(key(1), tokens(1), payload(1))
+    queued.submit(BlockWrite.at(key(1), tokens(1), payload(1)))
     assert blocking.entered.wait(WAIT_S)
-    assert queued.submit(key(2), tokens(2), payload(2))
-    assert queued.submit(key(2), tokens(2), payload(2))
-    assert queued.submit(key(1), tokens(1), payload(1))  # being written
+    assert queued.submit(BlockWrite.at(key(2), tokens(2), payload(2)))
+    assert queued.submit(BlockWrite.at(key(2), tokens(2), payload(2)))
+    assert queued.submit(BlockWrite.at(key(1), tokens(1), payload(1)))  # being written
     blocking.release.set()
     assert queued.flush(WAIT_S)
     assert blocking.puts == [key(1), key(2)]
@@ -155,19 +160,19 @@ def test_close_flushes_then_drops_later_submits(tmp_path):
     store = open_store(tmp_path)
     writer = BackgroundWriter(store, max_queue_bytes=1 << 20, max_queue_items=100)
     for i in range(5):
-        writer.submit(key(i), tokens(i), payload(i))
+        writer.submit(BlockWrite.at(key(i), tokens(i), payload(i)))
     assert writer.close(WAIT_S)
     assert len(record_files(tmp_path)) == 5
-    assert not writer.submit(key(9), tokens(9), payload(9))
+    assert not writer.submit(BlockWrite.at(key(9), tokens(9), payload(9)))
     assert writer.stats().dropped == 1
 
 
 def test_close_after_a_timeout_drops_what_is_still_queued():
     store = BlockingStore()
     writer = BackgroundWriter(store, max_queue_bytes=1 << 20, max_queue_items=100)
-    writer.submit(key(0), tokens(0), payload(0))
+    writer.submit(BlockWrite.at(key(0), tokens(0), payload(0)))
     assert store.entered.wait(WAIT_S)
-    writer.submit(key(1), tokens(1), payload(1))
+    writer.submit(BlockWrite.at(key(1), tokens(1), payload(1)))
     assert not writer.close(timeout=0.01)  # the put in flight cannot finish
     store.release.set()
     writer._thread.join(WAIT_S)

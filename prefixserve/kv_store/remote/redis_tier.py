@@ -38,6 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from prefixserve.kv_store.block_write import BlockWrite
 from prefixserve.kv_store.record import RecordError, decode_record, encode_record, pack_tokens
 from prefixserve.kv_store.remote.lookup import (
     DEFAULT_RETRY_AFTER_S,
@@ -75,17 +76,13 @@ DEFAULT_QUEUE_BYTES = 256 * 2**20
 
 @dataclass(slots=True)
 class _Store:
-    """A queued write: the record is encoded (and checksummed) on the writer thread, not the
-    step thread that queued it."""
+    """A queued write: the record is encoded (and MACed) on the writer thread, not the step
+    thread that queued it."""
 
     key: bytes
-    block_hash: bytes
-    group: int
-    tokens: bytes
-    payload: bytes | memoryview
+    write: BlockWrite
     ttl_s: int | None
     nbytes: int
-    parent: bytes = b""
 
 
 class RedisTier(RemoteLookup):
@@ -232,37 +229,20 @@ class RedisTier(RemoteLookup):
 
     # ------------------------------------------------------------------ writes
 
-    def submit_store(
-        self,
-        block_hash: bytes,
-        group: int,
-        token_ids: Sequence[int],
-        payload: bytes,
-        expires_at: float | None = None,
-        parent: bytes = b"",
-    ) -> bool:
-        """Queue the block (after `parent`) for the writer, its key's TTL the seconds left until
-        `expires_at` (wall clock; None: none); False (counted `dropped`) when the queue is full.
-        The writer
-        keeps a reference to `payload` until it is sent: pass memory nobody changes (the
+    def submit_store(self, write: BlockWrite) -> bool:
+        """Queue `write` for the writer, its key's TTL the seconds left until its `expires_at`
+        (wall clock; None: none); False (counted `dropped`) when the queue is full. The writer
+        keeps a reference to its payload until it is sent: pass memory nobody changes (the
         runner's gathered copies, which the disk writer holds too)."""
-        nbytes = memoryview(payload).nbytes
+        nbytes = write.nbytes
         with self._lock:
             if self._queued_bytes + nbytes > self._max_queue_bytes:
                 self.stats["dropped"] += 1
                 return False
             self._queued_bytes += nbytes
+        expires_at = write.expires_at
         ttl = None if expires_at is None else max(1, int(expires_at - time.time()))
-        item = _Store(
-            self.key(block_hash, group),
-            block_hash,
-            group,
-            pack_tokens(token_ids),
-            payload,
-            ttl,
-            nbytes,
-            parent,
-        )
+        item = _Store(self.key(write.block_hash, write.group), write, ttl, nbytes)
         try:
             self._queue.put_nowait(item)
         except queue.Full:
@@ -327,11 +307,11 @@ class RedisTier(RemoteLookup):
             for item in batch:
                 value = encode_record(
                     self._namespace_raw,
-                    item.block_hash,
-                    item.group,
-                    item.tokens,
-                    item.payload,
-                    item.parent,
+                    item.write.block_hash,
+                    item.write.group,
+                    pack_tokens(item.write.token_ids),
+                    item.write.payload,
+                    item.write.parent,
                     self.tier_key,
                 )
                 pipe.set(item.key, value, nx=True, ex=item.ttl_s)
