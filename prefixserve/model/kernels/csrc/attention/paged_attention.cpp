@@ -81,8 +81,202 @@ inline void prefetch_row(const scalar_t* row, int64_t n) {
 // Keys are converted to fp32 a tile of this many slots at a time (whole blocks).
 constexpr int64_t kKeyTile = 128;
 
-// scalar_t: q's and out's dtype; cache_t: the cache's (scalar_t, or an 8-bit format's codes,
-// each row followed by its scale: a head's rows are then head_dim + 4 elements apart).
+// A call's shapes, strides (in elements) and pointers. scalar_t: q's and out's dtype; cache_t:
+// the cache's (scalar_t, or an 8-bit format's codes, each row followed by its scale: a head's
+// rows are then head_dim + 4 elements apart).
+template <typename scalar_t, typename cache_t>
+struct Call {
+  int64_t group, head_dim;
+  int64_t q_row_stride, q_head_stride, out_row_stride;
+  int64_t block_size, cache_block_stride, cache_slot_stride, head_pitch;
+  int64_t max_blocks, tile_blocks, tile_slots, window;
+  float scale, softcap;
+  const scalar_t* q_ptr;
+  const cache_t* k_ptr;
+  const cache_t* v_ptr;
+  scalar_t* out_ptr;
+  const int32_t* tables;
+  const int64_t* info;
+};
+
+// One thread's items, each for one KV head (paged_items.h): a row tile or a cascade, between
+// `start` and `finish`. The scratch (the item's queries in fp32 with their online-softmax state,
+// the key tile in fp32, the drip of the next tile's lines) is sized once for the largest item
+// and reused.
+template <typename scalar_t, typename cache_t, int HD>
+class ItemWork {
+ public:
+  explicit ItemWork(const Call<scalar_t, cache_t>& call)
+      : c(call),
+        max_queries(std::max(kLongRowTile, kCascadeRows) * c.group),
+        kt(c.tile_slots * c.head_dim),
+        vt(c.tile_slots * c.head_dim),
+        qf(max_queries * c.head_dim),
+        acc(max_queries * c.head_dim),
+        s_stride(c.tile_slots + 16),
+        m(max_queries),
+        l(max_queries),
+        s(max_queries * s_stride),
+        his(kLongRowTile) {}
+
+  // The item's query vectors in fp32, pre-scaled (index qi = e * group + g); their state reset.
+  void start(const Item& item, int64_t kvh) {
+    const int64_t group = c.group, head_dim = c.head_dim;
+    const float scale = c.scale;
+    const int64_t entries = item.entries();
+    const int64_t nq = entries * group;
+    for (int64_t e = 0; e < entries; ++e) {
+      for (int64_t g = 0; g < group; ++g) {
+        const scalar_t* src = c.q_ptr + item.row_of(e, c.info) * c.q_row_stride +
+                              (kvh * group + g) * c.q_head_stride;
+        float* dst = qf.data() + (e * group + g) * head_dim;
+        row_to_float(src, dst, head_dim);
+        for (int64_t d = 0; d < head_dim; ++d) dst[d] *= scale;
+      }
+    }
+    std::fill(acc.begin(), acc.begin() + nq * head_dim, 0.0f);
+    std::fill(m.begin(), m.begin() + nq, -std::numeric_limits<float>::infinity());
+    std::fill(l.begin(), l.begin() + nq, 0.0f);
+  }
+
+  // A tile of rows of one sequence.
+  void row_tile(const Item& item, int64_t kvh) {
+    own_blocks(item.seqs[0], item.row0, item.rows, 0, kvh, 0);
+  }
+
+  // A cascade: the shared blocks once for every query (each sees all of their slots), then each
+  // sequence's own blocks.
+  void cascade(const Item& item, int64_t kvh) {
+    const int64_t tile_blocks = c.tile_blocks, block_size = c.block_size;
+    const int64_t entries = item.entries();
+    const int64_t nq = entries * c.group;
+    const int32_t* table = c.tables + item.seqs[0] * c.max_blocks;
+    for (int64_t b0 = 0; b0 < item.shared_blocks; b0 += tile_blocks) {
+      const int64_t slots = (std::min(b0 + tile_blocks, item.shared_blocks) - b0) * block_size;
+      const int64_t next =
+          std::clamp<int64_t>((item.shared_blocks - b0 - tile_blocks) * block_size, 0,
+                              c.tile_slots);
+      load_tile(table, kvh, b0, 0, slots, next);
+      attend_tiles<HD>(qf.data(), nq, kt.data(), vt.data(), c.head_dim, 0, slots, c.softcap,
+                       s.data(), s_stride, m.data(), l.data(), acc.data(), &drip);
+    }
+    for (int64_t e = 0; e < entries; ++e) {
+      own_blocks(item.seqs[e], item.row_of(e, c.info), 1, e, kvh, item.shared_blocks);
+    }
+  }
+
+  // The item's outputs: each query's sum over its softmax weights.
+  void finish(const Item& item, int64_t kvh) {
+    const int64_t group = c.group, head_dim = c.head_dim;
+    for (int64_t e = 0; e < item.entries(); ++e) {
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t qi = e * group + g;
+        const float inv = 1.0f / l[qi];
+        scalar_t* dst =
+            c.out_ptr + item.row_of(e, c.info) * c.out_row_stride + (kvh * group + g) * head_dim;
+        const float* a = acc.data() + qi * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) store(dst + d, a[d] * inv);
+      }
+    }
+  }
+
+ private:
+  // Convert slots [lo, hi) of the tile starting at block b0 of `table` into kt/vt; the next
+  // tile's slots [0, next) go into the drip, asked for while this one is computed.
+  void load_tile(const int32_t* table, int64_t kvh, int64_t b0, int64_t lo, int64_t hi,
+                 int64_t next) {
+    const int64_t head_dim = c.head_dim, head_pitch = c.head_pitch, block_size = c.block_size;
+    const int64_t cache_block_stride = c.cache_block_stride;
+    const int64_t cache_slot_stride = c.cache_slot_stride;
+    const cache_t* k_ptr = c.k_ptr;
+    const cache_t* v_ptr = c.v_ptr;
+    auto row_at = [&](int64_t b, int64_t j) {  // of slot j's row of head kvh, in elements
+      return table[b + j / block_size] * cache_block_stride +
+             (j % block_size) * cache_slot_stride + kvh * head_pitch;
+    };
+    auto offset = [&](int64_t j) { return row_at(b0, j); };
+    drip.clear();
+    // 8-bit rows: the conversions bound the tile here, not the reads (extra prefetches measured
+    // slower on the AVX2 build, BENCHMARKS.md), so none.
+    for (int64_t j = 0; sizeof(cache_t) > 1 && j < next; ++j) {
+      const int64_t row = row_at(b0 + c.tile_blocks, j);
+      drip.add_runs(reinterpret_cast<const char*>(k_ptr + row),
+                    reinterpret_cast<const char*>(v_ptr + row), head_pitch * sizeof(cache_t));
+    }
+    // Ask for every row of the tile first: the rows of one KV head are strided (the other
+    // heads lie between them), and read one after another each waits for memory on its own
+    // (decode from a cold cache: 36 us a layer without this at 129 slots, BENCHMARKS.md);
+    // then read them in one burst (line_sweep.h).
+    for (int64_t j = lo; j < hi; ++j) {
+      prefetch_row(k_ptr + offset(j), head_pitch);
+      prefetch_row(v_ptr + offset(j), head_pitch);
+    }
+    for (int64_t j = lo; j < hi; ++j) {
+      touch_lines(reinterpret_cast<const char*>(k_ptr + offset(j)),
+                  reinterpret_cast<const char*>(v_ptr + offset(j)), head_pitch * sizeof(cache_t));
+    }
+    for (int64_t j = lo; j < hi; ++j) {
+      drip.step(1);
+      row_to_float(k_ptr + offset(j), kt.data() + j * head_dim, head_dim);
+      row_to_float(v_ptr + offset(j), vt.data() + j * head_dim, head_dim);
+    }
+  }
+
+  // Rows [row0, row0 + rows) of sequence `seq` (query vectors from index e0 * group on)
+  // against its blocks from `start_block` on, each row up to its own position.
+  void own_blocks(int64_t seq, int64_t row0, int64_t rows, int64_t e0, int64_t kvh,
+                  int64_t start_block) {
+    const int64_t group = c.group, head_dim = c.head_dim, window = c.window;
+    const int64_t block_size = c.block_size, tile_blocks = c.tile_blocks;
+    const int64_t tile_slots = c.tile_slots;
+    const int64_t first_pos = c.info[3 * seq + 2] + (row0 - c.info[3 * seq]);
+    const int64_t last_pos = first_pos + rows - 1;
+    const int32_t* table = c.tables + seq * c.max_blocks;
+    const int64_t lo = first_visible(first_pos, window);
+    // Tiles start at multiples of tile_blocks (absolute key positions), whatever rows this
+    // item holds: a sliding window's first visible slot lies inside a tile, not at its start.
+    const int64_t b_start = std::max(lo / block_size / tile_blocks * tile_blocks, start_block);
+    for (int64_t b0 = b_start; b0 <= last_pos / block_size; b0 += tile_blocks) {
+      const int64_t kpos0 = b0 * block_size;  // position of the tile's slot 0
+      // Slots of this tile any query of the rows can see.
+      const int64_t used_lo = std::max<int64_t>(0, lo - kpos0);
+      const int64_t used_hi = std::min<int64_t>(tile_slots, last_pos - kpos0 + 1);
+      const int64_t next = std::clamp<int64_t>(last_pos - kpos0 - tile_slots + 1, 0, tile_slots);
+      load_tile(table, kvh, b0, used_lo, used_hi, next);
+#if defined(__AVX512F__)
+      if constexpr (HD > 0 && HD % 16 == 0) {
+        if (window == 0 && rows > 1) {  // every row sees the tile from slot 0
+          for (int64_t r = 0; r < rows; ++r)
+            his[r] = std::min<int64_t>(tile_slots, first_pos + r - kpos0 + 1);
+          const int64_t qi = e0 * group;
+          attend_rows_avx512<HD>(qf.data() + qi * HD, rows, group, his.data(), kt.data(),
+                                 vt.data(), c.softcap, s.data(), s_stride, m.data() + qi,
+                                 l.data() + qi, acc.data() + qi * HD);
+          continue;
+        }
+      }
+#endif
+      for (int64_t r = 0; r < rows; ++r) {
+        const auto [j_lo, j_hi] = visible_slots(first_pos + r, window, kpos0, tile_slots);
+        if (j_lo >= j_hi) continue;
+        const int64_t qi = (e0 + r) * group;  // the row's query heads, consecutive
+        attend_tiles<HD>(qf.data() + qi * head_dim, group, kt.data(), vt.data(), head_dim, j_lo,
+                         j_hi, c.softcap, s.data(), s_stride, m.data() + qi, l.data() + qi,
+                         acc.data() + qi * head_dim, &drip);
+      }
+    }
+  }
+
+  const Call<scalar_t, cache_t>& c;
+  const int64_t max_queries;
+  std::vector<float> kt, vt;  // [slot][dim]
+  std::vector<float> qf, acc;
+  const int64_t s_stride;
+  std::vector<float> m, l, s;
+  std::vector<int64_t> his;
+  LineDrip drip;
+};
+
 template <typename scalar_t, typename cache_t, int HD>
 void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
          const torch::Tensor& v_cache, const torch::Tensor& block_tables,
@@ -90,162 +284,46 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
   const int64_t num_seqs = seq_info.size(0);
   const int64_t num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t q_row_stride = q.stride(0), q_head_stride = q.stride(1);
-  const int64_t out_row_stride = out.stride(0);
-  const int64_t cache_block_stride = k_cache.stride(0), cache_slot_stride = k_cache.stride(1);
-  const int64_t head_pitch = k_cache.stride(2);
   const int64_t max_blocks = block_tables.size(1);
   const int64_t tile_blocks = std::max<int64_t>(1, kKeyTile / block_size);
-  const int64_t tile_slots = tile_blocks * block_size;
-  const float scale = static_cast<float>(scale_d);
-  const float softcap = static_cast<float>(softcap_d);
-  const scalar_t* q_ptr = q.data_ptr<scalar_t>();
-  const cache_t* k_ptr = static_cast<const cache_t*>(k_cache.data_ptr());
-  const cache_t* v_ptr = static_cast<const cache_t*>(v_cache.data_ptr());
-  scalar_t* out_ptr = out.data_ptr<scalar_t>();
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const int64_t* info = seq_info.data_ptr<int64_t>();
+  const Call<scalar_t, cache_t> call{num_heads / num_kv_heads,
+                                     head_dim,
+                                     q.stride(0),
+                                     q.stride(1),
+                                     out.stride(0),
+                                     block_size,
+                                     k_cache.stride(0),
+                                     k_cache.stride(1),
+                                     k_cache.stride(2),
+                                     max_blocks,
+                                     tile_blocks,
+                                     tile_blocks * block_size,
+                                     window,
+                                     static_cast<float>(scale_d),
+                                     static_cast<float>(softcap_d),
+                                     q.data_ptr<scalar_t>(),
+                                     static_cast<const cache_t*>(k_cache.data_ptr()),
+                                     static_cast<const cache_t*>(v_cache.data_ptr()),
+                                     out.data_ptr<scalar_t>(),
+                                     block_tables.data_ptr<int32_t>(),
+                                     seq_info.data_ptr<int64_t>()};
 
-  const std::vector<Item> items =
-      build_items(info, num_seqs, tables, max_blocks, block_size, window, tile_slots);
+  const std::vector<Item> items = build_items(call.info, num_seqs, call.tables, max_blocks,
+                                              block_size, window, call.tile_slots);
   const int64_t num_items = static_cast<int64_t>(items.size()) * num_kv_heads;
 
   at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
-    const int64_t max_queries = std::max(kLongRowTile, kCascadeRows) * group;
-    std::vector<float> kt(tile_slots * head_dim), vt(tile_slots * head_dim);  // [slot][dim]
-    std::vector<float> qf(max_queries * head_dim), acc(max_queries * head_dim);
-    const int64_t s_stride = tile_slots + 16;
-    std::vector<float> m(max_queries), l(max_queries), s(max_queries * s_stride);
-    std::vector<int64_t> his(kLongRowTile);
-
-    LineDrip drip;
-    // Convert slots [lo, hi) of the tile starting at block b0 of `table` into kt/vt; the next
-    // tile's slots [0, next) go into the drip, asked for while this one is computed.
-    auto load_tile = [&](const int32_t* table, int64_t kvh, int64_t b0, int64_t lo, int64_t hi,
-                         int64_t next) {
-      auto row_at = [&](int64_t b, int64_t j) {  // of slot j's row of head kvh, in elements
-        return table[b + j / block_size] * cache_block_stride +
-               (j % block_size) * cache_slot_stride + kvh * head_pitch;
-      };
-      auto offset = [&](int64_t j) { return row_at(b0, j); };
-      drip.clear();
-      // 8-bit rows: the conversions bound the tile here, not the reads (extra prefetches measured
-      // slower on the AVX2 build, BENCHMARKS.md), so none.
-      for (int64_t j = 0; sizeof(cache_t) > 1 && j < next; ++j) {
-        const int64_t row = row_at(b0 + tile_blocks, j);
-        drip.add_runs(reinterpret_cast<const char*>(k_ptr + row),
-                      reinterpret_cast<const char*>(v_ptr + row), head_pitch * sizeof(cache_t));
-      }
-      // Ask for every row of the tile first: the rows of one KV head are strided (the other
-      // heads lie between them), and read one after another each waits for memory on its own
-      // (decode from a cold cache: 36 us a layer without this at 129 slots, BENCHMARKS.md);
-      // then read them in one burst (line_sweep.h).
-      for (int64_t j = lo; j < hi; ++j) {
-        prefetch_row(k_ptr + offset(j), head_pitch);
-        prefetch_row(v_ptr + offset(j), head_pitch);
-      }
-      for (int64_t j = lo; j < hi; ++j) {
-        touch_lines(reinterpret_cast<const char*>(k_ptr + offset(j)),
-                    reinterpret_cast<const char*>(v_ptr + offset(j)), head_pitch * sizeof(cache_t));
-      }
-      for (int64_t j = lo; j < hi; ++j) {
-        drip.step(1);
-        row_to_float(k_ptr + offset(j), kt.data() + j * head_dim, head_dim);
-        row_to_float(v_ptr + offset(j), vt.data() + j * head_dim, head_dim);
-      }
-    };
-    // Rows [row0, row0 + rows) of sequence `seq` (query vectors from index e0 * group on)
-    // against its blocks from `start_block` on, each row up to its own position.
-    auto own_blocks = [&](int64_t seq, int64_t row0, int64_t rows, int64_t e0, int64_t kvh,
-                          int64_t start_block) {
-      const int64_t first_pos = info[3 * seq + 2] + (row0 - info[3 * seq]);
-      const int64_t last_pos = first_pos + rows - 1;
-      const int32_t* table = tables + seq * max_blocks;
-      const int64_t lo = first_visible(first_pos, window);
-      // Tiles start at multiples of tile_blocks (absolute key positions), whatever rows this
-      // item holds: a sliding window's first visible slot lies inside a tile, not at its start.
-      const int64_t b_start = std::max(lo / block_size / tile_blocks * tile_blocks, start_block);
-      for (int64_t b0 = b_start; b0 <= last_pos / block_size; b0 += tile_blocks) {
-        const int64_t kpos0 = b0 * block_size;  // position of the tile's slot 0
-        // Slots of this tile any query of the rows can see.
-        const int64_t used_lo = std::max<int64_t>(0, lo - kpos0);
-        const int64_t used_hi = std::min<int64_t>(tile_slots, last_pos - kpos0 + 1);
-        const int64_t next = std::clamp<int64_t>(last_pos - kpos0 - tile_slots + 1, 0, tile_slots);
-        load_tile(table, kvh, b0, used_lo, used_hi, next);
-#if defined(__AVX512F__)
-        if constexpr (HD > 0 && HD % 16 == 0) {
-          if (window == 0 && rows > 1) {  // every row sees the tile from slot 0
-            for (int64_t r = 0; r < rows; ++r)
-              his[r] = std::min<int64_t>(tile_slots, first_pos + r - kpos0 + 1);
-            const int64_t qi = e0 * group;
-            attend_rows_avx512<HD>(qf.data() + qi * HD, rows, group, his.data(), kt.data(),
-                                   vt.data(), softcap, s.data(), s_stride, m.data() + qi,
-                                   l.data() + qi, acc.data() + qi * HD);
-            continue;
-          }
-        }
-#endif
-        for (int64_t r = 0; r < rows; ++r) {
-          const auto [j_lo, j_hi] = visible_slots(first_pos + r, window, kpos0, tile_slots);
-          if (j_lo >= j_hi) continue;
-          const int64_t qi = (e0 + r) * group;  // the row's query heads, consecutive
-          attend_tiles<HD>(qf.data() + qi * head_dim, group, kt.data(), vt.data(), head_dim, j_lo,
-                           j_hi, softcap, s.data(), s_stride, m.data() + qi, l.data() + qi,
-                           acc.data() + qi * head_dim, &drip);
-        }
-      }
-    };
-
+    ItemWork<scalar_t, cache_t, HD> work(call);
     for (int64_t idx = begin; idx < end; ++idx) {
       const Item& item = items[idx / num_kv_heads];
       const int64_t kvh = idx % num_kv_heads;
-      const bool cascade = item.cascade();
-      const int64_t entries = item.entries();
-      auto row_of = [&](int64_t e) { return item.row_of(e, info); };
-      const int64_t nq = entries * group;
-      // Query vectors in fp32, pre-scaled; index qi = e * group + g.
-      for (int64_t e = 0; e < entries; ++e) {
-        for (int64_t g = 0; g < group; ++g) {
-          const scalar_t* src =
-              q_ptr + row_of(e) * q_row_stride + (kvh * group + g) * q_head_stride;
-          float* dst = qf.data() + (e * group + g) * head_dim;
-          row_to_float(src, dst, head_dim);
-          for (int64_t d = 0; d < head_dim; ++d) dst[d] *= scale;
-        }
-      }
-      std::fill(acc.begin(), acc.begin() + nq * head_dim, 0.0f);
-      std::fill(m.begin(), m.begin() + nq, -std::numeric_limits<float>::infinity());
-      std::fill(l.begin(), l.begin() + nq, 0.0f);
-
-      if (cascade) {
-        // The shared blocks: every query of the cascade sees all of their slots.
-        const int32_t* table = tables + item.seqs[0] * max_blocks;
-        for (int64_t b0 = 0; b0 < item.shared_blocks; b0 += tile_blocks) {
-          const int64_t slots = (std::min(b0 + tile_blocks, item.shared_blocks) - b0) * block_size;
-          const int64_t next =
-              std::clamp<int64_t>((item.shared_blocks - b0 - tile_blocks) * block_size, 0,
-                                  tile_slots);
-          load_tile(table, kvh, b0, 0, slots, next);
-          attend_tiles<HD>(qf.data(), nq, kt.data(), vt.data(), head_dim, 0, slots, softcap,
-                           s.data(), s_stride, m.data(), l.data(), acc.data(), &drip);
-        }
-        for (int64_t e = 0; e < entries; ++e) {
-          own_blocks(item.seqs[e], row_of(e), 1, e, kvh, item.shared_blocks);
-        }
+      work.start(item, kvh);
+      if (item.cascade()) {
+        work.cascade(item, kvh);
       } else {
-        own_blocks(item.seqs[0], item.row0, item.rows, 0, kvh, 0);
+        work.row_tile(item, kvh);
       }
-
-      for (int64_t e = 0; e < entries; ++e) {
-        for (int64_t g = 0; g < group; ++g) {
-          const int64_t qi = e * group + g;
-          const float inv = 1.0f / l[qi];
-          scalar_t* dst = out_ptr + row_of(e) * out_row_stride + (kvh * group + g) * head_dim;
-          const float* a = acc.data() + qi * head_dim;
-          for (int64_t d = 0; d < head_dim; ++d) store(dst + d, a[d] * inv);
-        }
-      }
+      work.finish(item, kvh);
     }
   });
 }

@@ -236,6 +236,203 @@ void load_tile(const Cache& c, const int32_t* table, int64_t kvh, int64_t t0, in
   }
 }
 
+// A call's shapes, strides (in elements) and pointers, and the KV heads of a unit of work.
+struct Call {
+  Cache cache;
+  bool integer;  // an int8 cache: integer dot products
+  int64_t group, heads, max_blocks, window, max_entries;
+  int64_t q_row, q_head, out_row;
+  float scale;
+  const uint16_t* q_ptr;
+  uint16_t* out_ptr;
+  const int32_t* tables;
+  const int64_t* info;
+};
+
+// One thread's units (an item and `heads` of its KV heads from kvh0; paged_items.h): a row tile
+// or a cascade, between `start` and `finish`. The tile buffers and the queries' state are sized
+// once for the largest item and reused. The queries of a unit: index h * nq + e * group + g for
+// its head h (KV head kvh0 + h), item entry e (a row) and query head g of the KV head's group.
+template <int D, class T>
+class UnitWork {
+ public:
+  explicit UnitWork(const Call& call)
+      : c(call),
+        max_queries(c.max_entries * c.group * c.heads),
+        kp(D / 2 * kTileKeys, 0u),
+        vt(c.integer ? 0 : kTileKeys * D, 0.0f),
+        kb(c.cache.kind == CacheKind::kBf16 || c.integer ? 0 : kTileKeys * D),
+        it(c.integer ? D : 0, T::kKeysPerWord),
+        qbytes(c.integer ? max_queries * kQueryBytes : 0),
+        wbuf(c.integer ? max_queries * 2 * kTileKeys : 0),
+        qfac(max_queries),
+        tf(max_queries),
+        tqb(max_queries),
+        m(max_queries),
+        l(max_queries),
+        acc(max_queries * D),
+        pbuf(max_queries * kTileKeys),
+        qv(max_queries),
+        tq(max_queries),
+        lo(max_queries),
+        hi(max_queries),
+        tm(max_queries),
+        tl(max_queries),
+        ta(max_queries) {}
+
+  // The unit's query rows (an int8 cache's quantized too); their state reset.
+  void start(const Item& item, int64_t kvh0) {
+    const int64_t group = c.group, heads = c.heads;
+    const int64_t entries = item.entries();
+    const int64_t nq = entries * group, units_q = heads * nq;
+    for (int64_t h = 0; h < heads; ++h) {
+      for (int64_t e = 0; e < entries; ++e) {
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t head = (kvh0 + h) * group + g;
+          qv[h * nq + e * group + g] = c.q_ptr + item.row_of(e, c.info) * c.q_row + head * c.q_head;
+        }
+      }
+    }
+    for (int64_t qi = 0; c.integer && qi < units_q; ++qi) {
+      qfac[qi] = T::template quantize_query<D>(qv[qi], qbytes.data() + qi * kQueryBytes) *
+                 c.scale;
+    }
+    std::fill(acc.begin(), acc.begin() + units_q * D, 0.0f);
+    std::fill(m.begin(), m.begin() + units_q, -std::numeric_limits<float>::infinity());
+    std::fill(l.begin(), l.begin() + units_q, 0.0f);
+  }
+
+  // A tile of rows of one sequence.
+  void row_tile(const Item& item, int64_t kvh0) {
+    own_keys(item.seqs[0], item.row0, item.rows, 0, kvh0, item.entries() * c.group, 0);
+  }
+
+  // A cascade: the shared keys once for every query (each sees all of them), then each
+  // sequence's own keys.
+  void cascade(const Item& item, int64_t kvh0) {
+    const int64_t entries = item.entries();
+    const int64_t nq = entries * c.group;
+    const int64_t shared_keys = item.shared_blocks * c.cache.block_size;
+    const int32_t* table = c.tables + item.seqs[0] * c.max_blocks;
+    for (int64_t t0 = 0; t0 < shared_keys; t0 += kTileKeys) {
+      const int64_t next = t0 + kTileKeys < shared_keys ? kTileKeys : 0;
+      for (int64_t h = 0; h < c.heads; ++h) {
+        load(table, kvh0 + h, t0, 0, kTileKeys, next);
+        int64_t nt = 0;
+        for (int64_t qi = h * nq; qi < (h + 1) * nq; ++qi) add(nt, qi, 0, kTileKeys);
+        attend(nt);
+      }
+    }
+    for (int64_t e = 0; e < entries; ++e) {
+      own_keys(item.seqs[e], item.row_of(e, c.info), 1, e, kvh0, nq, shared_keys);
+    }
+  }
+
+  // The unit's outputs: each query's sum over its softmax weights, in bf16.
+  void finish(const Item& item, int64_t kvh0) {
+    const int64_t group = c.group;
+    const int64_t entries = item.entries();
+    const int64_t nq = entries * group;
+    auto out_of = [&](int64_t h, int64_t e, int64_t g) {
+      return c.out_ptr + item.row_of(e, c.info) * c.out_row + ((kvh0 + h) * group + g) * D;
+    };
+    for (int64_t h = 0; h < c.heads; ++h) {
+      for (int64_t e = 0; e < entries; ++e) {
+        for (int64_t g = 0; g < group; ++g) {
+          const float* a = acc.data() + (h * nq + e * group + g) * D;
+          const float lsum = l[h * nq + e * group + g];
+          if (c.integer) {
+            T::template finish_int8<D>(a, lsum, out_of(h, e, g));
+          } else {
+            T::template finish_16<D>(a, lsum, out_of(h, e, g));
+          }
+        }
+      }
+    }
+  }
+
+ private:
+  static constexpr int64_t kQueryBytes = T::template query_bytes<D>();
+
+  // The tile against the nt queries listed by `add`.
+  void attend(int64_t nt) {
+    if (c.integer) {
+      const typename T::Int8Tile tile{kp.data(), it.kscale.data(), it.vq.data(),
+                                      it.vscale.data()};
+      T::template attend_int8<D>(nt, tqb.data(), tf.data(), lo.data(), hi.data(), tile, tm.data(),
+                                 tl.data(), ta.data(), pbuf.data(), wbuf.data(), drip);
+      return;
+    }
+    const typename T::RowScales fp8_rows{it.kscale.data(), it.vscale.data()};
+    T::template attend_16<D>(nt, tq.data(), lo.data(), hi.data(), kp.data(), vt.data(), c.scale,
+                             tm.data(), tl.data(), ta.data(), pbuf.data(),
+                             c.cache.kind == CacheKind::kFp8 ? &fp8_rows : nullptr, drip);
+  }
+  void add(int64_t& nt, int64_t qi, int64_t jl, int64_t jh) {
+    tq[nt] = qv[qi], lo[nt] = jl, hi[nt] = jh;
+    tm[nt] = &m[qi], tl[nt] = &l[qi], ta[nt] = acc.data() + qi * D;
+    if (c.integer) tqb[nt] = qbytes.data() + qi * kQueryBytes, tf[nt] = qfac[qi];
+    ++nt;
+  }
+  // Keys [t0 + jl, t0 + jh) of KV head kvh (block table `table`) into the tile buffers, the
+  // next tile's [0, next) asked for meanwhile. A unit of all heads sweeps the tile's whole
+  // slots with its first head; a unit of one head, its own rows.
+  void load(const int32_t* table, int64_t kvh, int64_t t0, int64_t jl, int64_t jh, int64_t next) {
+    const int64_t heads = c.heads;
+    const Sweep sweep = heads == 1 ? Sweep::kRows : kvh % heads == 0 ? Sweep::kSlots
+                                                                      : Sweep::kNone;
+    if (sweep != Sweep::kNone) {  // a unit's first load of the tile: list the next one's
+      drip->clear();
+      if (sweep == Sweep::kSlots) slot_runs(c.cache, table, t0 + kTileKeys, 0, next, drip);
+      else own_rows(c.cache, table, kvh, t0 + kTileKeys, 0, next, drip);
+    }
+    load_tile<D, T>(c.cache, table, kvh, t0, jl, jh, kp.data(), vt.data(), kb.data(), it, sweep,
+                    drip);
+  }
+  // Rows [row0, row0 + rows) of sequence `seq` (entries from e0 on) against its keys from
+  // `start_key` (a tile boundary) on, each row up to its own position.
+  void own_keys(int64_t seq, int64_t row0, int64_t rows, int64_t e0, int64_t kvh0, int64_t nq,
+                int64_t start_key) {
+    const int64_t group = c.group, window = c.window;
+    const int64_t first_pos = c.info[3 * seq + 2] + (row0 - c.info[3 * seq]);
+    const int64_t last_pos = first_pos + rows - 1;
+    const int32_t* table = c.tables + seq * c.max_blocks;
+    const int64_t lo_key = first_visible(first_pos, window);
+    const int64_t t_start = std::max(lo_key / kTileKeys * kTileKeys, start_key);
+    for (int64_t t0 = t_start; t0 <= last_pos; t0 += kTileKeys) {
+      const int64_t next = std::clamp<int64_t>(last_pos - t0 - kTileKeys + 1, 0, kTileKeys);
+      for (int64_t h = 0; h < c.heads; ++h) {
+        load(table, kvh0 + h, t0, std::max<int64_t>(0, lo_key - t0),
+             std::min<int64_t>(kTileKeys, last_pos - t0 + 1), next);
+        int64_t nt = 0;
+        for (int64_t r = 0; r < rows; ++r) {
+          const auto [jl, jh] = visible_slots(first_pos + r, window, t0, kTileKeys);
+          if (jl >= jh) continue;
+          for (int64_t g = 0; g < group; ++g) add(nt, h * nq + (e0 + r) * group + g, jl, jh);
+        }
+        attend(nt);
+      }
+    }
+  }
+
+  const Call& c;
+  const int64_t max_queries;
+  std::vector<uint32_t> kp;
+  std::vector<float> vt;
+  std::vector<uint16_t> kb;
+  IntTile it;
+  std::vector<uint8_t> qbytes, wbuf;
+  std::vector<float> qfac, tf;
+  std::vector<const uint8_t*> tqb;
+  std::vector<float> m, l, acc;
+  std::vector<float> pbuf;
+  std::vector<const uint16_t*> qv, tq;
+  std::vector<int64_t> lo, hi;
+  std::vector<float*> tm, tl, ta;
+  LineDrip drip_lines;  // the next tile's lines, asked for while this one is computed
+  LineDrip* const drip = &drip_lines;
+};
+
 template <int D, class T>
 void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
          const torch::Tensor& v_cache, const torch::Tensor& block_tables,
@@ -243,22 +440,16 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
   const int64_t num_seqs = seq_info.size(0);
   const int64_t num_heads = q.size(1);
   const int64_t num_kv_heads = k_cache.size(2);
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t q_row = q.stride(0), q_head = q.stride(1), out_row = out.stride(0);
   const int64_t max_blocks = block_tables.size(1);
   const CacheKind kind = k_cache.scalar_type() == torch::kChar   ? CacheKind::kInt8
                          : k_cache.scalar_type() == torch::kByte ? CacheKind::kFp8
                                                                  : CacheKind::kBf16;
   const Cache cache{k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
                     k_cache.stride(2),  k_cache.size(1),     kind};
-  const auto* q_ptr = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
-  auto* out_ptr = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int64_t* info = seq_info.data_ptr<int64_t>();
-  const int64_t bs = cache.block_size;
   const std::vector<Item> items =
-      build_items(info, num_seqs, tables, max_blocks, bs, window, kTileKeys, true);
-  const bool integer = kind == CacheKind::kInt8;
+      build_items(info, num_seqs, tables, max_blocks, cache.block_size, window, kTileKeys, true);
   int64_t max_entries = 1;  // the most query rows of one item
   for (const Item& item : items) max_entries = std::max(max_entries, item.entries());
   // A unit of work is an item and `heads` of its KV heads: all of them where the items are
@@ -272,144 +463,34 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
                             : 1;
   const int64_t units_per_item = num_kv_heads / heads;
   const int64_t num_units = static_cast<int64_t>(items.size()) * units_per_item;
+  const Call call{cache,
+                  kind == CacheKind::kInt8,
+                  num_heads / num_kv_heads,
+                  heads,
+                  max_blocks,
+                  window,
+                  max_entries,
+                  q.stride(0),
+                  q.stride(1),
+                  out.stride(0),
+                  scale,
+                  reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()),
+                  reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()),
+                  tables,
+                  info};
 
   at::parallel_for(0, num_units, 1, [&](int64_t begin, int64_t end) {
-    const int64_t max_queries = max_entries * group * heads;
-    std::vector<uint32_t> kp(D / 2 * kTileKeys, 0u);
-    std::vector<float> vt(integer ? 0 : kTileKeys * D, 0.0f);
-    std::vector<uint16_t> kb(kind == CacheKind::kBf16 || integer ? 0 : kTileKeys * D);
-    IntTile it(integer ? D : 0, T::kKeysPerWord);
-    constexpr int64_t kQueryBytes = T::template query_bytes<D>();
-    std::vector<uint8_t> qbytes(integer ? max_queries * kQueryBytes : 0);
-    std::vector<uint8_t> wbuf(integer ? max_queries * 2 * kTileKeys : 0);
-    std::vector<float> qfac(max_queries), tf(max_queries);
-    std::vector<const uint8_t*> tqb(max_queries);
-    std::vector<float> m(max_queries), l(max_queries), acc(max_queries * D);
-    std::vector<float> pbuf(max_queries * kTileKeys);
-    std::vector<const uint16_t*> qv(max_queries), tq(max_queries);
-    std::vector<int64_t> lo(max_queries), hi(max_queries);
-    std::vector<float*> tm(max_queries), tl(max_queries), ta(max_queries);
-    LineDrip drip_lines;  // the next tile's lines, asked for while this one is computed
-    LineDrip* const drip = &drip_lines;
-
-    // The queries of a unit: index h * nq + e * group + g for its head h (KV head kvh0 + h),
-    // item entry e (a row) and query head g of the KV head's group.
-    auto attend = [&](int64_t nt) {
-      if (integer) {
-        const typename T::Int8Tile tile{kp.data(), it.kscale.data(), it.vq.data(),
-                                       it.vscale.data()};
-        T::template attend_int8<D>(nt, tqb.data(), tf.data(), lo.data(), hi.data(), tile,
-                                   tm.data(), tl.data(), ta.data(), pbuf.data(), wbuf.data(),
-                                   drip);
-        return;
-      }
-      const typename T::RowScales fp8_rows{it.kscale.data(), it.vscale.data()};
-      T::template attend_16<D>(nt, tq.data(), lo.data(), hi.data(), kp.data(), vt.data(), scale,
-                               tm.data(), tl.data(), ta.data(), pbuf.data(),
-                               kind == CacheKind::kFp8 ? &fp8_rows : nullptr, drip);
-    };
-    auto add = [&](int64_t& nt, int64_t qi, int64_t jl, int64_t jh) {
-      tq[nt] = qv[qi], lo[nt] = jl, hi[nt] = jh;
-      tm[nt] = &m[qi], tl[nt] = &l[qi], ta[nt] = acc.data() + qi * D;
-      if (integer) tqb[nt] = qbytes.data() + qi * kQueryBytes, tf[nt] = qfac[qi];
-      ++nt;
-    };
-    // Keys [t0 + jl, t0 + jh) of KV head kvh (block table `table`) into the tile buffers, the
-    // next tile's [0, next) asked for meanwhile. A unit of all heads sweeps the tile's whole
-    // slots with its first head; a unit of one head, its own rows.
-    auto load = [&](const int32_t* table, int64_t kvh, int64_t t0, int64_t jl, int64_t jh,
-                    int64_t next) {
-      const Sweep sweep = heads == 1 ? Sweep::kRows : kvh % heads == 0 ? Sweep::kSlots
-                                                                        : Sweep::kNone;
-      if (sweep != Sweep::kNone) {  // a unit's first load of the tile: list the next one's
-        drip->clear();
-        if (sweep == Sweep::kSlots) slot_runs(cache, table, t0 + kTileKeys, 0, next, drip);
-        else own_rows(cache, table, kvh, t0 + kTileKeys, 0, next, drip);
-      }
-      load_tile<D, T>(cache, table, kvh, t0, jl, jh, kp.data(), vt.data(), kb.data(), it, sweep,
-                   drip);
-    };
-    // Rows [row0, row0 + rows) of sequence `seq` (entries from e0 on) against its keys from
-    // `start_key` (a tile boundary) on, each row up to its own position.
-    auto own_keys = [&](int64_t seq, int64_t row0, int64_t rows, int64_t e0, int64_t kvh0,
-                        int64_t nq, int64_t start_key) {
-      const int64_t first_pos = info[3 * seq + 2] + (row0 - info[3 * seq]);
-      const int64_t last_pos = first_pos + rows - 1;
-      const int32_t* table = tables + seq * max_blocks;
-      const int64_t lo_key = first_visible(first_pos, window);
-      const int64_t t_start = std::max(lo_key / kTileKeys * kTileKeys, start_key);
-      for (int64_t t0 = t_start; t0 <= last_pos; t0 += kTileKeys) {
-        const int64_t next = std::clamp<int64_t>(last_pos - t0 - kTileKeys + 1, 0, kTileKeys);
-        for (int64_t h = 0; h < heads; ++h) {
-          load(table, kvh0 + h, t0, std::max<int64_t>(0, lo_key - t0),
-               std::min<int64_t>(kTileKeys, last_pos - t0 + 1), next);
-          int64_t nt = 0;
-          for (int64_t r = 0; r < rows; ++r) {
-            const auto [jl, jh] = visible_slots(first_pos + r, window, t0, kTileKeys);
-            if (jl >= jh) continue;
-            for (int64_t g = 0; g < group; ++g) add(nt, h * nq + (e0 + r) * group + g, jl, jh);
-          }
-          attend(nt);
-        }
-      }
-    };
-
+    UnitWork<D, T> work(call);
     for (int64_t unit = begin; unit < end; ++unit) {
       const Item& item = items[unit / units_per_item];
       const int64_t kvh0 = unit % units_per_item * heads;
-      const int64_t entries = item.entries();
-      auto row_of = [&](int64_t e) { return item.row_of(e, info); };
-      auto out_of = [&](int64_t h, int64_t e, int64_t g) {
-        return out_ptr + row_of(e) * out_row + ((kvh0 + h) * group + g) * D;
-      };
-      const int64_t nq = entries * group, units_q = heads * nq;
-      for (int64_t h = 0; h < heads; ++h) {
-        for (int64_t e = 0; e < entries; ++e) {
-          for (int64_t g = 0; g < group; ++g) {
-            const int64_t head = (kvh0 + h) * group + g;
-            qv[h * nq + e * group + g] = q_ptr + row_of(e) * q_row + head * q_head;
-          }
-        }
-      }
-      for (int64_t qi = 0; integer && qi < units_q; ++qi) {
-        qfac[qi] = T::template quantize_query<D>(qv[qi], qbytes.data() + qi * kQueryBytes) *
-                   scale;
-      }
-      std::fill(acc.begin(), acc.begin() + units_q * D, 0.0f);
-      std::fill(m.begin(), m.begin() + units_q, -std::numeric_limits<float>::infinity());
-      std::fill(l.begin(), l.begin() + units_q, 0.0f);
+      work.start(item, kvh0);
       if (item.cascade()) {
-        // The shared keys: every query of the cascade sees all of them.
-        const int64_t shared_keys = item.shared_blocks * bs;
-        const int32_t* table = tables + item.seqs[0] * max_blocks;
-        for (int64_t t0 = 0; t0 < shared_keys; t0 += kTileKeys) {
-          const int64_t next = t0 + kTileKeys < shared_keys ? kTileKeys : 0;
-          for (int64_t h = 0; h < heads; ++h) {
-            load(table, kvh0 + h, t0, 0, kTileKeys, next);
-            int64_t nt = 0;
-            for (int64_t qi = h * nq; qi < (h + 1) * nq; ++qi) add(nt, qi, 0, kTileKeys);
-            attend(nt);
-          }
-        }
-        for (int64_t e = 0; e < entries; ++e) {
-          own_keys(item.seqs[e], row_of(e), 1, e, kvh0, nq, shared_keys);
-        }
+        work.cascade(item, kvh0);
       } else {
-        own_keys(item.seqs[0], item.row0, item.rows, 0, kvh0, nq, 0);
+        work.row_tile(item, kvh0);
       }
-      for (int64_t h = 0; h < heads; ++h) {
-        for (int64_t e = 0; e < entries; ++e) {
-          for (int64_t g = 0; g < group; ++g) {
-            const float* a = acc.data() + (h * nq + e * group + g) * D;
-            const float lsum = l[h * nq + e * group + g];
-            if (integer) {
-              T::template finish_int8<D>(a, lsum, out_of(h, e, g));
-            } else {
-              T::template finish_16<D>(a, lsum, out_of(h, e, g));
-            }
-          }
-        }
-      }
+      work.finish(item, kvh0);
     }
   });
 }
