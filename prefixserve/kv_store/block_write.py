@@ -1,7 +1,8 @@
 """`BlockWrite`: one block on its way to a tier below the RAM pool, as one record: its identity
 (hash and KV-cache group), its token ids and the hash of the block before it (the checks a
-reader makes), its K/V payload and its expiry. The connector makes one per block and tier;
-the tiers (`tier.py` `KVTier.submit_store`) and the disk's writer (`writer.py`) pass it on.
+reader makes), its K/V payload and its expiry. The connector makes one per block; the tiers
+(`tier.py` `KVTier.submit_store`) and the disk's writer (`writer.py`) pass it on to where it is
+written (`DiskKVStore.put`, the shared tier's writer thread).
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import prefixserve.kv_store.record as record
+from prefixserve.kv_store.block_write import BlockWrite
 from prefixserve.kv_store.fs import (
     CREATE_EXCLUSIVE,
     OPEN_READ,
@@ -134,23 +135,18 @@ class DiskKVStore(StoreLookup):
 
     # ---- worker side: moving bytes (the stat-only lookups are StoreLookup's)
 
-    def put(
-        self,
-        key: BlockKey,
-        token_ids: Sequence[int],
-        payload: bytes | bytearray | memoryview,
-        expires_at: float | None = None,
-        parent: bytes = b"",
-    ) -> int:
-        """Store `payload` (the block's K/V, C-contiguous) for `key`, its `token_ids` and the
-        hash of the block before it (`parent`: a reader must name the same one), replacing
-        any file of that key; it expires at unix time `expires_at` (None: never, only evicted).
-        Returns the bytes written: 0 when nothing was stored (already expired, or larger than
-        the capacity). Atomic: readers see the old file, the new one or none, never a part.
-        Raises ValueError for a bad key or token id, OSError when the write fails."""
+    def put(self, write: BlockWrite) -> int:
+        """Store the block `write` names: its payload (the block's K/V, C-contiguous) under its
+        key, with its token ids and the hash of the block before it (its `parent`: a reader
+        must name the same one), replacing any file of that key; it expires at unix time
+        `write.expires_at` (None: never, only evicted). Returns the bytes written: 0 when
+        nothing was stored (already expired, or larger than the capacity). Atomic: readers see
+        the old file, the new one or none, never a part. Raises ValueError for a bad key or
+        token id, OSError when the write fails."""
+        key, expires_at, parent = write.key, write.expires_at, write.parent
         block_hash, group = check_key(key)
-        tokens = record.pack_tokens(token_ids)
-        body = memoryview(payload)
+        tokens = record.pack_tokens(write.token_ids)
+        body = memoryview(write.payload)
         if not body.c_contiguous:
             raise ValueError("payload must be a C-contiguous buffer")
         body = body.cast("B")

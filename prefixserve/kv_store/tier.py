@@ -127,7 +127,8 @@ class DiskTier:
             try:
                 payload = self.store.get(key, token_ids, parent)
                 if payload is not None:
-                    held += self.store.put(key, token_ids, payload, expires_at, parent) > 0
+                    write = BlockWrite.at(key, token_ids, payload, expires_at, parent)
+                    held += self.store.put(write) > 0
             except OSError as exc:
                 logger.warning("kv-store: retaining a block failed: %s", exc)
         return held

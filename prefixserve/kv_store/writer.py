@@ -202,9 +202,7 @@ class BackgroundWriter:
                 with self._cond:
                     self._stats.skipped += 1
                 return
-            written = self.store.put(
-                write.key, write.token_ids, write.payload, write.expires_at, parent=write.parent
-            )
+            written = self.store.put(write)
         except Exception as exc:
             self._error(exc, "writing a block to the KV store")
             return

@@ -22,6 +22,7 @@ from prefixserve.cluster.store_probe import open_store_probe
 from prefixserve.core.kv_cache.events import AllBlocksCleared, BlockStored
 from prefixserve.core.kv_cache.hashing import get_request_block_hasher, none_hash_from_secret
 from prefixserve.kv_store import DiskKVStore, load_or_create_seed
+from prefixserve.kv_store.block_write import BlockWrite
 from prefixserve.kv_store.tier_key import TierKey
 from tests.helpers.router import BS, stored
 
@@ -102,7 +103,7 @@ def test_the_store_is_priced_only_when_every_replica_shares_one_this_host_sees(
     tokens = list(range(12))
     hashes = get_request_block_hasher(BS, "sha256", none_hash=none_hash)(PromptView(tokens))
     for block_hash, first in zip(hashes[:2], (0, 4), strict=True):
-        disk.put((block_hash, 0), tokens[first : first + BS], b"\0" * 64)
+        disk.put(BlockWrite.at((block_hash, 0), tokens[first : first + BS], b"\0" * 64))
     assert probe(PromptView(tokens)).count_from(0) == 2
     assert probe(PromptView(tokens)).count_from(1) == 1
     assert probe(PromptView(tokens)).count_from(2) == 0
@@ -175,7 +176,7 @@ def test_the_store_is_priced_with_the_shared_tiers_seed_when_the_replicas_chain_
     disk = DiskKVStore(store.dir, NAMESPACE, 1 << 20)
     tokens = list(range(8))
     hashes = get_request_block_hasher(BS, "sha256", none_hash=shared)(PromptView(tokens))
-    disk.put((hashes[0], 0), tokens[:BS], b"\0" * 64)
+    disk.put(BlockWrite.at((hashes[0], 0), tokens[:BS], b"\0" * 64))
     assert probe(PromptView(tokens)).count_from(0) == 1
 
 
@@ -195,7 +196,7 @@ def test_a_store_with_a_key_is_priced_with_the_seed_of_its_key_file(tmp_path: Pa
     assert probe is not None and not (root / "seed").exists()
     tokens = list(range(8))
     hashes = get_request_block_hasher(BS, "sha256", none_hash=none_hash)(PromptView(tokens))
-    disk.put((hashes[0], 0), tokens[:BS], b"\0" * 64)
+    disk.put(BlockWrite.at((hashes[0], 0), tokens[:BS], b"\0" * 64))
     assert probe(PromptView(tokens)).count_from(0) == 1
     elsewhere = StoreInfo(str(root), NAMESPACE, str(tmp_path / "missing.key"))
     fingerprint = seed_fingerprint(none_hash)

@@ -9,6 +9,7 @@ import signal
 import time
 
 from prefixserve.kv_store import record
+from prefixserve.kv_store.block_write import BlockWrite
 from tests.helpers.kv_store import (
     block_hash,
     key,
@@ -38,7 +39,7 @@ def _share_the_store(root, seed, rounds, barrier, results):
         i, variant, group = rng.randrange(NUM_KEYS), rng.randrange(2), rng.randrange(2)
         expected = payload(i, _size(i), variant, group)
         if rng.random() < 0.5:
-            store.put(key(i, group), tokens(i, variant), expected)
+            store.put(BlockWrite.at(key(i, group), tokens(i, variant), expected))
         elif rng.random() < 0.5:
             got = store.get(key(i, group), tokens(i, variant))
             wrong += got is not None and got != expected
@@ -84,7 +85,7 @@ def _write_large_blocks_forever(root, puts):
     store = open_store(root)
     i = 0
     while True:
-        store.put(key(i % 8), tokens(i % 8), payload(i % 8, 4 << 20))
+        store.put(BlockWrite.at(key(i % 8), tokens(i % 8), payload(i % 8, 4 << 20)))
         i += 1
         puts.value = i
 
@@ -94,7 +95,7 @@ def _hang_halfway_through_a_write(root, mid_write):
     from prefixserve.kv_store import disk_store
 
     store = open_store(root)
-    store.put(key(0), tokens(0), payload(0, 1 << 20))
+    store.put(BlockWrite.at(key(0), tokens(0), payload(0, 1 << 20)))
 
     def write_half(fd, buffers):
         header, body, _ = buffers
@@ -104,8 +105,8 @@ def _hang_halfway_through_a_write(root, mid_write):
         time.sleep(WAIT_S)
 
     disk_store.write_all = write_half
-    store.put(key(0), tokens(0), payload(0, 1 << 20, variant=1))
-    store.put(key(1), tokens(1), payload(1, 1 << 20))
+    store.put(BlockWrite.at(key(0), tokens(0), payload(0, 1 << 20, variant=1)))
+    store.put(BlockWrite.at(key(1), tokens(1), payload(1, 1 << 20)))
 
 
 def _check_store_after_kills(root, sizes):

@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from prefixserve.kv_store.block_write import BlockWrite
 from tests.helpers.kv_store import FakeClock, key, open_store, payload, record_files, tokens
 
 KEYS = st.integers(0, 3)
@@ -56,7 +57,7 @@ class StoreMachine(RuleBasedStateMachine):
         k = key(i, group)
         expires_at = None if ttl is None else self.clock.now + ttl
         data = payload(i, size, variant, group) + bytes([size % 251])
-        if self.store.put(k, tokens(i, variant), data, expires_at):
+        if self.store.put(BlockWrite.at(k, tokens(i, variant), data, expires_at)):
             self.model[k] = (variant, data, expires_at)
             self.damaged.discard(k)
 

@@ -84,7 +84,7 @@ def test_writes_queued_before_a_clear_never_land_after_it(tmp_path):
     namespace = "ab" * 16
     store = _SlowStore(tmp_path, namespace, 1 << 30)
     other = DiskKVStore(tmp_path, "cd" * 16, 1 << 30)
-    assert other.put((b"\x02" * 16, 0), [1] * 16, b"x" * 64)
+    assert other.put(BlockWrite.at((b"\x02" * 16, 0), [1] * 16, b"x" * 64))
     writer = BackgroundWriter(store, max_queue_bytes=1 << 20, max_queue_items=16)
     for i in range(4):
         assert writer.submit(BlockWrite.at((bytes([i + 1]) * 16, 0), [i] * 16, b"y" * 64))

@@ -27,11 +27,11 @@ class BlockingStore:
     def contains(self, key):
         return False
 
-    def put(self, key, token_ids, payload, expires_at=None, parent=b""):
+    def put(self, write):
         self.entered.set()
         assert self.release.wait(WAIT_S)
-        self.puts.append(key)
-        return len(payload)
+        self.puts.append(write.key)
+        return len(write.payload)
 
     def sweep_expired(self):
         return 0
@@ -43,7 +43,7 @@ class FailingStore(BlockingStore):
         self.error = error
         self.release.set()
 
-    def put(self, key, token_ids, payload, expires_at=None, parent=b""):
+    def put(self, write):
         raise self.error
 
 
@@ -136,7 +136,7 @@ def test_a_real_disk_error_does_not_stop_the_writer(tmp_path, monkeypatch):
 
 def test_blocks_already_in_the_store_or_in_the_queue_are_not_written_twice(tmp_path):
     store = open_store(tmp_path)
-    store.put(key(0), tokens(0), payload(0))
+    store.put(BlockWrite.at(key(0), tokens(0), payload(0)))
     writer = BackgroundWriter(store, max_queue_bytes=1 << 20, max_queue_items=100)
     assert writer.submit(BlockWrite.at(key(0), tokens(0), payload(0)))
     assert writer.flush(WAIT_S)
@@ -184,7 +184,7 @@ def test_close_after_a_timeout_drops_what_is_still_queued():
 def test_the_idle_writer_deletes_expired_blocks_from_disk(tmp_path):
     clock = FakeClock()
     store = open_store(tmp_path, clock=clock)
-    store.put(key(0), tokens(0), payload(0), expires_at=clock.now + 60)
+    store.put(BlockWrite.at(key(0), tokens(0), payload(0), expires_at=clock.now + 60))
     clock.advance(61)
     writer = BackgroundWriter(
         store, max_queue_bytes=1 << 20, max_queue_items=10, sweep_interval_s=0.01

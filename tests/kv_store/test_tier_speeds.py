@@ -48,7 +48,7 @@ def connector(tmp_path: Path, server: Server):
         tokens = PROMPT[index * BS : (index + 1) * BS]
         parent = conn.parent_of(request, index)
         if index < ON_DISK:
-            store.put((block_hash, GROUP), tokens, b"d" * 64, parent=parent)
+            store.put(BlockWrite.at((block_hash, GROUP), tokens, b"d" * 64, parent=parent))
         remote.submit_store(BlockWrite(block_hash, GROUP, tokens, b"r" * 64, parent=parent))
     assert remote.flush()
     yield conn
