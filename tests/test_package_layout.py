@@ -277,20 +277,26 @@ def _attribute_assignments(tree: ast.AST) -> list[str]:
 
 def test_an_engines_parts_are_wired_through_their_constructors():
     """The builders (engine/builder.py, kv_store/open_tiers.py) set no attribute of a part they
-    built, and LLMEngine.__init__ sets only its own fields: what a part uses is an argument of
-    its constructor, never an attribute set after it."""
+    built, and LLMEngine's and KVCacheManager's constructors set only their own fields: what a
+    part uses is an argument of its constructor, never an attribute set after it."""
     found = {
         f"{name}: {line}"
         for name in ("engine/builder.py", "kv_store/open_tiers.py")
         for line in _attribute_assignments(ast.parse((PACKAGE / name).read_text()))
     }
-    engine = ast.parse((PACKAGE / "engine" / "llm_engine.py").read_text())
-    init = next(
-        node
-        for node in ast.walk(engine)
-        if isinstance(node, ast.FunctionDef) and node.name == "__init__"
-    )
-    found |= {f"LLMEngine.__init__: {line}" for line in _attribute_assignments(init)}
+    for name, cls in (
+        ("engine/llm_engine.py", "LLMEngine"),
+        ("core/kv_cache/kv_cache_manager.py", "KVCacheManager"),
+    ):
+        tree = ast.parse((PACKAGE / name).read_text())
+        init = next(
+            item
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ClassDef) and node.name == cls
+            for item in node.body
+            if isinstance(item, ast.FunctionDef) and item.name == "__init__"
+        )
+        found |= {f"{cls}.__init__: {line}" for line in _attribute_assignments(init)}
     assert not found, sorted(found)
 
 

@@ -159,7 +159,10 @@ class BlockPool:
         enable_kv_cache_events: bool = False,
         num_groups: int = 1,
         eviction_policy: str = DEFAULT_EVICTION_POLICY,
+        recorder: BlockRecorder | None = None,
     ) -> None:
+        """`recorder`: what the cache reports and the summary read (reports/recorder.py), told
+        of each cache, hit and eviction; None: nobody records."""
         if num_blocks < 2:
             raise ValueError(
                 f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}"
@@ -176,8 +179,7 @@ class BlockPool:
         # Indexed by group id.
         self.cached_block_hash_to_block = [BlockHashToBlockMap(g) for g in range(num_groups)]
         self.events: list[KVCacheEvent] = []
-        # What the cache reports and the summary read (reports/recorder.py); set by the manager.
-        self.recorder: BlockRecorder | None = None
+        self.recorder = recorder
 
     # ------------------------------------------------------------------ sizes
 

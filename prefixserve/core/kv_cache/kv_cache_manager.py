@@ -86,12 +86,16 @@ class KVCacheManager:
         self.config = config
         self.block_size = config.block_size
         self.enable_caching = enable_caching
+        # Per-block history for cache reports and the summary (`reports/`); `ghost_entries`
+        # bounds the memory of evicted hashes.
+        self.recorder = BlockRecorder(config.num_blocks, eviction_policy, ghost_entries)
         self.block_pool = BlockPool(
             config.num_blocks,
             enable_caching=enable_caching,
             enable_kv_cache_events=enable_kv_cache_events,
             num_groups=len(config.groups),
             eviction_policy=eviction_policy,
+            recorder=self.recorder if enable_caching else None,
         )
         # Extra keys are recomputed only for BlockStored events (the hashes already hold them).
         extra_keys_fn = partial(generate_block_extra_keys, hash_fn=get_hash_fn(config.hash_algo))
@@ -109,11 +113,6 @@ class KVCacheManager:
             max_breakpoint_blocks,
             max_breakpoint_blocks_per_tenant,
         )
-        # Per-block history for cache reports and the summary (`reports/`); `ghost_entries`
-        # bounds the memory of evicted hashes.
-        self.recorder = BlockRecorder(config.num_blocks, eviction_policy, ghost_entries)
-        if enable_caching:
-            self.block_pool.recorder = self.recorder
 
     # ------------------------------------------------------------------ sizes
 
