@@ -92,12 +92,17 @@ def build_engine_parts(config: EngineConfig, loaded_model: LoadedModel | None) -
         runner.kv_numerics(),
         _other_kv_layouts(runner, model_config),
     )
-    block_hasher = get_request_block_hasher(
-        cache.block_size, cache.prefix_caching_hash_algo, none_hash=none_hash
-    )
-    # Every request's cache report, at its first scheduling (kv_cache/reports/).
-    explainer = CacheExplainer(manager, manager.recorder, block_hasher, disk=connector)
-    scheduler = _scheduler(config, loaded_model, manager, max_model_len, connector, explainer)
+    try:
+        block_hasher = get_request_block_hasher(
+            cache.block_size, cache.prefix_caching_hash_algo, none_hash=none_hash
+        )
+        # Every request's cache report, at its first scheduling (kv_cache/reports/).
+        explainer = CacheExplainer(manager, manager.recorder, block_hasher, disk=connector)
+        scheduler = _scheduler(config, loaded_model, manager, max_model_len, connector, explainer)
+    except BaseException:
+        if connector is not None:  # its writers and connections are started: stop them
+            connector.close()
+        raise
     return EngineParts(
         loaded_model,
         max_model_len,

@@ -1,8 +1,8 @@
 """Requests in (vLLM's input processor): an `EngineRequest` (prompt or embeddings, params, salt,
 tenant, retention, adapter, breakpoints) checked and turned into one `Request` per sample
 (`n > 1` fans out into n Requests whose prompt blocks are shared through the prefix cache); and
-the probes the operator controls hash a prompt with (`probe`). Every field of a request is
-written once, here, into the `Request`.
+the probes the operator controls hash a prompt with (`probe`). An `EngineRequest`'s fields
+become a `Request`'s here, in one place.
 """
 
 from __future__ import annotations

@@ -35,7 +35,8 @@ class BlockWrite:
         parent: bytes = b"",
     ) -> BlockWrite:
         """The write of block `key` ((block hash, group), as the disk store names it)."""
-        return cls(key[0], key[1], token_ids, payload, expires_at, parent)
+        block_hash, group = key
+        return cls(block_hash, group, token_ids, payload, expires_at, parent)
 
     @property
     def key(self) -> BlockKey:

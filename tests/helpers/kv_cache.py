@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from prefixserve.core.kv_cache.block_pool import BlockPool, KVCacheBlock
+from prefixserve.core.kv_cache.block import KVCacheBlock
+from prefixserve.core.kv_cache.block_pool import BlockPool
 from prefixserve.core.kv_cache.hashing import get_request_block_hasher
 from prefixserve.core.kv_cache.kv_cache_manager import KVCacheManager
 from prefixserve.core.kv_cache.spec import FullAttentionSpec, KVCacheConfig

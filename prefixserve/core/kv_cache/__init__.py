@@ -1,9 +1,8 @@
 """The prefix-cache core (pure Python, no torch): which KV blocks a request can reuse.
 
 Read in data-flow order: hashing -> block (one physical block) -> eviction/ (the free queue:
-lru, slru, cost_aware) ->
-block_pool -> single_type -> coordinator -> kv_cache_manager (sizing: how many blocks a request
-needs and the pool gets).
+lru, slru, cost_aware) -> block_pool -> single_type -> coordinator -> kv_cache_manager (sizing:
+how many blocks a request needs and the pool gets; held_prefixes: pins and breakpoints).
 """
 
 from prefixserve.core.kv_cache.block import KVCacheBlock

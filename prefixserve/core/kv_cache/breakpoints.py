@@ -24,7 +24,8 @@ from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from prefixserve.core.kv_cache.block_pool import BlockPool, KVCacheBlock
+from prefixserve.core.kv_cache.block import KVCacheBlock
+from prefixserve.core.kv_cache.block_pool import BlockPool
 from prefixserve.core.kv_cache.breakpoint_spec import HoldStatus
 
 if TYPE_CHECKING:

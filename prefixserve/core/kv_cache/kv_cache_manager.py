@@ -8,7 +8,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import partial
 
-from prefixserve.core.kv_cache.block_pool import BlockPool, KVCacheBlock
+from prefixserve.core.kv_cache.block import KVCacheBlock
+from prefixserve.core.kv_cache.block_pool import BlockPool
 from prefixserve.core.kv_cache.coordinator import KVCacheCoordinator
 from prefixserve.core.kv_cache.events import KVCacheEvent
 from prefixserve.core.kv_cache.eviction.policies import DEFAULT_EVICTION_POLICY
@@ -68,8 +69,8 @@ class KVCacheManager:
     `eviction_policy` names the free queue's policy: "lru" (the default), "slru" or "cost"
     (`eviction/policies.py`); another name is a ValueError listing them.
 
-    Callers outside `core/kv_cache/` go through these methods only, never the coordinator or
-    its per-group managers.
+    Callers outside `core/kv_cache/` go through these methods and `held` (`held_prefixes.py`:
+    pins and breakpoints) only, never the coordinator or its per-group managers.
     """
 
     def __init__(

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from prefixserve.core.kv_cache.block_pool import BlockPool, KVCacheBlock
+from prefixserve.core.kv_cache.block import KVCacheBlock
+from prefixserve.core.kv_cache.block_pool import BlockPool
 from prefixserve.core.kv_cache.spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 
 if TYPE_CHECKING:

@@ -81,6 +81,7 @@ class _Store:
 
     key: bytes
     write: BlockWrite
+    tokens: bytes  # packed on the step thread: a bad token id is the caller's ValueError there
     ttl_s: int | None
     nbytes: int
 
@@ -234,7 +235,7 @@ class RedisTier(RemoteLookup):
         (wall clock; None: none); False (counted `dropped`) when the queue is full. The writer
         keeps a reference to its payload until it is sent: pass memory nobody changes (the
         runner's gathered copies, which the disk writer holds too)."""
-        nbytes = write.nbytes
+        nbytes, tokens = write.nbytes, pack_tokens(write.token_ids)
         with self._lock:
             if self._queued_bytes + nbytes > self._max_queue_bytes:
                 self.stats["dropped"] += 1
@@ -242,7 +243,7 @@ class RedisTier(RemoteLookup):
             self._queued_bytes += nbytes
         expires_at = write.expires_at
         ttl = None if expires_at is None else max(1, int(expires_at - time.time()))
-        item = _Store(self.key(write.block_hash, write.group), write, ttl, nbytes)
+        item = _Store(self.key(write.block_hash, write.group), write, tokens, ttl, nbytes)
         try:
             self._queue.put_nowait(item)
         except queue.Full:
@@ -309,7 +310,7 @@ class RedisTier(RemoteLookup):
                     self._namespace_raw,
                     item.write.block_hash,
                     item.write.group,
-                    pack_tokens(item.write.token_ids),
+                    item.tokens,
                     item.write.payload,
                     item.write.parent,
                     self.tier_key,

@@ -167,10 +167,10 @@ def paged_attention_portable_kernel() -> Callable[..., None] | None:
 
 def attention_kernels_agree() -> bool:
     """Whether the paged kernel's bf16 path has the long-chunk kernel's arithmetic in this build
-    (csrc/attention/attn_lanes_bf16_avx512.h; on 256-bit vectors with the same bits where the CPU
-    has AVX2 but
-    not AVX512-BF16): then a query gets the same bits from either, and from any kind of CPU
-    with these tiles, so batch-invariant runs may use the long-chunk kernel where it is built."""
+    (csrc/attention/attn_lanes_bf16_avx512.h; on 256-bit vectors with the same bits where the
+    CPU has AVX2 but not AVX512-BF16): then a query gets the same bits from either, and from any
+    kind of CPU with these tiles, so batch-invariant runs may use the long-chunk kernel where it
+    is built."""
     return attention_lanes_width() > 0
 
 

@@ -1,9 +1,8 @@
 """The fallback paths of a CPU kind, and what the CPU is.
 
 bf16 linears take the native GEMM (csrc/linear/gemm_bf16.cpp, one summation order at every row
-count)
-on every CPU where its vector tiles run (AVX-512 or AVX2), whichever kind: its tile family per
-row class is chosen by a measurement on the host (`calibration.py`), not by a table.
+count) on every CPU where its vector tiles run (AVX-512 or AVX2), whichever kind: its tile
+family per row class is chosen by a measurement on the host (`calibration.py`), not by a table.
 `PREFIXSERVE_NATIVE_GEMM=0` turns it off (to compare against the paths below), `=1` forces it
 even on the portable loop.
 

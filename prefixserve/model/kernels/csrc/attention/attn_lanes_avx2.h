@@ -1,5 +1,6 @@
 // The keys-in-lanes tile arithmetic on 256-bit vectors (AVX2 and FMA) that both AVX2 tile kinds
-// share (attn_lanes_bf16_avx2.h, attn_lanes_int8_avx2.h): the softmax of attn_lanes_bf16_avx512.h in
+// share (attn_lanes_bf16_avx2.h, attn_lanes_int8_avx2.h): the softmax of attn_lanes_bf16_avx512.h
+// in
 // 8-lane halves, with the same bits. Every rounded step is the same operation on the same
 // operands as the AVX-512 code's: exp_nonpositive8 is exp_avx512.h's exp_nonpositive16 lane for
 // lane; the 16-lane maxima and sums reduce in _mm512_reduce_*_ps's order (upper half onto lower,
@@ -71,7 +72,8 @@ inline __m256 lanes_in(int64_t first, int64_t lo, int64_t hi) {
       _mm256_and_si256(_mm256_cmpgt_epi32(iota, from), _mm256_cmpgt_epi32(to, iota)));
 }
 
-// attn_lanes_bf16_avx512.h's tile_softmax in 8-lane halves: the exponentials into p[0, 64) (0 outside
+// attn_lanes_bf16_avx512.h's tile_softmax in 8-lane halves: the exponentials into p[0, 64) (0
+// outside
 // [lo, hi)), the new m and l; returns corr.
 inline float tile_softmax(const __m256* s, int64_t lo, int64_t hi, float& m, float& l, float* p) {
   __m256 mk[8];

@@ -1,5 +1,6 @@
 // One tile of bf16 (or fp8) attention with keys in lanes on 256-bit vectors (AVX2 and FMA):
-// attn_lanes_bf16_avx512.h's arithmetic where the CPU has no AVX512-BF16, giving the same bits, so a
+// attn_lanes_bf16_avx512.h's arithmetic where the CPU has no AVX512-BF16, giving the same bits, so
+// a
 // query's output does not depend on the kind of CPU either (one batch-invariant namespace).
 //
 // VDPBF16PS, which the AVX-512 scores take, adds its two products to the accumulator one after
@@ -152,7 +153,8 @@ inline void values_pair(float* const* acc, const float* const* p, int64_t j0, in
   }
 }
 
-// The value update of n (1 or 2) queries, as attn_lanes_bf16_avx512.h's tile_values: each query's head
+// The value update of n (1 or 2) queries, as attn_lanes_bf16_avx512.h's tile_values: each query's
+// head
 // up to the common range (its correction applied first), the common range for both together,
 // each one's tail (a correction of 1: exact); the same FMAs in the same order as one alone.
 template <int D>
@@ -171,13 +173,15 @@ inline void tile_values(int n, float* const* acc, const float* const* p, const f
   }
 }
 
-// attn_lanes_bf16_avx512.h's RowScales: an 8-bit tile's row scales (fp8 codes held as exact values).
+// attn_lanes_bf16_avx512.h's RowScales: an 8-bit tile's row scales (fp8 codes held as exact
+// values).
 struct RowScales {
   const float* kscale;  // [kTileKeys]
   const float* vscale;  // [kTileKeys]
 };
 
-// attn_lanes_bf16_avx512.h's attend_tile: query i is q[i] (bf16 [D]) with visible keys [lo[i], hi[i])
+// attn_lanes_bf16_avx512.h's attend_tile: query i is q[i] (bf16 [D]) with visible keys [lo[i],
+// hi[i])
 // of the tile, running state m[i], l[i], acc[i] ([D]). `pbuf` holds n rows of 64 floats.
 // `rows`: the tile's row scales, or nullptr (bf16 values).
 template <int D>

@@ -1,5 +1,6 @@
 // One tile of attention over an int8 KV cache in integer dot products on 256-bit vectors (AVX2
-// and FMA): attn_lanes_int8_avx512.h's arithmetic where the CPU has no AVX512-VNNI (AVX2 hosts, AVX-512
+// and FMA): attn_lanes_int8_avx512.h's arithmetic where the CPU has no AVX512-VNNI (AVX2 hosts,
+// AVX-512
 // hosts without BF16), giving the same bits. Every rounded step is the same operation on the
 // same operands: the int16 query and weights (rounded alike), exact int32 sums (their order
 // cannot matter), the scalings, the softmax (attn_lanes_avx2.h), the value update and the
@@ -179,7 +180,8 @@ struct Tile {
   const float* vscale;   // [kTileKeys]
 };
 
-// attn_lanes_int8_avx512.h's attend_tile: query i is qb[i] (quantize_query's bytes) with factor qfac[i]
+// attn_lanes_int8_avx512.h's attend_tile: query i is qb[i] (quantize_query's bytes) with factor
+// qfac[i]
 // and visible keys [lo[i], hi[i]) of the tile, running state m[i], l[i], acc[i] ([D],
 // value_dim's order). `pbuf` holds n rows of kTileKeys floats, `wbuf` n rows of kTileKeys int16.
 template <int D>

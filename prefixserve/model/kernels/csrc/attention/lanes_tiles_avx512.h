@@ -1,6 +1,7 @@
 // The AVX-512 tile loaders of the paged kernel's keys-in-lanes path (paged_lanes.cpp): a tile's
 // rows from their blocks into the layouts of attn_lanes_bf16_avx512.h (bf16, and fp8 codes as their
-// exact values) and attn_lanes_int8_avx512.h (int8 codes). `rows[j]`: key j's row offset in the cache,
+// exact values) and attn_lanes_int8_avx512.h (int8 codes). `rows[j]`: key j's row offset in the
+// cache,
 // in elements (bf16) or bytes (8-bit rows: D codes, then the row's fp32 scale); keys [lo, hi) of
 // the tile are loaded. `drip`: the next tile's lines to ask for on the way (line_sweep.h).
 #pragma once
@@ -127,7 +128,8 @@ void load_fp8(const char* k, const char* v, const int64_t* rows, int64_t lo, int
 }
 
 #if defined(__AVX512VNNI__)
-// An int8 tile's rows [lo, hi) (byte offsets rows[j] into kbase / vbase) in attn_lanes_int8_avx512.h's
+// An int8 tile's rows [lo, hi) (byte offsets rows[j] into kbase / vbase) in
+// attn_lanes_int8_avx512.h's
 // layouts, the codes as the cache holds them: K in quads of dims, keys in lanes, into kq; V
 // interleaved in quads of keys into vq (a key outside [lo, hi) reads as zeros there); the rows'
 // scales into ks and vs.

@@ -1,7 +1,9 @@
 // The paged kernel's keys-in-lanes path, on every CPU with AVX2 and FMA: the same work items as
 // paged_attention.cpp (row tiles, cascades over a shared prefix; paged_items.h), with the tile
-// arithmetic of the long-chunk kernel (attn_lanes_bf16_avx512.h: keys in lanes, VDPBF16PS scores, 64-key
-// tiles at absolute positions; int8 caches in integer dot products, attn_lanes_int8_avx512.h). A query's
+// arithmetic of the long-chunk kernel (attn_lanes_bf16_avx512.h: keys in lanes, VDPBF16PS scores,
+// 64-key
+// tiles at absolute positions; int8 caches in integer dot products, attn_lanes_int8_avx512.h). A
+// query's
 // output is therefore the same bits whether it is served here (decode, verification, a short
 // chunk, a sliding window) or by prefill_attention.cpp (a long chunk with its K/V gathered),
 // whatever else shares the call, and whichever width of tiles serves it: a CPU without
@@ -121,7 +123,8 @@ inline void own_rows(const Cache& c, const int32_t* table, int64_t kvh, int64_t 
 }
 
 // The tile arithmetic and loaders of one vector width: Tiles512 (AVX512-BF16 and VNNI:
-// attn_lanes_bf16_avx512.h, attn_lanes_int8_avx512.h, lanes_tiles_avx512.h) or Tiles256 (AVX2 and FMA:
+// attn_lanes_bf16_avx512.h, attn_lanes_int8_avx512.h, lanes_tiles_avx512.h) or Tiles256 (AVX2 and
+// FMA:
 // attn_lanes_bf16_avx2.h, attn_lanes_int8_avx2.h), the same bits from both. A build runs its
 // widest (`Tiles`); an AVX-512 build runs Tiles256 too where a test asks (paged_attention_avx2).
 struct Tiles256 {
