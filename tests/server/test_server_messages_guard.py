@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import anthropic
 import httpx
 import pytest
 
@@ -154,3 +155,36 @@ def test_thinking_enabled_is_refused_alike_by_count_tokens_and_the_messages_rout
     assert r.status_code == 400, r.text
     assert r.json()["type"] == "error"
     assert "extended thinking is not supported" in r.json()["error"]["message"]
+
+
+def _sdk(url: str, key: str = KEY_ALPHA) -> anthropic.Anthropic:
+    return anthropic.Anthropic(
+        base_url=url,
+        api_key=key,  # the SDK sends it as x-api-key
+        max_retries=0,
+        timeout=120,
+        http_client=anthropic.DefaultHttpxClient(verify=ssl_context()),
+    )
+
+
+def test_anthropics_sdk_counts_tokens_with_thinking_disabled_and_is_refused_enabled(url):
+    client = _sdk(url)
+    messages = QUESTION["messages"]
+    plain = client.messages.count_tokens(model=MODEL_NAME, messages=messages)
+    disabled = client.messages.count_tokens(
+        model=MODEL_NAME, messages=messages, thinking={"type": "disabled"}
+    )
+    assert disabled.input_tokens == plain.input_tokens > 0
+    with pytest.raises(anthropic.BadRequestError, match="extended thinking"):
+        client.messages.count_tokens(
+            model=MODEL_NAME,
+            messages=messages,
+            thinking={"type": "enabled", "budget_tokens": 1024},
+        )
+
+
+def test_the_operator_key_through_anthropics_sdk_is_still_no_tenant(url):
+    """The operator key is a credential on the Messages routes (x-api-key), but an operator has
+    no cache namespace there: 403, as over the OpenAI routes with a bearer key."""
+    with pytest.raises(anthropic.PermissionDeniedError):
+        _sdk(url, KEY_ADMIN).messages.count_tokens(model=MODEL_NAME, messages=QUESTION["messages"])
