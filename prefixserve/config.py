@@ -344,6 +344,34 @@ def speculative_config_from(
 
 
 @dataclass(slots=True)
+class StructuredOutputsConfig:
+    """Structured outputs (structured_output/): the grammar compile's bounds and jump-forward."""
+
+    # A request waits at most this long for its grammar's compile; past it, a 400.
+    compile_timeout_s: float = 5.0
+    # Tokens a grammar forces are appended at once and computed as one chunk (the same tokens
+    # as without it, in fewer steps).
+    jump_forward: bool = True
+    # Compiles one tenant may have in flight (queued or running); one more is a 429.
+    max_compiles_per_tenant: int = 4
+    # Compiled grammars cached per tenant (least recently used first out).
+    max_cached_grammars_per_tenant: int = 256
+
+    def __post_init__(self) -> None:
+        timeout = self.compile_timeout_s
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, int | float)
+            or not 0 < timeout <= 600
+        ):
+            raise _invalid("structured_outputs_compile_timeout", timeout, "a number in (0, 600]")
+        if not isinstance(self.jump_forward, bool):
+            raise _invalid("structured_outputs_jump_forward", self.jump_forward, "a bool")
+        _check_positive_int("max_grammar_compiles_per_tenant", self.max_compiles_per_tenant)
+        _check_positive_int("max_cached_grammars_per_tenant", self.max_cached_grammars_per_tenant)
+
+
+@dataclass(slots=True)
 class EngineConfig:
     """Everything LLMEngine needs: which model, in which dtype, and the cache and scheduler.
 
@@ -374,6 +402,8 @@ class EngineConfig:
     batch_invariant: bool | None = None
     # How the weights are held (QUANTIZATIONS).
     quantization: str = "auto"
+    # Structured outputs: compile bounds, jump-forward.
+    structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
     def _check_quantization(self) -> None:
         if self.quantization not in QUANTIZATIONS:
@@ -405,3 +435,7 @@ class EngineConfig:
             raise _invalid("enable_prompt_embeds", self.enable_prompt_embeds, "a bool")
         if self.batch_invariant is not None and not isinstance(self.batch_invariant, bool):
             raise _invalid("batch_invariant", self.batch_invariant, "None (auto) or a bool")
+        if not isinstance(self.structured_outputs, StructuredOutputsConfig):
+            raise _invalid(
+                "structured_outputs", self.structured_outputs, "a StructuredOutputsConfig"
+            )

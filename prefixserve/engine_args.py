@@ -35,6 +35,7 @@ from prefixserve.config import (
     KVStoreConfig,
     LoRAConfig,
     SchedulerConfig,
+    StructuredOutputsConfig,
 )
 from prefixserve.core.kv_cache.eviction.policies import (
     DEFAULT_EVICTION_POLICY,
@@ -80,6 +81,7 @@ _SCHED = "scheduler"
 _STORE = "KV store (the prefix cache's disk tier)"
 _LORA = "LoRA adapters, prompt embeddings, speculative decoding"
 _REPLICAS = "replicas (Ray)"
+_STRUCTURED = "structured outputs"
 
 
 @dataclass(kw_only=True)
@@ -313,6 +315,34 @@ class EngineArgs:
         group=_LORA,
         metavar="JSON",
     )
+    structured_outputs_compile_timeout: float = option(
+        5.0,
+        "Seconds a request waits for its grammar (JSON Schema, regex, choice, Lark) to "
+        "compile; past it the request gets a 400 (the compile, bounded by the grammar "
+        "engine's limits, finishes on its thread and is dropped).",
+        group=_STRUCTURED,
+        metavar="SECONDS",
+    )
+    structured_outputs_jump_forward: bool = option(
+        True,
+        'Append the tokens a grammar forces (`{"name":"`, closing brackets, enum tails) '
+        "at once and compute them as one chunk instead of one decode step each (the same "
+        "tokens either way).",
+        group=_STRUCTURED,
+    )
+    max_grammar_compiles_per_tenant: int = option(
+        4,
+        "Grammar compiles one client (API key) may have in flight; one more is a 429.",
+        group=_STRUCTURED,
+        minimum=1,
+    )
+    max_cached_grammars_per_tenant: int = option(
+        256,
+        "Compiled grammars cached per client (API key; never shared between clients), least "
+        "recently used out first.",
+        group=_STRUCTURED,
+        minimum=1,
+    )
     enable_lora: bool = option(
         False,
         "Serve LoRA adapters: a request names one in `model` (implied by --lora-modules).",
@@ -398,6 +428,12 @@ class EngineArgs:
             enable_prompt_embeds=self.enable_prompt_embeds,
             batch_invariant=self._batch_invariant(),
             quantization=self.quantization,
+            structured_outputs=StructuredOutputsConfig(
+                compile_timeout_s=self.structured_outputs_compile_timeout,
+                jump_forward=self.structured_outputs_jump_forward,
+                max_compiles_per_tenant=self.max_grammar_compiles_per_tenant,
+                max_cached_grammars_per_tenant=self.max_cached_grammars_per_tenant,
+            ),
         )
 
     def _batch_invariant(self) -> bool | None:

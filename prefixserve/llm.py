@@ -175,7 +175,9 @@ class LLM:
         order: dict[str, int] = {}
         try:
             for request in requests:
-                engine.add(request)
+                # A bad constraint raises its GrammarError (a ValueError) before it is queued.
+                grammar = engine.structured_outputs.compiled(request.params.structured_outputs)
+                engine.add(request, None, grammar)
                 order[request.request_id] = len(order)
         except Exception:
             engine.abort_request(list(order))

@@ -7,8 +7,10 @@ server refuses.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 MAX_N = 64
 MAX_LOGPROBS = 20
@@ -22,6 +24,95 @@ MAX_SEED = 2**64 - 1
 TEMPERATURE_RANGE = (0.0, 100.0)
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
 PENALTY_RANGE = (-2.0, 2.0)  # presence_penalty, frequency_penalty
+# Structured outputs: the largest schema, regex or grammar (characters, a schema serialized
+# compactly), the most `choice` strings and the longest `whitespace_pattern`.
+MAX_GRAMMAR_CHARS = 256 * 1024
+MAX_CHOICES = 1024
+MAX_WHITESPACE_PATTERN_CHARS = 256
+
+# The kinds of constraint a StructuredOutputsParams carries, exactly one per request.
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(slots=True)
+class StructuredOutputsParams:
+    """What the answer must match (vLLM's `StructuredOutputsParams`): exactly one of
+    `json` (a JSON Schema, as a dict or its JSON text), `regex`, `choice` (one of these strings),
+    `grammar` (a Lark grammar as llguidance reads it) or `json_object=True` (any JSON object).
+    `whitespace_pattern` (a regex) is the whitespace a JSON answer may put between its tokens;
+    by default it puts none (compact JSON: small models otherwise pad with whitespace).
+    Validated on construction (shape and size only; the grammar compiles in the engine)."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    whitespace_pattern: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs takes exactly one of json, regex, choice, grammar or "
+                f"json_object, got {given or 'none'}"
+            )
+        if isinstance(self.json, str):
+            try:
+                self.json = json.loads(self.json)
+            except ValueError as exc:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
+        if self.json is not None and not isinstance(self.json, dict | bool):
+            raise ValueError("structured_outputs.json must be a JSON Schema object")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+        if self.json_object not in (None, True, False):
+            raise ValueError("structured_outputs.json_object must be true or false")
+        self._check_choice()
+        pattern = self.whitespace_pattern
+        if pattern is not None and (
+            not isinstance(pattern, str) or len(pattern) > MAX_WHITESPACE_PATTERN_CHARS
+        ):
+            raise ValueError(
+                "structured_outputs.whitespace_pattern must be a string of at most "
+                f"{MAX_WHITESPACE_PATTERN_CHARS} characters"
+            )
+        size = len(self.canonical())
+        if size > MAX_GRAMMAR_CHARS:
+            raise ValueError(
+                f"structured_outputs.{given[0]} is {size} characters; at most "
+                f"{MAX_GRAMMAR_CHARS} are allowed"
+            )
+
+    def _check_choice(self) -> None:
+        if self.choice is None:
+            return
+        if (
+            not isinstance(self.choice, list | tuple)
+            or not self.choice
+            or len(self.choice) > MAX_CHOICES
+            or any(not isinstance(c, str) or not c for c in self.choice)
+        ):
+            raise ValueError(
+                f"structured_outputs.choice must be 1 to {MAX_CHOICES} non-empty strings"
+            )
+        self.choice = list(self.choice)
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+    def canonical(self) -> str:
+        """One text per constraint, whatever the key order of its schema: what the engine's
+        grammar cache is keyed by (with the tokenizer and the tenant)."""
+        return json.dumps(
+            {"kind": self.kind, "value": getattr(self, self.kind), "ws": self.whitespace_pattern},
+            sort_keys=True,
+            separators=(",", ":"),
+            ensure_ascii=False,
+        )
 
 
 @dataclass(slots=True)
@@ -46,6 +137,8 @@ class SamplingParams:
     skip_reading_prefix_cache: bool | None = None
     # Return the request's cache report (`RequestOutput.cache_report`, docs/cache_reports.md).
     cache_report: bool = False
+    # Constrain the answer to a schema, regex, choice or grammar (structured_output/).
+    structured_outputs: StructuredOutputsParams | None = None
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:  # noqa: C901 - a flat list of independent field checks, one branch each
@@ -92,6 +185,10 @@ class SamplingParams:
                 raise bad(name, f"None or an integer in [0, {MAX_LOGPROBS}]")
         if not isinstance(self.cache_report, bool):
             raise bad("cache_report", "true or false")
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise bad("structured_outputs", "None or a StructuredOutputsParams")
         if self.stop is None:
             self._stop_list = []
         elif isinstance(self.stop, str):

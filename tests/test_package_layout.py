@@ -134,10 +134,11 @@ def _imported_modules(path: Path) -> set[str]:
 
 
 def test_core_imports_nothing_of_torch_the_engine_the_worker_the_model_or_the_server():
-    """Nor of the tiers or the proposers: the scheduler names them through the protocols of
-    core/sched/interfaces.py, which they implement."""
+    """Nor of the tiers, the proposers or the grammars: the scheduler names them through the
+    protocols of core/sched/interfaces.py (and core/request.py's RequestGrammar), which they
+    implement."""
     above = ("engine", "worker", "model", "entrypoints", "cluster", "lora", "llm", "cli", "bench")
-    above += ("kv_store", "spec_decode", "inputs")
+    above += ("kv_store", "spec_decode", "inputs", "structured_output")
     forbidden = ("torch",) + tuple(f"prefixserve.{room}" for room in above)
     found = {
         f"{path.relative_to(PACKAGE)} imports {name}"

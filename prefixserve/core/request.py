@@ -6,7 +6,7 @@ import enum
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prefixserve.sampling_params import SamplingParams
 
@@ -35,6 +35,39 @@ class RequestStatus(enum.IntEnum):
             RequestStatus.FINISHED_LENGTH_CAPPED: "length",
             RequestStatus.FINISHED_ABORTED: "abort",
         }.get(self)
+
+
+class RequestGrammar(Protocol):
+    """A structured request's grammar, as the scheduler drives it."""
+
+    error: str | None  # why the grammar failed (compile error, timeout, a refused token)
+    unreported: list[int]  # forced tokens appended before the first step, not yet reported
+
+    def poll(self) -> bool | None:
+        """True when compiled (the request may be admitted), None while compiling, False when
+        it failed (`error`)."""
+        ...
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until the compile is done or `timeout_s` passed."""
+        ...
+
+    def accept(self, token_ids: list[int]) -> bool:
+        """The request emitted these tokens; False (with `error`) when the grammar refuses one."""
+        ...
+
+    def take_forced(self) -> list[int]:
+        """With jump-forward, the tokens the grammar forces now, to append as one chunk."""
+        ...
+
+    def valid_drafts(self, drafts: list[int]) -> list[int]:
+        """The leading drafts the grammar allows."""
+        ...
+
+    @property
+    def stopped(self) -> bool:
+        """The answer is complete: the grammar allows nothing more."""
+        ...
 
 
 # A block hasher returns the hashes of the request's blocks that became full since it was last
@@ -93,6 +126,7 @@ class Request:
         "stop_token_ids",
         "cache_breakpoints",
         "cache",
+        "structured_output",
     )
 
     def __init__(
@@ -151,6 +185,9 @@ class Request:
         # The prefixes the client asked to keep (breakpoints.py), held when its prompt is
         # computed (what became of each: `cache.breakpoint_statuses`).
         self.cache_breakpoints = cache_breakpoints
+        # Its grammar when its sampling params constrain the answer (structured_output/), set
+        # by the engine before the scheduler sees it.
+        self.structured_output: RequestGrammar | None = None
         self.block_hashes: list[Any] = []
         self._block_hasher = block_hasher
         if block_hasher is not None:

@@ -173,13 +173,18 @@ class AsyncLLMEngine:
         replicas (start over elsewhere, route on the key); one engine has no elsewhere."""
         request_id = request.request_id
         read = await read_off_thread(self._lora, request.lora_request)
+        grammar = None
+        if request.params.structured_outputs is not None:  # compiled off the step thread
+            grammar = await self.engine.structured_outputs.ahead(
+                request.params.structured_outputs, request.tenant
+            )
         loop = asyncio.get_running_loop()
         stream = OutputQueue(loop)
 
         def add(engine: LLMEngine) -> None:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
-            engine.add(request, read)
+            engine.add(request, read, grammar)
             self._streams[request_id] = stream
 
         try:

@@ -1,9 +1,10 @@
 """Building an engine's parts, each through its constructor (vLLM's engine-core set-up): the
 model (loaded, or checked against the config), the KV pool's size, the KV-cache manager, the
 LoRA manager, the model runner, the tiers below RAM and the hash chain's seed they give, the
-cache explainer and the scheduler. `build_engine_parts` returns them as one `EngineParts`;
-`LLMEngine` holds them and runs the step loop over them. No part is wired to another by setting
-an attribute after its construction: what a part uses is an argument of its constructor.
+cache explainer, the scheduler and the structured-output manager (grammars).
+`build_engine_parts` returns them as one `EngineParts`; `LLMEngine` holds them and runs the
+step loop over them. No part is wired to another by setting an attribute after its
+construction: what a part uses is an argument of its constructor.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from prefixserve.model.config import ModelConfig
 from prefixserve.model.loader.loading import LoadedModel, load_model
 from prefixserve.model.quant.kv_cache import kv_format
 from prefixserve.spec_decode.ngram import NgramProposer
+from prefixserve.structured_output.manager import StructuredOutputManager
 from prefixserve.worker.model_runner import ModelRunner
 
 
@@ -53,6 +55,7 @@ class EngineParts:
     block_hasher: Callable[[Any], list[bytes]]
     explainer: CacheExplainer
     scheduler: Scheduler
+    structured_outputs: StructuredOutputManager
 
     def blocks_needed(self, num_tokens: int) -> int:
         """The most KV blocks a sequence of `num_tokens` cached tokens holds at once."""
@@ -117,6 +120,12 @@ def build_engine_parts(config: EngineConfig, loaded_model: LoadedModel | None) -
         block_hasher,
         explainer,
         scheduler,
+        StructuredOutputManager(
+            loaded_model.tokenizer.hf_tokenizer,
+            loaded_model.tokenizer.vocab_size,
+            scheduler.eos_token_ids,
+            config.structured_outputs,
+        ),
     )
 
 

@@ -56,6 +56,7 @@ class LLMEngine:
         self.kv_connector = parts.kv_connector
         self.explainer = parts.explainer
         self.lora = parts.lora
+        self.structured_outputs = parts.structured_outputs
         close_with(self, self.kv_connector)
         self.processor = InputProcessor(config, parts)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -127,12 +128,16 @@ class LLMEngine:
             lora_read,
         )
 
-    def add(self, request: EngineRequest, lora_read: Any = None) -> None:
+    def add(self, request: EngineRequest, lora_read: Any = None, grammar: Any = None) -> None:
         """Queue an `EngineRequest` (what engine clients pass around; its routing fields,
         `prompt_cache_key` and `final_only`, mean nothing to one engine): its samples checked
-        and made by the input processor, then handed to the output processor and the
+        and made by the input processor, given their grammar (`grammar`: the compile
+        `StructuredOutputManager.ahead` returned, else started here; a grammar known to be bad
+        raises its GrammarError, a ValueError), then handed to the output processor and the
         scheduler."""
         prompt_ids, requests = self.processor.requests_for(request, self.lora_in_use, lora_read)
+        for sample in requests:
+            self.structured_outputs.attach(sample, grammar)
         self.output_processor.add_prompt(
             request.request_id, request.prompt, prompt_ids, request.params, requests
         )
@@ -189,19 +194,26 @@ class LLMEngine:
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.scheduled:
             started = time.perf_counter()
+            scheduler_output.grammar = self.structured_outputs.start_step(scheduler_output)
             try:
                 runner_output = self.runner.execute(scheduler_output)
             except BaseException:
                 self._discard_failed_step(scheduler_output)
                 raise
+            finally:
+                if scheduler_output.grammar is not None:
+                    scheduler_output.grammar.wait()  # the matchers are the scheduler's again
             compute_s = time.perf_counter() - started
         else:
             self.runner.release(scheduler_output.finished_req_ids)  # no forward pass to take them
             runner_output = ModelRunnerOutput(failed=self._stuck_request_error())
         failed_outputs: list[RequestOutput] = []
+        runner_output.failed.update(self._take_grammar_failures())
         if runner_output.failed:
             failed_outputs = self._fail_requests(scheduler_output, runner_output.failed)
         updates = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self.scheduler.grammar_failures:  # a token its grammar refused (never expected)
+            failed_outputs += self._fail_requests(scheduler_output, self._take_grammar_failures())
         if self.kv_connector is not None and scheduler_output.scheduled:
             # After the update: blocks that accepted drafts completed have their hashes now.
             self._save_to_store(scheduler_output, runner_output, compute_s)
@@ -216,6 +228,10 @@ class LLMEngine:
         if failed_outputs:
             return failed_outputs + processed.outputs
         return processed.outputs
+
+    def _take_grammar_failures(self) -> dict[str, str]:
+        failures, self.scheduler.grammar_failures = self.scheduler.grammar_failures, {}
+        return failures
 
     def _fail_requests(
         self, scheduler_output: SchedulerOutput, errors: dict[str, str]
@@ -282,6 +298,7 @@ class LLMEngine:
         then stop it (idempotent)."""
         if self.kv_connector is not None:
             self.kv_connector.close()
+        self.structured_outputs.close()
 
     # ----------------------------------------------------------------- cache and metrics
 
@@ -316,6 +333,7 @@ class LLMEngine:
             "spec_decode_num_accepted_tokens": sched.spec_decode_num_accepted_tokens,
             **sched.spec_decode_rates(),
             **(self.kv_connector.metrics() if self.kv_connector is not None else {}),
+            **self.structured_outputs.metrics(),
             **self._cache_report_metrics(),
         }
 

@@ -19,6 +19,7 @@ from torch import nn
 
 from prefixserve.core.kv_cache.spec import SlidingWindowSpec
 from prefixserve.core.request import Request
+from prefixserve.core.sched.interfaces import StepGrammar
 from prefixserve.core.sched.output import (
     ModelRunnerOutput,
     PositionLogprobs,
@@ -337,7 +338,12 @@ class ModelRunner:
                 return output
             logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.int64)])
         if inputs.sample_reqs:
-            self._sample(inputs, logits[: len(inputs.sample_reqs)], output)
+            sample_logits = logits[: len(inputs.sample_reqs)]
+            if scheduler_output.grammar is not None:
+                sample_logits = _apply_grammar(scheduler_output.grammar, inputs, sample_logits)
+                _emit_forced(scheduler_output.grammar, scheduler_output.scheduled, output)
+            if inputs.sample_reqs:
+                self._sample(inputs, sample_logits, output)
         if inputs.prompt_owners:
             self._prompt_logprobs(inputs, logits[len(inputs.sample_reqs) :], output)
         return output
@@ -478,6 +484,37 @@ class ModelRunner:
 
 
 SampledRow = tuple[int, PositionLogprobs | None]
+
+
+def _apply_grammar(grammar: StepGrammar, inputs: StepInputs, logits: torch.Tensor) -> torch.Tensor:
+    """Structured requests' rows: those whose grammar forces the token leave the sampled rows
+    (`_emit_forced` emits it, drawing no random number); the others' disallowed tokens become
+    -inf. Returns the logits of the rows left to sample (`inputs` updated to match)."""
+    rows = inputs.sample_reqs
+    keep = [i for i, r in enumerate(rows) if grammar.forced_token(r.request_id) is None]
+    if len(keep) < len(rows):
+        new_index = {old: new for new, old in enumerate(keep)}
+        logits = logits[torch.tensor(keep, dtype=torch.int64)]
+        inputs.sample_reqs = [rows[i] for i in keep]
+        inputs.sample_rows = [inputs.sample_rows[i] for i in keep]
+        inputs.drafted = [(req, new_index[first], d) for req, first, d in inputs.drafted]
+    grammar.apply(logits, [r.request_id for r in inputs.sample_reqs])
+    return logits
+
+
+def _emit_forced(
+    grammar: StepGrammar, scheduled: Sequence[ScheduledRequest], output: ModelRunnerOutput
+) -> None:
+    """The tokens structured requests' grammars force at their sampled rows (without
+    jump-forward): emitted unsampled, with logprob 0 (the only token allowed) when asked."""
+    for s in scheduled:
+        request_id = s.request.request_id
+        token = grammar.forced_token(request_id) if s.samples else None
+        if token is None:
+            continue
+        output.sampled_token_ids[request_id] = token
+        if s.request.sampling_params.logprobs is not None:
+            output.logprobs[request_id] = [(token, 0.0, 1)]
 
 
 def _collect_samples(

@@ -1,16 +1,25 @@
 """What the scheduler asks of the parts above it, as small protocols: the tiers below the RAM
-pool (`TierConnector`, which `kv_store/connector.py` `KVStoreConnector` implements) and a draft
-proposer (`DraftProposer`, which `spec_decode/ngram.py` `NgramProposer` implements).
+pool (`TierConnector`, which `kv_store/connector.py` `KVStoreConnector` implements), a draft
+proposer (`DraftProposer`, which `spec_decode/ngram.py` `NgramProposer` implements), a
+structured request's grammar (`RequestGrammar`, defined beside the Request in
+`core/request.py`; `structured_output/request_state.py`'s `GrammarState` implements it) and a
+step's token masks (`StepGrammar`, `structured_output/step_masks.py`'s `StepMasks`, on
+`SchedulerOutput.grammar`).
 
 The scheduler names these and never a concrete class above `core/` (vLLM's scheduler holds its
-KV connector and its drafter the same way): `core/` imports nothing of `kv_store/` or
-`spec_decode/`, and a new tier or proposer is a class that fits one of them.
+KV connector and its drafter the same way): `core/` imports nothing of `kv_store/`,
+`spec_decode/` or `structured_output/`, and a new tier, proposer or grammar backend is a class
+that fits one of them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+from prefixserve.core.request import RequestGrammar
+
+__all__ = ["DraftProposer", "RequestGrammar", "StepGrammar", "TierConnector"]
 
 if TYPE_CHECKING:
     from prefixserve.core.kv_cache.kv_cache_manager import KVCacheManager
@@ -80,4 +89,20 @@ class DraftProposer(Protocol):
 
     def drop(self, request_ids: Iterable[str]) -> None:
         """Forget finished requests."""
+        ...
+
+
+class StepGrammar(Protocol):
+    """A step's token masks, as the model runner applies them."""
+
+    def forced_token(self, request_id: str) -> int | None:
+        """The token the request's grammar forces at its sampled row (emitted unsampled)."""
+        ...
+
+    def apply(self, logits: Any, row_request_ids: list[str]) -> None:
+        """Mask disallowed tokens of the structured requests' rows to -inf, in place."""
+        ...
+
+    def wait(self) -> None:
+        """Until the masks are filled (the matchers are the scheduler's again)."""
         ...

@@ -9,8 +9,12 @@ token ids, sampling params and output history (for penalties) from it and never 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from prefixserve.core.request import Request
+
+if TYPE_CHECKING:
+    from prefixserve.core.sched.interfaces import StepGrammar
 
 
 @dataclass(slots=True)
@@ -50,6 +54,9 @@ class SchedulerOutput:
     # (block id, payload) of blocks loaded from the disk tier (kv_store/): the runner writes
     # them into the KV cache before the forward pass; they count as computed tokens.
     kv_loads: list[tuple[int, bytes]] = field(default_factory=list)
+    # The structured requests' token masks (structured_output/step_masks.py), set by the engine
+    # after scheduling and filled while the forward pass runs; None when no request has one.
+    grammar: StepGrammar | None = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:

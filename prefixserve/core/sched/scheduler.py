@@ -17,6 +17,12 @@ Order inside a step (vLLM v1, with fair shares between tenants):
    used its share, the rest goes to whoever is next); the first that does not fit stops it.
 Shares (and `fair_chunk_tokens`) apply only while several tenants have work; with one tenant
 (the offline API, a server without keys) the step is planned as vLLM's FCFS scheduler plans it.
+
+A structured request (`Request.structured_output`, a `RequestGrammar`) waits apart until its
+grammar is compiled (vLLM's WAITING_FOR_FSM), so the requests behind it are admitted meanwhile;
+its drafts are cut to what its grammar allows; each token it emits advances its grammar; it
+stops when the grammar is complete; and with jump-forward the tokens its grammar forces are
+appended at once, to be computed as one chunk in the next step.
 """
 
 from __future__ import annotations
@@ -45,7 +51,9 @@ from prefixserve.core.sched.prefix_order import promote_longest_prefix
 from prefixserve.core.sched.step_results import (
     RequestUpdate,
     SchedulerStats,
+    append_forced,
     append_until_stop,
+    forced_logprobs,
     sampled_run,
 )
 
@@ -53,6 +61,10 @@ if TYPE_CHECKING:
     from prefixserve.core.kv_cache.kv_cache_manager import KVCacheManager
     from prefixserve.core.kv_cache.reports.explain import CacheExplainer
     from prefixserve.core.sched.interfaces import DraftProposer, TierConnector
+
+
+# How long a schedule() with nothing else to do waits for a structured request's compile.
+_GRAMMAR_WAIT_S = 0.05
 
 
 @dataclass(slots=True)
@@ -108,6 +120,11 @@ class Scheduler:
         self.fair = config.scheduling_policy == "fair"
         self.waiting = WaitingQueue(per_tenant=self.fair)
         self.running: list[Request] = []
+        # Structured requests whose grammar is still compiling, in arrival order.
+        self.waiting_for_grammar: list[Request] = []
+        # request id -> why its grammar failed (compile error, timeout, a refused token): the
+        # engine fails these requests after the step.
+        self.grammar_failures: dict[str, str] = {}
         # Finished, aborted or preempted since the last schedule(): the runner drops their state.
         self.finished_req_ids: set[str] = set()
         self.stats = SchedulerStats()
@@ -119,7 +136,11 @@ class Scheduler:
             raise ValueError(f"request_id {request.request_id!r} is already in the scheduler")
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        if request.structured_output is not None:
+            self.waiting_for_grammar.append(request)
+            self._poll_grammars()
+        else:
+            self.waiting.append(request)
 
     def finish_requests(
         self,
@@ -140,6 +161,10 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif request in self.waiting_for_grammar:
+                self.waiting_for_grammar.remove(request)
+            elif request.structured_output is not None and request.structured_output.error:
+                pass  # its grammar failed: set aside in no queue
             else:
                 self.waiting.remove(request)
             request.status = status
@@ -156,7 +181,7 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + len(self.waiting_for_grammar)
 
     # ----------------------------------------------------------------- the step plan
 
@@ -166,6 +191,8 @@ class Scheduler:
         (update_from_output does, once the tokens are computed)."""
         plan = _StepPlan(self.config.max_num_batched_tokens)
         self.kv_cache_manager.held.expire_breakpoints()
+        if self.waiting_for_grammar:
+            self._poll_grammars(wait=not self.running and not self.waiting)
         if self.fair:
             self._give_short_tenant_a_slot()
             plan.shares = self._tenant_shares(plan.token_budget)
@@ -178,6 +205,39 @@ class Scheduler:
         )
         self.finished_req_ids = set()
         return output
+
+    def _poll_grammars(self, wait: bool = False) -> None:
+        """Queue the structured requests whose grammar compiled (with jump-forward, after the
+        tokens it forces from its start); set aside those whose grammar failed. `wait`: nothing
+        else to do, so wait a moment for the first compile instead of spinning."""
+        if wait:
+            self.waiting_for_grammar[0].structured_output.wait(_GRAMMAR_WAIT_S)
+        still: list[Request] = []
+        for request in self.waiting_for_grammar:
+            grammar = request.structured_output
+            ready = grammar.poll()
+            if ready is None:
+                still.append(request)
+            elif ready:
+                self._append_initial_forced(request)
+                self.waiting.append(request)
+            else:
+                self.grammar_failures[request.request_id] = grammar.error or "grammar failed"
+        self.waiting_for_grammar = still
+
+    def _append_initial_forced(self, request: Request) -> None:
+        """Jump-forward from the grammar's start: the forced tokens join the prompt's prefill
+        (at least one token is left to sample; reported with the first sampled token)."""
+        forced = request.structured_output.take_forced()
+        room = min(
+            (request.max_tokens or self.max_model_len) - 1,
+            self.max_model_len - request.num_tokens - 1,
+        )
+        forced = forced[: max(0, room)]
+        if forced:
+            request.append_output_token_ids(forced)
+            request.structured_output.unreported = forced
+            request.structured_output.accept(forced)
 
     def _give_short_tenant_a_slot(self) -> None:
         """A waiting tenant short of its share of the running slots takes one this step."""
@@ -219,9 +279,12 @@ class Scheduler:
         if self.proposer is None or num_new_tokens != 1:
             return []
         share = None if plan.shares is None else plan.shares[request.tenant]
-        return self.proposer.propose_within(
+        drafts = self.proposer.propose_within(
             request, plan.token_budget, share, self._threshold(plan.contended), self.max_model_len
         )
+        if drafts and request.structured_output is not None:
+            return request.structured_output.valid_drafts(drafts)  # never leave the grammar
+        return drafts
 
     def _allocate_or_preempt(
         self,
@@ -379,7 +442,8 @@ class Scheduler:
 
     def stuck_request(self) -> Request | None:
         """The head of the waiting queue when nothing runs: after a step that scheduled nothing,
-        it could not get blocks from an idle pool, so it never will."""
+        it could not get blocks from an idle pool, so it never will (a queue of structured
+        requests whose grammars compile is not stuck)."""
         if self.running or not self.waiting:
             return None
         return self.waiting[0]
@@ -460,13 +524,39 @@ class Scheduler:
             if self.proposer is not None:
                 self.proposer.record(request.request_id, len(entry.draft_token_ids), len(accepted))
         request.num_computed_tokens += len(accepted)
+        grammar = request.structured_output
+        if grammar is not None and grammar.unreported:
+            update.new_token_ids.extend(grammar.unreported)  # forced at its start
+            update.new_logprobs.extend(forced_logprobs(request, grammar.unreported))
+            grammar.unreported = []
         stopped = append_until_stop(
             request, tokens, logprobs, update, self.eos_token_ids, self.max_model_len
         )
+        if grammar is not None and not stopped:
+            stopped = self._advance_grammar(request, tokens, update)
         self.stats.num_generation_tokens += len(update.new_token_ids)
         if accepted:  # (a stop inside the run appended fewer: cache_blocks stops at num_tokens)
             self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
         return stopped
+
+    def _advance_grammar(self, request: Request, tokens: list[int], update: RequestUpdate) -> bool:
+        """Advance a structured request's grammar over the tokens it emitted; stop it when the
+        grammar is complete; with jump-forward, append the tokens the grammar forces next (its
+        next step computes them as one chunk). A refused token sets the request aside to fail
+        (`grammar_failures`). Returns True when the request stopped."""
+        grammar = request.structured_output
+        while True:
+            if not grammar.accept(tokens):
+                self.grammar_failures[request.request_id] = grammar.error or "grammar refused"
+                return False
+            if grammar.stopped:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return True
+            tokens = grammar.take_forced()
+            if not tokens:
+                return False
+            if append_forced(request, tokens, update, self.eos_token_ids, self.max_model_len):
+                return True
 
     def _hold_breakpoints(self, request: Request) -> None:
         """Its prompt is computed (the first sample): hold its breakpoints' prefixes and count

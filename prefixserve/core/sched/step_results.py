@@ -111,3 +111,25 @@ def sampled_run(
     if last is not None:
         logprobs.append(last)
     return accepted, [*accepted, token_id], logprobs
+
+
+def forced_logprobs(request: Request, tokens: list[int]) -> list[PositionLogprobs]:
+    """The logprobs of tokens a grammar forced (when the request asked for logprobs): each was
+    the only token allowed, so its probability under the constrained distribution is 1 (rank 1,
+    no alternatives); none were sampled, so no model logits stand behind them."""
+    if request.sampling_params.logprobs is None:
+        return []
+    return [[(token, 0.0, 1)] for token in tokens]
+
+
+def append_forced(
+    request: Request,
+    tokens: list[int],
+    update: RequestUpdate,
+    eos_token_ids: frozenset[int],
+    max_model_len: int,
+) -> bool:
+    """Append tokens a grammar forces (jump-forward), checking the stop conditions after each
+    as for sampled tokens. Returns True when the request stopped."""
+    logprobs = forced_logprobs(request, tokens)
+    return append_until_stop(request, tokens, logprobs, update, eos_token_ids, max_model_len)
