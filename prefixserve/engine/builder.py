@@ -125,6 +125,7 @@ def build_engine_parts(config: EngineConfig, loaded_model: LoadedModel | None) -
             loaded_model.tokenizer.vocab_size,
             scheduler.eos_token_ids,
             config.structured_outputs,
+            logits_width=model_config.vocab_size,
         ),
     )
 

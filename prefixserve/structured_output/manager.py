@@ -31,9 +31,13 @@ class StructuredOutputManager:
         vocab_size: int,
         eos_token_ids: Iterable[int],
         config: StructuredOutputsConfig | None = None,
+        logits_width: int | None = None,
     ) -> None:
+        """`vocab_size`: the tokenizer's; `logits_width`: the model's logits (its vocabulary,
+        padded; the tokenizer's by default)."""
         self.config = config or StructuredOutputsConfig()
         self.vocab_size = vocab_size
+        self.logits_width = logits_width or vocab_size
         self.backend = LLGuidanceBackend(hf_tokenizer, vocab_size, eos_token_ids)
         self.compiler = GrammarCompiler(
             self.backend,
@@ -95,7 +99,7 @@ class StructuredOutputManager:
         samples this step)."""
         if not any(s.request.structured_output is not None for s in output.scheduled):
             return None
-        return StepMasks(output, self.vocab_size, self._mask_executor)
+        return StepMasks(output, self.vocab_size, self.logits_width, self._mask_executor)
 
     def metrics(self) -> dict[str, Any]:
         stats = self.compiler.stats

@@ -22,7 +22,11 @@ from prefixserve.structured_output.request_state import GrammarState
 class StepMasks:
     """One step's masks: `forced_token(id)` now, `apply(logits, row_ids)` once they are filled."""
 
-    def __init__(self, output: SchedulerOutput, vocab_size: int, executor: Executor) -> None:
+    def __init__(
+        self, output: SchedulerOutput, vocab_size: int, logits_width: int, executor: Executor
+    ) -> None:
+        """`vocab_size`: the tokenizer's (the grammar's) vocabulary; `logits_width`: the
+        model's output width (often padded past it)."""
         self.forced: dict[str, int] = {}
         # request id -> (first row in `_bits`, its drafts)
         self._rows: dict[str, tuple[int, list[int]]] = {}
@@ -40,14 +44,20 @@ class StepMasks:
             jobs.append((state, num_rows, s.draft_token_ids))
             num_rows += len(s.draft_token_ids) + 1
         self.vocab_size = vocab_size
+        self.logits_width = logits_width
         self._bits = np.zeros((num_rows, mask_words(vocab_size)), dtype=np.int32)
         self._done: Future | None = executor.submit(self._fill, jobs) if jobs else None
 
     def _fill(self, jobs: list[tuple[GrammarState, int, list[int]]]) -> torch.Tensor:
+        """The bitmask rows, then what the step thread applies: True where a token is ruled
+        out, as wide as the logits (ids past the tokenizer's vocabulary are ruled out)."""
         for state, first, drafts in jobs:
             state.fill_masks(self._bits[first : first + len(drafts) + 1], drafts)
         allowed = np.unpackbits(self._bits.view(np.uint8), axis=1, bitorder="little")
-        return torch.from_numpy(allowed[:, : self.vocab_size].astype(np.bool_))
+        ruled_out = np.ones((allowed.shape[0], self.logits_width), dtype=np.bool_)
+        width = min(self.vocab_size, self.logits_width)
+        np.logical_not(allowed[:, :width], out=ruled_out[:, :width], dtype=np.bool_)
+        return torch.from_numpy(ruled_out)
 
     def forced_token(self, request_id: str) -> int | None:
         return self.forced.get(request_id)
@@ -59,10 +69,11 @@ class StepMasks:
 
     def apply(self, logits: torch.Tensor, row_request_ids: list[str]) -> None:
         """Mask, in place, the logits rows of structured requests (`row_request_ids[i]` owns row
-        i; a request's rows come in draft order): disallowed tokens become -inf."""
+        i; a request's rows come in draft order): ruled-out tokens become -inf. One fused fill
+        when every row is a structured one in mask order (the usual batch of JSON answers)."""
         if self._done is None:
             return
-        allowed = self._done.result()
+        ruled_out = self._done.result()
         seen: dict[str, int] = {}
         rows, mask_rows = [], []
         for i, request_id in enumerate(row_request_ids):
@@ -75,9 +86,15 @@ class StepMasks:
             mask_rows.append(entry[0] + offset)
         if not rows:
             return
-        width = logits.shape[1]
-        keep = torch.zeros((len(rows), width), dtype=torch.bool)
-        cols = min(width, allowed.shape[1])
-        keep[:, :cols] = allowed[torch.tensor(mask_rows)][:, :cols]
+        if logits.shape[1] != ruled_out.shape[1]:
+            raise ValueError(
+                f"logits have {logits.shape[1]} columns; the masks were made for "
+                f"{ruled_out.shape[1]}"
+            )
+        everything = list(range(len(row_request_ids)))
+        if rows == everything and mask_rows == everything[: ruled_out.shape[0]]:
+            logits.masked_fill_(ruled_out[: len(rows)], float("-inf"))
+            return
         index = torch.tensor(rows)
-        logits[index] = logits[index].masked_fill(~keep, float("-inf"))
+        chosen = ruled_out[torch.tensor(mask_rows)]
+        logits[index] = logits[index].masked_fill(chosen, float("-inf"))
