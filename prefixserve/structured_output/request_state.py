@@ -133,11 +133,20 @@ class GrammarState:
     def fill_masks(self, rows: np.ndarray, drafts: list[int]) -> None:
         """Row j of `rows` gets the bitmask after drafts[:j] (drafts already validated); the
         matcher ends where it began."""
-        assert self.matcher is not None
-        self.matcher.fill_mask(rows[0])
-        for j, token in enumerate(drafts, start=1):
-            if not self.matcher.consume([token]):
-                raise RuntimeError("a validated draft was refused by its grammar")
-            self.matcher.fill_mask(rows[j])
-        if drafts:
-            self.matcher.rollback(len(drafts))
+        matcher = self.matcher
+        assert matcher is not None
+        consumed = 0
+        try:
+            for j in range(len(drafts) + 1):
+                if j:
+                    if not matcher.consume([drafts[j - 1]]):
+                        raise RuntimeError(
+                            f"the grammar refused a validated draft: {matcher.error}"
+                        )
+                    consumed += 1
+                matcher.fill_mask(rows[j])
+                if matcher.error:  # e.g. a parser limit reached while computing the mask
+                    raise RuntimeError(f"the grammar failed: {matcher.error}")
+        finally:
+            if consumed:
+                matcher.rollback(consumed)

@@ -28,6 +28,9 @@ class StepMasks:
         """`vocab_size`: the tokenizer's (the grammar's) vocabulary; `logits_width`: the
         model's output width (often padded past it)."""
         self.forced: dict[str, int] = {}
+        # request id -> why its mask could not be made (it fails alone; the others sample).
+        self.failed: dict[str, str] = {}
+        self._owner: dict[int, str] = {}  # first row -> request id
         # request id -> (first row in `_bits`, its drafts)
         self._rows: dict[str, tuple[int, list[int]]] = {}
         jobs: list[tuple[GrammarState, int, list[int]]] = []
@@ -41,6 +44,7 @@ class StepMasks:
                 self.forced[s.request.request_id] = forced
                 continue
             self._rows[s.request.request_id] = (num_rows, s.draft_token_ids)
+            self._owner[num_rows] = s.request.request_id
             jobs.append((state, num_rows, s.draft_token_ids))
             num_rows += len(s.draft_token_ids) + 1
         self.vocab_size = vocab_size
@@ -52,7 +56,10 @@ class StepMasks:
         """The bitmask rows, then what the step thread applies: True where a token is ruled
         out, as wide as the logits (ids past the tokenizer's vocabulary are ruled out)."""
         for state, first, drafts in jobs:
-            state.fill_masks(self._bits[first : first + len(drafts) + 1], drafts)
+            try:
+                state.fill_masks(self._bits[first : first + len(drafts) + 1], drafts)
+            except Exception as exc:  # noqa: BLE001 - this request's grammar, not the step's
+                self.failed[self._owner[first]] = f"structured output: {exc}"
         allowed = np.unpackbits(self._bits.view(np.uint8), axis=1, bitorder="little")
         ruled_out = np.ones((allowed.shape[0], self.logits_width), dtype=np.bool_)
         width = min(self.vocab_size, self.logits_width)
@@ -67,12 +74,13 @@ class StepMasks:
         if self._done is not None:
             self._done.exception()
 
-    def apply(self, logits: torch.Tensor, row_request_ids: list[str]) -> None:
+    def apply(self, logits: torch.Tensor, row_request_ids: list[str]) -> dict[str, str]:
         """Mask, in place, the logits rows of structured requests (`row_request_ids[i]` owns row
         i; a request's rows come in draft order): ruled-out tokens become -inf. One fused fill
-        when every row is a structured one in mask order (the usual batch of JSON answers)."""
+        when every row is a structured one in mask order (the usual batch of JSON answers).
+        Returns the requests whose masks failed (request id -> why): they fail alone."""
         if self._done is None:
-            return
+            return {}
         ruled_out = self._done.result()
         seen: dict[str, int] = {}
         rows, mask_rows = [], []
@@ -85,7 +93,7 @@ class StepMasks:
             rows.append(i)
             mask_rows.append(entry[0] + offset)
         if not rows:
-            return
+            return self.failed
         if logits.shape[1] != ruled_out.shape[1]:
             raise ValueError(
                 f"logits have {logits.shape[1]} columns; the masks were made for "
@@ -94,7 +102,8 @@ class StepMasks:
         everything = list(range(len(row_request_ids)))
         if rows == everything and mask_rows == everything[: ruled_out.shape[0]]:
             logits.masked_fill_(ruled_out[: len(rows)], float("-inf"))
-            return
+            return self.failed
         index = torch.tensor(rows)
         chosen = ruled_out[torch.tensor(mask_rows)]
         logits[index] = logits[index].masked_fill(chosen, float("-inf"))
+        return self.failed

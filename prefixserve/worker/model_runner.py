@@ -340,7 +340,9 @@ class ModelRunner:
         if inputs.sample_reqs:
             sample_logits = logits[: len(inputs.sample_reqs)]
             if scheduler_output.grammar is not None:
-                sample_logits = _apply_grammar(scheduler_output.grammar, inputs, sample_logits)
+                sample_logits = _apply_grammar(
+                    scheduler_output.grammar, inputs, sample_logits, output
+                )
                 _emit_forced(scheduler_output.grammar, scheduler_output.scheduled, output)
             if inputs.sample_reqs:
                 self._sample(inputs, sample_logits, output)
@@ -486,10 +488,13 @@ class ModelRunner:
 SampledRow = tuple[int, PositionLogprobs | None]
 
 
-def _apply_grammar(grammar: StepGrammar, inputs: StepInputs, logits: torch.Tensor) -> torch.Tensor:
+def _apply_grammar(
+    grammar: StepGrammar, inputs: StepInputs, logits: torch.Tensor, output: ModelRunnerOutput
+) -> torch.Tensor:
     """Structured requests' rows: those whose grammar forces the token leave the sampled rows
     (`_emit_forced` emits it, drawing no random number); the others' disallowed tokens become
-    -inf. Returns the logits of the rows left to sample (`inputs` updated to match)."""
+    -inf (a request whose mask failed is failed alone). Returns the logits of the rows left to
+    sample (`inputs` updated to match)."""
     rows = inputs.sample_reqs
     keep = [i for i, r in enumerate(rows) if grammar.forced_token(r.request_id) is None]
     if len(keep) < len(rows):
@@ -498,7 +503,7 @@ def _apply_grammar(grammar: StepGrammar, inputs: StepInputs, logits: torch.Tenso
         inputs.sample_reqs = [rows[i] for i in keep]
         inputs.sample_rows = [inputs.sample_rows[i] for i in keep]
         inputs.drafted = [(req, new_index[first], d) for req, first, d in inputs.drafted]
-    grammar.apply(logits, [r.request_id for r in inputs.sample_reqs])
+    output.failed.update(grammar.apply(logits, [r.request_id for r in inputs.sample_reqs]))
     return logits
 
 

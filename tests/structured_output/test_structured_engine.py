@@ -301,3 +301,34 @@ def test_a_compile_past_the_timeout_is_refused_and_its_thread_finishes(model):
     gate.result()
     assert compiler.get(params, None).result(timeout=5) is not None  # finished and cached
     assert llm.get_metrics()["structured_output_rejections_timeout"] == 1
+
+
+def test_aborting_a_request_that_waits_for_its_grammar_leaks_nothing(model):
+    llm = make_llm(model)
+    engine = llm.llm_engine
+    gate = engine.structured_outputs.compiler._executor.submit(time.sleep, 0.3)
+    engine.add_request("w", engine.tokenizer.encode(PROMPTS[0]), person())
+    assert engine.scheduler.waiting_for_grammar and engine.get_metrics()["num_waiting"] == 1
+    engine.abort_request("w")
+    assert not engine.scheduler.waiting_for_grammar
+    gate.result()
+    engine.check_no_leaks()
+
+
+def test_a_grammar_that_fails_mid_answer_fails_only_its_own_request(model):
+    llm = make_llm(model)
+    engine = llm.llm_engine
+    for name in ("a", "b"):
+        engine.add_request(name, engine.tokenizer.encode(PROMPTS[0]), person())
+    outputs = {}
+    while len(outputs) < 2:  # until both answers have begun
+        for out in engine.step():
+            outputs[out.request_id] = out
+    broken = engine.scheduler.requests["a"].structured_output.matcher
+    broken.consume([engine.tokenizer.encode("zzz")[-1]])  # refused: its matcher is in error
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] = out
+    assert outputs["a"].error and "structured output" in outputs["a"].error
+    jsonschema.validate(json.loads(outputs["b"].outputs[0].text), PERSON)
+    engine.check_no_leaks()

@@ -99,8 +99,9 @@ class StepGrammar(Protocol):
         """The token the request's grammar forces at its sampled row (emitted unsampled)."""
         ...
 
-    def apply(self, logits: Any, row_request_ids: list[str]) -> None:
-        """Mask disallowed tokens of the structured requests' rows to -inf, in place."""
+    def apply(self, logits: Any, row_request_ids: list[str]) -> dict[str, str]:
+        """Mask disallowed tokens of the structured requests' rows to -inf, in place; the
+        requests whose masks failed (request id -> why)."""
         ...
 
     def wait(self) -> None:
