@@ -38,7 +38,8 @@ STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 class StructuredOutputsParams:
     """What the answer must match (vLLM's `StructuredOutputsParams`): exactly one of
     `json` (a JSON Schema, as a dict or its JSON text), `regex`, `choice` (one of these strings),
-    `grammar` (a Lark grammar as llguidance reads it) or `json_object=True` (any JSON object).
+    `grammar` (a Lark grammar as llguidance reads it, or llama.cpp's GBNF) or `json_object=True`
+    (any JSON object).
     `whitespace_pattern` (a regex) is the whitespace a JSON answer may put between its tokens;
     by default it puts none (compact JSON: small models otherwise pad with whitespace).
     Validated on construction (shape and size only; the grammar compiles in the engine)."""

@@ -152,7 +152,12 @@ def grammar_text(params: StructuredOutputsParams) -> str:
     if kind == "choice":
         alternatives = " | ".join(json.dumps(c) for c in params.choice)
         return llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}")
-    return llguidance.LLMatcher.grammar_from_lark(params.grammar)
+    try:  # Lark as llguidance reads it, or llama.cpp's GBNF (converted to Lark)
+        return llguidance.grammar_from("grammar", params.grammar)
+    except ValueError as exc:
+        raise GrammarError(
+            f"structured_outputs.grammar does not parse: {exc}", "invalid_grammar"
+        ) from None
 
 
 def _check_json_schema(schema: Any) -> None:

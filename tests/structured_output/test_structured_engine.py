@@ -106,6 +106,7 @@ def test_regex_choice_grammar_and_json_object_constrain_the_answer(jump):
         (StructuredOutputsParams(regex=r"\d{3}-\d{4}"), r"^\d{3}-\d{4}$"),
         (StructuredOutputsParams(choice=["yes", "no", "maybe"]), r"^(yes|no|maybe)$"),
         (StructuredOutputsParams(grammar='start: "a" "b"+ "c"'), r"^ab+c$"),
+        (StructuredOutputsParams(grammar='root ::= "x" [0-9] [0-9]'), r"^x[0-9]{2}$"),
     ]
     import re
 
@@ -222,6 +223,14 @@ def test_a_bad_schema_is_refused_with_its_reason_and_the_engine_goes_on(jump):
     with pytest.raises(GrammarError, match="does not support") as info:
         run(jump, ["x"], SamplingParams(structured_outputs=unsupported))
     assert info.value.reason == "unsupported"
+    for grammar in ("start: x", "root ::= (("):
+        with pytest.raises(GrammarError, match="structured_outputs.grammar") as info:
+            run(
+                jump,
+                ["x"],
+                SamplingParams(structured_outputs=StructuredOutputsParams(grammar=grammar)),
+            )
+        assert info.value.reason == "invalid_grammar"
     metrics = jump.get_metrics()
     assert metrics["structured_output_rejections_invalid_schema"] >= 1
     assert metrics["structured_output_rejections_unsupported"] >= 1
