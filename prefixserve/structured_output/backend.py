@@ -18,6 +18,7 @@ and `GrammarMatcher`.
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Iterable
 from typing import Any
@@ -119,10 +120,10 @@ class LLGuidanceBackend:
         """llguidance's view of the vocabulary, built on the first compile (~0.3 s on the compile
         thread; an engine that never sees a grammar never pays it)."""
         if self._tokenizer is None:
-            import llguidance.hf
-
-            self._tokenizer = llguidance.hf.from_tokenizer(
-                self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self._eos_token_ids
+            self._tokenizer = llguidance.LLTokenizer(
+                tokenizer_json(self._hf_tokenizer),
+                n_vocab=self.vocab_size,
+                eos_token=self._eos_token_ids,
             )
         return self._tokenizer
 
@@ -133,6 +134,25 @@ class LLGuidanceBackend:
         if matcher.is_error():
             raise _refusal(params, matcher.get_error())
         return CompiledGrammar(matcher)
+
+
+def tokenizer_json(hf_tokenizer: Any) -> str:
+    """The fast tokenizer's JSON as llguidance should read it. A byte-level BPE whose decoder is
+    a Sequence around its ByteLevel step (as GGUF conversions write them: ByteFallback, Fuse,
+    Replace, ByteLevel) is given its plain ByteLevel decoder: llguidance tells a byte-level
+    vocabulary by its decoder's type, and would otherwise take "Ġ" and "Ċ" for the UTF-8 of those
+    letters rather than a space and a newline, so the grammar would see other bytes than the
+    client (`test_the_grammar_sees_the_bytes_the_client_sees`)."""
+    backend = copy.copy(hf_tokenizer.backend_tokenizer)
+    backend.no_padding()
+    backend.no_truncation()
+    spec = json.loads(backend.to_str())
+    decoder = spec.get("decoder") or {}
+    if decoder.get("type") == "Sequence":
+        byte_level = [d for d in decoder.get("decoders", []) if d.get("type") == "ByteLevel"]
+        if byte_level:
+            spec["decoder"] = byte_level[0]
+    return json.dumps(spec)
 
 
 def grammar_text(params: StructuredOutputsParams) -> str:
