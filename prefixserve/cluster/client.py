@@ -40,6 +40,7 @@ from prefixserve.engine.request_stream import ABORTED, Aborted, OutputQueue, Req
 from prefixserve.lora.config import LoRASlotsBusyError
 from prefixserve.model.loader.loading import ModelInfo
 from prefixserve.outputs import RequestOutput
+from prefixserve.structured_output.errors import GrammarError
 
 logger = logging.getLogger(__name__)
 
@@ -85,9 +86,12 @@ class _ReadTrackingQueue(OutputQueue):
 
 def _client_error(cause: ValueError) -> ValueError:
     """The replica's refusal as the caller should see it: its kind kept where the server answers
-    it differently (busy adapter slots: a 429), else a plain ValueError of its message."""
+    it differently (busy adapter slots: a 429; a grammar that does not compile: its reason's
+    code and metric), else a plain ValueError of its message."""
     if isinstance(cause, LoRASlotsBusyError):
         return LoRASlotsBusyError(str(cause))
+    if isinstance(cause, GrammarError):
+        return GrammarError(str(cause), cause.reason)
     return ValueError(str(cause))
 
 

@@ -19,6 +19,7 @@ from prefixserve.entrypoints.openai.app import build_app
 from prefixserve.lora.config import LoRASlotsBusyError
 from prefixserve.outputs import RequestOutput
 from prefixserve.sampling_params import SamplingParams
+from prefixserve.structured_output.errors import GrammarBusy, GrammarError
 from tests.helpers.asgi import acall
 from tests.helpers.cluster import FakeReplica, cluster_of
 
@@ -166,7 +167,7 @@ def test_over_http_a_request_whose_only_replica_died_gets_503_with_retry_after(
 class RefusingReplica(FakeReplica):
     """A replica whose engine refuses the request before accepting it, as Ray delivers that."""
 
-    def __init__(self, refusal: ValueError) -> None:
+    def __init__(self, refusal: Exception) -> None:
         super().__init__(0, 0, dying=False, num_outputs=1)
         self.refusal = refusal
 
@@ -180,6 +181,7 @@ class RefusingReplica(FakeReplica):
 @pytest.mark.parametrize(
     ("refusal", "kind"),
     [(LoRASlotsBusyError("all max_loras=1 slots are used"), LoRASlotsBusyError),
+     (GrammarError("structured_outputs.regex does not compile", "invalid_grammar"), GrammarError),
      (ValueError("max_tokens=9 is too many"), ValueError)],
 )  # fmt: skip
 def test_a_replica_refusal_keeps_its_kind_so_busy_adapter_slots_stay_a_429(
@@ -193,6 +195,21 @@ def test_a_replica_refusal_keeps_its_kind_so_busy_adapter_slots_stay_a_429(
     with pytest.raises(ValueError) as info:
         asyncio.run(scenario())
     assert type(info.value) is kind and str(refusal) in str(info.value)
+    assert getattr(info.value, "reason", None) == getattr(refusal, "reason", None)
+    assert settled(engine)
+
+
+def test_a_replicas_busy_grammar_compiler_reaches_the_server_as_grammar_busy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """GrammarBusy is no ValueError: it comes through as itself, so the server answers a 429."""
+    engine = cluster_of(monkeypatch, RefusingReplica(GrammarBusy("4 compiles in flight")))
+
+    async def scenario() -> None:
+        await engine.add_request(EngineRequest("r", PROMPT, params()))
+
+    with pytest.raises(GrammarBusy):
+        asyncio.run(scenario())
     assert settled(engine)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Mapping
 from http import HTTPStatus
 from typing import Any
@@ -21,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from prefixserve.engine.exceptions import NotSupportedByEngine
 from prefixserve.entrypoints.error_shape import anthropic_error_body, is_anthropic_path
 from prefixserve.lora.config import LoRASlotsBusyError
+from prefixserve.structured_output.errors import GrammarError
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +53,18 @@ KNOWN_PARAMS = (
     "logprobs",
     "top_logprobs",
     "cache_salt",
+    "structured_outputs",
 )
+
+# A structured-output error names its field as `structured_outputs.<kind>` (the engine's words).
+_STRUCTURED_FIELD = re.compile(r"\bstructured_outputs(\.[a-z_]+)?")
+# The OpenAI error code of each reason a grammar is refused for (GrammarError.reason).
+GRAMMAR_ERROR_CODES = {
+    "invalid_schema": "invalid_schema",
+    "unsupported": "unsupported_schema",
+    "invalid_grammar": "invalid_grammar",
+    "timeout": "grammar_compile_timeout",
+}
 
 
 class OpenAIError(Exception):
@@ -124,17 +137,35 @@ def from_value_error(exc: ValueError, fields: Mapping[str, str] | None = None) -
     `param` is the field the message names first, in the API's words; `fields` renames it to
     what the endpoint calls that field (chat sends its prompt as `messages`). The engine names
     `max_model_len` only when the request does not fit the context, which OpenAI reports with the
-    code `context_length_exceeded`.
+    code `context_length_exceeded`. A structured-output field keeps its key
+    (`structured_outputs.regex`) and, renamed (`response_format.json_schema.schema`), is renamed
+    in the message too; a grammar the engine refused has its reason's code.
     """
     message = str(exc)
     if isinstance(exc, LoRASlotsBusyError):
         return capacity_refusal(message, "lora_slots_busy")
     param = param_from_message(message)
     param = _ENGINE_FIELD_NAMES.get(param, param) if param is not None else None
-    if param is not None and fields:
+    if param == "structured_outputs":
+        param, message = _structured_field(message, fields or {})
+    elif param is not None and fields:
         param = fields.get(param, param)
     code = "context_length_exceeded" if _find_word(message.lower(), "max_model_len") >= 0 else None
+    if isinstance(exc, GrammarError):
+        code = GRAMMAR_ERROR_CODES.get(exc.reason, code)
     return OpenAIError(message, param=param, code=code)
+
+
+def _structured_field(message: str, fields: Mapping[str, str]) -> tuple[str, str]:
+    """The structured-output field `message` names first, and the message, both in the
+    endpoint's words (`fields`)."""
+    found = _STRUCTURED_FIELD.search(message)
+    assert found is not None  # param_from_message found the word
+    named = found.group(0)
+    param = fields.get(named, named)
+    if param != named:
+        message = message[: found.start()] + param + message[found.end() :]
+    return param, message
 
 
 # Tags pydantic puts into an error location for the member of a union that failed.

@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from prefixserve.core.kv_cache.reports.report import REASONS
+from prefixserve.structured_output.errors import REJECTION_REASONS
 
 PREFIX = "prefixserve_"
 
@@ -60,6 +61,19 @@ ENGINE_COUNTERS = {
         "spec_decode_num_accepted_tokens",
         "Draft tokens accepted (emitted without a forward pass of their own)",
     ),
+    "structured_output_compiles": (
+        "structured_output_compiles",
+        "Grammars compiled for structured outputs (JSON Schema, regex, choice, Lark), "
+        "successfully or not",
+    ),
+    "structured_output_cache_hits": (
+        "structured_output_cache_hits",
+        "Structured requests whose grammar was already compiled or compiling for their client",
+    ),
+    "structured_output_compile_seconds": (
+        "structured_output_compile_seconds",
+        "Seconds spent compiling grammars",
+    ),
 }
 ENGINE_GAUGES = {
     "kv_cache_usage": ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1)"),
@@ -88,9 +102,17 @@ ENGINE_GAUGES = {
         "cache_ghost_entries",
         "Evicted block hashes remembered for cache reports (bounded by --cache-ghost-entries)",
     ),
+    "structured_output_cached_grammars": (
+        "structured_output_cached_grammars",
+        "Grammars cached, over every client (a constraint that failed to compile too, so it is "
+        "refused again without compiling; bounded per client by --max-cached-grammars-per-tenant)",
+    ),
 }
 # Engine keys `cache_miss_<reason>` -> one counter labelled by reason (docs/cache_reports.md).
 MISS_REASON_KEY = "cache_miss_"
+# Engine keys `structured_output_rejections_<reason>` -> one counter labelled by reason
+# (docs/structured_outputs.md).
+REJECTION_KEY = "structured_output_rejections_"
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
@@ -113,15 +135,7 @@ class _EngineCollector(Collector):
             gauge = GaugeMetricFamily(PREFIX + name, doc)
             gauge.add_metric([], float(latest.get(key, 0)))
             yield gauge
-        misses = CounterMetricFamily(
-            PREFIX + "cache_miss_reasons",
-            "Requests by the reason their first missed prompt block was not served from the "
-            "cache (one per request, at its first scheduling)",
-            labels=["reason"],
-        )
-        for reason in REASONS:
-            misses.add_metric([reason], float(latest.get(MISS_REASON_KEY + reason, 0)))
-        yield misses
+        yield from _by_reason(latest)
         if isinstance(latest.get("kv_cache_dtype"), str):
             info = GaugeMetricFamily(
                 PREFIX + "kv_cache_dtype_info",
@@ -132,7 +146,9 @@ class _EngineCollector(Collector):
             yield info
         # Anything else numeric the engine reports, as a gauge under its own name.
         for key, value in sorted(latest.items()):
-            if key in ENGINE_COUNTERS or key in ENGINE_GAUGES or key.startswith(MISS_REASON_KEY):
+            if key in ENGINE_COUNTERS or key in ENGINE_GAUGES:
+                continue
+            if key.startswith((MISS_REASON_KEY, REJECTION_KEY)):
                 continue
             if isinstance(value, bool) or not isinstance(value, int | float):
                 continue
@@ -150,6 +166,31 @@ class _EngineCollector(Collector):
                 if _is_number(metrics.get(key)):
                     gauge.add_metric([str(rid)], float(metrics[key]))
             yield gauge
+
+
+def _by_reason(latest: dict[str, Any]) -> Iterator[Metric]:
+    """The engine's per-reason keys as counters labelled by reason: cache misses and
+    structured-output rejections."""
+    misses = CounterMetricFamily(
+        PREFIX + "cache_miss_reasons",
+        "Requests by the reason their first missed prompt block was not served from the "
+        "cache (one per request, at its first scheduling)",
+        labels=["reason"],
+    )
+    for reason in REASONS:
+        misses.add_metric([reason], float(latest.get(MISS_REASON_KEY + reason, 0)))
+    yield misses
+    rejections = CounterMetricFamily(
+        PREFIX + "structured_output_rejections",
+        "Structured requests refused before they were queued, by reason: a schema that is "
+        "not valid JSON Schema, one using what the grammar engine does not support, a regex "
+        "or grammar that does not parse, a compile past its time bound (400s), a client "
+        "with too many compiles in flight (429)",
+        labels=["reason"],
+    )
+    for reason in REJECTION_REASONS:
+        rejections.add_metric([reason], float(latest.get(REJECTION_KEY + reason, 0)))
+    yield rejections
 
 
 def _is_number(value: Any) -> bool:

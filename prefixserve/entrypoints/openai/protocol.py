@@ -5,20 +5,34 @@ Requests take the OpenAI fields plus vLLM's extras (`top_k`, `min_p`, `repetitio
 fields: `prompt_cache_retention` ("in_memory": the prompt's blocks never go to the disk tier;
 "24h": kept there up to 24 hours) and `prompt_cache_key` (with `--replicas`, requests whose
 prompts cost the same on several replicas go to the same one for the same key; one engine
-ignores it). Ranges are checked here so a
+ignores it). Structured outputs come as OpenAI's `response_format` (`text`, `json_object`,
+`json_schema`) or vLLM's `structured_outputs` (json, regex, choice, grammar, json_object), never
+both (docs/structured_outputs.md). Ranges are checked here so a
 bad value comes back as a 400 naming the field; SamplingParams checks them again below the server.
-Unknown fields are ignored, as OpenAI clients send fields this server has no use for.
+Unknown fields are ignored, as OpenAI clients send fields this server has no use for, except
+inside `response_format` and `structured_outputs`, where a misspelt key would silently drop the
+constraint.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from prefixserve.core.kv_cache.salts import validate_cache_salt
 from prefixserve.sampling_params import (
+    MAX_GRAMMAR_CHARS,
     MAX_LOGPROBS,
     MAX_N,
     MAX_SEED,
@@ -36,6 +50,20 @@ MAX_PROMPT_CACHE_KEY_CHARS = 1024
 
 # OpenAI's default for /v1/completions when max_tokens is absent or null.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
+# The deepest a JSON Schema may nest (objects and arrays inside each other). Checking a schema
+# recurses once per level (jsonschema, then the grammar compiler), so a deeper one would exhaust
+# Python's recursion limit; real schemas nest a few levels and put shared parts in `$defs`.
+MAX_SCHEMA_DEPTH = 64
+# vLLM's removed top-level fields, refused with the key of `structured_outputs` that replaced them.
+GUIDED_FIELDS = (
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "guided_whitespace_pattern",
+)
+# OpenAI's rule for `response_format.json_schema.name`.
+SCHEMA_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
 
 
 class _Request(BaseModel):
@@ -44,6 +72,118 @@ class _Request(BaseModel):
     # (SamplingParams) take them: a JSON bool, never "yes", "on", 1 or 0 (a query string's
     # flags, /reset_prefix_cache's, are text: FastAPI reads those).
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class _StrictRequest(_Request):
+    # An unknown key is a 400 naming it: ignored, a misspelt constraint would go unenforced.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+def check_text(text: str) -> str:
+    """`text` when it is valid Unicode (no lone surrogate, which JSON can carry), else
+    ValueError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"not valid Unicode text: {exc.reason} at character {exc.start}") from None
+    return text
+
+
+def check_schema(schema: Any) -> Any:
+    """`schema` when it nests at most MAX_SCHEMA_DEPTH objects and arrays deep (walked with a
+    stack, never recursion) and all its text is valid Unicode, else ValueError."""
+    stack = [(schema, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, str):
+            check_text(value)
+            continue
+        if isinstance(value, dict):
+            for key in value:
+                check_text(key)
+            children = list(value.values())
+        elif isinstance(value, list):
+            children = value
+        else:
+            continue
+        if depth > MAX_SCHEMA_DEPTH:
+            raise ValueError(f"the schema nests deeper than {MAX_SCHEMA_DEPTH} objects and arrays")
+        stack.extend((child, depth + 1) for child in children)
+    return schema
+
+
+class JsonSchemaFormat(_StrictRequest):
+    """`response_format.json_schema`: OpenAI's named schema. `strict` is accepted and changes
+    nothing: the answer always matches the schema (as vLLM does)."""
+
+    name: str = Field(pattern=SCHEMA_NAME_PATTERN)
+    description: str | None = Field(None, max_length=MAX_GRAMMAR_CHARS)
+    # Aliased: `schema` is a (deprecated) method of pydantic's BaseModel.
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: StrictBool | None = None
+
+    @field_validator("schema_")
+    @classmethod
+    def _check_schema(cls, value: dict[str, Any]) -> dict[str, Any]:
+        return check_schema(value)
+
+
+class ResponseFormat(_StrictRequest):
+    """OpenAI's `response_format`: `text` (no constraint), `json_object` (any JSON object) or
+    `json_schema` (the object `json_schema` names)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _json_schema_with_its_type(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError('type "json_schema" needs the json_schema object')
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise ValueError(f'json_schema is for type "json_schema" only, not "{self.type}"')
+        return self
+
+
+class StructuredOutputsRequest(_StrictRequest):
+    """vLLM's `structured_outputs`: exactly one of `json` (a JSON Schema, as an object or its
+    JSON text), `regex`, `choice`, `grammar` (Lark) or `json_object`; SamplingParams'
+    StructuredOutputsParams checks that and the sizes."""
+
+    # Aliased: `json` is a (deprecated) method of pydantic's BaseModel.
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: StrictBool | None = None
+    whitespace_pattern: str | None = None
+
+    @field_validator("regex", "grammar", "whitespace_pattern")
+    @classmethod
+    def _check_text(cls, value: str | None) -> str | None:
+        return None if value is None else check_text(value)
+
+    @field_validator("choice")
+    @classmethod
+    def _check_choices(cls, value: list[str] | None) -> list[str] | None:
+        return None if value is None else [check_text(choice) for choice in value]
+
+    @field_validator("json_")
+    @classmethod
+    def _parse_and_check(cls, value: dict[str, Any] | str | None) -> dict[str, Any] | None:
+        if isinstance(value, str):
+            if len(value) > MAX_GRAMMAR_CHARS:
+                raise ValueError(f"at most {MAX_GRAMMAR_CHARS} characters, got {len(value)}")
+            try:
+                value = json.loads(value)
+            except RecursionError:
+                raise ValueError(
+                    f"the schema nests deeper than {MAX_SCHEMA_DEPTH} objects and arrays"
+                ) from None
+            except ValueError as exc:
+                raise ValueError(f"not valid JSON: {exc}") from None
+            if not isinstance(value, dict):
+                raise ValueError("must be a JSON Schema object")
+        return None if value is None else check_schema(value)
 
 
 class StreamOptions(_Request):
@@ -82,6 +222,16 @@ class _SamplingFields(_Request):
     # prefixserve's extra: where the prompt's tokens came from and why the first missed block
     # missed (docs/cache_reports.md), as `cache_report` in the response or the last chunk.
     cache_report: StrictBool = False
+    # Structured outputs: OpenAI's field, or vLLM's (not both: see structured_outputs.py).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    # vLLM's removed names of `structured_outputs`' keys: refused, never ignored (ignored, the
+    # answer would come back unconstrained).
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_whitespace_pattern: Any = None
 
     @field_validator("seed")
     @classmethod
@@ -109,6 +259,16 @@ class _SamplingFields(_Request):
     def _check_cache_salt(cls, value: str | None) -> str | None:
         validate_cache_salt(value)
         return value
+
+    @field_validator(*GUIDED_FIELDS)
+    @classmethod
+    def _refuse_guided(cls, value: Any, info: ValidationInfo) -> None:
+        if value is not None:
+            key = info.field_name.removeprefix("guided_")
+            raise ValueError(
+                f'{info.field_name} is vLLM\'s old name: send structured_outputs={{"{key}": ...}}'
+            )
+        return None
 
     @field_validator("stop_token_ids")
     @classmethod

@@ -7,6 +7,8 @@ The engine validates the request (token ids in the vocabulary, prompt and max_to
 context, the KV pool); its ValueError comes back from `add_request` before any header is sent and
 leaves as a 400 naming the endpoint's field. The view keeps what every response needs (usage,
 cached tokens, latency metrics, what was already streamed); subclasses only shape the objects.
+A structured request's grammar compiles inside `add_request` too: a bad one is the engine's
+ValueError (a 400), a tenant with too many compiles in flight a GrammarBusy (a 429).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from prefixserve.entrypoints.openai.auth import ApiKeys
 from prefixserve.entrypoints.openai.errors import (
     RETRY_AFTER_S,
     OpenAIError,
+    capacity_refusal,
     engine_stopped,
     from_value_error,
     request_failed,
@@ -43,7 +46,8 @@ from prefixserve.entrypoints.openai.metrics import RequestTimer, ServerMetrics
 from prefixserve.entrypoints.openai.tokenizer_queue import TokenizerQueue
 from prefixserve.lora.config import LoRARequest
 from prefixserve.outputs import CompletionOutput, Logprob, RequestOutput
-from prefixserve.sampling_params import SamplingParams
+from prefixserve.sampling_params import SamplingParams, StructuredOutputsParams
+from prefixserve.structured_output.errors import GrammarBusy
 
 T = TypeVar("T")
 
@@ -76,9 +80,11 @@ def sampling_params(
     max_tokens: int | None,
     logprobs: int | None,
     fields: Mapping[str, str] | None = None,
+    structured_outputs: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     """SamplingParams from the fields both endpoints share; `max_tokens` and `logprobs` are
-    the endpoint's own reading of its body. `fields` renames the error's param (see errors.py)."""
+    the endpoint's own reading of its body, `structured_outputs` its constraint
+    (structured_outputs.py). `fields` renames the error's param (see errors.py)."""
     try:
         return SamplingParams(
             n=body.n,
@@ -97,6 +103,7 @@ def sampling_params(
             logprobs=logprobs,
             prompt_logprobs=body.prompt_logprobs,
             cache_report=body.cache_report,
+            structured_outputs=structured_outputs,
         )
     except ValueError as exc:
         raise from_value_error(exc, fields) from exc
@@ -147,7 +154,8 @@ async def start_request(
 ) -> tuple[RequestStream, Ticket]:
     """Admit `request` (admission.py: its tenant's share of requests and tokens in flight) and
     add it to the engine: its stream and admission ticket. The engine's ValueError leaves as a
-    400 naming the endpoint's field (`fields`), a dead engine as a 503 with Retry-After."""
+    400 naming the endpoint's field (`fields`), a tenant's grammar compiles past its bound as a
+    429 and a dead engine as a 503, both with Retry-After."""
     params = request.params
     max_tokens = params.max_tokens or max(1, state.engine.max_model_len - num_prompt)
     ticket = state.admission.admit(raw.state.tenant, params.n * (num_prompt + max_tokens))
@@ -156,6 +164,9 @@ async def start_request(
     except ValueError as exc:
         state.admission.release(ticket)
         raise from_value_error(exc, fields) from exc
+    except GrammarBusy as exc:
+        state.admission.release(ticket)
+        raise capacity_refusal(f"too many requests: {exc}", "too_many_grammar_compiles") from exc
     except BaseException as exc:
         state.admission.release(ticket)
         if isinstance(exc, EngineDeadError):

@@ -17,6 +17,7 @@ from prefixserve.entrypoints.openai.serving import (
     generate,
     sampling_params,
 )
+from prefixserve.entrypoints.openai.structured_outputs import structured_outputs_params
 from prefixserve.outputs import Logprob, RequestOutput
 
 
@@ -26,17 +27,20 @@ async def create_chat_completion(
     model = check_model(state, body.model)
     # Taken now: an adapter unloaded while the prompt is rendered must not turn into the base model.
     lora = lora_request_for(state, model)
+    structured, structured_names = structured_outputs_params(body)
     prompt_ids = await _prompt(state, raw.state.tenant, body)
     # The fields the engine's errors name, as this endpoint calls them.
     fields = {
         "prompt": "messages",
         "max_tokens": "max_completion_tokens" if body.max_completion_tokens else "max_tokens",
+        **structured_names,
     }
     params = sampling_params(
         body,
         max_tokens=body.effective_max_tokens,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         fields=fields,
+        structured_outputs=structured,
     )
     view = ChatView(state, model, body, params.logprobs, arrival)
     return await generate(

@@ -18,6 +18,7 @@ from prefixserve.entrypoints.openai.serving import (
     generate,
     sampling_params,
 )
+from prefixserve.entrypoints.openai.structured_outputs import structured_outputs_params
 from prefixserve.outputs import Logprob, RequestOutput
 
 
@@ -27,6 +28,8 @@ async def create_completion(
     model = check_model(state, body.model)
     # Taken now: an adapter unloaded while the prompt is decoded must not turn into the base model.
     lora = lora_request_for(state, model)
+    # The constraint's fields, as the engine's errors name them, in this request's words.
+    structured, fields = structured_outputs_params(body)
     embeds = None
     if (body.prompt is None) == (body.prompt_embeds is None):
         raise OpenAIError("give exactly one of prompt and prompt_embeds", param="prompt")
@@ -40,7 +43,13 @@ async def create_completion(
         prompt_ids, prompt_text = [], None
     else:
         prompt_ids, prompt_text = await _prompt(state, raw.state.tenant, body)
-    params = sampling_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs)
+    params = sampling_params(
+        body,
+        max_tokens=body.max_tokens,
+        logprobs=body.logprobs,
+        fields=fields,
+        structured_outputs=structured,
+    )
     view = CompletionView(state, model, body, params.logprobs, arrival)
     return await generate(
         state,
@@ -50,6 +59,7 @@ async def create_completion(
         prompt_ids,
         params,
         prompt_text=prompt_text,
+        fields=fields,
         prompt_embeds=embeds,
         lora_request=lora,
     )
