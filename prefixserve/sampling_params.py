@@ -30,8 +30,63 @@ MAX_GRAMMAR_CHARS = 256 * 1024
 MAX_CHOICES = 1024
 MAX_WHITESPACE_PATTERN_CHARS = 256
 
+# The deepest a JSON Schema may nest (objects and arrays inside each other). Checking a schema
+# recurses once per level (jsonschema, then the grammar compiler), so a deeper one would exhaust
+# Python's recursion limit; real schemas nest a few levels and put shared parts in `$defs`.
+MAX_SCHEMA_DEPTH = 64
+
 # The kinds of constraint a StructuredOutputsParams carries, exactly one per request.
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def check_text(text: str) -> str:
+    """`text` when it is valid Unicode (no lone surrogate, which JSON can carry), else
+    ValueError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"not valid Unicode text: {exc.reason} at character {exc.start}") from None
+    return text
+
+
+def check_schema(schema: Any) -> Any:
+    """`schema` when it nests at most MAX_SCHEMA_DEPTH objects and arrays deep (walked with a
+    stack, never recursion) and all its text is valid Unicode, else ValueError."""
+    stack = [(schema, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, str):
+            check_text(value)
+            continue
+        if isinstance(value, dict):
+            for key in value:
+                check_text(key)
+            children = list(value.values())
+        elif isinstance(value, list):
+            children = value
+        else:
+            continue
+        if depth > MAX_SCHEMA_DEPTH:
+            raise ValueError(f"the schema nests deeper than {MAX_SCHEMA_DEPTH} objects and arrays")
+        stack.extend((child, depth + 1) for child in children)
+    return schema
+
+
+def _schema_from_text(text: str) -> Any:
+    """A schema given as JSON text, parsed (ValueError naming what is wrong)."""
+    if len(text) > MAX_GRAMMAR_CHARS:
+        raise ValueError(
+            f"structured_outputs.json is {len(text)} characters; at most "
+            f"{MAX_GRAMMAR_CHARS} are allowed"
+        )
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError(
+            f"structured_outputs.json nests deeper than {MAX_SCHEMA_DEPTH} objects and arrays"
+        ) from None
+    except ValueError as exc:
+        raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
 
 
 @dataclass(slots=True)
@@ -59,12 +114,14 @@ class StructuredOutputsParams:
                 f"json_object, got {given or 'none'}"
             )
         if isinstance(self.json, str):
-            try:
-                self.json = json.loads(self.json)
-            except ValueError as exc:
-                raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
+            self.json = _schema_from_text(self.json)
         if self.json is not None and not isinstance(self.json, dict | bool):
             raise ValueError("structured_outputs.json must be a JSON Schema object")
+        try:  # before anything recurses over it or encodes it
+            for name in (*STRUCTURED_KINDS, "whitespace_pattern"):
+                check_schema(getattr(self, name))
+        except ValueError as exc:
+            raise ValueError(f"structured_outputs.{given[0]}: {exc}") from None
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):

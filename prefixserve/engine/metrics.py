@@ -18,6 +18,7 @@ SUMMED_GAUGES = frozenset(
         "num_free_kv_blocks",
         "num_running",
         "num_waiting",
+        "structured_output_cached_grammars",
         "kv_cache_cached_blocks",
         "kv_cache_pinned_blocks",
         "kv_cache_breakpoint_blocks",

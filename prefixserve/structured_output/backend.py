@@ -187,6 +187,10 @@ def _check_json_schema(schema: Any) -> None:
         return
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
+    except RecursionError:  # StructuredOutputsParams bounds the depth; this is the backstop
+        raise GrammarError(
+            "structured_outputs.json nests too deep to check", "invalid_schema"
+        ) from None
     except jsonschema.SchemaError as exc:
         where = "/".join(str(p) for p in exc.path) or "(root)"
         raise GrammarError(
@@ -195,18 +199,20 @@ def _check_json_schema(schema: Any) -> None:
         ) from None
 
 
+def clean_message(message: str) -> str:
+    """llguidance's error text for a client: one line, without its verbosity markers."""
+    return " ".join(message.replace("<non-verbose/>", "").split())[:500]
+
+
 def _refusal(params: StructuredOutputsParams, message: str) -> GrammarError:
     """llguidance's error as the client's 400: unsupported keywords and formats apart from
     grammars and regexes that do not parse."""
-    message = " ".join(message.split())[:500]
+    message = clean_message(message)
     kind = params.kind
     lowered = message.lower()
     if kind in ("json", "json_object") and ("unimplemented" in lowered or "unknown" in lowered):
         return GrammarError(
-            f"structured_outputs.json uses what the grammar engine does not support: {message}",
+            f"structured_outputs.{kind} uses what the grammar engine does not support: {message}",
             "unsupported",
         )
-    field = {"json_object": "json"}.get(kind, kind)
-    return GrammarError(
-        f"structured_outputs.{field} does not compile: {message}", "invalid_grammar"
-    )
+    return GrammarError(f"structured_outputs.{kind} does not compile: {message}", "invalid_grammar")

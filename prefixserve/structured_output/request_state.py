@@ -16,7 +16,7 @@ from concurrent.futures import Future, wait
 
 import numpy as np
 
-from prefixserve.structured_output.backend import GrammarMatcher
+from prefixserve.structured_output.backend import GrammarMatcher, clean_message
 
 # The most forced tokens taken in one go (a bound on a grammar that forces a long text).
 MAX_FORCED_RUN = 256
@@ -96,7 +96,7 @@ class GrammarState:
         (with `error` set) when the grammar does not allow them."""
         assert self.matcher is not None
         if not self.matcher.consume(token_ids):
-            self.error = self.matcher.error or "a token the grammar does not allow"
+            self.error = clean_message(self.matcher.error or "a token the grammar does not allow")
             return False
         for token in token_ids:
             if self.pending_forced and self.pending_forced[0] == token:
@@ -146,7 +146,7 @@ class GrammarState:
                     consumed += 1
                 matcher.fill_mask(rows[j])
                 if matcher.error:  # e.g. a parser limit reached while computing the mask
-                    raise RuntimeError(f"the grammar failed: {matcher.error}")
+                    raise RuntimeError(f"the grammar failed: {clean_message(matcher.error)}")
         finally:
             if consumed:
                 matcher.rollback(consumed)

@@ -71,3 +71,21 @@ def test_enums_with_spaces_and_patterns_with_newlines_can_be_written(
     )
     text = llm.generate(["Two words on two lines: "], lines, use_tqdm=False)[0].outputs[0].text
     assert len(text.split("\n")) == 2 and all(part.isalpha() for part in text.split("\n"))
+
+
+def test_a_constraint_too_deep_or_not_unicode_is_refused_before_anything_recurses():
+    deep: dict = {}
+    node = deep
+    for _ in range(5000):
+        node["items"] = {}
+        node = node["items"]
+    cases = [
+        (dict(json=deep), "nests deeper than"),
+        (dict(json="[" * 5000 + "]" * 5000), "nests deeper than"),
+        (dict(regex="a\udc00"), "not valid Unicode"),
+        (dict(choice=["ok", "x\ud800"]), "not valid Unicode"),
+        (dict(json={"enum": ["\udfff"]}), "not valid Unicode"),
+    ]
+    for fields, message in cases:
+        with pytest.raises(ValueError, match=message):
+            StructuredOutputsParams(**fields)

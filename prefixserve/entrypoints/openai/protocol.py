@@ -35,6 +35,7 @@ from prefixserve.sampling_params import (
     MAX_GRAMMAR_CHARS,
     MAX_LOGPROBS,
     MAX_N,
+    MAX_SCHEMA_DEPTH,
     MAX_SEED,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
@@ -44,16 +45,14 @@ from prefixserve.sampling_params import (
     PENALTY_RANGE,
     REPETITION_PENALTY_RANGE,
     TEMPERATURE_RANGE,
+    check_schema,
+    check_text,
 )
 
 MAX_PROMPT_CACHE_KEY_CHARS = 1024
 
 # OpenAI's default for /v1/completions when max_tokens is absent or null.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
-# The deepest a JSON Schema may nest (objects and arrays inside each other). Checking a schema
-# recurses once per level (jsonschema, then the grammar compiler), so a deeper one would exhaust
-# Python's recursion limit; real schemas nest a few levels and put shared parts in `$defs`.
-MAX_SCHEMA_DEPTH = 64
 # vLLM's removed top-level fields, refused with the key of `structured_outputs` that replaced them.
 GUIDED_FIELDS = (
     "guided_json",
@@ -77,39 +76,6 @@ class _Request(BaseModel):
 class _StrictRequest(_Request):
     # An unknown key is a 400 naming it: ignored, a misspelt constraint would go unenforced.
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-
-def check_text(text: str) -> str:
-    """`text` when it is valid Unicode (no lone surrogate, which JSON can carry), else
-    ValueError."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ValueError(f"not valid Unicode text: {exc.reason} at character {exc.start}") from None
-    return text
-
-
-def check_schema(schema: Any) -> Any:
-    """`schema` when it nests at most MAX_SCHEMA_DEPTH objects and arrays deep (walked with a
-    stack, never recursion) and all its text is valid Unicode, else ValueError."""
-    stack = [(schema, 1)]
-    while stack:
-        value, depth = stack.pop()
-        if isinstance(value, str):
-            check_text(value)
-            continue
-        if isinstance(value, dict):
-            for key in value:
-                check_text(key)
-            children = list(value.values())
-        elif isinstance(value, list):
-            children = value
-        else:
-            continue
-        if depth > MAX_SCHEMA_DEPTH:
-            raise ValueError(f"the schema nests deeper than {MAX_SCHEMA_DEPTH} objects and arrays")
-        stack.extend((child, depth + 1) for child in children)
-    return schema
 
 
 class JsonSchemaFormat(_StrictRequest):
