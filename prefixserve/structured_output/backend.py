@@ -163,7 +163,10 @@ def grammar_text(params: StructuredOutputsParams) -> str:
     kind = params.kind
     if kind == "json":
         _check_json_schema(params.json)
-        return llguidance.LLMatcher.grammar_from_json_schema(params.json, defaults=options)
+        schema = params.json
+        if schema is True:  # JSON Schema's "anything": any JSON value
+            schema = {}
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
     if kind == "json_object":
         schema = {"type": "object"}
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
@@ -210,7 +213,8 @@ def _refusal(params: StructuredOutputsParams, message: str) -> GrammarError:
     message = clean_message(message)
     kind = params.kind
     lowered = message.lower()
-    if kind in ("json", "json_object") and ("unimplemented" in lowered or "unknown" in lowered):
+    unsupported = ("unimplemented", "unknown", "not supported")
+    if kind in ("json", "json_object") and any(word in lowered for word in unsupported):
         return GrammarError(
             f"structured_outputs.{kind} uses what the grammar engine does not support: {message}",
             "unsupported",

@@ -1,0 +1,151 @@
+"""The Hermes tool-call format (NousResearch's; vLLM's `hermes` parser reads the same): each call
+is `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` in the answer's text, any text
+before the first call is the answer's content.
+
+Text that does not parse as a call (malformed JSON, no name, arguments that are not an object,
+an unclosed tag) stays text: a model's slip is the client's text to see, never a 500.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+OPEN = "<tool_call>"
+CLOSE = "</tool_call>"
+
+
+@dataclass(slots=True)
+class ParsedToolCall:
+    name: str
+    arguments: dict  # the arguments object (JSON-encode it for OpenAI's `arguments` string)
+
+
+def _parse_call(body: str) -> ParsedToolCall | None:
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    arguments = value.get("arguments", value.get("parameters", {}))
+    if not isinstance(arguments, dict):
+        return None
+    return ParsedToolCall(value["name"], arguments)
+
+
+def parse_hermes(text: str) -> tuple[str | None, list[ParsedToolCall]]:
+    """(content, calls) of a finished answer. Content is the text outside the calls (None when
+    only calls and whitespace); a block that does not parse is left in the content as text."""
+    calls: list[ParsedToolCall] = []
+    content: list[str] = []
+    rest = text
+    while True:
+        start = rest.find(OPEN)
+        if start < 0:
+            content.append(rest)
+            break
+        end = rest.find(CLOSE, start + len(OPEN))
+        if end < 0:
+            content.append(rest)
+            break
+        call = _parse_call(rest[start + len(OPEN) : end])
+        if call is None:
+            content.append(rest[: end + len(CLOSE)])
+        else:
+            content.append(rest[:start])
+            calls.append(call)
+        rest = rest[end + len(CLOSE) :]
+    joined = "".join(content)
+    if calls:
+        joined = joined.strip()
+    return (joined or None), calls
+
+
+@dataclass(slots=True)
+class StreamEvent:
+    """One piece of a streamed answer: text, or a call's start (index, name) or arguments."""
+
+    kind: str  # "text" | "call_start" | "call_arguments"
+    text: str = ""
+    index: int = 0
+    name: str = ""
+
+
+@dataclass(slots=True)
+class HermesStreamParser:
+    """Incremental: `feed(delta)` -> events, `finish()` -> the events left. Text is released as
+    soon as it cannot be the start of `<tool_call>`; a call is released when its closing tag
+    arrives (its name, then its arguments as one JSON piece, as OpenAI streams them in pieces a
+    client concatenates); a block that does not parse is released as text."""
+
+    _buffer: str = ""
+    _calls: int = 0
+    _in_call: bool = False
+    _saw_call: bool = False
+    events: list[StreamEvent] = field(default_factory=list)
+
+    def feed(self, delta: str) -> list[StreamEvent]:
+        self._buffer += delta
+        out: list[StreamEvent] = []
+        while self._buffer:
+            if self._in_call:
+                end = self._buffer.find(CLOSE)
+                if end < 0:
+                    break
+                body, self._buffer = self._buffer[:end], self._buffer[end + len(CLOSE) :]
+                self._in_call = False
+                out.extend(self._call_events(body))
+                continue
+            start = self._buffer.find(OPEN)
+            if start >= 0:
+                self._text(out, self._buffer[:start])
+                self._buffer = self._buffer[start + len(OPEN) :]
+                self._in_call = True
+                continue
+            keep = _partial_tag_suffix(self._buffer)
+            self._text(out, self._buffer[: len(self._buffer) - keep])
+            self._buffer = self._buffer[len(self._buffer) - keep :]
+            break
+        return out
+
+    def finish(self) -> list[StreamEvent]:
+        out: list[StreamEvent] = []
+        if self._in_call:
+            self._text(out, OPEN + self._buffer)
+        else:
+            self._text(out, self._buffer)
+        self._buffer, self._in_call = "", False
+        return out
+
+    @property
+    def num_calls(self) -> int:
+        return self._calls
+
+    def _text(self, out: list[StreamEvent], text: str) -> None:
+        if self._saw_call:
+            text = text.strip()  # whitespace between calls is not content
+        if text:
+            out.append(StreamEvent("text", text=text))
+
+    def _call_events(self, body: str) -> list[StreamEvent]:
+        call = _parse_call(body)
+        if call is None:
+            out: list[StreamEvent] = []
+            self._text(out, OPEN + body + CLOSE)
+            return out
+        index = self._calls
+        self._calls += 1
+        self._saw_call = True
+        return [
+            StreamEvent("call_start", index=index, name=call.name),
+            StreamEvent("call_arguments", index=index, text=json.dumps(call.arguments)),
+        ]
+
+
+def _partial_tag_suffix(text: str) -> int:
+    """The length of the longest suffix of `text` that is a proper prefix of `<tool_call>`."""
+    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
+        if OPEN.startswith(text[-n:]):
+            return n
+    return 0

@@ -1,0 +1,66 @@
+"""The Hermes tool-call parser: calls come out as (name, arguments object), text around them as
+content, and anything that does not parse as a call stays text (never an error)."""
+
+from __future__ import annotations
+
+import json
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from prefixserve.entrypoints.chat.tool_parsers.hermes import HermesStreamParser, parse_hermes
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def test_a_call_parses_to_its_name_and_arguments_object():
+    content, calls = parse_hermes(CALL)
+    assert content is None
+    assert [(c.name, c.arguments) for c in calls] == [("get_weather", {"city": "Paris"})]
+
+
+def test_text_before_a_call_is_the_content_and_parallel_calls_keep_their_order():
+    text = "Let me check.\n" + CALL + "\n" + CALL.replace("Paris", "Rome")
+    content, calls = parse_hermes(text)
+    assert content == "Let me check."
+    assert [c.arguments["city"] for c in calls] == ["Paris", "Rome"]
+
+
+def test_text_that_does_not_parse_as_a_call_stays_text():
+    for text in (
+        "<tool_call>{not json}</tool_call>",
+        '<tool_call>{"arguments": {}}</tool_call>',  # no name
+        '<tool_call>{"name": "f", "arguments": [1]}</tool_call>',  # arguments not an object
+        '<tool_call>{"name": "f", "arguments": {}}',  # never closed
+        "plain answer",
+    ):
+        content, calls = parse_hermes(text)
+        assert calls == [] and content == text
+
+
+def _stream(text: str, cuts: list[int]) -> tuple[str, list[tuple[str, dict]]]:
+    parser = HermesStreamParser()
+    events = []
+    start = 0
+    for cut in sorted(set(cuts)) + [len(text)]:
+        events += parser.feed(text[start:cut])
+        start = cut
+    events += parser.finish()
+    content = "".join(e.text for e in events if e.kind == "text")
+    names = {e.index: e.name for e in events if e.kind == "call_start"}
+    arguments: dict[int, str] = {}
+    for e in events:
+        if e.kind == "call_arguments":
+            arguments[e.index] = arguments.get(e.index, "") + e.text
+    return content, [(names[i], json.loads(arguments[i])) for i in sorted(names)]
+
+
+@given(st.lists(st.integers(0, 400), max_size=30), st.sampled_from(["", "Sure. ", "x <tool"]))
+def test_streaming_in_any_pieces_gives_what_the_whole_text_gives(cuts, prefix):
+    text = prefix + CALL + "\n" + CALL.replace("Paris", "Oslo") + " <tool_call>{bad}</tool_call>"
+    content, calls = parse_hermes(text)
+    streamed_content, streamed_calls = _stream(text, [c % (len(text) + 1) for c in cuts])
+    assert streamed_calls == [(c.name, c.arguments) for c in calls]
+    assert streamed_content.replace(" ", "").replace("\n", "") == (content or "").replace(
+        " ", ""
+    ).replace("\n", "")
