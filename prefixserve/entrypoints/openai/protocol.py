@@ -31,6 +31,7 @@ from pydantic import (
 )
 
 from prefixserve.core.kv_cache.salts import validate_cache_salt
+from prefixserve.entrypoints.openai import tool_protocol as tp
 from prefixserve.sampling_params import (
     MAX_GRAMMAR_CHARS,
     MAX_LOGPROBS,
@@ -342,6 +343,9 @@ class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    # An assistant turn's calls (content null), and a tool turn's answer to one of them.
+    tool_calls: list[tp.ToolCallIn] | None = Field(None, max_length=tp.MAX_TOOLS)
+    tool_call_id: str | None = Field(None, max_length=tp.MAX_TOOL_CALL_ID_CHARS)
 
     def text(self) -> str:
         if self.content is None:
@@ -360,6 +364,10 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: StrictBool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: StrictBool = True
+    # Function tools (tool_protocol.py; entrypoints/chat/ renders and parses them).
+    tools: list[tp.ChatTool] | None = Field(None, max_length=tp.MAX_TOOLS)
+    tool_choice: tp.ToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
 
     @field_validator("top_logprobs")
     @classmethod
@@ -462,7 +470,8 @@ class ChatLogprobs(BaseModel):
 
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[tp.ToolCallOut] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -486,6 +495,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[tp.DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -17,8 +17,16 @@ from prefixserve.entrypoints.openai.serving import (
     generate,
     sampling_params,
 )
+from prefixserve.entrypoints.openai.serving_tools import (
+    StreamedCalls,
+    ToolPlan,
+    answer_message,
+    finish_reason,
+    history_messages,
+    plan_tools,
+)
 from prefixserve.entrypoints.openai.structured_outputs import structured_outputs_params
-from prefixserve.outputs import Logprob, RequestOutput
+from prefixserve.outputs import CompletionOutput, Logprob, RequestOutput
 
 
 async def create_chat_completion(
@@ -28,7 +36,18 @@ async def create_chat_completion(
     # Taken now: an adapter unloaded while the prompt is rendered must not turn into the base model.
     lora = lora_request_for(state, model)
     structured, structured_names = structured_outputs_params(body)
-    prompt_ids = await _prompt(state, raw.state.tenant, body)
+    plan = plan_tools(body, state.engine.tokenizer)
+    if plan.constraint is not None:
+        if structured is not None:
+            raise OpenAIError(
+                "a tool call cannot also follow response_format or structured_outputs; send "
+                'tool_choice "none" with them',
+                param="tool_choice",
+            )
+        structured = plan.constraint
+        # A tool's schema the grammar engine refuses is the tools' 400.
+        structured_names = {"structured_outputs.grammar": "tools", "structured_outputs": "tools"}
+    prompt_ids = await _prompt(state, raw.state.tenant, body, plan)
     # The fields the engine's errors name, as this endpoint calls them.
     fields = {
         "prompt": "messages",
@@ -42,18 +61,24 @@ async def create_chat_completion(
         fields=fields,
         structured_outputs=structured,
     )
-    view = ChatView(state, model, body, params.logprobs, arrival)
+    view = ChatView(state, model, body, params.logprobs, arrival, plan=plan)
     return await generate(
         state, raw, body, view, prompt_ids, params, fields=fields, lora_request=lora
     )
 
 
 async def _prompt(
-    state: ServerState, tenant: str | None, body: p.ChatCompletionRequest
+    state: ServerState, tenant: str | None, body: p.ChatCompletionRequest, plan: ToolPlan
 ) -> list[int]:
-    """The messages rendered by the chat template. The engine checks the ids."""
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    check_prompt_text(state, [m["content"] for m in messages], "messages")
+    """The messages rendered by the chat template (the tool-capable one when the request uses
+    tools, with its tools). The engine checks the ids."""
+    messages = history_messages(body)
+    texts = [m["content"] or "" for m in messages]
+    texts += [c["function"]["arguments"] for m in messages for c in m.get("tool_calls", ())]
+    check_prompt_text(state, texts, "messages")
+    extra: dict[str, object] = {}
+    if plan.template is not None:
+        extra = {"chat_template": plan.template, "tools": plan.tools}
     try:
         ids = await off_loop(
             state,
@@ -61,6 +86,7 @@ async def _prompt(
             state.engine.tokenizer.apply_chat_template,
             messages,
             add_generation_prompt=body.add_generation_prompt,
+            **extra,
         )
     except ValueError as exc:
         raise OpenAIError(str(exc), param="messages") from exc
@@ -72,9 +98,15 @@ async def _prompt(
 
 
 class ChatView(ResponseView):
-    """Chat responses and chunks (`chat.completion` objects, with their logprobs)."""
+    """Chat responses and chunks (`chat.completion` objects, with their logprobs and tool
+    calls)."""
 
     id_prefix = "chatcmpl"
+
+    def __init__(self, *args: object, plan: ToolPlan | None = None, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.plan = plan or ToolPlan(None, None, None, False, False)
+        self.streamed = [StreamedCalls() for _ in range(self.n)]
 
     def logprobs(self, token_ids: list[int], entries: list[dict[int, Logprob]]) -> p.ChatLogprobs:
         content = []
@@ -103,18 +135,19 @@ class ChatView(ResponseView):
             id=self.request_id,
             created=self.created,
             model=self.model,
-            choices=[
-                p.ChatChoice(
-                    index=c.index,
-                    message=p.ChatMessageOut(content=c.text),
-                    logprobs=None if c.logprobs is None else self.logprobs(c.token_ids, c.logprobs),
-                    finish_reason=c.finish_reason,
-                    stop_reason=c.stop_reason,
-                    prompt_logprobs=self.prompt_logprobs(final) if c.index == 0 else None,
-                )
-                for c in final.outputs
-            ],
+            choices=[self._choice(final, c) for c in final.outputs],
             usage=self.usage(),
+        )
+
+    def _choice(self, final: RequestOutput, c: CompletionOutput) -> p.ChatChoice:
+        message, has_calls = answer_message(self.plan, c.text)
+        return p.ChatChoice(
+            index=c.index,
+            message=message,
+            logprobs=None if c.logprobs is None else self.logprobs(c.token_ids, c.logprobs),
+            finish_reason=finish_reason(self.plan, c.finish_reason, has_calls),
+            stop_reason=c.stop_reason,
+            prompt_logprobs=self.prompt_logprobs(final) if c.index == 0 else None,
         )
 
     def opening_chunks(self) -> list[p.ChatCompletionChunk]:
@@ -136,13 +169,19 @@ class ChatView(ResponseView):
         logprobs = None
         if delta.logprobs is not None:
             logprobs = self.logprobs(delta.token_ids, delta.logprobs)
+        message = p.DeltaMessage(content=delta.text)
+        reason = delta.finish_reason
+        if self.plan.parse_calls:
+            calls = self.streamed[delta.index]
+            message = calls.delta(delta.text, reason is not None)
+            reason = finish_reason(self.plan, reason, calls.num_calls > 0)
         return self._chunk(
             [
                 p.ChatChunkChoice(
                     index=delta.index,
-                    delta=p.DeltaMessage(content=delta.text),
+                    delta=message,
                     logprobs=logprobs,
-                    finish_reason=delta.finish_reason,
+                    finish_reason=reason,
                     stop_reason=delta.stop_reason,
                 )
             ],
