@@ -27,10 +27,18 @@ class ToolSpec:
     parameters: dict[str, Any]
 
 
+# The arguments are written as Python's json.dumps writes them (", " and ": ", no other
+# whitespace): the text a client sends back in its history (OpenAI's `arguments` string, or
+# Anthropic's `input` dumped) renders to the very tokens that were generated, so the next turn
+# hits the prefix cache through the call (docs/tools.md).
+_ARGUMENTS_FORMAT = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
+
+
 def _call_rule(index: int, tool: ToolSpec) -> str:
     head = json.dumps('{"name": ' + json.dumps(tool.name) + ', "arguments": ')
-    schema = json.dumps(tool.parameters or {"type": "object"}, separators=(",", ":"))
-    return f'call_{index}: {head} %json {schema} "}}"'
+    schema = {**(tool.parameters or {"type": "object"}), "x-guidance": _ARGUMENTS_FORMAT}
+    text = json.dumps(schema, separators=(",", ":"))
+    return f'call_{index}: {head} %json {text} "}}"'
 
 
 def _calls(tools: Sequence[ToolSpec]) -> list[str]:

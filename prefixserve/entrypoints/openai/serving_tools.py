@@ -12,7 +12,6 @@ except for a call forced by name, which OpenAI finishes with "stop".
 
 from __future__ import annotations
 
-import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -163,7 +162,7 @@ def answer_message(plan: ToolPlan, text: str) -> tuple[p.ChatMessageOut, bool]:
     out = [
         tp.ToolCallOut(
             id=call_id(),
-            function=tp.FunctionCallOut(name=c.name, arguments=json.dumps(c.arguments)),
+            function=tp.FunctionCallOut(name=c.name, arguments=c.arguments_json),
         )
         for c in calls
     ]

@@ -18,7 +18,14 @@ CLOSE = "</tool_call>"
 @dataclass(slots=True)
 class ParsedToolCall:
     name: str
-    arguments: dict  # the arguments object (JSON-encode it for OpenAI's `arguments` string)
+    arguments: dict  # the arguments object
+
+    @property
+    def arguments_json(self) -> str:
+        """The arguments as OpenAI's `arguments` string, written as the call grammar writes them
+        (json.dumps's separators, characters as they are), so a client that sends it back
+        renders the tokens that were generated."""
+        return json.dumps(self.arguments, ensure_ascii=False)
 
 
 def _parse_call(body: str) -> ParsedToolCall | None:
@@ -139,7 +146,7 @@ class HermesStreamParser:
         self._saw_call = True
         return [
             StreamEvent("call_start", index=index, name=call.name),
-            StreamEvent("call_arguments", index=index, text=json.dumps(call.arguments)),
+            StreamEvent("call_arguments", index=index, text=call.arguments_json),
         ]
 
 
