@@ -41,6 +41,9 @@ class RequestGrammar(Protocol):
     """A structured request's grammar, as the scheduler drives it."""
 
     error: str | None  # why the grammar failed (compile error, timeout, a refused token)
+    # The grammar is complete but the request's last tokens (a forced run) are not computed
+    # yet: the next step computes them, its sample is dropped, and the request stops.
+    finishing: bool
     unreported: list[int]  # forced tokens appended before the first step, not yet reported
 
     def poll(self) -> bool | None:

@@ -197,6 +197,9 @@ class OutputProcessor:
         if update.new_prompt_logprobs and sample.index == 0 and entry.prompt_logprobs is not None:
             self._add_prompt_logprobs(entry, update)
         if not update.new_token_ids:
+            if update.finished:  # a step that only computed (a grammar's forced tail), then ended
+                sample.finish_reason = request.status.finish_reason
+                sample.stop_reason = request.stop_reason
             return None
         stop, num_tokens = self._add_tokens(sample, update.new_token_ids)
         if sample.logprobs is not None:

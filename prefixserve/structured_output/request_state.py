@@ -34,6 +34,7 @@ class GrammarState:
         "error",
         "unreported",
         "on_refused",
+        "finishing",
     )
 
     def __init__(
@@ -56,6 +57,8 @@ class GrammarState:
         self.unreported: list[int] = []
         # Told the rejection reason when the compile fails or times out (metrics).
         self.on_refused = on_refused
+        # Complete, its forced tail waiting to be computed (the scheduler stops it after).
+        self.finishing = False
 
     def poll(self) -> bool | None:
         """True once the grammar is compiled (the matcher starts), None while it compiles,

@@ -37,8 +37,8 @@ class StepMasks:
         num_rows = 0
         for s in output.scheduled:
             state = s.request.structured_output
-            if state is None or not s.samples or not state.ready:
-                continue
+            if state is None or not s.samples or not state.ready or state.finishing:
+                continue  # (a finishing request's sample is dropped: no mask)
             forced = state.forced_next
             if forced is not None:
                 self.forced[s.request.request_id] = forced

@@ -518,6 +518,9 @@ class Scheduler:
         in their slots already: they count as computed, and a block they complete is cached now.
         Returns True when the request stopped."""
         request = entry.request
+        if request.structured_output is not None and request.structured_output.finishing:
+            request.status = RequestStatus.FINISHED_STOPPED  # its forced tail is computed now
+            return True
         accepted, tokens, logprobs = sampled_run(runner_output, request.request_id, token_id)
         if entry.draft_token_ids:
             self.stats.record_verification(len(entry.draft_token_ids), len(accepted))
@@ -550,6 +553,11 @@ class Scheduler:
                 self.grammar_failures[request.request_id] = grammar.error or "grammar refused"
                 return False
             if grammar.stopped:
+                if request.num_tokens - request.num_computed_tokens > 1:
+                    # It ended on a run of forced tokens: one more step computes them (their
+                    # K/V is the next turn's prefix), then it stops (`_finish_grammar`).
+                    grammar.finishing = True
+                    return False
                 request.status = RequestStatus.FINISHED_STOPPED
                 return True
             tokens = grammar.take_forced()

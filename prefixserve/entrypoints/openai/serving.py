@@ -30,6 +30,7 @@ from prefixserve.core.kv_cache.salts import derive_cache_salt
 from prefixserve.engine.client import EngineClient, EngineRequest
 from prefixserve.engine.exceptions import EngineDeadError, StreamStalledError
 from prefixserve.engine.request_stream import RequestStream
+from prefixserve.entrypoints.chat.history import GeneratedHistory
 from prefixserve.entrypoints.openai import protocol as p
 from prefixserve.entrypoints.openai.admission import Admission, Ticket
 from prefixserve.entrypoints.openai.auth import ApiKeys
@@ -72,6 +73,9 @@ class ServerState:
     # Tokenizing and chat-template rendering run here, off the event loop, one at a time (a
     # tokenizer is not safe to call from several threads at once), tenants taken in turn.
     tokenizer_queue: TokenizerQueue = field(default_factory=TokenizerQueue)
+    # Chat answers' computed token ids, per tenant, reused by the next turn's prompt
+    # (entrypoints/chat/history.py).
+    history: GeneratedHistory = field(default_factory=GeneratedHistory)
 
 
 def sampling_params(
@@ -356,13 +360,18 @@ class ResponseView(ABC):
             for entry in output.prompt_logprobs
         ]
 
+    def with_history(self, report: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The cache report as the client gets it (chat adds what its history reused)."""
+        return report
+
     # ------------------------------------------------------------------------ non-streaming
     async def collect(self, stream: RequestStream) -> dict[str, Any]:
         final = await final_output(stream, self._observe)
         self._finish(final)
         body = self.response(final).model_dump(mode="json")
-        if final.cache_report is not None:
-            body["cache_report"] = final.cache_report
+        report = self.with_history(final.cache_report)
+        if report is not None:
+            body["cache_report"] = report
         return body
 
     # ---------------------------------------------------------------------------- streaming
@@ -391,7 +400,7 @@ class ResponseView(ABC):
                     yield _sse(chunk)
             if final is not None and final.finished:
                 self._finish(final)
-            report = final.cache_report if final is not None else None
+            report = self.with_history(final.cache_report if final is not None else None)
             if options.include_usage or report is not None:
                 usage = self.usage() if options.include_usage else None
                 yield _sse(

@@ -3,13 +3,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import Request
 from fastapi.responses import Response
 
 from prefixserve.entrypoints.openai import protocol as p
+from prefixserve.entrypoints.openai.chat_prompt import ChatPrompt, record_answers, render_chat
 from prefixserve.entrypoints.openai.errors import OpenAIError
 from prefixserve.entrypoints.openai.models import check_model, lora_request_for
-from prefixserve.entrypoints.openai.prompts import check_prompt_text, off_loop
 from prefixserve.entrypoints.openai.serving import (
     Delta,
     ResponseView,
@@ -22,7 +24,6 @@ from prefixserve.entrypoints.openai.serving_tools import (
     ToolPlan,
     answer_message,
     finish_reason,
-    history_messages,
     plan_tools,
 )
 from prefixserve.entrypoints.openai.structured_outputs import structured_outputs_params
@@ -47,7 +48,7 @@ async def create_chat_completion(
         structured = plan.constraint
         # A tool's schema the grammar engine refuses is the tools' 400.
         structured_names = {"structured_outputs.grammar": "tools", "structured_outputs": "tools"}
-    prompt_ids = await _prompt(state, raw.state.tenant, body, plan)
+    prompt = await render_chat(state, raw.state.tenant, body, plan)
     # The fields the engine's errors name, as this endpoint calls them.
     fields = {
         "prompt": "messages",
@@ -61,40 +62,10 @@ async def create_chat_completion(
         fields=fields,
         structured_outputs=structured,
     )
-    view = ChatView(state, model, body, params.logprobs, arrival, plan=plan)
+    view = ChatView(state, model, body, params.logprobs, arrival, plan=plan, prompt=prompt)
     return await generate(
-        state, raw, body, view, prompt_ids, params, fields=fields, lora_request=lora
+        state, raw, body, view, prompt.ids, params, fields=fields, lora_request=lora
     )
-
-
-async def _prompt(
-    state: ServerState, tenant: str | None, body: p.ChatCompletionRequest, plan: ToolPlan
-) -> list[int]:
-    """The messages rendered by the chat template (the tool-capable one when the request uses
-    tools, with its tools). The engine checks the ids."""
-    messages = history_messages(body)
-    texts = [m["content"] or "" for m in messages]
-    texts += [c["function"]["arguments"] for m in messages for c in m.get("tool_calls", ())]
-    check_prompt_text(state, texts, "messages")
-    extra: dict[str, object] = {}
-    if plan.template is not None:
-        extra = {"chat_template": plan.template, "tools": plan.tools}
-    try:
-        ids = await off_loop(
-            state,
-            tenant,
-            state.engine.tokenizer.apply_chat_template,
-            messages,
-            add_generation_prompt=body.add_generation_prompt,
-            **extra,
-        )
-    except ValueError as exc:
-        raise OpenAIError(str(exc), param="messages") from exc
-    except Exception as exc:  # a template raising on these messages (e.g. role order)
-        raise OpenAIError(
-            f"the chat template rejected the messages: {exc}", param="messages"
-        ) from exc
-    return list(ids)
 
 
 class ChatView(ResponseView):
@@ -103,10 +74,35 @@ class ChatView(ResponseView):
 
     id_prefix = "chatcmpl"
 
-    def __init__(self, *args: object, plan: ToolPlan | None = None, **kwargs: object) -> None:
+    def __init__(
+        self,
+        *args: object,
+        plan: ToolPlan | None = None,
+        prompt: ChatPrompt | None = None,
+        **kwargs: object,
+    ) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.plan = plan or ToolPlan(None, None, None, False, False)
+        self.prompt = prompt
         self.streamed = [StreamedCalls() for _ in range(self.n)]
+
+    def _finish(self, output: RequestOutput | None) -> None:
+        super()._finish(output)
+        if output is not None and self.prompt is not None:
+            record_answers(self.state, self.prompt, output)
+
+    def with_history(self, report: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The engine's cache report, with what the history reused: the leading tokens taken
+        from this server's earlier answers and the turns it could not reuse
+        (`history_rerendered`: message indexes of its answers that rendered to other text)."""
+        if report is None or self.prompt is None:
+            return report
+        rendered = self.prompt.rendered
+        return {
+            **report,
+            "history_reused_tokens": rendered.reused_tokens,
+            "history_rerendered": rendered.rerendered,
+        }
 
     def logprobs(self, token_ids: list[int], entries: list[dict[int, Logprob]]) -> p.ChatLogprobs:
         content = []

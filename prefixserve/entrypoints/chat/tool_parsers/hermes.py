@@ -41,6 +41,17 @@ def _parse_call(body: str) -> ParsedToolCall | None:
     return ParsedToolCall(value["name"], arguments)
 
 
+def render_calls(content: str | None, calls: list[tuple[str, str]]) -> str:
+    """An assistant turn as the packaged templates render it and the call grammar generates it:
+    its content, then each (name, arguments JSON) call in its tags, a newline between."""
+    parts = [content] if content else []
+    parts += [
+        f'{OPEN}\n{{"name": {json.dumps(name)}, "arguments": {arguments}}}\n{CLOSE}'
+        for name, arguments in calls
+    ]
+    return "\n".join(parts)
+
+
 def parse_hermes(text: str) -> tuple[str | None, list[ParsedToolCall]]:
     """(content, calls) of a finished answer. Content is the text outside the calls (None when
     only calls and whitespace); a block that does not parse is left in the content as text."""

@@ -1,0 +1,100 @@
+"""A chat request's prompt: its messages rendered by the chat template (the tool-capable one
+when it uses tools), then turned into ids through the tenant's generated history
+(entrypoints/chat/history.py: the ids computed for its earlier turns are reused, the rest is
+tokenized); and, once it is answered, the answer recorded there for the next turn."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from prefixserve.entrypoints.chat.history import Rendered
+from prefixserve.entrypoints.chat.tool_parsers.hermes import render_calls
+from prefixserve.entrypoints.openai import protocol as p
+from prefixserve.entrypoints.openai.errors import OpenAIError
+from prefixserve.entrypoints.openai.prompts import check_prompt_text, off_loop
+from prefixserve.entrypoints.openai.serving import ServerState
+from prefixserve.entrypoints.openai.serving_tools import ToolPlan, history_messages
+from prefixserve.outputs import RequestOutput
+
+
+@dataclass(slots=True)
+class ChatPrompt:
+    """A rendered chat prompt, and what its history reused."""
+
+    tenant: str | None
+    text: str = ""
+    rendered: Rendered = field(default_factory=lambda: Rendered([], 0, 0, []))
+    num_answers: int = 0  # assistant turns in its messages
+
+    @property
+    def ids(self) -> list[int]:
+        return self.rendered.ids
+
+
+def _answers(messages: list[dict[str, Any]]) -> list[tuple[int, str]]:
+    """(index, the text the model generated for it) of each assistant message."""
+    out = []
+    for index, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        calls = [
+            (c["function"]["name"], c["function"]["arguments"]) for c in m.get("tool_calls", ())
+        ]
+        out.append((index, render_calls(m["content"], calls) if calls else m["content"] or ""))
+    return out
+
+
+async def render_chat(
+    state: ServerState, tenant: str | None, body: p.ChatCompletionRequest, plan: ToolPlan
+) -> ChatPrompt:
+    """The messages rendered and tokenized on the tokenizer thread. The engine checks the ids."""
+    messages = history_messages(body)
+    texts = [m["content"] or "" for m in messages]
+    texts += [c["function"]["arguments"] for m in messages for c in m.get("tool_calls", ())]
+    check_prompt_text(state, texts, "messages")
+    extra: dict[str, object] = {}
+    if plan.template is not None:
+        extra = {"chat_template": plan.template, "tools": plan.tools}
+    tokenizer = state.engine.tokenizer
+    answers = _answers(messages)
+
+    def render() -> ChatPrompt:
+        text = tokenizer.apply_chat_template_text(
+            messages, add_generation_prompt=body.add_generation_prompt, **extra
+        )
+
+        def encode(part: str) -> list[int]:
+            return tokenizer.hf_tokenizer.encode(part, add_special_tokens=False)
+
+        rendered = state.history.tokenize(tenant, text, encode, answers)
+        return ChatPrompt(tenant, text, rendered, len(answers))
+
+    try:
+        return await off_loop(state, tenant, render)
+    except ValueError as exc:
+        raise OpenAIError(str(exc), param="messages") from exc
+    except Exception as exc:  # a template raising on these messages (e.g. role order)
+        raise OpenAIError(
+            f"the chat template rejected the messages: {exc}", param="messages"
+        ) from exc
+
+
+def record_answers(state: ServerState, prompt: ChatPrompt, final: RequestOutput) -> None:
+    """Remember each finished answer's ids for the tenant's next turn: the prompt's ids and the
+    generated ones (without a final end-of-turn token, which the template writes itself). An
+    answer cut by a stop string is not recorded (its text and ids no longer agree)."""
+    eos = state.engine.tokenizer.eos_token_ids
+    for c in final.outputs:
+        if isinstance(c.stop_reason, str) or c.finish_reason not in ("stop", "length"):
+            continue
+        ids = list(c.token_ids)
+        if ids and ids[-1] in eos:
+            ids.pop()
+        state.history.record(
+            prompt.tenant,
+            prompt.text + c.text,
+            list(final.prompt_token_ids) + ids,
+            c.text,
+            prompt.num_answers + 1,
+        )
