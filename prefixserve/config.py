@@ -404,12 +404,24 @@ class EngineConfig:
     quantization: str = "auto"
     # Structured outputs: compile bounds, jump-forward.
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    # A Jinja chat template (its text) used instead of the model's own (`--chat-template`).
+    chat_template: str | None = None
 
     def _check_quantization(self) -> None:
         if self.quantization not in QUANTIZATIONS:
             raise _invalid("quantization", self.quantization, f"one of {QUANTIZATIONS}")
         if self.quantization == "int8" and self.dtype != "bfloat16":
             raise ValueError(f"quantization='int8' computes in bfloat16; got dtype={self.dtype!r}")
+
+    def _check_chat(self) -> None:
+        if self.chat_template is not None and (
+            not isinstance(self.chat_template, str) or not self.chat_template.strip()
+        ):
+            raise _invalid("chat_template", self.chat_template, "None or a Jinja template's text")
+        if not isinstance(self.structured_outputs, StructuredOutputsConfig):
+            raise _invalid(
+                "structured_outputs", self.structured_outputs, "a StructuredOutputsConfig"
+            )
 
     def __post_init__(self) -> None:
         self._check_quantization()
@@ -435,7 +447,4 @@ class EngineConfig:
             raise _invalid("enable_prompt_embeds", self.enable_prompt_embeds, "a bool")
         if self.batch_invariant is not None and not isinstance(self.batch_invariant, bool):
             raise _invalid("batch_invariant", self.batch_invariant, "None (auto) or a bool")
-        if not isinstance(self.structured_outputs, StructuredOutputsConfig):
-            raise _invalid(
-                "structured_outputs", self.structured_outputs, "a StructuredOutputsConfig"
-            )
+        self._check_chat()

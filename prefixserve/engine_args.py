@@ -50,6 +50,17 @@ from prefixserve.kv_store.tier_key import read_key_file
 from prefixserve.lora.config import check_lora_name
 
 
+def read_chat_template(value: str | None) -> str | None:
+    """`--chat-template`'s text: a file's contents, or the value itself when it is a template
+    (it has Jinja's {{ or {%). ValueError names a path that cannot be read."""
+    if value is None or "{{" in value or "{%" in value:
+        return value
+    try:
+        return Path(value).expanduser().read_text()
+    except OSError as exc:
+        raise ValueError(f"chat_template: cannot read {value!r}: {exc.strerror}") from None
+
+
 def option(
     default: Any,
     help: str,  # noqa: A002 - argparse's word
@@ -315,6 +326,14 @@ class EngineArgs:
         group=_LORA,
         metavar="JSON",
     )
+    chat_template: str | None = option(
+        None,
+        "A Jinja chat template, as a file path or the template's text, used instead of the "
+        "model's own (for chats and, where it renders tools, for tool calls; otherwise tools "
+        "use the packaged template of the model's family).",
+        group=_ENGINE,
+        metavar="FILE",
+    )
     structured_outputs_compile_timeout: float = option(
         5.0,
         "Seconds a request waits for its grammar (JSON Schema, regex, choice, Lark) to "
@@ -428,6 +447,7 @@ class EngineArgs:
             enable_prompt_embeds=self.enable_prompt_embeds,
             batch_invariant=self._batch_invariant(),
             quantization=self.quantization,
+            chat_template=read_chat_template(self.chat_template),
             structured_outputs=StructuredOutputsConfig(
                 compile_timeout_s=self.structured_outputs_compile_timeout,
                 jump_forward=self.structured_outputs_jump_forward,

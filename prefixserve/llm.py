@@ -128,15 +128,28 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (a list of {"role", "content"}
-        messages) or a list of them, and generate a reply for each."""
+        messages) or a list of them, and generate a reply for each. `tools` (OpenAI's function
+        tools) are rendered by the tool-capable template (the model's own where it renders
+        them, else its family's packaged one: docs/tools.md); the answers are text, which
+        `prefixserve.entrypoints.chat.tool_parsers.parse_hermes` turns into calls."""
         if not isinstance(messages, Sequence) or not messages:
             raise ValueError(f"messages must be a non-empty list of messages, got {messages!r}")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         params_list = self._params_list(sampling_params, len(conversations))
         loras = self._lora_list(lora_request, len(conversations))
         tokenizer = self._tokenizer
+        chat_template_kwargs = dict(chat_template_kwargs or {})
+        if tools:
+            from prefixserve.entrypoints.chat.tool_templates import tool_template
+
+            template = tool_template(tokenizer.hf_tokenizer, tokenizer.chat_template)
+            if template is None:
+                raise ValueError("this model's chat template renders no tools: give chat_template")
+            chat_template_kwargs.setdefault("chat_template", template)
+            chat_template_kwargs["tools"] = tools
         items = []
         for conversation, params, lora in zip(conversations, params_list, loras, strict=True):
             if not isinstance(conversation, list) or not all(

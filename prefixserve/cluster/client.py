@@ -203,7 +203,7 @@ class ClusterEngine:
     # ------------------------------------------------------------------ what it serves
     @property
     def tokenizer(self) -> Any:
-        return self.model.tokenizer
+        return self.model.tokenizer.with_chat_template(self.config.chat_template)
 
     @property
     def model_config(self) -> Any:

@@ -43,7 +43,7 @@ class LLMEngine:
         self.config = config
         self.parts = parts = build_engine_parts(config, loaded_model)
         self.loaded_model = parts.loaded_model
-        self.tokenizer = parts.loaded_model.tokenizer
+        self.tokenizer = parts.loaded_model.tokenizer.with_chat_template(config.chat_template)
         self.model_config = parts.loaded_model.config
         self.max_model_len = parts.max_model_len
         self.vocab_size = self.model_config.vocab_size

@@ -29,7 +29,14 @@ class Tokenizer:
     (`<|im_end|>`, `<end_of_turn>`) that is not always the tokenizer's own eos.
     """
 
-    __slots__ = ("hf_tokenizer", "eos_token_ids", "bos_token_id", "pad_token_id", "vocab_size")
+    __slots__ = (
+        "hf_tokenizer",
+        "eos_token_ids",
+        "bos_token_id",
+        "pad_token_id",
+        "vocab_size",
+        "_chat_template",
+    )
 
     def __init__(
         self, hf_tokenizer: PreTrainedTokenizerBase, extra_eos_token_ids: Iterable[int] = ()
@@ -43,6 +50,19 @@ class Tokenizer:
         self.pad_token_id: int | None = hf_tokenizer.pad_token_id
         # len() counts added tokens too; that is the largest id the tokenizer can produce + 1.
         self.vocab_size: int = len(hf_tokenizer)
+        self._chat_template: str | None = None  # the operator's, in place of the model's
+
+    def with_chat_template(self, template: str | None) -> Tokenizer:
+        """This tokenizer rendering chats with `template` (a Jinja text) instead of the
+        model's own (`--chat-template`); the same object for None. The Hugging Face tokenizer
+        is shared, never changed."""
+        if template is None:
+            return self
+        view = Tokenizer.__new__(Tokenizer)
+        for name in Tokenizer.__slots__:
+            setattr(view, name, getattr(self, name))
+        view._chat_template = template
+        return view
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> Tokenizer:
@@ -68,6 +88,8 @@ class Tokenizer:
 
     @property
     def chat_template(self) -> str | None:
+        if self._chat_template is not None:
+            return self._chat_template
         template = self.hf_tokenizer.chat_template
         return template if isinstance(template, str) or template is None else str(template)
 
@@ -97,6 +119,7 @@ class Tokenizer:
                 "this model's tokenizer has no chat template; send a plain prompt "
                 "(completions) instead of chat messages"
             )
+        template_kwargs.setdefault("chat_template", self.chat_template)
         ids = self.hf_tokenizer.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt, tokenize=True, **template_kwargs
         )
@@ -110,6 +133,7 @@ class Tokenizer:
         """The rendered chat prompt as text (for logging and the API's `prompt` field)."""
         if not self.chat_template:
             raise ValueError("this model's tokenizer has no chat template")
+        template_kwargs.setdefault("chat_template", self.chat_template)
         return self.hf_tokenizer.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt, tokenize=False, **template_kwargs
         )
