@@ -50,7 +50,7 @@ def _calls(tools: Sequence[ToolSpec]) -> list[str]:
 def forced_call_grammar(tools: Sequence[ToolSpec], parallel: bool) -> str:
     """One call (or, with `parallel`, one or more) to any of `tools`, and nothing else."""
     block = '"<tool_call>\\n" call "\\n</tool_call>"'
-    start = f"start: block (\"\\n\" block)*\nblock: {block}" if parallel else f"start: {block}"
+    start = f'start: block ("\\n" block)*\nblock: {block}' if parallel else f"start: {block}"
     return "\n".join([start, *_calls(tools)])
 
 
@@ -61,7 +61,7 @@ def auto_call_grammar(tools: Sequence[ToolSpec], parallel: bool) -> str:
     return "\n".join(
         [
             "%llguidance {}",
-            f"start: TEXT | opened \"\\n\" call \"\\n</tool_call>\" {more}",
+            f'start: TEXT | opened "\\n" call "\\n</tool_call>" {more}',
             'opened[lazy]: TEXT "<tool_call>"',
             "TEXT: /(.|\\n)*/",
             *_calls(tools),
