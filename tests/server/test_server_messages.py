@@ -281,16 +281,6 @@ def test_content_the_server_cannot_take_is_a_400_in_anthropics_shape(server, con
     assert caught.value.body["error"]["type"] == "invalid_request_error"
 
 
-def test_tools_without_a_template_that_renders_them_are_a_clear_400(server):
-    with pytest.raises(anthropic.BadRequestError, match="does not render tools"):
-        _client(server).messages.create(
-            model=MODEL_NAME,
-            max_tokens=2,
-            tools=[{"name": "get_time", "description": "now", "input_schema": {"type": "object"}}],
-            messages=[{"role": "user", "content": "time?"}],
-        )
-
-
 def test_a_1h_breakpoint_after_a_5m_one_is_refused_as_anthropic_refuses_it(server):
     with pytest.raises(anthropic.BadRequestError, match="ttl '1h' cannot come after"):
         _client(server).messages.create(

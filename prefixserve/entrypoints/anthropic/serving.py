@@ -2,9 +2,10 @@
 engine client, tenants, admission and metrics as the OpenAI routes.
 
 One request's path: the request guard (a tenant key as `x-api-key` or a bearer token) -> the body
-(protocol.py) -> the prompt and its breakpoints (render.py, on the tokenizer thread) -> an
-`EngineRequest` with the tenant's cache salt and the breakpoints -> one `message` object, or
-Anthropic's server-sent events (`message_start` ... `message_stop`). The usage splits the prompt
+(protocol.py) -> its tools' constraint (tools.py: the call grammar) -> the prompt and its
+breakpoints (render.py, on the tokenizer thread) -> an `EngineRequest` with the tenant's cache
+salt and the breakpoints -> one `message` object (text and `tool_use` blocks), or Anthropic's
+server-sent events (`message_start` ... `message_stop`). The usage splits the prompt
 as Anthropic does: `cache_read_input_tokens` (read from the cache), `cache_creation_input_tokens`
 (written at the request's breakpoints) and `input_tokens` (the rest).
 """
@@ -26,6 +27,18 @@ from prefixserve.engine.exceptions import EngineDeadError, StreamStalledError
 from prefixserve.engine.request_stream import RequestStream
 from prefixserve.entrypoints.anthropic import protocol as a
 from prefixserve.entrypoints.anthropic.render import Rendered, RenderError, render
+from prefixserve.entrypoints.anthropic.tools import (
+    GRAMMAR_FIELDS,
+    NO_TOOLS,
+    StreamedBlocks,
+    ToolPlan,
+    answer_content,
+    check_tool_request,
+    plan_tools,
+    stop_reason,
+    tool_texts,
+)
+from prefixserve.entrypoints.chat.tool_parsers.hermes import HermesStreamParser
 from prefixserve.entrypoints.error_shape import anthropic_error_body
 from prefixserve.entrypoints.openai.errors import (
     OpenAIError,
@@ -44,7 +57,7 @@ from prefixserve.entrypoints.openai.serving import (
     stream_response,
 )
 from prefixserve.outputs import CompletionOutput, RequestOutput
-from prefixserve.sampling_params import SamplingParams
+from prefixserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 # What the engine's errors call a field, as this API calls it.
 FIELDS = {"prompt": "messages", "max_tokens": "max_tokens", "stop": "stop_sequences"}
@@ -60,6 +73,7 @@ def register_messages_routes(router: APIRouter, state: ServerState) -> None:
     @router.post("/v1/messages/count_tokens")
     async def count_tokens(body: a.CountTokensRequest, raw: Request) -> JSONResponse:
         check_model(state, body.model)
+        check_tool_request(body)
         rendered = await _render(state, raw.state.tenant, body)
         return JSONResponse({"input_tokens": len(rendered.token_ids)})
 
@@ -68,7 +82,8 @@ async def _render(state: ServerState, tenant: str | None, body: a._PromptFields)
     """The prompt of `body`, rendered in `tenant`'s turn on the tokenizer thread (a 429 past
     its bound of jobs there: prompts.off_loop)."""
     texts = [b.text for b in body.system_blocks()]
-    texts += [b.text for m in body.messages for b in m.blocks()]
+    texts += [b.text for m in body.messages for b in m.text_blocks()]
+    texts += tool_texts(body)
     check_prompt_text(state, texts, "messages")
     try:
         return await off_loop(state, tenant, render, state.engine.tokenizer, body)
@@ -81,9 +96,11 @@ async def _create_message(
 ) -> Response:
     model = check_model(state, body.model)
     lora = lora_request_for(state, model)
+    plan = plan_tools(body)
+    fields = FIELDS if plan.constraint is None else {**FIELDS, **GRAMMAR_FIELDS}
     rendered = await _render(state, raw.state.tenant, body)
-    params = _sampling_params(body)
-    view = MessageView(state, model, body, arrival)
+    params = _sampling_params(body, plan.constraint, fields)
+    view = MessageView(state, model, body, arrival, plan)
     request = EngineRequest(
         view.message_id,
         rendered.token_ids,
@@ -95,13 +112,17 @@ async def _create_message(
         final_only=not body.stream,
         cache_breakpoints=rendered.breakpoints,
     )
-    stream, ticket = await start_request(state, raw, request, len(rendered.token_ids), FIELDS)
+    stream, ticket = await start_request(state, raw, request, len(rendered.token_ids), fields)
     if body.stream:
         return stream_response(state, view.events(stream), ticket)
     return await collect_response(state, raw, view.collect(stream), stream, ticket)
 
 
-def _sampling_params(body: a.MessagesRequest) -> SamplingParams:
+def _sampling_params(
+    body: a.MessagesRequest,
+    constraint: StructuredOutputsParams | None,
+    fields: dict[str, str],
+) -> SamplingParams:
     try:
         return SamplingParams(
             max_tokens=body.max_tokens,
@@ -110,9 +131,10 @@ def _sampling_params(body: a.MessagesRequest) -> SamplingParams:
             top_k=body.top_k or 0,
             stop=body.stop_sequences,
             cache_report=body.cache_report,
+            structured_outputs=constraint,
         )
     except ValueError as exc:
-        raise from_value_error(exc, FIELDS) from exc
+        raise from_value_error(exc, fields) from exc
 
 
 def usage_of(output: RequestOutput, num_output_tokens: int) -> a.Usage:
@@ -144,16 +166,31 @@ def stop_reason_of(completion: CompletionOutput) -> tuple[str | None, str | None
     return None, None
 
 
+def _stop(completion: CompletionOutput, has_calls: bool) -> tuple[str | None, str | None]:
+    """(stop_reason, stop_sequence), `tool_use` for an answer that ended with calls."""
+    reason, stop_sequence = stop_reason_of(completion)
+    if stop_reason(reason, has_calls) == "tool_use":
+        return "tool_use", None
+    return reason, stop_sequence
+
+
 class MessageView:
     """One request's outputs as a `message` object or as Anthropic's event stream."""
 
     def __init__(
-        self, state: ServerState, model: str, body: a.MessagesRequest, arrival: float
+        self,
+        state: ServerState,
+        model: str,
+        body: a.MessagesRequest,
+        arrival: float,
+        plan: ToolPlan = NO_TOOLS,
     ) -> None:
         self.state = state
         self.model = model
+        self.plan = plan
         self.message_id = f"msg_{uuid.uuid4().hex}"
         self.timer = RequestTimer(state.metrics, arrival)
+        self.blocks = StreamedBlocks(HermesStreamParser() if plan.parse_calls else None)
 
     def _observe(self, output: RequestOutput) -> CompletionOutput:
         completion = output.outputs[0]
@@ -171,12 +208,13 @@ class MessageView:
         final = await final_output(stream, self._observe)
         self._finish(final)
         completion = final.outputs[0]
-        stop_reason, stop_sequence = stop_reason_of(completion)
+        content, has_calls = answer_content(self.plan, completion.text)
+        reason, stop_sequence = _stop(completion, has_calls)
         body = a.MessageResponse(
             id=self.message_id,
             model=self.model,
-            content=[a.TextOut(text=completion.text)],
-            stop_reason=stop_reason,
+            content=content,
+            stop_reason=reason,
             stop_sequence=stop_sequence,
             usage=usage_of(final, len(completion.token_ids)),
         ).model_dump(mode="json")
@@ -186,10 +224,10 @@ class MessageView:
 
     # ---------------------------------------------------------------------------- streaming
     async def events(self, stream: RequestStream) -> AsyncIterator[str]:
-        """message_start (with the prompt's usage, once the prompt is computed),
-        content_block_start, ping, content_block_delta per new text, content_block_stop,
-        message_delta (stop reason, output tokens), message_stop; an `error` event instead when
-        the request or the engine fails."""
+        """message_start (with the prompt's usage, once the prompt is computed), ping, and
+        the content blocks' events (StreamedBlocks: a text-only answer's one text block opens
+        before the ping), message_delta (stop reason, output tokens), message_stop; an `error`
+        event instead when the request or the engine fails."""
         sent = 0
         final: RequestOutput | None = None
         try:
@@ -204,14 +242,13 @@ class MessageView:
                         yield _event(name, data)
                 final = output
                 if len(completion.text) > sent:
-                    delta = {"type": "text_delta", "text": completion.text[sent:]}
-                    sent = len(completion.text)
-                    yield _event(
-                        "content_block_delta",
-                        {"type": "content_block_delta", "index": 0, "delta": delta},
-                    )
+                    piece, sent = completion.text[sent:], len(completion.text)
+                    for name, data in self.blocks.feed(piece):
+                        yield _event(name, data)
             if final is None or not final.finished:
                 return
+            for name, data in self.blocks.finish():
+                yield _event(name, data)
             self._finish(final)
             for name, data in self._closing(final):
                 yield _event(name, data)
@@ -236,30 +273,22 @@ class MessageView:
         }
         return [
             ("message_start", {"type": "message_start", "message": message}),
-            (
-                "content_block_start",
-                {
-                    "type": "content_block_start",
-                    "index": 0,
-                    "content_block": {"type": "text", "text": ""},
-                },
-            ),
+            *self.blocks.opening(),
             ("ping", {"type": "ping"}),
         ]
 
     def _closing(self, final: RequestOutput) -> list[tuple[str, dict[str, Any]]]:
         completion = final.outputs[0]
-        stop_reason, stop_sequence = stop_reason_of(completion)
+        reason, stop_sequence = _stop(completion, self.blocks.num_calls > 0)
         usage = usage_of(final, len(completion.token_ids)).model_dump(mode="json")
         delta: dict[str, Any] = {
             "type": "message_delta",
-            "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+            "delta": {"stop_reason": reason, "stop_sequence": stop_sequence},
             "usage": usage,
         }
         if final.cache_report is not None:
             delta["cache_report"] = final.cache_report
         return [
-            ("content_block_stop", {"type": "content_block_stop", "index": 0}),
             ("message_delta", delta),
             ("message_stop", {"type": "message_stop"}),
         ]
