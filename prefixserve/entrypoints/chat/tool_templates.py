@@ -18,7 +18,20 @@ _PROBE_TOOL = "prefixserve_probe_tool"
 
 
 def renders_tools(hf_tokenizer: Any, template: str) -> bool:
-    """Whether `template` puts a request's tools into the prompt."""
+    """Whether `template` puts a request's tools into the prompt (probed once per template)."""
+    known = _RENDERS_TOOLS.get(template)
+    if known is None:
+        known = _RENDERS_TOOLS[template] = _probe(hf_tokenizer, template)
+    return known
+
+
+# template text -> whether it renders tools (a server has one or two templates; bounded anyway).
+_RENDERS_TOOLS: dict[str, bool] = {}
+
+
+def _probe(hf_tokenizer: Any, template: str) -> bool:
+    if len(_RENDERS_TOOLS) > 64:
+        _RENDERS_TOOLS.clear()
     tools = [
         {
             "type": "function",

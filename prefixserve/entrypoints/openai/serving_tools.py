@@ -120,7 +120,11 @@ def plan_tools(body: p.ChatCompletionRequest, tokenizer: Any) -> ToolPlan:
 
 
 def _constraint(grammar: str) -> StructuredOutputsParams:
-    return StructuredOutputsParams(grammar=grammar)
+    try:
+        return StructuredOutputsParams(grammar=grammar)
+    except ValueError as exc:  # the tools' grammar past the size bound
+        message = str(exc).replace("structured_outputs.grammar", "the tools' call grammar")
+        raise OpenAIError(message, param="tools") from None
 
 
 def history_messages(body: p.ChatCompletionRequest) -> list[dict[str, Any]]:

@@ -117,11 +117,15 @@ class HermesStreamParser:
                 continue
             start = self._buffer.find(OPEN)
             if start >= 0:
-                self._text(out, self._buffer[:start])
+                self._text(out, self._buffer[:start].rstrip())
                 self._buffer = self._buffer[start + len(OPEN) :]
                 self._in_call = True
                 continue
             keep = _partial_tag_suffix(self._buffer)
+            # Trailing whitespace waits too: before a call it is not content (parse_hermes
+            # strips it), before more text it is.
+            head = self._buffer[: len(self._buffer) - keep]
+            keep += len(head) - len(head.rstrip())
             self._text(out, self._buffer[: len(self._buffer) - keep])
             self._buffer = self._buffer[len(self._buffer) - keep :]
             break
@@ -131,7 +135,7 @@ class HermesStreamParser:
         out: list[StreamEvent] = []
         if self._in_call:
             self._text(out, OPEN + self._buffer)
-        else:
+        elif self._buffer.strip() or not self._saw_call:
             self._text(out, self._buffer)
         self._buffer, self._in_call = "", False
         return out
