@@ -64,3 +64,22 @@ def test_streaming_in_any_pieces_gives_what_the_whole_text_gives(cuts, prefix):
     assert streamed_content.replace(" ", "").replace("\n", "") == (content or "").replace(
         " ", ""
     ).replace("\n", "")
+
+
+def test_a_tools_objects_are_closed_unless_the_schema_opens_them():
+    from prefixserve.entrypoints.chat.tool_grammar import closed_objects
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "a": {"type": "object", "properties": {"b": {"type": "string"}}},
+            "c": {"type": "object", "properties": {}, "additionalProperties": True},
+            "d": {"type": "array", "items": {"properties": {"e": {}}}},
+        },
+    }
+    closed = closed_objects(schema)
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["a"]["additionalProperties"] is False
+    assert closed["properties"]["c"]["additionalProperties"] is True
+    assert closed["properties"]["d"]["items"]["additionalProperties"] is False
+    assert "additionalProperties" not in schema  # the caller's schema is untouched

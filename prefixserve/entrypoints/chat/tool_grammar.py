@@ -34,9 +34,27 @@ class ToolSpec:
 _ARGUMENTS_FORMAT = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
 
 
+def closed_objects(schema: Any) -> Any:
+    """`schema` with `"additionalProperties": false` on every object schema that lists its
+    properties and says nothing of others (a copy; the caller's schema is untouched). A call's
+    arguments are the properties its tool declares: left open, a small model fills the call
+    with keys copied from the schema ("title", "maxLength"), wasting tokens until max_tokens
+    cuts the call (what LangChain's and instructor's schemas, which omit the keyword, got)."""
+    if isinstance(schema, list):
+        return [closed_objects(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: closed_objects(value) for key, value in schema.items()}
+    open_keys = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+    if isinstance(out.get("properties"), dict) and not any(k in out for k in open_keys):
+        out["additionalProperties"] = False
+    return out
+
+
 def _call_rule(index: int, tool: ToolSpec) -> str:
     head = json.dumps('{"name": ' + json.dumps(tool.name) + ', "arguments": ')
-    schema = {**(tool.parameters or {"type": "object"}), "x-guidance": _ARGUMENTS_FORMAT}
+    parameters = closed_objects(tool.parameters or {"type": "object"})
+    schema = {**parameters, "x-guidance": _ARGUMENTS_FORMAT}
     text = json.dumps(schema, separators=(",", ":"))
     return f'call_{index}: {head} %json {text} "}}"'
 
