@@ -356,6 +356,9 @@ class StructuredOutputsConfig:
     max_compiles_per_tenant: int = 4
     # Compiled grammars cached per tenant (least recently used first out).
     max_cached_grammars_per_tenant: int = 256
+    # The constraints' text cached in all, in characters (a compiled grammar's memory is up to
+    # ~75 bytes per character of its schema), least recently used first out.
+    max_cached_grammar_chars: int = 16 << 20
 
     def __post_init__(self) -> None:
         timeout = self.compile_timeout_s
@@ -369,6 +372,7 @@ class StructuredOutputsConfig:
             raise _invalid("structured_outputs_jump_forward", self.jump_forward, "a bool")
         _check_positive_int("max_grammar_compiles_per_tenant", self.max_compiles_per_tenant)
         _check_positive_int("max_cached_grammars_per_tenant", self.max_cached_grammars_per_tenant)
+        _check_positive_int("max_cached_grammar_chars", self.max_cached_grammar_chars)
 
 
 @dataclass(slots=True)

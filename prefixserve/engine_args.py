@@ -355,6 +355,14 @@ class EngineArgs:
         group=_STRUCTURED,
         minimum=1,
     )
+    max_cached_grammar_chars: int = option(
+        16 << 20,
+        "Characters of constraint text (schemas, grammars) whose compiled grammars are cached "
+        "in all; a compiled grammar takes up to ~75 bytes of memory per character, so the "
+        "default bounds the cache near 1.2 GB. Least recently used out first.",
+        group=_STRUCTURED,
+        minimum=1,
+    )
     max_cached_grammars_per_tenant: int = option(
         256,
         "Compiled grammars cached per client (API key; never shared between clients), least "
@@ -453,6 +461,7 @@ class EngineArgs:
                 jump_forward=self.structured_outputs_jump_forward,
                 max_compiles_per_tenant=self.max_grammar_compiles_per_tenant,
                 max_cached_grammars_per_tenant=self.max_cached_grammars_per_tenant,
+                max_cached_grammar_chars=self.max_cached_grammar_chars,
             ),
         )
 

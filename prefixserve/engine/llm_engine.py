@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from concurrent.futures import Future
 from typing import Any
 
 from prefixserve.config import EngineConfig
@@ -128,13 +129,15 @@ class LLMEngine:
             lora_read,
         )
 
-    def add(self, request: EngineRequest, lora_read: Any = None, grammar: Any = None) -> None:
+    def add(
+        self, request: EngineRequest, lora_read: Any = None, grammar: Future | None = None
+    ) -> None:
         """Queue an `EngineRequest` (what engine clients pass around; its routing fields,
         `prompt_cache_key` and `final_only`, mean nothing to one engine): its samples checked
         and made by the input processor, given their grammar (`grammar`: the compile
         `StructuredOutputManager.ahead` returned, else started here; a grammar known to be bad
-        raises its GrammarError, a ValueError), then handed to the output processor and the
-        scheduler."""
+        raises its GrammarError, a ValueError; a tenant past its compiles in flight raises
+        GrammarBusy), then handed to the output processor and the scheduler."""
         prompt_ids, requests = self.processor.requests_for(request, self.lora_in_use, lora_read)
         for sample in requests:
             self.structured_outputs.attach(sample, grammar)
@@ -194,8 +197,8 @@ class LLMEngine:
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.scheduled:
             started = time.perf_counter()
-            scheduler_output.grammar = self.structured_outputs.start_step(scheduler_output)
             try:
+                scheduler_output.grammar = self.structured_outputs.start_step(scheduler_output)
                 runner_output = self.runner.execute(scheduler_output)
             except BaseException:
                 self._discard_failed_step(scheduler_output)

@@ -21,6 +21,9 @@ from prefixserve.structured_output.errors import GrammarError
 from prefixserve.structured_output.request_state import GrammarState
 from prefixserve.structured_output.step_masks import StepMasks
 
+# How often a caller awaiting a compile checks whether it is overdue.
+_POLL_S = 0.05
+
 
 class StructuredOutputManager:
     """Grammars for one engine: compile (`ahead`, `attach`) and mask (`start_step`)."""
@@ -44,6 +47,7 @@ class StructuredOutputManager:
             timeout_s=self.config.compile_timeout_s,
             max_compiles_per_tenant=self.config.max_compiles_per_tenant,
             max_cached_per_tenant=self.config.max_cached_grammars_per_tenant,
+            max_cached_chars=self.config.max_cached_grammar_chars,
         )
         self._mask_executor = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
 
@@ -52,17 +56,18 @@ class StructuredOutputManager:
         loop: the server answers a bad constraint with a 400 and a busy tenant with a 429
         (GrammarError / GrammarBusy) before any header is sent. Returns the compile, for
         `attach`."""
-        future = self.compiler.get(params, tenant)
-        try:
-            await asyncio.wait_for(
-                asyncio.shield(asyncio.wrap_future(future)), self.config.compile_timeout_s
-            )
-        except TimeoutError:
-            raise self.compiler.timed_out(params) from None
-        except GrammarError as exc:
-            self.compiler.count_rejection(exc.reason)
-            raise
-        return future
+        job = self.compiler.get(params, tenant)
+        wrapped = asyncio.wrap_future(job)
+        while True:
+            try:
+                await asyncio.wait_for(asyncio.shield(wrapped), _POLL_S)
+                return job
+            except TimeoutError:
+                if job.overdue(self.config.compile_timeout_s):
+                    raise self.compiler.timed_out(params) from None
+            except GrammarError as exc:
+                self.compiler.count_rejection(exc.reason)
+                raise
 
     def compiled(self, params: StructuredOutputsParams | None) -> Future | None:
         """The offline API's compile (the one user), waited for here: GrammarError raises before
@@ -87,6 +92,7 @@ class StructuredOutputManager:
             self.config.jump_forward,
             self.config.compile_timeout_s,
             self.compiler.count_rejection,
+            vocab_size=self.vocab_size,
         )
         if future.done() and future.exception() is not None:
             exc = future.exception()

@@ -18,8 +18,12 @@ import numpy as np
 
 from prefixserve.structured_output.backend import GrammarMatcher, clean_message
 
-# The most forced tokens taken in one go (a bound on a grammar that forces a long text).
+# The most forced tokens taken from one state (a bound on a grammar that forces a long text).
 MAX_FORCED_RUN = 256
+# The most one grammar operation may take for one token (a consume with its forced tokens, a
+# mask row): past it the request fails, its grammar too slow to follow. A backstop behind the
+# backend's parser limits, thousands of times what a schema's token takes (~5-50 us).
+GRAMMAR_STEP_BUDGET_S = 0.25
 
 
 class GrammarState:
@@ -27,7 +31,7 @@ class GrammarState:
 
     __slots__ = (
         "compile",
-        "deadline",
+        "timeout_s",
         "matcher",
         "pending_forced",
         "jump_forward",
@@ -35,6 +39,7 @@ class GrammarState:
         "unreported",
         "on_refused",
         "finishing",
+        "vocab_size",
     )
 
     def __init__(
@@ -43,9 +48,10 @@ class GrammarState:
         jump_forward: bool,
         timeout_s: float,
         on_refused: Callable[[str], None] | None = None,
+        vocab_size: int = 1 << 31,
     ) -> None:
         self.compile = compile
-        self.deadline = time.monotonic() + timeout_s
+        self.timeout_s = timeout_s
         self.matcher: GrammarMatcher | None = None
         # Tokens the grammar forces from the matcher's state, not consumed yet (without
         # jump-forward they are emitted one per step).
@@ -59,6 +65,9 @@ class GrammarState:
         self.on_refused = on_refused
         # Complete, its forced tail waiting to be computed (the scheduler stops it after).
         self.finishing = False
+        # The grammar's vocabulary: a draft past it (a model wider than its tokenizer) is cut
+        # before the matcher sees it (llguidance would fall into its error state).
+        self.vocab_size = vocab_size
 
     def poll(self) -> bool | None:
         """True once the grammar is compiled (the matcher starts), None while it compiles,
@@ -68,7 +77,8 @@ class GrammarState:
         if self.error is not None:
             return False
         if not self.compile.done():
-            if time.monotonic() < self.deadline:
+            overdue = getattr(self.compile, "overdue", None)
+            if overdue is None or not overdue(self.timeout_s):
                 return None
             return self._refuse("the grammar did not compile in time", "timeout")
         if self.compile.cancelled():
@@ -98,6 +108,7 @@ class GrammarState:
         """The request emitted `token_ids` (sampled, accepted drafts or forced): advance. False
         (with `error` set) when the grammar does not allow them."""
         assert self.matcher is not None
+        started = time.perf_counter()
         if not self.matcher.consume(token_ids):
             self.error = clean_message(self.matcher.error or "a token the grammar does not allow")
             return False
@@ -108,6 +119,10 @@ class GrammarState:
                 self.pending_forced = []
         if not self.pending_forced and not self.matcher.stopped:
             self.pending_forced = self.matcher.forced_tokens()[:MAX_FORCED_RUN]
+        took = time.perf_counter() - started
+        if took > GRAMMAR_STEP_BUDGET_S * max(1, len(token_ids)):
+            self.error = f"the grammar took {took * 1000:.0f} ms for {len(token_ids)} token(s)"
+            return False
         return True
 
     def take_forced(self) -> list[int]:
@@ -129,9 +144,11 @@ class GrammarState:
 
     def valid_drafts(self, drafts: list[int]) -> list[int]:
         """The leading drafts the grammar allows (none while a forced token is due)."""
-        if self.matcher is None or self.pending_forced or not drafts:
+        if self.matcher is None or self.pending_forced or self.finishing or not drafts:
             return []
-        return drafts[: self.matcher.num_valid(drafts)]
+        known = next((i for i, t in enumerate(drafts) if not 0 <= t < self.vocab_size), None)
+        drafts = drafts[:known]
+        return drafts[: self.matcher.num_valid(drafts)] if drafts else []
 
     def fill_masks(self, rows: np.ndarray, drafts: list[int]) -> None:
         """Row j of `rows` gets the bitmask after drafts[:j] (drafts already validated); the
@@ -147,7 +164,11 @@ class GrammarState:
                             f"the grammar refused a validated draft: {matcher.error}"
                         )
                     consumed += 1
+                started = time.perf_counter()
                 matcher.fill_mask(rows[j])
+                took = time.perf_counter() - started
+                if took > GRAMMAR_STEP_BUDGET_S:
+                    raise RuntimeError(f"the grammar took {took * 1000:.0f} ms for one mask")
                 if matcher.error:  # e.g. a parser limit reached while computing the mask
                     raise RuntimeError(f"the grammar failed: {clean_message(matcher.error)}")
         finally:

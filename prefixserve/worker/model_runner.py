@@ -337,8 +337,9 @@ class ModelRunner:
             if not rows:
                 return output
             logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.int64)])
+        num_sample_rows = len(inputs.sample_reqs)  # (the grammar may take forced rows out)
         if inputs.sample_reqs:
-            sample_logits = logits[: len(inputs.sample_reqs)]
+            sample_logits = logits[:num_sample_rows]
             if scheduler_output.grammar is not None:
                 sample_logits = _apply_grammar(
                     scheduler_output.grammar, inputs, sample_logits, output
@@ -347,7 +348,7 @@ class ModelRunner:
             if inputs.sample_reqs:
                 self._sample(inputs, sample_logits, output)
         if inputs.prompt_owners:
-            self._prompt_logprobs(inputs, logits[len(inputs.sample_reqs) :], output)
+            self._prompt_logprobs(inputs, logits[num_sample_rows:], output)
         return output
 
     def _prepare_inputs(self, scheduled: Sequence[ScheduledRequest]) -> StepInputs:

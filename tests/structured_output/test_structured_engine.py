@@ -44,6 +44,23 @@ PERSON = {
 }
 PROMPTS = [f"Person number {i}, described as JSON: " for i in range(4)]
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2}
+# The largest kind of schema the size bound lets through: slow to compile.
+SLOW_SCHEMA = {
+    "anyOf": [
+        {
+            "type": "object",
+            "properties": {f"p{i}_{j}": {"type": "integer"} for j in range(20)},
+            "required": [f"p{i}_0"],
+        }
+        for i in range(380)
+    ]
+}
+
+
+def occupy(compiler, seconds: float, tenant: str = "gate"):
+    """Keep the compile thread busy for `seconds` in `tenant`'s turn (a real job on it)."""
+    with compiler._lock:
+        return compiler._submit(tenant, lambda: time.sleep(seconds))
 
 
 def person(**kwargs) -> SamplingParams:
@@ -241,7 +258,7 @@ def test_a_request_waits_for_its_compile_while_the_others_run(model):
     llm = make_llm(model)
     engine = llm.llm_engine
     compiler = engine.structured_outputs.compiler
-    gate = compiler._executor.submit(time.sleep, 0.5)  # the compile thread busy for a moment
+    gate = occupy(compiler, 0.5)  # the compile thread busy for a moment
     engine.add_request("json", engine.tokenizer.encode(PROMPTS[0]), person())
     engine.add_request("plain", engine.tokenizer.encode("Hello"), SamplingParams(max_tokens=4))
     outputs = {}
@@ -276,7 +293,7 @@ def test_a_failed_compile_fails_only_its_own_request(model):
 def test_compiles_in_flight_are_bounded_per_tenant(model):
     llm = make_llm(model, max_grammar_compiles_per_tenant=1)
     compiler = llm.llm_engine.structured_outputs.compiler
-    gate = compiler._executor.submit(time.sleep, 0.5)  # the compile thread busy for a moment
+    gate = occupy(compiler, 0.5)  # the compile thread busy for a moment
     compiler.get(StructuredOutputsParams(regex="a+"), "alice")
     with pytest.raises(GrammarBusy):
         compiler.get(StructuredOutputsParams(regex="b+"), "alice")
@@ -300,22 +317,35 @@ def test_compiled_grammars_are_cached_per_tenant_and_never_shared(model):
 
 
 def test_a_compile_past_the_timeout_is_refused_and_its_thread_finishes(model):
-    llm = make_llm(model, structured_outputs_compile_timeout=0.05)
+    llm = make_llm(model, structured_outputs_compile_timeout=0.3)
     compiler = llm.llm_engine.structured_outputs.compiler
-    gate = compiler._executor.submit(time.sleep, 0.3)
-    params = StructuredOutputsParams(regex="[a-z]{3}")
+    compiler.get(StructuredOutputsParams(regex="warm"), None).result()  # the tokenizer, once
+    params = StructuredOutputsParams(json=SLOW_SCHEMA)  # ~1.7 s to compile on one core
+    started = time.monotonic()
     with pytest.raises(GrammarError, match="did not compile within") as info:
         compiler.wait(compiler.get(params, None), params)
-    assert info.value.reason == "timeout"
-    gate.result()
-    assert compiler.get(params, None).result(timeout=5) is not None  # finished and cached
+    assert info.value.reason == "timeout" and time.monotonic() - started < 1.5
+    assert compiler.get(params, None).result(timeout=30) is not None  # finished and cached
     assert llm.get_metrics()["structured_output_rejections_timeout"] == 1
+
+
+def test_compiles_are_taken_tenants_in_turn(model):
+    llm = make_llm(model)
+    compiler = llm.llm_engine.structured_outputs.compiler
+    compiler.get(StructuredOutputsParams(regex="warm"), None).result()
+    flood = [occupy(compiler, 0.3, tenant="mallory") for _ in range(4)]
+    bob = compiler.get(StructuredOutputsParams(regex="b+"), "bob")
+    bob.result(timeout=5)
+    # Bob waited for mallory's running compile at most, never for her backlog.
+    assert sum(job.done() for job in flood) <= 2
+    for job in flood:
+        job.result(timeout=5)
 
 
 def test_aborting_a_request_that_waits_for_its_grammar_leaks_nothing(model):
     llm = make_llm(model)
     engine = llm.llm_engine
-    gate = engine.structured_outputs.compiler._executor.submit(time.sleep, 0.3)
+    gate = occupy(engine.structured_outputs.compiler, 0.3)
     engine.add_request("w", engine.tokenizer.encode(PROMPTS[0]), person())
     assert engine.scheduler.waiting_for_grammar and engine.get_metrics()["num_waiting"] == 1
     engine.abort_request("w")
@@ -341,3 +371,101 @@ def test_a_grammar_that_fails_mid_answer_fails_only_its_own_request(model):
     assert outputs["a"].error and "structured output" in outputs["a"].error
     jsonschema.validate(json.loads(outputs["b"].outputs[0].text), PERSON)
     engine.check_no_leaks()
+
+
+def test_prompt_logprobs_beside_a_forced_row_are_the_requests_own(model):
+    stepwise = make_llm(model, structured_outputs_jump_forward=False)
+    engine = stepwise.llm_engine
+    tok = engine.tokenizer
+    alone = run(
+        stepwise,
+        ["The prompt whose logprobs we want"],
+        SamplingParams(max_tokens=1, prompt_logprobs=0),
+    )
+    forced = StructuredOutputsParams(choice=["hello wonderful world of forced tokens"])
+    engine.add_request(
+        "a", tok.encode("Say it: "), SamplingParams(max_tokens=20, structured_outputs=forced)
+    )
+    while not any(r.structured_output.forced_next for r in engine.scheduler.running):
+        engine.step()  # until a's next token is forced
+    engine.add_request(
+        "b",
+        tok.encode("The prompt whose logprobs we want"),
+        SamplingParams(max_tokens=1, prompt_logprobs=0),
+    )
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] = out
+    assert outputs["b"].prompt_logprobs == alone[0].prompt_logprobs
+    engine.check_no_leaks()
+
+
+@pytest.mark.parametrize("constraint", [dict(choice=["yes"]), dict(json={"const": "hello world"})])
+def test_a_grammar_its_forced_start_completes_gives_the_same_answer_in_both_modes(
+    jump, stepwise, constraint
+):
+    for ignore_eos in (False, True):
+        params = SamplingParams(
+            max_tokens=10,
+            ignore_eos=ignore_eos,
+            structured_outputs=StructuredOutputsParams(**constraint),
+        )
+        fast = run(jump, ["Answer: "], params)[0].outputs[0]
+        slow = run(stepwise, ["Answer: "], params)[0].outputs[0]
+        assert (fast.token_ids, fast.finish_reason) == (slow.token_ids, slow.finish_reason)
+        assert fast.finish_reason == "stop"
+        assert fast.token_ids[-1] not in jump.llm_engine.scheduler.eos_token_ids
+
+
+def test_cached_tokens_never_count_forced_output_as_prompt(jump):
+    params = SamplingParams(
+        max_tokens=12,
+        structured_outputs=StructuredOutputsParams(
+            json={"const": "a b c d e f g h i j k l m n o p q r"}
+        ),
+    )
+    for _ in range(2):
+        out = run(jump, ["Hi"], params)[0]
+        assert out.num_cached_tokens <= len(out.prompt_token_ids)
+
+
+def test_a_schema_jsonschema_chokes_on_is_a_grammar_error(jump):
+    for schema in ({"$schema": []}, {"$schema": 5}):
+        with pytest.raises(GrammarError) as info:
+            run(
+                jump, ["x"], SamplingParams(structured_outputs=StructuredOutputsParams(json=schema))
+            )
+        assert info.value.reason == "invalid_schema"
+
+
+def test_a_draft_past_the_grammars_vocabulary_is_cut(jump):
+    engine = jump.llm_engine
+    constraint = StructuredOutputsParams(regex=r"[0-9]{6}")
+    engine.add_request(
+        "v",
+        engine.tokenizer.encode("Code: "),
+        SamplingParams(max_tokens=8, structured_outputs=constraint),
+    )
+    grammar = engine.scheduler.requests["v"].structured_output
+    while grammar.poll() is None:
+        time.sleep(0.01)
+    digit = engine.tokenizer.encode("7")[-1]
+    assert grammar.valid_drafts([digit, engine.tokenizer.vocab_size + 5, digit]) == [digit]
+    assert grammar.matcher.error is None
+    engine.abort_request("v")
+    engine.check_no_leaks()
+
+
+def test_an_ambiguous_grammar_built_to_blow_up_fails_alone_and_fast(jump):
+    hostile = StructuredOutputsParams(grammar='start: s\ns: s s s | s s | "a" | "ab" | "b"')
+    started = time.monotonic()
+    outputs = jump.generate(
+        ["aaaa", PROMPTS[0]],
+        [SamplingParams(max_tokens=400, ignore_eos=True, structured_outputs=hostile), person()],
+        use_tqdm=False,
+    )
+    assert outputs[0].error or outputs[0].outputs[0].finish_reason in ("stop", "length")
+    jsonschema.validate(json.loads(outputs[1].outputs[0].text), PERSON)
+    assert time.monotonic() - started < 60
+    jump.llm_engine.check_no_leaks()

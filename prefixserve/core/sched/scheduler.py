@@ -65,6 +65,9 @@ if TYPE_CHECKING:
 
 # How long a schedule() with nothing else to do waits for a structured request's compile.
 _GRAMMAR_WAIT_S = 0.05
+# The most tokens one update appends by jump-forward (a grammar forcing a long constant would
+# otherwise keep the step thread computing its forced tokens).
+_MAX_FORCED_PER_STEP = 256
 
 
 @dataclass(slots=True)
@@ -125,6 +128,7 @@ class Scheduler:
         # request id -> why its grammar failed (compile error, timeout, a refused token): the
         # engine fails these requests after the step.
         self.grammar_failures: dict[str, str] = {}
+        self._set_aside: set[str] = set()  # failed while waiting for their grammar: no queue
         # Finished, aborted or preempted since the last schedule(): the runner drops their state.
         self.finished_req_ids: set[str] = set()
         self.stats = SchedulerStats()
@@ -163,8 +167,8 @@ class Scheduler:
                 self.running.remove(request)
             elif request in self.waiting_for_grammar:
                 self.waiting_for_grammar.remove(request)
-            elif request.structured_output is not None and request.structured_output.error:
-                pass  # its grammar failed: set aside in no queue
+            elif request.request_id in self._set_aside:
+                self._set_aside.discard(request.request_id)  # its grammar failed: in no queue
             else:
                 self.waiting.remove(request)
             request.status = status
@@ -223,21 +227,30 @@ class Scheduler:
                 self.waiting.append(request)
             else:
                 self.grammar_failures[request.request_id] = grammar.error or "grammar failed"
+                self._set_aside.add(request.request_id)
         self.waiting_for_grammar = still
 
     def _append_initial_forced(self, request: Request) -> None:
         """Jump-forward from the grammar's start: the forced tokens join the prompt's prefill
         (at least one token is left to sample; reported with the first sampled token)."""
-        forced = request.structured_output.take_forced()
+        grammar = request.structured_output
+        forced = grammar.take_forced()
         room = min(
             (request.max_tokens or self.max_model_len) - 1,
             self.max_model_len - request.num_tokens - 1,
         )
         forced = forced[: max(0, room)]
-        if forced:
-            request.append_output_token_ids(forced)
-            request.structured_output.unreported = forced
-            request.structured_output.accept(forced)
+        ends = self.eos_token_ids | request.stop_token_ids
+        stop = next((i for i, token in enumerate(forced) if token in ends), len(forced))
+        forced = forced[:stop]  # a token that ends the request is left to its first step
+        if not forced:
+            return
+        request.append_output_token_ids(forced)
+        grammar.unreported = forced
+        if not grammar.accept(forced):
+            self.grammar_failures[request.request_id] = grammar.error or "grammar refused"
+        elif grammar.stopped:
+            grammar.finishing = True  # complete already: its first step computes it, then stops
 
     def _give_short_tenant_a_slot(self) -> None:
         """A waiting tenant short of its share of the running slots takes one this step."""
@@ -410,7 +423,9 @@ class Scheduler:
 
     def _start_running(self, request: Request, num_computed: int, num_loaded: int) -> None:
         if request.num_cached_tokens < 0:  # its first scheduling
-            request.num_cached_tokens = num_computed + num_loaded
+            # (Tokens a grammar forced before the first step are output, not prompt: a hit on
+            # them is not counted as cached prompt.)
+            request.num_cached_tokens = min(num_computed + num_loaded, request.num_prompt_tokens)
             request.cache.num_disk_cached_tokens = num_loaded
             self.stats.num_prompt_tokens += request.num_prompt_tokens
             self.kv_cache_manager.held.refresh_breakpoints(request, num_computed + num_loaded)
@@ -518,7 +533,13 @@ class Scheduler:
         in their slots already: they count as computed, and a block they complete is cached now.
         Returns True when the request stopped."""
         request = entry.request
-        if request.structured_output is not None and request.structured_output.finishing:
+        grammar = request.structured_output
+        if grammar is not None and grammar.unreported:
+            update.new_token_ids.extend(grammar.unreported)  # forced at its start
+            update.new_logprobs.extend(forced_logprobs(request, grammar.unreported))
+            self.stats.num_generation_tokens += len(grammar.unreported)
+            grammar.unreported = []
+        if grammar is not None and grammar.finishing:
             request.status = RequestStatus.FINISHED_STOPPED  # its forced tail is computed now
             return True
         accepted, tokens, logprobs = sampled_run(runner_output, request.request_id, token_id)
@@ -527,17 +548,13 @@ class Scheduler:
             if self.proposer is not None:
                 self.proposer.record(request.request_id, len(entry.draft_token_ids), len(accepted))
         request.num_computed_tokens += len(accepted)
-        grammar = request.structured_output
-        if grammar is not None and grammar.unreported:
-            update.new_token_ids.extend(grammar.unreported)  # forced at its start
-            update.new_logprobs.extend(forced_logprobs(request, grammar.unreported))
-            grammar.unreported = []
+        generated_before = len(update.new_token_ids)
         stopped = append_until_stop(
             request, tokens, logprobs, update, self.eos_token_ids, self.max_model_len
         )
         if grammar is not None and not stopped:
             stopped = self._advance_grammar(request, tokens, update)
-        self.stats.num_generation_tokens += len(update.new_token_ids)
+        self.stats.num_generation_tokens += len(update.new_token_ids) - generated_before
         if accepted:  # (a stop inside the run appended fewer: cache_blocks stops at num_tokens)
             self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
         return stopped
@@ -548,6 +565,7 @@ class Scheduler:
         next step computes them as one chunk). A refused token sets the request aside to fail
         (`grammar_failures`). Returns True when the request stopped."""
         grammar = request.structured_output
+        appended = 0
         while True:
             if not grammar.accept(tokens):
                 self.grammar_failures[request.request_id] = grammar.error or "grammar refused"
@@ -555,14 +573,17 @@ class Scheduler:
             if grammar.stopped:
                 if request.num_tokens - request.num_computed_tokens > 1:
                     # It ended on a run of forced tokens: one more step computes them (their
-                    # K/V is the next turn's prefix), then it stops (`_finish_grammar`).
+                    # K/V is the next turn's prefix), then it stops (`_append_sampled`).
                     grammar.finishing = True
                     return False
                 request.status = RequestStatus.FINISHED_STOPPED
                 return True
+            if appended >= _MAX_FORCED_PER_STEP:
+                return False  # the rest comes one per step (each the step's only allowed token)
             tokens = grammar.take_forced()
             if not tokens:
                 return False
+            appended += len(tokens)
             if append_forced(request, tokens, update, self.eos_token_ids, self.max_model_len):
                 return True
 
