@@ -26,6 +26,7 @@ from prefixserve.core.sched.output import (
     ScheduledRequest,
     SchedulerOutput,
 )
+from prefixserve.core.sched.step_results import forced_logprobs
 from prefixserve.inputs.prompt_embeds import embeds_rows
 from prefixserve.kv_store.worker import gather_blocks, scatter_blocks
 from prefixserve.model.config import ModelConfig
@@ -519,8 +520,8 @@ def _emit_forced(
         if token is None:
             continue
         output.sampled_token_ids[request_id] = token
-        if s.request.sampling_params.logprobs is not None:
-            output.logprobs[request_id] = [(token, 0.0, 1)]
+        for entry in forced_logprobs(s.request, [token]):
+            output.logprobs[request_id] = entry
 
 
 def _collect_samples(
