@@ -4,6 +4,7 @@
     prefixserve bench compare --engines prefixserve,vllm,llama.cpp --workloads W0,W1,W2,W3
     prefixserve bench compare --engines prefixserve,prefixserve+ngram,vllm,vllm+ngram \
         --workloads W7 --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
+    prefixserve bench compare --engines prefixserve-ram,vllm-hermes,llama-server --workloads W9
 """
 
 from __future__ import annotations
@@ -129,6 +130,9 @@ def _config(args: argparse.Namespace, model_dir: Path, gguf: Path | None) -> Com
         speculative_config=args.speculative_config,
         lora_adapters=args.lora_adapters,
         lora_rank=args.lora_rank,
+        sessions=args.sessions,
+        turns=args.turns,
+        strict_tools=args.strict_tools,
     )
 
 
@@ -138,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
 
     model_dir = args.model or default_model_dir()
     gguf = args.gguf
-    if gguf is None and "llama.cpp" in args.engines:
+    if gguf is None and ({"llama.cpp", "llama-server"} & set(args.engines)):
         gguf = _default_gguf(model_dir)
     try:
         cfg = _config(args, model_dir, gguf)

@@ -16,6 +16,15 @@ acceptance rate and the mean accepted length. Then, for each workload, a markdow
 ``<out>/<workload>-spec.png``: output tokens/s and acceptance rate by engine) are made from every
 engine result found in ``<out>/<workload>/``, so runs of different engines into the same
 directory add up.
+
+W9 (agents, prefixserve/bench/agent_workload.py) is not a list of requests but sessions that build
+each turn from the server's answers: on each engine it runs after the other workloads, after one
+more warm-up (a forced tool call under another system prompt), and its result
+(``<out>/W9/<engine>.json``: per request TTFT, latency, prompt and cached tokens, the calls and
+whether they parse; whether the server was still alive) has its own table and no figure. It needs
+engines that serve tools: prefixserve's, ``vllm-hermes`` and ``llama-server``; the peers get
+prefixserve's packaged tool template (``servers.peer_tool_template``), written under
+``<out>/templates/``.
 """
 
 from __future__ import annotations
@@ -45,9 +54,17 @@ from benchmarks.serving.servers import (
     ServerProcess,
     get_engine,
     parse_speculative_config,
+    peer_tool_template,
     speculative_config_json,
 )
 from prefixserve.bench import results
+from prefixserve.bench.agent_summary import result_payload
+from prefixserve.bench.agent_workload import (
+    AGENT_WORKLOADS,
+    AgentConfig,
+    run_agent_workload,
+    warm_up,
+)
 from prefixserve.bench.client import EndpointConfig, RequestRecord, RunResult, run_workload
 from prefixserve.bench.server_counters import (
     cluster_delta,
@@ -94,14 +111,37 @@ class CompareConfig:
     # Random LoRA adapters served by every engine, one per prompt group in turn (0: none).
     lora_adapters: int = 0
     lora_rank: int = 16
+    # W9: agent sessions side by side, and tool turns per session.
+    sessions: int = 8
+    turns: int = 6
+    strict_tools: bool = True
+
+    @property
+    def agent_workloads(self) -> list[str]:
+        return [w for w in self.workloads if w.upper() in AGENT_WORKLOADS]
+
+    def agent_config(self) -> AgentConfig:
+        return AgentConfig(
+            sessions=max(1, round(self.sessions * self.scale)),
+            turns=self.turns,
+            seed=self.seed,
+            strict=self.strict_tools,
+        )
 
     def __post_init__(self) -> None:
         for name in self.engines:
             get_engine(name)
-        bad = [w for w in self.workloads if w.upper() not in WORKLOAD_NAMES]
+        known = (*WORKLOAD_NAMES, *AGENT_WORKLOADS)
+        bad = [w for w in self.workloads if w.upper() not in known]
         if bad:
-            raise ValueError(f"unknown workload(s) {bad}; choose from {', '.join(WORKLOAD_NAMES)}")
+            raise ValueError(f"unknown workload(s) {bad}; choose from {', '.join(known)}")
         self.workloads = [w.upper() for w in self.workloads]
+        no_tools = [e for e in self.engines if not get_engine(e).serves_tools]
+        if self.agent_workloads and no_tools:
+            raise ValueError(
+                f"W9 calls tools, which {', '.join(no_tools)} is not started to serve: use "
+                "prefixserve's engines, vllm-hermes and llama-server"
+            )
         if not self.engines:
             raise ValueError("choose at least one engine")
         pool = self.kv_pool_tokens
@@ -208,13 +248,15 @@ def run_compare(cfg: CompareConfig, progress: bool = True) -> dict[str, str]:
     workloads = [
         make_workload(n, pool, seed=cfg.seed, scale=cfg.scale, decode=decode, text=text)
         for n in cfg.workloads
+        if n not in AGENT_WORKLOADS
     ]
     warmup = make_warmup(pool, n=cfg.num_warmup, seed=cfg.seed)
     for req in warmup:
         req.prompt_text = decode(req.prompt_token_ids)
     for reqs in [warmup, *(w.requests for w in workloads)]:
         prepend_tokens(reqs, special_prefix)
-    total = len(cfg.engines) * _num_requests(workloads)
+    agent_requests = cfg.agent_config().num_requests * len(cfg.agent_workloads)
+    total = len(cfg.engines) * (_num_requests(workloads) + agent_requests)
     bar = tqdm(total=total, unit="req", disable=not progress, dynamic_ncols=True)
     status: dict[str, str] = {}
     ctx = ServerContext(
@@ -228,6 +270,10 @@ def run_compare(cfg: CompareConfig, progress: bool = True) -> dict[str, str]:
         max_num_seqs=cfg.max_num_seqs,
         kv_pool_tokens=cfg.kv_pool_tokens,
         speculative_config=cfg.speculative_config,
+        chat_template=peer_tool_template(cfg.out_dir / "templates"),
+        parallel=max(
+            cfg.concurrency or 8, cfg.agent_config().sessions if cfg.agent_workloads else 1
+        ),
     )
     if cfg.lora_adapters:
         ctx.lora_modules, ctx.group_models = _lora_setup(cfg, workloads)
@@ -242,7 +288,7 @@ def run_compare(cfg: CompareConfig, progress: bool = True) -> dict[str, str]:
             except (ServerError, ValueError) as exc:
                 status[engine] = str(exc)
                 bar.write(f"{engine} failed: {exc}")
-                bar.update(_num_requests(workloads) - (bar.n - done_before))
+                bar.update(_num_requests(workloads) + agent_requests - (bar.n - done_before))
     finally:
         bar.close()
     return status
@@ -339,10 +385,11 @@ def _serve_and_run(
     runs: Sequence[tuple[Workload, str]],
     log_name: str,
     bar: tqdm,
+    agents: Sequence[str] = (),
 ) -> ServerProcess:
     """Start one server of `engine`, send the warm-up, then run each (workload, result label)
-    in order on it and write its result; the server is stopped at the end (SIGINT, then
-    SIGKILL past the engine's stop timeout) and returned."""
+    in order on it and write its result, then each agent workload (`agents`); the server is
+    stopped at the end (SIGINT, then SIGKILL past the engine's stop timeout) and returned."""
     spec = get_engine(engine)
     with (
         _shared_tier(spec, ctx),
@@ -374,7 +421,48 @@ def _serve_and_run(
                 spec_decode=spec_decode,
                 cluster=cluster,
             )
+        for name in agents:
+            _run_agent(engine, name, cfg, server, bar)
     return server
+
+
+def _run_agent(
+    engine: str, name: str, cfg: CompareConfig, server: ServerProcess, bar: tqdm
+) -> None:
+    """Run agent workload `name` on the started `server` and write its result; the server's
+    death is a result too (`alive` false, with its log's last lines)."""
+    config = cfg.agent_config()
+    assert server.model_id is not None
+    bar.set_description(f"{engine}: {name} warm-up")
+    asyncio.run(warm_up(server.base_url, server.model_id))
+    bar.set_description(f"{engine}: {name}")
+    run = asyncio.run(
+        run_agent_workload(
+            server.base_url, server.model_id, config, on_done=lambda _: bar.update(1)
+        )
+    )
+    failed = any(r.error for r in run.records)
+    try:
+        server.check_alive(grace_s=5.0 if failed else 0.0)
+        alive, death = True, None
+    except ServerError as exc:
+        alive, death = False, str(exc)
+    payload = result_payload(
+        engine,
+        config,
+        run,
+        alive,
+        command=server.command,
+        server_died=death,
+        startup_s=server.startup_s,
+        machine=_machine(),
+        finished_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    )
+    path = results.result_path(cfg.out_dir, name, engine)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=1))
+    if death is not None:
+        raise ServerError(death)
 
 
 def _run_engine(
@@ -389,9 +477,18 @@ def _run_engine(
     lineage of two servers sharing one store."""
     plain = [w for w in workloads if w.name not in RESTART_WORKLOADS]
     try:
-        if plain:
+        if plain or cfg.agent_workloads:
             _fresh_store(cfg, ctx, engine, "main")
-            _serve_and_run(engine, cfg, ctx, warmup, [(w, engine) for w in plain], engine, bar)
+            _serve_and_run(
+                engine,
+                cfg,
+                ctx,
+                warmup,
+                [(w, engine) for w in plain],
+                engine,
+                bar,
+                agents=cfg.agent_workloads,
+            )
             _drop_store(ctx)
         for w in workloads:
             if w.name not in RESTART_WORKLOADS:

@@ -12,6 +12,15 @@ Each engine is an OpenAI-compatible server started from the command line:
   one thread.
 - ``llama.cpp``: llama-cpp-python's server in its own venv (scripts/peers/setup_llama_cpp.sh) on a
   bf16 GGUF of the same weights; it takes text prompts only.
+- Agents (W9, tools): ``vllm-hermes``, vLLM with ``--enable-auto-tool-choice --tool-call-parser
+  hermes``; ``llama-server``, llama.cpp's own server (scripts/peers/setup_llama_server.sh) with
+  ``--jinja``, ``--parallel`` slots of ``max_model_len`` tokens each, on the same GGUF. The
+  default model's own template renders no tools (llama-server then drops them from the prompt),
+  so both peers get prefixserve's packaged ChatML tool template
+  (entrypoints/chat/templates/chatml_tools.jinja, what prefixserve itself renders with):
+  llama-server as it is (``--chat-template-file``), vLLM (``--chat-template``) as
+  ``peer_tool_template`` writes it, changed only to render a call's arguments given as an object
+  as well as a string (vLLM hands templates a history call's arguments parsed).
 - ``prefixserve-2x1-<policy>``: ``prefixserve serve --replicas 2 --threads-per-replica 1`` (Ray)
   with ``--routing-policy <policy>``, each replica half the KV pool (the RAM pool only);
   ``prefixserve-2x1-prefix-store``: the prefix policy with one disk tier the replicas share.
@@ -85,6 +94,10 @@ class ServerContext:
     lora_modules: dict[str, str] = field(default_factory=dict)
     group_models: dict[str, str] = field(default_factory=dict)
     max_lora_rank: int = 16
+    # vLLM's chat template for tools (`peer_tool_template`); None: none given.
+    chat_template: Path | None = None
+    # llama-server's slots (requests it decodes together), each of max_model_len tokens.
+    parallel: int = 8
 
 
 @dataclass(slots=True)
@@ -108,6 +121,9 @@ class EngineSpec:
     speculative: bool = False
     # Shares a KV tier on a Valkey server (`--kv-remote`) that the harness starts for it.
     uses_remote: bool = False
+    # Serves OpenAI function tools on /v1/chat/completions (parses calls, `tool_choice` auto and
+    # required): what W9 needs.
+    serves_tools: bool = False
 
 
 def _shared_flags(ctx: ServerContext, block_size: int) -> list[str]:
@@ -281,6 +297,86 @@ def _llama_cpp_cmd(ctx: ServerContext) -> list[str]:
     ]
 
 
+# The one change the peers' copy of the packaged tool template needs: vLLM parses a history
+# call's `arguments` into an object before rendering (llama.cpp's minja may too), and a string
+# concatenated with an object is an error; an object is written back as JSON.
+_ARGS_AS_STRING = "+ call['function']['arguments'] +"
+_ARGS_EITHER = (
+    "+ (call['function']['arguments'] if call['function']['arguments'] is string "
+    "else call['function']['arguments'] | tojson) +"
+)
+
+
+def packaged_tool_template() -> Path:
+    """prefixserve's packaged ChatML tool template (the default model's)."""
+    from importlib.resources import files
+
+    return Path(str(files("prefixserve.entrypoints.chat") / "templates" / "chatml_tools.jinja"))
+
+
+def peer_tool_template(directory: Path) -> Path:
+    """Write vLLM's tool template into `directory` and return its path: prefixserve's packaged
+    ChatML tool template with a call's arguments rendered whether they come as a string or as an
+    object."""
+    packaged = packaged_tool_template()
+    text = packaged.read_text(encoding="utf-8")
+    if text.count(_ARGS_AS_STRING) != 1:
+        raise ValueError(f"{packaged}: the arguments expression to adapt was not found once")
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "chatml_tools_peers.jinja"
+    path.write_text(text.replace(_ARGS_AS_STRING, _ARGS_EITHER), encoding="utf-8")
+    return path
+
+
+def _tool_template(ctx: ServerContext) -> list[str]:
+    if ctx.chat_template is None:
+        raise ValueError("a tool-serving peer needs the tool template (peer_tool_template)")
+    return [str(ctx.chat_template)]
+
+
+def _vllm_hermes_cmd(ctx: ServerContext) -> list[str]:
+    return [
+        *_vllm_cmd(ctx),
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+        "--chat-template",
+        *_tool_template(ctx),
+    ]
+
+
+def _llama_server_cmd(ctx: ServerContext) -> list[str]:
+    if ctx.gguf_path is None:
+        raise ValueError("llama-server needs a GGUF file: pass --gguf or run setup_llama_cpp.sh")
+    if ctx.lora_modules:
+        raise ValueError("the llama-server peer serves no LoRA adapters in this harness")
+    return [
+        str(peers_dir() / "llama_server" / "bin" / "llama-server"),
+        "--model",
+        str(ctx.gguf_path),
+        "--alias",
+        ctx.model_dir.name,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(ctx.port),
+        # One slot per request decoded together, each with the others' context length.
+        "--parallel",
+        str(ctx.parallel),
+        "--ctx-size",
+        str(ctx.max_model_len * ctx.parallel),
+        "--batch-size",
+        str(ctx.max_num_batched_tokens),
+        "--threads",
+        str(ctx.threads),
+        "--threads-batch",
+        str(ctx.threads),
+        "--jinja",
+        "--chat-template-file",
+        str(packaged_tool_template()),
+    ]
+
+
 def _threads_env(ctx: ServerContext) -> dict[str, str]:
     return {"OMP_NUM_THREADS": str(ctx.threads)}
 
@@ -295,6 +391,7 @@ _BASE_ENGINES: dict[str, EngineSpec] = {
         startup_timeout_s=300.0,
         uses_store=True,
         stop_timeout_s=120.0,
+        serves_tools=True,
     ),
     "prefixserve-ram": EngineSpec(
         "prefixserve-ram",
@@ -303,6 +400,7 @@ _BASE_ENGINES: dict[str, EngineSpec] = {
         extra_body={"ignore_eos": True},
         env=_threads_env,
         startup_timeout_s=300.0,
+        serves_tools=True,
     ),
     "prefixserve-nocache": EngineSpec(
         "prefixserve-nocache",
@@ -311,6 +409,7 @@ _BASE_ENGINES: dict[str, EngineSpec] = {
         extra_body={"ignore_eos": True},
         env=_threads_env,
         startup_timeout_s=300.0,
+        serves_tools=True,
     ),
     "vllm": EngineSpec(
         "vllm",
@@ -333,6 +432,26 @@ _BASE_ENGINES: dict[str, EngineSpec] = {
         startup_timeout_s=300.0,
         setup_hint="scripts/peers/setup_llama_cpp.sh",
     ),
+    "vllm-hermes": EngineSpec(
+        "vllm-hermes",
+        _vllm_hermes_cmd,
+        "tokens",
+        extra_body={"ignore_eos": True},
+        env=_vllm_env,
+        startup_timeout_s=600.0,
+        setup_hint="scripts/peers/setup_vllm_cpu.sh",
+        serves_tools=True,
+    ),
+    "llama-server": EngineSpec(
+        "llama-server",
+        _llama_server_cmd,
+        "tokens",
+        extra_body={"ignore_eos": True},
+        env=_threads_env,
+        startup_timeout_s=300.0,
+        setup_hint="scripts/peers/setup_llama_server.sh",
+        serves_tools=True,
+    ),
 }
 
 
@@ -348,6 +467,7 @@ def _replicas_spec(
         startup_timeout_s=300.0,
         uses_store=store,
         stop_timeout_s=120.0 if store else 30.0,
+        serves_tools=True,
     )
 
 

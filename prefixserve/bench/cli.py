@@ -91,10 +91,10 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
         "--workloads",
         type=csv_list,
         default=list(DEFAULT_WORKLOADS),
-        help="comma-separated subset of W0-W8 (default: W0,W1,W2,W3; W4 and W5 want a small "
+        help="comma-separated subset of W0-W9 (default: W0,W1,W2,W3; W4 and W5 want a small "
         "KV pool on every engine: compare's --kv-pool-tokens; W6 restarts the server, so only "
         "compare runs it; W7 is copy-heavy, for speculative decoding; W8 is multi-tenant, for "
-        "replicas, with --request-rate)",
+        "replicas, with --request-rate; W9 is agents: --sessions chats of --turns tool turns)",
     )
     p.add_argument(
         "--concurrency",
@@ -107,6 +107,20 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         help="Poisson arrivals at this many requests/s instead of a closed loop",
+    )
+    p.add_argument(
+        "--sessions",
+        type=int,
+        default=8,
+        help="W9: agent sessions run side by side (times --scale; W9 ignores --concurrency and "
+        "--request-rate: each session sends its next turn when the previous one finished)",
+    )
+    p.add_argument("--turns", type=int, default=6, help="W9: tool turns per session")
+    p.add_argument(
+        "--no-strict-tools",
+        dest="strict_tools",
+        action="store_false",
+        help='W9: send the tools without "strict": true (vLLM then leaves arguments free)',
     )
     p.add_argument("--seed", type=int, default=0, help="workload and arrival seed")
     p.add_argument(
@@ -215,6 +229,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     import httpx
     from tqdm import tqdm
 
+    from prefixserve.bench.agent_workload import AGENT_WORKLOADS
     from prefixserve.bench.client import EndpointConfig, run_workload
     from prefixserve.bench.results import result_path
     from prefixserve.bench.server_counters import scrape_spec_decode, spec_decode_delta
@@ -228,6 +243,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         prepend_tokens,
     )
 
+    agents = [w.upper() for w in args.workloads if w.upper() in AGENT_WORKLOADS]
+    args.workloads = [w for w in args.workloads if w.upper() not in AGENT_WORKLOADS]
     restarts = [w for w in args.workloads if w.upper() in RESTART_WORKLOADS]
     if restarts:
         print(
@@ -236,15 +253,20 @@ def _cmd_run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    model_dir = args.model or default_model_dir()
-    pool, decode, special_prefix = load_token_pool(model_dir)
-    wants_text = any(w.upper() in TEXT_WORKLOADS for w in args.workloads)
-    text = load_text_encoder(model_dir) if wants_text else None
     served = args.served_model
     if served is None:
         served = httpx.get(args.base_url.rstrip("/") + "/v1/models", timeout=10).json()["data"][0][
             "id"
         ]
+    if agents:
+        _run_agents(args, served)
+    if not args.workloads:
+        print(_report(args.out, agents))
+        return 0
+    model_dir = args.model or default_model_dir()
+    pool, decode, special_prefix = load_token_pool(model_dir)
+    wants_text = any(w.upper() in TEXT_WORKLOADS for w in args.workloads)
+    text = load_text_encoder(model_dir) if wants_text else None
     endpoint = EndpointConfig(
         base_url=args.base_url,
         model=served,
@@ -289,8 +311,44 @@ def _cmd_run(args: argparse.Namespace) -> int:
                 indent=1,
             )
         )
-    print(_report(args.out, [w.upper() for w in args.workloads]))
+    print(_report(args.out, [*agents, *(w.upper() for w in args.workloads)]))
     return 0
+
+
+def _run_agents(args: argparse.Namespace, served: str) -> None:
+    """W9 against the server `args.base_url`: write `<out>/W9/<name>.json`."""
+    import httpx
+    from tqdm import tqdm
+
+    from prefixserve.bench.agent_summary import result_payload
+    from prefixserve.bench.agent_workload import AgentConfig, run_agent_workload
+    from prefixserve.bench.results import result_path
+    from prefixserve.bench.workload_types import scaled
+
+    config = AgentConfig(
+        sessions=scaled(args.sessions, args.scale),
+        turns=args.turns,
+        seed=args.seed,
+        strict=args.strict_tools,
+    )
+    with tqdm(total=config.num_requests, desc=f"{args.name}: W9") as bar:
+        run = asyncio.run(
+            run_agent_workload(
+                args.base_url,
+                served,
+                config,
+                extra_body=args.extra_body,
+                on_done=lambda _: bar.update(1),
+            )
+        )
+    try:
+        alive = httpx.get(args.base_url.rstrip("/") + "/v1/models", timeout=10).status_code == 200
+    except httpx.HTTPError:
+        alive = False
+    path = result_path(args.out, "W9", args.name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = result_payload(args.name, config, run, alive, base_url=args.base_url)
+    path.write_text(json.dumps(payload, indent=1))
 
 
 def _cmd_report(args: argparse.Namespace) -> int:

@@ -4,7 +4,8 @@ Each engine's run of a workload is one ``<out>/<workload>/<engine>.json`` (with 
 the server's speculative-decoding counters over the run, where it exports them); `report` reads
 every such file of a workload back and writes ``<out>/<workload>.md`` (one table row per engine) and
 ``<out>/summary.json`` (every engine's summary per workload), so runs of different engines into
-the same directory add up. Figures are drawn by a `plot` function passed in (the comparison
+the same directory add up. W9 (agents, `agent_workload`) has its own records and table, and no
+figure. Figures are drawn by a `plot` function passed in (the comparison
 harness in the checkout's benchmarks/serving/ passes its matplotlib one).
 """
 
@@ -15,6 +16,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from prefixserve.bench.agent_summary import agent_table, load_agent_results
+from prefixserve.bench.agent_workload import AGENT_WORKLOADS
 from prefixserve.bench.client import RequestRecord
 from prefixserve.bench.summary import Summary, markdown_table, summarize
 
@@ -55,6 +58,14 @@ def report(
     parts: list[str] = []
     summaries: dict[str, dict[str, Any]] = {}
     for name in workloads:
+        if name in AGENT_WORKLOADS:
+            rows = load_agent_results(out_dir / name, order)
+            if rows:
+                summaries[name] = {engine: s.to_dict() for engine, s, _ in rows}
+                table = agent_table(rows)
+                (out_dir / f"{name}.md").write_text(table + "\n")
+                parts.append(f"### {name}\n\n{table}\n")
+            continue
         results = load_results(out_dir, name, order)
         if not results:
             continue

@@ -49,6 +49,11 @@ The shapes:
   across the replicas' pools together (`--kv-pool-tokens`).
 
 EOS is ignored everywhere so every engine decodes the same number of tokens.
+
+W9 (agents: concurrent sessions of tool turns, each turn built from the server's previous
+answer) cannot be a list of requests made in advance: it is `agent_workload`'s driver, which the
+harness runs beside these. It does not ignore EOS: an agent's answer ends where the model
+ends it.
 """
 
 from __future__ import annotations
