@@ -24,7 +24,7 @@ from prefixserve.engine_args import (
     engine_config_from_args,
     lora_modules_from_args,
 )
-from prefixserve.entrypoints.openai.options import (
+from prefixserve.entrypoints.server.options import (
     add_server_limit_arguments,
     admission_from_args,
     app_limits,
@@ -163,9 +163,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from prefixserve.engine.async_llm import AsyncLLMEngine
     from prefixserve.engine.client import EngineClient
-    from prefixserve.entrypoints.openai.app import build_app
-    from prefixserve.entrypoints.openai.auth import ApiKeys
-    from prefixserve.entrypoints.openai.supervision import EngineDeathWatch
+    from prefixserve.entrypoints.api_server import build_app
+    from prefixserve.entrypoints.server.auth import ApiKeys
+    from prefixserve.entrypoints.server.supervision import EngineDeathWatch
 
     logging.basicConfig(
         level=args.log_level.upper(),

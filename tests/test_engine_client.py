@@ -15,7 +15,7 @@ from prefixserve.cluster.client import ClusterEngine
 from prefixserve.engine.async_llm import AsyncLLMEngine
 from prefixserve.engine.client import EngineClient, EngineRequest
 from prefixserve.engine.exceptions import NotSupportedByEngine
-from prefixserve.entrypoints.openai.app import build_app
+from prefixserve.entrypoints.api_server import build_app
 from prefixserve.sampling_params import SamplingParams
 from tests.helpers.asgi import ADMIN_KEY, FakeEngine, call, keys
 

@@ -110,7 +110,7 @@ class _FakeServer:
 
 
 def test_the_server_stops_with_status_1_when_the_engine_dies_unasked(llm_engine):
-    from prefixserve.entrypoints.openai.supervision import EngineDeathWatch
+    from prefixserve.entrypoints.server.supervision import EngineDeathWatch
 
     aengine = AsyncLLMEngine(llm_engine, log_stats_interval_s=None)
     server = _FakeServer()
@@ -136,7 +136,7 @@ def test_the_server_stops_with_status_1_when_the_engine_dies_unasked(llm_engine)
 
 
 def test_a_requested_shutdown_does_not_stop_the_server_as_a_failure(llm_engine):
-    from prefixserve.entrypoints.openai.supervision import EngineDeathWatch
+    from prefixserve.entrypoints.server.supervision import EngineDeathWatch
 
     aengine = AsyncLLMEngine(llm_engine, log_stats_interval_s=None)
     server = _FakeServer()

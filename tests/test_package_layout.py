@@ -304,3 +304,67 @@ def test_an_engines_parts_are_wired_through_their_constructors():
 def test_the_wiring_check_sees_a_part_set_after_construction():
     tree = ast.parse("s = Scheduler()\ns.kv_connector = c\nself.a = self.b.c = 1\n")
     assert _attribute_assignments(tree) == ["line 2: s.kv_connector", "line 3: self.b.c"]
+
+
+ENTRYPOINTS = "prefixserve.entrypoints"
+DIALECTS = ("openai", "anthropic")
+
+
+def entrypoints_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The imports among entrypoints/' sub-rooms (`server`, the shell; the dialects `openai` and
+    `anthropic`; `chat`, what both dialects share; `api_server`, the module composing them),
+    each module collapsed to its sub-room, a sub-room's imports of itself dropped."""
+
+    def sub_room(module: str) -> str | None:
+        if not module.startswith(ENTRYPOINTS + "."):
+            return None
+        return module.removeprefix(ENTRYPOINTS + ".").split(".")[0]
+
+    rooms: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        room = sub_room(module)
+        if room is None:
+            continue
+        found = {sub_room(t) for t in targets} - {None, room}
+        rooms.setdefault(room, set()).update(r for r in found if r is not None)
+    for targets in list(rooms.values()):
+        for target in targets:
+            rooms.setdefault(target, set())
+    return rooms
+
+
+def test_the_entrypoints_sub_rooms_have_no_cycle():
+    """server/, openai/, anthropic/, chat/ and api_server.py import each other one way only
+    (imports inside functions count)."""
+    rooms = entrypoints_graph(import_graph(PACKAGE))
+    assert {"server", "openai", "anthropic", "chat", "api_server"} <= set(rooms), sorted(rooms)
+    cycle = find_cycle(rooms)
+    assert cycle is None, "entrypoints' sub-rooms import each other: " + " -> ".join(cycle)
+
+
+def test_the_server_shell_imports_no_dialect_and_the_dialects_never_import_each_other():
+    """The shell (server/) knows no dialect: the dialects register their routes on it, and
+    api_server.py is the one module that imports the shell and both of them."""
+    rooms = entrypoints_graph(import_graph(PACKAGE))
+    found = {f"server imports {d}" for d in rooms["server"] & {*DIALECTS, "api_server"}}
+    found |= {f"{a} imports {b}" for a in DIALECTS for b in DIALECTS if b in rooms[a]}
+    found |= {f"{a} imports api_server" for a in (*DIALECTS, "chat") if "api_server" in rooms[a]}
+    assert not found, sorted(found)
+    assert rooms["api_server"] >= {"server", *DIALECTS}
+
+
+def test_the_entrypoints_check_sees_one_dialect_import_the_other(tmp_path):
+    pkg = tmp_path / "prefixserve"
+    for room in ("", "/server", "/openai", "/anthropic"):
+        (pkg / f"entrypoints{room}").mkdir(parents=True)
+        (pkg / f"entrypoints{room}" / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "entrypoints" / "server" / "state.py").write_text("import json\n")
+    (pkg / "entrypoints" / "openai" / "serving.py").write_text(
+        "from prefixserve.entrypoints.server.state import x\n"
+    )
+    (pkg / "entrypoints" / "anthropic" / "serving.py").write_text(
+        "def f():\n    from prefixserve.entrypoints.openai import serving\n"
+    )
+    rooms = entrypoints_graph(import_graph(pkg))
+    assert rooms == {"server": set(), "openai": {"server"}, "anthropic": {"openai"}}

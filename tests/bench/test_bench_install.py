@@ -20,7 +20,7 @@ def _python(code: str, cwd) -> subprocess.CompletedProcess[str]:
 
 def test_the_server_and_the_cli_import_neither_matplotlib_nor_httpx(tmp_path):
     code = (
-        "import sys, prefixserve, prefixserve.entrypoints.openai.app, prefixserve.cli\n"
+        "import sys, prefixserve, prefixserve.entrypoints.api_server, prefixserve.cli\n"
         "prefixserve.cli.build_parser()\n"
         "extra = ('matplotlib', 'httpx', 'benchmarks')\n"
         "loaded = sorted(m for m in sys.modules if m.split('.')[0] in extra)\n"

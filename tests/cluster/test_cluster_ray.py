@@ -15,8 +15,8 @@ import pytest
 
 from prefixserve.cluster.policy import make_policy
 from prefixserve.cluster.ray_cluster import kill_replica, replica_pids, start_cluster
-from prefixserve.entrypoints.openai.app import build_app
-from prefixserve.entrypoints.openai.auth import ApiKeys
+from prefixserve.entrypoints.api_server import build_app
+from prefixserve.entrypoints.server.auth import ApiKeys
 from tests.helpers.cluster import replica_config, start_ray
 from tests.helpers.server import serve_in_thread
 

@@ -15,7 +15,7 @@ import pytest
 from prefixserve.cluster.index import PromptView
 from prefixserve.cluster.messages import RegistrationError
 from prefixserve.cluster.ray_cluster import REPLICA_PREFIX, start_cluster
-from prefixserve.entrypoints.openai.app import build_app
+from prefixserve.entrypoints.api_server import build_app
 from prefixserve.kv_store import KVStoreConfig
 from tests.helpers.cluster import RAY_NAMESPACE, replica_config, start_ray
 from tests.helpers.server import serve_in_thread

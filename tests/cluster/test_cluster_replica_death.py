@@ -15,7 +15,7 @@ from prefixserve.cluster.client import ClusterEngine, ReplicaDiedError
 from prefixserve.cluster.policy import ReplicaLoad
 from prefixserve.engine.client import EngineRequest
 from prefixserve.engine.exceptions import EngineDeadError
-from prefixserve.entrypoints.openai.app import build_app
+from prefixserve.entrypoints.api_server import build_app
 from prefixserve.lora.config import LoRASlotsBusyError
 from prefixserve.outputs import RequestOutput
 from prefixserve.sampling_params import SamplingParams

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prefixserve.engine.client import EngineRequest
-from prefixserve.entrypoints.openai.app import build_app
-from prefixserve.entrypoints.openai.auth import ApiKeys
+from prefixserve.entrypoints.api_server import build_app
+from prefixserve.entrypoints.server.auth import ApiKeys
 
 MAX_MODEL_LEN = 64
 TENANT_KEY = "sk-tenant"

@@ -198,7 +198,7 @@ def test_metrics_and_the_summary_name_the_kv_dtype_and_bytes_per_token(default_m
     """`get_metrics`, `/metrics` (Prometheus text), the cache summary and replicas' combined
     metrics all say how the pool stores K/V: 30 layers x 3 KV heads x K and V x 68 bytes."""
     from prefixserve.engine.metrics import combine_metrics
-    from prefixserve.entrypoints.openai.metrics import ServerMetrics
+    from prefixserve.entrypoints.server.metrics import ServerMetrics
 
     llm = LLM(loaded_model=default_model_bf16, num_kv_blocks=16, kv_cache_dtype="int8")
     engine = llm.llm_engine

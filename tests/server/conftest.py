@@ -16,8 +16,8 @@ import pytest
 from prefixserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from prefixserve.engine.async_llm import AsyncLLMEngine
 from prefixserve.engine.llm_engine import LLMEngine
-from prefixserve.entrypoints.openai.app import build_app
-from prefixserve.entrypoints.openai.auth import ApiKeys
+from prefixserve.entrypoints.api_server import build_app
+from prefixserve.entrypoints.server.auth import ApiKeys
 from tests.helpers.server import (
     BLOCK_SIZE,
     KEY_ADMIN,

@@ -47,7 +47,7 @@ REASONS = {
     "salt_or_tenant",
     "adapter",
 }
-STATIC_DIR = Path(__file__).resolve().parents[2] / "prefixserve/entrypoints/openai/static/inspector"
+STATIC_DIR = Path(__file__).resolve().parents[2] / "prefixserve/entrypoints/server/static/inspector"
 DOCS_SCREENSHOT = Path(__file__).resolve().parents[2] / "docs/inspector.png"
 WAIT_S = 90  # generous: the page updates about once a second, the CPU is shared
 
@@ -287,7 +287,7 @@ def test_the_inspector_session_cookie_opens_the_read_only_routes_and_nothing_els
 ) -> None:
     """Issued to a page load with the operator key; HttpOnly, SameSite=Strict, Path=/inspector;
     with it alone the page and its event stream answer, every other route still wants a key."""
-    from prefixserve.entrypoints.openai.inspector_sessions import COOKIE_NAME
+    from prefixserve.entrypoints.server.inspector_sessions import COOKIE_NAME
 
     with httpx.Client(base_url=server.url, timeout=30) as http:
         page = http.get("/inspector", headers={"Authorization": basic_auth(KEY_ADMIN)})

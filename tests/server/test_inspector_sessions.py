@@ -3,7 +3,7 @@ unknown or oversized tokens refused, and the cookie's attributes."""
 
 from __future__ import annotations
 
-from prefixserve.entrypoints.openai.inspector_sessions import (
+from prefixserve.entrypoints.server.inspector_sessions import (
     COOKIE_NAME,
     MAX_TOKEN_CHARS,
     InspectorSessions,

@@ -9,10 +9,10 @@ import time
 import httpx
 import pytest
 
-from prefixserve.entrypoints.openai.admission import Admission
-from prefixserve.entrypoints.openai.app import build_app
-from prefixserve.entrypoints.openai.auth import ApiKeys
-from prefixserve.entrypoints.openai.errors import OpenAIError
+from prefixserve.entrypoints.api_server import build_app
+from prefixserve.entrypoints.server.admission import Admission
+from prefixserve.entrypoints.server.auth import ApiKeys
+from prefixserve.entrypoints.server.errors import OpenAIError
 from tests.helpers.server import KEY_ALPHA, KEY_BETA, MODEL_NAME, serve_in_thread
 
 LONG = {"model": MODEL_NAME, "prompt": "Count:", "max_tokens": 200, "ignore_eos": True}

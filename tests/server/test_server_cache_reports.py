@@ -22,8 +22,8 @@ from prefixserve.config import CacheConfig, EngineConfig, LoRAConfig, SchedulerC
 from prefixserve.core.kv_cache.reports.report import REASONS
 from prefixserve.engine.async_llm import AsyncLLMEngine
 from prefixserve.engine.llm_engine import LLMEngine
-from prefixserve.entrypoints.openai.app import build_app
-from prefixserve.entrypoints.openai.auth import ApiKeys
+from prefixserve.entrypoints.api_server import build_app
+from prefixserve.entrypoints.server.auth import ApiKeys
 from prefixserve.kv_store import KVStoreConfig
 from prefixserve.model.loader.loading import LoadedModel
 from tests.helpers import random_tokens
@@ -305,7 +305,7 @@ def test_without_keys_prefix_text_is_refused(open_server):
 
 def test_event_streams_are_bounded_and_given_back(live):
     """MAX_EVENT_STREAMS at once, a 429 past them, and every place back once they close."""
-    from prefixserve.entrypoints.openai.serving_cache import MAX_EVENT_STREAMS
+    from prefixserve.entrypoints.server.serving_cache import MAX_EVENT_STREAMS
 
     def open_stream(http: httpx.Client):
         response = http.send(http.build_request("GET", "/inspector/events"), stream=True)
@@ -346,7 +346,7 @@ def test_a_summary_build_counts_its_own_time_not_the_wait_for_a_long_step(live):
     not count that wait, or the inspector freezes for 20x that step after one long prompt. The
     step thread is held until the feed's build is queued behind it: the build time the feed
     records must fit in what the call took after the release (counting the wait, it would not)."""
-    from prefixserve.entrypoints.openai.serving_cache import BUSY_SHARE_DIVISOR, SummaryFeed
+    from prefixserve.entrypoints.server.serving_cache import BUSY_SHARE_DIVISOR, SummaryFeed
 
     engine = live.engine
     feed = SummaryFeed(engine)

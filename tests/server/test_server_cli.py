@@ -174,8 +174,8 @@ def test_a_subcommand_is_one_registered_function(monkeypatch):
 
 
 def test_the_slow_client_flags_reach_uvicorn_and_are_checked():
-    from prefixserve.entrypoints.openai.options import check_limit_arguments, uvicorn_limits
-    from prefixserve.entrypoints.openai.slow_clients import HeaderTimeoutH11Protocol
+    from prefixserve.entrypoints.server.options import check_limit_arguments, uvicorn_limits
+    from prefixserve.entrypoints.server.slow_clients import HeaderTimeoutH11Protocol
 
     args = cli.build_parser().parse_args(["serve"])
     assert (args.timeout_request_headers, args.timeout_request_body) == (10.0, 30.0)

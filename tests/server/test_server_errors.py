@@ -5,7 +5,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from prefixserve.entrypoints.openai.errors import from_value_error
+from prefixserve.entrypoints.server.errors import from_value_error
 from tests.helpers.server import MAX_MODEL_LEN, MODEL_NAME
 
 CMPL = "/v1/completions"

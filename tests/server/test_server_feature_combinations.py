@@ -52,8 +52,8 @@ from prefixserve.config import CacheConfig, EngineConfig, LoRAConfig, SchedulerC
 from prefixserve.core.kv_cache.salts import derive_cache_salt
 from prefixserve.engine.async_llm import AsyncLLMEngine
 from prefixserve.engine.llm_engine import LLMEngine
-from prefixserve.entrypoints.openai.app import build_app
-from prefixserve.entrypoints.openai.auth import ApiKeys
+from prefixserve.entrypoints.api_server import build_app
+from prefixserve.entrypoints.server.auth import ApiKeys
 from prefixserve.kv_store import KVStoreConfig
 from prefixserve.model.loader.loading import LoadedModel, load_model
 from tests.helpers import common_prefix, random_tokens

@@ -10,9 +10,9 @@ import threading
 import httpx
 import pytest
 
-from prefixserve.entrypoints.openai.app import default_max_request_body_bytes
-from prefixserve.entrypoints.openai.auth import ApiKeys
-from prefixserve.entrypoints.openai.prompts import MAX_CHARS_PER_TOKEN
+from prefixserve.entrypoints.server.app import default_max_request_body_bytes
+from prefixserve.entrypoints.server.auth import ApiKeys
+from prefixserve.entrypoints.server.prompts import MAX_CHARS_PER_TOKEN
 from prefixserve.lora.config import LoRASlotsBusyError
 from tests.helpers.asgi import ADMIN_KEY, MAX_MODEL_LEN, TENANT_KEY, call, keys, make_app
 
@@ -232,7 +232,7 @@ def test_a_route_not_listed_for_tenants_is_operator_only(server):
 
 
 def test_under_a_root_path_the_guard_checks_the_route_the_router_matches():
-    from prefixserve.entrypoints.openai.guard import _route_path
+    from prefixserve.entrypoints.server.guard import _route_path
 
     assert _route_path({"path": "/api/metrics", "root_path": "/api"}) == "/metrics"
     assert _route_path({"path": "/metrics", "root_path": ""}) == "/metrics"

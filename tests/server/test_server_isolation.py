@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from prefixserve.core.kv_cache.salts import derive_cache_salt, validate_cache_salt
-from prefixserve.entrypoints.openai.auth import ApiKeys, parse_bearer, read_api_key_file
+from prefixserve.entrypoints.server.auth import ApiKeys, parse_bearer, read_api_key_file
 from tests.helpers.server import KEY_ALPHA, KEY_ALPHA_2, KEY_BETA, MODEL_NAME
 
 SHARED_TEXT = (

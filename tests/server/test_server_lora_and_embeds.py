@@ -22,8 +22,8 @@ from prefixserve.bench.lora_adapters import write_random_adapter
 from prefixserve.config import CacheConfig, EngineConfig, LoRAConfig
 from prefixserve.engine.async_llm import AsyncLLMEngine
 from prefixserve.engine.llm_engine import LLMEngine
-from prefixserve.entrypoints.openai.app import build_app
-from prefixserve.entrypoints.openai.auth import ApiKeys
+from prefixserve.entrypoints.api_server import build_app
+from prefixserve.entrypoints.server.auth import ApiKeys
 from tests.helpers import random_tokens
 from tests.helpers.server import (
     KEY_ADMIN,

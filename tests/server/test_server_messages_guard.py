@@ -9,8 +9,8 @@ import anthropic
 import httpx
 import pytest
 
-from prefixserve.entrypoints.openai.app import build_app
-from prefixserve.entrypoints.openai.auth import ApiKeys
+from prefixserve.entrypoints.api_server import build_app
+from prefixserve.entrypoints.server.auth import ApiKeys
 from tests.helpers.server import (
     KEY_ADMIN,
     KEY_ALPHA,

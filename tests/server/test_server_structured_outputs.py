@@ -24,12 +24,12 @@ from pydantic_ai.models.openai import OpenAIChatModel
 from pydantic_ai.providers.openai import OpenAIProvider
 
 from prefixserve.entrypoints.openai import protocol as p
-from prefixserve.entrypoints.openai.errors import from_value_error
 from prefixserve.entrypoints.openai.structured_outputs import (
     JSON_OBJECT_NAMES,
     JSON_SCHEMA_NAMES,
     structured_outputs_params,
 )
+from prefixserve.entrypoints.server.errors import from_value_error
 from prefixserve.structured_output.errors import GrammarError
 from tests.helpers.server import KEY_BETA, MODEL_NAME, ssl_context
 from tests.server.test_server_metrics import delta, scrape

@@ -3,8 +3,8 @@ and the waiting queue fairly (the rules themselves are pinned in tests/test_fair
 
 from __future__ import annotations
 
-from prefixserve.entrypoints.openai.app import build_app
-from prefixserve.entrypoints.openai.auth import ApiKeys
+from prefixserve.entrypoints.api_server import build_app
+from prefixserve.entrypoints.server.auth import ApiKeys
 from tests.helpers.asgi import RecordingEngine, call
 
 

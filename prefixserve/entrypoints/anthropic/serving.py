@@ -39,17 +39,17 @@ from prefixserve.entrypoints.anthropic.tools import (
     tool_texts,
 )
 from prefixserve.entrypoints.chat.tool_parsers.hermes import HermesStreamParser
-from prefixserve.entrypoints.error_shape import anthropic_error_body
-from prefixserve.entrypoints.openai.errors import (
+from prefixserve.entrypoints.server.error_shape import anthropic_error_body
+from prefixserve.entrypoints.server.errors import (
     OpenAIError,
     engine_stopped,
     from_value_error,
     request_failed,
 )
-from prefixserve.entrypoints.openai.metrics import RequestTimer
-from prefixserve.entrypoints.openai.models import check_model, lora_request_for
-from prefixserve.entrypoints.openai.prompts import check_prompt_text, off_loop
-from prefixserve.entrypoints.openai.serving import (
+from prefixserve.entrypoints.server.metrics import RequestTimer
+from prefixserve.entrypoints.server.models import check_model, lora_request_for
+from prefixserve.entrypoints.server.prompts import check_prompt_text, off_loop
+from prefixserve.entrypoints.server.state import (
     ServerState,
     collect_response,
     final_output,

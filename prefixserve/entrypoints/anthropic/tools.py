@@ -25,7 +25,7 @@ from prefixserve.entrypoints.chat.tool_grammar import (
     forced_call_grammar,
 )
 from prefixserve.entrypoints.chat.tool_parsers.hermes import HermesStreamParser, parse_hermes
-from prefixserve.entrypoints.openai.errors import OpenAIError, from_value_error
+from prefixserve.entrypoints.server.errors import OpenAIError, from_value_error
 from prefixserve.sampling_params import StructuredOutputsParams
 
 # What the engine's errors call the call grammar, as this API calls it: the tools.

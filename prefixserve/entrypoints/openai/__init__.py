@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP server: the app factory (`app.py`), the guard before the body
-(`guard.py`: keys, roles, body bounds), admission (`admission.py`), the tokenizer thread's fair
-queue (`tokenizer_queue.py`), protocol models, the completions and chat routes, errors, auth,
-metrics, the operator routes (cache summary, pins, LoRA) and the inspector page."""
+"""The OpenAI dialect on the server's shell (`server/`): its routes (`routes.py`: /v1/models,
+/v1/completions, /v1/chat/completions), protocol models (`protocol.py`, `tool_protocol.py`), the
+completions and chat handlers, the responses' views (`serving.py`), tool calls, structured
+outputs and prompt embeddings off the wire. Imports the shell and `chat/`, never `anthropic/`."""

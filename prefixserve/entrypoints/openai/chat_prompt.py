@@ -11,10 +11,10 @@ from typing import Any
 from prefixserve.entrypoints.chat.history import Rendered
 from prefixserve.entrypoints.chat.tool_parsers.hermes import render_calls
 from prefixserve.entrypoints.openai import protocol as p
-from prefixserve.entrypoints.openai.errors import OpenAIError
-from prefixserve.entrypoints.openai.prompts import check_prompt_text, off_loop
-from prefixserve.entrypoints.openai.serving import ServerState
 from prefixserve.entrypoints.openai.serving_tools import ToolPlan, history_messages
+from prefixserve.entrypoints.server.errors import OpenAIError
+from prefixserve.entrypoints.server.prompts import check_prompt_text, off_loop
+from prefixserve.entrypoints.server.state import ServerState
 from prefixserve.outputs import RequestOutput
 
 

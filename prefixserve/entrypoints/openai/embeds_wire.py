@@ -23,7 +23,7 @@ import zipfile
 
 import torch
 
-from prefixserve.entrypoints.openai.errors import OpenAIError
+from prefixserve.entrypoints.server.errors import OpenAIError
 from prefixserve.inputs.prompt_embeds import layout_problem
 
 _ZIP_MAGIC = b"PK\x03\x04"

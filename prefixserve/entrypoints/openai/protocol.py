@@ -385,28 +385,6 @@ class ChatCompletionRequest(_SamplingFields):
         )
 
 
-class ResetPrefixCacheRequest(_Request):
-    # A misspelt option must not pass as a full reset (the disk tier is cleared by default).
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-    reset_running_requests: StrictBool = False
-    ram_only: StrictBool = False  # keep the disk tier (default: it is cleared too)
-
-
-class LoadLoRAAdapterRequest(_Request):
-    """POST /v1/load_lora_adapter (operator-only)."""
-
-    lora_name: str = Field(min_length=1, max_length=128)
-    lora_path: str = Field(min_length=1, max_length=4096)
-
-
-class UnloadLoRAAdapterRequest(_Request):
-    """POST /v1/unload_lora_adapter (operator-only); vLLM's optional lora_int_id is ignored."""
-
-    lora_name: str = Field(min_length=1, max_length=128)
-    lora_int_id: int | None = None
-
-
 # ---------------------------------------------------------------------------------- responses
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0

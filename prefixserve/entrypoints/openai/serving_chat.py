@@ -10,12 +10,9 @@ from fastapi.responses import Response
 
 from prefixserve.entrypoints.openai import protocol as p
 from prefixserve.entrypoints.openai.chat_prompt import ChatPrompt, record_answers, render_chat
-from prefixserve.entrypoints.openai.errors import OpenAIError
-from prefixserve.entrypoints.openai.models import check_model, lora_request_for
 from prefixserve.entrypoints.openai.serving import (
     Delta,
     ResponseView,
-    ServerState,
     generate,
     sampling_params,
 )
@@ -27,6 +24,9 @@ from prefixserve.entrypoints.openai.serving_tools import (
     plan_tools,
 )
 from prefixserve.entrypoints.openai.structured_outputs import structured_outputs_params
+from prefixserve.entrypoints.server.errors import OpenAIError
+from prefixserve.entrypoints.server.models import check_model, lora_request_for
+from prefixserve.entrypoints.server.state import ServerState
 from prefixserve.outputs import CompletionOutput, Logprob, RequestOutput
 
 

@@ -8,17 +8,17 @@ from fastapi.responses import Response
 
 from prefixserve.entrypoints.openai import protocol as p
 from prefixserve.entrypoints.openai.embeds_wire import decode_prompt_embeds
-from prefixserve.entrypoints.openai.errors import OpenAIError
-from prefixserve.entrypoints.openai.models import check_model, lora_request_for
-from prefixserve.entrypoints.openai.prompts import check_prompt_text, off_loop
 from prefixserve.entrypoints.openai.serving import (
     Delta,
     ResponseView,
-    ServerState,
     generate,
     sampling_params,
 )
 from prefixserve.entrypoints.openai.structured_outputs import structured_outputs_params
+from prefixserve.entrypoints.server.errors import OpenAIError
+from prefixserve.entrypoints.server.models import check_model, lora_request_for
+from prefixserve.entrypoints.server.prompts import check_prompt_text, off_loop
+from prefixserve.entrypoints.server.state import ServerState
 from prefixserve.outputs import Logprob, RequestOutput
 
 

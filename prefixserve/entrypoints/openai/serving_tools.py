@@ -25,7 +25,7 @@ from prefixserve.entrypoints.chat.tool_parsers.hermes import HermesStreamParser,
 from prefixserve.entrypoints.chat.tool_templates import tool_template
 from prefixserve.entrypoints.openai import protocol as p
 from prefixserve.entrypoints.openai import tool_protocol as tp
-from prefixserve.entrypoints.openai.errors import OpenAIError
+from prefixserve.entrypoints.server.errors import OpenAIError
 from prefixserve.sampling_params import StructuredOutputsParams
 
 

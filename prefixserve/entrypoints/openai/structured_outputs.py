@@ -6,13 +6,13 @@ The engine compiles the constraint before it queues the request (`EngineClient.a
 a constraint it cannot compile is a GrammarError, a ValueError whose message names
 `structured_outputs.<kind>` (a 400: errors.from_value_error, which renames the field with the
 names returned here), and a tenant with too many compiles in flight is a GrammarBusy (a 429:
-serving.start_request). docs/structured_outputs.md describes both fields.
+server/state.py start_request). docs/structured_outputs.md describes both fields.
 """
 
 from __future__ import annotations
 
 from prefixserve.entrypoints.openai import protocol as p
-from prefixserve.entrypoints.openai.errors import OpenAIError, from_value_error
+from prefixserve.entrypoints.server.errors import OpenAIError, from_value_error
 from prefixserve.sampling_params import StructuredOutputsParams
 
 # What the engine's messages call a field, as the `response_format` route calls it.

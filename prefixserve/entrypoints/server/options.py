@@ -14,9 +14,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from prefixserve.entrypoints.openai.admission import Admission
-from prefixserve.entrypoints.openai.guard import BODIES_IN_FLIGHT, DEFAULT_TIMEOUT_REQUEST_BODY_S
-from prefixserve.entrypoints.openai.slow_clients import (
+from prefixserve.entrypoints.server.admission import Admission
+from prefixserve.entrypoints.server.guard import BODIES_IN_FLIGHT, DEFAULT_TIMEOUT_REQUEST_BODY_S
+from prefixserve.entrypoints.server.slow_clients import (
     DEFAULT_TIMEOUT_REQUEST_HEADERS_S,
     header_timeout_protocol,
 )

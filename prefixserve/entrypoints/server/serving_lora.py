@@ -12,18 +12,36 @@ import itertools
 
 from fastapi import APIRouter
 from fastapi.responses import PlainTextResponse
+from pydantic import BaseModel, ConfigDict, Field
 
-from prefixserve.entrypoints.openai import protocol as p
-from prefixserve.entrypoints.openai.errors import OpenAIError
-from prefixserve.entrypoints.openai.serving import ServerState
+from prefixserve.entrypoints.server.errors import OpenAIError
+from prefixserve.entrypoints.server.state import ServerState
 from prefixserve.lora.manager import LoRAInUseError
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """POST /v1/load_lora_adapter (operator-only)."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    lora_name: str = Field(min_length=1, max_length=128)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """POST /v1/unload_lora_adapter (operator-only); vLLM's optional lora_int_id is ignored."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    lora_name: str = Field(min_length=1, max_length=128)
+    lora_int_id: int | None = None
 
 
 def register_lora_routes(router: APIRouter, state: ServerState) -> None:
     ids = itertools.count(max((i for i, _ in state.lora_modules.values()), default=0) + 1)
 
     @router.post("/v1/load_lora_adapter")
-    async def load_lora_adapter(body: p.LoadLoRAAdapterRequest) -> PlainTextResponse:
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> PlainTextResponse:
         name = body.lora_name
         if name in state.served_model_names:
             raise OpenAIError(f"{name!r} is a served name of the base model", param="lora_name")
@@ -36,7 +54,7 @@ def register_lora_routes(router: APIRouter, state: ServerState) -> None:
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
     @router.post("/v1/unload_lora_adapter")
-    async def unload_lora_adapter(body: p.UnloadLoRAAdapterRequest) -> PlainTextResponse:
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> PlainTextResponse:
         name = body.lora_name
         try:
             await state.engine.unload_lora_adapter(name)

@@ -32,9 +32,9 @@ from fastapi.responses import FileResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
 from prefixserve.engine.client import EngineClient
-from prefixserve.entrypoints.openai.errors import OpenAIError, capacity_refusal
-from prefixserve.entrypoints.openai.guard import KEY_LOGIN_KEY
-from prefixserve.entrypoints.openai.serving import ServerState
+from prefixserve.entrypoints.server.errors import OpenAIError, capacity_refusal
+from prefixserve.entrypoints.server.guard import KEY_LOGIN_KEY
+from prefixserve.entrypoints.server.state import ServerState
 
 STATIC_DIR = Path(__file__).parent / "static" / "inspector"
 # The files the page is made of, fixed at start-up: a request names one of these or gets a 404.

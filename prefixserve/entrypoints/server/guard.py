@@ -34,16 +34,16 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from prefixserve.entrypoints.error_shape import anthropic_error_body, is_anthropic_path
-from prefixserve.entrypoints.openai.auth import (
+from prefixserve.entrypoints.server.auth import (
     ApiKeys,
     parse_basic_password,
     parse_bearer,
     parse_x_api_key,
 )
-from prefixserve.entrypoints.openai.errors import RETRY_AFTER_S, OpenAIError
-from prefixserve.entrypoints.openai.inspector_sessions import InspectorSessions, cookie_token
-from prefixserve.entrypoints.openai.metrics import ServerMetrics
+from prefixserve.entrypoints.server.error_shape import anthropic_error_body, is_anthropic_path
+from prefixserve.entrypoints.server.errors import RETRY_AFTER_S, OpenAIError
+from prefixserve.entrypoints.server.inspector_sessions import InspectorSessions, cookie_token
+from prefixserve.entrypoints.server.metrics import ServerMetrics
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

@@ -1,43 +1,39 @@
-"""The OpenAI-compatible HTTP server: the FastAPI app over an engine client (engine/client.py:
-one engine or replicas), its routes and auth.
+"""The server's shell: the FastAPI app over an engine client (engine/client.py: one engine or
+replicas), with what every dialect's routes stand on and the operator's routes.
 
-One request's path: the request guard (guard.py: API key -> tenant or operator, body size) ->
-parse and range-check the body
-(protocol.py) -> the endpoint's handler (serving_completion.py, serving_chat.py) tokenizes it and
-builds SamplingParams -> serving.py derives the engine's cache salt from (tenant, client
-cache_salt), adds it to the engine (which validates it) and streams or collects the
-RequestOutputs -> OpenAI response with `usage.prompt_tokens_details.cached_tokens`.
+`build_shell` makes the app and its `ServerState` (state.py): the error handlers (errors.py), the
+request guard before the body (guard.py: API key -> tenant or operator, body size and time),
+/health, /metrics, /reset_prefix_cache, /kv_events, and the operator routes of serving_pins.py,
+serving_cache.py (the cache summary and the inspector page) and serving_lora.py. A dialect
+(openai/routes.py, anthropic/serving.py) adds its routes to the app's router with that state;
+entrypoints/api_server.py `build_app` puts the shell and both dialects together.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, StrictBool
 
 from prefixserve.engine.client import EngineClient
-from prefixserve.entrypoints.anthropic.serving import register_messages_routes
-from prefixserve.entrypoints.openai import protocol as p
-from prefixserve.entrypoints.openai import serving_chat, serving_completion
-from prefixserve.entrypoints.openai.admission import Admission
-from prefixserve.entrypoints.openai.auth import ApiKeys
-from prefixserve.entrypoints.openai.errors import OpenAIError, install_error_handlers
-from prefixserve.entrypoints.openai.guard import (
+from prefixserve.entrypoints.server.admission import Admission
+from prefixserve.entrypoints.server.auth import ApiKeys
+from prefixserve.entrypoints.server.errors import OpenAIError, install_error_handlers
+from prefixserve.entrypoints.server.guard import (
     BODIES_IN_FLIGHT,
     DEFAULT_TIMEOUT_REQUEST_BODY_S,
     BodyRefused,
     RequestGuard,
     render_refusal,
 )
-from prefixserve.entrypoints.openai.inspector_sessions import InspectorSessions
-from prefixserve.entrypoints.openai.models import model_list
-from prefixserve.entrypoints.openai.serving import ServerState
-from prefixserve.entrypoints.openai.serving_cache import register_cache_routes
-from prefixserve.entrypoints.openai.serving_lora import register_lora_routes
-from prefixserve.entrypoints.openai.serving_pins import register_pin_routes
+from prefixserve.entrypoints.server.inspector_sessions import InspectorSessions
+from prefixserve.entrypoints.server.serving_cache import register_cache_routes
+from prefixserve.entrypoints.server.serving_lora import register_lora_routes
+from prefixserve.entrypoints.server.serving_pins import register_pin_routes
+from prefixserve.entrypoints.server.state import ServerState
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 << 20
 # Bytes of JSON one prompt token may take in a legal request: a token of up to
@@ -45,12 +41,20 @@ DEFAULT_MAX_REQUEST_BODY_BYTES = 4 << 20
 BODY_BYTES_PER_TOKEN = 192
 
 
+class ResetPrefixCacheRequest(BaseModel):
+    # A misspelt option must not pass as a full reset (the disk tier is cleared by default).
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    reset_running_requests: StrictBool = False
+    ram_only: StrictBool = False  # keep the disk tier (default: it is cleared too)
+
+
 def default_max_request_body_bytes(max_model_len: int) -> int:
     """The body limit when none is given: room for the longest legal prompt, at least 4 MiB."""
     return max(DEFAULT_MAX_REQUEST_BODY_BYTES, max_model_len * BODY_BYTES_PER_TOKEN)
 
 
-def build_app(  # noqa: C901 - its complexity is the routes' closures, each small, counted in it
+def build_shell(  # noqa: C901 - its complexity is the routes' closures, each small, counted in it
     engine: EngineClient,
     served_model_names: list[str],
     api_keys: ApiKeys | None = None,
@@ -59,8 +63,9 @@ def build_app(  # noqa: C901 - its complexity is the routes' closures, each smal
     timeout_request_body_s: float | None = DEFAULT_TIMEOUT_REQUEST_BODY_S,
     max_body_bytes_in_flight: int | None = None,
     lora_modules: dict[str, str] | None = None,
-) -> FastAPI:
-    """The FastAPI app. The caller starts and stops `engine` (see cli.py).
+) -> tuple[FastAPI, ServerState]:
+    """The FastAPI app with no dialect's route yet, and the state its dialects' routes take
+    (api_server.py `build_app` adds them). The caller starts and stops `engine` (see cli.py).
 
     With `api_keys`, the operator routes (/kv_events, /reset_prefix_cache, /metrics, /pins, the
     LoRA load and unload routes, /v1/cache/summary, /inspector and the API docs) take an
@@ -70,9 +75,9 @@ def build_app(  # noqa: C901 - its complexity is the routes' closures, each smal
     `max_body_bytes_in_flight` (bodies of all requests together) to `BODIES_IN_FLIGHT` times
     that, 0 for no bound;
     `timeout_request_body_s` bounds the time a body may take to arrive (None: no bound);
-    `admission` bounds the requests in flight (admission.py; default: no bound). /v1/models
-    names the served model names only, never the weights' path. `lora_modules` (name -> path)
-    are the LoRA adapters a request may name in `model` (loaded in the engine by the caller)."""
+    `admission` bounds the requests in flight (admission.py; default: no bound).
+    `lora_modules` (name -> path) are the LoRA adapters a request may name in `model` (loaded in
+    the engine by the caller)."""
     if not served_model_names:
         raise ValueError("served_model_names must name at least one model")
     state = ServerState(
@@ -122,19 +127,6 @@ def build_app(  # noqa: C901 - its complexity is the routes' closures, each smal
     # other route but /health: operators only).
     router = app.router
 
-    @router.get("/v1/models")
-    async def list_models() -> p.ModelList:
-        # `root` is the served name: the weights' path (--model) is the server's business.
-        return model_list(state, engine.max_model_len)
-
-    @router.post("/v1/completions")
-    async def create_completion(body: p.CompletionRequest, raw: Request) -> Response:
-        return await serving_completion.create_completion(state, body, raw, time.monotonic())
-
-    @router.post("/v1/chat/completions")
-    async def create_chat_completion(body: p.ChatCompletionRequest, raw: Request) -> Response:
-        return await serving_chat.create_chat_completion(state, body, raw, time.monotonic())
-
     @router.get("/metrics")
     async def metrics() -> Response:
         state.metrics.update_engine(await engine.get_metrics())
@@ -145,10 +137,10 @@ def build_app(  # noqa: C901 - its complexity is the routes' closures, each smal
         raw: Request, reset_running_requests: bool | None = None, ram_only: bool | None = None
     ) -> JSONResponse:
         # The flags may come as query parameters (vLLM) or in a JSON body.
-        body = p.ResetPrefixCacheRequest()
+        body = ResetPrefixCacheRequest()
         if await raw.body():
             try:
-                body = p.ResetPrefixCacheRequest.model_validate_json(await raw.body())
+                body = ResetPrefixCacheRequest.model_validate_json(await raw.body())
             except ValueError as exc:
                 raise OpenAIError(
                     f"invalid body for /reset_prefix_cache: {exc}", param="reset_running_requests"
@@ -160,7 +152,6 @@ def build_app(  # noqa: C901 - its complexity is the routes' closures, each smal
         ok = await engine.reset_prefix_cache(reset_running_requests, ram_only)
         return JSONResponse({"success": bool(ok)})
 
-    register_messages_routes(router, state)
     register_pin_routes(router, state)
     register_cache_routes(router, state)
     register_lora_routes(router, state)
@@ -177,7 +168,7 @@ def build_app(  # noqa: C901 - its complexity is the routes' closures, each smal
         events = await engine.take_kv_events()
         return JSONResponse({"events": [_event_json(e) for e in events]})
 
-    return app
+    return app, state
 
 
 def _event_json(event: Any) -> dict[str, Any]:

@@ -12,8 +12,8 @@ import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from prefixserve.entrypoints.openai.errors import OpenAIError
-from prefixserve.entrypoints.openai.serving import ServerState
+from prefixserve.entrypoints.server.errors import OpenAIError
+from prefixserve.entrypoints.server.state import ServerState
 
 T = TypeVar("T")
 

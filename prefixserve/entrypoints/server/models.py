@@ -1,17 +1,16 @@
 """Which model a request names: a served name of the base model or a LoRA adapter's name
-(vLLM's way: `model` selects the adapter), and the /v1/models list of both.
+(vLLM's way: `model` selects the adapter). The OpenAI dialect lists both at /v1/models
+(openai/routes.py `model_list`).
 
 Adapter names come from `--lora-modules` and `POST /v1/load_lora_adapter` (operator-only,
-serving_lora.py); every tenant may use and see them. No card reveals a path: `root` is the
-adapter's name, `parent` the base model's first served name.
+serving_lora.py); every tenant may use and see them.
 """
 
 from __future__ import annotations
 
 from typing import Protocol
 
-from prefixserve.entrypoints.openai import protocol as p
-from prefixserve.entrypoints.openai.errors import OpenAIError
+from prefixserve.entrypoints.server.errors import OpenAIError
 from prefixserve.lora.config import LoRARequest
 
 
@@ -44,17 +43,3 @@ def lora_request_for(state: ModelsState, model: str) -> LoRARequest | None:
         return None
     lora_int_id, path = entry
     return LoRARequest(model, lora_int_id, path)
-
-
-def model_list(state: ModelsState, max_model_len: int) -> p.ModelList:
-    base = state.served_model_names[0]
-    return p.ModelList(
-        data=[
-            p.ModelCard(id=name, root=name, max_model_len=max_model_len)
-            for name in state.served_model_names
-        ]
-        + [
-            p.ModelCard(id=name, root=name, parent=base, max_model_len=max_model_len)
-            for name in state.lora_modules
-        ]
-    )

@@ -28,9 +28,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from prefixserve.core.kv_cache.salts import derive_cache_salt, validate_cache_salt
 from prefixserve.engine.client import EngineRequest
-from prefixserve.entrypoints.openai.errors import OpenAIError, from_value_error
-from prefixserve.entrypoints.openai.prompts import check_prompt_text, off_loop
-from prefixserve.entrypoints.openai.serving import ServerState
+from prefixserve.entrypoints.server.errors import OpenAIError, from_value_error
+from prefixserve.entrypoints.server.prompts import check_prompt_text, off_loop
+from prefixserve.entrypoints.server.state import ServerState
 from prefixserve.sampling_params import SamplingParams
 
 MAX_PIN_ID_CHARS = 128

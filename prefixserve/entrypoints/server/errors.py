@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from prefixserve.engine.exceptions import NotSupportedByEngine
-from prefixserve.entrypoints.error_shape import anthropic_error_body, is_anthropic_path
+from prefixserve.entrypoints.server.error_shape import anthropic_error_body, is_anthropic_path
 from prefixserve.lora.config import LoRASlotsBusyError
 from prefixserve.structured_output.errors import GrammarError
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from prefixserve.entrypoints.openai.errors import OpenAIError, capacity_refusal
+from prefixserve.entrypoints.server.errors import OpenAIError, capacity_refusal
 
 
 @dataclass(slots=True)
