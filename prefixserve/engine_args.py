@@ -6,6 +6,9 @@ A field's metadata (`option(...)`) holds its help, its flag when the flag's name
 field's (`--kv-events` for `enable_kv_events`), its argparse group and choices. Options only a
 server has (address, keys, limits, the adapters it serves at start-up, Ray deployment) stay with
 the server's and the cluster's flags.
+
+Longer than 700 lines because it declares every engine option once, each with its help text (the
+flag's documentation): split by group, the one list of options would live in several files.
 """
 
 from __future__ import annotations

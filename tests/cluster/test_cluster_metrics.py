@@ -96,7 +96,16 @@ def test_every_metric_an_engine_reports_has_a_kind(default_model_fp32, tmp_path)
     counters = {key for key in engine.get_metrics() if key not in kinds}
     # Every other key is a counter since the engine started: it only grows, so summing is right.
     assert all(
-        key.startswith(("prefix_cache_", "kv_store_", "spec_decode_num_", "num_", "cache_miss_"))
+        key.startswith(
+            (
+                "prefix_cache_",
+                "kv_store_",
+                "spec_decode_num_",
+                "num_",
+                "cache_miss_",
+                "structured_output_",
+            )
+        )
         or key.endswith("_tokens")
         for key in counters
     ), counters

@@ -28,7 +28,10 @@ class FakeTokenizer:
         self.calls = 0
         self.threads: list[int] = []
 
-    def encode(self, text: str) -> list[int]:
+    chat_template = None  # the app's tool handling asks; these tests send no tools
+    eos_token_ids: frozenset[int] = frozenset()
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         self.calls += 1
         self.threads.append(threading.get_ident())
         return [1] * len(text)
@@ -36,7 +39,11 @@ class FakeTokenizer:
     def apply_chat_template(self, messages: list[dict[str, str]], **_: Any) -> list[int]:
         self.calls += 1
         self.threads.append(threading.get_ident())
-        return [1] * sum(len(m["content"]) for m in messages)
+        return [1] * sum(len(m["content"] or "") for m in messages)
+
+    def apply_chat_template_text(self, messages: list[dict[str, str]], **_: Any) -> str:
+        self.threads.append(threading.get_ident())
+        return "".join(m["content"] or "" for m in messages)
 
 
 @dataclass

@@ -65,7 +65,7 @@ async def render_chat(
         )
 
         def encode(part: str) -> list[int]:
-            return tokenizer.hf_tokenizer.encode(part, add_special_tokens=False)
+            return tokenizer.encode(part, add_special_tokens=False)
 
         rendered = state.history.tokenize(tenant, text, encode, answers)
         return ChatPrompt(tenant, text, rendered, len(answers))
