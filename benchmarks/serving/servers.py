@@ -17,10 +17,12 @@ Each engine is an OpenAI-compatible server started from the command line:
   ``--jinja``, ``--parallel`` slots of ``max_model_len`` tokens each, on the same GGUF. The
   default model's own template renders no tools (llama-server then drops them from the prompt),
   so both peers get prefixserve's packaged ChatML tool template
-  (entrypoints/chat/templates/chatml_tools.jinja, what prefixserve itself renders with):
-  llama-server as it is (``--chat-template-file``), vLLM (``--chat-template``) as
-  ``peer_tool_template`` writes it, changed only to render a call's arguments given as an object
-  as well as a string (vLLM hands templates a history call's arguments parsed).
+  (entrypoints/chat/templates/chatml_tools.jinja, what prefixserve itself renders with) as
+  ``peer_tool_template`` writes it (vLLM: ``--chat-template``, llama-server:
+  ``--chat-template-file``), changed only to render a call's arguments given as an object as
+  well as a string: vLLM hands templates a history call's arguments parsed, and llama-server's
+  check of a template at startup renders them as an object too (it refuses the packaged template
+  as it is: "Unable to generate parser for this template").
 - ``prefixserve-2x1-<policy>``: ``prefixserve serve --replicas 2 --threads-per-replica 1`` (Ray)
   with ``--routing-policy <policy>``, each replica half the KV pool (the RAM pool only);
   ``prefixserve-2x1-prefix-store``: the prefix policy with one disk tier the replicas share.
@@ -94,7 +96,7 @@ class ServerContext:
     lora_modules: dict[str, str] = field(default_factory=dict)
     group_models: dict[str, str] = field(default_factory=dict)
     max_lora_rank: int = 16
-    # vLLM's chat template for tools (`peer_tool_template`); None: none given.
+    # The tool-serving peers' chat template (`peer_tool_template`); None: none given.
     chat_template: Path | None = None
     # llama-server's slots (requests it decodes together), each of max_model_len tokens.
     parallel: int = 8
@@ -315,9 +317,9 @@ def packaged_tool_template() -> Path:
 
 
 def peer_tool_template(directory: Path) -> Path:
-    """Write vLLM's tool template into `directory` and return its path: prefixserve's packaged
-    ChatML tool template with a call's arguments rendered whether they come as a string or as an
-    object."""
+    """Write the peers' tool template into `directory` and return its path: prefixserve's
+    packaged ChatML tool template with a call's arguments rendered whether they come as a string
+    or as an object."""
     packaged = packaged_tool_template()
     text = packaged.read_text(encoding="utf-8")
     if text.count(_ARGS_AS_STRING) != 1:
@@ -373,7 +375,7 @@ def _llama_server_cmd(ctx: ServerContext) -> list[str]:
         str(ctx.threads),
         "--jinja",
         "--chat-template-file",
-        str(packaged_tool_template()),
+        *_tool_template(ctx),
     ]
 
 
