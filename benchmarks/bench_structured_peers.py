@@ -64,6 +64,7 @@ from benchmarks.serving.servers import (  # noqa: E402
     ServerError,
     ServerProcess,
     get_engine,
+    peer_tool_template,
     peers_dir,
 )
 from benchmarks.structured.schemas import PROMPTS, SCHEMAS  # noqa: E402
@@ -442,11 +443,15 @@ def run_server(
         spec = dataclasses.replace(spec, env=lambda ctx: {**base_env(ctx), **extra_env})
     label = row if dialect == "openai" else f"{row} ({dialect} response_format)"
     log_path = args.log_dir / f"{row}-{dialect}.log"
-    server = ServerProcess(spec, ctx, log_path, command=server_command(row, spec, ctx))
-    res = ServerResult(
-        label, spec.name, dialect, env=extra_env, command=server.command, log_path=str(log_path)
-    )
+    res = ServerResult(label, spec.name, dialect, env=extra_env, log_path=str(log_path))
     print(f"== {label}: starting", flush=True)
+    try:
+        res.command = server_command(row, spec, ctx, args.log_dir)
+    except ValueError as exc:  # the harness cannot build its command (a missing file, ...)
+        res.start_error = f"no command: {exc}"
+        print(f"   did not start: {res.start_error}", flush=True)
+        return res
+    server = ServerProcess(spec, ctx, log_path, command=res.command)
     try:
         server.start()
     except ServerError as exc:
@@ -516,11 +521,14 @@ def run_row(row: str, dialect: str, ctx: ServerContext, args: argparse.Namespace
     return best
 
 
-def server_command(row: str, spec: EngineSpec, ctx: ServerContext) -> list[str]:
+def server_command(row: str, spec: EngineSpec, ctx: ServerContext, log_dir: Path) -> list[str]:
     """The harness's command for `spec`; llama-server without the harness's tool template (no
     tools here: it renders the model's own template, from the GGUF, as the others do theirs)."""
-    command = spec.command(ctx)
-    if row == "llama-server" and "--chat-template-file" in command:
+    if row != "llama-server":
+        return spec.command(ctx)
+    # The harness's builder asks for the tool template; it is made, then left out.
+    command = spec.command(dataclasses.replace(ctx, chat_template=peer_tool_template(log_dir)))
+    if "--chat-template-file" in command:
         at = command.index("--chat-template-file")
         del command[at : at + 2]
     return command
