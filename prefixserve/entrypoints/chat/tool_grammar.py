@@ -14,7 +14,7 @@ grammar for llguidance (its `%json` embeds each tool's JSON Schema).
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +34,14 @@ class ToolSpec:
 _ARGUMENTS_FORMAT = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
 
 
+# Keywords whose values are JSON data, not schemas: never rewritten.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+
+
+def _walk(rewrite: Callable[[Any], Any], key: str, value: Any) -> Any:
+    return value if key in _DATA_KEYWORDS else rewrite(value)
+
+
 def closed_objects(schema: Any) -> Any:
     """`schema` with `"additionalProperties": false` on every object schema that lists its
     properties and says nothing of others (a copy; the caller's schema is untouched). A call's
@@ -44,16 +52,55 @@ def closed_objects(schema: Any) -> Any:
         return [closed_objects(item) for item in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {key: closed_objects(value) for key, value in schema.items()}
+    out = {key: _walk(closed_objects, key, value) for key, value in schema.items()}
     open_keys = ("additionalProperties", "patternProperties", "unevaluatedProperties")
     if isinstance(out.get("properties"), dict) and not any(k in out for k in open_keys):
         out["additionalProperties"] = False
     return out
 
 
+# The digits a call's number may have where its schema bounds none (`bounded_numbers`).
+MAX_INTEGER_DIGITS = 15
+MAX_FRACTION_DIGITS = 9
+_NUMBER_BOUNDS = {
+    "integer": {"minimum": -(10**MAX_INTEGER_DIGITS - 1), "maximum": 10**MAX_INTEGER_DIGITS - 1},
+    "number": {
+        "minimum": -float(10**MAX_INTEGER_DIGITS),
+        "maximum": float(10**MAX_INTEGER_DIGITS),
+        "multipleOf": 10.0**-MAX_FRACTION_DIGITS,
+    },
+}
+
+
+def bounded_numbers(schema: Any) -> Any:
+    """`schema` with every number's digits bounded (a copy): an integer within 15 digits, a
+    number within 15 digits before the point and 9 after it, where the schema says nothing of
+    that bound (its own minimum, maximum or multipleOf are kept). JSON lets a number run on: a
+    small model that starts repeating a digit inside a call's arguments writes it until
+    max_tokens cuts the call, and the call is lost (docs/tools.md)."""
+    if isinstance(schema, list):
+        return [bounded_numbers(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: _walk(bounded_numbers, key, value) for key, value in schema.items()}
+    types = out.get("type")
+    types = {types} if isinstance(types, str) else set(types) if isinstance(types, list) else set()
+    # Bounds constrain numbers only (JSON Schema), so a type list takes them as they are.
+    kind = "number" if "number" in types else "integer" if "integer" in types else None
+    for key, value in _NUMBER_BOUNDS.get(kind, {}).items():
+        out.setdefault(key, value)
+    return out
+
+
+def call_schema(parameters: dict[str, Any] | None) -> dict[str, Any]:
+    """The schema a call's arguments are generated in: the tool's, its objects closed and its
+    numbers bounded."""
+    return bounded_numbers(closed_objects(parameters or {"type": "object"}))
+
+
 def _call_rule(index: int, tool: ToolSpec) -> str:
     head = json.dumps('{"name": ' + json.dumps(tool.name) + ', "arguments": ')
-    parameters = closed_objects(tool.parameters or {"type": "object"})
+    parameters = call_schema(tool.parameters)
     schema = {**parameters, "x-guidance": _ARGUMENTS_FORMAT}
     text = json.dumps(schema, separators=(",", ":"))
     return f'call_{index}: {head} %json {text} "}}"'
