@@ -29,6 +29,7 @@ from prefixserve.entrypoints.server.options import (
     admission_from_args,
     app_limits,
     check_limit_arguments,
+    history_from_args,
     uvicorn_limits,
 )
 
@@ -234,6 +235,7 @@ def run_serve(args: argparse.Namespace) -> int:
         api_keys=api_keys,
         **app_limits(args),
         lora_modules=lora_modules,
+        history=history_from_args(args),
         admission=admission_from_args(
             args, config.scheduler.max_num_seqs, engine.num_kv_blocks * config.cache.block_size
         ),

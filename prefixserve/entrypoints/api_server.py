@@ -13,6 +13,7 @@ from fastapi import FastAPI
 from prefixserve.engine.client import EngineClient
 from prefixserve.entrypoints.anthropic.serving import register_messages_routes
 from prefixserve.entrypoints.openai.routes import register_openai_routes
+from prefixserve.entrypoints.chat.history import GeneratedHistory
 from prefixserve.entrypoints.server.admission import Admission
 from prefixserve.entrypoints.server.app import build_shell
 from prefixserve.entrypoints.server.auth import ApiKeys
@@ -28,6 +29,7 @@ def build_app(
     timeout_request_body_s: float | None = DEFAULT_TIMEOUT_REQUEST_BODY_S,
     max_body_bytes_in_flight: int | None = None,
     lora_modules: dict[str, str] | None = None,
+    history: GeneratedHistory | None = None,
 ) -> FastAPI:
     """The FastAPI app: `build_shell` with these arguments (server/app.py says what each
     bounds), then the OpenAI routes (/v1/models, /v1/completions, /v1/chat/completions) and the
@@ -43,6 +45,7 @@ def build_app(
         timeout_request_body_s=timeout_request_body_s,
         max_body_bytes_in_flight=max_body_bytes_in_flight,
         lora_modules=lora_modules,
+        history=history,
     )
     register_openai_routes(app.router, state)
     register_messages_routes(app.router, state)

@@ -74,6 +74,11 @@ class GeneratedHistory:
         self._tenants: OrderedDict[Hashable, _Tenant] = OrderedDict()
         self._lock = threading.Lock()
 
+    @property
+    def keeps_any(self) -> bool:
+        """False where a bound is 0: nothing is remembered."""
+        return min(self.max_entries_per_tenant, self.max_tokens_per_tenant, self.max_tenants) > 0
+
     def record(
         self,
         tenant: Hashable,
@@ -84,7 +89,7 @@ class GeneratedHistory:
     ) -> None:
         """`text` (a prompt's rendered text and its answer's) was computed as `ids`;
         `num_answers` assistant turns in it, the answer included."""
-        if len(ids) > self.max_tokens_per_tenant:
+        if not self.keeps_any or len(ids) > self.max_tokens_per_tenant:
             return
         key = (len(text), _digest(text))
         with self._lock:

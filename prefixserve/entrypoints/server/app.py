@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, StrictBool
 
 from prefixserve.engine.client import EngineClient
+from prefixserve.entrypoints.chat.history import GeneratedHistory
 from prefixserve.entrypoints.server.admission import Admission
 from prefixserve.entrypoints.server.auth import ApiKeys
 from prefixserve.entrypoints.server.errors import OpenAIError, install_error_handlers
@@ -63,6 +64,7 @@ def build_shell(  # noqa: C901 - its complexity is the routes' closures, each sm
     timeout_request_body_s: float | None = DEFAULT_TIMEOUT_REQUEST_BODY_S,
     max_body_bytes_in_flight: int | None = None,
     lora_modules: dict[str, str] | None = None,
+    history: GeneratedHistory | None = None,
 ) -> tuple[FastAPI, ServerState]:
     """The FastAPI app with no dialect's route yet, and the state its dialects' routes take
     (api_server.py `build_app` adds them). The caller starts and stops `engine` (see cli.py).
@@ -77,7 +79,8 @@ def build_shell(  # noqa: C901 - its complexity is the routes' closures, each sm
     `timeout_request_body_s` bounds the time a body may take to arrive (None: no bound);
     `admission` bounds the requests in flight (admission.py; default: no bound).
     `lora_modules` (name -> path) are the LoRA adapters a request may name in `model` (loaded in
-    the engine by the caller)."""
+    the engine by the caller); `history` remembers chat answers' token ids for their tenants'
+    next turns (default: its default bounds)."""
     if not served_model_names:
         raise ValueError("served_model_names must name at least one model")
     state = ServerState(
@@ -89,6 +92,7 @@ def build_shell(  # noqa: C901 - its complexity is the routes' closures, each sm
         lora_modules={
             name: (i, path) for i, (name, path) in enumerate((lora_modules or {}).items(), 1)
         },
+        history=GeneratedHistory() if history is None else history,
     )
     app = FastAPI(title="prefixserve", summary="OpenAI-compatible LLM server with prefix caching")
     app.state.server = state

@@ -14,6 +14,12 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from prefixserve.entrypoints.chat.history import (
+    MAX_ENTRIES_PER_TENANT,
+    MAX_TENANTS,
+    MAX_TOKENS_PER_TENANT,
+    GeneratedHistory,
+)
 from prefixserve.entrypoints.server.admission import Admission
 from prefixserve.entrypoints.server.guard import BODIES_IN_FLIGHT, DEFAULT_TIMEOUT_REQUEST_BODY_S
 from prefixserve.entrypoints.server.slow_clients import (
@@ -125,6 +131,31 @@ def add_server_limit_arguments(group: argparse._ArgumentGroup) -> None:
         "in turn); beyond it a 429. Default: --max-num-seqs (0: no limit).",
     )
     group.add_argument(
+        "--max-history-turns-per-tenant",
+        type=int,
+        default=MAX_ENTRIES_PER_TENANT,
+        metavar="N",
+        help="Chat answers whose computed token ids one tenant's next turns may reuse (a "
+        "history that stays cached, docs/tools.md); the least recently used out first "
+        "(0: no history is kept, every prompt is tokenized from its text).",
+    )
+    group.add_argument(
+        "--max-history-tokens-per-tenant",
+        type=int,
+        default=MAX_TOKENS_PER_TENANT,
+        metavar="TOKENS",
+        help="Token ids of remembered chat answers (their prompts' and their own) one tenant "
+        "may hold; the least recently used answers out first.",
+    )
+    group.add_argument(
+        "--max-history-tenants",
+        type=int,
+        default=MAX_TENANTS,
+        metavar="N",
+        help="Tenants whose chat answers are remembered; the least recently active tenant's "
+        "out first.",
+    )
+    group.add_argument(
         "--h11-max-incomplete-event-size",
         type=int,
         default=DEFAULT_H11_MAX_INCOMPLETE_EVENT_SIZE,
@@ -142,6 +173,13 @@ def check_limit_arguments(args: argparse.Namespace) -> None:
     ):
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
+    for flag, value in (
+        ("--max-history-turns-per-tenant", args.max_history_turns_per_tenant),
+        ("--max-history-tokens-per-tenant", args.max_history_tokens_per_tenant),
+        ("--max-history-tenants", args.max_history_tenants),
+    ):
+        if value < 0:
+            raise ValueError(f"{flag} must be >= 0, got {value}")
     for flag, value in (
         ("--max-requests", args.max_requests),
         ("--max-requests-per-tenant", args.max_requests_per_tenant),
@@ -203,4 +241,13 @@ def admission_from_args(
         max_requests_per_tenant=bound(args.max_requests_per_tenant, max_num_seqs),
         max_tokens_per_tenant=bound(args.max_tokens_per_tenant, max(1, kv_pool_tokens // 2)),
         max_render_jobs_per_tenant=bound(args.max_render_jobs_per_tenant, max_num_seqs),
+    )
+
+
+def history_from_args(args: argparse.Namespace) -> GeneratedHistory:
+    """The chat history's bounds of the flags (0 turns or tokens or tenants: none kept)."""
+    return GeneratedHistory(
+        max_entries_per_tenant=args.max_history_turns_per_tenant,
+        max_tokens_per_tenant=args.max_history_tokens_per_tenant,
+        max_tenants=args.max_history_tenants,
     )
