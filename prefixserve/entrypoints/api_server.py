@@ -12,8 +12,8 @@ from fastapi import FastAPI
 
 from prefixserve.engine.client import EngineClient
 from prefixserve.entrypoints.anthropic.serving import register_messages_routes
-from prefixserve.entrypoints.openai.routes import register_openai_routes
 from prefixserve.entrypoints.chat.history import GeneratedHistory
+from prefixserve.entrypoints.openai.routes import register_openai_routes
 from prefixserve.entrypoints.server.admission import Admission
 from prefixserve.entrypoints.server.app import build_shell
 from prefixserve.entrypoints.server.auth import ApiKeys

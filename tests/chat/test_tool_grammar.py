@@ -37,7 +37,9 @@ TOOL = ToolSpec(
 @pytest.fixture(scope="module")
 def accepts(default_model_dir):
     tokenizer = Tokenizer.from_pretrained(default_model_dir)
-    ll = llguidance.LLTokenizer(tokenizer_json(tokenizer.hf_tokenizer), n_vocab=tokenizer.vocab_size)
+    ll = llguidance.LLTokenizer(
+        tokenizer_json(tokenizer.hf_tokenizer), n_vocab=tokenizer.vocab_size
+    )
     grammar = llguidance.LLMatcher.grammar_from_lark(forced_call_grammar([TOOL], parallel=False))
 
     def check(arguments: str) -> bool:
