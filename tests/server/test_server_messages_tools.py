@@ -19,7 +19,14 @@ import pytest
 
 from prefixserve.entrypoints.anthropic import protocol as a
 from prefixserve.entrypoints.anthropic.render import render
-from tests.helpers.server import BLOCK_SIZE, KEY_ADMIN, KEY_ALPHA, MODEL_NAME, ssl_context
+from tests.helpers.server import (
+    BLOCK_SIZE,
+    KEY_ADMIN,
+    KEY_ALPHA,
+    KEY_BETA,
+    MODEL_NAME,
+    ssl_context,
+)
 
 WEATHER = {
     "type": "object",
@@ -352,3 +359,54 @@ def test_count_tokens_refuses_bad_tool_input_as_the_messages_route_does(server):
         _client(server).messages.count_tokens(
             model=MODEL_NAME, messages=ASK, tools=[TOOLS[0], TOOLS[0]]
         )
+
+
+def _loop_turn(client, history: list, turn: int, stream: bool):
+    """One turn of an agent's tool-use loop: a forced call on even turns, text on odd ones."""
+    fields = dict(
+        model=MODEL_NAME,
+        messages=history,
+        tools=TOOLS,
+        tool_choice={"type": "tool", "name": "get_weather"} if turn % 2 == 0 else {"type": "none"},
+        max_tokens=24,
+        extra_body={"temperature": 0.0, "cache_report": True},
+    )
+    if not stream:
+        answer = client.messages.create(**fields)
+        return answer, answer.model_extra["cache_report"]
+    report = None
+    with client.messages.stream(**fields) as events:
+        for event in events:
+            if event.type == "message_delta":
+                report = event.model_extra.get("cache_report") or report
+        return events.get_final_message(), report
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_tool_use_loop_reuses_the_generated_ids_of_its_history(server, stream):
+    client = _client(server)
+    tag = uuid.uuid4().hex[:8]
+    history: list = [{"role": "user", "content": f"Plan a trip ({tag}): the weather in Oslo?"}]
+    previous = None
+    for turn in range(6):
+        answer, report = _loop_turn(client, history, turn, stream)
+        prompt = _prompt_tokens(answer.usage)
+        if previous is not None:
+            assert report["history_reused_tokens"] >= previous, (turn, report)
+            assert report["history_rerendered"] == []
+            held = answer.usage.cache_read_input_tokens + answer.usage.cache_creation_input_tokens
+            assert held >= previous - BLOCK_SIZE, (turn, answer.usage)
+        previous = prompt + answer.usage.output_tokens - 1  # the template writes the end token
+        history.append({"role": "assistant", "content": answer.content})
+        calls = [b for b in answer.content if b.type == "tool_use"]
+        results = [{"type": "tool_result", "tool_use_id": c.id, "content": "4 C"} for c in calls]
+        history.append({"role": "user", "content": results or "And then?"})
+    beta = anthropic.Anthropic(
+        base_url=server.url,
+        api_key=KEY_BETA,
+        max_retries=0,
+        timeout=120,
+        http_client=anthropic.DefaultHttpxClient(verify=ssl_context()),
+    )
+    _, theirs = _loop_turn(beta, history, 1, False)
+    assert theirs["history_reused_tokens"] == 0

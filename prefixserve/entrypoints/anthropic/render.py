@@ -28,7 +28,8 @@ import json
 import os
 import re
 import uuid
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from prefixserve.core.kv_cache.breakpoint_spec import TTL_SECONDS, CacheBreakpoint
@@ -41,6 +42,7 @@ from prefixserve.entrypoints.anthropic.protocol import (
     ToolUseBlock,
     _PromptFields,
 )
+from prefixserve.entrypoints.chat.history import Prefix, assistant_answers
 from prefixserve.entrypoints.chat.tool_templates import tool_template
 
 # The prefix the content of a tool_result with `is_error` gets, so the model reads it as one.
@@ -51,11 +53,18 @@ class RenderError(ValueError):
     """The request cannot become a prompt for this model (the message says why)."""
 
 
+# (prompt text, its assistant answers) -> what the tenant's history holds of the text
+# (GeneratedHistory.prefix with the tenant bound).
+HistoryLookup = Callable[[str, list[tuple[int, str]]], Prefix]
+
+
 @dataclass(slots=True)
 class Rendered:
     token_ids: list[int]
     text: str
     breakpoints: tuple[CacheBreakpoint, ...]
+    history: Prefix = field(default_factory=lambda: Prefix(0, [], 0, []))
+    num_answers: int = 0  # assistant turns in its messages
 
 
 @dataclass(slots=True)
@@ -84,13 +93,16 @@ def uses_tools(body: _PromptFields) -> bool:
     )
 
 
-def render(tokenizer: Any, body: _PromptFields) -> Rendered:
+def render(tokenizer: Any, body: _PromptFields, history: HistoryLookup | None = None) -> Rendered:
     """The prompt of `body` for `tokenizer`'s chat template. RenderError for what the model
     cannot take (tools without a template that renders them, a final assistant message, more
-    than four breakpoints, a template that refuses the messages)."""
+    than four breakpoints, a template that refuses the messages). `history`: the tenant's
+    generated history (entrypoints/chat/history.py), whose ids the prompt starts with where
+    its text starts with a recorded answer's."""
     template = _check_shape(tokenizer, body)
     marks = _Marks(uuid.uuid4().hex, [])
-    plain = _template_text(tokenizer, template, _messages(body, None), _tools(body, None))
+    messages = _messages(body, None)
+    plain = _template_text(tokenizer, template, messages, _tools(body, None))
     marked_tools = _tools(body, marks)  # first: tools, then system, then messages
     marked = _template_text(tokenizer, template, _messages(body, marks), marked_tools)
     if len(marks.ttls) > 4:
@@ -98,12 +110,62 @@ def render(tokenizer: Any, body: _PromptFields) -> Rendered:
             f"at most 4 blocks may carry cache_control; this request has {len(marks.ttls)}"
         )
     boundaries = [_boundary(marked, plain, marks, i) for i in range(len(marks.ttls))]
-    encoding = tokenizer.hf_tokenizer(plain, add_special_tokens=False, return_offsets_mapping=True)
-    token_ids = list(encoding["input_ids"])
-    ends = [end for _, end in encoding["offset_mapping"]]
-    positions = [bisect.bisect_right(ends, boundary) for boundary in boundaries]
+    answers = assistant_answers(messages)
+    found = Prefix(0, [], 0, [])
+    if history is not None:
+        found = history(plain, answers)
+    tokens = _Tokens.of(tokenizer, plain, found)
+    positions = [tokens.position(boundary) for boundary in boundaries]
+    if None in positions:  # the recorded ids do not decode to the text: tokenize it all
+        found = Prefix(0, [], 0, found.rerendered)
+        tokens = _Tokens.of(tokenizer, plain, found)
+        positions = [tokens.position(boundary) for boundary in boundaries]
     points = _in_prompt_order(positions, [TTL_SECONDS[ttl] for ttl in marks.ttls])
-    return Rendered(token_ids, plain, tuple(CacheBreakpoint(n, ttl) for n, ttl in points))
+    breakpoints = tuple(CacheBreakpoint(n, ttl) for n, ttl in points)
+    return Rendered(tokens.ids, plain, breakpoints, found, len(answers))
+
+
+@dataclass(slots=True)
+class _Tokens:
+    """A prompt's ids: the history's ids for its first `reused_chars` characters, then the
+    rest tokenized with each token's end (a character offset in the prompt)."""
+
+    tokenizer: Any
+    text: str
+    reused: list[int]
+    reused_chars: int
+    ids: list[int]
+    ends: list[int]
+
+    @classmethod
+    def of(cls, tokenizer: Any, text: str, found: Prefix) -> _Tokens:
+        start = found.num_chars
+        rest = tokenizer.hf_tokenizer(
+            text[start:], add_special_tokens=False, return_offsets_mapping=True
+        )
+        ends = [start + end for _, end in rest["offset_mapping"]]
+        ids = found.ids + list(rest["input_ids"])
+        return cls(tokenizer, text, found.ids, start, ids, ends)
+
+    def position(self, boundary: int) -> int | None:
+        """The number of leading tokens that end at or before character `boundary`; None where
+        it falls in the reused ids and they do not decode to the prompt's text."""
+        if boundary >= self.reused_chars:
+            return len(self.reused) + bisect.bisect_right(self.ends, boundary)
+        lo, hi = 0, len(self.reused)  # the most leading reused ids whose text fits
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if len(self._decoded(mid)) <= boundary:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo if self.text.startswith(self._decoded(lo)) else None
+
+    def _decoded(self, count: int) -> str:
+        text = self.tokenizer.hf_tokenizer.decode(
+            self.reused[:count], skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )
+        return text.rstrip("\ufffd")  # a character the next id completes
 
 
 def _check_shape(tokenizer: Any, body: _PromptFields) -> str | None:

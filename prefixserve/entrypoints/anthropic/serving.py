@@ -12,6 +12,7 @@ as Anthropic does: `cache_read_input_tokens` (read from the cache), `cache_creat
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 import uuid
@@ -86,7 +87,8 @@ async def _render(state: ServerState, tenant: str | None, body: a._PromptFields)
     texts += tool_texts(body)
     check_prompt_text(state, texts, "messages")
     try:
-        return await off_loop(state, tenant, render, state.engine.tokenizer, body)
+        history = functools.partial(state.history.prefix, tenant)
+        return await off_loop(state, tenant, render, state.engine.tokenizer, body, history)
     except RenderError as exc:
         raise OpenAIError(str(exc), param="messages") from exc
 
@@ -100,7 +102,7 @@ async def _create_message(
     fields = FIELDS if plan.constraint is None else {**FIELDS, **GRAMMAR_FIELDS}
     rendered = await _render(state, raw.state.tenant, body)
     params = _sampling_params(body, plan.constraint, fields)
-    view = MessageView(state, model, body, arrival, plan)
+    view = MessageView(state, model, body, arrival, plan, (raw.state.tenant, rendered))
     request = EngineRequest(
         view.message_id,
         rendered.token_ids,
@@ -184,10 +186,14 @@ class MessageView:
         body: a.MessagesRequest,
         arrival: float,
         plan: ToolPlan = NO_TOOLS,
+        prompt: tuple[str | None, Rendered] | None = None,
     ) -> None:
+        """`prompt`: the tenant and its rendered prompt, whose answer the tenant's history
+        records for its next turn (entrypoints/chat/history.py)."""
         self.state = state
         self.model = model
         self.plan = plan
+        self.prompt = prompt
         self.message_id = f"msg_{uuid.uuid4().hex}"
         self.timer = RequestTimer(state.metrics, arrival)
         self.blocks = StreamedBlocks(HermesStreamParser() if plan.parse_calls else None)
@@ -202,6 +208,29 @@ class MessageView:
         metrics = self.state.metrics
         metrics.cached_prompt_tokens.inc(output.num_cached_tokens)
         metrics.cache_write_prompt_tokens.inc(output.num_cache_write_tokens)
+        if self.prompt is not None:
+            tenant, rendered = self.prompt
+            self.state.history.record_answer(
+                tenant,
+                (rendered.text, output.prompt_token_ids),
+                output.outputs[0],
+                self.state.engine.tokenizer.eos_token_ids,
+                rendered.num_answers,
+            )
+
+    def cache_report(self, final: RequestOutput) -> dict[str, Any] | None:
+        """The engine's cache report, with what the history reused (as the chat route's:
+        `history_reused_tokens`, and `history_rerendered` by message index of the prompt as the
+        template reads it, tool results being messages of their own)."""
+        report = final.cache_report
+        if report is None or self.prompt is None:
+            return report
+        found = self.prompt[1].history
+        return {
+            **report,
+            "history_reused_tokens": len(found.ids),
+            "history_rerendered": found.rerendered,
+        }
 
     # ------------------------------------------------------------------------ non-streaming
     async def collect(self, stream: RequestStream) -> dict[str, Any]:
@@ -219,7 +248,7 @@ class MessageView:
             usage=usage_of(final, len(completion.token_ids)),
         ).model_dump(mode="json")
         if final.cache_report is not None:
-            body["cache_report"] = final.cache_report
+            body["cache_report"] = self.cache_report(final)
         return body
 
     # ---------------------------------------------------------------------------- streaming
@@ -287,7 +316,7 @@ class MessageView:
             "usage": usage,
         }
         if final.cache_report is not None:
-            delta["cache_report"] = final.cache_report
+            delta["cache_report"] = self.cache_report(final)
         return [
             ("message_delta", delta),
             ("message_stop", {"type": "message_stop"}),

@@ -24,12 +24,30 @@ import hashlib
 import threading
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
+
+from prefixserve.entrypoints.chat.tool_parsers.hermes import render_calls
+from prefixserve.outputs import CompletionOutput
 
 MAX_ENTRIES_PER_TENANT = 64
 MAX_TOKENS_PER_TENANT = 1 << 18
 MAX_TENANTS = 1024
+
+
+def assistant_answers(messages: Sequence[Mapping[str, Any]]) -> list[tuple[int, str]]:
+    """(index, the text the model generated for it) of each assistant message of a chat's
+    OpenAI-style messages (its calls rendered as the Hermes templates write them)."""
+    out = []
+    for index, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        calls = [
+            (c["function"]["name"], c["function"]["arguments"]) for c in m.get("tool_calls", ())
+        ]
+        out.append((index, render_calls(m["content"], calls) if calls else m["content"] or ""))
+    return out
 
 
 def _digest(text: str) -> bytes:
@@ -47,6 +65,18 @@ class _Tenant:
     entries: OrderedDict[tuple[int, bytes], _Entry] = field(default_factory=OrderedDict)
     answers: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
     num_tokens: int = 0
+
+
+@dataclass(slots=True)
+class Prefix:
+    """What the history holds of a text: its first `num_chars` characters were computed as
+    `ids`, covering `num_answers` assistant turns; `rerendered`: message indexes of this
+    server's answers after them that rendered to other text."""
+
+    num_chars: int
+    ids: list[int]
+    num_answers: int
+    rerendered: list[int]
 
 
 @dataclass(slots=True)
@@ -110,16 +140,12 @@ class GeneratedHistory:
                 _, dropped = book.entries.popitem(last=False)
                 book.num_tokens -= len(dropped.ids)
 
-    def tokenize(
-        self,
-        tenant: Hashable,
-        text: str,
-        encode: Callable[[str], list[int]],
-        answers: Sequence[tuple[int, str]] = (),
-    ) -> Rendered:
-        """The ids of `text`: the longest recorded prefix's ids, then `encode` of the rest.
-        `answers`: (message index, text) of the request's assistant turns, in order, to tell
-        which of this server's answers were not reused."""
+    def prefix(
+        self, tenant: Hashable, text: str, answers: Sequence[tuple[int, str]] = ()
+    ) -> Prefix:
+        """The longest recorded text `text` starts with, and its ids. `answers`: (message index,
+        text) of the request's assistant turns, in order, to tell which of this server's answers
+        were not reused."""
         with self._lock:
             book = self._tenants.get(tenant)
             match = None if book is None else self._longest(book, text)
@@ -127,16 +153,50 @@ class GeneratedHistory:
                 book.entries.move_to_end(match[0])
                 self._tenants.move_to_end(tenant)
             known = set() if book is None else {d for d in book.answers}
-        length, reused, covered = 0, [], 0
+        found = Prefix(0, [], 0, [])
         if match is not None:
             (length, _), entry = match
-            reused, covered = entry.ids.tolist(), entry.num_answers
-        rerendered = [
+            found = Prefix(length, entry.ids.tolist(), entry.num_answers, [])
+        found.rerendered = [
             index
             for turn, (index, answer) in enumerate(answers)
-            if turn >= covered and _digest(answer) in known
+            if turn >= found.num_answers and _digest(answer) in known
         ]
-        return Rendered(reused + encode(text[length:]), len(reused), covered, rerendered)
+        return found
+
+    def tokenize(
+        self,
+        tenant: Hashable,
+        text: str,
+        encode: Callable[[str], list[int]],
+        answers: Sequence[tuple[int, str]] = (),
+    ) -> Rendered:
+        """The ids of `text`: the longest recorded prefix's ids, then `encode` of the rest
+        (`prefix` says what `answers` is for)."""
+        found = self.prefix(tenant, text, answers)
+        ids = found.ids + encode(text[found.num_chars :])
+        return Rendered(ids, len(found.ids), found.num_answers, found.rerendered)
+
+    def record_answer(
+        self,
+        tenant: Hashable,
+        prompt: tuple[str, Sequence[int]],
+        answer: CompletionOutput,
+        eos_token_ids: Collection[int],
+        num_answers: int,
+    ) -> None:
+        """Remember a finished answer for the tenant's next turn: `prompt` (its rendered text
+        and ids) and the answer's text and ids (without a final end-of-turn token, which the
+        template writes itself); `num_answers`: assistant turns in the prompt's messages. An
+        answer cut by a stop string, or that did not finish, is not recorded (its text and ids
+        no longer agree, or it was not answered)."""
+        if isinstance(answer.stop_reason, str) or answer.finish_reason not in ("stop", "length"):
+            return
+        ids = list(answer.token_ids)
+        if ids and ids[-1] in eos_token_ids:
+            ids.pop()
+        text, prompt_ids = prompt
+        self.record(tenant, text + answer.text, [*prompt_ids, *ids], answer.text, num_answers + 1)
 
     @staticmethod
     def _longest(book: _Tenant, text: str) -> tuple[tuple[int, bytes], _Entry] | None:

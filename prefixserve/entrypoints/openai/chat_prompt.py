@@ -6,10 +6,8 @@ tokenized); and, once it is answered, the answer recorded there for the next tur
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
-from prefixserve.entrypoints.chat.history import Rendered
-from prefixserve.entrypoints.chat.tool_parsers.hermes import render_calls
+from prefixserve.entrypoints.chat.history import Rendered, assistant_answers
 from prefixserve.entrypoints.openai import protocol as p
 from prefixserve.entrypoints.openai.serving_tools import ToolPlan, history_messages
 from prefixserve.entrypoints.server.errors import OpenAIError
@@ -32,19 +30,6 @@ class ChatPrompt:
         return self.rendered.ids
 
 
-def _answers(messages: list[dict[str, Any]]) -> list[tuple[int, str]]:
-    """(index, the text the model generated for it) of each assistant message."""
-    out = []
-    for index, m in enumerate(messages):
-        if m["role"] != "assistant":
-            continue
-        calls = [
-            (c["function"]["name"], c["function"]["arguments"]) for c in m.get("tool_calls", ())
-        ]
-        out.append((index, render_calls(m["content"], calls) if calls else m["content"] or ""))
-    return out
-
-
 async def render_chat(
     state: ServerState, tenant: str | None, body: p.ChatCompletionRequest, plan: ToolPlan
 ) -> ChatPrompt:
@@ -57,7 +42,7 @@ async def render_chat(
     if plan.template is not None:
         extra = {"chat_template": plan.template, "tools": plan.tools}
     tokenizer = state.engine.tokenizer
-    answers = _answers(messages)
+    answers = assistant_answers(messages)
 
     def render() -> ChatPrompt:
         text = tokenizer.apply_chat_template_text(
@@ -81,20 +66,13 @@ async def render_chat(
 
 
 def record_answers(state: ServerState, prompt: ChatPrompt, final: RequestOutput) -> None:
-    """Remember each finished answer's ids for the tenant's next turn: the prompt's ids and the
-    generated ones (without a final end-of-turn token, which the template writes itself). An
-    answer cut by a stop string is not recorded (its text and ids no longer agree)."""
+    """Remember each finished answer's ids for the tenant's next turn (history.record_answer)."""
     eos = state.engine.tokenizer.eos_token_ids
-    for c in final.outputs:
-        if isinstance(c.stop_reason, str) or c.finish_reason not in ("stop", "length"):
-            continue
-        ids = list(c.token_ids)
-        if ids and ids[-1] in eos:
-            ids.pop()
-        state.history.record(
+    for completion in final.outputs:
+        state.history.record_answer(
             prompt.tenant,
-            prompt.text + c.text,
-            list(final.prompt_token_ids) + ids,
-            c.text,
-            prompt.num_answers + 1,
+            (prompt.text, final.prompt_token_ids),
+            completion,
+            eos,
+            prompt.num_answers,
         )
