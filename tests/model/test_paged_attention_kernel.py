@@ -11,7 +11,6 @@ import os
 import pytest
 import torch
 
-from prefixserve import settings
 from prefixserve.model.kernels import build as kernels
 from prefixserve.model.kernels.build import paged_attention_kernel
 
@@ -33,10 +32,42 @@ def test_kernel_is_built_where_required():
 def test_a_stale_build_lock_does_not_hang_the_start():
     """A build killed mid-way leaves torch's `lock` file behind; the next start must not wait on
     it forever."""
-    build_dir = settings.cache_root() / "kernels" / kernels._build_tag()
+    build_dir = kernels._build_dir()
+    build_dir.mkdir(parents=True, exist_ok=True)
     (build_dir / "lock").write_text("")
     assert kernels._build() is not None
     assert not (build_dir / "lock").exists()
+
+
+def test_each_checkout_and_sources_digest_builds_in_a_directory_of_its_own(monkeypatch, tmp_path):
+    """Two checkouts (or two versions of csrc/) never share a build directory: torch would
+    rebuild one over the other at every start."""
+    here = kernels._build_dir()
+    assert here.parent.name == kernels._build_tag()
+    monkeypatch.setattr(kernels, "_CSRC", tmp_path / "other-checkout" / "csrc")
+    assert kernels._build_dir() != here
+    assert kernels._build_dir().parent == here.parent
+
+
+def test_old_builds_are_pruned_unless_one_is_being_built(tmp_path):
+    """The most recently used builds stay; an older one goes, unless a process holds its lock."""
+    import fcntl
+    import os
+
+    dirs = []
+    for i in range(kernels.MAX_KEPT_BUILDS + 3):
+        d = tmp_path / f"build{i}"
+        d.mkdir()
+        (d / kernels._LOCK_NAME).touch()  # as a build leaves it (before the times are set)
+        os.utime(d, (1000 + i, 1000 + i))
+        dirs.append(d)
+    busy = dirs[0]  # the oldest, but a build holds it
+    with open(busy / kernels._LOCK_NAME, "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        kernels._prune_builds(tmp_path, keep=dirs[1])
+    left = sorted(p.name for p in tmp_path.iterdir())
+    newest = [d.name for d in dirs[-(kernels.MAX_KEPT_BUILDS - 1) :]]
+    assert left == sorted({busy.name, dirs[1].name, *newest})
 
 
 def test_the_build_flags_name_no_x86_option_on_another_architecture(monkeypatch):

@@ -4,14 +4,18 @@
 None when it cannot be built (no compiler, a failed build: a warning says why) or is turned off
 with `PREFIXSERVE_KERNELS=0`; callers then use their pure-PyTorch paths, which compute the same
 thing. The build (~1 min) is cached per CPU under `$PREFIXSERVE_CACHE_DIR/kernels/` since it
-is compiled with `-march=native` (and for one torch version and Python ABI).
+is compiled with `-march=native` (and for one torch version and Python ABI), one directory per
+sources digest and checkout, the six most recently used kept.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import platform
+import shutil
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -113,12 +117,14 @@ def _build() -> Any:
     bin_dir = getattr(ninja, "BIN_DIR", None)
     if bin_dir:
         prepend_to_path(bin_dir)
-    build_dir = cache_root() / "kernels" / _build_tag()
+    build_dir = _build_dir()
     build_dir.mkdir(parents=True, exist_ok=True)
+    build_dir.touch()  # the most recently used builds are kept (`_prune_builds`)
     # torch's own build lock (a `lock` file it polls forever) outlives a killed build and would
     # hang every later start; an flock dies with its process, so take one around the build and
     # clear a leftover torch lock while holding it (only this function builds here).
-    with file_lock(build_dir / ".prefixserve.lock"):
+    _prune_builds(build_dir.parent, keep=build_dir)
+    with file_lock(build_dir / _LOCK_NAME):
         (build_dir / "lock").unlink(missing_ok=True)
         return cpp_extension.load(
             name="prefixserve_paged_attention",
@@ -129,6 +135,38 @@ def _build() -> Any:
             build_directory=str(build_dir),
             verbose=False,
         )
+
+
+# The builds kept per CPU tag (each checkout of other sources has its own).
+MAX_KEPT_BUILDS = 6
+_LOCK_NAME = ".prefixserve.lock"
+
+
+def _build_dir() -> Path:
+    """Where this CPU's build of these sources from this checkout lives: one directory per
+    sources digest and csrc/ path (torch's build compares the sources and include paths and
+    rebuilds in place when they differ, so two checkouts sharing one directory would rebuild
+    each other's build at every start, each waiting on the other's lock)."""
+    key = hashlib.sha256(f"{sources_digest()} {_CSRC.resolve()}".encode()).hexdigest()[:12]
+    return cache_root() / "kernels" / _build_tag() / key
+
+
+def _prune_builds(root: Path, keep: Path) -> None:
+    """Remove the builds under `root` past the MAX_KEPT_BUILDS most recently used, each only
+    when no process is building it (its lock is free); a process that loaded one keeps its
+    mapped library."""
+    builds = sorted(
+        (p for p in root.iterdir() if p.is_dir() and p != keep),
+        key=lambda p: p.stat().st_mtime,
+        reverse=True,
+    )
+    for old in builds[MAX_KEPT_BUILDS - 1 :]:
+        with contextlib.suppress(OSError), open(old / _LOCK_NAME, "a") as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def _module() -> Any:
