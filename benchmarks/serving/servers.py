@@ -28,7 +28,8 @@ Each engine is an OpenAI-compatible server started from the command line:
   ``prefixserve-2x1-prefix-store``: the prefix policy with one disk tier the replicas share.
   ``prefixserve-2x1-<policy>-remote`` (prefix, round_robin): no disk tier, a KV tier shared
   on a Valkey server (``--kv-remote``) that the harness starts for the engine and stops by PID.
-- ``<engine>+ngram`` (prefixserve, prefixserve-ram, prefixserve-nocache and vllm): the same server
+- ``<engine>+ngram`` (prefixserve, prefixserve-ram, prefixserve-nocache, vllm and vllm-hermes): the
+  same server
   with speculative decoding by n-gram drafts, ``--speculative-config <JSON>`` (the flag and the
   JSON are vLLM's, and prefixserve's the same): ``ServerContext.speculative_config``, by default
   DEFAULT_NGRAM_CONFIG, the same k for every engine.
@@ -516,7 +517,13 @@ def _speculating(spec: EngineSpec) -> EngineSpec:
 
 # Engines that speculate with n-gram drafts when asked to (prefixserve's server and vLLM's take
 # the same --speculative-config); llama.cpp's is left out.
-SPECULATING_ENGINES = ("prefixserve", "prefixserve-ram", "prefixserve-nocache", "vllm")
+SPECULATING_ENGINES = (
+    "prefixserve",
+    "prefixserve-ram",
+    "prefixserve-nocache",
+    "vllm",
+    "vllm-hermes",
+)
 
 # Each engine, followed by its `+ngram` variant where it has one (the report's row order).
 ENGINES: dict[str, EngineSpec] = {}

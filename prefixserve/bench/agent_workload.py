@@ -25,8 +25,8 @@ turn without a valid call is a parse failure; an `auto` turn answered in plain t
 neither way.
 
 TTFT is what a client sees: the first delta it can use. Servers release a call at different
-points (vLLM and llama.cpp stream its name once they have parsed it, prefixserve the whole call
-once its closing tag is generated), so a call turn's TTFT holds some decoding; the TTFT of the
+points (vLLM, llama.cpp and prefixserve stream its name once it is written or parsed, at
+different points of its head), so a call turn's TTFT holds some decoding; the TTFT of the
 answers in plain text (the odd turns, mostly) starts with the first token on every server, and
 is summarized apart (`agent_summary`).
 """

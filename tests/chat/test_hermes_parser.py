@@ -8,7 +8,11 @@ import json
 from hypothesis import given
 from hypothesis import strategies as st
 
-from prefixserve.entrypoints.chat.tool_parsers.hermes import HermesStreamParser, parse_hermes
+from prefixserve.entrypoints.chat.tool_parsers.hermes import (
+    HermesStreamParser,
+    parse_hermes,
+    render_calls,
+)
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
@@ -83,3 +87,73 @@ def test_a_tools_objects_are_closed_unless_the_schema_opens_them():
     assert closed["properties"]["c"]["additionalProperties"] is True
     assert closed["properties"]["d"]["items"]["additionalProperties"] is False
     assert "additionalProperties" not in schema  # the caller's schema is untouched
+
+
+def _early_events(text: str, cuts: list[int]) -> list:
+    parser = HermesStreamParser(early=True)
+    events, start = [], 0
+    for cut in sorted(set(cuts)) + [len(text)]:
+        events += parser.feed(text[start:cut])
+        start = cut
+    return events + parser.finish()
+
+
+def test_an_early_call_releases_its_name_once_its_head_is_written():
+    parser = HermesStreamParser(early=True)
+    head = '<tool_call>\n{"name": "get_weather", "arguments": {"ci'
+    events = parser.feed("Sure.\n" + head)
+    assert [(e.kind, e.name or e.text) for e in events] == [
+        ("text", "Sure."),
+        ("call_start", "get_weather"),
+        ("call_arguments", '{"ci'),
+    ]
+    events = parser.feed('ty": "Paris"}}\n</tool_call>') + parser.finish()
+    assert [(e.kind, e.text) for e in events] == [("call_arguments", 'ty": "Paris"}')]
+
+
+ARGUMENTS = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["f", "get_weather", 'q"uote']),
+            st.dictionaries(st.text(max_size=5), ARGUMENTS, max_size=3),
+        ),
+        min_size=1,
+        max_size=3,
+    ),
+    st.text(alphabet='ab <>\n{}"', max_size=12),
+    st.lists(st.integers(min_value=0, max_value=400), max_size=12),
+)
+def test_early_calls_stream_as_the_whole_answer_parses_them(calls, prefix, cuts):
+    """Calls as the grammar writes them (json.dumps), cut anywhere: the streamed names and the
+    concatenated argument pieces are the whole answer's calls."""
+    rendered = [(n, json.dumps(a, ensure_ascii=False)) for n, a in calls]
+    text = prefix.replace("<tool_call>", "") + "\n" + render_calls(None, rendered)
+    content, parsed = parse_hermes(text)
+    events = _early_events(text, [c % (len(text) + 1) for c in cuts])
+    names = {e.index: e.name for e in events if e.kind == "call_start"}
+    pieces: dict[int, str] = {}
+    for e in events:
+        if e.kind == "call_arguments":
+            pieces[e.index] = pieces.get(e.index, "") + e.text
+    assert [(names[i], json.loads(pieces[i])) for i in sorted(names)] == [
+        (c.name, c.arguments) for c in parsed
+    ]
+    streamed = "".join(e.text for e in events if e.kind == "text")
+    assert streamed.replace(" ", "").replace("\n", "") == (content or "").replace(" ", "").replace(
+        "\n", ""
+    )
+
+
+def test_an_early_call_cut_by_max_tokens_streams_as_far_as_it_was_written():
+    events = _early_events('<tool_call>\n{"name": "f", "arguments": {"a": [1, 2', [5, 30])
+    assert [e.kind for e in events if e.kind != "call_arguments"] == ["call_start"]
+    assert "".join(e.text for e in events if e.kind == "call_arguments") == '{"a": [1, 2'

@@ -196,7 +196,9 @@ class MessageView:
         self.prompt = prompt
         self.message_id = f"msg_{uuid.uuid4().hex}"
         self.timer = RequestTimer(state.metrics, arrival)
-        self.blocks = StreamedBlocks(HermesStreamParser() if plan.parse_calls else None)
+        # Calls are held to the format by the call grammar: streamed as they are written.
+        parser = HermesStreamParser(early=True) if plan.parse_calls else None
+        self.blocks = StreamedBlocks(parser)
 
     def _observe(self, output: RequestOutput) -> CompletionOutput:
         completion = output.outputs[0]

@@ -8,6 +8,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
+from prefixserve.entrypoints.chat.tool_parsers.hermes import HermesStreamParser
 from prefixserve.entrypoints.openai import protocol as p
 from prefixserve.entrypoints.openai.chat_prompt import ChatPrompt, record_answers, render_chat
 from prefixserve.entrypoints.openai.serving import (
@@ -84,7 +85,9 @@ class ChatView(ResponseView):
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.plan = plan or ToolPlan(None, None, None, False, False)
         self.prompt = prompt
-        self.streamed = [StreamedCalls() for _ in range(self.n)]
+        # Calls are held to the format by the call grammar: streamed as they are written.
+        early = self.plan.constraint is not None
+        self.streamed = [StreamedCalls(HermesStreamParser(early=early)) for _ in range(self.n)]
 
     def _finish(self, output: RequestOutput | None) -> None:
         super()._finish(output)

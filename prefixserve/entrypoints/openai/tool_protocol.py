@@ -12,7 +12,15 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    StrictBool,
+    field_validator,
+    model_serializer,
+)
 
 from prefixserve.sampling_params import MAX_GRAMMAR_CHARS, check_schema, check_text
 
@@ -100,12 +108,22 @@ class ToolCallOut(BaseModel):
     function: FunctionCallOut
 
 
-class DeltaFunctionCall(BaseModel):
+class _WithoutNones(BaseModel):
+    """Serialized without its unset (None) fields, as OpenAI streams a call: a later piece of
+    a call carries its index and arguments only. (The SDK's accumulator takes a `type` or `id`
+    of null as the call's new value.)"""
+
+    @model_serializer(mode="wrap")
+    def _drop_nones(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class DeltaFunctionCall(_WithoutNones):
     name: str | None = None
     arguments: str | None = None
 
 
-class DeltaToolCall(BaseModel):
+class DeltaToolCall(_WithoutNones):
     index: int
     id: str | None = None
     type: Literal["function"] | None = None

@@ -9,6 +9,7 @@ an unclosed tag) stays text: a model's slip is the client's text to see, never a
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 
 OPEN = "<tool_call>"
@@ -90,24 +91,74 @@ class StreamEvent:
     name: str = ""
 
 
+# A call's head as the call grammar writes it (whitespace as JSON allows it), up to the opening
+# brace of its arguments object.
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\{)')
+_TAIL = re.compile(r"\s*\}\s*")
+
+
+@dataclass(slots=True)
+class _ArgumentsScan:
+    """Where a streamed call's arguments object stands: its nesting depth, inside a string or
+    not, after a backslash or not (JSON's lexing, enough to find the object's end)."""
+
+    depth: int = 0
+    in_string: bool = False
+    escaped: bool = False
+
+    def end_in(self, text: str) -> int:
+        """The length of `text` up to and including the object's closing brace, or -1 when the
+        object goes on past it (the state is kept for the next piece)."""
+        for i, ch in enumerate(text):
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_string = False
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    return i + 1
+        return -1
+
+
 @dataclass(slots=True)
 class HermesStreamParser:
     """Incremental: `feed(delta)` -> events, `finish()` -> the events left. Text is released as
     soon as it cannot be the start of `<tool_call>`; a call is released when its closing tag
     arrives (its name, then its arguments as one JSON piece, as OpenAI streams them in pieces a
-    client concatenates); a block that does not parse is released as text."""
+    client concatenates); a block that does not parse is released as text.
 
+    `early`, for calls a grammar holds to the format (the server's): a call's name is released as
+    soon as its head is written, then its arguments piece by piece as they are generated, as
+    OpenAI streams them; the pieces are the generated text (the whole answer's `arguments` is
+    that text parsed and dumped again: the same object). A call cut by max_tokens streams as far
+    as it was written."""
+
+    early: bool = False
     _buffer: str = ""
     _calls: int = 0
     _in_call: bool = False
     _saw_call: bool = False
+    _scan: _ArgumentsScan | None = None  # the streamed call's arguments, while they are open
+    _closing: bool = False  # the streamed call's arguments ended: its tail and tag are next
     events: list[StreamEvent] = field(default_factory=list)
 
     def feed(self, delta: str) -> list[StreamEvent]:
         self._buffer += delta
         out: list[StreamEvent] = []
         while self._buffer:
+            if self._in_call and self.early and self._stream_call(out):
+                continue
             if self._in_call:
+                if self._scan is not None or self._closing:
+                    break  # a streamed call waits for more of itself
                 end = self._buffer.find(CLOSE)
                 if end < 0:
                     break
@@ -131,13 +182,49 @@ class HermesStreamParser:
             break
         return out
 
+    def _stream_call(self, out: list[StreamEvent]) -> bool:
+        """One step of an early call: its head (-> call_start), a piece of its arguments, or its
+        tail and closing tag. False when the buffer holds nothing this step can take."""
+        if self._closing:
+            end = self._buffer.find(CLOSE)
+            if end < 0:
+                return False
+            # The grammar writes `}` then the tag; anything else is past a call already sent.
+            self._buffer = self._buffer[end + len(CLOSE) :]
+            self._in_call = self._closing = False
+            return True
+        if self._scan is None:
+            head = _HEAD.match(self._buffer)
+            if head is None:
+                return False
+            try:
+                name = json.loads(f'"{head.group(1)}"')
+            except ValueError:
+                return False
+            self._buffer = self._buffer[head.end() :]
+            self._scan = _ArgumentsScan()
+            out.append(StreamEvent("call_start", index=self._calls, name=name))
+            self._calls += 1
+            self._saw_call = True
+            return True
+        end = self._scan.end_in(self._buffer)
+        piece = self._buffer if end < 0 else self._buffer[:end]
+        self._buffer = self._buffer[len(piece) :]
+        out.append(StreamEvent("call_arguments", index=self._calls - 1, text=piece))
+        if end >= 0:
+            self._scan, self._closing = None, True
+        return end >= 0 and bool(self._buffer)
+
     def finish(self) -> list[StreamEvent]:
         out: list[StreamEvent] = []
-        if self._in_call:
+        if self._scan is not None or self._closing:
+            pass  # a streamed call cut short: sent as far as it was written
+        elif self._in_call:
             self._text(out, OPEN + self._buffer)
         elif self._buffer.strip() or not self._saw_call:
             self._text(out, self._buffer)
         self._buffer, self._in_call = "", False
+        self._scan, self._closing = None, False
         return out
 
     @property
