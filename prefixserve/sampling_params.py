@@ -72,21 +72,21 @@ def check_schema(schema: Any) -> Any:
     return schema
 
 
-def _schema_from_text(text: str) -> Any:
-    """A schema given as JSON text, parsed (ValueError naming what is wrong)."""
+def schema_from_text(text: str, what: str = "structured_outputs.json") -> Any:
+    """A schema given as JSON text, parsed within the bounds (ValueError naming `what` and what
+    is wrong with it)."""
     if len(text) > MAX_GRAMMAR_CHARS:
         raise ValueError(
-            f"structured_outputs.json is {len(text)} characters; at most "
-            f"{MAX_GRAMMAR_CHARS} are allowed"
+            f"{what} is {len(text)} characters; at most {MAX_GRAMMAR_CHARS} are allowed"
         )
     try:
         return json.loads(text)
     except RecursionError:
         raise ValueError(
-            f"structured_outputs.json nests deeper than {MAX_SCHEMA_DEPTH} objects and arrays"
+            f"{what} nests deeper than {MAX_SCHEMA_DEPTH} objects and arrays"
         ) from None
     except ValueError as exc:
-        raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
+        raise ValueError(f"{what} is not valid JSON: {exc}") from None
 
 
 @dataclass(slots=True)
@@ -114,7 +114,7 @@ class StructuredOutputsParams:
                 f"json_object, got {given or 'none'}"
             )
         if isinstance(self.json, str):
-            self.json = _schema_from_text(self.json)
+            self.json = schema_from_text(self.json)
         if self.json is not None and not isinstance(self.json, dict | bool):
             raise ValueError("structured_outputs.json must be a JSON Schema object")
         try:  # before anything recurses over it or encodes it

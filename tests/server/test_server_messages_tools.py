@@ -368,7 +368,7 @@ def _loop_turn(client, history: list, turn: int, stream: bool):
         messages=history,
         tools=TOOLS,
         tool_choice={"type": "tool", "name": "get_weather"} if turn % 2 == 0 else {"type": "none"},
-        max_tokens=24,
+        max_tokens=64 if turn % 2 == 0 else 24,  # a call written whole (a cut one streams cut)
         extra_body={"temperature": 0.0, "cache_report": True},
     )
     if not stream:

@@ -16,7 +16,6 @@ constraint.
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any, Literal
 
@@ -36,7 +35,6 @@ from prefixserve.sampling_params import (
     MAX_GRAMMAR_CHARS,
     MAX_LOGPROBS,
     MAX_N,
-    MAX_SCHEMA_DEPTH,
     MAX_SEED,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
@@ -48,6 +46,7 @@ from prefixserve.sampling_params import (
     TEMPERATURE_RANGE,
     check_schema,
     check_text,
+    schema_from_text,
 )
 
 MAX_PROMPT_CACHE_KEY_CHARS = 1024
@@ -138,16 +137,7 @@ class StructuredOutputsRequest(_StrictRequest):
     @classmethod
     def _parse_and_check(cls, value: dict[str, Any] | str | None) -> dict[str, Any] | None:
         if isinstance(value, str):
-            if len(value) > MAX_GRAMMAR_CHARS:
-                raise ValueError(f"at most {MAX_GRAMMAR_CHARS} characters, got {len(value)}")
-            try:
-                value = json.loads(value)
-            except RecursionError:
-                raise ValueError(
-                    f"the schema nests deeper than {MAX_SCHEMA_DEPTH} objects and arrays"
-                ) from None
-            except ValueError as exc:
-                raise ValueError(f"not valid JSON: {exc}") from None
+            value = schema_from_text(value, "the schema")
             if not isinstance(value, dict):
                 raise ValueError("must be a JSON Schema object")
         return None if value is None else check_schema(value)
