@@ -30,6 +30,7 @@ from prefixserve.entrypoints.openai.structured_outputs import (
     structured_outputs_params,
 )
 from prefixserve.entrypoints.server.errors import from_value_error
+from prefixserve.sampling_params import MAX_SCHEMA_DEPTH
 from prefixserve.structured_output.errors import GrammarError
 from tests.helpers.server import KEY_BETA, MODEL_NAME, ssl_context
 from tests.server.test_server_metrics import delta, scrape
@@ -373,7 +374,7 @@ def test_a_deeply_nested_schema_is_a_400_never_a_500(server, path):
     assert post(server, path, as_body).status_code == 400
     response = post(server, path, body(path, structured_outputs={"json": deep}))
     refused(response, "structured_outputs.json")
-    beyond = p.MAX_SCHEMA_DEPTH + 1
+    beyond = MAX_SCHEMA_DEPTH + 1
     response = post(server, path, body(path, response_format=json_schema_format(nested(beyond))))
     assert "nests deeper" in refused(response, "response_format.json_schema.schema")["message"]
     response = post(server, path, body(path, structured_outputs={"json": nested_text(beyond)}))
@@ -383,7 +384,7 @@ def test_a_deeply_nested_schema_is_a_400_never_a_500(server, path):
 def test_a_schema_at_the_depth_bound_is_served(server):
     """MAX_SCHEMA_DEPTH is within what the engine's checks (jsonschema, the grammar compiler)
     take without exhausting the recursion limit: the 400 above is the bound's, never theirs."""
-    fields = {"response_format": json_schema_format(nested(p.MAX_SCHEMA_DEPTH)), "max_tokens": 1}
+    fields = {"response_format": json_schema_format(nested(MAX_SCHEMA_DEPTH)), "max_tokens": 1}
     response = post(server, COMPLETIONS, body(COMPLETIONS, **fields))
     assert response.status_code == 200, response.text
 
