@@ -246,26 +246,27 @@ class Linear(nn.Linear):
             return self._int8_call(x, out_dtype=torch.float32)
         if self._takes_native(x):
             return self._native(x, out_dtype=torch.float32)
-        if _BATCH_INVARIANT.get() and self._invariant_gemm_applies(x):
+        if _BATCH_INVARIANT.get() and self._packed is None and self._invariant_gemm_applies(x):
+            # `_base`'s batch-invariant path where oneDNN cannot pack bf16 (AVX2 only)
             return self._native(x, self._invariant_gemm(), out_dtype=torch.float32)
         return self._fallback_fp32(x)
 
     def _fallback_fp32(self, x: torch.Tensor) -> torch.Tensor:
-        """forward_fp32 where no native GEMM takes the call: the fp32 copy where it takes this
-        many rows (outside the batch-invariant mode), else the streaming kernel into an fp32
-        out (one summation order per output at every row count), else fp32 sums of the widened
-        weight (`widened_linear`; a lone row as two in the batch-invariant mode, as `_base`)."""
+        """forward_fp32 where no native GEMM takes the call (`PREFIXSERVE_NATIVE_GEMM=0`, no
+        vector tiles): the fp32 copy where it takes this many rows (outside the batch-invariant
+        mode), else the streaming kernel into an fp32 out (one summation order per output at
+        every row count: batch-invariant by itself), else (no kernels, so no batch-invariant
+        mode: `resolve_batch_invariant`) MKL's fp32 sums of the fp32 copy or of the widened
+        weight (`widened_linear`)."""
         rows = x.reshape(-1, x.shape[-1])
-        invariant = _BATCH_INVARIANT.get()
-        if self._fp32 is not None and rows.shape[0] >= FP32_MIN_ROWS and not invariant:
+        large = rows.shape[0] >= FP32_MIN_ROWS and not _BATCH_INVARIANT.get()
+        if self._fp32 is not None and large:
             return F.linear(x.float(), *self._fp32)
         kernel = _kernel("linear_small")
         if kernel is not None and self._stream is not None:
             out = rows.new_empty(rows.shape[0], self.out_features, dtype=torch.float32)
             kernel(out, rows.contiguous(), *self._stream, STREAM_THREADS[0])
             return out.view(*x.shape[:-1], self.out_features)
-        if invariant and x.shape[0] == 1 and x.dim() == 2:
-            return self._fallback_fp32(x.expand(2, -1))[:1]
         if self._fp32 is not None:
             return F.linear(x.float(), *self._fp32)
         return widened_linear(x, self.weight, self.bias)
