@@ -136,6 +136,19 @@ inline float act_scalar(float g, int64_t act) {
   return num / (1.0f + e);
 }
 
+// Sums [rows, cols] (`lds` apart) + bias into the fp32 rows of `out` (`ldo` apart), both from
+// column n0, unrounded: an fp32 out's epilogue (the LM head's logits) for every family's tiles
+// and the 8-bit kernel (the vector tiles' store_f32 below, lane by lane).
+inline void store_sums_f32(void* out, int64_t ldo, const float* sums, int64_t lds, int64_t rows,
+                           int64_t n0, int64_t cols, const float* bias) {
+  float* dst = static_cast<float*>(out) + n0;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) {
+      const float sum = sums[r * lds + c];
+      dst[r * ldo + c] = bias ? sum + bias[n0 + c] : sum;
+    }
+}
+
 // A tile's fp32 sums (`rows` rows, `lds` apart) to its outputs: + bias, rounded to bf16, + the
 // residual and rounded again where there is one; or, for a gated tile, the 32 gate sums and the
 // 32 up sums after them to bf16(act(bf16(gate)) * bf16(up)).
@@ -152,12 +165,7 @@ inline void store_sums(const float* sums, int64_t lds, int rows, const TileOut& 
     return;
   }
   if (out.out_f32) {
-    for (int r = 0; r < rows; ++r)
-      for (int64_t c = 0; c < out.cols; ++c) {
-        const float sum = sums[r * lds + c];
-        out.out_f32[r * out.ldo + c] = out.bias ? sum + out.bias[c] : sum;
-      }
-    return;
+    return store_sums_f32(out.out_f32, out.ldo, sums, lds, rows, 0, out.cols, out.bias);
   }
   for (int r = 0; r < rows; ++r)
     for (int64_t c = 0; c < out.cols; ++c) {
