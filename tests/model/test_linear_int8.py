@@ -105,8 +105,13 @@ def test_the_kernel_matches_a_float64_reference_of_its_quantized_operands(fmt):
 
 
 def _model_of_the_kernel(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
-    """The kernel's documented order in Python: per 64 columns, 16 lanes of 4 exact integer
-    products (lane l: the 4-column unit l // 2 of the chunk's half l % 2); lane acc =
+    """The kernel's documented order in Python (`_sums_of_the_kernel`), rounded to bf16."""
+    return _sums_of_the_kernel(x, w).to(torch.bfloat16)
+
+
+def _sums_of_the_kernel(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
+    """The kernel's documented order in Python, its fp32 sums: per 64 columns, 16 lanes of 4
+    exact integer products (lane l: the 4-column unit l // 2 of the chunk's half l % 2); lane acc =
     fma(float(sum), wscale * xscale, acc) in fp32 (the fma as one rounding of the exact float64
     value); an affine weight's lanes then acc = fma(float(sum of the 4 x codes), wmin * xscale,
     acc); the lanes reduced (l, l+8), (l, l+4), (l, l+2), (l, l+1)."""
@@ -138,7 +143,7 @@ def _model_of_the_kernel(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
     t = acc[..., :8] + acc[..., 8:]
     u = t[..., :4] + t[..., 4:]
     v = u[..., :2] + u[..., 2:]
-    return (v[..., 0] + v[..., 1]).to(torch.bfloat16)
+    return v[..., 0] + v[..., 1]
 
 
 @pytest.mark.parametrize("fmt", ALL_FORMATS)
@@ -146,6 +151,28 @@ def test_the_kernel_sums_in_its_one_documented_order_on_every_cpu_family(fmt):
     w = _weights(40, 256, fmt, seed=3)
     x = _x(3, 256, seed=4)
     assert torch.equal(_run(x, w), _model_of_the_kernel(x, w))
+
+
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
+def test_a_float32_out_takes_the_documented_sums_unrounded(fmt):
+    """The LM head's logits: into an fp32 out the kernel writes its fp32 sums (+ bias) as they
+    are, the documented order's bits on every family, the same for a row alone and in a batch."""
+    w = _weights(40, 256, fmt, seed=3)
+    x = _x(6, 256, seed=4)
+    codes, scales = packed_weight(w)
+    bias = torch.randn(40).bfloat16()
+
+    def run(rows: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        out = torch.empty(rows.shape[0], 40)
+        linear_int8_kernel()(out, rows.contiguous(), codes, scales, b, 0, None, 2)
+        return out
+
+    sums = run(x, None)
+    assert torch.equal(sums, _sums_of_the_kernel(x, w))
+    assert torch.equal(run(x, bias), sums + bias.float())
+    assert torch.equal(run(x, bias).bfloat16(), _run(x, w, bias))
+    for rows in (1, 2, 5):
+        assert torch.equal(run(x[rows - 1 : rows], bias), run(x, bias)[rows - 1 : rows])
 
 
 @pytest.mark.parametrize("fmt", ALL_FORMATS)

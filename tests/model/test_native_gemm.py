@@ -290,7 +290,8 @@ def _families():
 def test_every_tile_family_here_gives_the_builds_tiles_bits(family, k, n):
     """Each tile family this host runs (the build's FMA tiles, AVX2's, the bf16 dot product's)
     sums each output in one order, so every output, residual add included, is the same bits
-    as the selected path's, and within one rounding of float64."""
+    as the selected path's, and within one rounding of float64; into an fp32 out, the same
+    sums unrounded, the same bits on every family."""
     module = build._module()
     torch.manual_seed(k * n)
     w = torch.randn(n, k).bfloat16()
@@ -310,6 +311,12 @@ def test_every_tile_family_here_gives_the_builds_tiles_bits(family, k, n):
             own = torch.empty(rows, n, dtype=torch.bfloat16)
             KERNELS[1](own, x, packed, n, bias, 2, None, residual)
             assert torch.equal(got, own), (family, rows, k, n, bias is not None)
+            if residual is None:  # an fp32 out (the LM head's logits): the same sums unrounded
+                sums = torch.empty(rows, n)
+                module.linear_bf16_packed_on(sums, x, packed, n, bias, 2, family)
+                own_sums = torch.empty(rows, n)
+                KERNELS[1](own_sums, x, packed, n, bias, 2)
+                assert torch.equal(sums, own_sums) and torch.equal(sums.bfloat16(), got)
             _, _, _, prefetch, panels = module.gemm_bf16_selected()
             try:  # the decode variants (prefetch, a lone row's panels) change no sum
                 module.gemm_bf16_select("", "", int(not prefetch), 6 - panels)

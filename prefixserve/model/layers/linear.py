@@ -185,14 +185,18 @@ class Linear(nn.Linear):
         )
 
     def _int8_call(
-        self, x: torch.Tensor, act: int = 0, residual: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        act: int = 0,
+        residual: torch.Tensor | None = None,
+        out_dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
         codes, scales, bias = self._int8
         rows = x.reshape(-1, x.shape[-1]).contiguous()
         if rows.dtype != torch.bfloat16:
             raise TypeError(f"an 8-bit linear takes bfloat16 activations, not {rows.dtype}")
         width = scales.shape[-2] // 2 if act else scales.shape[-2]
-        out = rows.new_empty(rows.shape[0], width)
+        out = rows.new_empty(rows.shape[0], width, dtype=out_dtype)
         run = _kernel("linear_int8")
         run(out, rows, codes, scales, bias, act, residual, STREAM_THREADS[0], self._next_packed)
         return out.view(*x.shape[:-1], width)
@@ -228,6 +232,44 @@ class Linear(nn.Linear):
         if lora is not None:
             lora.apply(x, out)
         return out
+
+    def forward_fp32(self, x: torch.Tensor) -> torch.Tensor:
+        """self(x) in fp32 with no bf16 rounding between the sums and the result: the LM head's
+        logits (`compute_logits`). A bf16 linear's kernels write their fp32 accumulators (+ bias)
+        as they are, on the path `_base` takes (the native GEMM, the 8-bit kernel: one
+        summation order at every row count and on every tile family), else `_fallback_fp32`'s;
+        an fp32 linear is its own forward. No LoRA update (adapters target no LM head)."""
+        assert self.lora is None, "forward_fp32 computes the base linear only"
+        if x.dtype != torch.bfloat16:
+            return self._base(x).float()
+        if self._int8 is not None:
+            return self._int8_call(x, out_dtype=torch.float32)
+        if self._takes_native(x):
+            return self._native(x, out_dtype=torch.float32)
+        if _BATCH_INVARIANT.get() and self._packed is None and self._invariant_gemm_applies(x):
+            # `_base`'s batch-invariant path where oneDNN cannot pack bf16 (AVX2 only)
+            return self._native(x, self._invariant_gemm(), out_dtype=torch.float32)
+        return self._fallback_fp32(x)
+
+    def _fallback_fp32(self, x: torch.Tensor) -> torch.Tensor:
+        """forward_fp32 where no native GEMM takes the call (`PREFIXSERVE_NATIVE_GEMM=0`, no
+        vector tiles): the fp32 copy where it takes this many rows (outside the batch-invariant
+        mode), else the streaming kernel into an fp32 out (one summation order per output at
+        every row count: batch-invariant by itself), else (no kernels, so no batch-invariant
+        mode: `resolve_batch_invariant`) MKL's fp32 sums of the fp32 copy or of the widened
+        weight (`widened_linear`)."""
+        rows = x.reshape(-1, x.shape[-1])
+        large = rows.shape[0] >= FP32_MIN_ROWS and not _BATCH_INVARIANT.get()
+        if self._fp32 is not None and large:
+            return F.linear(x.float(), *self._fp32)
+        kernel = _kernel("linear_small")
+        if kernel is not None and self._stream is not None:
+            out = rows.new_empty(rows.shape[0], self.out_features, dtype=torch.float32)
+            kernel(out, rows.contiguous(), *self._stream, STREAM_THREADS[0])
+            return out.view(*x.shape[:-1], self.out_features)
+        if self._fp32 is not None:
+            return F.linear(x.float(), *self._fp32)
+        return widened_linear(x, self.weight, self.bias)
 
     def _takes_native(self, x: torch.Tensor) -> bool:
         """Whether this call goes through the native GEMM: a bf16 x on a Linear that has it,
@@ -326,13 +368,16 @@ class Linear(nn.Linear):
         return (pack(self.weight.detach()), self.weight.shape[0], bias)
 
     def _native(
-        self, x: torch.Tensor, gemm: tuple[torch.Tensor, int, torch.Tensor | None] | None = None
+        self,
+        x: torch.Tensor,
+        gemm: tuple[torch.Tensor, int, torch.Tensor | None] | None = None,
+        out_dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
         """The native GEMM (`_gemm`, or the given packed weight) over x's rows, any leading
-        shape."""
+        shape; `out_dtype` float32 keeps its fp32 sums unrounded."""
         packed, out_features, bias = gemm or self._gemm
         rows = x.reshape(-1, x.shape[-1]).contiguous()
-        out = rows.new_empty(rows.shape[0], out_features)
+        out = rows.new_empty(rows.shape[0], out_features, dtype=out_dtype)
         run = _kernel("gemm_any" if gemm else "gemm")[1]
         run(out, rows, packed, out_features, bias, STREAM_THREADS[0], self._next_packed)
         return out.view(*x.shape[:-1], out_features)
@@ -351,6 +396,27 @@ class Linear(nn.Linear):
         if self._fp32 is not None and rows >= FP32_MIN_ROWS:
             return F.linear(x.float(), *self._fp32).to(x.dtype)
         return None
+
+
+# Weight rows `widened_linear` widens to fp32 at a time (8,192 x 640 for Gemma 3's head: 21 MB).
+WIDEN_ROWS = 8192
+
+
+def widened_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x @ weight.T (+ bias) summed in fp32 over the bf16 operands widened (exact), the weight
+    a slice of WIDEN_ROWS rows at a time (no fp32 copy of a vocabulary-sized head is kept)."""
+    xf = x.float()
+    parts = [
+        F.linear(
+            xf,
+            weight[i : i + WIDEN_ROWS].float(),
+            None if bias is None else bias[i : i + WIDEN_ROWS].float(),
+        )
+        for i in range(0, weight.shape[0], WIDEN_ROWS)
+    ]
+    return torch.cat(parts, dim=-1)
 
 
 def pack_linears(model: nn.Module, no_fp32_copy: tuple[nn.Module, ...] = ()) -> None:

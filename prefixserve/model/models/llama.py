@@ -180,7 +180,9 @@ class LlamaForCausalLM(nn.Module):
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head.forward(hidden).float()
+        """[n, vocab] float32 logits: the LM head's fp32 sums, never rounded to bf16 (a bf16
+        rounding made near-ties exact ties, issue 56), then the soft-cap in fp32."""
+        logits = self.lm_head.forward_fp32(hidden)
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

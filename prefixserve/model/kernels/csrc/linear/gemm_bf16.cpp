@@ -1,5 +1,6 @@
 // One bf16 linear for every row count, with one summation order: out[m, n] =
-// bf16(sum_k x[m, k] * w[n, k] + bias[n]), each output accumulated in one fp32 lane in the
+// bf16(sum_k x[m, k] * w[n, k] + bias[n]) (or, into an fp32 out, the same fp32 value unrounded:
+// the LM head's logits), each output accumulated in one fp32 lane in the
 // order gemm_bf16_tiles.h defines (pairs of k ascending, k + 1 before k), whatever the number of
 // rows, the register tile, the thread or the family of tiles that computes it. So a row's result
 // is the same alone, in a decode batch, in a speculative verification or in a prefill chunk, on
@@ -68,9 +69,10 @@ struct Problem {
   int64_t pairs;         // K / 2, rounded up
   int64_t rows, N;       // N: out's columns (a gated call's I)
   const float* bias;     // [N] or null (gated: [2I])
-  uint16_t* out;         // [rows, N] bf16 bits
+  uint16_t* out;         // [rows, N] bf16 bits (null where out_f32 is set)
   int64_t act = kNone;   // gated: the activation
   const uint16_t* res = nullptr;  // [rows, N] bf16 bits added to the output, or null
+  float* out_f32 = nullptr;       // [rows, N] fp32: the unrounded outputs (a plain call only)
 };
 
 // The rows of x family T reads: fp32, or bf16 pairs.
@@ -86,13 +88,14 @@ const typename T::X* rows_of(const Problem& pb) {
 template <class T, int MR, int NP>
 void run_tile(const Problem& pb, int64_t m0, int64_t panel0) {
   const int64_t stride = pb.pairs * 2 * kPanel, n0 = panel0 * kPanel;
-  const TileOut out{pb.out + m0 * pb.N + n0,
+  const TileOut out{pb.out ? pb.out + m0 * pb.N + n0 : nullptr,
                     pb.N,
                     std::min(pb.N - n0, NP * kPanel),
                     pb.bias ? pb.bias + n0 : nullptr,
                     kNone,
                     nullptr,
-                    pb.res ? pb.res + m0 * pb.N + n0 : nullptr};
+                    pb.res ? pb.res + m0 * pb.N + n0 : nullptr,
+                    pb.out_f32 ? pb.out_f32 + m0 * pb.N + n0 : nullptr};
   T::template tile<MR, NP>(rows_of<T>(pb) + m0 * pb.ldx, pb.ldx, pb.w + panel0 * stride,
                            stride, pb.pairs, out);
 }
@@ -309,15 +312,17 @@ torch::Tensor pack_bf16_gemm(torch::Tensor w) {
 namespace {
 
 // The checks and set-up both entry points share: x [rows, K] and bias [N] (N the weight's
-// rows) against the packed weight; out [rows, out_cols]. Returns the Problem (x as `family`
-// reads it, bias in fp32 in `bias_fp32`).
+// rows) against the packed weight; out [rows, out_cols], bf16 or (the unrounded sums) fp32.
+// Returns the Problem (x as `family` reads it, bias in fp32 in `bias_fp32`).
 Problem prepare(const char* name, torch::Tensor& out, torch::Tensor& x,
                 const torch::Tensor& packed, int64_t N, int64_t out_cols,
                 const c10::optional<torch::Tensor>& bias, std::vector<float>& bias_fp32,
                 Family family) {
   TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu(), name, " runs on CPU tensors only");
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16, name,
-              " needs bfloat16 x and out");
+  const bool out_f32 = out.scalar_type() == torch::kFloat;
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 &&
+                  (out.scalar_type() == torch::kBFloat16 || out_f32),
+              name, " needs bfloat16 x and a bfloat16 (or float32) out");
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.is_contiguous() && out.is_contiguous(), name,
               " needs contiguous 2-D x and out");
   const int64_t rows = x.size(0), K = x.size(1);
@@ -343,7 +348,10 @@ Problem prepare(const char* name, torch::Tensor& out, torch::Tensor& x,
                  rows,
                  out_cols,
                  bias_fp32.empty() ? nullptr : bias_fp32.data(),
-                 reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>())};
+                 out_f32 ? nullptr : reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()),
+                 kNone,
+                 nullptr,
+                 out_f32 ? out.data_ptr<float>() : nullptr};
 }
 
 // A decode-sized call's epilogue: the stream pool's helpers prefetch the next linear's packed
@@ -365,6 +373,7 @@ Problem prepare_linear(const char* name, torch::Tensor& out, torch::Tensor& x,
                        std::vector<float>& bias_fp32, Family family) {
   Problem pb = prepare(name, out, x, packed, N, N, bias, bias_fp32, family);
   if (residual.has_value() && residual->defined()) {
+    TORCH_CHECK(!pb.out_f32, name, ": a residual goes with a bfloat16 out");
     TORCH_CHECK(residual->device().is_cpu() && residual->scalar_type() == torch::kBFloat16 &&
                     residual->is_contiguous() && residual->dim() == 2 &&
                     residual->size(0) == pb.rows && residual->size(1) == N,
@@ -418,7 +427,7 @@ void run_gated_family(const Problem& pb, int64_t threads, Family family) {
 }  // namespace
 
 // out [rows, N] = x [rows, K] @ w.T (+ bias) (+ residual, after the output's rounding), w
-// packed by pack_bf16_gemm; on the caller and up to `threads - 1` helpers of the stream pool,
+// packed by pack_bf16_gemm; an fp32 `out` takes the fp32 sums + bias unrounded (no residual); on the caller and up to `threads - 1` helpers of the stream pool,
 // on the family selected for this many rows; then, for a decode-sized call, `prefetch` (the
 // next linear's packed weight) toward the helpers' caches. `residual` may be `out` itself (each
 // element is read before it is written).
@@ -460,6 +469,7 @@ void linear_bf16_packed_gated(torch::Tensor out, torch::Tensor x, torch::Tensor 
   std::vector<float> bias_fp32;
   Problem pb =
       prepare("linear_bf16_packed_gated", out, x, packed, N, N / 2, bias, bias_fp32, family);
+  TORCH_CHECK(!pb.out_f32, "linear_bf16_packed_gated needs a bfloat16 out");
   pb.act = act;
   if (pb.rows == 0 || N == 0) return;
   run_gated_family(pb, threads, family);

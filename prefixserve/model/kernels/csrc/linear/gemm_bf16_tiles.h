@@ -66,7 +66,9 @@ struct FlushDenormals {
 // Where a tile's results go: rows of `out` (ldo apart) from column n0, `cols` of them valid
 // (the rest of the last panel is padding), `bias` from n0 or null. A gated tile (act != kNone):
 // two panels, gate then up, `bias_up` the up half's bias, `cols` 32 outputs. `res`: rows of a
-// residual (ldo apart, from n0) added to the rounded output, or null.
+// residual (ldo apart, from n0) added to the rounded output, or null. `out_f32`: where set (a
+// plain tile only, no residual), the outputs go there as the fp32 sums + bias, never rounded to
+// bf16 (the LM head's logits), and `out` is unused.
 struct TileOut {
   uint16_t* out;
   int64_t ldo;
@@ -75,6 +77,7 @@ struct TileOut {
   int64_t act = kNone;
   const float* bias_up = nullptr;
   const uint16_t* res = nullptr;
+  float* out_f32 = nullptr;
 };
 
 inline uint16_t float_to_bf16_bits(float f) {
@@ -133,6 +136,19 @@ inline float act_scalar(float g, int64_t act) {
   return num / (1.0f + e);
 }
 
+// Sums [rows, cols] (`lds` apart) + bias into the fp32 rows of `out` (`ldo` apart), both from
+// column n0, unrounded: an fp32 out's epilogue (the LM head's logits) for every family's tiles
+// and the 8-bit kernel (the vector tiles' store_f32 below, lane by lane).
+inline void store_sums_f32(void* out, int64_t ldo, const float* sums, int64_t lds, int64_t rows,
+                           int64_t n0, int64_t cols, const float* bias) {
+  float* dst = static_cast<float*>(out) + n0;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) {
+      const float sum = sums[r * lds + c];
+      dst[r * ldo + c] = bias ? sum + bias[n0 + c] : sum;
+    }
+}
+
 // A tile's fp32 sums (`rows` rows, `lds` apart) to its outputs: + bias, rounded to bf16, + the
 // residual and rounded again where there is one; or, for a gated tile, the 32 gate sums and the
 // 32 up sums after them to bf16(act(bf16(gate)) * bf16(up)).
@@ -147,6 +163,9 @@ inline void store_sums(const float* sums, int64_t lds, int rows, const TileOut& 
         out.out[r * out.ldo + c] = float_to_bf16_bits(a * round_bf16_scalar(up));
       }
     return;
+  }
+  if (out.out_f32) {
+    return store_sums_f32(out.out_f32, out.ldo, sums, lds, rows, 0, out.cols, out.bias);
   }
   for (int r = 0; r < rows; ++r)
     for (int64_t c = 0; c < out.cols; ++c) {
@@ -174,6 +193,14 @@ inline void store_bf16(uint16_t* dst, __m512 sum, const float* bias, int64_t val
   const __mmask16 nan = _mm512_cmp_ps_mask(sum, sum, _CMP_UNORD_Q);
   rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc0));
   _mm256_mask_storeu_epi16(dst, mask, _mm512_cvtepi32_epi16(rounded));
+}
+
+// 16 sums (+ bias) stored as they are in fp32, the first `valid` of them: store_bf16 without
+// the rounding (the scalar epilogue's out_f32 branch, lane by lane).
+inline void store_f32(float* dst, __m512 sum, const float* bias, int64_t valid) {
+  const __mmask16 mask = valid >= 16 ? __mmask16(0xffff) : __mmask16((1u << valid) - 1);
+  if (bias) sum = _mm512_add_ps(sum, _mm512_maskz_loadu_ps(mask, bias));
+  _mm512_mask_storeu_ps(dst, mask, sum);
 }
 
 // v rounded to bf16 (as store_bf16 rounds), as floats.
@@ -248,6 +275,10 @@ inline void store_tile(__m512 (&acc)[MR][NP * 2], const TileOut& out) {
     for (int j = 0; j < NP * 2; ++j) {
       if (j * 16 >= out.cols) break;
       const float* bias = out.bias ? out.bias + j * 16 : nullptr;
+      if (out.out_f32) {
+        store_f32(out.out_f32 + r * out.ldo + j * 16, acc[r][j], bias, out.cols - j * 16);
+        continue;
+      }
       uint16_t* dst = out.out + r * out.ldo + j * 16;
       if (out.res) {
         store_residual(dst, acc[r][j], bias, out.res + r * out.ldo + j * 16, out.cols - j * 16);

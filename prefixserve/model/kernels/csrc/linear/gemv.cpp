@@ -148,16 +148,17 @@ inline void dot_rows(const uint16_t* w, const uint16_t* x, int64_t K, int64_t nw
 }  // namespace
 
 // out [rows, N] = x [rows, K] @ w[N, K]^T (+ bias [N]), all bf16 and contiguous, accumulated in
-// fp32 and rounded once. Work is split over chunks of ~64 KB of weight rows, run by the caller
+// fp32 and rounded once (into an fp32 out, not rounded: the LM head's logits). Work is split over chunks of ~64 KB of weight rows, run by the caller
 // and up to `threads - 1` helpers of the stream pool (stream_pool.h); within a chunk, groups of
 // four x rows against four weight rows at a time.
 void linear_bf16_small(torch::Tensor out, torch::Tensor x, torch::Tensor w,
                        c10::optional<torch::Tensor> bias, int64_t threads) {
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu() && out.device().is_cpu(),
               "linear_bf16_small runs on CPU tensors only");
+  const bool out_f32 = out.scalar_type() == torch::kFloat;
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && w.scalar_type() == torch::kBFloat16 &&
-                  out.scalar_type() == torch::kBFloat16,
-              "linear_bf16_small needs bfloat16 x, weight and out");
+                  (out.scalar_type() == torch::kBFloat16 || out_f32),
+              "linear_bf16_small needs bfloat16 x and weight, and a bfloat16 (or float32) out");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && out.dim() == 2 && x.is_contiguous() &&
                   w.is_contiguous() && out.is_contiguous(),
               "linear_bf16_small needs contiguous 2-D x, weight and out");
@@ -173,7 +174,8 @@ void linear_bf16_small(torch::Tensor out, torch::Tensor x, torch::Tensor w,
   }
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
   const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<c10::BFloat16>());
-  auto* op = out.data_ptr<c10::BFloat16>();
+  auto* op = out_f32 ? nullptr : out.data_ptr<c10::BFloat16>();
+  float* opf = out_f32 ? out.data_ptr<float>() : nullptr;
   const int64_t chunk_rows = std::max<int64_t>(16, (32 * 1024) / std::max<int64_t>(1, K));
   const int64_t chunks = (N + chunk_rows - 1) / chunk_rows;
   prefixserve::stream_pool().run(chunks, threads, [&](int64_t chunk) {
@@ -191,8 +193,14 @@ void linear_bf16_small(torch::Tensor out, torch::Tensor x, torch::Tensor w,
         dot_rows(wp + n * K, xp + m0 * K, K, nw, nx, sums);
         for (int64_t i = 0; i < nw; ++i) {
           const float add = bias_ptr ? bf16_bits_to_float(bias_ptr[n + i]) : 0.0f;
-          for (int64_t j = 0; j < nx; ++j)
-            op[(m0 + j) * N + n + i] = c10::BFloat16(sums[i * kRowGroup + j] + add);
+          for (int64_t j = 0; j < nx; ++j) {
+            const float y = sums[i * kRowGroup + j] + add;
+            if (opf) {
+              opf[(m0 + j) * N + n + i] = y;
+            } else {
+              op[(m0 + j) * N + n + i] = c10::BFloat16(y);
+            }
+          }
         }
       }
     }

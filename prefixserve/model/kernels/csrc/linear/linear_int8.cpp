@@ -60,6 +60,7 @@ using prefixserve::gemm::kGeluTanh;
 using prefixserve::gemm::kNone;
 using prefixserve::gemm::kSilu;
 using prefixserve::gemm::round_bf16_scalar;
+using prefixserve::gemm::store_sums_f32;
 
 constexpr int kLanes = 16;
 constexpr int64_t kChunk = 64;  // columns per sixteen lanes
@@ -463,6 +464,7 @@ struct Epilogue {
   const float* bias;  // [N] or null
   int64_t act;
   const uint16_t* res;  // [rows, ldo] or null
+  bool f32 = false;  // out holds fp32 (a plain call: the LM head's logits): sums + bias unrounded
 };
 
 // Sums [rows, width] (ld apart) of weight rows n0.. to outputs: + bias, rounded to bf16, + the
@@ -471,6 +473,7 @@ struct Epilogue {
 // ones, which the other builds take), 16 columns at a time.
 void store_plain(const float* sums, int64_t ld, int64_t rows, int64_t n0, int64_t width,
                  const Epilogue& e) {
+  if (e.f32) return store_sums_f32(e.out, e.ldo, sums, ld, rows, n0, width, e.bias);
 #if defined(PREFIXSERVE_GEMM_AVX512)
   using prefixserve::gemm::store_bf16;
   using prefixserve::gemm::store_residual;
@@ -622,11 +625,12 @@ void linear_int8(torch::Tensor out, torch::Tensor x, torch::Tensor codes, torch:
                   out.device().is_cpu(),
               "linear_int8 runs on CPU tensors only");
   const int bits = code_bits(codes);
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16 &&
-                  bits != 0 &&
+  const bool out_f32 = out.scalar_type() == torch::kFloat && act == kNone;  // plain: unrounded
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && bits != 0 &&
+                  (out.scalar_type() == torch::kBFloat16 || out_f32) &&
                   (scales.scalar_type() == torch::kFloat || scales.scalar_type() == torch::kHalf),
-              "linear_int8 needs bfloat16 x and out, packed codes (int8 [.., 64], uint8 [.., 40] "
-              "or [.., 32]), float32 (or float16) scales");
+              "linear_int8 needs bfloat16 x and out (or a plain call's float32 out), packed codes "
+              "(int8 [.., 64], uint8 [.., 40] or [.., 32]), float32 (or float16) scales");
   const bool affine = scales.dim() == 3;
   TORCH_CHECK(x.dim() == 2 && (scales.dim() == 2 || (affine && scales.size(0) == 2)) &&
                   out.dim() == 2 && x.is_contiguous() && codes.is_contiguous() &&
@@ -659,10 +663,10 @@ void linear_int8(torch::Tensor out, torch::Tensor x, torch::Tensor codes, torch:
   }
   const uint16_t* res = nullptr;
   if (residual.has_value() && residual->defined()) {
-    TORCH_CHECK(!gated && residual->scalar_type() == torch::kBFloat16 &&
+    TORCH_CHECK(!gated && !out_f32 && residual->scalar_type() == torch::kBFloat16 &&
                     residual->is_contiguous() && residual->dim() == 2 &&
                     residual->size(0) == rows && residual->size(1) == N,
-                "linear_int8: residual must be a contiguous bfloat16 [rows, N], not gated");
+                "linear_int8: residual must be a contiguous bfloat16 [rows, N], plain, bf16 out");
     res = reinterpret_cast<const uint16_t*>(residual->data_ptr<c10::BFloat16>());
   }
   // x quantized once per call, per row and group of 32, with the codes' zero point (affine
@@ -678,8 +682,8 @@ void linear_int8(torch::Tensor out, torch::Tensor x, torch::Tensor codes, torch:
               "linear_int8: float16 scales go with a scale per 32 and no mins");
   const Scales s = half ? Scales{nullptr, reinterpret_cast<const uint16_t*>(scales.data_ptr())}
                         : Scales{scales.data_ptr<float>(), nullptr};
-  const Epilogue e{reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()), width_out,
-                   bias_f.empty() ? nullptr : bias_f.data(), act, res};
+  const Epilogue e{static_cast<uint16_t*>(out.data_ptr()), width_out,
+                   bias_f.empty() ? nullptr : bias_f.data(), act, res, out_f32};
   if (affine)
     run_chunks<4, true>(q, s, min_at, K, G, xq, rows, width_out, gated, e, threads);
   else if (bits == 8)
