@@ -4,6 +4,7 @@
         [--llama-cpp] [--decode-batches 1,16,64] [--batch-invariant] [--no-native-gemm-baseline]
         [--python-layers-baseline] [--portable-attention-baseline] [--before-baseline]
         [--no-batch-invariant] [--tiles-baseline avx2,avx512] [--kv-cache-dtypes int8,fp8_e4m3]
+        [--shape llama-3.2-1b,llama-3.2-3b --file bf16,q8_0,q4_k_m [--keep]]
 
 Measures (bf16, the default model unless --model): prefill of one 512-token chunk (tok/s), and
 decode at batch 1 and batch 16 (tok/s, summed over the batch) on a 128-token context (all three
@@ -16,6 +17,15 @@ excludes time the threads spent descheduled by other tenants). Sampling is a pla
 that the figures are the model's; transformers' prefill uses logits_to_keep=1, as its
 `generate` does.
 
+`--shape` runs real model shapes (benchmarks/real_shapes.py: random weights, llama.cpp's own GGUF
+files, made first where missing), each --file in turn, our engines and with --llama-cpp llama.cpp
+on the very file. Every run ends with the bandwidth accounting of decode at batch 1: for each
+engine the bytes of weights a token reads as it keeps them (ours: bench_bandwidth.py's
+`weight_bytes_per_token`, the kernels' codes and scales or packed bf16; llama.cpp: the file's
+tensors, `gguf_weight_bytes_per_token`), the K/V of the context, and the share of the host's read
+bandwidth (bench_bandwidth.py's `read_bandwidth`, measured at the start of the same run) that
+bytes x tok/s reaches.
+
 OMP_WAIT_POLICY defaults to PASSIVE here (set before torch is imported): on a CPU shared with
 other busy processes, spinning OpenMP threads make small matmuls up to 50x slower.
 """
@@ -27,8 +37,10 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402
+import gc  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -43,7 +55,11 @@ from prefixserve.model.kernels.calibration import describe_calibration  # noqa: 
 from prefixserve.model.kernels.cpu_paths import describe_cpu  # noqa: E402
 from prefixserve.model.layers import kernel_table  # noqa: E402
 from prefixserve.model.layers import linear as layers  # noqa: E402
-from prefixserve.model.loader.loading import load_model  # noqa: E402
+from prefixserve.model.loader.loading import (  # noqa: E402
+    load_model,
+    read_model_info,
+    resolve_model_dir,
+)
 from prefixserve.sampling_params import SamplingParams  # noqa: E402
 from prefixserve.worker.model_runner import ModelRunner  # noqa: E402
 
@@ -161,8 +177,8 @@ class FixedRows(Ours):
 
 def llama_cpp_rates(model_path, vocab: int, args) -> dict[str, list[tuple[float, float]]]:
     """llama.cpp's (wall, cpu) tok/s samples: prefill and decode batch 1, measured by
-    llama_cpp_probe.py in the peer's venv (scripts/peers/setup_llama_cpp.sh) on the bf16 GGUF of
-    the same weights, with as many threads as torch has, after the in-process engines."""
+    llama_cpp_probe.py in the peer's venv (scripts/peers/setup_llama_cpp.sh) on `llama_cpp_gguf`'s
+    file, with as many threads as torch has, after the in-process engines."""
     import json
     import subprocess
     from pathlib import Path
@@ -170,9 +186,7 @@ def llama_cpp_rates(model_path, vocab: int, args) -> dict[str, list[tuple[float,
     from prefixserve.settings import peers_dir
 
     python = peers_dir() / "llama_cpp" / "bin" / "python"
-    gguf = peers_dir() / "gguf" / f"{Path(model_path).name}-bf16.gguf"
-    if args.model and str(args.model).endswith(".gguf"):  # the very file our engines run
-        gguf = Path(args.model)
+    gguf = llama_cpp_gguf(model_path, args.model)
     if not python.exists() or not gguf.exists():
         raise SystemExit(f"--llama-cpp needs scripts/peers/setup_llama_cpp.sh first ({gguf})")
     probe = Path(__file__).with_name("llama_cpp_probe.py")
@@ -183,8 +197,30 @@ def llama_cpp_rates(model_path, vocab: int, args) -> dict[str, list[tuple[float,
     # llama.cpp with its own defaults: this process's OMP_WAIT_POLICY=PASSIVE would make ggml's
     # OpenMP threads sleep between its ops (decode batch 1: 39 against 115 tok/s here).
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    done = subprocess.run(command, capture_output=True, text=True, check=True, env=env)
+    if args.llama_cpp_ggml_cpu:  # that build of ggml's CPU backend instead of the venv's
+        env["LD_PRELOAD"] = str(Path(args.llama_cpp_ggml_cpu).resolve())
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        # A crash of the peer loses none of our engines' figures: said, and the run goes on.
+        print(
+            f"llama.cpp failed on {gguf} (exit {done.returncode}; on a host with AMX a "
+            f"quantized file crashes ggml's AMX path: see docs/benchmarks.md, "
+            f"--llama-cpp-ggml-cpu): {done.stderr.strip()[-400:]}"
+        )
+        return {}
     return {k: [tuple(x) for x in v] for k, v in json.loads(done.stdout.splitlines()[-1]).items()}
+
+
+def llama_cpp_gguf(model_path, model_arg):
+    """The GGUF llama.cpp runs: the very file our engines run when `--model` is one (`--shape`
+    gives one), else the peer's bf16 GGUF of the same weights."""
+    from pathlib import Path
+
+    from prefixserve.settings import peers_dir
+
+    if model_arg and str(model_arg).endswith(".gguf"):
+        return Path(model_arg)
+    return peers_dir() / "gguf" / f"{Path(model_path).name}-bf16.gguf"
 
 
 class Transformers:
@@ -259,28 +295,6 @@ def decode_ratio(rates: Rates, ours: str, peer: str) -> float:
     )
 
 
-def print_decode_limits(engines: list, args) -> None:
-    """Each of our models' weight bytes per decode token at batch 1 (the K/V of the context
-    beside them) and the tok/s that reading them at this machine's measured read bandwidth
-    allows (benchmarks/bench_bandwidth.py): the physical limit of decode at batch 1."""
-    from bench_bandwidth import decode_bytes_per_token, read_bandwidth
-
-    bandwidth = read_bandwidth(0.5)["sum (read)"]
-    print(f"\nread bandwidth: {bandwidth:.1f} GB/s (bench_bandwidth.py, 0.5 GiB sum)")
-    seen = set()
-    for engine in engines:
-        runner = getattr(engine, "runner", None)
-        if runner is None or id(runner.model) in seen:
-            continue
-        seen.add(id(runner.model))
-        weights, kv = decode_bytes_per_token(runner.model, runner.config, args.context)
-        limit = bandwidth * 1e9 / (weights + kv)
-        print(
-            f"{engine.name}: {weights / 1e6:.1f} MB weights + {kv / 1e6:.1f} MB K/V a decode "
-            f"token -> at most {limit:.0f} tok/s at batch 1"
-        )
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="HF dir or .gguf (default: the default model)")
@@ -303,6 +317,21 @@ def main() -> None:
         action="store_true",
         help="also llama.cpp on the bf16 GGUF of the same weights (prefill, decode batch 1), "
         "in its own process after the others (benchmarks/llama_cpp_probe.py)",
+    )
+    ap.add_argument(
+        "--llama-cpp-first",
+        action="store_true",
+        help="run llama.cpp's rounds before our model is loaded (each round's ratio pairs the "
+        "two engines' k-th rounds): for a model whose two copies do not fit in RAM together "
+        "(llama-3.2-3b bf16 on 24 GB: ours holds ~17 GB, llama.cpp maps its 6.4 GB file)",
+    )
+    ap.add_argument(
+        "--llama-cpp-ggml-cpu",
+        default=None,
+        metavar="LIB",
+        help="a libggml-cpu.so.0 for llama.cpp's process to load instead of its venv's "
+        "(LD_PRELOAD): scripts/peers/build_ggml_cpu_noamx.sh's, where the venv's crashes on "
+        "quantized files (ggml's AMX path)",
     )
     ap.add_argument("--decode-batches", default="1,16", help="comma-separated decode batch sizes")
     ap.add_argument(
@@ -376,22 +405,217 @@ def main() -> None:
         "prefixserve on, each selected for every call of its steps (avx2 on an AVX-512 host: "
         "the AVX2 tiles, with the host's attention and norms), same weights, same run",
     )
+    ap.add_argument(
+        "--shape",
+        default="",
+        help="comma-separated model shapes of benchmarks/real_shapes.py (llama-3.2-1b, "
+        "llama-3.2-3b, qwen2.5-1.5b, llama-3.1-8b): random weights of the real shape, in the "
+        "GGUF files --file names, made first where missing; each file is measured in turn (our "
+        "engines and, with --llama-cpp, llama.cpp on the very file); no transformers",
+    )
+    ap.add_argument(
+        "--file",
+        default="",
+        help="with --shape: comma-separated of bf16, q8_0, q4_k_m (default: the shape's own: "
+        "all three, q4_k_m alone for llama-3.1-8b)",
+    )
+    ap.add_argument(
+        "--keep",
+        action="store_true",
+        help="with --shape: keep real_shapes.py's intermediates (the HF dir, an unasked bf16 file)",
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-
-    loaded = load_model(args.model, dtype="bfloat16")
+    args.batches = [int(b) for b in args.decode_batches.split(",")]
     print(describe_cpu())
     print(describe_calibration())
+    models = shape_models(args) if args.shape else [(str(args.model or "default"), args.model)]
+    from bench_bandwidth import read_bandwidth
+
+    with torch.inference_mode():
+        measured = read_bandwidth(0.5)
+    # The best of the ways measured, as bench_bandwidth.py's limit takes it (torch's sum over
+    # fp32 reads below what a streaming kernel reaches on some hosts).
+    bandwidth = max(measured.values())
     print(
-        f"model {loaded.path} | torch {torch.__version__} | threads {torch.get_num_threads()} "
-        f"| OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')} | load avg "
-        f"{os.getloadavg()[0]:.1f} | repeats {args.repeats}"
+        "read bandwidth (bench_bandwidth.py, 0.5 GiB): "
+        + ", ".join(f"{name} {gbs:.1f} GB/s" for name, gbs in measured.items())
+        + f"; the accounting below takes {bandwidth:.1f}"
     )
-    args.batches = [int(b) for b in args.decode_batches.split(",")]
+    rows: list[BandwidthRow] = []
+    for label, model in models:
+        args.model = model
+        rows += run_model(label, args, bandwidth)
+    if len(models) > 1:
+        print(f"\n### all files, read bandwidth {bandwidth:.1f} GB/s")
+        print_bandwidth(rows)
+
+
+def shape_models(args) -> list[tuple[str, str]]:
+    """(label, GGUF path) of each --shape and --file, the files made first where missing."""
+    from real_shapes import SHAPES, ensure_files
+
+    args.skip_transformers = True
+    models = []
+    for name in filter(None, args.shape.split(",")):
+        if name not in SHAPES:
+            raise SystemExit(f"unknown --shape {name!r}; known: {', '.join(SHAPES)}")
+        files = tuple(filter(None, args.file.split(","))) or None
+        for file, path in ensure_files(SHAPES[name], files, keep=args.keep).items():
+            models.append((f"{name} {file}", str(path)))
+    return models
+
+
+def run_model(label: str, args, bandwidth: float) -> list[BandwidthRow]:
+    """Load `args.model`, measure every engine the flags ask for (and llama.cpp), print the rates
+    table and the bandwidth table; return the latter's rows. With --llama-cpp-first llama.cpp's
+    rounds run before our model is loaded, so the two never hold their weights at once."""
+    gc.collect()  # the previous file's model, before anything else takes memory
+    first = []
+    if args.llama_cpp and args.llama_cpp_first:
+        path = resolve_model_dir(args.model)  # a GGUF file converted (once) before the load
+        vocab = read_model_info(path, torch.bfloat16).config.vocab_size
+        first = [llama_cpp_rates(path, vocab, args) for _ in range(args.rounds)]
+    loaded = load_model(args.model, dtype="bfloat16")
+    print(
+        f"\n## {label}\nmodel {loaded.path} | torch {torch.__version__} | threads "
+        f"{torch.get_num_threads()} | OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')} | "
+        f"load avg {os.getloadavg()[0]:.1f} | repeats {args.repeats}"
+    )
     # Enough blocks for the largest decode batch at once (each sequence: context + every step).
     per_seq = -(-(args.context + args.decode_steps * (args.repeats + 1)) // 16)
     blocks = 2 + max(max(args.batches) * per_seq, -(-args.prefill_len // 16))
+    engines = build_engines(loaded, blocks, args)
+    if not args.skip_transformers:
+        engines.append(Transformers(loaded.path, loaded.config.vocab_size))
+    rates: Rates = {}
+    ratios: list[float] = []
+    for i in range(args.rounds):
+        with torch.inference_mode():
+            round_rates = measure(engines, args)
+        if args.llama_cpp:
+            vocab = loaded.config.vocab_size
+            peer = first[i] if first else llama_cpp_rates(loaded.path, vocab, args)
+            if peer:
+                round_rates["llama.cpp"] = peer
+                ratios.append(decode_ratio(round_rates, engines[0].name, "llama.cpp"))
+        for name, r in round_rates.items():
+            for metric, samples in r.items():
+                rates.setdefault(name, {}).setdefault(metric, []).extend(samples)
+    if len(ratios) > 1:
+        print(
+            f"decode batch 1, {engines[0].name} / llama.cpp by round (medians of each round's "
+            f"repeats, wall): {', '.join(f'{x:.2f}' for x in ratios)}; median "
+            f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
+        )
+    print(f"\nload avg after: {os.getloadavg()[0]:.1f}")
+    print_rates(rates, args)
+    rows = bandwidth_rows(label, engines, rates, loaded, args, bandwidth)
+    print(f"\ndecode batch 1, context {args.context}: bytes read per token against the read "
+          f"bandwidth ({bandwidth:.1f} GB/s, measured at the start)")  # fmt: skip
+    print_bandwidth(rows)
+    return rows
+
+
+def print_rates(rates: Rates, args) -> None:
+    metrics = ("prefill", *(f"decode_b{b}" for b in args.batches))
+    print(
+        f"| engine | clock | prefill {args.prefill_len} (tok/s) | "
+        + " | ".join(f"decode batch {b}, context {args.context} (tok/s)" for b in args.batches)
+        + " |"
+    )
+    print("|---|---|" + "---:|" * len(metrics))
+    for name, r in rates.items():
+        for i, clock in enumerate(("wall", "cpu")):
+            cells = []
+            for m in metrics:
+                if m not in r:
+                    cells.append("-")
+                    continue
+                xs = [sample[i] for sample in r[m]]
+                cells.append(f"{statistics.median(xs):.1f} ({min(xs):.0f}-{max(xs):.0f})")
+            print(f"| {name} | {clock} | " + " | ".join(cells) + " |")
+    print(
+        "median (min-max) over repeats; wall = tokens / wall time; cpu = tokens / (process CPU "
+        "time / threads), what the run would take with the cores to itself"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class BandwidthRow:
+    """One engine on one file at decode batch 1: weight and K/V bytes a token reads, the median
+    wall tok/s, and the host's read bandwidth (GB/s) measured in the same run."""
+
+    label: str
+    engine: str
+    weight_bytes: int
+    kv_bytes: int
+    tok_s: float
+    bandwidth: float
+
+    @property
+    def gb_s(self) -> float:
+        return (self.weight_bytes + self.kv_bytes) * self.tok_s / 1e9
+
+    @property
+    def fraction(self) -> float:
+        return self.gb_s / self.bandwidth
+
+    @property
+    def limit(self) -> float:
+        """The tok/s that reading these bytes at the measured bandwidth allows."""
+        return self.bandwidth * 1e9 / (self.weight_bytes + self.kv_bytes)
+
+
+def bandwidth_rows(label, engines, rates: Rates, loaded, args, bandwidth) -> list[BandwidthRow]:
+    """A row for each of our engines and for llama.cpp (the GGUF's bytes, `gguf_weight_bytes_
+    per_token`; K/V in f16, its default) that has a decode batch 1 rate."""
+    from bench_bandwidth import (
+        gguf_weight_bytes_per_token,
+        kv_bytes_per_token,
+        weight_bytes_per_token,
+    )
+
+    rows = []
+
+    def median_b1(name: str) -> float | None:
+        samples = rates.get(name, {}).get("decode_b1")
+        return statistics.median(x[0] for x in samples) if samples else None
+
+    config = loaded.config
+    for engine in engines:
+        runner = getattr(engine, "runner", None)
+        tok_s = median_b1(engine.name)
+        if runner is None or tok_s is None:
+            continue
+        kv = 2 * config.num_layers * args.context * config.num_kv_heads
+        kv *= runner.kv_format.row_bytes(config.head_dim)
+        weights = weight_bytes_per_token(runner.model)
+        rows.append(BandwidthRow(label, engine.name, weights, kv, tok_s, bandwidth))
+    tok_s = median_b1("llama.cpp")
+    if tok_s is not None:
+        weights = gguf_weight_bytes_per_token(llama_cpp_gguf(loaded.path, args.model))
+        kv = kv_bytes_per_token(config, args.context, itemsize=2)
+        rows.append(BandwidthRow(label, "llama.cpp", weights, kv, tok_s, bandwidth))
+    return rows
+
+
+def print_bandwidth(rows: list[BandwidthRow]) -> None:
+    print(
+        "| file | engine | weights (MB/token) | K/V (MB/token) | bandwidth limit (tok/s) | "
+        "decode batch 1 (tok/s) | read (GB/s) | of bandwidth |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(
+            f"| {r.label} | {r.engine} | {r.weight_bytes / 1e6:.1f} | {r.kv_bytes / 1e6:.1f} | "
+            f"{r.limit:.1f} | {r.tok_s:.1f} | {r.gb_s:.1f} | {100 * r.fraction:.0f}% |"
+        )
+
+
+def build_engines(loaded, blocks: int, args) -> list:
+    """Our engine on `loaded`, then each baseline and variant the flags ask for (same run)."""
     engines: list = [Ours(loaded, num_blocks=blocks)]
     if args.baseline:
         os.environ["PREFIXSERVE_FP32_PREFILL"] = "0"
@@ -440,49 +664,7 @@ def main() -> None:
         engines.append(
             FixedRows(loaded, args.fp32_rows_baseline, num_blocks=blocks, name="fp32-rows-base")
         )
-    if not args.skip_transformers:
-        engines.append(Transformers(loaded.path, loaded.config.vocab_size))
-    rates: Rates = {}
-    ratios: list[float] = []
-    for _ in range(args.rounds):
-        with torch.inference_mode():
-            round_rates = measure(engines, args)
-        if args.llama_cpp:
-            round_rates["llama.cpp"] = llama_cpp_rates(loaded.path, loaded.config.vocab_size, args)
-            ratios.append(decode_ratio(round_rates, engines[0].name, "llama.cpp"))
-        for name, r in round_rates.items():
-            for metric, samples in r.items():
-                rates.setdefault(name, {}).setdefault(metric, []).extend(samples)
-    print_decode_limits(engines, args)
-    if len(ratios) > 1:
-        print(
-            f"decode batch 1, {engines[0].name} / llama.cpp by round (medians of each round's "
-            f"repeats, wall): {', '.join(f'{x:.2f}' for x in ratios)}; median "
-            f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
-        )
-
-    print(f"\nload avg after: {os.getloadavg()[0]:.1f}")
-    metrics = ("prefill", *(f"decode_b{b}" for b in args.batches))
-    print(
-        f"| engine | clock | prefill {args.prefill_len} (tok/s) | "
-        + " | ".join(f"decode batch {b}, context {args.context} (tok/s)" for b in args.batches)
-        + " |"
-    )
-    print("|---|---|" + "---:|" * len(metrics))
-    for name, r in rates.items():
-        for i, clock in enumerate(("wall", "cpu")):
-            cells = []
-            for m in metrics:
-                if m not in r:
-                    cells.append("-")
-                    continue
-                xs = [sample[i] for sample in r[m]]
-                cells.append(f"{statistics.median(xs):.1f} ({min(xs):.0f}-{max(xs):.0f})")
-            print(f"| {name} | {clock} | " + " | ".join(cells) + " |")
-    print(
-        "median (min-max) over repeats; wall = tokens / wall time; cpu = tokens / (process CPU "
-        "time / threads), what the run would take with the cores to itself"
-    )
+    return engines
 
 
 if __name__ == "__main__":

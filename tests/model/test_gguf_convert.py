@@ -9,6 +9,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+import torch
 
 from prefixserve import cli
 from prefixserve.model.errors import ModelLoadError
@@ -16,6 +17,7 @@ from prefixserve.model.loader import gguf_convert
 from prefixserve.model.loader.gguf_convert import ensure_converted
 from prefixserve.model.loader.gguf_tokenizer import set_text_special_tokens
 from prefixserve.model.loader.loading import load_model
+from prefixserve.model.quant.weights import Int8Weight, recover_gguf_blocks
 
 # --- the conversion cache -------------------------------------------------------------------------
 
@@ -184,9 +186,10 @@ def test_a_listed_template_missing_from_the_install_is_an_error(tmp_path, monkey
 # --- tensor types ---------------------------------------------------------------------------------
 
 
-def _tiny_llama_gguf(path: Path, qtype: gguf.GGMLQuantizationType) -> Path:
+def _tiny_llama_gguf(path: Path, qtype: gguf.GGMLQuantizationType, complete: bool = False) -> Path:
     """A one-layer llama GGUF whose config and vocabulary transformers converts, with one weight
-    of type `qtype` (zero blocks) beside an F32 embedding."""
+    of type `qtype` (zero blocks) beside an F32 embedding; `complete`: and every other weight of
+    the layer (F32, random), so that it converts."""
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_context_length(64)
     writer.add_embedding_length(32)
@@ -206,6 +209,13 @@ def _tiny_llama_gguf(path: Path, qtype: gguf.GGMLQuantizationType) -> Path:
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
     blocks = np.zeros((32, 32 // block_size * type_size), dtype=np.uint8)
     writer.add_tensor("blk.0.attn_q.weight", blocks, raw_dtype=qtype)
+    rest = {"attn_k": (32, 32), "attn_v": (32, 32), "attn_output": (32, 32), "ffn_gate": (64, 32)}
+    rest.update({"ffn_up": (64, 32), "ffn_down": (32, 64), "attn_norm": (32,), "ffn_norm": (32,)})
+    rng = np.random.default_rng(0)
+    for name, shape in rest.items() if complete else ():
+        writer.add_tensor(f"blk.0.{name}.weight", rng.standard_normal(shape, dtype=np.float32))
+    if complete:
+        writer.add_tensor("output_norm.weight", np.ones(32, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -267,3 +277,73 @@ def test_serve_on_a_gguf_of_an_unreadable_tensor_type_prints_one_error_line_and_
     assert len(errors) == 1
     assert errors[0].startswith(f"prefixserve serve: error: cannot load model {str(path)!r}: ")
     assert "unsupported GGUF tensor type Q8_1" in errors[0]
+
+
+# --- the conversion tensor by tensor: shards, and block recovery by rows ----------------------
+
+
+def _block_values(fmt: str, rows: int = 64, cols: int = 256) -> torch.Tensor:
+    """fp32 values exactly as a file of `fmt` dequantizes to: random codes, each block's largest
+    code at its extreme, scales (and for q4_k mins, not all fp16) a block can be recovered from."""
+    g = torch.Generator().manual_seed(0)
+    if fmt == "q4_k":
+        codes = torch.randint(0, 16, (rows, cols), generator=g, dtype=torch.int8)
+        codes.view(rows, -1, 32)[:, :, :2] = torch.tensor([0, 15], dtype=torch.int8)
+        groups = (rows, cols // 32)
+        scales = torch.randint(1, 9, groups, generator=g).float() * 2**-10
+        mins = -(torch.randint(0, 8, groups, generator=g).float() * 2**-6 + 2**-20)
+        return Int8Weight(codes, scales, fmt, mins).dequantize()
+    top, group = {"q8_0": (127, 32), "q6_k": (32, 16)}[fmt]
+    codes = torch.randint(-top, top, (rows, cols), generator=g, dtype=torch.int8)
+    codes.view(rows, -1, group)[:, :, 0] = -top
+    scales = (torch.rand(rows, cols // group, generator=g) * 0.01).half().float()
+    return Int8Weight(codes, scales, fmt).dequantize()
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q6_k", "q4_k"])
+def test_blocks_recovered_by_chunks_of_rows_are_the_whole_tensors(monkeypatch, fmt):
+    values = _block_values(fmt)
+    whole = recover_gguf_blocks(values)
+    assert whole is not None and whole.fmt == fmt
+    monkeypatch.setattr(gguf_convert, "RECOVER_CHUNK", 256 * 5)  # chunks of 5 rows, one of 4
+    by_rows = gguf_convert.recover_by_rows(values)
+    assert by_rows.fmt == whole.fmt
+    for name in ("codes", "scales", "mins"):
+        a, b = getattr(whole, name), getattr(by_rows, name)
+        assert (a is None and b is None) or torch.equal(a, b), name
+
+
+def test_rows_of_another_type_past_the_first_chunk_give_what_the_whole_tensor_gives(monkeypatch):
+    """Chunks that disagree (Q8_0 rows, then rows of no block type) are answered by the whole
+    tensor: none."""
+    values = _block_values("q8_0")
+    values[40:] = torch.randn(24, 256)
+    monkeypatch.setattr(gguf_convert, "RECOVER_CHUNK", 256 * 8)
+    assert recover_gguf_blocks(values) is None
+    assert gguf_convert.recover_by_rows(values) is None
+
+
+def test_a_conversion_past_a_shard_writes_shards_and_their_index(tmp_path, monkeypatch):
+    """The same tensors and block weights whether they fit one model.safetensors or each goes
+    to a shard of its own, named by model.safetensors.index.json, which the loader reads."""
+    from safetensors.torch import load_file
+
+    from prefixserve.model.loader.hf_dir import iter_safetensors_weights
+
+    path = _tiny_llama_gguf(tmp_path / "tiny.gguf", gguf.GGMLQuantizationType.Q8_0, True)
+    gguf_convert.convert_gguf(path, tmp_path / "one")
+    monkeypatch.setattr(gguf_convert, "SHARD_BYTES", 1)
+    gguf_convert.convert_gguf(path, tmp_path / "many")
+    assert not (tmp_path / "one" / "model.safetensors.index.json").exists()
+    index = json.loads((tmp_path / "many" / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) == len(index["weight_map"]) > 1
+    assert shards == sorted(p.name for p in (tmp_path / "many").glob("model-*.safetensors"))
+    one = dict(iter_safetensors_weights(tmp_path / "one", torch.float32))
+    many = dict(iter_safetensors_weights(tmp_path / "many", torch.float32))
+    assert one.keys() == many.keys() == index["weight_map"].keys()
+    assert all(torch.equal(one[k], many[k]) for k in one)
+    blocks = [load_file(str(tmp_path / d / "weights.gguf_blocks")) for d in ("one", "many")]
+    assert blocks[0].keys() == blocks[1].keys()
+    assert "model.layers.0.self_attn.q_proj.weight.codes" in blocks[0]
+    assert all(torch.equal(blocks[0][k], blocks[1][k]) for k in blocks[0])

@@ -1,7 +1,9 @@
 """GGUF file -> Hugging Face directory in the cache, converted once per file and version.
 
 transformers does the GGUF work (config and tokenizer conversion, tensor-name mapping,
-dequantization through the `gguf` package); `gguf_tokenizer.py` repairs the tokenizer. A
+dequantization through the `gguf` package), tensor by tensor (`iter_gguf_tensors`: RAM holds
+one fp32 tensor, the bf16 ones of one shard and the block weights' codes, not the whole model in
+fp32); `gguf_tokenizer.py` repairs the tokenizer. A
 converted directory carries `prefixserve_conversion.json` with the conversion's format version;
 one written by an older conversion (or none) is converted again, in place and atomically.
 A file with a tensor type the `gguf` package cannot dequantize is refused before any weight is
@@ -18,6 +20,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -88,9 +91,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, chat_template: str | None = Non
 
 def _convert_gguf(gguf_path: Path, out_dir: Path, chat_template: str | None) -> None:
     check_gguf_tensor_types(gguf_path)  # before transformers is imported or any weight is read
-    from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     src_dir, name = str(gguf_path.parent), gguf_path.name
     config = AutoConfig.from_pretrained(src_dir, gguf_file=name)
@@ -98,26 +99,11 @@ def _convert_gguf(gguf_path: Path, out_dir: Path, chat_template: str | None) -> 
     with torch.device("meta"):  # only for the parameter names; no memory
         skeleton = AutoModelForCausalLM.from_config(config)
     config.architectures = [type(skeleton).__name__]  # GGUF configs come without it
-    parsed = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton)
     expected = set(skeleton.state_dict())
-    blocks = block_tensors(parsed["tensors"], expected)
-    tensors = {
-        key: value.to(torch.bfloat16).contiguous()
-        for key, value in parsed["tensors"].items()
-        if key in expected
-    }
     if config.tie_word_embeddings:
-        tensors.pop("lm_head.weight", None)
-    missing = (
-        expected - set(tensors) - ({"lm_head.weight"} if config.tie_word_embeddings else set())
-    )
-    missing = {k for k in missing if "rotary_emb" not in k}
-    if missing:
-        raise load_error(gguf_path, f"GGUF conversion left weights missing: {sorted(missing)[:5]}")
+        expected.discard("lm_head.weight")
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    _save_blocks(out_dir, blocks)
-    del tensors, parsed, blocks
+    _write_weights(gguf_path, skeleton, expected, out_dir)
     config.save_pretrained(str(out_dir))
 
     special = parsed_special_token_ids(gguf_path)
@@ -162,6 +148,28 @@ def _convert_gguf(gguf_path: Path, out_dir: Path, chat_template: str | None) -> 
     ).save_pretrained(str(out_dir))
 
 
+def _write_weights(
+    gguf_path: Path, skeleton: torch.nn.Module, expected: set[str], out_dir: Path
+) -> None:
+    """The `expected` weights in bf16 (`ShardWriter`) and those the file stores in a block type
+    the kernel reads as codes and scales (`GGUF_BLOCKS_FILE`), one fp32 tensor at a time."""
+    blocks: dict[str, Int8Weight] = {}
+    with ShardWriter(out_dir) as writer:
+        for key, value in iter_gguf_tensors(gguf_path, skeleton):
+            if key not in expected:
+                continue
+            if value.dim() == 2:
+                weight = recover_by_rows(value)
+                if weight is not None:
+                    blocks[key] = weight
+            writer.add(key, value.to(torch.bfloat16).contiguous())
+            del value
+    missing = {k for k in expected - writer.names if "rotary_emb" not in k}
+    if missing:
+        raise load_error(gguf_path, f"GGUF conversion left weights missing: {sorted(missing)[:5]}")
+    _save_blocks(out_dir, blocks)
+
+
 def check_gguf_tensor_types(gguf_path: Path) -> None:
     """ModelLoadError naming the file, each tensor type in it the conversion cannot dequantize
     (with one tensor of that type) and the types it can; nothing when it can read them all."""
@@ -195,18 +203,120 @@ def _dequantizable(qtype: GGMLQuantizationType) -> bool:
     return True
 
 
-def block_tensors(parsed: dict[str, Any], expected: set[str]) -> dict[str, Int8Weight]:
-    """Every 2-D weight the file stores in a block type the kernel reads (Q8_0, Q5_0, Q4_0, Q6_K;
-    Q4_K with its mins), as `recover_gguf_blocks` finds them in transformers' fp32
-    values, by Hugging Face name."""
-    kept: dict[str, Int8Weight] = {}
-    for name, value in parsed.items():
-        if name not in expected or not isinstance(value, torch.Tensor) or value.dim() != 2:
-            continue
-        weight = recover_gguf_blocks(value)
-        if weight is not None:
-            kept[name] = weight
-    return kept
+def iter_gguf_tensors(gguf_path: Path, skeleton: torch.nn.Module) -> Iterator[tuple[str, Any]]:
+    """(Hugging Face name, fp32 tensor) of each of the file's tensors, one at a time: the loop of
+    transformers' `load_gguf_checkpoint(return_tensors=True)` (dequantization through the `gguf`
+    package, the architecture's tensor processor, e.g. Llama's q/k permutation undone, the name
+    map of `skeleton`), without holding every tensor at once (an 8B model's are 32 GB of fp32)."""
+    from gguf import dequantize
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
+        load_gguf_checkpoint,
+        read_field,
+    )
+
+    parsed = load_gguf_checkpoint(str(gguf_path), return_tensors=False)
+    parsed["tensors"] = {}  # where a processor may put tensors of its own (MoE experts)
+    reader = open_gguf(gguf_path)
+    architecture = read_field(reader, "general.architecture")[0]
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=parsed["config"])
+    names = get_gguf_hf_weights_map(skeleton)
+    for tensor in reader.tensors:
+        result = processor.process(
+            weights=dequantize(tensor.data, tensor.tensor_type),
+            name=tensor.name,
+            tensor_key_mapping=names,
+            parsed_parameters=parsed,
+        )
+        if result.name in names:
+            weights = result.weights
+            if not (weights.flags.writeable and weights.flags.c_contiguous):
+                weights = np.array(weights, order="C")  # a copy, off the file's memory map
+            yield names[result.name], torch.from_numpy(weights)
+        while parsed["tensors"]:
+            yield parsed["tensors"].popitem()
+
+
+# Bytes of bf16 tensors a conversion holds before writing them out as one safetensors shard.
+SHARD_BYTES = 1 << 30
+# Values `recover_by_rows` recovers at once: its search holds a few fp32 copies of them.
+RECOVER_CHUNK = 1 << 24
+
+
+def recover_by_rows(values: torch.Tensor) -> Int8Weight | None:
+    """`recover_gguf_blocks(values)`, computed over chunks of rows where they all come back in
+    one format (its every rule is per block, and the chunks' first row is the tensor's), so its
+    search holds a few copies of a chunk, not of a vocabulary-sized embedding; where they do not
+    (a chunk declined, formats differing), over the whole tensor, whose answer it is then."""
+    rows = max(1, RECOVER_CHUNK // max(1, values.shape[1]))
+    if values.shape[0] <= rows:
+        return recover_gguf_blocks(values)
+    parts = []
+    for start in range(0, values.shape[0], rows):
+        part = recover_gguf_blocks(values[start : start + rows])
+        if part is None or (parts and (part.fmt, part.group) != (parts[0].fmt, parts[0].group)):
+            return recover_gguf_blocks(values)  # declined at row 0 for a plain tensor: cheap
+        parts.append(part)
+    mins = None if parts[0].mins is None else torch.cat([p.mins for p in parts])
+    return Int8Weight(
+        torch.cat([p.codes for p in parts]),
+        torch.cat([p.scales for p in parts]),
+        parts[0].fmt,
+        mins,
+    )
+
+
+class ShardWriter:
+    """The converted bf16 tensors, written `SHARD_BYTES` at a time: one model.safetensors for a
+    model that fits one shard, else model-0000i-of-0000n.safetensors and the index that names
+    them (`hf_dir.safetensors_files` reads either)."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.out_dir = out_dir
+        self.names: set[str] = set()
+        self._pending: dict[str, torch.Tensor] = {}
+        self._pending_bytes = 0
+        self._shards: list[tuple[Path, list[str]]] = []
+        self._total = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        self.names.add(name)
+        self._pending[name] = tensor
+        self._pending_bytes += tensor.numel() * tensor.element_size()
+        if self._pending_bytes >= SHARD_BYTES:
+            self._flush()
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if not self._pending:
+            return
+        path = self.out_dir / f".shard-{len(self._shards)}.safetensors"
+        save_file(self._pending, str(path), metadata={"format": "pt"})
+        self._shards.append((path, list(self._pending)))
+        self._total += self._pending_bytes
+        self._pending, self._pending_bytes = {}, 0
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if exc[0] is not None:
+            return
+        self._flush()
+        if len(self._shards) == 1:
+            os.rename(self._shards[0][0], self.out_dir / "model.safetensors")
+            return
+        count = len(self._shards)
+        weight_map = {}
+        for i, (path, names) in enumerate(self._shards):
+            final = f"model-{i + 1:05d}-of-{count:05d}.safetensors"
+            os.rename(path, self.out_dir / final)
+            weight_map.update(dict.fromkeys(names, final))
+        index = {"metadata": {"total_size": self._total}, "weight_map": weight_map}
+        (self.out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
 def _save_blocks(out_dir: Path, blocks: dict[str, Int8Weight]) -> None:
