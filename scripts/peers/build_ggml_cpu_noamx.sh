@@ -14,18 +14,13 @@
 # only (LD_PRELOAD: the venv's libllama.so then finds this libggml-cpu.so.0 already loaded); the
 # peer's venv is not touched. Only the ggml-cpu target is built: a few minutes on 2 cores.
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+require_llama_src ggml/src/ggml-cpu/ggml-cpu.c
 
-LLAMA_CPP_VERSION="${LLAMA_CPP_VERSION:-0.3.36}"
-LLAMA_SRC="$PEERS_DIR/src/llama_cpp_python-$LLAMA_CPP_VERSION/vendor/llama.cpp"
 OUT="$PEERS_DIR/ggml_cpu_noamx"
 BUILD="$OUT/build"
 NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 start=$SECONDS
 
-if [[ ! -f "$LLAMA_SRC/ggml/src/ggml-cpu/ggml-cpu.c" ]]; then
-    log "no llama.cpp tree at $LLAMA_SRC: run scripts/peers/setup_llama_cpp.sh first"
-    exit 1
-fi
 if [[ ! -f "$OUT/libggml-cpu.so.0" || ! -f "$OUT/.installed-$LLAMA_CPP_VERSION" ]]; then
     log "building ggml-cpu without AMX from llama-cpp-python $LLAMA_CPP_VERSION's llama.cpp"
     mkdir -p "$BUILD"

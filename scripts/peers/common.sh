@@ -29,3 +29,15 @@ default_model_dir() {
     "$REPO_ROOT/.venv/bin/python" -c \
         'from prefixserve.model.loader.default_model import ensure_default_model as e; print(e())'
 }
+
+# The llama.cpp tree inside llama-cpp-python's sdist that setup_llama_cpp.sh unpacks
+# ($LLAMA_CPP_VERSION, default 0.3.36); exits naming that script when FILE (a path inside the
+# tree) is missing. Sets LLAMA_CPP_VERSION and LLAMA_SRC.
+require_llama_src() {
+    LLAMA_CPP_VERSION="${LLAMA_CPP_VERSION:-0.3.36}"
+    LLAMA_SRC="$PEERS_DIR/src/llama_cpp_python-$LLAMA_CPP_VERSION/vendor/llama.cpp"
+    if [[ ! -f "$LLAMA_SRC/$1" ]]; then
+        log "no llama.cpp tree at $LLAMA_SRC: run scripts/peers/setup_llama_cpp.sh first"
+        exit 1
+    fi
+}

@@ -12,17 +12,12 @@
 # the llama-server target is built: about 10 minutes on 2 cores (`nice` keeps it out of the way
 # of a measurement that is running).
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+require_llama_src tools/server/server.cpp
 
-LLAMA_CPP_VERSION="${LLAMA_CPP_VERSION:-0.3.36}"
-LLAMA_SRC="$PEERS_DIR/src/llama_cpp_python-$LLAMA_CPP_VERSION/vendor/llama.cpp"
 OUT="$PEERS_DIR/llama_server"
 BUILD="$OUT/build"
 start=$SECONDS
 
-if [[ ! -f "$LLAMA_SRC/tools/server/server.cpp" ]]; then
-    log "no llama.cpp tree at $LLAMA_SRC: run scripts/peers/setup_llama_cpp.sh first"
-    exit 1
-fi
 if [[ ! -x "$OUT/bin/llama-server" || ! -f "$OUT/.installed-$LLAMA_CPP_VERSION" ]]; then
     log "building llama-server from llama-cpp-python $LLAMA_CPP_VERSION's llama.cpp"
     mkdir -p "$BUILD" "$OUT/bin"

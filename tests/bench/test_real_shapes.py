@@ -15,6 +15,7 @@ import torch
 from benchmarks import bench_bandwidth, real_shapes
 from prefixserve.model.loader.hf_config import model_config_from_hf
 from prefixserve.model.loader.loading import load_hf_dir
+from tests.helpers.gguf_files import finish_gguf
 
 # The published parameter counts (billions, as the models' cards round them).
 PUBLISHED = {
@@ -175,10 +176,7 @@ def _gguf_with(path, tied: bool):
     writer.add_tensor("blk.0.attn_norm.weight", np.ones(32, dtype=np.float32))
     if not tied:
         writer.add_tensor("output.weight", np.ones((64, 32), dtype=np.float16))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish_gguf(writer)
     return path
 
 

@@ -11,6 +11,7 @@ from gguf import GGUFReader
 from prefixserve.model.loader import gguf_convert, loading
 from prefixserve.model.loader.default_model import default_model_gguf
 from prefixserve.model.loader.gguf_reader import GGUFFileReader, open_gguf
+from tests.helpers.gguf_files import finish_gguf
 
 
 @pytest.fixture
@@ -24,10 +25,7 @@ def small_gguf(tmp_path):
     writer.add_token_list([f"tok{i}" for i in range(300)])
     writer.add_tensor("a", np.arange(64, dtype=np.float32).reshape(4, 16))
     writer.add_tensor("b", np.ones((2, 32), dtype=np.float16))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish_gguf(writer)
     return path
 
 
