@@ -66,8 +66,13 @@ def test_enums_with_spaces_and_patterns_with_newlines_can_be_written(
     out = llm.generate(["A US city as JSON: "], params, use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "stop", out
     jsonschema.validate(json.loads(out.text), schema)
+    # [a-z]+ may run on: 40 tokens, seeded (with 20 unseeded, one draw of the fp32 logits wrote
+    # one 20-token word).
     lines = SamplingParams(
-        max_tokens=20, structured_outputs=StructuredOutputsParams(regex="[a-z]+\n[a-z]+")
+        max_tokens=40,
+        temperature=temperature,
+        seed=1,
+        structured_outputs=StructuredOutputsParams(regex="[a-z]+\n[a-z]+"),
     )
     text = llm.generate(["Two words on two lines: "], lines, use_tqdm=False)[0].outputs[0].text
     assert len(text.split("\n")) == 2 and all(part.isalpha() for part in text.split("\n"))
