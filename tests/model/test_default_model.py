@@ -87,9 +87,9 @@ def test_second_ensure_does_not_convert_again(default_model_dir, monkeypatch):
 
 
 def test_greedy_answer_to_capital_of_france(default_model_bf16, greedy):
-    """In bf16 the plain question's first token is a tie ("The" and "L" at -1.882 on the native
-    GEMM), settled by the last bit of each logit: the question asks for a sentence, which the
-    model answers with a clear margin on every path."""
+    """The question asks for a sentence, which the model answers with a clear margin on every
+    path (the plain question, whose first token's two best logits are 0.1 apart, tied in bf16
+    before the logits were fp32: test_logits_fp32.py)."""
     tokenizer = default_model_bf16.tokenizer
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]

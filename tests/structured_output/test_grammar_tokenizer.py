@@ -69,6 +69,8 @@ def test_enums_with_spaces_and_patterns_with_newlines_can_be_written(
     lines = SamplingParams(
         # Bounded words: the grammar makes room for the newline whatever the model prefers.
         max_tokens=20,
+        temperature=temperature,
+        seed=1,
         structured_outputs=StructuredOutputsParams(regex="[a-z]{1,8}\n[a-z]{1,8}"),
     )
     text = llm.generate(["Two words on two lines: "], lines, use_tqdm=False)[0].outputs[0].text
