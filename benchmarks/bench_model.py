@@ -4,7 +4,8 @@
         [--llama-cpp] [--decode-batches 1,16,64] [--batch-invariant] [--no-native-gemm-baseline]
         [--python-layers-baseline] [--portable-attention-baseline] [--before-baseline]
         [--no-batch-invariant] [--tiles-baseline avx2,avx512] [--kv-cache-dtypes int8,fp8_e4m3]
-        [--shape llama-3.2-1b,llama-3.2-3b --file bf16,q8_0,q4_k_m [--keep]]
+        [--shape llama-3.2-1b,llama-3.2-3b --file bf16,q8_0,q4_k_m [--keep]] [--llama-cpp-first]
+        [--llama-cpp-ggml-cpu ~/.cache/prefixserve/peers/ggml_cpu_noamx/libggml-cpu.so.0]
 
 Measures (bf16, the default model unless --model): prefill of one 512-token chunk (tok/s), and
 decode at batch 1 and batch 16 (tok/s, summed over the batch) on a 128-token context (all three
