@@ -4,7 +4,8 @@
         [--llama-cpp] [--decode-batches 1,16,64] [--batch-invariant] [--no-native-gemm-baseline]
         [--python-layers-baseline] [--portable-attention-baseline] [--before-baseline]
         [--no-batch-invariant] [--tiles-baseline avx2,avx512] [--kv-cache-dtypes int8,fp8_e4m3]
-        [--shape llama-3.2-1b,llama-3.2-3b --file bf16,q8_0,q4_k_m [--keep]]
+        [--shape llama-3.2-1b,llama-3.2-3b --file bf16,q8_0,q4_k_m [--keep]] [--llama-cpp-first]
+        [--llama-cpp-ggml-cpu ~/.cache/prefixserve/peers/ggml_cpu_noamx/libggml-cpu.so.0]
 
 Measures (bf16, the default model unless --model): prefill of one 512-token chunk (tok/s), and
 decode at batch 1 and batch 16 (tok/s, summed over the batch) on a 128-token context (all three
@@ -221,6 +222,13 @@ def llama_cpp_gguf(model_path, model_arg):
     if model_arg and str(model_arg).endswith(".gguf"):
         return Path(model_arg)
     return peers_dir() / "gguf" / f"{Path(model_path).name}-bf16.gguf"
+
+
+def gguf_vocab_size(path) -> int:
+    """The number of tokens of a GGUF file's vocabulary."""
+    from prefixserve.model.loader.gguf_reader import open_gguf
+
+    return len(open_gguf(path).fields["tokenizer.ggml.tokens"].data)
 
 
 class Transformers:
@@ -474,9 +482,15 @@ def run_model(label: str, args, bandwidth: float) -> list[BandwidthRow]:
     gc.collect()  # the previous file's model, before anything else takes memory
     first = []
     if args.llama_cpp and args.llama_cpp_first:
-        path = resolve_model_dir(args.model)  # a GGUF file converted (once) before the load
-        vocab = read_model_info(path, torch.bfloat16).config.vocab_size
+        if str(args.model).endswith(".gguf"):  # read from the file: not converted before
+            path, vocab = args.model, gguf_vocab_size(args.model)
+        else:
+            path = resolve_model_dir(args.model)
+            vocab = read_model_info(path, torch.bfloat16).config.vocab_size
         first = [llama_cpp_rates(path, vocab, args) for _ in range(args.rounds)]
+        for i, peer in enumerate(first):  # said now: our load may not fit where llama.cpp did
+            cells = [f"{m} {statistics.median(x[0] for x in v):.1f}" for m, v in peer.items()]
+            print(f"llama.cpp round {i + 1} (wall tok/s, before our load): {', '.join(cells)}")
     loaded = load_model(args.model, dtype="bfloat16")
     print(
         f"\n## {label}\nmodel {loaded.path} | torch {torch.__version__} | threads "

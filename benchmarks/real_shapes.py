@@ -48,11 +48,12 @@ FILE_SUFFIX = {"bf16": "bf16", "q8_0": "Q8_0", "q4_k_m": "Q4_K_M"}
 BYTES_PER_PARAM = {"hf": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_k_m": 0.7}
 # Peak anonymous RSS of each step (what the kernel cannot drop and read again: not the mapped
 # input): a fixed part plus bytes per value of the largest tensor (the embedding), which each
-# tool holds in fp32 and more while converting it; measured here (steps.json) with a margin.
-# The RAM check asks MemAvailable for this.
+# tool holds in fp32 and more while converting it; measured here (steps.json: 3.1, 2.0 and 1.9
+# GB for llama-3.2-3b, 4.4, - and 2.6 GB for llama-3.1-8b's widths) with a margin. The RAM check
+# asks MemAvailable for this.
 PEAK_ANON = {
     "hf": (0.6 * GB, 0.0),
-    "bf16": (1.0 * GB, 6.0),
+    "bf16": (1.0 * GB, 7.0),
     "q8_0": (0.5 * GB, 5.0),
     "q4_k_m": (0.5 * GB, 5.0),
 }
@@ -499,6 +500,13 @@ def check_room(step: str, shape: Shape, where: Path) -> None:
         )
 
 
+def _existing(path: Path) -> Path:
+    """`path` or its nearest ancestor that exists (where its files will take their disk)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
 def _dir_bytes(path: Path) -> int:
     if path.is_file():
         return path.stat().st_size
@@ -525,15 +533,14 @@ def ensure_files(
     wanted = {f: gguf_path(shape, f, root) for f in files}
     if all(p.is_file() for p in wanted.values()):
         return wanted
-    base.mkdir(parents=True, exist_ok=True)
-    (base / "logs").mkdir(exist_ok=True)
     hf, bf16 = base / "hf", gguf_path(shape, "bf16", root)
     quantized = [f for f in files if f != "bf16" and not wanted[f].is_file()]
     need_bf16 = not bf16.is_file() and ("bf16" in files or quantized)
     plan = ["hf"] if need_bf16 and not (hf / "config.json").is_file() else []
     plan += (["bf16"] if need_bf16 else []) + quantized
     if checks:
-        check_disk(shape, plan, keep, base)
+        check_disk(shape, plan, keep, _existing(base))
+    (base / "logs").mkdir(parents=True, exist_ok=True)
     if need_bf16 and not (hf / "config.json").is_file():
         if checks:
             check_room("hf", shape, base)
