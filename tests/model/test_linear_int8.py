@@ -284,31 +284,16 @@ def test_the_kernel_reads_a_scale_per_16_in_its_one_documented_order(rows):
     assert torch.equal(_run(x, weight), _model_of_the_kernel(x, weight))
 
 
-def test_q4_1_blocks_are_declined_and_q4_k_ones_kept_by_their_scales():
+def test_q4_1_blocks_are_declined():
     """gguf's own Q4_1 quantizer (fp16 scales and mins: the default model's file) is declined,
-    so the default model keeps its bf16 values; the same affine blocks with Q4_K's scales (a
-    super-block's fp16 d times a 6-bit sub-scale, not fp16 themselves) are kept exactly and
-    read by the kernel in 4 bits, as its documented order says."""
+    so the default model keeps its bf16 values (Q4_K is read from the file's own super-blocks:
+    tests/model/test_linear_q4k.py)."""
     from gguf import GGMLQuantizationType, quants
 
     values = (torch.randn(24, 128) * 0.1).numpy()
     qtype = GGMLQuantizationType.Q4_1
     dequantized = torch.from_numpy(quants.dequantize(quants.quantize(values, qtype), qtype).copy())
     assert recover_gguf_blocks(dequantized) is None
-    gen = torch.Generator().manual_seed(7)
-    codes = torch.randint(0, 16, (24, 128), generator=gen).float()
-    codes.view(24, 4, 32)[..., 0], codes.view(24, 4, 32)[..., 1] = 0.0, 15.0  # each block's ends
-    d = torch.tensor(1.2345e-4).half().float()  # an fp16 with all 11 bits of mantissa
-    scales = d * torch.randint(33, 64, (24, 4), generator=gen).float()  # d x 6-bit sub-scales
-    mins = -d * torch.randint(33, 64, (24, 4), generator=gen).float()
-    q4_k = (codes.view(24, 4, 32) * scales.unsqueeze(-1) + mins.unsqueeze(-1)).view(24, 128)
-    weight = recover_gguf_blocks(q4_k)
-    assert weight is not None and weight.fmt == "q4_k" and weight.mins is not None
-    assert torch.equal(weight.dequantize(), q4_k)
-    packed, both = packed_weight(weight)
-    assert packed.dtype == torch.uint8 and packed.shape[-1] == 32 and both.shape == (2, 24, 4)
-    x = _x(4, 128)
-    assert torch.equal(_run(x, weight), _model_of_the_kernel(x, weight))
 
 
 def test_shards_of_q4_0_q5_0_and_q8_0_fuse_as_8_bit_codes_exactly():

@@ -39,6 +39,7 @@ from prefixserve.model.quant.weights import (
     BLOCK_FORMATS_KEY,
     GGUF_BLOCKS_FILE,
     Int8Weight,
+    q4_k_from_raw,
     recover_gguf_blocks,
 )
 from prefixserve.settings import cache_root, file_lock
@@ -55,7 +56,8 @@ _END_OF_TURN_TOKENS = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>")
 # 4: so are its Q5_0 and Q4_0 weights (GGUF_BLOCKS_FILE, each tensor's type named).
 # 5: and its Q6_K weights (a scale per 16) and Q4_K / Q4_1 ones (`<hf name>.mins` too).
 # 6: not Q4_1 ones (the default model's file: its numerics stay its bf16 values).
-CONVERSION_VERSION = 6
+# 7: Q4_K weights with their super-blocks (`<hf name>.super_scales`), read from the file's blocks.
+CONVERSION_VERSION = 7
 CONVERSION_MARKER = "prefixserve_conversion.json"
 
 # Chat templates for GGUF files that ship without one, by GGUF architecture, in templates/.
@@ -100,7 +102,7 @@ def _convert_gguf(gguf_path: Path, out_dir: Path, chat_template: str | None) -> 
     config.architectures = [type(skeleton).__name__]  # GGUF configs come without it
     parsed = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton)
     expected = set(skeleton.state_dict())
-    blocks = block_tensors(parsed["tensors"], expected)
+    blocks = block_tensors(parsed["tensors"], expected, Q4KRows(gguf_path))
     tensors = {
         key: value.to(torch.bfloat16).contiguous()
         for key, value in parsed["tensors"].items()
@@ -195,18 +197,82 @@ def _dequantizable(qtype: GGMLQuantizationType) -> bool:
     return True
 
 
-def block_tensors(parsed: dict[str, Any], expected: set[str]) -> dict[str, Int8Weight]:
-    """Every 2-D weight the file stores in a block type the kernel reads (Q8_0, Q5_0, Q4_0, Q6_K;
-    Q4_K with its mins), as `recover_gguf_blocks` finds them in transformers' fp32
-    values, by Hugging Face name."""
+def block_tensors(
+    parsed: dict[str, Any], expected: set[str], q4_k: Q4KRows | None = None
+) -> dict[str, Int8Weight]:
+    """Every 2-D weight the file stores in a block type the kernel reads, by Hugging Face name:
+    Q4_K with its super-blocks (`q4_k`: the file's own, matched to transformers' fp32 values),
+    then Q8_0, Q5_0, Q4_0 and Q6_K as `recover_gguf_blocks` finds them in those values."""
     kept: dict[str, Int8Weight] = {}
     for name, value in parsed.items():
         if name not in expected or not isinstance(value, torch.Tensor) or value.dim() != 2:
             continue
-        weight = recover_gguf_blocks(value)
+        weight = q4_k.recover(value) if q4_k is not None else None
+        weight = weight or recover_gguf_blocks(value)
         if weight is not None:
             kept[name] = weight
     return kept
+
+
+def _row_digest(row: np.ndarray) -> bytes:
+    return hashlib.blake2b(row.tobytes(), digest_size=16).digest()
+
+
+class Q4KRows:
+    """A file's Q4_K tensors, found by their rows' values: transformers hands over each tensor
+    dequantized and renamed, some with rows reordered (Llama's q and k, un-permuted from
+    llama.cpp's rotary order), so a value tensor is matched to the file's blocks row by row (a
+    digest of each row's fp32 values) and kept only if every value comes back exactly."""
+
+    def __init__(self, gguf_path: Path) -> None:
+        self._tensors = [
+            t
+            for t in open_gguf(gguf_path).tensors
+            if t.tensor_type == GGMLQuantizationType.Q4_K and len(t.data.shape) == 2
+        ]
+        # digest of a row's values -> [(tensor, row), ...]; built on the first recover().
+        self._rows: dict[bytes, list[tuple[int, int]]] | None = None
+
+    def _index(self) -> dict[bytes, list[tuple[int, int]]]:
+        if self._rows is None:
+            self._rows = {}
+            for index in range(len(self._tensors)):
+                values = self._weight(index).dequantize().numpy()
+                for row in range(values.shape[0]):
+                    self._rows.setdefault(_row_digest(values[row]), []).append((index, row))
+        return self._rows
+
+    def _weight(self, index: int) -> Int8Weight:
+        return q4_k_from_raw(torch.from_numpy(np.array(self._tensors[index].data)))
+
+    def recover(self, values: torch.Tensor) -> Int8Weight | None:
+        """The Q4_K weight these fp32 values [N, K] are, exactly; None when they are not one
+        tensor's Q4_K rows."""
+        if not self._tensors or values.dtype != torch.float32 or values.shape[1] % 256:
+            return None
+        index = self._index()
+        rows = values.contiguous().numpy()
+        if _row_digest(rows[0]) not in index:
+            return None
+        hits = [index.get(_row_digest(row), []) for row in rows]
+        for tensor in dict.fromkeys(t for t, _ in hits[0]):
+            order = [next((r for t, r in found if t == tensor), None) for found in hits]
+            if None in order:
+                continue
+            weight = self._rows_of(tensor, torch.tensor(order))
+            if torch.equal(weight.dequantize(), values):
+                return weight
+        return None
+
+    def _rows_of(self, index: int, order: torch.Tensor) -> Int8Weight:
+        source = self._weight(index)
+        return Int8Weight(
+            source.codes[order].contiguous(),
+            source.scales[order].contiguous(),
+            source.fmt,
+            source.mins[order].contiguous(),
+            source.super_scales[order].contiguous(),
+        )
 
 
 def _save_blocks(out_dir: Path, blocks: dict[str, Int8Weight]) -> None:
@@ -219,6 +285,8 @@ def _save_blocks(out_dir: Path, blocks: dict[str, Int8Weight]) -> None:
             tensors[f"{name}.codes"], tensors[f"{name}.scales"] = weight.codes, weight.scales
             if weight.mins is not None:
                 tensors[f"{name}.mins"] = weight.mins
+            if weight.super_scales is not None:
+                tensors[f"{name}.super_scales"] = weight.super_scales
         formats = json.dumps({name: weight.fmt for name, weight in blocks.items()})
         metadata = {"format": "pt", BLOCK_FORMATS_KEY: formats}
         save_file(tensors, str(out_dir / GGUF_BLOCKS_FILE), metadata=metadata)

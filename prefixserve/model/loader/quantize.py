@@ -95,7 +95,13 @@ def _block_weights(model: nn.Module, path: Path) -> dict[str, Int8Weight]:
     shards: dict[str, dict[int | None, Int8Weight]] = {}
     for hf_name, fmt in formats.items():
         codes, scales = tensors[f"{hf_name}.codes"], tensors[f"{hf_name}.scales"]
-        weight = Int8Weight(codes, scales, fmt, tensors.get(f"{hf_name}.mins"))
+        weight = Int8Weight(
+            codes,
+            scales,
+            fmt,
+            tensors.get(f"{hf_name}.mins"),
+            tensors.get(f"{hf_name}.super_scales"),
+        )
         name, shard = hf_target(hf_name, rename)
         shards.setdefault(name.removesuffix(".weight"), {})[shard] = weight
     modules = dict(model.named_modules())

@@ -10,11 +10,12 @@ multiplies (csrc/linear/linear_int8.cpp). Two ways in:
   (`recover_gguf_blocks` checks every value and declines a tensor of another type);
 - GGUF Q6_K (a scale per 16, the super-block's fp16 d times an int8 sub-scale, times a code in
   [-32, 31]): kept too, as int8 codes with a scale per 16 (the largest code found by trying each);
-- GGUF Q4_K (a scale and a min per 32, codes in [0, 15]): kept as "q4_k", codes with a scale and
-  a min per 32 (`mins`), read in 4 bits; the min of a block's values is its min and its range
-  over some code up to 15 its scale, checked exactly. Q4_1 has the same form with fp16 scales
-  and mins, and is declined: the default model's file is Q4_1, and keeping it would change the
-  default model's numerics (its bf16 values) in every mode.
+- GGUF Q4_K (super-blocks of 256: an fp16 d and dmin, per 32 a 6-bit sub-scale sc and sub-min m,
+  codes q in [0, 15]; value = d sc q - dmin m): kept as "q4_k" with its super-blocks
+  (`q4_k_from_raw`: read from the file's own blocks, as the values cannot always tell them; the
+  loader matches them to transformers' values row by row and checks every value exactly), and
+  multiplied in them (`pack_q4_k`, csrc/linear/linear_q4k.cpp). Q4_1 (the default model's file)
+  has no super-blocks and is not kept: the default model's numerics stay its bf16 values.
 
 The kernel reads Q4_0's and Q5_0's codes in 4 and 5 bits (`packed_weight`): the same integers, so
 the same bits out, from half or five eighths of the bytes.
@@ -51,12 +52,15 @@ _PER_32_SYMMETRIC = {fmt for fmt, _ in GGUF_BLOCK_TYPES}
 class Int8Weight:
     """codes int8 [N, K]; scales fp32 [N, K / group]; `fmt` "int8" (per channel) or the GGUF
     block type it came from ("q8_0", "q5_0", "q4_0", "q6_k", "q4_k"); mins fp32 [N, K / group]
-    for an affine one ("q4_k": value = code x scale + min, codes in [0, 15]), else None."""
+    for an affine one ("q4_k": value = code x scale + min, codes in [0, 15]), else None; and a
+    Q4_K weight's super-blocks, `super_scales` fp16 [N, K / 256, 2] (d, dmin): each scale is d
+    times a 6-bit sub-scale, each min -dmin times a 6-bit sub-min, exactly."""
 
     codes: torch.Tensor
     scales: torch.Tensor
     fmt: str
     mins: torch.Tensor | None = None
+    super_scales: torch.Tensor | None = None
 
     @property
     def group(self) -> int:
@@ -72,7 +76,8 @@ class Int8Weight:
 
     def nbytes(self) -> int:
         mins = 0 if self.mins is None else self.mins.numel() * 4
-        return self.codes.numel() + self.scales.numel() * 4 + mins
+        supers = 0 if self.super_scales is None else self.super_scales.numel() * 2
+        return self.codes.numel() + self.scales.numel() * 4 + mins + supers
 
 
 def quantizable(weight: torch.Tensor) -> bool:
@@ -96,7 +101,7 @@ def recover_gguf_blocks(values: torch.Tensor) -> Int8Weight | None:
     them (another type, or any value that is not its block's scale times an integer code)."""
     if values.dtype != torch.float32 or values.dim() != 2 or values.shape[1] % BLOCK_GROUP:
         return None
-    return _recover_per_32(values) or _recover_q6_k(values) or _recover_affine_4(values)
+    return _recover_per_32(values) or _recover_q6_k(values)
 
 
 def _recover_per_32(values: torch.Tensor) -> Int8Weight | None:
@@ -140,51 +145,6 @@ def _recover_q6_k(values: torch.Tensor) -> Int8Weight | None:
         return None
     codes, scales = found
     return Int8Weight(codes, scales, "q6_k")
-
-
-def _recover_affine_4(values: torch.Tensor) -> Int8Weight | None:
-    """Q4_K blocks of these values: per 32, codes in [0, 15] times a scale plus a min. The
-    block's least value is its min (code 0), its range over the largest code its scale: each
-    largest code is tried, and a block takes the first that gives back its values exactly
-    (value = code x scale + min, as fp32 computes it). Row 0 alone first, as `_recover_q6_k`.
-    Values whose every scale and min is an fp16 are Q4_1's, declined (the module's note)."""
-    if _affine_codes(values[:1]) is None:
-        return None
-    found = _affine_codes(values)
-    if found is None:
-        return None
-    codes, scales, mins = found
-    if _all_fp16(scales) and _all_fp16(mins):
-        return None
-    return Int8Weight(codes, scales, "q4_k", mins)
-
-
-def _all_fp16(values: torch.Tensor) -> bool:
-    return torch.equal(values.half().float(), values)
-
-
-def _affine_codes(
-    values: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """(codes int8 in [0, 15], scales, mins) giving back these values exactly, or None."""
-    n, k = values.shape
-    blocks = values.reshape(n, k // BLOCK_GROUP, BLOCK_GROUP)
-    low, high = blocks.amin(dim=-1), blocks.amax(dim=-1)
-    found = high == low  # one value: code 0, scale 0
-    codes = torch.zeros_like(blocks)
-    scales = torch.zeros_like(low)
-    for top in range(15, 0, -1):
-        scale = (high - low) / top
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        tried = torch.round((blocks - low.unsqueeze(-1)) / safe.unsqueeze(-1))
-        exact = (tried * scale.unsqueeze(-1) + low.unsqueeze(-1) == blocks).all(dim=-1)
-        exact &= (tried <= 15).all(dim=-1) & ~found
-        codes = torch.where(exact.unsqueeze(-1), tried, codes)
-        scales = torch.where(exact, scale, scales)
-        found |= exact
-        if bool(found.all()):
-            return codes.to(torch.int8).view(n, k).contiguous(), scales.contiguous(), low
-    return None
 
 
 def _per_16_codes(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -260,9 +220,12 @@ def _narrow_codes(weight: Int8Weight, bits: int) -> Int8Weight | None:
 
 
 def packed_weight(weight: Int8Weight) -> tuple[torch.Tensor, torch.Tensor]:
-    """(packed codes, scales) for the kernel: Q4_0 and Q5_0 in 4 and 5 bits where their codes
-    fit (`LOW_BIT_FORMATS`), an affine weight's in 4 with its mins after its scales
-    ([2, N, K / 32]), the rest in 8; scales per 32 in float16 where it holds them exactly."""
+    """(packed codes, scales) for the kernel: Q4_K in its super-blocks (`pack_q4_k`), Q4_0 and
+    Q5_0 in 4 and 5 bits where their codes fit (`LOW_BIT_FORMATS`), an affine weight without
+    super-blocks in 4 with its mins after its scales ([2, N, K / 32]), the rest in 8; scales per
+    32 in float16 where it holds them exactly."""
+    if weight.super_scales is not None:
+        return pack_q4_k(weight)
     if weight.mins is not None:
         # Stored as they are (the kernel's zero point 0 for them): pack_codes adds back the 8.
         codes = pack_codes(weight.codes.to(torch.int16).sub(8).to(torch.int8), 4)
@@ -285,9 +248,10 @@ def _kernel_scales(scales: torch.Tensor, group: int) -> torch.Tensor:
 
 
 def fusable(shards: list[Int8Weight]) -> bool:
-    """Whether `fuse` takes these shards: one format, or symmetric ones with a scale per 32."""
+    """Whether `fuse` takes these shards: one format (with super-blocks in all or none), or
+    symmetric ones with a scale per 32."""
     fmts = {w.fmt for w in shards}
-    shapes = {(w.group, w.codes.shape[1]) for w in shards}
+    shapes = {(w.group, w.codes.shape[1], w.super_scales is None) for w in shards}
     return len(shapes) == 1 and (len(fmts) == 1 or fmts <= _PER_32_SYMMETRIC)
 
 
@@ -298,9 +262,109 @@ def fuse(shards: list[Int8Weight]) -> Int8Weight:
     if not fusable(shards):
         raise ValueError("fused shards must share a format (or mix Q4_0, Q5_0, Q8_0), group and K")
     mins = None if shards[0].mins is None else torch.cat([w.mins for w in shards]).contiguous()
+    supers = None
+    if shards[0].super_scales is not None:
+        supers = torch.cat([w.super_scales for w in shards]).contiguous()
     return Int8Weight(
         torch.cat([w.codes for w in shards]).contiguous(),
         torch.cat([w.scales for w in shards]).contiguous(),
         shards[0].fmt if len({w.fmt for w in shards}) == 1 else "q8_0",
         mins,
+        supers,
     )
+
+
+# GGUF's Q4_K: super-blocks of Q4_K_SUPER values, 8 sub-blocks of 32, each block in the file
+# Q4_K_BLOCK_BYTES (fp16 d and dmin, 12 bytes of 6-bit sub-scales and sub-mins, 128 of nibbles).
+Q4_K_SUPER = 256
+Q4_K_BLOCK_BYTES = 144
+# The kernel's layout of a group of four rows' super-block (csrc/linear/linear_q4k.cpp): the rows'
+# 128 bytes of nibbles, then their 8 sub-scales each, then their 8 sub-mins each.
+_Q4_K_GROUP_BYTES = 4 * 128 + 2 * 4 * 8
+
+
+def q4_k_from_raw(raw: torch.Tensor) -> Int8Weight:
+    """The "q4_k" weight of a file's Q4_K tensor, uint8 [N, K / 256 x 144] (ggml's block_q4_K,
+    row by row), exactly: its dequantize() is the `gguf` package's values bit for bit (fp32
+    (d sc) x q - (dmin m), both products exact)."""
+    n = raw.shape[0]
+    blocks = raw.contiguous().view(n, -1, Q4_K_BLOCK_BYTES)
+    supers = blocks[..., :4].contiguous().view(torch.float16).view(n, -1, 2)
+    packed = blocks[..., 4:16].to(torch.int32)
+    # ggml's get_scale_min_k4: bytes 0-3 sub-scales 0-3 (low 6 bits), 4-7 sub-mins 0-3; bytes
+    # 8-11 the low 4 bits of sub-scales 4-7 and sub-mins 4-7, their top 2 bits in bytes 0-7's.
+    first, second, third = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    sub_scales = torch.cat([first & 63, (third & 15) | ((first >> 6) << 4)], dim=-1)
+    sub_mins = torch.cat([second & 63, (third >> 4) | ((second >> 6) << 4)], dim=-1)
+    nibbles = blocks[..., 16:].view(n, -1, 4, 1, 32)
+    codes = torch.cat([nibbles & 15, nibbles >> 4], dim=3).view(n, -1).to(torch.int8)
+    d, dmin = supers[..., :1].float(), supers[..., 1:].float()
+    scales = (d * sub_scales.float()).view(n, -1)
+    mins = -(dmin * sub_mins.float()).view(n, -1)
+    return Int8Weight(codes.contiguous(), scales.contiguous(), "q4_k", mins.contiguous(), supers)
+
+
+def quantize_q4_k(weight: torch.Tensor) -> Int8Weight:
+    """A weight [N, K] (K a multiple of 256) in Q4_K's form, simply (for tests and benchmarks,
+    not ggml's search): per 32 the range over 15 and the least value (at most 0), per 256 d and
+    dmin the largest of them over 63 in fp16, the 6-bit sub-scales and sub-mins rounded."""
+    w = weight.detach().float()
+    n, k = w.shape
+    blocks = w.view(n, k // Q4_K_SUPER, 8, 32)
+    low = blocks.amin(-1).clamp(max=0.0)
+    step = (blocks.amax(-1) - low) / 15
+    d = (step.amax(-1, keepdim=True) / 63).half().float()
+    dmin = (-low).amax(-1, keepdim=True).div(63).half().float()
+    sub_scales = torch.where(d > 0, step / d.clamp_min(1e-30), 0.0).round().clamp(0, 63)
+    sub_mins = torch.where(dmin > 0, -low / dmin.clamp_min(1e-30), 0.0).round().clamp(0, 63)
+    scales, mins = d * sub_scales, -(dmin * sub_mins)
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    codes = ((blocks - mins.unsqueeze(-1)) / safe.unsqueeze(-1)).round().clamp(0, 15)
+    supers = torch.cat([d, dmin], dim=-1).half()
+    return Int8Weight(
+        codes.to(torch.int8).view(n, k).contiguous(),
+        scales.view(n, -1).contiguous(),
+        "q4_k",
+        mins.view(n, -1).contiguous(),
+        supers.contiguous(),
+    )
+
+
+def _sub_integers(per_32: torch.Tensor, per_256: torch.Tensor) -> torch.Tensor:
+    """The 6-bit integers c with per_32 = per_256 x c exactly (per_256 fp16 [N, K / 256]), uint8
+    [N, K / 256, 8]; ValueError where a value is none."""
+    n = per_32.shape[0]
+    unit = per_256.float().view(n, -1, 1)
+    ints = torch.where(unit != 0, per_32.view(n, -1, 8) / unit.clamp_min(1e-38), 0.0).round()
+    if not torch.equal(ints * unit, per_32.view(n, -1, 8)) or ints.min() < 0 or ints.max() > 63:
+        raise ValueError("Q4_K scales and mins must be d and dmin times 6-bit integers")
+    return ints.to(torch.uint8)
+
+
+def pack_q4_k(weight: Int8Weight) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes uint8 [ceil(N / 4), K / 256, 576], d_dmin fp16 [N, 2 K / 256]): a Q4_K weight in
+    the kernel's super-block layout (csrc/linear/linear_q4k.cpp), the file's nibble order, rows
+    in groups of four (the last padded with zeros)."""
+    if weight.super_scales is None or weight.mins is None or weight.codes.shape[1] % Q4_K_SUPER:
+        raise ValueError("Q4_K packing needs super-blocks of 256 (d, dmin) and mins")
+    n, k = weight.codes.shape
+    supers = weight.super_scales.view(n, -1, 2)
+    sub_scales = _sub_integers(weight.scales, supers[..., 0])
+    sub_mins = _sub_integers(-weight.mins, supers[..., 1])
+    codes = weight.codes.to(torch.uint8).view(n, k // 64, 2, 32)
+    nibbles = (codes[:, :, 0] | (codes[:, :, 1] << 4)).view(n, -1, 128)  # byte 32c + l
+    rows = torch.cat([nibbles, sub_scales, sub_mins], dim=-1)  # [N, K / 256, 144]
+    pad = (-n) % 4
+    if pad:
+        rows = torch.cat([rows, rows.new_zeros(pad, *rows.shape[1:])])
+    groups = rows.view(-1, 4, k // Q4_K_SUPER, 144).transpose(1, 2)  # [G, K / 256, 4 rows, 144]
+    packed = torch.cat(
+        [
+            groups[..., :128].reshape(*groups.shape[:2], 512),
+            groups[..., 128:136].reshape(*groups.shape[:2], 32),
+            groups[..., 136:].reshape(*groups.shape[:2], 32),
+        ],
+        dim=-1,
+    )
+    assert packed.shape[-1] == _Q4_K_GROUP_BYTES
+    return packed.contiguous(), supers.reshape(n, -1).contiguous()

@@ -50,6 +50,7 @@
 #include "bf16_bits.h"
 #include "gemm_bf16_tiles.h"
 #include "kernels.h"
+#include "linear_q4k.h"
 #include "stream_pool.h"
 
 namespace {
@@ -571,14 +572,13 @@ int64_t chunk_columns(int64_t rows, int64_t width_out, int64_t K, int64_t code_b
   return std::max<int64_t>(16, columns / 16 * 16);
 }
 
-// The call's sums and epilogues over codes of B bits, chunk by chunk (`chunk_columns`) on the
-// caller and up to `threads - 1` helpers.
-template <int B, bool A = false>
-void run_chunks(const uint8_t* q, Scales s, int64_t min_at, int64_t K, int64_t G,
-                const XRows& xq, int64_t rows, int64_t width_out, bool gated, const Epilogue& e,
-                int64_t threads) {
-  const int64_t chunk =
-      chunk_columns(rows, width_out, K, K / kChunk * kBytes<B>, gated, threads);
+// The call's sums (`sum(n0, width, sums)`: weight rows [n0, n0 + width) into sums [rows, width])
+// and epilogues, chunk by chunk (`chunk_columns`, a weight row `row_bytes` long) on the caller and
+// up to `threads - 1` helpers.
+template <class Sum>
+void run_chunks(const Sum& sum, int64_t row_bytes, int64_t K, int64_t rows, int64_t width_out,
+                bool gated, const Epilogue& e, int64_t threads) {
+  const int64_t chunk = chunk_columns(rows, width_out, K, row_bytes, gated, threads);
   const int64_t chunks = (width_out + chunk - 1) / chunk;
   prefixserve::stream_pool().run(chunks, threads, [&](int64_t c) {
     const int64_t c0 = c * chunk, width = std::min(width_out, c0 + chunk) - c0;
@@ -586,12 +586,31 @@ void run_chunks(const uint8_t* q, Scales s, int64_t min_at, int64_t K, int64_t G
     // malloc would map and unmap on every chunk.
     thread_local std::vector<float> sums;
     sums.resize(rows * width * (gated ? 2 : 1));
-    sum_range<B, A>(q, s, min_at, K, G, xq, rows, c0, width, sums.data());
+    sum(c0, width, sums.data());
     if (!gated) return store_plain(sums.data(), width, rows, c0, width, e);
     float* up = sums.data() + rows * width;
-    sum_range<B, A>(q, s, min_at, K, G, xq, rows, width_out + c0, width, up);
+    sum(width_out + c0, width, up);
     store_gated_sums(sums.data(), up, width, rows, c0, width, width_out, e);
   }, /*compute_bound=*/rows > kComputeBoundRows);
+}
+
+// run_chunks over codes of B bits (affine: A).
+template <int B, bool A = false>
+void run_codes(const uint8_t* q, Scales s, int64_t min_at, int64_t K, int64_t G,
+               const XRows& xq, int64_t rows, int64_t width_out, bool gated, const Epilogue& e,
+               int64_t threads) {
+  const auto sum = [&](int64_t n0, int64_t width, float* sums) {
+    sum_range<B, A>(q, s, min_at, K, G, xq, rows, n0, width, sums);
+  };
+  run_chunks(sum, K / kChunk * kBytes<B>, K, rows, width_out, gated, e, threads);
+}
+
+// A decode-sized call has the pool's helpers bring the next linear's codes toward their caches
+// while the caller runs what lies between the two (gemm_bf16's prefetch_next).
+void prefetch_next(int64_t rows, const c10::optional<torch::Tensor>& prefetch) {
+  if (rows <= kPrefetchNextRows && prefetch.has_value() && prefetch->defined())
+    prefixserve::stream_pool().prefetch(prefetch->data_ptr(),
+                                        prefetch->numel() * prefetch->element_size());
 }
 
 // The bits of a code by the packed tensor's type and last dimension: int8 [.., 64] 8 bits,
@@ -622,11 +641,12 @@ void linear_int8(torch::Tensor out, torch::Tensor x, torch::Tensor codes, torch:
                   out.device().is_cpu(),
               "linear_int8 runs on CPU tensors only");
   const int bits = code_bits(codes);
+  const bool super = prefixserve::q4k::is_layout(codes, scales);  // Q4_K: linear_q4k.cpp
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16 &&
-                  bits != 0 &&
+                  (bits != 0 || super) &&
                   (scales.scalar_type() == torch::kFloat || scales.scalar_type() == torch::kHalf),
               "linear_int8 needs bfloat16 x and out, packed codes (int8 [.., 64], uint8 [.., 40] "
-              "or [.., 32]), float32 (or float16) scales");
+              "or [.., 32]; Q4_K's uint8 [.., 576]), float32 (or float16) scales");
   const bool affine = scales.dim() == 3;
   TORCH_CHECK(x.dim() == 2 && (scales.dim() == 2 || (affine && scales.size(0) == 2)) &&
                   out.dim() == 2 && x.is_contiguous() && codes.is_contiguous() &&
@@ -640,14 +660,18 @@ void linear_int8(torch::Tensor out, torch::Tensor x, torch::Tensor codes, torch:
   TORCH_CHECK(act == kNone || act == kSilu || act == kGeluTanh, "linear_int8: unknown act");
   const bool gated = act != kNone;
   const int64_t width_out = gated ? N / 2 : N;
-  TORCH_CHECK(codes.size(0) == (N + kGroupRows - 1) / kGroupRows && codes.size(1) * kChunk == K &&
-                  codes.size(2) == kGroupRows && K % kChunk == 0 &&
-                  groups > 0 && K % groups == 0 &&
-                  (K / groups == 16 || K / groups == 32 || (K / groups) % kChunk == 0) &&
-                  (!gated || N % 2 == 0) && out.size(0) == rows && out.size(1) == width_out,
+  const bool codes_fit =
+      super ? prefixserve::q4k::shapes_fit(codes, scales, N, K)
+            : codes.size(0) == (N + kGroupRows - 1) / kGroupRows &&
+                  codes.size(1) * kChunk == K && codes.size(2) == kGroupRows &&
+                  K % kChunk == 0 && groups > 0 && K % groups == 0 &&
+                  (K / groups == 16 || K / groups == 32 || (K / groups) % kChunk == 0);
+  TORCH_CHECK(codes_fit && (!gated || N % 2 == 0) && out.size(0) == rows &&
+                  out.size(1) == width_out,
               "linear_int8: shapes x [rows, K], codes [N / 4, K / 64, 4, bytes], scales [N, K / G] "
-              "with K a multiple of 64 and G 16, 32 or a multiple of 64, out [rows, N] (gated: "
-              "[rows, N / 2])");
+              "with K a multiple of 64 and G 16, 32 or a multiple of 64 (Q4_K: codes [N / 4, "
+              "K / 256, 576], scales [N, 2 K / 256] with K a multiple of 256), out [rows, N] "
+              "(gated: [rows, N / 2])");
   std::vector<float> bias_f;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->scalar_type() == torch::kBFloat16 && bias->is_contiguous() &&
@@ -665,32 +689,37 @@ void linear_int8(torch::Tensor out, torch::Tensor x, torch::Tensor codes, torch:
                 "linear_int8: residual must be a contiguous bfloat16 [rows, N], not gated");
     res = reinterpret_cast<const uint16_t*>(residual->data_ptr<c10::BFloat16>());
   }
+  const int64_t G = K / groups, min_at = affine ? N * groups : 0;
+  const bool half = scales.scalar_type() == torch::kHalf;
+  TORCH_CHECK(!half || super || (G == 32 && !affine),
+              "linear_int8: float16 scales go with a scale per 32 and no mins");
+  const Epilogue e{reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()), width_out,
+                   bias_f.empty() ? nullptr : bias_f.data(), act, res};
+  const auto* x_bits = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
+  const auto* q = static_cast<const uint8_t*>(codes.data_ptr());
+  if (super) {  // x quantized per super-block of 256 (linear_q4k.cpp)
+    const auto xq = prefixserve::q4k::quantize_x(x_bits, rows, K, threads,
+                                                 /*compute_bound=*/rows > kComputeBoundRows);
+    const auto* d_dmin = reinterpret_cast<const uint16_t*>(scales.data_ptr());
+    const auto sum = [&](int64_t n0, int64_t width, float* sums) {
+      prefixserve::q4k::sum_range(q, d_dmin, K, xq, n0, width, sums);
+    };
+    run_chunks(sum, prefixserve::q4k::row_bytes(K), K, rows, width_out, gated, e, threads);
+    return prefetch_next(rows, prefetch);
+  }
   // x quantized once per call, per row and group of 32, with the codes' zero point (affine
   // codes are stored as they are).
   const int32_t zero = affine ? 0 : bits == 8 ? kZero<8> : bits == 5 ? kZero<5> : kZero<4>;
-  const XRows xq =
-      quantize_x(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), rows, K,
-                 threads, zero);
-  const auto* q = static_cast<const uint8_t*>(codes.data_ptr());
-  const int64_t G = K / groups, min_at = affine ? N * groups : 0;
-  const bool half = scales.scalar_type() == torch::kHalf;
-  TORCH_CHECK(!half || (G == 32 && !affine),
-              "linear_int8: float16 scales go with a scale per 32 and no mins");
+  const XRows xq = quantize_x(x_bits, rows, K, threads, zero);
   const Scales s = half ? Scales{nullptr, reinterpret_cast<const uint16_t*>(scales.data_ptr())}
                         : Scales{scales.data_ptr<float>(), nullptr};
-  const Epilogue e{reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()), width_out,
-                   bias_f.empty() ? nullptr : bias_f.data(), act, res};
   if (affine)
-    run_chunks<4, true>(q, s, min_at, K, G, xq, rows, width_out, gated, e, threads);
+    run_codes<4, true>(q, s, min_at, K, G, xq, rows, width_out, gated, e, threads);
   else if (bits == 8)
-    run_chunks<8>(q, s, min_at, K, G, xq, rows, width_out, gated, e, threads);
+    run_codes<8>(q, s, min_at, K, G, xq, rows, width_out, gated, e, threads);
   else if (bits == 5)
-    run_chunks<5>(q, s, min_at, K, G, xq, rows, width_out, gated, e, threads);
+    run_codes<5>(q, s, min_at, K, G, xq, rows, width_out, gated, e, threads);
   else
-    run_chunks<4>(q, s, min_at, K, G, xq, rows, width_out, gated, e, threads);
-  // A decode-sized call has the pool's helpers bring the next linear's codes toward their caches
-  // while the caller runs what lies between the two (gemm_bf16's prefetch_next).
-  if (rows <= kPrefetchNextRows && prefetch.has_value() && prefetch->defined())
-    prefixserve::stream_pool().prefetch(prefetch->data_ptr(),
-                                        prefetch->numel() * prefetch->element_size());
+    run_codes<4>(q, s, min_at, K, G, xq, rows, width_out, gated, e, threads);
+  prefetch_next(rows, prefetch);
 }
