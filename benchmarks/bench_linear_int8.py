@@ -1,10 +1,13 @@
-"""The 8-, 5- and 4-bit weight kernel alone (`linear_int8`, csrc/linear/linear_int8.cpp) at batch 1:
-microseconds per call and GB/s of weight bytes, per format, for the default model's shapes
-(gate_up 3,072 x 576 from cache, the 49,152 x 576 LM head from memory), on the build this
-process loads (`PREFIXSERVE_KERNEL_MARCH=x86-64-v3` times the AVX2 build on an AVX-512 host).
-Random codes; the median of `--repeats` calls after a warm-up.
+"""The 8-, 5- and 4-bit weight kernel alone (`linear_int8`, csrc/linear/linear_int8.cpp and, for
+Q4_K's super-blocks, linear_q4k.cpp): microseconds per call and GB/s of weight bytes, per format,
+for the default model's shapes (gate_up 3,072 x 576 from cache, the 49,152 x 576 LM head from
+memory) or a Llama-3.2-1B's (`--shapes 1b`), at batch 1 or more rows (`--rows 1,512`), on the
+build this process loads (`PREFIXSERVE_KERNEL_MARCH=x86-64-v3` times the AVX2 build on an
+AVX-512 host). Random codes; the median of `--repeats` calls after a warm-up. `--formats` picks
+some of q8_0, q5_0, q4_0, q4_k (super-blocks), q4_k32 (the same values as a scale and a min per
+32: the path Q4_K took before), q6_k; K not a multiple of 256 skips the Q4_K ones.
 
-    .venv/bin/python benchmarks/bench_linear_int8.py [--threads 2]
+    .venv/bin/python benchmarks/bench_linear_int8.py [--threads 2] [--shapes 1b] [--rows 1,512]
 """
 
 from __future__ import annotations
@@ -17,35 +20,48 @@ from pathlib import Path
 import torch
 
 from prefixserve.model.kernels.build import linear_int8_kernel
-from prefixserve.model.quant.weights import LOW_BIT_FORMATS, Int8Weight, packed_weight
+from prefixserve.model.quant.weights import (
+    LOW_BIT_FORMATS,
+    Int8Weight,
+    packed_weight,
+    quantize_q4_k,
+)
 
-SHAPES = {"gate_up 3072x576": (3072, 576), "head 49152x576": (49152, 576)}
-FORMATS = ("q8_0", "q5_0", "q4_0", "q4_k")
+SHAPES = {
+    "default": {"gate_up 3072x576": (3072, 576), "head 49152x576": (49152, 576)},
+    "1b": {
+        "qkv 3072x2048": (3072, 2048),
+        "gate_up 16384x2048": (16384, 2048),
+        "down 2048x8192": (2048, 8192),
+    },
+}
+FORMATS = ("q8_0", "q5_0", "q4_0", "q4_k", "q4_k32", "q6_k")
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16")
 
 
 def weight(n: int, k: int, fmt: str) -> Int8Weight:
     gen = torch.Generator().manual_seed(0)
-    scales = torch.rand(n, k // 32, generator=gen) * 1e-3
-    if fmt == "q8_0":
-        return Int8Weight(
-            torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8), scales, fmt
-        )
-    if fmt == "q4_k":
-        codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int8)
-        return Int8Weight(codes, scales, fmt, torch.rand(n, k // 32, generator=gen) * 1e-3)
+    if fmt in ("q4_k", "q4_k32"):
+        q = quantize_q4_k(torch.randn(n, k, generator=gen))
+        return q if fmt == "q4_k" else Int8Weight(q.codes, q.scales, "q4_k", q.mins)
+    group = 16 if fmt == "q6_k" else 32
+    scales = torch.rand(n, k // group, generator=gen) * 1e-3
+    if fmt in ("q8_0", "q6_k"):
+        top = 127 if fmt == "q8_0" else 32
+        codes = torch.randint(-top, top, (n, k), generator=gen, dtype=torch.int8)
+        return Int8Weight(codes, scales, fmt)
     zero = 1 << (LOW_BIT_FORMATS[fmt] - 1)
     return Int8Weight(
         torch.randint(-zero, zero, (n, k), generator=gen, dtype=torch.int8), scales, fmt
     )
 
 
-def time_call(n: int, k: int, fmt: str, threads: int, repeats: int) -> tuple[float, int]:
+def time_call(n: int, k: int, fmt: str, rows: int, threads: int, repeats: int) -> tuple[float, int]:
     codes, scales = packed_weight(weight(n, k, fmt))
-    x = torch.randn(1, k).bfloat16()
-    out = torch.empty(1, n, dtype=torch.bfloat16)
+    x = torch.randn(rows, k).bfloat16()
+    out = torch.empty(rows, n, dtype=torch.bfloat16)
     kernel = linear_int8_kernel()
-    for _ in range(5):
+    for _ in range(3):
         kernel(out, x, codes, scales, None, 0, None, threads)
     samples = []
     for _ in range(repeats):
@@ -59,19 +75,35 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=200)
+    ap.add_argument("--shapes", choices=sorted(SHAPES), default="default")
+    ap.add_argument("--rows", default="1", help="comma-separated row counts of x")
+    ap.add_argument("--formats", default="q8_0,q5_0,q4_0,q4_k", help=f"some of {FORMATS}")
     args = ap.parse_args()
     if linear_int8_kernel() is None:
         raise SystemExit("the kernels are not built on this host")
+    formats = args.formats.split(",")
+    unknown = set(formats) - set(FORMATS)
+    if unknown:
+        raise SystemExit(f"unknown formats {sorted(unknown)}; the formats: {FORMATS}")
     cpuinfo = Path("/proc/cpuinfo").read_text()
     print(f"# flags: {' '.join(f for f in FLAGS if f in cpuinfo)}; threads {args.threads}")
-    print("| shape | " + " | ".join(f"{f} us (GB/s)" for f in FORMATS) + " |")
-    print("|---|" + "---:|" * len(FORMATS))
-    for name, (n, k) in SHAPES.items():
-        cells = []
-        for fmt in FORMATS:
-            seconds, nbytes = time_call(n, k, fmt, args.threads, args.repeats)
-            cells.append(f"{seconds * 1e6:.1f} ({nbytes / seconds / 1e9:.1f})")
-        print(f"| {name} | " + " | ".join(cells) + " |")
+    for rows in (int(r) for r in args.rows.split(",")):
+        # Many rows: weight GB/s means little; rows x weights per second (GMAC/s) is the rate.
+        unit = "GB/s" if rows == 1 else "GMAC/s"
+        print(f"\n{rows} row(s) of x")
+        print("| shape | " + " | ".join(f"{f} us ({unit})" for f in formats) + " |")
+        print("|---|" + "---:|" * len(formats))
+        for name, (n, k) in SHAPES[args.shapes].items():
+            cells = []
+            for fmt in formats:
+                if fmt.startswith("q4_k") and k % 256:
+                    cells.append("-")
+                    continue
+                repeats = args.repeats if rows == 1 else max(3, args.repeats // 20)
+                seconds, nbytes = time_call(n, k, fmt, rows, args.threads, repeats)
+                rate = nbytes / seconds / 1e9 if rows == 1 else rows * n * k / seconds / 1e9
+                cells.append(f"{seconds * 1e6:.1f} ({rate:.1f})")
+            print(f"| {name} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

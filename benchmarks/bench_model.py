@@ -183,6 +183,7 @@ def llama_cpp_rates(model_path, vocab: int, args) -> dict[str, list[tuple[float,
     # llama.cpp with its own defaults: this process's OMP_WAIT_POLICY=PASSIVE would make ggml's
     # OpenMP threads sleep between its ops (decode batch 1: 39 against 115 tok/s here).
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    env.update(item.split("=", 1) for item in args.llama_cpp_env)
     done = subprocess.run(command, capture_output=True, text=True, check=True, env=env)
     return {k: [tuple(x) for x in v] for k, v in json.loads(done.stdout.splitlines()[-1]).items()}
 
@@ -303,6 +304,14 @@ def main() -> None:
         action="store_true",
         help="also llama.cpp on the bf16 GGUF of the same weights (prefill, decode batch 1), "
         "in its own process after the others (benchmarks/llama_cpp_probe.py)",
+    )
+    ap.add_argument(
+        "--llama-cpp-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="an environment variable for llama.cpp's process only (repeatable): e.g. "
+        "LD_PRELOAD of a shim where ggml's AMX path crashes (BENCHMARKS.md)",
     )
     ap.add_argument("--decode-batches", default="1,16", help="comma-separated decode batch sizes")
     ap.add_argument(

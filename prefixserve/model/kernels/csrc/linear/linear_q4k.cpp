@@ -48,6 +48,10 @@ namespace {
 constexpr int64_t kCodeBytes = 128;                       // a row's nibbles of a super-block
 constexpr int64_t kScalesAt = kGroupRows * kCodeBytes;    // the group's sub-scales, 8 a row
 constexpr int64_t kMinsAt = kScalesAt + 8 * kGroupRows;   // and sub-mins, 8 a row
+#ifndef PREFIXSERVE_Q4K_AHEAD
+#define PREFIXSERVE_Q4K_AHEAD 8
+#endif
+constexpr int64_t kPrefetchAhead = PREFIXSERVE_Q4K_AHEAD;
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)
 #define PREFIXSERVE_Q4K_VNNI 1
@@ -74,6 +78,19 @@ inline float half_to_float(uint16_t h) {
 // Sub-block of the 32 codes at byte half s (0: bytes 0-31, 1: 32-63) of 64-byte load `pair`,
 // nibble `high`: 4 pair + 2 s + high.
 constexpr int sub_block(int pair, int s, int high) { return 4 * pair + 2 * s + high; }
+
+#if defined(PREFIXSERVE_Q4K_VNNI) || defined(PREFIXSERVE_Q4K_AVX2)
+// Rows 0..NW-1's (d, dmin) of super-block b as 8 halves [d0, dmin0, d1, dmin1, ...] (0 past NW).
+template <int NW>
+inline __m128i d_dmin_of(const uint16_t* dd, int64_t dd_row, int64_t b) {
+  const auto at = [&](int i) {
+    int32_t two = 0;
+    if (i < NW) std::memcpy(&two, dd + i * dd_row + 2 * b, sizeof two);
+    return two;
+  };
+  return _mm_setr_epi32(at(0), at(1), at(2), at(3));
+}
+#endif
 
 #if defined(PREFIXSERVE_Q4K_VNNI)
 // Sums of 16-lane vectors, four steps of halving: a pair's lanes folded together, exact.
@@ -145,6 +162,10 @@ void tile(const uint8_t* group, int64_t slot, const uint16_t* dd, int64_t dd_row
   __m512 acc_f = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = group + b * kGroupBytes;
+    if constexpr (NX == 1 && kPrefetchAhead > 0)  // a decode's stream, ahead of the prefetchers
+      for (int64_t line = 0; line < kGroupBytes; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchAhead * kGroupBytes + line),
+                     _MM_HINT_T0);
     __m512i acc[NW][NX];
     for (int i = 0; i < NW; ++i)
       for (int j = 0; j < NX; ++j) acc[i][j] = _mm512_setzero_si512();
@@ -180,12 +201,11 @@ void tile(const uint8_t* group, int64_t slot, const uint16_t* dd, int64_t dd_row
     }
     const __m512i M = fold_pairs<NX>(u);
     // Rows' (d, dmin) as floats [d0, dmin0, d1, dmin1, ...]; x rows' scales.
-    int32_t raw[4] = {0, 0, 0, 0};
-    for (int i = 0; i < NW; ++i) std::memcpy(&raw[i], dd + i * dd_row + 2 * b, sizeof raw[i]);
-    const __m128i halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(raw));
-    const __m512 d_dmin = _mm512_castps256_ps512(_mm256_cvtph_ps(halves));
-    const __m512 xs = _mm512_castps128_ps512(_mm_maskz_loadu_ps(x_rows, xq.scale.data() + b * xq.rows + x0));
-    const __m512 xs_lanes = _mm512_permutexvar_ps(lane_x, xs);
+    const __m512 d_dmin = _mm512_castps256_ps512(_mm256_cvtph_ps(d_dmin_of<NW>(dd, dd_row, b)));
+    const __m512 xs = NX == 1 ? _mm512_set1_ps(xq.scale[b * xq.rows + x0])
+                              : _mm512_castps128_ps512(
+                                    _mm_maskz_loadu_ps(x_rows, xq.scale.data() + b * xq.rows + x0));
+    const __m512 xs_lanes = NX == 1 ? xs : _mm512_permutexvar_ps(lane_x, xs);
     const __m512 dx = _mm512_mul_ps(_mm512_permutexvar_ps(lane_d, d_dmin), xs_lanes);
     const __m512 mx = _mm512_mul_ps(
         _mm512_permutexvar_ps(_mm512_add_epi32(lane_d, _mm512_set1_epi32(1)), d_dmin), xs_lanes);
@@ -262,9 +282,7 @@ void tile(const uint8_t* group, int64_t slot, const uint16_t* dd, int64_t dd_row
       m[p] = _mm_madd_epi16(mins, sums);
     }
     const __m128i M = _mm_hadd_epi32(_mm_hadd_epi32(m[0], m[1]), _mm_hadd_epi32(m[2], m[3]));
-    int32_t raw[4] = {0, 0, 0, 0};
-    for (int i = 0; i < NW; ++i) std::memcpy(&raw[i], dd + i * dd_row + 2 * b, sizeof raw[i]);
-    const __m256 d_dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(raw)));
+    const __m256 d_dmin = _mm256_cvtph_ps(d_dmin_of<NW>(dd, dd_row, b));
     float xs_rows[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int j = 0; j < NX; ++j) xs_rows[j] = xq.scale[b * xq.rows + x0 + j];
     const __m256 xs = _mm256_castps128_ps256(_mm_loadu_ps(xs_rows));
