@@ -42,6 +42,7 @@ _SOURCES = [
         "linear/gemv.cpp",
         "linear/linear_int8.cpp",
         "linear/linear_q4k.cpp",
+        "linear/linear_q6k.cpp",
         "linear/gemm_bf16.cpp",
         "linear/lora.cpp",
         "layer/rope_kv.cpp",

@@ -40,6 +40,7 @@ from prefixserve.model.quant.weights import (
     GGUF_BLOCKS_FILE,
     Int8Weight,
     q4_k_from_raw,
+    q6_k_from_raw,
     recover_gguf_blocks,
 )
 from prefixserve.settings import cache_root, file_lock
@@ -56,7 +57,8 @@ _END_OF_TURN_TOKENS = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>")
 # 4: so are its Q5_0 and Q4_0 weights (GGUF_BLOCKS_FILE, each tensor's type named).
 # 5: and its Q6_K weights (a scale per 16) and Q4_K / Q4_1 ones (`<hf name>.mins` too).
 # 6: not Q4_1 ones (the default model's file: its numerics stay its bf16 values).
-# 7: Q4_K weights with their super-blocks (`<hf name>.super_scales`), read from the file's blocks.
+# 7: Q4_K and Q6_K weights with their super-blocks (`<hf name>.super_scales`), read from the
+#    file's blocks.
 CONVERSION_VERSION = 7
 CONVERSION_MARKER = "prefixserve_conversion.json"
 
@@ -102,7 +104,7 @@ def _convert_gguf(gguf_path: Path, out_dir: Path, chat_template: str | None) -> 
     config.architectures = [type(skeleton).__name__]  # GGUF configs come without it
     parsed = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton)
     expected = set(skeleton.state_dict())
-    blocks = block_tensors(parsed["tensors"], expected, Q4KRows(gguf_path))
+    blocks = block_tensors(parsed["tensors"], expected, KQuantRows(gguf_path))
     tensors = {
         key: value.to(torch.bfloat16).contiguous()
         for key, value in parsed["tensors"].items()
@@ -198,16 +200,17 @@ def _dequantizable(qtype: GGMLQuantizationType) -> bool:
 
 
 def block_tensors(
-    parsed: dict[str, Any], expected: set[str], q4_k: Q4KRows | None = None
+    parsed: dict[str, Any], expected: set[str], kquants: KQuantRows | None = None
 ) -> dict[str, Int8Weight]:
     """Every 2-D weight the file stores in a block type the kernel reads, by Hugging Face name:
-    Q4_K with its super-blocks (`q4_k`: the file's own, matched to transformers' fp32 values),
-    then Q8_0, Q5_0, Q4_0 and Q6_K as `recover_gguf_blocks` finds them in those values."""
+    Q4_K and Q6_K with their super-blocks (`kquants`: the file's own, matched to transformers'
+    fp32 values), then Q8_0, Q5_0, Q4_0 and Q6_K as `recover_gguf_blocks` finds them in those
+    values."""
     kept: dict[str, Int8Weight] = {}
     for name, value in parsed.items():
         if name not in expected or not isinstance(value, torch.Tensor) or value.dim() != 2:
             continue
-        weight = q4_k.recover(value) if q4_k is not None else None
+        weight = kquants.recover(value) if kquants is not None else None
         weight = weight or recover_gguf_blocks(value)
         if weight is not None:
             kept[name] = weight
@@ -218,9 +221,13 @@ def _row_digest(row: np.ndarray) -> bytes:
     return hashlib.blake2b(row.tobytes(), digest_size=16).digest()
 
 
-class Q4KRows:
-    """A file's Q4_K tensors, found by their rows' values: transformers hands over each tensor
-    dequantized and renamed, some with rows reordered (Llama's q and k, un-permuted from
+# The K-quant types kept with their super-blocks, and how their raw rows become weights.
+_KQUANTS = {GGMLQuantizationType.Q4_K: q4_k_from_raw, GGMLQuantizationType.Q6_K: q6_k_from_raw}
+
+
+class KQuantRows:
+    """A file's Q4_K and Q6_K tensors, found by their rows' values: transformers hands over each
+    tensor dequantized and renamed, some with rows reordered (Llama's q and k, un-permuted from
     llama.cpp's rotary order), so a value tensor is matched to the file's blocks row by row (a
     digest of each row's fp32 values) and kept only if every value comes back exactly."""
 
@@ -228,7 +235,7 @@ class Q4KRows:
         self._tensors = [
             t
             for t in open_gguf(gguf_path).tensors
-            if t.tensor_type == GGMLQuantizationType.Q4_K and len(t.data.shape) == 2
+            if t.tensor_type in _KQUANTS and len(t.data.shape) == 2
         ]
         # digest of a row's values -> [(tensor, row), ...]; built on the first recover().
         self._rows: dict[bytes, list[tuple[int, int]]] | None = None
@@ -243,11 +250,12 @@ class Q4KRows:
         return self._rows
 
     def _weight(self, index: int) -> Int8Weight:
-        return q4_k_from_raw(torch.from_numpy(np.array(self._tensors[index].data)))
+        tensor = self._tensors[index]
+        return _KQUANTS[tensor.tensor_type](torch.from_numpy(np.array(tensor.data)))
 
     def recover(self, values: torch.Tensor) -> Int8Weight | None:
-        """The Q4_K weight these fp32 values [N, K] are, exactly; None when they are not one
-        tensor's Q4_K rows."""
+        """The Q4_K or Q6_K weight these fp32 values [N, K] are, exactly; None when they are not
+        one tensor's rows."""
         if not self._tensors or values.dtype != torch.float32 or values.shape[1] % 256:
             return None
         index = self._index()
@@ -270,7 +278,7 @@ class Q4KRows:
             source.codes[order].contiguous(),
             source.scales[order].contiguous(),
             source.fmt,
-            source.mins[order].contiguous(),
+            None if source.mins is None else source.mins[order].contiguous(),
             source.super_scales[order].contiguous(),
         )
 

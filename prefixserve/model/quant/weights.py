@@ -9,7 +9,9 @@ multiplies (csrc/linear/linear_int8.cpp). Two ways in:
   (Q4_0), so the scale is that block's amax over it and the codes come back exactly
   (`recover_gguf_blocks` checks every value and declines a tensor of another type);
 - GGUF Q6_K (a scale per 16, the super-block's fp16 d times an int8 sub-scale, times a code in
-  [-32, 31]): kept too, as int8 codes with a scale per 16 (the largest code found by trying each);
+  [-32, 31]): kept with its super-blocks (`q6_k_from_raw`, as Q4_K's below) and multiplied in
+  6 bits (`pack_q6_k`); from the values alone (`recover_gguf_blocks`, the largest code found by
+  trying each) as int8 codes with a scale per 16;
 - GGUF Q4_K (super-blocks of 256: an fp16 d and dmin, per 32 a 6-bit sub-scale sc and sub-min m,
   codes q in [0, 15]; value = d sc q - dmin m): kept as "q4_k" with its super-blocks
   (`q4_k_from_raw`: read from the file's own blocks, as the values cannot always tell them; the
@@ -53,8 +55,9 @@ class Int8Weight:
     """codes int8 [N, K]; scales fp32 [N, K / group]; `fmt` "int8" (per channel) or the GGUF
     block type it came from ("q8_0", "q5_0", "q4_0", "q6_k", "q4_k"); mins fp32 [N, K / group]
     for an affine one ("q4_k": value = code x scale + min, codes in [0, 15]), else None; and a
-    Q4_K weight's super-blocks, `super_scales` fp16 [N, K / 256, 2] (d, dmin): each scale is d
-    times a 6-bit sub-scale, each min -dmin times a 6-bit sub-min, exactly."""
+    K-quant's super-blocks, `super_scales` fp16 [N, K / 256, 2] (Q4_K's d, dmin: each scale d
+    times a 6-bit sub-scale, each min -dmin times a 6-bit sub-min) or [N, K / 256, 1] (Q6_K's d:
+    each scale per 16 d times an int8 sub-scale), exactly."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -225,7 +228,7 @@ def packed_weight(weight: Int8Weight) -> tuple[torch.Tensor, torch.Tensor]:
     super-blocks in 4 with its mins after its scales ([2, N, K / 32]), the rest in 8; scales per
     32 in float16 where it holds them exactly."""
     if weight.super_scales is not None:
-        return pack_q4_k(weight)
+        return pack_q4_k(weight) if weight.fmt == "q4_k" else pack_q6_k(weight)
     if weight.mins is not None:
         # Stored as they are (the kernel's zero point 0 for them): pack_codes adds back the 8.
         codes = pack_codes(weight.codes.to(torch.int16).sub(8).to(torch.int8), 4)
@@ -274,13 +277,18 @@ def fuse(shards: list[Int8Weight]) -> Int8Weight:
     )
 
 
-# GGUF's Q4_K: super-blocks of Q4_K_SUPER values, 8 sub-blocks of 32, each block in the file
-# Q4_K_BLOCK_BYTES (fp16 d and dmin, 12 bytes of 6-bit sub-scales and sub-mins, 128 of nibbles).
+# GGUF's K-quants: super-blocks of Q4_K_SUPER values. Q4_K's block in the file is
+# Q4_K_BLOCK_BYTES (fp16 d and dmin, 12 bytes of 6-bit sub-scales and sub-mins, 128 of
+# nibbles), Q6_K's Q6_K_BLOCK_BYTES (128 bytes of low nibbles, 64 of high bit pairs, 16 int8
+# sub-scales, fp16 d).
 Q4_K_SUPER = 256
 Q4_K_BLOCK_BYTES = 144
-# The kernel's layout of a group of four rows' super-block (csrc/linear/linear_q4k.cpp): the rows'
-# 128 bytes of nibbles, then their 8 sub-scales each, then their 8 sub-mins each.
+Q6_K_BLOCK_BYTES = 210
+# The kernels' layouts of a group of four rows' super-block (csrc/linear/kquant.h): Q4_K the rows'
+# 128 bytes of nibbles, then their 8 sub-scales each, then their 8 sub-mins each; Q6_K the rows'
+# 128 bytes of low nibbles, then their 64 of high bit pairs, then their 16 sub-scales each.
 _Q4_K_GROUP_BYTES = 4 * 128 + 2 * 4 * 8
+_Q6_K_GROUP_BYTES = 4 * (128 + 64 + 16)
 
 
 def q4_k_from_raw(raw: torch.Tensor) -> Int8Weight:
@@ -368,3 +376,67 @@ def pack_q4_k(weight: Int8Weight) -> tuple[torch.Tensor, torch.Tensor]:
     )
     assert packed.shape[-1] == _Q4_K_GROUP_BYTES
     return packed.contiguous(), supers.reshape(n, -1).contiguous()
+
+
+def q6_k_from_raw(raw: torch.Tensor) -> Int8Weight:
+    """The "q6_k" weight of a file's Q6_K tensor, uint8 [N, K / 256 x 210] (ggml's block_q6_K,
+    row by row), exactly: codes q - 32 in [-32, 31], scales per 16 d x sc, its d; dequantize()
+    is the `gguf` package's values bit for bit."""
+    n = raw.shape[0]
+    blocks = raw.contiguous().view(n, -1, Q6_K_BLOCK_BYTES)
+    # Per half of 128: low nibbles of bytes 0-63 are columns 0-63, high nibbles 64-127; bit
+    # pair t of byte l of the 32 high bytes is column 32t + l's top bits.
+    low = blocks[..., :128].view(n, -1, 2, 1, 64)
+    low = torch.cat([low & 15, low >> 4], dim=3).view(n, -1, 2, 128)
+    high = blocks[..., 128:192].view(n, -1, 2, 1, 32)
+    high = torch.cat([(high >> (2 * t)) & 3 for t in range(4)], dim=3).view(n, -1, 2, 128)
+    codes = ((low | (high << 4)).to(torch.int16) - 32).to(torch.int8).view(n, -1)
+    sub_scales = blocks[..., 192:208].contiguous().view(torch.int8).float()
+    d = blocks[..., 208:210].contiguous().view(torch.float16).view(n, -1, 1)
+    scales = (d.float() * sub_scales).view(n, -1)
+    return Int8Weight(codes.contiguous(), scales.contiguous(), "q6_k", None, d.contiguous())
+
+
+def _x_order() -> torch.Tensor:
+    """The column of each position of a super-block in the kernels' x order (kquant.h
+    `x_column`): 128 columns a 64-byte load, its low nibbles' columns 0-31 and 64-95 first."""
+    q = torch.arange(Q4_K_SUPER)
+    pair, high, r = q // 128, (q // 64) % 2, q % 64
+    return 64 * (2 * pair + r // 32) + 32 * high + r % 32
+
+
+def pack_q6_k(weight: Int8Weight) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes uint8 [ceil(N / 4), K / 256, 832], d fp16 [N, K / 256]): a Q6_K weight in the
+    kernel's layout (csrc/linear/linear_q6k.cpp), 6 bits a code in x's column order, rows in
+    groups of four (the last padded with zeros)."""
+    if weight.super_scales is None or weight.codes.shape[1] % Q4_K_SUPER:
+        raise ValueError("Q6_K packing needs super-blocks of 256 and their d")
+    n, k = weight.codes.shape
+    d = weight.super_scales.view(n, -1)
+    unit = d.float().view(n, -1, 1)
+    per_16 = weight.scales.view(n, -1, 16)
+    sub = torch.where(unit != 0, per_16 / torch.where(unit != 0, unit, 1.0), 0.0).round()
+    if not torch.equal(sub * unit, per_16) or sub.min() < -128 or sub.max() > 127:
+        raise ValueError("Q6_K scales must be d times int8 sub-scales")
+    q = (weight.codes.to(torch.int16) + 32).view(n, -1, Q4_K_SUPER)[..., _x_order()]
+    if int(q.min()) < 0 or int(q.max()) > 63:
+        raise ValueError("Q6_K codes must lie in [-32, 31]")
+    q = q.to(torch.uint8).view(n, -1, 2, 2, 64)  # [.., pair, low / high nibble, byte]
+    low = (q[:, :, :, 0] & 15) | ((q[:, :, :, 1] & 15) << 4)  # [N, K / 256, 2, 64]
+    pairs = (q >> 4).view(n, -1, 2, 4, 32)
+    high = pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 2) | (pairs[:, :, :, 2] << 4)
+    high = high | (pairs[:, :, :, 3] << 6)  # [N, K / 256, 2, 32]
+    rows = torch.cat(
+        [low.reshape(n, -1, 128), high.reshape(n, -1, 64), sub.to(torch.int8).view(torch.uint8)],
+        dim=-1,
+    )
+    pad = (-n) % 4
+    if pad:
+        rows = torch.cat([rows, rows.new_zeros(pad, *rows.shape[1:])])
+    groups = rows.view(-1, 4, k // Q4_K_SUPER, 208).transpose(1, 2)
+    parts = [(0, 128), (128, 192), (192, 208)]
+    packed = torch.cat(
+        [groups[..., a:b].reshape(*groups.shape[:2], 4 * (b - a)) for a, b in parts], dim=-1
+    )
+    assert packed.shape[-1] == _Q6_K_GROUP_BYTES
+    return packed.contiguous(), d.contiguous()

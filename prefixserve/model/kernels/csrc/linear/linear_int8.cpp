@@ -50,7 +50,7 @@
 #include "bf16_bits.h"
 #include "gemm_bf16_tiles.h"
 #include "kernels.h"
-#include "linear_q4k.h"
+#include "kquant.h"
 #include "stream_pool.h"
 
 namespace {
@@ -641,12 +641,14 @@ void linear_int8(torch::Tensor out, torch::Tensor x, torch::Tensor codes, torch:
                   out.device().is_cpu(),
               "linear_int8 runs on CPU tensors only");
   const int bits = code_bits(codes);
-  const bool super = prefixserve::q4k::is_layout(codes, scales);  // Q4_K: linear_q4k.cpp
+  namespace kquant = prefixserve::kquant;
+  const kquant::Format super = kquant::format_of(codes, scales);  // Q4_K, Q6_K: kquant.h
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16 &&
                   (bits != 0 || super) &&
                   (scales.scalar_type() == torch::kFloat || scales.scalar_type() == torch::kHalf),
               "linear_int8 needs bfloat16 x and out, packed codes (int8 [.., 64], uint8 [.., 40] "
-              "or [.., 32]; Q4_K's uint8 [.., 576]), float32 (or float16) scales");
+              "or [.., 32]; Q4_K's and Q6_K's uint8 [.., 576] and [.., 832]), float32 (or "
+              "float16) scales");
   const bool affine = scales.dim() == 3;
   TORCH_CHECK(x.dim() == 2 && (scales.dim() == 2 || (affine && scales.size(0) == 2)) &&
                   out.dim() == 2 && x.is_contiguous() && codes.is_contiguous() &&
@@ -661,7 +663,7 @@ void linear_int8(torch::Tensor out, torch::Tensor x, torch::Tensor codes, torch:
   const bool gated = act != kNone;
   const int64_t width_out = gated ? N / 2 : N;
   const bool codes_fit =
-      super ? prefixserve::q4k::shapes_fit(codes, scales, N, K)
+      super ? kquant::shapes_fit(super, codes, scales, N, K)
             : codes.size(0) == (N + kGroupRows - 1) / kGroupRows &&
                   codes.size(1) * kChunk == K && codes.size(2) == kGroupRows &&
                   K % kChunk == 0 && groups > 0 && K % groups == 0 &&
@@ -669,9 +671,9 @@ void linear_int8(torch::Tensor out, torch::Tensor x, torch::Tensor codes, torch:
   TORCH_CHECK(codes_fit && (!gated || N % 2 == 0) && out.size(0) == rows &&
                   out.size(1) == width_out,
               "linear_int8: shapes x [rows, K], codes [N / 4, K / 64, 4, bytes], scales [N, K / G] "
-              "with K a multiple of 64 and G 16, 32 or a multiple of 64 (Q4_K: codes [N / 4, "
-              "K / 256, 576], scales [N, 2 K / 256] with K a multiple of 256), out [rows, N] "
-              "(gated: [rows, N / 2])");
+              "with K a multiple of 64 and G 16, 32 or a multiple of 64 (Q4_K, Q6_K: codes "
+              "[N / 4, K / 256, 576 or 832], scales [N, 2 K / 256 or K / 256] with K a multiple "
+              "of 256), out [rows, N] (gated: [rows, N / 2])");
   std::vector<float> bias_f;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->scalar_type() == torch::kBFloat16 && bias->is_contiguous() &&
@@ -697,14 +699,14 @@ void linear_int8(torch::Tensor out, torch::Tensor x, torch::Tensor codes, torch:
                    bias_f.empty() ? nullptr : bias_f.data(), act, res};
   const auto* x_bits = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
   const auto* q = static_cast<const uint8_t*>(codes.data_ptr());
-  if (super) {  // x quantized per super-block of 256 (linear_q4k.cpp)
-    const auto xq = prefixserve::q4k::quantize_x(x_bits, rows, K, threads,
-                                                 /*compute_bound=*/rows > kComputeBoundRows);
-    const auto* d_dmin = reinterpret_cast<const uint16_t*>(scales.data_ptr());
+  if (super) {  // x quantized per super-block of 256 (kquant.h)
+    const auto xq = kquant::quantize_x(x_bits, rows, K, threads,
+                                       /*compute_bound=*/rows > kComputeBoundRows);
+    const auto* supers = reinterpret_cast<const uint16_t*>(scales.data_ptr());
     const auto sum = [&](int64_t n0, int64_t width, float* sums) {
-      prefixserve::q4k::sum_range(q, d_dmin, K, xq, n0, width, sums);
+      kquant::sum_range(super, q, supers, K, xq, n0, width, sums);
     };
-    run_chunks(sum, prefixserve::q4k::row_bytes(K), K, rows, width_out, gated, e, threads);
+    run_chunks(sum, kquant::row_bytes(super, K), K, rows, width_out, gated, e, threads);
     return prefetch_next(rows, prefetch);
   }
   // x quantized once per call, per row and group of 32, with the codes' zero point (affine

@@ -1,11 +1,12 @@
-"""GGUF Q4_K weights in super-blocks (model/quant/weights.py `q4_k_from_raw`, `pack_q4_k`;
-csrc/linear/linear_q4k.cpp; the loader's `gguf_convert.Q4KRows`).
+"""GGUF Q4_K and Q6_K weights in super-blocks (model/quant/weights.py `q4_k_from_raw`,
+`q6_k_from_raw`, `pack_q4_k`, `pack_q6_k`; csrc/linear/kquant.h, linear_q4k.cpp, linear_q6k.cpp;
+the loader's `gguf_convert.KQuantRows`).
 
-The kernel is pinned to a float64 reference of its quantized operands (within bf16's rounding)
-and bit for bit to a Python model of its one order (per super-block the exact integers S and M,
-then two fused multiply-adds), which every CPU family's build must match; a row's bits do not
-depend on the batch. The file's blocks come back exactly, matched to transformers' values row
-by row, and a Q4_K_M GGUF model gives a cache hit the cold start's tokens.
+The kernels are pinned to a float64 reference of their quantized operands (within bf16's
+rounding) and bit for bit to a Python model of their one order (per super-block exact integers,
+then one or two fused multiply-adds), which every CPU family's build must match; a row's bits do
+not depend on the batch. The file's blocks come back exactly, matched to transformers' values
+row by row, and a Q4_K_M GGUF model gives a cache hit the cold start's tokens.
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ from prefixserve.model.quant.weights import (
     Int8Weight,
     fuse,
     pack_q4_k,
+    pack_q6_k,
     packed_weight,
     q4_k_from_raw,
+    q6_k_from_raw,
     quantize_q4_k,
 )
 
@@ -38,8 +41,26 @@ def _raw_q4_k(n: int, k: int, seed: int = 0) -> np.ndarray:
     return blocks.reshape(n, -1)
 
 
-def _weight(n: int, k: int, seed: int = 0) -> Int8Weight:
+def _raw_q6_k(n: int, k: int, seed: int = 0) -> np.ndarray:
+    """Random ggml block_q6_K rows, uint8 [n, k / 256 x 210]: any 6-bit codes, int8 sub-scales
+    (some 0, either sign, -128 too), fp16 d (one super-block's 0)."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (n, k // 256, 210), dtype=np.uint8)
+    blocks[0, 0, 192] = 0  # a zero sub-scale
+    blocks[-1, -1, 193] = 128  # -128
+    d = (rng.random((n, k // 256, 1)) * 1e-3).astype(np.float16)
+    d[-1, 0] = 0.0
+    blocks[..., 208:] = d.view(np.uint8).reshape(n, -1, 2)
+    return blocks.reshape(n, -1)
+
+
+def _weight(n: int, k: int, seed: int = 0, fmt: str = "q4_k") -> Int8Weight:
+    if fmt == "q6_k":
+        return q6_k_from_raw(torch.from_numpy(_raw_q6_k(n, k, seed)))
     return q4_k_from_raw(torch.from_numpy(_raw_q4_k(n, k, seed)))
+
+
+FORMATS = ["q4_k", "q6_k"]
 
 
 def _x(rows: int, k: int, seed: int = 1) -> torch.Tensor:
@@ -83,10 +104,32 @@ def _fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return (a.double() * b.double() + c.double()).float()
 
 
+def _model_of_q6_k(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
+    """Q6_K's documented order: per super-block b, S = sum_j sc_j (sum of q x over sub-block j
+    of 16) - 32 sum_j sc_j (sum of its x codes), exact; acc = fma(float(S), d xs, acc)."""
+    codes, xscale = _quantize_x(x)
+    rows, k = codes.shape
+    n, blocks = w.codes.shape[0], k // 256
+    xq = codes.view(rows, blocks, 16, 16)
+    q = (w.codes.long() + 32).view(n, blocks, 16, 16)
+    d = w.super_scales[..., 0].float()  # [N, blocks]
+    sc = torch.where(d.unsqueeze(-1) != 0, w.scales.view(n, blocks, 16) / d.unsqueeze(-1), 0.0)
+    sc = sc.round().long()
+    dots = torch.einsum("rbjt,nbjt->rnbj", xq.double(), q.double()).long()
+    S = (dots * sc.unsqueeze(0)).sum(-1) - 32 * (xq.sum(-1).unsqueeze(1) * sc.unsqueeze(0)).sum(-1)
+    acc = torch.zeros(rows, n, dtype=torch.float32)
+    for b in range(blocks):
+        acc = _fma(S[..., b].double().float(), d[:, b].unsqueeze(0) * xscale[:, b : b + 1], acc)
+    return acc.bfloat16()
+
+
 def _model_of_the_kernel(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
     """The documented order: per super-block b, S = sum_j sc_j (sum of q x over sub-block j)
     and M = sum_j m_j (sum of sub-block j's x codes), exact; acc = fma(float(S), d xs, acc),
-    then acc = fma(-float(M), dmin xs, acc), from 0 over the super-blocks in order."""
+    then acc = fma(-float(M), dmin xs, acc), from 0 over the super-blocks in order (Q6_K:
+    `_model_of_q6_k`)."""
+    if w.fmt == "q6_k":
+        return _model_of_q6_k(x, w)
     codes, xscale = _quantize_x(x)
     rows, k = codes.shape
     n, blocks = w.codes.shape[0], k // 256
@@ -118,6 +161,19 @@ def test_q4_k_blocks_read_from_the_file_give_ggufs_own_values_exactly():
     assert weight.super_scales.shape == (12, 2, 2) and weight.super_scales.dtype == torch.float16
 
 
+def test_q6_k_blocks_read_from_the_file_give_ggufs_own_values_exactly():
+    from gguf import GGMLQuantizationType, quants
+
+    raw = _raw_q6_k(12, 512)
+    weight = q6_k_from_raw(torch.from_numpy(raw))
+    values = quants.dequantize(raw, GGMLQuantizationType.Q6_K)
+    assert weight.fmt == "q6_k" and weight.group == 16 and weight.mins is None
+    assert torch.equal(weight.dequantize(), torch.from_numpy(values.copy()))
+    assert weight.super_scales.shape == (12, 2, 1)
+    codes, d = pack_q6_k(weight)
+    assert codes.shape == (3, 2, 832) and d.shape == (12, 2) and d.dtype == torch.float16
+
+
 def test_the_packed_layout_is_groups_of_four_rows_in_the_files_nibble_order():
     raw = _raw_q4_k(6, 512, seed=2)  # N not a multiple of 4: the last group padded
     weight = q4_k_from_raw(torch.from_numpy(raw))
@@ -145,8 +201,9 @@ def test_scales_that_are_not_d_times_6_bit_integers_are_refused():
         pack_q4_k(Int8Weight(weight.codes, bad, "q4_k", weight.mins, weight.super_scales))
 
 
-def test_the_kernel_matches_a_float64_reference_of_its_quantized_operands():
-    w = _weight(40, 768, seed=3)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_kernel_matches_a_float64_reference_of_its_quantized_operands(fmt):
+    w = _weight(40, 768, seed=3, fmt=fmt)
     x = _x(5, 768)
     codes, xscale = _quantize_x(x)
     xq = (codes.double().view(5, -1, 256) * xscale.double().unsqueeze(-1)).view(5, 768)
@@ -156,15 +213,17 @@ def test_the_kernel_matches_a_float64_reference_of_its_quantized_operands():
     assert ((got - ref).abs() <= ref.abs() * 2**-8 + size * 1e-6 + 1e-30).all()
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 17])
-def test_the_kernel_sums_in_its_one_documented_order_on_every_cpu_family(rows):
-    w = _weight(38, 512, seed=rows)  # N not a multiple of 4
+def test_the_kernel_sums_in_its_one_documented_order_on_every_cpu_family(rows, fmt):
+    w = _weight(38, 512, seed=rows, fmt=fmt)  # N not a multiple of 4
     x = _x(rows, 512, seed=rows)
     assert torch.equal(_run(x, w), _model_of_the_kernel(x, w))
 
 
-def test_a_row_gives_the_same_bits_alone_and_in_any_batch():
-    w = _weight(150, 512, seed=4)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_row_gives_the_same_bits_alone_and_in_any_batch(fmt):
+    w = _weight(150, 512, seed=4, fmt=fmt)
     x = _x(11, 512, seed=5)
     alone = torch.cat([_run(x[i : i + 1].contiguous(), w) for i in range(11)])
     for rows in (2, 3, 4, 5, 6, 8, 11):
@@ -183,8 +242,9 @@ def test_the_epilogues_take_q4_k_sums_as_any_others():
     assert torch.allclose(gated, torch.nn.functional.silu(gate) * up, rtol=2**-6, atol=1e-3)
 
 
-def test_fused_q4_k_shards_give_each_shards_bits():
-    shards = [_weight(8, 256, seed=s) for s in (8, 9, 10)]
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fused_shards_give_each_shards_bits(fmt):
+    shards = [_weight(8, 256, seed=s, fmt=fmt) for s in (8, 9, 10)]
     fused = fuse(shards)
     assert fused.super_scales is not None and fused.super_scales.shape[0] == 24
     x = _x(3, 256)
@@ -201,37 +261,45 @@ def test_a_simply_quantized_weight_is_close_to_its_values():
     pack_q4_k(q)  # its scales are d times 6-bit integers, exactly
 
 
-def _write_gguf(path, tensors: dict[str, np.ndarray]) -> None:
-    """A GGUF file holding these raw Q4_K tensors (uint8 [N, K / 256 x 144])."""
+def _write_gguf(path, tensors: dict[str, tuple[np.ndarray, str]]) -> None:
+    """A GGUF file holding these raw tensors (uint8 rows of the named GGML type's blocks)."""
     from gguf import GGMLQuantizationType, GGUFWriter
 
     writer = GGUFWriter(str(path), "llama")
-    for name, raw in tensors.items():
-        writer.add_tensor(name, raw, raw_dtype=GGMLQuantizationType.Q4_K)
+    for name, (raw, qtype) in tensors.items():
+        writer.add_tensor(name, raw, raw_dtype=getattr(GGMLQuantizationType, qtype))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
 
 
-def test_the_loader_matches_q4_k_values_to_the_files_blocks_row_by_row(tmp_path):
+def test_the_loader_matches_k_quant_values_to_the_files_blocks_row_by_row(tmp_path):
     """transformers hands over each tensor dequantized, some with rows reordered (Llama's q and
-    k): the rows are found among the file's Q4_K tensors by their values and kept exactly; values
-    of no Q4_K tensor (or of two) are declined."""
-    from prefixserve.model.loader.gguf_convert import Q4KRows
+    k): the rows are found among the file's Q4_K and Q6_K tensors by their values and kept
+    exactly; values of no such tensor (or of two) are declined."""
+    from prefixserve.model.loader.gguf_convert import KQuantRows
     from prefixserve.model.loader.gguf_reader import one_reader_per_file
 
-    raws = {"a.weight": _raw_q4_k(16, 512, seed=12), "b.weight": _raw_q4_k(16, 512, seed=13)}
+    raws = {
+        "a.weight": (_raw_q4_k(16, 512, seed=12), "Q4_K"),
+        "b.weight": (_raw_q4_k(16, 512, seed=13), "Q4_K"),
+        "c.weight": (_raw_q6_k(8, 768, seed=14), "Q6_K"),
+    }
     _write_gguf(tmp_path / "m.gguf", raws)
     with one_reader_per_file():
-        rows = Q4KRows(tmp_path / "m.gguf")
-        a = q4_k_from_raw(torch.from_numpy(raws["a.weight"]))
+        rows = KQuantRows(tmp_path / "m.gguf")
+        a = q4_k_from_raw(torch.from_numpy(raws["a.weight"][0]))
         order = torch.randperm(16, generator=torch.Generator().manual_seed(0))
         found = rows.recover(a.dequantize()[order].contiguous())
         assert found is not None and torch.equal(found.dequantize(), a.dequantize()[order])
         assert torch.equal(found.codes, a.codes[order])
         assert torch.equal(found.super_scales, a.super_scales[order])
-        b = q4_k_from_raw(torch.from_numpy(raws["b.weight"])).dequantize()
+        c = q6_k_from_raw(torch.from_numpy(raws["c.weight"][0]))
+        found = rows.recover(c.dequantize())
+        assert found is not None and found.fmt == "q6_k"
+        assert torch.equal(found.codes, c.codes) and torch.equal(found.scales, c.scales)
+        b = q4_k_from_raw(torch.from_numpy(raws["b.weight"][0])).dequantize()
         mixed = torch.cat([a.dequantize()[:8], b[8:]])
         assert rows.recover(mixed) is None
         assert rows.recover(torch.randn(16, 512)) is None
