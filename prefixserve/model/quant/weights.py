@@ -223,16 +223,14 @@ def _narrow_codes(weight: Int8Weight, bits: int) -> Int8Weight | None:
 
 
 def packed_weight(weight: Int8Weight) -> tuple[torch.Tensor, torch.Tensor]:
-    """(packed codes, scales) for the kernel: Q4_K in its super-blocks (`pack_q4_k`), Q4_0 and
-    Q5_0 in 4 and 5 bits where their codes fit (`LOW_BIT_FORMATS`), an affine weight without
-    super-blocks in 4 with its mins after its scales ([2, N, K / 32]), the rest in 8; scales per
-    32 in float16 where it holds them exactly."""
+    """(packed codes, scales) for the kernel: Q4_K and Q6_K in their super-blocks (`pack_q4_k`,
+    `pack_q6_k`), Q4_0 and Q5_0 in 4 and 5 bits where their codes fit (`LOW_BIT_FORMATS`), the
+    rest in 8; scales per 32 in float16 where it holds them exactly. An affine weight (mins)
+    needs its super-blocks."""
     if weight.super_scales is not None:
         return pack_q4_k(weight) if weight.fmt == "q4_k" else pack_q6_k(weight)
     if weight.mins is not None:
-        # Stored as they are (the kernel's zero point 0 for them): pack_codes adds back the 8.
-        codes = pack_codes(weight.codes.to(torch.int16).sub(8).to(torch.int8), 4)
-        return codes, torch.stack([weight.scales, weight.mins]).contiguous()
+        raise ValueError("an affine weight (Q4_K) needs its super-blocks to be multiplied")
     bits = LOW_BIT_FORMATS.get(weight.fmt, 8)
     narrow = _narrow_codes(weight, bits) if bits < 8 else None
     if narrow is None:

@@ -2,7 +2,8 @@
 // dot product): a weight row's 256 columns are eight sub-blocks of 32 codes q in [0, 15], each
 // with a 6-bit sub-scale sc and sub-min m, and the super-block's fp16 d and dmin; value =
 // d sc q - dmin m. x is quantized per super-block (scale amax / 127, codes rounded to nearest
-// even in [-127, 127], as linear_int8's per 32), with the sum of each sub-block's codes. Then
+// even in [-127, 127], as linear_int8's per 32; kquant.h `quantize_x`), with the sum of each
+// sub-block's codes. Then
 //
 //   sum over the super-block of value x = d xs S - dmin xs M,
 //   S = sum_j sc_j (sum over sub-block j of q x),  M = sum_j m_j (sum of sub-block j's x codes),
@@ -17,7 +18,7 @@
 //   acc = fma(float(S), d * xs, acc);  acc = fma(-float(M), dmin * xs, acc)
 //
 // (float(S) rounds to nearest even above 2^24, on every family alike), from acc = 0 over the
-// super-blocks in order. So every family writes the same bits (tests/model/test_linear_q4k.py),
+// super-blocks in order. So every family writes the same bits (tests/model/test_linear_kquant.py),
 // and a row's result never depends on the other rows of the call. The float arithmetic is one
 // fused multiply-add pair per 256 weights where the per-32 path took two per 4 columns' lane.
 //
@@ -27,8 +28,13 @@
 // then their sub-scales (8 bytes a row), then their sub-mins (8 a row); d_dmin fp16 [N, 2 K / 256]
 // (each super-block's d, dmin). 4.625 bits a weight (the file's 4.5 packs the sub-scales in 6
 // bits). A 64-byte load of a row is 128 columns: its low nibbles are columns 0-31 and 64-95 of
-// them, its high nibbles 32-63 and 96-127, so x's codes are stored in that order (`x_column`) and
-// each 32-bit lane's four products lie in one sub-block (kquant.h `x_column`).
+// them, its high nibbles 32-63 and 96-127, so x's codes are stored in that order (kquant.h
+// `x_column`) and each 32-bit lane's four products lie in one sub-block.
+//
+// Tiles (kquant_tiles.h): up to 4 weight rows by 4 x rows on AVX-512 (the 16 pairs' integer sums
+// folded into one vector's lanes, then the float work for all 16 at once), 4 pairs on AVX2, one on
+// the portable loop. A decode's tile (one x row) prefetches its stream kPrefetchAhead super-blocks
+// ahead.
 #include "kquant.h"
 
 #include <cmath>

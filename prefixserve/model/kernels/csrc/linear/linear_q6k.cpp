@@ -15,7 +15,7 @@
 //   acc = fma(float(S), d * xs, acc)
 //
 // from acc = 0 over the super-blocks in order (float(S) rounds to nearest even above 2^24 on
-// every family alike). So every family writes the same bits (tests/model/test_linear_q4k.py).
+// every family alike). So every family writes the same bits (tests/model/test_linear_kquant.py).
 //
 // The layout (model/quant/weights.py `pack_q6_k`): codes uint8 [ceil(N / 4), K / 256, 832], a
 // group of four rows' super-block in 832 bytes: each row's 128 bytes of low nibbles, then each
