@@ -251,6 +251,24 @@ def test_fused_shards_give_each_shards_bits(fmt):
     assert torch.equal(_run(x, fused), torch.cat([_run(x, w) for w in shards], dim=1))
 
 
+def test_q4_k_shards_then_q6_k_ones_fuse_into_one_call_with_each_shards_bits():
+    """llama.cpp's Q4_K_M gives v Q6_K where q and k are Q4_K: the fused qkv is one call over
+    both parts (Q4_K's rows a multiple of 4), every row with its own format's bits."""
+    shards = [_weight(8, 512, seed=15), _weight(4, 512, seed=16), _weight(6, 512, 17, "q6_k")]
+    fused = fuse(shards)
+    assert fused.fmt == "q4_k+q6_k" and fused.parts is not None
+    assert torch.equal(fused.dequantize(), torch.cat([w.dequantize() for w in shards]))
+    codes, scales = packed_weight(fused)
+    assert codes.dim() == 1 and scales.shape == (18, 4)
+    for rows in (1, 3, 6):
+        x = _x(rows, 512, seed=rows)
+        assert torch.equal(_run(x, fused), torch.cat([_run(x, w) for w in shards], dim=1))
+    with pytest.raises(ValueError, match="share a format"):
+        fuse([_weight(6, 512, seed=15), _weight(6, 512, 17, "q6_k")])  # 6 Q4_K rows
+    with pytest.raises(ValueError, match="share a format"):
+        fuse([_weight(4, 512, 17, "q6_k"), _weight(8, 512, seed=15)])  # Q6_K first
+
+
 def test_a_simply_quantized_weight_is_close_to_its_values():
     gen = torch.Generator().manual_seed(11)
     w = torch.randn(16, 512, generator=gen) * 0.05

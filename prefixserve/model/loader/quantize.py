@@ -69,7 +69,9 @@ def quantize_model(model: nn.Module, model_dir: Path, quantization: str) -> str 
     link_next_weights(model)
     if hasattr(model, "_native"):
         model._native = False  # the linears changed: bind the native layers again
-    applied = sorted({m.int8_format for m in linears.values() if m.int8_format})
+    applied = sorted(
+        {fmt for m in linears.values() if m.int8_format for fmt in m.int8_format.split("+")}
+    )
     return "+".join(applied) if applied else None
 
 

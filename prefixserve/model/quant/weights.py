@@ -57,13 +57,15 @@ class Int8Weight:
     for an affine one ("q4_k": value = code x scale + min, codes in [0, 15]), else None; and a
     K-quant's super-blocks, `super_scales` fp16 [N, K / 256, 2] (Q4_K's d, dmin: each scale d
     times a 6-bit sub-scale, each min -dmin times a 6-bit sub-min) or [N, K / 256, 1] (Q6_K's d:
-    each scale per 16 d times an int8 sub-scale), exactly."""
+    each scale per 16 d times an int8 sub-scale), exactly. A fused weight of Q4_K rows then
+    Q6_K rows ("q4_k+q6_k", `fuse`) keeps the two as `parts`, its scales and mins per 16."""
 
     codes: torch.Tensor
     scales: torch.Tensor
     fmt: str
     mins: torch.Tensor | None = None
     super_scales: torch.Tensor | None = None
+    parts: tuple[Int8Weight, ...] | None = None
 
     @property
     def group(self) -> int:
@@ -227,6 +229,8 @@ def packed_weight(weight: Int8Weight) -> tuple[torch.Tensor, torch.Tensor]:
     `pack_q6_k`), Q4_0 and Q5_0 in 4 and 5 bits where their codes fit (`LOW_BIT_FORMATS`), the
     rest in 8; scales per 32 in float16 where it holds them exactly. An affine weight (mins)
     needs its super-blocks."""
+    if weight.parts is not None:
+        return pack_k_quant_mix(*weight.parts)
     if weight.super_scales is not None:
         return pack_q4_k(weight) if weight.fmt == "q4_k" else pack_q6_k(weight)
     if weight.mins is not None:
@@ -249,11 +253,26 @@ def _kernel_scales(scales: torch.Tensor, group: int) -> torch.Tensor:
 
 
 def fusable(shards: list[Int8Weight]) -> bool:
-    """Whether `fuse` takes these shards: one format (with super-blocks in all or none), or
-    symmetric ones with a scale per 32."""
+    """Whether `fuse` takes these shards: one format (with super-blocks in all or none),
+    symmetric ones with a scale per 32, or Q4_K ones then Q6_K ones (`_k_quant_mix`)."""
     fmts = {w.fmt for w in shards}
     shapes = {(w.group, w.codes.shape[1], w.super_scales is None) for w in shards}
-    return len(shapes) == 1 and (len(fmts) == 1 or fmts <= _PER_32_SYMMETRIC)
+    one = len(shapes) == 1 and (len(fmts) == 1 or fmts <= _PER_32_SYMMETRIC)
+    return one or _k_quant_mix(shards)
+
+
+def _k_quant_mix(shards: list[Int8Weight]) -> bool:
+    """Whether these shards are Q4_K ones then Q6_K ones, all with super-blocks and one K, the
+    Q4_K rows a multiple of 4 (the kernel's groups of rows do not straddle the two)."""
+    fmts = [w.fmt for w in shards]
+    q4 = fmts.count("q4_k")
+    return (
+        0 < q4 < len(fmts)
+        and fmts == ["q4_k"] * q4 + ["q6_k"] * (len(fmts) - q4)
+        and all(w.super_scales is not None for w in shards)
+        and len({w.codes.shape[1] for w in shards}) == 1
+        and sum(w.codes.shape[0] for w in shards[:q4]) % 4 == 0
+    )
 
 
 def fuse(shards: list[Int8Weight]) -> Int8Weight:
@@ -261,7 +280,12 @@ def fuse(shards: list[Int8Weight]) -> Int8Weight:
     or, of Q4_0 / Q5_0 / Q8_0 shards mixed (llama.cpp's Q4_K_M gives v more bits than q and k),
     one "q8_0" weight: all are int8 codes with a scale per 32, exactly."""
     if not fusable(shards):
-        raise ValueError("fused shards must share a format (or mix Q4_0, Q5_0, Q8_0), group and K")
+        raise ValueError(
+            "fused shards must share a format (or mix Q4_0, Q5_0, Q8_0, or be Q4_K then Q6_K), "
+            "group and K"
+        )
+    if _k_quant_mix(shards):
+        return _fuse_k_quant_mix(shards)
     mins = None if shards[0].mins is None else torch.cat([w.mins for w in shards]).contiguous()
     supers = None
     if shards[0].super_scales is not None:
@@ -438,3 +462,25 @@ def pack_q6_k(weight: Int8Weight) -> tuple[torch.Tensor, torch.Tensor]:
     )
     assert packed.shape[-1] == _Q6_K_GROUP_BYTES
     return packed.contiguous(), d.contiguous()
+
+
+def _fuse_k_quant_mix(shards: list[Int8Weight]) -> Int8Weight:
+    """Q4_K shards then Q6_K shards as one "q4_k+q6_k" weight: each format's shards fused as
+    `parts`, and for everything else codes, scales and mins per 16 (Q4_K's per 32 repeated,
+    Q6_K's mins 0) that give back every value."""
+    q4 = [w for w in shards if w.fmt == "q4_k"]
+    parts = (fuse(q4), fuse(shards[len(q4) :]))
+    scales = torch.cat([parts[0].scales.repeat_interleave(2, dim=1), parts[1].scales])
+    mins = torch.cat([parts[0].mins.repeat_interleave(2, dim=1), torch.zeros_like(parts[1].scales)])
+    codes = torch.cat([parts[0].codes, parts[1].codes])
+    return Int8Weight(codes, scales, "q4_k+q6_k", mins, None, parts)
+
+
+def pack_k_quant_mix(q4_k: Int8Weight, q6_k: Int8Weight) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes uint8 [bytes], scales fp16 [N, 2 K / 256]) of a fused weight's Q4_K rows then Q6_K
+    rows for the kernel (csrc/linear/kquant.h kMixed): both packed groups flat, one after the
+    other; a Q6_K row's d in the first K / 256 of its scales, zeros after."""
+    codes_4, d_dmin = pack_q4_k(q4_k)
+    codes_6, d = pack_q6_k(q6_k)
+    scales = torch.cat([d_dmin, torch.cat([d, torch.zeros_like(d)], dim=1)])
+    return torch.cat([codes_4.view(-1), codes_6.view(-1)]).contiguous(), scales.contiguous()

@@ -114,13 +114,14 @@ inline float half_to_float(uint16_t h) {
   return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
 }
 
-// Sums of weight rows [n0, n0 + width) with every row of xq into sums [rows, width], in tiles
+// Sums of weight rows [n0, n0 + width) with every row of xq into sums [rows, ld], in tiles
 // of Tiles::tile<NW, NX>(group, slot, scales of the tile's first row, scales per row, xq, x0,
 // out[NW x NX]), NW weight rows of one packed group (`group_bytes` a super-block) from slot
 // `slot`, NX x rows from x0; `scales_per_row` fp16 scales a row.
 template <class Tiles>
 void walk(const uint8_t* codes, int64_t group_bytes, const uint16_t* scales,
-          int64_t scales_per_row, const XSuper& xq, int64_t n0, int64_t width, float* sums) {
+          int64_t scales_per_row, const XSuper& xq, int64_t n0, int64_t width, float* sums,
+          int64_t ld) {
   float out[kMaxPairs];
   const int64_t rows = xq.rows, blocks = xq.blocks;
   for (int64_t m0 = 0; m0 < rows;) {
@@ -142,7 +143,7 @@ void walk(const uint8_t* codes, int64_t group_bytes, const uint16_t* scales,
         Tiles::template rows<1>(group, slot, s, scales_per_row, xq, m0, tx, out);
       }
       for (int64_t i = 0; i < nw; ++i)
-        for (int64_t j = 0; j < tx; ++j) sums[(m0 + j) * width + n + i] = out[i * tx + j];
+        for (int64_t j = 0; j < tx; ++j) sums[(m0 + j) * ld + n + i] = out[i * tx + j];
       n += nw;
     }
     m0 += tx;

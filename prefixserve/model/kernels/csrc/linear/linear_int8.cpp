@@ -622,8 +622,8 @@ void linear_int8(torch::Tensor out, torch::Tensor x, torch::Tensor codes, torch:
                   (bits != 0 || super) &&
                   (scales.scalar_type() == torch::kFloat || scales.scalar_type() == torch::kHalf),
               "linear_int8 needs bfloat16 x and out, packed codes (int8 [.., 64], uint8 [.., 40] "
-              "or [.., 32]; Q4_K's and Q6_K's uint8 [.., 576] and [.., 832]), float32 (or "
-              "float16) scales");
+              "or [.., 32]; Q4_K's and Q6_K's uint8 [.., 576] and [.., 832], or both flat), "
+              "float32 (or float16) scales");
   TORCH_CHECK(x.dim() == 2 && scales.dim() == 2 && out.dim() == 2 && x.is_contiguous() &&
                   codes.is_contiguous() && scales.is_contiguous() && out.is_contiguous(),
               "linear_int8 needs contiguous 2-D x, out and scales, and packed codes");
@@ -670,9 +670,10 @@ void linear_int8(torch::Tensor out, torch::Tensor x, torch::Tensor codes, torch:
   if (super) {  // x quantized per super-block of 256 (kquant.h)
     const auto xq = kquant::quantize_x(x_bits, rows, K, threads,
                                        /*compute_bound=*/rows > kComputeBoundRows);
-    const auto* supers = reinterpret_cast<const uint16_t*>(scales.data_ptr());
+    const kquant::Weight w{super, q, reinterpret_cast<const uint16_t*>(scales.data_ptr()), K,
+                           kquant::mixed_split(super, codes, N, K)};
     const auto sum = [&](int64_t n0, int64_t width, float* sums) {
-      kquant::sum_range(super, q, supers, K, xq, n0, width, sums);
+      kquant::sum_range(w, xq, n0, width, sums);
     };
     run_chunks(sum, kquant::row_bytes(super, K), K, rows, width_out, gated, e, threads);
     return prefetch_next(rows, prefetch);

@@ -254,19 +254,36 @@ struct Q4KTiles {
 }  // namespace
 
 Format format_of(const torch::Tensor& codes, const torch::Tensor& scales) {
-  if (codes.dim() != 3 || codes.scalar_type() != torch::kByte || scales.dim() != 2 ||
+  if (codes.scalar_type() != torch::kByte || scales.dim() != 2 ||
       scales.scalar_type() != torch::kHalf)
     return kNone;
+  if (codes.dim() == 1) return kMixed;
+  if (codes.dim() != 3) return kNone;
   return codes.size(2) == kQ4KGroupBytes ? kQ4K : codes.size(2) == kQ6KGroupBytes ? kQ6K : kNone;
+}
+
+int64_t mixed_split(Format format, const torch::Tensor& codes, int64_t N, int64_t K) {
+  if (format != kMixed) return format == kQ4K ? N : 0;
+  // groups x 576 + q6k_groups x (832 - 576) bytes a super-block: the Q6_K groups' count.
+  const int64_t blocks = K / kSuper, groups = (N + kGroupRows - 1) / kGroupRows;
+  const int64_t extra = codes.numel() - groups * blocks * kQ4KGroupBytes;
+  const int64_t step = blocks * (kQ6KGroupBytes - kQ4KGroupBytes);
+  if (blocks == 0 || extra <= 0 || extra % step != 0 || extra / step >= groups) return -1;
+  return (groups - extra / step) * kGroupRows;
 }
 
 bool shapes_fit(Format format, const torch::Tensor& codes, const torch::Tensor& scales,
                 int64_t N, int64_t K) {
+  if (K % kSuper != 0 || scales.size(0) != N || !codes.is_contiguous() ||
+      !scales.is_contiguous())
+    return false;
+  if (format == kMixed) {
+    const int64_t split = mixed_split(format, codes, N, K);
+    return split > 0 && split < N && scales.size(1) == 2 * K / kSuper;
+  }
   const int64_t per_row = format == kQ4K ? 2 : 1;  // (d, dmin) or d per super-block
-  return K % kSuper == 0 && codes.size(0) == (N + kGroupRows - 1) / kGroupRows &&
-         codes.size(1) == K / kSuper && scales.size(0) == N &&
-         scales.size(1) == per_row * K / kSuper && codes.is_contiguous() &&
-         scales.is_contiguous();
+  return codes.size(0) == (N + kGroupRows - 1) / kGroupRows && codes.size(1) == K / kSuper &&
+         scales.size(1) == per_row * K / kSuper;
 }
 
 XSuper quantize_x(const uint16_t* x, int64_t rows, int64_t K, int64_t threads,
@@ -304,15 +321,21 @@ XSuper quantize_x(const uint16_t* x, int64_t rows, int64_t K, int64_t threads,
   return q;
 }
 
-void sum_range_q4k(const uint8_t* codes, const uint16_t* d_dmin, int64_t K, const XSuper& xq,
-                   int64_t n0, int64_t width, float* sums) {
-  walk<Rows<Q4KTiles>>(codes, kQ4KGroupBytes, d_dmin, 2 * (K / kSuper), xq, n0, width, sums);
+void sum_range_q4k(const uint8_t* codes, const uint16_t* d_dmin, int64_t scales_per_row,
+                   const XSuper& xq, int64_t n0, int64_t width, float* sums, int64_t ld) {
+  walk<Rows<Q4KTiles>>(codes, kQ4KGroupBytes, d_dmin, scales_per_row, xq, n0, width, sums, ld);
 }
 
-void sum_range(Format format, const uint8_t* codes, const uint16_t* scales, int64_t K,
-               const XSuper& xq, int64_t n0, int64_t width, float* sums) {
-  if (format == kQ4K) return sum_range_q4k(codes, scales, K, xq, n0, width, sums);
-  sum_range_q6k(codes, scales, K, xq, n0, width, sums);
+void sum_range(const Weight& w, const XSuper& xq, int64_t n0, int64_t width, float* sums) {
+  const int64_t blocks = w.K / kSuper;
+  const int64_t per_row = w.format == kQ6K ? blocks : 2 * blocks;
+  // Rows below the split are Q4_K's, from it on Q6_K's (whose groups follow the Q4_K ones').
+  const int64_t q4 = std::clamp<int64_t>(w.split - n0, 0, width);
+  if (q4 > 0) sum_range_q4k(w.codes, w.scales, per_row, xq, n0, q4, sums, width);
+  if (q4 == width) return;
+  const uint8_t* q6 = w.codes + w.split / kGroupRows * blocks * kQ4KGroupBytes;
+  sum_range_q6k(q6, w.scales + w.split * per_row, per_row, xq, n0 + q4 - w.split, width - q4,
+                sums + q4, width);
 }
 
 }  // namespace prefixserve::kquant

@@ -239,9 +239,9 @@ struct Q6KTiles {
 
 }  // namespace
 
-void sum_range_q6k(const uint8_t* codes, const uint16_t* d, int64_t K, const XSuper& xq,
-                   int64_t n0, int64_t width, float* sums) {
-  walk<Rows<Q6KTiles>>(codes, kQ6KGroupBytes, d, K / kSuper, xq, n0, width, sums);
+void sum_range_q6k(const uint8_t* codes, const uint16_t* d, int64_t scales_per_row,
+                   const XSuper& xq, int64_t n0, int64_t width, float* sums, int64_t ld) {
+  walk<Rows<Q6KTiles>>(codes, kQ6KGroupBytes, d, scales_per_row, xq, n0, width, sums, ld);
 }
 
 }  // namespace prefixserve::kquant
