@@ -229,7 +229,10 @@ class KQuantRows:
     """A file's Q4_K and Q6_K tensors, found by their rows' values: transformers hands over each
     tensor dequantized and renamed, some with rows reordered (Llama's q and k, un-permuted from
     llama.cpp's rotary order), so a value tensor is matched to the file's blocks row by row (a
-    digest of each row's fp32 values) and kept only if every value comes back exactly."""
+    digest of each row's fp32 values) and kept only if every value comes back exactly. Rows are
+    dequantized _CHUNK_ROWS at a time (a 1B model's Q6_K embedding is 1 GB in fp32)."""
+
+    _CHUNK_ROWS = 4096
 
     def __init__(self, gguf_path: Path) -> None:
         self._tensors = [
@@ -243,15 +246,19 @@ class KQuantRows:
     def _index(self) -> dict[bytes, list[tuple[int, int]]]:
         if self._rows is None:
             self._rows = {}
-            for index in range(len(self._tensors)):
-                values = self._weight(index).dequantize().numpy()
-                for row in range(values.shape[0]):
-                    self._rows.setdefault(_row_digest(values[row]), []).append((index, row))
+            for index, tensor in enumerate(self._tensors):
+                for start in range(0, tensor.data.shape[0], self._CHUNK_ROWS):
+                    rows = np.arange(start, min(tensor.data.shape[0], start + self._CHUNK_ROWS))
+                    values = self._weight(index, rows).dequantize().numpy()
+                    for row, value in zip(rows.tolist(), values, strict=True):
+                        self._rows.setdefault(_row_digest(value), []).append((index, row))
         return self._rows
 
-    def _weight(self, index: int) -> Int8Weight:
+    def _weight(self, index: int, rows: np.ndarray) -> Int8Weight:
+        """Tensor `index`'s rows `rows` (in that order) as a weight."""
         tensor = self._tensors[index]
-        return _KQUANTS[tensor.tensor_type](torch.from_numpy(np.array(tensor.data)))
+        raw = np.asarray(tensor.data)[rows]
+        return _KQUANTS[tensor.tensor_type](torch.from_numpy(raw))
 
     def recover(self, values: torch.Tensor) -> Int8Weight | None:
         """The Q4_K or Q6_K weight these fp32 values [N, K] are, exactly; None when they are not
@@ -267,20 +274,20 @@ class KQuantRows:
             order = [next((r for t, r in found if t == tensor), None) for found in hits]
             if None in order:
                 continue
-            weight = self._rows_of(tensor, torch.tensor(order))
-            if torch.equal(weight.dequantize(), values):
+            weight = self._weight(tensor, np.array(order))
+            if self._gives_back(weight, values):
                 return weight
         return None
 
-    def _rows_of(self, index: int, order: torch.Tensor) -> Int8Weight:
-        source = self._weight(index)
-        return Int8Weight(
-            source.codes[order].contiguous(),
-            source.scales[order].contiguous(),
-            source.fmt,
-            None if source.mins is None else source.mins[order].contiguous(),
-            source.super_scales[order].contiguous(),
-        )
+    def _gives_back(self, weight: Int8Weight, values: torch.Tensor) -> bool:
+        """Whether the weight's values are these, exactly (compared a chunk of rows at a time)."""
+        for start in range(0, values.shape[0], self._CHUNK_ROWS):
+            part = slice(start, start + self._CHUNK_ROWS)
+            mins = None if weight.mins is None else weight.mins[part]
+            rows = Int8Weight(weight.codes[part], weight.scales[part], weight.fmt, mins)
+            if not torch.equal(rows.dequantize(), values[part]):
+                return False
+        return True
 
 
 def _save_blocks(out_dir: Path, blocks: dict[str, Int8Weight]) -> None:

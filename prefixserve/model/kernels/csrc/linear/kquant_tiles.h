@@ -136,9 +136,11 @@ void walk(const uint8_t* codes, int64_t group_bytes, const uint16_t* scales,
       const uint8_t* group = codes + (r / kGroupRows) * blocks * group_bytes;
       const uint16_t* s = scales + r * scales_per_row;
       if (nw == 4) {
-        if constexpr (kTileW >= 4) Tiles::template rows<4>(group, slot, s, scales_per_row, xq, m0, tx, out);
+        if constexpr (kTileW >= 4)
+          Tiles::template rows<4>(group, slot, s, scales_per_row, xq, m0, tx, out);
       } else if (nw == 2) {
-        if constexpr (kTileW >= 2) Tiles::template rows<2>(group, slot, s, scales_per_row, xq, m0, tx, out);
+        if constexpr (kTileW >= 2)
+          Tiles::template rows<2>(group, slot, s, scales_per_row, xq, m0, tx, out);
       } else {
         Tiles::template rows<1>(group, slot, s, scales_per_row, xq, m0, tx, out);
       }
