@@ -4,9 +4,9 @@ for the default model's shapes (gate_up 3,072 x 576 from cache, the 49,152 x 576
 memory) or a Llama-3.2-1B's (`--shapes 1b`), at batch 1 or more rows (`--rows 1,512`), on the
 build this process loads (`PREFIXSERVE_KERNEL_MARCH=x86-64-v3` times the AVX2 build on an
 AVX-512 host). Random codes; the median of `--repeats` calls after a warm-up. `--formats` picks
-some of q8_0, q5_0, q4_0, q4_k and q6_k (super-blocks), q4_k32 and q6_k16 (the same values as
-8-bit codes with a scale (and a min) per 32 or 16: the paths Q4_K and Q6_K took before); K not a
-multiple of 256 skips the super-blocks.
+some of q8_0, q5_0, q4_0, q4_k and q6_k (super-blocks), q6_k16 (the same values as 8-bit codes
+with a scale per 16: the path Q6_K took before, and takes where only its values are known); K not
+a multiple of 256 skips the K-quants.
 
     .venv/bin/python benchmarks/bench_linear_int8.py [--threads 2] [--shapes 1b] [--rows 1,512]
 """
@@ -37,15 +37,14 @@ SHAPES = {
         "down 2048x8192": (2048, 8192),
     },
 }
-FORMATS = ("q8_0", "q5_0", "q4_0", "q4_k", "q4_k32", "q6_k", "q6_k16")
+FORMATS = ("q8_0", "q5_0", "q4_0", "q4_k", "q6_k", "q6_k16")
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16")
 
 
 def weight(n: int, k: int, fmt: str) -> Int8Weight:
     gen = torch.Generator().manual_seed(0)
-    if fmt in ("q4_k", "q4_k32"):
-        q = quantize_q4_k(torch.randn(n, k, generator=gen))
-        return q if fmt == "q4_k" else Int8Weight(q.codes, q.scales, "q4_k", q.mins)
+    if fmt == "q4_k":
+        return quantize_q4_k(torch.randn(n, k, generator=gen))
     if fmt in ("q6_k", "q6_k16"):
         raw = torch.randint(0, 256, (n, k // 256, 210), generator=gen, dtype=torch.uint8)
         raw[..., 208:] = torch.full((n, k // 256, 1), 1e-4).half().view(torch.uint8)
@@ -101,7 +100,7 @@ def main() -> None:
         for name, (n, k) in SHAPES[args.shapes].items():
             cells = []
             for fmt in formats:
-                if fmt in ("q4_k", "q4_k32", "q6_k", "q6_k16") and k % 256:
+                if fmt in ("q4_k", "q6_k", "q6_k16") and k % 256:
                     cells.append("-")
                     continue
                 repeats = args.repeats if rows == 1 else max(3, args.repeats // 20)
