@@ -29,6 +29,7 @@ from prefixserve.model.quant.weights import (
     pack_codes,
     packed_weight,
     quantize_per_channel,
+    quantize_q4_k,
     recover_gguf_blocks,
 )
 from prefixserve.sampling_params import SamplingParams
@@ -68,10 +69,6 @@ def _weights(n: int, k: int, fmt: str, seed: int = 0) -> Int8Weight:
     if fmt == "q8_0":
         codes = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
         return Int8Weight(codes, scales, "q8_0")
-    if fmt == "q4_k":  # affine: codes in [0, 15], a scale and a min per 32
-        codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int8)
-        mins = (torch.rand(n, k // 32, generator=gen) - 0.5) * 1e-2
-        return Int8Weight(codes, scales, "q4_k", mins)
     # Q4_0 / Q5_0 as recovered from a file: each block's codes in [-z, z - 1] or, where the
     # block's largest value was positive, [-z + 1, z] (z = 8 or 16).
     zero = 1 << (LOW_BIT_FORMATS[fmt] - 1)
@@ -81,7 +78,7 @@ def _weights(n: int, k: int, fmt: str, seed: int = 0) -> Int8Weight:
     return Int8Weight(codes, scales, fmt)
 
 
-ALL_FORMATS = ["int8", "q8_0", "q5_0", "q4_0", "q4_k"]
+ALL_FORMATS = ["int8", "q8_0", "q5_0", "q4_0"]  # Q4_K, Q6_K: test_linear_kquant.py
 
 
 def _x(rows: int, k: int, seed: int = 1) -> torch.Tensor:
@@ -113,8 +110,7 @@ def _sums_of_the_kernel(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
     """The kernel's documented order in Python, its fp32 sums: per 64 columns, 16 lanes of 4
     exact integer products (lane l: the 4-column unit l // 2 of the chunk's half l % 2); lane acc =
     fma(float(sum), wscale * xscale, acc) in fp32 (the fma as one rounding of the exact float64
-    value); an affine weight's lanes then acc = fma(float(sum of the 4 x codes), wmin * xscale,
-    acc); the lanes reduced (l, l+8), (l, l+4), (l, l+2), (l, l+1)."""
+    value); the lanes reduced (l, l+8), (l, l+4), (l, l+2), (l, l+1)."""
     codes, xscale = _quantize_x(x)
     rows, k = codes.shape
     n, group = w.codes.shape[0], w.group
@@ -129,17 +125,11 @@ def _sums_of_the_kernel(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
     wscale = w.scales[:, lane_cols // group]  # [N, K/4]
     lane_xscale = xscale[:, lane_cols // 32].unsqueeze(1)
     scale = (wscale.unsqueeze(0) * lane_xscale).float()
-    if w.mins is not None:
-        xsum = codes[:, cols].view(rows, 1, k // 4, 4).sum(-1).double()
-        mscale = (w.mins[:, lane_cols // group].unsqueeze(0) * lane_xscale).float().double()
     acc = torch.zeros(rows, n, 16, dtype=torch.float32)
     for c in range(k // 64):
         part = lanes[..., 16 * c : 16 * c + 16].double()
         exact = part * scale[..., 16 * c : 16 * c + 16].double() + acc.double()
         acc = exact.float()
-        if w.mins is not None:
-            lane = slice(16 * c, 16 * c + 16)
-            acc = (xsum[..., lane] * mscale[..., lane] + acc.double()).float()
     t = acc[..., :8] + acc[..., 8:]
     u = t[..., :4] + t[..., 4:]
     v = u[..., :2] + u[..., 2:]
@@ -213,16 +203,22 @@ def test_scales_float16_holds_are_read_in_float16_with_the_same_bits(fmt):
 
 def test_scales_float16_cannot_hold_stay_float32_and_the_kernel_refuses_them_elsewhere():
     """Scales fp16 would round (a per-channel int8 weight's amax / 127, random ones) stay fp32;
-    fp16 scales are refused where the kernel reads them otherwise (a scale per 16, mins)."""
-    for fmt in ("int8", "q8_0", "q4_k"):
+    fp16 scales are refused where the kernel reads them otherwise (a scale per channel)."""
+    for fmt in ("int8", "q8_0"):
         assert packed_weight(_weights(8, 128, fmt))[1].dtype == torch.float32
     x = _x(1, 128)
-    for fmt in ("int8", "q4_k"):
-        codes, scales = packed_weight(_weights(8, 128, fmt))
-        with pytest.raises(RuntimeError, match="float16 scales go with a scale per 32"):
-            linear_int8_kernel()(
-                torch.empty(1, 8, dtype=torch.bfloat16), x, codes, scales.half(), None, 0, None, 1
-            )
+    codes, scales = packed_weight(_weights(8, 128, "int8"))
+    with pytest.raises(RuntimeError, match="float16 scales go with a scale per 32"):
+        linear_int8_kernel()(
+            torch.empty(1, 8, dtype=torch.bfloat16), x, codes, scales.half(), None, 0, None, 1
+        )
+
+
+def test_an_affine_weight_without_its_super_blocks_is_refused():
+    w = _weights(8, 256, "q4_0")
+    mins = torch.zeros_like(w.scales)
+    with pytest.raises(ValueError, match="super-blocks"):
+        packed_weight(Int8Weight(w.codes.abs(), w.scales, "q4_k", mins))
 
 
 def test_codes_that_do_not_fit_their_bits_stay_8_bit_or_are_refused():
@@ -311,31 +307,16 @@ def test_the_kernel_reads_a_scale_per_16_in_its_one_documented_order(rows):
     assert torch.equal(_run(x, weight), _model_of_the_kernel(x, weight))
 
 
-def test_q4_1_blocks_are_declined_and_q4_k_ones_kept_by_their_scales():
+def test_q4_1_blocks_are_declined():
     """gguf's own Q4_1 quantizer (fp16 scales and mins: the default model's file) is declined,
-    so the default model keeps its bf16 values; the same affine blocks with Q4_K's scales (a
-    super-block's fp16 d times a 6-bit sub-scale, not fp16 themselves) are kept exactly and
-    read by the kernel in 4 bits, as its documented order says."""
+    so the default model keeps its bf16 values (Q4_K is read from the file's own super-blocks:
+    tests/model/test_linear_kquant.py)."""
     from gguf import GGMLQuantizationType, quants
 
     values = (torch.randn(24, 128) * 0.1).numpy()
     qtype = GGMLQuantizationType.Q4_1
     dequantized = torch.from_numpy(quants.dequantize(quants.quantize(values, qtype), qtype).copy())
     assert recover_gguf_blocks(dequantized) is None
-    gen = torch.Generator().manual_seed(7)
-    codes = torch.randint(0, 16, (24, 128), generator=gen).float()
-    codes.view(24, 4, 32)[..., 0], codes.view(24, 4, 32)[..., 1] = 0.0, 15.0  # each block's ends
-    d = torch.tensor(1.2345e-4).half().float()  # an fp16 with all 11 bits of mantissa
-    scales = d * torch.randint(33, 64, (24, 4), generator=gen).float()  # d x 6-bit sub-scales
-    mins = -d * torch.randint(33, 64, (24, 4), generator=gen).float()
-    q4_k = (codes.view(24, 4, 32) * scales.unsqueeze(-1) + mins.unsqueeze(-1)).view(24, 128)
-    weight = recover_gguf_blocks(q4_k)
-    assert weight is not None and weight.fmt == "q4_k" and weight.mins is not None
-    assert torch.equal(weight.dequantize(), q4_k)
-    packed, both = packed_weight(weight)
-    assert packed.dtype == torch.uint8 and packed.shape[-1] == 32 and both.shape == (2, 24, 4)
-    x = _x(4, 128)
-    assert torch.equal(_run(x, weight), _model_of_the_kernel(x, weight))
 
 
 def test_shards_of_q4_0_q5_0_and_q8_0_fuse_as_8_bit_codes_exactly():
@@ -348,7 +329,7 @@ def test_shards_of_q4_0_q5_0_and_q8_0_fuse_as_8_bit_codes_exactly():
     x = _x(3, 64)
     assert torch.equal(_run(x, fused), torch.cat([_run(x, w) for w in shards], dim=1))
     with pytest.raises(ValueError, match="share a format"):
-        fuse([_weights(8, 64, "q5_0"), _weights(8, 64, "q4_k")])
+        fuse([_weights(8, 64, "q5_0"), _weights(8, 64, "int8")])
 
 
 def test_values_of_no_block_type_are_declined():
@@ -457,11 +438,16 @@ def _blocks_of(weight: torch.Tensor, fmt: str) -> Int8Weight:
     w = weight.detach().float()
     n, k = w.shape
     if fmt == "q4_k":
-        blocks = w.view(n, k // 32, 32)
-        low, high = blocks.amin(-1), blocks.amax(-1)
-        scales = torch.where(high > low, (high - low) / 15, torch.ones_like(low))
-        codes = torch.round((blocks - low.unsqueeze(-1)) / scales.unsqueeze(-1)).clamp(0, 15)
-        return Int8Weight(codes.to(torch.int8).view(n, k), scales, fmt, low)
+        return quantize_q4_k(w)
+    if fmt == "q6_k_super":  # d per 256 in fp16, int8 sub-scales per 16, codes in [-32, 31]
+        blocks = w.view(n, k // 16, 16)
+        step = blocks.abs().amax(-1).clamp_min(1e-12) / 32
+        d = (step.view(n, -1, 16).amax(-1, keepdim=True) / 127).half().float()
+        sub = (step.view(n, -1, 16) / d).round().clamp(1, 127)
+        scales = (d * sub).view(n, -1)
+        codes = torch.round(blocks / scales.unsqueeze(-1)).clamp(-32, 31)
+        supers = d.half().view(n, -1, 1)
+        return Int8Weight(codes.to(torch.int8).view(n, k), scales, "q6_k", None, supers)
     group, top = {"q5_0": (32, 16), "q4_0": (32, 8), "q6_k": (16, 32)}[fmt]
     blocks = w.view(n, k // group, group)
     scales = blocks.abs().amax(-1).clamp_min(1e-12) / top
@@ -470,15 +456,18 @@ def _blocks_of(weight: torch.Tensor, fmt: str) -> Int8Weight:
 
 
 def test_native_and_python_layers_agree_over_4_5_and_6_bit_linears():
-    """The native decoder layer passes 4/5-bit codes and an affine weight's [2, N, K / 32]
-    scales and mins to the kernel as the Python layer does: the same tokens and logprobs."""
+    """The native decoder layer passes 4/5-bit codes, a scale per 16 and Q4_K's and Q6_K's
+    super-blocks to the kernel as the Python layer does: the same tokens and logprobs."""
     from prefixserve.model.layers.linear import link_next_weights
     from prefixserve.model.loader.loading import load_model
 
     loaded = load_model(None)
-    forms = {"qkv_proj": "q5_0", "o_proj": "q4_k", "gate_up_proj": "q4_0", "down_proj": "q6_k"}
+    # K = 576 (hidden) is no multiple of 256: the super-blocks go to down_proj (K = 1536).
+    forms = {"qkv_proj": "q5_0", "o_proj": "q6_k", "gate_up_proj": "q4_0"}
     for name, module in loaded.model.named_modules():
         fmt = forms.get(name.rsplit(".", 1)[-1])
+        if name.endswith("down_proj"):
+            fmt = "q4_k" if int(name.split(".")[2]) % 2 else "q6_k_super"
         if fmt is not None and isinstance(module, Linear):
             module.set_int8(_blocks_of(module.weight, fmt))
     link_next_weights(loaded.model)

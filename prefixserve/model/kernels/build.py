@@ -45,6 +45,8 @@ _SOURCES = [
         "attention/prefill_attention.cpp",
         "linear/gemv.cpp",
         "linear/linear_int8.cpp",
+        "linear/linear_q4k.cpp",
+        "linear/linear_q6k.cpp",
         "linear/gemm_bf16.cpp",
         "linear/lora.cpp",
         "layer/rope_kv.cpp",

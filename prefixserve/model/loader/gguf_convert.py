@@ -42,6 +42,8 @@ from prefixserve.model.quant.weights import (
     BLOCK_FORMATS_KEY,
     GGUF_BLOCKS_FILE,
     Int8Weight,
+    q4_k_from_raw,
+    q6_k_from_raw,
     recover_gguf_blocks,
 )
 from prefixserve.settings import cache_root, file_lock
@@ -58,7 +60,9 @@ _END_OF_TURN_TOKENS = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>")
 # 4: so are its Q5_0 and Q4_0 weights (GGUF_BLOCKS_FILE, each tensor's type named).
 # 5: and its Q6_K weights (a scale per 16) and Q4_K / Q4_1 ones (`<hf name>.mins` too).
 # 6: not Q4_1 ones (the default model's file: its numerics stay its bf16 values).
-CONVERSION_VERSION = 6
+# 7: Q4_K and Q6_K weights with their super-blocks (`<hf name>.super_scales`), read from the
+#    file's blocks.
+CONVERSION_VERSION = 7
 CONVERSION_MARKER = "prefixserve_conversion.json"
 
 # Chat templates for GGUF files that ship without one, by GGUF architecture, in templates/.
@@ -152,14 +156,16 @@ def _write_weights(
     gguf_path: Path, skeleton: torch.nn.Module, expected: set[str], out_dir: Path
 ) -> None:
     """The `expected` weights in bf16 (`ShardWriter`) and those the file stores in a block type
-    the kernel reads as codes and scales (`GGUF_BLOCKS_FILE`), one fp32 tensor at a time."""
+    the kernel reads as codes and scales (`GGUF_BLOCKS_FILE`), one fp32 tensor at a time: Q4_K
+    and Q6_K in their super-blocks (`KQuantRows`), else as `recover_by_rows` finds them."""
     blocks: dict[str, Int8Weight] = {}
+    kquants = KQuantRows(gguf_path)
     with ShardWriter(out_dir) as writer:
         for key, value in iter_gguf_tensors(gguf_path, skeleton):
             if key not in expected:
                 continue
             if value.dim() == 2:
-                weight = recover_by_rows(value)
+                weight = kquants.recover(value) or recover_by_rows(value)
                 if weight is not None:
                     blocks[key] = weight
             writer.add(key, value.to(torch.bfloat16).contiguous())
@@ -259,12 +265,8 @@ def recover_by_rows(values: torch.Tensor) -> Int8Weight | None:
         if part is None or (parts and (part.fmt, part.group) != (parts[0].fmt, parts[0].group)):
             return recover_gguf_blocks(values)  # declined at row 0 for a plain tensor: cheap
         parts.append(part)
-    mins = None if parts[0].mins is None else torch.cat([p.mins for p in parts])
     return Int8Weight(
-        torch.cat([p.codes for p in parts]),
-        torch.cat([p.scales for p in parts]),
-        parts[0].fmt,
-        mins,
+        torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]), parts[0].fmt
     )
 
 
@@ -319,6 +321,79 @@ class ShardWriter:
         (self.out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
+def _row_digest(row: np.ndarray) -> bytes:
+    return hashlib.blake2b(row.tobytes(), digest_size=16).digest()
+
+
+# The K-quant types kept with their super-blocks, and how their raw rows become weights.
+_KQUANTS = {GGMLQuantizationType.Q4_K: q4_k_from_raw, GGMLQuantizationType.Q6_K: q6_k_from_raw}
+
+
+class KQuantRows:
+    """A file's Q4_K and Q6_K tensors, found by their rows' values: transformers hands over each
+    tensor dequantized and renamed, some with rows reordered (Llama's q and k, un-permuted from
+    llama.cpp's rotary order), so a value tensor is matched to the file's blocks row by row (a
+    digest of each row's fp32 values) and kept only if every value comes back exactly. Rows are
+    dequantized _CHUNK_ROWS at a time (a 1B model's Q6_K embedding is 1 GB in fp32)."""
+
+    _CHUNK_ROWS = 4096
+
+    def __init__(self, gguf_path: Path) -> None:
+        self._tensors = [
+            t
+            for t in open_gguf(gguf_path).tensors
+            if t.tensor_type in _KQUANTS and len(t.data.shape) == 2
+        ]
+        # digest of a row's values -> [(tensor, row), ...]; built on the first recover().
+        self._rows: dict[bytes, list[tuple[int, int]]] | None = None
+
+    def _index(self) -> dict[bytes, list[tuple[int, int]]]:
+        if self._rows is None:
+            self._rows = {}
+            for index, tensor in enumerate(self._tensors):
+                for start in range(0, tensor.data.shape[0], self._CHUNK_ROWS):
+                    rows = np.arange(start, min(tensor.data.shape[0], start + self._CHUNK_ROWS))
+                    values = self._weight(index, rows).dequantize().numpy()
+                    for row, value in zip(rows.tolist(), values, strict=True):
+                        self._rows.setdefault(_row_digest(value), []).append((index, row))
+        return self._rows
+
+    def _weight(self, index: int, rows: np.ndarray) -> Int8Weight:
+        """Tensor `index`'s rows `rows` (in that order) as a weight."""
+        tensor = self._tensors[index]
+        raw = np.asarray(tensor.data)[rows]
+        return _KQUANTS[tensor.tensor_type](torch.from_numpy(raw))
+
+    def recover(self, values: torch.Tensor) -> Int8Weight | None:
+        """The Q4_K or Q6_K weight these fp32 values [N, K] are, exactly; None when they are not
+        one tensor's rows."""
+        if not self._tensors or values.dtype != torch.float32 or values.shape[1] % 256:
+            return None
+        index = self._index()
+        rows = values.contiguous().numpy()
+        if _row_digest(rows[0]) not in index:
+            return None
+        hits = [index.get(_row_digest(row), []) for row in rows]
+        for tensor in dict.fromkeys(t for t, _ in hits[0]):
+            order = [next((r for t, r in found if t == tensor), None) for found in hits]
+            if None in order:
+                continue
+            weight = self._weight(tensor, np.array(order))
+            if self._gives_back(weight, values):
+                return weight
+        return None
+
+    def _gives_back(self, weight: Int8Weight, values: torch.Tensor) -> bool:
+        """Whether the weight's values are these, exactly (compared a chunk of rows at a time)."""
+        for start in range(0, values.shape[0], self._CHUNK_ROWS):
+            part = slice(start, start + self._CHUNK_ROWS)
+            mins = None if weight.mins is None else weight.mins[part]
+            rows = Int8Weight(weight.codes[part], weight.scales[part], weight.fmt, mins)
+            if not torch.equal(rows.dequantize(), values[part]):
+                return False
+        return True
+
+
 def _save_blocks(out_dir: Path, blocks: dict[str, Int8Weight]) -> None:
     """GGUF_BLOCKS_FILE with these weights and each one's type (nothing when there are none)."""
     from safetensors.torch import save_file
@@ -329,6 +404,8 @@ def _save_blocks(out_dir: Path, blocks: dict[str, Int8Weight]) -> None:
             tensors[f"{name}.codes"], tensors[f"{name}.scales"] = weight.codes, weight.scales
             if weight.mins is not None:
                 tensors[f"{name}.mins"] = weight.mins
+            if weight.super_scales is not None:
+                tensors[f"{name}.super_scales"] = weight.super_scales
         formats = json.dumps({name: weight.fmt for name, weight in blocks.items()})
         metadata = {"format": "pt", BLOCK_FORMATS_KEY: formats}
         save_file(tensors, str(out_dir / GGUF_BLOCKS_FILE), metadata=metadata)

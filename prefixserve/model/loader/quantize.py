@@ -69,7 +69,9 @@ def quantize_model(model: nn.Module, model_dir: Path, quantization: str) -> str 
     link_next_weights(model)
     if hasattr(model, "_native"):
         model._native = False  # the linears changed: bind the native layers again
-    applied = sorted({m.int8_format for m in linears.values() if m.int8_format})
+    applied = sorted(
+        {fmt for m in linears.values() if m.int8_format for fmt in m.int8_format.split("+")}
+    )
     return "+".join(applied) if applied else None
 
 
@@ -95,7 +97,13 @@ def _block_weights(model: nn.Module, path: Path) -> dict[str, Int8Weight]:
     shards: dict[str, dict[int | None, Int8Weight]] = {}
     for hf_name, fmt in formats.items():
         codes, scales = tensors[f"{hf_name}.codes"], tensors[f"{hf_name}.scales"]
-        weight = Int8Weight(codes, scales, fmt, tensors.get(f"{hf_name}.mins"))
+        weight = Int8Weight(
+            codes,
+            scales,
+            fmt,
+            tensors.get(f"{hf_name}.mins"),
+            tensors.get(f"{hf_name}.super_scales"),
+        )
         name, shard = hf_target(hf_name, rename)
         shards.setdefault(name.removesuffix(".weight"), {})[shard] = weight
     modules = dict(model.named_modules())

@@ -9,12 +9,15 @@ multiplies (csrc/linear/linear_int8.cpp). Two ways in:
   (Q4_0), so the scale is that block's amax over it and the codes come back exactly
   (`recover_gguf_blocks` checks every value and declines a tensor of another type);
 - GGUF Q6_K (a scale per 16, the super-block's fp16 d times an int8 sub-scale, times a code in
-  [-32, 31]): kept too, as int8 codes with a scale per 16 (the largest code found by trying each);
-- GGUF Q4_K (a scale and a min per 32, codes in [0, 15]): kept as "q4_k", codes with a scale and
-  a min per 32 (`mins`), read in 4 bits; the min of a block's values is its min and its range
-  over some code up to 15 its scale, checked exactly. Q4_1 has the same form with fp16 scales
-  and mins, and is declined: the default model's file is Q4_1, and keeping it would change the
-  default model's numerics (its bf16 values) in every mode.
+  [-32, 31]): kept with its super-blocks (`q6_k_from_raw`, as Q4_K's below) and multiplied in
+  6 bits (`pack_q6_k`); from the values alone (`recover_gguf_blocks`, the largest code found by
+  trying each) as int8 codes with a scale per 16;
+- GGUF Q4_K (super-blocks of 256: an fp16 d and dmin, per 32 a 6-bit sub-scale sc and sub-min m,
+  codes q in [0, 15]; value = d sc q - dmin m): kept as "q4_k" with its super-blocks
+  (`q4_k_from_raw`: read from the file's own blocks, as the values cannot always tell them; the
+  loader matches them to transformers' values row by row and checks every value exactly), and
+  multiplied in them (`pack_q4_k`, csrc/linear/linear_q4k.cpp). Q4_1 (the default model's file)
+  has no super-blocks and is not kept: the default model's numerics stay its bf16 values.
 
 The kernel reads Q4_0's and Q5_0's codes in 4 and 5 bits (`packed_weight`): the same integers, so
 the same bits out, from half or five eighths of the bytes.
@@ -51,12 +54,18 @@ _PER_32_SYMMETRIC = {fmt for fmt, _ in GGUF_BLOCK_TYPES}
 class Int8Weight:
     """codes int8 [N, K]; scales fp32 [N, K / group]; `fmt` "int8" (per channel) or the GGUF
     block type it came from ("q8_0", "q5_0", "q4_0", "q6_k", "q4_k"); mins fp32 [N, K / group]
-    for an affine one ("q4_k": value = code x scale + min, codes in [0, 15]), else None."""
+    for an affine one ("q4_k": value = code x scale + min, codes in [0, 15]), else None; and a
+    K-quant's super-blocks, `super_scales` fp16 [N, K / 256, 2] (Q4_K's d, dmin: each scale d
+    times a 6-bit sub-scale, each min -dmin times a 6-bit sub-min) or [N, K / 256, 1] (Q6_K's d:
+    each scale per 16 d times an int8 sub-scale), exactly. A fused weight of Q4_K rows then
+    Q6_K rows ("q4_k+q6_k", `fuse`) keeps the two as `parts`, its scales and mins per 16."""
 
     codes: torch.Tensor
     scales: torch.Tensor
     fmt: str
     mins: torch.Tensor | None = None
+    super_scales: torch.Tensor | None = None
+    parts: tuple[Int8Weight, ...] | None = None
 
     @property
     def group(self) -> int:
@@ -72,7 +81,8 @@ class Int8Weight:
 
     def nbytes(self) -> int:
         mins = 0 if self.mins is None else self.mins.numel() * 4
-        return self.codes.numel() + self.scales.numel() * 4 + mins
+        supers = 0 if self.super_scales is None else self.super_scales.numel() * 2
+        return self.codes.numel() + self.scales.numel() * 4 + mins + supers
 
 
 def quantizable(weight: torch.Tensor) -> bool:
@@ -96,7 +106,7 @@ def recover_gguf_blocks(values: torch.Tensor) -> Int8Weight | None:
     them (another type, or any value that is not its block's scale times an integer code)."""
     if values.dtype != torch.float32 or values.dim() != 2 or values.shape[1] % BLOCK_GROUP:
         return None
-    return _recover_per_32(values) or _recover_q6_k(values) or _recover_affine_4(values)
+    return _recover_per_32(values) or _recover_q6_k(values)
 
 
 def _recover_per_32(values: torch.Tensor) -> Int8Weight | None:
@@ -140,51 +150,6 @@ def _recover_q6_k(values: torch.Tensor) -> Int8Weight | None:
         return None
     codes, scales = found
     return Int8Weight(codes, scales, "q6_k")
-
-
-def _recover_affine_4(values: torch.Tensor) -> Int8Weight | None:
-    """Q4_K blocks of these values: per 32, codes in [0, 15] times a scale plus a min. The
-    block's least value is its min (code 0), its range over the largest code its scale: each
-    largest code is tried, and a block takes the first that gives back its values exactly
-    (value = code x scale + min, as fp32 computes it). Row 0 alone first, as `_recover_q6_k`.
-    Values whose every scale and min is an fp16 are Q4_1's, declined (the module's note)."""
-    if _affine_codes(values[:1]) is None:
-        return None
-    found = _affine_codes(values)
-    if found is None:
-        return None
-    codes, scales, mins = found
-    if _all_fp16(scales) and _all_fp16(mins):
-        return None
-    return Int8Weight(codes, scales, "q4_k", mins)
-
-
-def _all_fp16(values: torch.Tensor) -> bool:
-    return torch.equal(values.half().float(), values)
-
-
-def _affine_codes(
-    values: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """(codes int8 in [0, 15], scales, mins) giving back these values exactly, or None."""
-    n, k = values.shape
-    blocks = values.reshape(n, k // BLOCK_GROUP, BLOCK_GROUP)
-    low, high = blocks.amin(dim=-1), blocks.amax(dim=-1)
-    found = high == low  # one value: code 0, scale 0
-    codes = torch.zeros_like(blocks)
-    scales = torch.zeros_like(low)
-    for top in range(15, 0, -1):
-        scale = (high - low) / top
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        tried = torch.round((blocks - low.unsqueeze(-1)) / safe.unsqueeze(-1))
-        exact = (tried * scale.unsqueeze(-1) + low.unsqueeze(-1) == blocks).all(dim=-1)
-        exact &= (tried <= 15).all(dim=-1) & ~found
-        codes = torch.where(exact.unsqueeze(-1), tried, codes)
-        scales = torch.where(exact, scale, scales)
-        found |= exact
-        if bool(found.all()):
-            return codes.to(torch.int8).view(n, k).contiguous(), scales.contiguous(), low
-    return None
 
 
 def _per_16_codes(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -260,13 +225,16 @@ def _narrow_codes(weight: Int8Weight, bits: int) -> Int8Weight | None:
 
 
 def packed_weight(weight: Int8Weight) -> tuple[torch.Tensor, torch.Tensor]:
-    """(packed codes, scales) for the kernel: Q4_0 and Q5_0 in 4 and 5 bits where their codes
-    fit (`LOW_BIT_FORMATS`), an affine weight's in 4 with its mins after its scales
-    ([2, N, K / 32]), the rest in 8; scales per 32 in float16 where it holds them exactly."""
+    """(packed codes, scales) for the kernel: Q4_K and Q6_K in their super-blocks (`pack_q4_k`,
+    `pack_q6_k`), Q4_0 and Q5_0 in 4 and 5 bits where their codes fit (`LOW_BIT_FORMATS`), the
+    rest in 8; scales per 32 in float16 where it holds them exactly. An affine weight (mins)
+    needs its super-blocks."""
+    if weight.parts is not None:
+        return pack_k_quant_mix(*weight.parts)
+    if weight.super_scales is not None:
+        return pack_q4_k(weight) if weight.fmt == "q4_k" else pack_q6_k(weight)
     if weight.mins is not None:
-        # Stored as they are (the kernel's zero point 0 for them): pack_codes adds back the 8.
-        codes = pack_codes(weight.codes.to(torch.int16).sub(8).to(torch.int8), 4)
-        return codes, torch.stack([weight.scales, weight.mins]).contiguous()
+        raise ValueError("an affine weight (Q4_K) needs its super-blocks to be multiplied")
     bits = LOW_BIT_FORMATS.get(weight.fmt, 8)
     narrow = _narrow_codes(weight, bits) if bits < 8 else None
     if narrow is None:
@@ -285,10 +253,26 @@ def _kernel_scales(scales: torch.Tensor, group: int) -> torch.Tensor:
 
 
 def fusable(shards: list[Int8Weight]) -> bool:
-    """Whether `fuse` takes these shards: one format, or symmetric ones with a scale per 32."""
+    """Whether `fuse` takes these shards: one format (with super-blocks in all or none),
+    symmetric ones with a scale per 32, or Q4_K ones then Q6_K ones (`_k_quant_mix`)."""
     fmts = {w.fmt for w in shards}
-    shapes = {(w.group, w.codes.shape[1]) for w in shards}
-    return len(shapes) == 1 and (len(fmts) == 1 or fmts <= _PER_32_SYMMETRIC)
+    shapes = {(w.group, w.codes.shape[1], w.super_scales is None) for w in shards}
+    one = len(shapes) == 1 and (len(fmts) == 1 or fmts <= _PER_32_SYMMETRIC)
+    return one or _k_quant_mix(shards)
+
+
+def _k_quant_mix(shards: list[Int8Weight]) -> bool:
+    """Whether these shards are Q4_K ones then Q6_K ones, all with super-blocks and one K, the
+    Q4_K rows a multiple of 4 (the kernel's groups of rows do not straddle the two)."""
+    fmts = [w.fmt for w in shards]
+    q4 = fmts.count("q4_k")
+    return (
+        0 < q4 < len(fmts)
+        and fmts == ["q4_k"] * q4 + ["q6_k"] * (len(fmts) - q4)
+        and all(w.super_scales is not None for w in shards)
+        and len({w.codes.shape[1] for w in shards}) == 1
+        and sum(w.codes.shape[0] for w in shards[:q4]) % 4 == 0
+    )
 
 
 def fuse(shards: list[Int8Weight]) -> Int8Weight:
@@ -296,11 +280,207 @@ def fuse(shards: list[Int8Weight]) -> Int8Weight:
     or, of Q4_0 / Q5_0 / Q8_0 shards mixed (llama.cpp's Q4_K_M gives v more bits than q and k),
     one "q8_0" weight: all are int8 codes with a scale per 32, exactly."""
     if not fusable(shards):
-        raise ValueError("fused shards must share a format (or mix Q4_0, Q5_0, Q8_0), group and K")
+        raise ValueError(
+            "fused shards must share a format (or mix Q4_0, Q5_0, Q8_0, or be Q4_K then Q6_K), "
+            "group and K"
+        )
+    if _k_quant_mix(shards):
+        return _fuse_k_quant_mix(shards)
     mins = None if shards[0].mins is None else torch.cat([w.mins for w in shards]).contiguous()
+    supers = None
+    if shards[0].super_scales is not None:
+        supers = torch.cat([w.super_scales for w in shards]).contiguous()
     return Int8Weight(
         torch.cat([w.codes for w in shards]).contiguous(),
         torch.cat([w.scales for w in shards]).contiguous(),
         shards[0].fmt if len({w.fmt for w in shards}) == 1 else "q8_0",
         mins,
+        supers,
     )
+
+
+# GGUF's K-quants: super-blocks of Q4_K_SUPER values. Q4_K's block in the file is
+# Q4_K_BLOCK_BYTES (fp16 d and dmin, 12 bytes of 6-bit sub-scales and sub-mins, 128 of
+# nibbles), Q6_K's Q6_K_BLOCK_BYTES (128 bytes of low nibbles, 64 of high bit pairs, 16 int8
+# sub-scales, fp16 d).
+Q4_K_SUPER = 256
+Q4_K_BLOCK_BYTES = 144
+Q6_K_BLOCK_BYTES = 210
+# The kernels' layouts of a group of four rows' super-block (csrc/linear/kquant.h): Q4_K the rows'
+# 128 bytes of nibbles, then their 8 sub-scales each, then their 8 sub-mins each; Q6_K the rows'
+# 128 bytes of low nibbles, then their 64 of high bit pairs, then their 16 sub-scales each.
+_Q4_K_GROUP_BYTES = 4 * 128 + 2 * 4 * 8
+_Q6_K_GROUP_BYTES = 4 * (128 + 64 + 16)
+
+
+def q4_k_from_raw(raw: torch.Tensor) -> Int8Weight:
+    """The "q4_k" weight of a file's Q4_K tensor, uint8 [N, K / 256 x 144] (ggml's block_q4_K,
+    row by row), exactly: its dequantize() is the `gguf` package's values bit for bit (fp32
+    (d sc) x q - (dmin m), both products exact)."""
+    n = raw.shape[0]
+    blocks = raw.contiguous().view(n, -1, Q4_K_BLOCK_BYTES)
+    supers = blocks[..., :4].contiguous().view(torch.float16).view(n, -1, 2)
+    packed = blocks[..., 4:16].to(torch.int32)
+    # ggml's get_scale_min_k4: bytes 0-3 sub-scales 0-3 (low 6 bits), 4-7 sub-mins 0-3; bytes
+    # 8-11 the low 4 bits of sub-scales 4-7 and sub-mins 4-7, their top 2 bits in bytes 0-7's.
+    first, second, third = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    sub_scales = torch.cat([first & 63, (third & 15) | ((first >> 6) << 4)], dim=-1)
+    sub_mins = torch.cat([second & 63, (third >> 4) | ((second >> 6) << 4)], dim=-1)
+    nibbles = blocks[..., 16:].view(n, -1, 4, 1, 32)
+    codes = torch.cat([nibbles & 15, nibbles >> 4], dim=3).view(n, -1).to(torch.int8)
+    d, dmin = supers[..., :1].float(), supers[..., 1:].float()
+    scales = (d * sub_scales.float()).view(n, -1)
+    mins = -(dmin * sub_mins.float()).view(n, -1)
+    return Int8Weight(codes.contiguous(), scales.contiguous(), "q4_k", mins.contiguous(), supers)
+
+
+def quantize_q4_k(weight: torch.Tensor) -> Int8Weight:
+    """A weight [N, K] (K a multiple of 256) in Q4_K's form, simply (for tests and benchmarks,
+    not ggml's search): per 32 the range over 15 and the least value (at most 0), per 256 d and
+    dmin the largest of them over 63 in fp16, the 6-bit sub-scales and sub-mins rounded."""
+    w = weight.detach().float()
+    n, k = w.shape
+    blocks = w.view(n, k // Q4_K_SUPER, 8, 32)
+    low = blocks.amin(-1).clamp(max=0.0)
+    step = (blocks.amax(-1) - low) / 15
+    d = (step.amax(-1, keepdim=True) / 63).half().float()
+    dmin = (-low).amax(-1, keepdim=True).div(63).half().float()
+    sub_scales = torch.where(d > 0, step / d.clamp_min(1e-30), 0.0).round().clamp(0, 63)
+    sub_mins = torch.where(dmin > 0, -low / dmin.clamp_min(1e-30), 0.0).round().clamp(0, 63)
+    scales, mins = d * sub_scales, -(dmin * sub_mins)
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    codes = ((blocks - mins.unsqueeze(-1)) / safe.unsqueeze(-1)).round().clamp(0, 15)
+    supers = torch.cat([d, dmin], dim=-1).half()
+    return Int8Weight(
+        codes.to(torch.int8).view(n, k).contiguous(),
+        scales.view(n, -1).contiguous(),
+        "q4_k",
+        mins.view(n, -1).contiguous(),
+        supers.contiguous(),
+    )
+
+
+def _sub_integers(per_32: torch.Tensor, per_256: torch.Tensor) -> torch.Tensor:
+    """The 6-bit integers c with per_32 = per_256 x c exactly (per_256 fp16 [N, K / 256]), uint8
+    [N, K / 256, 8]; ValueError where a value is none."""
+    n = per_32.shape[0]
+    unit = per_256.float().view(n, -1, 1)
+    ints = torch.where(unit != 0, per_32.view(n, -1, 8) / unit.clamp_min(1e-38), 0.0).round()
+    if not torch.equal(ints * unit, per_32.view(n, -1, 8)) or ints.min() < 0 or ints.max() > 63:
+        raise ValueError("Q4_K scales and mins must be d and dmin times 6-bit integers")
+    return ints.to(torch.uint8)
+
+
+def pack_q4_k(weight: Int8Weight) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes uint8 [ceil(N / 4), K / 256, 576], d_dmin fp16 [N, 2 K / 256]): a Q4_K weight in
+    the kernel's super-block layout (csrc/linear/linear_q4k.cpp), the file's nibble order, rows
+    in groups of four (the last padded with zeros)."""
+    if weight.super_scales is None or weight.mins is None or weight.codes.shape[1] % Q4_K_SUPER:
+        raise ValueError("Q4_K packing needs super-blocks of 256 (d, dmin) and mins")
+    n, k = weight.codes.shape
+    supers = weight.super_scales.view(n, -1, 2)
+    sub_scales = _sub_integers(weight.scales, supers[..., 0])
+    sub_mins = _sub_integers(-weight.mins, supers[..., 1])
+    codes = weight.codes.to(torch.uint8).view(n, k // 64, 2, 32)
+    nibbles = (codes[:, :, 0] | (codes[:, :, 1] << 4)).view(n, -1, 128)  # byte 32c + l
+    rows = torch.cat([nibbles, sub_scales, sub_mins], dim=-1)  # [N, K / 256, 144]
+    pad = (-n) % 4
+    if pad:
+        rows = torch.cat([rows, rows.new_zeros(pad, *rows.shape[1:])])
+    groups = rows.view(-1, 4, k // Q4_K_SUPER, 144).transpose(1, 2)  # [G, K / 256, 4 rows, 144]
+    packed = torch.cat(
+        [
+            groups[..., :128].reshape(*groups.shape[:2], 512),
+            groups[..., 128:136].reshape(*groups.shape[:2], 32),
+            groups[..., 136:].reshape(*groups.shape[:2], 32),
+        ],
+        dim=-1,
+    )
+    assert packed.shape[-1] == _Q4_K_GROUP_BYTES
+    return packed.contiguous(), supers.reshape(n, -1).contiguous()
+
+
+def q6_k_from_raw(raw: torch.Tensor) -> Int8Weight:
+    """The "q6_k" weight of a file's Q6_K tensor, uint8 [N, K / 256 x 210] (ggml's block_q6_K,
+    row by row), exactly: codes q - 32 in [-32, 31], scales per 16 d x sc, its d; dequantize()
+    is the `gguf` package's values bit for bit."""
+    n = raw.shape[0]
+    blocks = raw.contiguous().view(n, -1, Q6_K_BLOCK_BYTES)
+    # Per half of 128: low nibbles of bytes 0-63 are columns 0-63, high nibbles 64-127; bit
+    # pair t of byte l of the 32 high bytes is column 32t + l's top bits.
+    low = blocks[..., :128].view(n, -1, 2, 1, 64)
+    low = torch.cat([low & 15, low >> 4], dim=3).view(n, -1, 2, 128)
+    high = blocks[..., 128:192].view(n, -1, 2, 1, 32)
+    high = torch.cat([(high >> (2 * t)) & 3 for t in range(4)], dim=3).view(n, -1, 2, 128)
+    codes = ((low | (high << 4)).to(torch.int16) - 32).to(torch.int8).view(n, -1)
+    sub_scales = blocks[..., 192:208].contiguous().view(torch.int8).float()
+    d = blocks[..., 208:210].contiguous().view(torch.float16).view(n, -1, 1)
+    scales = (d.float() * sub_scales).view(n, -1)
+    return Int8Weight(codes.contiguous(), scales.contiguous(), "q6_k", None, d.contiguous())
+
+
+def _x_order() -> torch.Tensor:
+    """The column of each position of a super-block in the kernels' x order (kquant.h
+    `x_column`): 128 columns a 64-byte load, its low nibbles' columns 0-31 and 64-95 first."""
+    q = torch.arange(Q4_K_SUPER)
+    pair, high, r = q // 128, (q // 64) % 2, q % 64
+    return 64 * (2 * pair + r // 32) + 32 * high + r % 32
+
+
+def pack_q6_k(weight: Int8Weight) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes uint8 [ceil(N / 4), K / 256, 832], d fp16 [N, K / 256]): a Q6_K weight in the
+    kernel's layout (csrc/linear/linear_q6k.cpp), 6 bits a code in x's column order, rows in
+    groups of four (the last padded with zeros)."""
+    if weight.super_scales is None or weight.codes.shape[1] % Q4_K_SUPER:
+        raise ValueError("Q6_K packing needs super-blocks of 256 and their d")
+    n, k = weight.codes.shape
+    d = weight.super_scales.view(n, -1)
+    unit = d.float().view(n, -1, 1)
+    per_16 = weight.scales.view(n, -1, 16)
+    sub = torch.where(unit != 0, per_16 / torch.where(unit != 0, unit, 1.0), 0.0).round()
+    if not torch.equal(sub * unit, per_16) or sub.min() < -128 or sub.max() > 127:
+        raise ValueError("Q6_K scales must be d times int8 sub-scales")
+    q = (weight.codes.to(torch.int16) + 32).view(n, -1, Q4_K_SUPER)[..., _x_order()]
+    if int(q.min()) < 0 or int(q.max()) > 63:
+        raise ValueError("Q6_K codes must lie in [-32, 31]")
+    q = q.to(torch.uint8).view(n, -1, 2, 2, 64)  # [.., pair, low / high nibble, byte]
+    low = (q[:, :, :, 0] & 15) | ((q[:, :, :, 1] & 15) << 4)  # [N, K / 256, 2, 64]
+    pairs = (q >> 4).view(n, -1, 2, 4, 32)
+    high = pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 2) | (pairs[:, :, :, 2] << 4)
+    high = high | (pairs[:, :, :, 3] << 6)  # [N, K / 256, 2, 32]
+    rows = torch.cat(
+        [low.reshape(n, -1, 128), high.reshape(n, -1, 64), sub.to(torch.int8).view(torch.uint8)],
+        dim=-1,
+    )
+    pad = (-n) % 4
+    if pad:
+        rows = torch.cat([rows, rows.new_zeros(pad, *rows.shape[1:])])
+    groups = rows.view(-1, 4, k // Q4_K_SUPER, 208).transpose(1, 2)
+    parts = [(0, 128), (128, 192), (192, 208)]
+    packed = torch.cat(
+        [groups[..., a:b].reshape(*groups.shape[:2], 4 * (b - a)) for a, b in parts], dim=-1
+    )
+    assert packed.shape[-1] == _Q6_K_GROUP_BYTES
+    return packed.contiguous(), d.contiguous()
+
+
+def _fuse_k_quant_mix(shards: list[Int8Weight]) -> Int8Weight:
+    """Q4_K shards then Q6_K shards as one "q4_k+q6_k" weight: each format's shards fused as
+    `parts`, and for everything else codes, scales and mins per 16 (Q4_K's per 32 repeated,
+    Q6_K's mins 0) that give back every value."""
+    q4 = [w for w in shards if w.fmt == "q4_k"]
+    parts = (fuse(q4), fuse(shards[len(q4) :]))
+    scales = torch.cat([parts[0].scales.repeat_interleave(2, dim=1), parts[1].scales])
+    mins = torch.cat([parts[0].mins.repeat_interleave(2, dim=1), torch.zeros_like(parts[1].scales)])
+    codes = torch.cat([parts[0].codes, parts[1].codes])
+    return Int8Weight(codes, scales, "q4_k+q6_k", mins, None, parts)
+
+
+def pack_k_quant_mix(q4_k: Int8Weight, q6_k: Int8Weight) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes uint8 [bytes], scales fp16 [N, 2 K / 256]) of a fused weight's Q4_K rows then Q6_K
+    rows for the kernel (csrc/linear/kquant.h kMixed): both packed groups flat, one after the
+    other; a Q6_K row's d in the first K / 256 of its scales, zeros after."""
+    codes_4, d_dmin = pack_q4_k(q4_k)
+    codes_6, d = pack_q6_k(q6_k)
+    scales = torch.cat([d_dmin, torch.cat([d, torch.zeros_like(d)], dim=1)])
+    return torch.cat([codes_4.view(-1), codes_6.view(-1)]).contiguous(), scales.contiguous()

@@ -30,10 +30,10 @@
 // sums are the same exact integers, so a weight gives the same bits in 4, 5 or 8 bits, at a half
 // or five eighths of the bytes.
 //
-// Affine 4-bit weights (GGUF Q4_K and Q4_1: value = scale x code + min, codes in [0, 15], a scale
-// and a min per 32) are stored as the 4-bit ones with z = 0 and their mins beside the scales
-// (scales [2, N, K / 32]): each lane also adds min x x scale x (the sum of its four x codes), one
-// more fused multiply-add after the codes' one.
+// GGUF's K-quants, Q4_K and Q6_K, come in super-blocks of 256 columns whose sub-scales are
+// integers: their sums are linear_q4k.cpp's and linear_q6k.cpp's (x quantized per 256, exact
+// integer sums per super-block, one or two fused multiply-adds per 256 weights: kquant.h), which
+// this file's chunks and epilogues take as any other sums.
 #include "torch_lite.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -50,6 +50,7 @@
 #include "bf16_bits.h"
 #include "gemm_bf16_tiles.h"
 #include "kernels.h"
+#include "kquant.h"
 #include "stream_pool.h"
 
 namespace {
@@ -109,9 +110,9 @@ constexpr int kTileW = 1, kTileX = 1;
 constexpr int kTileW1 = 1;
 #endif
 
-// Weight rows of a tile with one batch row, for codes of B bits (affine: A).
-template <int B, bool A>
-constexpr int kTileW1Of = B == 8 && !A ? std::max(kTileW, kTileW1) : kTileW;
+// Weight rows of a tile with one batch row, for codes of B bits.
+template <int B>
+constexpr int kTileW1Of = B == 8 ? std::max(kTileW, kTileW1) : kTileW;
 
 // The lane reduction every family makes: (l, l + 8), (l, l + 4), (l, l + 2), (l, l + 1).
 inline float reduce_lanes(const float* a) {
@@ -133,19 +134,18 @@ inline float reduce_halves(__m256 lo, __m256 hi) {
 #endif
 
 // One row of x quantized: codes [K]; per lane (K / 4 of them, 16 per chunk) the x scale of its
-// group, -z times the sum of its four codes (z the weight codes' zero point: the unsigned
-// codes' offset, taken off at the start) and that sum as a float (affine weights' min term).
+// group and -z times the sum of its four codes (z the weight codes' zero point: the unsigned
+// codes' offset, taken off at the start).
 struct XRows {
   std::vector<int8_t> codes;
   std::vector<float> lane_scale;
   std::vector<int32_t> offset;
-  std::vector<float> lane_sum;
 };
 
 // Rows of x quantized on the caller and up to `threads - 1` helpers (a prefill's x is large).
 XRows quantize_x(const uint16_t* x, int64_t rows, int64_t K, int64_t threads, int32_t zero) {
   XRows q{std::vector<int8_t>(rows * K), std::vector<float>(rows * K / 4),
-          std::vector<int32_t>(rows * K / 4), std::vector<float>(rows * K / 4)};
+          std::vector<int32_t>(rows * K / 4)};
   prefixserve::stream_pool().run(rows, rows < 8 ? 1 : threads, [&](int64_t r) {
     for (int64_t g = 0; g < K; g += 32) {
       float v[32], amax = 0.0f;
@@ -167,7 +167,6 @@ XRows quantize_x(const uint16_t* x, int64_t rows, int64_t K, int64_t threads, in
         q.lane_scale[lane] = scale;
         const int32_t sum = c[4 * u] + c[4 * u + 1] + c[4 * u + 2] + c[4 * u + 3];
         q.offset[lane] = -zero * sum;
-        q.lane_sum[lane] = static_cast<float>(sum);
       }
     }
   }, /*compute_bound=*/rows > kComputeBoundRows);
@@ -182,7 +181,7 @@ inline int64_t group_of(int64_t c, int64_t chunks_per_group, int64_t groups) {
 
 // A weight's scales from some row on: float32, or float16 where every scale is one (GGUF Q8_0,
 // Q5_0 and Q4_0 store theirs so: the same values in half the bytes, read as the pair of a chunk's
-// two groups). Affine weights' mins and G = 16 scales are float32 always.
+// two groups). G = 16 scales are float32 always.
 struct Scales {
   const float* f = nullptr;
   const uint16_t* h = nullptr;
@@ -280,11 +279,11 @@ inline int32_t code_at(const uint8_t* p, int64_t col) {
 }
 
 // Sums of NW weight rows of one packed group of four (codes from q, the group's first chunk of
-// the tile's first row, B bits a code; scales K / G apart, and where A (affine, G = 32) the mins
-// `min_at` floats after them) with NX quantized x rows (from row x0 of xq) into sums[i * NX + j].
-template <int B, bool A, int NW, int NX>
-inline void dot_tile(const uint8_t* q, Scales s, int64_t min_at, int64_t K, int64_t G,
-                     const XRows& xq, int64_t x0, float* sums) {
+// the tile's first row, B bits a code; scales K / G apart) with NX quantized x rows (from row x0
+// of xq) into sums[i * NX + j].
+template <int B, int NW, int NX>
+inline void dot_tile(const uint8_t* q, Scales s, int64_t K, int64_t G, const XRows& xq,
+                     int64_t x0, float* sums) {
   const int64_t groups = K / G, chunks = K / kChunk;
   const int64_t chunks_per_group = G / kChunk;  // 0 for G = 32
   constexpr int64_t row_bytes = kBytes<B>, group_chunk = kGroupRows * row_bytes;
@@ -304,14 +303,9 @@ inline void dot_tile(const uint8_t* q, Scales s, int64_t min_at, int64_t K, int6
   const __m512i by_16 = _mm512_setr_epi32(0, 2, 0, 2, 0, 2, 0, 2, 1, 3, 1, 3, 1, 3, 1, 3);
   for (int64_t c = 0; c < chunks; ++c) {
     __m512i w[NW];
-    __m512 ws[NW], wm[NW];
+    __m512 ws[NW];
     for (int i = 0; i < NW; ++i) {
       w[i] = load_codes<B>(q + i * row_bytes + c * group_chunk);
-      if constexpr (A) {
-        double pair;  // the chunk's two mins, as its two scales
-        std::memcpy(&pair, s.f + min_at + i * groups + 2 * c, sizeof pair);
-        wm[i] = _mm512_castpd_ps(_mm512_set1_pd(pair));
-      }
       const Scales si = s + i * groups;
       if (groups == 1) {
         ws[i] = row_scale[i];
@@ -330,10 +324,6 @@ inline void dot_tile(const uint8_t* q, Scales s, int64_t min_at, int64_t K, int6
       for (int i = 0; i < NW; ++i) {
         const __m512i dot = _mm512_dpbusd_epi32(start, w[i], xv);
         acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(ws[i], xs), acc[i][j]);
-        if constexpr (A)
-          acc[i][j] = _mm512_fmadd_ps(_mm512_loadu_ps(xq.lane_sum.data() + (x0 + j) * K / 4 +
-                                                      c * kLanes),
-                                      _mm512_mul_ps(wm[i], xs), acc[i][j]);
       }
     }
   }
@@ -360,14 +350,9 @@ inline void dot_tile(const uint8_t* q, Scales s, int64_t min_at, int64_t K, int6
     for (int h = 0; h < 2; ++h) {
       const int64_t col = c * kChunk + 32 * h;
       __m256i w[NW];
-      __m256 ws[NW], wm[NW];
+      __m256 ws[NW];
       for (int i = 0; i < NW; ++i) {
         w[i] = load_half<B>(q + i * row_bytes + c * group_chunk, h);
-        if constexpr (A) {
-          double pair;  // as the VNNI tile
-          std::memcpy(&pair, s.f + min_at + i * groups + 2 * c, sizeof pair);
-          wm[i] = _mm256_castpd_ps(_mm256_set1_pd(pair));
-        }
         if (groups == 1) {
           ws[i] = row_scale[i];
         } else if (G == 32) {  // as the VNNI tile: both halves' lanes alternate the two scales
@@ -394,10 +379,6 @@ inline void dot_tile(const uint8_t* q, Scales s, int64_t min_at, int64_t K, int6
           const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(pairs, ones), start);
           acc[i][j][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(ws[i], xs),
                                          acc[i][j][h]);
-          if constexpr (A)
-            acc[i][j][h] = _mm256_fmadd_ps(
-                _mm256_loadu_ps(xq.lane_sum.data() + (x0 + j) * K / 4 + col / 4),
-                _mm256_mul_ps(wm[i], xs), acc[i][j][h]);
         }
       }
     }
@@ -414,16 +395,11 @@ inline void dot_tile(const uint8_t* q, Scales s, int64_t min_at, int64_t K, int6
           int32_t dot = 0;
           for (int t = 0; t < 4; ++t) {
             const int64_t col = 4 * l + t;
-            const int32_t code =
-                code_at<B>(q + i * row_bytes + c * group_chunk, col) + (A ? kZero<B> : 0);
+            const int32_t code = code_at<B>(q + i * row_bytes + c * group_chunk, col);
             dot += code * static_cast<int32_t>(xr[c * kChunk + col]);
           }
           const float scale = weight_scale(s + i * groups, G, c, l) * xs[c * kLanes + l];
           acc[l] = std::fma(static_cast<float>(dot), scale, acc[l]);
-          if constexpr (A) {
-            const float min = weight_scale(Scales{s.f + min_at + i * groups}, G, c, l) * xs[c * kLanes + l];
-            acc[l] = std::fma(xq.lane_sum[(x0 + j) * K / 4 + c * kLanes + l], min, acc[l]);
-          }
         }
       sums[i * NX + j] = reduce_lanes(acc);
     }
@@ -432,28 +408,28 @@ inline void dot_tile(const uint8_t* q, Scales s, int64_t min_at, int64_t K, int6
 
 // A tile of up to kTileW weight rows by up to kTileX batch rows (the remainders dispatched to
 // their own instantiations).
-template <int B, bool A, int NW>
-inline void dot_rows_x(const uint8_t* q, Scales s, int64_t min_at, int64_t K, int64_t G,
-                       const XRows& xq, int64_t x0, int64_t nx, float* sums) {
+template <int B, int NW>
+inline void dot_rows_x(const uint8_t* q, Scales s, int64_t K, int64_t G, const XRows& xq,
+                       int64_t x0, int64_t nx, float* sums) {
   if constexpr (kTileX >= 4 && NW <= kTileW) {
-    if (nx >= 4) return dot_tile<B, A, NW, 4>(q, s, min_at, K, G, xq, x0, sums);
+    if (nx >= 4) return dot_tile<B, NW, 4>(q, s, K, G, xq, x0, sums);
   }
   if constexpr (kTileX >= 2 && NW <= kTileW) {
-    if (nx >= 2) return dot_tile<B, A, NW, 2>(q, s, min_at, K, G, xq, x0, sums);
+    if (nx >= 2) return dot_tile<B, NW, 2>(q, s, K, G, xq, x0, sums);
   }
-  dot_tile<B, A, NW, 1>(q, s, min_at, K, G, xq, x0, sums);
+  dot_tile<B, NW, 1>(q, s, K, G, xq, x0, sums);
 }
 
-template <int B, bool A>
-inline void dot_rows(const uint8_t* q, Scales s, int64_t min_at, int64_t K, int64_t G,
-                     const XRows& xq, int64_t x0, int64_t nw, int64_t nx, float* sums) {
-  if constexpr (kTileW1Of<B, A> >= 4) {  // VNNI's tiles; AVX2's one-row tiles of 8-bit codes
-    if (nw >= 4) return dot_rows_x<B, A, 4>(q, s, min_at, K, G, xq, x0, nx, sums);
+template <int B>
+inline void dot_rows(const uint8_t* q, Scales s, int64_t K, int64_t G, const XRows& xq,
+                     int64_t x0, int64_t nw, int64_t nx, float* sums) {
+  if constexpr (kTileW1Of<B> >= 4) {  // VNNI's tiles; AVX2's one-row tiles of 8-bit codes
+    if (nw >= 4) return dot_rows_x<B, 4>(q, s, K, G, xq, x0, nx, sums);
   }
   if constexpr (kTileW >= 2) {
-    if (nw >= 2) return dot_rows_x<B, A, 2>(q, s, min_at, K, G, xq, x0, nx, sums);
+    if (nw >= 2) return dot_rows_x<B, 2>(q, s, K, G, xq, x0, nx, sums);
   }
-  dot_rows_x<B, A, 1>(q, s, min_at, K, G, xq, x0, nx, sums);
+  dot_rows_x<B, 1>(q, s, K, G, xq, x0, nx, sums);
 }
 
 // What follows the sums: out [rows, ldo] from column 0 of this range; `act` != kNone makes
@@ -531,9 +507,9 @@ void store_gated_sums(const float* gate, const float* up, int64_t ld, int64_t ro
 
 // Sums of weight rows [n0, n0 + width) for every batch row into sums [rows, width]. Tiles never
 // cross a packed group of four rows (a range that starts inside one takes single rows up to it).
-template <int B, bool A>
-void sum_range(const uint8_t* q, Scales s, int64_t min_at, int64_t K, int64_t G,
-               const XRows& xq, int64_t rows, int64_t n0, int64_t width, float* sums) {
+template <int B>
+void sum_range(const uint8_t* q, Scales s, int64_t K, int64_t G, const XRows& xq, int64_t rows,
+               int64_t n0, int64_t width, float* sums) {
   const int64_t groups = K / G;
   float tile[std::max(kTileW * kTileX, kTileW1)];
   for (int64_t m0 = 0; m0 < rows;) {
@@ -542,13 +518,13 @@ void sum_range(const uint8_t* q, Scales s, int64_t min_at, int64_t K, int64_t G,
     const int64_t tx = kTileX >= 4 && more >= 4 ? 4 : kTileX >= 2 && more >= 2 ? 2 : 1;
     for (int64_t n = 0; n < width;) {
       const int64_t r = n0 + n, slot = r % kGroupRows, left = width - n;
-      const int64_t tile_w = tx == 1 ? kTileW1Of<B, A> : kTileW;
+      const int64_t tile_w = tx == 1 ? kTileW1Of<B> : kTileW;
       const int64_t nw = slot == 0 && left >= 4 && tile_w >= 4   ? 4
                          : slot % 2 == 0 && left >= 2 && tile_w >= 2 ? 2
                                                                      : 1;
       const uint8_t* base =
           q + (r / kGroupRows) * kGroupRows * (K / kChunk) * kBytes<B> + slot * kBytes<B>;
-      dot_rows<B, A>(base, s + r * groups, min_at, K, G, xq, m0, nw, tx, tile);
+      dot_rows<B>(base, s + r * groups, K, G, xq, m0, nw, tx, tile);
       for (int64_t i = 0; i < nw; ++i)
         for (int64_t j = 0; j < tx; ++j) sums[(m0 + j) * width + n + i] = tile[i * tx + j];
       n += nw;
@@ -574,14 +550,13 @@ int64_t chunk_columns(int64_t rows, int64_t width_out, int64_t K, int64_t code_b
   return std::max<int64_t>(16, columns / 16 * 16);
 }
 
-// The call's sums and epilogues over codes of B bits, chunk by chunk (`chunk_columns`) on the
-// caller and up to `threads - 1` helpers.
-template <int B, bool A = false>
-void run_chunks(const uint8_t* q, Scales s, int64_t min_at, int64_t K, int64_t G,
-                const XRows& xq, int64_t rows, int64_t width_out, bool gated, const Epilogue& e,
-                int64_t threads) {
-  const int64_t chunk =
-      chunk_columns(rows, width_out, K, K / kChunk * kBytes<B>, gated, threads);
+// The call's sums (`sum(n0, width, sums)`: weight rows [n0, n0 + width) into sums [rows, width])
+// and epilogues, chunk by chunk (`chunk_columns`, a weight row `row_bytes` long) on the caller and
+// up to `threads - 1` helpers.
+template <class Sum>
+void run_chunks(const Sum& sum, int64_t row_bytes, int64_t K, int64_t rows, int64_t width_out,
+                bool gated, const Epilogue& e, int64_t threads) {
+  const int64_t chunk = chunk_columns(rows, width_out, K, row_bytes, gated, threads);
   const int64_t chunks = (width_out + chunk - 1) / chunk;
   prefixserve::stream_pool().run(chunks, threads, [&](int64_t c) {
     const int64_t c0 = c * chunk, width = std::min(width_out, c0 + chunk) - c0;
@@ -589,12 +564,30 @@ void run_chunks(const uint8_t* q, Scales s, int64_t min_at, int64_t K, int64_t G
     // malloc would map and unmap on every chunk.
     thread_local std::vector<float> sums;
     sums.resize(rows * width * (gated ? 2 : 1));
-    sum_range<B, A>(q, s, min_at, K, G, xq, rows, c0, width, sums.data());
+    sum(c0, width, sums.data());
     if (!gated) return store_plain(sums.data(), width, rows, c0, width, e);
     float* up = sums.data() + rows * width;
-    sum_range<B, A>(q, s, min_at, K, G, xq, rows, width_out + c0, width, up);
+    sum(width_out + c0, width, up);
     store_gated_sums(sums.data(), up, width, rows, c0, width, width_out, e);
   }, /*compute_bound=*/rows > kComputeBoundRows);
+}
+
+// run_chunks over codes of B bits.
+template <int B>
+void run_codes(const uint8_t* q, Scales s, int64_t K, int64_t G, const XRows& xq, int64_t rows,
+               int64_t width_out, bool gated, const Epilogue& e, int64_t threads) {
+  const auto sum = [&](int64_t n0, int64_t width, float* sums) {
+    sum_range<B>(q, s, K, G, xq, rows, n0, width, sums);
+  };
+  run_chunks(sum, K / kChunk * kBytes<B>, K, rows, width_out, gated, e, threads);
+}
+
+// A decode-sized call has the pool's helpers bring the next linear's codes toward their caches
+// while the caller runs what lies between the two (gemm_bf16's prefetch_next).
+void prefetch_next(int64_t rows, const c10::optional<torch::Tensor>& prefetch) {
+  if (rows <= kPrefetchNextRows && prefetch.has_value() && prefetch->defined())
+    prefixserve::stream_pool().prefetch(prefetch->data_ptr(),
+                                        prefetch->numel() * prefetch->element_size());
 }
 
 // The bits of a code by the packed tensor's type and last dimension: int8 [.., 64] 8 bits,
@@ -613,8 +606,10 @@ std::string linear_int8_family() { return kFamily; }
 // out [rows, N] (or [rows, N / 2] gated) from x [rows, K] bf16, codes packed in groups of four
 // rows [ceil(N / 4), K / 64, 4, bytes] (model/quant/weights.py `pack_codes`: int8 with 64 bytes,
 // or uint8 with 40 (5-bit) or 32 (4-bit)), scales [N, K / G] fp32, or fp16 for a scale per 32
-// (`Scales`; affine 4-bit codes: scales then mins, [2, N, K / 32], fp32); bias [N] bf16 or none; act 0
-// plain, 1 SiLU, 2 GELU tanh (gated); residual [rows, N] bf16 added after the rounding, or none.
+// (`Scales`); or a K-quant's super-blocks (kquant.h: codes uint8 [ceil(N / 4), K / 256, 576 or
+// 832], scales fp16 [N, 2 K / 256 or K / 256]); bias [N] bf16 or none; act 0 plain, 1 SiLU, 2
+// GELU tanh (gated); residual [rows, N] bf16 added after the rounding, or none. A plain call
+// (no act, no residual) may give a float32 out: the sums and bias unrounded (the LM head's logits).
 // Chunks of weight rows run on the caller and up to `threads - 1` helpers of the stream pool;
 // `prefetch`: the next linear's weight, or none.
 void linear_int8(torch::Tensor out, torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
@@ -625,33 +620,34 @@ void linear_int8(torch::Tensor out, torch::Tensor x, torch::Tensor codes, torch:
                   out.device().is_cpu(),
               "linear_int8 runs on CPU tensors only");
   const int bits = code_bits(codes);
+  namespace kquant = prefixserve::kquant;
+  const kquant::Format super = kquant::format_of(codes, scales);  // Q4_K, Q6_K: kquant.h
   const bool out_f32 = out.scalar_type() == torch::kFloat && act == kNone;  // plain: unrounded
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && bits != 0 &&
-                  (out.scalar_type() == torch::kBFloat16 || out_f32) &&
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 &&
+                  (out.scalar_type() == torch::kBFloat16 || out_f32) && (bits != 0 || super) &&
                   (scales.scalar_type() == torch::kFloat || scales.scalar_type() == torch::kHalf),
               "linear_int8 needs bfloat16 x and out (or a plain call's float32 out), packed codes "
-              "(int8 [.., 64], uint8 [.., 40] or [.., 32]), float32 (or float16) scales");
-  const bool affine = scales.dim() == 3;
-  TORCH_CHECK(x.dim() == 2 && (scales.dim() == 2 || (affine && scales.size(0) == 2)) &&
-                  out.dim() == 2 && x.is_contiguous() && codes.is_contiguous() &&
-                  scales.is_contiguous() && out.is_contiguous(),
-              "linear_int8 needs contiguous 2-D x and out, 2-D scales (or [2, N, K / G] scales "
-              "and mins), and 4-D packed codes");
-  const int64_t rows = x.size(0), K = x.size(1), N = scales.size(affine ? 1 : 0);
-  const int64_t groups = scales.size(affine ? 2 : 1);
-  TORCH_CHECK(!affine || (bits == 4 && groups * 32 == K),
-              "linear_int8: mins go with 4-bit codes and a scale per 32");
+              "(int8 [.., 64], uint8 [.., 40] or [.., 32]; Q4_K's and Q6_K's uint8 [.., 576] and "
+              "[.., 832], or both flat), float32 (or float16) scales");
+  TORCH_CHECK(x.dim() == 2 && scales.dim() == 2 && out.dim() == 2 && x.is_contiguous() &&
+                  codes.is_contiguous() && scales.is_contiguous() && out.is_contiguous(),
+              "linear_int8 needs contiguous 2-D x, out and scales, and packed codes");
+  const int64_t rows = x.size(0), K = x.size(1), N = scales.size(0), groups = scales.size(1);
   TORCH_CHECK(act == kNone || act == kSilu || act == kGeluTanh, "linear_int8: unknown act");
   const bool gated = act != kNone;
   const int64_t width_out = gated ? N / 2 : N;
-  TORCH_CHECK(codes.size(0) == (N + kGroupRows - 1) / kGroupRows && codes.size(1) * kChunk == K &&
-                  codes.size(2) == kGroupRows && K % kChunk == 0 &&
-                  groups > 0 && K % groups == 0 &&
-                  (K / groups == 16 || K / groups == 32 || (K / groups) % kChunk == 0) &&
-                  (!gated || N % 2 == 0) && out.size(0) == rows && out.size(1) == width_out,
+  const bool codes_fit =
+      super ? kquant::shapes_fit(super, codes, scales, N, K)
+            : codes.size(0) == (N + kGroupRows - 1) / kGroupRows &&
+                  codes.size(1) * kChunk == K && codes.size(2) == kGroupRows &&
+                  K % kChunk == 0 && groups > 0 && K % groups == 0 &&
+                  (K / groups == 16 || K / groups == 32 || (K / groups) % kChunk == 0);
+  TORCH_CHECK(codes_fit && (!gated || N % 2 == 0) && out.size(0) == rows &&
+                  out.size(1) == width_out,
               "linear_int8: shapes x [rows, K], codes [N / 4, K / 64, 4, bytes], scales [N, K / G] "
-              "with K a multiple of 64 and G 16, 32 or a multiple of 64, out [rows, N] (gated: "
-              "[rows, N / 2])");
+              "with K a multiple of 64 and G 16, 32 or a multiple of 64 (Q4_K, Q6_K: codes "
+              "[N / 4, K / 256, 576 or 832], scales [N, 2 K / 256 or K / 256] with K a multiple "
+              "of 256), out [rows, N] (gated: [rows, N / 2])");
   std::vector<float> bias_f;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->scalar_type() == torch::kBFloat16 && bias->is_contiguous() &&
@@ -669,32 +665,34 @@ void linear_int8(torch::Tensor out, torch::Tensor x, torch::Tensor codes, torch:
                 "linear_int8: residual must be a contiguous bfloat16 [rows, N], plain, bf16 out");
     res = reinterpret_cast<const uint16_t*>(residual->data_ptr<c10::BFloat16>());
   }
-  // x quantized once per call, per row and group of 32, with the codes' zero point (affine
-  // codes are stored as they are).
-  const int32_t zero = affine ? 0 : bits == 8 ? kZero<8> : bits == 5 ? kZero<5> : kZero<4>;
-  const XRows xq =
-      quantize_x(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), rows, K,
-                 threads, zero);
-  const auto* q = static_cast<const uint8_t*>(codes.data_ptr());
-  const int64_t G = K / groups, min_at = affine ? N * groups : 0;
+  const int64_t G = K / groups;
   const bool half = scales.scalar_type() == torch::kHalf;
-  TORCH_CHECK(!half || (G == 32 && !affine),
-              "linear_int8: float16 scales go with a scale per 32 and no mins");
-  const Scales s = half ? Scales{nullptr, reinterpret_cast<const uint16_t*>(scales.data_ptr())}
-                        : Scales{scales.data_ptr<float>(), nullptr};
+  TORCH_CHECK(!half || super || G == 32, "linear_int8: float16 scales go with a scale per 32");
   const Epilogue e{static_cast<uint16_t*>(out.data_ptr()), width_out,
                    bias_f.empty() ? nullptr : bias_f.data(), act, res, out_f32};
-  if (affine)
-    run_chunks<4, true>(q, s, min_at, K, G, xq, rows, width_out, gated, e, threads);
-  else if (bits == 8)
-    run_chunks<8>(q, s, min_at, K, G, xq, rows, width_out, gated, e, threads);
+  const auto* x_bits = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
+  const auto* q = static_cast<const uint8_t*>(codes.data_ptr());
+  if (super) {  // x quantized per super-block of 256 (kquant.h)
+    const auto xq = kquant::quantize_x(x_bits, rows, K, threads,
+                                       /*compute_bound=*/rows > kComputeBoundRows);
+    const kquant::Weight w{super, q, reinterpret_cast<const uint16_t*>(scales.data_ptr()), K,
+                           kquant::mixed_split(super, codes, N, K)};
+    const auto sum = [&](int64_t n0, int64_t width, float* sums) {
+      kquant::sum_range(w, xq, n0, width, sums);
+    };
+    run_chunks(sum, kquant::row_bytes(super, K), K, rows, width_out, gated, e, threads);
+    return prefetch_next(rows, prefetch);
+  }
+  // x quantized once per call, per row and group of 32, with the codes' zero point.
+  const int32_t zero = bits == 8 ? kZero<8> : bits == 5 ? kZero<5> : kZero<4>;
+  const XRows xq = quantize_x(x_bits, rows, K, threads, zero);
+  const Scales s = half ? Scales{nullptr, reinterpret_cast<const uint16_t*>(scales.data_ptr())}
+                        : Scales{scales.data_ptr<float>(), nullptr};
+  if (bits == 8)
+    run_codes<8>(q, s, K, G, xq, rows, width_out, gated, e, threads);
   else if (bits == 5)
-    run_chunks<5>(q, s, min_at, K, G, xq, rows, width_out, gated, e, threads);
+    run_codes<5>(q, s, K, G, xq, rows, width_out, gated, e, threads);
   else
-    run_chunks<4>(q, s, min_at, K, G, xq, rows, width_out, gated, e, threads);
-  // A decode-sized call has the pool's helpers bring the next linear's codes toward their caches
-  // while the caller runs what lies between the two (gemm_bf16's prefetch_next).
-  if (rows <= kPrefetchNextRows && prefetch.has_value() && prefetch->defined())
-    prefixserve::stream_pool().prefetch(prefetch->data_ptr(),
-                                        prefetch->numel() * prefetch->element_size());
+    run_codes<4>(q, s, K, G, xq, rows, width_out, gated, e, threads);
+  prefetch_next(rows, prefetch);
 }

@@ -1,0 +1,341 @@
+// GGUF Q4_K weights as the file has them, multiplied in super-blocks (as llama.cpp's Q4_K x Q8_K
+// dot product): a weight row's 256 columns are eight sub-blocks of 32 codes q in [0, 15], each
+// with a 6-bit sub-scale sc and sub-min m, and the super-block's fp16 d and dmin; value =
+// d sc q - dmin m. x is quantized per super-block (scale amax / 127, codes rounded to nearest
+// even in [-127, 127], as linear_int8's per 32; kquant.h `quantize_x`), with the sum of each
+// sub-block's codes. Then
+//
+//   sum over the super-block of value x = d xs S - dmin xs M,
+//   S = sum_j sc_j (sum over sub-block j of q x),  M = sum_j m_j (sum of sub-block j's x codes),
+//
+// with S and M exact integers (|S| <= 8 x 63 x 32 x 15 x 127 < 2^25, |M| < 2^21: int32). Every
+// family computes them exactly, in whatever order suits its instructions: AVX-512 VNNI multiplies
+// the unsigned codes by the signed x codes into 16-bit pairs (VPMADDUBSW: 2 x 15 x 127 never
+// saturates) and those by the sub-scales into 32-bit lanes (VPDPWSSD); AVX2 the same with
+// VPMADDWD; the portable loop in scalars. The float work is once per super-block and pair of a
+// weight row and an x row, in one order everywhere:
+//
+//   acc = fma(float(S), d * xs, acc);  acc = fma(-float(M), dmin * xs, acc)
+//
+// (float(S) rounds to nearest even above 2^24, on every family alike), from acc = 0 over the
+// super-blocks in order. So every family writes the same bits (tests/model/test_linear_kquant.py),
+// and a row's result never depends on the other rows of the call. The float arithmetic is one
+// fused multiply-add pair per 256 weights where the per-32 path took two per 4 columns' lane.
+//
+// The layout (model/quant/weights.py `pack_q4_k`): codes uint8 [ceil(N / 4), K / 256, 576], a
+// group of four rows' super-block in 576 bytes: the four rows' 128 bytes of nibbles in the
+// file's order (byte 32c + l: column 64c + l in the low nibble, 64c + 32 + l in the high one),
+// then their sub-scales (8 bytes a row), then their sub-mins (8 a row); d_dmin fp16 [N, 2 K / 256]
+// (each super-block's d, dmin). 4.625 bits a weight (the file's 4.5 packs the sub-scales in 6
+// bits). A 64-byte load of a row is 128 columns: its low nibbles are columns 0-31 and 64-95 of
+// them, its high nibbles 32-63 and 96-127, so x's codes are stored in that order (kquant.h
+// `x_column`) and each 32-bit lane's four products lie in one sub-block.
+//
+// Tiles (kquant_tiles.h): up to 4 weight rows by 4 x rows on AVX-512 (the 16 pairs' integer sums
+// folded into one vector's lanes, then the float work for all 16 at once), 4 pairs on AVX2, one on
+// the portable loop. A decode's tile (one x row) prefetches its stream kPrefetchAhead super-blocks
+// ahead.
+#include "kquant.h"
+
+#include <cmath>
+
+#include "bf16_bits.h"
+#include "kquant_tiles.h"
+#include "stream_pool.h"
+
+namespace prefixserve::kquant {
+namespace {
+
+constexpr int64_t kCodeBytes = 128;                       // a row's nibbles of a super-block
+constexpr int64_t kScalesAt = kGroupRows * kCodeBytes;    // the group's sub-scales, 8 a row
+constexpr int64_t kMinsAt = kScalesAt + 8 * kGroupRows;   // and sub-mins, 8 a row
+// Super-blocks a decode's stream is prefetched ahead (the hardware's prefetchers ramp up on each
+// chunk's new stream).
+constexpr int64_t kPrefetchAhead = 8;
+
+// Sub-block of the 32 codes at byte half s (0: bytes 0-31, 1: 32-63) of 64-byte load `pair`,
+// nibble `high`: 4 pair + 2 s + high.
+constexpr int sub_block(int pair, int s, int high) { return 4 * pair + 2 * s + high; }
+
+struct Q4KTiles {
+#if defined(PREFIXSERVE_KQUANT_VNNI)
+  // A tile of NW weight rows (slots slot.. of one packed group) by NX x rows (from x0).
+  template <int NW, int NX>
+  static void tile(const uint8_t* group, int64_t slot, const uint16_t* dd, int64_t dd_row,
+                   const XSuper& xq, int64_t x0, float* out) {
+    static_assert(NW <= 4 && NX <= 4, "a tile of at most 4 x 4");
+    const int64_t blocks = xq.blocks;
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    // The sub-scale of each lane's sub-block as 16-bit words (pshufb of the row's 8 bytes).
+    __m512i masks[4];
+    for (int p = 0; p < 2; ++p)
+      for (int h = 0; h < 2; ++h)
+        masks[2 * p + h] = _mm512_inserti64x4(
+            _mm512_castsi256_si512(
+                _mm256_set1_epi16(static_cast<int16_t>(0x8000 | sub_block(p, 0, h)))),
+            _mm256_set1_epi16(static_cast<int16_t>(0x8000 | sub_block(p, 1, h))), 1);
+    // Lane 4i + j of the float work takes row i's d (or dmin): [d0, dmin0, d1, dmin1, ...].
+    const __m512i lane_d = _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6);
+    const __m512i lane_m = _mm512_add_epi32(lane_d, _mm512_set1_epi32(1));
+    const int8_t* xc[NX];
+    for (int j = 0; j < NX; ++j) xc[j] = xq.codes.data() + (x0 + j) * blocks * kSuper;
+    __m512 acc_f = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* blk = group + b * kQ4KGroupBytes;
+      if constexpr (NX == 1)  // a decode's stream, ahead of the prefetchers
+        for (int64_t line = 0; line < kQ4KGroupBytes; line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchAhead * kQ4KGroupBytes + line),
+                       _MM_HINT_T0);
+      __m512i acc[NW][NX];
+      for (int i = 0; i < NW; ++i)
+        for (int j = 0; j < NX; ++j) acc[i][j] = _mm512_setzero_si512();
+      for (int p = 0; p < 2; ++p)
+        for (int h = 0; h < 2; ++h) {
+          __m512i w[NW], s[NW];
+          for (int i = 0; i < NW; ++i) {
+            const __m512i v = _mm512_loadu_si512(blk + kCodeBytes * (slot + i) + 64 * p);
+            w[i] = _mm512_and_si512(h ? _mm512_srli_epi16(v, 4) : v, low);
+            int64_t sc;
+            std::memcpy(&sc, blk + kScalesAt + 8 * (slot + i), sizeof sc);
+            s[i] = _mm512_shuffle_epi8(_mm512_set1_epi64(sc), masks[2 * p + h]);
+          }
+          for (int j = 0; j < NX; ++j) {
+            const __m512i xv = _mm512_loadu_si512(xc[j] + b * kSuper + 128 * p + 64 * h);
+            for (int i = 0; i < NW; ++i)
+              acc[i][j] = _mm512_dpwssd_epi32(acc[i][j], _mm512_maddubs_epi16(w[i], xv), s[i]);
+          }
+        }
+      const __m512i S = sum_pairs<NW, NX>(acc);
+      // M: the group's sub-mins (row i's eight in 128-bit lane i) times x row j's sums per 32.
+      const __m512i mins = _mm512_cvtepu8_epi16(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + kMinsAt)));
+      __m512i u[4];
+      for (int j = 0; j < 4; ++j) {
+        if (j >= NX) {
+          u[j] = _mm512_setzero_si512();
+          continue;
+        }
+        const __m128i sums = _mm_loadu_si128(
+            reinterpret_cast<const __m128i*>(xq.sums32.data() + ((x0 + j) * blocks + b) * 8));
+        u[j] = _mm512_madd_epi16(mins, _mm512_broadcast_i32x4(sums));
+      }
+      const __m512i M = fold_pairs<NX>(u);
+      const __m512 d_dmin =
+          _mm512_castps256_ps512(_mm256_cvtph_ps(d_dmin_of<NW>(dd, dd_row, b)));
+      const __m512 xs = x_scales<NX>(xq, x0, b);
+      const __m512 dx = _mm512_mul_ps(_mm512_permutexvar_ps(lane_d, d_dmin), xs);
+      const __m512 mx = _mm512_mul_ps(_mm512_permutexvar_ps(lane_m, d_dmin), xs);
+      acc_f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S), dx, acc_f);
+      acc_f = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(M), mx, acc_f);
+    }
+    store_pairs<NW, NX>(acc_f, out);
+  }
+#elif defined(PREFIXSERVE_KQUANT_AVX2)
+  // As the VNNI tile, on 256-bit vectors, with pairs at most 4 (lane i NX + j).
+  template <int NW, int NX>
+  static void tile(const uint8_t* group, int64_t slot, const uint16_t* dd, int64_t dd_row,
+                   const XSuper& xq, int64_t x0, float* out) {
+    static_assert(NW * NX <= 4, "a tile of at most 4 pairs");
+    const int64_t blocks = xq.blocks;
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const int8_t* xc[NX];
+    for (int j = 0; j < NX; ++j) xc[j] = xq.codes.data() + (x0 + j) * blocks * kSuper;
+    alignas(16) int32_t lane_d[4];
+    for (int p = 0; p < 4; ++p) lane_d[p] = p < NW * NX ? 2 * (p / NX) : 0;
+    const __m256i idx_d =
+        _mm256_castsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(lane_d)));
+    const __m256i idx_m = _mm256_add_epi32(idx_d, _mm256_set1_epi32(1));
+    __m128 acc_f = _mm_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* blk = group + b * kQ4KGroupBytes;
+      __m256i acc[4];
+      for (int p = 0; p < 4; ++p) acc[p] = _mm256_setzero_si256();
+      for (int p = 0; p < 2; ++p)
+        for (int s = 0; s < 2; ++s)
+          for (int h = 0; h < 2; ++h) {
+            const __m256i mask =
+                _mm256_set1_epi16(static_cast<int16_t>(0x8000 | sub_block(p, s, h)));
+            __m256i w[NW], sc[NW];
+            for (int i = 0; i < NW; ++i) {
+              const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                  blk + kCodeBytes * (slot + i) + 64 * p + 32 * s));
+              w[i] = _mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, low);
+              int64_t eight;
+              std::memcpy(&eight, blk + kScalesAt + 8 * (slot + i), sizeof eight);
+              sc[i] = _mm256_shuffle_epi8(_mm256_set1_epi64x(eight), mask);
+            }
+            for (int j = 0; j < NX; ++j) {
+              const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                  xc[j] + b * kSuper + 128 * p + 64 * h + 32 * s));
+              for (int i = 0; i < NW; ++i)
+                acc[i * NX + j] = _mm256_add_epi32(
+                    acc[i * NX + j], _mm256_madd_epi16(_mm256_maddubs_epi16(w[i], xv), sc[i]));
+            }
+          }
+      const __m128i S = sum_four(acc);
+      // M, pair by pair: row i's sub-mins times x row j's sums per 32.
+      __m128i m[4];
+      for (int p = 0; p < 4; ++p) {
+        if (p >= NW * NX) {
+          m[p] = _mm_setzero_si128();
+          continue;
+        }
+        const int i = p / NX, j = p % NX;
+        const __m128i mins = _mm_cvtepu8_epi16(
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + kMinsAt + 8 * (slot + i))));
+        const __m128i sums = _mm_loadu_si128(
+            reinterpret_cast<const __m128i*>(xq.sums32.data() + ((x0 + j) * blocks + b) * 8));
+        m[p] = _mm_madd_epi16(mins, sums);
+      }
+      const __m128i M = _mm_hadd_epi32(_mm_hadd_epi32(m[0], m[1]), _mm_hadd_epi32(m[2], m[3]));
+      const __m256 d_dmin = _mm256_cvtph_ps(d_dmin_of<NW>(dd, dd_row, b));
+      const __m128 xs = x_scales<NW, NX>(xq, x0, b);
+      const __m128 dx =
+          _mm_mul_ps(_mm256_castps256_ps128(_mm256_permutevar8x32_ps(d_dmin, idx_d)), xs);
+      const __m128 mx =
+          _mm_mul_ps(_mm256_castps256_ps128(_mm256_permutevar8x32_ps(d_dmin, idx_m)), xs);
+      acc_f = _mm_fmadd_ps(_mm_cvtepi32_ps(S), dx, acc_f);
+      acc_f = _mm_fnmadd_ps(_mm_cvtepi32_ps(M), mx, acc_f);
+    }
+    alignas(16) float lanes[4];
+    _mm_store_ps(lanes, acc_f);
+    for (int p = 0; p < NW * NX; ++p) out[p] = lanes[p];
+  }
+#else
+  // One weight row by one x row in scalars.
+  template <int NW, int NX>
+  static void tile(const uint8_t* group, int64_t slot, const uint16_t* dd, int64_t /*dd_row*/,
+                   const XSuper& xq, int64_t x0, float* out) {
+    static_assert(NW == 1 && NX == 1, "the portable tile is one pair");
+    const int64_t blocks = xq.blocks;
+    const int8_t* xc = xq.codes.data() + x0 * blocks * kSuper;
+    float acc = 0.0f;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* blk = group + b * kQ4KGroupBytes;
+      const uint8_t* codes = blk + kCodeBytes * slot;
+      int32_t S = 0;
+      for (int p = 0; p < 2; ++p)
+        for (int s = 0; s < 2; ++s)
+          for (int h = 0; h < 2; ++h) {
+            int32_t dot = 0;
+            for (int t = 0; t < 32; ++t) {
+              const int32_t q = (codes[64 * p + 32 * s + t] >> (4 * h)) & 0x0F;
+              dot += q * xc[b * kSuper + 128 * p + 64 * h + 32 * s + t];
+            }
+            S += blk[kScalesAt + 8 * slot + sub_block(p, s, h)] * dot;
+          }
+      int32_t M = 0;
+      for (int k = 0; k < 8; ++k)
+        M += blk[kMinsAt + 8 * slot + k] * xq.sums32[(x0 * blocks + b) * 8 + k];
+      const float xs = xq.scale[b * xq.rows + x0];
+      const float dx = half_to_float(dd[2 * b]) * xs;
+      const float mx = half_to_float(dd[2 * b + 1]) * xs;
+      acc = std::fma(static_cast<float>(S), dx, acc);
+      acc = std::fma(-static_cast<float>(M), mx, acc);
+    }
+    out[0] = acc;
+  }
+#endif
+
+#if defined(PREFIXSERVE_KQUANT_VNNI) || defined(PREFIXSERVE_KQUANT_AVX2)
+  // Rows 0..NW-1's (d, dmin) of super-block b: 8 halves [d0, dmin0, d1, ...] (0 past NW).
+  template <int NW>
+  static __m128i d_dmin_of(const uint16_t* dd, int64_t dd_row, int64_t b) {
+    const auto at = [&](int i) {
+      int32_t two = 0;
+      if (i < NW) std::memcpy(&two, dd + i * dd_row + 2 * b, sizeof two);
+      return two;
+    };
+    return _mm_setr_epi32(at(0), at(1), at(2), at(3));
+  }
+#endif
+};
+
+}  // namespace
+
+Format format_of(const torch::Tensor& codes, const torch::Tensor& scales) {
+  if (codes.scalar_type() != torch::kByte || scales.dim() != 2 ||
+      scales.scalar_type() != torch::kHalf)
+    return kNone;
+  if (codes.dim() == 1) return kMixed;
+  if (codes.dim() != 3) return kNone;
+  return codes.size(2) == kQ4KGroupBytes ? kQ4K : codes.size(2) == kQ6KGroupBytes ? kQ6K : kNone;
+}
+
+int64_t mixed_split(Format format, const torch::Tensor& codes, int64_t N, int64_t K) {
+  if (format != kMixed) return format == kQ4K ? N : 0;
+  // groups x 576 + q6k_groups x (832 - 576) bytes a super-block: the Q6_K groups' count.
+  const int64_t blocks = K / kSuper, groups = (N + kGroupRows - 1) / kGroupRows;
+  const int64_t extra = codes.numel() - groups * blocks * kQ4KGroupBytes;
+  const int64_t step = blocks * (kQ6KGroupBytes - kQ4KGroupBytes);
+  if (blocks == 0 || extra <= 0 || extra % step != 0 || extra / step >= groups) return -1;
+  return (groups - extra / step) * kGroupRows;
+}
+
+bool shapes_fit(Format format, const torch::Tensor& codes, const torch::Tensor& scales,
+                int64_t N, int64_t K) {
+  if (K % kSuper != 0 || scales.size(0) != N || !codes.is_contiguous() ||
+      !scales.is_contiguous())
+    return false;
+  if (format == kMixed) {
+    const int64_t split = mixed_split(format, codes, N, K);
+    return split > 0 && split < N && scales.size(1) == 2 * K / kSuper;
+  }
+  const int64_t per_row = format == kQ4K ? 2 : 1;  // (d, dmin) or d per super-block
+  return codes.size(0) == (N + kGroupRows - 1) / kGroupRows && codes.size(1) == K / kSuper &&
+         scales.size(1) == per_row * K / kSuper;
+}
+
+XSuper quantize_x(const uint16_t* x, int64_t rows, int64_t K, int64_t threads,
+                  bool compute_bound) {
+  const int64_t blocks = K / kSuper;
+  XSuper q{rows, blocks, std::vector<int8_t>(rows * K), std::vector<float>(rows * blocks),
+           std::vector<int16_t>(rows * blocks * 8), std::vector<int16_t>(rows * blocks * 16)};
+  prefixserve::stream_pool().run(rows, rows < 8 ? 1 : threads, [&](int64_t r) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint16_t* src = x + r * K + b * kSuper;
+      float v[kSuper], amax = 0.0f;
+      for (int t = 0; t < kSuper; ++t) {
+        v[t] = prefixserve::bf16_bits_to_float(src[t]);
+        amax = std::max(amax, std::fabs(v[t]));
+      }
+      const float scale = amax / 127.0f;
+      int8_t c[kSuper];
+      for (int t = 0; t < kSuper; ++t) {
+        const float code = scale > 0.0f ? std::nearbyint(v[t] / scale) : 0.0f;
+        c[t] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, code)));
+      }
+      int8_t* dst = q.codes.data() + r * K + b * kSuper;
+      for (int64_t pos = 0; pos < kSuper; ++pos) dst[pos] = c[x_column(pos)];
+      q.scale[b * rows + r] = scale;
+      for (int k = 0; k < 16; ++k) {
+        int32_t sum = 0;
+        for (int t = 0; t < 16; ++t) sum += c[16 * k + t];
+        q.sums16[(r * blocks + b) * 16 + k] = static_cast<int16_t>(sum);
+      }
+      for (int k = 0; k < 8; ++k)
+        q.sums32[(r * blocks + b) * 8 + k] = static_cast<int16_t>(
+            q.sums16[(r * blocks + b) * 16 + 2 * k] + q.sums16[(r * blocks + b) * 16 + 2 * k + 1]);
+    }
+  }, compute_bound);
+  return q;
+}
+
+void sum_range_q4k(const uint8_t* codes, const uint16_t* d_dmin, int64_t scales_per_row,
+                   const XSuper& xq, int64_t n0, int64_t width, float* sums, int64_t ld) {
+  walk<Rows<Q4KTiles>>(codes, kQ4KGroupBytes, d_dmin, scales_per_row, xq, n0, width, sums, ld);
+}
+
+void sum_range(const Weight& w, const XSuper& xq, int64_t n0, int64_t width, float* sums) {
+  const int64_t blocks = w.K / kSuper;
+  const int64_t per_row = w.format == kQ6K ? blocks : 2 * blocks;
+  // Rows below the split are Q4_K's, from it on Q6_K's (whose groups follow the Q4_K ones').
+  const int64_t q4 = std::clamp<int64_t>(w.split - n0, 0, width);
+  if (q4 > 0) sum_range_q4k(w.codes, w.scales, per_row, xq, n0, q4, sums, width);
+  if (q4 == width) return;
+  const uint8_t* q6 = w.codes + w.split / kGroupRows * blocks * kQ4KGroupBytes;
+  sum_range_q6k(q6, w.scales + w.split * per_row, per_row, xq, n0 + q4 - w.split, width - q4,
+                sums + q4, width);
+}
+
+}  // namespace prefixserve::kquant
