@@ -182,3 +182,49 @@ def test_gguf_file_loads_like_the_converted_default_model(
     reference = default_model_bf16.model.state_dict()  # the converted default model
     ours = loaded.model.state_dict()
     assert all(torch.equal(ours[k], reference[k]) for k in reference)
+
+
+# --- a converted GGUF file's block weights --------------------------------------------------------
+
+
+def test_linears_kept_in_blocks_never_read_their_bf16_tensors(tmp_path):
+    """A converted GGUF file's block linears get their codes before the bf16 load, which skips
+    their tensors (an 8B Q4_K_M model would otherwise hold and pack 16 GB of bf16 first): with
+    those tensors gone from the checkpoint, the model loads and answers with the very logprobs
+    of the whole copy; quantization "none", which needs them, names them missing."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from prefixserve.llm import LLM
+    from prefixserve.model.loader.default_model import ensure_gemma3_270m
+    from prefixserve.model.loader.loading import resolve_model_dir
+    from prefixserve.model.quant.weights import BLOCK_FORMATS_KEY, GGUF_BLOCKS_FILE
+    from prefixserve.sampling_params import SamplingParams
+
+    source = resolve_model_dir(ensure_gemma3_270m())
+    with safe_open(str(source / GGUF_BLOCKS_FILE), "pt") as handle:
+        kept = set(json.loads(handle.metadata()[BLOCK_FORMATS_KEY]))
+    thinned = tmp_path / "thinned"
+    thinned.mkdir()
+    dropped = 0
+    for path in source.iterdir():
+        if path.suffix != ".safetensors" or path.name == GGUF_BLOCKS_FILE:
+            (thinned / path.name).symlink_to(path)
+            continue
+        tensors = load_file(str(path))
+        for name in tensors.keys() & kept:
+            if "embed_tokens" not in name:  # the embedding's lookups read its bf16 rows
+                del tensors[name]
+                dropped += 1
+        save_file(tensors, str(thinned / path.name), metadata={"format": "pt"})
+    assert dropped > 100
+
+    def answer(model_dir: Path) -> list[float]:
+        loaded = load_model(str(model_dir))
+        sp = SamplingParams(max_tokens=4, temperature=0, logprobs=1, ignore_eos=True)
+        out = LLM(loaded_model=loaded, num_kv_blocks=32).generate(["The sea is"], sp)[0]
+        return [next(iter(entry.values())).logprob for entry in out.outputs[0].logprobs]
+
+    assert answer(thinned) == answer(source)
+    with pytest.raises(ValueError, match="missing weights"):
+        load_model(str(thinned), quantization="none")

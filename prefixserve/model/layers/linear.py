@@ -176,6 +176,14 @@ class Linear(nn.Linear):
         self._invariant_packed = None
         self.weight = nn.Parameter(torch.empty(0, dtype=torch.bfloat16), requires_grad=False)
 
+    def take_loaded_bias(self) -> None:
+        """The 8-bit call's bias from the bias parameter as it is now: codes given before the
+        checkpoint's bf16 tensors were loaded (`quantize.give_block_weights`) held the bias
+        before its values came."""
+        if self._int8 is not None and self.bias is not None:
+            codes, scales, _ = self._int8
+            self._int8 = (codes, scales, self.bias.detach().contiguous())
+
     def _residual_fits(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
         """Whether the 8-bit kernel's epilogue can add this residual: bf16 [rows of x, N]."""
         return (

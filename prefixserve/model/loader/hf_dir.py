@@ -8,7 +8,7 @@ files, which parameters take as they are where no fusing or cast is needed
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,9 +53,10 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 
 def iter_safetensors_weights(
-    model_dir: Path, dtype: torch.dtype
+    model_dir: Path, dtype: torch.dtype, skip: Callable[[str], bool] = lambda name: False
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (hf_param_name, tensor) for every tensor, floating ones cast to `dtype`.
+    """Yield (hf_param_name, tensor) for every tensor but those `skip` names, floating ones cast
+    to `dtype`.
 
     One tensor is materialized at a time, so peak memory stays near one copy of the model.
     """
@@ -65,6 +66,8 @@ def iter_safetensors_weights(
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    if skip(name):
+                        continue
                     tensor = f.get_tensor(name)
                     if tensor.is_floating_point() and tensor.dtype != dtype:
                         tensor = tensor.to(dtype)

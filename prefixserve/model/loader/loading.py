@@ -30,7 +30,12 @@ from prefixserve.model.loader.hf_dir import (
     read_hf_config,
     safetensors_files,
 )
-from prefixserve.model.loader.quantize import check_quantization, quantize_model
+from prefixserve.model.loader.quantize import (
+    check_quantization,
+    give_block_weights,
+    quantize_model,
+)
+from prefixserve.model.loader.weights import hf_target
 from prefixserve.model.models.registry import create_model
 from prefixserve.model.tokenizer import Tokenizer
 
@@ -100,14 +105,21 @@ def load_hf_dir(
     max_model_len: int | None = None,
     quantization: str = "auto",
 ) -> LoadedModel:
-    """Build our model from a HF directory and stream its safetensors into it; then give its
-    linears their 8-bit weights as `quantization` says (`quantize.py`)."""
+    """Build our model from a HF directory, give the linears a converted GGUF file keeps in
+    blocks their codes, stream the rest of its safetensors into it, then quantize what
+    `quantization` says (`quantize.py`)."""
     check_quantization(quantization)
     info = read_model_info(model_dir, dtype, max_model_len)
     model = create_model(info.config)
+    # A converted GGUF file's block weights first: their linears' bf16 tensors are not read.
+    given = give_block_weights(model, model_dir, quantization) if dtype == torch.bfloat16 else set()
+    rename = getattr(model, "hf_rename", {})
+    tensors = iter_safetensors_weights(
+        model_dir, dtype, skip=lambda hf_name: hf_target(hf_name, rename)[0] in given
+    )
     # The tensors are fresh memory maps of the files (copy-on-write), so parameters may take
     # them as they are: no copy of the unfused weights (the cache dir is replaced atomically).
-    model.load_weights(iter_safetensors_weights(model_dir, dtype), assign=True)
+    model.load_weights(tensors, assign=True, given=given)
     if dtype == torch.bfloat16:
         info.config.quantization = quantize_model(model, model_dir, quantization)
     elif quantization == "int8":

@@ -14,6 +14,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -42,20 +43,43 @@ def check_quantization(quantization: str) -> None:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
 
 
+def give_block_weights(model: nn.Module, model_dir: Path, quantization: str) -> set[str]:
+    """Before the bf16 weights are loaded: the linears a converted GGUF file's block weights go
+    to (`GGUF_BLOCKS_FILE`; with "auto" only where they are at least half of the model's linear
+    weights, `_mostly_blocks`) get their codes now, one linear at a time, read from the file as
+    needed. Returns the names of our parameters they replace, whose bf16 tensors the load then
+    skips: no bf16 copy of them is ever made or packed (an 8B Q4_K_M model would otherwise hold
+    its 16 GB of bf16 weights, and their packed copies, before the codes replace them)."""
+    check_quantization(quantization)
+    path = model_dir / GGUF_BLOCKS_FILE
+    if quantization == "none" or not path.is_file():
+        return set()
+    from safetensors import safe_open
+
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
+    given: set[str] = set()
+    with safe_open(str(path), "pt") as handle:
+        blocks = _BlockFile(handle)
+        plan = _block_plan(model, blocks, linears)
+        if quantization != "int8" and not _mostly_blocks(blocks, plan, linears):
+            return set()
+        for name, hf_names in plan.items():
+            weight = _read_block_weight(blocks, hf_names)
+            if weight is not None:
+                linears[name].set_int8(weight)
+                given.add(f"{name}.weight")
+    return given
+
+
 def quantize_model(model: nn.Module, model_dir: Path, quantization: str) -> str | None:
-    """Give `model`'s linears their 8-bit weights as `quantization` says; return the weights'
-    formats for the disk tier's namespace ("q8_0", "int8", "int8+q8_0", "q5_0+q8_0", ...) or
-    None (none 8-bit)."""
+    """After the bf16 load: with "int8", every linear `give_block_weights` left in bf16 gets
+    per-channel codes; then the codes go to huge pages and the linears are linked. Returns the
+    weights' formats for the disk tier's namespace ("q8_0", "int8", "int8+q8_0", "q5_0+q8_0",
+    ...) or None (none 8-bit)."""
     check_quantization(quantization)
     if quantization == "none":
         return None
     linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
-    blocks_file = model_dir / GGUF_BLOCKS_FILE
-    if blocks_file.is_file():
-        blocks = _block_weights(model, blocks_file)
-        if quantization == "int8" or _mostly_blocks(blocks, linears):
-            for name, weight in blocks.items():
-                linears[name].set_int8(weight)
     if quantization == "int8":
         rest = {
             name: m
@@ -64,6 +88,8 @@ def quantize_model(model: nn.Module, model_dir: Path, quantization: str) -> str 
         }
         for name, weight in _cached_per_channel(model_dir, rest).items():
             linears[name].set_int8(weight)
+    for m in linears.values():
+        m.take_loaded_bias()  # a bias loaded after its codes were given
     # Decode streams the codes: huge pages, as the bf16 GEMM's packed weights (fewer TLB misses).
     move_to_huge_pages(m._int8[0] for m in linears.values() if m._int8 is not None)
     link_next_weights(model)
@@ -75,53 +101,74 @@ def quantize_model(model: nn.Module, model_dir: Path, quantization: str) -> str 
     return "+".join(applied) if applied else None
 
 
-def _mostly_blocks(blocks: dict[str, Int8Weight], linears: dict[str, Linear]) -> bool:
-    """Whether a GGUF file's block weights are at least half of the model's linear weights (a
-    Q8_0 file: all of them; the default model's Q4_1 file: only its embedding, which is not):
-    then "auto" keeps them 8-bit, else only "int8" does."""
-    kept = sum(weight.codes.numel() for weight in blocks.values())
-    return 2 * kept >= sum(m.in_features * m.out_features for m in linears.values())
+class _BlockFile:
+    """A converted GGUF file's block weights (`GGUF_BLOCKS_FILE`, open): each HF tensor's format
+    and shape, and its weight read only when asked for."""
 
-
-def _block_weights(model: nn.Module, path: Path) -> dict[str, Int8Weight]:
-    """The block weights of a converted GGUF file (GGUF_BLOCKS_FILE) by our Linear names: shards
-    of a fused projection joined when the file has all of them in one type, a tied head given
-    the embedding's."""
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-
-    with safe_open(str(path), "pt") as handle:
-        formats = json.loads((handle.metadata() or {}).get(BLOCK_FORMATS_KEY, "{}"))
-    tensors = load_file(str(path))
-    rename = getattr(model, "hf_rename", {})
-    shards: dict[str, dict[int | None, Int8Weight]] = {}
-    for hf_name, fmt in formats.items():
-        codes, scales = tensors[f"{hf_name}.codes"], tensors[f"{hf_name}.scales"]
-        weight = Int8Weight(
-            codes,
-            scales,
-            fmt,
-            tensors.get(f"{hf_name}.mins"),
-            tensors.get(f"{hf_name}.super_scales"),
+    def __init__(self, handle: Any) -> None:
+        self._handle = handle
+        self.formats: dict[str, str] = json.loads(
+            (handle.metadata() or {}).get(BLOCK_FORMATS_KEY, "{}")
         )
+        self._keys = set(handle.keys())
+
+    def numel(self, hf_name: str) -> int:
+        rows, cols = self._handle.get_slice(f"{hf_name}.codes").get_shape()
+        return rows * cols
+
+    def weight(self, hf_name: str) -> Int8Weight:
+        def read(field: str) -> torch.Tensor | None:
+            key = f"{hf_name}.{field}"
+            return self._handle.get_tensor(key) if key in self._keys else None
+
+        fields = (read(f) for f in ("codes", "scales"))
+        return Int8Weight(*fields, self.formats[hf_name], read("mins"), read("super_scales"))
+
+
+def _block_plan(
+    model: nn.Module, blocks: _BlockFile, linears: dict[str, Linear]
+) -> dict[str, list[str]]:
+    """Our Linear name -> the HF names of the block weights that make its weight, in shard
+    order: every shard of a fused projection present, a tied head given the embedding's, K a
+    multiple of 64."""
+    rename = getattr(model, "hf_rename", {})
+    shards: dict[str, dict[int | None, str]] = {}
+    for hf_name in blocks.formats:
         name, shard = hf_target(hf_name, rename)
-        shards.setdefault(name.removesuffix(".weight"), {})[shard] = weight
-    modules = dict(model.named_modules())
+        shards.setdefault(name.removesuffix(".weight"), {})[shard] = hf_name
     config = getattr(model, "config", None)
     embed = next((n for n in shards if n.endswith("embed_tokens")), None)
     if embed is not None and getattr(config, "tie_word_embeddings", False):
         shards.setdefault("lm_head", shards[embed])
-    found: dict[str, Int8Weight] = {}
+    plan: dict[str, list[str]] = {}
     for name, parts in shards.items():
-        module = modules.get(name)
-        if not isinstance(module, Linear):
+        module = linears.get(name)
+        if module is None or module.in_features % 64:
             continue
         fused = _fused_shards(name)
-        if fused is None:
-            found[name] = parts[None]
-        elif set(parts) == set(range(fused)) and fusable(list(parts.values())):
-            found[name] = fuse([parts[i] for i in range(fused)])
-    return {name: w for name, w in found.items() if quantizable(w.codes)}
+        order = [None] if fused is None else list(range(fused))
+        if set(parts) == set(order):
+            plan[name] = [parts[i] for i in order]
+    return plan
+
+
+def _mostly_blocks(
+    blocks: _BlockFile, plan: dict[str, list[str]], linears: dict[str, Linear]
+) -> bool:
+    """Whether a GGUF file's block weights are at least half of the model's linear weights (a
+    Q8_0 file: all of them; the default model's Q4_1 file: only its embedding, which is not):
+    then "auto" keeps them 8-bit, else only "int8" does."""
+    kept = sum(blocks.numel(hf_name) for hf_names in plan.values() for hf_name in hf_names)
+    return 2 * kept >= sum(m.in_features * m.out_features for m in linears.values())
+
+
+def _read_block_weight(blocks: _BlockFile, hf_names: list[str]) -> Int8Weight | None:
+    """The weight of these shards (fused when there are several), or None when they do not fuse
+    (the linear then keeps its bf16 weight)."""
+    parts = [blocks.weight(hf_name) for hf_name in hf_names]
+    if len(parts) == 1:
+        return parts[0]
+    return fuse(parts) if fusable(parts) else None
 
 
 def _fused_shards(name: str) -> int | None:

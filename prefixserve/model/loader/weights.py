@@ -47,6 +47,7 @@ def load_hf_weights(
     skip_prefixes: tuple[str, ...] = (),
     *,
     assign: bool = False,
+    given: frozenset[str] | set[str] = frozenset(),
 ) -> set[str]:
     """Copy Hugging Face-named tensors into `model`, filling fused projections shard by shard.
 
@@ -57,13 +58,18 @@ def load_hf_weights(
     dtype and shape match: for tensors nobody else holds, such as the loader's memory-mapped
     safetensors, this skips writing the weights into fresh memory (page faults dominate a load).
     Fused projections are always copied, shard by shard, into their parameter.
+
+    `given`: our parameters that already have their values another way (a linear's 8-bit codes
+    from a converted GGUF file): counted as loaded, their tensors skipped.
     """
     params = dict(model.named_parameters(remove_duplicate=False))
-    loaded: set[str] = set()
+    loaded: set[str] = set(given)
     for hf_name, tensor in weights:
         if "rotary_emb.inv_freq" in hf_name or hf_name.startswith(skip_prefixes):
             continue
         name, shard = hf_target(hf_name, rename)
+        if name in given:
+            continue
         if name not in params:
             raise ValueError(
                 f"checkpoint tensor {hf_name!r} has no place in {type(model).__name__}"

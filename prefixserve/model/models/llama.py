@@ -189,12 +189,17 @@ class LlamaForCausalLM(nn.Module):
         return logits
 
     def load_weights(
-        self, weights: Iterable[tuple[str, torch.Tensor]], *, assign: bool = False
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        *,
+        assign: bool = False,
+        given: frozenset[str] | set[str] = frozenset(),
     ) -> None:
         """Load Hugging Face-named tensors. Without `lm_head.weight` the head is tied to the
         embedding; rotary `inv_freq` buffers are skipped. `assign=True` lets unfused parameters
         take the given tensors without a copy (only for tensors nobody else will modify, e.g.
-        freshly memory-mapped safetensors; see `load_hf_weights`)."""
+        freshly memory-mapped safetensors; see `load_hf_weights`). `given`: parameters whose
+        linears already have 8-bit codes (`quantize.give_block_weights`), not loaded."""
         tied = self.config.tie_word_embeddings
 
         def wanted() -> Iterable[tuple[str, torch.Tensor]]:
@@ -205,7 +210,7 @@ class LlamaForCausalLM(nn.Module):
 
         with one_thread():
             loaded = load_hf_weights(
-                self, wanted(), self.hf_rename, self.hf_skip_prefixes, assign=assign
+                self, wanted(), self.hf_rename, self.hf_skip_prefixes, assign=assign, given=given
             )
             if not tied and "lm_head.weight" not in loaded:
                 self.lm_head.weight = self.model.embed_tokens.weight
