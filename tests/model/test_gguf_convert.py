@@ -339,3 +339,58 @@ def test_a_conversion_past_a_shard_writes_shards_and_their_index(tmp_path, monke
     assert blocks[0].keys() == blocks[1].keys()
     assert "model.layers.0.self_attn.q_proj.weight.codes" in blocks[0]
     assert all(torch.equal(blocks[0][k], blocks[1][k]) for k in blocks[0])
+
+
+def test_the_block_file_written_a_weight_at_a_time_reads_back_as_safetensors(tmp_path):
+    """`BlockFileWriter` (codes, scales, mins, super-scales, each weight's type) gives an
+    ordinary safetensors file: the same tensors and metadata as safetensors' own save_file."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from prefixserve.model.loader.block_file import BlockFileWriter
+    from prefixserve.model.quant.weights import BLOCK_FORMATS_KEY, q4_k_from_raw
+
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, (8, 2 * 144), dtype=np.uint8)
+    raw.reshape(8, 2, 144)[..., :4] = (
+        (rng.random((8, 2, 2)) * 1e-3).astype(np.float16).view(np.uint8)
+    )
+    weights = {
+        "model.layers.0.mlp.down_proj.weight": q4_k_from_raw(torch.from_numpy(raw)),
+        "model.layers.0.self_attn.o_proj.weight": _block_weight("q8_0"),
+    }
+    names = [*weights, "model.layers.1.mlp.up_proj.weight"]  # one name that never comes
+    with BlockFileWriter(tmp_path / "streamed.safetensors", names) as writer:
+        for name, weight in weights.items():
+            writer.add(name, weight)
+    expected = {}
+    for name, weight in weights.items():
+        for field in ("codes", "scales", "mins", "super_scales"):
+            if getattr(weight, field) is not None:
+                expected[f"{name}.{field}"] = getattr(weight, field)
+    formats = json.dumps({name: weight.fmt for name, weight in weights.items()})
+    save_file(expected, str(tmp_path / "whole.safetensors"), {BLOCK_FORMATS_KEY: formats})
+    with safe_open(str(tmp_path / "streamed.safetensors"), "pt") as streamed:
+        assert streamed.metadata()[BLOCK_FORMATS_KEY] == formats
+        assert set(streamed.keys()) == set(expected)
+        for key, tensor in expected.items():
+            got = streamed.get_tensor(key)
+            assert got.dtype == tensor.dtype and torch.equal(got, tensor), key
+    assert not list(tmp_path.glob(".*partial"))
+
+
+def test_a_block_file_with_no_weight_is_not_written_and_one_that_fails_leaves_nothing(tmp_path):
+    from prefixserve.model.loader.block_file import BlockFileWriter
+
+    with BlockFileWriter(tmp_path / "none.safetensors", ["a.weight"]):
+        pass
+    with pytest.raises(RuntimeError), BlockFileWriter(tmp_path / "failed.safetensors", ["a"]) as w:
+        w.add("a", _block_weight("q8_0"))
+        raise RuntimeError("the conversion failed")
+    assert list(tmp_path.iterdir()) == []
+
+
+def _block_weight(fmt: str) -> Int8Weight:
+    weight = recover_gguf_blocks(_block_values(fmt, rows=4, cols=64))
+    assert weight is not None and weight.fmt == fmt
+    return weight

@@ -29,6 +29,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from prefixserve.model.errors import load_error
+from prefixserve.model.loader.block_file import BlockFileWriter
 from prefixserve.model.loader.gguf_reader import one_reader_per_file, open_gguf
 from prefixserve.model.loader.gguf_tokenizer import (
     gemma_tokenizer_from_gguf,
@@ -39,7 +40,6 @@ from prefixserve.model.loader.gguf_tokenizer import (
 )
 from prefixserve.model.models.registry import SUPPORTED_ARCHITECTURES
 from prefixserve.model.quant.weights import (
-    BLOCK_FORMATS_KEY,
     GGUF_BLOCKS_FILE,
     Int8Weight,
     q4_k_from_raw,
@@ -158,22 +158,24 @@ def _write_weights(
     """The `expected` weights in bf16 (`ShardWriter`) and those the file stores in a block type
     the kernel reads as codes and scales (`GGUF_BLOCKS_FILE`), one fp32 tensor at a time: Q4_K
     and Q6_K in their super-blocks (`KQuantRows`), else as `recover_by_rows` finds them."""
-    blocks: dict[str, Int8Weight] = {}
     kquants = KQuantRows(gguf_path)
-    with ShardWriter(out_dir) as writer:
+    with (
+        ShardWriter(out_dir) as writer,
+        BlockFileWriter(out_dir / GGUF_BLOCKS_FILE, expected) as blocks,
+    ):
         for key, value in iter_gguf_tensors(gguf_path, skeleton):
             if key not in expected:
                 continue
             if value.dim() == 2:
                 weight = kquants.recover(value) or recover_by_rows(value)
                 if weight is not None:
-                    blocks[key] = weight
+                    blocks.add(key, weight)
+                del weight
             writer.add(key, value.to(torch.bfloat16).contiguous())
             del value
     missing = {k for k in expected - writer.names if "rotary_emb" not in k}
     if missing:
         raise load_error(gguf_path, f"GGUF conversion left weights missing: {sorted(missing)[:5]}")
-    _save_blocks(out_dir, blocks)
 
 
 def check_gguf_tensor_types(gguf_path: Path) -> None:
@@ -392,23 +394,6 @@ class KQuantRows:
             if not torch.equal(rows.dequantize(), values[part]):
                 return False
         return True
-
-
-def _save_blocks(out_dir: Path, blocks: dict[str, Int8Weight]) -> None:
-    """GGUF_BLOCKS_FILE with these weights and each one's type (nothing when there are none)."""
-    from safetensors.torch import save_file
-
-    if blocks:
-        tensors = {}
-        for name, weight in blocks.items():
-            tensors[f"{name}.codes"], tensors[f"{name}.scales"] = weight.codes, weight.scales
-            if weight.mins is not None:
-                tensors[f"{name}.mins"] = weight.mins
-            if weight.super_scales is not None:
-                tensors[f"{name}.super_scales"] = weight.super_scales
-        formats = json.dumps({name: weight.fmt for name, weight in blocks.items()})
-        metadata = {"format": "pt", BLOCK_FORMATS_KEY: formats}
-        save_file(tensors, str(out_dir / GGUF_BLOCKS_FILE), metadata=metadata)
 
 
 def is_converted(target_dir: Path) -> bool:
