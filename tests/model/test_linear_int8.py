@@ -33,6 +33,7 @@ from prefixserve.model.quant.weights import (
     recover_gguf_blocks,
 )
 from prefixserve.sampling_params import SamplingParams
+from tests.helpers.linear_int8 import assert_float32_out_is_the_sums
 
 pytestmark = pytest.mark.skipif(linear_int8_kernel() is None, reason="kernels not built")
 
@@ -149,20 +150,9 @@ def test_a_float32_out_takes_the_documented_sums_unrounded(fmt):
     are, the documented order's bits on every family, the same for a row alone and in a batch."""
     w = _weights(40, 256, fmt, seed=3)
     x = _x(6, 256, seed=4)
-    codes, scales = packed_weight(w)
     bias = torch.randn(40).bfloat16()
-
-    def run(rows: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-        out = torch.empty(rows.shape[0], 40)
-        linear_int8_kernel()(out, rows.contiguous(), codes, scales, b, 0, None, 2)
-        return out
-
-    sums = run(x, None)
-    assert torch.equal(sums, _sums_of_the_kernel(x, w))
-    assert torch.equal(run(x, bias), sums + bias.float())
-    assert torch.equal(run(x, bias).bfloat16(), _run(x, w, bias))
-    for rows in (1, 2, 5):
-        assert torch.equal(run(x[rows - 1 : rows], bias), run(x, bias)[rows - 1 : rows])
+    with_bias = assert_float32_out_is_the_sums(w, x, _sums_of_the_kernel(x, w), bias)
+    assert torch.equal(with_bias.bfloat16(), _run(x, w, bias))
 
 
 @pytest.mark.parametrize("fmt", ALL_FORMATS)

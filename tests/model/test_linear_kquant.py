@@ -26,6 +26,7 @@ from prefixserve.model.quant.weights import (
     q6_k_from_raw,
     quantize_q4_k,
 )
+from tests.helpers.linear_int8 import assert_float32_out_is_the_sums
 
 pytestmark = pytest.mark.skipif(linear_int8_kernel() is None, reason="kernels not built")
 
@@ -232,19 +233,7 @@ def test_a_float32_out_takes_the_documented_sums_unrounded(fmt):
     kernel writes its fp32 sums (+ bias) unrounded, the same for a row alone and in a batch."""
     w = _weight(38, 512, seed=8, fmt=fmt)
     x = _x(6, 512, seed=9)
-    codes, scales = packed_weight(w)
-    bias = torch.randn(38).bfloat16()
-
-    def run(rows: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-        out = torch.empty(rows.shape[0], 38)
-        linear_int8_kernel()(out, rows.contiguous(), codes, scales, b, 0, None, 2)
-        return out
-
-    sums = run(x, None)
-    assert torch.equal(sums, _sums_of_the_kernel(x, w))
-    assert torch.equal(run(x, bias), sums + bias.float())
-    for rows in (1, 2, 5):
-        assert torch.equal(run(x[rows - 1 : rows], bias), run(x, bias)[rows - 1 : rows])
+    assert_float32_out_is_the_sums(w, x, _sums_of_the_kernel(x, w), torch.randn(38).bfloat16())
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
