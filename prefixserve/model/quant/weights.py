@@ -384,20 +384,25 @@ def pack_q4_k(weight: Int8Weight) -> tuple[torch.Tensor, torch.Tensor]:
     codes = weight.codes.to(torch.uint8).view(n, k // 64, 2, 32)
     nibbles = (codes[:, :, 0] | (codes[:, :, 1] << 4)).view(n, -1, 128)  # byte 32c + l
     rows = torch.cat([nibbles, sub_scales, sub_mins], dim=-1)  # [N, K / 256, 144]
-    pad = (-n) % 4
-    if pad:
-        rows = torch.cat([rows, rows.new_zeros(pad, *rows.shape[1:])])
-    groups = rows.view(-1, 4, k // Q4_K_SUPER, 144).transpose(1, 2)  # [G, K / 256, 4 rows, 144]
-    packed = torch.cat(
-        [
-            groups[..., :128].reshape(*groups.shape[:2], 512),
-            groups[..., 128:136].reshape(*groups.shape[:2], 32),
-            groups[..., 136:].reshape(*groups.shape[:2], 32),
-        ],
-        dim=-1,
-    )
+    packed = _groups_of_four(rows, (128, 136, 144))
     assert packed.shape[-1] == _Q4_K_GROUP_BYTES
     return packed.contiguous(), supers.reshape(n, -1).contiguous()
+
+
+def _groups_of_four(rows: torch.Tensor, ends: tuple[int, ...]) -> torch.Tensor:
+    """Per-row super-block bytes [N, K / 256, B] (fields ending at `ends`, the last B) in the
+    kernels' layout [ceil(N / 4), K / 256, 4 B]: rows in groups of four (the last padded with
+    zero rows), each field of the four rows together, field after field."""
+    pad = (-rows.shape[0]) % 4
+    if pad:
+        rows = torch.cat([rows, rows.new_zeros(pad, *rows.shape[1:])])
+    groups = rows.view(-1, 4, *rows.shape[1:]).transpose(1, 2)  # [G, K / 256, 4 rows, B]
+    starts = (0, *ends[:-1])
+    fields = [
+        groups[..., a:b].reshape(*groups.shape[:2], 4 * (b - a))
+        for a, b in zip(starts, ends, strict=True)
+    ]
+    return torch.cat(fields, dim=-1)
 
 
 def q6_k_from_raw(raw: torch.Tensor) -> Int8Weight:
@@ -433,7 +438,7 @@ def pack_q6_k(weight: Int8Weight) -> tuple[torch.Tensor, torch.Tensor]:
     groups of four (the last padded with zeros)."""
     if weight.super_scales is None or weight.codes.shape[1] % Q4_K_SUPER:
         raise ValueError("Q6_K packing needs super-blocks of 256 and their d")
-    n, k = weight.codes.shape
+    n = weight.codes.shape[0]
     d = weight.super_scales.view(n, -1)
     unit = d.float().view(n, -1, 1)
     per_16 = weight.scales.view(n, -1, 16)
@@ -452,14 +457,7 @@ def pack_q6_k(weight: Int8Weight) -> tuple[torch.Tensor, torch.Tensor]:
         [low.reshape(n, -1, 128), high.reshape(n, -1, 64), sub.to(torch.int8).view(torch.uint8)],
         dim=-1,
     )
-    pad = (-n) % 4
-    if pad:
-        rows = torch.cat([rows, rows.new_zeros(pad, *rows.shape[1:])])
-    groups = rows.view(-1, 4, k // Q4_K_SUPER, 208).transpose(1, 2)
-    parts = [(0, 128), (128, 192), (192, 208)]
-    packed = torch.cat(
-        [groups[..., a:b].reshape(*groups.shape[:2], 4 * (b - a)) for a, b in parts], dim=-1
-    )
+    packed = _groups_of_four(rows, (128, 192, 208))
     assert packed.shape[-1] == _Q6_K_GROUP_BYTES
     return packed.contiguous(), d.contiguous()
 
