@@ -2,8 +2,8 @@
 
 transformers does the GGUF work (config and tokenizer conversion, tensor-name mapping,
 dequantization through the `gguf` package), tensor by tensor (`iter_gguf_tensors`: RAM holds
-one fp32 tensor, the bf16 ones of one shard and the block weights' codes, not the whole model in
-fp32); `gguf_tokenizer.py` repairs the tokenizer. A
+one fp32 tensor and the bf16 ones of one shard, the block weights being written one at a time,
+`block_file.py`; never the whole model in fp32); `gguf_tokenizer.py` repairs the tokenizer. A
 converted directory carries `prefixserve_conversion.json` with the conversion's format version;
 one written by an older conversion (or none) is converted again, in place and atomically.
 A file with a tensor type the `gguf` package cannot dequantize is refused before any weight is
