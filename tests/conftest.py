@@ -97,12 +97,18 @@ def pytest_configure(config):
     )
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     root = config.rootpath / "tests"
     for item in items:
-        folder = item.path.relative_to(root).parts[0]
-        if folder in _FULL_DIRS or _FULL_FIXTURES & set(getattr(item, "fixturenames", ())):
+        parts = item.path.relative_to(root).parts
+        if parts[0] in _FULL_DIRS or _FULL_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.full)
+        # Under pytest-xdist (`make test` runs two workers, `--dist loadgroup`), a file's tests
+        # stay on one worker (its module fixtures, servers among them, start once), and so do
+        # all of tests/cluster/ (one Ray runtime, shut down after the folder's last test).
+        group = "cluster" if parts[0] == "cluster" else "/".join(parts)
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 # ---- browser tests (tests/helpers/browser.py): a skip for a missing browser is counted.
