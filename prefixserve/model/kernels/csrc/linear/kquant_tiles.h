@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 
 #include "kquant.h"
 
@@ -94,6 +95,22 @@ inline void store_pairs(__m512 acc, float* out) {
     for (int j = 0; j < NX; ++j) out[i * NX + j] = lanes[4 * i + j];
 }
 #elif defined(PREFIXSERVE_KQUANT_AVX2)
+// The decode tiles' (one x row, at most 4 pairs in one 128-bit vector, lane i NX + j): lane p
+// of the result is the sum of v[p]'s eight lanes (p < 4).
+inline __m128i sum_four(const __m256i (&v)[4]) {
+  const __m256i h =
+      _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+  return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
+
+// And their float work's lanes i NX + j: x row j's scale of super-block b.
+template <int NW, int NX>
+inline __m128 x_scales4(const XSuper& xq, int64_t x0, int64_t b) {
+  float lanes[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (int p = 0; p < NW * NX; ++p) lanes[p] = xq.scale[b * xq.rows + x0 + p % NX];
+  return _mm_loadu_ps(lanes);
+}
+
 // Lane p of the result: the sum of v[p]'s eight lanes (p < N <= 8; exact: integers).
 template <int N>
 inline __m256i sum_eight(const __m256i (&v)[N]) {
@@ -108,12 +125,20 @@ inline __m256i sum_eight(const __m256i (&v)[N]) {
                           _mm256_permute2x128_si256(a, b, 0x31));
 }
 
-// The float work's lanes i NX + j: x row j's scale of super-block b (0 past NW NX).
+// The float work's lanes i NX + j: x row j's scale of super-block b (0 past NW NX, or any
+// finite value: those lanes' sums are 0 and never stored).
 template <int NW, int NX>
 inline __m256 x_scales(const XSuper& xq, int64_t x0, int64_t b) {
-  alignas(32) float lanes[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-  for (int p = 0; p < NW * NX; ++p) lanes[p] = xq.scale[b * xq.rows + x0 + p % NX];
-  return _mm256_load_ps(lanes);
+  const float* at = xq.scale.data() + b * xq.rows + x0;
+  if constexpr (NX == 1) {
+    return _mm256_set1_ps(*at);  // lanes past NW take it too: their sums are 0
+  } else if constexpr (NX == 4) {
+    return _mm256_broadcast_ps(reinterpret_cast<const __m128*>(at));
+  } else {
+    alignas(32) float lanes[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    for (int p = 0; p < NW * NX; ++p) lanes[p] = at[p % NX];
+    return _mm256_load_ps(lanes);
+  }
 }
 
 // Lane i NX + j of the result: `per_row` halves v[per_row i + k] as floats (k < per_row; 0
@@ -126,6 +151,34 @@ inline __m256 row_lanes(__m128i halves, int per_row, int k) {
                                   _mm256_load_si256(reinterpret_cast<const __m256i*>(idx)));
 }
 
+// Step T = 4 p + 2 s + h of a super-block's eight (a compile-time step, so each decode's shifts,
+// masks and lane maps are constants): row i's codes and sub-scale words (F::decode<p, s, h>) times
+// x row j's 32 codes at 128 p + 64 h + 32 s of the super-block, into pair i NX + j.
+template <class F, int NW, int NX, int T>
+inline void avx2_step(const typename F::Row (&row)[NW], const uint8_t* blk, int64_t slot,
+                      const int8_t* const (&xc)[NX], int64_t at, __m256i (&acc)[NW * NX]) {
+  constexpr int p = T / 4, s = (T / 2) % 2, h = T % 2;
+  __m256i w[NW], sc[NW];
+#pragma GCC unroll 4
+  for (int i = 0; i < NW; ++i) F::template decode<p, s, h>(row[i], blk, slot + i, w[i], sc[i]);
+#pragma GCC unroll 4
+  for (int j = 0; j < NX; ++j) {
+    const __m256i xv = _mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(xc[j] + at + 128 * p + 64 * h + 32 * s));
+#pragma GCC unroll 4
+    for (int i = 0; i < NW; ++i)
+      acc[i * NX + j] = _mm256_add_epi32(
+          acc[i * NX + j], _mm256_madd_epi16(_mm256_maddubs_epi16(w[i], xv), sc[i]));
+  }
+}
+
+template <class F, int NW, int NX, int... T>
+inline void avx2_steps(std::integer_sequence<int, T...>, const typename F::Row (&row)[NW],
+                       const uint8_t* blk, int64_t slot, const int8_t* const (&xc)[NX],
+                       int64_t at, __m256i (&acc)[NW * NX]) {
+  (avx2_step<F, NW, NX, T>(row, blk, slot, xc, at, acc), ...);
+}
+
 // A tile of K-quant format F: NW weight rows (slots slot.. of one packed group, `F::kGroupBytes`
 // a super-block) by NX x rows (from x0), pair i NX + j in lane i NX + j of `out`. Per
 // super-block, each pair's integer sum: F::start (its offset's part, or 0), then the eight steps of 32 columns (p, s, h)
@@ -133,7 +186,7 @@ inline __m256 row_lanes(__m128i halves, int per_row, int k) {
 // (VPMADDUBSW: unsigned codes of at most 6 bits times signed x never saturates) times row i's
 // sub-scale words (VPMADDWD); the pairs' sums folded into lanes (`sum_eight`) and F::finish's
 // float work on them. F::Row is what a row's steps read of the super-block (its sub-scales),
-// F::decode(row, blk, slot, p, s, h, w, sc) a step's codes and sub-scale words.
+// F::decode<p, s, h>(row, blk, slot, w, sc) a step's codes and sub-scale words.
 template <class F, int NW, int NX>
 void avx2_tile(const uint8_t* group, int64_t slot, const uint16_t* scales, int64_t per_row,
                const XSuper& xq, int64_t x0, float* out) {
@@ -144,29 +197,14 @@ void avx2_tile(const uint8_t* group, int64_t slot, const uint16_t* scales, int64
   __m256 acc_f = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = group + b * F::kGroupBytes;
-    if constexpr (NX == 1)  // a decode's stream, ahead of the prefetchers
-      for (int64_t line = 0; line < F::kGroupBytes; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(blk + F::kPrefetchAhead * F::kGroupBytes + line),
-                     _MM_HINT_T0);
     typename F::Row row[NW];
     __m256i acc[NW * NX];
     for (int i = 0; i < NW; ++i) {
       row[i] = F::row(blk, slot + i);
       for (int j = 0; j < NX; ++j) acc[i * NX + j] = F::start(blk, slot + i, xq, x0 + j, b);
     }
-    for (int p = 0; p < 2; ++p)
-      for (int s = 0; s < 2; ++s)
-        for (int h = 0; h < 2; ++h) {
-          __m256i w[NW], sc[NW];
-          for (int i = 0; i < NW; ++i) F::decode(row[i], blk, slot + i, p, s, h, w[i], sc[i]);
-          for (int j = 0; j < NX; ++j) {
-            const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-                xc[j] + b * kSuper + 128 * p + 64 * h + 32 * s));
-            for (int i = 0; i < NW; ++i)
-              acc[i * NX + j] = _mm256_add_epi32(
-                  acc[i * NX + j], _mm256_madd_epi16(_mm256_maddubs_epi16(w[i], xv), sc[i]));
-          }
-        }
+    avx2_steps<F, NW, NX>(std::make_integer_sequence<int, 8>(), row, blk, slot, xc, b * kSuper,
+                          acc);
     acc_f = F::template finish<NW, NX>(sum_eight<NW * NX>(acc), blk, slot, scales, per_row, xq,
                                        x0, b, acc_f);
   }

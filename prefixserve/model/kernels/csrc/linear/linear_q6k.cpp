@@ -124,30 +124,96 @@ struct Q6KTiles {
     store_pairs<NW, NX>(acc_f, out);
   }
 #elif defined(PREFIXSERVE_KQUANT_AVX2)
-  // As the VNNI tile, on 256-bit vectors (kquant_tiles.h `avx2_tile`, eight pairs at most).
+  // A decode's tile (one x row, 4 x 1): its own loop, measured faster at batch 1 on the AVX2
+  // EPYC than the shared tile below; at most 4 pairs, lane i NX + j of one 128-bit vector.
+  template <int NW, int NX>
+  static void tile4(const uint8_t* group, int64_t slot, const uint16_t* d, int64_t d_row,
+                    const XSuper& xq, int64_t x0, float* out) {
+    static_assert(NW * NX <= 4, "a tile of at most 4 pairs");
+    const int64_t blocks = xq.blocks;
+    const __m256i low = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
+    const int8_t* xc[NX];
+    for (int j = 0; j < NX; ++j) xc[j] = xq.codes.data() + (x0 + j) * blocks * kSuper;
+    alignas(16) int32_t lane_d[4];
+    for (int p = 0; p < 4; ++p) lane_d[p] = p < NW * NX ? p / NX : 0;
+    const __m256i idx_d =
+        _mm256_castsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(lane_d)));
+    __m128 acc_f = _mm_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* blk = group + b * kQ6KGroupBytes;
+      __m256i acc[4], scd[NW][2];
+      for (int p = 0; p < 4; ++p) acc[p] = _mm256_setzero_si256();
+      for (int i = 0; i < NW; ++i) {
+        const __m128i sc =
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kScalesAt + 16 * (slot + i)));
+        for (int half = 0; half < 2; ++half) {  // sub-blocks 8 half .. + 7 as dwords (sc, sc)
+          const __m256i wide = _mm256_cvtepi8_epi32(half ? _mm_srli_si128(sc, 8) : sc);
+          scd[i][half] = _mm256_or_si256(_mm256_and_si256(wide, _mm256_set1_epi32(0xFFFF)),
+                                         _mm256_slli_epi32(wide, 16));
+        }
+        const __m256i sc32 = _mm256_slli_epi16(_mm256_cvtepi8_epi16(sc), 5);
+        for (int j = 0; j < NX; ++j) {
+          const __m256i sums = _mm256_loadu_si256(
+              reinterpret_cast<const __m256i*>(xq.sums16.data() + ((x0 + j) * blocks + b) * 16));
+          acc[i * NX + j] = _mm256_madd_epi16(sc32, _mm256_sub_epi16(_mm256_setzero_si256(), sums));
+        }
+      }
+      for (int p = 0; p < 2; ++p)
+        for (int s = 0; s < 2; ++s)
+          for (int h = 0; h < 2; ++h) {
+            // Lane l of this half is the VNNI vector's lane 8s + l.
+            const __m256i idx = _mm256_setr_epi32(
+                lane_sub_block(p, h, 8 * s) - 8 * p, lane_sub_block(p, h, 8 * s + 1) - 8 * p,
+                lane_sub_block(p, h, 8 * s + 2) - 8 * p, lane_sub_block(p, h, 8 * s + 3) - 8 * p,
+                lane_sub_block(p, h, 8 * s + 4) - 8 * p, lane_sub_block(p, h, 8 * s + 5) - 8 * p,
+                lane_sub_block(p, h, 8 * s + 6) - 8 * p, lane_sub_block(p, h, 8 * s + 7) - 8 * p);
+            __m256i w[NW], sc[NW];
+            for (int i = 0; i < NW; ++i) {
+              const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                  blk + kLowBytes * (slot + i) + 64 * p + 32 * s));
+              const __m256i nib = _mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, low);
+              const __m256i hb = _mm256_loadu_si256(
+                  reinterpret_cast<const __m256i*>(blk + kHighAt + 64 * (slot + i) + 32 * p));
+              const int t = 2 * h + s;  // the bit pair: to bits 4-5
+              const __m256i pair = t < 2    ? _mm256_slli_epi16(hb, 4 - 2 * t)
+                                   : t == 2 ? hb
+                                            : _mm256_srli_epi16(hb, 2);
+              w[i] = _mm256_or_si256(nib, _mm256_and_si256(pair, top));
+              sc[i] = _mm256_permutevar8x32_epi32(scd[i][p], idx);
+            }
+            for (int j = 0; j < NX; ++j) {
+              const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                  xc[j] + b * kSuper + 128 * p + 64 * h + 32 * s));
+              for (int i = 0; i < NW; ++i)
+                acc[i * NX + j] = _mm256_add_epi32(
+                    acc[i * NX + j], _mm256_madd_epi16(_mm256_maddubs_epi16(w[i], xv), sc[i]));
+            }
+          }
+      const __m128i S = sum_four(acc);
+      const __m256 ds = _mm256_castps128_ps256(_mm_cvtph_ps(d_of<NW>(d, d_row, b)));
+      const __m128 dx = _mm_mul_ps(_mm256_castps256_ps128(_mm256_permutevar8x32_ps(ds, idx_d)),
+                                   x_scales4<NW, NX>(xq, x0, b));
+      acc_f = _mm_fmadd_ps(_mm_cvtepi32_ps(S), dx, acc_f);
+    }
+    alignas(16) float lanes[4];
+    _mm_store_ps(lanes, acc_f);
+    for (int p = 0; p < NW * NX; ++p) out[p] = lanes[p];
+  }
+  // More x rows: kquant_tiles.h's `avx2_tile` (2 x 4 or 2 x 2: eight pairs at most).
   template <int NW, int NX>
   static void tile(const uint8_t* group, int64_t slot, const uint16_t* d, int64_t d_row,
                    const XSuper& xq, int64_t x0, float* out) {
-    avx2_tile<Q6KTiles, NW, NX>(group, slot, d, d_row, xq, x0, out);
+    if constexpr (NX == 1)
+      tile4<NW, 1>(group, slot, d, d_row, xq, x0, out);
+    else
+      avx2_tile<Q6KTiles, NW, NX>(group, slot, d, d_row, xq, x0, out);
   }
 
   static constexpr int64_t kGroupBytes = kQ6KGroupBytes;
-  static constexpr int64_t kPrefetchAhead = prefixserve::kquant::kPrefetchAhead;
-  // A row's sixteen sub-scales as dwords (sc, sc) of 16-bit words: sub-blocks 0-7, then 8-15.
-  struct Row {
-    __m256i scd[2];
-  };
-  static Row row(const uint8_t* blk, int64_t slot) {
-    const __m128i sc =
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kScalesAt + 16 * slot));
-    Row r;
-    for (int half = 0; half < 2; ++half) {
-      const __m256i wide = _mm256_cvtepi8_epi32(half ? _mm_srli_si128(sc, 8) : sc);
-      r.scd[half] = _mm256_or_si256(_mm256_and_si256(wide, _mm256_set1_epi32(0xFFFF)),
-                                    _mm256_slli_epi32(wide, 16));
-    }
-    return r;
-  }
+  // Nothing held per row: each step reads its two sub-scales from the group, so a decode's
+  // 4 x 1 tile keeps its sixteen registers for codes, sub-scales and sums.
+  struct Row {};
+  static Row row(const uint8_t*, int64_t) { return {}; }
   // The offset's part of a pair's sum: 32 sc times minus x row j's sums per 16 (-32 sc fits
   // 16 bits).
   static __m256i start(const uint8_t* blk, int64_t slot, const XSuper& xq, int64_t x,
@@ -161,24 +227,28 @@ struct Q6KTiles {
   }
   // Step (p, s, h): 32 codes (low nibble, high bit pair to bits 4-5) and each dword lane's
   // sub-scale: lane l is the VNNI vector's lane 8 s + l.
-  static void decode(const Row& row, const uint8_t* blk, int64_t slot, int p, int s, int h,
-                     __m256i& w, __m256i& sc) {
+  template <int p, int s, int h>
+  static void decode(Row, const uint8_t* blk, int64_t slot, __m256i& w, __m256i& sc) {
     const __m256i v = _mm256_loadu_si256(
         reinterpret_cast<const __m256i*>(blk + kLowBytes * slot + 64 * p + 32 * s));
     const __m256i nib = _mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(0x0F));
     const __m256i hb = _mm256_loadu_si256(
         reinterpret_cast<const __m256i*>(blk + kHighAt + 64 * slot + 32 * p));
-    const int t = 2 * h + s;  // the bit pair: to bits 4-5
+    constexpr int t = 2 * h + s;  // the bit pair: to bits 4-5
     const __m256i pair = t < 2    ? _mm256_slli_epi16(hb, 4 - 2 * t)
                          : t == 2 ? hb
                                   : _mm256_srli_epi16(hb, 2);
     w = _mm256_or_si256(nib, _mm256_and_si256(pair, _mm256_set1_epi8(0x30)));
-    const __m256i idx = _mm256_setr_epi32(
-        lane_sub_block(p, h, 8 * s) - 8 * p, lane_sub_block(p, h, 8 * s + 1) - 8 * p,
-        lane_sub_block(p, h, 8 * s + 2) - 8 * p, lane_sub_block(p, h, 8 * s + 3) - 8 * p,
-        lane_sub_block(p, h, 8 * s + 4) - 8 * p, lane_sub_block(p, h, 8 * s + 5) - 8 * p,
-        lane_sub_block(p, h, 8 * s + 6) - 8 * p, lane_sub_block(p, h, 8 * s + 7) - 8 * p);
-    sc = _mm256_permutevar8x32_epi32(row.scd[p], idx);
+    // Lanes 0-3 (the step's first 16 columns) take sub-block k, lanes 4-7 k + 1 (the VNNI
+    // vector's lanes 8 s .. 8 s + 7: `lane_sub_block`), as 16-bit words.
+    constexpr int k = 8 * p + 4 * s + 2 * h;
+    static_assert(lane_sub_block(p, h, 8 * s) == k && lane_sub_block(p, h, 8 * s + 7) == k + 1,
+                  "a step's lanes take two sub-blocks");
+    const __m128i sub =
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kScalesAt + 16 * slot));
+    sc = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(
+        sub, _mm_setr_epi8(k, k, k, k, k, k, k, k, k + 1, k + 1, k + 1, k + 1, k + 1, k + 1,
+                           k + 1, k + 1)));
   }
   template <int NW, int NX>
   static __m256 finish(__m256i S, const uint8_t* blk, int64_t slot, const uint16_t* d,
