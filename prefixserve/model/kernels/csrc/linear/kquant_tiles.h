@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 
 #include "kquant.h"
 
@@ -21,9 +22,10 @@ namespace prefixserve::kquant {
 constexpr int kTileW = 4, kTileX = 4, kMaxPairs = 16;
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define PREFIXSERVE_KQUANT_AVX2 1
-// Pairs of a tile at most 4 (one 128-bit vector of accumulators, lane i NX + j): 4 x 1 at
-// batch 1, else 2 x 2.
-constexpr int kTileW = 4, kTileX = 2, kMaxPairs = 4;
+// Pairs of a tile at most 8 (one 256-bit vector of float sums, lane i NX + j): 4 x 1 at batch
+// 1, else 2 x 4 (or 2 x 2): eight accumulators, two rows' codes and sub-scales and one x vector
+// fit in sixteen registers.
+constexpr int kTileW = 4, kTileX = 4, kMaxPairs = 8;
 #else
 constexpr int kTileW = 1, kTileX = 1, kMaxPairs = 1;
 #endif
@@ -93,19 +95,122 @@ inline void store_pairs(__m512 acc, float* out) {
     for (int j = 0; j < NX; ++j) out[i * NX + j] = lanes[4 * i + j];
 }
 #elif defined(PREFIXSERVE_KQUANT_AVX2)
-// Lane p of the result: the sum of v[p]'s eight lanes (p < 4).
+// The decode tiles' (one x row, at most 4 pairs in one 128-bit vector, lane i NX + j): lane p
+// of the result is the sum of v[p]'s eight lanes (p < 4).
 inline __m128i sum_four(const __m256i (&v)[4]) {
   const __m256i h =
       _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
   return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
 }
 
-// The float work's lanes i NX + j: x row j's scale of super-block b.
+// And their float work's lanes i NX + j: x row j's scale of super-block b.
 template <int NW, int NX>
-inline __m128 x_scales(const XSuper& xq, int64_t x0, int64_t b) {
+inline __m128 x_scales4(const XSuper& xq, int64_t x0, int64_t b) {
   float lanes[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   for (int p = 0; p < NW * NX; ++p) lanes[p] = xq.scale[b * xq.rows + x0 + p % NX];
   return _mm_loadu_ps(lanes);
+}
+
+// Lane p of the result: the sum of v[p]'s eight lanes (p < N <= 8; exact: integers).
+template <int N>
+inline __m256i sum_eight(const __m256i (&v)[N]) {
+  const __m256i zero = _mm256_setzero_si256();
+  const auto at = [&](int p) { return p < N ? v[p < N ? p : 0] : zero; };
+  const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(at(0), at(1)),
+                                      _mm256_hadd_epi32(at(2), at(3)));
+  const __m256i b = N > 4 ? _mm256_hadd_epi32(_mm256_hadd_epi32(at(4), at(5)),
+                                              _mm256_hadd_epi32(at(6), at(7)))
+                          : zero;
+  return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20),
+                          _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+// The float work's lanes i NX + j: x row j's scale of super-block b (0 past NW NX, or any
+// finite value: those lanes' sums are 0 and never stored).
+template <int NW, int NX>
+inline __m256 x_scales(const XSuper& xq, int64_t x0, int64_t b) {
+  const float* at = xq.scale.data() + b * xq.rows + x0;
+  if constexpr (NX == 1) {
+    return _mm256_set1_ps(*at);  // lanes past NW take it too: their sums are 0
+  } else if constexpr (NX == 4) {
+    return _mm256_broadcast_ps(reinterpret_cast<const __m128*>(at));
+  } else {
+    alignas(32) float lanes[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    for (int p = 0; p < NW * NX; ++p) lanes[p] = at[p % NX];
+    return _mm256_load_ps(lanes);
+  }
+}
+
+// Lane i NX + j of the result: `per_row` halves v[per_row i + k] as floats (k < per_row; 0
+// past NW NX): a tile's d (per_row 1) or d and dmin (2, k = 1 for dmin) per lane.
+template <int NW, int NX>
+inline __m256 row_lanes(__m128i halves, int per_row, int k) {
+  alignas(32) int32_t idx[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int p = 0; p < NW * NX; ++p) idx[p] = per_row * (p / NX) + k;
+  return _mm256_permutevar8x32_ps(_mm256_cvtph_ps(halves),
+                                  _mm256_load_si256(reinterpret_cast<const __m256i*>(idx)));
+}
+
+// Step T = 4 p + 2 s + h of a super-block's eight (a compile-time step, so each decode's shifts,
+// masks and lane maps are constants): row i's codes and sub-scale words (F::decode<p, s, h>) times
+// x row j's 32 codes at 128 p + 64 h + 32 s of the super-block, into pair i NX + j.
+template <class F, int NW, int NX, int T>
+inline void avx2_step(const typename F::Row (&row)[NW], const uint8_t* blk, int64_t slot,
+                      const int8_t* const (&xc)[NX], int64_t at, __m256i (&acc)[NW * NX]) {
+  constexpr int p = T / 4, s = (T / 2) % 2, h = T % 2;
+  __m256i w[NW], sc[NW];
+#pragma GCC unroll 4
+  for (int i = 0; i < NW; ++i) F::template decode<p, s, h>(row[i], blk, slot + i, w[i], sc[i]);
+#pragma GCC unroll 4
+  for (int j = 0; j < NX; ++j) {
+    const __m256i xv = _mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(xc[j] + at + 128 * p + 64 * h + 32 * s));
+#pragma GCC unroll 4
+    for (int i = 0; i < NW; ++i)
+      acc[i * NX + j] = _mm256_add_epi32(
+          acc[i * NX + j], _mm256_madd_epi16(_mm256_maddubs_epi16(w[i], xv), sc[i]));
+  }
+}
+
+template <class F, int NW, int NX, int... T>
+inline void avx2_steps(std::integer_sequence<int, T...>, const typename F::Row (&row)[NW],
+                       const uint8_t* blk, int64_t slot, const int8_t* const (&xc)[NX],
+                       int64_t at, __m256i (&acc)[NW * NX]) {
+  (avx2_step<F, NW, NX, T>(row, blk, slot, xc, at, acc), ...);
+}
+
+// A tile of K-quant format F: NW weight rows (slots slot.. of one packed group, `F::kGroupBytes`
+// a super-block) by NX x rows (from x0), pair i NX + j in lane i NX + j of `out`. Per
+// super-block, each pair's integer sum: F::start (its offset's part, or 0), then the eight steps of 32 columns (p, s, h)
+// (x's codes at 128 p + 64 h + 32 s, `x_column`), each adding row i's codes times x row j's
+// (VPMADDUBSW: unsigned codes of at most 6 bits times signed x never saturates) times row i's
+// sub-scale words (VPMADDWD); the pairs' sums folded into lanes (`sum_eight`) and F::finish's
+// float work on them. F::Row is what a row's steps read of the super-block (its sub-scales),
+// F::decode<p, s, h>(row, blk, slot, w, sc) a step's codes and sub-scale words.
+template <class F, int NW, int NX>
+void avx2_tile(const uint8_t* group, int64_t slot, const uint16_t* scales, int64_t per_row,
+               const XSuper& xq, int64_t x0, float* out) {
+  static_assert(NW * NX <= kMaxPairs, "a tile of at most 8 pairs");
+  const int64_t blocks = xq.blocks;
+  const int8_t* xc[NX];
+  for (int j = 0; j < NX; ++j) xc[j] = xq.codes.data() + (x0 + j) * blocks * kSuper;
+  __m256 acc_f = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = group + b * F::kGroupBytes;
+    typename F::Row row[NW];
+    __m256i acc[NW * NX];
+    for (int i = 0; i < NW; ++i) {
+      row[i] = F::row(blk, slot + i);
+      for (int j = 0; j < NX; ++j) acc[i * NX + j] = F::start(blk, slot + i, xq, x0 + j, b);
+    }
+    avx2_steps<F, NW, NX>(std::make_integer_sequence<int, 8>(), row, blk, slot, xc, b * kSuper,
+                          acc);
+    acc_f = F::template finish<NW, NX>(sum_eight<NW * NX>(acc), blk, slot, scales, per_row, xq,
+                                       x0, b, acc_f);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc_f);
+  for (int p = 0; p < NW * NX; ++p) out[p] = lanes[p];
 }
 #endif
 
@@ -127,7 +232,7 @@ void walk(const uint8_t* codes, int64_t group_bytes, const uint16_t* scales,
   for (int64_t m0 = 0; m0 < rows;) {
     const int64_t more = rows - m0;
     const int64_t tx = kTileX >= 4 && more >= 4 ? 4 : kTileX >= 2 && more >= 2 ? 2 : 1;
-    const int64_t tile_w = std::max<int64_t>(1, std::min<int64_t>(kTileW, kMaxPairs / tx));
+    const int64_t tile_w = tx == 1 ? kTileW : std::min<int64_t>(kTileW, kMaxPairs / kTileX);
     for (int64_t n = 0; n < width;) {
       const int64_t r = n0 + n, slot = r % kGroupRows, left = width - n;
       const int64_t nw = slot == 0 && left >= 4 && tile_w >= 4       ? 4
@@ -159,10 +264,10 @@ struct Rows {
   template <int NW>
   static void rows(const uint8_t* group, int64_t slot, const uint16_t* s, int64_t per_row,
                    const XSuper& xq, int64_t x0, int64_t nx, float* out) {
-    if constexpr (kTileX >= 4 && NW * 4 <= kMaxPairs) {
+    if constexpr (kTileX >= 4 && NW * kTileX <= kMaxPairs) {
       if (nx >= 4) return Tiles::template tile<NW, 4>(group, slot, s, per_row, xq, x0, out);
     }
-    if constexpr (kTileX >= 2 && NW * 2 <= kMaxPairs) {
+    if constexpr (kTileX >= 2 && NW * kTileX <= kMaxPairs) {
       if (nx >= 2) return Tiles::template tile<NW, 2>(group, slot, s, per_row, xq, x0, out);
     }
     Tiles::template tile<NW, 1>(group, slot, s, per_row, xq, x0, out);

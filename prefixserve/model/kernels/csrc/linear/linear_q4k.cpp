@@ -32,9 +32,10 @@
 // `x_column`) and each 32-bit lane's four products lie in one sub-block.
 //
 // Tiles (kquant_tiles.h): up to 4 weight rows by 4 x rows on AVX-512 (the 16 pairs' integer sums
-// folded into one vector's lanes, then the float work for all 16 at once), 4 pairs on AVX2, one on
-// the portable loop. A decode's tile (one x row) prefetches its stream kPrefetchAhead super-blocks
-// ahead.
+// folded into one vector's lanes, then the float work for all 16 at once); on AVX2 4 x 1 at batch
+// 1 and 2 x 4 above (the tile kquant_tiles.h's `avx2_tile` shares with Q6_K: eight pairs' float
+// work in one vector); one pair on the portable loop. A decode's tile (one x row) prefetches its
+// stream kPrefetchAhead super-blocks ahead.
 #include "kquant.h"
 
 #include <cmath>
@@ -131,10 +132,11 @@ struct Q4KTiles {
     store_pairs<NW, NX>(acc_f, out);
   }
 #elif defined(PREFIXSERVE_KQUANT_AVX2)
-  // As the VNNI tile, on 256-bit vectors, with pairs at most 4 (lane i NX + j).
+  // A decode's tile (one x row, 4 x 1): its own loop, measured faster at batch 1 on the AVX2
+  // EPYC than the shared tile below; at most 4 pairs, lane i NX + j of one 128-bit vector.
   template <int NW, int NX>
-  static void tile(const uint8_t* group, int64_t slot, const uint16_t* dd, int64_t dd_row,
-                   const XSuper& xq, int64_t x0, float* out) {
+  static void tile4(const uint8_t* group, int64_t slot, const uint16_t* dd, int64_t dd_row,
+                    const XSuper& xq, int64_t x0, float* out) {
     static_assert(NW * NX <= 4, "a tile of at most 4 pairs");
     const int64_t blocks = xq.blocks;
     const __m256i low = _mm256_set1_epi8(0x0F);
@@ -189,7 +191,7 @@ struct Q4KTiles {
       }
       const __m128i M = _mm_hadd_epi32(_mm_hadd_epi32(m[0], m[1]), _mm_hadd_epi32(m[2], m[3]));
       const __m256 d_dmin = _mm256_cvtph_ps(d_dmin_of<NW>(dd, dd_row, b));
-      const __m128 xs = x_scales<NW, NX>(xq, x0, b);
+      const __m128 xs = x_scales4<NW, NX>(xq, x0, b);
       const __m128 dx =
           _mm_mul_ps(_mm256_castps256_ps128(_mm256_permutevar8x32_ps(d_dmin, idx_d)), xs);
       const __m128 mx =
@@ -200,6 +202,58 @@ struct Q4KTiles {
     alignas(16) float lanes[4];
     _mm_store_ps(lanes, acc_f);
     for (int p = 0; p < NW * NX; ++p) out[p] = lanes[p];
+  }
+  // More x rows: kquant_tiles.h's `avx2_tile` (2 x 4 or 2 x 2: eight pairs at most).
+  template <int NW, int NX>
+  static void tile(const uint8_t* group, int64_t slot, const uint16_t* dd, int64_t dd_row,
+                   const XSuper& xq, int64_t x0, float* out) {
+    if constexpr (NX == 1)
+      tile4<NW, 1>(group, slot, dd, dd_row, xq, x0, out);
+    else
+      avx2_tile<Q4KTiles, NW, NX>(group, slot, dd, dd_row, xq, x0, out);
+  }
+
+  static constexpr int64_t kGroupBytes = kQ4KGroupBytes;
+  // Nothing held per row: each step reads its sub-scale from the group (a broadcast load), so a
+  // decode's 4 x 1 tile keeps its sixteen registers for codes, sub-scales and sums.
+  struct Row {};
+  static Row row(const uint8_t*, int64_t) { return {}; }
+  static __m256i start(const uint8_t*, int64_t, const XSuper&, int64_t, int64_t) {
+    return _mm256_setzero_si256();
+  }
+  // Step (p, s, h): the 32 codes of sub-block sub_block(p, s, h), and its sub-scale as words.
+  template <int p, int s, int h>
+  static void decode(Row, const uint8_t* blk, int64_t slot, __m256i& w, __m256i& sc) {
+    const __m256i v = _mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(blk + kCodeBytes * slot + 64 * p + 32 * s));
+    w = _mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(0x0F));
+    int64_t eight;
+    std::memcpy(&eight, blk + kScalesAt + 8 * slot, sizeof eight);
+    sc = _mm256_shuffle_epi8(_mm256_set1_epi64x(eight),
+                             _mm256_set1_epi16(static_cast<int16_t>(0x8000 | sub_block(p, s, h))));
+  }
+  // M, pair by pair: row i's sub-mins times x row j's sums per 32; then both fused
+  // multiply-adds of every pair's lane.
+  template <int NW, int NX>
+  static __m256 finish(__m256i S, const uint8_t* blk, int64_t slot, const uint16_t* dd,
+                       int64_t dd_row, const XSuper& xq, int64_t x0, int64_t b, __m256 acc) {
+    __m256i m[NW * NX];
+    for (int i = 0; i < NW; ++i) {
+      const __m128i mins = _mm_cvtepu8_epi16(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + kMinsAt + 8 * (slot + i))));
+      for (int j = 0; j < NX; ++j) {
+        const __m128i sums = _mm_loadu_si128(
+            reinterpret_cast<const __m128i*>(xq.sums32.data() + ((x0 + j) * xq.blocks + b) * 8));
+        m[i * NX + j] = _mm256_zextsi128_si256(_mm_madd_epi16(mins, sums));
+      }
+    }
+    const __m256i M = sum_eight<NW * NX>(m);
+    const __m128i halves = d_dmin_of<NW>(dd, dd_row, b);
+    const __m256 xs = x_scales<NW, NX>(xq, x0, b);
+    const __m256 dx = _mm256_mul_ps(row_lanes<NW, NX>(halves, 2, 0), xs);
+    const __m256 mx = _mm256_mul_ps(row_lanes<NW, NX>(halves, 2, 1), xs);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S), dx, acc);
+    return _mm256_fnmadd_ps(_mm256_cvtepi32_ps(M), mx, acc);
   }
 #else
   // One weight row by one x row in scalars.
