@@ -125,7 +125,9 @@ struct Q6KTiles {
   }
 #elif defined(PREFIXSERVE_KQUANT_AVX2)
   // A decode's tile (one x row, 4 x 1): its own loop, measured faster at batch 1 on the AVX2
-  // EPYC than the shared tile below; at most 4 pairs, lane i NX + j of one 128-bit vector.
+  // EPYC than the shared tile below; at most 4 pairs, lane i NX + j of one 128-bit vector. Its
+  // stream is prefetched kPrefetchAhead super-blocks ahead, as the VNNI tile's: on the EPYC a
+  // 1B Q4_K_M decode went from 0.86x to 1.15-1.26x llama.cpp's (BENCHMARKS.md §38).
   template <int NW, int NX>
   static void tile4(const uint8_t* group, int64_t slot, const uint16_t* d, int64_t d_row,
                     const XSuper& xq, int64_t x0, float* out) {
@@ -141,6 +143,10 @@ struct Q6KTiles {
     __m128 acc_f = _mm_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b) {
       const uint8_t* blk = group + b * kQ6KGroupBytes;
+      if constexpr (NX == 1)  // a decode's stream, ahead of the prefetchers
+        for (int64_t line = 0; line < kQ6KGroupBytes; line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchAhead * kQ6KGroupBytes + line),
+                       _MM_HINT_T0);
       __m256i acc[4], scd[NW][2];
       for (int p = 0; p < 4; ++p) acc[p] = _mm256_setzero_si256();
       for (int i = 0; i < NW; ++i) {
