@@ -213,15 +213,12 @@ struct Q4KTiles {
   template <int NW, int NX>
   static void tile(const uint8_t* group, int64_t slot, const uint16_t* dd, int64_t dd_row,
                    const XSuper& xq, int64_t x0, float* out) {
-    if constexpr (NX == 1)
-      tile4<NW, 1>(group, slot, dd, dd_row, xq, x0, out);
-    else
-      avx2_tile<Q4KTiles, NW, NX>(group, slot, dd, dd_row, xq, x0, out);
+    avx2_tile_or_decode<Q4KTiles, NW, NX>(group, slot, dd, dd_row, xq, x0, out);
   }
 
   static constexpr int64_t kGroupBytes = kQ4KGroupBytes;
-  // Nothing held per row: each step reads its sub-scale from the group (a broadcast load), so a
-  // decode's 4 x 1 tile keeps its sixteen registers for codes, sub-scales and sums.
+  // Nothing held per row: each step reads its sub-scale from the group (a broadcast load), which
+  // leaves the registers to the tile's eight sums.
   struct Row {};
   static Row row(const uint8_t*, int64_t) { return {}; }
   static __m256i start(const uint8_t*, int64_t, const XSuper&, int64_t, int64_t) {

@@ -209,15 +209,12 @@ struct Q6KTiles {
   template <int NW, int NX>
   static void tile(const uint8_t* group, int64_t slot, const uint16_t* d, int64_t d_row,
                    const XSuper& xq, int64_t x0, float* out) {
-    if constexpr (NX == 1)
-      tile4<NW, 1>(group, slot, d, d_row, xq, x0, out);
-    else
-      avx2_tile<Q6KTiles, NW, NX>(group, slot, d, d_row, xq, x0, out);
+    avx2_tile_or_decode<Q6KTiles, NW, NX>(group, slot, d, d_row, xq, x0, out);
   }
 
   static constexpr int64_t kGroupBytes = kQ6KGroupBytes;
-  // Nothing held per row: each step reads its two sub-scales from the group, so a decode's
-  // 4 x 1 tile keeps its sixteen registers for codes, sub-scales and sums.
+  // Nothing held per row: each step reads its two sub-scales from the group, which leaves the
+  // registers to the tile's eight sums.
   struct Row {};
   static Row row(const uint8_t*, int64_t) { return {}; }
   // The offset's part of a pair's sum: 32 sc times minus x row j's sums per 16 (-32 sc fits
