@@ -125,14 +125,12 @@ inline __m256i sum_eight(const __m256i (&v)[N]) {
                           _mm256_permute2x128_si256(a, b, 0x31));
 }
 
-// The float work's lanes i NX + j: x row j's scale of super-block b (0 past NW NX, or any
-// finite value: those lanes' sums are 0 and never stored).
+// The float work's lanes i NX + j (NX > 1: a decode's tile is `tile4`): x row j's scale of
+// super-block b (0 past NW NX).
 template <int NW, int NX>
 inline __m256 x_scales(const XSuper& xq, int64_t x0, int64_t b) {
   const float* at = xq.scale.data() + b * xq.rows + x0;
-  if constexpr (NX == 1) {
-    return _mm256_set1_ps(*at);  // lanes past NW take it too: their sums are 0
-  } else if constexpr (NX == 4) {
+  if constexpr (NX == 4) {
     return _mm256_broadcast_ps(reinterpret_cast<const __m128*>(at));
   } else {
     alignas(32) float lanes[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
@@ -155,12 +153,12 @@ inline __m256 row_lanes(__m128i halves, int per_row, int k) {
 // masks and lane maps are constants): row i's codes and sub-scale words (F::decode<p, s, h>) times
 // x row j's 32 codes at 128 p + 64 h + 32 s of the super-block, into pair i NX + j.
 template <class F, int NW, int NX, int T>
-inline void avx2_step(const typename F::Row (&row)[NW], const uint8_t* blk, int64_t slot,
+inline void avx2_step(const uint8_t* blk, int64_t slot,
                       const int8_t* const (&xc)[NX], int64_t at, __m256i (&acc)[NW * NX]) {
   constexpr int p = T / 4, s = (T / 2) % 2, h = T % 2;
   __m256i w[NW], sc[NW];
 #pragma GCC unroll 4
-  for (int i = 0; i < NW; ++i) F::template decode<p, s, h>(row[i], blk, slot + i, w[i], sc[i]);
+  for (int i = 0; i < NW; ++i) F::template decode<p, s, h>(blk, slot + i, w[i], sc[i]);
 #pragma GCC unroll 4
   for (int j = 0; j < NX; ++j) {
     const __m256i xv = _mm256_loadu_si256(
@@ -173,20 +171,20 @@ inline void avx2_step(const typename F::Row (&row)[NW], const uint8_t* blk, int6
 }
 
 template <class F, int NW, int NX, int... T>
-inline void avx2_steps(std::integer_sequence<int, T...>, const typename F::Row (&row)[NW],
-                       const uint8_t* blk, int64_t slot, const int8_t* const (&xc)[NX],
-                       int64_t at, __m256i (&acc)[NW * NX]) {
-  (avx2_step<F, NW, NX, T>(row, blk, slot, xc, at, acc), ...);
+inline void avx2_steps(std::integer_sequence<int, T...>, const uint8_t* blk, int64_t slot,
+                       const int8_t* const (&xc)[NX], int64_t at, __m256i (&acc)[NW * NX]) {
+  (avx2_step<F, NW, NX, T>(blk, slot, xc, at, acc), ...);
 }
 
 // A tile of K-quant format F: NW weight rows (slots slot.. of one packed group, `F::kGroupBytes`
 // a super-block) by NX x rows (from x0), pair i NX + j in lane i NX + j of `out`. Per
-// super-block, each pair's integer sum: F::start (its offset's part, or 0), then the eight steps of 32 columns (p, s, h)
-// (x's codes at 128 p + 64 h + 32 s, `x_column`), each adding row i's codes times x row j's
-// (VPMADDUBSW: unsigned codes of at most 6 bits times signed x never saturates) times row i's
-// sub-scale words (VPMADDWD); the pairs' sums folded into lanes (`sum_eight`) and F::finish's
-// float work on them. F::Row is what a row's steps read of the super-block (its sub-scales),
-// F::decode<p, s, h>(row, blk, slot, w, sc) a step's codes and sub-scale words.
+// super-block, each pair's integer sum: F::start (its offset's part, or 0), then the eight steps
+// of 32 columns (p, s, h) (x's codes at 128 p + 64 h + 32 s, `x_column`), each adding row i's
+// codes times x row j's (VPMADDUBSW: unsigned codes of at most 6 bits times signed x never
+// saturates) times row i's sub-scale words (VPMADDWD); the pairs' sums folded into lanes
+// (`sum_eight`) and F::finish's float work on them. F::decode<p, s, h>(blk, slot, w, sc) gives a
+// step's codes and sub-scale words, read from the group each step (nothing is held per row, which
+// leaves the registers to the eight sums).
 template <class F, int NW, int NX>
 void avx2_tile(const uint8_t* group, int64_t slot, const uint16_t* scales, int64_t per_row,
                const XSuper& xq, int64_t x0, float* out) {
@@ -197,14 +195,10 @@ void avx2_tile(const uint8_t* group, int64_t slot, const uint16_t* scales, int64
   __m256 acc_f = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = group + b * F::kGroupBytes;
-    typename F::Row row[NW];
     __m256i acc[NW * NX];
-    for (int i = 0; i < NW; ++i) {
-      row[i] = F::row(blk, slot + i);
+    for (int i = 0; i < NW; ++i)
       for (int j = 0; j < NX; ++j) acc[i * NX + j] = F::start(blk, slot + i, xq, x0 + j, b);
-    }
-    avx2_steps<F, NW, NX>(std::make_integer_sequence<int, 8>(), row, blk, slot, xc, b * kSuper,
-                          acc);
+    avx2_steps<F, NW, NX>(std::make_integer_sequence<int, 8>(), blk, slot, xc, b * kSuper, acc);
     acc_f = F::template finish<NW, NX>(sum_eight<NW * NX>(acc), blk, slot, scales, per_row, xq,
                                        x0, b, acc_f);
   }

@@ -217,16 +217,12 @@ struct Q4KTiles {
   }
 
   static constexpr int64_t kGroupBytes = kQ4KGroupBytes;
-  // Nothing held per row: each step reads its sub-scale from the group (a broadcast load), which
-  // leaves the registers to the tile's eight sums.
-  struct Row {};
-  static Row row(const uint8_t*, int64_t) { return {}; }
   static __m256i start(const uint8_t*, int64_t, const XSuper&, int64_t, int64_t) {
     return _mm256_setzero_si256();
   }
   // Step (p, s, h): the 32 codes of sub-block sub_block(p, s, h), and its sub-scale as words.
   template <int p, int s, int h>
-  static void decode(Row, const uint8_t* blk, int64_t slot, __m256i& w, __m256i& sc) {
+  static void decode(const uint8_t* blk, int64_t slot, __m256i& w, __m256i& sc) {
     const __m256i v = _mm256_loadu_si256(
         reinterpret_cast<const __m256i*>(blk + kCodeBytes * slot + 64 * p + 32 * s));
     w = _mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(0x0F));

@@ -213,10 +213,6 @@ struct Q6KTiles {
   }
 
   static constexpr int64_t kGroupBytes = kQ6KGroupBytes;
-  // Nothing held per row: each step reads its two sub-scales from the group, which leaves the
-  // registers to the tile's eight sums.
-  struct Row {};
-  static Row row(const uint8_t*, int64_t) { return {}; }
   // The offset's part of a pair's sum: 32 sc times minus x row j's sums per 16 (-32 sc fits
   // 16 bits).
   static __m256i start(const uint8_t* blk, int64_t slot, const XSuper& xq, int64_t x,
@@ -231,7 +227,7 @@ struct Q6KTiles {
   // Step (p, s, h): 32 codes (low nibble, high bit pair to bits 4-5) and each dword lane's
   // sub-scale: lane l is the VNNI vector's lane 8 s + l.
   template <int p, int s, int h>
-  static void decode(Row, const uint8_t* blk, int64_t slot, __m256i& w, __m256i& sc) {
+  static void decode(const uint8_t* blk, int64_t slot, __m256i& w, __m256i& sc) {
     const __m256i v = _mm256_loadu_si256(
         reinterpret_cast<const __m256i*>(blk + kLowBytes * slot + 64 * p + 32 * s));
     const __m256i nib = _mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(0x0F));
