@@ -45,9 +45,14 @@ async def render_chat(
     answers = assistant_answers(messages)
 
     def render() -> ChatPrompt:
-        text = tokenizer.apply_chat_template_text(
-            messages, add_generation_prompt=body.add_generation_prompt, **extra
-        )
+        try:
+            text = tokenizer.apply_chat_template_text(
+                messages, add_generation_prompt=body.add_generation_prompt, **extra
+            )
+        except ValueError:
+            raise
+        except Exception as exc:  # a template raising on these messages (e.g. role order)
+            raise ValueError(f"the chat template rejected the messages: {exc}") from exc
 
         def encode(part: str) -> list[int]:
             return tokenizer.encode(part, add_special_tokens=False)
@@ -55,14 +60,10 @@ async def render_chat(
         rendered = state.history.tokenize(tenant, text, encode, answers)
         return ChatPrompt(tenant, text, rendered, len(answers))
 
-    try:
+    try:  # the render bound's 429 (off_loop) is not the messages' fault: it goes out as is
         return await off_loop(state, tenant, render)
     except ValueError as exc:
         raise OpenAIError(str(exc), param="messages") from exc
-    except Exception as exc:  # a template raising on these messages (e.g. role order)
-        raise OpenAIError(
-            f"the chat template rejected the messages: {exc}", param="messages"
-        ) from exc
 
 
 def record_answers(state: ServerState, prompt: ChatPrompt, final: RequestOutput) -> None:
