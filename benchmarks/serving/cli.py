@@ -15,7 +15,13 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from benchmarks.serving.servers import DEFAULT_NGRAM_CONFIG, ENGINES, SPEC_SUFFIX, peers_dir
+from benchmarks.serving.servers import (
+    DEFAULT_NGRAM_CONFIG,
+    ENGINES,
+    SPEC_SUFFIX,
+    VLLM_DTYPES,
+    peers_dir,
+)
 from prefixserve.bench.cli import add_load_args, csv_list, default_model_dir
 
 if TYPE_CHECKING:
@@ -86,6 +92,12 @@ def build_parser(prog: str = "python -m benchmarks.serving") -> argparse.Argumen
         "names one of them in `model`, in turn (0: the base model only)",
     )
     cmp_.add_argument("--lora-rank", type=int, default=16)
+    cmp_.add_argument(
+        "--vllm-dtype",
+        choices=VLLM_DTYPES,
+        default="bfloat16",
+        help="vLLM's --dtype (without AVX512-BF16 its bf16 linears fall back to torch's)",
+    )
     cmp_.add_argument("--warmup", type=int, default=4, help="warm-up requests per engine")
     cmp_.add_argument(
         "--figures-dir", type=Path, default=None, help="also copy the PNGs here (e.g. docs/bench)"
@@ -133,6 +145,7 @@ def _config(args: argparse.Namespace, model_dir: Path, gguf: Path | None) -> Com
         sessions=args.sessions,
         turns=args.turns,
         strict_tools=args.strict_tools,
+        vllm_dtype=args.vllm_dtype,
     )
 
 

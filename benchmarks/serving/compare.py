@@ -48,6 +48,7 @@ from benchmarks.serving.plots import plot_workload
 from benchmarks.serving.servers import (
     ENGINES,
     SPEC_SUFFIX,
+    VLLM_DTYPES,
     EngineSpec,
     ServerContext,
     ServerError,
@@ -115,6 +116,8 @@ class CompareConfig:
     sessions: int = 8
     turns: int = 6
     strict_tools: bool = True
+    # vLLM's --dtype (ServerContext.vllm_dtype).
+    vllm_dtype: str = "bfloat16"
 
     @property
     def agent_workloads(self) -> list[str]:
@@ -144,6 +147,8 @@ class CompareConfig:
             )
         if not self.engines:
             raise ValueError("choose at least one engine")
+        if self.vllm_dtype not in VLLM_DTYPES:
+            raise ValueError(f"vllm_dtype must be one of {VLLM_DTYPES}, got {self.vllm_dtype!r}")
         pool = self.kv_pool_tokens
         if pool is not None and (pool < 32 or pool % 32):
             # a multiple of both engines' block sizes (16 and vLLM's 32): the same tokens for each
@@ -270,6 +275,7 @@ def run_compare(cfg: CompareConfig, progress: bool = True) -> dict[str, str]:
         max_num_seqs=cfg.max_num_seqs,
         kv_pool_tokens=cfg.kv_pool_tokens,
         speculative_config=cfg.speculative_config,
+        vllm_dtype=cfg.vllm_dtype,
         chat_template=peer_tool_template(cfg.out_dir / "templates"),
         parallel=max(
             cfg.concurrency or 8, cfg.agent_config().sessions if cfg.agent_workloads else 1

@@ -58,6 +58,8 @@ from prefixserve.spec_decode import speculative_config_from
 
 PREFIXSERVE_BLOCK_SIZE = 16
 VLLM_BLOCK_SIZE = 32
+# The `--dtype` values the harness starts vLLM with (`--vllm-dtype`).
+VLLM_DTYPES = ("bfloat16", "float32")
 
 # What the `+ngram` engines speculate with unless told otherwise (vLLM's JSON for
 # `--speculative-config`): up to 4 draft tokens after the longest 2-5 token match in the context.
@@ -101,6 +103,9 @@ class ServerContext:
     chat_template: Path | None = None
     # llama-server's slots (requests it decodes together), each of max_model_len tokens.
     parallel: int = 8
+    # vLLM's `--dtype`. bfloat16 as ours; on a CPU without AVX512-BF16 vLLM cannot build its
+    # oneDNN bf16 linears and falls back to torch's, and float32 may be its faster choice there.
+    vllm_dtype: str = "bfloat16"
 
 
 @dataclass(slots=True)
@@ -245,7 +250,7 @@ def _vllm_cmd(ctx: ServerContext) -> list[str]:
         str(ctx.model_dir),
         *_shared_flags(ctx, VLLM_BLOCK_SIZE),
         "--dtype",
-        "bfloat16",
+        ctx.vllm_dtype,
         "--enable-prefix-caching",
         "--enable-prompt-tokens-details",
         "--disable-uvicorn-access-log",

@@ -230,6 +230,20 @@ def test_vllm_serves_the_same_dir_with_prefix_caching_block_32_and_two_threads(t
     assert spec.env(_ctx(tmp_path))["OMP_NUM_THREADS"] == "2"
 
 
+def test_vllm_dtype_is_passed_to_both_vllm_engines_and_a_bad_one_is_refused(tmp_path):
+    ctx = _ctx(tmp_path)
+    ctx.vllm_dtype = "float32"
+    ctx.chat_template = servers.peer_tool_template(tmp_path)
+    for name in ("vllm", "vllm-hermes+ngram"):
+        cmd = servers.get_engine(name).command(ctx)
+        assert cmd[cmd.index("--dtype") + 1] == "float32"
+    with pytest.raises(ValueError, match="vllm_dtype"):
+        CompareConfig(
+            engines=["vllm"], workloads=["W1"], model_dir=tmp_path, out_dir=tmp_path,
+            vllm_dtype="float16",
+        )  # fmt: skip
+
+
 def test_llama_cpp_keeps_streams_alive_and_ignores_eos_by_min_tokens(tmp_path):
     spec = servers.get_engine("llama.cpp")
     cmd = spec.command(_ctx(tmp_path))
