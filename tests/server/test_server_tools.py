@@ -154,6 +154,37 @@ def test_streamed_calls_rebuild_through_the_sdks_accumulator(server):
     assert got == want
 
 
+def test_text_held_back_as_a_possible_call_sends_no_empty_chunks(server):
+    """The answer after a tool's result opens with "<tool_response>" (the packaged model copies
+    the template): "<", "tool", "_" may open a call, so the parser holds them. Those tokens send
+    no chunk (OpenAI sends no empty delta); the text goes out once settled, whole."""
+    history = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "search", "arguments": '{"query": "Paris weather"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"results": ["sunny, 21 C"]}'},
+    ]
+    fields = dict(model=_model(server), messages=history, tools=TOOLS, max_tokens=24, temperature=0)
+    client = server.client()
+    whole = client.chat.completions.create(**fields).choices[0].message.content
+    chunks = list(client.chat.completions.create(**fields, stream=True))
+    deltas = [c.choices[0] for c in chunks if c.choices]
+    assert whole.startswith("<tool_"), whole
+    for choice in deltas:
+        delta = choice.delta
+        assert delta.role or delta.content or delta.tool_calls or choice.finish_reason, choice
+    assert "".join(c.delta.content or "" for c in deltas) == whole
+
+
 @pytest.mark.parametrize(
     "fields, param",
     [

@@ -178,8 +178,11 @@ class ResponseView(ABC):
         """The whole response of a finished request."""
 
     @abstractmethod
-    def delta_chunk(self, delta: Delta, output: RequestOutput, with_prompt_logprobs: bool) -> Chunk:
-        """The chunk streaming `delta`; `with_prompt_logprobs` on the request's first chunk."""
+    def delta_chunk(
+        self, delta: Delta, output: RequestOutput, with_prompt_logprobs: bool
+    ) -> Chunk | None:
+        """The chunk streaming `delta`; `with_prompt_logprobs` on the request's first chunk.
+        None when it carries nothing yet (text a tool-call parser holds back)."""
 
     @abstractmethod
     def usage_chunk(self, usage: p.UsageInfo | None) -> Chunk:
@@ -279,6 +282,8 @@ class ResponseView(ABC):
                     if delta is None:
                         continue
                     chunk = self.delta_chunk(delta, output, with_prompt_logprobs)
+                    if chunk is None:
+                        continue
                     with_prompt_logprobs = False
                     if options.include_usage and options.continuous_usage_stats:
                         chunk.usage = self.usage()

@@ -163,8 +163,10 @@ class ChatView(ResponseView):
 
     def delta_chunk(
         self, delta: Delta, output: RequestOutput, with_prompt_logprobs: bool
-    ) -> p.ChatCompletionChunk:
-        # Chat chunks carry no prompt logprobs; the full response has them.
+    ) -> p.ChatCompletionChunk | None:
+        # Chat chunks carry no prompt logprobs; the full response has them. Tokens whose text
+        # the call parser holds (a "<tool" that may open a call) send no chunk, as OpenAI sends
+        # none with an empty delta; they go out with the text that settles them.
         logprobs = None
         if delta.logprobs is not None:
             logprobs = self.logprobs(delta.token_ids, delta.logprobs)
@@ -174,6 +176,8 @@ class ChatView(ResponseView):
             calls = self.streamed[delta.index]
             message = calls.delta(delta.text, reason is not None)
             reason = finish_reason(self.plan, reason, calls.num_calls > 0)
+            if reason is None and logprobs is None and not (message.content or message.tool_calls):
+                return None
         return self._chunk(
             [
                 p.ChatChunkChoice(
