@@ -91,25 +91,20 @@ def test_auto_answers_text_or_a_call_that_validates(server):
         assert choice.message.content and choice.finish_reason in ("stop", "length")
 
 
-def test_a_history_of_calls_and_results_is_answered(server):
-    history = [
+def _after_a_call(name: str, arguments: str, result: str) -> list:
+    """ASK, the assistant's call of `name` with `arguments`, and the tool's `result`."""
+    call = {"id": "call_1", "type": "function", "function": {"name": name, "arguments": arguments}}
+    return [
         *ASK,
-        {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [
-                {
-                    "id": "call_1",
-                    "type": "function",
-                    "function": {
-                        "name": "get_weather",
-                        "arguments": '{"city": "Paris", "unit": "celsius"}',
-                    },
-                }
-            ],
-        },
-        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": result},
     ]
+
+
+def test_a_history_of_calls_and_results_is_answered(server):
+    history = _after_a_call(
+        "get_weather", '{"city": "Paris", "unit": "celsius"}', '{"temperature": 21}'
+    )
     answer = server.client().chat.completions.create(
         model=_model(server),
         messages=history,
@@ -158,21 +153,7 @@ def test_text_held_back_as_a_possible_call_sends_no_empty_chunks(server):
     """The answer after a tool's result opens with "<tool_response>" (the packaged model copies
     the template): "<", "tool", "_" may open a call, so the parser holds them. Those tokens send
     no chunk (OpenAI sends no empty delta); the text goes out once settled, whole."""
-    history = [
-        *ASK,
-        {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [
-                {
-                    "id": "call_1",
-                    "type": "function",
-                    "function": {"name": "search", "arguments": '{"query": "Paris weather"}'},
-                }
-            ],
-        },
-        {"role": "tool", "tool_call_id": "call_1", "content": '{"results": ["sunny, 21 C"]}'},
-    ]
+    history = _after_a_call("search", '{"query": "Paris weather"}', '{"results": ["sunny, 21 C"]}')
     fields = dict(model=_model(server), messages=history, tools=TOOLS, max_tokens=24, temperature=0)
     client = server.client()
     whole = client.chat.completions.create(**fields).choices[0].message.content

@@ -357,9 +357,9 @@ namespace avx2 {
 // The sums of MR rows over NP panels, into sums[r * lds + c] for the NP * kPanel columns.
 // Inlined into the tile: called, the plain tiles ran 10-20% slower.
 template <int MR, int NP>
-PREFIXSERVE_TARGET_AVX2 __attribute__((always_inline)) inline void accumulate(const float* x, int64_t ldx, const uint16_t* panel,
-                                        int64_t panel_stride, int64_t pairs, float* sums,
-                                        int64_t lds) {
+PREFIXSERVE_TARGET_AVX2 __attribute__((always_inline)) inline void accumulate(
+    const float* x, int64_t ldx, const uint16_t* panel, int64_t panel_stride, int64_t pairs,
+    float* sums, int64_t lds) {
   constexpr int V = kPanel / 8;  // vectors of 8 columns a panel
   __m256 acc[MR][NP * V];
   for (int r = 0; r < MR; ++r)
