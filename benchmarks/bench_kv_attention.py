@@ -5,12 +5,13 @@
 One decode step's attention calls of SmolLM2-135M's shape (9 query heads, 3 KV heads, head dim
 64, block size 16; `--shape gemma3`: Gemma 3 270M's, 4 query heads, 1 KV head, head dim 256):
 `--layers` layers, each with its own K/V caches (so a step reads them from memory, as a
-model's step does, not from the last level cache), `--batch` decode rows at
-`--context`, their blocks shuffled over the cache (`--contiguous`: each sequence's blocks in
-order). The paged kernel as the engine calls it (`--portable`: its portable path, what CPUs
-without AVX2 run; a dtype with `-avx2` appended, e.g. `int8-avx2`: that cache on the 256-bit
-keys-in-lanes tiles, what AVX2 hosts run, beside the build's widest). Milliseconds per step,
-median (min-max) over `--repeats`, the dtypes measured in turn within each repeat.
+model's step does, not from the last level cache), `--batch` sequences at `--context`, each with
+`--rows` query rows (1: decode; more: a speculative step verifying drafts), their blocks
+shuffled over the cache (`--contiguous`: each sequence's blocks in order). The paged kernel as
+the engine calls it (`--portable`: its portable path, what CPUs without AVX2 run; a dtype with
+`-avx2` appended, e.g. `int8-avx2`: that cache on the 256-bit keys-in-lanes tiles, what AVX2
+hosts run, beside the build's widest). Milliseconds per step, median (min-max) over
+`--repeats`, the dtypes measured in turn within each repeat.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtypes", default="bf16,int8")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--context", type=int, default=1500)
+    ap.add_argument("--rows", type=int, default=1, help="query rows a sequence (drafts + 1)")
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--steps", type=int, default=4, help="steps timed per repeat")
@@ -87,16 +89,21 @@ def main() -> None:
     kernel = paged_attention_portable_kernel() if args.portable else paged_attention_kernel()
     if kernel is None:
         raise SystemExit("the native kernels are not built here")
-    per_seq = -(-(args.context + 1) // BLOCK)
+    if args.rows < 1:
+        raise SystemExit("--rows must be at least 1")
+    rows = args.rows
+    per_seq = -(-(args.context + rows) // BLOCK)
     blocks = args.batch * per_seq + 1  # block 0 stays unused, as the engine's null block
     order = torch.arange(1, blocks)
     if not args.contiguous:
         order = order[torch.randperm(blocks - 1, generator=torch.Generator().manual_seed(1))]
     tables = order.to(torch.int32).view(args.batch, per_seq)
-    info = torch.tensor([(i, i + 1, args.context) for i in range(args.batch)], dtype=torch.int64)
-    q = torch.randn(args.batch, heads, head_dim, generator=torch.Generator().manual_seed(2))
+    info = torch.tensor(
+        [(i * rows, (i + 1) * rows, args.context) for i in range(args.batch)], dtype=torch.int64
+    )
+    q = torch.randn(args.batch * rows, heads, head_dim, generator=torch.Generator().manual_seed(2))
     q = q.bfloat16()
-    out = torch.empty(args.batch, heads * head_dim, dtype=torch.bfloat16)
+    out = torch.empty(args.batch * rows, heads * head_dim, dtype=torch.bfloat16)
     dtypes = args.kv_cache_dtypes.split(",")
     kv = {
         d: caches(d, args.layers, blocks, i, kv_heads, head_dim, args.huge_pages)
@@ -126,7 +133,8 @@ def main() -> None:
         f"{describe_cpu()} | threads {torch.get_num_threads()} | load avg {os.getloadavg()[0]:.1f}"
     )
     print(
-        f"{args.shape} shape, batch {args.batch}, context {args.context}, {args.layers} layers, "
+        f"{args.shape} shape, batch {args.batch}, {rows} rows each, context {args.context}, "
+        f"{args.layers} layers, "
         f"{'contiguous' if args.contiguous else 'shuffled'} blocks, {path} path, "
         f"{'huge' if args.huge_pages else 'ordinary'} pages"
     )
@@ -136,7 +144,7 @@ def main() -> None:
     for d in dtypes:
         k_cache, _ = kv[d][0]
         row = k_cache[0, 0, 0].numel() * k_cache.element_size()
-        read = 2 * args.batch * (args.context + 1) * kv_heads * row * args.layers / 1e6
+        read = 2 * args.batch * (args.context + rows) * kv_heads * row * args.layers / 1e6
         ms = statistics.median(samples[d])
         spread = f"{min(samples[d]):.1f}-{max(samples[d]):.1f}"
         print(f"| {d} | {read:.0f} | {ms:.2f} ({spread}) | {first / ms:.2f}x |")

@@ -99,8 +99,9 @@ inline float tile_softmax(const __m256* s, int64_t lo, int64_t hi, float& m, flo
   return corr;
 }
 
-// out[p] = lane i of r[i]'s element p, for 8 vectors of 8 32-bit elements.
-inline void transpose8(const __m256i* r, __m256i* out) {
+// out[p] = lane i of r[i]'s element p, for 8 vectors of 8 32-bit elements (inlined: as a call,
+// its vectors passed through memory, it took 7% of a decode step's attention on Zen 3).
+__attribute__((always_inline)) inline void transpose8(const __m256i* r, __m256i* out) {
   __m256i t[8], u[8];
   for (int i = 0; i < 4; ++i) {
     t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
