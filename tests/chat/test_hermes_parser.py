@@ -42,6 +42,35 @@ def test_text_that_does_not_parse_as_a_call_stays_text():
         assert calls == [] and content == text
 
 
+def test_a_closing_tag_inside_an_arguments_string_is_part_of_the_call():
+    """A sampled argument held the tag (`"query": "Cuisine</tool_call> Paris"`): the call ends at
+    the tag after its JSON object, whole and streamed, early or not."""
+    arguments = {"query": "Cuisine</tool_call> Paris, <tool_call> 2022-"}
+    text = render_calls(None, [("search", json.dumps(arguments))])
+    content, calls = parse_hermes(text)
+    assert content is None
+    assert [(c.name, c.arguments) for c in calls] == [("search", arguments)]
+    for cuts in ([], [20], list(range(0, len(text), 3))):
+        assert _stream(text, cuts) == ("", [("search", arguments)])
+        events = _early_events(text, cuts)
+        assert "".join(e.text for e in events if e.kind == "text") == ""
+        pieces = "".join(e.text for e in events if e.kind == "call_arguments")
+        assert json.loads(pieces) == arguments
+
+
+def test_an_object_that_never_closes_is_text_up_to_its_first_tag_whole_and_streamed():
+    text = '<tool_call>{"name": "f", "arguments": {"a": "x</tool_call> then <tool_call>' + (
+        '{"name": "g", "arguments": {}}</tool_call>'
+    )
+    content, calls = parse_hermes(text)
+    assert [c.name for c in calls] == ["g"]
+    assert content == '<tool_call>{"name": "f", "arguments": {"a": "x</tool_call> then'
+    for cuts in ([], [30], list(range(0, len(text), 7))):
+        streamed_content, streamed_calls = _stream(text, cuts)
+        assert streamed_calls == [("g", {})]
+        assert streamed_content.replace(" ", "") == content.replace(" ", "")
+
+
 def _stream(text: str, cuts: list[int]) -> tuple[str, list[tuple[str, dict]]]:
     parser = HermesStreamParser()
     events = []
@@ -112,7 +141,11 @@ def test_an_early_call_releases_its_name_once_its_head_is_written():
 
 
 ARGUMENTS = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.text(max_size=8)
+    | st.sampled_from(["</tool_call>", "a<tool_call>b", "}</tool_call>"]),
     lambda inner: (
         st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3)
     ),

@@ -64,7 +64,7 @@ def parse_hermes(text: str) -> tuple[str | None, list[ParsedToolCall]]:
         if start < 0:
             content.append(rest)
             break
-        end = rest.find(CLOSE, start + len(OPEN))
+        end = _close_of(rest, start + len(OPEN), final=True)
         if end < 0:
             content.append(rest)
             break
@@ -128,6 +128,24 @@ class _ArgumentsScan:
         return -1
 
 
+def _close_of(text: str, start: int, final: bool) -> int:
+    """Where the closing tag of the call whose body starts at text[start] is: the first tag after
+    the body's JSON object, whose strings may hold the tag itself (a sampled argument did:
+    `"query": "Cuisine</tool_call> Paris"`); the first tag at all when the body is no object.
+    -1 when there is none yet; while the object is still open that is -1 too, unless `final`
+    (the whole answer: an object that never closes is text, up to the first tag as before)."""
+    i = start
+    while i < len(text) and text[i].isspace():
+        i += 1
+    if i < len(text) and text[i] == "{":
+        end = _ArgumentsScan().end_in(text[i:])
+        if end >= 0:
+            return text.find(CLOSE, i + end)
+        if not final:
+            return -1
+    return text.find(CLOSE, start)
+
+
 @dataclass(slots=True)
 class HermesStreamParser:
     """Incremental: `feed(delta)` -> events, `finish()` -> the events left. Text is released as
@@ -152,6 +170,11 @@ class HermesStreamParser:
 
     def feed(self, delta: str) -> list[StreamEvent]:
         self._buffer += delta
+        return self._drain(final=False)
+
+    def _drain(self, final: bool) -> list[StreamEvent]:
+        """The events the buffer gives now; `final`: no more text comes (a call's object that
+        never closed ends at its first closing tag, as parse_hermes reads it)."""
         out: list[StreamEvent] = []
         while self._buffer:
             if self._in_call and self.early and self._stream_call(out):
@@ -159,7 +182,7 @@ class HermesStreamParser:
             if self._in_call:
                 if self._scan is not None or self._closing:
                     break  # a streamed call waits for more of itself
-                end = self._buffer.find(CLOSE)
+                end = _close_of(self._buffer, 0, final)
                 if end < 0:
                     break
                 body, self._buffer = self._buffer[:end], self._buffer[end + len(CLOSE) :]
@@ -216,7 +239,7 @@ class HermesStreamParser:
         return end >= 0 and bool(self._buffer)
 
     def finish(self) -> list[StreamEvent]:
-        out: list[StreamEvent] = []
+        out = self._drain(final=True)
         if self._scan is not None or self._closing:
             pass  # a streamed call cut short: sent as far as it was written
         elif self._in_call:
