@@ -149,6 +149,14 @@ inline __m256 row_lanes(__m128i halves, int per_row, int k) {
                                   _mm256_load_si256(reinterpret_cast<const __m256i*>(idx)));
 }
 
+// v, added up now: integer adds may be reassociated, and the compiler did, keeping each step's
+// products on the stack to add them up after the eighth step (48 stores and loads a super-block
+// in the 2 x 4 tile). The empty asm takes and returns the value, so the sums stay in registers.
+inline __m256i in_register(__m256i v) {
+  asm("" : "+x"(v));
+  return v;
+}
+
 // Step T = 4 p + 2 s + h of a super-block's eight (a compile-time step, so each decode's shifts,
 // masks and lane maps are constants): row i's codes and sub-scale words (F::decode<p, s, h>) times
 // x row j's 32 codes at 128 p + 64 h + 32 s of the super-block, into pair i NX + j.
@@ -165,8 +173,8 @@ inline void avx2_step(const uint8_t* blk, int64_t slot,
         reinterpret_cast<const __m256i*>(xc[j] + at + 128 * p + 64 * h + 32 * s));
 #pragma GCC unroll 4
     for (int i = 0; i < NW; ++i)
-      acc[i * NX + j] = _mm256_add_epi32(
-          acc[i * NX + j], _mm256_madd_epi16(_mm256_maddubs_epi16(w[i], xv), sc[i]));
+      acc[i * NX + j] = in_register(_mm256_add_epi32(
+          acc[i * NX + j], _mm256_madd_epi16(_mm256_maddubs_epi16(w[i], xv), sc[i])));
   }
 }
 
