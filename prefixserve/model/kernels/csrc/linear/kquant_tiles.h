@@ -152,6 +152,8 @@ inline __m256 row_lanes(__m128i halves, int per_row, int k) {
 // v, added up now: integer adds may be reassociated, and the compiler did, keeping each step's
 // products on the stack to add them up after the eighth step (48 stores and loads a super-block
 // in the 2 x 4 tile). The empty asm takes and returns the value, so the sums stay in registers.
+// (Not in the decode tiles, `tile4`: there it stopped GCC unrolling their step loops, whose
+// masks and shifts are then computed at run time.)
 inline __m256i in_register(__m256i v) {
   asm("" : "+x"(v));
   return v;

@@ -176,8 +176,8 @@ struct Q4KTiles {
               const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
                   xc[j] + b * kSuper + 128 * p + 64 * h + 32 * s));
               for (int i = 0; i < NW; ++i)
-                acc[i * NX + j] = in_register(_mm256_add_epi32(
-                    acc[i * NX + j], _mm256_madd_epi16(_mm256_maddubs_epi16(w[i], xv), sc[i])));
+                acc[i * NX + j] = _mm256_add_epi32(
+                    acc[i * NX + j], _mm256_madd_epi16(_mm256_maddubs_epi16(w[i], xv), sc[i]));
             }
           }
       const __m128i S = sum_four(acc);
