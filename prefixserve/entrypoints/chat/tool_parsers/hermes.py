@@ -133,7 +133,12 @@ def _close_of(text: str, start: int, final: bool) -> int:
     the body's JSON object, whose strings may hold the tag itself (a sampled argument did:
     `"query": "Cuisine</tool_call> Paris"`); the first tag at all when the body is no object.
     -1 when there is none yet; while the object is still open that is -1 too, unless `final`
-    (the whole answer: an object that never closes is text, up to the first tag as before)."""
+    (the whole answer: an object that never closes is text, up to the first tag as before).
+    No tag at all is -1 at once: a stream asks on every token, and only a tag sends it through
+    the object's characters."""
+    first = text.find(CLOSE, start)
+    if first < 0:
+        return -1
     i = start
     while i < len(text) and text[i].isspace():
         i += 1
@@ -143,7 +148,7 @@ def _close_of(text: str, start: int, final: bool) -> int:
             return text.find(CLOSE, i + end)
         if not final:
             return -1
-    return text.find(CLOSE, start)
+    return first
 
 
 @dataclass(slots=True)
