@@ -190,7 +190,10 @@ def test_the_idle_writer_deletes_expired_blocks_from_disk(tmp_path):
         store, max_queue_bytes=1 << 20, max_queue_items=10, sweep_interval_s=0.01
     )
     deadline = time.monotonic() + WAIT_S
-    while record_files(tmp_path) and time.monotonic() < deadline:
+    # The sweep unlinks during its scan and counts after it: wait for both.
+    while (
+        record_files(tmp_path) or store.stats().expired_deleted == 0
+    ) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert record_files(tmp_path) == []
     assert store.stats().expired_deleted == 1
