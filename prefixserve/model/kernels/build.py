@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from prefixserve.model.kernels import pch
 from prefixserve.model.kernels.cpu_paths import cpuinfo
 from prefixserve.settings import (
     cache_root,
@@ -33,6 +34,7 @@ from prefixserve.settings import (
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
+_NAME = "prefixserve_paged_attention"
 # csrc/ by purpose (csrc/README.md): each folder is on the include path, so a source includes
 # a header by its name alone.
 _GROUPS = ("attention", "linear", "layer", "common")
@@ -128,11 +130,17 @@ def _build() -> Any:
     _prune_builds(build_dir.parent, keep=build_dir)
     with file_lock(build_dir / _LOCK_NAME):
         (build_dir / "lock").unlink(missing_ok=True)
+        includes = [_CSRC / group for group in _GROUPS]
+        cflags = _cflags()
+        pch_dir = pch.precompile(build_dir, _CSRC / "common", _NAME, includes, cflags)
+        if pch_dir is not None:  # first, so that GCC finds the headers' .gch files there
+            includes.insert(0, pch_dir)
+            cflags.append("-Winvalid-pch")
         return cpp_extension.load(
-            name="prefixserve_paged_attention",
+            name=_NAME,
             sources=[str(source) for source in _SOURCES],
-            extra_include_paths=[str(_CSRC / group) for group in _GROUPS],
-            extra_cflags=_cflags(),
+            extra_include_paths=[str(path) for path in includes],
+            extra_cflags=cflags,
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
             verbose=False,

@@ -36,6 +36,7 @@
 // 1 and 2 x 4 above (the tile kquant_tiles.h's `avx2_tile` shares with Q6_K: eight pairs' float
 // work in one vector); one pair on the portable loop. A decode's tile (one x row) prefetches its
 // stream kPrefetchAhead super-blocks ahead.
+#include "torch_lite.h"  // first: the build's precompiled header (kernels/pch.py)
 #include "kquant.h"
 
 #include <cmath>

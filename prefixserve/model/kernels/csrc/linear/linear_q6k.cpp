@@ -25,6 +25,7 @@
 // position 128p + 64 + i's in its high one; bit pair t of byte 32p + l of its high bits holds
 // position 128p + 32t + l's top 2 bits. A 64-byte load and a 32-byte one make two vectors of 64
 // codes (a mask, a shift, a variable shift and a ternary logic op each).
+#include "torch_lite.h"  // first: the build's precompiled header (kernels/pch.py)
 #include "kquant.h"
 
 #include <cmath>
