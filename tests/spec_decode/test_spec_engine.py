@@ -188,9 +188,15 @@ def test_unseeded_sampling_distribution_is_the_target_models(model):
     samples explain, while the right one fails the test with probability about 0.001 per pair."""
     prompts = [copying_prompt(31, run=12)] * 5
     params = SamplingParams(temperature=1.0, n=60, max_tokens=3, ignore_eos=True)
-    speculating = make_llm(model, SPEC, seed=1)
+    # Blocks of 13 tokens hold all but the last of the prompt's 40, cached by a first request:
+    # the 300 rows then compute one prompt token each (in blocks of 16, eight).
+    assert len(prompts[0]) == 3 * 13 + 1
+    speculating = make_llm(model, SPEC, seed=1, block_size=13)
+    plain = make_llm(model, seed=2, block_size=13)
+    for llm in (speculating, plain):
+        generate(llm, prompts[:1], SamplingParams(max_tokens=1))
     with_spec = generate(speculating, prompts, params)
-    without = generate(make_llm(model, seed=2), prompts, params)
+    without = generate(plain, prompts, params)
     a = [tuple(c.token_ids) for o in with_spec for c in o.outputs]
     b = [tuple(c.token_ids) for o in without for c in o.outputs]
     for position in (slice(0, 1), slice(1, 2), slice(2, 3)):
