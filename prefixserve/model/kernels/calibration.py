@@ -10,7 +10,10 @@ rows over 96 MB of a small model's linears, which streams them from memory as de
 a prefill shape (192 rows over a 2 MB weight, arithmetic-bound); each class takes the fastest,
 the build's FMA tiles unless another is at least `MIN_GAIN` faster (a tie is noise). Then the
 decode family's variants (the tiles' software prefetch on or off, a lone row's tile on 4 panels
-or 2) are timed at a lone row, the default kept unless another is `MIN_GAIN` faster.
+or 2) are timed at a lone row, the default kept unless another is `MIN_GAIN` faster. What is
+compared is timed in turns (a sample of each a round), so that a host whose speed drifts
+meanwhile slows each alike: timed one after the other on a noisy VM, the portable loop came
+out ahead of the AVX2 tiles at decode in four calibrations of eight.
 
 `PREFIXSERVE_GEMM_TILES` overrides it ("avx512_bf16", "avx512,avx512_bf16", or "off" for the
 build's FMA tiles without a measurement). The cache file holds the CPU's model name and flags,
@@ -38,7 +41,7 @@ from prefixserve.settings import cache_root, file_lock, gemm_tiles
 logger = logging.getLogger(__name__)
 
 # Bump when what is measured or how the choice is made changes: older cache files are ignored.
-CALIBRATION_VERSION = 4
+CALIBRATION_VERSION = 5
 # The decode variants: (software prefetch, panels of a lone row's tile); the first is the default.
 DECODE_VARIANTS = ((True, 4), (False, 4), (True, 2), (False, 2))
 # Another family replaces the build's FMA tiles for a class only when it is this much faster.
@@ -120,20 +123,30 @@ def _linears_agree(module: Any, family: str, reference: str) -> bool:
     return True
 
 
-def _time(fn: Any, repeats: int = 5, min_seconds: float = 0.02) -> float:
-    """Median seconds of one call of `fn` over `repeats` samples of at least `min_seconds`."""
-    fn()
-    samples = []
+def _sample(fn: Any, min_seconds: float) -> float:
+    """Seconds of one call of `fn`, averaged over calls for at least `min_seconds`."""
+    start, calls = time.perf_counter(), 0
+    while True:
+        fn()
+        calls += 1
+        elapsed = time.perf_counter() - start
+        if elapsed >= min_seconds:
+            return elapsed / calls
+
+
+def _time_each(
+    fns: dict[str, Any], repeats: int = 5, min_seconds: float = 0.02
+) -> dict[str, float]:
+    """Median seconds of one call of each of `fns`, their samples taken in turns (one of each
+    a round), so that a host whose speed drifts while they are measured (another process, a
+    noisy neighbour) slows each alike instead of the ones timed last."""
+    for fn in fns.values():
+        fn()
+    samples: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
-        start, calls = time.perf_counter(), 0
-        while True:
-            fn()
-            calls += 1
-            elapsed = time.perf_counter() - start
-            if elapsed >= min_seconds:
-                break
-        samples.append(elapsed / calls)
-    return statistics.median(samples)
+        for name, fn in fns.items():
+            samples[name].append(_sample(fn, min_seconds))
+    return {name: statistics.median(times) for name, times in samples.items()}
 
 
 def variant_key(prefetch: bool, one_row_panels: int) -> str:
@@ -189,16 +202,20 @@ def _measure(module: Any, families: list[str]) -> dict[str, dict[str, float]]:
     seconds: dict[str, dict[str, float]] = {}
     try:
         module.gemm_bf16_select("", "", int(DECODE_VARIANTS[0][0]), DECODE_VARIANTS[0][1])
+        decodes = _time_each({t: lambda t=t: decode(t, (1, 8)) for t in families})
+        prefills = _time_each(
+            {t: lambda t=t: run(big_out, big, square, 1024, None, threads, t) for t in families}
+        )
         for tiles in families:
-            seconds[tiles] = {
-                "decode": _time(lambda t=tiles: decode(t, (1, 8))),
-                "prefill": _time(lambda t=tiles: run(big_out, big, square, 1024, None, threads, t)),
-            }
+            seconds[tiles] = {"decode": decodes[tiles], "prefill": prefills[tiles]}
         fastest = _fastest(seconds, families[0], "decode")  # the family decode will take
-        for prefetch, panels in DECODE_VARIANTS:
+
+        def lone_row(prefetch: bool, panels: int) -> None:
             module.gemm_bf16_select("", "", int(prefetch), panels)
-            key = variant_key(prefetch, panels)
-            seconds[fastest][key] = _time(lambda: decode(fastest, (1,)))
+            decode(fastest, (1,))
+
+        variants = {variant_key(*v): lambda v=v: lone_row(*v) for v in DECODE_VARIANTS}
+        seconds[fastest].update(_time_each(variants))
         return seconds
     finally:
         module.gemm_bf16_select("", "", int(was[3]), int(was[4]))
