@@ -450,6 +450,30 @@ PREFIXSERVE_TARGET_AVX2 inline __m256 act8(__m256 g, int64_t act) {
   return _mm256_div_ps(num, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
 }
 
+// bf16(act(bf16(gate + bias)) * bf16(up + bias_up)) for eight columns (bias, bias_up: those
+// columns' or null), each step rounded as the unfused bf16 ops round it.
+PREFIXSERVE_TARGET_AVX2 inline void store_gated8(uint16_t* dst, __m256 gate, __m256 up,
+                                                 const float* bias, const float* bias_up,
+                                                 int64_t act) {
+  if (bias) gate = _mm256_add_ps(gate, _mm256_loadu_ps(bias));
+  if (bias_up) up = _mm256_add_ps(up, _mm256_loadu_ps(bias_up));
+  const __m256 a = round_bf16_8(act8(round_bf16_8(gate), act));
+  store_bf16_8(dst, _mm256_mul_ps(a, round_bf16_8(up)));
+}
+
+// bf16(sum + bias) for eight columns, and where `res` is set bf16 of that plus the residual's
+// eight values (a linear's output and the residual add after it: two bf16 ops).
+PREFIXSERVE_TARGET_AVX2 inline void store_plain8(uint16_t* dst, __m256 sum, const float* bias,
+                                                 const uint16_t* res) {
+  if (bias) sum = _mm256_add_ps(sum, _mm256_loadu_ps(bias));
+  if (res) {
+    const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(res));
+    const __m256 y = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+    sum = _mm256_add_ps(round_bf16_8(sum), y);
+  }
+  store_bf16_8(dst, sum);
+}
+
 // store_sums for a tile's `rows` rows: eight columns at a time, a plain tile's last few
 // columns (past a multiple of eight) by the scalar epilogue.
 PREFIXSERVE_TARGET_AVX2 inline void store_sums8(const float* sums, int64_t lds, int rows,
@@ -459,33 +483,23 @@ PREFIXSERVE_TARGET_AVX2 inline void store_sums8(const float* sums, int64_t lds, 
     const float* row = sums + r * lds;
     uint16_t* dst = out.out + r * out.ldo;
     if (out.act != kNone) {
-      for (int64_t c = 0; c < kPanel; c += 8) {
-        __m256 gate = _mm256_loadu_ps(row + c), up = _mm256_loadu_ps(row + kPanel + c);
-        if (out.bias) gate = _mm256_add_ps(gate, _mm256_loadu_ps(out.bias + c));
-        if (out.bias_up) up = _mm256_add_ps(up, _mm256_loadu_ps(out.bias_up + c));
-        const __m256 a = round_bf16_8(act8(round_bf16_8(gate), out.act));
-        store_bf16_8(dst + c, _mm256_mul_ps(a, round_bf16_8(up)));
-      }
+      for (int64_t c = 0; c < kPanel; c += 8)
+        store_gated8(dst + c, _mm256_loadu_ps(row + c), _mm256_loadu_ps(row + kPanel + c),
+                     out.bias ? out.bias + c : nullptr, out.bias_up ? out.bias_up + c : nullptr,
+                     out.act);
       continue;
     }
+    const uint16_t* res = out.res ? out.res + r * out.ldo : nullptr;
     const int64_t whole = out.cols / 8 * 8;
-    for (int64_t c = 0; c < whole; c += 8) {
-      __m256 sum = _mm256_loadu_ps(row + c);
-      if (out.bias) sum = _mm256_add_ps(sum, _mm256_loadu_ps(out.bias + c));
-      if (out.res) {
-        const uint16_t* res = out.res + r * out.ldo + c;
-        const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(res));
-        const __m256 y = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
-        sum = _mm256_add_ps(round_bf16_8(sum), y);
-      }
-      store_bf16_8(dst + c, sum);
-    }
+    for (int64_t c = 0; c < whole; c += 8)
+      store_plain8(dst + c, _mm256_loadu_ps(row + c), out.bias ? out.bias + c : nullptr,
+                   res ? res + c : nullptr);
     if (whole < out.cols) {  // the rest of this row, columns whole.. (out shifted to them)
       TileOut rest = out;
       rest.out = dst + whole;
       rest.cols = out.cols - whole;
       if (out.bias) rest.bias = out.bias + whole;
-      if (out.res) rest.res = out.res + r * out.ldo + whole;
+      if (res) rest.res = res + whole;
       store_sums(row + whole, lds, 1, rest);
     }
   }

@@ -446,7 +446,8 @@ struct Epilogue {
 // Sums [rows, width] (ld apart) of weight rows n0.. to outputs: + bias, rounded to bf16, + the
 // residual and rounded again where there is one.
 // On AVX-512 builds both epilogues take gemm_bf16's vector forms (the same bits as its scalar
-// ones, which the other builds take), 16 columns at a time.
+// ones), 16 columns at a time; on AVX2 builds its eight-lane forms; the portable build and the
+// last few columns its scalar ones.
 void store_plain(const float* sums, int64_t ld, int64_t rows, int64_t n0, int64_t width,
                  const Epilogue& e) {
   if (e.f32) return store_sums_f32(e.out, e.ldo, sums, ld, rows, n0, width, e.bias);
@@ -467,8 +468,17 @@ void store_plain(const float* sums, int64_t ld, int64_t rows, int64_t n0, int64_
     }
   return;
 #endif
+  int64_t vector_cols = 0;
+#if defined(PREFIXSERVE_GEMM_AVX2) && defined(__AVX2__) && defined(__FMA__)
+  vector_cols = width / 8 * 8;
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < width; ++c) {
+    for (int64_t c = 0; c < vector_cols; c += 8)
+      prefixserve::gemm::avx2::store_plain8(
+          e.out + r * e.ldo + n0 + c, _mm256_loadu_ps(sums + r * ld + c),
+          e.bias ? e.bias + n0 + c : nullptr, e.res ? e.res + r * e.ldo + n0 + c : nullptr);
+#endif
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = vector_cols; c < width; ++c) {
       float sum = sums[r * ld + c];
       if (e.bias) sum += e.bias[n0 + c];
       uint16_t y = float_to_bf16_bits(sum);
@@ -492,6 +502,15 @@ void store_gated_sums(const float* gate, const float* up, int64_t ld, int64_t ro
                                      _mm512_loadu_ps(up + r * ld + c),
                                      e.bias ? e.bias + c0 + c : nullptr,
                                      e.bias ? e.bias + half + c0 + c : nullptr, e.act);
+#elif defined(PREFIXSERVE_GEMM_AVX2) && defined(__AVX2__) && defined(__FMA__)
+  vector_cols = width / 8 * 8;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < vector_cols; c += 8)
+      prefixserve::gemm::avx2::store_gated8(e.out + r * e.ldo + c0 + c,
+                                            _mm256_loadu_ps(gate + r * ld + c),
+                                            _mm256_loadu_ps(up + r * ld + c),
+                                            e.bias ? e.bias + c0 + c : nullptr,
+                                            e.bias ? e.bias + half + c0 + c : nullptr, e.act);
 #endif
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = vector_cols; c < width; ++c) {
