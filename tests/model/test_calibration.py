@@ -189,3 +189,14 @@ def test_a_change_to_the_kernel_sources_measures_again(cache_dir, monkeypatch):
     assert build.sources_digest() in path.name
     monkeypatch.setattr(calibration, "sources_digest", lambda: "another-build")
     assert calibration._cache_path() != path
+
+
+def test_what_is_compared_is_timed_in_turns():
+    """Each round takes one sample of every candidate before the next round begins, so a host
+    that slows down while they are measured slows each alike (one after the other, the
+    candidate timed last takes all of a late slowdown)."""
+    calls: list[str] = []
+    fns = {name: (lambda name=name: calls.append(name)) for name in ("a", "b", "c")}
+    seconds = calibration._time_each(fns, repeats=3, min_seconds=0.0)
+    assert calls == ["a", "b", "c"] * 4  # a warm-up call each, then one sample each a round
+    assert set(seconds) == {"a", "b", "c"} and all(s >= 0 for s in seconds.values())
