@@ -1,11 +1,11 @@
 // The keys-in-lanes tile arithmetic on 256-bit vectors (AVX2 and FMA) that both AVX2 tile kinds
-// share (attn_lanes_bf16_avx2.h, attn_lanes_int8_avx2.h): the softmax of attn_lanes_bf16_avx512.h
-// in
-// 8-lane halves, with the same bits. Every rounded step is the same operation on the same
-// operands as the AVX-512 code's: exp_nonpositive8 is exp_avx512.h's exp_nonpositive16 lane for
-// lane; the 16-lane maxima and sums reduce in _mm512_reduce_*_ps's order (upper half onto lower,
-// then 128-bit halves, then pairs); a product that the AVX-512 code rounds with a `_round` form is
-// `held` here, so the compiler's -ffp-contract cannot fuse it into a later add.
+// share (attn_lanes_bf16_avx2.h, attn_lanes_int8_avx2.h): the softmax of
+// attn_lanes_bf16_avx512.h in 8-lane halves, with the same bits. Every rounded step is the same
+// operation on the same operands as the AVX-512 code's: exp_nonpositive8 (common/exp_avx2.h) is
+// exp_avx512.h's exp_nonpositive16 lane for lane; the 16-lane maxima and sums reduce in
+// _mm512_reduce_*_ps's order (upper half onto lower, then 128-bit halves, then pairs); a product
+// that the AVX-512 code rounds with a `_round` form is `held` here, so the compiler's
+// -ffp-contract cannot fuse it into a later add.
 #pragma once
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -16,7 +16,11 @@
 #include <cstdint>
 #include <limits>
 
+#include "exp_avx2.h"
+
 namespace prefixserve::lanes_avx2 {
+
+using prefixserve::exp_nonpositive8;  // common/exp_avx2.h
 
 constexpr int64_t kTileKeys = 64;
 constexpr int kRoundNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
@@ -26,26 +30,6 @@ constexpr int kRoundNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
 inline __m256 held(__m256 v) {
   asm("" : "+x"(v));
   return v;
-}
-
-// exp_avx512.h's exp_nonpositive16, 8 lanes: the same operations; p * 2^n is VSCALEFPS's
-// result for the integral n in [-126, 0] that x >= -87 gives (one rounding either way).
-inline __m256 exp_nonpositive8(__m256 x) {
-  x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);
-  const __m256 n = _mm256_round_ps(held(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f))),
-                                   kRoundNearest);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860682030941723e-6f), r);
-  __m256 p = _mm256_set1_ps(0.00138889f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.00833336823f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.0416666418f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.166666672f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  const __m256i e = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return held(_mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
 
 // The 16 lanes (lo: 0-7, hi: 8-15) reduced as _mm512_reduce_max_ps / _mm512_reduce_add_ps do.

@@ -30,6 +30,7 @@
 #include <cstring>
 
 #include "bf16_bits.h"
+#include "exp_avx2.h"
 #include "exp_avx512.h"
 
 namespace prefixserve::gemm {
@@ -414,26 +415,7 @@ PREFIXSERVE_TARGET_AVX2 inline void store_bf16_8(uint16_t* dst, __m256 v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), halves);
 }
 
-// exp_nonpositive_scalar on eight lanes.
-PREFIXSERVE_TARGET_AVX2 inline __m256 exp_nonpositive8(__m256 x) {
-  x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);  // NaN in x stays NaN (max returns operand 2)
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860682030941723e-6f), r);
-  __m256 p = _mm256_set1_ps(0.00138889f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.00833336823f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.0416666418f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.166666672f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  const __m256i exponent = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
-  const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(exponent, 23));
-  return _mm256_blendv_ps(_mm256_mul_ps(p, scale), p, _mm256_cmp_ps(n, n, _CMP_UNORD_Q));
-}
-
-// act_scalar on eight lanes.
+// act_scalar on eight lanes (exp_nonpositive8: exp_nonpositive_scalar's steps, exp_avx2.h).
 PREFIXSERVE_TARGET_AVX2 inline __m256 act8(__m256 g, int64_t act) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   __m256 arg = g, e;
