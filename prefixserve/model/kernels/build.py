@@ -136,7 +136,7 @@ def _build() -> Any:
         if pch_dir is not None:  # first, so that GCC finds the headers' .gch files there
             includes.insert(0, pch_dir)
             cflags.append("-Winvalid-pch")
-        return cpp_extension.load(
+        module = cpp_extension.load(
             name=_NAME,
             sources=[str(source) for source in _SOURCES],
             extra_include_paths=[str(path) for path in includes],
@@ -145,6 +145,9 @@ def _build() -> Any:
             build_directory=str(build_dir),
             verbose=False,
         )
+        if pch_dir is not None:
+            pch.release(pch_dir)
+        return module
 
 
 # The builds kept per CPU tag (each checkout of other sources has its own).

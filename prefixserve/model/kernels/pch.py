@@ -71,14 +71,15 @@ def _is_gcc(compiler: str) -> bool:
 def precompile(
     build_dir: Path, common_dir: Path, name: str, include_dirs: list[Path], cflags: list[str]
 ) -> Path | None:
-    """The directory of this build's precompiled `torch_lite.h`, compiled now unless it is
-    there; None where the compiler is not GCC or the compile failed (the build then parses the
-    header in each file, as before: a warning says why)."""
+    """The directory of this build's precompiled `torch_lite.h`, compiled now unless this
+    build made it before (its header copy is there: `release` may have removed the compiled
+    form since); None where the compiler is not GCC or the compile failed (the build then
+    parses the header in each file, as before: a warning says why)."""
     from torch.utils import cpp_extension
 
     out_dir = build_dir / "pch"
     target = out_dir / f"{HEADER}.gch"
-    if target.is_file():
+    if (out_dir / HEADER).is_file():
         return out_dir
     compiler = cpp_extension.get_cxx_compiler()
     if not _is_gcc(compiler):
@@ -97,7 +98,14 @@ def precompile(
         partial.unlink(missing_ok=True)
         return None
     # The header beside its compiled form: a header that includes it again after the file's
-    # first include finds it here, already guarded.
-    shutil.copyfile(common_dir / HEADER, out_dir / HEADER)
+    # first include finds it here, already guarded. Written last: it marks the compile done.
     os.replace(partial, target)
+    shutil.copyfile(common_dir / HEADER, out_dir / HEADER)
     return out_dir
+
+
+def release(pch_dir: Path) -> None:
+    """Removes the compiled header once the build is done: 385 MB, needed by no later start
+    (ninja's dependencies name the header copy beside it, not the compiled form, and a file
+    compiled again without it parses the copy)."""
+    (pch_dir / f"{HEADER}.gch").unlink(missing_ok=True)
