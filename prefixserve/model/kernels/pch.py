@@ -2,7 +2,8 @@
 begin with it, and parsing ATen's headers is most of their compile time (about 12 s of 15-35 s
 each on the hosts measured). It is compiled once per build directory before torch's ninja
 build; its directory goes first on the include path, where GCC finds `torch_lite.h.gch` (and a
-copy of the header, for headers that include it again) before csrc/common's.
+copy of the header, for headers that include it again) before csrc/common's. The compiled
+form (385 MB) is removed once the build is done (`release`).
 
 Not precompiled: `torch/extension.h`, which the two files that bind to Python include. Its
 compiled form is 790 MB and made the build slower on the AVX2 host measured (162 s against
