@@ -21,16 +21,11 @@
 namespace prefixserve::lanes_avx2 {
 
 using prefixserve::exp_nonpositive8;  // common/exp_avx2.h
+using prefixserve::held;              // common/held.h
 
 constexpr int64_t kTileKeys = 64;
 constexpr int kRoundNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
 
-// v as computed: the compiler may not fuse a product through here into a later add or
-// subtract (-ffp-contract would round it otherwise than the AVX-512 path's `_round` forms).
-inline __m256 held(__m256 v) {
-  asm("" : "+x"(v));
-  return v;
-}
 
 // The 16 lanes (lo: 0-7, hi: 8-15) reduced as _mm512_reduce_max_ps / _mm512_reduce_add_ps do.
 inline float reduce_max16(__m256 lo, __m256 hi) {

@@ -9,19 +9,13 @@
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 
-namespace prefixserve {
+#include "held.h"
 
-// v as computed: the compiler may not fuse a product through here into a later add or
-// subtract (-ffp-contract would round it otherwise than the AVX-512 code's scalef and _round
-// forms).
-__attribute__((target("avx2,fma"))) inline __m256 held8(__m256 v) {
-  asm("" : "+x"(v));
-  return v;
-}
+namespace prefixserve {
 
 __attribute__((target("avx2,fma"))) inline __m256 exp_nonpositive8(__m256 x) {
   x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);  // NaN in x stays NaN (max returns operand 2)
-  const __m256 n = _mm256_round_ps(held8(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f))),
+  const __m256 n = _mm256_round_ps(held(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f))),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
   r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860682030941723e-6f), r);
@@ -34,7 +28,7 @@ __attribute__((target("avx2,fma"))) inline __m256 exp_nonpositive8(__m256 x) {
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
   const __m256i e = _mm256_slli_epi32(
       _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return held8(_mm256_mul_ps(p, _mm256_castsi256_ps(e)));  // a NaN p: a NaN whatever e is
+  return held(_mm256_mul_ps(p, _mm256_castsi256_ps(e)));  // a NaN p: a NaN whatever e is
 }
 
 }  // namespace prefixserve

@@ -12,6 +12,7 @@
 #include <cstring>
 #include <utility>
 
+#include "held.h"
 #include "kquant.h"
 
 namespace prefixserve::kquant {
@@ -149,15 +150,6 @@ inline __m256 row_lanes(__m128i halves, int per_row, int k) {
                                   _mm256_load_si256(reinterpret_cast<const __m256i*>(idx)));
 }
 
-// v, added up now: integer adds may be reassociated, and the compiler did, keeping each step's
-// products on the stack to add them up after the eighth step (48 stores and loads a super-block
-// in the 2 x 4 tile). The empty asm takes and returns the value, so the sums stay in registers.
-// (Not in the decode tiles, `tile4`: there it stopped GCC unrolling their step loops, whose
-// masks and shifts are then computed at run time.)
-inline __m256i in_register(__m256i v) {
-  asm("" : "+x"(v));
-  return v;
-}
 
 // Step T = 4 p + 2 s + h of a super-block's eight (a compile-time step, so each decode's shifts,
 // masks and lane maps are constants): row i's codes and sub-scale words (F::decode<p, s, h>) times
@@ -173,9 +165,13 @@ inline void avx2_step(const uint8_t* blk, int64_t slot,
   for (int j = 0; j < NX; ++j) {
     const __m256i xv = _mm256_loadu_si256(
         reinterpret_cast<const __m256i*>(xc[j] + at + 128 * p + 64 * h + 32 * s));
+    // Each step's sums held (held.h): integer adds may be reassociated, and GCC kept each
+    // step's products on the stack to add them up after the eighth (48 stores and loads a
+    // super-block in the 2 x 4 tile). Not in the decode tiles, `tile4`: there it stopped GCC
+    // unrolling their step loops, whose masks and shifts are then computed at run time.
 #pragma GCC unroll 4
     for (int i = 0; i < NW; ++i)
-      acc[i * NX + j] = in_register(_mm256_add_epi32(
+      acc[i * NX + j] = held(_mm256_add_epi32(
           acc[i * NX + j], _mm256_madd_epi16(_mm256_maddubs_epi16(w[i], xv), sc[i])));
   }
 }
