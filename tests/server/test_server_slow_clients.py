@@ -168,3 +168,70 @@ def test_a_body_the_route_never_reads_does_not_keep_the_connection():
         assert status == 200
         assert headers["connection"] == "close"
         closed_within(sock)
+
+
+# --------------------------------------------------------------------- lingering close
+def _refused_upload(address: tuple[str, int], length: int) -> socket.socket:
+    """A connection whose upload of `length` bytes was refused after its headers (a wrong key):
+    the 401 read, the body not yet sent."""
+    sock = connect(address)
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-wrong\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {length}\r\n\r\n"
+    ).encode()
+    sock.sendall(head)
+    status, headers, _ = read_response(sock)
+    assert (status, headers["connection"]) == (401, "close")
+    return sock
+
+
+def _send_until_refused(sock: socket.socket, seconds: float, chunk: bytes) -> float | None:
+    """Sends `chunk` every 50 ms for `seconds`; the time the connection refused more (reset or
+    closed), or None if every send went through."""
+    start = time.monotonic()
+    while time.monotonic() - start < seconds:
+        try:
+            sock.sendall(chunk)
+        except OSError:
+            return time.monotonic() - start
+        time.sleep(0.05)
+    return None
+
+
+def test_a_refused_client_may_finish_sending_its_body_and_is_not_reset(monkeypatch):
+    # Closing at once with the body still coming resets the connection, and a reset discards
+    # what the kernel had not yet sent of the refusal: the client read `Connection reset by
+    # peer` instead of the 401 (make test, loaded host). The server drains instead.
+    monkeypatch.setattr("prefixserve.entrypoints.server.lingering_close.LINGER_S", 30.0)
+    with serving() as address:
+        sock = _refused_upload(address, 1_000_000)
+        with sock:
+            assert _send_until_refused(sock, 1.0, b"x" * 50_000) is None  # 20 sends, ~1 MB
+            assert closed_within(sock) == b""  # the FIN after the 401, nothing more
+
+
+def test_a_client_that_closes_ends_the_linger_at_once(monkeypatch):
+    monkeypatch.setattr("prefixserve.entrypoints.server.lingering_close.LINGER_S", 60.0)
+    app, _ = make_app(keys())
+    server, thread, url = serve_in_thread(app, http=header_timeout_protocol(10.0))
+    host, port = url.removeprefix("http://").split(":")
+    try:
+        _refused_upload((host, int(port)), 1_000_000).close()
+        deadline = time.monotonic() + WAIT_S
+        while server.server_state.connections and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not server.server_state.connections  # well before the 60 s linger
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+@pytest.mark.parametrize("bound", ["time", "bytes"])
+def test_a_refused_client_that_never_stops_sending_is_closed_at_the_linger_bound(
+    monkeypatch, bound
+):
+    module = "prefixserve.entrypoints.server.lingering_close"
+    monkeypatch.setattr(f"{module}.LINGER_S", 1.0 if bound == "time" else 60.0)
+    monkeypatch.setattr(f"{module}.LINGER_BYTES", 1 << 40 if bound == "time" else 200_000)
+    with serving() as address, _refused_upload(address, 10**12) as sock:
+        assert _send_until_refused(sock, WAIT_S, b"x" * 10_000) is not None

@@ -18,7 +18,8 @@ It runs before FastAPI reads a byte of the body:
   408 `request_timeout`;
 - a response that starts before the request's body was read to its end carries
   `Connection: close`, so a client cannot keep the connection by trickling a body nobody reads.
-Every refusal after the headers also closes the connection. Every 4xx/5xx response is counted
+Every refusal after the headers also closes the connection (draining what the client still sends
+for a bounded time first: lingering_close.py). Every 4xx/5xx response is counted
 into `request_errors` by status and error code, including the 500 Starlette sends for an exception
 escaping the app (its outermost ServerErrorMiddleware sends it past this guard).
 """

@@ -15,6 +15,8 @@ uvicorn's `H11Protocol`, passed as `http=` to `uvicorn.Config`, that closes such
   `Connection: close`, one that had sent nothing is closed silently; either way the transport is
   closed.
 
+It builds on lingering_close.py's protocol, so the one class uvicorn is given has both.
+
 It touches only what the subclass cannot avoid: the `conn` (h11.Connection), `transport` and
 `loop` attributes and the three asyncio.Protocol callbacks, whose meaning is asyncio's.
 """
@@ -24,7 +26,8 @@ from __future__ import annotations
 import asyncio
 
 import h11
-from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from prefixserve.entrypoints.server.lingering_close import LingeringCloseH11Protocol
 
 DEFAULT_TIMEOUT_REQUEST_HEADERS_S = 10.0
 
@@ -38,8 +41,9 @@ REQUEST_TIMEOUT_RESPONSE = (
 )
 
 
-class HeaderTimeoutH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with a timeout on each request's headers (module docstring)."""
+class HeaderTimeoutH11Protocol(LingeringCloseH11Protocol):
+    """uvicorn's h11 protocol with a timeout on each request's headers (module docstring) and
+    the lingering close of lingering_close.py."""
 
     timeout_request_headers_s: float = DEFAULT_TIMEOUT_REQUEST_HEADERS_S
     _header_timer: asyncio.TimerHandle | None = None
