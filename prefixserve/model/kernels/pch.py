@@ -1,13 +1,13 @@
-"""A precompiled `torch_lite.h` for the kernel build (GCC only). Eleven of csrc/'s thirteen files
+"""A precompiled `torch_lite.h` for the kernel build (GCC only). Twelve of csrc/'s thirteen files
 begin with it, and parsing ATen's headers is most of their compile time (about 12 s of 15-35 s
 each on the hosts measured). It is compiled once per build directory before torch's ninja
 build; its directory goes first on the include path, where GCC finds `torch_lite.h.gch` (and a
 copy of the header, for headers that include it again) before csrc/common's. The compiled
 form (385 MB) is removed once the build is done (`release`).
 
-Not precompiled: `torch/extension.h`, which the two files that bind to Python include. Its
-compiled form is 790 MB and made the build slower on the AVX2 host measured (162 s against
-143 s with torch_lite.h alone).
+Not precompiled: torch's pybind11 glue, which bindings.cpp alone includes. Precompiling
+`torch/extension.h` (what bindings.cpp and decoder_layer.cpp included then) gave a 790 MB file
+and a slower build on the AVX2 host measured (162 s against 143 s with torch_lite.h alone).
 
 GCC uses a precompiled header only where it is the first include of the file compiled (not
 from inside another header) and the file is compiled with the options it was made with;
