@@ -43,9 +43,11 @@ $(STAMP): $(BIN)/python pyproject.toml | browser
 
 install: $(STAMP)
 
-# Two pytest-xdist workers: the suite leaves a third of the two cores idle (servers starting,
-# Python-only tests); a file's tests stay on one worker (tests/conftest.py's xdist groups).
-PYTEST_WORKERS ?= -n 2 --dist loadgroup
+# Three pytest-xdist workers on the two cores: with two, the suite left a third of them idle
+# (servers starting, clients waiting on them, Python-only tests); on the AVX2 host the whole
+# suite took 605 s with three against 715-770 with two (BENCHMARKS.md). A file's tests stay on one
+# worker (tests/conftest.py's xdist groups).
+PYTEST_WORKERS ?= -n 3 --dist loadgroup
 
 test: $(STAMP)
 	$(BIN)/ruff check prefixserve tests benchmarks

@@ -232,6 +232,17 @@ def test_a_refused_client_that_never_stops_sending_is_closed_at_the_linger_bound
 ):
     module = "prefixserve.entrypoints.server.lingering_close"
     monkeypatch.setattr(f"{module}.LINGER_S", 1.0 if bound == "time" else 60.0)
+    monkeypatch.setattr(f"{module}.LINGER_IDLE_S", 60.0)
     monkeypatch.setattr(f"{module}.LINGER_BYTES", 1 << 40 if bound == "time" else 200_000)
     with serving() as address, _refused_upload(address, 10**12) as sock:
         assert _send_until_refused(sock, WAIT_S, b"x" * 10_000) is not None
+
+
+def test_a_refused_client_that_goes_quiet_is_closed_after_the_idle_time(monkeypatch):
+    module = "prefixserve.entrypoints.server.lingering_close"
+    monkeypatch.setattr(f"{module}.LINGER_S", 60.0)
+    monkeypatch.setattr(f"{module}.LINGER_IDLE_S", 0.5)
+    with serving() as address, _refused_upload(address, 1_000_000) as sock:
+        assert _send_until_refused(sock, 1.0, b"x" * 10_000) is None  # each send restarts it
+        time.sleep(1.5)  # quiet past the idle time: closed (its FIN came after the 401)
+        assert _send_until_refused(sock, WAIT_S, b"x") is not None  # well before 60 s

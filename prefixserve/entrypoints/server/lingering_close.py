@@ -13,9 +13,11 @@ headers read and its body lost).
   SEND_BODY), it sends its FIN after the response (`write_eof`; a TLS transport has no half-close
   and sends nothing more), resumes reading if flow control had paused it, and reads and drops
   whatever the client still sends;
-- it closes when the client closes its side, after `LINGER_S` seconds, or once `LINGER_BYTES`
-  have been dropped, whichever comes first: a client that never stops sending holds the
-  connection no longer than that;
+- it closes when the client closes its side, when nothing has come for `LINGER_IDLE_S`
+  seconds, `LINGER_S` seconds after the response, or once `LINGER_BYTES` have been dropped,
+  whichever comes first (nginx's `lingering_timeout` and `lingering_time`, 5 s and 30 s, and a
+  bound on the bytes read for nothing): a client that never stops sending holds the connection
+  no longer than the body timeout would have let it;
 - any other close (the body complete, an idle keep-alive, the header timeout, a second close) is
   immediate, as before.
 
@@ -32,8 +34,9 @@ from typing import Any
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-LINGER_S = 2.0
-LINGER_BYTES = 16 * 1024 * 1024
+LINGER_S = 30.0
+LINGER_IDLE_S = 5.0
+LINGER_BYTES = 64 * 1024 * 1024
 
 
 class _ClosesThroughProtocol:
@@ -55,6 +58,7 @@ class LingeringCloseH11Protocol(H11Protocol):
 
     _raw_transport: asyncio.Transport
     _linger_timer: asyncio.TimerHandle | None = None
+    _linger_deadline: float = 0.0  # the loop time LINGER_S after the response
     _lingered_bytes: int = -1  # -1: not lingering
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -74,10 +78,11 @@ class LingeringCloseH11Protocol(H11Protocol):
             self._close_now()
             return
         self._lingered_bytes = 0
+        self._linger_deadline = self.loop.time() + LINGER_S
         raw.resume_reading()
         if raw.can_write_eof():
             raw.write_eof()  # sent once the response already written has gone
-        self._linger_timer = self.loop.call_later(LINGER_S, self._close_now)
+        self._arm_linger_timer()
 
     def data_received(self, data: bytes) -> None:
         if not self.lingering:
@@ -86,6 +91,8 @@ class LingeringCloseH11Protocol(H11Protocol):
         self._lingered_bytes += len(data)
         if self._lingered_bytes >= LINGER_BYTES:
             self._close_now()
+        else:
+            self._arm_linger_timer()  # LINGER_IDLE_S from this data, within the deadline
 
     def eof_received(self) -> bool | None:
         if self.lingering:
@@ -99,6 +106,11 @@ class LingeringCloseH11Protocol(H11Protocol):
     def _close_now(self) -> None:
         self._cancel_linger_timer()
         self._raw_transport.close()
+
+    def _arm_linger_timer(self) -> None:
+        self._cancel_linger_timer()
+        when = min(self.loop.time() + LINGER_IDLE_S, self._linger_deadline)
+        self._linger_timer = self.loop.call_at(when, self._close_now)
 
     def _cancel_linger_timer(self) -> None:
         if self._linger_timer is not None:
