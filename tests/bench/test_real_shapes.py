@@ -127,6 +127,9 @@ def test_llama_cpp_pads_the_vocabulary_and_our_loader_takes_its_q4_k_m(tmp_path,
     loaded = load_hf_dir(tmp_path / "converted", torch.bfloat16)
     assert loaded.config.vocab_size == shape.vocab
     assert set(loaded.config.quantization.split("+")) == {"q4_k", "q6_k"}
+    # Llama 3's rope scaling, written by llama.cpp as rope_freqs.weight, read back (gguf_rope.py)
+    scaling = loaded.config.rope_scaling
+    assert {k: scaling[k] for k in shape.rope_scaling} == shape.rope_scaling
     record = json.loads((path.parent / "steps.json").read_text())
     assert [s["name"] for s in record["steps"]] == ["hf", "bf16", "q4_k_m"]
 

@@ -31,6 +31,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from prefixserve.model.errors import load_error
 from prefixserve.model.loader.block_file import BlockFileWriter
 from prefixserve.model.loader.gguf_reader import one_reader_per_file, open_gguf
+from prefixserve.model.loader.gguf_rope import RopeFreqsError, rope_scaling_from_gguf
 from prefixserve.model.loader.gguf_tokenizer import (
     gemma_tokenizer_from_gguf,
     gguf_add_special_token_flags,
@@ -62,7 +63,8 @@ _END_OF_TURN_TOKENS = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>")
 # 6: not Q4_1 ones (the default model's file: its numerics stay its bf16 values).
 # 7: Q4_K and Q6_K weights with their super-blocks (`<hf name>.super_scales`), read from the
 #    file's blocks.
-CONVERSION_VERSION = 7
+# 8: Llama 3's rope scaling, from the file's rope_freqs.weight, in config.json (gguf_rope.py).
+CONVERSION_VERSION = 8
 CONVERSION_MARKER = "prefixserve_conversion.json"
 
 # Chat templates for GGUF files that ship without one, by GGUF architecture, in templates/.
@@ -100,6 +102,7 @@ def _convert_gguf(gguf_path: Path, out_dir: Path, chat_template: str | None) -> 
     src_dir, name = str(gguf_path.parent), gguf_path.name
     config = AutoConfig.from_pretrained(src_dir, gguf_file=name)
     config.dtype = torch.bfloat16
+    _read_rope_scaling(gguf_path, config)
     with torch.device("meta"):  # only for the parameter names; no memory
         skeleton = AutoModelForCausalLM.from_config(config)
     config.architectures = [type(skeleton).__name__]  # GGUF configs come without it
@@ -150,6 +153,21 @@ def _convert_gguf(gguf_path: Path, out_dir: Path, chat_template: str | None) -> 
         eos_token_id=eos_ids[0] if len(eos_ids) == 1 else eos_ids,
         pad_token_id=special.get("pad"),
     ).save_pretrained(str(out_dir))
+
+
+def _read_rope_scaling(gguf_path: Path, config: Any) -> None:
+    """Llama 3's rope scaling into `config` from the file's `rope_freqs.weight`, which
+    transformers' GGUF loader drops (gguf_rope.py); a file whose divisors are not Llama 3's
+    scaling is refused."""
+    if getattr(config, "rope_scaling", None):
+        return  # the metadata said it (linear, yarn): transformers read it
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    try:
+        scaling = rope_scaling_from_gguf(open_gguf(gguf_path), head_dim, config.rope_theta)
+    except RopeFreqsError as exc:
+        raise load_error(gguf_path, str(exc)) from exc
+    if scaling is not None:
+        config.rope_scaling = scaling
 
 
 def _write_weights(
