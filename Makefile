@@ -43,11 +43,11 @@ $(STAMP): $(BIN)/python pyproject.toml | browser
 
 install: $(STAMP)
 
-# Three pytest-xdist workers on the two cores: with two, the suite left a third of them idle
-# (servers starting, clients waiting on them, Python-only tests); on the AVX2 host the whole
-# suite took 605 s with three against 715-770 with two (BENCHMARKS.md). A file's tests stay on one
-# worker (tests/conftest.py's xdist groups).
-PYTEST_WORKERS ?= -n 3 --dist loadgroup
+# Two pytest-xdist workers: the suite leaves a third of the two cores idle (servers starting,
+# Python-only tests); a file's tests stay on one worker (tests/conftest.py's xdist groups). Three
+# were faster on the AVX2 host (605-743 s against 715-770) but held 19.4-21.6 GB of its 24 at
+# their peak, each worker's heap at 7-8 GB (BENCHMARKS.md): too close to the OOM killer.
+PYTEST_WORKERS ?= -n 2 --dist loadgroup
 
 test: $(STAMP)
 	$(BIN)/ruff check prefixserve tests benchmarks

@@ -104,7 +104,7 @@ def pytest_collection_modifyitems(config, items):
         parts = item.path.relative_to(root).parts
         if parts[0] in _FULL_DIRS or _FULL_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.full)
-        # Under pytest-xdist (`make test` runs three workers, `--dist loadgroup`), a file's tests
+        # Under pytest-xdist (`make test` runs two workers, `--dist loadgroup`), a file's tests
         # stay on one worker (its module fixtures, servers among them, start once), and so do
         # all of tests/cluster/ (one Ray runtime, shut down after the folder's last test).
         group = "cluster" if parts[0] == "cluster" else "/".join(parts)
