@@ -39,7 +39,7 @@ struct Epilogue {
 // ones), 16 columns at a time; on AVX2 builds its eight-lane forms; the portable build and the
 // last few columns its scalar ones.
 inline void store_plain(const float* sums, int64_t ld, int64_t rows, int64_t n0, int64_t width,
-                 const Epilogue& e) {
+                        const Epilogue& e) {
   if (e.f32) return store_sums_f32(e.out, e.ldo, sums, ld, rows, n0, width, e.bias);
 #if defined(PREFIXSERVE_GEMM_AVX512)
   using prefixserve::gemm::store_bf16;
@@ -80,8 +80,8 @@ inline void store_plain(const float* sums, int64_t ld, int64_t rows, int64_t n0,
 }
 
 // Gate sums [rows, width] then up sums [rows, width] (both ld apart) of output columns c0..
-inline void store_gated_sums(const float* gate, const float* up, int64_t ld, int64_t rows, int64_t c0,
-                      int64_t width, int64_t half, const Epilogue& e) {
+inline void store_gated_sums(const float* gate, const float* up, int64_t ld, int64_t rows,
+                             int64_t c0, int64_t width, int64_t half, const Epilogue& e) {
   int64_t vector_cols = 0;
 #if defined(PREFIXSERVE_GEMM_AVX512)
   vector_cols = width / 16 * 16;

@@ -59,13 +59,9 @@ namespace {
 using prefixserve::int8::Epilogue;
 using prefixserve::int8::store_gated_sums;
 using prefixserve::int8::store_plain;
-using prefixserve::gemm::act_scalar;
-using prefixserve::gemm::float_to_bf16_bits;
 using prefixserve::gemm::kGeluTanh;
 using prefixserve::gemm::kNone;
 using prefixserve::gemm::kSilu;
-using prefixserve::gemm::round_bf16_scalar;
-using prefixserve::gemm::store_sums_f32;
 
 constexpr int kLanes = 16;
 constexpr int64_t kChunk = 64;  // columns per sixteen lanes
