@@ -49,7 +49,7 @@ class OperatorControls:
             self.manager, self.explainer, self.connector, decode, dict(self.kv_cache)
         )
         summary["breakpoints"] = self.describe_breakpoints()
-        # Its own time, for the callers that space rebuilds by it (serving_cache.SummaryFeed).
+        # Its own time, for the callers that space rebuilds by it (summary_feed.SummaryFeed).
         summary["build_s"] = time.perf_counter() - start
         return summary
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 from fastapi import FastAPI
 
 from prefixserve.engine.client import EngineClient
-from prefixserve.entrypoints.anthropic.serving import register_messages_routes
+from prefixserve.entrypoints.anthropic.serving import router as messages_router
 from prefixserve.entrypoints.chat.history import GeneratedHistory
-from prefixserve.entrypoints.openai.routes import register_openai_routes
+from prefixserve.entrypoints.openai.routes import router as openai_router
 from prefixserve.entrypoints.server.admission import Admission
 from prefixserve.entrypoints.server.app import build_shell
 from prefixserve.entrypoints.server.auth import ApiKeys
@@ -36,7 +36,7 @@ def build_app(
     Messages API's (/v1/messages, /v1/messages/count_tokens). The caller starts and stops
     `engine` (see cli.py). /v1/models names the served model names only, never the weights'
     path."""
-    app, state = build_shell(
+    app = build_shell(
         engine,
         served_model_names,
         api_keys=api_keys,
@@ -47,6 +47,6 @@ def build_app(
         lora_modules=lora_modules,
         history=history,
     )
-    register_openai_routes(app.router, state)
-    register_messages_routes(app.router, state)
+    app.include_router(openai_router)
+    app.include_router(messages_router)
     return app

@@ -346,7 +346,7 @@ def test_a_summary_build_counts_its_own_time_not_the_wait_for_a_long_step(live):
     not count that wait, or the inspector freezes for 20x that step after one long prompt. The
     step thread is held until the feed's build is queued behind it: the build time the feed
     records must fit in what the call took after the release (counting the wait, it would not)."""
-    from prefixserve.entrypoints.server.serving_cache import BUSY_SHARE_DIVISOR, SummaryFeed
+    from prefixserve.entrypoints.server.summary_feed import BUSY_SHARE_DIVISOR, SummaryFeed
 
     engine = live.engine
     feed = SummaryFeed(engine)

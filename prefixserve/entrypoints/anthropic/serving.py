@@ -54,6 +54,7 @@ from prefixserve.entrypoints.server.state import (
     ServerState,
     collect_response,
     final_output,
+    server_state,
     start_request,
     stream_response,
 )
@@ -64,19 +65,21 @@ from prefixserve.sampling_params import SamplingParams, StructuredOutputsParams
 FIELDS = {"prompt": "messages", "max_tokens": "max_tokens", "stop": "stop_sequences"}
 
 
-def register_messages_routes(router: APIRouter, state: ServerState) -> None:
-    """The Messages API's two routes (tenant routes: guard.TENANT_PATHS)."""
+router = APIRouter()
 
-    @router.post("/v1/messages")
-    async def create_message(body: a.MessagesRequest, raw: Request) -> Response:
-        return await _create_message(state, body, raw, time.monotonic())
 
-    @router.post("/v1/messages/count_tokens")
-    async def count_tokens(body: a.CountTokensRequest, raw: Request) -> JSONResponse:
-        check_model(state, body.model)
-        check_tool_request(body)
-        rendered = await _render(state, raw.state.tenant, body)
-        return JSONResponse({"input_tokens": len(rendered.token_ids)})
+@router.post("/v1/messages")
+async def create_message(body: a.MessagesRequest, raw: Request) -> Response:
+    return await _create_message(server_state(raw), body, raw, time.monotonic())
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(body: a.CountTokensRequest, raw: Request) -> JSONResponse:
+    state = server_state(raw)
+    check_model(state, body.model)
+    check_tool_request(body)
+    rendered = await _render(state, raw.state.tenant, body)
+    return JSONResponse({"input_tokens": len(rendered.token_ids)})
 
 
 async def _render(state: ServerState, tenant: str | None, body: a._PromptFields) -> Rendered:

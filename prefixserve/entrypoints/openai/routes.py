@@ -16,24 +16,28 @@ from fastapi.responses import Response
 from prefixserve.entrypoints.openai import protocol as p
 from prefixserve.entrypoints.openai import serving_chat, serving_completion
 from prefixserve.entrypoints.server.models import ModelsState
-from prefixserve.entrypoints.server.state import ServerState
+from prefixserve.entrypoints.server.state import server_state
+
+router = APIRouter()
 
 
-def register_openai_routes(router: APIRouter, state: ServerState) -> None:
-    """Add the OpenAI routes to the app's router."""
+@router.get("/v1/models")
+async def list_models(raw: Request) -> p.ModelList:
+    # `root` is the served name: the weights' path (--model) is the server's business.
+    state = server_state(raw)
+    return model_list(state, state.engine.max_model_len)
 
-    @router.get("/v1/models")
-    async def list_models() -> p.ModelList:
-        # `root` is the served name: the weights' path (--model) is the server's business.
-        return model_list(state, state.engine.max_model_len)
 
-    @router.post("/v1/completions")
-    async def create_completion(body: p.CompletionRequest, raw: Request) -> Response:
-        return await serving_completion.create_completion(state, body, raw, time.monotonic())
+@router.post("/v1/completions")
+async def create_completion(body: p.CompletionRequest, raw: Request) -> Response:
+    return await serving_completion.create_completion(
+        server_state(raw), body, raw, time.monotonic()
+    )
 
-    @router.post("/v1/chat/completions")
-    async def create_chat_completion(body: p.ChatCompletionRequest, raw: Request) -> Response:
-        return await serving_chat.create_chat_completion(state, body, raw, time.monotonic())
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(body: p.ChatCompletionRequest, raw: Request) -> Response:
+    return await serving_chat.create_chat_completion(server_state(raw), body, raw, time.monotonic())
 
 
 def model_list(state: ModelsState, max_model_len: int) -> p.ModelList:

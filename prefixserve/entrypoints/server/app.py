@@ -1,12 +1,13 @@
 """The server's shell: the FastAPI app over an engine client (engine/client.py: one engine or
 replicas), with what every dialect's routes stand on and the operator's routes.
 
-`build_shell` makes the app and its `ServerState` (state.py): the error handlers (errors.py), the
-request guard before the body (guard.py: API key -> tenant or operator, body size and time),
-/health, /metrics, /reset_prefix_cache, /kv_events, and the operator routes of serving_pins.py,
-serving_cache.py (the cache summary and the inspector page) and serving_lora.py. A dialect
-(openai/routes.py, anthropic/serving.py) adds its routes to the app's router with that state;
-entrypoints/api_server.py `build_app` puts the shell and both dialects together.
+`build_shell` makes the app and its `ServerState` (state.py, kept in `app.state.server`): the
+error handlers (errors.py), the request guard before the body (guard.py: API key -> tenant or
+operator, body size and time), /health, /metrics, /reset_prefix_cache, /kv_events, and the
+operator routers of serving_pins.py, serving_cache.py (the cache summary and the inspector page)
+and serving_lora.py. A dialect (openai/routes.py, anthropic/serving.py) is a router the app
+includes; entrypoints/api_server.py `build_app` puts the shell and both dialects together. Every
+route is a module function that finds the state through its request (`state.server_state`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, StrictBool
 
@@ -31,10 +32,10 @@ from prefixserve.entrypoints.server.guard import (
     render_refusal,
 )
 from prefixserve.entrypoints.server.inspector_sessions import InspectorSessions
-from prefixserve.entrypoints.server.serving_cache import register_cache_routes
-from prefixserve.entrypoints.server.serving_lora import register_lora_routes
-from prefixserve.entrypoints.server.serving_pins import register_pin_routes
-from prefixserve.entrypoints.server.state import ServerState
+from prefixserve.entrypoints.server.serving_cache import router as cache_router
+from prefixserve.entrypoints.server.serving_lora import router as lora_router
+from prefixserve.entrypoints.server.serving_pins import router as pins_router
+from prefixserve.entrypoints.server.state import ServerState, server_state
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 << 20
 # Bytes of JSON one prompt token may take in a legal request: a token of up to
@@ -55,7 +56,7 @@ def default_max_request_body_bytes(max_model_len: int) -> int:
     return max(DEFAULT_MAX_REQUEST_BODY_BYTES, max_model_len * BODY_BYTES_PER_TOKEN)
 
 
-def build_shell(  # noqa: C901 - its complexity is the routes' closures, each small, counted in it
+def build_shell(
     engine: EngineClient,
     served_model_names: list[str],
     api_keys: ApiKeys | None = None,
@@ -65,9 +66,10 @@ def build_shell(  # noqa: C901 - its complexity is the routes' closures, each sm
     max_body_bytes_in_flight: int | None = None,
     lora_modules: dict[str, str] | None = None,
     history: GeneratedHistory | None = None,
-) -> tuple[FastAPI, ServerState]:
-    """The FastAPI app with no dialect's route yet, and the state its dialects' routes take
-    (api_server.py `build_app` adds them). The caller starts and stops `engine` (see cli.py).
+) -> FastAPI:
+    """The FastAPI app with no dialect's route yet; its `ServerState` is `app.state.server`,
+    where every route finds it (state.server_state). api_server.py `build_app` adds the
+    dialects' routes. The caller starts and stops `engine` (see cli.py).
 
     With `api_keys`, the operator routes (/kv_events, /reset_prefix_cache, /metrics, /pins, the
     LoRA load and unload routes, /v1/cache/summary, /inspector and the API docs) take an
@@ -118,61 +120,70 @@ def build_shell(  # noqa: C901 - its complexity is the routes' closures, each sm
         inspector_sessions=state.inspector_sessions,
     )
 
-    @app.get("/health")
-    async def health() -> Response:
-        # Unauthenticated on purpose: load balancers probe it.
-        if not engine.is_running:
-            return JSONResponse({"status": "engine not running"}, status_code=503)
-        return JSONResponse({"status": "ok"})
+    app.include_router(router)
+    app.include_router(pins_router)
+    app.include_router(cache_router)
+    app.include_router(lora_router)
+    return app
 
-    app.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)
 
-    # The request guard decides who may call each route (guard.TENANT_PATHS: tenants; every
-    # other route but /health: operators only).
-    router = app.router
+# The request guard decides who may call each route (guard.TENANT_PATHS: tenants; every other
+# route but /health: operators only). Module functions that find their app's state through the
+# request (state.server_state), never closures over it.
+router = APIRouter()
 
-    @router.get("/metrics")
-    async def metrics() -> Response:
-        state.metrics.update_engine(await engine.get_metrics())
-        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @router.post("/reset_prefix_cache")
-    async def reset_prefix_cache(
-        raw: Request, reset_running_requests: bool | None = None, ram_only: bool | None = None
-    ) -> JSONResponse:
-        # The flags may come as query parameters (vLLM) or in a JSON body.
-        body = ResetPrefixCacheRequest()
-        if await raw.body():
-            try:
-                body = ResetPrefixCacheRequest.model_validate_json(await raw.body())
-            except ValueError as exc:
-                raise OpenAIError(
-                    f"invalid body for /reset_prefix_cache: {exc}", param="reset_running_requests"
-                ) from exc
-        if reset_running_requests is None:
-            reset_running_requests = body.reset_running_requests
-        if ram_only is None:
-            ram_only = body.ram_only
-        ok = await engine.reset_prefix_cache(reset_running_requests, ram_only)
-        return JSONResponse({"success": bool(ok)})
+@router.get("/health")
+async def health(raw: Request) -> Response:
+    # Unauthenticated on purpose: load balancers probe it.
+    if not server_state(raw).engine.is_running:
+        return JSONResponse({"status": "engine not running"}, status_code=503)
+    return JSONResponse({"status": "ok"})
 
-    register_pin_routes(router, state)
-    register_cache_routes(router, state)
-    register_lora_routes(router, state)
 
-    @router.get("/kv_events")
-    async def kv_events() -> JSONResponse:
-        """KV-cache events since the last call (needs --kv-events)."""
-        if not engine.collect_kv_events:
+router.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)
+
+
+@router.get("/metrics")
+async def metrics(raw: Request) -> Response:
+    state = server_state(raw)
+    state.metrics.update_engine(await state.engine.get_metrics())
+    return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+
+@router.post("/reset_prefix_cache")
+async def reset_prefix_cache(
+    raw: Request, reset_running_requests: bool | None = None, ram_only: bool | None = None
+) -> JSONResponse:
+    # The flags may come as query parameters (vLLM) or in a JSON body.
+    body = ResetPrefixCacheRequest()
+    if await raw.body():
+        try:
+            body = ResetPrefixCacheRequest.model_validate_json(await raw.body())
+        except ValueError as exc:
             raise OpenAIError(
-                "KV-cache events are off; start the server with --kv-events",
-                status_code=404,
-                code="kv_events_disabled",
-            )
-        events = await engine.take_kv_events()
-        return JSONResponse({"events": [_event_json(e) for e in events]})
+                f"invalid body for /reset_prefix_cache: {exc}", param="reset_running_requests"
+            ) from exc
+    if reset_running_requests is None:
+        reset_running_requests = body.reset_running_requests
+    if ram_only is None:
+        ram_only = body.ram_only
+    ok = await server_state(raw).engine.reset_prefix_cache(reset_running_requests, ram_only)
+    return JSONResponse({"success": bool(ok)})
 
-    return app, state
+
+@router.get("/kv_events")
+async def kv_events(raw: Request) -> JSONResponse:
+    """KV-cache events since the last call (needs --kv-events)."""
+    engine = server_state(raw).engine
+    if not engine.collect_kv_events:
+        raise OpenAIError(
+            "KV-cache events are off; start the server with --kv-events",
+            status_code=404,
+            code="kv_events_disabled",
+        )
+    events = await engine.take_kv_events()
+    return JSONResponse({"events": [_event_json(e) for e in events]})
 
 
 def _event_json(event: Any) -> dict[str, Any]:

@@ -8,14 +8,12 @@ use is refused (409) and changes nothing.
 
 from __future__ import annotations
 
-import itertools
-
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from prefixserve.entrypoints.server.errors import OpenAIError
-from prefixserve.entrypoints.server.state import ServerState
+from prefixserve.entrypoints.server.state import server_state
 from prefixserve.lora.manager import LoRAInUseError
 
 
@@ -37,36 +35,39 @@ class UnloadLoRAAdapterRequest(BaseModel):
     lora_int_id: int | None = None
 
 
-def register_lora_routes(router: APIRouter, state: ServerState) -> None:
-    ids = itertools.count(max((i for i, _ in state.lora_modules.values()), default=0) + 1)
+router = APIRouter()
 
-    @router.post("/v1/load_lora_adapter")
-    async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> PlainTextResponse:
-        name = body.lora_name
-        if name in state.served_model_names:
-            raise OpenAIError(f"{name!r} is a served name of the base model", param="lora_name")
-        try:
-            await state.engine.load_lora_adapter(name, body.lora_path)
-        except ValueError as exc:
-            raise OpenAIError(str(exc), param="lora_path") from exc
-        known = state.lora_modules.get(name)
-        state.lora_modules[name] = (known[0] if known else next(ids), body.lora_path)
-        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
-    @router.post("/v1/unload_lora_adapter")
-    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> PlainTextResponse:
-        name = body.lora_name
-        try:
-            await state.engine.unload_lora_adapter(name)
-        except KeyError:
-            if state.lora_modules.pop(name, None) is None:
-                raise OpenAIError(
-                    f"no LoRA adapter {name!r} is loaded",
-                    status_code=404,
-                    param="lora_name",
-                    code="lora_not_found",
-                ) from None
-        except LoRAInUseError as exc:
-            raise OpenAIError(str(exc), status_code=409, param="lora_name") from exc
-        state.lora_modules.pop(name, None)
-        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+@router.post("/v1/load_lora_adapter")
+async def load_lora_adapter(body: LoadLoRAAdapterRequest, raw: Request) -> PlainTextResponse:
+    state = server_state(raw)
+    name = body.lora_name
+    if name in state.served_model_names:
+        raise OpenAIError(f"{name!r} is a served name of the base model", param="lora_name")
+    try:
+        await state.engine.load_lora_adapter(name, body.lora_path)
+    except ValueError as exc:
+        raise OpenAIError(str(exc), param="lora_path") from exc
+    known = state.lora_modules.get(name)
+    state.lora_modules[name] = (known[0] if known else next(state.lora_ids), body.lora_path)
+    return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+
+@router.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, raw: Request) -> PlainTextResponse:
+    state = server_state(raw)
+    name = body.lora_name
+    try:
+        await state.engine.unload_lora_adapter(name)
+    except KeyError:
+        if state.lora_modules.pop(name, None) is None:
+            raise OpenAIError(
+                f"no LoRA adapter {name!r} is loaded",
+                status_code=404,
+                param="lora_name",
+                code="lora_not_found",
+            ) from None
+    except LoRAInUseError as exc:
+        raise OpenAIError(str(exc), status_code=409, param="lora_name") from exc
+    state.lora_modules.pop(name, None)
+    return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")

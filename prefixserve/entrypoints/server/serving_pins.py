@@ -23,14 +23,14 @@ from __future__ import annotations
 import uuid
 from typing import Any, Literal
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from prefixserve.core.kv_cache.salts import derive_cache_salt, validate_cache_salt
 from prefixserve.engine.client import EngineRequest
 from prefixserve.entrypoints.server.errors import OpenAIError, from_value_error
 from prefixserve.entrypoints.server.prompts import check_prompt_text, off_loop
-from prefixserve.entrypoints.server.state import ServerState
+from prefixserve.entrypoints.server.state import ServerState, server_state
 from prefixserve.sampling_params import SamplingParams
 
 MAX_PIN_ID_CHARS = 128
@@ -53,49 +53,52 @@ class PinRequest(BaseModel):
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
 
 
-def register_pin_routes(router: APIRouter, state: ServerState) -> None:
-    """Add the /pins routes to the app's router."""
+router = APIRouter()
 
-    @router.post("/pins")
-    async def create_pin(body: PinRequest) -> dict[str, Any]:
-        engine = state.engine
-        await engine.describe_pins()  # refused here (501) by an engine that keeps no pins
-        salt = _salt(state, body)
-        ids = await _prompt_ids(state, body)
-        pin_id = body.id or f"pin-{uuid.uuid4().hex}"
-        # Run the prompt once so every full block of it is cached, then hold those blocks.
-        warm = EngineRequest(
-            f"{pin_id}-warm-{uuid.uuid4().hex[:8]}",
-            ids,
-            SamplingParams(max_tokens=1),
-            cache_salt=salt,
-            # The tenant the pin is for: the summary and the reports name its blocks' owner.
-            tenant=body.tenant,
-            cache_retention=body.prompt_cache_retention,
-        )
-        try:
-            stream = await engine.add_request(warm)
-        except ValueError as exc:
-            raise from_value_error(exc, {"prompt": "prompt"}) from exc
-        async for output in stream:
-            if output.error is not None:
-                raise OpenAIError(f"the prompt failed: {output.error}", status_code=500)
-        try:
-            num_tokens = await engine.pin_prefix(pin_id, ids, salt)
-        except ValueError as exc:
-            code = "pin_capacity" if "capacity" in str(exc) else "invalid_pin"
-            raise OpenAIError(str(exc), code=code) from exc
-        return {"id": pin_id, "num_tokens": num_tokens, "num_prompt_tokens": len(ids)}
 
-    @router.get("/pins")
-    async def list_pins() -> dict[str, Any]:
-        return await state.engine.describe_pins()
+@router.post("/pins")
+async def create_pin(body: PinRequest, raw: Request) -> dict[str, Any]:
+    state = server_state(raw)
+    engine = state.engine
+    await engine.describe_pins()  # refused here (501) by an engine that keeps no pins
+    salt = _salt(state, body)
+    ids = await _prompt_ids(state, body)
+    pin_id = body.id or f"pin-{uuid.uuid4().hex}"
+    # Run the prompt once so every full block of it is cached, then hold those blocks.
+    warm = EngineRequest(
+        f"{pin_id}-warm-{uuid.uuid4().hex[:8]}",
+        ids,
+        SamplingParams(max_tokens=1),
+        cache_salt=salt,
+        # The tenant the pin is for: the summary and the reports name its blocks' owner.
+        tenant=body.tenant,
+        cache_retention=body.prompt_cache_retention,
+    )
+    try:
+        stream = await engine.add_request(warm)
+    except ValueError as exc:
+        raise from_value_error(exc, {"prompt": "prompt"}) from exc
+    async for output in stream:
+        if output.error is not None:
+            raise OpenAIError(f"the prompt failed: {output.error}", status_code=500)
+    try:
+        num_tokens = await engine.pin_prefix(pin_id, ids, salt)
+    except ValueError as exc:
+        code = "pin_capacity" if "capacity" in str(exc) else "invalid_pin"
+        raise OpenAIError(str(exc), code=code) from exc
+    return {"id": pin_id, "num_tokens": num_tokens, "num_prompt_tokens": len(ids)}
 
-    @router.delete("/pins/{pin_id}")
-    async def delete_pin(pin_id: str) -> dict[str, Any]:
-        if not await state.engine.unpin_prefix(pin_id):
-            raise OpenAIError(f"no pin {pin_id!r}", status_code=404, code="pin_not_found")
-        return {"id": pin_id, "deleted": True}
+
+@router.get("/pins")
+async def list_pins(raw: Request) -> dict[str, Any]:
+    return await server_state(raw).engine.describe_pins()
+
+
+@router.delete("/pins/{pin_id}")
+async def delete_pin(pin_id: str, raw: Request) -> dict[str, Any]:
+    if not await server_state(raw).engine.unpin_prefix(pin_id):
+        raise OpenAIError(f"no pin {pin_id!r}", status_code=404, code="pin_not_found")
+    return {"id": pin_id, "deleted": True}
 
 
 def _salt(state: ServerState, body: PinRequest) -> str | None:

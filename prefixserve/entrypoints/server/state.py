@@ -13,9 +13,10 @@ in flight a GrammarBusy (a 429).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+import itertools
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -37,6 +38,7 @@ from prefixserve.entrypoints.server.errors import (
 )
 from prefixserve.entrypoints.server.inspector_sessions import InspectorSessions
 from prefixserve.entrypoints.server.metrics import ServerMetrics
+from prefixserve.entrypoints.server.summary_feed import SummaryFeed
 from prefixserve.entrypoints.server.tokenizer_queue import TokenizerQueue
 from prefixserve.outputs import RequestOutput
 from prefixserve.structured_output.errors import GrammarBusy
@@ -63,6 +65,25 @@ class ServerState:
     # Chat answers' computed token ids, per tenant, reused by the next turn's prompt
     # (entrypoints/chat/history.py).
     history: GeneratedHistory = field(default_factory=GeneratedHistory)
+    # The cache summary of the operator routes (serving_cache.py), built once per interval.
+    summary_feed: SummaryFeed = field(init=False)
+    # The next LoRA adapters' ids: never one an adapter had before, even after its unload.
+    lora_ids: Iterator[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.summary_feed = SummaryFeed(self.engine)
+        self.lora_ids = itertools.count(
+            max((i for i, _ in self.lora_modules.values()), default=0) + 1
+        )
+
+
+def server_state(raw: Request) -> ServerState:
+    """The state of the app that serves `raw` (server/app.py `build_shell` keeps it there).
+
+    The routes are module functions that find their state here, never closures over it: FastAPI
+    keeps every endpoint callable it has seen in process-wide caches, so a closure would keep
+    its app's engine alive after the app is gone (in every process that builds several apps)."""
+    return cast(ServerState, raw.app.state.server)
 
 
 async def start_request(
