@@ -278,6 +278,55 @@ inline int32_t code_at(const uint8_t* p, int64_t col) {
   }
 }
 
+#if defined(PREFIXSERVE_INT8_AVX2)
+// dot_tile's AVX2 sums for 8-bit codes with a scale per 32 (GGUF Q8_0), the same bits. A chunk's
+// lanes alternate its two groups' scales in both halves, for x as for the weight, so each lane's
+// scale product (weight scale times x scale) is the same pair in both halves: made once a chunk
+// per tile pair, not once a half. Without the general loop's branches on G in the chunk loop and
+// with the products in memory (folded into the multiply-adds), the eight accumulators of a 2 x 2
+// tile stay in registers.
+template <int NW, int NX>
+inline void dot_tile_q8_avx2(const uint8_t* q, Scales s, int64_t K, const XRows& xq, int64_t x0,
+                             float* sums) {
+  const int64_t groups = K / 32, chunks = K / kChunk;
+  constexpr int64_t group_chunk = kGroupRows * kBytes<8>;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[NW][NX][2];
+  for (int i = 0; i < NW; ++i)
+    for (int j = 0; j < NX; ++j) acc[i][j][0] = acc[i][j][1] = _mm256_setzero_ps();
+  const int8_t* xc = xq.codes.data() + x0 * K;
+  const float* xl = xq.lane_scale.data() + x0 * K / 4;
+  for (int64_t c = 0; c < chunks; ++c) {
+    alignas(32) float scale[NW][NX][8];
+    for (int i = 0; i < NW; ++i) {
+      const __m256 ws = _mm256_castpd_ps(_mm256_set1_pd((s + i * groups).pair(2 * c)));
+      for (int j = 0; j < NX; ++j)
+        _mm256_store_ps(scale[i][j],
+                        _mm256_mul_ps(ws, _mm256_loadu_ps(xl + (j * K + c * kChunk) / 4)));
+    }
+    const uint8_t* w = q + c * group_chunk;
+    for (int h = 0; h < 2; ++h) {
+      __m256i wv[NW];
+      for (int i = 0; i < NW; ++i)
+        wv[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + i * kBytes<8> + 32 * h));
+      for (int j = 0; j < NX; ++j) {
+        const __m256i xv =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + j * K + c * kChunk + 32 * h));
+        const __m256i ax = _mm256_abs_epi8(xv);
+        for (int i = 0; i < NW; ++i) {
+          // |x| times the code with x's sign: no pair saturates.
+          const __m256i pairs = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(wv[i], xv));
+          const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+          acc[i][j][h] = _mm256_fmadd_ps(dot, _mm256_load_ps(scale[i][j]), acc[i][j][h]);
+        }
+      }
+    }
+  }
+  for (int i = 0; i < NW; ++i)
+    for (int j = 0; j < NX; ++j) sums[i * NX + j] = reduce_halves(acc[i][j][0], acc[i][j][1]);
+}
+#endif
+
 // Sums of NW weight rows of one packed group of four (codes from q, the group's first chunk of
 // the tile's first row, B bits a code; scales K / G apart) with NX quantized x rows (from row x0
 // of xq) into sums[i * NX + j].
@@ -333,6 +382,9 @@ inline void dot_tile(const uint8_t* q, Scales s, int64_t K, int64_t G, const XRo
                                        _mm256_castpd_ps(_mm512_extractf64x4_pd(
                                            _mm512_castps_pd(acc[i][j]), 1)));
 #elif defined(PREFIXSERVE_INT8_AVX2)
+  if constexpr (B == 8) {
+    if (G == 32) return dot_tile_q8_avx2<NW, NX>(q, s, K, xq, x0, sums);
+  }
   // Lanes 0-7 (columns 0-31 of a chunk) in [0], 8-15 (32-63) in [1].
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[NW][NX][2];
