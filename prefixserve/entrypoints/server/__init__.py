@@ -1,4 +1,4 @@
-"""The HTTP server's shell, which the dialects (`openai/`, `anthropic/`) register their routes on:
+"""The HTTP server's shell, whose app includes the dialects' routers (`openai/`, `anthropic/`):
 the app factory (`app.py` `build_shell`), the state every route shares and one request's
 admission, streaming and collection (`state.py`), the guard before the body (`guard.py`: keys,
 roles, body bounds), admission (`admission.py`), the tokenizer thread's fair queue

@@ -282,9 +282,7 @@ inline int32_t code_at(const uint8_t* p, int64_t col) {
 // dot_tile's AVX2 sums for 8-bit codes with a scale per 32 (GGUF Q8_0), the same bits. A chunk's
 // lanes alternate its two groups' scales in both halves, for x as for the weight, so each lane's
 // scale product (weight scale times x scale) is the same pair in both halves: made once a chunk
-// per tile pair, not once a half. Without the general loop's branches on G in the chunk loop and
-// with the products in memory (folded into the multiply-adds), the eight accumulators of a 2 x 2
-// tile stay in registers.
+// per tile pair, not once a half; and the general loop's branches on G leave the chunk loop.
 template <int NW, int NX>
 inline void dot_tile_q8_avx2(const uint8_t* q, Scales s, int64_t K, const XRows& xq, int64_t x0,
                              float* sums) {
