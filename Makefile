@@ -45,8 +45,8 @@ install: $(STAMP)
 
 # Two pytest-xdist workers: the suite leaves a third of the two cores idle (servers starting,
 # Python-only tests); a file's tests stay on one worker (tests/conftest.py's xdist groups). Three
-# were faster on the AVX2 host (605-743 s against 715-770) but held 19.4-21.6 GB of its 24 at
-# their peak, each worker's heap at 7-8 GB (BENCHMARKS.md): too close to the OOM killer.
+# were faster on the AVX2 host in one session (605-743 s against 715-770) and not in the next
+# (816 s), and held 18.9-21.6 GB of its 24 at their peak (BENCHMARKS.md §43-§44).
 PYTEST_WORKERS ?= -n 2 --dist loadgroup
 
 test: $(STAMP)
