@@ -68,14 +68,16 @@ struct Q4KTiles {
     static_assert(NW <= 4 && NX <= 4, "a tile of at most 4 x 4");
     const int64_t blocks = xq.blocks;
     const __m512i low = _mm512_set1_epi8(0x0F);
-    // The sub-scale of each lane's sub-block as 16-bit words (pshufb of the row's 8 bytes).
-    __m512i masks[4];
-    for (int p = 0; p < 2; ++p)
-      for (int h = 0; h < 2; ++h)
-        masks[2 * p + h] = _mm512_inserti64x4(
-            _mm512_castsi256_si512(
-                _mm256_set1_epi16(static_cast<int16_t>(0x8000 | sub_block(p, 0, h)))),
-            _mm256_set1_epi16(static_cast<int16_t>(0x8000 | sub_block(p, 1, h))), 1);
+    // Load p's sub-scales as 16-bit words beside its packed sums (below): in 128-bit lane L,
+    // words 0-3 the low nibbles' sub-block and 4-7 the high ones', of byte half L / 2 (pshufb of
+    // the row's 8 bytes).
+    __m512i masks[2];
+    for (int p = 0; p < 2; ++p) {
+      alignas(64) int16_t words[32];
+      for (int k = 0; k < 32; ++k)
+        words[k] = static_cast<int16_t>(0x8000 | sub_block(p, k / 16, (k % 8) / 4));
+      masks[p] = _mm512_load_si512(words);
+    }
     // Lane 4i + j of the float work takes row i's d (or dmin): [d0, dmin0, d1, dmin1, ...].
     const __m512i lane_d = _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6);
     const __m512i lane_m = _mm512_add_epi32(lane_d, _mm512_set1_epi32(1));
@@ -91,20 +93,26 @@ struct Q4KTiles {
       __m512i acc[NW][NX];
       for (int i = 0; i < NW; ++i)
         for (int j = 0; j < NX; ++j) acc[i][j] = _mm512_setzero_si512();
+      // A 64-byte load of row i (load p) is two vectors of codes, its low and high nibbles.
+      // Each times x's codes by VPDPBUSD into 32-bit lanes of four products of one sub-block
+      // (|sum| <= 4 x 15 x 127: a 16-bit word), the two packed into words (VPACKSSDW, exact) and
+      // those times their sub-scales into the pair's sums (VPDPWSSD): three multiplies for 128
+      // columns where VPMADDUBSW and VPDPWSSD for each 64 took four, on the one port Zen 4
+      // multiplies on (BENCHMARKS.md §46).
+      const __m512i zero = _mm512_setzero_si512();
       for (int p = 0; p < 2; ++p)
-        for (int h = 0; h < 2; ++h) {
-          __m512i w[NW], s[NW];
-          for (int i = 0; i < NW; ++i) {
-            const __m512i v = _mm512_loadu_si512(blk + kCodeBytes * (slot + i) + 64 * p);
-            w[i] = _mm512_and_si512(h ? _mm512_srli_epi16(v, 4) : v, low);
-            int64_t sc;
-            std::memcpy(&sc, blk + kScalesAt + 8 * (slot + i), sizeof sc);
-            s[i] = _mm512_shuffle_epi8(_mm512_set1_epi64(sc), masks[2 * p + h]);
-          }
+        for (int i = 0; i < NW; ++i) {
+          const __m512i v = _mm512_loadu_si512(blk + kCodeBytes * (slot + i) + 64 * p);
+          const __m512i lo = _mm512_and_si512(v, low);
+          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+          int64_t sc;
+          std::memcpy(&sc, blk + kScalesAt + 8 * (slot + i), sizeof sc);
+          const __m512i s = _mm512_shuffle_epi8(_mm512_set1_epi64(sc), masks[p]);
           for (int j = 0; j < NX; ++j) {
-            const __m512i xv = _mm512_loadu_si512(xc[j] + b * kSuper + 128 * p + 64 * h);
-            for (int i = 0; i < NW; ++i)
-              acc[i][j] = _mm512_dpwssd_epi32(acc[i][j], _mm512_maddubs_epi16(w[i], xv), s[i]);
+            const int8_t* x = xc[j] + b * kSuper + 128 * p;
+            const __m512i t0 = _mm512_dpbusd_epi32(zero, lo, _mm512_loadu_si512(x));
+            const __m512i t1 = _mm512_dpbusd_epi32(zero, hi, _mm512_loadu_si512(x + 64));
+            acc[i][j] = _mm512_dpwssd_epi32(acc[i][j], _mm512_packs_epi32(t0, t1), s);
           }
         }
       const __m512i S = sum_pairs<NW, NX>(acc);
