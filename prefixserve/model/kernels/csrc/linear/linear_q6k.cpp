@@ -60,13 +60,14 @@ struct Q6KTiles {
         _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);  // left
     const __m512i shift_high =
         _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);  // right
-    __m512i lanes[4];  // each lane's sub-block, for (p, h)
-    for (int p = 0; p < 2; ++p)
-      for (int h = 0; h < 2; ++h) {
-        alignas(64) int32_t idx[16];
-        for (int l = 0; l < 16; ++l) idx[l] = lane_sub_block(p, h, l);
-        lanes[2 * p + h] = _mm512_load_si512(idx);
-      }
+    // Load p's sub-scale dwords beside its packed sums (below): in 128-bit lane L, dwords 0-1
+    // the sub-block of the low nibbles' lanes 4L.. (h = 0), 2-3 the high ones' (h = 1).
+    __m512i lanes[2];
+    for (int p = 0; p < 2; ++p) {
+      alignas(64) int32_t idx[16];
+      for (int l = 0; l < 16; ++l) idx[l] = lane_sub_block(p, (l % 4) / 2, 4 * (l / 4));
+      lanes[p] = _mm512_load_si512(idx);
+    }
     const __m512i lane_d = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
     const int8_t* xc[NX];
     for (int j = 0; j < NX; ++j) xc[j] = xq.codes.data() + (x0 + j) * blocks * kSuper;
@@ -94,29 +95,30 @@ struct Q6KTiles {
               sc32, _mm512_zextsi256_si512(_mm256_sub_epi16(_mm256_setzero_si256(), sums)));
         }
       }
-      for (int p = 0; p < 2; ++p) {
-        __m512i lo4[NW], hi2[NW];
+      // Per load p and row, two vectors of 64 codes (h = 0, 1), each times x's codes by
+      // VPDPBUSD into 32-bit lanes of four products of one sub-block (|sum| <= 4 x 63 x 127: a
+      // 16-bit word), the two packed into words (VPACKSSDW, exact) and those times their
+      // sub-scales by one VPDPWSSD, as the Q4_K tile (linear_q4k.cpp).
+      const __m512i zero = _mm512_setzero_si512();
+      for (int p = 0; p < 2; ++p)
         for (int i = 0; i < NW; ++i) {
-          lo4[i] = _mm512_loadu_si512(blk + kLowBytes * (slot + i) + 64 * p);
-          hi2[i] = _mm512_broadcast_i64x4(_mm256_loadu_si256(
+          const __m512i lo4 = _mm512_loadu_si512(blk + kLowBytes * (slot + i) + 64 * p);
+          const __m512i hi2 = _mm512_broadcast_i64x4(_mm256_loadu_si256(
               reinterpret_cast<const __m256i*>(blk + kHighAt + 64 * (slot + i) + 32 * p)));
-        }
-        for (int h = 0; h < 2; ++h) {
-          __m512i w[NW], s[NW];
-          for (int i = 0; i < NW; ++i) {
-            const __m512i nib = _mm512_and_si512(h ? _mm512_srli_epi16(lo4[i], 4) : lo4[i], low);
-            const __m512i pair = h ? _mm512_srlv_epi16(hi2[i], shift_high)
-                                   : _mm512_sllv_epi16(hi2[i], shift_low);
-            w[i] = _mm512_ternarylogic_epi32(pair, top, nib, 0xEA);  // (pair & top) | nib
-            s[i] = _mm512_permutexvar_epi32(lanes[2 * p + h], scd[i]);
-          }
+          // (pair & top) | nibble: the low nibbles with their top bit pairs, then the high ones.
+          const __m512i w0 = _mm512_ternarylogic_epi32(_mm512_sllv_epi16(hi2, shift_low), top,
+                                                       _mm512_and_si512(lo4, low), 0xEA);
+          const __m512i w1 =
+              _mm512_ternarylogic_epi32(_mm512_srlv_epi16(hi2, shift_high), top,
+                                        _mm512_and_si512(_mm512_srli_epi16(lo4, 4), low), 0xEA);
+          const __m512i s = _mm512_permutexvar_epi32(lanes[p], scd[i]);
           for (int j = 0; j < NX; ++j) {
-            const __m512i xv = _mm512_loadu_si512(xc[j] + b * kSuper + 128 * p + 64 * h);
-            for (int i = 0; i < NW; ++i)
-              acc[i][j] = _mm512_dpwssd_epi32(acc[i][j], _mm512_maddubs_epi16(w[i], xv), s[i]);
+            const int8_t* x = xc[j] + b * kSuper + 128 * p;
+            const __m512i t0 = _mm512_dpbusd_epi32(zero, w0, _mm512_loadu_si512(x));
+            const __m512i t1 = _mm512_dpbusd_epi32(zero, w1, _mm512_loadu_si512(x + 64));
+            acc[i][j] = _mm512_dpwssd_epi32(acc[i][j], _mm512_packs_epi32(t0, t1), s);
           }
         }
-      }
       const __m512i S = sum_pairs<NW, NX>(acc);
       const __m512 ds = _mm512_castps128_ps512(_mm_cvtph_ps(d_of<NW>(d, d_row, b)));
       const __m512 dx = _mm512_mul_ps(_mm512_permutexvar_ps(lane_d, ds), x_scales<NX>(xq, x0, b));
