@@ -10,9 +10,11 @@
 //
 // with S and M exact integers (|S| <= 8 x 63 x 32 x 15 x 127 < 2^25, |M| < 2^21: int32). Every
 // family computes them exactly, in whatever order suits its instructions: AVX-512 VNNI multiplies
-// the unsigned codes by the signed x codes into 16-bit pairs (VPMADDUBSW: 2 x 15 x 127 never
-// saturates) and those by the sub-scales into 32-bit lanes (VPDPWSSD); AVX2 the same with
-// VPMADDWD; the portable loop in scalars. The float work is once per super-block and pair of a
+// the unsigned codes by the signed x codes into 32-bit lanes of four products (VPDPBUSD: each
+// lane's sum, at most 4 x 15 x 127, fits a 16-bit word), packs two such vectors into words
+// (VPACKSSDW) and those by the sub-scales into 32-bit lanes (VPDPWSSD); AVX2 multiplies into
+// 16-bit pairs (VPMADDUBSW: 2 x 15 x 127 never saturates) and those by the sub-scales (VPMADDWD);
+// the portable loop in scalars. The float work is once per super-block and pair of a
 // weight row and an x row, in one order everywhere:
 //
 //   acc = fma(float(S), d * xs, acc);  acc = fma(-float(M), dmin * xs, acc)

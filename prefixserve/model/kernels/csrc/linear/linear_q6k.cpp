@@ -7,10 +7,11 @@
 //   S = sum_j sc_j (sum over sub-block j of q x) - 32 sum_j sc_j (sum of sub-block j's x codes),
 //
 // an exact integer (|S| <= 256 x 63 x 127 x 128 + 32 x 16 x 128 x 2032 < 2^29). Every family
-// computes it exactly: the unsigned 6-bit codes times the signed x codes into 16-bit pairs
-// (VPMADDUBSW: 2 x 63 x 127 never saturates), those times the sub-scales into 32-bit lanes
-// (VPDPWSSD, or VPMADDWD on AVX2), and 32 sc_j times minus the x sums the same way; the portable
-// loop in scalars. The float work, once per super-block and pair of rows, in one order:
+// computes it exactly: the unsigned 6-bit codes times the signed x codes into 32-bit lanes of
+// four products (VPDPBUSD, at most 4 x 63 x 127: a 16-bit word), two such vectors packed into
+// words (VPACKSSDW) and those times the sub-scales (VPDPWSSD) on AVX-512 VNNI; into 16-bit pairs
+// (VPMADDUBSW: 2 x 63 x 127 never saturates) and those times the sub-scales (VPMADDWD) on AVX2;
+// 32 sc_j times minus the x sums into 32-bit lanes the same way; the portable loop in scalars. The float work, once per super-block and pair of rows, in one order:
 //
 //   acc = fma(float(S), d * xs, acc)
 //
