@@ -70,6 +70,9 @@ def _x(rows: int, k: int, seed: int = 1) -> torch.Tensor:
     x[:, 7] = 0.0  # a zero column, a whole zero super-block in the last row, a large value
     x[-1, :256] = 0.0
     x[0, 300 % k] = 40.0
+    if rows > 2:  # halves after the division by the scale (127 / 127 = 1): ties to even
+        x[1, :256] = torch.arange(256) % 64 - 31.5
+        x[1, 0] = 127.0
     return x.bfloat16()
 
 

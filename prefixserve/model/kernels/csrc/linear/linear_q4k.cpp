@@ -350,6 +350,62 @@ bool shapes_fit(Format format, const torch::Tensor& codes, const torch::Tensor& 
          scales.size(1) == per_row * K / kSuper;
 }
 
+namespace {
+
+// One super-block of x: its 256 codes in natural order into c, the sum of each 16 into sums16,
+// and its scale (returned): scale = amax / 127, code = v / scale rounded to nearest even and
+// clamped to [-127, 127] (0 for all where the scale is not positive), as every family reads it.
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// In vectors: the same divisions, roundings and clamps lane by lane, so the same codes (a NaN
+// is passed over by the maximum and clamped to -127, as std::max and std::min order them).
+float quantize_super(const uint16_t* src, int8_t* c, int16_t* sums16) {
+  __m512 v[16];
+  __m512 amax = _mm512_setzero_ps();
+  for (int k = 0; k < 16; ++k) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 16 * k));
+    v[k] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    amax = _mm512_max_ps(_mm512_abs_ps(v[k]), amax);  // a NaN lane keeps amax
+  }
+  const float scale = _mm512_reduce_max_ps(amax) / 127.0f;
+  if (!(scale > 0.0f)) {
+    std::memset(c, 0, kSuper);
+    std::memset(sums16, 0, 16 * sizeof(int16_t));
+    return scale;
+  }
+  const __m512 s = _mm512_set1_ps(scale), lo = _mm512_set1_ps(-127.0f),
+               hi = _mm512_set1_ps(127.0f);
+  for (int k = 0; k < 16; ++k) {
+    const __m512 code = _mm512_roundscale_ps(_mm512_div_ps(v[k], s),
+                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512i ci = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(code, lo), hi));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(c + 16 * k), _mm512_cvtepi32_epi8(ci));
+    sums16[k] = static_cast<int16_t>(_mm512_reduce_add_epi32(ci));
+  }
+  return scale;
+}
+#else
+float quantize_super(const uint16_t* src, int8_t* c, int16_t* sums16) {
+  float v[kSuper], amax = 0.0f;
+  for (int t = 0; t < kSuper; ++t) {
+    v[t] = prefixserve::bf16_bits_to_float(src[t]);
+    amax = std::max(amax, std::fabs(v[t]));
+  }
+  const float scale = amax / 127.0f;
+  for (int t = 0; t < kSuper; ++t) {
+    const float code = scale > 0.0f ? std::nearbyint(v[t] / scale) : 0.0f;
+    c[t] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, code)));
+  }
+  for (int k = 0; k < 16; ++k) {
+    int32_t sum = 0;
+    for (int t = 0; t < 16; ++t) sum += c[16 * k + t];
+    sums16[k] = static_cast<int16_t>(sum);
+  }
+  return scale;
+}
+#endif
+
+}  // namespace
+
 XSuper quantize_x(const uint16_t* x, int64_t rows, int64_t K, int64_t threads,
                   bool compute_bound) {
   const int64_t blocks = K / kSuper;
@@ -357,29 +413,15 @@ XSuper quantize_x(const uint16_t* x, int64_t rows, int64_t K, int64_t threads,
            std::vector<int16_t>(rows * blocks * 8), std::vector<int16_t>(rows * blocks * 16)};
   prefixserve::stream_pool().run(rows, rows < 8 ? 1 : threads, [&](int64_t r) {
     for (int64_t b = 0; b < blocks; ++b) {
-      const uint16_t* src = x + r * K + b * kSuper;
-      float v[kSuper], amax = 0.0f;
-      for (int t = 0; t < kSuper; ++t) {
-        v[t] = prefixserve::bf16_bits_to_float(src[t]);
-        amax = std::max(amax, std::fabs(v[t]));
-      }
-      const float scale = amax / 127.0f;
       int8_t c[kSuper];
-      for (int t = 0; t < kSuper; ++t) {
-        const float code = scale > 0.0f ? std::nearbyint(v[t] / scale) : 0.0f;
-        c[t] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, code)));
-      }
+      int16_t* sums16 = q.sums16.data() + (r * blocks + b) * 16;
+      q.scale[b * rows + r] = quantize_super(x + r * K + b * kSuper, c, sums16);
+      // Each 32 codes in the kernels' column order (`x_column` keeps runs of 32 together).
       int8_t* dst = q.codes.data() + r * K + b * kSuper;
-      for (int64_t pos = 0; pos < kSuper; ++pos) dst[pos] = c[x_column(pos)];
-      q.scale[b * rows + r] = scale;
-      for (int k = 0; k < 16; ++k) {
-        int32_t sum = 0;
-        for (int t = 0; t < 16; ++t) sum += c[16 * k + t];
-        q.sums16[(r * blocks + b) * 16 + k] = static_cast<int16_t>(sum);
-      }
+      for (int64_t pos = 0; pos < kSuper; pos += 32) std::memcpy(dst + pos, c + x_column(pos), 32);
       for (int k = 0; k < 8; ++k)
-        q.sums32[(r * blocks + b) * 8 + k] = static_cast<int16_t>(
-            q.sums16[(r * blocks + b) * 16 + 2 * k] + q.sums16[(r * blocks + b) * 16 + 2 * k + 1]);
+        q.sums32[(r * blocks + b) * 8 + k] =
+            static_cast<int16_t>(sums16[2 * k] + sums16[2 * k + 1]);
     }
   }, compute_bound);
   return q;
