@@ -231,6 +231,21 @@ def test_the_kernel_sums_in_its_one_documented_order_on_every_cpu_family(rows, f
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("k", [1024, 1280, 2048])
+def test_a_decodes_super_blocks_taken_four_at_a_time_keep_the_documented_order(k, rows, fmt):
+    """A lone x row's tile (decode; the fifth row of five) may take its super-blocks in fours
+    and the rest one by one: its fp32 sums (an fp32 out, where a changed order shows in the
+    last bits a bf16 out would round away) stay the documented order's."""
+    w = _weight(22, k, seed=k + rows, fmt=fmt)  # N not a multiple of 4: tiles of 4, 2 and 1 rows
+    x = _x(rows, k, seed=k)
+    out = torch.empty(rows, 22, dtype=torch.float32)
+    codes, scales = packed_weight(w)
+    linear_int8_kernel()(out, x, codes, scales, None, 0, None, 2)
+    assert torch.equal(out, _sums_of_the_kernel(x, w))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_a_float32_out_takes_the_documented_sums_unrounded(fmt):
     """A K-quant LM head's logits (Q4_K_M files keep the head in Q6_K): into an fp32 out the
     kernel writes its fp32 sums (+ bias) unrounded, the same for a row alone and in a batch."""
