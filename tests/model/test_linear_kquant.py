@@ -233,10 +233,10 @@ def test_the_kernel_sums_in_its_one_documented_order_on_every_cpu_family(rows, f
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("rows", [1, 5])
 @pytest.mark.parametrize("k", [1024, 1280, 2048])
-def test_a_decodes_super_blocks_taken_four_at_a_time_keep_the_documented_order(k, rows, fmt):
-    """A lone x row's tile (decode; the fifth row of five) may take its super-blocks in fours
-    and the rest one by one: its fp32 sums (an fp32 out, where a changed order shows in the
-    last bits a bf16 out would round away) stay the documented order's."""
+def test_a_lone_x_rows_fp32_sums_over_many_super_blocks_keep_the_documented_order(k, rows, fmt):
+    """A lone x row's tile (decode; the fifth row of five) over 4 to 8 super-blocks: its fp32
+    sums (an fp32 out, where a changed order shows in the last bits a bf16 out would round
+    away) stay the documented order's."""
     w = _weight(22, k, seed=k + rows, fmt=fmt)  # N not a multiple of 4: tiles of 4, 2 and 1 rows
     x = _x(rows, k, seed=k)
     out = torch.empty(rows, 22, dtype=torch.float32)

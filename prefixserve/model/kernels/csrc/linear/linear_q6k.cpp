@@ -11,7 +11,8 @@
 // four products (VPDPBUSD, at most 4 x 63 x 127: a 16-bit word), two such vectors packed into
 // words (VPACKSSDW) and those times the sub-scales (VPDPWSSD) on AVX-512 VNNI; into 16-bit pairs
 // (VPMADDUBSW: 2 x 63 x 127 never saturates) and those times the sub-scales (VPMADDWD) on AVX2;
-// 32 sc_j times minus the x sums into 32-bit lanes the same way; the portable loop in scalars. The float work, once per super-block and pair of rows, in one order:
+// 32 sc_j times minus the x sums into 32-bit lanes the same way; the portable loop in scalars.
+// The float work, once per super-block and pair of rows, in one order:
 //
 //   acc = fma(float(S), d * xs, acc)
 //
