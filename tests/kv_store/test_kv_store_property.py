@@ -34,8 +34,10 @@ class StoreMachine(RuleBasedStateMachine):
         self.damaged: set[tuple[bytes, int]] = set()
         # A damaged key's file as it was before its first damage.
         self.intact: dict[tuple[bytes, int], bytes] = {}
-        # Every record a key's file has held after a put of it.
-        self.records: dict[tuple[bytes, int], set[bytes]] = {}
+        # A key's file after its latest put (None: the put evicted it at once), and after each
+        # earlier one.
+        self.latest: dict[tuple[bytes, int], bytes | None] = {}
+        self.earlier: dict[tuple[bytes, int], set[bytes]] = {}
 
     def teardown(self):
         shutil.rmtree(self.root, ignore_errors=True)
@@ -62,9 +64,10 @@ class StoreMachine(RuleBasedStateMachine):
         if self.store.put(BlockWrite.at(k, tokens(i, variant), data, expires_at)):
             self.model[k] = (variant, data, expires_at)
             self.damaged.discard(k)
-            written = Path(self.store.path(k))
-            if written.exists():  # (a put past the capacity may evict its own block at once)
-                self.records.setdefault(k, set()).add(written.read_bytes())
+            if self.latest.get(k) is not None:
+                self.earlier.setdefault(k, set()).add(self.latest[k])
+            written = Path(self.store.path(k))  # (a put past the capacity may evict it at once)
+            self.latest[k] = written.read_bytes() if written.exists() else None
 
     @rule(i=KEYS, group=GROUPS, variant=VARIANTS, into=st.booleans())
     def get(self, i, group, variant, into):
@@ -148,10 +151,15 @@ class StoreMachine(RuleBasedStateMachine):
             # Not damage: the other file already held a copy of this one (an earlier swap the
             # other way), so this block's record is back in its own file, intact.
             return
-        if k is not None and bytes(raw) in self.records.get(k, ()):
+        if (
+            k is not None
+            and bytes(raw) in self.earlier.get(k, ())
+            and bytes(raw) != self.latest.get(k)
+        ):
             # Nor an earlier put's record of this very key (a swap back after a newer put):
             # authentic bytes put for this key and tokens, which no store can tell from the
-            # newest; the property is about bytes never put for the key.
+            # newest; the property is about bytes never put for the key. (The latest put's
+            # record coming back is the undoing below.)
             return
         if k is not None and k not in self.damaged:
             self.intact[k] = path.read_bytes()
