@@ -27,8 +27,8 @@
 //
 // Register tiles: MR rows x NP panels, MR * NP * 2 accumulators (at most 24). A decode-sized
 // batch takes several panels at once (enough independent chains to stream the weight at memory
-// speed); a prefill-sized one takes 12 rows on one panel (the panel stays in L1/L2 while row
-// blocks pass it). Neither changes any output's order of summation.
+// speed); a prefill-sized one takes 12 rows on one panel (the FMA families) or 6 rows on two
+// (the dot products'). Neither changes any output's order of summation.
 #include "torch_lite.h"
 
 #include <algorithm>
@@ -160,10 +160,12 @@ void run_gated_block(const Problem& pb, int64_t m0, int64_t mr, int64_t panel0, 
 
 // Runs block(m0, rows, panel0, panel1) over every tile of `rows` x `panels` on the stream pool.
 // Small batches: jobs of ~kJobBytes of weight (`np` panels a tile, `weight_panels` panels of
-// weight read per panel index); large ones: one panel index a job, and a range of rows so that a
-// job stays well under the pool's stall limit (a helper still on a long job reads as a helper
-// without a core). Row ranges outermost: both threads keep the same x rows in cache while they
-// sweep the panels.
+// weight read per panel index), row ranges outermost; large ones: one tile's panels a job, and a
+// range of rows so that a job stays well under the pool's stall limit (a helper still on a long
+// job reads as a helper without a core), panels outermost: a core keeps the panels in its L2
+// while the row ranges pass them, x's rows coming from L3. (Rows outermost, each row range swept
+// every panel: a gated call's 64 MB weight came from memory once for every 6 rows, and its tile
+// ran at 300-320 GFLOP/s on two Zen 4 cores against 420 panels outermost; BENCHMARKS.md §47.)
 template <typename Block>
 void schedule(int64_t rows, int64_t panels, int64_t pairs, int64_t tile_rows, int64_t np,
               int64_t weight_panels, int64_t threads, const Block& block) {
@@ -172,7 +174,7 @@ void schedule(int64_t rows, int64_t panels, int64_t pairs, int64_t tile_rows, in
   // (a family with short tiles, AVX2's, runs its row tiles over each few panels in turn, so a
   // panel is read from memory once and from cache by the other row tiles).
   const bool few_rows = rows <= std::max(tile_rows, kComputeBoundRows);
-  int64_t per_job = 1;
+  int64_t per_job = np;
   if (few_rows) {  // whole tiles of np panels
     per_job = std::max<int64_t>(np, kJobBytes / std::max<int64_t>(1, panel_bytes));
     per_job = (per_job + np - 1) / np * np;
@@ -187,8 +189,10 @@ void schedule(int64_t rows, int64_t panels, int64_t pairs, int64_t tile_rows, in
       row_jobs * panel_jobs, threads,
       [&](int64_t job) {
         const FlushDenormals flush;  // every family's rule (gemm_bf16_tiles.h)
-        const int64_t p0 = (job % panel_jobs) * per_job, p1 = std::min(panels, p0 + per_job);
-        const int64_t r0 = (job / panel_jobs) * row_span, r1 = std::min(rows, r0 + row_span);
+        const int64_t pj = few_rows ? job % panel_jobs : job / row_jobs;
+        const int64_t rj = few_rows ? job / panel_jobs : job % row_jobs;
+        const int64_t p0 = pj * per_job, p1 = std::min(panels, p0 + per_job);
+        const int64_t r0 = rj * row_span, r1 = std::min(rows, r0 + row_span);
         // Several row tiles: kPanelRun panels at a time (a multiple of every tile's panels).
         const int64_t run = r1 - r0 > tile_rows ? kPanelRun : p1 - p0;
         for (int64_t q0 = p0; q0 < p1; q0 += run)

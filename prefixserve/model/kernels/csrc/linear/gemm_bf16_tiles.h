@@ -546,7 +546,7 @@ struct BuildTiles {
 };
 
 #if defined(PREFIXSERVE_GEMM_AVX512)
-// The bf16 dot-product tiles: the AVX-512 tiles' shapes and epilogue, one VDPBF16PS per weight
+// The bf16 dot-product tiles: the AVX-512 tiles' epilogue, one VDPBF16PS per weight
 // vector and row for each pair of k (a pair's two products, the odd one first, then the even,
 // each rounded into the lane: the FMA tiles' order), x's (k, k + 1) broadcast as one 32-bit
 // lane. Compiled into every AVX-512 build (a target attribute); run where the CPU has
@@ -582,11 +582,15 @@ PREFIXSERVE_TARGET_DOT void tile_kernel(const uint16_t* x, int64_t ldx, const ui
   store_tile<MR, NP>(acc, out);
 }
 
+// At most 6 rows a tile, on 2 panels (the gated tile's shape): on Zen 4 a prefill's plain calls
+// ran 6 x 2 near the instruction's rate (415-435 GFLOP/s on two cores at the 1B shapes) where
+// 12 rows on one panel, whose twelve x streams advance 4 bytes a step, made 160-310
+// (BENCHMARKS.md §47).
 struct Tiles {
   using X = uint16_t;
-  static constexpr int64_t kMaxRows = kMaxTileRows;
+  static constexpr int64_t kMaxRows = 6;
   static constexpr int64_t kMaxGatedRows = BuildTiles::kMaxGatedRows;
-  static constexpr int panels_for(int rows) { return BuildTiles::panels_for(rows); }
+  static constexpr int panels_for(int rows) { return rows <= 3 ? 4 : 2; }
   static constexpr bool kOneRowChoice = true;
   template <int MR, int NP>
   PREFIXSERVE_TARGET_DOT static void tile(const uint16_t* x, int64_t ldx, const uint16_t* panel,
