@@ -36,6 +36,9 @@ SHAPES = {
         "gate_up 16384x2048": (16384, 2048),
         "down 2048x8192": (2048, 8192),
     },
+    # The 1B shape's LM head (tied embeddings; Q6_K in a Q4_K_M file): four times the L3 of the
+    # hosts measured, so a decode-sized call reads it from memory.
+    "1b-head": {"head 128256x2048": (128256, 2048)},
 }
 FORMATS = ("q8_0", "q5_0", "q4_0", "q4_k", "q6_k", "q6_k16")
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16")
