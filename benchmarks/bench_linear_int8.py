@@ -36,6 +36,11 @@ SHAPES = {
         "gate_up 16384x2048": (16384, 2048),
         "down 2048x8192": (2048, 8192),
     },
+    "8b": {
+        "qkv 6144x4096": (6144, 4096),
+        "gate_up 28672x4096": (28672, 4096),
+        "down 4096x14336": (4096, 14336),
+    },
     # The 1B shape's LM head (tied embeddings; Q6_K in a Q4_K_M file): four times the L3 of the
     # hosts measured, so a decode-sized call reads it from memory.
     "1b-head": {"head 128256x2048": (128256, 2048)},

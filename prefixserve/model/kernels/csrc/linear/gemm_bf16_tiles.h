@@ -583,8 +583,8 @@ PREFIXSERVE_TARGET_DOT void tile_kernel(const uint16_t* x, int64_t ldx, const ui
 }
 
 // At most 6 rows a tile, on 2 panels (the gated tile's shape): on Zen 4 a prefill's plain calls
-// ran 6 x 2 near the instruction's rate (415-435 GFLOP/s on two cores at the 1B shapes) where
-// 12 rows on one panel, whose twelve x streams advance 4 bytes a step, made 160-310
+// ran 6 x 2 near the instruction's rate (390-420 GFLOP/s on two cores at the 1B shapes) where
+// 12 rows on one panel, whose twelve x streams advance 4 bytes a step, made 160-370
 // (BENCHMARKS.md §47).
 struct Tiles {
   using X = uint16_t;
