@@ -67,7 +67,9 @@ def test_the_choice_is_measured_once_then_read_from_the_cache(cache_dir):
     variants = {calibration.variant_key(*v) for v in calibration.DECODE_VARIANTS}
     for family, timings in first.seconds.items():
         extra = variants if family == first.decode or variants <= set(timings) else set()
-        assert {"decode", "prefill"} <= set(timings) <= {"decode", "prefill"} | variants
+        measured = {"decode", "decode_prefetch0", "decode_prefetch1", "prefill"}
+        assert measured <= set(timings) <= measured | variants
+        assert timings["decode"] == min(timings["decode_prefetch0"], timings["decode_prefetch1"])
         assert extra <= set(timings), family
     for shape in ("decode", "prefill"):
         picked = getattr(first, shape)
@@ -98,6 +100,21 @@ def test_a_tie_keeps_the_builds_tiles():
     assert calibration._fastest(seconds, "avx512", "decode") == "avx512"
     seconds["avx512_bf16"]["decode"] = 0.5
     assert calibration._fastest(seconds, "avx512", "decode") == "avx512_bf16"
+
+
+def test_a_family_is_ranked_at_decode_by_its_faster_prefetch_setting():
+    """The build's tiles faster than another family with prefetch on, slower than it off: the
+    other family's decode without prefetch wins (an AVX2 build on Zen 4: the portable loop
+    never prefetches, the AVX2 tiles decode faster without)."""
+    key = calibration.decode_key
+    decodes = {key("avx2", True): 1.2, key("avx2", False): 0.8}
+    decodes |= {key("portable", True): 1.0, key("portable", False): 1.0}
+    seconds = {t: calibration._decode_timings(decodes, t) for t in ("portable", "avx2")}
+    assert seconds["avx2"] == {"decode": 0.8, "decode_prefetch1": 1.2, "decode_prefetch0": 0.8}
+    assert calibration._fastest(seconds, "portable", "decode") == "avx2"
+    decodes[key("avx2", False)] = 1.2  # slower both ways: the build's tiles stay
+    seconds = {t: calibration._decode_timings(decodes, t) for t in ("portable", "avx2")}
+    assert calibration._fastest(seconds, "portable", "decode") == "portable"
 
 
 def test_decode_keeps_the_default_variant_unless_another_is_faster():

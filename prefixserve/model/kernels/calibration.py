@@ -1,13 +1,14 @@
 """Choice by measurement: which tile family of the native GEMM (csrc/linear/gemm_bf16_tiles.h) runs
-decode-sized calls and which larger ones on this host, timed once at first start (about a second)
+decode-sized calls and which larger ones on this host, timed once at first start (about two seconds)
 and cached per CPU model and kernel build (its sources) under the cache dir.
 
 Every family sums each output in one order, so the choice changes speed only, never a bit: a
 family is a candidate only after its outputs equal the build's FMA tiles' bit for bit on a
 random problem here (with a bias, a residual, an odd K and several row counts); one that differs
 is never chosen, and a warning says so. The candidates are then timed at a decode shape (1 and 8
-rows over 96 MB of a small model's linears, which streams them from memory as decode does) and
-a prefill shape (192 rows over a 2 MB weight, arithmetic-bound); each class takes the fastest,
+rows over 96 MB of a small model's linears, which streams them from memory as decode does; each
+family with its tiles' software prefetch on and off, ranked by the faster) and a prefill shape
+(192 rows over a 2 MB weight, arithmetic-bound); each class takes the fastest,
 the build's FMA tiles unless another is at least `MIN_GAIN` faster (a tie is noise). Then the
 decode family's variants (the tiles' software prefetch on or off, a lone row's tile on 4 panels
 or 2) are timed at a lone row, the default kept unless another is `MIN_GAIN` faster. What is
@@ -41,7 +42,7 @@ from prefixserve.settings import cache_root, file_lock, gemm_tiles
 logger = logging.getLogger(__name__)
 
 # Bump when what is measured or how the choice is made changes: older cache files are ignored.
-CALIBRATION_VERSION = 5
+CALIBRATION_VERSION = 6
 # The decode variants: (software prefetch, panels of a lone row's tile); the first is the default.
 DECODE_VARIANTS = ((True, 4), (False, 4), (True, 2), (False, 2))
 # Another family replaces the build's FMA tiles for a class only when it is this much faster.
@@ -175,9 +176,10 @@ def _decode_stream(module: Any, gen: torch.Generator) -> list[tuple[Any, int, in
 
 
 def _measure(module: Any, families: list[str]) -> dict[str, dict[str, float]]:
-    """Seconds per family of the decode shape ("decode": 1 and 8 rows over `_decode_stream`, in
-    the default variant) and of the prefill shape (192 rows, 1024 x 1024); and, for the family
-    fastest at decode, of a lone row over the stream in each of DECODE_VARIANTS."""
+    """Seconds per family of the decode shape (1 and 8 rows over `_decode_stream`, with the
+    tiles' software prefetch on and off; "decode" the faster) and of the prefill shape (192
+    rows, 1024 x 1024); and, for the family fastest at decode, of a lone row over the stream in
+    each of DECODE_VARIANTS."""
     threads = torch.get_num_threads()
     gen = torch.Generator().manual_seed(0)
     stream = _decode_stream(module, gen)
@@ -199,15 +201,25 @@ def _measure(module: Any, families: list[str]) -> dict[str, dict[str, float]]:
             for packed, n, k in stream:
                 run(outs[r][n], rows[r][k], packed, n, None, threads, tiles)
 
+    def decode_with(tiles: str, prefetch: bool) -> None:
+        module.gemm_bf16_select("", "", int(prefetch), DECODE_VARIANTS[0][1])
+        decode(tiles, (1, 8))
+
     seconds: dict[str, dict[str, float]] = {}
     try:
+        decodes = _time_each(
+            {
+                decode_key(t, prefetch): lambda t=t, p=prefetch: decode_with(t, p)
+                for t in families
+                for prefetch in (True, False)
+            }
+        )
         module.gemm_bf16_select("", "", int(DECODE_VARIANTS[0][0]), DECODE_VARIANTS[0][1])
-        decodes = _time_each({t: lambda t=t: decode(t, (1, 8)) for t in families})
         prefills = _time_each(
             {t: lambda t=t: run(big_out, big, square, 1024, None, threads, t) for t in families}
         )
         for tiles in families:
-            seconds[tiles] = {"decode": decodes[tiles], "prefill": prefills[tiles]}
+            seconds[tiles] = _decode_timings(decodes, tiles) | {"prefill": prefills[tiles]}
         fastest = _fastest(seconds, families[0], "decode")  # the family decode will take
 
         def lone_row(prefetch: bool, panels: int) -> None:
@@ -219,6 +231,20 @@ def _measure(module: Any, families: list[str]) -> dict[str, dict[str, float]]:
         return seconds
     finally:
         module.gemm_bf16_select("", "", int(was[3]), int(was[4]))
+
+
+def decode_key(tiles: str, prefetch: bool) -> str:
+    """The name of a family's decode-shape timing with software prefetch on or off."""
+    return f"{tiles}_decode_prefetch{int(prefetch)}"
+
+
+def _decode_timings(decodes: dict[str, float], tiles: str) -> dict[str, float]:
+    """A family's decode-shape timings with prefetch on and off, and as "decode" the faster of
+    the two: families are ranked each at its own better setting (ranked with prefetch on for
+    all, an AVX2 build on AMD Zen 4 chose the portable loop, which never prefetches, over the
+    AVX2 tiles, whose decode is faster without prefetch: BENCHMARKS.md §47)."""
+    on, off = decodes[decode_key(tiles, True)], decodes[decode_key(tiles, False)]
+    return {"decode": min(on, off), "decode_prefetch1": on, "decode_prefetch0": off}
 
 
 def _fastest(seconds: dict[str, dict[str, float]], default: str, shape: str) -> str:
