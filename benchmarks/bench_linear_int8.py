@@ -41,8 +41,8 @@ SHAPES = {
         "gate_up 28672x4096": (28672, 4096),
         "down 4096x14336": (4096, 14336),
     },
-    # The 1B shape's LM head (tied embeddings; Q6_K in a Q4_K_M file): four times the L3 of the
-    # hosts measured, so a decode-sized call reads it from memory.
+    # The 1B shape's LM head (tied embeddings; Q6_K in a Q4_K_M file): 148-263 MB by format,
+    # several times the L3 of the hosts measured, so a decode-sized call reads it from memory.
     "1b-head": {"head 128256x2048": (128256, 2048)},
 }
 FORMATS = ("q8_0", "q5_0", "q4_0", "q4_k", "q6_k", "q6_k16")

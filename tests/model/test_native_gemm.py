@@ -32,8 +32,8 @@ def within_bf16_rounding(out, x, w, bias):
 @pytest.mark.parametrize("k,n", [(64, 48), (577, 33), (576, 960), (3, 5), (1536, 4099)])
 def test_the_native_gemm_matches_float64_within_one_rounding(bias, k, n):
     """Odd K (a zero pad pair), N no multiple of the 32-column panel (masked stores), every tile
-    height from 1 to 12 rows, a few blocks of 12, and (130 rows at the largest shape) several
-    row ranges over every panel, the large calls' jobs taken panels outermost."""
+    height from 1 to 12 rows, a few blocks of 12, and 130 rows (at the largest shape several row
+    ranges over every panel: the large calls' jobs, taken panels outermost)."""
     torch.manual_seed(k + n)
     w = torch.randn(n, k).bfloat16()
     b = torch.randn(n).bfloat16() if bias else None

@@ -196,25 +196,22 @@ def _measure(module: Any, families: list[str]) -> dict[str, dict[str, float]]:
     run = module.linear_bf16_packed_on
     was = module.gemm_bf16_selected()
 
-    def decode(tiles: str, counts: tuple[int, ...]) -> None:
+    def decode(tiles: str, counts: tuple[int, ...], prefetch: bool, panels: int) -> None:
+        module.gemm_bf16_select("", "", int(prefetch), panels)
         for r in counts:
             for packed, n, k in stream:
                 run(outs[r][n], rows[r][k], packed, n, None, threads, tiles)
 
-    def decode_with(tiles: str, prefetch: bool) -> None:
-        module.gemm_bf16_select("", "", int(prefetch), DECODE_VARIANTS[0][1])
-        decode(tiles, (1, 8))
-
+    panels = DECODE_VARIANTS[0][1]
     seconds: dict[str, dict[str, float]] = {}
     try:
         decodes = _time_each(
             {
-                decode_key(t, prefetch): lambda t=t, p=prefetch: decode_with(t, p)
+                decode_key(t, p): lambda t=t, p=p: decode(t, (1, 8), p, panels)
                 for t in families
-                for prefetch in (True, False)
+                for p in (True, False)
             }
         )
-        module.gemm_bf16_select("", "", int(DECODE_VARIANTS[0][0]), DECODE_VARIANTS[0][1])
         prefills = _time_each(
             {t: lambda t=t: run(big_out, big, square, 1024, None, threads, t) for t in families}
         )
@@ -222,11 +219,7 @@ def _measure(module: Any, families: list[str]) -> dict[str, dict[str, float]]:
             seconds[tiles] = _decode_timings(decodes, tiles) | {"prefill": prefills[tiles]}
         fastest = _fastest(seconds, families[0], "decode")  # the family decode will take
 
-        def lone_row(prefetch: bool, panels: int) -> None:
-            module.gemm_bf16_select("", "", int(prefetch), panels)
-            decode(fastest, (1,))
-
-        variants = {variant_key(*v): lambda v=v: lone_row(*v) for v in DECODE_VARIANTS}
+        variants = {variant_key(*v): lambda v=v: decode(fastest, (1,), *v) for v in DECODE_VARIANTS}
         seconds[fastest].update(_time_each(variants))
         return seconds
     finally:

@@ -27,8 +27,8 @@
 //
 // Register tiles: MR rows x NP panels, MR * NP * 2 accumulators (at most 24). A decode-sized
 // batch takes several panels at once (enough independent chains to stream the weight at memory
-// speed); a prefill-sized one takes 12 rows on one panel (the FMA families) or 6 rows on two
-// (the dot products'). Neither changes any output's order of summation.
+// speed); a prefill-sized one takes 12 rows on one panel (the AVX-512 FMA tiles), 2 on one (AVX2's)
+// or 6 on two (the dot products'). Neither changes any output's order of summation.
 #include "torch_lite.h"
 
 #include <algorithm>
