@@ -164,6 +164,29 @@ def test_a_row_gives_the_same_bits_alone_and_in_any_batch(fmt):
         assert torch.equal(_run(x[:rows].contiguous(), w), alone[:rows])
 
 
+@pytest.mark.parametrize("gated", [False, True])
+def test_a_decode_call_cut_into_long_chunks_gives_every_column_a_batch_rows_bits(gated):
+    """Decode-sized calls (up to 4 rows) cut the weight into a multiple of `threads` chunks of
+    up to ~2 MB, larger ones into ~32 KB: a 4.5 MB weight (several long chunks a thread, the
+    last one narrower) gives each column the bits it has in a 5-row batch, on 1, 2 or 3
+    threads."""
+    w = _weights(2208, 2048, "q8_0", seed=7)
+    codes, scales = packed_weight(w)
+    x = _x(5, 2048, seed=8)
+    act = 1 if gated else 0
+    n = 2208 // (2 if gated else 1)
+
+    def run(rows: torch.Tensor, threads: int) -> torch.Tensor:
+        out = torch.empty(rows.shape[0], n, dtype=torch.bfloat16)
+        linear_int8_kernel()(out, rows, codes, scales, None, act, None, threads)
+        return out
+
+    batch = run(x, 2)
+    for threads in (1, 2, 3):
+        assert torch.equal(run(x[:1].contiguous(), threads), batch[:1])
+        assert torch.equal(run(x[:4].contiguous(), threads), batch[:4])
+
+
 @pytest.mark.parametrize("fmt", ["q5_0", "q4_0"])
 def test_4_and_5_bit_codes_give_the_bits_of_the_same_codes_in_8_bits(fmt):
     w = _weights(36, 448, fmt, seed=5)  # N not a multiple of 4: a padded group

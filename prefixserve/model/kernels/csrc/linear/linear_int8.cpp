@@ -84,9 +84,10 @@ constexpr int64_t kComputeBoundRows = 24;
 // Calls of at most this many rows prefetch the next linear's weight (gemm_bf16's kMaxTileRows).
 constexpr int64_t kPrefetchNextRows = 12;
 // Bytes of codes a chunk of the call covers (`chunk_columns`): calls of at most kStreamRows rows
-// stream the weight once, in chunks of ~kStreamChunkBytes; larger ones in ~kBatchChunkBytes.
+// stream the weight once, in chunks of at most ~kStreamChunkBytes; larger ones in
+// ~kBatchChunkBytes.
 constexpr int64_t kStreamRows = 4;
-constexpr int64_t kStreamChunkBytes = 192 * 1024;
+constexpr int64_t kStreamChunkBytes = 2 * 1024 * 1024;
 constexpr int64_t kBatchChunkBytes = 32 * 1024;
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -511,20 +512,25 @@ void sum_range(const uint8_t* q, Scales s, int64_t K, int64_t G, const XRows& xq
 }
 
 // Output columns a chunk of the call covers (a multiple of 16 rows, the vector epilogue's width):
-// ~32 KB of codes where several batch rows pass a chunk's rows (they stay in L2 meanwhile); for a
-// decode-sized call, which reads each weight row once, ~192 KB, but at least two chunks a thread
-// so the threads' shares stay even. A chunk's start costs the pool's claim and the hardware
-// prefetcher's ramp on a new stream: at batch 1 a 32 KB chunk is ~1.4 us of reading, and SmolLM2
-// Q8_0's LM head took 1.27-1.44 ms in 32 KB chunks against 0.84-1.02 in these (BENCHMARKS.md).
+// ~32 KB of codes where several batch rows pass a chunk's rows (they stay in L2 meanwhile). A
+// decode-sized call reads each weight row once: it is cut into a multiple of `threads` chunks
+// of equal width, as few as keep each under ~kStreamChunkBytes, so every thread streams an
+// even share in long runs. A chunk's start costs the pool's claim and a ramp of the hardware
+// prefetchers on new streams (the codes', the scales'): on AMD Zen 4, 1B and 3B decode at
+// batch 1 ran 1.10-1.19x faster (median of 12-20 interleaved pairs) in these chunks than in
+// chunks of 192 KB, two a thread at least (BENCHMARKS.md §48); at batch 1 a 32 KB chunk is ~1.4
+// us of reading, and SmolLM2 Q8_0's LM head took 1.27-1.44 ms in 32 KB chunks against 0.84-1.02
+// in 192 KB ones.
 int64_t chunk_columns(int64_t rows, int64_t width_out, int64_t K, int64_t code_bytes, bool gated,
                       int64_t threads) {
   if (rows > kStreamRows) return std::max<int64_t>(16, (kBatchChunkBytes / K) / 16 * 16);
   // A row's codes (B bits each), twice for a gated column (its gate and up rows).
   const int64_t column_bytes = std::max<int64_t>(1, (gated ? 2 : 1) * code_bytes);
-  const int64_t parts = 2 * std::max<int64_t>(1, threads);
-  const int64_t even = (width_out + parts - 1) / parts;
-  const int64_t columns = std::min(kStreamChunkBytes / column_bytes, (even + 15) / 16 * 16);
-  return std::max<int64_t>(16, columns / 16 * 16);
+  const int64_t t = std::max<int64_t>(1, threads);
+  const int64_t share = t * kStreamChunkBytes;  // bytes one chunk per thread covers at most
+  const int64_t chunks = t * std::max<int64_t>(1, (width_out * column_bytes + share - 1) / share);
+  const int64_t columns = (width_out + chunks - 1) / chunks;
+  return std::max<int64_t>(16, (columns + 15) / 16 * 16);
 }
 
 // The call's sums (`sum(n0, width, sums)`: weight rows [n0, n0 + width) into sums [rows, width])
