@@ -167,9 +167,10 @@ def test_a_row_gives_the_same_bits_alone_and_in_any_batch(fmt):
 @pytest.mark.parametrize("gated", [False, True])
 def test_a_decode_call_cut_into_long_chunks_gives_every_column_a_batch_rows_bits(gated):
     """Decode-sized calls (up to 4 rows) cut the weight into a multiple of `threads` chunks of
-    up to ~2 MB, larger ones into ~32 KB: a 4.5 MB weight (several long chunks a thread, the
-    last one narrower) gives each column the bits it has in a 5-row batch, on 1, 2 or 3
-    threads."""
+    up to ~2 MB, larger ones into ~32 KB: a 4.5 MB weight (on 2 threads two long chunks a
+    thread, the last one narrower; on 3, one a thread) gives each column the bits it has in a
+    5-row batch, on 1, 2 or 3 threads. The outputs start uninitialized: a column no chunk covers
+    fails."""
     w = _weights(2208, 2048, "q8_0", seed=7)
     codes, scales = packed_weight(w)
     x = _x(5, 2048, seed=8)
