@@ -45,27 +45,29 @@ from prefixserve.model.layers.attention import (
 )
 from prefixserve.model.layers.common import ForwardContext, one_thread
 from prefixserve.model.layers.kernel_table import compiled_kernel
-from prefixserve.model.layers.linear import batch_invariant_linears, set_stream_threads
+from prefixserve.model.layers.linear import (
+    Linear,
+    batch_invariant_linears,
+    set_stream_threads,
+)
 from prefixserve.model.layers.native_layer import step_takes_native_layers
 from prefixserve.model.quant.kv_cache import kv_format
 from prefixserve.settings import omp_threads_sleep
 from prefixserve.worker.sample.sampler import is_greedy
 from prefixserve.worker.sample.verify import GeneratorRewind, num_accepted, row_views
 
-# Steps of at most this many tokens run on one torch thread while OpenMP threads sleep between
-# parallel regions (OMP_WAIT_POLICY=PASSIVE, the default): a step makes ~300 regions (linears,
-# attention, norms), and waking the second thread for each costs more than it brings at decode
-# sizes. Measured on the default model (AMD EPYC Zen 5, same run): decode on one thread is
-# faster at batch 1, even at batch 8 and slower at batch 16 (BENCHMARKS.md, "Per-CPU paths, a
-# streaming decode kernel and the llama.cpp peer"). With spinning threads (OMP_WAIT_POLICY unset
-# or ACTIVE) every step uses them all.
+# Steps run on one torch thread while OpenMP's threads sleep between parallel regions
+# (OMP_WAIT_POLICY=PASSIVE, the default) where the kernels' own stream pool
+# (csrc/common/stream_pool.h) does their heavy work: every step where every linear and every
+# chunk's attention takes the native kernels (`ModelRunner.pool_takes_every_step`), else steps of
+# at most this many tokens. Waking a sleeping thread for each of a step's ~300 regions costs more
+# than it brings, and an awake OpenMP thread competes with the pool's helper, which spins between
+# a step's jobs, for the same cores. Measured on the default model (AMD EPYC Zen 4, one process,
+# steps interleaved): fresh prefills of 40-512 tokens 1.16-1.63x faster on one thread, chunks of
+# 5-31 rows over a cached prefix at batch 1-32 1.13-1.45x, decode at batch 4-8 over 512-1,500
+# keys 1.20-1.57x (BENCHMARKS.md, the stream pool for attention). With spinning threads
+# (OMP_WAIT_POLICY unset or ACTIVE) every step uses them all.
 ONE_THREAD_MAX_TOKENS = 8
-# ... and attend to at most this many keys in all (the sum of their sequences' lengths): at long
-# contexts attention outweighs the wake-ups. Same host, default model, decode at batch 8: at
-# context 1,500 (12,000 keys) two threads are faster, most of the gap in the attention kernel;
-# at contexts 128-512 (1,000-4,000 keys), and at batch 1-4 at 1,500, even (`bench_model.py
-# --context 1500`; the numbers are in commit c47e281's message, not in BENCHMARKS.md).
-ONE_THREAD_MAX_KEYS = 4096
 
 
 class LoRARows(Protocol):
@@ -255,6 +257,15 @@ class ModelRunner:
         # quantize_rows does.)
         self.native_layers = True
         self._seeded_generators: dict[str, torch.Generator] = {}
+        # Whether every step's linears and attention run on the kernels' stream pool, whatever
+        # its rows (see ONE_THREAD_MAX_TOKENS): every linear takes the native kernels at every
+        # row count and every chunk attends through the paged or the long-chunk kernel.
+        self.pool_takes_every_step = (
+            self.attention_kernel is not None
+            and self.kernel_max_queries == sys.maxsize
+            and lora is None
+            and all(m.on_stream_pool() for m in model.modules() if isinstance(m, Linear))
+        )
 
     def _generator_for(self, request: Request) -> torch.Generator:
         seed = request.sampling_params.seed
@@ -302,15 +313,10 @@ class ModelRunner:
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """One forward over all scheduled chunks; sample where a chunk reaches its last token.
-        On one thread for a step of at most ONE_THREAD_MAX_TOKENS tokens attending to at most
-        ONE_THREAD_MAX_KEYS keys while OpenMP threads sleep between regions."""
-        num_tokens = scheduler_output.total_num_scheduled_tokens
-        num_keys = sum(s.num_computed_tokens for s in scheduler_output.scheduled) + num_tokens
-        if (
-            num_tokens <= ONE_THREAD_MAX_TOKENS
-            and num_keys <= ONE_THREAD_MAX_KEYS
-            and omp_threads_sleep()
-        ):
+        On one torch thread while OpenMP threads sleep between regions, where the stream pool
+        takes every step's heavy work or the step has at most ONE_THREAD_MAX_TOKENS tokens."""
+        small = scheduler_output.total_num_scheduled_tokens <= ONE_THREAD_MAX_TOKENS
+        if (self.pool_takes_every_step or small) and omp_threads_sleep():
             with one_thread():
                 return self._execute(scheduler_output)
         return self._execute(scheduler_output)

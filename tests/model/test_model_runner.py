@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
 from prefixserve.core.request import Request
 from prefixserve.core.sched.output import ScheduledRequest, SchedulerOutput
+from prefixserve.model.kernels.build import paged_attention_kernel
+from prefixserve.model.layers.kernel_table import _kernel
 from prefixserve.sampling_params import SamplingParams
 from prefixserve.worker.model_runner import ModelRunner
 from tests.helpers.models import assert_close, build_hf_model, build_ours, reference_logits
-from tests.helpers.runner import BlockAllocator, greedy_request, make_harness, step
+from tests.helpers.runner import (
+    BlockAllocator,
+    RecordingSampler,
+    greedy_request,
+    make_harness,
+    step,
+)
 
 
 @pytest.fixture(scope="module")
@@ -116,11 +126,14 @@ def test_decode_rows_may_come_in_any_order_in_the_schedule(llama):
         )
 
 
-def test_decode_sized_steps_run_on_one_thread_while_openmp_threads_sleep(llama, monkeypatch):
-    """A step of at most ONE_THREAD_MAX_TOKENS tokens and ONE_THREAD_MAX_KEYS attended keys runs
-    on one torch thread when OMP_WAIT_POLICY is PASSIVE (waking a sleeping thread per parallel
-    region costs more than it brings); larger steps, and every step with spinning threads, use
-    them all; the thread count is restored after each step, also after a step that raised."""
+def test_small_steps_and_pool_steps_run_on_one_thread_while_openmp_threads_sleep(
+    llama, monkeypatch
+):
+    """When OMP_WAIT_POLICY is PASSIVE, a step runs on one torch thread where the kernels' stream
+    pool takes its heavy work (`pool_takes_every_step`) or it has at most ONE_THREAD_MAX_TOKENS
+    tokens, whatever the keys it attends to (attention runs on the pool too); other steps, and
+    every step with spinning threads, use them all; the thread count is restored after each
+    step, also after a step that raised."""
     from prefixserve.worker import model_runner as runner_module
 
     h = make_harness(*llama)
@@ -133,20 +146,23 @@ def test_decode_sized_steps_run_on_one_thread_while_openmp_threads_sleep(llama, 
 
     monkeypatch.setattr(h.runner, "_execute", spy)
     monkeypatch.setattr(runner_module, "ONE_THREAD_MAX_TOKENS", 4)
+    monkeypatch.setattr(h.runner, "pool_takes_every_step", False)
     torch.set_num_threads(2)
     alloc = BlockAllocator(1)
     small = greedy_request("s", list(range(4)), prompt_logprobs=None)
     big = greedy_request("b", list(range(10, 15)), prompt_logprobs=None)
+    long = greedy_request("l", list(range(40)), prompt_logprobs=None)
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
     step(h, [(small, 0, 4, (alloc.take(0, 1),))])
     step(h, [(big, 0, 5, (alloc.take(0, 2),))])
+    # A decode-sized step over many keys: its attention runs on the pool, the step on one thread.
+    step(h, [(long, 36, 4, (alloc.take(0, 10),))])
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     step(h, [(small, 0, 4, (alloc.take(0, 1),))])
-    # A decode-sized step attending to more than ONE_THREAD_MAX_KEYS keys uses every thread.
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
-    monkeypatch.setattr(runner_module, "ONE_THREAD_MAX_KEYS", 3)
-    step(h, [(small, 0, 4, (alloc.take(0, 1),))])
-    assert seen == [1, 2, 2, 2]
+    monkeypatch.setattr(h.runner, "pool_takes_every_step", True)
+    step(h, [(big, 0, 5, (alloc.take(0, 2),))])
+    assert seen == [1, 2, 1, 2, 1]
     assert torch.get_num_threads() == 2
 
     def boom(scheduler_output):
@@ -157,3 +173,31 @@ def test_decode_sized_steps_run_on_one_thread_while_openmp_threads_sleep(llama, 
     with pytest.raises(RuntimeError, match="boom"):
         step(h, [(small, 0, 4, (alloc.take(0, 1),))])
     assert torch.get_num_threads() == 2
+
+
+@pytest.mark.skipif(
+    paged_attention_kernel() is None or _kernel("gemm") is None,
+    reason="needs the native kernels",
+)
+def test_the_stream_pool_takes_every_step_only_where_every_linear_and_chunk_take_the_kernels(
+    llama, monkeypatch
+):
+    """`pool_takes_every_step`: a bf16 model whose linears all take the native GEMM and whose
+    every chunk attends through the paged or long-chunk kernel; not an fp32 model (its linears
+    run on MKL's threads), nor one whose linears keep an fp32 copy for large batches
+    (PREFIXSERVE_FP32_PREFILL=1), nor a runner outside the batch-invariant mode without the
+    long-chunk kernel (SDPA serves long chunks there)."""
+    hf_model, config_json = llama
+
+    def runner_for(dtype: str, **kwargs) -> ModelRunner:
+        model, config = build_ours(hf_model, config_json, dtype)
+        return ModelRunner(
+            model, config, num_blocks=8, block_size=4, sampler=RecordingSampler(), **kwargs
+        )
+
+    assert runner_for("bfloat16").pool_takes_every_step
+    assert not runner_for("float32").pool_takes_every_step
+    sdpa = runner_for("bfloat16", batch_invariant=False)
+    assert sdpa.pool_takes_every_step == (sdpa.kernel_max_queries == sys.maxsize)
+    monkeypatch.setenv("PREFIXSERVE_FP32_PREFILL", "1")
+    assert not runner_for("bfloat16").pool_takes_every_step

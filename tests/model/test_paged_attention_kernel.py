@@ -181,6 +181,26 @@ def check_against_reference(fn, q, k_cache, v_cache, tables, info, truths, windo
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # portable path, lanes path
+@pytest.mark.parametrize("case", ["large_decode_batch", "mixed_step"])
+def test_kernel_gives_the_same_bits_on_any_number_of_pool_threads(case, dtype):
+    """The work items run on the caller and `threads - 1` stream-pool helpers, claimed in any
+    order (and, in the lanes path, all KV heads a unit only where the items are many for the
+    threads): every row's bits are the same on 1 to 4 threads and on OpenMP's count (0). The
+    output starts as NaN, so an item no thread ran shows."""
+    heads, kv_heads, head_dim, block_size = 8, 2, 64, 16
+    q, kc, vc, tables, info, _ = build_case(CASES[case], heads, kv_heads, head_dim, block_size, dtype)
+    outs = []
+    for threads in (1, 2, 3, 4, 0):
+        out = torch.full((q.shape[0], heads * head_dim), float("nan"), dtype=dtype)
+        kernel(out, q, kc, vc, tables, info, 0.125, 0.0, 0, threads)
+        assert not out.isnan().any()
+        outs.append(out)
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+
+
+@needs_kernel
 def test_kernel_softcap_and_odd_shapes():
     """Logit soft-capping, no GQA, a head dim and block size that are not powers of two."""
     heads, kv_heads, head_dim, block_size = 3, 3, 40, 5

@@ -96,6 +96,26 @@ def test_prefill_kernel_is_as_exact_as_fp32_flash_attention(n, length, heads, kv
 
 
 @needs_prefill
+def test_prefill_kernel_gives_the_same_bits_on_any_number_of_pool_threads():
+    """Its K packing and its (head, 32 positions) items run on the caller and `threads - 1`
+    stream-pool helpers: the same bits on 1 to 3 threads and on OpenMP's count (0), every row
+    written (the output starts as NaN)."""
+    g = torch.Generator().manual_seed(11)
+    n, length, heads, kv_heads, d = 300, 700, 9, 3, 64
+    q = torch.randn(n, heads, d, generator=g).bfloat16()
+    k = torch.randn(length, kv_heads, d, generator=g).bfloat16()
+    v = torch.randn(length, kv_heads, d, generator=g).bfloat16()
+    outs = []
+    for threads in (1, 2, 3, 0):
+        out = torch.full((n, heads * d), float("nan"), dtype=torch.bfloat16)
+        prefill(out, q, k, v, 0.125, threads)
+        assert not out.isnan().any()
+        outs.append(out)
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+
+
+@needs_prefill
 def test_prefill_kernel_reads_strided_queries_keys_and_values():
     """q as a view into a fused qkv and k/v as views of this step's K/V (what the model passes),
     k and v with different strides too."""

@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from prefixserve.model.kernels.cpu_paths import cpu_paths_here
+from prefixserve.model.layers.linear import STREAM_THREADS
 from prefixserve.model.quant.kv_cache import KVFormat, dequantize_rows, quantize_rows
 
 
@@ -319,6 +320,7 @@ def paged_attention(
             scale,
             softcap or 0.0,
             batch.window,
+            STREAM_THREADS[0],
         )
     if decode is not None:
         b = decode.num_seqs
@@ -374,7 +376,7 @@ def _attend_span(
         and head_dim in PREFILL_HEAD_DIMS
     ):
         out = q.new_empty(n, num_heads * head_dim)
-        prefill(out, qs, k, v, scale)
+        prefill(out, qs, k, v, scale, STREAM_THREADS[0])
         return out
     k = _heads_first(k.unsqueeze(0))
     v = _heads_first(v.unsqueeze(0))

@@ -234,6 +234,13 @@ class Linear(nn.Linear):
     # them in place), or None: the base model only.
     lora = None
 
+    def on_stream_pool(self) -> bool:
+        """Whether every call of this linear runs on the kernels' stream pool (the 8-bit kernel,
+        or the native GEMM at every row count: no fp32 copy takes large batches to MKL) and none
+        on OpenMP's threads; a LoRA update's matmuls do not."""
+        native = self._int8 is not None or (self._gemm is not None and self._fp32 is None)
+        return native and self.lora is None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self._base(x)
         lora = self.lora

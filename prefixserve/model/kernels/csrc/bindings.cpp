@@ -68,8 +68,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("prefill_attention", &prefill_attention,
         "causal attention of one long bf16 chunk over contiguous K/V rows (scores with "
-        "VDPBF16PS, online softmax and P @ V in fp32)",
-        py::call_guard<py::gil_scoped_release>());
+        "VDPBF16PS, online softmax and P @ V in fp32) on the caller and up to `threads - 1` "
+        "stream-pool helpers (0: OpenMP's thread count)",
+        py::arg("out"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"),
+        py::arg("threads") = 0, py::call_guard<py::gil_scoped_release>());
   m.def("prefill_attention_ready", &prefill_attention_ready,
         "whether prefill_attention has its AVX512-BF16 loop in this build");
   m.def("rope_kv_vectorized", &rope_kv_vectorized,
@@ -127,9 +129,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias"),
         py::arg("act"), py::arg("threads"), py::arg("prefetch") = py::none(),
         py::call_guard<py::gil_scoped_release>());
-  m.def("paged_attention", &paged_attention, "paged attention over a block-structured KV cache");
+  // The paged kernel's arguments; `threads` 0 takes OpenMP's thread count.
+#define PREFIXSERVE_PAGED_ARGS                                                                   \
+  py::arg("out"), py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), \
+      py::arg("seq_info"), py::arg("scale"), py::arg("softcap"), py::arg("window"),              \
+      py::arg("threads") = 0, py::call_guard<py::gil_scoped_release>()
+  m.def("paged_attention", &paged_attention,
+        "paged attention over a block-structured KV cache, its work items on the caller and up "
+        "to `threads - 1` stream-pool helpers (0: OpenMP's thread count)",
+        PREFIXSERVE_PAGED_ARGS);
   m.def("paged_attention_portable", &paged_attention_portable,
-        "paged_attention on its portable path (fp32 tiles, tree-summed scores) on every CPU");
+        "paged_attention on its portable path (fp32 tiles, tree-summed scores) on every CPU",
+        PREFIXSERVE_PAGED_ARGS);
   m.def("paged_attention_lanes_width", &paged_attention_lanes_width,
         "the width of paged_attention's keys-in-lanes tiles in this build (prefill_attention's "
         "arithmetic, the same bits at each width): 512, 256, or 0 (the portable path)");
@@ -138,6 +149,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(compiler-vectorized loops), which may round otherwise");
   m.def("paged_attention_avx2", &paged_attention_avx2,
         "paged_attention on the 256-bit keys-in-lanes tiles whatever the build's widest; false "
-        "(nothing written) where they do not serve the call");
+        "(nothing written) where they do not serve the call",
+        PREFIXSERVE_PAGED_ARGS);
+#undef PREFIXSERVE_PAGED_ARGS
   m.def("rms_norm", &rms_norm, "RMSNorm of rows (contiguous last dim, any outer strides) with transformers' roundings");
 }

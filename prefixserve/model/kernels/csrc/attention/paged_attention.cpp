@@ -24,6 +24,7 @@
 #include "line_sweep.h"
 #include "kernels.h"
 #include "paged_items.h"
+#include "stream_pool.h"
 
 #include <algorithm>
 #include <cmath>
@@ -280,7 +281,8 @@ class ItemWork {
 template <typename scalar_t, typename cache_t, int HD>
 void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
          const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-         const torch::Tensor& seq_info, double scale_d, double softcap_d, int64_t window) {
+         const torch::Tensor& seq_info, double scale_d, double softcap_d, int64_t window,
+         int64_t threads) {
   const int64_t num_seqs = seq_info.size(0);
   const int64_t num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
@@ -312,39 +314,38 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
                                               block_size, window, call.tile_slots);
   const int64_t num_items = static_cast<int64_t>(items.size()) * num_kv_heads;
 
-  at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
+  prefixserve::stream_pool().run(num_items, threads, [&](int64_t idx) {
     ItemWork<scalar_t, cache_t, HD> work(call);
-    for (int64_t idx = begin; idx < end; ++idx) {
-      const Item& item = items[idx / num_kv_heads];
-      const int64_t kvh = idx % num_kv_heads;
-      work.start(item, kvh);
-      if (item.cascade()) {
-        work.cascade(item, kvh);
-      } else {
-        work.row_tile(item, kvh);
-      }
-      work.finish(item, kvh);
+    const Item& item = items[idx / num_kv_heads];
+    const int64_t kvh = idx % num_kv_heads;
+    work.start(item, kvh);
+    if (item.cascade()) {
+      work.cascade(item, kvh);
+    } else {
+      work.row_tile(item, kvh);
     }
+    work.finish(item, kvh);
   });
 }
 
 template <typename scalar_t, typename cache_t>
 void dispatch(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
               const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-              const torch::Tensor& seq_info, double scale, double softcap, int64_t window) {
+              const torch::Tensor& seq_info, double scale, double softcap, int64_t window,
+              int64_t threads) {
   switch (q.size(2)) {
     case 64:
       return run<scalar_t, cache_t, 64>(out, q, k_cache, v_cache, block_tables, seq_info, scale,
-                                        softcap, window);
+                                        softcap, window, threads);
     case 128:
       return run<scalar_t, cache_t, 128>(out, q, k_cache, v_cache, block_tables, seq_info, scale,
-                                         softcap, window);
+                                         softcap, window, threads);
     case 256:
       return run<scalar_t, cache_t, 256>(out, q, k_cache, v_cache, block_tables, seq_info, scale,
-                                         softcap, window);
+                                         softcap, window, threads);
     default:
       return run<scalar_t, cache_t, 0>(out, q, k_cache, v_cache, block_tables, seq_info, scale,
-                                       softcap, window);
+                                       softcap, window, threads);
   }
 }
 
@@ -352,17 +353,18 @@ void dispatch(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k
 template <typename scalar_t>
 void dispatch_cache(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
                     const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                    const torch::Tensor& seq_info, double scale, double softcap, int64_t window) {
+                    const torch::Tensor& seq_info, double scale, double softcap, int64_t window,
+                    int64_t threads) {
   switch (k_cache.scalar_type()) {
     case torch::kChar:
       return dispatch<scalar_t, int8_t>(out, q, k_cache, v_cache, block_tables, seq_info, scale,
-                                        softcap, window);
+                                        softcap, window, threads);
     case torch::kByte:
       return dispatch<scalar_t, uint8_t>(out, q, k_cache, v_cache, block_tables, seq_info, scale,
-                                         softcap, window);
+                                         softcap, window, threads);
     default:
       return dispatch<scalar_t, scalar_t>(out, q, k_cache, v_cache, block_tables, seq_info, scale,
-                                          softcap, window);
+                                          softcap, window, threads);
   }
 }
 
@@ -372,11 +374,11 @@ void dispatch_cache(torch::Tensor& out, const torch::Tensor& q, const torch::Ten
 bool paged_attention_lanes(torch::Tensor& out, const torch::Tensor& q,
                            const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                            const torch::Tensor& block_tables, const torch::Tensor& seq_info,
-                           double scale, double softcap, int64_t window);
+                           double scale, double softcap, int64_t window, int64_t threads);
 bool paged_attention_256(torch::Tensor& out, const torch::Tensor& q,
                          const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                          const torch::Tensor& block_tables, const torch::Tensor& seq_info,
-                         double scale, double softcap, int64_t window);
+                         double scale, double softcap, int64_t window, int64_t threads);
 
 namespace {
 
@@ -431,16 +433,22 @@ void check_paged_args(const torch::Tensor& out, const torch::Tensor& q,
               "paged_attention supports float32 and bfloat16, got ", q.scalar_type());
 }
 
+// The workers of a call: `threads`, or OpenMP's thread count where it is 0 or less.
+int64_t pool_threads(int64_t threads) {
+  return threads > 0 ? threads : static_cast<int64_t>(at::get_num_threads());
+}
+
 // The portable path: fp32 tiles, each score a tree sum over its dims (every dtype, every CPU).
 void paged_attention_tiles(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
                            torch::Tensor v_cache, torch::Tensor block_tables,
-                           torch::Tensor seq_info, double scale, double softcap, int64_t window) {
+                           torch::Tensor seq_info, double scale, double softcap, int64_t window,
+                           int64_t threads) {
   if (q.scalar_type() == torch::kFloat) {
     dispatch_cache<float>(out, q, k_cache, v_cache, block_tables, seq_info, scale, softcap,
-                          window);
+                          window, threads);
   } else if (q.scalar_type() == torch::kBFloat16) {
     dispatch_cache<c10::BFloat16>(out, q, k_cache, v_cache, block_tables, seq_info, scale,
-                                  softcap, window);
+                                  softcap, window, threads);
   }
 }
 
@@ -451,25 +459,31 @@ void paged_attention_tiles(torch::Tensor out, torch::Tensor q, torch::Tensor k_c
 // 8-bit KV cache, int8 or fp8 e4m3), block_tables [S, max_blocks] int32, seq_info [S, 3] int64
 // rows (q_start, q_end, position of the first query); softcap 0 = none, window 0 = none. bf16
 // queries take the keys-in-lanes path where it is built (paged_lanes.cpp: CPUs with AVX2 and
-// FMA), else the portable one.
+// FMA), else the portable one. The work items run on the caller and up to `threads - 1` of the
+// stream pool's helpers (stream_pool.h), as the linears of the step do: a decode step never wakes
+// OpenMP's sleeping threads; `threads` 0: OpenMP's thread count. Items are independent, so no
+// output depends on the thread count.
 void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
                      torch::Tensor v_cache, torch::Tensor block_tables, torch::Tensor seq_info,
-                     double scale, double softcap, int64_t window) {
+                     double scale, double softcap, int64_t window, int64_t threads) {
   check_paged_args(out, q, k_cache, v_cache, block_tables, seq_info);
+  threads = pool_threads(threads);
   if (paged_attention_lanes(out, q, k_cache, v_cache, block_tables, seq_info, scale, softcap,
-                            window)) {
+                            window, threads)) {
     return;
   }
-  paged_attention_tiles(out, q, k_cache, v_cache, block_tables, seq_info, scale, softcap, window);
+  paged_attention_tiles(out, q, k_cache, v_cache, block_tables, seq_info, scale, softcap, window,
+                        threads);
 }
 
 // The same call on the portable path whatever the CPU (benchmarks and tests compare the two).
 void paged_attention_portable(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
                               torch::Tensor v_cache, torch::Tensor block_tables,
                               torch::Tensor seq_info, double scale, double softcap,
-                              int64_t window) {
+                              int64_t window, int64_t threads) {
   check_paged_args(out, q, k_cache, v_cache, block_tables, seq_info);
-  paged_attention_tiles(out, q, k_cache, v_cache, block_tables, seq_info, scale, softcap, window);
+  paged_attention_tiles(out, q, k_cache, v_cache, block_tables, seq_info, scale, softcap, window,
+                        pool_threads(threads));
 }
 
 // The width of the portable path's vectors in this build: 512 where its fp32 tiles take AVX-512
@@ -487,8 +501,9 @@ int64_t paged_attention_portable_width() {
 // bits with the 512-bit tiles'); false (nothing written) where they do not serve the call.
 bool paged_attention_avx2(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
                           torch::Tensor v_cache, torch::Tensor block_tables,
-                          torch::Tensor seq_info, double scale, double softcap, int64_t window) {
+                          torch::Tensor seq_info, double scale, double softcap, int64_t window,
+                          int64_t threads) {
   check_paged_args(out, q, k_cache, v_cache, block_tables, seq_info);
   return paged_attention_256(out, q, k_cache, v_cache, block_tables, seq_info, scale, softcap,
-                             window);
+                             window, pool_threads(threads));
 }

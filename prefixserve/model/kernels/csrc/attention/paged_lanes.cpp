@@ -15,7 +15,6 @@
 // the item meets the tile. While a tile is computed, the next one's lines are asked for a few
 // at a time (line_sweep.h's LineDrip), so a decode batch's memory reads overlap its arithmetic.
 #include "torch_lite.h"
-#include <ATen/Parallel.h>
 
 #include "attn_lanes_avx2.h"
 #include "attn_lanes_bf16_avx512.h"
@@ -25,6 +24,7 @@
 #include "lanes_tiles_avx512.h"
 #include "line_sweep.h"
 #include "paged_items.h"
+#include "stream_pool.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -439,7 +439,7 @@ class UnitWork {
 template <int D, class T>
 void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
          const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-         const torch::Tensor& seq_info, float scale, int64_t window) {
+         const torch::Tensor& seq_info, float scale, int64_t window, int64_t threads) {
   const int64_t num_seqs = seq_info.size(0);
   const int64_t num_heads = q.size(1);
   const int64_t num_kv_heads = k_cache.size(2);
@@ -461,7 +461,7 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
   // bytes straddles lines with its neighbors'), so a unit reads each line it fetches at once.
   // Each head's queries meet the same tiles in the same order either way.
   const int64_t heads = max_entries <= kCascadeRows &&
-                                static_cast<int64_t>(items.size()) >= 4 * at::get_num_threads()
+                                static_cast<int64_t>(items.size()) >= 4 * threads
                             ? num_kv_heads
                             : 1;
   const int64_t units_per_item = num_kv_heads / heads;
@@ -482,19 +482,18 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
                   tables,
                   info};
 
-  at::parallel_for(0, num_units, 1, [&](int64_t begin, int64_t end) {
+  // On the caller and the stream pool's helpers (paged_attention.cpp says why), a unit a claim.
+  prefixserve::stream_pool().run(num_units, threads, [&](int64_t unit) {
     UnitWork<D, T> work(call);
-    for (int64_t unit = begin; unit < end; ++unit) {
-      const Item& item = items[unit / units_per_item];
-      const int64_t kvh0 = unit % units_per_item * heads;
-      work.start(item, kvh0);
-      if (item.cascade()) {
-        work.cascade(item, kvh0);
-      } else {
-        work.row_tile(item, kvh0);
-      }
-      work.finish(item, kvh0);
+    const Item& item = items[unit / units_per_item];
+    const int64_t kvh0 = unit % units_per_item * heads;
+    work.start(item, kvh0);
+    if (item.cascade()) {
+      work.cascade(item, kvh0);
+    } else {
+      work.row_tile(item, kvh0);
     }
+    work.finish(item, kvh0);
   });
 }
 
@@ -502,12 +501,15 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
 template <class T>
 bool run_head_dim(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
                   const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                  const torch::Tensor& seq_info, double scale, int64_t window) {
+                  const torch::Tensor& seq_info, double scale, int64_t window, int64_t threads) {
   const float s = static_cast<float>(scale);
+  const auto call = [&](auto run_d) {
+    run_d(out, q, k_cache, v_cache, block_tables, seq_info, s, window, threads);
+  };
   switch (q.size(2)) {
-    case 64: run<64, T>(out, q, k_cache, v_cache, block_tables, seq_info, s, window); break;
-    case 128: run<128, T>(out, q, k_cache, v_cache, block_tables, seq_info, s, window); break;
-    case 256: run<256, T>(out, q, k_cache, v_cache, block_tables, seq_info, s, window); break;
+    case 64: call(run<64, T>); break;
+    case 128: call(run<128, T>); break;
+    case 256: call(run<256, T>); break;
     default: return false;
   }
   return true;
@@ -523,13 +525,14 @@ bool run_head_dim(torch::Tensor& out, const torch::Tensor& q, const torch::Tenso
 bool paged_attention_lanes(torch::Tensor& out, const torch::Tensor& q,
                            const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                            const torch::Tensor& block_tables, const torch::Tensor& seq_info,
-                           double scale, double softcap, int64_t window) {
+                           double scale, double softcap, int64_t window, int64_t threads) {
 #if defined(__AVX2__) && defined(__FMA__)
   if (q.scalar_type() != torch::kBFloat16 || softcap > 0.0) return false;
-  return run_head_dim<Tiles>(out, q, k_cache, v_cache, block_tables, seq_info, scale, window);
+  return run_head_dim<Tiles>(out, q, k_cache, v_cache, block_tables, seq_info, scale, window,
+                             threads);
 #else
   (void)out, (void)q, (void)k_cache, (void)v_cache, (void)block_tables, (void)seq_info;
-  (void)scale, (void)softcap, (void)window;
+  (void)scale, (void)softcap, (void)window, (void)threads;
   return false;
 #endif
 }
@@ -539,13 +542,14 @@ bool paged_attention_lanes(torch::Tensor& out, const torch::Tensor& q,
 bool paged_attention_256(torch::Tensor& out, const torch::Tensor& q,
                          const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                          const torch::Tensor& block_tables, const torch::Tensor& seq_info,
-                         double scale, double softcap, int64_t window) {
+                         double scale, double softcap, int64_t window, int64_t threads) {
 #if defined(__AVX2__) && defined(__FMA__)
   if (q.scalar_type() != torch::kBFloat16 || softcap > 0.0) return false;
-  return run_head_dim<Tiles256>(out, q, k_cache, v_cache, block_tables, seq_info, scale, window);
+  return run_head_dim<Tiles256>(out, q, k_cache, v_cache, block_tables, seq_info, scale, window,
+                                threads);
 #else
   (void)out, (void)q, (void)k_cache, (void)v_cache, (void)block_tables, (void)seq_info;
-  (void)scale, (void)softcap, (void)window;
+  (void)scale, (void)softcap, (void)window, (void)threads;
   return false;
 #endif
 }

@@ -13,8 +13,10 @@
 // per 64-key tile, P @ V in fp32 FMAs over V converted once per call. So a query's output is the
 // paged kernel's, bit for bit, whatever chunk it came in. K is packed once per call in pairs of
 // dimensions ("VNNI": a zmm load is 16 keys x 2 dims), so 4 query rows share every K load of a
-// tile. Work items are (query head, 32 positions), taken longest first from a shared counter, so
-// the causal triangle's uneven rows spread over the threads.
+// tile. Work items are (query head, 32 positions), taken longest first from the stream pool's
+// counter (stream_pool.h: the caller and up to `threads - 1` helpers, which the step's linears
+// use too, so no OpenMP thread competes with them for the cores), so the causal triangle's uneven
+// rows spread over the threads.
 //
 // Each call packs K and converts V to fp32 for the whole length L (a chunk of 32 over a long
 // prefix pays for the prefix: 3 x L x D x 6 bytes for SmolLM2), which the measured cases absorb.
@@ -31,9 +33,9 @@
 
 #include "attn_lanes_bf16_avx512.h"
 #include "kernels.h"
+#include "stream_pool.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -52,7 +54,7 @@ using lanes::kTileKeys;
 template <int D>
 void run(uint16_t* out, const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t n,
          int64_t L, int64_t H, int64_t Hkv, int64_t q_row, int64_t q_head, int64_t k_row,
-         int64_t k_head, int64_t v_row, int64_t v_head, float scale) {
+         int64_t k_head, int64_t v_row, int64_t v_head, float scale, int64_t threads) {
   constexpr int P = D / 2;  // dimension pairs
   const int64_t group = H / Hkv;
   const int64_t off = L - n;
@@ -60,8 +62,10 @@ void run(uint16_t* out, const uint16_t* q, const uint16_t* k, const uint16_t* v,
   // kp[h][pair][key] = (k[key, h, 2 pair], k[key, h, 2 pair + 1]); vf[h][key][d] in fp32.
   std::vector<uint32_t> kp(static_cast<size_t>(Hkv * P * Lp), 0u);
   std::vector<float> vf(static_cast<size_t>(Hkv * Lp * D), 0.0f);
-  at::parallel_for(0, Hkv * L, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t x = begin; x < end; ++x) {
+  auto& pool = prefixserve::stream_pool();
+  constexpr int64_t kPackRows = 256;  // (head, key) rows packed per job chunk
+  pool.run((Hkv * L + kPackRows - 1) / kPackRows, threads, [&](int64_t chunk) {
+    for (int64_t x = chunk * kPackRows; x < std::min(Hkv * L, (chunk + 1) * kPackRows); ++x) {
       const int64_t h = x / L, j = x % L;
       const uint16_t* kr = k + j * k_row + h * k_head;
       const uint16_t* vr = v + j * v_row + h * v_head;
@@ -75,58 +79,53 @@ void run(uint16_t* out, const uint16_t* q, const uint16_t* k, const uint16_t* v,
         std::memcpy(vd + d, &bits, sizeof(float));
       }
     }
-  });
+  }, true);
 
+  // Items claimed in order from the pool's counter: longest first (the last position blocks see
+  // the most keys).
   const int64_t blocks = (n + kItemRows - 1) / kItemRows;
   const int64_t num_items = blocks * H;
-  std::atomic<int64_t> next{0};
-  const int threads = at::get_num_threads();
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+  pool.run(num_items, threads, [&](int64_t item) {
     alignas(64) float acc[kRows][D];
     alignas(64) float pbuf[kRows * kTileKeys];
-    for (;;) {
-      const int64_t item = next.fetch_add(1);
-      if (item >= num_items) break;
-      // Longest first: the last position blocks see the most keys.
-      const int64_t block = blocks - 1 - item / H;
-      const int64_t head = item % H;
-      const int64_t kvh = head / group;
-      const uint32_t* kh = kp.data() + kvh * P * Lp;
-      const float* vh = vf.data() + kvh * Lp * D;
-      const int64_t i_end = std::min(n, (block + 1) * kItemRows);
-      for (int64_t i0 = block * kItemRows; i0 < i_end; i0 += kRows) {
-        const int64_t nr = std::min<int64_t>(kRows, i_end - i0);
-        const uint16_t* qr[kRows];
-        float m[kRows], l[kRows];
+    const int64_t block = blocks - 1 - item / H;
+    const int64_t head = item % H;
+    const int64_t kvh = head / group;
+    const uint32_t* kh = kp.data() + kvh * P * Lp;
+    const float* vh = vf.data() + kvh * Lp * D;
+    const int64_t i_end = std::min(n, (block + 1) * kItemRows);
+    for (int64_t i0 = block * kItemRows; i0 < i_end; i0 += kRows) {
+      const int64_t nr = std::min<int64_t>(kRows, i_end - i0);
+      const uint16_t* qr[kRows];
+      float m[kRows], l[kRows];
+      for (int64_t r = 0; r < nr; ++r) {
+        qr[r] = q + (i0 + r) * q_row + head * q_head;
+        m[r] = -std::numeric_limits<float>::infinity();
+        l[r] = 0.0f;
+        std::memset(acc[r], 0, sizeof(acc[r]));
+      }
+      // Row r sees keys [0, off + i0 + r]: the tiles up to the last row's.
+      const int64_t keys = off + i0 + nr;
+      for (int64_t t0 = 0; t0 < keys; t0 += kTileKeys) {
+        const uint16_t* tq[kRows];
+        int64_t lo[kRows], hi[kRows];
+        float *tm[kRows], *tl[kRows], *ta[kRows];
+        int64_t nt = 0;
         for (int64_t r = 0; r < nr; ++r) {
-          qr[r] = q + (i0 + r) * q_row + head * q_head;
-          m[r] = -std::numeric_limits<float>::infinity();
-          l[r] = 0.0f;
-          std::memset(acc[r], 0, sizeof(acc[r]));
+          const int64_t h = std::min<int64_t>(kTileKeys, off + i0 + r + 1 - t0);
+          if (h <= 0) continue;
+          tq[nt] = qr[r], lo[nt] = 0, hi[nt] = h;
+          tm[nt] = m + r, tl[nt] = l + r, ta[nt] = acc[r];
+          ++nt;
         }
-        // Row r sees keys [0, off + i0 + r]: the tiles up to the last row's.
-        const int64_t keys = off + i0 + nr;
-        for (int64_t t0 = 0; t0 < keys; t0 += kTileKeys) {
-          const uint16_t* tq[kRows];
-          int64_t lo[kRows], hi[kRows];
-          float *tm[kRows], *tl[kRows], *ta[kRows];
-          int64_t nt = 0;
-          for (int64_t r = 0; r < nr; ++r) {
-            const int64_t h = std::min<int64_t>(kTileKeys, off + i0 + r + 1 - t0);
-            if (h <= 0) continue;
-            tq[nt] = qr[r], lo[nt] = 0, hi[nt] = h;
-            tm[nt] = m + r, tl[nt] = l + r, ta[nt] = acc[r];
-            ++nt;
-          }
-          lanes::attend_tile<D>(nt, tq, lo, hi, kh + t0, Lp, vh + t0 * D, scale, tm, tl, ta,
-                                pbuf);
-        }
-        for (int64_t r = 0; r < nr; ++r) {
-          lanes::finish<D>(acc[r], l[r], out + (i0 + r) * H * D + head * D);
-        }
+        lanes::attend_tile<D>(nt, tq, lo, hi, kh + t0, Lp, vh + t0 * D, scale, tm, tl, ta,
+                              pbuf);
+      }
+      for (int64_t r = 0; r < nr; ++r) {
+        lanes::finish<D>(acc[r], l[r], out + (i0 + r) * H * D + head * D);
       }
     }
-  });
+  }, true);
 }
 
 #endif  // __AVX512BF16__
@@ -142,7 +141,7 @@ bool prefill_attention_ready() {
 }
 
 void prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k, torch::Tensor v,
-                       double scale) {
+                       double scale, int64_t threads) {
 #if defined(__AVX512BF16__)
   TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && k.scalar_type() == torch::kBFloat16 &&
                   v.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16,
@@ -162,21 +161,22 @@ void prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k, torc
   const auto* kp = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
   const auto* vp = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
   const float s = static_cast<float>(scale);
+  threads = threads > 0 ? threads : static_cast<int64_t>(at::get_num_threads());
   switch (D) {
     case 64:
       return run<64>(o, qp, kp, vp, n, L, H, Hkv, q.stride(0), q.stride(1), k.stride(0),
-                     k.stride(1), v.stride(0), v.stride(1), s);
+                     k.stride(1), v.stride(0), v.stride(1), s, threads);
     case 128:
       return run<128>(o, qp, kp, vp, n, L, H, Hkv, q.stride(0), q.stride(1), k.stride(0),
-                      k.stride(1), v.stride(0), v.stride(1), s);
+                      k.stride(1), v.stride(0), v.stride(1), s, threads);
     case 256:
       return run<256>(o, qp, kp, vp, n, L, H, Hkv, q.stride(0), q.stride(1), k.stride(0),
-                      k.stride(1), v.stride(0), v.stride(1), s);
+                      k.stride(1), v.stride(0), v.stride(1), s, threads);
     default:
       TORCH_CHECK(false, "prefill_attention supports head dims 64, 128 and 256, got ", D);
   }
 #else
-  (void)out, (void)q, (void)k, (void)v, (void)scale;
+  (void)out, (void)q, (void)k, (void)v, (void)scale, (void)threads;
   TORCH_CHECK(false, "prefill_attention needs a build with AVX512-BF16");
 #endif
 }

@@ -40,14 +40,15 @@ bool rope_kv_vectorized();
 // paged_attention.cpp
 void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
                      torch::Tensor v_cache, torch::Tensor block_tables, torch::Tensor seq_info,
-                     double scale, double softcap, int64_t window);
+                     double scale, double softcap, int64_t window, int64_t threads);
 void paged_attention_portable(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
                               torch::Tensor v_cache, torch::Tensor block_tables,
                               torch::Tensor seq_info, double scale, double softcap,
-                              int64_t window);
+                              int64_t window, int64_t threads);
 bool paged_attention_avx2(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
                           torch::Tensor v_cache, torch::Tensor block_tables,
-                          torch::Tensor seq_info, double scale, double softcap, int64_t window);
+                          torch::Tensor seq_info, double scale, double softcap, int64_t window,
+                          int64_t threads);
 int64_t paged_attention_lanes_width();
 int64_t paged_attention_portable_width();
 
@@ -69,6 +70,6 @@ void lora_add(torch::Tensor out, torch::Tensor x, torch::Tensor a, torch::Tensor
 
 // prefill_attention.cpp
 void prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k, torch::Tensor v,
-                       double scale);
+                       double scale, int64_t threads);
 bool prefill_attention_ready();
 

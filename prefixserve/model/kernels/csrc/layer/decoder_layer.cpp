@@ -103,7 +103,8 @@ at::Tensor DecoderLayerBf16::forward(const at::Tensor& h, const at::Tensor& cos,
   rope_write_kv(qkv, cos, sin, heads_, kv_heads_, k_cache, v_cache, slots);
   auto q = qkv.narrow(1, 0, q_size).view({t, heads_, head_dim_});
   auto attn = h.new_empty({t, q_size});
-  paged_attention(attn, q, k_cache, v_cache, block_tables, seq_info, scale_, 0.0, window);
+  paged_attention(attn, q, k_cache, v_cache, block_tables, seq_info, scale_, 0.0, window,
+                  threads);
   auto mid = add_normed(o_, attn_out_norm_, attn, h, threads);
   auto x2 = torch::empty_like(h);
   rms_norm(x2, mid, mlp_norm_, eps_, offset_);
