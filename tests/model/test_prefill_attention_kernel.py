@@ -174,9 +174,9 @@ def test_paged_attention_sends_long_chunks_to_the_prefill_kernel_and_short_ones_
     q = torch.randn(rows, heads, d, generator=g).bfloat16()
     calls = []
 
-    def counting(out, q_, k_, v_, scale):
+    def counting(out, q_, k_, v_, scale, threads):
         calls.append(q_.shape[0])
-        prefill(out, q_, k_, v_, scale)
+        prefill(out, q_, k_, v_, scale, threads)
 
     # The chunks of 32+ queries leave the paged kernel whatever this CPU's fallback row says
     meta = build_attention_metadata(
@@ -211,9 +211,9 @@ def test_with_every_chunk_on_the_kernels_only_prompts_from_position_0_take_the_p
     q = torch.randn(120, heads, d, generator=g).bfloat16()
     calls = []
 
-    def counting(out, q_, k_, v_, scale):
+    def counting(out, q_, k_, v_, scale, threads):
         calls.append(q_.shape[0])
-        prefill(out, q_, k_, v_, scale)
+        prefill(out, q_, k_, v_, scale, threads)
 
     def attend(computed, new):
         spans = [ScheduledSpan(computed, new, (table,))]
