@@ -1,4 +1,7 @@
-// Helper threads for memory-bound streams (gemv.cpp), independent of OpenMP.
+// Helper threads for a step's heavy work, independent of OpenMP: the linears' memory-bound
+// streams and GEMMs (gemv.cpp, linear_int8.cpp, gemm_bf16.cpp) and the attention kernels' work
+// items (paged_attention.cpp, paged_lanes.cpp, prefill_attention.cpp), so that no OpenMP thread
+// competes with a spinning helper for the cores.
 //
 // Why not at::parallel_for: prefixserve runs OpenMP with OMP_WAIT_POLICY=PASSIVE (spinning
 // workers make everything crawl on a shared CPU), so each parallel region wakes sleeping threads
