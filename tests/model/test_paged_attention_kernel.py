@@ -189,7 +189,9 @@ def test_kernel_gives_the_same_bits_on_any_number_of_pool_threads(case, dtype):
     threads): every row's bits are the same on 1 to 4 threads and on OpenMP's count (0). The
     output starts as NaN, so an item no thread ran shows."""
     heads, kv_heads, head_dim, block_size = 8, 2, 64, 16
-    q, kc, vc, tables, info, _ = build_case(CASES[case], heads, kv_heads, head_dim, block_size, dtype)
+    q, kc, vc, tables, info, _ = build_case(
+        CASES[case], heads, kv_heads, head_dim, block_size, dtype
+    )
     outs = []
     for threads in (1, 2, 3, 4, 0):
         out = torch.full((q.shape[0], heads * head_dim), float("nan"), dtype=dtype)
