@@ -316,15 +316,7 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
 
   prefixserve::stream_pool().run(num_items, threads, [&](int64_t idx) {
     ItemWork<scalar_t, cache_t, HD> work(call);
-    const Item& item = items[idx / num_kv_heads];
-    const int64_t kvh = idx % num_kv_heads;
-    work.start(item, kvh);
-    if (item.cascade()) {
-      work.cascade(item, kvh);
-    } else {
-      work.row_tile(item, kvh);
-    }
-    work.finish(item, kvh);
+    prefixserve::paged::run_item(work, items[idx / num_kv_heads], idx % num_kv_heads);
   });
 }
 

@@ -116,4 +116,18 @@ inline std::vector<Item> build_items(const int64_t* info, int64_t num_seqs, cons
   return items;
 }
 
+// One work item of a paged call (KV head kvh, or the first of a unit's heads) on `work`
+// (paged_attention.cpp's ItemWork, paged_lanes.cpp's UnitWork): start, the cascade or the row
+// tile, finish.
+template <class Work>
+void run_item(Work& work, const Item& item, int64_t kvh) {
+  work.start(item, kvh);
+  if (item.cascade()) {
+    work.cascade(item, kvh);
+  } else {
+    work.row_tile(item, kvh);
+  }
+  work.finish(item, kvh);
+}
+
 }  // namespace prefixserve::paged

@@ -485,15 +485,8 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
   // On the caller and the stream pool's helpers (paged_attention.cpp says why), a unit a claim.
   prefixserve::stream_pool().run(num_units, threads, [&](int64_t unit) {
     UnitWork<D, T> work(call);
-    const Item& item = items[unit / units_per_item];
-    const int64_t kvh0 = unit % units_per_item * heads;
-    work.start(item, kvh0);
-    if (item.cascade()) {
-      work.cascade(item, kvh0);
-    } else {
-      work.row_tile(item, kvh0);
-    }
-    work.finish(item, kvh0);
+    prefixserve::paged::run_item(work, items[unit / units_per_item],
+                                 unit % units_per_item * heads);
   });
 }
 
