@@ -204,7 +204,8 @@ def _module() -> Any:
 
 def paged_attention_kernel() -> Callable[..., None] | None:
     """`paged_attention(out, q, k_cache, v_cache, block_tables, seq_info, scale, softcap,
-    window)`, or None when the kernels are unavailable."""
+    window, threads=0)` (its work items on the caller and `threads - 1` stream-pool helpers; 0:
+    OpenMP's thread count), or None when the kernels are unavailable."""
     module = _module()
     return None if module is None else module.paged_attention
 
@@ -249,9 +250,10 @@ def paged_attention_avx2_kernel() -> Callable[..., bool] | None:
 
 
 def prefill_attention_kernel() -> Callable[..., None] | None:
-    """`prefill_attention(out, q, k, v, scale)`: causal attention of one long bf16 chunk over
-    contiguous K/V rows (csrc/attention/prefill_attention.cpp), or None when the kernels are
-    unavailable or this build has no AVX512-BF16 loop for it."""
+    """`prefill_attention(out, q, k, v, scale, threads=0)`: causal attention of one long bf16
+    chunk over contiguous K/V rows (csrc/attention/prefill_attention.cpp) on the caller and
+    `threads - 1` stream-pool helpers, or None when the kernels are unavailable or this build has
+    no AVX512-BF16 loop for it."""
     module = _module()
     if module is None or not module.prefill_attention_ready():
         return None

@@ -1,7 +1,7 @@
 // Causal attention of one long bf16 chunk (a prompt, or a chunk over a cached prefix) whose K/V
 // are contiguous rows, as the SDPA path of model/attention.py hands them over:
 //
-//   prefill_attention(out, q, k, v, scale):
+//   prefill_attention(out, q, k, v, scale, threads):
 //     q [n, H, D], k and v [L, Hkv, D] (L >= n; the chunk is the last n of the L positions),
 //     out [n, H * D]; query i attends to keys [0, L - n + i]. GQA: query head h reads KV head
 //     h / (H / Hkv).
