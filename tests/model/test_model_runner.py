@@ -185,8 +185,8 @@ def test_the_stream_pool_takes_every_step_only_where_every_linear_and_chunk_take
     """`pool_takes_every_step`: a bf16 model whose linears all take the native GEMM and whose
     every chunk attends through the paged or long-chunk kernel; not an fp32 model (its linears
     run on MKL's threads), nor one whose linears keep an fp32 copy for large batches
-    (PREFIXSERVE_FP32_PREFILL=1), nor a runner outside the batch-invariant mode without the
-    long-chunk kernel (SDPA serves long chunks there)."""
+    (PREFIXSERVE_FP32_PREFILL=1) or has LoRA updates, nor a runner outside the batch-invariant
+    mode without the long-chunk kernel (SDPA serves long chunks there)."""
     hf_model, config_json = llama
 
     def runner_for(dtype: str, **kwargs) -> ModelRunner:
@@ -197,6 +197,11 @@ def test_the_stream_pool_takes_every_step_only_where_every_linear_and_chunk_take
 
     assert runner_for("bfloat16").pool_takes_every_step
     assert not runner_for("float32").pool_takes_every_step
+    # A linear with LoRA updates (their matmuls run on OpenMP's threads).
+    model, config = build_ours(hf_model, config_json, "bfloat16")
+    model.model.layers[0].self_attn.qkv_proj.lora = object()
+    with_lora = ModelRunner(model, config, num_blocks=8, block_size=4, sampler=RecordingSampler())
+    assert not with_lora.pool_takes_every_step
     sdpa = runner_for("bfloat16", batch_invariant=False)
     assert sdpa.pool_takes_every_step == (sdpa.kernel_max_queries == sys.maxsize)
     monkeypatch.setenv("PREFIXSERVE_FP32_PREFILL", "1")
