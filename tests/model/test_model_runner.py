@@ -187,6 +187,8 @@ def test_the_stream_pool_takes_every_step_only_where_every_linear_and_chunk_take
     run on MKL's threads), nor one whose linears keep an fp32 copy for large batches
     (PREFIXSERVE_FP32_PREFILL=1) or has LoRA updates, nor a runner outside the batch-invariant
     mode without the long-chunk kernel (SDPA serves long chunks there)."""
+    from prefixserve.worker import model_runner as runner_module
+
     hf_model, config_json = llama
 
     def runner_for(dtype: str, **kwargs) -> ModelRunner:
@@ -202,7 +204,11 @@ def test_the_stream_pool_takes_every_step_only_where_every_linear_and_chunk_take
     model.model.layers[0].self_attn.qkv_proj.lora = object()
     with_lora = ModelRunner(model, config, num_blocks=8, block_size=4, sampler=RecordingSampler())
     assert not with_lora.pool_takes_every_step
+    # Without the long-chunk kernel and outside the batch-invariant mode, long chunks take SDPA.
+    monkeypatch.setattr(runner_module, "prefill_attention_kernel", lambda: None)
     sdpa = runner_for("bfloat16", batch_invariant=False)
-    assert sdpa.pool_takes_every_step == (sdpa.kernel_max_queries == sys.maxsize)
+    assert sdpa.kernel_max_queries != sys.maxsize
+    assert not sdpa.pool_takes_every_step
+    monkeypatch.undo()
     monkeypatch.setenv("PREFIXSERVE_FP32_PREFILL", "1")
     assert not runner_for("bfloat16").pool_takes_every_step

@@ -515,8 +515,9 @@ void sum_range(const uint8_t* q, Scales s, int64_t K, int64_t G, const XRows& xq
 // ~32 KB of codes where several batch rows pass a chunk's rows (they stay in L2 meanwhile). A
 // decode-sized call reads each weight row once: it is cut into a multiple of `threads` chunks
 // of one width (rounded up to 16 columns, so the last may be narrower), as few as keep each
-// under ~kStreamChunkBytes, so every thread streams an even share in long runs. A chunk's start costs the pool's claim and a ramp of the hardware
-// prefetchers on new streams (the codes', the scales'): on AMD Zen 4, 1B and 3B decode at
+// under ~kStreamChunkBytes, so every thread streams an even share in long runs. A chunk's start
+// costs the pool's claim and a ramp of the hardware prefetchers on new streams (the codes', the
+// scales'): on AMD Zen 4, 1B and 3B decode at
 // batch 1 ran 1.10-1.19x faster (median of 12-20 interleaved pairs) in these chunks than in
 // chunks of 192 KB, two a thread at least (BENCHMARKS.md §48); at batch 1 a 32 KB chunk is ~1.4
 // us of reading, and SmolLM2 Q8_0's LM head took 1.27-1.44 ms in 32 KB chunks against 0.84-1.02
