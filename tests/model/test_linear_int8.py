@@ -2,7 +2,7 @@
 
 The kernel is pinned twice: to a float64 reference of its quantized operands (within bf16's
 rounding), and bit for bit to a Python model of its one summation order (exact integer lane sums,
-one fused multiply-add a lane and chunk, the fixed reduction tree), which every CPU family's
+one fused multiply-add a lane and span, the fixed reduction tree), which every CPU family's
 build must match. A row's bits do not depend on the batch, the epilogues round as gemm_bf16's,
 Q8_0 blocks come back exactly from a GGUF file's values, and an engine over 8-bit weights gives
 a cache hit the cold start's bits, with the native decoder layer or without it. Q4_0's and Q5_0's
@@ -49,7 +49,7 @@ def _run(x, w: Int8Weight, bias=None, act=0, residual=None):
 def _run_8_bit(x, w: Int8Weight):
     """The same weight's codes in 8 bits, whatever its format."""
     out = torch.empty(x.shape[0], w.codes.shape[0], dtype=torch.bfloat16)
-    linear_int8_kernel()(out, x, pack_codes(w.codes), w.scales, None, 0, None, 2)
+    linear_int8_kernel()(out, x, pack_codes(w.codes, group=w.group), w.scales, None, 0, None, 2)
     return out
 
 
@@ -108,29 +108,37 @@ def _model_of_the_kernel(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
 
 
 def _sums_of_the_kernel(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
-    """The kernel's documented order in Python, its fp32 sums: per 64 columns, 16 lanes of 4
-    exact integer products (lane l: the 4-column unit l // 2 of the chunk's half l % 2); lane acc =
-    fma(float(sum), wscale * xscale, acc) in fp32 (the fma as one rounding of the exact float64
-    value); the lanes reduced (l, l+8), (l, l+4), (l, l+2), (l, l+1)."""
+    """The kernel's documented order in Python, its fp32 sums: spans of 16 groups of 32 while
+    they last, then 8, 4, 2 (2 always for groups of 16); in a span of n groups, lane l sums
+    exactly the products it holds: columns 4 (t (16 / n) + l / n) + [0, 4) of the span's group
+    l % n in step t; lane acc = fma(float(sum), wscale * xscale, acc) in fp32 once a span (the
+    fma as one rounding of the exact float64 value); the lanes reduced (l, l+8), (l, l+4),
+    (l, l+2), (l, l+1)."""
     codes, xscale = _quantize_x(x)
     rows, k = codes.shape
     n, group = w.codes.shape[0], w.group
-    # Lane l of chunk c: columns 64c + 32 (l % 2) + 4 (l // 2) + [0, 4).
-    lane_cols = torch.tensor(
-        [64 * c + 32 * (lane % 2) + 4 * (lane // 2) for c in range(k // 64) for lane in range(16)]
-    )
-    cols = (lane_cols.view(-1, 1) + torch.arange(4)).view(-1)
-    lanes = (
-        codes[:, cols].view(rows, 1, k // 4, 4) * w.codes.long()[:, cols].view(1, n, k // 4, 4)
-    ).sum(-1)
-    wscale = w.scales[:, lane_cols // group]  # [N, K/4]
-    lane_xscale = xscale[:, lane_cols // 32].unsqueeze(1)
-    scale = (wscale.unsqueeze(0) * lane_xscale).float()
     acc = torch.zeros(rows, n, 16, dtype=torch.float32)
-    for c in range(k // 64):
-        part = lanes[..., 16 * c : 16 * c + 16].double()
-        exact = part * scale[..., 16 * c : 16 * c + 16].double() + acc.double()
+    g0, groups = 0, k // 32
+    while g0 < groups:
+        width = 16 if group % 32 == 0 else 2
+        while width > groups - g0:
+            width //= 2
+        cols = torch.tensor(
+            [
+                [
+                    32 * (g0 + lane % width) + 4 * (t * (16 // width) + lane // width) + b
+                    for t in range(width // 2)
+                    for b in range(4)
+                ]
+                for lane in range(16)
+            ]
+        )
+        sums = (codes[:, cols].unsqueeze(1) * w.codes.long()[:, cols].unsqueeze(0)).sum(-1)
+        first = cols[:, 0]  # [16]: each lane's first column (all of a lane's in one group)
+        scale = (w.scales[:, first // group].unsqueeze(0) * xscale[:, first // 32].unsqueeze(1))
+        exact = sums.double() * scale.float().double() + acc.double()
         acc = exact.float()
+        g0 += width
     t = acc[..., :8] + acc[..., 8:]
     u = t[..., :4] + t[..., 4:]
     v = u[..., :2] + u[..., 2:]
@@ -139,8 +147,9 @@ def _sums_of_the_kernel(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
 
 @pytest.mark.parametrize("fmt", ALL_FORMATS)
 def test_the_kernel_sums_in_its_one_documented_order_on_every_cpu_family(fmt):
-    w = _weights(40, 256, fmt, seed=3)
-    x = _x(3, 256, seed=4)
+    """K = 960: spans of 16, 8, 4 and 2 groups."""
+    w = _weights(40, 960, fmt, seed=3)
+    x = _x(3, 960, seed=4)
     assert torch.equal(_run(x, w), _model_of_the_kernel(x, w))
 
 
@@ -148,8 +157,8 @@ def test_the_kernel_sums_in_its_one_documented_order_on_every_cpu_family(fmt):
 def test_a_float32_out_takes_the_documented_sums_unrounded(fmt):
     """The LM head's logits: into an fp32 out the kernel writes its fp32 sums (+ bias) as they
     are, the documented order's bits on every family, the same for a row alone and in a batch."""
-    w = _weights(40, 256, fmt, seed=3)
-    x = _x(6, 256, seed=4)
+    w = _weights(40, 960, fmt, seed=3)
+    x = _x(6, 960, seed=4)
     bias = torch.randn(40).bfloat16()
     with_bias = assert_float32_out_is_the_sums(w, x, _sums_of_the_kernel(x, w), bias)
     assert torch.equal(with_bias.bfloat16(), _run(x, w, bias))
@@ -242,9 +251,9 @@ def test_codes_that_do_not_fit_their_bits_stay_8_bit_or_are_refused():
     codes, scales = packed_weight(Int8Weight(spans, w.scales, "q4_0"))
     assert codes.dtype == torch.int8 and torch.equal(scales, w.scales)
     with pytest.raises(ValueError, match="do not fit 4 bits"):
-        pack_codes(spans, 4)
+        pack_codes(spans, 4, group=32)
     with pytest.raises(ValueError, match="4, 5 or 8 bits"):
-        pack_codes(w.codes, 6)
+        pack_codes(w.codes, 6, group=32)
 
 
 def test_the_epilogues_round_as_the_separate_ops():

@@ -174,12 +174,32 @@ def _per_16_codes(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | N
     return None
 
 
-def pack_codes(codes: torch.Tensor, bits: int = 8) -> torch.Tensor:
-    """int8 codes [N, K] in the kernel's layout (csrc/linear/linear_int8.cpp): groups of four rows
-    (the last padded with zeros), each group's columns 64c..64c+63 of its four rows one after the
-    other, [ceil(N / 4), K / 64, 4, 64], so a tile of four rows reads one contiguous stream;
-    within a row's 64, the 4-column units of the two halves interleaved (first half's unit 0,
-    second half's unit 0, first half's unit 1, ...), the kernel's lane order.
+def span_columns(k: int, group: int) -> torch.Tensor:
+    """The column of each of a row's K codes in the kernel's span order (csrc/linear/linear_int8.cpp):
+    the row's groups of 32 in spans of 16 while they last, then 8, 4 and 2 (2 always for a weight
+    whose groups are 16 columns); a span of n groups is n / 2 steps of 64 codes, where lane l of
+    step t holds columns 4 (t (16 / n) + l / n) .. + 3 of the span's group l % n."""
+    widest = 16 if group % 32 == 0 else 2
+    columns: list[int] = []
+    g0, groups = 0, k // 32
+    while g0 < groups:
+        n = widest
+        while n > groups - g0:
+            n //= 2
+        for t in range(n // 2):
+            for lane in range(16):
+                first = 32 * (g0 + lane % n) + 4 * (t * (16 // n) + lane // n)
+                columns.extend(range(first, first + 4))
+        g0 += n
+    return torch.tensor(columns)
+
+
+def pack_codes(codes: torch.Tensor, bits: int = 8, *, group: int) -> torch.Tensor:
+    """int8 codes [N, K] of a weight with scales per `group` columns in the kernel's layout
+    (csrc/linear/linear_int8.cpp): each row's codes in the span order (`span_columns`), in groups
+    of four rows (the last padded with zeros), each group's steps of 64 codes of its four rows one
+    after the other, [ceil(N / 4), K / 64, 4, 64], so a tile of four rows reads one contiguous
+    stream.
 
     `bits` 4 or 5 (codes in [-2^(b-1), 2^(b-1) - 1]): each row's 64 stored unsigned (code +
     2^(b-1)) as uint8 [.., 32] of nibble pairs (byte i: lane-order code i low, code i + 32 high),
@@ -187,9 +207,9 @@ def pack_codes(codes: torch.Tensor, bits: int = 8) -> torch.Tensor:
     [.., 40]."""
     n, k = codes.shape
     padded = torch.cat([codes, codes.new_zeros((-n) % 4, k)]) if n % 4 else codes
-    # [groups, 4 rows, chunk, half, unit, 4] -> [groups, chunk, 4 rows, unit, half, 4]
-    units = padded.view(-1, 4, k // 64, 2, 8, 4).permute(0, 2, 1, 4, 3, 5)
-    lanes = units.reshape(-1, k // 64, 4, 64).contiguous()
+    ordered = padded[:, span_columns(k, group)]
+    # [groups, 4 rows, step, 64] -> [groups, step, 4 rows, 64]
+    lanes = ordered.view(-1, 4, k // 64, 64).transpose(1, 2).contiguous()
     if bits == 8:
         return lanes
     if bits not in (4, 5):
@@ -238,8 +258,12 @@ def packed_weight(weight: Int8Weight) -> tuple[torch.Tensor, torch.Tensor]:
     bits = LOW_BIT_FORMATS.get(weight.fmt, 8)
     narrow = _narrow_codes(weight, bits) if bits < 8 else None
     if narrow is None:
-        return pack_codes(weight.codes), _kernel_scales(weight.scales, weight.group)
-    return pack_codes(narrow.codes, bits), _kernel_scales(narrow.scales, narrow.group)
+        return pack_codes(weight.codes, group=weight.group), _kernel_scales(
+            weight.scales, weight.group
+        )
+    return pack_codes(narrow.codes, bits, group=narrow.group), _kernel_scales(
+        narrow.scales, narrow.group
+    )
 
 
 def _kernel_scales(scales: torch.Tensor, group: int) -> torch.Tensor:

@@ -9,20 +9,25 @@
 // products: VPDPBUSD where the CPU has AVX512-VNNI (the weight codes offset to unsigned by 128,
 // the offset's 128 x sum(x codes) taken off in the accumulator's start value), VPMADDUBSW +
 // VPMADDWD on AVX2 (|x| times the weight with x's sign, so no pair saturates), a scalar loop
-// elsewhere. Every family computes the same exact integer sums: sixteen lanes per 64 columns,
-// lane l holding the four products of columns 4u..4u+3 of the chunk's first (l even) or second
-// (l odd) half, u = l / 2: the codes of x and of the weight are stored in that order (the halves'
-// 4-column units interleaved), so a Q8_0 chunk's two scales fill the lanes as one broadcast pair,
-// (s_first, s_second) repeated. Each lane's sum becomes fp32 (exact) and
-// goes into the lane's accumulator by one fused multiply-add with the scale (weight scale times
-// x scale, one rounding) of the group its columns belong to; the sixteen accumulators then reduce
+// elsewhere. Every family computes the same exact integer sums in the same lanes. A row's K
+// columns are cut into spans of whole groups of 32: 16 groups (512 columns) while they last, then
+// 8, 4 and 2 (K is a multiple of 64); where the weight's groups are 16 columns (Q6_K's, per 16),
+// every span is 2 groups. A span of n groups is n / 2 steps of 64 columns in sixteen lanes: in
+// step t, lane l holds the four products of columns 4 (t (16 / n) + l / n) .. + 3 of the span's
+// group l % n, so a lane stays in one group of x (and of the weight) for the whole span and sums
+// its products there in integers (at most 32 x 255 x 127: exact in int32). The codes of x and of
+// the weight are stored in that order (`pack_codes`). At the span's end each lane's sum becomes
+// fp32 (exact) and goes into the lane's accumulator by one fused multiply-add with the scale
+// (weight scale times x scale, one rounding) of its group: one float step a lane per span, not
+// per 64 columns, an eighth of the float work in full spans (which, not the integer products,
+// bounded the tile on AMD Zen 4: BENCHMARKS.md §47). The sixteen accumulators then reduce
 // as (l, l + 8), (l, l + 4), (l, l + 2), (l, l + 1). So every family writes the same bits
 // (tests/model/test_linear_int8.py), and a row's result never depends on the other rows of the
 // call: the kernel is batch-invariant by itself. The epilogues (bias, the residual add, the gated
 // MLP's act(gate) * up) are gemm_bf16's scalar ones, with its roundings.
 //
 // The codes may also be stored in 4 or 5 bits (GGUF Q4_0 and Q5_0, whose codes lie in [-8, 7] and
-// [-16, 15]): unsigned, offset by the zero point z (8 or 16), a row's 64 codes of a chunk in 32
+// [-16, 15]): unsigned, offset by the zero point z (8 or 16), a row's 64 codes of a step in 32
 // bytes (byte b: code b in the low nibble, code b + 32 in the high one, in the lane order above),
 // Q5_0's fifth bits after them in 8 bytes (bit p of the little-endian 64: code p's). The kernel
 // widens them to bytes in registers (a mask and a shift; the fifth bit by a byte mask) and takes
@@ -64,14 +69,15 @@ using prefixserve::gemm::kNone;
 using prefixserve::gemm::kSilu;
 
 constexpr int kLanes = 16;
-constexpr int64_t kChunk = 64;  // columns per sixteen lanes
-// The codes are packed in groups of four rows (`pack_int8_codes`): a group's chunk c holds the
-// four rows' columns 64c..64c+63 one after the other, so a tile of the four rows reads one
+constexpr int64_t kChunk = 64;  // columns a step of sixteen lanes covers
+constexpr int kSpanGroups = 16;  // groups of 32 columns in a full span (512 columns)
+// The codes are packed in groups of four rows (`pack_codes`): a group's step c holds the four
+// rows' 64 codes of step c (columns of the span order) one after the other, so a tile of the four rows reads one
 // contiguous stream (four rows of K bytes each read at half the speed on AMD Zen 4: streams that
 // short escape the hardware prefetchers).
 constexpr int64_t kGroupRows = 4;
 
-// How a row's 64 codes of a chunk are stored: B bits each (8, 5 or 4) in kBytes<B> bytes, and
+// How a row's 64 codes of a step are stored: B bits each (8, 5 or 4) in kBytes<B> bytes, and
 // the zero point the stored (unsigned) codes carry; 8-bit codes are signed, flipped to unsigned
 // (+128) in registers.
 template <int B>
@@ -100,7 +106,7 @@ constexpr int kTileW1 = 4;  // weight rows of a tile with one batch row
 #define PREFIXSERVE_INT8_AVX2 1
 constexpr const char* kFamily = "avx2";
 constexpr int kTileW = 2, kTileX = 2;
-// One batch row (decode at batch 1) over 8-bit codes: four weight rows a tile, so each x chunk's
+// One batch row (decode at batch 1) over 8-bit codes: four weight rows a tile, so each x step's
 // load and |x| serve four rows (eight accumulators, as the 2 x 2 tile's). Q8_0's gate_up took
 // 39 us against 53-72 with two rows; the 4- and 5-bit codes' widening leaves no registers for it
 // (Q5_0's LM head 1.15-1.21 ms against 0.91), so they keep two.
@@ -134,55 +140,69 @@ inline float reduce_halves(__m256 lo, __m256 hi) {
 }
 #endif
 
-// One row of x quantized: codes [K]; per lane (K / 4 of them, 16 per chunk) the x scale of its
-// group and -z times the sum of its four codes (z the weight codes' zero point: the unsigned
-// codes' offset, taken off at the start).
+// Groups of 32 columns a span takes where `left` groups of the row are left: `widest` (16, or 2
+// for a weight with groups of 16) while they last, then 8, 4, 2 (K is a multiple of 64, so
+// `left` is even).
+inline int span_groups(int64_t left, int widest) {
+  int n = widest;
+  while (n > left) n /= 2;
+  return n;
+}
+
+// The widest span for a weight whose groups are G columns: 16 groups of 32 where G is a multiple
+// of 32 (each lane's columns then lie in one weight group), else 2 (one step: four columns).
+inline int widest_span(int64_t G) { return G % 32 == 0 ? kSpanGroups : 2; }
+
+// Rows of x quantized: codes [rows, K] in the span order; per span of each row, at its first
+// step's sixteen lane slots (K / 4 slots a row, 16 a step), each lane's x scale (its group's) and
+// -z times the sum of the lane's codes in the span (z the weight codes' zero point: the unsigned
+// codes' offset, taken off at the start). Later steps' slots stay unused.
 struct XRows {
   std::vector<int8_t> codes;
   std::vector<float> lane_scale;
   std::vector<int32_t> offset;
 };
 
-// Rows of x quantized on the caller and up to `threads - 1` helpers (a prefill's x is large).
-XRows quantize_x(const uint16_t* x, int64_t rows, int64_t K, int64_t threads, int32_t zero) {
+// Rows of x quantized on the caller and up to `threads - 1` helpers (a prefill's x is large), in
+// spans of at most `widest` groups.
+XRows quantize_x(const uint16_t* x, int64_t rows, int64_t K, int64_t threads, int32_t zero,
+                 int widest) {
   XRows q{std::vector<int8_t>(rows * K), std::vector<float>(rows * K / 4),
           std::vector<int32_t>(rows * K / 4)};
   prefixserve::stream_pool().run(rows, rows < 8 ? 1 : threads, [&](int64_t r) {
-    for (int64_t g = 0; g < K; g += 32) {
-      float v[32], amax = 0.0f;
-      for (int t = 0; t < 32; ++t) {
-        v[t] = prefixserve::bf16_bits_to_float(x[r * K + g + t]);
-        amax = std::max(amax, std::fabs(v[t]));
+    for (int64_t g0 = 0; g0 < K / 32;) {
+      const int n = span_groups(K / 32 - g0, widest), per = kLanes / n;
+      const int64_t first = r * K / 4 + g0 / 2 * kLanes;  // the span's lane slots
+      for (int gi = 0; gi < n; ++gi) {
+        const int64_t g = 32 * (g0 + gi);
+        float v[32], amax = 0.0f;
+        for (int t = 0; t < 32; ++t) {
+          v[t] = prefixserve::bf16_bits_to_float(x[r * K + g + t]);
+          amax = std::max(amax, std::fabs(v[t]));
+        }
+        const float scale = amax / 127.0f;
+        int8_t c[32];
+        for (int t = 0; t < 32; ++t) {
+          const float code = scale > 0.0f ? std::nearbyint(v[t] / scale) : 0.0f;
+          c[t] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, code)));
+        }
+        // Unit u (columns 4u..4u+3) of the span's group gi: lane gi + n (u % per) of step u / per.
+        for (int u = 0; u < 8; ++u) {
+          const int64_t lane = gi + n * (u % per), step = g0 / 2 + u / per;
+          std::memcpy(&q.codes[r * K + step * kChunk + lane * 4], &c[4 * u], 4);
+          q.lane_scale[first + lane] = scale;
+          q.offset[first + lane] -= zero * (c[4 * u] + c[4 * u + 1] + c[4 * u + 2] + c[4 * u + 3]);
+        }
       }
-      const float scale = amax / 127.0f;
-      int8_t c[32];
-      for (int t = 0; t < 32; ++t) {
-        const float code = scale > 0.0f ? std::nearbyint(v[t] / scale) : 0.0f;
-        c[t] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, code)));
-      }
-      // The group is half h of its chunk: unit u of it goes to lane 2u + h.
-      const int64_t chunk = (r * K + g) / kChunk, h = (g / 32) % 2;
-      for (int u = 0; u < 8; ++u) {
-        const int64_t lane = chunk * kLanes + 2 * u + h;
-        std::memcpy(&q.codes[lane * 4], &c[4 * u], 4);
-        q.lane_scale[lane] = scale;
-        const int32_t sum = c[4 * u] + c[4 * u + 1] + c[4 * u + 2] + c[4 * u + 3];
-        q.offset[lane] = -zero * sum;
-      }
+      g0 += n;
     }
   }, /*compute_bound=*/rows > kComputeBoundRows);
   return q;
 }
 
-// The group of chunk c where a group spans `chunks_per_group` chunks (>= 1): no division per chunk
-// in the common cases (a row's one group, per-channel; a group per chunk).
-inline int64_t group_of(int64_t c, int64_t chunks_per_group, int64_t groups) {
-  return groups == 1 ? 0 : chunks_per_group == 1 ? c : c / chunks_per_group;
-}
-
 // A weight's scales from some row on: float32, or float16 where every scale is one (GGUF Q8_0,
-// Q5_0 and Q4_0 store theirs so: the same values in half the bytes, read as the pair of a chunk's
-// two groups). G = 16 scales are float32 always.
+// Q5_0 and Q4_0 store theirs so: the same values in half the bytes, a span's converted in one
+// vector). G = 16 scales are float32 always.
 struct Scales {
   const float* f = nullptr;
   const uint16_t* h = nullptr;
@@ -191,32 +211,16 @@ struct Scales {
   float operator[](int64_t i) const {
     return h ? static_cast<float>(c10::Half(h[i], c10::Half::from_bits())) : f[i];
   }
-  // Scales i and i + 1 as one 64-bit pair of floats (broadcast over a chunk's lanes).
-  double pair(int64_t i) const {
-    double out;
-    if (!h) {
-      std::memcpy(&out, f + i, sizeof out);
-      return out;
-    }
-#if defined(__F16C__) && defined(__AVX2__)
-    uint32_t bits;
-    std::memcpy(&bits, h + i, sizeof bits);
-    return _mm_cvtsd_f64(_mm_castps_pd(_mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(bits)))));
-#else
-    const float two[2] = {(*this)[i], (*this)[i + 1]};
-    std::memcpy(&out, two, sizeof out);
-    return out;
-#endif
-  }
 };
 
-// The weight scale of each lane of chunk c of a weight row (scales `groups` apart per row).
-inline float weight_scale(Scales s, int64_t G, int64_t c, int lane) {
-  return s[(c * kChunk + (lane % 2) * 32 + 4 * (lane / 2)) / G];
+// The weight scale of lane l in the span of n groups from group g0 (of 32) of a weight row: the
+// scale of the group its columns lie in (for G = 16, one step a span, its four columns').
+inline float lane_weight_scale(Scales s, int64_t G, int64_t g0, int n, int l) {
+  return s[(32 * (g0 + l % n) + 4 * (l / n)) / G];
 }
 
 #if defined(PREFIXSERVE_INT8_VNNI)
-// A row's 64 codes of a chunk as unsigned bytes (code + z), in the lane order.
+// A row's 64 codes of a step as unsigned bytes (code + z), in the lane order.
 template <int B>
 inline __m512i load_codes(const uint8_t* p) {
   if constexpr (B == 8) {
@@ -247,7 +251,7 @@ inline __m256i bits_to_bytes(uint32_t bits) {
   return _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
 }
 
-// Half h (lanes 8h..8h + 7) of a row's 64 codes of a chunk: the signed codes where B = 8, else
+// Half h (lanes 8h..8h + 7) of a row's 64 codes of a step: the signed codes where B = 8, else
 // the unsigned stored ones (code + z).
 template <int B>
 inline __m256i load_half(const uint8_t* p, int h) {
@@ -267,7 +271,7 @@ inline __m256i load_half(const uint8_t* p, int h) {
 }
 #endif
 
-// Code `col` (in the lane order) of a row's chunk, signed: the portable loop's.
+// Code `col` (in the lane order) of a row's step, signed: the portable loop's.
 template <int B>
 inline int32_t code_at(const uint8_t* p, int64_t col) {
   if constexpr (B == 8) {
@@ -279,179 +283,169 @@ inline int32_t code_at(const uint8_t* p, int64_t col) {
   }
 }
 
-#if defined(PREFIXSERVE_INT8_AVX2)
-// dot_tile's AVX2 sums for 8-bit codes with a scale per 32 (GGUF Q8_0), the same bits. A chunk's
-// lanes alternate its two groups' scales in both halves, for x as for the weight, so each lane's
-// scale product (weight scale times x scale) is the same pair in both halves: made once a chunk
-// per tile pair, not once a half; and the general loop's branches on G leave the chunk loop.
-template <int NW, int NX>
-inline void dot_tile_q8_avx2(const uint8_t* q, Scales s, int64_t K, const XRows& xq, int64_t x0,
-                             float* sums) {
-  const int64_t groups = K / 32, chunks = K / kChunk;
-  constexpr int64_t group_chunk = kGroupRows * kBytes<8>;
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[NW][NX][2];
-  for (int i = 0; i < NW; ++i)
-    for (int j = 0; j < NX; ++j) acc[i][j][0] = acc[i][j][1] = _mm256_setzero_ps();
-  const int8_t* xc = xq.codes.data() + x0 * K;
-  const float* xl = xq.lane_scale.data() + x0 * K / 4;
-  for (int64_t c = 0; c < chunks; ++c) {
-    alignas(32) float scale[NW][NX][8];
-    for (int i = 0; i < NW; ++i) {
-      const __m256 ws = _mm256_castpd_ps(_mm256_set1_pd((s + i * groups).pair(2 * c)));
-      for (int j = 0; j < NX; ++j)
-        _mm256_store_ps(scale[i][j],
-                        _mm256_mul_ps(ws, _mm256_loadu_ps(xl + (j * K + c * kChunk) / 4)));
-    }
-    const uint8_t* w = q + c * group_chunk;
-    for (int h = 0; h < 2; ++h) {
-      __m256i wv[NW];
-      for (int i = 0; i < NW; ++i)
-        wv[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + i * kBytes<8> + 32 * h));
-      for (int j = 0; j < NX; ++j) {
-        const __m256i xv =
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + j * K + c * kChunk + 32 * h));
-        const __m256i ax = _mm256_abs_epi8(xv);
-        for (int i = 0; i < NW; ++i) {
-          // |x| times the code with x's sign: no pair saturates.
-          const __m256i pairs = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(wv[i], xv));
-          const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
-          acc[i][j][h] = _mm256_fmadd_ps(dot, _mm256_load_ps(scale[i][j]), acc[i][j][h]);
-        }
-      }
-    }
+#if defined(PREFIXSERVE_INT8_VNNI)
+// The sixteen lanes' weight scales (`lane_weight_scale`) of a span of a weight row.
+inline __m512 span_scales(Scales s, int64_t G, int64_t groups, int64_t g0, int n) {
+  if (groups == 1) return _mm512_set1_ps(s[0]);
+  if (G == 32) {  // the span's n scales, lane l taking scale l % n
+    const __m512 v = s.h ? _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_maskz_loadu_epi16(
+                               static_cast<__mmask32>((1u << n) - 1), s.h + g0)))
+                         : _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), s.f + g0);
+    if (n == kLanes) return v;
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    return _mm512_permutexvar_ps(_mm512_and_si512(iota, _mm512_set1_epi32(n - 1)), v);
   }
-  for (int i = 0; i < NW; ++i)
-    for (int j = 0; j < NX; ++j) sums[i * NX + j] = reduce_halves(acc[i][j][0], acc[i][j][1]);
+  if (G == 16) {  // one step: lane l's columns in group 2 (l % 2) + (l >= 8) of the four
+    const __m512i by_16 = _mm512_setr_epi32(0, 2, 0, 2, 0, 2, 0, 2, 1, 3, 1, 3, 1, 3, 1, 3);
+    return _mm512_permutexvar_ps(by_16, _mm512_castps128_ps512(_mm_loadu_ps(s.f + 2 * g0)));
+  }
+  alignas(64) float t[kLanes];
+  for (int l = 0; l < kLanes; ++l) t[l] = lane_weight_scale(s, G, g0, n, l);
+  return _mm512_load_ps(t);
+}
+#elif defined(PREFIXSERVE_INT8_AVX2)
+// Lanes 8h..8h + 7 of the span's weight scales (`lane_weight_scale`).
+inline __m256 span_scales_half(Scales s, int64_t G, int64_t groups, int64_t g0, int n, int h) {
+  if (groups == 1) return _mm256_set1_ps(s[0]);
+  if (G == 32 && n == kLanes) {  // scales g0 + 8h .. g0 + 8h + 7
+    return s.h ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s.h + g0 + 8 * h)))
+               : _mm256_loadu_ps(s.f + g0 + 8 * h);
+  }
+  if (G == 16) {  // as the VNNI family's: lane 8h + k takes scale 2 (k % 2) + h of the four
+    const __m256i by_16 = h ? _mm256_setr_epi32(1, 3, 1, 3, 1, 3, 1, 3)
+                            : _mm256_setr_epi32(0, 2, 0, 2, 0, 2, 0, 2);
+    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(s.f + 2 * g0)), by_16);
+  }
+  alignas(32) float t[8];
+  for (int k = 0; k < 8; ++k) t[k] = lane_weight_scale(s, G, g0, n, 8 * h + k);
+  return _mm256_load_ps(t);
 }
 #endif
 
-// Sums of NW weight rows of one packed group of four (codes from q, the group's first chunk of
+// Sums of NW weight rows of one packed group of four (codes from q, the group's first step of
 // the tile's first row, B bits a code; scales K / G apart) with NX quantized x rows (from row x0
-// of xq) into sums[i * NX + j].
+// of xq) into sums[i * NX + j], span by span (`span_groups`): the lanes' integer sums over a
+// span, then one fused multiply-add a lane.
 template <int B, int NW, int NX>
 inline void dot_tile(const uint8_t* q, Scales s, int64_t K, int64_t G, const XRows& xq,
                      int64_t x0, float* sums) {
-  const int64_t groups = K / G, chunks = K / kChunk;
-  const int64_t chunks_per_group = G / kChunk;  // 0 for G = 32
+  const int64_t groups = K / G, groups32 = K / 32;
+  const int widest = widest_span(G);
   constexpr int64_t row_bytes = kBytes<B>, group_chunk = kGroupRows * row_bytes;
-#if defined(PREFIXSERVE_INT8_VNNI)
-  __m512 acc[NW][NX];
-  for (int i = 0; i < NW; ++i)
-    for (int j = 0; j < NX; ++j) acc[i][j] = _mm512_setzero_ps();
-  // x's codes, offsets and lane scales from row x0; a per-channel row's one scale, hoisted (a
-  // scale loaded per chunk, or the vectors' bounds reloaded, left the loop at a third of the
-  // speed from memory: 10 against 34 GB/s of codes on one AMD Zen 4 core).
+  // x's codes, offsets and lane scales from row x0 (a row's slots K / 4 apart).
   const int8_t* xc = xq.codes.data() + x0 * K;
   const int32_t* xo = xq.offset.data() + x0 * K / 4;
   const float* xl = xq.lane_scale.data() + x0 * K / 4;
-  __m512 row_scale[NW];
-  for (int i = 0; i < NW; ++i) row_scale[i] = _mm512_set1_ps(s[i * groups]);
-  // Lane l's group of 16 in its chunk: 2 (l % 2) + (l >= 8), its columns' half and quarter.
-  const __m512i by_16 = _mm512_setr_epi32(0, 2, 0, 2, 0, 2, 0, 2, 1, 3, 1, 3, 1, 3, 1, 3);
-  for (int64_t c = 0; c < chunks; ++c) {
-    __m512i w[NW];
-    __m512 ws[NW];
+#if defined(PREFIXSERVE_INT8_VNNI)
+  // The float accumulators wait in memory while a span's steps run (they are touched once a
+  // span): the NW x NX integer sums, the weight codes and x's step then fit the 32 registers.
+  alignas(64) float acc[NW][NX][kLanes] = {};
+  for (int64_t g0 = 0; g0 < groups32;) {
+    const int n = span_groups(groups32 - g0, widest);
+    const int64_t c0 = g0 / 2;
+    __m512i dot[NW][NX];
+    for (int i = 0; i < NW; ++i)
+      for (int j = 0; j < NX; ++j) dot[i][j] = _mm512_setzero_si512();
+    const auto step = [&](int64_t c) {
+      __m512i w[NW];
+      for (int i = 0; i < NW; ++i) w[i] = load_codes<B>(q + i * row_bytes + c * group_chunk);
+      for (int j = 0; j < NX; ++j) {
+        const __m512i xv = _mm512_loadu_si512(xc + j * K + c * kChunk);
+        for (int i = 0; i < NW; ++i) dot[i][j] = _mm512_dpbusd_epi32(dot[i][j], w[i], xv);
+      }
+    };
+    if (n == kSpanGroups) {  // a full span's eight steps, unrolled (a loop moved the sums)
+#pragma GCC unroll 8
+      for (int t = 0; t < kSpanGroups / 2; ++t) step(c0 + t);
+    } else {
+      for (int64_t c = c0; c < c0 + n / 2; ++c) step(c);
+    }
     for (int i = 0; i < NW; ++i) {
-      w[i] = load_codes<B>(q + i * row_bytes + c * group_chunk);
-      const Scales si = s + i * groups;
-      if (groups == 1) {
-        ws[i] = row_scale[i];
-      } else if (G == 32) {  // the chunk's two scales, (first half, second half), broadcast
-        ws[i] = _mm512_castpd_ps(_mm512_set1_pd(si.pair(2 * c)));
-      } else if (G == 16) {  // the chunk's four scales, each to the lanes of its 16 columns
-        ws[i] = _mm512_permutexvar_ps(by_16, _mm512_castps128_ps512(_mm_loadu_ps(si.f + 4 * c)));
-      } else {
-        ws[i] = _mm512_set1_ps(si[group_of(c, chunks_per_group, groups)]);
+      const __m512 ws = span_scales(s + i * groups, G, groups, g0, n);
+      for (int j = 0; j < NX; ++j) {
+        // The zero point's offset, added once the products are summed (exact in integers).
+        const __m512i sum =
+            _mm512_add_epi32(dot[i][j], _mm512_loadu_si512(xo + j * K / 4 + c0 * kLanes));
+        const __m512 xs = _mm512_loadu_ps(xl + j * K / 4 + c0 * kLanes);
+        _mm512_store_ps(acc[i][j], _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum),
+                                                   _mm512_mul_ps(ws, xs),
+                                                   _mm512_load_ps(acc[i][j])));
       }
     }
-    for (int j = 0; j < NX; ++j) {
-      const __m512i xv = _mm512_loadu_si512(xc + j * K + c * kChunk);
-      const __m512i start = _mm512_loadu_si512(xo + (j * K + c * kChunk) / 4);
-      const __m512 xs = _mm512_loadu_ps(xl + (j * K + c * kChunk) / 4);
-      for (int i = 0; i < NW; ++i) {
-        const __m512i dot = _mm512_dpbusd_epi32(start, w[i], xv);
-        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(ws[i], xs), acc[i][j]);
-      }
-    }
+    g0 += n;
   }
   for (int i = 0; i < NW; ++i)
     for (int j = 0; j < NX; ++j)
-      sums[i * NX + j] = reduce_halves(_mm512_castps512_ps256(acc[i][j]),
-                                       _mm256_castpd_ps(_mm512_extractf64x4_pd(
-                                           _mm512_castps_pd(acc[i][j]), 1)));
+      sums[i * NX + j] = reduce_halves(_mm256_load_ps(acc[i][j]), _mm256_load_ps(acc[i][j] + 8));
 #elif defined(PREFIXSERVE_INT8_AVX2)
-  if constexpr (B == 8) {
-    if (G == 32) return dot_tile_q8_avx2<NW, NX>(q, s, K, xq, x0, sums);
-  }
-  // Lanes 0-7 (columns 0-31 of a chunk) in [0], 8-15 (32-63) in [1].
+  // Lanes 0-7 (each step's first 32 bytes) in [0], 8-15 in [1]: a span's halves are summed one
+  // after the other (its codes stay in L1 meanwhile), so a tile's integer sums need NW x NX
+  // registers, not twice that.
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[NW][NX][2];
   for (int i = 0; i < NW; ++i)
     for (int j = 0; j < NX; ++j) acc[i][j][0] = acc[i][j][1] = _mm256_setzero_ps();
-  // As the VNNI tile: x's pointers and a per-channel row's scale hoisted out of the loop.
-  const int8_t* xc = xq.codes.data() + x0 * K;
-  const int32_t* xo = xq.offset.data() + x0 * K / 4;
-  const float* xl = xq.lane_scale.data() + x0 * K / 4;
-  __m256 row_scale[NW];
-  for (int i = 0; i < NW; ++i) row_scale[i] = _mm256_set1_ps(s[i * groups]);
-  const __m256i by_16[2] = {_mm256_setr_epi32(0, 2, 0, 2, 0, 2, 0, 2),
-                            _mm256_setr_epi32(1, 3, 1, 3, 1, 3, 1, 3)};
-  for (int64_t c = 0; c < chunks; ++c)
+  for (int64_t g0 = 0; g0 < groups32;) {
+    const int n = span_groups(groups32 - g0, widest);
+    const int64_t c0 = g0 / 2;
     for (int h = 0; h < 2; ++h) {
-      const int64_t col = c * kChunk + 32 * h;
-      __m256i w[NW];
-      __m256 ws[NW];
-      for (int i = 0; i < NW; ++i) {
-        w[i] = load_half<B>(q + i * row_bytes + c * group_chunk, h);
-        if (groups == 1) {
-          ws[i] = row_scale[i];
-        } else if (G == 32) {  // as the VNNI tile: both halves' lanes alternate the two scales
-          ws[i] = _mm256_castpd_ps(_mm256_set1_pd((s + i * groups).pair(2 * c)));
-        } else if (G == 16) {  // as the VNNI tile: lane 8h + k takes scale 2 (k % 2) + h
-          ws[i] = _mm256_permutevar8x32_ps(
-              _mm256_castps128_ps256(_mm_loadu_ps(s.f + i * groups + 4 * c)), by_16[h]);
-        } else {
-          ws[i] = _mm256_set1_ps(s[i * groups + group_of(c, chunks_per_group, groups)]);
-        }
-      }
+      __m256i dot[NW][NX];
       for (int j = 0; j < NX; ++j) {
-        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + j * K + col));
-        const __m256 xs = _mm256_loadu_ps(xl + (j * K + col) / 4);
-        // 8-bit codes: |x| times the code with x's sign (no pair saturates). Stored unsigned
-        // codes (<= 31): the code times x, then the zero point's z x sum(x) taken off.
-        const __m256i ax = B == 8 ? _mm256_abs_epi8(xv) : xv;
         const __m256i start = B == 8 ? _mm256_setzero_si256()
                                      : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-                                           xo + (j * K + col) / 4));
-        for (int i = 0; i < NW; ++i) {
-          const __m256i pairs = B == 8 ? _mm256_maddubs_epi16(ax, _mm256_sign_epi8(w[i], xv))
-                                       : _mm256_maddubs_epi16(w[i], xv);
-          const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(pairs, ones), start);
-          acc[i][j][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(ws[i], xs),
+                                           xo + j * K / 4 + c0 * kLanes + 8 * h));
+        for (int i = 0; i < NW; ++i) dot[i][j] = start;
+      }
+      for (int64_t c = c0; c < c0 + n / 2; ++c) {
+        __m256i w[NW];
+        for (int i = 0; i < NW; ++i) w[i] = load_half<B>(q + i * row_bytes + c * group_chunk, h);
+        for (int j = 0; j < NX; ++j) {
+          const __m256i xv =
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + j * K + c * kChunk + 32 * h));
+          // 8-bit codes: |x| times the code with x's sign (no pair saturates). Stored unsigned
+          // codes (<= 31): the code times x, then the zero point's z x sum(x) taken off.
+          const __m256i ax = B == 8 ? _mm256_abs_epi8(xv) : xv;
+          for (int i = 0; i < NW; ++i) {
+            const __m256i pairs = B == 8 ? _mm256_maddubs_epi16(ax, _mm256_sign_epi8(w[i], xv))
+                                         : _mm256_maddubs_epi16(w[i], xv);
+            dot[i][j] = _mm256_add_epi32(dot[i][j], _mm256_madd_epi16(pairs, ones));
+          }
+        }
+      }
+      for (int i = 0; i < NW; ++i) {
+        const __m256 ws = span_scales_half(s + i * groups, G, groups, g0, n, h);
+        for (int j = 0; j < NX; ++j) {
+          const __m256 xs = _mm256_loadu_ps(xl + j * K / 4 + c0 * kLanes + 8 * h);
+          acc[i][j][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[i][j]), _mm256_mul_ps(ws, xs),
                                          acc[i][j][h]);
         }
       }
     }
+    g0 += n;
+  }
   for (int i = 0; i < NW; ++i)
     for (int j = 0; j < NX; ++j) sums[i * NX + j] = reduce_halves(acc[i][j][0], acc[i][j][1]);
 #else
+  (void)xo;  // the portable loop multiplies signed codes: no zero point to take off
   for (int i = 0; i < NW; ++i)
     for (int j = 0; j < NX; ++j) {
-      const int8_t* xr = &xq.codes[(x0 + j) * K];
-      const float* xs = &xq.lane_scale[(x0 + j) * K / 4];
       float acc[kLanes] = {0.0f};
-      for (int64_t c = 0; c < chunks; ++c)
+      for (int64_t g0 = 0; g0 < groups32;) {
+        const int n = span_groups(groups32 - g0, widest);
+        const int64_t c0 = g0 / 2;
+        int32_t dot[kLanes] = {0};
+        for (int64_t c = c0; c < c0 + n / 2; ++c)
+          for (int l = 0; l < kLanes; ++l)
+            for (int t = 0; t < 4; ++t)
+              dot[l] += code_at<B>(q + i * row_bytes + c * group_chunk, 4 * l + t) *
+                        static_cast<int32_t>(xc[j * K + c * kChunk + 4 * l + t]);
         for (int l = 0; l < kLanes; ++l) {
-          int32_t dot = 0;
-          for (int t = 0; t < 4; ++t) {
-            const int64_t col = 4 * l + t;
-            const int32_t code = code_at<B>(q + i * row_bytes + c * group_chunk, col);
-            dot += code * static_cast<int32_t>(xr[c * kChunk + col]);
-          }
-          const float scale = weight_scale(s + i * groups, G, c, l) * xs[c * kLanes + l];
-          acc[l] = std::fma(static_cast<float>(dot), scale, acc[l]);
+          const float scale =
+              lane_weight_scale(s + i * groups, G, g0, n, l) * xl[j * K / 4 + c0 * kLanes + l];
+          acc[l] = std::fma(static_cast<float>(dot[l]), scale, acc[l]);
         }
+        g0 += n;
+      }
       sums[i * NX + j] = reduce_lanes(acc);
     }
 #endif
@@ -667,9 +661,10 @@ void linear_int8(torch::Tensor out, torch::Tensor x, torch::Tensor codes, torch:
     run_chunks(sum, kquant::row_bytes(super, K), K, rows, width_out, gated, e, threads);
     return prefetch_next(rows, prefetch);
   }
-  // x quantized once per call, per row and group of 32, with the codes' zero point.
+  // x quantized once per call, per row and group of 32, with the codes' zero point, in the
+  // weight's spans.
   const int32_t zero = bits == 8 ? kZero<8> : bits == 5 ? kZero<5> : kZero<4>;
-  const XRows xq = quantize_x(x_bits, rows, K, threads, zero);
+  const XRows xq = quantize_x(x_bits, rows, K, threads, zero, widest_span(G));
   const Scales s = half ? Scales{nullptr, reinterpret_cast<const uint16_t*>(scales.data_ptr())}
                         : Scales{scales.data_ptr<float>(), nullptr};
   if (bits == 8)
