@@ -135,7 +135,7 @@ def _sums_of_the_kernel(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
         )
         sums = (codes[:, cols].unsqueeze(1) * w.codes.long()[:, cols].unsqueeze(0)).sum(-1)
         first = cols[:, 0]  # [16]: each lane's first column (all of a lane's in one group)
-        scale = (w.scales[:, first // group].unsqueeze(0) * xscale[:, first // 32].unsqueeze(1))
+        scale = w.scales[:, first // group].unsqueeze(0) * xscale[:, first // 32].unsqueeze(1)
         exact = sums.double() * scale.float().double() + acc.double()
         acc = exact.float()
         g0 += width

@@ -175,10 +175,11 @@ def _per_16_codes(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | N
 
 
 def span_columns(k: int, group: int) -> torch.Tensor:
-    """The column of each of a row's K codes in the kernel's span order (csrc/linear/linear_int8.cpp):
-    the row's groups of 32 in spans of 16 while they last, then 8, 4 and 2 (2 always for a weight
-    whose groups are 16 columns); a span of n groups is n / 2 steps of 64 codes, where lane l of
-    step t holds columns 4 (t (16 / n) + l / n) .. + 3 of the span's group l % n."""
+    """The column of each of a row's K codes in the kernel's span order
+    (csrc/linear/linear_int8.cpp): the row's groups of 32 in spans of 16 while they last, then
+    8, 4 and 2 (2 always for a weight whose groups are 16 columns); a span of n groups is n / 2
+    steps of 64 codes, where lane l of step t holds columns 4 (t (16 / n) + l / n) .. + 3 of the
+    span's group l % n."""
     widest = 16 if group % 32 == 0 else 2
     columns: list[int] = []
     g0, groups = 0, k // 32
