@@ -380,23 +380,17 @@ inline void dot_tile(const uint8_t* q, Scales s, int64_t K, int64_t G, const XRo
 #elif defined(PREFIXSERVE_INT8_AVX2)
   // Lanes 0-7 (each step's first 32 bytes) in [0], 8-15 in [1]: a span's halves are summed one
   // after the other (its codes stay in L1 meanwhile), so a tile's integer sums need NW x NX
-  // registers, not twice that.
+  // registers, not twice that; the float accumulators wait in memory, as the VNNI family's.
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[NW][NX][2];
-  for (int i = 0; i < NW; ++i)
-    for (int j = 0; j < NX; ++j) acc[i][j][0] = acc[i][j][1] = _mm256_setzero_ps();
+  alignas(32) float acc[NW][NX][kLanes] = {};
   for (int64_t g0 = 0; g0 < groups32;) {
     const int n = span_groups(groups32 - g0, widest);
     const int64_t c0 = g0 / 2;
     for (int h = 0; h < 2; ++h) {
       __m256i dot[NW][NX];
-      for (int j = 0; j < NX; ++j) {
-        const __m256i start = B == 8 ? _mm256_setzero_si256()
-                                     : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-                                           xo + j * K / 4 + c0 * kLanes + 8 * h));
-        for (int i = 0; i < NW; ++i) dot[i][j] = start;
-      }
-      for (int64_t c = c0; c < c0 + n / 2; ++c) {
+      for (int i = 0; i < NW; ++i)
+        for (int j = 0; j < NX; ++j) dot[i][j] = _mm256_setzero_si256();
+      const auto step = [&](int64_t c) {
         __m256i w[NW];
         for (int i = 0; i < NW; ++i) w[i] = load_half<B>(q + i * row_bytes + c * group_chunk, h);
         for (int j = 0; j < NX; ++j) {
@@ -411,20 +405,28 @@ inline void dot_tile(const uint8_t* q, Scales s, int64_t K, int64_t G, const XRo
             dot[i][j] = _mm256_add_epi32(dot[i][j], _mm256_madd_epi16(pairs, ones));
           }
         }
-      }
+      };
+      for (int64_t c = c0; c < c0 + n / 2; ++c) step(c);
       for (int i = 0; i < NW; ++i) {
         const __m256 ws = span_scales_half(s + i * groups, G, groups, g0, n, h);
         for (int j = 0; j < NX; ++j) {
-          const __m256 xs = _mm256_loadu_ps(xl + j * K / 4 + c0 * kLanes + 8 * h);
-          acc[i][j][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[i][j]), _mm256_mul_ps(ws, xs),
-                                         acc[i][j][h]);
+          const int64_t slot = j * K / 4 + c0 * kLanes + 8 * h;
+          // Stored unsigned codes: the zero point's offset, added once the products are summed.
+          const __m256i sum = B == 8 ? dot[i][j]
+                                     : _mm256_add_epi32(dot[i][j], _mm256_loadu_si256(
+                                           reinterpret_cast<const __m256i*>(xo + slot)));
+          const __m256 xs = _mm256_loadu_ps(xl + slot);
+          float* a = acc[i][j] + 8 * h;
+          _mm256_store_ps(a, _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(ws, xs),
+                                             _mm256_load_ps(a)));
         }
       }
     }
     g0 += n;
   }
   for (int i = 0; i < NW; ++i)
-    for (int j = 0; j < NX; ++j) sums[i * NX + j] = reduce_halves(acc[i][j][0], acc[i][j][1]);
+    for (int j = 0; j < NX; ++j)
+      sums[i * NX + j] = reduce_halves(_mm256_load_ps(acc[i][j]), _mm256_load_ps(acc[i][j] + 8));
 #else
   (void)xo;  // the portable loop multiplies signed codes: no zero point to take off
   for (int i = 0; i < NW; ++i)
