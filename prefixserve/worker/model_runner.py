@@ -52,6 +52,7 @@ from prefixserve.model.layers.linear import (
 )
 from prefixserve.model.layers.native_layer import step_takes_native_layers
 from prefixserve.model.quant.kv_cache import kv_format
+from prefixserve.model.quant.weights import weights_numerics
 from prefixserve.settings import omp_threads_sleep
 from prefixserve.worker.sample.sampler import is_greedy
 from prefixserve.worker.sample.verify import GeneratorRewind, num_accepted, row_views
@@ -285,8 +286,10 @@ class ModelRunner:
         where the build has no such tiles or they do not serve the model, the portable path's,
         named with its vectors' width: a layer's K/V depend on the earlier layers' attention),
         so a hit is a cold start's bits, also from a store that hosts of other CPU kinds share.
-        `kv_dtype`: as an engine of that KV dtype would name it (the runner's own by default)."""
-        weights = f"/weights-{self.config.quantization}" if self.config.quantization else ""
+        `kv_dtype`: as an engine of that KV dtype would name it (the runner's own by default).
+        The weights' formats (and the 8-bit kernel's span order: `weights_numerics`) in every
+        mode."""
+        weights = weights_numerics(self.config.quantization)
         if not self.batch_invariant:
             return weights
         linears = "native-gemm" if compiled_kernel("gemm") is not None else "onednn"

@@ -24,6 +24,7 @@ from prefixserve.model.layers.linear import Linear
 from prefixserve.model.loader import quantize as quantize_module
 from prefixserve.model.quant.weights import (
     LOW_BIT_FORMATS,
+    SPAN_ORDER,
     Int8Weight,
     fuse,
     pack_codes,
@@ -31,6 +32,7 @@ from prefixserve.model.quant.weights import (
     quantize_per_channel,
     quantize_q4_k,
     recover_gguf_blocks,
+    weights_numerics,
 )
 from prefixserve.sampling_params import SamplingParams
 from tests.helpers.linear_int8 import assert_float32_out_is_the_sums
@@ -436,7 +438,17 @@ def test_an_int8_engine_gives_a_cache_hit_the_cold_start_bits(default_model_int8
     assert warm.num_cached_tokens > 0
     assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
     assert _logprobs(warm) == _logprobs(cold)
-    assert "/weights-int8+q8_0" in llm.llm_engine.runner.kv_numerics()
+    assert "/weights-int8+q8_0/int8-spans16" in llm.llm_engine.runner.kv_numerics()
+
+
+def test_the_disk_tiers_namespace_names_the_span_order_where_a_format_takes_it():
+    """K/V computed under another summation order of 8-bit weights are no hits: the namespace
+    names the span order for per-channel int8, Q8_0, Q5_0 and Q4_0, not for K-quants alone."""
+    assert weights_numerics(None) == ""
+    assert weights_numerics("q8_0") == f"/weights-q8_0/{SPAN_ORDER}"
+    assert weights_numerics("q4_k+q6_k") == "/weights-q4_k+q6_k"
+    assert weights_numerics("q4_0+q4_k") == f"/weights-q4_0+q4_k/{SPAN_ORDER}"
+    assert weights_numerics("int8") != weights_numerics("q8_0")
 
 
 def _native_and_python_layers_agree(loaded) -> None:

@@ -46,6 +46,13 @@ _CODE_MAX = 127.0
 # The formats whose codes the kernel reads in fewer bits, by their bits: the codes of a block lie
 # in [-2^(b-1), 2^(b-1) - 1] once the block's sign is chosen so (`_narrow_codes`).
 LOW_BIT_FORMATS = {"q4_0": 4, "q5_0": 5}
+# The kernel's summation order for weights with groups of 32 or more (per-channel int8, Q8_0,
+# Q5_0, Q4_0: spans of up to 16 groups summed in integers, csrc/linear/linear_int8.cpp), named in
+# the disk tier's namespace (`weights_numerics`): K/V that an earlier order computed (one float
+# step per 64 columns) round otherwise, so they are not this build's hits. Change the name with
+# the order.
+SPAN_ORDER = "int8-spans16"
+_SPAN_FORMATS = frozenset({"int8", "q8_0", "q5_0", "q4_0"})
 # The formats of int8 codes with a scale per 32, symmetric: shards of them fuse as one.
 _PER_32_SYMMETRIC = {fmt for fmt, _ in GGUF_BLOCK_TYPES}
 
@@ -507,3 +514,12 @@ def pack_k_quant_mix(q4_k: Int8Weight, q6_k: Int8Weight) -> tuple[torch.Tensor, 
     codes_6, d = pack_q6_k(q6_k)
     scales = torch.cat([d_dmin, torch.cat([d, torch.zeros_like(d)], dim=1)])
     return torch.cat([codes_4.view(-1), codes_6.view(-1)]).contiguous(), scales.contiguous()
+
+
+def weights_numerics(quantization: str | None) -> str:
+    """What the disk tier's namespace adds for a model's weight formats (`quantize_model`'s
+    "q8_0", "int8+q8_0", ...): the formats, and the span order where any format takes it."""
+    if not quantization:
+        return ""
+    spans = any(fmt in _SPAN_FORMATS for fmt in quantization.split("+"))
+    return f"/weights-{quantization}" + (f"/{SPAN_ORDER}" if spans else "")
