@@ -279,16 +279,15 @@ class ModelRunner:
         return gen
 
     def kv_numerics(self, kv_dtype: str | None = None) -> str:
-        """What the disk tier's namespace adds for how this runner computes K/V: nothing
-        outside the batch-invariant mode; in it, its linears' path (the native GEMM's order, or
+        """What the disk tier's namespace adds for how this runner computes K/V: in every mode
+        the weights' formats and the 8-bit kernel's span order (`weights_numerics`); in the
+        batch-invariant mode also its linears' path (the native GEMM's order, or
         oneDNN's where `PREFIXSERVE_NATIVE_GEMM=0`) and its attention's (the bf16 lanes kernels'
         arithmetic, its int8 caches' integer one, the same bits on 512- or 256-bit tiles; or,
         where the build has no such tiles or they do not serve the model, the portable path's,
         named with its vectors' width: a layer's K/V depend on the earlier layers' attention),
         so a hit is a cold start's bits, also from a store that hosts of other CPU kinds share.
-        `kv_dtype`: as an engine of that KV dtype would name it (the runner's own by default).
-        The weights' formats (and the 8-bit kernel's span order: `weights_numerics`) in every
-        mode."""
+        `kv_dtype`: as an engine of that KV dtype would name it (the runner's own by default)."""
         weights = weights_numerics(self.config.quantization)
         if not self.batch_invariant:
             return weights

@@ -213,16 +213,29 @@ def test_4_and_5_bit_codes_give_the_bits_of_the_same_codes_in_8_bits(fmt):
 @pytest.mark.parametrize("fmt", ["q8_0", "q5_0", "q4_0"])
 def test_scales_float16_holds_are_read_in_float16_with_the_same_bits(fmt):
     """GGUF's own scales are fp16: packed in fp16 (half their bytes), the kernel gives the bits
-    of the same scales in fp32, in its one documented order."""
-    w = _weights(36, 256, fmt, seed=7)
+    of the same scales in fp32, in its one documented order. K = 960: full spans (whose 16
+    scales convert in one vector) and the narrower ones."""
+    w = _weights(36, 960, fmt, seed=7)
     w = Int8Weight(w.codes, w.scales.half().float(), fmt)  # what a GGUF file's scales are
     codes, scales = packed_weight(w)
     assert scales.dtype == torch.float16 and torch.equal(scales.float().abs(), w.scales)
     for rows in (1, 3, 6):
-        x = _x(rows, 256, seed=rows)
+        x = _x(rows, 960, seed=rows)
         out = torch.empty(rows, 36, dtype=torch.bfloat16)
         linear_int8_kernel()(out, x, codes, scales.float(), None, 0, None, 2)
         assert torch.equal(_run(x, w), out)
+        assert torch.equal(_run(x, w), _model_of_the_kernel(x, w))
+
+
+@pytest.mark.parametrize("group", [64, 320, 960])
+def test_groups_wider_than_32_sum_in_spans_with_each_lanes_group_scale(group):
+    """A scale per 64, 320 or 960 columns (K = 960): each lane's columns lie in one group of 32
+    and so in one weight group, whose scale it takes; the documented order's bits."""
+    gen = torch.Generator().manual_seed(group)
+    codes = torch.randint(-127, 128, (20, 960), generator=gen, dtype=torch.int8)
+    w = Int8Weight(codes, torch.rand(20, 960 // group, generator=gen) * 1e-3, "int8")
+    for rows in (1, 5):
+        x = _x(rows, 960, seed=rows)
         assert torch.equal(_run(x, w), _model_of_the_kernel(x, w))
 
 

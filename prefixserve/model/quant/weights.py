@@ -25,6 +25,7 @@ the same bits out, from half or five eighths of the bytes.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -181,6 +182,7 @@ def _per_16_codes(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | N
     return None
 
 
+@functools.lru_cache(maxsize=64)
 def span_columns(k: int, group: int) -> torch.Tensor:
     """The column of each of a row's K codes in the kernel's span order
     (csrc/linear/linear_int8.cpp): the row's groups of 32 in spans of 16 while they last, then
@@ -215,9 +217,12 @@ def pack_codes(codes: torch.Tensor, bits: int = 8, *, group: int) -> torch.Tenso
     [.., 40]."""
     n, k = codes.shape
     padded = torch.cat([codes, codes.new_zeros((-n) % 4, k)]) if n % 4 else codes
-    ordered = padded[:, span_columns(k, group)]
-    # [groups, 4 rows, step, 64] -> [groups, step, 4 rows, 64]
-    lanes = ordered.view(-1, 4, k // 64, 64).transpose(1, 2).contiguous()
+    by_group = padded.view(-1, 4, k)
+    # One gather into [groups, step, 4 rows, 64]: row r's step c takes columns cols[c].
+    groups = torch.arange(by_group.shape[0]).view(-1, 1, 1, 1)
+    rows = torch.arange(4).view(1, 1, 4, 1)
+    cols = span_columns(k, group).view(1, k // 64, 1, 64)
+    lanes = by_group[groups, rows, cols]
     if bits == 8:
         return lanes
     if bits not in (4, 5):

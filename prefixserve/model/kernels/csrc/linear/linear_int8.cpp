@@ -7,7 +7,7 @@
 // As llama.cpp multiplies Q8_0 weights, each row of x is quantized too, per group of 32 (scale
 // amax / 127, codes rounded to nearest even, in [-127, 127]), and the products are integer dot
 // products: VPDPBUSD where the CPU has AVX512-VNNI (the weight codes offset to unsigned by 128,
-// the offset's 128 x sum(x codes) taken off in the accumulator's start value), VPMADDUBSW +
+// the offset's 128 x sum(x codes) taken off once a span's products are summed), VPMADDUBSW +
 // VPMADDWD on AVX2 (|x| times the weight with x's sign, so no pair saturates), a scalar loop
 // elsewhere. Every family computes the same exact integer sums in the same lanes. A row's K
 // columns are cut into spans of whole groups of 32: 16 groups (512 columns) while they last, then
@@ -31,7 +31,7 @@
 // bytes (byte b: code b in the low nibble, code b + 32 in the high one, in the lane order above),
 // Q5_0's fifth bits after them in 8 bytes (bit p of the little-endian 64: code p's). The kernel
 // widens them to bytes in registers (a mask and a shift; the fifth bit by a byte mask) and takes
-// z x sum(x codes) off in the accumulator's start value, as the 8-bit codes' 128: the lanes' integer
+// z x sum(x codes) off once a span is summed, as the 8-bit codes' 128: the lanes' integer
 // sums are the same exact integers, so a weight gives the same bits in 4, 5 or 8 bits, at a half
 // or five eighths of the bytes.
 //
@@ -69,12 +69,12 @@ using prefixserve::gemm::kNone;
 using prefixserve::gemm::kSilu;
 
 constexpr int kLanes = 16;
-constexpr int64_t kChunk = 64;  // columns a step of sixteen lanes covers
+constexpr int64_t kStep = 64;  // columns a step of sixteen lanes covers
 constexpr int kSpanGroups = 16;  // groups of 32 columns in a full span (512 columns)
 // The codes are packed in groups of four rows (`pack_codes`): a group's step c holds the four
-// rows' 64 codes of step c (columns of the span order) one after the other, so a tile of the four rows reads one
-// contiguous stream (four rows of K bytes each read at half the speed on AMD Zen 4: streams that
-// short escape the hardware prefetchers).
+// rows' 64 codes of step c (columns of the span order) one after the other, so a tile of the four
+// rows reads one contiguous stream (four rows of K bytes each read at half the speed on AMD Zen 4:
+// streams that short escape the hardware prefetchers).
 constexpr int64_t kGroupRows = 4;
 
 // How a row's 64 codes of a step are stored: B bits each (8, 5 or 4) in kBytes<B> bytes, and
@@ -102,14 +102,15 @@ constexpr const char* kFamily = "avx512-vnni";
 // Weight rows x batch rows of one register tile.
 constexpr int kTileW = 4, kTileX = 4;
 constexpr int kTileW1 = 4;  // weight rows of a tile with one batch row
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define PREFIXSERVE_INT8_AVX2 1
 constexpr const char* kFamily = "avx2";
 constexpr int kTileW = 2, kTileX = 2;
 // One batch row (decode at batch 1) over 8-bit codes: four weight rows a tile, so each x step's
-// load and |x| serve four rows (eight accumulators, as the 2 x 2 tile's). Q8_0's gate_up took
-// 39 us against 53-72 with two rows; the 4- and 5-bit codes' widening leaves no registers for it
-// (Q5_0's LM head 1.15-1.21 ms against 0.91), so they keep two.
+// load and |x| serve four rows. Measured before the span order (when a tile held float sums,
+// eight accumulators as the 2 x 2 tile's): Q8_0's gate_up took 39 us against 53-72 with two rows;
+// the 4- and 5-bit codes' widening left no registers for it (Q5_0's LM head 1.15-1.21 ms against
+// 0.91), so they keep two.
 constexpr int kTileW1 = 4;
 #else
 constexpr const char* kFamily = "portable";
@@ -189,7 +190,7 @@ XRows quantize_x(const uint16_t* x, int64_t rows, int64_t K, int64_t threads, in
         // Unit u (columns 4u..4u+3) of the span's group gi: lane gi + n (u % per) of step u / per.
         for (int u = 0; u < 8; ++u) {
           const int64_t lane = gi + n * (u % per), step = g0 / 2 + u / per;
-          std::memcpy(&q.codes[r * K + step * kChunk + lane * 4], &c[4 * u], 4);
+          std::memcpy(&q.codes[r * K + step * kStep + lane * 4], &c[4 * u], 4);
           q.lane_scale[first + lane] = scale;
           q.offset[first + lane] -= zero * (c[4 * u] + c[4 * u + 1] + c[4 * u + 2] + c[4 * u + 3]);
         }
@@ -201,8 +202,8 @@ XRows quantize_x(const uint16_t* x, int64_t rows, int64_t K, int64_t threads, in
 }
 
 // A weight's scales from some row on: float32, or float16 where every scale is one (GGUF Q8_0,
-// Q5_0 and Q4_0 store theirs so: the same values in half the bytes, a span's converted in one
-// vector). G = 16 scales are float32 always.
+// Q5_0 and Q4_0 store theirs so: the same values in half the bytes; a full span's converted in
+// one vector). G = 16 scales are float32 always.
 struct Scales {
   const float* f = nullptr;
   const uint16_t* h = nullptr;
@@ -308,8 +309,8 @@ inline __m512 span_scales(Scales s, int64_t G, int64_t groups, int64_t g0, int n
 inline __m256 span_scales_half(Scales s, int64_t G, int64_t groups, int64_t g0, int n, int h) {
   if (groups == 1) return _mm256_set1_ps(s[0]);
   if (G == 32 && n == kLanes) {  // scales g0 + 8h .. g0 + 8h + 7
-    return s.h ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s.h + g0 + 8 * h)))
-               : _mm256_loadu_ps(s.f + g0 + 8 * h);
+    if (!s.h) return _mm256_loadu_ps(s.f + g0 + 8 * h);
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s.h + g0 + 8 * h)));
   }
   if (G == 16) {  // as the VNNI family's: lane 8h + k takes scale 2 (k % 2) + h of the four
     const __m256i by_16 = h ? _mm256_setr_epi32(1, 3, 1, 3, 1, 3, 1, 3)
@@ -331,7 +332,7 @@ inline void dot_tile(const uint8_t* q, Scales s, int64_t K, int64_t G, const XRo
                      int64_t x0, float* sums) {
   const int64_t groups = K / G, groups32 = K / 32;
   const int widest = widest_span(G);
-  constexpr int64_t row_bytes = kBytes<B>, group_chunk = kGroupRows * row_bytes;
+  constexpr int64_t row_bytes = kBytes<B>, step_bytes = kGroupRows * row_bytes;
   // x's codes, offsets and lane scales from row x0 (a row's slots K / 4 apart).
   const int8_t* xc = xq.codes.data() + x0 * K;
   const int32_t* xo = xq.offset.data() + x0 * K / 4;
@@ -348,9 +349,9 @@ inline void dot_tile(const uint8_t* q, Scales s, int64_t K, int64_t G, const XRo
       for (int j = 0; j < NX; ++j) dot[i][j] = _mm512_setzero_si512();
     const auto step = [&](int64_t c) {
       __m512i w[NW];
-      for (int i = 0; i < NW; ++i) w[i] = load_codes<B>(q + i * row_bytes + c * group_chunk);
+      for (int i = 0; i < NW; ++i) w[i] = load_codes<B>(q + i * row_bytes + c * step_bytes);
       for (int j = 0; j < NX; ++j) {
-        const __m512i xv = _mm512_loadu_si512(xc + j * K + c * kChunk);
+        const __m512i xv = _mm512_loadu_si512(xc + j * K + c * kStep);
         for (int i = 0; i < NW; ++i) dot[i][j] = _mm512_dpbusd_epi32(dot[i][j], w[i], xv);
       }
     };
@@ -392,10 +393,10 @@ inline void dot_tile(const uint8_t* q, Scales s, int64_t K, int64_t G, const XRo
         for (int j = 0; j < NX; ++j) dot[i][j] = _mm256_setzero_si256();
       const auto step = [&](int64_t c) {
         __m256i w[NW];
-        for (int i = 0; i < NW; ++i) w[i] = load_half<B>(q + i * row_bytes + c * group_chunk, h);
+        for (int i = 0; i < NW; ++i) w[i] = load_half<B>(q + i * row_bytes + c * step_bytes, h);
         for (int j = 0; j < NX; ++j) {
           const __m256i xv =
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + j * K + c * kChunk + 32 * h));
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + j * K + c * kStep + 32 * h));
           // 8-bit codes: |x| times the code with x's sign (no pair saturates). Stored unsigned
           // codes (<= 31): the code times x, then the zero point's z x sum(x) taken off.
           const __m256i ax = B == 8 ? _mm256_abs_epi8(xv) : xv;
@@ -439,8 +440,8 @@ inline void dot_tile(const uint8_t* q, Scales s, int64_t K, int64_t G, const XRo
         for (int64_t c = c0; c < c0 + n / 2; ++c)
           for (int l = 0; l < kLanes; ++l)
             for (int t = 0; t < 4; ++t)
-              dot[l] += code_at<B>(q + i * row_bytes + c * group_chunk, 4 * l + t) *
-                        static_cast<int32_t>(xc[j * K + c * kChunk + 4 * l + t]);
+              dot[l] += code_at<B>(q + i * row_bytes + c * step_bytes, 4 * l + t) *
+                        static_cast<int32_t>(xc[j * K + c * kStep + 4 * l + t]);
         for (int l = 0; l < kLanes; ++l) {
           const float scale =
               lane_weight_scale(s + i * groups, G, g0, n, l) * xl[j * K / 4 + c0 * kLanes + l];
@@ -497,7 +498,7 @@ void sum_range(const uint8_t* q, Scales s, int64_t K, int64_t G, const XRows& xq
                          : slot % 2 == 0 && left >= 2 && tile_w >= 2 ? 2
                                                                      : 1;
       const uint8_t* base =
-          q + (r / kGroupRows) * kGroupRows * (K / kChunk) * kBytes<B> + slot * kBytes<B>;
+          q + (r / kGroupRows) * kGroupRows * (K / kStep) * kBytes<B> + slot * kBytes<B>;
       dot_rows<B>(base, s + r * groups, K, G, xq, m0, nw, tx, tile);
       for (int64_t i = 0; i < nw; ++i)
         for (int64_t j = 0; j < tx; ++j) sums[(m0 + j) * width + n + i] = tile[i * tx + j];
@@ -559,7 +560,7 @@ void run_codes(const uint8_t* q, Scales s, int64_t K, int64_t G, const XRows& xq
   const auto sum = [&](int64_t n0, int64_t width, float* sums) {
     sum_range<B>(q, s, K, G, xq, rows, n0, width, sums);
   };
-  run_chunks(sum, K / kChunk * kBytes<B>, K, rows, width_out, gated, e, threads);
+  run_chunks(sum, K / kStep * kBytes<B>, K, rows, width_out, gated, e, threads);
 }
 
 // A decode-sized call has the pool's helpers bring the next linear's codes toward their caches
@@ -619,9 +620,9 @@ void linear_int8(torch::Tensor out, torch::Tensor x, torch::Tensor codes, torch:
   const bool codes_fit =
       super ? kquant::shapes_fit(super, codes, scales, N, K)
             : codes.size(0) == (N + kGroupRows - 1) / kGroupRows &&
-                  codes.size(1) * kChunk == K && codes.size(2) == kGroupRows &&
-                  K % kChunk == 0 && groups > 0 && K % groups == 0 &&
-                  (K / groups == 16 || K / groups == 32 || (K / groups) % kChunk == 0);
+                  codes.size(1) * kStep == K && codes.size(2) == kGroupRows &&
+                  K % kStep == 0 && groups > 0 && K % groups == 0 &&
+                  (K / groups == 16 || K / groups == 32 || (K / groups) % kStep == 0);
   TORCH_CHECK(codes_fit && (!gated || N % 2 == 0) && out.size(0) == rows &&
                   out.size(1) == width_out,
               "linear_int8: shapes x [rows, K], codes [N / 4, K / 64, 4, bytes], scales [N, K / G] "
