@@ -442,11 +442,13 @@ def _run_agent(
     bar.set_description(f"{engine}: {name} warm-up")
     asyncio.run(warm_up(server.base_url, server.model_id))
     bar.set_description(f"{engine}: {name}")
+    before = scrape_spec_decode(server.base_url)
     run = asyncio.run(
         run_agent_workload(
             server.base_url, server.model_id, config, on_done=lambda _: bar.update(1)
         )
     )
+    spec_decode = spec_decode_delta(before, scrape_spec_decode(server.base_url))
     failed = any(r.error for r in run.records)
     try:
         server.check_alive(grace_s=5.0 if failed else 0.0)
@@ -463,6 +465,7 @@ def _run_agent(
         startup_s=server.startup_s,
         machine=_machine(),
         finished_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        spec_decode=spec_decode,
     )
     path = results.result_path(cfg.out_dir, name, engine)
     path.parent.mkdir(parents=True, exist_ok=True)

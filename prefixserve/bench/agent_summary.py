@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from prefixserve.bench.agent_workload import AgentConfig, AgentRecord, AgentRun
-from prefixserve.bench.summary import percentiles
+from prefixserve.bench.summary import SPEC_HEADER, percentiles, spec_cells
 
 
 @dataclass(slots=True)
@@ -40,6 +40,17 @@ class AgentSummary:
     forced_turns: int
     forced_parsed: int
     calls_made: int
+    # Speculative decoding over the run, where the server exports its counters (W9 with n-gram).
+    acceptance_rate: float | None = None
+    mean_accepted_length: float | None = None
+
+    def with_spec_decode(self, spec_decode: dict[str, Any] | None) -> AgentSummary:
+        """This summary with the acceptance numbers of the run's spec-decode counters
+        (`server_counters.spec_decode_delta`'s dict, or None)."""
+        if spec_decode:
+            self.acceptance_rate = spec_decode.get("acceptance_rate")
+            self.mean_accepted_length = spec_decode.get("mean_accepted_length")
+        return self
 
     @property
     def parse_rate(self) -> float | None:
@@ -99,8 +110,10 @@ AGENT_TABLE_HEADER = (
 
 
 def agent_table(rows: Sequence[tuple[str, AgentSummary, bool | None]]) -> str:
-    """A markdown table, one row per (engine, summary, alive after the run)."""
-    lines = [AGENT_TABLE_HEADER, "|" + "---|" * 9]
+    """A markdown table, one row per (engine, summary, alive after the run); with speculative
+    decoding's acceptance rate and mean accepted length when any row has them."""
+    spec = any(s.acceptance_rate is not None for _, s, _ in rows)
+    lines = [AGENT_TABLE_HEADER + (SPEC_HEADER if spec else ""), "|" + "---|" * (11 if spec else 9)]
     for name, s, alive in rows:
         share = "n/a" if s.cached_share is None else f"{100 * s.cached_share:.1f}%"
         rate = "n/a" if s.parse_rate is None else f"{100 * s.parse_rate:.1f}%"
@@ -111,6 +124,7 @@ def agent_table(rows: Sequence[tuple[str, AgentSummary, bool | None]]) -> str:
             f"| {share} | {rate} ({s.parse_ok}/{s.parse_checked}) "
             f"| {s.forced_parsed}/{s.forced_turns} | {s.num_failed} "
             f"| {'n/a' if alive is None else ('yes' if alive else 'NO')} |"
+            + (spec_cells(s.acceptance_rate, s.mean_accepted_length) if spec else "")
         )
     return "\n".join(lines)
 
@@ -118,8 +132,9 @@ def agent_table(rows: Sequence[tuple[str, AgentSummary, bool | None]]) -> str:
 def result_payload(
     engine: str, config: AgentConfig, run: AgentRun, alive: bool | None, **extra: Any
 ) -> dict[str, Any]:
-    """What `<out>/W9/<engine>.json` holds."""
-    summary = summarize_agent(run.records, run.duration)
+    """What `<out>/W9/<engine>.json` holds (`extra`: the server's command, its speculative-
+    decoding counters over the run as `spec_decode`, ...)."""
+    summary = summarize_agent(run.records, run.duration).with_spec_decode(extra.get("spec_decode"))
     return {
         "engine": engine,
         "workload": "W9",
@@ -144,7 +159,8 @@ def load_agent_results(
     for path in sorted(folder.glob("*.json"), key=lambda p: (rank.get(p.stem, 99), p.stem)):
         data = json.loads(path.read_text())
         records = [AgentRecord.from_dict(r) for r in data["run"]["records"]]
+        summary = summarize_agent(records, data["run"]["duration"])
         rows.append(
-            (data["engine"], summarize_agent(records, data["run"]["duration"]), data.get("alive"))
+            (data["engine"], summary.with_spec_decode(data.get("spec_decode")), data.get("alive"))
         )
     return rows

@@ -323,6 +323,7 @@ def _run_agents(args: argparse.Namespace, served: str) -> None:
     from prefixserve.bench.agent_summary import result_payload
     from prefixserve.bench.agent_workload import AgentConfig, run_agent_workload
     from prefixserve.bench.results import result_path
+    from prefixserve.bench.server_counters import scrape_spec_decode, spec_decode_delta
     from prefixserve.bench.workload_types import scaled
 
     config = AgentConfig(
@@ -331,6 +332,7 @@ def _run_agents(args: argparse.Namespace, served: str) -> None:
         seed=args.seed,
         strict=args.strict_tools,
     )
+    before = scrape_spec_decode(args.base_url)
     with tqdm(total=config.num_requests, desc=f"{args.name}: W9") as bar:
         run = asyncio.run(
             run_agent_workload(
@@ -347,7 +349,10 @@ def _run_agents(args: argparse.Namespace, served: str) -> None:
         alive = False
     path = result_path(args.out, "W9", args.name)
     path.parent.mkdir(parents=True, exist_ok=True)
-    payload = result_payload(args.name, config, run, alive, base_url=args.base_url)
+    spec_decode = spec_decode_delta(before, scrape_spec_decode(args.base_url))
+    payload = result_payload(
+        args.name, config, run, alive, base_url=args.base_url, spec_decode=spec_decode
+    )
     path.write_text(json.dumps(payload, indent=1))
 
 

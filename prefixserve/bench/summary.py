@@ -118,6 +118,12 @@ TABLE_HEADER = (
 SPEC_HEADER = " accept rate | mean acc len |"
 
 
+def spec_cells(acceptance_rate: float | None, mean_accepted_length: float | None) -> str:
+    """The `SPEC_HEADER` columns of a table row."""
+    rate = "n/a" if acceptance_rate is None else f"{100 * acceptance_rate:.1f}%"
+    return f" {rate} | {_fmt(mean_accepted_length, 2)} |"
+
+
 def markdown_table(rows: Sequence[tuple[str, Summary]]) -> str:
     """A markdown table with one row per (engine name, summary); with speculative decoding's
     acceptance rate and mean accepted length when any row has them."""
@@ -133,7 +139,6 @@ def markdown_table(rows: Sequence[tuple[str, Summary]]) -> str:
             f"| {hit} | {s.num_failed} |"
         )
         if spec:
-            rate = "n/a" if s.acceptance_rate is None else f"{100 * s.acceptance_rate:.1f}%"
-            line += f" {rate} | {_fmt(s.mean_accepted_length, 2)} |"
+            line += spec_cells(s.acceptance_rate, s.mean_accepted_length)
         lines.append(line)
     return "\n".join(lines)

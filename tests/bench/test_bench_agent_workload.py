@@ -155,6 +155,32 @@ def test_report_writes_the_agent_table_next_to_the_other_workloads(tmp_path):
     assert json.loads((tmp_path / "summary.json").read_text())["W9"]["peer"]["parse_rate"] == 1
 
 
+def test_the_agent_table_shows_speculative_decodings_acceptance_where_a_server_counted_it(
+    tmp_path,
+):
+    """W9 with n-gram drafts: the run's spec-decode counters (`spec_decode`, as compare.py and
+    `bench run` record them) give the row its acceptance rate and mean accepted length; a
+    server without them reads n/a; a run where no server counted any keeps the table as it was."""
+    from prefixserve.bench.summary import SPEC_HEADER
+
+    config = aw.AgentConfig(sessions=1, turns=4)
+    run = aw.AgentRun(_run([1, 1, 1, 1], [(10, 0), (10, 5), (10, 5), (10, 5)]), 4.0)
+    spec = {"acceptance_rate": 0.25, "mean_accepted_length": 1.75}
+    (tmp_path / "W9").mkdir()
+    for engine, counted in (("prefixserve+ngram", spec), ("peer", None)):
+        payload = asum.result_payload(engine, config, run, True, spec_decode=counted)
+        (tmp_path / "W9" / f"{engine}.json").write_text(json.dumps(payload))
+    report(tmp_path, ["W9"], order=["prefixserve+ngram"])
+    lines = (tmp_path / "W9.md").read_text().splitlines()
+    assert lines[0] == asum.AGENT_TABLE_HEADER + SPEC_HEADER
+    assert lines[2].endswith("| yes | 25.0% | 1.75 |")
+    assert lines[3].endswith("| yes | n/a | n/a |")
+    summary = json.loads((tmp_path / "summary.json").read_text())["W9"]
+    assert summary["prefixserve+ngram"]["acceptance_rate"] == 0.25
+    rows = [("a", asum.summarize_agent(run.records, 4.0), True)]
+    assert asum.agent_table(rows).splitlines()[0] == asum.AGENT_TABLE_HEADER
+
+
 def _render(template: str, arguments: object) -> str:
     """Render a history call the way transformers does (its tojson: json.dumps)."""
     env = jinja2.Environment()
