@@ -25,7 +25,6 @@ the same bits out, from half or five eighths of the bytes.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -182,31 +181,32 @@ def _per_16_codes(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | N
     return None
 
 
-@functools.lru_cache(maxsize=64)
-def span_columns(k: int, group: int) -> torch.Tensor:
-    """The column of each of a row's K codes in the kernel's span order
+def in_span_order(codes: torch.Tensor, group: int) -> torch.Tensor:
+    """Codes [R, K] with each row's columns in the kernel's span order
     (csrc/linear/linear_int8.cpp): the row's groups of 32 in spans of 16 while they last, then
     8, 4 and 2 (2 always for a weight whose groups are 16 columns); a span of n groups is n / 2
     steps of 64 codes, where lane l of step t holds columns 4 (t (16 / n) + l / n) .. + 3 of the
-    span's group l % n."""
+    span's group l % n. Column 32 g + 4 (t (16 / n) + r) + b of the span thus goes to step t,
+    lane g + n r, byte b: a permutation of [g, t, r, b] to [t, r, g, b], by spans of one width."""
+    rows, k = codes.shape
     widest = 16 if group % 32 == 0 else 2
-    columns: list[int] = []
-    g0, groups = 0, k // 32
+    parts, g0, groups = [], 0, k // 32
     while g0 < groups:
         n = widest
         while n > groups - g0:
             n //= 2
-        for t in range(n // 2):
-            for lane in range(16):
-                first = 32 * (g0 + lane % n) + 4 * (t * (16 // n) + lane // n)
-                columns.extend(range(first, first + 4))
-        g0 += n
-    return torch.tensor(columns)
+        count = (groups - g0) // n if n == widest else 1  # the spans of this width in a row
+        spans = codes[:, 32 * g0 : 32 * (g0 + count * n)].reshape(
+            rows, count, n, n // 2, 16 // n, 4
+        )
+        parts.append(spans.permute(0, 1, 3, 4, 2, 5).reshape(rows, -1))
+        g0 += count * n
+    return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0].contiguous()
 
 
 def pack_codes(codes: torch.Tensor, bits: int = 8, *, group: int) -> torch.Tensor:
     """int8 codes [N, K] of a weight with scales per `group` columns in the kernel's layout
-    (csrc/linear/linear_int8.cpp): each row's codes in the span order (`span_columns`), in groups
+    (csrc/linear/linear_int8.cpp): each row's codes in the span order (`in_span_order`), in groups
     of four rows (the last padded with zeros), each group's steps of 64 codes of its four rows one
     after the other, [ceil(N / 4), K / 64, 4, 64], so a tile of four rows reads one contiguous
     stream.
@@ -217,12 +217,8 @@ def pack_codes(codes: torch.Tensor, bits: int = 8, *, group: int) -> torch.Tenso
     [.., 40]."""
     n, k = codes.shape
     padded = torch.cat([codes, codes.new_zeros((-n) % 4, k)]) if n % 4 else codes
-    by_group = padded.view(-1, 4, k)
-    # One gather into [groups, step, 4 rows, 64]: row r's step c takes columns cols[c].
-    groups = torch.arange(by_group.shape[0]).view(-1, 1, 1, 1)
-    rows = torch.arange(4).view(1, 1, 4, 1)
-    cols = span_columns(k, group).view(1, k // 64, 1, 64)
-    lanes = by_group[groups, rows, cols]
+    # [groups, 4 rows, step, 64] -> [groups, step, 4 rows, 64]
+    lanes = in_span_order(padded, group).view(-1, 4, k // 64, 64).transpose(1, 2).contiguous()
     if bits == 8:
         return lanes
     if bits not in (4, 5):
