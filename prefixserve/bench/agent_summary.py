@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from prefixserve.bench.agent_workload import AgentConfig, AgentRecord, AgentRun
-from prefixserve.bench.summary import SPEC_HEADER, percentiles, spec_cells
+from prefixserve.bench.summary import SPEC_HEADER, percentiles, spec_cells, with_spec_decode
 
 
 @dataclass(slots=True)
@@ -45,12 +45,7 @@ class AgentSummary:
     mean_accepted_length: float | None = None
 
     def with_spec_decode(self, spec_decode: dict[str, Any] | None) -> AgentSummary:
-        """This summary with the acceptance numbers of the run's spec-decode counters
-        (`server_counters.spec_decode_delta`'s dict, or None)."""
-        if spec_decode:
-            self.acceptance_rate = spec_decode.get("acceptance_rate")
-            self.mean_accepted_length = spec_decode.get("mean_accepted_length")
-        return self
+        return with_spec_decode(self, spec_decode)
 
     @property
     def parse_rate(self) -> float | None:

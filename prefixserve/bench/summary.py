@@ -52,12 +52,7 @@ class Summary:
     mean_accepted_length: float | None = None
 
     def with_spec_decode(self, spec_decode: dict[str, Any] | None) -> Summary:
-        """This summary with the acceptance numbers of a run's recorded spec-decode counters
-        (`server_counters.spec_decode_delta`'s dict, or None)."""
-        if spec_decode:
-            self.acceptance_rate = spec_decode.get("acceptance_rate")
-            self.mean_accepted_length = spec_decode.get("mean_accepted_length")
-        return self
+        return with_spec_decode(self, spec_decode)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -116,6 +111,15 @@ TABLE_HEADER = (
 
 
 SPEC_HEADER = " accept rate | mean acc len |"
+
+
+def with_spec_decode(summary: Any, spec_decode: dict[str, Any] | None) -> Any:
+    """`summary` (a `Summary` or an `agent_summary.AgentSummary`) with the acceptance numbers of
+    a run's recorded spec-decode counters (`server_counters.spec_decode_delta`'s dict, or None)."""
+    if spec_decode:
+        summary.acceptance_rate = spec_decode.get("acceptance_rate")
+        summary.mean_accepted_length = spec_decode.get("mean_accepted_length")
+    return summary
 
 
 def spec_cells(acceptance_rate: float | None, mean_accepted_length: float | None) -> str:
