@@ -157,7 +157,7 @@ inline int widest_span(int64_t G) { return G % 32 == 0 ? kSpanGroups : 2; }
 // Rows of x quantized: codes [rows, K] in the span order; per span of each row, at its first
 // step's sixteen lane slots (K / 4 slots a row, 16 a step), each lane's x scale (its group's) and
 // -z times the sum of the lane's codes in the span (z the weight codes' zero point: the unsigned
-// codes' offset, taken off at the start). Later steps' slots stay unused.
+// codes' offset, taken off once the span is summed). Later steps' slots stay unused.
 struct XRows {
   std::vector<int8_t> codes;
   std::vector<float> lane_scale;
@@ -284,17 +284,6 @@ inline int32_t code_at(const uint8_t* p, int64_t col) {
   }
 }
 
-#if defined(PREFIXSERVE_INT8_VNNI) || defined(PREFIXSERVE_INT8_AVX2)
-// A span's weight scales are read after its steps: asked for before them, so that a decode
-// streaming the weight from memory does not wait on them at the span's end (SmolLM2's Q8_0 LM
-// head, 49,152 x 576, took 1.2-1.4x as long without).
-inline void prefetch_scales(Scales s, int64_t groups, int64_t g0) {
-  if (groups == 1) return;  // one scale a row, read at once
-  const void* p = s.h ? static_cast<const void*>(s.h + g0) : static_cast<const void*>(s.f + g0);
-  _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
-}
-#endif
-
 #if defined(PREFIXSERVE_INT8_VNNI)
 // The sixteen lanes' weight scales (`lane_weight_scale`) of a span of a weight row.
 inline __m512 span_scales(Scales s, int64_t G, int64_t groups, int64_t g0, int n) {
@@ -356,10 +345,8 @@ inline void dot_tile(const uint8_t* q, Scales s, int64_t K, int64_t G, const XRo
     const int n = span_groups(groups32 - g0, widest);
     const int64_t c0 = g0 / 2;
     __m512i dot[NW][NX];
-    for (int i = 0; i < NW; ++i) {
-      prefetch_scales(s + i * groups, groups, g0);
+    for (int i = 0; i < NW; ++i)
       for (int j = 0; j < NX; ++j) dot[i][j] = _mm512_setzero_si512();
-    }
     const auto step = [&](int64_t c) {
       __m512i w[NW];
       for (int i = 0; i < NW; ++i) w[i] = load_codes<B>(q + i * row_bytes + c * step_bytes);
@@ -368,7 +355,9 @@ inline void dot_tile(const uint8_t* q, Scales s, int64_t K, int64_t G, const XRo
         for (int i = 0; i < NW; ++i) dot[i][j] = _mm512_dpbusd_epi32(dot[i][j], w[i], xv);
       }
     };
-    if (NX > 1 && n == kSpanGroups) {  // a full span's eight steps, unrolled (a loop moved the sums)
+    // A full span's eight steps unrolled where several x rows share them (as a loop, GCC moved
+    // the sums between registers each step); a decode tile (one x row) ran slower so.
+    if (NX > 1 && n == kSpanGroups) {
 #pragma GCC unroll 8
       for (int t = 0; t < kSpanGroups / 2; ++t) step(c0 + t);
     } else {
@@ -392,8 +381,8 @@ inline void dot_tile(const uint8_t* q, Scales s, int64_t K, int64_t G, const XRo
     for (int j = 0; j < NX; ++j) {
       // One load as wide as the store before it (halves of it would wait for the store).
       const __m512 a = _mm512_load_ps(acc[i][j]);
-      sums[i * NX + j] = reduce_halves(
-          _mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+      const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
+      sums[i * NX + j] = reduce_halves(_mm512_castps512_ps256(a), hi);
     }
 #elif defined(PREFIXSERVE_INT8_AVX2)
   // Lanes 0-7 (each step's first 32 bytes) in [0], 8-15 in [1]: a span's halves are summed one
@@ -406,10 +395,8 @@ inline void dot_tile(const uint8_t* q, Scales s, int64_t K, int64_t G, const XRo
     const int64_t c0 = g0 / 2;
     for (int h = 0; h < 2; ++h) {
       __m256i dot[NW][NX];
-      for (int i = 0; i < NW; ++i) {
-        if (h == 0) prefetch_scales(s + i * groups, groups, g0);
+      for (int i = 0; i < NW; ++i)
         for (int j = 0; j < NX; ++j) dot[i][j] = _mm256_setzero_si256();
-      }
       const auto step = [&](int64_t c) {
         __m256i w[NW];
         for (int i = 0; i < NW; ++i) w[i] = load_half<B>(q + i * row_bytes + c * step_bytes, h);
