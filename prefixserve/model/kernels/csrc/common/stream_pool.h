@@ -11,7 +11,15 @@
 //
 // Work is claimed chunk by chunk from one atomic word (job generation in the high 32 bits, next
 // chunk in the low 32), so the caller never waits on a helper that is not running: it claims
-// whatever is left itself and waits only for chunks a helper has already started. When the
+// whatever is left itself and waits only for chunks a helper has already started. A job's
+// function and chunk count sit in one of two slots, by its generation's parity: a helper that
+// loaded the word of a finished job and reads the count late reads that job's own count (the
+// next job writes the other slot before it is published), so it cannot claim a chunk past the
+// finished job's end while the word is still unchanged. With one slot it could: it ran the next
+// job's function on a chunk of no job, twice and uncounted, and the caller then returned with a
+// chunk still running on its dead frame (a crash in the paged kernel, BENCHMARKS.md §52).
+// A chunk that throws ends its job early: the chunks no one started are dropped, the caller
+// waits for those running, then rethrows the first exception (a helper's included). When the
 // helpers show they are not getting a core, the pool runs jobs on the caller alone for a while
 // (see kStallMicros). A process
 // forked after the helpers started has none: its caller does every chunk.
@@ -21,9 +29,11 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <mutex>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <unistd.h>
@@ -36,6 +46,9 @@ namespace prefixserve {
 
 class StreamPool {
  public:
+  // A pool whose first job has generation `generation` + 1 (tests start near the wrap).
+  explicit StreamPool(uint32_t generation = 0) : next_(uint64_t{generation} << 32) {}
+
   // How many times the pool has stepped back to the caller alone (for tests and benchmarks).
   int64_t backoffs() const { return backoffs_.load(std::memory_order_relaxed); }
 
@@ -55,21 +68,18 @@ class StreamPool {
       return;
     }
     ensure_helpers(workers - 1);
-    fn_.store(&fn, std::memory_order_relaxed);
-    num_chunks_.store(num_chunks, std::memory_order_relaxed);
+    const uint64_t gen = ((next_.load(std::memory_order_relaxed) >> 32) + 1) & kGenMask;
+    fn_[gen & 1].store(&fn, std::memory_order_relaxed);
+    num_chunks_[gen & 1].store(num_chunks, std::memory_order_relaxed);
     max_helpers_.store(workers - 1, std::memory_order_relaxed);
     done_.store(0, std::memory_order_relaxed);
-    const uint64_t gen = (next_.load(std::memory_order_relaxed) >> 32) + 1;
     next_.store(gen << 32, std::memory_order_seq_cst);  // publishes the fields above
     if (sleeping_.load(std::memory_order_seq_cst) > 0) {
       std::lock_guard<std::mutex> lock(mu_);
       cv_.notify_all();
     }
-    int64_t mine = 0;
-    for (int64_t c; (c = claim(gen)) >= 0;) {
-      fn(c);
-      ++mine;
-    }
+    std::exception_ptr error;
+    const int64_t mine = run_claimed(gen, &error);
     done_.fetch_add(mine, std::memory_order_acq_rel);
     // Only chunks a helper has claimed remain: it is running them, unless it was descheduled.
     bool stalled = false;
@@ -86,6 +96,8 @@ class StreamPool {
                 std::chrono::microseconds(kStallMicros);
     }
     if (!compute_bound) note_job(num_chunks, num_chunks - mine, stalled);
+    if (!error) error = take_helper_error();
+    if (error) std::rethrow_exception(error);
   }
 
   // Asks the helpers to bring [p, p + bytes) toward their caches while they wait for the next
@@ -157,13 +169,47 @@ class StreamPool {
   // The next unclaimed chunk of job `gen`, or -1 when none is left (or the job is over).
   int64_t claim(uint64_t gen) {
     uint64_t v = next_.load(std::memory_order_acquire);
-    while ((v >> 32) == gen &&
-           static_cast<int64_t>(v & 0xffffffffu) < num_chunks_.load(std::memory_order_relaxed)) {
+#ifdef PREFIXSERVE_STREAM_POOL_CLAIM_DELAY
+    PREFIXSERVE_STREAM_POOL_CLAIM_DELAY();  // tests widen the window between the two loads
+#endif
+    while ((v >> 32) == gen && static_cast<int64_t>(v & 0xffffffffu) <
+                                   num_chunks_[gen & 1].load(std::memory_order_relaxed)) {
       if (next_.compare_exchange_weak(v, v + 1, std::memory_order_acq_rel)) {
         return static_cast<int64_t>(v & 0xffffffffu);
       }
     }
     return -1;
+  }
+
+  // Claims and runs chunks of job `gen` until none is left; returns how many it claimed. The
+  // function is read from the job's slot after a claim: the claim's acquire saw the job's
+  // publication, and the slot keeps this job's function until the job is done (the job after
+  // the next rewrites it). The first exception a chunk throws goes to *error; the chunks left
+  // are claimed and not run.
+  int64_t run_claimed(uint64_t gen, std::exception_ptr* error) {
+    int64_t mine = 0;
+    for (int64_t c; (c = claim(gen)) >= 0; ++mine) {
+      if (*error) continue;
+      try {
+        (*fn_[gen & 1].load(std::memory_order_relaxed))(c);
+      } catch (...) {
+        *error = std::current_exception();
+      }
+    }
+    return mine;
+  }
+
+  // A helper's exception, kept for its job's caller (the first one).
+  void keep_helper_error(std::exception_ptr error) {
+    std::lock_guard<std::mutex> lock(error_mu_);
+    if (!helper_error_) helper_error_ = std::move(error);
+    helper_failed_.store(true, std::memory_order_release);
+  }
+  std::exception_ptr take_helper_error() {  // (the flag spares a job without one the lock)
+    if (!helper_failed_.load(std::memory_order_acquire)) return nullptr;
+    std::lock_guard<std::mutex> lock(error_mu_);
+    helper_failed_.store(false, std::memory_order_relaxed);
+    return std::exchange(helper_error_, nullptr);
   }
 
   void ensure_helpers(int64_t count) {
@@ -180,11 +226,9 @@ class StreamPool {
       uint64_t gen = wait_for_job(seen);
       seen = gen;
       if (index >= max_helpers_.load(std::memory_order_relaxed)) continue;
-      int64_t mine = 0;
-      for (int64_t c; (c = claim(gen)) >= 0;) {
-        (*fn_.load(std::memory_order_relaxed))(c);
-        ++mine;
-      }
+      std::exception_ptr error;
+      const int64_t mine = run_claimed(gen, &error);
+      if (error) keep_helper_error(error);
       if (mine) done_.fetch_add(mine, std::memory_order_acq_rel);
     }
   }
@@ -213,9 +257,11 @@ class StreamPool {
   std::atomic<int64_t> pf_next_{0};
   std::atomic<int> sleeping_{0};
   // The job's fields, written before its generation is published (release) and read after a
-  // helper saw it (acquire); atomics so that a stale read racing the next job is defined.
-  std::atomic<const std::function<void(int64_t)>*> fn_{nullptr};
-  std::atomic<int64_t> num_chunks_{0};
+  // helper saw it (acquire); atomics so that a stale read racing the next job is defined. The
+  // function and the chunk count in the slot of the generation's parity (see the top).
+  static constexpr uint64_t kGenMask = 0xffffffffu;  // generations wrap within the high half
+  std::atomic<const std::function<void(int64_t)>*> fn_[2] = {nullptr, nullptr};
+  std::atomic<int64_t> num_chunks_[2] = {0, 0};
   std::atomic<int64_t> max_helpers_{0};
   std::mutex busy_;
   // Under busy_: jobs left to run alone, and the current window's counts.
@@ -227,6 +273,9 @@ class StreamPool {
   int64_t window_stalls_ = 0;
   std::mutex mu_;
   std::condition_variable cv_;
+  std::mutex error_mu_;
+  std::exception_ptr helper_error_;  // under error_mu_
+  std::atomic<bool> helper_failed_{false};
   std::vector<std::thread> helpers_;
 };
 
