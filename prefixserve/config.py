@@ -275,12 +275,17 @@ class SpeculativeConfig:
     followed the latest earlier occurrence of its last n tokens, for the largest n in
     [`prompt_lookup_min`, `prompt_lookup_max`] that occurs. Unset bounds follow vLLM: both
     unset are 5 and 5; one unset takes the other's value.
+
+    `hold_for_prefill` (prefixserve's own; vLLM drafts in every step): no drafts in a step that
+    carries a prompt's tokens, so a new turn's first token does not wait for the verification
+    rows of every decoding request.
     """
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
+    hold_for_prefill: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -289,6 +294,11 @@ class SpeculativeConfig:
                 f"got {self.method!r}"
             )
         _check_int("num_speculative_tokens", self.num_speculative_tokens, MAX_SPECULATIVE_TOKENS)
+        if not isinstance(self.hold_for_prefill, bool):
+            raise ValueError(
+                f"speculative_config hold_for_prefill must be true or false, "
+                f"got {self.hold_for_prefill!r}"
+            )
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if lo is None and hi is None:
             lo = hi = 5

@@ -48,6 +48,7 @@ class NgramProposer:
         self.k = config.num_speculative_tokens
         self.min_n = config.prompt_lookup_min
         self.max_n = config.prompt_lookup_max
+        self.holds_for_prefill = config.hold_for_prefill
         self._states: dict[str, _RequestState] = {}
         # request id -> (running requests after it, of them its tenant's), for this step
         self._later: dict[str, tuple[int, int]] = {}

@@ -163,6 +163,7 @@ def test_speculative_config_follows_vllm_defaults_and_names():
             "at most prompt_lookup_max",
         ),
         ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "unknown key"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "hold_for_prefill": 1}, "hold_for"),
     ],
 )
 def test_speculative_config_rejects_bad_values_naming_them(value, message):

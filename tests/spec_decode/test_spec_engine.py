@@ -358,3 +358,53 @@ def test_drafts_never_starve_the_other_decoders_of_a_tenant_or_of_the_step(model
             checked += 1
     engine.check_no_leaks()
     assert checked > 0 and engine.get_metrics()["spec_decode_num_accepted_tokens"] > 0
+
+
+def _spy_on_plans(engine) -> list:
+    """The scheduler's plans, one a step, as the engine's steps make them."""
+    planned = []
+    schedule = engine.scheduler.schedule
+
+    def spy():
+        planned.append(schedule())
+        return planned[-1]
+
+    engine.scheduler.schedule = spy
+    return planned
+
+
+def _steps(engine, planned: list, steps: int) -> list[tuple[int, int]]:
+    """(draft tokens, prompt tokens beyond one a request) of each of the next steps."""
+    seen = []
+    for _ in range(steps):
+        engine.step()
+        plan = planned[-1]
+        drafts = sum(len(s.draft_token_ids) for s in plan.scheduled)
+        seen.append((drafts, sum(s.num_new_tokens - 1 for s in plan.scheduled)))
+    return seen
+
+
+@pytest.mark.parametrize("hold", [True, False])
+def test_no_drafts_in_a_step_that_carries_a_prompt_unless_told_to_draft_anyway(model, hold):
+    """Two copying decoders draft; a third request arrives: the step that carries its prompt
+    has no drafts (`hold_for_prefill`, the default), so its first token does not wait for the
+    decoders' verification rows; once it decodes too, drafts come back. Told not to hold, the
+    decoders draft beside the prompt. The tokens are the same either way."""
+    llm = make_llm(model, {**SPEC, "hold_for_prefill": hold})
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    planned = _spy_on_plans(engine)
+    for i in range(2):
+        engine.add_request(f"c{i}", copying_prompt(300 + i), params)
+    before = _steps(engine, planned, 8)
+    assert before[-1][0] > 0  # both decode by now, and draft
+    engine.add_request("new", copying_prompt(310), params)
+    with_prompt = _steps(engine, planned, 1)[0]
+    assert with_prompt[1] > 0  # the step carried the new prompt
+    assert (with_prompt[0] == 0) == hold
+    after = _steps(engine, planned, 6)
+    assert any(drafts > 0 for drafts, prompt in after if prompt == 0)
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.check_no_leaks()
+    assert engine.get_metrics()["spec_decode_num_accepted_tokens"] > 0

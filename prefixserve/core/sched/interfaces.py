@@ -67,6 +67,9 @@ class TierConnector(Protocol):
 class DraftProposer(Protocol):
     """Speculative drafts for decoding requests, as the scheduler plans them."""
 
+    # No drafts in a step that carries a prompt's tokens (`Scheduler._prefill_pending`).
+    holds_for_prefill: bool
+
     def start_step(self, running: Sequence[Request]) -> None:
         """A step plans `running` in this order (each request's drafts leave a token of the
         budget to every request after it)."""

@@ -77,6 +77,9 @@ class _StepPlan:
     token_budget: int
     shares: dict[Hashable, int] | None = None  # each tenant's tokens left (policy fair)
     contended: bool = False  # several tenants had work when the step began
+    # The step will carry a prompt's tokens (a running request's next chunk, or a waiting
+    # request with a free slot): decoding requests propose no drafts (`Scheduler._drafts`).
+    prefill_pending: bool = False
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     kv_loads: list[tuple[int, bytes]] = field(default_factory=list)
@@ -201,6 +204,7 @@ class Scheduler:
             self._give_short_tenant_a_slot()
             plan.shares = self._tenant_shares(plan.token_budget)
             plan.contended = plan.shares is not None
+        plan.prefill_pending = self._prefill_pending()
         self._schedule_running(plan)
         if not plan.preempted:
             self._schedule_waiting(plan)
@@ -287,9 +291,21 @@ class Scheduler:
             plan.scheduled.append(self._scheduled(request, num_new_tokens, drafts))
             req_index += 1
 
+    def _prefill_pending(self) -> bool:
+        """Whether this step will likely carry a prompt's tokens, where the proposer holds its
+        drafts back then (`DraftProposer.holds_for_prefill`): a running request with more than
+        its last token to compute, or a waiting request and a free running slot. The drafts'
+        verification rows would lengthen the step that the prompt's first token waits for."""
+        if self.proposer is None or not self.proposer.holds_for_prefill:
+            return False
+        if self.waiting and len(self.running) < self.config.max_num_seqs:
+            return True
+        return any(r.num_computed_tokens < r.num_tokens - 1 for r in self.running)
+
     def _drafts(self, request: Request, num_new_tokens: int, plan: _StepPlan) -> list[int]:
-        """Speculative drafts for a decoding request, within the budget and its tenant's share."""
-        if self.proposer is None or num_new_tokens != 1:
+        """Speculative drafts for a decoding request, within the budget and its tenant's share;
+        none in a step that carries a prompt's tokens (`_prefill_pending`)."""
+        if self.proposer is None or num_new_tokens != 1 or plan.prefill_pending:
             return []
         share = None if plan.shares is None else plan.shares[request.tenant]
         drafts = self.proposer.propose_within(
