@@ -183,18 +183,27 @@ def test_q6_k_blocks_read_from_the_file_give_ggufs_own_values_exactly():
     assert codes.shape == (3, 2, 832) and d.shape == (12, 2) and d.dtype == torch.float16
 
 
-def test_the_packed_layout_is_groups_of_four_rows_in_the_files_nibble_order():
+def test_the_packed_layout_is_groups_of_four_rows_each_lanes_nibbles_in_one_sub_block():
+    """Byte 4 L + t of a row's load p (its bytes 64 p..) holds column 128 p + 8 L + t in its low
+    nibble and column + 4 in its high one: each 32-bit lane's eight codes lie in one sub-block
+    of 32 (linear_q4k.cpp sums them in one lane). Checked against the codes, not the packer's
+    own order."""
     raw = _raw_q4_k(6, 512, seed=2)  # N not a multiple of 4: the last group padded
     weight = q4_k_from_raw(torch.from_numpy(raw))
     codes, d_dmin = pack_q4_k(weight)
     assert codes.dtype == torch.uint8 and codes.shape == (2, 2, 576)
     assert d_dmin.dtype == torch.float16 and d_dmin.shape == (6, 4)
-    blocks = raw.reshape(6, 2, 144)
+    values = weight.codes.view(6, 2, 256)
     for row in (0, 5):
         group, slot = divmod(row, 4)
         for b in range(2):
             got = codes[group, b].numpy()
-            assert (got[128 * slot : 128 * slot + 128] == blocks[row, b, 16:]).all()
+            for byte in range(128):
+                p, lane, t = byte // 64, (byte % 64) // 4, byte % 4
+                column = 128 * p + 8 * lane + t
+                low, high = values[row, b, column], values[row, b, column + 4]
+                assert got[128 * slot + byte] == int(low) | int(high) << 4, (row, b, byte)
+                assert column // 32 == (column + 4) // 32  # one sub-block
             sc, m = _sub_ints(weight)
             assert (got[512 + 8 * slot : 520 + 8 * slot] == sc[row, b].numpy()).all()
             assert (got[544 + 8 * slot : 552 + 8 * slot] == m[row, b].numpy()).all()

@@ -406,16 +406,19 @@ def _sub_integers(per_32: torch.Tensor, per_256: torch.Tensor) -> torch.Tensor:
 
 def pack_q4_k(weight: Int8Weight) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes uint8 [ceil(N / 4), K / 256, 576], d_dmin fp16 [N, 2 K / 256]): a Q4_K weight in
-    the kernel's super-block layout (csrc/linear/linear_q4k.cpp), the file's nibble order, rows
-    in groups of four (the last padded with zeros)."""
+    the kernel's super-block layout (csrc/linear/linear_q4k.cpp), rows in groups of four (the last
+    padded with zeros): byte i of a row's 128 holds the codes at positions i and i + 64 of each
+    128 in x's order (`_x_order`), low nibble and high, so each 32-bit lane's eight codes lie in
+    one sub-block."""
     if weight.super_scales is None or weight.mins is None or weight.codes.shape[1] % Q4_K_SUPER:
         raise ValueError("Q4_K packing needs super-blocks of 256 (d, dmin) and mins")
     n, k = weight.codes.shape
     supers = weight.super_scales.view(n, -1, 2)
     sub_scales = _sub_integers(weight.scales, supers[..., 0])
     sub_mins = _sub_integers(-weight.mins, supers[..., 1])
-    codes = weight.codes.to(torch.uint8).view(n, k // 64, 2, 32)
-    nibbles = (codes[:, :, 0] | (codes[:, :, 1] << 4)).view(n, -1, 128)  # byte 32c + l
+    codes = weight.codes.to(torch.uint8).view(n, -1, Q4_K_SUPER)[..., _x_order()]
+    codes = codes.view(n, -1, 2, 2, 64)  # [.., load, low / high nibble, byte]
+    nibbles = (codes[:, :, :, 0] | (codes[:, :, :, 1] << 4)).view(n, -1, 128)
     rows = torch.cat([nibbles, sub_scales, sub_mins], dim=-1)  # [N, K / 256, 144]
     packed = _groups_of_four(rows, (128, 136, 144))
     assert packed.shape[-1] == _Q4_K_GROUP_BYTES
@@ -459,10 +462,11 @@ def q6_k_from_raw(raw: torch.Tensor) -> Int8Weight:
 
 def _x_order() -> torch.Tensor:
     """The column of each position of a super-block in the kernels' x order (kquant.h
-    `x_column`): 128 columns a 64-byte load, its low nibbles' columns 0-31 and 64-95 first."""
+    `x_column`): 128 columns a 64-byte load, its low nibbles' then its high ones'; 32-bit lane L
+    of load p holds columns 128 p + 8 L .. + 3 low and the next four high (one sub-block)."""
     q = torch.arange(Q4_K_SUPER)
     pair, high, r = q // 128, (q // 64) % 2, q % 64
-    return 64 * (2 * pair + r // 32) + 32 * high + r % 32
+    return 128 * pair + 8 * (r // 4) + 4 * high + r % 4
 
 
 def pack_q6_k(weight: Int8Weight) -> tuple[torch.Tensor, torch.Tensor]:

@@ -37,11 +37,14 @@ struct XSuper {
 };
 
 // The column (within its super-block) of x's code at position q: 64 bytes (128 columns) of a
-// weight row at a time, their low nibbles (columns 0-31 and 64-95) then their high ones (32-63,
-// 96-127). Q4_K's file order; Q6_K is packed to it.
+// weight row at a time, their low nibbles then their high ones; the four bytes of 32-bit lane L
+// of load p hold columns 128 p + 8 L .. + 3 in their low nibbles and the next four in their high
+// ones. So each lane's eight codes lie in one sub-block of Q4_K (32 columns) and of Q6_K (16):
+// Q4_K sums a lane's low and high nibbles' products in one 32-bit lane (linear_q4k.cpp).
+// Both formats are packed to it (model/quant/weights.py `pack_q4_k`, `pack_q6_k`).
 constexpr int64_t x_column(int64_t q) {
   const int64_t pair = q / 128, high = (q / 64) % 2, r = q % 64;
-  return 64 * (2 * pair + r / 32) + 32 * high + r % 32;
+  return 128 * pair + 8 * (r / 4) + 4 * high + r % 4;
 }
 
 // The K-quant format of a linear_int8 call's codes and scales (codes uint8 [ceil(N / 4),

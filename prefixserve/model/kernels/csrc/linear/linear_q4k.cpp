@@ -10,9 +10,10 @@
 //
 // with S and M exact integers (|S| <= 8 x 63 x 32 x 15 x 127 < 2^25, |M| < 2^21: int32). Every
 // family computes them exactly, in whatever order suits its instructions: AVX-512 VNNI multiplies
-// the unsigned codes by the signed x codes into 32-bit lanes of four products (VPDPBUSD: each
-// lane's sum, at most 4 x 15 x 127, fits a 16-bit word), packs two such vectors into words
-// (VPACKSSDW) and those by the sub-scales into 32-bit lanes (VPDPWSSD); AVX2 multiplies into
+// the unsigned codes by the signed x codes into 32-bit lanes of eight products of one sub-block
+// (two VPDPBUSD, a load's low and high nibbles: each lane's sum, at most 8 x 15 x 127, fits a
+// 16-bit word), packs two such vectors into words (VPACKSSDW) and those by the sub-scales into
+// 32-bit lanes (VPDPWSSD); AVX2 multiplies into
 // 16-bit pairs (VPMADDUBSW: 2 x 15 x 127 never saturates) and those by the sub-scales (VPMADDWD);
 // the portable loop in scalars. The float work is once per super-block and pair of a
 // weight row and an x row, in one order everywhere:
@@ -25,13 +26,14 @@
 // fused multiply-add pair per 256 weights where the per-32 path took two per 4 columns' lane.
 //
 // The layout (model/quant/weights.py `pack_q4_k`): codes uint8 [ceil(N / 4), K / 256, 576], a
-// group of four rows' super-block in 576 bytes: the four rows' 128 bytes of nibbles in the
-// file's order (byte 32c + l: column 64c + l in the low nibble, 64c + 32 + l in the high one),
-// then their sub-scales (8 bytes a row), then their sub-mins (8 a row); d_dmin fp16 [N, 2 K / 256]
-// (each super-block's d, dmin). 4.625 bits a weight (the file's 4.5 packs the sub-scales in 6
-// bits). A 64-byte load of a row is 128 columns: its low nibbles are columns 0-31 and 64-95 of
-// them, its high nibbles 32-63 and 96-127, so x's codes are stored in that order (kquant.h
-// `x_column`) and each 32-bit lane's four products lie in one sub-block.
+// group of four rows' super-block in 576 bytes: the four rows' 128 bytes of nibbles (byte 4 L +
+// t of load p, the row's bytes 64 p..: column 128 p + 8 L + t in the low nibble, + 4 in the high
+// one), then their sub-scales (8 bytes a row), then their sub-mins (8 a row); d_dmin fp16
+// [N, 2 K / 256] (each super-block's d, dmin). 4.625 bits a weight (the file's 4.5 packs the
+// sub-scales in 6 bits). A 64-byte load of a row is 128 columns, four sub-blocks: 32-bit lane L
+// holds eight codes of sub-block 4 p + L / 4, four in its low nibbles and four in its high ones,
+// and x's codes are stored in that order (kquant.h `x_column`), so both nibbles' products of a
+// lane are summed in one 32-bit lane.
 //
 // Tiles (kquant_tiles.h): up to 4 weight rows by 4 x rows on AVX-512 (the 16 pairs' integer sums
 // folded into one vector's lanes, then the float work for all 16 at once); on AVX2 4 x 1 at batch
@@ -57,9 +59,19 @@ constexpr int64_t kMinsAt = kScalesAt + 8 * kGroupRows;   // and sub-mins, 8 a r
 // chunk's new stream).
 constexpr int64_t kPrefetchAhead = 8;
 
-// Sub-block of the 32 codes at byte half s (0: bytes 0-31, 1: 32-63) of 64-byte load `pair`,
-// nibble `high`: 4 pair + 2 s + high.
-constexpr int sub_block(int pair, int s, int high) { return 4 * pair + 2 * s + high; }
+// Sub-block of the codes in bytes 16 q .. 16 q + 15 of 64-byte load `pair` (both nibbles:
+// `x_column`'s lanes 4 q .. 4 q + 3): 4 pair + q.
+constexpr int sub_block(int pair, int q) { return 4 * pair + q; }
+
+#if defined(PREFIXSERVE_KQUANT_AVX2)
+// The pshufb mask of half s (bytes 32 s..) of load p's sub-scale words, of the row's 8 bytes
+// set twice in each 128-bit lane: words 0-7 (bytes 0-15 of the half, VPMADDUBSW's pairs) take
+// sub-block sub_block(p, 2 s), words 8-15 the next.
+inline __m256i sub_scale_mask(int p, int s) {
+  return _mm256_setr_m128i(_mm_set1_epi16(static_cast<int16_t>(0x8000 | sub_block(p, 2 * s))),
+                           _mm_set1_epi16(static_cast<int16_t>(0x8000 | sub_block(p, 2 * s + 1))));
+}
+#endif
 
 struct Q4KTiles {
 #if defined(PREFIXSERVE_KQUANT_VNNI)
@@ -70,16 +82,13 @@ struct Q4KTiles {
     static_assert(NW <= 4 && NX <= 4, "a tile of at most 4 x 4");
     const int64_t blocks = xq.blocks;
     const __m512i low = _mm512_set1_epi8(0x0F);
-    // Load p's sub-scales as 16-bit words beside its packed sums (below): in 128-bit lane L,
-    // words 0-3 the low nibbles' sub-block and 4-7 the high ones', of byte half L / 2 (pshufb of
-    // the row's 8 bytes).
-    __m512i masks[2];
-    for (int p = 0; p < 2; ++p) {
-      alignas(64) int16_t words[32];
-      for (int k = 0; k < 32; ++k)
-        words[k] = static_cast<int16_t>(0x8000 | sub_block(p, k / 16, (k % 8) / 4));
-      masks[p] = _mm512_load_si512(words);
-    }
+    // The sub-scales as 16-bit words beside the packed sums of both loads (below): in 128-bit
+    // lane L, words 0-3 load 0's lanes 4 L.. (sub-block L), words 4-7 load 1's (4 + L) (pshufb
+    // of the row's 8 bytes).
+    alignas(64) int16_t words[32];
+    for (int k = 0; k < 32; ++k)
+      words[k] = static_cast<int16_t>(0x8000 | sub_block((k % 8) / 4, k / 8));
+    const __m512i mask = _mm512_load_si512(words);
     // Lane 4i + j of the float work takes row i's d (or dmin): [d0, dmin0, d1, dmin1, ...].
     const __m512i lane_d = _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6);
     const __m512i lane_m = _mm512_add_epi32(lane_d, _mm512_set1_epi32(1));
@@ -95,28 +104,35 @@ struct Q4KTiles {
       __m512i acc[NW][NX];
       for (int i = 0; i < NW; ++i)
         for (int j = 0; j < NX; ++j) acc[i][j] = _mm512_setzero_si512();
-      // A 64-byte load of row i (load p) is two vectors of codes, its low and high nibbles.
-      // Each times x's codes by VPDPBUSD into 32-bit lanes of four products of one sub-block
-      // (|sum| <= 4 x 15 x 127: a 16-bit word), the two packed into words (VPACKSSDW, exact) and
-      // those times their sub-scales into the pair's sums (VPDPWSSD): three multiplies for 128
-      // columns where VPMADDUBSW and VPDPWSSD for each 64 took four, on the one port Zen 4
-      // multiplies on (BENCHMARKS.md §46).
+      // A 64-byte load of row i (load p) is two vectors of codes, its low and high nibbles,
+      // whose 32-bit lanes' codes lie in one sub-block (`x_column`): both times x's codes by
+      // VPDPBUSD into the same 32-bit lanes, eight products of one sub-block each (|sum| <= 8 x
+      // 15 x 127: a 16-bit word); the two loads' lanes packed into words (VPACKSSDW, exact) and
+      // those times their sub-scales into the pair's sums (VPDPWSSD). Five multiplies for 256
+      // columns, on the one port Zen 4 multiplies on, where packing each load's nibbles apart
+      // (two sub-blocks a lane pair) took six and twice the packs (BENCHMARKS.md §46, §52).
       const __m512i zero = _mm512_setzero_si512();
-      for (int p = 0; p < 2; ++p)
-        for (int i = 0; i < NW; ++i) {
-          const __m512i v = _mm512_loadu_si512(blk + kCodeBytes * (slot + i) + 64 * p);
-          const __m512i lo = _mm512_and_si512(v, low);
-          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-          int64_t sc;
-          std::memcpy(&sc, blk + kScalesAt + 8 * (slot + i), sizeof sc);
-          const __m512i s = _mm512_shuffle_epi8(_mm512_set1_epi64(sc), masks[p]);
-          for (int j = 0; j < NX; ++j) {
-            const int8_t* x = xc[j] + b * kSuper + 128 * p;
-            const __m512i t0 = _mm512_dpbusd_epi32(zero, lo, _mm512_loadu_si512(x));
-            const __m512i t1 = _mm512_dpbusd_epi32(zero, hi, _mm512_loadu_si512(x + 64));
-            acc[i][j] = _mm512_dpwssd_epi32(acc[i][j], _mm512_packs_epi32(t0, t1), s);
-          }
+      for (int i = 0; i < NW; ++i) {
+        const uint8_t* row = blk + kCodeBytes * (slot + i);
+        const __m512i v0 = _mm512_loadu_si512(row), v1 = _mm512_loadu_si512(row + 64);
+        const __m512i lo0 = _mm512_and_si512(v0, low);
+        const __m512i hi0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low);
+        const __m512i lo1 = _mm512_and_si512(v1, low);
+        const __m512i hi1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), low);
+        int64_t sc;
+        std::memcpy(&sc, blk + kScalesAt + 8 * (slot + i), sizeof sc);
+        const __m512i s = _mm512_shuffle_epi8(_mm512_set1_epi64(sc), mask);
+        for (int j = 0; j < NX; ++j) {
+          const int8_t* x = xc[j] + b * kSuper;
+          const __m512i t0 = _mm512_dpbusd_epi32(
+              _mm512_dpbusd_epi32(zero, lo0, _mm512_loadu_si512(x)), hi0,
+              _mm512_loadu_si512(x + 64));
+          const __m512i t1 = _mm512_dpbusd_epi32(
+              _mm512_dpbusd_epi32(zero, lo1, _mm512_loadu_si512(x + 128)), hi1,
+              _mm512_loadu_si512(x + 192));
+          acc[i][j] = _mm512_dpwssd_epi32(acc[i][j], _mm512_packs_epi32(t0, t1), s);
         }
+      }
       const __m512i S = sum_pairs<NW, NX>(acc);
       // M: the group's sub-mins (row i's eight in 128-bit lane i) times x row j's sums per 32.
       const __m512i mins = _mm512_cvtepu8_epi16(
@@ -172,8 +188,7 @@ struct Q4KTiles {
       for (int p = 0; p < 2; ++p)
         for (int s = 0; s < 2; ++s)
           for (int h = 0; h < 2; ++h) {
-            const __m256i mask =
-                _mm256_set1_epi16(static_cast<int16_t>(0x8000 | sub_block(p, s, h)));
+            const __m256i mask = sub_scale_mask(p, s);
             __m256i w[NW], sc[NW];
             for (int i = 0; i < NW; ++i) {
               const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
@@ -231,7 +246,8 @@ struct Q4KTiles {
   static __m256i start(const uint8_t*, int64_t, const XSuper&, int64_t, int64_t) {
     return _mm256_setzero_si256();
   }
-  // Step (p, s, h): the 32 codes of sub-block sub_block(p, s, h), and its sub-scale as words.
+  // Step (p, s, h): 32 codes, half s of load p's nibbles h (sub-blocks sub_block(p, 2 s) and
+  // the next, 16 bytes each), and their sub-scales as words.
   template <int p, int s, int h>
   static void decode(const uint8_t* blk, int64_t slot, __m256i& w, __m256i& sc) {
     const __m256i v = _mm256_loadu_si256(
@@ -239,8 +255,7 @@ struct Q4KTiles {
     w = _mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(0x0F));
     int64_t eight;
     std::memcpy(&eight, blk + kScalesAt + 8 * slot, sizeof eight);
-    sc = _mm256_shuffle_epi8(_mm256_set1_epi64x(eight),
-                             _mm256_set1_epi16(static_cast<int16_t>(0x8000 | sub_block(p, s, h))));
+    sc = _mm256_shuffle_epi8(_mm256_set1_epi64x(eight), sub_scale_mask(p, s));
   }
   // M, pair by pair: row i's sub-mins times x row j's sums per 32; then both fused
   // multiply-adds of every pair's lane.
@@ -279,15 +294,15 @@ struct Q4KTiles {
       const uint8_t* codes = blk + kCodeBytes * slot;
       int32_t S = 0;
       for (int p = 0; p < 2; ++p)
-        for (int s = 0; s < 2; ++s)
-          for (int h = 0; h < 2; ++h) {
-            int32_t dot = 0;
-            for (int t = 0; t < 32; ++t) {
-              const int32_t q = (codes[64 * p + 32 * s + t] >> (4 * h)) & 0x0F;
-              dot += q * xc[b * kSuper + 128 * p + 64 * h + 32 * s + t];
+        for (int q = 0; q < 4; ++q) {  // bytes 16 q.. of load p, both nibbles: one sub-block
+          int32_t dot = 0;
+          for (int h = 0; h < 2; ++h)
+            for (int t = 16 * q; t < 16 * q + 16; ++t) {
+              const int32_t code = (codes[64 * p + t] >> (4 * h)) & 0x0F;
+              dot += code * xc[b * kSuper + 128 * p + 64 * h + t];
             }
-            S += blk[kScalesAt + 8 * slot + sub_block(p, s, h)] * dot;
-          }
+          S += blk[kScalesAt + 8 * slot + sub_block(p, q)] * dot;
+        }
       int32_t M = 0;
       for (int k = 0; k < 8; ++k)
         M += blk[kMinsAt + 8 * slot + k] * xq.sums32[(x0 * blocks + b) * 8 + k];
@@ -416,9 +431,9 @@ XSuper quantize_x(const uint16_t* x, int64_t rows, int64_t K, int64_t threads,
       int8_t c[kSuper];
       int16_t* sums16 = q.sums16.data() + (r * blocks + b) * 16;
       q.scale[b * rows + r] = quantize_super(x + r * K + b * kSuper, c, sums16);
-      // Each 32 codes in the kernels' column order (`x_column` keeps runs of 32 together).
+      // The codes in the kernels' column order (`x_column` keeps runs of 4 together).
       int8_t* dst = q.codes.data() + r * K + b * kSuper;
-      for (int64_t pos = 0; pos < kSuper; pos += 32) std::memcpy(dst + pos, c + x_column(pos), 32);
+      for (int64_t pos = 0; pos < kSuper; pos += 4) std::memcpy(dst + pos, c + x_column(pos), 4);
       for (int k = 0; k < 8; ++k)
         q.sums32[(r * blocks + b) * 8 + k] =
             static_cast<int16_t>(sums16[2 * k] + sums16[2 * k + 1]);

@@ -43,10 +43,8 @@ constexpr int64_t kScalesAt = kHighAt + 64 * kGroupRows;    // and sub-scales, 1
 constexpr int64_t kPrefetchAhead = 6;  // super-blocks a decode's stream is prefetched ahead
 
 // The 16-column sub-block of lane l (four positions) of the vector of positions 128p + 64h ..
-// + 63: columns 128p + 32h + 4l.. for l < 8, 128p + 64 + 32h + 4(l - 8).. above.
-constexpr int lane_sub_block(int p, int h, int l) {
-  return l < 8 ? 8 * p + 2 * h + l / 4 : 8 * p + 4 + 2 * h + (l - 8) / 4;
-}
+// + 63: columns 128p + 8l + 4h .. + 3 (`x_column`), so 8p + l / 2 whatever h.
+constexpr int lane_sub_block(int p, int h, int l) { return (void)h, 8 * p + l / 2; }
 
 struct Q6KTiles {
 #if defined(PREFIXSERVE_KQUANT_VNNI)
@@ -62,12 +60,14 @@ struct Q6KTiles {
         _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);  // left
     const __m512i shift_high =
         _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);  // right
-    // Load p's sub-scale dwords beside its packed sums (below): in 128-bit lane L, dwords 0-1
-    // the sub-block of the low nibbles' lanes 4L.. (h = 0), 2-3 the high ones' (h = 1).
+    // Load p's sub-scale dwords beside its packed sums (below): in 128-bit lane L, dword m
+    // sums words 2m, 2m + 1: lanes 4L + 2 (m % 2) and the next of the low nibbles' vector (m <
+    // 2, h = 0) or of the high ones' (h = 1), one sub-block.
     __m512i lanes[2];
     for (int p = 0; p < 2; ++p) {
       alignas(64) int32_t idx[16];
-      for (int l = 0; l < 16; ++l) idx[l] = lane_sub_block(p, (l % 4) / 2, 4 * (l / 4));
+      for (int l = 0; l < 16; ++l)
+        idx[l] = lane_sub_block(p, (l % 4) / 2, 4 * (l / 4) + 2 * (l % 2));
       lanes[p] = _mm512_load_si512(idx);
     }
     const __m512i lane_d = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
@@ -243,16 +243,16 @@ struct Q6KTiles {
                          : t == 2 ? hb
                                   : _mm256_srli_epi16(hb, 2);
     w = _mm256_or_si256(nib, _mm256_and_si256(pair, _mm256_set1_epi8(0x30)));
-    // Lanes 0-3 (the step's first 16 columns) take sub-block k, lanes 4-7 k + 1 (the VNNI
-    // vector's lanes 8 s .. 8 s + 7: `lane_sub_block`), as 16-bit words.
-    constexpr int k = 8 * p + 4 * s + 2 * h;
-    static_assert(lane_sub_block(p, h, 8 * s) == k && lane_sub_block(p, h, 8 * s + 7) == k + 1,
-                  "a step's lanes take two sub-blocks");
+    // Lanes 0-1 take sub-block k, 2-3 k + 1, 4-5 k + 2, 6-7 k + 3 (the VNNI vector's lanes
+    // 8 s .. 8 s + 7: `lane_sub_block`), as 16-bit words (four a sub-block).
+    constexpr int k = 8 * p + 4 * s;
+    static_assert(lane_sub_block(p, h, 8 * s) == k && lane_sub_block(p, h, 8 * s + 7) == k + 3,
+                  "a step's lanes take four sub-blocks");
     const __m128i sub =
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kScalesAt + 16 * slot));
     sc = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(
-        sub, _mm_setr_epi8(k, k, k, k, k, k, k, k, k + 1, k + 1, k + 1, k + 1, k + 1, k + 1,
-                           k + 1, k + 1)));
+        sub, _mm_setr_epi8(k, k, k, k, k + 1, k + 1, k + 1, k + 1, k + 2, k + 2, k + 2, k + 2,
+                           k + 3, k + 3, k + 3, k + 3)));
   }
   template <int NW, int NX>
   static __m256 finish(__m256i S, const uint8_t* blk, int64_t slot, const uint16_t* d,
