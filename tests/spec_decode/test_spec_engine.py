@@ -373,38 +373,59 @@ def _spy_on_plans(engine) -> list:
     return planned
 
 
-def _steps(engine, planned: list, steps: int) -> list[tuple[int, int]]:
-    """(draft tokens, prompt tokens beyond one a request) of each of the next steps."""
+def _steps(engine, planned: list, steps: int, finished: dict) -> list[tuple[int, int]]:
+    """(draft tokens, prompt tokens beyond one a request) of each of the next steps; the tokens
+    of the requests that finish into `finished`."""
     seen = []
     for _ in range(steps):
-        engine.step()
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out.outputs[0].token_ids
         plan = planned[-1]
         drafts = sum(len(s.draft_token_ids) for s in plan.scheduled)
         seen.append((drafts, sum(s.num_new_tokens - 1 for s in plan.scheduled)))
     return seen
 
 
-@pytest.mark.parametrize("hold", [True, False])
-def test_no_drafts_in_a_step_that_carries_a_prompt_unless_told_to_draft_anyway(model, hold):
-    """Two copying decoders draft; a third request arrives: the step that carries its prompt
-    has no drafts (`hold_for_prefill`, the default), so its first token does not wait for the
-    decoders' verification rows; once it decodes too, drafts come back. Told not to hold, the
-    decoders draft beside the prompt. The tokens are the same either way."""
-    llm = make_llm(model, {**SPEC, "hold_for_prefill": hold})
+def _arrival_scenario(model, hold: bool, max_num_seqs: int = 256):
+    """Two copying decoders draft, then a third request arrives: each step's (drafts, prompt
+    tokens) before, at and after the arrival, and every request's tokens at the end."""
+    llm = make_llm(model, {**SPEC, "hold_for_prefill": hold}, max_num_seqs=max_num_seqs)
     engine = llm.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     planned = _spy_on_plans(engine)
     for i in range(2):
         engine.add_request(f"c{i}", copying_prompt(300 + i), params)
-    before = _steps(engine, planned, 8)
-    assert before[-1][0] > 0  # both decode by now, and draft
+    outputs: dict = {}
+    before = _steps(engine, planned, 8, outputs)
     engine.add_request("new", copying_prompt(310), params)
-    with_prompt = _steps(engine, planned, 1)[0]
-    assert with_prompt[1] > 0  # the step carried the new prompt
-    assert (with_prompt[0] == 0) == hold
-    after = _steps(engine, planned, 6)
-    assert any(drafts > 0 for drafts, prompt in after if prompt == 0)
+    at = _steps(engine, planned, 1, outputs)[0]
+    after = _steps(engine, planned, 6, outputs)
     while engine.has_unfinished_requests():
-        engine.step()
+        _steps(engine, planned, 1, outputs)
     engine.check_no_leaks()
     assert engine.get_metrics()["spec_decode_num_accepted_tokens"] > 0
+    return before, at, after, outputs
+
+
+def test_no_drafts_in_a_step_that_carries_a_prompt_unless_told_to_draft_anyway(model):
+    """The step that carries a new request's prompt has no drafts (`hold_for_prefill`, the
+    default), so its first token does not wait for the decoders' verification rows; once every
+    request decodes, drafts come back. Told not to hold, the decoders draft beside the prompt.
+    The tokens are the same either way."""
+    held = _arrival_scenario(model, hold=True)
+    eager = _arrival_scenario(model, hold=False)
+    for before, at, after, _ in (held, eager):
+        assert before[-1][0] > 0  # both decode by now, and draft
+        assert at[1] > 0  # the step carried the new prompt
+        assert any(drafts > 0 for drafts, prompt in after if prompt == 0)
+    assert held[1][0] == 0 and eager[1][0] > 0
+    assert held[3] == eager[3] and len(held[3]) == 3
+
+
+def test_a_waiting_request_that_cannot_start_keeps_no_drafts_away(model):
+    """With every running slot taken (max_num_seqs 2), the request that arrives waits: the
+    decoders keep drafting meanwhile."""
+    before, at, after, outputs = _arrival_scenario(model, hold=True, max_num_seqs=2)
+    assert at[1] == 0 and at[0] > 0  # nothing admitted, and the decoders drafted
+    assert len(outputs) == 3

@@ -77,8 +77,8 @@ class _StepPlan:
     token_budget: int
     shares: dict[Hashable, int] | None = None  # each tenant's tokens left (policy fair)
     contended: bool = False  # several tenants had work when the step began
-    # The step will carry a prompt's tokens (a running request's next chunk, or a waiting
-    # request with a free slot): decoding requests propose no drafts (`Scheduler._drafts`).
+    # The step will likely carry a prompt's tokens (`Scheduler._prefill_pending`): decoding
+    # requests propose no drafts (`Scheduler._drafts`).
     prefill_pending: bool = False
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
@@ -293,14 +293,21 @@ class Scheduler:
 
     def _prefill_pending(self) -> bool:
         """Whether this step will likely carry a prompt's tokens, where the proposer holds its
-        drafts back then (`DraftProposer.holds_for_prefill`): a running request with more than
-        its last token to compute, or a waiting request and a free running slot. The drafts'
-        verification rows would lengthen the step that the prompt's first token waits for."""
-        if self.proposer is None or not self.proposer.holds_for_prefill:
+        drafts back then (`DraftProposer.holds_for_prefill`): a running request whose prompt is
+        not all computed, or a waiting request that may be admitted now (a free running slot, a
+        free KV block, no read of the tiers below in flight: a request that cannot start keeps
+        no one's drafts away). The drafts' verification rows would lengthen the step that the
+        prompt's first token waits for."""
+        if self.proposer is None or not getattr(self.proposer, "holds_for_prefill", False):
             return False
-        if self.waiting and len(self.running) < self.config.max_num_seqs:
+        if any(r.num_computed_tokens < r.num_prompt_tokens for r in self.running):
             return True
-        return any(r.num_computed_tokens < r.num_tokens - 1 for r in self.running)
+        if not self.waiting or len(self.running) >= self.config.max_num_seqs:
+            return False
+        if self.kv_cache_manager.num_free_blocks == 0:
+            return False
+        loading = self.kv_connector.loading if self.kv_connector is not None else None
+        return any(loading is None or not loading(r) for r in self.waiting)
 
     def _drafts(self, request: Request, num_new_tokens: int, plan: _StepPlan) -> list[int]:
         """Speculative drafts for a decoding request, within the budget and its tenant's share;

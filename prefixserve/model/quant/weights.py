@@ -412,7 +412,7 @@ def pack_q4_k(weight: Int8Weight) -> tuple[torch.Tensor, torch.Tensor]:
     one sub-block."""
     if weight.super_scales is None or weight.mins is None or weight.codes.shape[1] % Q4_K_SUPER:
         raise ValueError("Q4_K packing needs super-blocks of 256 (d, dmin) and mins")
-    n, k = weight.codes.shape
+    n = weight.codes.shape[0]
     supers = weight.super_scales.view(n, -1, 2)
     sub_scales = _sub_integers(weight.scales, supers[..., 0])
     sub_mins = _sub_integers(-weight.mins, supers[..., 1])

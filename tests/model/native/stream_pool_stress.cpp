@@ -4,7 +4,7 @@
 // chunk once ran twice and a caller returned with a chunk still running.
 //
 //   stream_pool_stress jobs  every chunk of every job runs exactly once, none after run() returns
-//   stream_pool_stress throw a chunk that throws (on the caller or a helper) reaches the caller,
+//   stream_pool_stress throw chunks that throw (on the caller or a helper) reach the caller,
 //                            after every started chunk has finished; the pool keeps working
 //   stream_pool_stress wrap  jobs across the generation counter's wrap
 // Prints what went wrong and exits 1, or exits 0.
@@ -63,23 +63,32 @@ bool run_jobs(prefixserve::StreamPool& pool, int64_t jobs) {
   return true;
 }
 
-// Jobs whose chunk `bad` throws: the caller gets the exception once every started chunk is done.
+// Jobs whose chunks `bad` and `bad` + 8 throw (at times one on the caller, one on a helper):
+// the caller gets an exception once every started chunk is done, and the job after it, whose
+// chunks do not throw, gets none (no exception is left in the pool for a later job).
 bool run_throwing(prefixserve::StreamPool& pool, int64_t jobs) {
+  const std::function<void(int64_t)> clean = [](int64_t) { chunk_work(); };
   for (int64_t j = 0; j < jobs; ++j) {
-    const int64_t n = 16, bad = j % n;
+    const int64_t n = 16, bad = j % 8;
     const std::function<void(int64_t)> fn = [bad](int64_t c) {
       chunk_work();
-      if (c == bad) throw std::runtime_error("chunk failed");
+      if (c % 8 == bad) throw std::runtime_error("chunk failed");
     };
-    bool caught = false;
+    bool caught = false, after = false;
     try {
       pool.run(n, 2, fn, true);
     } catch (const std::runtime_error&) {
       caught = true;
     }
-    if (!caught || in_flight.load() != 0) {
-      std::printf("job %lld: caught %d, %lld still running at return\n",
-                  static_cast<long long>(j), caught, static_cast<long long>(in_flight.load()));
+    const int64_t running = in_flight.load();
+    try {
+      pool.run(n, 2, clean, true);
+    } catch (const std::runtime_error&) {
+      after = true;
+    }
+    if (!caught || after || running != 0) {
+      std::printf("job %lld: caught %d, %lld still running at return, the next job threw %d\n",
+                  static_cast<long long>(j), caught, static_cast<long long>(running), after);
       return false;
     }
   }

@@ -19,7 +19,8 @@
 // job's function on a chunk of no job, twice and uncounted, and the caller then returned with a
 // chunk still running on its dead frame (a crash in the paged kernel, BENCHMARKS.md §52).
 // A chunk that throws ends its job early: the chunks no one started are dropped, the caller
-// waits for those running, then rethrows the first exception (a helper's included). When the
+// waits for those running, then rethrows an exception of the job's: its own, else the first
+// helper's (both are taken, so none is left for a later job). When the
 // helpers show they are not getting a core, the pool runs jobs on the caller alone for a while
 // (see kStallMicros). A process
 // forked after the helpers started has none: its caller does every chunk.
@@ -70,7 +71,7 @@ class StreamPool {
     ensure_helpers(workers - 1);
     const uint64_t gen = ((next_.load(std::memory_order_relaxed) >> 32) + 1) & kGenMask;
     fn_[gen & 1].store(&fn, std::memory_order_relaxed);
-    num_chunks_[gen & 1].store(num_chunks, std::memory_order_relaxed);
+    num_chunks_[gen & 1].store(num_chunks, std::memory_order_release);
     max_helpers_.store(workers - 1, std::memory_order_relaxed);
     done_.store(0, std::memory_order_relaxed);
     next_.store(gen << 32, std::memory_order_seq_cst);  // publishes the fields above
@@ -96,8 +97,11 @@ class StreamPool {
                 std::chrono::microseconds(kStallMicros);
     }
     if (!compute_bound) note_job(num_chunks, num_chunks - mine, stalled);
-    if (!error) error = take_helper_error();
+    // A helper's exception is taken whether or not the caller's own chunk threw (left in the
+    // pool, a later job would throw it); the caller's is thrown first.
+    const std::exception_ptr helper_error = take_helper_error();
     if (error) std::rethrow_exception(error);
+    if (helper_error) std::rethrow_exception(helper_error);
   }
 
   // Asks the helpers to bring [p, p + bytes) toward their caches while they wait for the next
@@ -172,8 +176,10 @@ class StreamPool {
 #ifdef PREFIXSERVE_STREAM_POOL_CLAIM_DELAY
     PREFIXSERVE_STREAM_POOL_CLAIM_DELAY();  // tests widen the window between the two loads
 #endif
+    // (acquire: the count of the job two generations on was written after the job between was
+    // published, so a claim that read it sees the word changed and its exchange fails)
     while ((v >> 32) == gen && static_cast<int64_t>(v & 0xffffffffu) <
-                                   num_chunks_[gen & 1].load(std::memory_order_relaxed)) {
+                                   num_chunks_[gen & 1].load(std::memory_order_acquire)) {
       if (next_.compare_exchange_weak(v, v + 1, std::memory_order_acq_rel)) {
         return static_cast<int64_t>(v & 0xffffffffu);
       }

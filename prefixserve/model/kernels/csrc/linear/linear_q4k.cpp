@@ -110,7 +110,7 @@ struct Q4KTiles {
       // 15 x 127: a 16-bit word); the two loads' lanes packed into words (VPACKSSDW, exact) and
       // those times their sub-scales into the pair's sums (VPDPWSSD). Five multiplies for 256
       // columns, on the one port Zen 4 multiplies on, where packing each load's nibbles apart
-      // (two sub-blocks a lane pair) took six and twice the packs (BENCHMARKS.md §46, §52).
+      // (two sub-blocks a lane pair) took six and twice the packs (BENCHMARKS.md §46, §53).
       const __m512i zero = _mm512_setzero_si512();
       for (int i = 0; i < NW; ++i) {
         const uint8_t* row = blk + kCodeBytes * (slot + i);
