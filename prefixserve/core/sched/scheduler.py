@@ -292,15 +292,17 @@ class Scheduler:
             req_index += 1
 
     def _prefill_pending(self) -> bool:
-        """Whether this step will likely carry a prompt's tokens, where the proposer holds its
-        drafts back then (`DraftProposer.holds_for_prefill`): a running request whose prompt is
-        not all computed, or a waiting request that may be admitted now (a free running slot, a
-        free KV block, no read of the tiers below in flight: a request that cannot start keeps
-        no one's drafts away). The drafts' verification rows would lengthen the step that the
-        prompt's first token waits for."""
+        """Whether this step will likely carry a chunk of several tokens, where the proposer
+        holds its drafts back then (`DraftProposer.holds_for_prefill`): a running request with
+        more than its last token to compute (its prompt, or tokens its grammar forced), or a
+        waiting request that may be admitted now (a free running slot, a free KV block, no read
+        of the tiers below in flight: a request that cannot start keeps no one's drafts away).
+        The drafts' verification rows would lengthen the step that the chunk's next token (a
+        prompt's first) waits for; on W9, holding them for forced tokens too gave the lower
+        TTFT (BENCHMARKS.md §52)."""
         if self.proposer is None or not getattr(self.proposer, "holds_for_prefill", False):
             return False
-        if any(r.num_computed_tokens < r.num_prompt_tokens for r in self.running):
+        if any(r.num_computed_tokens < r.num_tokens - 1 for r in self.running):
             return True
         if not self.waiting or len(self.running) >= self.config.max_num_seqs:
             return False
