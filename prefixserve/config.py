@@ -277,9 +277,9 @@ class SpeculativeConfig:
     unset are 5 and 5; one unset takes the other's value.
 
     `hold_for_prefill` (prefixserve's own; vLLM drafts in every step): no drafts in a step that
-    carries a prompt's tokens (`Scheduler._prefill_pending`: a prompt not all computed, or a
-    waiting request that can start now), so a new turn's first token does not wait for the
-    verification rows of every decoding request.
+    carries a chunk of several tokens (`Scheduler._prefill_pending`: a prompt, tokens a grammar
+    forced, or a waiting request that can start now), so a new turn's first token does not wait
+    for the verification rows of every decoding request.
     """
 
     method: str = "ngram"
