@@ -327,6 +327,19 @@ def test_gemma3_sliding_window_groups_give_the_same_greedy_tokens_with_speculati
     assert spec.get_metrics()["spec_decode_num_accepted_tokens"] > 0
 
 
+def _spy_on_plans(engine) -> list:
+    """The scheduler's plans, one a step, as the engine's steps make them."""
+    planned = []
+    schedule = engine.scheduler.schedule
+
+    def spy():
+        planned.append(schedule())
+        return planned[-1]
+
+    engine.scheduler.schedule = spy
+    return planned
+
+
 def test_drafts_never_starve_the_other_decoders_of_a_tenant_or_of_the_step(model):
     """Fair shares between two tenants and a budget of 10 tokens for 5 requests: a copying
     decoder's drafts leave a token to every request after it, so a step whose running requests
@@ -337,14 +350,7 @@ def test_drafts_never_starve_the_other_decoders_of_a_tenant_or_of_the_step(model
     for i in range(4):
         engine.add_request(f"a{i}", copying_prompt(200 + i, run=10), params, tenant="A")
     engine.add_request("b0", copying_prompt(210, run=10), params, tenant="B")
-    planned = []
-    schedule = engine.scheduler.schedule
-
-    def spy():
-        planned.append(schedule())
-        return planned[-1]
-
-    engine.scheduler.schedule = spy
+    planned = _spy_on_plans(engine)
     checked = 0
     while engine.has_unfinished_requests():
         running = engine.scheduler.running
@@ -358,19 +364,6 @@ def test_drafts_never_starve_the_other_decoders_of_a_tenant_or_of_the_step(model
             checked += 1
     engine.check_no_leaks()
     assert checked > 0 and engine.get_metrics()["spec_decode_num_accepted_tokens"] > 0
-
-
-def _spy_on_plans(engine) -> list:
-    """The scheduler's plans, one a step, as the engine's steps make them."""
-    planned = []
-    schedule = engine.scheduler.schedule
-
-    def spy():
-        planned.append(schedule())
-        return planned[-1]
-
-    engine.scheduler.schedule = spy
-    return planned
 
 
 def _steps(engine, planned: list, steps: int, finished: dict) -> list[tuple[int, int]]:
