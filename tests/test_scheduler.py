@@ -411,3 +411,50 @@ def test_stop_token_ids_are_a_set_built_once_per_request():
     request = Request("r", [1, 2, 3], SamplingParams(stop_token_ids=[9, 5, 9]))
     assert request.stop_token_ids == frozenset({5, 9})
     assert Request("s", [1], SamplingParams()).stop_token_ids == frozenset()
+
+
+# ----------------------------------------------------------------------------- drafts held back
+
+
+def _with_proposer(sched: Scheduler, hold: bool = True) -> Scheduler:
+    """`sched` given an n-gram proposer (the predicate below is read, no step is drafted)."""
+    from prefixserve.config import SpeculativeConfig
+    from prefixserve.spec_decode.ngram import NgramProposer
+
+    config = SpeculativeConfig(num_speculative_tokens=2, hold_for_prefill=hold)
+    sched.proposer = NgramProposer(config)
+    return sched
+
+
+def test_drafts_are_held_while_a_running_prompt_has_chunks_left():
+    sched, runner = make_scheduler(max_num_batched_tokens=8)
+    sched.add_request(make_request("a", PROMPT))  # 20 tokens: chunks of 8
+    step(sched, runner)
+    assert _with_proposer(sched)._prefill_pending()
+    assert not _with_proposer(sched, hold=False)._prefill_pending()
+    sched.proposer = None
+    step(sched, runner)
+    step(sched, runner)  # the prompt is computed: it decodes
+    assert not _with_proposer(sched)._prefill_pending()
+
+
+def _three_decoding_and_one_waiting(**config) -> Scheduler:
+    """Three 8-token prompts (2 blocks each) computed and decoding, then a request waiting."""
+    sched, runner = make_scheduler(**config)
+    for name in "abc":
+        sched.add_request(make_request(name, [20 + ord(name) + j for j in range(8)]))
+    step(sched, runner)
+    assert all(r.num_computed_tokens == r.num_tokens - 1 for r in sched.running)
+    sched.add_request(make_request("late", [90, 91, 92]))
+    return _with_proposer(sched)
+
+
+def test_a_waiting_request_holds_drafts_only_when_it_can_start():
+    """All decoding: a waiting request holds the drafts back while a running slot and a KV
+    block are free for it; not when no block is free or every slot is taken (it cannot
+    start)."""
+    assert _three_decoding_and_one_waiting(num_blocks=8)._prefill_pending()
+    no_block = _three_decoding_and_one_waiting(num_blocks=6)
+    assert no_block.kv_cache_manager.num_free_blocks == 0
+    assert not no_block._prefill_pending()
+    assert not _three_decoding_and_one_waiting(max_num_seqs=3)._prefill_pending()

@@ -52,4 +52,6 @@ def test_a_chunk_that_throws_reaches_the_caller_after_every_started_chunk_finish
 
 
 def test_jobs_run_whole_across_the_generation_counters_wrap(stress: Path):
+    """A guard of the 32-bit mask, not a failure seen: the pool before passed it too (the job
+    whose generation shifted out of the word was run whole by its helpers)."""
     _run(stress, "wrap")

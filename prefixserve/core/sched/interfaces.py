@@ -67,7 +67,7 @@ class TierConnector(Protocol):
 class DraftProposer(Protocol):
     """Speculative drafts for decoding requests, as the scheduler plans them."""
 
-    # No drafts in a step that carries a prompt's tokens (`Scheduler._prefill_pending`).
+    # No drafts in a step that carries a chunk of several tokens (`Scheduler._prefill_pending`).
     holds_for_prefill: bool
 
     def start_step(self, running: Sequence[Request]) -> None:

@@ -77,8 +77,8 @@ class _StepPlan:
     token_budget: int
     shares: dict[Hashable, int] | None = None  # each tenant's tokens left (policy fair)
     contended: bool = False  # several tenants had work when the step began
-    # The step will likely carry a prompt's tokens (`Scheduler._prefill_pending`): decoding
-    # requests propose no drafts (`Scheduler._drafts`).
+    # The step will likely carry a chunk of several tokens (`Scheduler._prefill_pending`):
+    # decoding requests propose no drafts (`Scheduler._drafts`).
     prefill_pending: bool = False
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
@@ -300,7 +300,7 @@ class Scheduler:
         The drafts' verification rows would lengthen the step that the chunk's next token (a
         prompt's first) waits for; on W9, holding them for forced tokens too gave the lower
         TTFT (BENCHMARKS.md §52)."""
-        if self.proposer is None or not getattr(self.proposer, "holds_for_prefill", False):
+        if self.proposer is None or not self.proposer.holds_for_prefill:
             return False
         if any(r.num_computed_tokens < r.num_tokens - 1 for r in self.running):
             return True
@@ -313,7 +313,7 @@ class Scheduler:
 
     def _drafts(self, request: Request, num_new_tokens: int, plan: _StepPlan) -> list[int]:
         """Speculative drafts for a decoding request, within the budget and its tenant's share;
-        none in a step that carries a prompt's tokens (`_prefill_pending`)."""
+        none in a step that carries a chunk of several tokens (`_prefill_pending`)."""
         if self.proposer is None or num_new_tokens != 1 or plan.prefill_pending:
             return []
         share = None if plan.shares is None else plan.shares[request.tenant]

@@ -43,8 +43,8 @@ constexpr int64_t kScalesAt = kHighAt + 64 * kGroupRows;    // and sub-scales, 1
 constexpr int64_t kPrefetchAhead = 6;  // super-blocks a decode's stream is prefetched ahead
 
 // The 16-column sub-block of lane l (four positions) of the vector of positions 128p + 64h ..
-// + 63: columns 128p + 8l + 4h .. + 3 (`x_column`), so 8p + l / 2 whatever h.
-constexpr int lane_sub_block(int p, int h, int l) { return (void)h, 8 * p + l / 2; }
+// + 63, of either nibble h: columns 128p + 8l + 4h .. + 3 (`x_column`), so 8p + l / 2.
+constexpr int lane_sub_block(int p, int l) { return 8 * p + l / 2; }
 
 struct Q6KTiles {
 #if defined(PREFIXSERVE_KQUANT_VNNI)
@@ -67,7 +67,7 @@ struct Q6KTiles {
     for (int p = 0; p < 2; ++p) {
       alignas(64) int32_t idx[16];
       for (int l = 0; l < 16; ++l)
-        idx[l] = lane_sub_block(p, (l % 4) / 2, 4 * (l / 4) + 2 * (l % 2));
+        idx[l] = lane_sub_block(p, 4 * (l / 4) + 2 * (l % 2));
       lanes[p] = _mm512_load_si512(idx);
     }
     const __m512i lane_d = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
@@ -174,10 +174,10 @@ struct Q6KTiles {
           for (int h = 0; h < 2; ++h) {
             // Lane l of this half is the VNNI vector's lane 8s + l.
             const __m256i idx = _mm256_setr_epi32(
-                lane_sub_block(p, h, 8 * s) - 8 * p, lane_sub_block(p, h, 8 * s + 1) - 8 * p,
-                lane_sub_block(p, h, 8 * s + 2) - 8 * p, lane_sub_block(p, h, 8 * s + 3) - 8 * p,
-                lane_sub_block(p, h, 8 * s + 4) - 8 * p, lane_sub_block(p, h, 8 * s + 5) - 8 * p,
-                lane_sub_block(p, h, 8 * s + 6) - 8 * p, lane_sub_block(p, h, 8 * s + 7) - 8 * p);
+                lane_sub_block(p, 8 * s) - 8 * p, lane_sub_block(p, 8 * s + 1) - 8 * p,
+                lane_sub_block(p, 8 * s + 2) - 8 * p, lane_sub_block(p, 8 * s + 3) - 8 * p,
+                lane_sub_block(p, 8 * s + 4) - 8 * p, lane_sub_block(p, 8 * s + 5) - 8 * p,
+                lane_sub_block(p, 8 * s + 6) - 8 * p, lane_sub_block(p, 8 * s + 7) - 8 * p);
             __m256i w[NW], sc[NW];
             for (int i = 0; i < NW; ++i) {
               const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
@@ -246,7 +246,7 @@ struct Q6KTiles {
     // Lanes 0-1 take sub-block k, 2-3 k + 1, 4-5 k + 2, 6-7 k + 3 (the VNNI vector's lanes
     // 8 s .. 8 s + 7: `lane_sub_block`), as 16-bit words (four a sub-block).
     constexpr int k = 8 * p + 4 * s;
-    static_assert(lane_sub_block(p, h, 8 * s) == k && lane_sub_block(p, h, 8 * s + 7) == k + 3,
+    static_assert(lane_sub_block(p, 8 * s) == k && lane_sub_block(p, 8 * s + 7) == k + 3,
                   "a step's lanes take four sub-blocks");
     const __m128i sub =
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kScalesAt + 16 * slot));
